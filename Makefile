@@ -1,0 +1,31 @@
+# One command each: `make demo` (set up + run the main job), `make test` (set up + run the tests).
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: setup demo test bench clean
+
+setup: $(STAMP)
+
+# torch is pinned here (not in the package metadata) so pip takes the CPU wheel on disk instead of
+# pulling a multi-GB CUDA build; on a GPU machine install your own torch first and run `pip install -e .`.
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/turbogrpo demo
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+bench: $(STAMP)
+	$(PY) bench/prefix.py
+	$(PY) bench/rollout.py
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

@@ -1,0 +1,115 @@
+"""Shared benchmark harness: interleaved medians, machine description, readable table + JSON.
+
+Every benchmark runs the baseline and ours in the same process, alternating them run by run so
+that machine noise hits both alike, and reports medians and ratios rather than single timings.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+def machine_info() -> dict:
+    """What ran the benchmark: CPU, cores, torch build and threads, accelerator if any."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    info = {
+        "cpu": cpu,
+        "num_cores": os.cpu_count(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "python": platform.python_version(),
+        "device": "cpu",
+    }
+    if torch.cuda.is_available():
+        info["device"] = torch.cuda.get_device_name()
+    return info
+
+
+def interleaved_medians(fns: dict[str, Callable[[], object]], *, repeats: int = 5,
+                        warmup: int = 1) -> dict[str, dict]:
+    """Time each callable ``repeats`` times after ``warmup`` runs, alternating between them.
+
+    Returns ``{name: {"median_s", "min_s", "times_s"}}``.
+    """
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            fn()
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            times[name].append(time.perf_counter() - start)
+    return {name: {"median_s": statistics.median(ts), "min_s": min(ts), "times_s": ts}
+            for name, ts in times.items()}
+
+
+def peak_rss_delta_mb(argv: list[str]) -> float:
+    """Run ``argv`` (a Python child that prints one line ``PEAK_MB <x>``) and return x.
+
+    Peak memory is measured in a fresh process per variant: on CPU there is no allocator counter
+    that can be reset between variants in one process.
+    """
+    out = subprocess.run([sys.executable, *argv], check=True, capture_output=True, text=True).stdout
+    for line in out.splitlines():
+        if line.startswith("PEAK_MB "):
+            return float(line.split()[1])
+    raise RuntimeError(f"memory probe printed no PEAK_MB line:\n{out}")
+
+
+def current_peak_rss_mb() -> float:
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def print_table(title: str, columns: list[str], rows: list[list]) -> str:
+    """Print and return a fixed-width table."""
+    cells = [[str(c) for c in columns]] + [[_fmt(v) for v in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(columns))]
+    lines = [title, "  ".join(c.rjust(w) for c, w in zip(cells[0], widths)),
+             "  ".join("-" * w for w in widths)]
+    lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in cells[1:]]
+    text = "\n".join(lines)
+    print(text, flush=True)
+    return text
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.3g}" if abs(v) < 100 else f"{v:.0f}"
+    return str(v)
+
+
+def write_results(name: str, payload: dict) -> Path:
+    """Write ``bench/results/<name>.json`` with the machine description added."""
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    path = RESULTS_DIR / f"{name}.json"
+    payload = {"benchmark": name, "machine": machine_info(),
+               "date": time.strftime("%Y-%m-%d %H:%M:%S"), **payload}
+    path.write_text(json.dumps(payload, indent=2))
+    print(f"wrote {path}")
+    return path

@@ -1,0 +1,134 @@
+"""Run an unmodified Hugging Face decoder with turbogrpo's attention.
+
+transformers looks attention up by name in ``AttentionInterface``. We register one name,
+``"turbogrpo"``, whose function does one of two things:
+
+* a call that carries an *attention plan* (keyword ``turbogrpo_plan``) hands q/k/v to the plan:
+  the shared-prefix training forward, the rollout engine's KV cache and tree verification are
+  all plans;
+* any other call (``model.generate``, a plain ``model(ids)``) goes to SDPA, so installing the
+  hook changes nothing for other users of the model.
+
+A plan is any callable ``plan(module, query, key, value, *, scaling, sliding_window) -> out``
+with query ``[B, H, T, D]``, key/value ``[B, Hkv, T, D]`` (RoPE already applied) and
+out ``[B, T, H, D]``. Models know nothing of plans; plans know nothing of GRPO.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+from torch import nn
+from transformers import AttentionInterface, AttentionMaskInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import sdpa_mask
+
+ATTENTION_NAME = "turbogrpo"
+PLAN_KWARG = "turbogrpo_plan"
+
+# Token mixers that are not softmax attention over the whole context: sharing a prefix's K/V (or a
+# KV cache laid out by us) would give wrong answers, so these models are refused up front.
+NON_ATTENTION_MODEL_TYPES = frozenset({
+    "mamba", "mamba2", "falcon_mamba", "rwkv", "jamba", "zamba", "zamba2", "bamba", "falcon_h1",
+    "lfm2", "qwen3_next", "recurrent_gemma", "granitemoehybrid", "nemotron_h", "minimax", "plamo2",
+    "xlstm", "gemma3n", "kimi_linear",
+})
+SUPPORTED_LAYER_TYPES = frozenset({"full_attention", "sliding_attention"})
+
+
+class AttentionPlan(Protocol):
+    def __call__(self, module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 *, scaling: float, sliding_window: int | None) -> torch.Tensor: ...
+
+
+def _turbogrpo_attention(module, query, key, value, attention_mask, **kwargs):
+    plan = kwargs.pop(PLAN_KWARG, None)
+    if plan is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    for unsupported in ("softcap", "s_aux", "sinks"):
+        if kwargs.get(unsupported) is not None:
+            raise ValueError(
+                f"{type(module).__name__} passes `{unsupported}` to its attention; turbogrpo's attention "
+                "plans implement plain softmax attention only. Use a model without attention "
+                f"{unsupported} (Qwen2/Qwen3/Llama/Mistral work).")
+    scaling = kwargs.get("scaling")
+    if scaling is None:
+        scaling = query.shape[-1] ** -0.5
+    out = plan(module, query, key, value, scaling=scaling, sliding_window=kwargs.get("sliding_window"))
+    return out, None
+
+
+AttentionInterface.register(ATTENTION_NAME, _turbogrpo_attention)
+# Masks for the SDPA fallback path are built exactly as for "sdpa"; plan calls skip mask building
+# by passing a prebuilt placeholder (see `run_decoder`).
+AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
+
+
+def check_supported(model: nn.Module) -> None:
+    """Raise ValueError if ``model``'s token mixing is not plain (full-context) softmax attention."""
+    config = model.config
+    model_type = getattr(config, "model_type", type(model).__name__)
+    if model_type in NON_ATTENTION_MODEL_TYPES:
+        raise ValueError(
+            f"model type '{model_type}' mixes tokens with recurrent/convolutional/linear-attention layers; "
+            "its prompt state cannot be shared across completions. Use share_prefix=False with HF "
+            "generate, or a pure-attention model (Qwen2, Qwen3, Llama, Mistral).")
+    layer_types = set(getattr(config, "layer_types", None) or ())
+    if not layer_types <= SUPPORTED_LAYER_TYPES:
+        raise ValueError(
+            f"model type '{model_type}' has layer types {sorted(layer_types - SUPPORTED_LAYER_TYPES)}, "
+            f"which turbogrpo cannot run; supported layer types are {sorted(SUPPORTED_LAYER_TYPES)}.")
+
+
+def install(model: nn.Module) -> None:
+    """Make ``model`` dispatch attention through turbogrpo (idempotent, SDPA-equivalent otherwise)."""
+    check_supported(model)
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if base.config._attn_implementation != ATTENTION_NAME:
+        base.set_attn_implementation(ATTENTION_NAME)
+
+
+class _CountingPlan:
+    """Wraps a plan to count calls, so a model whose layers bypass the attention interface is caught."""
+
+    def __init__(self, plan: Callable):
+        self.plan = plan
+        self.num_calls = 0
+
+    def __call__(self, module, query, key, value, **kwargs):
+        self.num_calls += 1
+        return self.plan(module, query, key, value, **kwargs)
+
+
+def decoder_of(model: nn.Module) -> nn.Module:
+    """The transformer body (embeddings, layers, final norm) of a causal LM, through PEFT wrappers."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return base.get_decoder()
+
+
+def lm_head_of(model: nn.Module) -> nn.Module:
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return base.get_output_embeddings()
+
+
+def run_decoder(model: nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                plan: Callable) -> torch.Tensor:
+    """Final hidden states ``[B, T, hidden]`` of ``model`` for ``input_ids``/``position_ids`` ``[B, T]``,
+    with every attention layer computed by ``plan``.
+    """
+    install(model)
+    decoder = decoder_of(model)
+    counting = _CountingPlan(plan)
+    # A 4-D mask is taken as prebuilt by transformers, so no [T, T] mask is made for plan calls.
+    placeholder_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=input_ids.device)
+    out = decoder(input_ids=input_ids, position_ids=position_ids, attention_mask=placeholder_mask,
+                  use_cache=False, **{PLAN_KWARG: counting})
+    num_layers = model.config.num_hidden_layers
+    if counting.num_calls < num_layers:
+        raise ValueError(
+            f"model type '{model.config.model_type}' ran attention through turbogrpo in only "
+            f"{counting.num_calls} of its {num_layers} layers; its other layers mix tokens some other way, "
+            "so turbogrpo cannot run it exactly.")
+    return out.last_hidden_state
