@@ -1,0 +1,15 @@
+"""Advantages and the GRPO policy-loss family."""
+
+from turbogrpo.algo.advantages import REWARD_SCALES, group_advantages
+from turbogrpo.algo.losses import LOSSES, LossNormalizer, LossSettings, PolicyLoss, get_loss, k3_kl
+
+__all__ = [
+    "LOSSES",
+    "REWARD_SCALES",
+    "LossNormalizer",
+    "LossSettings",
+    "PolicyLoss",
+    "get_loss",
+    "group_advantages",
+    "k3_kl",
+]

@@ -1,0 +1,245 @@
+"""The GRPO policy-loss family: grpo, dr_grpo, dapo, bnpo, gspo.
+
+Every variant is the same clipped surrogate plus an optional k3 KL penalty to a reference policy:
+
+    r = exp(logp - logp_old)                        per token, or per sequence for gspo
+    policy = -min(r * A, clip(r, 1 - eps_low, 1 + eps_high) * A)
+    kl = exp(ref - logp) - (ref - logp) - 1         per token (k3: unbiased, always >= 0)
+    loss = reduce(policy + beta * kl)
+
+The variants differ only in two small units, paired by name in LOSSES: the importance ratio's level
+(token or sequence) and the reduction (what the summed token losses are divided by).
+
+Micro-batching: a trainer that splits a step's batch into micro-batches passes the SAME LossNormalizer
+(totals of the whole step batch) to every micro-batch. Every reduction is then a sum of per-sequence terms
+over fixed denominators, so the micro-batch losses, their gradients and their metrics add up exactly to
+those of the whole batch in one piece, however the batch is split.
+
+Shape legend: B sequences in the micro-batch, L padded completion length (completion tokens only).
+"""
+
+import dataclasses
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+
+@dataclasses.dataclass(frozen=True)
+class LossSettings:
+    """Knobs shared by every policy loss (TRL's names and defaults)."""
+
+    epsilon_low: float = 0.2
+    """The ratio may fall to 1 - epsilon_low before a negative-advantage token stops pushing it down."""
+    epsilon_high: float = 0.2
+    """The ratio may rise to 1 + epsilon_high; DAPO's clip-higher sets it above epsilon_low (e.g. 0.28)."""
+    beta: float = 0.0
+    """Weight of the k3 KL penalty to the reference policy; 0 drops the term, so no reference model is needed."""
+
+    def __post_init__(self):
+        if not 0.0 <= self.epsilon_low < 1.0:
+            raise ValueError(f"epsilon_low must be in [0, 1), got {self.epsilon_low}")
+        if self.epsilon_high < 0.0:
+            raise ValueError(f"epsilon_high must be >= 0, got {self.epsilon_high}")
+        if self.beta < 0.0:
+            raise ValueError(f"beta must be >= 0, got {self.beta}")
+
+
+@dataclasses.dataclass(frozen=True)
+class LossNormalizer:
+    """Totals over the whole step batch, which fix every reduction's denominator.
+
+    The step batch is every sequence whose loss one optimizer step sums (on this process), across all its
+    micro-batches. Counts may be 0-dim tensors, so building them from a mask needs no host sync.
+    Under DDP (which averages gradients over processes) use per-process totals, except
+    `generation_tokens_per_step`, which is global (see there): this reproduces TRL's multi-GPU losses.
+    """
+
+    num_sequences: Tensor | float
+    """Sequences in the step batch (grpo, gspo, dr_grpo)."""
+    num_tokens: Tensor | float
+    """Completion tokens (ones of the mask) in the step batch (bnpo)."""
+    max_completion_length: int
+    """The configured generation limit, not the batch's longest completion (dr_grpo's constant)."""
+    generation_tokens_per_step: Tensor | float
+    """Completion tokens of the whole generation batch over all processes, divided by (processes x optimizer
+    steps the generation batch feeds per pass) (dapo). Equals num_tokens on one process with one optimizer
+    step per rollout."""
+
+    @classmethod
+    def for_batch(cls, mask: Tensor, max_completion_length: int) -> "LossNormalizer":
+        """Totals of `mask` [B, L] (1 on completion tokens): the whole step batch, which is also the whole
+        generation batch (one process, one optimizer step per rollout pass)."""
+        num_tokens = mask.sum(dtype=torch.float32)
+        return cls(mask.shape[0], num_tokens, max_completion_length, num_tokens)
+
+
+def _at_least_one(count: Tensor | float) -> Tensor | float:
+    """An empty batch (all completions masked out) then gives loss 0 rather than 0 / 0."""
+    return count.clamp(min=1) if isinstance(count, Tensor) else max(count, 1)
+
+
+def step_token_mean(values_BL: Tensor, mask_BL: Tensor, norm: LossNormalizer) -> Tensor:
+    """This micro-batch's share of the mean of `values` over the step batch's completion tokens."""
+    return (values_BL * mask_BL).sum() / _at_least_one(norm.num_tokens)
+
+
+# ---- importance-ratio levels ---------------------------------------------------------------------------
+
+
+class RatioLevel(Protocol):
+    def log_weights(self, log_ratio_BL: Tensor, mask_BL: Tensor) -> Tensor:
+        """Log importance weights: [B, L] per token, or [B, 1] per sequence."""
+
+    def share(self, flags: Tensor, mask_BL: Tensor, norm: LossNormalizer) -> Tensor:
+        """Fraction of the step batch's units (tokens or sequences) where bool `flags` (shaped like the
+        weights) holds; additive over micro-batches."""
+
+
+class TokenLevel:
+    """One ratio per token (PPO, GRPO)."""
+
+    def log_weights(self, log_ratio_BL: Tensor, mask_BL: Tensor) -> Tensor:
+        return log_ratio_BL
+
+    def share(self, flags: Tensor, mask_BL: Tensor, norm: LossNormalizer) -> Tensor:
+        return step_token_mean(flags, mask_BL, norm)
+
+
+class SequenceLevel:
+    """GSPO: one ratio per sequence, the exp of its mean token log-ratio (length-normalised, so the ratio
+    stays near 1 for long sequences), applied to all of its tokens: a sequence is clipped as a whole.
+    The gradient flows through every token's log-prob, as in TRL's importance_sampling_level="sequence"."""
+
+    def log_weights(self, log_ratio_BL: Tensor, mask_BL: Tensor) -> Tensor:
+        return (log_ratio_BL * mask_BL).sum(-1, keepdim=True) / mask_BL.sum(-1, keepdim=True).clamp(min=1)
+
+    def share(self, flags: Tensor, mask_BL: Tensor, norm: LossNormalizer) -> Tensor:
+        return flags.sum() / _at_least_one(norm.num_sequences)
+
+
+# ---- reductions: summed token losses / a whole-batch denominator ----------------------------------------
+
+Reduction = Callable[[Tensor, Tensor, LossNormalizer], Tensor]
+
+
+def sequence_mean(loss_BL: Tensor, mask_BL: Tensor, norm: LossNormalizer) -> Tensor:
+    """grpo, gspo: each sequence's token mean, then the mean over sequences. A token of a short sequence
+    weighs more than one of a long sequence (the length bias Dr. GRPO and DAPO remove)."""
+    per_sequence_B = (loss_BL * mask_BL).sum(-1) / mask_BL.sum(-1).clamp(min=1)
+    return per_sequence_B.sum() / _at_least_one(norm.num_sequences)
+
+
+def over_max_length(loss_BL: Tensor, mask_BL: Tensor, norm: LossNormalizer) -> Tensor:
+    """dr_grpo: token sum / (sequences x max_completion_length), a constant, so every token weighs the same."""
+    return (loss_BL * mask_BL).sum() / (_at_least_one(norm.num_sequences) * norm.max_completion_length)
+
+
+def over_step_tokens(loss_BL: Tensor, mask_BL: Tensor, norm: LossNormalizer) -> Tensor:
+    """bnpo: token sum / completion tokens of the step batch (a token mean over the step).
+
+    TRL divides by the tokens of each micro-batch instead, so its bnpo changes with the micro-batch split;
+    ours does not (micro-batching must not change what is learned). Equal to TRL's with one micro-batch."""
+    return (loss_BL * mask_BL).sum() / _at_least_one(norm.num_tokens)
+
+
+def over_generation_tokens(loss_BL: Tensor, mask_BL: Tensor, norm: LossNormalizer) -> Tensor:
+    """dapo: token sum / completion tokens of the whole generation batch (per optimizer step): a token mean
+    over the rollout. Same value as bnpo unless a rollout feeds several optimizer steps or processes."""
+    return (loss_BL * mask_BL).sum() / _at_least_one(norm.generation_tokens_per_step)
+
+
+# ---- the loss ------------------------------------------------------------------------------------------
+
+
+def k3_kl(ref_logps_BL: Tensor, logps_BL: Tensor) -> Tensor:
+    """Per-token k3 estimate of KL(policy || reference) from samples of the policy: >= 0, unbiased."""
+    log_ratio_BL = ref_logps_BL - logps_BL
+    return log_ratio_BL.exp() - log_ratio_BL - 1
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicyLoss:
+    """A clipped-surrogate policy loss: one ratio level and one reduction."""
+
+    level: RatioLevel
+    reduce: Reduction
+
+    def __call__(
+        self,
+        logps: Tensor,
+        old_logps: Tensor | None,
+        ref_logps: Tensor | None,
+        advantages: Tensor,
+        mask: Tensor,
+        normalizer: LossNormalizer,
+        settings: LossSettings,
+    ) -> tuple[Tensor, dict[str, Tensor]]:
+        """Loss of one micro-batch, already divided by the whole step batch's denominator.
+
+        logps: [B, L] float, log-prob of each completion token under the current policy (differentiable).
+        old_logps: [B, L] under the policy that sampled the batch, or None when the batch is fresh
+            (num_iterations = 1): the ratio is then exactly 1 in value, with the gradient of logps.
+        ref_logps: [B, L] under the reference policy, or None. Needed when settings.beta > 0; when given
+            with beta = 0 the KL is still reported in the metrics but adds nothing to the loss.
+        advantages: [B], one per sequence.
+        mask: [B, L], 1 (or True) on real completion tokens, 0 on padding. Padded positions of the log-prob
+            tensors must hold finite numbers (0 is fine): they are multiplied by 0, not selected away.
+        normalizer: totals of the whole step batch (the same object for each of its micro-batches).
+        Returns (loss [], metrics): detached 0-dim tensors, each additive over micro-batches like the loss:
+            loss/policy  the reduced clipped surrogate;
+            loss/kl      the reduced KL, before beta (loss = loss/policy + beta * loss/kl), if ref_logps;
+            kl           mean k3 KL per completion token of the step batch, if ref_logps;
+            clip_ratio/low, clip_ratio/high, clip_ratio/region  share of tokens (sequences for gspo) whose
+                         ratio is clipped: below 1 - eps_low with A < 0, above 1 + eps_high with A > 0, either.
+        """
+        if logps.shape != mask.shape or advantages.shape != logps.shape[:1]:
+            raise ValueError(
+                f"expected logps and mask [B, L] and advantages [B], got logps {tuple(logps.shape)}, "
+                f"mask {tuple(mask.shape)}, advantages {tuple(advantages.shape)}"
+            )
+        if settings.beta != 0.0 and ref_logps is None:
+            raise ValueError(f"beta={settings.beta} needs ref_logps (the reference policy's log-probs)")
+        mask_BL = mask.to(logps.dtype)
+        old_logps_BL = logps.detach() if old_logps is None else old_logps
+        ratio = self.level.log_weights(logps - old_logps_BL, mask_BL).exp()  # [B, L] or [B, 1]
+        advantages_B1 = advantages.unsqueeze(-1)
+        clipped_ratio = ratio.clamp(1 - settings.epsilon_low, 1 + settings.epsilon_high)
+        policy = -torch.minimum(ratio * advantages_B1, clipped_ratio * advantages_B1)
+        loss = policy_loss = self.reduce(policy.expand_as(mask_BL), mask_BL, normalizer)
+
+        low = (ratio < 1 - settings.epsilon_low) & (advantages_B1 < 0)
+        high = (ratio > 1 + settings.epsilon_high) & (advantages_B1 > 0)
+        metrics = {
+            "loss/policy": policy_loss.detach(),
+            "clip_ratio/low": self.level.share(low, mask_BL, normalizer),
+            "clip_ratio/high": self.level.share(high, mask_BL, normalizer),
+            "clip_ratio/region": self.level.share(low | high, mask_BL, normalizer),
+        }
+        if ref_logps is not None:
+            kl_BL = k3_kl(ref_logps, logps)
+            kl_loss = self.reduce(kl_BL, mask_BL, normalizer)
+            if settings.beta != 0.0:
+                loss = loss + settings.beta * kl_loss
+            metrics["loss/kl"] = kl_loss.detach()
+            metrics["kl"] = step_token_mean(kl_BL.detach(), mask_BL, normalizer)
+        return loss, metrics
+
+
+# Every policy loss, by the name configs use (TRL's loss_type names; gspo is TRL's loss_type="grpo" with
+# importance_sampling_level="sequence").
+LOSSES: dict[str, PolicyLoss] = {
+    "grpo": PolicyLoss(TokenLevel(), sequence_mean),
+    "dr_grpo": PolicyLoss(TokenLevel(), over_max_length),
+    "dapo": PolicyLoss(TokenLevel(), over_generation_tokens),
+    "bnpo": PolicyLoss(TokenLevel(), over_step_tokens),
+    "gspo": PolicyLoss(SequenceLevel(), sequence_mean),
+}
+
+
+def get_loss(name: str) -> PolicyLoss:
+    """The policy loss called `name`; ValueError listing the allowed names otherwise."""
+    if name not in LOSSES:
+        raise ValueError(f"loss {name!r} is unknown; allowed: {sorted(LOSSES)}")
+    return LOSSES[name]
