@@ -1,0 +1,187 @@
+"""Per-token log-probs of GRPO completions, with the prompt run through the model once per group.
+
+Shape legend: Ng groups, Nc completions, Nq completion tokens, Hd hidden size, V vocabulary.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from turbogrpo.hook import decoder_of, lm_head_of, run_decoder
+from turbogrpo.prefix.backends import select_backend
+from turbogrpo.prefix.layout import PackedGroups, pack_groups
+
+# Rows of (tokens x vocab) logits materialised at once: 2**24 floats = 64 MiB per chunk.
+LOGIT_CHUNK_ELEMENTS = 2 ** 24
+
+
+@dataclass
+class CompletionLogprobs:
+    """Flat per-token results in completion order (group by group, completion by completion)."""
+
+    logps: torch.Tensor               # [Nq] log p(token) at the given temperature; differentiable
+    entropy: torch.Tensor             # [Nq] entropy of the same distribution; detached
+    hidden: torch.Tensor | None       # [Nq, Hd] final hidden state that predicts each token
+    completion_lengths: list[list[int]]
+
+    def per_completion(self, flat: torch.Tensor) -> list[list[torch.Tensor]]:
+        """Split a ``[Nq, ...]`` tensor into per-group lists of ``[S_gi, ...]``."""
+        pieces = torch.split(flat, [s for lengths in self.completion_lengths for s in lengths])
+        out, start = [], 0
+        for lengths in self.completion_lengths:
+            out.append(list(pieces[start:start + len(lengths)]))
+            start += len(lengths)
+        return out
+
+
+def completion_logprobs(model: nn.Module, prompts: list[torch.Tensor],
+                        completions: list[list[torch.Tensor]], *, share_prefix: bool = True,
+                        backend: str = "auto", temperature: float = 1.0, return_hidden: bool = False):
+    """Log-prob of every completion token under ``model``, per group.
+
+    Args:
+        prompts: one 1-D LongTensor ``[P_g]`` per group.
+        completions: per group, a list of 1-D LongTensors ``[S_gi]`` (the group's G completions).
+        share_prefix: run each prompt once for its whole group (True) or once per completion, the
+            standard way (False; the baseline). Both give the same values and gradients.
+        backend: attention backend for the shared layout ("auto", "cascade", "reference", "flex").
+        temperature: log-probs of ``softmax(logits / temperature)``.
+        return_hidden: also return the final hidden states ``[S_gi, Hd]`` that predict each token.
+
+    Returns:
+        per group a list of ``[S_gi]`` float tensors (differentiable); with ``return_hidden``, the
+        pair ``(logps, hidden)`` of such nested lists.
+    """
+    result = compute_logprobs(model, prompts, completions, share_prefix=share_prefix, backend=backend,
+                              temperature=temperature, return_hidden=return_hidden)
+    logps = result.per_completion(result.logps)
+    if return_hidden:
+        return logps, result.per_completion(result.hidden)
+    return logps
+
+
+def compute_logprobs(model: nn.Module, prompts: list[torch.Tensor],
+                     completions: list[list[torch.Tensor]], *, share_prefix: bool = True,
+                     backend: str = "auto", temperature: float = 1.0,
+                     return_hidden: bool = False) -> CompletionLogprobs:
+    """Like :func:`completion_logprobs` but returns flat tensors plus entropy (for the trainer)."""
+    validate_inputs(model, prompts, completions, temperature)
+    if share_prefix:
+        hidden = _shared_prefix_hidden(model, prompts, completions, backend)
+    else:
+        hidden = _standard_hidden(model, prompts, completions)
+    targets = torch.cat([c for cs in completions for c in cs])
+    logps, entropy = token_logprobs(hidden, lm_head_of(model), targets, temperature)
+    return CompletionLogprobs(logps, entropy, hidden if return_hidden else None,
+                              [[int(c.numel()) for c in cs] for cs in completions])
+
+
+def _shared_prefix_hidden(model, prompts, completions, backend_name) -> torch.Tensor:
+    """``[Nq, Hd]`` predictor hidden states from one packed forward with each prompt stored once."""
+    layout: PackedGroups = pack_groups(prompts, completions)
+    backend = select_backend(backend_name, layout.device, torch.is_grad_enabled())
+    hidden = run_decoder(model, layout.input_ids[None], layout.position_ids[None], backend(layout))
+    return hidden[0, layout.predictor_index]
+
+
+def _standard_hidden(model, prompts, completions) -> torch.Tensor:
+    """The baseline: every completion with its own copy of the prompt, right-padded into a batch."""
+    sequences = [torch.cat([p, c]) for p, cs in zip(prompts, completions) for c in cs]
+    lengths = torch.tensor([s.numel() for s in sequences])
+    input_ids = nn.utils.rnn.pad_sequence(sequences, batch_first=True)
+    attention_mask = (torch.arange(input_ids.shape[1])[None, :] < lengths[:, None]).to(input_ids.device)
+    hidden = decoder_of(model)(input_ids=input_ids, attention_mask=attention_mask,
+                               use_cache=False).last_hidden_state
+    rows, cols = [], []
+    row = 0
+    for p, cs in zip(prompts, completions):
+        for c in cs:
+            cols.append(torch.arange(p.numel() - 1, p.numel() + c.numel() - 1))
+            rows.append(torch.full((c.numel(),), row))
+            row += 1
+    return hidden[torch.cat(rows).to(hidden.device), torch.cat(cols).to(hidden.device)]
+
+
+def token_logprobs(hidden: torch.Tensor, lm_head: nn.Module, targets: torch.Tensor,
+                   temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs ``[N]`` of ``targets`` and entropies ``[N]`` from hidden states ``[N, Hd]``.
+
+    The LM head runs chunk by chunk under activation checkpointing, so the ``[N, V]`` logits are
+    never all in memory, in the forward or in the backward.
+    """
+    vocab = lm_head.weight.shape[0]
+    rows = max(1, LOGIT_CHUNK_ELEMENTS // vocab)
+    logps, entropies = [], []
+    for start in range(0, hidden.shape[0], rows):
+        h, t = hidden[start:start + rows], targets[start:start + rows]
+        if torch.is_grad_enabled() and h.requires_grad:
+            lp, ent = checkpoint(_chunk_logprobs, h, t, lm_head, temperature, use_reentrant=False)
+        else:
+            lp, ent = _chunk_logprobs(h, t, lm_head, temperature)
+        logps.append(lp)
+        entropies.append(ent)
+    return torch.cat(logps), torch.cat(entropies).detach()
+
+
+def _chunk_logprobs(hidden, targets, lm_head, temperature):
+    logits = lm_head(hidden)
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature
+    logp_all = torch.log_softmax(logits, dim=-1)
+    entropy = -(logp_all.exp() * logp_all).sum(-1)
+    return logp_all.gather(-1, targets[:, None]).squeeze(-1), entropy.detach()
+
+
+def validate_inputs(model: nn.Module, prompts, completions, temperature: float) -> None:
+    """Raise ValueError naming the offending group/completion and what is allowed."""
+    if not isinstance(prompts, (list, tuple)) or len(prompts) == 0:
+        raise ValueError("prompts must be a non-empty list of 1-D LongTensors (one per group)")
+    if len(completions) != len(prompts):
+        raise ValueError(f"got {len(prompts)} prompts but completions for {len(completions)} groups; "
+                         "pass one list of completions per prompt")
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    embeddings = model.get_input_embeddings()
+    device = embeddings.weight.device
+    vocab = embeddings.num_embeddings
+    max_positions = getattr(model.config, "max_position_embeddings", None)
+
+    def check_tokens(t, what):
+        if not isinstance(t, torch.Tensor) or t.dim() != 1:
+            raise ValueError(f"{what} must be a 1-D LongTensor, got {type(t).__name__}"
+                             f"{'' if not isinstance(t, torch.Tensor) else f' of shape {tuple(t.shape)}'}")
+        if t.dtype not in (torch.int64, torch.int32):
+            raise ValueError(f"{what} has dtype {t.dtype}; token ids must be torch.long")
+        if t.device != device:
+            raise ValueError(f"{what} is on {t.device} but the model is on {device}; move it with .to()")
+        if t.numel() == 0:
+            raise ValueError(f"{what} is empty; every prompt and completion needs at least one token")
+
+    def check_range(t, what):
+        low, high = int(t.min()), int(t.max())
+        if low < 0 or high >= vocab:
+            raise ValueError(f"{what} has token id {low if low < 0 else high}, outside the model's "
+                             f"vocabulary [0, {vocab})")
+
+    for g, (prompt, group) in enumerate(zip(prompts, completions)):
+        check_tokens(prompt, f"prompt of group {g}")
+        if len(group) == 0:
+            raise ValueError(f"group {g} has no completions; each group needs at least one")
+        for i, completion in enumerate(group):
+            check_tokens(completion, f"completion {i} of group {g}")
+            total = prompt.numel() + completion.numel()
+            if max_positions is not None and total > max_positions:
+                raise ValueError(f"group {g}, completion {i}: prompt + completion is {total} tokens, beyond "
+                                 f"the model's max_position_embeddings={max_positions}")
+
+    # One host sync for the whole batch: out-of-range ids would otherwise index garbage (CPU) or
+    # trigger an asynchronous device assert (CUDA). Only on failure do we look for the culprit.
+    every_token = torch.cat([*prompts, *(c for group in completions for c in group)])
+    if int(every_token.min()) < 0 or int(every_token.max()) >= vocab:
+        for g, (prompt, group) in enumerate(zip(prompts, completions)):
+            check_range(prompt, f"prompt of group {g}")
+            for i, completion in enumerate(group):
+                check_range(completion, f"completion {i} of group {g}")
