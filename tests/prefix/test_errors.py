@@ -1,0 +1,58 @@
+"""Bad input raises a ValueError that names the group/completion and what is allowed."""
+
+import pytest
+import torch
+from transformers import MambaConfig, MambaForCausalLM
+
+import turbogrpo
+from tests.prefix.conftest import VOCAB, build_model
+
+
+@pytest.fixture(scope="module")
+def model():
+    return build_model("qwen2")
+
+
+P, C = torch.tensor([1, 2, 3]), torch.tensor([4, 5])
+
+
+@pytest.mark.parametrize("prompts, completions, message", [
+    ([], [], "non-empty list"),
+    ([torch.tensor([], dtype=torch.long)], [[C]], "prompt of group 0 is empty"),
+    ([P, P], [[C], []], "group 1 has no completions"),
+    ([P], [[C, torch.tensor([], dtype=torch.long)]], "completion 1 of group 0 is empty"),
+    ([P], [[torch.tensor([4, VOCAB])]], r"completion 0 of group 0 has token id 97, outside .*\[0, 97\)"),
+    ([torch.tensor([-1, 2])], [[C]], "prompt of group 0 has token id -1"),
+    ([P], [[torch.tensor([1.0, 2.0])]], "completion 0 of group 0 has dtype torch.float32"),
+    ([P], [[torch.zeros(260, dtype=torch.long)]], "prompt \\+ completion is 263 tokens, beyond .*=256"),
+    ([P], [[C], [C]], "2 groups"),
+])
+def test_bad_input(model, prompts, completions, message):
+    with pytest.raises(ValueError, match=message):
+        turbogrpo.completion_logprobs(model, prompts, completions)
+
+
+def test_device_mismatch_is_named(model):
+    meta = torch.tensor([1, 2], device="meta")
+    with pytest.raises(ValueError, match="prompt of group 0 is on meta but the model is on cpu"):
+        turbogrpo.completion_logprobs(model, [meta], [[C]])
+
+
+def test_unknown_backend(model):
+    with pytest.raises(ValueError, match="unknown attention backend 'fast'; choose one of"):
+        turbogrpo.completion_logprobs(model, [P], [[C]], backend="fast")
+
+
+def test_recurrent_model_is_refused():
+    model = MambaForCausalLM(MambaConfig(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=1))
+    with pytest.raises(ValueError, match="model type 'mamba'"):
+        turbogrpo.completion_logprobs(model, [P], [[C]])
+
+
+def test_sliding_window_that_changes_results_is_refused():
+    model = build_model("mistral", sliding_window=4)
+    with pytest.raises(ValueError, match="sliding window of 4 tokens"):
+        turbogrpo.completion_logprobs(model, [P], [[C]])
+    # A window longer than every sequence changes nothing and is accepted.
+    wide = build_model("mistral", sliding_window=64)
+    turbogrpo.completion_logprobs(wide, [P], [[C]])

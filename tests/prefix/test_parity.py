@@ -1,0 +1,108 @@
+"""Shared-prefix vs. standard forward: log-probs and every parameter gradient must agree."""
+
+import pytest
+import torch
+
+import turbogrpo
+from tests.prefix.conftest import PACKS, build_model, random_groups
+
+BACKENDS = ["reference", "cascade"]
+TOLERANCES = {torch.float64: dict(logp_abs=1e-9, grad_abs=1e-9), torch.float32: dict(logp_abs=1e-5, grad_rel=1e-4)}
+
+
+def logps_and_grads(model, prompts, completions, **kwargs):
+    model.zero_grad(set_to_none=True)
+    per_group = turbogrpo.completion_logprobs(model, prompts, completions, **kwargs)
+    flat = torch.cat([t for group in per_group for t in group])
+    # Uneven token weights, so a wrong routing of any single token's gradient shows up.
+    weights = torch.linspace(-1.0, 2.0, flat.numel(), dtype=flat.dtype)
+    (flat * weights).sum().backward()
+    return flat.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("pack", sorted(PACKS))
+def test_shared_prefix_matches_standard(arch, backend, dtype, pack):
+    model = build_model(arch, dtype)
+    prompts, completions = random_groups(*PACKS[pack])
+    ref_logps, ref_grads = logps_and_grads(model, prompts, completions, share_prefix=False)
+    logps, grads = logps_and_grads(model, prompts, completions, share_prefix=True, backend=backend)
+
+    tol = TOLERANCES[dtype]
+    assert logps.shape == ref_logps.shape
+    assert (logps - ref_logps).abs().max() <= tol["logp_abs"]
+    assert grads.keys() == ref_grads.keys() and len(grads) == len(list(model.parameters()))
+    for name, ref in ref_grads.items():
+        diff = (grads[name] - ref).abs().max()
+        if "grad_abs" in tol:
+            assert diff <= tol["grad_abs"], name
+        else:
+            assert diff <= tol["grad_rel"] * ref.abs().max().clamp_min(1e-6), name
+
+
+def test_temperature_and_hidden_match_standard(arch):
+    model = build_model(arch, torch.float64)
+    prompts, completions = random_groups(*PACKS["mixed"])
+    ref_logps, ref_hidden = turbogrpo.completion_logprobs(model, prompts, completions, share_prefix=False,
+                                                          temperature=0.7, return_hidden=True)
+    logps, hidden = turbogrpo.completion_logprobs(model, prompts, completions, temperature=0.7,
+                                                  return_hidden=True)
+    for g, group in enumerate(completions):
+        for i, completion in enumerate(group):
+            assert logps[g][i].shape == completion.shape
+            assert hidden[g][i].shape == (completion.numel(), model.config.hidden_size)
+            torch.testing.assert_close(logps[g][i], ref_logps[g][i], rtol=0, atol=1e-10)
+            torch.testing.assert_close(hidden[g][i], ref_hidden[g][i], rtol=0, atol=1e-10)
+
+
+def test_logprobs_equal_model_logits_by_hand():
+    """The first completion token is scored from the last prompt position, later ones from the
+    previous completion token, at the given temperature."""
+    model = build_model("qwen2", torch.float64)
+    prompt, completion = torch.tensor([3, 14, 15]), torch.tensor([92, 65])
+    logits = model(torch.cat([prompt, completion])[None]).logits[0]
+    expected = torch.log_softmax(logits / 2.0, -1)[[2, 3], [92, 65]]
+    got = turbogrpo.completion_logprobs(model, [prompt], [[completion]], temperature=2.0)[0][0]
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)
+
+
+def test_flex_backend_forward_matches_standard():
+    model = build_model("qwen2", torch.float64)
+    prompts, completions = random_groups(*PACKS["mixed"])
+    with torch.no_grad():
+        ref = turbogrpo.completion_logprobs(model, prompts, completions, share_prefix=False)
+        flex = turbogrpo.completion_logprobs(model, prompts, completions, backend="flex")
+    torch.testing.assert_close(torch.cat(sum(flex, [])), torch.cat(sum(ref, [])), rtol=0, atol=1e-10)
+
+
+def test_flex_backend_refuses_cpu_backward():
+    model = build_model("qwen2")
+    prompts, completions = random_groups(*PACKS["single"])
+    with pytest.raises(ValueError, match="no backward on CPU"):
+        turbogrpo.completion_logprobs(model, prompts, completions, backend="flex")
+
+
+def test_gradient_checkpointing(arch):
+    model = build_model(arch, torch.float64)
+    prompts, completions = random_groups(*PACKS["mixed"])
+    ref_logps, ref_grads = logps_and_grads(model, prompts, completions, share_prefix=False)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    logps, grads = logps_and_grads(model, prompts, completions, backend="cascade")
+    torch.testing.assert_close(logps, ref_logps, rtol=0, atol=1e-10)
+    for name, ref in ref_grads.items():
+        torch.testing.assert_close(grads[name], ref, rtol=0, atol=1e-10)
+
+
+def test_chunked_lm_head_matches_unchunked(monkeypatch):
+    from turbogrpo.prefix import logprobs as logprobs_module
+    model = build_model("llama", torch.float64)
+    prompts, completions = random_groups(*PACKS["mixed"])
+    ref_logps, ref_grads = logps_and_grads(model, prompts, completions)
+    # 3 rows per chunk: many chunks, a ragged last one.
+    monkeypatch.setattr(logprobs_module, "LOGIT_CHUNK_ELEMENTS", 3 * model.config.vocab_size)
+    logps, grads = logps_and_grads(model, prompts, completions)
+    torch.testing.assert_close(logps, ref_logps, rtol=0, atol=1e-12)
+    for name, ref in ref_grads.items():
+        torch.testing.assert_close(grads[name], ref, rtol=0, atol=1e-12)
