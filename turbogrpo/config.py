@@ -1,0 +1,518 @@
+"""Typed run configuration: dataclasses, loading from TOML/YAML, ``--set`` overrides, validation.
+
+A config file has one table per section below (``[model]``, ``[data]``, ``[algo]`` ...) and a list of
+``[[rewards]]``. Every key is checked before any work starts: an unknown key, a value of the wrong type
+or an impossible value raises :class:`ConfigError` (a ``ValueError``) whose message names the key and
+says what is allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import math
+import tomllib
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A bad config value; the message names the key (``section.field``) and what is allowed."""
+
+
+# ---------------------------------------------------------------------------------------------------
+# Sections. Every field carries a docstring-comment saying what it is and why it has its default.
+# ---------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ModelConfig:
+    """The policy being trained."""
+
+    path: str = "demo"
+    """Local folder or Hub name of a Hugging Face causal LM; "demo" is the shipped arithmetic model."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Parameter dtype; bfloat16 halves memory on GPU, float32 is the exact choice on CPU."""
+    device: str = "auto"
+    """"auto" (cuda when present, else cpu), "cpu", "cuda" or "cuda:N"; under torchrun each rank uses its local GPU."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in backward: less memory for long completions, about 30% more time."""
+    logprob_backend: str = "auto"
+    """Attention backend of the shared-prefix forward ("auto" picks the fastest exact one)."""
+
+    def check(self, key: str) -> None:
+        _require(self.path != "", f"{key}.path", "a model folder, a Hub name or \"demo\"", self.path)
+        _require(self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda"),
+                 f"{key}.device", "\"auto\", \"cpu\", \"cuda\" or \"cuda:N\"", self.device)
+
+
+@dataclass
+class LoraConfig:
+    """Low-rank adapters through peft: only the adapters train, the base weights stay frozen."""
+
+    enabled: bool = False
+    """Off by default: the demo model is small enough to train in full."""
+    r: int = 16
+    """Adapter rank."""
+    alpha: int = 32
+    """Scale numerator (the adapter output is scaled by alpha / r); 2 r is the common choice."""
+    dropout: float = 0.0
+    """0 keeps the update deterministic (and exactly resumable)."""
+    target_modules: list[str] = field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    """Module names that get adapters; all linear layers of Qwen2/Llama-style blocks by default."""
+
+    def check(self, key: str) -> None:
+        _require(self.r >= 1, f"{key}.r", "an integer >= 1", self.r)
+        _require(self.alpha >= 1, f"{key}.alpha", "an integer >= 1", self.alpha)
+        _require(0.0 <= self.dropout < 1.0, f"{key}.dropout", "a number in [0, 1)", self.dropout)
+        _require(len(self.target_modules) > 0, f"{key}.target_modules", "a non-empty list of module names",
+                 self.target_modules)
+
+
+@dataclass
+class DataConfig:
+    """Where prompts come from."""
+
+    source: str = "arithmetic"
+    """"arithmetic" (the built-in task) or a path to a .jsonl / .parquet file or a saved `datasets` folder."""
+    prompt_column: str = "prompt"
+    """Column holding the prompt text (or a list of chat messages)."""
+    split: str = "train"
+    """Split to read from a saved DatasetDict folder."""
+    chat_template: bool = True
+    """Format prompts with the tokenizer's chat template when it has one."""
+    max_prompt_tokens: int = 1024
+    """Prompts longer than this are skipped and counted (or rejected, see `on_overlong`)."""
+    on_overlong: Literal["skip", "error"] = "skip"
+    """What to do with a prompt over `max_prompt_tokens`."""
+    shuffle: bool = True
+    """Shuffle prompts each epoch (seeded by train.seed, so runs stay reproducible)."""
+    num_eval_problems: int = 200
+    """Held-out problems for `turbogrpo eval` and the demo's before/after accuracy."""
+
+    def check(self, key: str) -> None:
+        _require(self.source != "", f"{key}.source", "\"arithmetic\" or a path to jsonl/parquet/dataset folder",
+                 self.source)
+        _require(self.max_prompt_tokens >= 1, f"{key}.max_prompt_tokens", "an integer >= 1", self.max_prompt_tokens)
+        _require(self.num_eval_problems >= 1, f"{key}.num_eval_problems", "an integer >= 1",
+                 self.num_eval_problems)
+
+
+@dataclass
+class RewardConfig:
+    """One reward function and its weight; the step's reward is the weighted sum."""
+
+    function: str = "accuracy"
+    """A built-in name (see `turbogrpo.rewards`) or an import path "package.module:function"."""
+    weight: float = 1.0
+    """Weight in the sum of rewards."""
+    fallback: float = 0.0
+    """Reward given to an item whose function raised or returned None/NaN (counted and logged)."""
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    """Extra keyword arguments bound to the function (e.g. a length target)."""
+
+    def check(self, key: str) -> None:
+        _require(self.function != "", f"{key}.function", "a built-in reward name or \"module:function\"",
+                 self.function)
+        _require(math.isfinite(self.weight), f"{key}.weight", "a finite number", self.weight)
+        _require(math.isfinite(self.fallback), f"{key}.fallback", "a finite number", self.fallback)
+
+
+@dataclass
+class RolloutConfig:
+    """How completions are sampled."""
+
+    num_generations: int = 8
+    """G: completions per prompt; advantages are relative within these G."""
+    max_new_tokens: int = 256
+    """Completion length cap; longer answers finish with reason "length"."""
+    temperature: float = 1.0
+    """Sampling temperature; log-probs in the loss use the same temperature, as in TRL."""
+    top_p: float = 1.0
+    """Nucleus sampling mass; 1 keeps the full distribution (what the loss assumes)."""
+    top_k: int = 0
+    """Keep the k most likely tokens; 0 disables."""
+    stop_strings: list[str] = field(default_factory=list)
+    """Extra stop strings; the tokenizer's end-of-sequence token always stops."""
+
+    def check(self, key: str) -> None:
+        _require(self.num_generations >= 2, f"{key}.num_generations",
+                 "an integer >= 2 (group-relative advantages need at least two completions per prompt)",
+                 self.num_generations)
+        _require(self.max_new_tokens >= 1, f"{key}.max_new_tokens", "an integer >= 1", self.max_new_tokens)
+        _require(self.temperature > 0, f"{key}.temperature",
+                 "a number > 0 (training samples; greedy decoding would give G identical completions)",
+                 self.temperature)
+        _require(0.0 < self.top_p <= 1.0, f"{key}.top_p", "a number in (0, 1]", self.top_p)
+        _require(self.top_k >= 0, f"{key}.top_k", "an integer >= 0 (0 disables)", self.top_k)
+
+
+@dataclass
+class AlgoConfig:
+    """The GRPO objective."""
+
+    loss: str = "dapo"
+    """Loss variant: grpo, dr_grpo, dapo (TRL's default), bnpo or gspo (sequence-level ratio)."""
+    beta: float = 0.0
+    """k3 KL coefficient to the reference model; 0 (TRL's default) builds no reference model at all."""
+    epsilon_low: float = 0.2
+    """Lower clip: ratios below 1 - epsilon_low stop pushing down."""
+    epsilon_high: float = 0.28
+    """Upper clip (clip-higher, DAPO's 0.28): more room for raising unlikely good tokens."""
+    scale_rewards: Literal["group", "batch", "none"] = "group"
+    """Divide advantages by the reward std of the group, of the whole batch, or not at all (Dr. GRPO)."""
+    num_iterations: int = 1
+    """Policy updates per rollout; > 1 computes old-policy log-probs before the first update."""
+
+    def check(self, key: str) -> None:
+        from turbogrpo.algo import LOSSES  # the loss registry is the one source of allowed names
+        _require(self.loss in LOSSES, f"{key}.loss", f"one of {', '.join(sorted(LOSSES))}", self.loss)
+        _require(self.beta >= 0, f"{key}.beta", "a number >= 0", self.beta)
+        _require(0.0 <= self.epsilon_low < 1.0, f"{key}.epsilon_low", "a number in [0, 1)", self.epsilon_low)
+        _require(self.epsilon_high >= 0, f"{key}.epsilon_high", "a number >= 0", self.epsilon_high)
+        _require(self.num_iterations >= 1, f"{key}.num_iterations", "an integer >= 1", self.num_iterations)
+
+
+@dataclass
+class OptimConfig:
+    """AdamW with linear warm-up then cosine (or constant) decay, and grad-norm clipping."""
+
+    lr: float = 1e-6
+    """Peak learning rate (TRL's default; small models tolerate far more, see configs/demo.toml)."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay."""
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.99])
+    """Adam betas; 0.99 (not 0.999) reacts faster to the shifting RL gradient."""
+    eps: float = 1e-8
+    """Adam epsilon."""
+    warmup_steps: int = 0
+    """Optimizer steps of linear warm-up from 0 to `lr`."""
+    schedule: Literal["cosine", "constant", "linear"] = "constant"
+    """Decay after warm-up, down to `min_lr_ratio * lr` at the last step."""
+    min_lr_ratio: float = 0.0
+    """Final learning rate as a fraction of `lr` (cosine/linear)."""
+    max_grad_norm: float = 1.0
+    """Clip the global gradient norm to this; 0 disables clipping (the norm is still logged)."""
+
+    def check(self, key: str) -> None:
+        _require(self.lr > 0, f"{key}.lr", "a number > 0", self.lr)
+        _require(self.weight_decay >= 0, f"{key}.weight_decay", "a number >= 0", self.weight_decay)
+        _require(len(self.betas) == 2 and all(0.0 <= b < 1.0 for b in self.betas), f"{key}.betas",
+                 "two numbers in [0, 1), e.g. [0.9, 0.99]", self.betas)
+        _require(self.eps > 0, f"{key}.eps", "a number > 0", self.eps)
+        _require(self.warmup_steps >= 0, f"{key}.warmup_steps", "an integer >= 0", self.warmup_steps)
+        _require(0.0 <= self.min_lr_ratio <= 1.0, f"{key}.min_lr_ratio", "a number in [0, 1]", self.min_lr_ratio)
+        _require(self.max_grad_norm >= 0, f"{key}.max_grad_norm", "a number >= 0 (0 disables clipping)",
+                 self.max_grad_norm)
+
+
+@dataclass
+class TrainConfig:
+    """The run: how long, how big a step, where outputs go."""
+
+    num_steps: int = 100
+    """GRPO steps (one rollout each, followed by algo.num_iterations optimizer steps)."""
+    prompts_per_step: int = 8
+    """Prompts per step, across all ranks; each yields rollout.num_generations completions."""
+    micro_batch_tokens: int = 8192
+    """Token budget of one forward/backward (prompt once + its completions); gradients accumulate over them."""
+    seed: int = 0
+    """Seeds data order, sampling and initialisation; the same seed gives the same run on CPU."""
+    output_dir: str = "runs/grpo"
+    """Checkpoints, metrics, report and the final model go here."""
+    checkpoint_every: int = 50
+    """Save a resumable checkpoint every N steps (0: only at the end)."""
+    keep_checkpoints: int = 2
+    """How many recent checkpoints to keep on disk."""
+    max_nonfinite_steps: int = 5
+    """Stop (with a checkpoint) after this many optimizer steps in a row skipped for NaN/inf loss or gradients."""
+    eval_every: int = 0
+    """Greedy accuracy on the held-out set every N steps (0: only before and after training)."""
+    save_final_model: bool = True
+    """Export the trained model with save_pretrained to output_dir/final."""
+
+    def check(self, key: str) -> None:
+        _require(self.num_steps >= 1, f"{key}.num_steps", "an integer >= 1", self.num_steps)
+        _require(self.prompts_per_step >= 1, f"{key}.prompts_per_step", "an integer >= 1", self.prompts_per_step)
+        _require(self.micro_batch_tokens >= 1, f"{key}.micro_batch_tokens", "an integer >= 1",
+                 self.micro_batch_tokens)
+        _require(self.seed >= 0, f"{key}.seed", "an integer >= 0", self.seed)
+        _require(self.output_dir != "", f"{key}.output_dir", "a folder path", self.output_dir)
+        _require(self.checkpoint_every >= 0, f"{key}.checkpoint_every", "an integer >= 0 (0: only at the end)",
+                 self.checkpoint_every)
+        _require(self.keep_checkpoints >= 1, f"{key}.keep_checkpoints", "an integer >= 1", self.keep_checkpoints)
+        _require(self.max_nonfinite_steps >= 1, f"{key}.max_nonfinite_steps", "an integer >= 1",
+                 self.max_nonfinite_steps)
+        _require(self.eval_every >= 0, f"{key}.eval_every", "an integer >= 0", self.eval_every)
+
+
+@dataclass
+class LogConfig:
+    """What is recorded besides the per-step JSONL metrics."""
+
+    tensorboard: bool = True
+    """Also write TensorBoard event files to output_dir/tensorboard."""
+    progress_bar: bool = True
+    """Show a tqdm bar on rank 0."""
+    completions_every: int = 10
+    """Write sample completions (prompt, completion, rewards) every N steps to completions.jsonl (0: never)."""
+    num_completions: int = 4
+    """How many completions each such sample holds."""
+    report: bool = True
+    """Draw the end-of-run report (PNG plots of rewards, accuracy and phase times)."""
+
+    def check(self, key: str) -> None:
+        _require(self.completions_every >= 0, f"{key}.completions_every", "an integer >= 0",
+                 self.completions_every)
+        _require(self.num_completions >= 1, f"{key}.num_completions", "an integer >= 1", self.num_completions)
+
+
+@dataclass
+class DistributedConfig:
+    """Multi-process training under torchrun (ignored in a single process)."""
+
+    strategy: Literal["ddp", "fsdp2"] = "ddp"
+    """ddp replicates the model and averages gradients; fsdp2 shards parameters (fully_shard) per layer."""
+    backend: Literal["auto", "nccl", "gloo"] = "auto"
+    """Process-group backend; auto is nccl on CUDA and gloo on CPU."""
+
+
+@dataclass
+class Config:
+    """A whole run."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rewards: list[RewardConfig] = field(default_factory=lambda: [RewardConfig()])
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
+
+    def check(self, key: str) -> None:
+        _require(len(self.rewards) >= 1, "rewards", "at least one [[rewards]] entry", self.rewards)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Loading, overrides and validation.
+# ---------------------------------------------------------------------------------------------------
+
+
+def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> Config:
+    """Read a TOML/YAML file (or start from the defaults), apply ``key.sub=value`` overrides, validate.
+
+    Raises :class:`ConfigError` naming the key for anything wrong, before any model is loaded.
+    """
+    raw = read_config_file(path) if path is not None else {}
+    for item in overrides:
+        apply_override(raw, item)
+    return config_from_dict(raw)
+
+
+def read_config_file(path: str | Path) -> dict:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {str(path)!r} does not exist")
+    text = path.read_text()
+    if path.suffix == ".toml":
+        try:
+            data = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as err:
+            raise ConfigError(f"config file {str(path)!r} is not valid TOML: {err}") from None
+    elif path.suffix in (".yaml", ".yml"):
+        try:
+            data = yaml.safe_load(text) or {}
+        except yaml.YAMLError as err:
+            raise ConfigError(f"config file {str(path)!r} is not valid YAML: {err}") from None
+    else:
+        raise ConfigError(f"config file {str(path)!r}: allowed extensions are .toml, .yaml and .yml")
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {str(path)!r} must hold a table of sections, not {type(data).__name__}")
+    return data
+
+
+def apply_override(raw: dict, item: str) -> None:
+    """Apply one ``key.sub=value`` (``rewards.0.weight=2`` indexes lists) to the raw config dict.
+
+    The value is read as a TOML value (numbers, true/false, "strings", [lists]); anything that is not
+    valid TOML is taken as a bare string, so ``algo.loss=grpo`` works without quotes.
+    """
+    if "=" not in item:
+        raise ConfigError(f"override {item!r}: expected the form key.sub=value, e.g. optim.lr=1e-5")
+    dotted, text = item.split("=", 1)
+    dotted = dotted.strip()
+    parts = dotted.split(".")
+    if not dotted or any(p == "" for p in parts):
+        raise ConfigError(f"override {item!r}: expected the form key.sub=value, e.g. optim.lr=1e-5")
+    value = _parse_override_value(text.strip())
+    node: Any = raw
+    schema: Any = Config
+    for depth, part in enumerate(parts):
+        last = depth == len(parts) - 1
+        key = ".".join(parts[:depth + 1])
+        if isinstance(node, list):
+            if not part.isdigit() or int(part) > len(node):
+                raise ConfigError(f"config key {key!r}: {part!r} is not an index of the list (it has {len(node)} "
+                                  "entries; use an index < that, or = the length to append)")
+            index = int(part)
+            if index == len(node):
+                node.append({})
+            if last:
+                node[index] = value
+            else:
+                node = node[index]
+                schema = _list_item_type(schema)
+            continue
+        if not isinstance(node, dict):
+            raise ConfigError(f"config key {key!r}: its parent is a value, not a table")
+        if last:
+            node[part] = value
+            break
+        child_schema = _field_type(schema, part, key)
+        if part not in node:
+            node[part] = [dataclasses.asdict(x) for x in _default_of(schema, part)] \
+                if _is_list_of_dataclass(child_schema) else {}
+        node = node[part]
+        schema = child_schema
+
+
+def config_from_dict(raw: Mapping) -> Config:
+    config = _build(Config, raw, "")
+    _check_all(config, "")
+    return config
+
+
+def _parse_override_value(text: str) -> Any:
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def _build(cls: type, raw: Any, key: str) -> Any:
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"config key {key or '(top level)'!r} must be a table of keys, got "
+                          f"{_describe(raw)}")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    values = {}
+    for name, value in raw.items():
+        sub = f"{key}.{name}" if key else str(name)
+        if name not in names:
+            close = difflib.get_close_matches(str(name), names, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            where = f"[{key}]" if key else "the top level"
+            raise ConfigError(f"config key {sub!r} is unknown{hint}; allowed keys in {where}: {', '.join(names)}")
+        values[name] = _coerce(value, hints[name], sub)
+    return cls(**values)
+
+
+def _coerce(value: Any, hint: Any, key: str) -> Any:
+    origin = typing.get_origin(hint)
+    args = typing.get_args(hint)
+    if dataclasses.is_dataclass(hint):
+        return _build(hint, value, key)
+    if origin is Literal:
+        if value not in args:
+            raise ConfigError(f"config key {key!r}: {value!r} is not allowed; expected one of "
+                              f"{', '.join(repr(a) for a in args)}")
+        return value
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        (inner,) = [a for a in args if a is not type(None)]
+        return _coerce(value, inner, key)
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"config key {key!r}: expected a list, got {_describe(value)}")
+        return [_coerce(v, args[0], f"{key}.{i}") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"config key {key!r}: expected a table, got {_describe(value)}")
+        return dict(value)
+    if hint is Any:
+        return value
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"config key {key!r}: expected true or false, got {_describe(value)}")
+        return value
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"config key {key!r}: expected an integer, got {_describe(value)}")
+        return value
+    if hint is float:
+        # YAML 1.1 reads "1e-5" as a string; accept any string that is a number.
+        if isinstance(value, str):
+            try:
+                value = float(value)
+            except ValueError:
+                pass
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"config key {key!r}: expected a number, got {_describe(value)}")
+        return float(value)
+    if hint is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"config key {key!r}: expected a string, got {_describe(value)}")
+        return value
+    raise AssertionError(f"config field type {hint} of {key} has no loader")
+
+
+def _check_all(node: Any, key: str) -> None:
+    if dataclasses.is_dataclass(node):
+        if hasattr(node, "check"):
+            node.check(key or "config")
+        for f in dataclasses.fields(node):
+            _check_all(getattr(node, f.name), f"{key}.{f.name}" if key else f.name)
+    elif isinstance(node, list):
+        for i, item in enumerate(node):
+            _check_all(item, f"{key}.{i}")
+
+
+def _require(ok: bool, key: str, allowed: str, value: Any) -> None:
+    if not ok:
+        raise ConfigError(f"config key {key!r}: {value!r} is not allowed; expected {allowed}")
+
+
+def _describe(value: Any) -> str:
+    return f"{type(value).__name__} {value!r}"
+
+
+def _field_type(schema: Any, name: str, key: str) -> Any:
+    if not dataclasses.is_dataclass(schema):
+        raise ConfigError(f"config key {key!r}: its parent is a value, not a table")
+    hints = typing.get_type_hints(schema)
+    if name not in hints:
+        names = [f.name for f in dataclasses.fields(schema)]
+        raise ConfigError(f"config key {key!r} is unknown; allowed keys here: {', '.join(names)}")
+    return hints[name]
+
+
+def _is_list_of_dataclass(hint: Any) -> bool:
+    return typing.get_origin(hint) is list and dataclasses.is_dataclass(typing.get_args(hint)[0])
+
+
+def _list_item_type(hint: Any) -> Any:
+    return typing.get_args(hint)[0] if typing.get_origin(hint) is list else None
+
+
+def _default_of(schema: type, name: str) -> Any:
+    return getattr(schema(), name)
+
+
+def dump_config(config: Config, path: str | Path) -> None:
+    """Write the resolved config as JSON (kept next to checkpoints, so a run says what it was)."""
+    Path(path).write_text(json.dumps(config.to_dict(), indent=2, sort_keys=True))

@@ -1,0 +1,228 @@
+"""Resumable checkpoints: safetensors for every tensor, JSON for every scalar, written atomically.
+
+Nothing is pickled (``torch.load`` is never called): a checkpoint folder ``step-000120/`` holds
+
+* ``model.safetensors``      trainable parameters by name (LoRA: the adapters only; the frozen base
+                             is reloaded from ``model.path``);
+* ``optimizer.safetensors``  optimizer state tensors, keys ``"<param name>/<state key>"``;
+* ``rng-rank<r>.safetensors`` torch CPU/CUDA and numpy RNG states of rank r;
+* ``state.json``             step, optimizer hyper-parameters, python/numpy RNG scalars, data position,
+                             counters; written last, so a folder without it is incomplete.
+
+A checkpoint is written into ``.tmp-step-000120/`` and renamed into place, then the ``latest`` file is
+replaced (temp + rename). A crash at any moment leaves the previous checkpoint intact and ``latest``
+pointing at a complete folder.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from turbogrpo.train.distributed import DistInfo
+
+LATEST_FILE = "latest"
+STATE_FILE = "state.json"
+_FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+
+@dataclass
+class Resumed:
+    """What a loaded checkpoint hands back besides the restored model/optimizer/RNG."""
+
+    step: int
+    """GRPO steps completed."""
+    state: dict[str, Any]
+    """The ``extra`` dict given to :func:`save_checkpoint` (data position, counters, metric history)."""
+
+
+def checkpoint_name(step: int) -> str:
+    return f"step-{step:06d}"
+
+
+def save_checkpoint(root: str | Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                    extra: dict[str, Any], dist: DistInfo, *, keep: int = 2) -> Path:
+    """Write checkpoint ``root/step-XXXXXX`` atomically and point ``root/latest`` at it.
+
+    Every rank must call this (the full state dicts are gathered collectively under FSDP2); rank 0
+    writes the shared files, every rank writes its own RNG state.
+    """
+    root = Path(root)
+    final = root / checkpoint_name(step)
+    tmp = root / f".tmp-{checkpoint_name(step)}"
+    model_state = _trainable_state(model)
+    optim_state = get_optimizer_state_dict(model, optimizer, options=_FULL)
+    if dist.is_main:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # debris of a crash during an earlier attempt
+        tmp.mkdir()
+    dist.barrier()
+    rng_tensors, rng_scalars = capture_rng_state()
+    _save_tensors(rng_tensors, tmp / f"rng-rank{dist.rank}.safetensors")
+    _write_json({"rng": rng_scalars}, tmp / f"rng-rank{dist.rank}.json")
+    dist.barrier()
+    if dist.is_main:
+        _save_tensors(model_state, tmp / "model.safetensors")
+        optim_tensors, optim_scalars = _flatten_optimizer_state(optim_state)
+        _save_tensors(optim_tensors, tmp / "optimizer.safetensors")
+        _write_json({"step": step, "world_size": dist.world_size, "optimizer": optim_scalars, "extra": extra},
+                    tmp / STATE_FILE)
+        _fsync_dir(tmp)
+        if final.exists():  # re-running a step after a resume: replace the older copy
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        _write_text_atomic(root / LATEST_FILE, final.name)
+        _fsync_dir(root)
+        _prune(root, keep)
+    dist.barrier()
+    return final
+
+
+def latest_checkpoint(root: str | Path) -> Path | None:
+    """The newest complete checkpoint under ``root`` (or None)."""
+    root = Path(root)
+    pointer = root / LATEST_FILE
+    if pointer.is_file():
+        candidate = root / pointer.read_text().strip()
+        if (candidate / STATE_FILE).is_file():
+            return candidate
+    complete = sorted(p for p in root.glob("step-*") if (p / STATE_FILE).is_file())
+    return complete[-1] if complete else None
+
+
+def load_checkpoint(path: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                    dist: DistInfo) -> Resumed:
+    """Restore model, optimizer and this rank's RNG states from ``path``; return step and extra state."""
+    path = Path(path)
+    state = json.loads((path / STATE_FILE).read_text())
+    if state["world_size"] != dist.world_size:
+        raise ValueError(f"checkpoint {str(path)!r} was written by {state['world_size']} processes; resuming "
+                         f"with {dist.world_size} would change the data each rank sees. Resume with "
+                         f"--nproc-per-node={state['world_size']}.")
+    model_state = load_file(path / "model.safetensors")
+    set_model_state_dict(model, model_state, options=StateDictOptions(full_state_dict=True, strict=False))
+    optim_state = _unflatten_optimizer_state(load_file(path / "optimizer.safetensors"), state["optimizer"])
+    set_optimizer_state_dict(model, optimizer, optim_state, options=StateDictOptions(full_state_dict=True))
+    rng_scalars = json.loads((path / f"rng-rank{dist.rank}.json").read_text())["rng"]
+    restore_rng_state(load_file(path / f"rng-rank{dist.rank}.safetensors"), rng_scalars)
+    return Resumed(step=state["step"], state=state["extra"])
+
+
+# --- RNG ------------------------------------------------------------------------------------------
+
+
+def capture_rng_state() -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """All RNG states of this process: (tensors for safetensors, scalars for JSON)."""
+    tensors = {"torch_cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        for i, s in enumerate(torch.cuda.get_rng_state_all()):
+            tensors[f"torch_cuda_{i}"] = s
+    kind, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
+    tensors["numpy_keys"] = torch.from_numpy(keys.astype(np.int64))
+    version, py_state, gauss_next = random.getstate()
+    scalars = {"numpy": [kind, int(pos), int(has_gauss), float(cached)],
+               "python": [version, list(py_state), gauss_next]}
+    return tensors, scalars
+
+
+def restore_rng_state(tensors: dict[str, torch.Tensor], scalars: dict[str, Any]) -> None:
+    torch.set_rng_state(tensors["torch_cpu"])
+    if torch.cuda.is_available():
+        cuda_states = [tensors[k] for k in sorted(t for t in tensors if t.startswith("torch_cuda_"))]
+        if cuda_states:
+            torch.cuda.set_rng_state_all(cuda_states)
+    kind, pos, has_gauss, cached = scalars["numpy"]
+    np.random.set_state((kind, tensors["numpy_keys"].numpy().astype(np.uint32), pos, has_gauss, cached))
+    version, py_state, gauss_next = scalars["python"]
+    random.setstate((version, tuple(py_state), gauss_next))
+
+
+# --- helpers --------------------------------------------------------------------------------------
+
+
+def _trainable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Full (gathered) tensors of the trainable parameters, by name; tied weights appear once."""
+    full = get_model_state_dict(model, options=_FULL)
+    names = {_strip_wrappers(n) for n, p in model.named_parameters() if p.requires_grad}
+    return {n: t for n, t in full.items() if n in names}
+
+
+def _strip_wrappers(name: str) -> str:
+    # DDP prefixes "module."; get_model_state_dict already strips it, so names must match that.
+    return name.removeprefix("module.")
+
+
+def _flatten_optimizer_state(optim_state: dict) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    tensors, scalars = {}, {"param_groups": [], "state_scalars": {}}
+    for name, per_param in optim_state["state"].items():
+        for key, value in per_param.items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"{name}/{key}"] = value
+            else:
+                scalars["state_scalars"].setdefault(name, {})[key] = value
+    for group in optim_state["param_groups"]:
+        scalars["param_groups"].append({k: (list(v) if isinstance(v, tuple) else v) for k, v in group.items()})
+    return tensors, scalars
+
+
+def _unflatten_optimizer_state(tensors: dict[str, torch.Tensor], scalars: dict[str, Any]) -> dict:
+    state: dict[str, dict[str, Any]] = {}
+    for flat, value in tensors.items():
+        name, key = flat.rsplit("/", 1)
+        state.setdefault(name, {})[key] = value
+    for name, per_param in scalars["state_scalars"].items():
+        state.setdefault(name, {}).update(per_param)
+    groups = [{k: (tuple(v) if k == "betas" else v) for k, v in g.items()} for g in scalars["param_groups"]]
+    return {"state": state, "param_groups": groups}
+
+
+def _save_tensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(path))
+    _fsync_file(path)
+
+
+def _write_json(obj: Any, path: Path) -> None:
+    path.write_text(json.dumps(obj))
+    _fsync_file(path)
+
+
+def _write_text_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    _fsync_file(tmp)
+    os.replace(tmp, path)
+
+
+def _fsync_file(path: Path) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _prune(root: Path, keep: int) -> None:
+    complete = sorted(p for p in root.glob("step-*") if (p / STATE_FILE).is_file())
+    for old in complete[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)

@@ -1,0 +1,166 @@
+"""Multi-process training under ``torchrun``: process group, device per rank, DDP / FSDP2 wrapping.
+
+Applied from outside the loop so the loop reads the same with one process or many. Each rank rolls
+out its own share of the step's prompts; gradients are averaged by DDP (or reduce-scattered by FSDP2).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as torch_dist
+from torch import nn
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    """Where this process sits in the job."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.world_size > 1
+
+    def barrier(self) -> None:
+        if self.enabled:
+            torch_dist.barrier()
+
+
+def setup(device: str = "auto", backend: str = "auto") -> DistInfo:
+    """Join the torchrun job if there is one (``WORLD_SIZE`` > 1) and pick this rank's device."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device_obj = resolve_device(device, local_rank)
+    if world_size > 1 and not torch_dist.is_initialized():
+        if backend == "auto":
+            backend = "nccl" if device_obj.type == "cuda" else "gloo"
+        if device_obj.type == "cuda":
+            torch.cuda.set_device(device_obj)
+        torch_dist.init_process_group(backend=backend)
+    return DistInfo(rank=rank, world_size=world_size, local_rank=local_rank, device=device_obj)
+
+
+def teardown(dist: DistInfo) -> None:
+    if dist.enabled and torch_dist.is_initialized():
+        torch_dist.destroy_process_group()
+
+
+def resolve_device(device: str, local_rank: int = 0) -> torch.device:
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda":
+        device = f"cuda:{local_rank}"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"config key 'model.device': {device!r} needs CUDA, which this machine lacks; "
+                         "use \"cpu\" or \"auto\"")
+    return torch.device(device)
+
+
+def local_slice(num_items: int, dist: DistInfo) -> slice:
+    """This rank's contiguous share of ``num_items`` (which the world size must divide)."""
+    if num_items % dist.world_size:
+        raise ValueError(f"config key 'train.prompts_per_step': {num_items} is not divisible by the "
+                         f"{dist.world_size} processes; use a multiple of {dist.world_size}")
+    per_rank = num_items // dist.world_size
+    return slice(dist.rank * per_rank, (dist.rank + 1) * per_rank)
+
+
+def all_reduce_sum(tensor: torch.Tensor, dist: DistInfo) -> torch.Tensor:
+    """Sum ``tensor`` over ranks (in place when distributed; returned either way)."""
+    if dist.enabled:
+        torch_dist.all_reduce(tensor)
+    return tensor
+
+
+def all_gather_cat(tensor: torch.Tensor, dist: DistInfo) -> torch.Tensor:
+    """Concatenate every rank's equally shaped ``tensor`` along dim 0, in rank order."""
+    if not dist.enabled:
+        return tensor
+    parts = [torch.empty_like(tensor) for _ in range(dist.world_size)]
+    torch_dist.all_gather(parts, tensor.contiguous())
+    return torch.cat(parts)
+
+
+class LogprobModule(nn.Module):
+    """Makes the shared-prefix forward the ``forward`` of a module, so DDP/FSDP2 hooks see it.
+
+    DDP prepares its gradient all-reduce in ``forward``; calling ``completion_logprobs`` on the bare
+    model would bypass it. ``forward(prompts, completions)`` returns what ``logprob_fn`` returns.
+    """
+
+    def __init__(self, model: nn.Module, logprob_fn):
+        super().__init__()
+        self.model = model
+        self.logprob_fn = logprob_fn
+
+    def forward(self, prompts, completions):
+        return self.logprob_fn(self.model, prompts, completions)
+
+
+def wrap_for_training(model: nn.Module, logprob_fn, dist: DistInfo, strategy: str) -> nn.Module:
+    """The module the update calls: ``module(prompts, completions) -> per-group log-probs``.
+
+    One process: a plain :class:`LogprobModule`. DDP: that module wrapped in DistributedDataParallel
+    (gradients averaged over ranks in backward). FSDP2: ``fully_shard`` on every decoder layer and on
+    the root, so parameters are sharded at rest and gathered per layer in forward and backward.
+    """
+    module = LogprobModule(model, logprob_fn)
+    if not dist.enabled:
+        return module
+    return WRAPPERS[strategy](module, dist)
+
+
+def _wrap_ddp(module: LogprobModule, dist: DistInfo) -> nn.Module:
+    from torch.nn.parallel import DistributedDataParallel
+    device_ids = [dist.device.index] if dist.device.type == "cuda" else None
+    # Buffers (rotary tables) are identical on every rank and never trained: no per-forward broadcast.
+    return DistributedDataParallel(module, device_ids=device_ids, broadcast_buffers=False)
+
+
+def _wrap_fsdp2(module: LogprobModule, dist: DistInfo) -> nn.Module:
+    from torch.distributed.fsdp import fully_shard
+    base = module.model.get_base_model() if hasattr(module.model, "get_base_model") else module.model
+    for layer in base.get_decoder().layers:
+        fully_shard(layer)
+    fully_shard(module)
+    return module
+
+
+WRAPPERS = {"ddp": _wrap_ddp, "fsdp2": _wrap_fsdp2}
+
+
+@contextlib.contextmanager
+def gradient_sync(module: nn.Module, enabled: bool):
+    """Inside, backward reduces gradients over ranks only if ``enabled`` (the last micro-batch)."""
+    if enabled or not torch_dist.is_initialized():
+        yield
+    elif hasattr(module, "no_sync"):  # DDP
+        with module.no_sync():
+            yield
+    else:  # FSDP2
+        module.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            module.set_requires_gradient_sync(True)
+
+
+def all_reduce_max_int(value: int, dist: DistInfo, device: torch.device) -> int:
+    """The largest ``value`` over ranks (host sync: the caller needs the number)."""
+    if not dist.enabled:
+        return value
+    t = torch.tensor([value], device=device)
+    torch_dist.all_reduce(t, op=torch_dist.ReduceOp.MAX)
+    return int(t.item())

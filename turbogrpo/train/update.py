@@ -1,0 +1,130 @@
+"""One optimizer step of the policy on a step batch, and the forward-only scoring of a step batch.
+
+Both run the batch micro-batch by micro-batch through the shared-prefix forward. The update sums the
+micro-batch losses' gradients (each loss is already divided by whole-batch totals, so the sum is the
+full-batch gradient), clips the global norm, and applies the step only if loss and norm are finite.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from turbogrpo.algo import LossNormalizer, LossSettings, PolicyLoss
+from turbogrpo.train.distributed import DistInfo, all_reduce_sum, gradient_sync
+from turbogrpo.train.microbatch import MicroBatch, length_mask, pad_ragged, select
+
+
+@dataclass
+class StepBatch:
+    """This rank's share of one GRPO step: K groups, N completions in group-major order.
+
+    prompts: K prompt token ids, each ``[P_k]``.
+    completions: per group, the completion token ids, each ``[S]``.
+    advantages: ``[N]``, one per completion.
+    old_logps: per group, per completion ``[S]`` log-probs under the policy that sampled them, or None
+        (num_iterations == 1: the ratio is exactly 1 and TRL skips this forward too).
+    ref_logps: the same under the reference policy, or None (beta == 0).
+    """
+
+    prompts: list[Tensor]
+    completions: list[list[Tensor]]
+    advantages: Tensor
+    old_logps: list[list[Tensor]] | None = None
+    ref_logps: list[list[Tensor]] | None = None
+
+
+@dataclass
+class UpdateResult:
+    """What one optimizer step did.
+
+    applied: False when loss or gradient norm was NaN/inf and the step was skipped.
+    grad_norm: global gradient norm before clipping.
+    metrics: the loss's metrics (loss, loss/policy, clip_ratio/*, kl ...) and the mean token
+        entropy, over the global batch.
+    logps: per completion ``[S]`` (flat, group-major) trainer log-probs before the step, detached.
+    """
+
+    applied: bool
+    grad_norm: float
+    metrics: dict[str, float]
+    logps: list[Tensor]
+
+
+def update_policy(module: nn.Module, batch: StepBatch, micro_batches: Sequence[MicroBatch], loss_fn: PolicyLoss,
+                  settings: LossSettings, normalizer: LossNormalizer, optimizer: torch.optim.Optimizer, *,
+                  max_grad_norm: float, dist: DistInfo) -> UpdateResult:
+    """Accumulate the gradient of the step batch over ``micro_batches`` and take one optimizer step.
+
+    ``module(prompts, completions) -> CompletionLogprobs`` is the (possibly DDP/FSDP2-wrapped)
+    shared-prefix forward.
+    Every rank passes the same number of micro-batches (fillers have weight 0).
+    """
+    optimizer.zero_grad(set_to_none=True)
+    totals: dict[str, Tensor] = {}
+    logps_by_index: dict[int, Tensor] = {}
+    for i, mb in enumerate(micro_batches):
+        with gradient_sync(module, enabled=i == len(micro_batches) - 1):
+            prompts = [batch.prompts[c.group] for c in mb.chunks]
+            result = module(prompts, select(batch.completions, mb.chunks))
+            logps = _flat(result.per_completion(result.logps))
+            mask_BL = length_mask([t.numel() for t in logps], device=logps[0].device)
+            loss, metrics = loss_fn(
+                pad_ragged(logps),
+                _padded(batch.old_logps, mb),
+                _padded(batch.ref_logps, mb),
+                batch.advantages[torch.tensor(mb.index, device=batch.advantages.device)],
+                mask_BL, normalizer, settings)
+            (loss * mb.weight).backward()
+        # Mean entropy of the sampling distribution per completion token, additive like the loss.
+        metrics["entropy"] = result.entropy.sum() / normalizer.num_tokens
+        for name, value in {"loss": loss.detach(), **metrics}.items():
+            totals[name] = totals.get(name, 0.0) + value * mb.weight
+        if mb.weight:
+            logps_by_index.update(zip(mb.index, (t.detach() for t in logps)))
+
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm if max_grad_norm > 0 else float("inf"))
+    names = sorted(totals)
+    # Loss totals are per-rank shares of the global batch's (totals divided by world size), so their
+    # sum over ranks divided by the world size is the global value.
+    stats = all_reduce_sum(torch.stack([totals[n] for n in names]), dist) / dist.world_size
+    grad_norm = _full(grad_norm).to(stats.device)
+    finite = torch.isfinite(stats).all() & torch.isfinite(grad_norm)
+    # Host sync: whether to apply the step is a Python decision; values are fetched in the same sync.
+    values = torch.cat([finite.to(stats.dtype)[None], grad_norm.to(stats.dtype)[None], stats]).tolist()
+    applied = bool(values[0])
+    if applied:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return UpdateResult(applied=applied, grad_norm=values[1], metrics=dict(zip(names, values[2:])),
+                        logps=[logps_by_index[i] for i in sorted(logps_by_index)])
+
+
+@torch.no_grad()
+def score(module: nn.Module, batch: StepBatch, micro_batches: Sequence[MicroBatch]) -> list[list[Tensor]]:
+    """Per group, per completion ``[S]`` log-probs under ``module`` (no gradient), micro-batched."""
+    out: list[list[Tensor | None]] = [[None] * len(c) for c in batch.completions]
+    for mb in micro_batches:
+        result = module([batch.prompts[c.group] for c in mb.chunks], select(batch.completions, mb.chunks))
+        per_chunk = result.per_completion(result.logps)
+        if mb.weight:
+            for chunk, logps in zip(mb.chunks, per_chunk):
+                out[chunk.group][chunk.start:chunk.stop] = [t.detach() for t in logps]
+    return out
+
+
+def _flat(per_group: Sequence[Sequence[Tensor]]) -> list[Tensor]:
+    return [t for group in per_group for t in group]
+
+
+def _padded(per_group: list[list[Tensor]] | None, mb: MicroBatch) -> Tensor | None:
+    return None if per_group is None else pad_ragged(_flat(select(per_group, mb.chunks)))
+
+
+def _full(t: Tensor) -> Tensor:
+    """A plain tensor from a possibly sharded (DTensor) one."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
