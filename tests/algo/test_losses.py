@@ -104,6 +104,30 @@ def test_k3_kl_added_with_beta_by_hand():
     torch.testing.assert_close(metrics["kl"], torch.tensor(kl_sum / 5))  # kl is a token mean for every loss
 
 
+def test_kl_bias_correction_gives_the_reverse_kl_gradient_on_policy():
+    # r * k3 at r = 1 (value 1, d r / d logp = 1): gradient k3 + (1 - exp(d)), which simplifies to -d =
+    # logp - ref, the gradient of KL(policy || ref) for a sampled token: -ln 2, 0 / ln 2, 0, -ln 2.
+    logps = OLD.clone().requires_grad_()
+    beta = 0.1
+    settings = LossSettings(beta=beta, kl_bias_correction=True)
+    loss, metrics, grad = run("dapo", logps, None, OLD + KL_D, settings)
+    kl_sum = sum(map(sum, KL_TOKENS))
+    torch.testing.assert_close(loss, torch.tensor(0.2 + beta * kl_sum / 5))  # same value as plain k3 at r = 1
+    torch.testing.assert_close(metrics["kl"], torch.tensor(kl_sum / 5))
+    policy_grad = -ADVANTAGES[:, None] * MASK
+    torch.testing.assert_close(grad, (policy_grad + beta * -KL_D * MASK) / 5)
+
+
+def test_kl_bias_correction_weights_kl_by_the_ratio():
+    # Ratios [[1.5, 0.5], [1.5, 0.5, 1.0]] times the k3 values: 1.5 * 0.306853 + 0, 1.5 * 0.193147 + 0 + 0.306853.
+    logps = with_ratios(RATIOS)
+    settings = LossSettings(0.2, 0.28, beta=0.1, kl_bias_correction=True)
+    _, metrics, _ = run("bnpo", logps, OLD, logps.detach() + KL_D, settings)
+    weighted = 1.5 * KL_TOKENS[0][0] + 1.5 * KL_TOKENS[1][0] + KL_TOKENS[1][2]
+    torch.testing.assert_close(metrics["kl"], torch.tensor(weighted / 5))
+    torch.testing.assert_close(metrics["loss/kl"], torch.tensor(weighted / 5))
+
+
 def test_reference_with_zero_beta_only_reports_kl():
     logps = OLD.clone().requires_grad_()
     loss, metrics, _ = run("dapo", logps, None, OLD + KL_D, LossSettings(beta=0.0))
@@ -172,10 +196,11 @@ def random_batch(B=6, L=5, seed=0):
     return logps, old, ref, advantages, mask
 
 
+@pytest.mark.parametrize("kl_bias_correction", [False, True])
 @pytest.mark.parametrize("name", sorted(LOSSES))
-def test_micro_batch_losses_sum_to_the_whole_batch_loss(name):
+def test_micro_batch_losses_sum_to_the_whole_batch_loss(name, kl_bias_correction):
     logps, old, ref, advantages, mask = random_batch()
-    settings = LossSettings(epsilon_low=0.2, epsilon_high=0.28, beta=0.05)
+    settings = LossSettings(epsilon_low=0.2, epsilon_high=0.28, beta=0.05, kl_bias_correction=kl_bias_correction)
     norm = LossNormalizer.for_batch(mask, max_completion_length=8)  # built once, from the whole batch
     whole = logps.clone().requires_grad_()
     loss, metrics = LOSSES[name](whole, old, ref, advantages, mask, norm, settings)

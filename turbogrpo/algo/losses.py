@@ -4,7 +4,7 @@ Every variant is the same clipped surrogate plus an optional k3 KL penalty to a 
 
     r = exp(logp - logp_old)                        per token, or per sequence for gspo
     policy = -min(r * A, clip(r, 1 - eps_low, 1 + eps_high) * A)
-    kl = exp(ref - logp) - (ref - logp) - 1         per token (k3: unbiased, always >= 0)
+    kl = exp(ref - logp) - (ref - logp) - 1         per token (k3: unbiased, always >= 0), optionally x r
     loss = reduce(policy + beta * kl)
 
 The variants differ only in two small units, paired by name in LOSSES: the importance ratio's level
@@ -36,6 +36,10 @@ class LossSettings:
     """The ratio may rise to 1 + epsilon_high; DAPO's clip-higher sets it above epsilon_low (e.g. 0.28)."""
     beta: float = 0.0
     """Weight of the k3 KL penalty to the reference policy; 0 drops the term, so no reference model is needed."""
+    kl_bias_correction: bool = False
+    """Multiply each token's k3 by the (differentiable) importance ratio, which makes the KL gradient the
+    unbiased reverse-KL gradient (DeepSeek-V3.2), even on-policy where the ratio is 1 in value. TRL's
+    use_bias_correction_kl, on by default in TRL 1.16; off here: plain k3 as in the GRPO paper."""
 
     def __post_init__(self):
         if not 0.0 <= self.epsilon_low < 1.0:
@@ -190,7 +194,9 @@ class PolicyLoss:
         Returns (loss [], metrics): detached 0-dim tensors, each additive over micro-batches like the loss:
             loss/policy  the reduced clipped surrogate;
             loss/kl      the reduced KL, before beta (loss = loss/policy + beta * loss/kl), if ref_logps;
-            kl           mean k3 KL per completion token of the step batch, if ref_logps;
+            kl           mean KL term per completion token of the step batch (k3, times the ratio with
+                         kl_bias_correction: an estimate of the current policy's KL from the sampled
+                         tokens), if ref_logps;
             clip_ratio/low, clip_ratio/high, clip_ratio/region  share of tokens (sequences for gspo) whose
                          ratio is clipped: below 1 - eps_low with A < 0, above 1 + eps_high with A > 0, either.
         """
@@ -219,6 +225,8 @@ class PolicyLoss:
         }
         if ref_logps is not None:
             kl_BL = k3_kl(ref_logps, logps)
+            if settings.kl_bias_correction:
+                kl_BL = kl_BL * ratio  # [B, L] times [B, L] or [B, 1]
             kl_loss = self.reduce(kl_BL, mask_BL, normalizer)
             if settings.beta != 0.0:
                 loss = loss + settings.beta * kl_loss
