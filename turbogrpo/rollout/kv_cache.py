@@ -1,0 +1,164 @@
+"""The rollout KV cache: each prompt's K/V once per group, each sequence's generated K/V on its own.
+
+Shapes (per attention layer): ``G`` live groups (prompts with a live sample), ``B`` live sequences,
+``Hkv`` key/value heads, ``P`` longest prompt, ``C`` slots (capacity) for generated tokens, ``D`` head dim.
+
+* prompt K/V ``[G, Hkv, P, D]``, valid up to ``prompt_lengths_G``; written once by the prefill and
+  never copied per sample.
+* generated K/V ``[B, Hkv, C, D]``, preallocated at the rollout's full size; slots ``< lengths_B[b]``
+  hold sequence b's committed tokens, at positions ``prompt_length + slot``. A forward writes its n new
+  tokens into slots ``lengths_B .. lengths_B + n - 1``; ``commit_all``/``commit`` then keep all or a
+  subset of them (the subset case is speculative verification's accepted path).
+
+Live sequences stay sorted by group, and finished ones are dropped by ``keep`` (rows move up in
+place, so the storage is never reallocated and step cost follows the live batch).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class LiveLayout:
+    """Where each live sequence sits among its group's live samples (rows sorted by group).
+
+    The decode plan scatters queries into a ``[G, Hkv, max_per_group * rows_per_sequence, D]`` block so
+    that all samples of a group attend to the group's prompt K/V in one product.
+    """
+
+    group_B: torch.Tensor
+    """[B] int64: the sequence's group, as a row of the prompt K/V."""
+    slot_B: torch.Tensor
+    """[B] int64: the sequence's index among its group's live sequences."""
+    num_groups: int
+    max_per_group: int
+
+    @staticmethod
+    def from_group_rows(group_rows: list[int], device: torch.device) -> LiveLayout:
+        """``group_rows``: each live sequence's prompt row, non-decreasing (host list)."""
+        slots, previous, run = [], None, 0
+        for row in group_rows:
+            run = run + 1 if row == previous else 0
+            slots.append(run)
+            previous = row
+        return LiveLayout(
+            group_B=torch.tensor(group_rows, dtype=torch.long, device=device),
+            slot_B=torch.tensor(slots, dtype=torch.long, device=device),
+            num_groups=group_rows[-1] + 1 if group_rows else 0,
+            max_per_group=max(slots) + 1 if slots else 0)
+
+
+class GroupedKVCache:
+    """K/V of one rollout for every attention layer; see the module docstring for the layout."""
+
+    def __init__(self, prompt_lengths: list[int], num_samples: int, capacity: int, device: torch.device):
+        """Sequence ``i`` belongs to group ``i // num_samples``; ``capacity`` generated slots each."""
+        self.capacity = capacity
+        self.prompt_width = max(prompt_lengths)
+        """P: the prompt K/V's slot count (longest prompt)."""
+        self.device = device
+        self._prompt_lengths_host = list(prompt_lengths)
+        self._live_groups: list[int] = list(range(len(prompt_lengths)))  # group id of each prompt row
+        self._sequence_groups: list[int] = [g for g in range(len(prompt_lengths)) for _ in range(num_samples)]
+        self._prompt_keys: dict[int, torch.Tensor] = {}
+        self._prompt_values: dict[int, torch.Tensor] = {}
+        self._keys: dict[int, torch.Tensor] = {}
+        self._values: dict[int, torch.Tensor] = {}
+        self.lengths_B = torch.zeros(len(self._sequence_groups), dtype=torch.long, device=device)
+        self.max_length = 0
+        """Host-side upper bound on ``lengths_B``: attention reads slots ``< max_length + n`` only."""
+        self._refresh_layout()
+
+    # -- reading ---------------------------------------------------------------------------------
+    @property
+    def num_live(self) -> int:
+        return len(self._sequence_groups)
+
+    @property
+    def sequence_groups(self) -> list[int]:
+        """Group id of each live sequence (host list)."""
+        return list(self._sequence_groups)
+
+    def prompt(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Prompt K/V of the live groups, ``[G, Hkv, P, D]`` each."""
+        rows = self.layout.num_groups
+        return self._prompt_keys[layer][:rows], self._prompt_values[layer][:rows]
+
+    def generated(self, layer: int, num_slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Generated K/V of the live sequences, first ``num_slots`` slots, ``[B, Hkv, num_slots, D]``."""
+        rows = self.num_live
+        return self._keys[layer][:rows, :, :num_slots], self._values[layer][:rows, :, :num_slots]
+
+    def next_positions(self, depths_Bn: torch.Tensor) -> torch.Tensor:
+        """Position ids ``[B, n]`` of new tokens at ``depths_Bn`` past each sequence's committed tokens."""
+        return (self.prompt_lengths_B + self.lengths_B).unsqueeze(-1) + depths_Bn
+
+    # -- writing ---------------------------------------------------------------------------------
+    def store_prompt(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Keep the prefill's K/V ``[G, Hkv, P, D]`` and allocate this layer's generated slots."""
+        self._prompt_keys[layer] = key.contiguous()
+        self._prompt_values[layer] = value.contiguous()
+        slots_shape = (self.num_live, key.shape[1], self.capacity, key.shape[3])
+        self._keys[layer] = key.new_empty(slots_shape)
+        self._values[layer] = value.new_empty(slots_shape)
+
+    def write(self, layer: int, key_BKnD: torch.Tensor, value_BKnD: torch.Tensor, slots_Bn: torch.Tensor) -> None:
+        """Put new tokens' K/V ``[B, Hkv, n, D]`` into generated slots ``slots_Bn [B, n]``."""
+        index = slots_Bn[:, None, :, None].expand_as(key_BKnD)
+        keys, values = self.generated(layer, self.capacity)
+        keys.scatter_(2, index, key_BKnD)
+        values.scatter_(2, index, value_BKnD)
+
+    def commit_all(self, num_new: int) -> None:
+        """Keep every one of the last forward's ``num_new`` tokens per sequence."""
+        self.lengths_B += num_new
+        self.max_length += num_new
+
+    def commit(self, chosen_Bk: torch.Tensor, num_chosen_B: torch.Tensor, max_chosen: int | None = None) -> None:
+        """Keep a subset of the last forward's new tokens: for sequence b, the new tokens
+        ``chosen_Bk[b, :num_chosen_B[b]]`` (indices among the n new ones, in the order they become
+        committed). ``max_chosen`` (host int), if known, tightens ``max_length``; otherwise it
+        grows by ``k``.
+        """
+        num_rows, k = chosen_Bk.shape
+        source_Bk = self.lengths_B.unsqueeze(-1) + chosen_Bk
+        target_Bk = self.lengths_B.unsqueeze(-1) + torch.arange(k, device=self.device)
+        for store in (self._keys, self._values):
+            for layer, slots in store.items():
+                live = slots[:num_rows]
+                head_dim_shape = (num_rows, live.shape[1], k, live.shape[3])
+                picked = live.gather(2, source_Bk[:, None, :, None].expand(head_dim_shape))
+                # Targets past num_chosen get leftovers; they are beyond the new length, so unread.
+                live.scatter_(2, target_Bk[:, None, :, None].expand(head_dim_shape), picked)
+        self.lengths_B += num_chosen_B
+        self.max_length += k if max_chosen is None else max_chosen
+
+    def keep(self, rows: list[int]) -> None:
+        """Drop every live sequence except ``rows`` (host list of current row indices, increasing)."""
+        rows_device = torch.tensor(rows, dtype=torch.long, device=self.device)
+        used = min(self.max_length, self.capacity)
+        for store in (self._keys, self._values):
+            for slots in store.values():
+                slots[:len(rows), :, :used] = slots[rows_device, :, :used]
+        self.lengths_B = self.lengths_B[rows_device]
+        self._sequence_groups = [self._sequence_groups[r] for r in rows]
+        still_live = sorted(set(self._sequence_groups))
+        if len(still_live) < len(self._live_groups):
+            prompt_rows = torch.tensor([self._live_groups.index(g) for g in still_live], device=self.device)
+            for store in (self._prompt_keys, self._prompt_values):
+                for prompt in store.values():
+                    prompt[:len(still_live)] = prompt[prompt_rows]
+            self._live_groups = still_live
+        self._refresh_layout()
+
+    def _refresh_layout(self) -> None:
+        row_of_group = {g: row for row, g in enumerate(self._live_groups)}
+        group_rows = [row_of_group[g] for g in self._sequence_groups]
+        self.layout = LiveLayout.from_group_rows(group_rows, self.device)
+        self.prompt_lengths_G = torch.tensor([self._prompt_lengths_host[g] for g in self._live_groups],
+                                             dtype=torch.long, device=self.device)
+        self.prompt_lengths_B = self.prompt_lengths_G[self.layout.group_B] if group_rows else \
+            torch.zeros(0, dtype=torch.long, device=self.device)

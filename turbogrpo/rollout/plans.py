@@ -1,0 +1,157 @@
+"""Attention plans of the rollout engine, and the two forwards built on them.
+
+``prefill`` runs every distinct prompt once (right-padded, causal) and leaves its K/V in the cache.
+``forward_new_tokens`` runs n new tokens per live sequence: each attends to its group's prompt,
+to its own committed tokens and to the new tokens its ``ancestors`` mask allows (plain decoding:
+n = 1; speculative verification: a token tree). The prompt part is computed per group, with all of
+the group's live samples' queries stacked into one product; the per-sequence part is batched over
+sequences; the two are merged by log-sum-exp.
+
+Legend: ``G`` live groups, ``B`` live sequences, ``n`` new tokens per sequence, ``H``/``Hkv`` query
+and key/value heads, ``r = H / Hkv``, ``D`` head dim, ``P`` longest prompt, ``L`` generated slots
+read, ``S`` max live samples per group, ``Hd`` hidden size.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from turbogrpo.hook import run_decoder
+from turbogrpo.rollout.attention import merge_partials, partial_attention
+from turbogrpo.rollout.kv_cache import GroupedKVCache
+
+
+class PrefillPlan:
+    """Causal attention within each right-padded prompt row; stores the prompt K/V in the cache.
+
+    Right padding keeps every real query's causal window free of padding, so no key mask is needed.
+    """
+
+    def __init__(self, cache: GroupedKVCache):
+        self.cache = cache
+
+    def __call__(self, module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
+                 scaling: float, sliding_window: int | None) -> torch.Tensor:
+        self.cache.store_prompt(module.layer_idx, key, value)
+        mask = None
+        if sliding_window is not None:
+            positions = torch.arange(query.shape[2], device=query.device)
+            distance = positions[:, None] - positions[None, :]
+            mask = (distance >= 0) & (distance < sliding_window)
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, is_causal=mask is None,
+                                             scale=scaling, enable_gqa=True)
+        return out.transpose(1, 2)
+
+
+def prefill(model: nn.Module, cache: GroupedKVCache, prompts: list[torch.Tensor]) -> torch.Tensor:
+    """Run each prompt once; return the final hidden state at each prompt's last token ``[G, Hd]``."""
+    device = cache.device
+    lengths = torch.tensor([len(p) for p in prompts], device=device)
+    ids_GP = torch.zeros(len(prompts), int(max(len(p) for p in prompts)), dtype=torch.long, device=device)
+    for row, prompt in enumerate(prompts):  # a loop over prompts, once per rollout
+        ids_GP[row, :len(prompt)] = prompt
+    positions_GP = torch.arange(ids_GP.shape[1], device=device).expand_as(ids_GP)
+    hidden_GPH = run_decoder(model, ids_GP, positions_GP, PrefillPlan(cache))
+    return hidden_GPH[torch.arange(len(prompts), device=device), lengths - 1]
+
+
+class DecodePlan:
+    """Attention of n new tokens per live sequence (see the module docstring).
+
+    Masks and index tensors are built once per forward and shared by all layers.
+    """
+
+    def __init__(self, cache: GroupedKVCache, positions_Bn: torch.Tensor, ancestors_Bnn: torch.Tensor):
+        self.cache = cache
+        self.positions_Bn = positions_Bn
+        num_new = positions_Bn.shape[1]
+        device = positions_Bn.device
+        self.slots_Bn = cache.lengths_B.unsqueeze(-1) + torch.arange(num_new, device=device)
+        self.num_slots = cache.max_length + num_new
+        slot_index_L = torch.arange(self.num_slots, device=device)
+        committed_BnL = (slot_index_L < cache.lengths_B[:, None]).unsqueeze(1).expand(-1, num_new, -1)
+        new_BnL = torch.zeros_like(committed_BnL).scatter(
+            2, self.slots_Bn.unsqueeze(1).expand(-1, num_new, -1), ancestors_Bnn)
+        self.generated_visible_BnL = committed_BnL | new_BnL
+        self._masks: dict[tuple[int | None, int], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def __call__(self, module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
+                 scaling: float, sliding_window: int | None) -> torch.Tensor:
+        num_rows, num_heads, num_new, head_dim = query.shape
+        num_kv_heads = key.shape[1]
+        group_size = num_heads // num_kv_heads
+        self.cache.write(module.layer_idx, key, value, self.slots_Bn)
+        # Query head h reads key/value head h // r (as in HF's repeat_kv): rows of one KV head are (r, n).
+        query_BKMD = query.reshape(num_rows, num_kv_heads, group_size * num_new, head_dim)
+        prompt_visible, generated_visible = self._visibility(sliding_window, group_size)
+        out_prompt, lse_prompt = self._prompt_attention(module.layer_idx, query_BKMD, prompt_visible, scaling)
+        keys, values = self.cache.generated(module.layer_idx, self.num_slots)
+        out_own, lse_own = partial_attention(query_BKMD, keys, values, generated_visible, scaling)
+        out_BKMD = merge_partials(out_prompt, lse_prompt, out_own, lse_own)
+        return out_BKMD.view(num_rows, num_heads, num_new, head_dim).transpose(1, 2).to(query.dtype)
+
+    def _prompt_attention(self, layer: int, query_BKMD: torch.Tensor, visible: torch.Tensor,
+                          scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """All live samples of a group attend to the group's single prompt K/V in one product."""
+        layout = self.cache.layout
+        num_rows, num_kv_heads, rows_per_seq, head_dim = query_BKMD.shape
+        stacked = query_BKMD.new_zeros(layout.num_groups, num_kv_heads, layout.max_per_group, rows_per_seq,
+                                       head_dim)
+        stacked[layout.group_B, :, layout.slot_B] = query_BKMD
+        keys_GKPD, values_GKPD = self.cache.prompt(layer)
+        out, lse = partial_attention(stacked.flatten(2, 3), keys_GKPD, values_GKPD, visible, scaling)
+        out = out.view(stacked.shape)[layout.group_B, :, layout.slot_B]
+        lse = lse.view(stacked.shape[:-1])[layout.group_B, :, layout.slot_B]
+        return out, lse
+
+    def _visibility(self, sliding_window: int | None, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(prompt mask broadcastable to ``[G, Hkv, S*r*n, P]``, own mask broadcastable to
+        ``[B, Hkv, r*n, L]``), built once per (window, r) and reused by every layer."""
+        cached = self._masks.get((sliding_window, group_size))
+        if cached is not None:
+            return cached
+        cache, layout = self.cache, self.cache.layout
+        num_rows, num_new = self.positions_Bn.shape
+        device = self.positions_Bn.device
+        key_positions_P = torch.arange(cache.prompt_width, device=device)
+        prompt_visible = (key_positions_P < cache.prompt_lengths_G[:, None])[:, None, None, :]  # [G,1,1,P]
+        own_visible = self.generated_visible_BnL
+        if sliding_window is not None:
+            stacked_positions = torch.zeros(layout.num_groups, layout.max_per_group, num_new, dtype=torch.long,
+                                            device=device)
+            stacked_positions[layout.group_B, layout.slot_B] = self.positions_Bn
+            query_positions = stacked_positions[:, :, None, :, None].expand(-1, -1, group_size, -1, -1)
+            in_window = query_positions.flatten(1, 3) - key_positions_P < sliding_window  # [G, S*r*n, P]
+            prompt_visible = prompt_visible & in_window.unsqueeze(1)
+            slot_positions_BL = cache.prompt_lengths_B[:, None] + torch.arange(self.num_slots, device=device)
+            slot_positions_BL = slot_positions_BL.scatter(1, self.slots_Bn, self.positions_Bn)
+            own_visible = own_visible & (self.positions_Bn[:, :, None] - slot_positions_BL[:, None, :]
+                                         < sliding_window)
+        own_visible = own_visible.unsqueeze(1).expand(-1, group_size, -1, -1).reshape(
+            num_rows, 1, group_size * num_new, self.num_slots)
+        self._masks[(sliding_window, group_size)] = (prompt_visible, own_visible)
+        return prompt_visible, own_visible
+
+
+def forward_new_tokens(model: nn.Module, cache: GroupedKVCache, input_ids_Bn: torch.Tensor,
+                       depths_Bn: torch.Tensor | None = None,
+                       ancestors_Bnn: torch.Tensor | None = None) -> torch.Tensor:
+    """Final hidden states ``[B, n, Hd]`` of n new tokens per live sequence.
+
+    ``depths_Bn`` (default ``0..n-1``): each token's offset past the sequence's committed tokens, so
+    its position id is ``prompt_length + committed + depth``. ``ancestors_Bnn`` (bool, default a
+    causal chain): token i attends to new token j where True; it must include i itself. The new
+    tokens' K/V are written to the cache but not committed: follow with ``cache.commit_all(n)`` or
+    ``cache.commit(...)``.
+    """
+    num_rows, num_new = input_ids_Bn.shape
+    device = input_ids_Bn.device
+    if depths_Bn is None:
+        depths_Bn = torch.arange(num_new, device=device).expand(num_rows, -1)
+    if ancestors_Bnn is None:
+        ancestors_Bnn = torch.ones(num_new, num_new, dtype=torch.bool, device=device).tril().expand(
+            num_rows, -1, -1)
+    positions_Bn = cache.next_positions(depths_Bn)
+    return run_decoder(model, input_ids_Bn, positions_Bn, DecodePlan(cache, positions_Bn, ancestors_Bnn))

@@ -1,0 +1,125 @@
+"""Sampling: the typed config, logit warping, token draws and the sampler's log-probs.
+
+Shared by the plain engine and the speculative decoder, so that both draw from exactly the same
+distribution: ``warp_logits`` defines it (temperature, then top-k, then top-p, in Hugging Face's
+order), ``sample_tokens`` draws from it, and ``token_logprobs`` gives the log-prob the trainer
+recomputes (full-vocabulary ``log_softmax(logits / temperature)``; top-k/top-p only change which
+token is drawn, not the stored log-prob).
+
+Shapes: ``V`` vocabulary; ``...`` any leading batch dimensions.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """How completions are drawn and when they stop."""
+
+    max_new_tokens: int
+    """Most tokens generated per completion (>= 1); a completion cut here finishes with "length"."""
+    temperature: float = 1.0
+    """Softmax temperature (>= 0); 0 means greedy (argmax), which ignores top_k/top_p."""
+    top_p: float = 1.0
+    """Nucleus sampling: keep the smallest set of tokens whose probability reaches top_p, in (0, 1]."""
+    top_k: int = 0
+    """Keep only the top_k most likely tokens (ties at the k-th value are kept); 0 turns it off."""
+    stop_token_ids: tuple[int, ...] = ()
+    """A completion stops after emitting any of these (the stop token is part of the completion)."""
+    stop_strings: tuple[str, ...] = ()
+    """A completion stops after the token that completes any of these strings (needs `tokenizer`)."""
+    tokenizer: Any = field(default=None, compare=False, repr=False)
+    """Tokenizer used to read stop_strings; only needed when stop_strings is non-empty."""
+
+    def __post_init__(self):
+        # Lists are accepted for convenience and frozen into tuples so the config stays hashable.
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        object.__setattr__(self, "stop_strings", tuple(self.stop_strings))
+        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) \
+                or self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
+        if not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature) \
+                or self.temperature < 0:
+            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}")
+        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
+        for token_id in self.stop_token_ids:
+            if isinstance(token_id, bool) or not isinstance(token_id, int) or token_id < 0:
+                raise ValueError(f"stop_token_ids must be non-negative integers, got {token_id!r}")
+        for text in self.stop_strings:
+            if not isinstance(text, str) or not text:
+                raise ValueError(f"stop_strings must be non-empty strings, got {text!r}")
+        if self.stop_strings and self.tokenizer is None:
+            raise ValueError("stop_strings needs `tokenizer` (to read the generated tokens as text); "
+                             "pass tokenizer=... or use stop_token_ids")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def logprob_temperature(self) -> float:
+        """Temperature of the stored log-probs: the sampling temperature, or 1 when greedy."""
+        return 1.0 if self.greedy else float(self.temperature)
+
+
+def warp_logits(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:
+    """``logits [..., V]`` -> the logits actually sampled from ``[..., V]``: divided by the temperature,
+    then top-k, then top-p; removed tokens are ``-inf``. Greedy configs return the logits unchanged
+    (argmax is all that is taken from them).
+    """
+    if sampling.greedy:
+        return logits
+    warped = logits / sampling.temperature
+    if sampling.top_k:
+        k = min(sampling.top_k, warped.shape[-1])
+        kth_largest = torch.topk(warped, k, dim=-1).values[..., -1:]
+        warped = warped.masked_fill(warped < kth_largest, float("-inf"))
+    if sampling.top_p < 1:
+        warped = _top_p(warped, sampling.top_p)
+    return warped
+
+
+def _top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    # Ascending sort: a token is dropped when the mass of itself and every less likely token is at
+    # most 1 - top_p; the most likely token always stays.
+    sorted_logits, order = torch.sort(logits, dim=-1)
+    mass_up_to = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+    drop_sorted = mass_up_to <= 1 - top_p
+    drop_sorted[..., -1] = False
+    drop = drop_sorted.scatter(-1, order, drop_sorted)
+    return logits.masked_fill(drop, float("-inf"))
+
+
+def sample_tokens(logits: torch.Tensor, sampling: SamplingConfig,
+                  generator: torch.Generator | None = None) -> torch.Tensor:
+    """Draw one token per row: ``logits [..., V]`` -> token ids ``[...]`` (int64).
+
+    Greedy takes the argmax. Otherwise the draw is ``argmax(p / E)`` with ``E ~ Exp(1)`` i.i.d.
+    ("exponential race"): token i wins with probability ``p_i``, and unlike ``torch.multinomial``
+    it needs no host sync.
+    """
+    if sampling.greedy:
+        return logits.argmax(dim=-1)
+    probs = warp_logits(logits.float(), sampling).softmax(dim=-1)
+    race = torch.empty_like(probs).exponential_(1.0, generator=generator)
+    # An exact 0 from exponential_ would turn a removed token (p = 0) into 0/0 = nan.
+    race.clamp_min_(torch.finfo(race.dtype).tiny)
+    return (probs / race).argmax(dim=-1)
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:
+    """Sampler log-probs ``[...]`` (float32) of ``tokens [...]`` under ``logits [..., V]``:
+    ``log_softmax(logits / T)`` over the full vocabulary, with ``T = 1`` when greedy, which is what
+    the trainer computes for the same tokens.
+    """
+    scaled = logits.float() / sampling.logprob_temperature
+    return scaled.log_softmax(dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)

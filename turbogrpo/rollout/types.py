@@ -1,0 +1,76 @@
+"""What a rollout returns.
+
+Completions are ordered group-major: completion ``i`` is sample ``i % num_samples`` of prompt
+``i // num_samples`` (``group_index`` says so explicitly). ``S_i`` is completion i's length.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, TypeVar
+
+import torch
+
+FinishReason = Literal["stop", "length"]
+""""stop": ended on a stop token or stop string (kept as its last token); "length": max_new_tokens."""
+
+T = TypeVar("T")
+
+
+@dataclass
+class RolloutStats:
+    """Cost of one rollout."""
+
+    num_forwards: int = 0
+    """Policy forwards: one prefill plus one per decoding step."""
+    num_generated_tokens: int = 0
+    wall_time_s: float = 0.0
+    live_batch_sizes: list[int] = field(default_factory=list)
+    """Live sequences in each decoding step (the forward after the prefill), in step order."""
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.num_generated_tokens / self.wall_time_s if self.wall_time_s > 0 else 0.0
+
+
+@dataclass
+class Rollout:
+    """Completions of ``num_samples`` samples for each prompt, with the sampler's log-probs."""
+
+    prompts: list[torch.Tensor]
+    """Per group: the prompt ``[P_g]`` (int64)."""
+    num_samples: int
+    tokens: list[torch.Tensor]
+    """Per completion: generated token ids ``[S_i]`` (int64), stop token included."""
+    logprobs: list[torch.Tensor]
+    """Per completion: ``log_softmax(logits / T)`` of each generated token over the full vocabulary
+    ``[S_i]`` (float32; T = 1 when greedy) — what the trainer recomputes."""
+    finish_reasons: list[FinishReason]
+    group_index: list[int]
+    """Per completion: index of its prompt in ``prompts``."""
+    hidden: list[torch.Tensor] | None
+    """With ``return_hidden``: per completion ``[S_i, Hd]``, the policy's final (post-norm) hidden state
+    at the position that predicted each token (the prompt's last token for the first one)."""
+    stats: RolloutStats
+
+    @property
+    def num_completions(self) -> int:
+        return len(self.tokens)
+
+    def tokens_per_group(self) -> list[list[torch.Tensor]]:
+        """``tokens`` grouped per prompt (the layout ``turbogrpo.completion_logprobs`` takes)."""
+        return self._per_group(self.tokens)
+
+    def logprobs_per_group(self) -> list[list[torch.Tensor]]:
+        return self._per_group(self.logprobs)
+
+    def hidden_per_group(self) -> list[list[torch.Tensor]]:
+        if self.hidden is None:
+            raise ValueError("this rollout has no hidden states; generate with return_hidden=True")
+        return self._per_group(self.hidden)
+
+    def _per_group(self, items: list[T]) -> list[list[T]]:
+        grouped: list[list[T]] = [[] for _ in self.prompts]
+        for group, item in zip(self.group_index, items):
+            grouped[group].append(item)
+        return grouped
