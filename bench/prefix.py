@@ -1,0 +1,211 @@
+"""Shared-prefix training forward vs. the standard forward vs. prefix_grouper 0.0.1.post1.
+
+Forward + backward of a loss on the completion log-probs, for GRPO-shaped batches
+(one prompt of P tokens, G completions of S tokens), on the "bench model" (Qwen2-style, hidden 512,
+8 layers, intermediate 1536, 8 heads / 2 KV heads, vocab 16384, float32).
+
+    python bench/prefix.py            # all shapes, 3 interleaved repeats, memory probes
+    python bench/prefix.py --quick    # 1 repeat, no memory probes
+
+prefix_grouper is used as its README describes (concat_input -> model forward with its
+``forward(attn_func, q, k, v)`` -> full-sequence logits -> split_output(include_prefix_last=1)),
+with the attention function it calls supplied here: its README assumes flash-attn's bottom-right
+causal masking, which SDPA on CPU does not do, so our adapter builds the correct boolean mask
+(prefix: causal; suffix: whole prefix + causal within the own completion) for each of its two
+SDPA calls.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import (current_peak_rss_mb, interleaved_medians, peak_rss_delta_mb, print_table,  # noqa: E402
+                     write_results)
+
+import turbogrpo  # noqa: E402
+from turbogrpo.hook import lm_head_of, run_decoder  # noqa: E402
+
+SHAPES = [(1024, 128, 8), (2048, 256, 16), (256, 256, 4), (128, 512, 8)]
+BENCH_MODEL = dict(vocab_size=16384, hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
+                   num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=8192)
+
+
+def bench_model() -> Qwen2ForCausalLM:
+    torch.manual_seed(0)
+    return Qwen2ForCausalLM(Qwen2Config(**BENCH_MODEL)).float()
+
+
+def make_batch(prompt_len: int, completion_len: int, group: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    vocab = BENCH_MODEL["vocab_size"]
+    prompts = [torch.randint(0, vocab, (prompt_len,), generator=g)]
+    completions = [[torch.randint(0, vocab, (completion_len,), generator=g) for _ in range(group)]]
+    return prompts, completions
+
+
+def flop_ratio(prompt_len: int, completion_len: int, group: int) -> dict:
+    """Forward FLOPs of standard and shared layouts (backward scales both alike)."""
+    c = BENCH_MODEL
+    hidden, inter, layers, vocab = c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"], c["vocab_size"]
+    kv_dim = hidden // c["num_attention_heads"] * c["num_key_value_heads"]
+    linear_per_token = 2 * layers * (2 * hidden * hidden + 2 * hidden * kv_dim + 3 * hidden * inter)
+    attention_per_pair = 4 * hidden * layers          # q.k and p.v for every (query, visible key)
+    lm_head = 2 * hidden * vocab * group * completion_len  # both only score completion tokens
+    P, S, G = prompt_len, completion_len, group
+    standard_pairs = G * (P + S) * (P + S + 1) // 2
+    shared_pairs = P * (P + 1) // 2 + G * (S * P + S * (S + 1) // 2)
+    standard = G * (P + S) * linear_per_token + standard_pairs * attention_per_pair + lm_head
+    shared = (P + G * S) * linear_per_token + shared_pairs * attention_per_pair + lm_head
+    return {"standard_gflop": standard / 1e9, "shared_gflop": shared / 1e9, "ratio": standard / shared}
+
+
+# ---------------------------------------------------------------- the three contenders
+
+def run_turbogrpo(model, prompts, completions, share_prefix: bool) -> None:
+    per_group = turbogrpo.completion_logprobs(model, prompts, completions, share_prefix=share_prefix)
+    torch.cat([t for group in per_group for t in group]).mean().backward()
+
+
+def run_prefix_grouper(model, prompts, completions) -> None:
+    from prefix_grouper import PrefixGrouper
+
+    prompt_ids = torch.stack(prompts)                                  # [b1, P] (equal lengths here)
+    completion_ids = torch.stack([c for cs in completions for c in cs])  # [b2, S]
+    prompt_mask = torch.ones_like(prompt_ids, dtype=torch.bool)
+    completion_mask = torch.ones_like(completion_ids, dtype=torch.bool)
+    grouper = PrefixGrouper.from_ungrouped_masks(prompt_mask, completion_mask,
+                                                 group_sizes=[len(cs) for cs in completions],
+                                                 padding_mode="right")
+    input_ids = grouper.concat_input(prompt_ids, prompt_mask, completion_ids, completion_mask)
+    position_ids = _prefix_grouper_positions(grouper)
+    attention = _PrefixGrouperAttention(grouper)
+    hidden = run_decoder(model, input_ids, position_ids, attention)
+    logits = lm_head_of(model)(hidden)                                 # every position, as its README does
+    _, _, suffix_logits, suffix_mask = grouper.split_output(logits, include_prefix_last=1)
+    targets = grouper.convert_padding(completion_ids, completion_mask, padding_mode="right")
+    suffix_logits, suffix_mask = suffix_logits[:, :-1], suffix_mask[:, 1:]
+    logps = suffix_logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - suffix_logits.logsumexp(-1)
+    (logps * suffix_mask).sum().div(suffix_mask.sum()).backward()
+
+
+def _prefix_grouper_positions(grouper) -> torch.Tensor:
+    rows = []
+    for info in grouper.group_info:
+        ids = [torch.arange(info.prefix_len)] + [torch.arange(info.prefix_len, info.prefix_len + s)
+                                                  for s in info.suffix_lens]
+        rows.append(torch.cat(ids))
+    width = grouper.padding_mask.shape[1]
+    return torch.stack([F.pad(r, (0, width - r.numel())) for r in rows])
+
+
+class _PrefixGrouperAttention:
+    """Our plan hands q/k/v to prefix_grouper, with a correct CPU attention function for its calls."""
+
+    def __init__(self, grouper):
+        self.grouper = grouper
+        self.suffix_mask = None  # built once per batch, shared by all layers
+
+    def __call__(self, module, query, key, value, *, scaling, sliding_window):
+        num_rep = query.shape[1] // key.shape[1]
+        key, value = key.repeat_interleave(num_rep, 1), value.repeat_interleave(num_rep, 1)
+        return self.grouper.forward(self._attend, query, key, value, scale=scaling)
+
+    def _attend(self, q, k, v, key_padding_mask, scale):
+        if q.shape[2] == k.shape[2]:  # the prefix call: causal within the prompt
+            mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool).tril() & key_padding_mask[:, None, None, :]
+        else:                         # the suffix call: whole prompt + causal within own completion
+            mask = self._suffix_rule(q.shape[2], k.shape[2]) & key_padding_mask[:, None, None, :]
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+        return out.transpose(1, 2)
+
+    def _suffix_rule(self, num_q, num_k):
+        # Each suffix row is one completion [S] against [its prompt (P), itself (S)]: the whole prompt,
+        # then causal (bottom-right aligned, which is what flash-attn's causal flag would give).
+        if self.suffix_mask is None:
+            prefix = num_k - num_q
+            self.suffix_mask = torch.cat([torch.ones(num_q, prefix, dtype=torch.bool),
+                                          torch.ones(num_q, num_q, dtype=torch.bool).tril()], dim=1)
+        return self.suffix_mask
+
+
+CONTENDERS = {
+    "standard": lambda m, p, c: run_turbogrpo(m, p, c, share_prefix=False),
+    "turbogrpo": lambda m, p, c: run_turbogrpo(m, p, c, share_prefix=True),
+    "prefix_grouper": run_prefix_grouper,
+}
+
+
+def memory_probe(name: str, prompt_len: int, completion_len: int, group: int) -> None:
+    """Child process entry: one forward+backward, print peak RSS growth over the set-up state."""
+    model = bench_model()
+    prompts, completions = make_batch(prompt_len, completion_len, group)
+    before = current_peak_rss_mb()
+    CONTENDERS[name](model, prompts, completions)
+    print(f"PEAK_MB {current_peak_rss_mb() - before:.1f}")
+
+
+def check_agreement(model, prompts, completions) -> float:
+    with torch.no_grad():
+        a = torch.cat(turbogrpo.completion_logprobs(model, prompts, completions, share_prefix=False)[0])
+        b = torch.cat(turbogrpo.completion_logprobs(model, prompts, completions)[0])
+    return (a - b).abs().max().item()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="1 repeat, no warm-up, no memory probes")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--shapes", default=None, help="e.g. 1024x128x8,256x256x4")
+    parser.add_argument("--memory-probe", nargs=4, metavar=("NAME", "P", "S", "G"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.memory_probe:
+        name, *dims = args.memory_probe
+        return memory_probe(name, *map(int, dims))
+
+    shapes = SHAPES if not args.shapes else [tuple(map(int, s.split("x"))) for s in args.shapes.split(",")]
+    repeats, warmup = (1, 0) if args.quick else (args.repeats, 1)
+    model = bench_model()
+    rows, records = [], []
+    for P, S, G in shapes:
+        prompts, completions = make_batch(P, S, G)
+        max_gap = check_agreement(model, prompts, completions)
+        times = interleaved_medians({name: (lambda fn=fn: (model.zero_grad(set_to_none=True),
+                                                            fn(model, prompts, completions)))
+                                     for name, fn in CONTENDERS.items()}, repeats=repeats, warmup=warmup)
+        flops = flop_ratio(P, S, G)
+        memory = {}
+        if not args.quick:
+            for name in CONTENDERS:
+                memory[name] = peak_rss_delta_mb([__file__, "--memory-probe", name, str(P), str(S), str(G)])
+        std, ours, pg = (times[n]["median_s"] for n in ("standard", "turbogrpo", "prefix_grouper"))
+        record = {"prompt_len": P, "completion_len": S, "group_size": G, "times": times,
+                  "speedup_vs_standard": std / ours, "speedup_vs_prefix_grouper": pg / ours,
+                  "prefix_grouper_speedup_vs_standard": std / pg, "flops": flops,
+                  "speedup_over_flop_ratio": (std / ours) / flops["ratio"],
+                  "peak_memory_mb": memory, "max_abs_logprob_gap": max_gap}
+        if memory:
+            record["memory_ratio_vs_standard"] = memory["turbogrpo"] / memory["standard"]
+        records.append(record)
+        rows.append([f"{P}/{S}/{G}", std, pg, ours, std / ours, pg / ours, flops["ratio"],
+                     record["speedup_over_flop_ratio"],
+                     f"{memory['standard']:.0f}/{memory['turbogrpo']:.0f}" if memory else "-",
+                     f"{record.get('memory_ratio_vs_standard', float('nan')):.2f}", f"{max_gap:.1e}"])
+        print(f"done {P}/{S}/{G}", flush=True)
+
+    print_table(
+        "fwd+bwd seconds (median of %d), bench model float32 on CPU" % repeats,
+        ["P/S/G", "standard", "prefix_grouper", "turbogrpo", "x std", "x pg", "FLOP ratio",
+         "x std / FLOP", "peak MB std/ours", "mem ratio", "max |dlogp|"], rows)
+    write_results("prefix", {"model": BENCH_MODEL, "dtype": "float32", "repeats": repeats,
+                             "warmup": warmup, "shapes": records})
+
+
+if __name__ == "__main__":
+    main()
