@@ -94,3 +94,21 @@ def joint_counts(samples: torch.Tensor, vocab_size: int) -> torch.Tensor:
     for column in samples.T:
         index = index * vocab_size + column
     return torch.bincount(index, minlength=vocab_size ** samples.shape[1]).view(*([vocab_size] * samples.shape[1]))
+
+
+def tiny_policy(arch: str = "qwen2", *, seed: int = 0, vocab_size: int = 64, hidden_size: int = 32,
+                num_layers: int = 2, sharpness: float = 3.0):
+    """A tiny random causal LM; ``sharpness`` sets its logits' scale so its distributions are peaked
+    (a random model is otherwise close to uniform, which makes acceptance trivially rare)."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    classes = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "llama": (LlamaConfig, LlamaForCausalLM)}
+    config_class, model_class = classes[arch]
+    torch.manual_seed(seed)
+    config = config_class(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+                          num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
+                          max_position_embeddings=512, tie_word_embeddings=False)
+    model = model_class(config).eval()
+    with torch.no_grad():  # logits of standard deviation about `sharpness`
+        model.lm_head.weight.normal_(0.0, sharpness / hidden_size ** 0.5)
+    return model

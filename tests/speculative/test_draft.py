@@ -1,0 +1,77 @@
+"""The draft head: ownership of parameters, save/load, training, and the CLI's data path."""
+
+import pytest
+import torch
+
+from speculative_helpers import tiny_policy
+from turbogrpo.speculative.draft import (CausalPlan, DraftHead, DraftTrainConfig, draft_examples, draft_loss,
+                                         shift_features, train_draft)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_draft_owns_only_its_body_and_references_the_policy(arch):
+    policy = tiny_policy(arch)
+    draft = DraftHead(policy, num_layers=2)
+    own = {id(p) for p in draft.parameters()}
+    assert not own & {id(p) for p in policy.parameters()}
+    assert not any(k.startswith(("policy", "embed", "lm_head")) for k in draft.state_dict())
+    assert draft.policy.lm_head is policy.lm_head
+    assert draft.policy.embed_tokens is policy.model.embed_tokens
+    assert type(draft.layers[0]) is type(policy.model.layers[0]) and len(draft.layers) == 2
+    ids = torch.randint(64, (2, 5))
+    features = torch.randn(2, 5, 32)
+    out = draft(features, ids, torch.arange(5).expand(2, 5), CausalPlan())
+    assert out.shape == (2, 5, 32) and draft.logits(out).shape == (2, 5, 64)
+
+
+def test_save_load_roundtrip(tmp_path):
+    policy = tiny_policy()
+    draft = DraftHead(policy)
+    draft.save(tmp_path / "d")
+    loaded = DraftHead.load(tmp_path / "d", policy)
+    ids, feats, pos = torch.randint(64, (1, 4)), torch.randn(1, 4, 32), torch.arange(4)[None]
+    torch.testing.assert_close(loaded(feats, ids, pos, CausalPlan()), draft(feats, ids, pos, CausalPlan()),
+                               rtol=0, atol=0)
+
+
+def test_load_rejects_a_draft_of_another_policy(tmp_path):
+    DraftHead(tiny_policy()).save(tmp_path / "d")
+    with pytest.raises(ValueError, match="hidden_size"):
+        DraftHead.load(tmp_path / "d", tiny_policy(hidden_size=48))
+    with pytest.raises(ValueError, match="draft_config.json"):
+        DraftHead.load(tmp_path / "missing", tiny_policy())
+
+
+def test_bad_config_is_a_value_error():
+    with pytest.raises(ValueError, match="num_layers"):
+        DraftHead(tiny_policy(), num_layers=0)
+    with pytest.raises(ValueError, match="lr"):
+        DraftTrainConfig(lr=0)
+
+
+def test_features_are_shifted_by_one_position():
+    features = torch.arange(6.0).view(1, 3, 2)
+    assert shift_features(features).tolist() == [[[0, 0], [0, 1], [2, 3]]]
+
+
+def test_training_lowers_the_loss_and_leaves_the_policy_alone():
+    policy = tiny_policy()
+    before = {k: v.clone() for k, v in policy.state_dict().items()}
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(64, (6,), generator=g) for _ in range(4)]
+    completions = [[torch.randint(64, (12,), generator=g) for _ in range(4)] for _ in prompts]
+    examples = draft_examples(policy, prompts, completions)
+    assert len(examples) == 16 and examples[0].features.shape == (18, 32) and examples[0].loss_start == 6
+    draft = DraftHead(policy)
+    config = DraftTrainConfig(lr=3e-3, num_epochs=10, batch_size=8)
+    with torch.no_grad():
+        start = draft_loss(draft, examples, config)[1]
+    history = train_draft(draft, examples, config)
+    with torch.no_grad():
+        end = draft_loss(draft, examples, config)[1]
+    assert len(history) == 20
+    assert end["loss"] < 0.8 * start["loss"] and end["feature_loss"] < start["feature_loss"]
+    assert end["top1_agreement"] > start["top1_agreement"] + 0.1
+    assert all(p.grad is None for p in policy.parameters())
+    for k, v in policy.state_dict().items():
+        assert torch.equal(v, before[k]), k
