@@ -102,8 +102,10 @@ class GroupedKVCache:
         self._prompt_keys[layer] = key.contiguous()
         self._prompt_values[layer] = value.contiguous()
         slots_shape = (self.num_live, key.shape[1], self.capacity, key.shape[3])
-        self._keys[layer] = key.new_empty(slots_shape)
-        self._values[layer] = value.new_empty(slots_shape)
+        # Zeros, not empty: unused slots are masked out, but a masked weight of 0 times a NaN from
+        # uninitialised memory would still be NaN.
+        self._keys[layer] = key.new_zeros(slots_shape)
+        self._values[layer] = value.new_zeros(slots_shape)
 
     def write(self, layer: int, key_BKnD: torch.Tensor, value_BKnD: torch.Tensor, slots_Bn: torch.Tensor) -> None:
         """Put new tokens' K/V ``[B, Hkv, n, D]`` into generated slots ``slots_Bn [B, n]``."""

@@ -1,0 +1,38 @@
+"""Tiny random models for the rollout tests (built from configs; nothing is downloaded)."""
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, \
+    Qwen2ForCausalLM
+
+VOCAB = 64
+ARCHITECTURES = {
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+    "llama": (LlamaConfig, LlamaForCausalLM),
+    "mistral": (MistralConfig, MistralForCausalLM),
+}
+
+
+def build_model(arch: str = "qwen2", *, vocab_size: int = VOCAB, seed: int = 0, **overrides):
+    config_cls, model_cls = ARCHITECTURES[arch]
+    torch.manual_seed(seed)
+    settings = dict(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=128,
+                    initializer_range=0.2, tie_word_embeddings=False)
+    settings.update(overrides)
+    return model_cls(config_cls(**settings)).eval()
+
+
+def random_prompts(lengths, *, vocab_size: int = VOCAB, seed: int = 0):
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab_size, (n,), generator=generator) for n in lengths]
+
+
+@pytest.fixture(scope="module")
+def qwen2():
+    return build_model("qwen2")
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return build_model("llama", seed=1)

@@ -1,0 +1,141 @@
+"""The plain rollout engine end to end: greedy parity with HF generate, stopping, stats, bad input."""
+
+import string
+
+import pytest
+import torch
+from tokenizers import Tokenizer, decoders, models
+from transformers import PreTrainedTokenizerFast
+
+from tests.rollout.conftest import VOCAB, build_model, random_prompts
+from turbogrpo.rollout import SamplingConfig, generate
+
+PROMPT_LENGTHS = [3, 8, 13]
+
+
+def hf_greedy(model, prompt: torch.Tensor, max_new_tokens: int) -> list[int]:
+    out = model.generate(prompt[None], attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                         do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+@pytest.mark.parametrize("num_samples", [1, 3])
+def test_greedy_equals_hf_generate_token_for_token(arch, num_samples, request):
+    model = request.getfixturevalue(arch)
+    prompts = random_prompts(PROMPT_LENGTHS, seed=4)
+    rollout = generate(model, prompts, num_samples=num_samples,
+                       sampling=SamplingConfig(max_new_tokens=12, temperature=0))
+    for prompt, completions in zip(prompts, rollout.tokens_per_group()):
+        expected = hf_greedy(model, prompt, 12)
+        assert [c.tolist() for c in completions] == [expected] * num_samples
+    assert rollout.finish_reasons == ["length"] * len(prompts) * num_samples
+    assert rollout.stats.num_forwards == 12  # one prefill + 11 decoding steps (the 12th token needs none)
+    assert rollout.stats.live_batch_sizes == [len(prompts) * num_samples] * 11
+    assert rollout.stats.num_generated_tokens == 12 * len(prompts) * num_samples
+
+
+def test_stop_tokens_end_each_completion_at_its_first_stop(qwen2):
+    prompts = random_prompts(PROMPT_LENGTHS, seed=4)
+    free = generate(qwen2, prompts, num_samples=1, sampling=SamplingConfig(max_new_tokens=12, temperature=0))
+    stop_id = free.tokens[0][4].item()
+    stopped = generate(qwen2, prompts, num_samples=1,
+                       sampling=SamplingConfig(max_new_tokens=12, temperature=0, stop_token_ids=[stop_id]))
+    for unstopped, tokens, reason in zip(free.tokens, stopped.tokens, stopped.finish_reasons):
+        hits = (unstopped == stop_id).nonzero().flatten().tolist()
+        expected = unstopped[:hits[0] + 1] if hits else unstopped
+        assert tokens.tolist() == expected.tolist()
+        assert reason == ("stop" if hits else "length")
+    assert stopped.finish_reasons[0] == "stop" and len(stopped.tokens[0]) <= 5
+
+
+def test_sampled_completions_stop_where_they_should_and_finished_ones_leave_the_batch(qwen2):
+    stop_ids = list(range(8))  # an eighth of the vocabulary: lengths vary a lot
+    sampling = SamplingConfig(max_new_tokens=16, stop_token_ids=stop_ids)
+    rollout = generate(qwen2, random_prompts([5, 9]), num_samples=6, sampling=sampling, seed=3, return_hidden=True)
+    for tokens, logprobs, hidden, reason in zip(rollout.tokens, rollout.logprobs, rollout.hidden,
+                                                rollout.finish_reasons):
+        assert len(tokens) == len(logprobs) == len(hidden) >= 1
+        assert not torch.isin(tokens[:-1], torch.tensor(stop_ids)).any()
+        if reason == "stop":
+            assert tokens[-1].item() in stop_ids
+        else:
+            assert len(tokens) == 16
+        assert (logprobs <= 0).all()
+    lengths = sorted(len(t) for t in rollout.tokens)
+    # After the first token, step s runs exactly the completions longer than s tokens.
+    assert rollout.stats.live_batch_sizes == [sum(n > s for n in lengths) for s in range(1, max(lengths))]
+    assert rollout.stats.num_forwards == max(lengths)
+    assert len(set(lengths)) > 3, "the test needs varied lengths"
+
+
+def test_seeded_rollouts_are_reproducible_and_samples_differ(qwen2):
+    prompts = random_prompts([4, 6])
+    sampling = SamplingConfig(max_new_tokens=8, temperature=1.0)
+    first = generate(qwen2, prompts, num_samples=4, sampling=sampling, seed=11)
+    second = generate(qwen2, prompts, num_samples=4, sampling=sampling, seed=11)
+    assert [t.tolist() for t in first.tokens] == [t.tolist() for t in second.tokens]
+    torch.testing.assert_close(torch.cat(first.logprobs), torch.cat(second.logprobs), rtol=0, atol=0)
+    assert len({tuple(t.tolist()) for t in first.tokens}) == len(first.tokens)
+
+
+def test_max_new_tokens_one_needs_only_the_prefill(qwen2):
+    rollout = generate(qwen2, random_prompts([5]), num_samples=3, sampling=SamplingConfig(max_new_tokens=1), seed=0)
+    assert [len(t) for t in rollout.tokens] == [1, 1, 1]
+    assert rollout.stats.num_forwards == 1 and rollout.stats.live_batch_sizes == []
+
+
+def piece_tokenizer() -> tuple[PreTrainedTokenizerFast, list[str]]:
+    """A 63-piece tokenizer (one short string per id; the model's vocabulary is larger)."""
+    pieces = list(string.ascii_lowercase) + [a + b for a in "abcde" for b in "xyz"] + \
+        ["<", ">", "/", "</", "an", "er>", " ", "\n", ".", ",", "!", "?", "the", "ing"] + list("12345678")
+    backend = Tokenizer(models.WordLevel({p: i for i, p in enumerate(pieces)}, unk_token="a"))
+    backend.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=backend), pieces
+
+
+def test_stop_strings_across_token_boundaries(qwen2):
+    tokenizer, pieces = piece_tokenizer()
+    prompts = random_prompts(PROMPT_LENGTHS, seed=4)
+    free = generate(qwen2, prompts, num_samples=1, sampling=SamplingConfig(max_new_tokens=12, temperature=0))
+    texts = [[pieces[t] if t < len(pieces) else "" for t in c.tolist()] for c in free.tokens]
+    # A stop string spanning tokens 3-5 of the first completion (not just one token's text).
+    span = "".join(texts[0][3:6])
+    stop = span[len(texts[0][3]) - 1: len(texts[0][3]) + len(texts[0][4]) + 1]
+    sampling = SamplingConfig(max_new_tokens=12, temperature=0, stop_strings=[stop], tokenizer=tokenizer)
+    stopped = generate(qwen2, prompts, num_samples=1, sampling=sampling)
+    for pieces_of, tokens, reason in zip(texts, stopped.tokens, stopped.finish_reasons):
+        first_end = next((j for j in range(len(pieces_of)) if stop in "".join(pieces_of[:j + 1])), None)
+        assert len(tokens) == (first_end + 1 if first_end is not None else 12)
+        assert reason == ("stop" if first_end is not None else "length")
+    assert stopped.finish_reasons[0] == "stop" and len(stopped.tokens[0]) <= 6
+
+
+@pytest.mark.parametrize("make_call, message", [
+    (lambda m, s: generate(m, [], num_samples=2, sampling=s), "prompts must be a non-empty list"),
+    (lambda m, s: generate(m, [torch.tensor([], dtype=torch.long)], num_samples=2, sampling=s), r"prompts\[0\] is empty"),
+    (lambda m, s: generate(m, [torch.tensor([1, 2]), torch.ones(2, 2, dtype=torch.long)], num_samples=2, sampling=s),
+     r"prompts\[1\] must be a 1-D integer tensor"),
+    (lambda m, s: generate(m, [torch.tensor([1.0])], num_samples=2, sampling=s), r"prompts\[0\] must be a 1-D integer"),
+    (lambda m, s: generate(m, [torch.tensor([1, VOCAB])], num_samples=2, sampling=s), r"allowed is \[0, 64\)"),
+    (lambda m, s: generate(m, [torch.tensor([1])], num_samples=0, sampling=s), "num_samples must be an integer >= 1"),
+    (lambda m, s: generate(m, [torch.arange(120) % VOCAB], num_samples=1, sampling=s),
+     "max_position_embeddings=128"),
+    (lambda m, s: generate(m, [torch.tensor([1])], num_samples=1, sampling=s, draft=object()), "draft"),
+    (lambda m, s: generate(m, [torch.tensor([1])], num_samples=1, sampling={"max_new_tokens": 3}),
+     "sampling must be a SamplingConfig"),
+    (lambda m, s: generate(m, [torch.tensor([1])], num_samples=1,
+                           sampling=SamplingConfig(max_new_tokens=2, stop_token_ids=[VOCAB])), "stop_token_ids"),
+])
+def test_bad_input_raises_value_error_naming_the_field(qwen2, make_call, message):
+    with pytest.raises(ValueError, match=message):
+        make_call(qwen2, SamplingConfig(max_new_tokens=10))
+
+
+def test_bad_sampling_values_are_refused_before_any_rollout():
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        SamplingConfig(max_new_tokens=0)
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingConfig(max_new_tokens=4, temperature=-1)
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingConfig(max_new_tokens=4, top_p=0)

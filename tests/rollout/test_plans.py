@@ -1,0 +1,124 @@
+"""The rollout attention plans against the unmodified model on the full sequences (dense reference)."""
+
+import pytest
+import torch
+
+from tests.rollout.conftest import VOCAB, build_model, random_prompts
+from turbogrpo.rollout.kv_cache import GroupedKVCache
+from turbogrpo.rollout.plans import forward_new_tokens, prefill
+
+ATOL = 2e-5
+
+
+def reference_last_hidden(model, tokens: torch.Tensor, count: int = 1) -> torch.Tensor:
+    """Final hidden states of the last ``count`` tokens of ``tokens``, by the model's own forward."""
+    return model.model(tokens[None]).last_hidden_state[0, -count:]
+
+
+def random_tree(num_nodes: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ancestors [n, n] bool incl. self, depths [n]) of a random tree rooted at node 0."""
+    parents = [-1] + [int(torch.randint(0, i, (1,), generator=generator)) for i in range(1, num_nodes)]
+    ancestors = torch.eye(num_nodes, dtype=torch.bool)
+    depths = torch.zeros(num_nodes, dtype=torch.long)
+    for node in range(1, num_nodes):
+        ancestors[node] |= ancestors[parents[node]]
+        depths[node] = depths[parents[node]] + 1
+    return ancestors, depths
+
+
+def path_to(node: int, ancestors: torch.Tensor) -> list[int]:
+    """Nodes from the root to ``node`` (ancestors of a node have smaller indices)."""
+    return ancestors[node].nonzero().flatten().tolist()
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_chain_decoding_and_dropping_sequences_match_full_forward(arch):
+    model = build_model(arch)
+    prompts = random_prompts([5, 9, 1])
+    num_samples = 2
+    cache = GroupedKVCache([len(p) for p in prompts], num_samples, capacity=12, device=torch.device("cpu"))
+    prompt_hidden = prefill(model, cache, prompts)
+    for prompt, hidden in zip(prompts, prompt_hidden):
+        torch.testing.assert_close(hidden, reference_last_hidden(model, prompt)[0], atol=ATOL, rtol=0)
+
+    generator = torch.Generator().manual_seed(0)
+    generated = [[] for _ in range(len(prompts) * num_samples)]
+    live = list(range(len(generated)))
+    # (tokens per sequence this step, live sequences kept afterwards): single tokens, a chain of 3,
+    # then dropping sequences, including both samples of group 0 (its prompt K/V leaves the cache).
+    for num_new, keep in [(1, None), (3, [1, 2, 3, 5]), (1, [1, 3]), (2, [1]), (1, None)]:
+        ids = torch.randint(0, VOCAB, (len(live), num_new), generator=generator)
+        hidden = forward_new_tokens(model, cache, ids)
+        cache.commit_all(num_new)
+        for row, sequence in enumerate(live):
+            generated[sequence] += ids[row].tolist()
+            full = torch.cat([prompts[sequence // num_samples], torch.tensor(generated[sequence])])
+            torch.testing.assert_close(hidden[row], reference_last_hidden(model, full, num_new), atol=ATOL, rtol=0)
+        if keep is not None:
+            cache.keep(keep)
+            live = [live[row] for row in keep]
+
+
+@torch.no_grad()
+def test_token_trees_and_committing_a_path_match_full_forward(qwen2):
+    """n > 1 new tokens with a per-sequence ancestor mask and tree position ids (speculative
+    verification), then committing one root-to-node path per sequence."""
+    model = qwen2
+    prompts = random_prompts([4, 7])
+    num_samples, num_nodes = 3, 6
+    cache = GroupedKVCache([len(p) for p in prompts], num_samples, capacity=20, device=torch.device("cpu"))
+    prefill(model, cache, prompts)
+    generator = torch.Generator().manual_seed(1)
+    num_sequences = len(prompts) * num_samples
+    committed = [[] for _ in range(num_sequences)]
+    # One ordinary step first, so that the trees sit behind committed generated tokens.
+    first = torch.randint(0, VOCAB, (num_sequences, 1), generator=generator)
+    forward_new_tokens(model, cache, first)
+    cache.commit_all(1)
+    for sequence in range(num_sequences):
+        committed[sequence] = first[sequence].tolist()
+
+    for _ in range(2):  # two rounds: the second tree follows a committed path of varied length
+        trees = [random_tree(num_nodes, generator) for _ in range(num_sequences)]
+        ancestors = torch.stack([a for a, _ in trees])
+        depths = torch.stack([d for _, d in trees])
+        ids = torch.randint(0, VOCAB, (num_sequences, num_nodes), generator=generator)
+        hidden = forward_new_tokens(model, cache, ids, depths, ancestors)
+        for sequence in range(num_sequences):
+            base = torch.cat([prompts[sequence // num_samples], torch.tensor(committed[sequence], dtype=torch.long)])
+            for node in range(num_nodes):
+                path = path_to(node, ancestors[sequence])
+                full = torch.cat([base, ids[sequence, path]])
+                torch.testing.assert_close(hidden[sequence, node], reference_last_hidden(model, full)[0],
+                                           atol=ATOL, rtol=0)
+        # Commit the path to a random node per sequence (lengths differ across sequences).
+        targets = torch.randint(0, num_nodes, (num_sequences,), generator=generator).tolist()
+        paths = [path_to(t, ancestors[s]) for s, t in enumerate(targets)]
+        chosen = torch.zeros(num_sequences, num_nodes, dtype=torch.long)
+        for sequence, path in enumerate(paths):
+            chosen[sequence, :len(path)] = torch.tensor(path)
+            committed[sequence] += ids[sequence, path].tolist()
+        cache.commit(chosen, torch.tensor([len(p) for p in paths]), max_chosen=max(len(p) for p in paths))
+
+    last = torch.randint(0, VOCAB, (num_sequences, 1), generator=generator)
+    hidden = forward_new_tokens(model, cache, last)
+    for sequence in range(num_sequences):
+        full = torch.cat([prompts[sequence // num_samples], torch.tensor(committed[sequence]), last[sequence]])
+        torch.testing.assert_close(hidden[sequence, 0], reference_last_hidden(model, full)[0], atol=ATOL, rtol=0)
+
+
+@torch.no_grad()
+def test_sliding_window_attention_matches_full_forward():
+    model = build_model("mistral", sliding_window=4)
+    prompts = random_prompts([6, 3])
+    cache = GroupedKVCache([len(p) for p in prompts], 2, capacity=8, device=torch.device("cpu"))
+    prefill(model, cache, prompts)
+    ids = torch.randint(0, VOCAB, (4, 6), generator=torch.Generator().manual_seed(2))
+    for start, stop in [(0, 1), (1, 4), (4, 6)]:
+        hidden = forward_new_tokens(model, cache, ids[:, start:stop])
+        cache.commit_all(stop - start)
+        for sequence in range(4):
+            full = torch.cat([prompts[sequence // 2], ids[sequence, :stop]])
+            torch.testing.assert_close(hidden[sequence], reference_last_hidden(model, full, stop - start),
+                                       atol=ATOL, rtol=0)

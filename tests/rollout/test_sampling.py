@@ -1,0 +1,88 @@
+"""SamplingConfig validation, logit warping against Hugging Face's warpers, draws and log-probs."""
+
+import re
+
+import pytest
+import torch
+from transformers.generation.logits_process import (LogitsProcessorList, TemperatureLogitsWarper,
+                                                    TopKLogitsWarper, TopPLogitsWarper)
+
+from turbogrpo.rollout import SamplingConfig, sample_tokens, token_logprobs, warp_logits
+
+
+@pytest.mark.parametrize("field, value, allowed", [
+    ("max_new_tokens", 0, ">= 1"), ("max_new_tokens", 2.0, ">= 1"),
+    ("temperature", -0.1, ">= 0"), ("temperature", float("nan"), ">= 0"),
+    ("top_p", 0.0, "(0, 1]"), ("top_p", 1.5, "(0, 1]"),
+    ("top_k", -1, ">= 0"),
+    ("stop_token_ids", (3, -2), "non-negative"),
+    ("stop_strings", ("",), "non-empty"),
+])
+def test_bad_config_names_the_field(field, value, allowed):
+    settings = {"max_new_tokens": 4, field: value}
+    with pytest.raises(ValueError, match=rf"{field}.*{re.escape(allowed)}"):
+        SamplingConfig(**settings)
+
+
+def test_stop_strings_need_a_tokenizer():
+    with pytest.raises(ValueError, match="stop_strings needs `tokenizer`"):
+        SamplingConfig(max_new_tokens=4, stop_strings=["</answer>"])
+
+
+def test_config_freezes_lists_and_stays_hashable():
+    config = SamplingConfig(max_new_tokens=4, stop_token_ids=[1, 2])
+    assert config.stop_token_ids == (1, 2)
+    assert hash(config) == hash(SamplingConfig(max_new_tokens=4, stop_token_ids=(1, 2)))
+
+
+@pytest.mark.parametrize("temperature, top_k, top_p", [
+    (1.0, 0, 1.0), (0.7, 0, 0.9), (1.0, 5, 1.0), (1.3, 7, 0.5), (0.5, 1, 1.0), (1.0, 0, 0.01)])
+def test_warp_logits_matches_hugging_face_order_and_rules(temperature, top_k, top_p):
+    logits = torch.randn(6, 40, generator=torch.Generator().manual_seed(0)) * 3
+    logits[0, :4] = logits[0, 4]  # ties at the top-k boundary are kept, as in HF
+    hf = LogitsProcessorList([TemperatureLogitsWarper(temperature)])
+    if top_k:
+        hf.append(TopKLogitsWarper(top_k))
+    if top_p < 1:
+        hf.append(TopPLogitsWarper(top_p))
+    expected = hf(None, logits.clone())
+    ours = warp_logits(logits, SamplingConfig(max_new_tokens=1, temperature=temperature, top_k=top_k, top_p=top_p))
+    assert torch.equal(torch.isinf(ours), torch.isinf(expected))
+    torch.testing.assert_close(ours[~torch.isinf(ours)], expected[~torch.isinf(expected)])
+
+
+def test_greedy_takes_the_argmax_and_stores_temperature_one_logprobs():
+    logits = torch.tensor([[0.0, 2.0, 1.0], [3.0, -1.0, 0.5]])
+    greedy = SamplingConfig(max_new_tokens=1, temperature=0, top_k=1)
+    tokens = sample_tokens(logits, greedy)
+    assert tokens.tolist() == [1, 0]
+    torch.testing.assert_close(token_logprobs(logits, tokens, greedy), logits.log_softmax(-1)[[0, 1], [1, 0]])
+
+
+def test_logprobs_use_the_full_vocabulary_at_the_temperature():
+    """top-k/top-p pick the token; the stored log-prob is the trainer's full-vocab one."""
+    logits = torch.randn(3, 10, generator=torch.Generator().manual_seed(1))
+    config = SamplingConfig(max_new_tokens=1, temperature=0.5, top_k=2, top_p=0.8)
+    tokens = sample_tokens(logits, config, torch.Generator().manual_seed(0))
+    expected = (logits / 0.5).log_softmax(-1).gather(-1, tokens[:, None]).squeeze(-1)
+    torch.testing.assert_close(token_logprobs(logits, tokens, config), expected)
+
+
+def test_draws_follow_the_warped_distribution_and_never_pick_removed_tokens():
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
+    config = SamplingConfig(max_new_tokens=1, temperature=0.8, top_k=4, top_p=0.9)
+    probs = warp_logits(logits, config).softmax(-1)
+    num_draws = 40_000
+    draws = sample_tokens(logits.expand(num_draws, -1), config, torch.Generator().manual_seed(3))
+    frequencies = torch.bincount(draws, minlength=6).double() / num_draws
+    assert frequencies[probs == 0].sum() == 0
+    # 5 standard errors of a binomial frequency at this sample size.
+    tolerance = 5 * (probs.double() * (1 - probs.double()) / num_draws).sqrt() + 1e-9
+    assert ((frequencies - probs.double()).abs() <= tolerance).all(), (frequencies, probs)
+
+
+def test_seeded_draws_are_reproducible():
+    logits = torch.randn(8, 30)
+    config = SamplingConfig(max_new_tokens=1)
+    first = sample_tokens(logits, config, torch.Generator().manual_seed(5))
+    assert torch.equal(first, sample_tokens(logits, config, torch.Generator().manual_seed(5)))
