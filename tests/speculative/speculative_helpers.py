@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from turbogrpo.speculative._sampling import warp_logits
+from turbogrpo.rollout.sampling import warp_logits
 from turbogrpo.speculative.tree import DraftLevel, DraftTree, TreeShape, build_tree
 from turbogrpo.speculative.verify import TreeVerdict, verify_tree
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from speculative_helpers import tiny_policy
+from tests.speculative.speculative_helpers import tiny_policy
 from turbogrpo.speculative.draft import (CausalPlan, DraftHead, DraftTrainConfig, draft_examples, draft_loss,
                                          shift_features, train_draft)
 

@@ -3,16 +3,17 @@
 import pytest
 import torch
 
-from speculative_helpers import (chi_square_pvalue, exact_joint, joint_counts, speculative_samples)
-from turbogrpo.speculative._sampling import SamplingConfig, sample_tokens, warp_logits
-from turbogrpo.speculative.tree import DraftTree, TreeShape, chain_tree
+from tests.speculative.speculative_helpers import (PROMPT, TableDraft, chi_square_pvalue, exact_joint, joint_counts,
+                                                  node_logits, speculative_samples)
+from turbogrpo.rollout.sampling import SamplingConfig, sample_tokens, warp_logits
+from turbogrpo.speculative.tree import DraftTree, TreeShape, build_tree, chain_tree
 from turbogrpo.speculative.verify import TreeVerdict, accept_paths, verify_tree
 
 V = 8
 NUM_SAMPLES = 20_000
-T1 = SamplingConfig(temperature=1.0)
-T07_TOP_P = SamplingConfig(temperature=0.7, top_p=0.9)
-TOP_K5 = SamplingConfig(temperature=1.0, top_k=5)
+T1 = SamplingConfig(max_new_tokens=8, temperature=1.0)
+T07_TOP_P = SamplingConfig(max_new_tokens=8, temperature=0.7, top_p=0.9)
+TOP_K5 = SamplingConfig(max_new_tokens=8, temperature=1.0, top_k=5)
 CHAIN = TreeShape(top_k=1, depth=3, num_nodes=4)
 WIDE = TreeShape(top_k=4, depth=1, num_nodes=5)
 BUSHY = TreeShape(top_k=2, depth=3, num_nodes=7)
@@ -44,8 +45,7 @@ def test_good_draft_is_accepted_more_than_random():
     gen = torch.Generator().manual_seed(0)
     lengths = {}
     for name, draft in drafts.items():
-        from speculative_helpers import TableDraft, node_logits
-        from turbogrpo.speculative.tree import build_tree
+        from tests.speculative.speculative_helpers import TableDraft, node_logits
         cur = torch.randint(V, (4000,), generator=gen)
         prev = torch.randint(V, (4000,), generator=gen)
         tree = build_tree(cur, draft[prev, cur].log_softmax(-1), TableDraft(draft, cur), BUSHY)
@@ -56,7 +56,7 @@ def test_good_draft_is_accepted_more_than_random():
 def typical_acceptance(tree: DraftTree, target_logits, sampling, generator) -> TreeVerdict:
     """WRONG on purpose: accept a child whenever the policy gives it probability >= 0.1."""
     probs = warp_logits(target_logits, sampling).softmax(-1)
-    draws = sample_tokens(warp_logits(target_logits, sampling), sampling, generator)
+    draws = sample_tokens(target_logits, sampling, generator)
     plausible = probs.gather(1, tree.parents[:, :, None].expand(-1, -1, V)).gather(2, tree.tokens[:, :, None])
     forced = torch.where(plausible.squeeze(2) >= 0.1, tree.tokens, draws.gather(1, tree.parents))
     # Re-express "accept" as a draw matching the child, so the path walk is shared.
@@ -66,7 +66,8 @@ def typical_acceptance(tree: DraftTree, target_logits, sampling, generator) -> T
 
 def unwarped_acceptance(tree: DraftTree, target_logits, sampling, generator) -> TreeVerdict:
     """WRONG on purpose: draws from the raw softmax, ignoring the plain sampler's top-k/top-p."""
-    return verify_tree(tree, target_logits, SamplingConfig(temperature=sampling.temperature), generator)
+    unwarped = SamplingConfig(max_new_tokens=8, temperature=sampling.temperature)
+    return verify_tree(tree, target_logits, unwarped, generator)
 
 
 @pytest.mark.parametrize("rule,sampling", [(typical_acceptance, T1), (unwarped_acceptance, TOP_K5)])
@@ -81,9 +82,9 @@ def test_wrong_acceptance_rules_fail_the_test(rule, sampling):
 @pytest.mark.parametrize("shape", [CHAIN, BUSHY, WIDE])
 def test_greedy_emits_the_greedy_sequence(draft, shape):
     target, drafts = tables()
-    greedy = SamplingConfig(temperature=0.0)
+    greedy = SamplingConfig(max_new_tokens=8, temperature=0.0)
     samples = speculative_samples(target, drafts[draft], shape, greedy, num_samples=16, num_tokens=6)
-    expected = list(PROMPT_TOKENS := [1, 2])
+    expected = list(PROMPT)
     for _ in range(6):
         expected.append(int(target[expected[-2], expected[-1]].argmax()))
     assert samples.tolist() == [expected[2:]] * 16
@@ -94,7 +95,7 @@ def test_greedy_accepts_while_child_is_argmax():
     tree = chain_tree(torch.tensor([[0, 3, 5, 6]]))
     logits = torch.full((1, 4, V), -5.0)
     logits[0, 0, 3] = logits[0, 1, 5] = logits[0, 2, 1] = logits[0, 3, 2] = 5.0
-    verdict = verify_tree(tree, logits, SamplingConfig(temperature=0.0))
+    verdict = verify_tree(tree, logits, SamplingConfig(max_new_tokens=8, temperature=0.0))
     assert verdict.num_accepted.tolist() == [2]
     assert verdict.path_nodes.tolist() == [[0, 1, 2, 2]]
     assert verdict.next_token.tolist() == [1]
@@ -104,7 +105,7 @@ def test_rejection_at_root_emits_the_draw_only():
     tree = chain_tree(torch.tensor([[0, 3, 5], [0, 4, 4]]))
     logits = torch.full((2, 3, V), -5.0)
     logits[:, 0, 7] = 5.0
-    verdict = verify_tree(tree, logits, SamplingConfig(temperature=0.0))
+    verdict = verify_tree(tree, logits, SamplingConfig(max_new_tokens=8, temperature=0.0))
     assert verdict.num_accepted.tolist() == [0, 0]
     assert verdict.path_nodes.tolist() == [[0, 0, 0], [0, 0, 0]]
     assert verdict.next_token.tolist() == [7, 7]

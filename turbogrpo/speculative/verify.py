@@ -21,7 +21,7 @@ from typing import NamedTuple
 
 import torch
 
-from turbogrpo.speculative._sampling import sample_tokens, warp_logits
+from turbogrpo.rollout.sampling import SamplingConfig, sample_tokens
 from turbogrpo.speculative.tree import DraftTree
 
 
@@ -34,14 +34,15 @@ class TreeVerdict(NamedTuple):
     next_token: torch.Tensor    # [B] long: the policy's draw at the last accepted node (the bonus token)
 
 
-def verify_tree(tree: DraftTree, target_logits: torch.Tensor, sampling,
+def verify_tree(tree: DraftTree, target_logits: torch.Tensor, sampling: SamplingConfig,
                 generator: torch.Generator | None = None) -> TreeVerdict:
     """Accept the longest tree path that the policy's own draws follow.
 
     ``target_logits`` [B, N, V]: the policy's logits at every node (the distribution of the token
-    after the node's path). ``sampling`` is the plain sampler's config.
+    after the node's path). ``sampling`` is the plain sampler's config; draws go through the plain
+    sampler's own ``sample_tokens``, so both warp logits identically.
     """
-    draws = sample_tokens(warp_logits(target_logits, sampling), sampling, generator)      # [B, N]
+    draws = sample_tokens(target_logits, sampling, generator)                                # [B, N]
     return accept_paths(tree, draws)
 
 
