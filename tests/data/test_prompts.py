@@ -1,0 +1,58 @@
+import pytest
+
+from turbogrpo.data.prompts import build_prompts
+
+ROWS = [{"prompt": "What is 2+2?", "answer": "4", "id": 0},
+        {"question": "What is 3+4?", "prompt": "What is 3+4? Think step by step, please.", "answer": "7", "id": 1}]
+
+
+def test_raw_text_without_template_and_columns_pass_through(byte_tokenizer):
+    result = build_prompts(ROWS, byte_tokenizer)
+    first = result.examples[0]
+    assert first.text == "What is 2+2?"
+    assert first.token_ids.tolist() == byte_tokenizer("What is 2+2?")["input_ids"]
+    assert first.columns == {"answer": "4", "id": 0}
+    assert result.examples[1].columns == {"question": "What is 3+4?", "answer": "7", "id": 1}
+    assert (result.num_too_long, result.num_empty) == (0, 0)
+
+
+def test_chat_template_applied_when_present(chat_tokenizer):
+    result = build_prompts(ROWS[:1], chat_tokenizer, system_prompt="Be brief.")
+    assert result.examples[0].text == "<system>Be brief.<eos><user>What is 2+2?<eos><assistant>"
+    messages = [{"role": "user", "content": "Hi"}]
+    assert build_prompts([{"prompt": messages}], chat_tokenizer).examples[0].text == "<user>Hi<eos><assistant>"
+    assert build_prompts(ROWS[:1], chat_tokenizer, chat_template=False).examples[0].text == "What is 2+2?"
+
+
+def test_chat_template_required_but_missing(byte_tokenizer):
+    with pytest.raises(ValueError, match="no chat template"):
+        build_prompts(ROWS, byte_tokenizer, chat_template=True)
+    with pytest.raises(ValueError, match="chat template"):
+        build_prompts([{"prompt": [{"role": "user", "content": "Hi"}]}], byte_tokenizer)
+
+
+def test_too_long_prompts_skipped_and_counted_or_error(byte_tokenizer):
+    limit = len(byte_tokenizer(ROWS[0]["prompt"])["input_ids"])
+    result = build_prompts(ROWS, byte_tokenizer, max_prompt_tokens=limit)
+    assert [e.index for e in result.examples] == [0]
+    assert result.num_too_long == 1
+    with pytest.raises(ValueError, match=r"row 1: prompt has \d+ tokens"):
+        build_prompts(ROWS, byte_tokenizer, max_prompt_tokens=limit, on_too_long="error")
+
+
+def test_empty_prompts_raise_or_are_skipped(byte_tokenizer):
+    rows = [{"prompt": "  "}, {"prompt": None}, {"other": 1}, {"prompt": "ok"}]
+    with pytest.raises(ValueError, match="row 0: prompt column 'prompt' is empty"):
+        build_prompts(rows, byte_tokenizer)
+    result = build_prompts(rows, byte_tokenizer, on_empty="skip")
+    assert [e.text for e in result.examples] == ["ok"]
+    assert result.num_empty == 3
+
+
+def test_bad_settings_name_the_field(byte_tokenizer):
+    with pytest.raises(ValueError, match="prompt column 'text' is in no row"):
+        build_prompts(ROWS, byte_tokenizer, prompt_column="text")
+    with pytest.raises(ValueError, match="on_too_long"):
+        build_prompts(ROWS, byte_tokenizer, on_too_long="truncate")
+    with pytest.raises(ValueError, match="must be a string or a list"):
+        build_prompts([{"prompt": 3}], byte_tokenizer)

@@ -1,0 +1,54 @@
+import json
+
+import pytest
+
+from turbogrpo.data.sources import read_records, source_kind
+
+ROWS = [{"prompt": "What is 2+2?", "answer": "4"}, {"prompt": "What is 3+4?", "answer": "7"}]
+
+
+def test_jsonl(tmp_path):
+    path = tmp_path / "rows.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in ROWS) + "\n\n")
+    assert source_kind(path) == "jsonl"
+    assert read_records(path) == ROWS
+
+
+def test_jsonl_bad_line_names_the_line(tmp_path):
+    path = tmp_path / "rows.jsonl"
+    path.write_text(json.dumps(ROWS[0]) + "\n{not json\n")
+    with pytest.raises(ValueError, match="line 2"):
+        read_records(path)
+
+
+def test_parquet(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "rows.parquet"
+    pq.write_table(pa.Table.from_pylist(ROWS), path)
+    assert read_records(path) == ROWS
+
+
+def test_saved_dataset_and_dataset_dict(tmp_path):
+    from datasets import Dataset, DatasetDict
+
+    Dataset.from_list(ROWS).save_to_disk(str(tmp_path / "single"))
+    assert read_records(tmp_path / "single") == ROWS
+    DatasetDict({"train": Dataset.from_list(ROWS), "test": Dataset.from_list(ROWS[:1])}).save_to_disk(
+        str(tmp_path / "dict"))
+    assert read_records(tmp_path / "dict") == ROWS
+    assert read_records(tmp_path / "dict", split="test") == ROWS[:1]
+    with pytest.raises(ValueError, match="splits"):
+        read_records(tmp_path / "dict", split="validation")
+
+
+def test_bad_paths(tmp_path):
+    with pytest.raises(ValueError, match="does not exist"):
+        read_records(tmp_path / "missing.jsonl")
+    (tmp_path / "rows.csv").write_text("a,b\n")
+    with pytest.raises(ValueError, match="suffix"):
+        read_records(tmp_path / "rows.csv")
+    (tmp_path / "folder").mkdir()
+    with pytest.raises(ValueError, match="save_to_disk"):
+        read_records(tmp_path / "folder")

@@ -1,0 +1,125 @@
+"""Turning rows into tokenized prompts: chat template, length limit, empty prompts.
+
+The prompt column holds either a string (the user's message) or a list of chat messages
+(``[{"role": ..., "content": ...}, ...]``). A tokenizer with a chat template formats either with
+``add_generation_prompt=True``; without a template a string is used as is. Every other column is
+passed through untouched, for reward functions (e.g. the gold answer).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+ON_TOO_LONG = ("skip", "error")
+ON_EMPTY = ("error", "skip")
+
+
+@dataclass(frozen=True)
+class PromptExample:
+    """One prompt, ready for rollout.
+
+    text: the prompt as given to the tokenizer (chat template applied when used).
+    token_ids: LongTensor [P] on the CPU.
+    columns: the row's other columns (everything but the prompt column), for rewards.
+    index: the row's position in the source, for logs.
+    """
+
+    text: str
+    token_ids: torch.Tensor
+    columns: dict[str, Any] = field(default_factory=dict)
+    index: int = 0
+
+
+@dataclass(frozen=True)
+class PromptSet:
+    """The usable prompts of a source and what was left out (counts, for the run log)."""
+
+    examples: list[PromptExample]
+    num_too_long: int
+    num_empty: int
+
+
+def uses_chat_template(tokenizer, chat_template: bool | None) -> bool:
+    """Whether prompts get the chat template: ``None`` means "if the tokenizer has one"."""
+    has_template = bool(getattr(tokenizer, "chat_template", None))
+    if chat_template and not has_template:
+        raise ValueError("chat_template=True but the tokenizer has no chat template; set chat_template to "
+                         "None (use it when present) or False")
+    return has_template if chat_template is None else chat_template
+
+
+def format_prompt(prompt: str | list[dict[str, str]], tokenizer, *, use_template: bool,
+                  system_prompt: str | None = None) -> str:
+    """The prompt text the model sees."""
+    if isinstance(prompt, str):
+        if not use_template:
+            return prompt if system_prompt is None else f"{system_prompt}\n\n{prompt}"
+        messages = [{"role": "user", "content": prompt}]
+    else:
+        if not use_template:
+            raise ValueError("a prompt given as chat messages needs a tokenizer with a chat template")
+        messages = list(prompt)
+    if system_prompt is not None and messages[0].get("role") != "system":
+        messages = [{"role": "system", "content": system_prompt}, *messages]
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+def _is_empty(prompt: Any) -> bool:
+    if isinstance(prompt, str):
+        return not prompt.strip()
+    return not prompt or all(not str(m.get("content", "")).strip() for m in prompt)
+
+
+def _check_prompt_type(prompt: Any, index: int, prompt_column: str) -> None:
+    is_messages = isinstance(prompt, (list, tuple)) and all(isinstance(m, dict) for m in prompt)
+    if not (isinstance(prompt, str) or is_messages or prompt is None):
+        raise ValueError(f"row {index}: prompt column {prompt_column!r} must be a string or a list of "
+                         f"chat messages, got {type(prompt).__name__}")
+
+
+def build_prompts(rows: Sequence[dict[str, Any]], tokenizer, *, prompt_column: str = "prompt",
+                  max_prompt_tokens: int | None = None, on_too_long: str = "skip", on_empty: str = "error",
+                  chat_template: bool | None = None, system_prompt: str | None = None) -> PromptSet:
+    """Tokenized prompts for ``rows``.
+
+    max_prompt_tokens: prompts with more tokens are skipped and counted (``on_too_long="skip"``) or
+        raise ValueError (``"error"``). None: no limit.
+    on_empty: a missing, None or blank prompt raises (``"error"``) or is skipped and counted.
+    chat_template: None uses the tokenizer's template when it has one; True requires it; False
+        never uses it.
+    """
+    if on_too_long not in ON_TOO_LONG:
+        raise ValueError(f"on_too_long must be one of {ON_TOO_LONG}, got {on_too_long!r}")
+    if on_empty not in ON_EMPTY:
+        raise ValueError(f"on_empty must be one of {ON_EMPTY}, got {on_empty!r}")
+    if max_prompt_tokens is not None and max_prompt_tokens < 1:
+        raise ValueError(f"max_prompt_tokens must be >= 1 or None, got {max_prompt_tokens}")
+    if rows and not any(prompt_column in row for row in rows):
+        raise ValueError(f"prompt column {prompt_column!r} is in no row; the columns are {sorted(rows[0])}")
+    use_template = uses_chat_template(tokenizer, chat_template)
+    examples, num_too_long, num_empty = [], 0, 0
+    for index, row in enumerate(rows):
+        prompt = row.get(prompt_column)
+        _check_prompt_type(prompt, index, prompt_column)
+        if prompt is None or _is_empty(prompt):
+            if on_empty == "error":
+                raise ValueError(f"row {index}: prompt column {prompt_column!r} is empty (set on_empty='skip' "
+                                 "to skip such rows)")
+            num_empty += 1
+            continue
+        text = format_prompt(prompt, tokenizer, use_template=use_template, system_prompt=system_prompt)
+        # A chat template writes its own special tokens (e.g. BOS); plain text gets the tokenizer's.
+        token_ids = tokenizer(text, add_special_tokens=not use_template)["input_ids"]
+        if max_prompt_tokens is not None and len(token_ids) > max_prompt_tokens:
+            if on_too_long == "error":
+                raise ValueError(f"row {index}: prompt has {len(token_ids)} tokens, more than "
+                                 f"max_prompt_tokens={max_prompt_tokens} (set on_too_long='skip' to skip it)")
+            num_too_long += 1
+            continue
+        columns = {k: v for k, v in row.items() if k != prompt_column}
+        examples.append(PromptExample(text, torch.tensor(token_ids, dtype=torch.long), columns, index))
+    return PromptSet(examples, num_too_long, num_empty)

@@ -1,0 +1,87 @@
+"""Reading prompt rows from local files: jsonl, parquet, or a folder saved by ``datasets``.
+
+Every reader returns plain rows (``list[dict]``); which reader runs is decided by the path alone,
+through the ``SOURCE_READERS`` table.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+Row = dict[str, Any]
+
+
+def _read_jsonl(path: Path, split: str | None) -> list[Row]:
+    rows = []
+    with path.open(encoding="utf-8") as f:
+        for line_number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{path} line {line_number}: not valid JSON ({err})") from err
+            if not isinstance(row, dict):
+                raise ValueError(f"{path} line {line_number}: expected a JSON object, got {type(row).__name__}")
+            rows.append(row)
+    return rows
+
+
+def _read_parquet(path: Path, split: str | None) -> list[Row]:
+    import pyarrow.parquet as pq
+
+    return pq.read_table(path).to_pylist()
+
+
+def _read_saved_dataset(path: Path, split: str | None) -> list[Row]:
+    """A ``Dataset`` or ``DatasetDict`` written by ``save_to_disk`` (a DatasetDict needs ``split``,
+    default "train")."""
+    from datasets import DatasetDict, load_from_disk
+
+    dataset = load_from_disk(str(path))
+    if isinstance(dataset, DatasetDict):
+        split = split or "train"
+        if split not in dataset:
+            raise ValueError(f"{path} holds splits {sorted(dataset)}; split {split!r} is not one of them")
+        dataset = dataset[split]
+    elif split is not None:
+        raise ValueError(f"{path} is a single dataset without splits; do not pass split={split!r}")
+    return dataset.to_list()
+
+
+SOURCE_READERS: dict[str, Callable[[Path, str | None], list[Row]]] = {
+    "jsonl": _read_jsonl,
+    "parquet": _read_parquet,
+    "datasets": _read_saved_dataset,
+}
+
+
+def source_kind(path: str | os.PathLike) -> str:
+    """Which ``SOURCE_READERS`` entry reads ``path``: by suffix for files, "datasets" for a folder
+    written by ``save_to_disk``."""
+    path = Path(path)
+    if path.is_dir():
+        if any((path / marker).is_file() for marker in ("dataset_info.json", "dataset_dict.json", "state.json")):
+            return "datasets"
+        raise ValueError(f"{path} is a folder but not one written by datasets' save_to_disk "
+                         "(no dataset_info.json / dataset_dict.json)")
+    if not path.is_file():
+        raise ValueError(f"data path {path} does not exist")
+    suffix = path.suffix.lstrip(".").lower()
+    if suffix not in ("jsonl", "parquet"):
+        raise ValueError(f"data file {path} has suffix {path.suffix!r}; supported are .jsonl, .parquet, "
+                         "or a folder saved with datasets' save_to_disk")
+    return suffix
+
+
+def read_records(path: str | os.PathLike, *, split: str | None = None) -> list[Row]:
+    """All rows of a local jsonl / parquet file or saved ``datasets`` folder, as dicts."""
+    path = Path(path).expanduser()
+    kind = source_kind(path)
+    if split is not None and kind != "datasets":
+        raise ValueError(f"split={split!r} applies only to saved datasets folders, not to {kind} file {path}")
+    return SOURCE_READERS[kind](path, split)

@@ -1,0 +1,125 @@
+"""Loading Hugging Face causal LMs and tokenizers; tiny random models for tests; the demo model.
+
+Models know nothing of training: this module only builds and loads them.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+from transformers import (AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, MistralConfig,
+                          MistralForCausalLM, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase,
+                          Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
+
+DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float64": torch.float64,
+}
+
+
+class Architecture(NamedTuple):
+    config_class: type[PretrainedConfig]
+    model_class: type[PreTrainedModel]
+
+
+# Architectures `tiny_model` can build. All are pure-attention decoders the shared-prefix forward runs.
+ARCHITECTURES: dict[str, Architecture] = {
+    "qwen2": Architecture(Qwen2Config, Qwen2ForCausalLM),
+    "qwen3": Architecture(Qwen3Config, Qwen3ForCausalLM),
+    "llama": Architecture(LlamaConfig, LlamaForCausalLM),
+    "mistral": Architecture(MistralConfig, MistralForCausalLM),
+}
+
+DEMO_MODEL_DIR = Path(__file__).resolve().parent / "assets" / "demo_model"
+# A Hub id is "name" or "owner/name"; anything else that does not exist locally is a missing folder.
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """``torch.dtype`` for a name in ``DTYPES`` (or a dtype, returned as is)."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    return DTYPES[dtype]
+
+
+def load_model_and_tokenizer(name_or_path: str | os.PathLike, *, dtype: str | torch.dtype = "float32",
+                             device: str | torch.device | None = None,
+                             attn_implementation: str = "sdpa") -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """A causal LM and its tokenizer from a local folder (``save_pretrained`` layout) or a Hub name.
+
+    The tokenizer gets a pad token (its eos token) if it has none, because batched rollouts pad.
+    """
+    torch_dtype = resolve_dtype(dtype)
+    source = str(name_or_path)
+    if not Path(source).expanduser().is_dir():
+        if not _HUB_ID.match(source) or Path(source).suffix in {".json", ".safetensors", ".bin"}:
+            raise ValueError(f"model path {source!r} is not an existing folder; pass a folder written by "
+                             "save_pretrained (with config.json and the weights) or a Hub name like 'owner/name'")
+    else:
+        source = str(Path(source).expanduser())
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source)
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype,
+                                                     attn_implementation=attn_implementation)
+    except OSError as err:
+        raise ValueError(
+            f"could not load model {source!r}: it is not a local folder and the Hugging Face Hub could not "
+            f"provide it (the Hub is unreachable when offline; download it elsewhere and pass the local "
+            f"folder). Original error: {err}") from err
+    if tokenizer.pad_token is None:
+        if tokenizer.eos_token is None:
+            raise ValueError(f"tokenizer of {source!r} has neither a pad token nor an eos token; "
+                             "set one of them in its tokenizer_config.json")
+        tokenizer.pad_token = tokenizer.eos_token
+    if device is not None:
+        model = model.to(device)
+    return model, tokenizer
+
+
+def tiny_model(arch: str = "qwen2", *, vocab_size: int = 128, hidden: int = 64, layers: int = 2,
+               heads: int = 4, kv_heads: int = 2, intermediate: int | None = None,
+               dtype: str | torch.dtype = "float32", seed: int = 0, attn_implementation: str = "sdpa",
+               **config_overrides) -> PreTrainedModel:
+    """A randomly initialised small model of ``arch`` (a key of ``ARCHITECTURES``), for tests.
+
+    The same arguments give the same weights; the global torch RNG is left untouched.
+    ``config_overrides`` go to the config class (e.g. ``sliding_window``, ``tie_word_embeddings``).
+    """
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"arch must be one of {sorted(ARCHITECTURES)}, got {arch!r}")
+    if hidden % heads or heads % kv_heads:
+        raise ValueError(f"hidden ({hidden}) must be divisible by heads ({heads}) and heads by kv_heads "
+                         f"({kv_heads})")
+    config_class, model_class = ARCHITECTURES[arch]
+    config = config_class(
+        vocab_size=vocab_size, hidden_size=hidden, intermediate_size=intermediate or 2 * hidden,
+        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+        head_dim=hidden // heads, max_position_embeddings=2048, bos_token_id=None, eos_token_id=vocab_size - 1,
+        pad_token_id=vocab_size - 1, **config_overrides)
+    config._attn_implementation = attn_implementation
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = model_class(config)
+    return model.to(resolve_dtype(dtype)).eval()
+
+
+def demo_model_path() -> Path:
+    """Folder of the demo model shipped with turbogrpo (built by scripts/build_demo_model.py)."""
+    if not (DEMO_MODEL_DIR / "config.json").is_file():
+        raise ValueError(f"the demo model is missing from {DEMO_MODEL_DIR}; rebuild it with "
+                         "`python scripts/build_demo_model.py`")
+    return DEMO_MODEL_DIR
+
+
+def load_demo_model(*, dtype: str | torch.dtype = "float32", device: str | torch.device | None = None,
+                    ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """The shipped demo model and tokenizer (see turbogrpo.data.arithmetic for its task)."""
+    return load_model_and_tokenizer(demo_model_path(), dtype=dtype, device=device)
