@@ -413,10 +413,7 @@ def _build(cls: type, raw: Any, key: str) -> Any:
     for name, value in raw.items():
         sub = f"{key}.{name}" if key else str(name)
         if name not in names:
-            close = difflib.get_close_matches(str(name), names, n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
-            where = f"[{key}]" if key else "the top level"
-            raise ConfigError(f"config key {sub!r} is unknown{hint}; allowed keys in {where}: {', '.join(names)}")
+            raise _unknown_key(cls, str(name), key)
         values[name] = _coerce(value, hints[name], sub)
     return cls(**values)
 
@@ -496,9 +493,17 @@ def _field_type(schema: Any, name: str, key: str) -> Any:
         raise ConfigError(f"config key {key!r}: its parent is a value, not a table")
     hints = typing.get_type_hints(schema)
     if name not in hints:
-        names = [f.name for f in dataclasses.fields(schema)]
-        raise ConfigError(f"config key {key!r} is unknown; allowed keys here: {', '.join(names)}")
+        raise _unknown_key(schema, name, key.rpartition(".")[0])
     return hints[name]
+
+
+def _unknown_key(schema: type, name: str, parent: str) -> ConfigError:
+    names = [f.name for f in dataclasses.fields(schema)]
+    close = difflib.get_close_matches(name, names, n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    where = f"[{parent}]" if parent else "the top level"
+    key = f"{parent}.{name}" if parent else name
+    return ConfigError(f"config key {key!r} is unknown{hint}; allowed keys in {where}: {', '.join(names)}")
 
 
 def _is_list_of_dataclass(hint: Any) -> bool:

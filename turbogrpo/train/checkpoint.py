@@ -118,7 +118,11 @@ def load_checkpoint(path: str | Path, model: torch.nn.Module, optimizer: torch.o
     model_state = load_file(path / "model.safetensors")
     set_model_state_dict(model, model_state, options=StateDictOptions(full_state_dict=True, strict=False))
     optim_state = _unflatten_optimizer_state(load_file(path / "optimizer.safetensors"), state["optimizer"])
+    tuple_keys = {k for g in optimizer.param_groups for k, v in g.items() if isinstance(v, tuple)}
     set_optimizer_state_dict(model, optimizer, optim_state, options=StateDictOptions(full_state_dict=True))
+    for group in optimizer.param_groups:  # JSON has no tuples; give hyper-parameters their own type back
+        for key in tuple_keys & group.keys():
+            group[key] = tuple(group[key])
     rng_scalars = json.loads((path / f"rng-rank{dist.rank}.json").read_text())["rng"]
     restore_rng_state(load_file(path / f"rng-rank{dist.rank}.safetensors"), rng_scalars)
     return Resumed(step=state["step"], state=state["extra"])
@@ -188,8 +192,7 @@ def _unflatten_optimizer_state(tensors: dict[str, torch.Tensor], scalars: dict[s
         state.setdefault(name, {})[key] = value
     for name, per_param in scalars["state_scalars"].items():
         state.setdefault(name, {}).update(per_param)
-    groups = [{k: (tuple(v) if k == "betas" else v) for k, v in g.items()} for g in scalars["param_groups"]]
-    return {"state": state, "param_groups": groups}
+    return {"state": state, "param_groups": scalars["param_groups"]}
 
 
 def _save_tensors(tensors: dict[str, torch.Tensor], path: Path) -> None:

@@ -1,0 +1,122 @@
+"""Config loading: TOML/YAML, --set overrides, and one clear message per kind of mistake."""
+
+import pytest
+
+from turbogrpo.config import Config, ConfigError, apply_override, load_config
+
+
+def write(tmp_path, name, text):
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def test_defaults_are_valid():
+    assert load_config() == Config()
+
+
+def test_toml_and_yaml_give_the_same_config(tmp_path):
+    toml = write(tmp_path, "a.toml", """
+[model]
+path = "some/model"
+[algo]
+loss = "grpo"
+beta = 0.04
+[optim]
+lr = 1e-5
+betas = [0.9, 0.95]
+[[rewards]]
+function = "accuracy"
+[[rewards]]
+function = "format"
+weight = 0.5
+kwargs = {strict = true}
+""")
+    yaml = write(tmp_path, "a.yaml", """
+model: {path: some/model}
+algo: {loss: grpo, beta: 0.04}
+optim: {lr: 1e-5, betas: [0.9, 0.95]}   # YAML 1.1 reads 1e-5 as a string; it is still a number here
+rewards:
+  - function: accuracy
+  - {function: format, weight: 0.5, kwargs: {strict: true}}
+""")
+    a, b = load_config(toml), load_config(yaml)
+    assert a == b
+    assert a.algo.loss == "grpo" and a.optim.lr == 1e-5 and a.optim.betas == [0.9, 0.95]
+    assert [r.function for r in a.rewards] == ["accuracy", "format"] and a.rewards[1].kwargs == {"strict": True}
+    assert a.train == Config().train  # untouched sections keep their defaults
+
+
+def test_overrides_parse_toml_values_and_bare_strings():
+    c = load_config(None, ["optim.lr=3e-4", "algo.loss=bnpo", "train.num_steps=7", "log.tensorboard=false",
+                           "rollout.stop_strings=[\"\\n\\n\"]", "rewards.0.weight=2", "rewards.1.function=pkg.mod:f",
+                           "model.path=\"quoted/path\""])
+    assert c.optim.lr == 3e-4 and c.algo.loss == "bnpo" and c.train.num_steps == 7
+    assert c.log.tensorboard is False and c.rollout.stop_strings == ["\n\n"]
+    assert c.rewards[0].weight == 2.0 and c.rewards[1].function == "pkg.mod:f" and c.model.path == "quoted/path"
+
+
+def test_overrides_apply_on_top_of_the_file(tmp_path):
+    path = write(tmp_path, "c.toml", "[optim]\nlr = 1e-3\nwarmup_steps = 5\n")
+    c = load_config(path, ["optim.lr=2e-3"])
+    assert c.optim.lr == 2e-3 and c.optim.warmup_steps == 5
+
+
+@pytest.mark.parametrize("override, message", [
+    ("algo.los=grpo", "config key 'algo.los' is unknown (did you mean 'loss'?); allowed keys in [algo]: loss,"),
+    ("sampling.temperature=1", "config key 'sampling' is unknown; allowed keys in the top level: model,"),
+    ("algo.loss=ppo", "config key 'algo.loss': 'ppo' is not allowed; expected one of bnpo, dapo, dr_grpo, grpo, gspo"),
+    ("algo.scale_rewards=std", "config key 'algo.scale_rewards': 'std' is not allowed; expected one of 'group', "
+                               "'batch', 'none'"),
+    ("optim.lr=fast", "config key 'optim.lr': expected a number, got str 'fast'"),
+    ("optim.lr=0", "config key 'optim.lr': 0.0 is not allowed; expected a number > 0"),
+    ("train.num_steps=2.5", "config key 'train.num_steps': expected an integer, got float 2.5"),
+    ("train.num_steps=0", "config key 'train.num_steps': 0 is not allowed; expected an integer >= 1"),
+    ("log.tensorboard=1", "config key 'log.tensorboard': expected true or false, got int 1"),
+    ("rollout.num_generations=1", "config key 'rollout.num_generations': 1 is not allowed; expected an integer >= 2"),
+    ("rollout.temperature=0", "config key 'rollout.temperature': 0.0 is not allowed; expected a number > 0"),
+    ("rollout.top_p=1.5", "config key 'rollout.top_p': 1.5 is not allowed; expected a number in (0, 1]"),
+    ("algo.epsilon_low=1", "config key 'algo.epsilon_low': 1.0 is not allowed; expected a number in [0, 1)"),
+    ("optim.betas=[0.9]", "config key 'optim.betas': [0.9] is not allowed; expected two numbers in [0, 1)"),
+    ("rollout.stop_strings=\"x\"", "config key 'rollout.stop_strings': expected a list, got str 'x'"),
+    ("rewards.3.weight=1", "config key 'rewards.3': '3' is not an index of the list"),
+    ("rewards.0.wieght=1", "config key 'rewards.0.wieght' is unknown (did you mean 'weight'?)"),
+    ("lora.r=0", "config key 'lora.r': 0 is not allowed; expected an integer >= 1"),
+    ("model.device=tpu", "config key 'model.device': 'tpu' is not allowed"),
+    ("optim", "override 'optim': expected the form key.sub=value"),
+])
+def test_bad_values_name_the_key_and_what_is_allowed(override, message):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [override])
+    assert str(err.value).startswith(message), str(err.value)
+
+
+def test_bad_files(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "missing.toml")
+    with pytest.raises(ConfigError, match="allowed extensions are .toml, .yaml and .yml"):
+        load_config(write(tmp_path, "c.json", "{}"))
+    with pytest.raises(ConfigError, match="is not valid TOML"):
+        load_config(write(tmp_path, "c.toml", "[model\n"))
+    with pytest.raises(ConfigError, match="config key 'model' must be a table of keys, got str 'x'"):
+        load_config(write(tmp_path, "c.yaml", "model: x\n"))
+    with pytest.raises(ConfigError, match="config key 'rewards': expected a list"):
+        load_config(write(tmp_path, "c.toml", "[rewards]\nfunction = 'accuracy'\n"))
+    with pytest.raises(ConfigError, match="config key 'rewards': .* expected at least one"):
+        load_config(write(tmp_path, "c.yaml", "rewards: []\n"))
+
+
+def test_override_appends_to_a_list():
+    raw = {}
+    apply_override(raw, "rewards.1.function=format")
+    assert raw == {"rewards": [{"function": "accuracy", "weight": 1.0, "fallback": 0.0, "kwargs": {}},
+                               {"function": "format"}]}
+
+
+def test_shipped_configs_are_valid():
+    from pathlib import Path
+    configs = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.toml")) + \
+        sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
+    assert configs
+    for path in configs:
+        load_config(path)

@@ -1,0 +1,109 @@
+"""Checkpoints: safetensors + JSON round trip (no pickle), atomic replacement, pruning."""
+
+import json
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from turbogrpo.models import tiny_model
+from turbogrpo.train import checkpoint as ckpt
+from turbogrpo.train.distributed import DistInfo
+
+SINGLE = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+
+
+def trained_pair(seed=0):
+    model = tiny_model("qwen2", vocab_size=32, hidden=16, layers=1, heads=2, kv_heads=1, seed=seed,
+                       tie_word_embeddings=True)
+    optimizer = torch.optim.AdamW([{"params": [p for p in model.parameters() if p.ndim > 1]},
+                                   {"params": [p for p in model.parameters() if p.ndim == 1], "weight_decay": 0.0}],
+                                  lr=1e-2, betas=(0.9, 0.99))
+    for _ in range(2):
+        model(torch.tensor([[1, 2, 3, 4]])).logits.square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return model, optimizer
+
+
+def draws():
+    return torch.rand(3).tolist(), np.random.rand(3).tolist(), [random.random() for _ in range(3)]
+
+
+def test_round_trip_restores_model_optimizer_rng_and_extra(tmp_path, monkeypatch):
+    monkeypatch.setattr(torch, "load", lambda *a, **k: pytest.fail("checkpoints must never be unpickled"))
+    model, optimizer = trained_pair()
+    torch.manual_seed(7), np.random.seed(7), random.seed(7)
+    path = ckpt.save_checkpoint(tmp_path, 3, model, optimizer, {"data": {"epoch": 1, "position": 5}}, SINGLE)
+    expected_draws = draws()
+    expected_params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    expected_state = {k: {kk: vv.clone() if torch.is_tensor(vv) else vv for kk, vv in v.items()}
+                      for k, v in optimizer.state_dict()["state"].items()}
+
+    assert sorted(p.name for p in path.iterdir()) == ["model.safetensors", "optimizer.safetensors",
+                                                      "rng-rank0.json", "rng-rank0.safetensors", "state.json"]
+    assert ckpt.latest_checkpoint(tmp_path) == path
+
+    fresh, fresh_optimizer = trained_pair(seed=1)  # different weights and moments
+    resumed = ckpt.load_checkpoint(path, fresh, fresh_optimizer, SINGLE)
+    assert resumed.step == 3 and resumed.state == {"data": {"epoch": 1, "position": 5}}
+    assert draws() == expected_draws
+    for name, param in fresh.named_parameters():
+        assert torch.equal(param, expected_params[name]), name
+    assert fresh.lm_head.weight is fresh.model.embed_tokens.weight  # ties survive the round trip
+    state = fresh_optimizer.state_dict()["state"]
+    assert state.keys() == expected_state.keys()
+    for k in state:
+        for kk in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(state[k][kk], expected_state[k][kk])
+    assert fresh_optimizer.param_groups[0]["betas"] == (0.9, 0.99)
+    assert fresh_optimizer.param_groups[1]["weight_decay"] == 0.0
+
+
+def test_crash_while_writing_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
+    model, optimizer = trained_pair()
+    first = ckpt.save_checkpoint(tmp_path, 1, model, optimizer, {}, SINGLE)
+    real_save = ckpt._save_tensors
+
+    def crash_on_optimizer(tensors, path):
+        if path.name == "optimizer.safetensors":
+            raise KeyboardInterrupt("killed mid-write")
+        real_save(tensors, path)
+
+    monkeypatch.setattr(ckpt, "_save_tensors", crash_on_optimizer)
+    with pytest.raises(KeyboardInterrupt):
+        ckpt.save_checkpoint(tmp_path, 2, model, optimizer, {}, SINGLE)
+    assert (tmp_path / ".tmp-step-000002" / "model.safetensors").exists()  # the debris is there ...
+    assert not (tmp_path / "step-000002").exists()
+    assert ckpt.latest_checkpoint(tmp_path) == first  # ... and ignored
+
+    monkeypatch.setattr(ckpt, "_save_tensors", real_save)
+    second = ckpt.save_checkpoint(tmp_path, 2, model, optimizer, {}, SINGLE)
+    assert ckpt.latest_checkpoint(tmp_path) == second
+    assert not (tmp_path / ".tmp-step-000002").exists()
+
+
+def test_latest_pointer_to_a_missing_folder_falls_back_to_the_newest_complete_one(tmp_path):
+    model, optimizer = trained_pair()
+    ckpt.save_checkpoint(tmp_path, 1, model, optimizer, {}, SINGLE, keep=5)
+    second = ckpt.save_checkpoint(tmp_path, 2, model, optimizer, {}, SINGLE, keep=5)
+    (tmp_path / "latest").write_text("step-000009")
+    assert ckpt.latest_checkpoint(tmp_path) == second
+
+
+def test_old_checkpoints_are_pruned(tmp_path):
+    model, optimizer = trained_pair()
+    for step in range(1, 5):
+        ckpt.save_checkpoint(tmp_path, step, model, optimizer, {}, SINGLE, keep=2)
+    assert sorted(p.name for p in tmp_path.glob("step-*")) == ["step-000003", "step-000004"]
+
+
+def test_resume_with_another_world_size_is_refused(tmp_path):
+    model, optimizer = trained_pair()
+    path = ckpt.save_checkpoint(tmp_path, 1, model, optimizer, {}, SINGLE)
+    state = json.loads((path / "state.json").read_text())
+    state["world_size"] = 2
+    (path / "state.json").write_text(json.dumps(state))
+    with pytest.raises(ValueError, match="written by 2 processes"):
+        ckpt.load_checkpoint(path, model, optimizer, SINGLE)

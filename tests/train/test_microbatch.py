@@ -1,0 +1,126 @@
+"""Micro-batch planning, and accumulated gradients equal to the single-batch gradients."""
+
+import pytest
+import torch
+
+from turbogrpo.algo import LOSSES, LossNormalizer, LossSettings
+from turbogrpo.prefix import compute_logprobs
+from turbogrpo.train.distributed import DistInfo, LogprobModule
+from turbogrpo.train.microbatch import Chunk, pad_to_count, plan_micro_batches
+from turbogrpo.train.update import StepBatch, update_policy
+
+from .conftest import exact_tiny_model
+
+SINGLE = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+
+
+def test_whole_groups_are_packed_while_they_fit():
+    plan = plan_micro_batches([4, 3, 5], [[2, 2], [1, 1, 1], [2]], token_budget=13)
+    assert [mb.chunks for mb in plan] == [[Chunk(0, 0, 2)], [Chunk(1, 0, 3), Chunk(2, 0, 1)]]
+    assert [mb.index for mb in plan] == [[0, 1], [2, 3, 4, 5]]
+    assert all(mb.weight == 1.0 for mb in plan)
+
+
+def test_group_over_budget_is_cut_into_runs_that_each_carry_the_prompt():
+    # prompt 4 + completions 3,3,3,9: runs [0,1] (10 tokens), [2] (7), [3] alone over budget (13).
+    plan = plan_micro_batches([4, 1], [[3, 3, 3, 9], [2]], token_budget=10)
+    assert [mb.chunks for mb in plan] == [[Chunk(0, 0, 2)], [Chunk(0, 2, 3)], [Chunk(0, 3, 4)], [Chunk(1, 0, 1)]]
+    assert [mb.index for mb in plan] == [[0, 1], [2], [3], [4]]
+
+
+def test_every_completion_is_planned_exactly_once():
+    gen = torch.Generator().manual_seed(0)
+    for budget in (1, 7, 20, 1000):
+        lengths = [[int(x) for x in torch.randint(1, 9, (int(torch.randint(1, 6, (1,), generator=gen)),),
+                                                   generator=gen)] for _ in range(5)]
+        plan = plan_micro_batches([3, 8, 1, 5, 2], lengths, budget)
+        assert sorted(i for mb in plan for i in mb.index) == list(range(sum(map(len, lengths))))
+
+
+def test_fillers_have_zero_weight():
+    plan = pad_to_count(plan_micro_batches([2], [[1, 1]], 100), 3)
+    assert [mb.weight for mb in plan] == [1.0, 0.0, 0.0]
+
+
+def _batch(vocab: int):
+    gen = torch.Generator().manual_seed(1)
+    prompt_lengths, completion_lengths = [6, 3, 9], [[4, 1, 7], [5, 5], [2, 8, 3, 1]]
+    prompts = [torch.randint(0, vocab, (p,), generator=gen) for p in prompt_lengths]
+    completions = [[torch.randint(0, vocab, (s,), generator=gen) for s in group] for group in completion_lengths]
+    n = sum(map(len, completion_lengths))
+    advantages = torch.randn(n, generator=gen, dtype=torch.float64)
+    old = [[torch.randn(s, generator=gen, dtype=torch.float64) * 0.1 - 2 for s in g] for g in completion_lengths]
+    ref = [[torch.randn(s, generator=gen, dtype=torch.float64) * 0.1 - 2 for s in g] for g in completion_lengths]
+    return StepBatch(prompts, completions, advantages, old, ref), prompt_lengths, completion_lengths
+
+
+def _normalizer(completion_lengths, max_len):
+    tokens = float(sum(map(sum, completion_lengths)))
+    return LossNormalizer(sum(map(len, completion_lengths)), tokens, max_len, tokens)
+
+
+@pytest.mark.parametrize("loss_name", sorted(LOSSES))
+def test_accumulated_update_equals_single_batch_update(loss_name):
+    """Parameters after one SGD step (lr 1, no clipping: the step is the gradient) agree to 1e-12."""
+    batch, prompt_lengths, completion_lengths = _batch(vocab=64)
+    settings = LossSettings(epsilon_low=0.2, epsilon_high=0.28, beta=0.05)
+    normalizer = _normalizer(completion_lengths, max_len=8)
+    results = {}
+    for budget in (10_000, 12, 1):
+        model = exact_tiny_model()
+        module = LogprobModule(model, compute_logprobs)
+        optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+        plan = plan_micro_batches(prompt_lengths, completion_lengths, budget)
+        out = update_policy(module, batch, plan, LOSSES[loss_name], settings, normalizer, optimizer,
+                            max_grad_norm=0.0, dist=SINGLE)
+        assert out.applied
+        results[budget] = (torch.cat([p.detach().flatten() for p in model.parameters()]), out)
+    whole, whole_out = results[10_000]
+    assert len(plan_micro_batches(prompt_lengths, completion_lengths, 12)) > 3
+    for budget in (12, 1):
+        params, out = results[budget]
+        torch.testing.assert_close(params, whole, rtol=0, atol=1e-12)
+        assert out.grad_norm == pytest.approx(whole_out.grad_norm, rel=1e-12)
+        for name, value in whole_out.metrics.items():
+            assert out.metrics[name] == pytest.approx(value, rel=1e-10, abs=1e-14), name
+        for a, b in zip(out.logps, whole_out.logps):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+
+
+def test_update_matches_the_loss_computed_by_hand_on_the_padded_batch():
+    """One micro-batch == the algo loss on the whole padded batch (gradients via autograd directly)."""
+    batch, prompt_lengths, completion_lengths = _batch(vocab=64)
+    settings = LossSettings(beta=0.0)
+    normalizer = _normalizer(completion_lengths, max_len=8)
+    model = exact_tiny_model()
+    logps = compute_logprobs(model, batch.prompts, batch.completions).logps
+    flat_lengths = [s for g in completion_lengths for s in g]
+    logps_BL = torch.nn.utils.rnn.pad_sequence(list(torch.split(logps, flat_lengths)), batch_first=True)
+    mask = (torch.arange(logps_BL.shape[1])[None] < torch.tensor(flat_lengths)[:, None]).double()
+    loss, _ = LOSSES["dapo"](logps_BL, None, None, batch.advantages, mask, normalizer, settings)
+    expected = torch.autograd.grad(loss, list(model.parameters()))
+
+    model2 = exact_tiny_model()
+    before = [p.detach().clone() for p in model2.parameters()]
+    optimizer = torch.optim.SGD(model2.parameters(), lr=1.0)
+    batch.old_logps = batch.ref_logps = None
+    update_policy(LogprobModule(model2, compute_logprobs), batch, plan_micro_batches(prompt_lengths,
+                  completion_lengths, 20), LOSSES["dapo"], settings, normalizer, optimizer, max_grad_norm=0.0,
+                  dist=SINGLE)
+    for b, p, g in zip(before, model2.parameters(), expected):
+        torch.testing.assert_close(b - p.detach(), g, rtol=0, atol=1e-12)
+
+
+def test_nonfinite_loss_skips_the_step():
+    batch, prompt_lengths, completion_lengths = _batch(vocab=64)
+    batch.advantages[2] = float("nan")
+    model = exact_tiny_model()
+    before = [p.detach().clone() for p in model.parameters()]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    out = update_policy(LogprobModule(model, compute_logprobs), batch,
+                        plan_micro_batches(prompt_lengths, completion_lengths, 20), LOSSES["grpo"], LossSettings(),
+                        _normalizer(completion_lengths, 8), optimizer, max_grad_norm=1.0, dist=SINGLE)
+    assert not out.applied
+    assert all(torch.equal(b, p) for b, p in zip(before, model.parameters()))
+    assert all(p.grad is None for p in model.parameters())
+    assert optimizer.state == {} or all(not s for s in optimizer.state.values())
