@@ -26,24 +26,25 @@ beta = 0.04
 lr = 1e-5
 betas = [0.9, 0.95]
 [[rewards]]
-function = "accuracy"
+function = "math_accuracy"
 [[rewards]]
-function = "format"
+function = "answer_format"
 weight = 0.5
-kwargs = {strict = true}
+kwargs = {answer_column = "gold"}
 """)
     yaml = write(tmp_path, "a.yaml", """
 model: {path: some/model}
 algo: {loss: grpo, beta: 0.04}
 optim: {lr: 1e-5, betas: [0.9, 0.95]}   # YAML 1.1 reads 1e-5 as a string; it is still a number here
 rewards:
-  - function: accuracy
-  - {function: format, weight: 0.5, kwargs: {strict: true}}
+  - function: math_accuracy
+  - {function: answer_format, weight: 0.5, kwargs: {answer_column: gold}}
 """)
     a, b = load_config(toml), load_config(yaml)
     assert a == b
     assert a.algo.loss == "grpo" and a.optim.lr == 1e-5 and a.optim.betas == [0.9, 0.95]
-    assert [r.function for r in a.rewards] == ["accuracy", "format"] and a.rewards[1].kwargs == {"strict": True}
+    assert [r.function for r in a.rewards] == ["math_accuracy", "answer_format"]
+    assert a.rewards[1].kwargs == {"answer_column": "gold"}
     assert a.train == Config().train  # untouched sections keep their defaults
 
 
@@ -101,16 +102,16 @@ def test_bad_files(tmp_path):
     with pytest.raises(ConfigError, match="config key 'model' must be a table of keys, got str 'x'"):
         load_config(write(tmp_path, "c.yaml", "model: x\n"))
     with pytest.raises(ConfigError, match="config key 'rewards': expected a list"):
-        load_config(write(tmp_path, "c.toml", "[rewards]\nfunction = 'accuracy'\n"))
+        load_config(write(tmp_path, "c.toml", "[rewards]\nfunction = 'math_accuracy'\n"))
     with pytest.raises(ConfigError, match="config key 'rewards': .* expected at least one"):
         load_config(write(tmp_path, "c.yaml", "rewards: []\n"))
 
 
 def test_override_appends_to_a_list():
     raw = {}
-    apply_override(raw, "rewards.1.function=format")
-    assert raw == {"rewards": [{"function": "accuracy", "weight": 1.0, "fallback": 0.0, "kwargs": {}},
-                               {"function": "format"}]}
+    apply_override(raw, "rewards.1.function=answer_format")
+    assert raw == {"rewards": [{"function": "math_accuracy", "weight": 1.0, "fallback": 0.0, "kwargs": {}},
+                               {"function": "answer_format"}]}
 
 
 def test_shipped_configs_are_valid():
@@ -120,3 +121,14 @@ def test_shipped_configs_are_valid():
     assert configs
     for path in configs:
         load_config(path)
+
+
+def test_unknown_reward_function_is_named():
+    with pytest.raises(ConfigError, match="config key 'rewards.0.function': 'acuracy' is not allowed; expected a "
+                                          "built-in reward \\(answer_format, math_accuracy, overlong_penalty\\)"):
+        load_config(None, ["rewards.0.function=acuracy"])
+
+
+def test_file_data_needs_a_path():
+    with pytest.raises(ConfigError, match="config key 'data.path': '' is not allowed"):
+        load_config(None, ["data.kind=rows"])

@@ -81,27 +81,39 @@ class LoraConfig:
 class DataConfig:
     """Where prompts come from."""
 
-    source: str = "arithmetic"
-    """"arithmetic" (the built-in task) or a path to a .jsonl / .parquet file or a saved `datasets` folder."""
-    prompt_column: str = "prompt"
-    """Column holding the prompt text (or a list of chat messages)."""
+    kind: Literal["arithmetic", "rows", "gsm8k"] = "arithmetic"
+    """"arithmetic": the built-in task; "rows": a jsonl/parquet/`datasets` folder with a prompt column;
+    "gsm8k": GSM8K-format rows (question + worked answer; the gold number goes to column "gold")."""
+    path: str = ""
+    """Training rows for kind "rows"/"gsm8k": a .jsonl or .parquet file or a folder saved by `datasets`."""
+    eval_path: str = ""
+    """Held-out rows for accuracy before/after ("" with kind "arithmetic": its built-in held-out split)."""
     split: str = "train"
-    """Split to read from a saved DatasetDict folder."""
-    chat_template: bool = True
-    """Format prompts with the tokenizer's chat template when it has one."""
+    """Split to read from a saved DatasetDict folder (ignored for files)."""
+    prompt_column: str = "prompt"
+    """Column holding the prompt text or chat messages ("question" for gsm8k)."""
+    chat_template: Literal["auto", "always", "never"] = "auto"
+    """Format prompts with the tokenizer's chat template: when it has one, always (error if none), never."""
+    system_prompt: str = ""
+    """System message put before each prompt ("" for none)."""
     max_prompt_tokens: int = 1024
     """Prompts longer than this are skipped and counted (or rejected, see `on_overlong`)."""
     on_overlong: Literal["skip", "error"] = "skip"
     """What to do with a prompt over `max_prompt_tokens`."""
     shuffle: bool = True
     """Shuffle prompts each epoch (seeded by train.seed, so runs stay reproducible)."""
+    num_train_problems: int = 20000
+    """Arithmetic task only: how many distinct training problems to generate."""
     num_eval_problems: int = 200
-    """Held-out problems for `turbogrpo eval` and the demo's before/after accuracy."""
+    """Held-out problems (or eval rows, at most) for accuracy before/after training and `turbogrpo eval`."""
 
     def check(self, key: str) -> None:
-        _require(self.source != "", f"{key}.source", "\"arithmetic\" or a path to jsonl/parquet/dataset folder",
-                 self.source)
+        needs_path = self.kind in ("rows", "gsm8k")
+        _require(not needs_path or self.path != "", f"{key}.path",
+                 f"a .jsonl/.parquet file or saved `datasets` folder (data.kind is {self.kind!r})", self.path)
         _require(self.max_prompt_tokens >= 1, f"{key}.max_prompt_tokens", "an integer >= 1", self.max_prompt_tokens)
+        _require(self.num_train_problems >= 1, f"{key}.num_train_problems", "an integer >= 1",
+                 self.num_train_problems)
         _require(self.num_eval_problems >= 1, f"{key}.num_eval_problems", "an integer >= 1",
                  self.num_eval_problems)
 
@@ -110,18 +122,21 @@ class DataConfig:
 class RewardConfig:
     """One reward function and its weight; the step's reward is the weighted sum."""
 
-    function: str = "accuracy"
-    """A built-in name (see `turbogrpo.rewards`) or an import path "package.module:function"."""
+    function: str = "math_accuracy"
+    """A built-in (math_accuracy, answer_format, overlong_penalty) or an import path "package.module:function"."""
     weight: float = 1.0
     """Weight in the sum of rewards."""
     fallback: float = 0.0
     """Reward given to an item whose function raised or returned None/NaN (counted and logged)."""
     kwargs: dict[str, Any] = field(default_factory=dict)
-    """Extra keyword arguments bound to the function (e.g. a length target)."""
+    """Options of a built-in (e.g. answer_column) or keyword arguments bound to an imported function."""
 
     def check(self, key: str) -> None:
-        _require(self.function != "", f"{key}.function", "a built-in reward name or \"module:function\"",
-                 self.function)
+        from turbogrpo.rewards import BUILTIN_REWARDS
+        module, colon, name = self.function.partition(":")
+        _require(self.function in BUILTIN_REWARDS or bool(colon and module and name), f"{key}.function",
+                 f"a built-in reward ({', '.join(sorted(BUILTIN_REWARDS))}) or an import path "
+                 "\"package.module:function\"", self.function)
         _require(math.isfinite(self.weight), f"{key}.weight", "a finite number", self.weight)
         _require(math.isfinite(self.fallback), f"{key}.fallback", "a finite number", self.fallback)
 
@@ -236,6 +251,8 @@ class TrainConfig:
     """Stop (with a checkpoint) after this many optimizer steps in a row skipped for NaN/inf loss or gradients."""
     eval_every: int = 0
     """Greedy accuracy on the held-out set every N steps (0: only before and after training)."""
+    accuracy_reward: str = "math_accuracy"
+    """Reward (a built-in or a [[rewards]] function) logged as "accuracy" and used to score held-out answers."""
     save_final_model: bool = True
     """Export the trained model with save_pretrained to output_dir/final."""
 

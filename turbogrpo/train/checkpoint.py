@@ -128,6 +128,15 @@ def load_checkpoint(path: str | Path, model: torch.nn.Module, optimizer: torch.o
     return Resumed(step=state["step"], state=state["extra"])
 
 
+def full_model_state(model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
+    """The gathered full state dict when parameters are sharded (FSDP2: every rank must call this);
+    None otherwise, so ``save_pretrained`` reads the model's own."""
+    from torch.distributed.tensor import DTensor
+    if any(isinstance(p, DTensor) for p in model.parameters()):
+        return get_model_state_dict(model, options=_FULL)
+    return None
+
+
 # --- RNG ------------------------------------------------------------------------------------------
 
 

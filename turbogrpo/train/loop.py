@@ -1,0 +1,321 @@
+"""The GRPO training loop.
+
+One step, as in the algorithm:
+
+    prompts -> rollout (G samples each, the policy's own weights) -> rewards -> group advantages
+            -> old-policy / reference log-probs (shared-prefix forward, forward only, when needed)
+            -> num_iterations x [micro-batched loss and backward, clip, AdamW step (skipped if NaN/inf)]
+
+Everything else (building components, checkpoints, metrics, evaluation) is called from here and
+lives in its own module.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+from tqdm import tqdm
+
+from turbogrpo.algo import LOSSES, LossNormalizer, LossSettings, PolicyLoss, group_advantages
+from turbogrpo.config import Config, dump_config
+from turbogrpo.data import PromptBatches, PromptExample
+from turbogrpo.rollout import SamplingConfig, generate
+from turbogrpo.train import checkpoint, distributed, setup
+from turbogrpo.train.distributed import DistInfo
+from turbogrpo.train.evaluate import evaluate_accuracy
+from turbogrpo.train.metrics import MetricsLog, PhaseTimer
+from turbogrpo.train.microbatch import pad_to_count, plan_micro_batches
+from turbogrpo.train.optim import build_optimizer, learning_rate, set_learning_rate
+from turbogrpo.train.report import write_report
+from turbogrpo.train.step_metrics import completion_samples, step_metrics
+from turbogrpo.train.update import StepBatch, UpdateResult, score, update_policy
+
+
+class TrainingDiverged(RuntimeError):
+    """Too many optimizer steps in a row had NaN/inf loss or gradients; a checkpoint was saved."""
+
+
+@dataclass
+class RunState:
+    """What changes from step to step besides weights and optimizer (saved in checkpoints)."""
+
+    step: int = 0
+    """GRPO steps completed."""
+    nonfinite_in_a_row: int = 0
+    nonfinite_total: int = 0
+    evals: list[dict] = field(default_factory=list)
+    """Held-out accuracy measurements: {"step": s, "accuracy": a}."""
+
+
+@dataclass
+class Run:
+    """The components one run's steps use, built once from the config."""
+
+    config: Config
+    dist: DistInfo
+    policy: nn.Module
+    """The Hugging Face model (or PEFT model) being trained; rollouts sample with its weights."""
+    tokenizer: object
+    trainer: nn.Module
+    """``trainer(prompts, completions) -> CompletionLogprobs``: the policy's shared-prefix forward,
+    wrapped for DDP/FSDP2 when distributed."""
+    reference: nn.Module | None
+    """The same for the reference policy; None when algo.beta == 0."""
+    optimizer: torch.optim.Optimizer
+    batches: PromptBatches
+    rewards: list[setup.Reward]
+    accuracy: setup.Reward | None
+    eval_prompts: list[PromptExample]
+    sampling: SamplingConfig
+    greedy: SamplingConfig
+    loss: PolicyLoss
+    settings: LossSettings
+    log: MetricsLog
+    state: RunState
+
+
+@dataclass
+class RunSummary:
+    steps: int
+    evals: list[dict]
+    wall_time_s: float
+    output_dir: Path
+    final_model: Path | None
+
+
+def train(config: Config, *, resume: bool = False) -> RunSummary:
+    """Run GRPO as ``config`` says; with ``resume``, continue from the latest checkpoint in output_dir."""
+    rewards = setup.load_rewards(config.rewards)  # import errors surface before any model loads
+    dist = distributed.setup(config.model.device, config.distributed.backend)
+    start = time.perf_counter()
+    try:
+        run = build_run(config, dist, rewards, resume)
+        total = config.train.num_steps
+        if run.state.step == 0:
+            evaluate(run)
+        with tqdm(total=total, initial=run.state.step, desc="GRPO", unit="step", dynamic_ncols=True,
+                  disable=not (dist.is_main and config.log.progress_bar)) as bar:
+            while run.state.step < total:
+                metrics = grpo_step(run, run.state.step)
+                run.state.step += 1
+                run.log.log(run.state.step, metrics)
+                if config.train.eval_every and run.state.step % config.train.eval_every == 0 \
+                        and run.state.step < total:
+                    evaluate(run)
+                bar.set_postfix(reward=f"{metrics['reward']:.3f}", refresh=False)
+                bar.update()
+                if config.train.checkpoint_every and run.state.step % config.train.checkpoint_every == 0:
+                    save(run)
+        evaluate(run)
+        if not (config.train.checkpoint_every and total % config.train.checkpoint_every == 0):
+            save(run)  # (otherwise the loop has just saved this step)
+        final_model = export(run)
+        run.log.close()
+        if dist.is_main and config.log.report:
+            write_report(config.train.output_dir)
+        return RunSummary(total, run.state.evals, time.perf_counter() - start, Path(config.train.output_dir),
+                          final_model)
+    finally:
+        distributed.teardown(dist)
+
+
+def grpo_step(run: Run, step: int) -> dict[str, float]:
+    """One GRPO step on this rank's share of the step's prompts; returns the step's metrics."""
+    config, dist = run.config, run.dist
+    timer = PhaseTimer(dist.device)
+    num_samples = config.rollout.num_generations
+    examples = next(run.batches)[distributed.local_slice(config.train.prompts_per_step, dist)]
+    prompts = [e.token_ids.to(dist.device) for e in examples]
+
+    with timer("rollout"):
+        run.policy.eval()
+        rollout = generate(run.policy, prompts, num_samples=num_samples, sampling=run.sampling,
+                           seed=rollout_seed(config.train.seed, step, dist.rank))
+    with timer("rewards"):
+        texts = run.tokenizer.batch_decode(rollout.tokens, skip_special_tokens=True)
+        rewards = setup.score_rewards(run.rewards, [e.text for e in examples for _ in range(num_samples)], texts,
+                                      reward_columns(examples, num_samples, rollout.tokens))
+        # Advantages need every group's rewards only for batch-level std; gathering is cheap either way.
+        all_rewards = distributed.all_gather_cat(rewards.total.to(dist.device), dist)
+        advantages = group_advantages(all_rewards, [num_samples] * (all_rewards.numel() // num_samples),
+                                      config.algo.scale_rewards)
+        advantages = advantages[distributed.local_slice(all_rewards.numel(), dist)]
+    batch = StepBatch(prompts, rollout.tokens_per_group(), advantages)
+    micro_batches = plan(batch, config, dist)
+    with timer("logprobs"):
+        if config.algo.num_iterations > 1:
+            batch.old_logps = score(run.trainer, batch, micro_batches)
+        if run.reference is not None:
+            batch.ref_logps = score(run.reference, batch, micro_batches)
+    with timer("update"):
+        run.policy.train()
+        normalizer = step_normalizer(batch, config, dist)
+        updates = []
+        for iteration in range(config.algo.num_iterations):
+            optimizer_step = step * config.algo.num_iterations + iteration
+            set_learning_rate(run.optimizer, learning_rate(
+                optimizer_step, config.train.num_steps * config.algo.num_iterations, config.optim))
+            updates.append(update_policy(run.trainer, batch, micro_batches, run.loss, run.settings, normalizer,
+                                         run.optimizer, max_grad_norm=config.optim.max_grad_norm, dist=dist))
+            guard_nonfinite(run, updates[-1], step)
+
+    trainer_logps = batch.old_logps if batch.old_logps is not None else _regroup(updates[0].logps, batch)
+    metrics = step_metrics(rollout, rewards, trainer_logps, updates, timer.seconds, run, dist)
+    if dist.is_main and config.log.completions_every and (step + 1) % config.log.completions_every == 0:
+        run.log.log_completions(step + 1, completion_samples(examples, texts, rewards, num_samples,
+                                                             config.log.num_completions))
+    return metrics
+
+
+# --- pieces of a step -------------------------------------------------------------------------------
+
+
+def rollout_seed(seed: int, step: int, rank: int) -> int:
+    """A distinct, reproducible sampling seed per (run seed, step, rank): resumed runs draw the same."""
+    return (seed * 1_000_003 + step) * 1_009 + rank
+
+
+def reward_columns(examples: list[PromptExample], num_samples: int, tokens: list[torch.Tensor]) -> dict:
+    """Each prompt row's other columns repeated per completion, plus completion lengths in tokens."""
+    names = examples[0].columns.keys()
+    columns = {name: [e.columns.get(name) for e in examples for _ in range(num_samples)] for name in names}
+    columns["completion_lengths"] = [int(t.numel()) for t in tokens]
+    return columns
+
+
+def plan(batch: StepBatch, config: Config, dist: DistInfo):
+    """Micro-batches by token budget; every rank runs as many (fillers of weight 0 where short)."""
+    micro_batches = plan_micro_batches([p.numel() for p in batch.prompts],
+                                       [[c.numel() for c in group] for group in batch.completions],
+                                       config.train.micro_batch_tokens)
+    count = distributed.all_reduce_max_int(len(micro_batches), dist, dist.device)
+    return pad_to_count(micro_batches, count)
+
+
+def step_normalizer(batch: StepBatch, config: Config, dist: DistInfo) -> LossNormalizer:
+    """Whole-batch totals over all ranks, divided by the world size.
+
+    DDP averages gradients over ranks; with totals of the global batch / world size each rank's
+    loss is its share of the global-batch loss, so the averaged gradient is the global batch's
+    gradient, exactly as one process on the whole batch would compute it, for every loss variant.
+    """
+    lengths = [c.numel() for group in batch.completions for c in group]
+    totals = torch.tensor([len(lengths), sum(lengths)], dtype=torch.float32, device=dist.device)
+    totals = distributed.all_reduce_sum(totals, dist) / dist.world_size
+    num_sequences, num_tokens = totals[0], totals[1]
+    return LossNormalizer(num_sequences=num_sequences, num_tokens=num_tokens,
+                          max_completion_length=config.rollout.max_new_tokens,
+                          generation_tokens_per_step=num_tokens)
+
+
+def guard_nonfinite(run: Run, update: UpdateResult, step: int) -> None:
+    """Count skipped steps; after too many in a row, save a checkpoint and stop with a clear message."""
+    state = run.state
+    if update.applied:
+        state.nonfinite_in_a_row = 0
+        return
+    state.nonfinite_in_a_row += 1
+    state.nonfinite_total += 1
+    limit = run.config.train.max_nonfinite_steps
+    if state.nonfinite_in_a_row >= limit:
+        state.step = step + 1  # this step's data and RNG are consumed; its updates were not applied
+        path = save(run)
+        raise TrainingDiverged(
+            f"stopped at step {step + 1}: {state.nonfinite_in_a_row} optimizer steps in a row had NaN/inf loss "
+            f"or gradients (train.max_nonfinite_steps = {limit}) and were skipped, so the weights are the last "
+            f"good ones. Checkpoint saved to {path}. Lower optim.lr, set optim.max_grad_norm, or check the "
+            "rewards and data; then continue with --resume.")
+
+
+def _regroup(flat: list[torch.Tensor], batch: StepBatch) -> list[list[torch.Tensor]]:
+    out, i = [], 0
+    for group in batch.completions:
+        out.append(flat[i:i + len(group)])
+        i += len(group)
+    return out
+
+
+# --- run set-up, evaluation, checkpoints, export ----------------------------------------------------
+
+
+def build_run(config: Config, dist: DistInfo, rewards: list[setup.Reward], resume: bool) -> Run:
+    torch.manual_seed(config.train.seed)  # LoRA initialisation; resumed runs load their adapters
+    policy, tokenizer = setup.load_policy(config, dist.device)
+    fn = setup.logprob_fn(config)
+    trainer = distributed.wrap_for_training(policy, fn, dist, config.distributed.strategy)
+    reference = setup.build_reference(config, policy, dist.device)
+    optimizer = build_optimizer(policy, config.optim)
+    prompt_set = setup.load_train_prompts(config, tokenizer)
+    if dist.is_main and (prompt_set.num_too_long or prompt_set.num_empty):
+        tqdm.write(f"skipped {prompt_set.num_too_long} prompts over data.max_prompt_tokens="
+                   f"{config.data.max_prompt_tokens} and {prompt_set.num_empty} empty prompts")
+    batches = PromptBatches(prompt_set.examples, config.train.prompts_per_step, seed=config.train.seed,
+                            shuffle=config.data.shuffle)
+    stop_ids = setup.stop_token_ids(policy, tokenizer)
+    state = RunState()
+    output_dir = Path(config.train.output_dir)
+    latest = checkpoint.latest_checkpoint(output_dir) if resume else None
+    if resume and latest is None and dist.is_main:
+        tqdm.write(f"--resume: no checkpoint in {output_dir}; starting from step 0")
+    if latest is not None:
+        resumed = checkpoint.load_checkpoint(latest, policy, optimizer, dist)
+        batches.load_state_dict(resumed.state["data"])
+        state = RunState(step=resumed.step, nonfinite_in_a_row=resumed.state["nonfinite_in_a_row"],
+                         nonfinite_total=resumed.state["nonfinite_total"], evals=resumed.state["evals"])
+        if dist.is_main:
+            tqdm.write(f"resumed from {latest} (step {resumed.step})")
+    if dist.is_main:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        dump_config(config, output_dir / "config.json")
+    log = MetricsLog(output_dir, tensorboard=config.log.tensorboard, enabled=dist.is_main,
+                     resume_step=state.step if latest is not None else None)
+    return Run(
+        config=config, dist=dist, policy=policy, tokenizer=tokenizer, trainer=trainer, reference=reference,
+        optimizer=optimizer, batches=batches, rewards=rewards, accuracy=setup.accuracy_function(config, rewards),
+        eval_prompts=setup.load_eval_prompts(config, tokenizer),
+        sampling=setup.sampling_config(config.rollout, stop_ids, tokenizer),
+        greedy=setup.sampling_config(config.rollout, stop_ids, tokenizer, greedy=True),
+        loss=LOSSES[config.algo.loss],
+        settings=LossSettings(epsilon_low=config.algo.epsilon_low, epsilon_high=config.algo.epsilon_high,
+                              beta=config.algo.beta),
+        log=log, state=state)
+
+
+def evaluate(run: Run) -> float | None:
+    """Held-out greedy accuracy now (None without eval prompts or an accuracy reward); recorded and printed."""
+    if not run.eval_prompts or run.accuracy is None:
+        return None
+    accuracy = evaluate_accuracy(run.policy, run.tokenizer, run.eval_prompts, run.accuracy, run.greedy, run.dist)
+    run.state.evals.append({"step": run.state.step, "accuracy": accuracy})
+    run.log.log(run.state.step, {"eval/accuracy": accuracy})
+    if run.dist.is_main:
+        tqdm.write(f"step {run.state.step}: held-out accuracy {accuracy:.1%} ({len(run.eval_prompts)} problems, "
+                   "greedy)")
+    return accuracy
+
+
+def save(run: Run) -> Path:
+    extra = {"data": run.batches.state_dict(), "nonfinite_in_a_row": run.state.nonfinite_in_a_row,
+             "nonfinite_total": run.state.nonfinite_total, "evals": run.state.evals}
+    path = checkpoint.save_checkpoint(run.config.train.output_dir, run.state.step, run.policy, run.optimizer,
+                                      extra, run.dist, keep=run.config.train.keep_checkpoints)
+    if run.dist.is_main:
+        tqdm.write(f"checkpoint saved: {path}")
+    return path
+
+
+def export(run: Run) -> Path | None:
+    """The trained model (LoRA: its adapters) and tokenizer, with save_pretrained, to output_dir/final."""
+    if not run.config.train.save_final_model:
+        return None
+    path = Path(run.config.train.output_dir) / "final"
+    state_dict = checkpoint.full_model_state(run.policy)  # collective under FSDP2: every rank calls it
+    if run.dist.is_main:
+        run.policy.save_pretrained(path, state_dict=state_dict)
+        run.tokenizer.save_pretrained(path)
+    run.dist.barrier()
+    return path

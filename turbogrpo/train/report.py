@@ -1,0 +1,97 @@
+"""End-of-run report: PNG plots drawn from metrics.jsonl, and a short markdown summary."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from turbogrpo.train.metrics import read_metrics
+
+PHASES = ("rollout", "rewards", "logprobs", "update")
+
+
+def write_report(output_dir: str | Path) -> Path:
+    """Draw ``report/rewards.png`` (reward and accuracy curves), ``report/phases.png`` (time per phase)
+    and ``report/training.png`` (length, entropy, KL, clip fraction, grad norm); write ``report/report.md``."""
+    import matplotlib
+    matplotlib.use("Agg")  # files only; never needs a display
+    import matplotlib.pyplot as plt
+
+    records = read_metrics(output_dir)
+    out = Path(output_dir) / "report"
+    out.mkdir(parents=True, exist_ok=True)
+    steps = [r for r in records if "reward" in r]
+    evals = [(r["step"], r["eval/accuracy"]) for r in records if r.get("eval/accuracy") is not None]
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    xs = [r["step"] for r in steps]
+    if steps:
+        reward = [r["reward"] for r in steps]
+        std = [r["reward_std"] for r in steps]
+        ax.plot(xs, reward, label="reward (mean over completions)")
+        ax.fill_between(xs, [m - s for m, s in zip(reward, std)], [m + s for m, s in zip(reward, std)], alpha=0.2)
+        if any("accuracy" in r for r in steps):
+            ax.plot(xs, [r.get("accuracy") for r in steps], label="training accuracy (sampled)")
+    if evals:
+        ax.plot([s for s, _ in evals], [a for _, a in evals], "o-", label="held-out accuracy (greedy)")
+    ax.set_xlabel("step")
+    ax.set_title("Reward and accuracy")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "rewards.png", dpi=120)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    bottom = [0.0] * len(steps)
+    for phase in PHASES:
+        values = [r.get(f"time/{phase}", 0.0) for r in steps]
+        ax.bar(xs, values, bottom=bottom, label=phase, width=1.0)
+        bottom = [b + v for b, v in zip(bottom, values)]
+    ax.set_xlabel("step")
+    ax.set_ylabel("seconds")
+    ax.set_title("Time per step, by phase")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "phases.png", dpi=120)
+    plt.close(fig)
+
+    panels = [("completion_length/mean", "completion length (tokens)"), ("entropy", "entropy (nats/token)"),
+              ("kl", "KL to reference (k3)"), ("clip_ratio/region", "clipped fraction"), ("grad_norm", "grad norm"),
+              ("logprob_gap", "sampler vs trainer |Δ log p|")]
+    panels = [(key, title) for key, title in panels if any(key in r for r in steps)]
+    if panels:
+        fig, axes = plt.subplots(1, len(panels), figsize=(3.2 * len(panels), 3), squeeze=False)
+        for ax, (key, title) in zip(axes[0], panels):
+            ax.plot(xs, [r.get(key) for r in steps])
+            ax.set_title(title, fontsize=9)
+            ax.set_xlabel("step")
+            ax.grid(alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(out / "training.png", dpi=120)
+        plt.close(fig)
+
+    (out / "report.md").write_text(_summary(steps, evals))
+    return out
+
+
+def _summary(steps: list[dict], evals: list[tuple[int, float]]) -> str:
+    lines = ["# Run report", ""]
+    if evals:
+        lines.append(f"Held-out accuracy (greedy): {evals[0][1]:.1%} at step {evals[0][0]} -> "
+                     f"{evals[-1][1]:.1%} at step {evals[-1][0]}.")
+    if steps:
+        first, last = steps[: max(1, len(steps) // 10)], steps[-max(1, len(steps) // 10):]
+        lines.append(f"Mean reward: {_mean(first, 'reward'):.3f} (first tenth of steps) -> "
+                     f"{_mean(last, 'reward'):.3f} (last tenth).")
+        totals = {p: sum(r.get(f"time/{p}", 0.0) for r in steps) for p in PHASES}
+        whole = sum(totals.values()) or 1.0
+        lines.append("Time by phase: " + ", ".join(f"{p} {t:.1f} s ({t / whole:.0%})" for p, t in totals.items()))
+        lines.append(f"Steps: {len(steps)}; mean step time {_mean(steps, 'time/step'):.2f} s; "
+                     f"skipped optimizer steps (NaN/inf): {int(steps[-1].get('skipped_steps_total', 0))}.")
+    lines += ["", "![rewards](rewards.png)", "", "![phases](phases.png)", "", "![training](training.png)", ""]
+    return "\n".join(lines)
+
+
+def _mean(records: list[dict], key: str) -> float:
+    values = [r[key] for r in records if key in r]
+    return sum(values) / len(values) if values else float("nan")

@@ -1,0 +1,214 @@
+"""Building a run's components from its config: policy, reference, prompts, rewards, sampling.
+
+Each builder does one thing and is called by the loop; none knows about the others.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+from torch import nn
+
+from turbogrpo.config import Config, DataConfig, RewardConfig, RolloutConfig
+from turbogrpo.data import PromptExample, build_prompts, demo_records, gsm8k_records, read_records
+from turbogrpo.data.sources import source_kind
+from turbogrpo.models import demo_model_path, load_model_and_tokenizer
+from turbogrpo.prefix import compute_logprobs
+from turbogrpo.rewards import BUILTIN_REWARDS, RewardFn, WeightedReward, compute_rewards, resolve_reward
+from turbogrpo.rollout import SamplingConfig
+
+
+def load_policy(config: Config, device: torch.device):
+    """The trainable policy (full model, or base + LoRA adapters) and its tokenizer, on ``device``."""
+    path = demo_model_path() if config.model.path == "demo" else config.model.path
+    model, tokenizer = load_model_and_tokenizer(path, dtype=config.model.dtype, device=device)
+    if config.lora.enabled:
+        from peft import LoraConfig, get_peft_model
+        model = get_peft_model(model, LoraConfig(
+            r=config.lora.r, lora_alpha=config.lora.alpha, lora_dropout=config.lora.dropout,
+            target_modules=list(config.lora.target_modules), task_type="CAUSAL_LM"))
+    if config.model.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if config.lora.enabled:
+            model.enable_input_require_grads()
+    return model, tokenizer
+
+
+def logprob_fn(config: Config):
+    """``fn(model, prompts, completions) -> CompletionLogprobs``: the shared-prefix forward at the
+    sampling temperature (the loss uses the distribution the completions were sampled from)."""
+    return partial(compute_logprobs, share_prefix=True, backend=config.model.logprob_backend,
+                   temperature=config.rollout.temperature)
+
+
+class AdapterlessScorer(nn.Module):
+    """The reference policy of a LoRA run: the policy's own base weights, adapters switched off."""
+
+    def __init__(self, peft_model: nn.Module, fn):
+        super().__init__()
+        self.peft_model = peft_model
+        self.fn = fn
+
+    def forward(self, prompts, completions):
+        with self.peft_model.disable_adapter():
+            return self.fn(self.peft_model, prompts, completions)
+
+
+class FrozenScorer(nn.Module):
+    """The reference policy of a full fine-tune: a frozen copy of the initial weights."""
+
+    def __init__(self, model: nn.Module, fn):
+        super().__init__()
+        self.model = model.requires_grad_(False).eval()
+        self.fn = fn
+
+    def forward(self, prompts, completions):
+        return self.fn(self.model, prompts, completions)
+
+
+def build_reference(config: Config, policy: nn.Module, device: torch.device) -> nn.Module | None:
+    """``scorer(prompts, completions) -> CompletionLogprobs`` under the reference policy; None when
+    beta == 0 (the KL term is dropped, so no reference model is loaded at all)."""
+    if config.algo.beta == 0:
+        return None
+    fn = logprob_fn(config)
+    if config.lora.enabled:
+        return AdapterlessScorer(policy, fn)
+    path = demo_model_path() if config.model.path == "demo" else config.model.path
+    reference, _ = load_model_and_tokenizer(path, dtype=config.model.dtype, device=device)
+    return FrozenScorer(reference, fn)
+
+
+# --- prompts ----------------------------------------------------------------------------------------
+
+
+def _arithmetic_rows(data: DataConfig, split: str, seed: int) -> list[dict]:
+    num = data.num_train_problems if split == "train" else data.num_eval_problems
+    return demo_records(split, num, seed=seed)
+
+
+def _file_rows(data: DataConfig, path: str) -> list[dict]:
+    split = data.split if source_kind(path) == "datasets" else None
+    return read_records(path, split=split)
+
+
+# Readers of training rows, by data.kind.
+ROW_READERS = {
+    "arithmetic": lambda data, seed: _arithmetic_rows(data, "train", seed),
+    "rows": lambda data, seed: _file_rows(data, data.path),
+    "gsm8k": lambda data, seed: gsm8k_records(data.path),
+}
+_CHAT_TEMPLATE = {"auto": None, "always": True, "never": False}
+
+
+def _prompts(rows: list[dict], tokenizer, data: DataConfig):
+    return build_prompts(rows, tokenizer, prompt_column=data.prompt_column, max_prompt_tokens=data.max_prompt_tokens,
+                         on_too_long=data.on_overlong, chat_template=_CHAT_TEMPLATE[data.chat_template],
+                         system_prompt=data.system_prompt or None)
+
+
+def load_train_prompts(config: Config, tokenizer):
+    """The training PromptSet (examples plus skipped counts)."""
+    return _prompts(ROW_READERS[config.data.kind](config.data, config.train.seed), tokenizer, config.data)
+
+
+def load_eval_prompts(config: Config, tokenizer) -> list[PromptExample]:
+    """Held-out prompts: the arithmetic task's eval split, or ``data.eval_path`` rows ([] if none)."""
+    data = config.data
+    if data.eval_path:
+        rows = gsm8k_records(data.eval_path) if data.kind == "gsm8k" else _file_rows(data, data.eval_path)
+    elif data.kind == "arithmetic":
+        rows = _arithmetic_rows(data, "eval", seed=0)  # fixed, so every run is scored on the same problems
+    else:
+        return []
+    return _prompts(rows[:data.num_eval_problems], tokenizer, data).examples
+
+
+# --- rewards ----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Reward:
+    """A resolved reward function with its weight and fallback."""
+
+    name: str
+    func: RewardFn
+    weight: float
+    fallback: float
+
+
+def load_rewards(configs: list[RewardConfig]) -> list[Reward]:
+    """Resolve every ``[[rewards]]`` entry (built-in or import path); ValueError naming a bad one."""
+    rewards = []
+    for i, rc in enumerate(configs):
+        try:
+            func = resolve_reward(rc.function, **rc.kwargs)
+        except ValueError as err:
+            raise ValueError(f"config key 'rewards.{i}.function': {err}") from None
+        name = rc.function.rpartition(":")[2]
+        if any(r.name == name for r in rewards):
+            name = f"{name}_{i}"
+        rewards.append(Reward(name, func, rc.weight, rc.fallback))
+    return rewards
+
+
+def accuracy_function(config: Config, rewards: list[Reward]) -> Reward | None:
+    """The reward that defines "accuracy": a [[rewards]] entry of that name, else the built-in."""
+    for reward in rewards:
+        if reward.name == config.train.accuracy_reward:
+            return reward
+    if config.train.accuracy_reward in BUILTIN_REWARDS:
+        return Reward(config.train.accuracy_reward, resolve_reward(config.train.accuracy_reward), 0.0, 0.0)
+    return None
+
+
+@dataclass
+class StepRewards:
+    """Rewards of this rank's N completions.
+
+    total: float32 ``[N]`` weighted sum; per_function: name -> ``[N]``; num_failed / first_error per
+    function (items that got the fallback, and the first reason).
+    """
+
+    total: torch.Tensor
+    per_function: dict[str, torch.Tensor]
+    num_failed: dict[str, int]
+    first_error: dict[str, str | None]
+
+
+def score_rewards(rewards: list[Reward], prompts: list[str], completions: list[str],
+                  columns: dict[str, list]) -> StepRewards:
+    """Run every reward on the completions; a failing function or item gets its fallback, never raises."""
+    per_function, num_failed, first_error = {}, {}, {}
+    total = torch.zeros(len(completions))
+    for reward in rewards:
+        result = compute_rewards([WeightedReward(reward.name, reward.func, 1.0)], prompts, completions, columns,
+                                 fallback=reward.fallback)
+        per_function[reward.name] = result.per_function[reward.name]
+        total += reward.weight * per_function[reward.name]
+        num_failed[reward.name] = result.num_failed[reward.name]
+        first_error[reward.name] = result.first_error[reward.name]
+    return StepRewards(total, per_function, num_failed, first_error)
+
+
+# --- sampling ---------------------------------------------------------------------------------------
+
+
+def stop_token_ids(model: nn.Module, tokenizer) -> tuple[int, ...]:
+    """End-of-sequence ids of the tokenizer and the model's generation config."""
+    ids = set()
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    generation_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if generation_eos is not None:
+        ids.update(int(i) for i in (generation_eos if isinstance(generation_eos, (list, tuple)) else [generation_eos]))
+    return tuple(sorted(ids))
+
+
+def sampling_config(rollout: RolloutConfig, stop_ids: tuple[int, ...], tokenizer, *, greedy: bool = False):
+    return SamplingConfig(
+        max_new_tokens=rollout.max_new_tokens, temperature=0.0 if greedy else rollout.temperature,
+        top_p=rollout.top_p, top_k=rollout.top_k, stop_token_ids=stop_ids,
+        stop_strings=tuple(rollout.stop_strings), tokenizer=tokenizer if rollout.stop_strings else None)
