@@ -25,15 +25,16 @@ def test_merge_of_two_halves_equals_full_attention_by_hand():
 def test_split_backward_equals_autograd_of_full_softmax(monkeypatch, use_cpu_flash, causal):
     monkeypatch.setattr(kernels, "_use_cpu_flash", lambda q: use_cpu_flash)
     torch.manual_seed(0)
-    q = torch.randn(2, 3, 5, 4, dtype=torch.float64, requires_grad=True)
+    # 6 query heads over 3 KV heads (grouped-query attention).
+    q = torch.randn(2, 6, 5, 4, dtype=torch.float64, requires_grad=True)
     k = torch.randn(2, 3, 5, 4, dtype=torch.float64, requires_grad=True)
     v = torch.randn(2, 3, 5, 4, dtype=torch.float64, requires_grad=True)
     bias = torch.zeros(2, 1, 1, 5, dtype=torch.float64)
     bias[1, ..., 3:] = float("-inf")
-    scores = q @ k.transpose(-1, -2) * 0.5 + bias
+    scores = q @ k.repeat_interleave(2, 1).transpose(-1, -2) * 0.5 + bias
     if causal:
         scores = scores.masked_fill(~torch.ones(5, 5, dtype=torch.bool).tril(), float("-inf"))
-    expected = torch.softmax(scores, -1) @ v
+    expected = torch.softmax(scores, -1) @ v.repeat_interleave(2, 1)
     grad_out = torch.randn_like(expected)
     expected.backward(grad_out)
 

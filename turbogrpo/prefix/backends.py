@@ -6,23 +6,23 @@ Each backend turns a :class:`PackedGroups` layout into an attention plan for ``h
 * ``reference``: one SDPA call with the dense ``[T, T]`` boolean mask. Obviously right, quadratic
   memory in T; used by tests.
 * ``cascade``: prompts attend causally among themselves (one batched causal SDPA over the padded
-  prompts); completion tokens attend to their group's prompt K/V (one batched unmasked product per
-  group, every completion of the group folded into the query axis, so the prompt K/V is read once
-  and never copied G times) and causally to their own tokens; the two partials are merged with
-  their log-sum-exps. A custom autograd function recomputes the backward part by part.
+  prompts); completion tokens attend to their group's prompt K/V (one batched unmasked call with
+  all G completions of a group in one query row, so the prompt K/V is read once and never copied
+  G times) and causally to their own tokens; the two partials are merged with their
+  log-sum-exps. A custom autograd function computes the backward part by part.
 * ``flex``: FlexAttention with a block mask, compiled; used on CUDA, where it has a backward.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import ClassVar
+from typing import ClassVar, NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 from turbogrpo.prefix.kernels import attention_backward, attention_forward, merge_partials
-from turbogrpo.prefix.layout import PackedGroups
+from turbogrpo.prefix.layout import PackedGroups, PaddedIndex
 
 BACKENDS: dict[str, type[PrefixAttention]] = {}
 
@@ -73,18 +73,11 @@ class PrefixAttention:
         raise NotImplementedError
 
 
-def _repeat_kv(x: torch.Tensor, num_rep: int, dim: int) -> torch.Tensor:
-    """Repeat each KV head ``num_rep`` times along ``dim`` (query head h uses KV head h // num_rep)."""
-    return x if num_rep == 1 else x.repeat_interleave(num_rep, dim=dim)
-
-
 @register_backend("reference")
 class ReferenceAttention(PrefixAttention):
     def attend(self, query, key, value, scaling):
-        num_rep = query.shape[1] // key.shape[1]
-        out = F.scaled_dot_product_attention(
-            query, _repeat_kv(key, num_rep, 1), _repeat_kv(value, num_rep, 1),
-            attn_mask=self.layout.dense_mask(), scale=scaling)
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=self.layout.dense_mask(),
+                                             scale=scaling, enable_gqa=query.shape[1] != key.shape[1])
         return out.transpose(1, 2)
 
 
@@ -92,156 +85,105 @@ class ReferenceAttention(PrefixAttention):
 class CascadeAttention(PrefixAttention):
     def attend(self, query, key, value, scaling):
         layout = self.layout
-        num_prompt = layout.num_prompt_tokens
-        q_THD, k_TKD, v_TKD = (x[0].transpose(0, 1) for x in (query, key, value))
-        num_rep = q_THD.shape[1] // k_TKD.shape[1]
+        sizes = [layout.num_prompt_tokens, layout.num_completion_tokens]
+        # split/squeeze rather than slicing/indexing: their backward is a cat/view, where a slice's
+        # backward would zero-fill a full [T, H, D] buffer per use.
+        (q_prompt, q_completion), (k_prompt, k_completion), (v_prompt, v_completion) = (
+            x.squeeze(0).transpose(0, 1).split(sizes) for x in (query, key, value))
 
         prompts = layout.prompt_padded
-        q_prompt = prompts.to_padded(q_THD[:num_prompt]).transpose(1, 2)
-        k_prompt = _repeat_kv(prompts.to_padded(k_TKD[:num_prompt]).transpose(1, 2), num_rep, 1)
-        v_prompt = _repeat_kv(prompts.to_padded(v_TKD[:num_prompt]).transpose(1, 2), num_rep, 1)
         # Padding sits at the end of each row, so plain causal masking never lets a real query see it.
-        out_prompt = F.scaled_dot_product_attention(q_prompt, k_prompt, v_prompt, is_causal=True, scale=scaling)
-        out_prompt = prompts.to_flat(out_prompt.transpose(1, 2))
-
+        out_prompt = F.scaled_dot_product_attention(
+            _rows(prompts, q_prompt), _rows(prompts, k_prompt), _rows(prompts, v_prompt),
+            is_causal=True, scale=scaling, enable_gqa=query.shape[1] != key.shape[1])
         out_completion = SharedPrefixAttention.apply(
-            q_THD[num_prompt:], k_TKD[:num_prompt], v_TKD[:num_prompt],
-            k_TKD[num_prompt:], v_TKD[num_prompt:], layout, scaling)
-        return torch.cat([out_prompt, out_completion]).unsqueeze(0)
+            q_completion, k_prompt, v_prompt, k_completion, v_completion, layout, scaling)
+        return torch.cat([_unrows(prompts, out_prompt), out_completion]).unsqueeze(0)
+
+
+def _rows(index: PaddedIndex, flat_NHD: torch.Tensor) -> torch.Tensor:
+    """``[N, H, D]`` flat tokens -> ``[R, H, W, D]`` padded rows, the layout attention kernels take."""
+    return index.to_padded(flat_NHD).transpose(1, 2)
+
+
+def _unrows(index: PaddedIndex, rows_RHW: torch.Tensor) -> torch.Tensor:
+    """``[R, H, W, ...]`` -> ``[N, H, ...]`` (drops pad slots)."""
+    return index.to_flat(rows_RHW.transpose(1, 2))
+
+
+class _Part(NamedTuple):
+    """One partial attention of the completion queries: which rows the queries and keys form."""
+
+    queries: PaddedIndex
+    keys: PaddedIndex
+    key_bias: torch.Tensor | None   # additive [R, 1, 1, W_keys] mask for padded keys
+    causal: bool
+
+
+def _completion_parts(layout: PackedGroups, dtype: torch.dtype) -> tuple[_Part, _Part]:
+    """shared: a group's completion tokens (all G completions in one row) against its prompt;
+    own: each completion's tokens against themselves, causally."""
+    prompts = layout.prompt_padded
+    bias = None
+    if not prompts.is_dense:
+        bias = torch.zeros(prompts.valid.shape, dtype=dtype, device=prompts.valid.device)
+        bias = bias.masked_fill(~prompts.valid, float("-inf"))[:, None, None, :]
+    shared = _Part(layout.group_queries_padded, prompts, bias, causal=False)
+    own = _Part(layout.completions_padded, layout.completions_padded, None, causal=True)
+    return shared, own
 
 
 class SharedPrefixAttention(torch.autograd.Function):
     """Completion queries attending to their group's prompt (shared) and causally to themselves.
 
     Inputs (flat, in the pack's order): ``q_completion [Nq, H, D]``, ``k_prompt, v_prompt [Np, Hkv, D]``,
-    ``k_completion, v_completion [Nq, Hkv, D]``. Output ``[Nq, H, D]``.
+    ``k_completion, v_completion [Nq, Hkv, D]``. Output ``[Nq, H, D]``. The prompt's K/V enter the
+    shared part once per group; nothing is repeated per completion.
     """
 
     @staticmethod
     def forward(ctx, q_completion, k_prompt, v_prompt, k_completion, v_completion, layout, scale):
-        parts = _CascadeParts(layout, q_completion, k_prompt, v_prompt, k_completion, v_completion)
-        out_shared, lse_shared = attention_forward(*parts.shared_inputs(), parts.prompt_bias,
-                                                   causal=False, scale=scale)
-        out_own, lse_own = attention_forward(*parts.own_inputs(), None, causal=True, scale=scale)
-        out, lse = merge_partials(*parts.shared_to_flat(out_shared, lse_shared),
-                                  *parts.own_to_flat(out_own, lse_own))
+        parts = _completion_parts(layout, q_completion.dtype)
+        keys = ((k_prompt, v_prompt), (k_completion, v_completion))
+        partials, part_lses = [], []
+        for part, (k, v) in zip(parts, keys):
+            out, lse = attention_forward(_rows(part.queries, q_completion), _rows(part.keys, k),
+                                         _rows(part.keys, v), part.key_bias, causal=part.causal, scale=scale)
+            partials.append((_unrows(part.queries, out), _unrows(part.queries, lse[..., None])[..., 0]))
+            part_lses.append(lse)
+        out, lse = merge_partials(*partials[0], *partials[1])
         out = out.to(q_completion.dtype)
-        ctx.save_for_backward(q_completion, k_prompt, v_prompt, k_completion, v_completion,
-                              out, lse, lse_shared, lse_own)
+        ctx.save_for_backward(q_completion, k_prompt, v_prompt, k_completion, v_completion, out, lse, *part_lses)
         ctx.layout, ctx.scale = layout, scale
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        q_completion, k_prompt, v_prompt, k_completion, v_completion, out, lse, lse_shared, lse_own = \
-            ctx.saved_tensors
-        parts = _CascadeParts(ctx.layout, q_completion, k_prompt, v_prompt, k_completion, v_completion)
+        q_completion, k_prompt, v_prompt, k_completion, v_completion, out, lse, *part_lses = ctx.saved_tensors
+        parts = _completion_parts(ctx.layout, q_completion.dtype)
+        keys = ((k_prompt, v_prompt), (k_completion, v_completion))
         grad_out = grad_out.contiguous()
+        grad_q = torch.zeros_like(q_completion)
+        grad_keys = []
+        for part, (k, v), part_lse in zip(parts, keys, part_lses):
+            rows_grad, rows_out = _rows(part.queries, grad_out), _rows(part.queries, out)
+            rows_lse = _unrows_lse_inverse(part.queries, lse)
+            if not part.queries.is_dense:
+                valid = part.queries.valid[:, None, :]
+                rows_grad = rows_grad * valid[..., None]
+                # Pad rows keep their own forward lse so that exp(scores - lse) stays finite there.
+                rows_lse = torch.where(valid, rows_lse, part_lse)
+            dq, dk, dv = attention_backward(rows_grad, _rows(part.queries, q_completion), _rows(part.keys, k),
+                                            _rows(part.keys, v), rows_out, rows_lse, part.key_bias,
+                                            causal=part.causal, scale=ctx.scale)
+            grad_q += _unrows(part.queries, dq)
+            grad_keys += [_unrows(part.keys, dk), _unrows(part.keys, dv)]
+        return grad_q, *grad_keys, None, None
 
-        dq_shared, dk_prompt, dv_prompt = attention_backward(
-            *parts.shared_from_flat(grad_out, out, lse, lse_shared), parts.prompt_bias,
-            causal=False, scale=ctx.scale)
-        dq_own, dk_own, dv_own = attention_backward(
-            *parts.own_from_flat(grad_out, out, lse, lse_own), None, causal=True, scale=ctx.scale)
 
-        dq = parts.shared_queries_to_flat(dq_shared) + parts.own_queries_to_flat(dq_own)
-        dk_prompt, dv_prompt = parts.prompt_keys_to_flat(dk_prompt), parts.prompt_keys_to_flat(dv_prompt)
-        dk_completion, dv_completion = parts.own_keys_to_flat(dk_own), parts.own_keys_to_flat(dv_own)
-        return dq, dk_prompt, dv_prompt, dk_completion, dv_completion, None, None
-
-
-class _CascadeParts:
-    """Moves flat tensors in and out of the two padded layouts the cascade computes in.
-
-    shared part: ``[Ng, Hkv, Q_max * rep, D]`` queries (a group's completion tokens and the ``rep``
-    query heads per KV head folded together) against ``[Ng, Hkv, P_max, D]`` prompt keys;
-    own part: ``[Nc, H, S_max, D]`` queries against the completion's own keys, causal.
-    """
-
-    def __init__(self, layout: PackedGroups, q, k_prompt, v_prompt, k_completion, v_completion):
-        self.layout = layout
-        self.groups, self.prompts, self.completions = (
-            layout.group_queries_padded, layout.prompt_padded, layout.completions_padded)
-        self.q, self.k_prompt, self.v_prompt = q, k_prompt, v_prompt
-        self.k_completion, self.v_completion = k_completion, v_completion
-        self.num_heads, self.num_kv_heads = q.shape[1], k_prompt.shape[1]
-        self.num_rep = self.num_heads // self.num_kv_heads
-
-    # -- shared part --
-    @property
-    def prompt_bias(self) -> torch.Tensor | None:
-        if all(p == self.prompts.width for p in self.layout.prompt_lengths):
-            return None
-        bias = torch.zeros(self.prompts.valid.shape, dtype=self.q.dtype, device=self.q.device)
-        return bias.masked_fill(~self.prompts.valid, float("-inf"))[:, None, None, :]
-
-    def _fold(self, x_NgQH):
-        """``[Ng, Q, H, ...]`` -> ``[Ng, Hkv, Q * rep, ...]``."""
-        ng, q = x_NgQH.shape[:2]
-        rest = x_NgQH.shape[3:]
-        x = x_NgQH.reshape(ng, q, self.num_kv_heads, self.num_rep, *rest).transpose(1, 2)
-        return x.reshape(ng, self.num_kv_heads, q * self.num_rep, *rest)
-
-    def _unfold(self, x):
-        """Inverse of ``_fold``, then back to flat ``[Nq, H, ...]``."""
-        ng, _, qr = x.shape[:3]
-        rest = x.shape[3:]
-        x = x.reshape(ng, self.num_kv_heads, qr // self.num_rep, self.num_rep, *rest).transpose(1, 2)
-        return self.groups.to_flat(x.reshape(ng, qr // self.num_rep, self.num_heads, *rest))
-
-    def _shared_valid(self):
-        valid = self.groups.valid[:, :, None].expand(-1, -1, self.num_heads)
-        return self._fold(valid)
-
-    def shared_inputs(self):
-        q = self._fold(self.groups.to_padded(self.q))
-        k = self.prompts.to_padded(self.k_prompt).transpose(1, 2)
-        v = self.prompts.to_padded(self.v_prompt).transpose(1, 2)
-        return q, k, v
-
-    def shared_to_flat(self, out, lse):
-        return self._unfold(out), self._unfold(lse)
-
-    def shared_from_flat(self, grad_out, out, lse, lse_shared):
-        q, k, v = self.shared_inputs()
-        valid = self._shared_valid()
-        grad = self._fold(self.groups.to_padded(grad_out)) * valid[..., None]
-        out_padded = self._fold(self.groups.to_padded(out))
-        # Pad rows keep their own forward lse so that exp(scores - lse) stays finite there.
-        lse_padded = torch.where(valid, self._fold(self.groups.to_padded(lse)), lse_shared)
-        return grad, q, k, v, out_padded, lse_padded
-
-    def shared_queries_to_flat(self, dq):
-        return self._unfold(dq)
-
-    def prompt_keys_to_flat(self, dk):
-        return self.prompts.to_flat(dk.transpose(1, 2))
-
-    # -- own part --
-    def own_inputs(self):
-        q = self.completions.to_padded(self.q).transpose(1, 2)
-        k = _repeat_kv(self.completions.to_padded(self.k_completion), self.num_rep, 2).transpose(1, 2)
-        v = _repeat_kv(self.completions.to_padded(self.v_completion), self.num_rep, 2).transpose(1, 2)
-        return q, k, v
-
-    def own_to_flat(self, out, lse):
-        return self.completions.to_flat(out.transpose(1, 2)), self.completions.to_flat(lse.transpose(1, 2))
-
-    def own_from_flat(self, grad_out, out, lse, lse_own):
-        q, k, v = self.own_inputs()
-        valid = self.completions.valid[:, None, :]
-        grad = self.completions.to_padded(grad_out).transpose(1, 2) * valid[..., None]
-        out_padded = self.completions.to_padded(out).transpose(1, 2)
-        lse_padded = torch.where(valid, self.completions.to_padded(lse).transpose(1, 2), lse_own)
-        return grad, q, k, v, out_padded, lse_padded
-
-    def own_queries_to_flat(self, dq):
-        return self.completions.to_flat(dq.transpose(1, 2))
-
-    def own_keys_to_flat(self, dk):
-        nc, _, s, d = dk.shape
-        dk = dk.reshape(nc, self.num_kv_heads, self.num_rep, s, d).sum(2)
-        return self.completions.to_flat(dk.transpose(1, 2))
+def _unrows_lse_inverse(index: PaddedIndex, lse_NH: torch.Tensor) -> torch.Tensor:
+    """``[N, H]`` flat log-sum-exps -> ``[R, H, W]`` rows."""
+    return index.to_padded(lse_NH).transpose(1, 2)
 
 
 _compiled_flex = None

@@ -5,7 +5,8 @@ each part's log-sum-exp; the backward of the merged result can then be computed 
 the *merged* output and log-sum-exp, because ``P_part = exp(S_part - lse_merged)`` is exactly the
 slice of the full softmax that the part covers (the flash-attention backward identity).
 
-Shape legend: B batch, H heads, Q queries, K keys, D head dim. ``bias`` is an additive float mask
+Shape legend: B batch, H query heads, Hkv key/value heads (H a multiple of Hkv: grouped-query
+attention, query head h reads KV head h // (H / Hkv)), Q queries, K keys, D head dim. ``bias`` is an additive float mask
 broadcastable to ``[B, H, Q, K]`` (0 or -inf) or None. Row log-sum-exps are ``[B, H, Q]``.
 """
 
@@ -26,6 +27,8 @@ def attention_forward(q, k, v, bias, *, causal: bool, scale: float):
     if _use_cpu_flash(q):
         out, lse = _cpu_flash(q, k, v, 0.0, causal, attn_mask=bias, scale=scale)
         return out, lse
+    num_rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(num_rep, 1), v.repeat_interleave(num_rep, 1)
     scores = _scores(q, k, bias, causal, scale)
     lse = torch.logsumexp(scores, dim=-1)
     out = torch.matmul(torch.exp(scores - lse[..., None]).to(v.dtype), v)
@@ -36,12 +39,18 @@ def attention_backward(grad_out, q, k, v, out, lse, bias, *, causal: bool, scale
     """Gradients ``(dq, dk, dv)`` of one attention part given the merged ``out`` and ``lse``."""
     if _use_cpu_flash(q):
         return _cpu_flash_backward(grad_out, q, k, v, out, lse, 0.0, causal, attn_mask=bias, scale=scale)
+    num_kv, num_rep = k.shape[1], q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(num_rep, 1), v.repeat_interleave(num_rep, 1)
     probs = torch.exp(_scores(q, k, bias, causal, scale) - lse[..., None]).to(q.dtype)
     grad_v = torch.matmul(probs.transpose(-1, -2), grad_out)
     grad_probs = torch.matmul(grad_out, v.transpose(-1, -2))
     row_dot = (grad_out * out).sum(-1, keepdim=True)
     grad_scores = probs * (grad_probs - row_dot) * scale
-    return torch.matmul(grad_scores, k), torch.matmul(grad_scores.transpose(-1, -2), q), grad_v
+    grad_k = torch.matmul(grad_scores.transpose(-1, -2), q)
+
+    def per_kv_head(g):  # sum the gradients of the query heads that shared each KV head
+        return g.unflatten(1, (num_kv, num_rep)).sum(2)
+    return torch.matmul(grad_scores, k), per_kv_head(grad_k), per_kv_head(grad_v)
 
 
 def _scores(q, k, bias, causal, scale):

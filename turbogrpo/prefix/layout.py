@@ -130,6 +130,7 @@ class PaddedIndex:
     valid: torch.Tensor
     slot_of_flat: torch.Tensor
     width: int
+    is_dense: bool   # every row full: padded views are plain reshapes, no gathers
 
     @staticmethod
     def build(lengths: list[int], device: torch.device) -> PaddedIndex:
@@ -140,14 +141,19 @@ class PaddedIndex:
         valid = cols[None, :] < lengths_t[:, None]
         gather = torch.where(valid, starts[:, None] + cols[None, :], torch.zeros((), dtype=torch.long))
         slot_of_flat = torch.nonzero(valid.flatten(), as_tuple=False).squeeze(1)
-        return PaddedIndex(gather.to(device), valid.to(device), slot_of_flat.to(device), width)
+        is_dense = all(n == width for n in lengths)
+        return PaddedIndex(gather.to(device), valid.to(device), slot_of_flat.to(device), width, is_dense)
 
     def to_padded(self, flat: torch.Tensor) -> torch.Tensor:
         """``[N, ...]`` -> ``[R, W, ...]`` (pad slots hold copies of item 0)."""
+        if self.is_dense:
+            return flat.unflatten(0, self.gather.shape)
         return flat[self.gather]
 
     def to_flat(self, padded: torch.Tensor) -> torch.Tensor:
         """``[R, W, ...]`` -> ``[N, ...]``."""
+        if self.is_dense:
+            return padded.flatten(0, 1)
         return padded.flatten(0, 1)[self.slot_of_flat]
 
 
