@@ -1,0 +1,68 @@
+"""Exact resume: a run SIGKILLed after a checkpoint and resumed ends bit for bit where an
+uninterrupted run ends (CPU, real subprocesses)."""
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from turbogrpo.config import load_config
+from turbogrpo.train.loop import train
+from turbogrpo.train.metrics import read_metrics
+
+from .tiny_run import overrides, write_model, write_rows
+
+REPO = Path(__file__).resolve().parents[2]
+EXTRA = {"train.num_steps": 8, "train.checkpoint_every": 2, "algo.num_iterations": 2, "algo.beta": 0.02,
+         "optim.warmup_steps": 2, "optim.schedule": "cosine", "optim.weight_decay": 0.01}
+
+
+def command(config: Path, sets: list[str], *flags: str) -> list[str]:
+    return [sys.executable, "-m", "turbogrpo", "train", str(config), *flags, "--set", *sets]
+
+
+def test_sigkill_then_resume_equals_uninterrupted_run(tmp_path):
+    model_dir, rows = write_model(tmp_path / "model"), write_rows(tmp_path / "rows.jsonl")
+    config = tmp_path / "run.toml"
+    config.write_text("# everything is set on the command line\n")
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+
+    killed_dir = tmp_path / "killed"
+    sets = overrides(model_dir, rows, killed_dir, **EXTRA)
+    child = subprocess.Popen(command(config, sets), cwd=REPO, env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.DEVNULL, text=True)
+    for line in child.stdout:
+        if line.startswith("checkpoint saved:"):
+            child.send_signal(signal.SIGKILL)  # mid-training: 6 of 8 steps still to go
+            break
+    child.wait()
+    assert child.returncode == -signal.SIGKILL
+    assert not (killed_dir / "final").exists()
+    interrupted_at = max(int(p.name.split("-")[1]) for p in killed_dir.glob("step-*"))
+    assert interrupted_at < 8
+
+    resumed = subprocess.run(command(config, sets, "--resume"), cwd=REPO, env=env, capture_output=True, text=True)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resumed from {killed_dir / 'step-'}" in resumed.stdout
+
+    straight_dir = tmp_path / "straight"
+    train(load_config(None, overrides(model_dir, rows, straight_dir, **EXTRA)))  # in-process, one thread too
+
+    final_killed = load_file(killed_dir / "step-000008" / "model.safetensors")
+    final_straight = load_file(straight_dir / "step-000008" / "model.safetensors")
+    assert final_killed.keys() == final_straight.keys()
+    for name in final_straight:
+        assert torch.equal(final_killed[name], final_straight[name]), name
+    optim_killed = load_file(killed_dir / "step-000008" / "optimizer.safetensors")
+    optim_straight = load_file(straight_dir / "step-000008" / "optimizer.safetensors")
+    assert all(torch.equal(optim_killed[k], optim_straight[k]) for k in optim_straight)
+
+    def comparable(records):
+        return [{k: v for k, v in r.items() if not k.startswith("time/") and "per_s" not in k} for r in records]
+
+    assert comparable(read_metrics(killed_dir)) == comparable(read_metrics(straight_dir))
