@@ -7,6 +7,8 @@ first few generated tokens is a product of table rows.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from turbogrpo.rollout.sampling import warp_logits
@@ -28,6 +30,7 @@ def chi_square_pvalue(counts: torch.Tensor, probs: torch.Tensor, min_expected: f
     keep = expected > 0
     observed, expected = observed[keep], expected[keep]
     stat = ((observed - expected) ** 2 / expected).sum()
+    assert observed.numel() >= 3, "too few populated cells for a meaningful test"
     dof = torch.tensor(observed.numel() - 1, dtype=torch.float64)
     return torch.special.gammaincc(dof / 2, stat / 2).item()
 
@@ -97,18 +100,38 @@ def joint_counts(samples: torch.Tensor, vocab_size: int) -> torch.Tensor:
 
 
 def tiny_policy(arch: str = "qwen2", *, seed: int = 0, vocab_size: int = 64, hidden_size: int = 32,
-                num_layers: int = 2, sharpness: float = 3.0):
+                num_layers: int = 2, sharpness: float = 3.0, **overrides):
     """A tiny random causal LM; ``sharpness`` sets its logits' scale so its distributions are peaked
     (a random model is otherwise close to uniform, which makes acceptance trivially rare)."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
+                              Qwen2ForCausalLM)
 
-    classes = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "llama": (LlamaConfig, LlamaForCausalLM)}
+    classes = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "llama": (LlamaConfig, LlamaForCausalLM),
+               "mistral": (MistralConfig, MistralForCausalLM)}
     config_class, model_class = classes[arch]
     torch.manual_seed(seed)
     config = config_class(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
                           num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
-                          max_position_embeddings=512, tie_word_embeddings=False)
+                          max_position_embeddings=512, tie_word_embeddings=False, **overrides)
     model = model_class(config).eval()
     with torch.no_grad():  # logits of standard deviation about `sharpness`
         model.lm_head.weight.normal_(0.0, sharpness / hidden_size ** 0.5)
     return model
+
+
+@functools.lru_cache(maxsize=None)
+def trained_pair(vocab_size: int = 64, *, seed: int = 0, sharpness: float = 6.0):
+    """(policy, draft, prompts): a tiny policy and a draft trained on its own completions of
+    ``prompts`` (cached: a few seconds)."""
+    from turbogrpo.rollout import SamplingConfig, generate
+    from turbogrpo.speculative.draft import DraftHead, DraftTrainConfig, draft_examples, train_draft
+
+    policy = tiny_policy(vocab_size=vocab_size, seed=seed, sharpness=sharpness)
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(vocab_size, (n,), generator=g) for n in (5, 9, 2, 7)]
+    completions = [generate(policy, prompts, num_samples=n, sampling=SamplingConfig(max_new_tokens=20, temperature=t),
+                            seed=seed).tokens_per_group() for n, t in ((1, 0.0), (4, 0.7))]
+    draft = DraftHead(policy)
+    train_draft(draft, draft_examples(policy, prompts, [a + b for a, b in zip(*completions)]),
+                DraftTrainConfig(lr=1e-2, num_epochs=25, batch_size=20))
+    return policy, draft, prompts

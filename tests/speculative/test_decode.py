@@ -1,0 +1,169 @@
+"""Speculative rollouts against the plain engine: greedy equality, edge cases, losslessness."""
+
+import functools
+
+import pytest
+import torch
+
+from tests.speculative.speculative_helpers import chi_square_pvalue, joint_counts, tiny_policy, trained_pair
+from turbogrpo.prefix.logprobs import completion_logprobs
+from turbogrpo.rollout import SamplingConfig, generate
+from turbogrpo.speculative.decode import Speculation, SpeculativeStats, generate_speculative
+from turbogrpo.speculative.draft import DraftHead
+from turbogrpo.speculative.policy import FixedSizing
+from turbogrpo.speculative.tree import TreeShape
+
+GREEDY = SamplingConfig(max_new_tokens=20, temperature=0.0)
+
+
+def prompts_of(lengths, vocab_size=64, seed=3):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(vocab_size, (n,), generator=g) for n in lengths]
+
+
+def speculate(policy, draft, prompts, sampling, shape=TreeShape(3, 4, 12), *, num_samples=2, seed=0, **kw):
+    return generate_speculative(policy, prompts, num_samples=num_samples, sampling=sampling, seed=seed,
+                                draft=Speculation(draft, FixedSizing(shape)), **kw)
+
+
+def assert_same_completions(plain, spec):
+    assert [t.tolist() for t in spec.tokens] == [t.tolist() for t in plain.tokens]
+    assert spec.finish_reasons == plain.finish_reasons
+    for a, b in zip(plain.logprobs, spec.logprobs):
+        torch.testing.assert_close(b, a, atol=1e-5, rtol=0)
+
+
+@functools.lru_cache(maxsize=None)
+def models_and_drafts():
+    policy, draft, _ = trained_pair()
+    llama = tiny_policy("llama", seed=1, sharpness=6.0)
+    mistral = tiny_policy("mistral", seed=2, sharpness=6.0, sliding_window=6)
+    return {"qwen2-trained-draft": (policy, draft), "llama-random-draft": (llama, DraftHead(llama)),
+            "mistral-window6-random-draft": (mistral, DraftHead(mistral))}
+
+
+@pytest.mark.parametrize("name", ["qwen2-trained-draft", "llama-random-draft", "mistral-window6-random-draft"])
+@pytest.mark.parametrize("shape", [TreeShape(1, 4, 5), TreeShape(3, 4, 12), TreeShape(4, 2, 9)])
+def test_greedy_speculative_equals_greedy_plain(name, shape):
+    policy, draft = models_and_drafts()[name]
+    prompts = trained_pair()[2][:3]
+    plain = generate(policy, prompts, num_samples=2, sampling=GREEDY)
+    spec = speculate(policy, draft, prompts, GREEDY, shape)
+    assert_same_completions(plain, spec)
+    if name.endswith("trained-draft"):
+        assert spec.stats.num_forwards < 0.8 * plain.stats.num_forwards  # the draft really was accepted
+
+
+def test_stop_token_inside_accepted_paths_and_different_finishing_steps():
+    policy, draft, prompts = trained_pair()
+    reference = generate(policy, prompts, num_samples=1, sampling=GREEDY)
+    stops = (int(reference.tokens[0][6]), int(reference.tokens[2][3]))
+    sampling = SamplingConfig(max_new_tokens=20, temperature=0.0, stop_token_ids=stops)
+    plain = generate(policy, prompts, num_samples=2, sampling=sampling)
+    spec = speculate(policy, draft, prompts, sampling)
+    assert_same_completions(plain, spec)
+    assert "stop" in spec.finish_reasons and len(set(len(t) for t in spec.tokens)) > 1
+    assert max(spec.stats.accepted_lengths) > 2
+    sizes = spec.stats.live_batch_sizes
+    assert sizes == sorted(sizes, reverse=True) and len(set(sizes)) > 1
+
+
+@pytest.mark.parametrize("max_new_tokens", [1, 2, 7])
+def test_max_new_tokens_reached_mid_path(max_new_tokens):
+    policy, draft, prompts = trained_pair()
+    prompts = prompts[:2]
+    sampling = SamplingConfig(max_new_tokens=max_new_tokens, temperature=0.0)
+    plain = generate(policy, prompts, num_samples=2, sampling=sampling)
+    spec = speculate(policy, draft, prompts, sampling, TreeShape(2, 6, 12))
+    assert_same_completions(plain, spec)
+    assert all(len(t) == max_new_tokens for t in spec.tokens)
+
+
+def test_a_single_live_sequence():
+    policy, draft, prompts = trained_pair()
+    prompts = prompts[:1]
+    plain = generate(policy, prompts, num_samples=1, sampling=GREEDY)
+    spec = speculate(policy, draft, prompts, GREEDY, num_samples=1)
+    assert_same_completions(plain, spec)
+    assert set(spec.stats.live_batch_sizes) == {1}
+
+
+class AlwaysWrongDraft(DraftHead):
+    """Proposes one token (that greedy decoding never emits) at every node."""
+
+    wrong_token = 0
+
+    def logits(self, features):
+        logits = torch.zeros(*features.shape[:-1], self.config.vocab_size, device=features.device)
+        logits[..., self.wrong_token] = 10.0
+        return logits
+
+
+def test_an_always_wrong_draft_changes_nothing():
+    policy, _, prompts = trained_pair()
+    plain = generate(policy, prompts, num_samples=2, sampling=GREEDY)
+    used = set(torch.cat(plain.tokens).tolist())
+    draft = AlwaysWrongDraft(policy)
+    draft.wrong_token = min(set(range(64)) - used)
+    spec = speculate(policy, draft, prompts, GREEDY, TreeShape(1, 3, 4))
+    assert_same_completions(plain, spec)
+    assert set(spec.stats.accepted_lengths) == {1.0}
+    assert spec.stats.num_forwards == plain.stats.num_forwards
+
+
+def test_sampler_logprobs_and_hidden_are_the_policys():
+    policy, draft, prompts = trained_pair()
+    sampling = SamplingConfig(max_new_tokens=16, temperature=0.8, top_k=20)
+    spec = speculate(policy, draft, prompts, sampling, num_samples=3, return_hidden=True)
+    logprobs, hidden = completion_logprobs(policy, spec.prompts, spec.tokens_per_group(), temperature=0.8,
+                                           return_hidden=True)
+    for ours, theirs in zip(spec.logprobs_per_group(), logprobs):
+        for a, b in zip(ours, theirs):
+            torch.testing.assert_close(a, b.float(), atol=1e-4, rtol=0)
+    for ours, theirs in zip(spec.hidden_per_group(), hidden):
+        for a, b in zip(ours, theirs):
+            torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+    stats = spec.stats
+    assert isinstance(stats, SpeculativeStats)
+    assert len(stats.tree_sizes) == len(stats.accepted_lengths) == len(stats.live_batch_sizes)
+    assert stats.mean_accepted_length > 1.5
+
+
+V = 8
+CASES = {
+    "T1": SamplingConfig(max_new_tokens=3, temperature=1.0),
+    "T0.7-top_p0.9": SamplingConfig(max_new_tokens=3, temperature=0.7, top_p=0.9),
+    "top_k5": SamplingConfig(max_new_tokens=3, top_k=5),
+}
+
+
+def exact_first_three(policy, prompt, sampling):
+    """``[V, V, V]`` exact probabilities of the first three tokens from the policy's logits."""
+    from turbogrpo.rollout.sampling import warp_logits
+    firsts = torch.arange(V)
+    pairs = torch.cartesian_prod(firsts, firsts)                                       # [V*V, 2]
+    sequences = torch.cat([prompt.expand(V * V, -1), pairs], 1)
+    with torch.no_grad():
+        logits = policy(sequences).logits.double()
+    probs = warp_logits(logits, sampling).softmax(-1)
+    p1 = probs[0, len(prompt) - 1]                                                    # [V]
+    p2 = probs[::V, len(prompt)]                                                      # [V(first), V]
+    p3 = probs[:, len(prompt) + 1].view(V, V, V)
+    return p1[:, None, None] * p2[:, :, None] * p3
+
+
+@pytest.mark.parametrize("case,draft_kind,shape", [
+    ("T1", "trained", TreeShape(3, 2, 6)), ("T1", "random", TreeShape(4, 1, 5)),
+    ("T0.7-top_p0.9", "random", TreeShape(2, 3, 7)), ("top_k5", "trained", TreeShape(1, 3, 4)),
+])
+def test_end_to_end_distribution_is_the_policys(case, draft_kind, shape):
+    policy, trained, _ = trained_pair(V, sharpness=1.5)
+    draft = trained if draft_kind == "trained" else DraftHead(policy)
+    prompt = torch.tensor([1, 5, 2, 7])
+    sampling = CASES[case]
+    spec = speculate(policy, draft, [prompt], sampling, shape, num_samples=20_000, seed=1)
+    samples = torch.stack([t[:3] for t in spec.tokens])
+    pvalue = chi_square_pvalue(joint_counts(samples, V), exact_first_three(policy, prompt, sampling))
+    assert pvalue > 1e-3, f"speculative rollouts differ from the policy (p={pvalue:.2e})"
+    if draft_kind == "trained":
+        assert spec.stats.mean_accepted_length > 1.15

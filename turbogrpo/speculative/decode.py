@@ -1,0 +1,257 @@
+"""The speculative rollout: the plain engine's loop with a draft tree per step.
+
+    prefill the prompts (policy and draft, once per group); every sample draws its first token
+    loop over steps, for all live sequences at once:
+      shape = sizing.choose(B)                 (None: a plain step, the tree is the root alone)
+      draft: catch up on the pairs committed since it last ran, then grow the tree level by level
+      policy: one forward over every tree (tree mask, tree positions), LM head at every node
+      accept with "sample, then match" (verify.py); emit the path and the bonus token
+      one host transfer: finished rows, accepted counts, the sizing policy's statistics
+      commit the accepted path's K/V, drop finished sequences
+
+Emission, stop tokens/strings and the output buffers are the plain engine's own (``_emit``), so a stop
+token inside an accepted path and max_new_tokens reached mid-path end a completion exactly as in
+plain decoding. The sampler's log-prob of each emitted token is taken from the policy's logits at
+the node that drew it, as in plain sampling.
+
+The draft lags behind lazily: pending pairs (policy feature, token) are read back from the output
+buffers when the draft next runs, so plain steps (speculation off at high B) pay nothing for it.
+
+Legend: G groups, B live sequences, N tree nodes, D = L + 1 path slots, P longest prompt, V
+vocabulary, Hd hidden size.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from turbogrpo.hook import lm_head_of, run_decoder
+from turbogrpo.rollout.engine import _check_inputs, _collect, _emit, _Live, _Outputs
+from turbogrpo.rollout.kv_cache import GroupedKVCache
+from turbogrpo.rollout.plans import PrefillPlan, forward_new_tokens
+from turbogrpo.rollout.sampling import SamplingConfig, sample_tokens, token_logprobs
+from turbogrpo.rollout.stopping import StopCriteria
+from turbogrpo.rollout.types import Rollout, RolloutStats
+from turbogrpo.speculative.draft import DraftHead
+from turbogrpo.speculative.drafting import TreeDrafter, catch_up, prefill_draft
+from turbogrpo.speculative.policy import SizingPolicy, make_sizing
+from turbogrpo.speculative.profiler import LatencyProfile, cached_profile
+from turbogrpo.speculative.tree import DraftTree, build_tree, chain_tree
+from turbogrpo.speculative.verify import verify_tree
+
+
+@dataclass
+class Speculation:
+    """How ``generate(draft=...)`` speculates; a bare ``DraftHead`` means ``Speculation(draft)``."""
+
+    draft: DraftHead
+    sizing: SizingPolicy | str = "cost"
+    """A sizing policy object (it keeps its acceptance statistics across rollouts) or a registered
+    name (``off``, ``fixed``, ``fastgrpo``, ``cost``), built afresh for each rollout."""
+    profile: LatencyProfile | None = None
+    """Latency curves for ``fastgrpo``/``cost``; None reads the profile cache or measures on first use."""
+
+
+@dataclass
+class SpeculativeStats(RolloutStats):
+    """``RolloutStats`` plus what speculation did at each decoding step (same order as
+    ``live_batch_sizes``)."""
+
+    tree_sizes: list[int] = field(default_factory=list)
+    """Nodes verified per live sequence (root included; 1 = a plain step)."""
+    accepted_lengths: list[float] = field(default_factory=list)
+    """Tokens emitted per live sequence, averaged over the live batch (accepted draft tokens + 1)."""
+    num_draft_forwards: int = 0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens per policy forward over the speculative steps (1.0 when none speculated)."""
+        pairs = [(b, a) for b, a, n in zip(self.live_batch_sizes, self.accepted_lengths, self.tree_sizes) if n > 1]
+        total = sum(b for b, _ in pairs)
+        return sum(b * a for b, a in pairs) / total if total else 1.0
+
+
+def generate_speculative(model: nn.Module, prompts: list[torch.Tensor], *, num_samples: int,
+                         sampling: SamplingConfig, draft: DraftHead | Speculation, seed: int | None = None,
+                         return_hidden: bool = False) -> Rollout:
+    """``turbogrpo.rollout.generate(..., draft=draft)``: the same inputs, checks and outputs."""
+    _check_inputs(model, prompts, num_samples, sampling, None)
+    device = next(model.parameters()).device
+    generator = None
+    if seed is not None:
+        generator = torch.Generator(device=device)
+        generator.manual_seed(seed)
+    with torch.no_grad():
+        return speculative_rollout(model, [p.to(device=device, dtype=torch.long) for p in prompts], num_samples,
+                                   sampling, generator, return_hidden, draft)
+
+
+def resolve_sizing(speculation: Speculation, model: nn.Module, prompts: list[torch.Tensor],
+                   sampling: SamplingConfig) -> SizingPolicy:
+    if isinstance(speculation.sizing, SizingPolicy):
+        return speculation.sizing
+    profile = speculation.profile
+    if profile is None and speculation.sizing in ("fastgrpo", "cost"):
+        # The context a typical step attends to: the longest prompt plus half the generation.
+        context = max(len(p) for p in prompts) + sampling.max_new_tokens // 2
+        profile = cached_profile(model, context_length=context, draft=speculation.draft)
+    return make_sizing(speculation.sizing, profile=profile)
+
+
+@dataclass
+class _VerifiedStep:
+    """A verified step whose K/V commit waits for the step's host transfer."""
+
+    path_nodes_BD: torch.Tensor
+    num_accepted_B: torch.Tensor
+    num_nodes: int
+    feedback: torch.Tensor | None
+
+
+def speculative_rollout(model: nn.Module, prompts: list[torch.Tensor], num_samples: int, sampling: SamplingConfig,
+                        generator: torch.Generator | None, return_hidden: bool,
+                        draft: DraftHead | Speculation) -> Rollout:
+    """The loop of the module docstring (inputs already checked and on the model's device)."""
+    start = time.perf_counter()
+    speculation = draft if isinstance(draft, Speculation) else Speculation(draft)
+    draft_head = speculation.draft
+    sizing = resolve_sizing(speculation, model, prompts, sampling)
+    max_nodes, max_draft_slots = sizing.bounds()
+    device = prompts[0].device
+    num_completions, max_new = len(prompts) * num_samples, sampling.max_new_tokens
+    prompt_lengths = [len(p) for p in prompts]
+    cache = GroupedKVCache(prompt_lengths, num_samples, capacity=max_new + max_nodes, device=device)
+    draft_cache = GroupedKVCache(prompt_lengths, num_samples, capacity=max_new + max_draft_slots, device=device)
+    criteria = StopCriteria(sampling, device)
+    lm_head = lm_head_of(model)
+    stats = SpeculativeStats()
+
+    prompt_hidden_GPH = _prefill_all_positions(model, cache, prompts)
+    prefill_draft(draft_head, draft_cache, prompts, prompt_hidden_GPH)
+    stats.num_forwards += 1
+    stats.num_draft_forwards += 1
+    last_GH = prompt_hidden_GPH[torch.arange(len(prompts), device=device),
+                                torch.tensor(prompt_lengths, device=device) - 1]
+    logits_BV = lm_head(last_GH).float().repeat_interleave(num_samples, dim=0)
+    # Hidden states are always kept: the draft reads its pending pairs from them. _emit writes all D
+    # slots of a step's path (slots past a row's count are leftovers), hence the spare columns.
+    outputs = _Outputs.allocate(num_completions, max_new + max_nodes, device, last_GH)
+    live = _Live(torch.arange(num_completions, device=device), torch.zeros(num_completions, dtype=torch.long,
+                                                                            device=device))
+    root_B = sample_tokens(logits_BV, sampling, generator)
+    finished_B = _emit(outputs, live, root_B[:, None], token_logprobs(logits_BV, root_B, sampling)[:, None],
+                       last_GH.repeat_interleave(num_samples, dim=0)[:, None], torch.ones_like(root_B), criteria,
+                       max_new)
+    step: _VerifiedStep | None = None
+    # Per live row, on the host: tokens emitted, and how many of them the draft has seen. Exact for
+    # live rows (a row whose emission was cut short has finished), they give the caches' exact
+    # "longest sequence" bounds, so attention reads no slot beyond the longest live sequence.
+    emitted_host = [1] * num_completions
+    draft_seen_host = [0] * num_completions
+    while True:
+        finished, accepted, feedback = _host_view(finished_B, step)
+        if step is not None:
+            if step.num_nodes == 1:
+                cache.commit_all(1)
+            else:
+                cache.commit(step.path_nodes_BD, step.num_accepted_B + 1)
+            if feedback is not None:
+                sizing.observe(feedback)
+            stats.tree_sizes.append(step.num_nodes)
+            stats.accepted_lengths.append(sum(accepted) / len(accepted) + 1)
+            emitted_host = [e + a + 1 for e, a in zip(emitted_host, accepted)]
+        if any(finished):
+            rows = [row for row, done in enumerate(finished) if not done]
+            if not rows:
+                break
+            rows_device = torch.tensor(rows, dtype=torch.long, device=device)
+            cache.keep(rows)
+            draft_cache.keep(rows)
+            live = live.keep(rows_device)
+            root_B = root_B[rows_device]
+            emitted_host = [emitted_host[r] for r in rows]
+            draft_seen_host = [draft_seen_host[r] for r in rows]
+        cache.max_length = max(emitted_host) - 1  # the root token is not committed yet
+        draft_cache.max_length = max(draft_seen_host)
+        stats.live_batch_sizes.append(cache.num_live)
+
+        shape = sizing.choose(cache.num_live)
+        if shape is None:
+            tree = chain_tree(root_B[:, None])
+        else:
+            pending_width = max(e - s for e, s in zip(emitted_host, draft_seen_host))
+            root_features_BH = _catch_up_draft(draft_head, draft_cache, outputs, live, pending_width, max_new)
+            draft_seen_host = list(emitted_host)
+            draft_cache.max_length = max(draft_seen_host)
+            root_logprobs_BV = draft_head.logits(root_features_BH).float().log_softmax(-1)
+            tree = build_tree(root_B, root_logprobs_BV, TreeDrafter(draft_head, draft_cache, root_features_BH), shape)
+            stats.num_draft_forwards += shape.depth
+        hidden_BNH = forward_new_tokens(model, cache, tree.tokens, tree.depths, tree.ancestors)
+        stats.num_forwards += 1
+        logits_BNV = lm_head(hidden_BNH).float()
+        verdict = verify_tree(tree, logits_BNV, sampling, generator)
+        emitted_BD, logprobs_BD, hidden_BDH = _path_outputs(tree, verdict, logits_BNV, hidden_BNH, sampling)
+        finished_B = _emit(outputs, live, emitted_BD, logprobs_BD, hidden_BDH, verdict.num_accepted + 1, criteria,
+                           max_new)
+        root_B = verdict.next_token
+        step = _VerifiedStep(verdict.path_nodes, verdict.num_accepted, tree.tokens.shape[1],
+                             None if shape is None else sizing.feedback(tree, verdict))
+    if not return_hidden:
+        outputs = dataclasses.replace(outputs, hidden_NTH=None)
+    return _collect(prompts, num_samples, outputs, stats, start)
+
+
+def _host_view(finished_B: torch.Tensor, step: _VerifiedStep | None):
+    """Host sync, once per step: which rows finished, accepted counts, sizing statistics."""
+    parts = [finished_B.float()]
+    if step is not None:
+        parts.append(step.num_accepted_B.float())
+        if step.feedback is not None:
+            parts.append(step.feedback.float())
+    values = torch.cat(parts).tolist()
+    num_rows = finished_B.shape[0]
+    finished = [v > 0 for v in values[:num_rows]]
+    if step is None:
+        return finished, None, None
+    accepted = [int(v) for v in values[num_rows:2 * num_rows]]
+    return finished, accepted, (values[2 * num_rows:] if step.feedback is not None else None)
+
+
+def _path_outputs(tree: DraftTree, verdict, logits_BNV: torch.Tensor, hidden_BNH: torch.Tensor,
+                  sampling: SamplingConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Tokens ``[B, D]`` a step emits (accepted draft tokens, then the bonus token at slot
+    num_accepted; later slots are unused), their sampler log-probs and the hidden states that
+    predicted them (those of the path's nodes: node i's logits drew token i + 1)."""
+    path_BD = verdict.path_nodes
+    emitted_BD = torch.cat([tree.tokens.gather(1, path_BD[:, 1:]), verdict.next_token[:, None]], 1)
+    emitted_BD.scatter_(1, verdict.num_accepted[:, None], verdict.next_token[:, None])
+    path_logits = logits_BNV.gather(1, path_BD[:, :, None].expand(-1, -1, logits_BNV.shape[-1]))
+    path_hidden = hidden_BNH.gather(1, path_BD[:, :, None].expand(-1, -1, hidden_BNH.shape[-1]))
+    return emitted_BD, token_logprobs(path_logits, emitted_BD, sampling), path_hidden
+
+
+def _catch_up_draft(draft: DraftHead, draft_cache: GroupedKVCache, outputs: _Outputs, live: _Live,
+                    pending_width: int, max_new: int) -> torch.Tensor:
+    """Feed the draft every pair (feature that predicted token j, token j) it has not seen; return the
+    root's predicted feature ``[B, Hd]``."""
+    seen_B = draft_cache.lengths_B
+    columns_Bm = (seen_B[:, None] + torch.arange(pending_width, device=seen_B.device)).clamp(max=max_new - 1)
+    rows_Bm = live.completion_B[:, None].expand_as(columns_Bm)
+    return catch_up(draft, draft_cache, outputs.hidden_NTH[rows_Bm, columns_Bm], outputs.tokens_NT[rows_Bm, columns_Bm],
+                    live.emitted_B - seen_B)
+
+
+def _prefill_all_positions(model: nn.Module, cache: GroupedKVCache, prompts: list[torch.Tensor]) -> torch.Tensor:
+    """The engine's prefill, returning the final hidden state at every prompt position ``[G, P, Hd]``
+    (the draft's prompt pairs need them all)."""
+    device = cache.device
+    ids_GP = torch.zeros(len(prompts), max(len(p) for p in prompts), dtype=torch.long, device=device)
+    for row, prompt in enumerate(prompts):  # a loop over prompts, once per rollout
+        ids_GP[row, :len(prompt)] = prompt
+    positions_GP = torch.arange(ids_GP.shape[1], device=device).expand_as(ids_GP)
+    return run_decoder(model, ids_GP, positions_GP, PrefillPlan(cache))

@@ -1,0 +1,230 @@
+"""Forward latency vs. number of tokens on this device, its knee ``C_peak``, and a cache file for both.
+
+A forward over n tokens costs about the same for every n up to a knee: below it the forward is
+bound by reading the weights, above it by arithmetic. Speculation spends the flat part: with B live
+sequences there are about ``C_peak / B`` tokens per sequence to verify for free. The knee depends on
+the model, device, dtype and (through attention) the context length, so it is measured, not set:
+``cached_profile`` returns the stored curve for this key or measures it (a few seconds) and stores
+it in ``$TURBOGRPO_CACHE_DIR/latency_profiles.json`` (default ``~/.cache/turbogrpo``).
+
+The verify curve times what a speculative step does per token on the policy side: the forward of n
+new tokens over a context, the LM head on all of them and one draw each. The draft curve times the
+draft layer plus LM head and top-k over n tokens.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from turbogrpo.hook import lm_head_of
+from turbogrpo.rollout.kv_cache import GroupedKVCache
+from turbogrpo.rollout.plans import DecodePlan, forward_new_tokens, prefill
+from turbogrpo.rollout.sampling import SamplingConfig, sample_tokens
+
+CACHE_ENV = "TURBOGRPO_CACHE_DIR"
+CACHE_FILE = "latency_profiles.json"
+PROFILE_VERSION = 1  # bump when what is timed changes, so stale entries are not reused
+
+
+@dataclass(frozen=True)
+class LatencyCurve:
+    """Seconds per forward at measured token counts (increasing)."""
+
+    num_tokens: tuple[int, ...]
+    seconds: tuple[float, ...]
+
+    def __call__(self, n: float) -> float:
+        """Latency at ``n`` tokens: linear between measured points, extended by the last slope."""
+        xs, ys = self.num_tokens, self.seconds
+        if n <= xs[0]:
+            return ys[0]
+        for (x0, y0), (x1, y1) in zip(zip(xs, ys), zip(xs[1:], ys[1:])):
+            if n <= x1:
+                return y0 + (y1 - y0) * (n - x0) / (x1 - x0)
+        return ys[-1] + self.final_slope * (n - xs[-1])
+
+    def at(self, n: torch.Tensor) -> torch.Tensor:
+        """Vectorised ``__call__`` for a float tensor of token counts (host tensors)."""
+        xs = torch.tensor(self.num_tokens, dtype=torch.float64)
+        ys = torch.tensor(self.seconds, dtype=torch.float64)
+        n = n.double()
+        index = torch.searchsorted(xs, n.clamp(max=xs[-1])).clamp(1, len(xs) - 1)
+        x0, x1, y0, y1 = xs[index - 1], xs[index], ys[index - 1], ys[index]
+        inside = y0 + (y1 - y0) * (n.clamp(min=xs[0]) - x0) / (x1 - x0)
+        return torch.where(n > xs[-1], ys[-1] + self.final_slope * (n - xs[-1]), inside)
+
+    @property
+    def final_slope(self) -> float:
+        """Seconds per extra token past the knee (the last segment's slope, at least 0)."""
+        if len(self.num_tokens) < 2:
+            return 0.0
+        dx = self.num_tokens[-1] - self.num_tokens[-2]
+        return max(0.0, (self.seconds[-1] - self.seconds[-2]) / dx)
+
+    def knee(self) -> int:
+        """``C_peak``: where the flat start (the 1-token latency) meets the compute-bound line through
+        the last two points (the roofline's corner)."""
+        slope = self.final_slope
+        if slope <= 0:
+            return self.num_tokens[-1]
+        corner = self.num_tokens[-1] - (self.seconds[-1] - self.seconds[0]) / slope
+        return int(min(max(corner, 1), self.num_tokens[-1]))
+
+
+@dataclass(frozen=True)
+class LatencyProfile:
+    """Latency curves of one (model, draft, device, dtype, context length)."""
+
+    key: str
+    verify: LatencyCurve
+    draft: LatencyCurve | None
+
+    @property
+    def c_peak(self) -> int:
+        return self.verify.knee()
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @staticmethod
+    def from_json(data: dict) -> LatencyProfile:
+        draft = data.get("draft")
+        return LatencyProfile(
+            key=data["key"],
+            verify=LatencyCurve(tuple(data["verify"]["num_tokens"]), tuple(data["verify"]["seconds"])),
+            draft=None if draft is None else LatencyCurve(tuple(draft["num_tokens"]), tuple(draft["seconds"])))
+
+
+def profile_key(model: nn.Module, *, context_length: int, draft: nn.Module | None = None) -> str:
+    """Model (architecture and sizes), draft depth, device, dtype and context length (rounded up to a
+    power of two, so that nearby lengths share a profile)."""
+    parameter = next(model.parameters())
+    config = model.config.to_dict()
+    for volatile in ("_name_or_path", "transformers_version", "_attn_implementation", "architectures"):
+        config.pop(volatile, None)
+    config_hash = hashlib.sha1(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()[:12]
+    draft_part = "none" if draft is None else f"{draft.config.num_layers}layer"
+    context = 1 << max(0, int(context_length) - 1).bit_length()
+    return (f"v{PROFILE_VERSION}|{model.config.model_type}-{config_hash}|draft-{draft_part}|{device_name(parameter.device)}"
+            f"|{str(parameter.dtype).removeprefix('torch.')}|ctx{context}")
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"cuda:{torch.cuda.get_device_name(device)}"
+    return f"{device.type}:{platform.processor() or platform.machine()}:{torch.get_num_threads()}threads"
+
+
+def cache_path() -> Path:
+    return Path(os.environ.get(CACHE_ENV, Path.home() / ".cache" / "turbogrpo")) / CACHE_FILE
+
+
+def cached_profile(model: nn.Module, *, context_length: int, draft: nn.Module | None = None,
+                   path: str | Path | None = None, refresh: bool = False, **profile_options) -> LatencyProfile:
+    """The stored profile for this key, or a fresh measurement (stored for next time)."""
+    path = Path(path) if path is not None else cache_path()
+    key = profile_key(model, context_length=context_length, draft=draft)
+    stored = _read(path)
+    if not refresh and key in stored:
+        return LatencyProfile.from_json(stored[key])
+    profile = profile_latency(model, context_length=context_length, draft=draft, **profile_options)
+    stored = _read(path)  # re-read: another process may have added entries meanwhile
+    stored[key] = profile.to_json()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_suffix(f".{os.getpid()}.tmp")
+    temporary.write_text(json.dumps(stored, indent=1))
+    temporary.replace(path)  # atomic, so concurrent readers never see half a file
+    return profile
+
+
+def _read(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+@torch.no_grad()
+def profile_latency(model: nn.Module, *, context_length: int, draft: nn.Module | None = None,
+                    max_tokens: int = 512, repeats: int = 3, seed: int = 0) -> LatencyProfile:
+    """Measure the verify (and draft) latency curves at token counts 1, 2, 4, ... ``max_tokens``.
+
+    One sequence with ``context_length`` prompt tokens and n new tokens stands for B sequences with
+    n / B tokens each: the linear layers, which set the knee, see the same n rows either way.
+    """
+    if context_length < 1 or max_tokens < 1:
+        raise ValueError(f"context_length and max_tokens must be >= 1, got {context_length}, {max_tokens}")
+    device = next(model.parameters()).device
+    vocab_size = model.get_input_embeddings().num_embeddings
+    generator = torch.Generator(device=device).manual_seed(seed)
+    grid = [1 << i for i in range(max(1, int(max_tokens)).bit_length()) if 1 << i <= max_tokens]
+    prompt = torch.randint(vocab_size, (context_length,), device=device, generator=generator)
+    sampling = SamplingConfig(max_new_tokens=1)
+    lm_head = lm_head_of(model)
+
+    cache = GroupedKVCache([context_length], 1, capacity=grid[-1], device=device)
+    prefill(model, cache, [prompt])
+
+    def verify(n: int) -> Callable[[], object]:
+        ids = torch.randint(vocab_size, (1, n), device=device, generator=generator)
+        return lambda: sample_tokens(lm_head(forward_new_tokens(model, cache, ids)).float(), sampling, generator)
+
+    verify_curve = _measure(verify, grid, repeats, device)
+    draft_curve = None
+    if draft is not None:
+        draft_cache = GroupedKVCache([context_length], 1, capacity=grid[-1], device=device)
+        from turbogrpo.speculative.drafting import prefill_draft
+        prefill_draft(draft, draft_cache, [prompt],
+                      torch.zeros(1, context_length, model.config.hidden_size, device=device,
+                                  dtype=next(model.parameters()).dtype))
+
+        def draft_step(n: int) -> Callable[[], object]:
+            ids = torch.randint(vocab_size, (1, n), device=device, generator=generator)
+            features = torch.zeros(1, n, model.config.hidden_size, device=device,
+                                   dtype=next(draft.parameters()).dtype)
+            depths = torch.arange(n, device=device)[None]
+            ancestors = torch.ones(n, n, dtype=torch.bool, device=device).tril()[None]
+
+            def run():
+                positions = draft_cache.next_positions(depths)
+                out = draft(features, ids, positions, DecodePlan(draft_cache, positions, ancestors))
+                return draft.logits(out).float().log_softmax(-1).topk(min(8, vocab_size), dim=-1)
+            return run
+
+        draft_curve = _measure(draft_step, grid, repeats, device)
+    return LatencyProfile(profile_key(model, context_length=context_length, draft=draft), verify_curve, draft_curve)
+
+
+def _measure(make: Callable[[int], Callable[[], object]], grid: list[int], repeats: int,
+             device: torch.device) -> LatencyCurve:
+    seconds = []
+    for n in grid:
+        run = make(n)
+        run()  # warm-up (allocations, kernel selection)
+        times = []
+        for _ in range(repeats):
+            _synchronize(device)
+            start = time.perf_counter()
+            run()
+            _synchronize(device)
+            times.append(time.perf_counter() - start)
+        seconds.append(statistics.median(times))
+    # Timing noise can make a larger forward look faster; latency never truly drops with more tokens.
+    monotone = [max(seconds[: i + 1]) for i in range(len(seconds))]
+    return LatencyCurve(tuple(grid), tuple(monotone))
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
