@@ -210,6 +210,7 @@ def acceptance_counts(tree: DraftTree, verdict: TreeVerdict, max_depth: int, max
     is_child[:, 0] = 0.0  # the root is its own parent but not its own child
     num_children = torch.zeros_like(is_child).scatter_add_(1, tree.parents, is_child)     # [B, N]
     siblings = tree.parents[:, :, None] == tree.parents[:, None, :]
+    siblings[:, :, 0] = False  # the root shares its "parent" (itself) with depth-1 nodes, not a rank
     rank = (siblings & (tree.path_logprobs[:, None, :] > tree.path_logprobs[:, :, None])).sum(-1)
 
     ranks = torch.arange(max_rank, device=rank.device)

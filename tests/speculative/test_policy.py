@@ -1,0 +1,110 @@
+"""Tree sizing policies: FastGRPO's rule (without the reference bugs) and the cost model."""
+
+import pytest
+import torch
+
+from tests.speculative.speculative_helpers import trained_pair
+from turbogrpo.rollout import SamplingConfig
+from turbogrpo.speculative.decode import Speculation, generate_speculative
+from turbogrpo.speculative.policy import (SIZING_POLICIES, CostSizing, FastGRPOSizing, FixedSizing, acceptance_counts,
+                                          expected_accepted_table, make_sizing)
+from turbogrpo.speculative.profiler import LatencyCurve, LatencyProfile
+from turbogrpo.speculative.tree import TreeShape, ancestors_from_parents, chain_tree
+from turbogrpo.speculative.verify import accept_paths
+
+GRID = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+
+
+def profile(draft_ms_per_token=0.01, draft_base_ms=1.0):
+    """Verify: flat 10 ms up to 64 tokens, then +1 ms per 8 tokens; the draft: cheap and linear."""
+    verify = tuple(10e-3 + max(0, n - 64) * 1e-3 / 8 for n in GRID)
+    draft = tuple(draft_base_ms * 1e-3 + n * draft_ms_per_token * 1e-3 for n in GRID)
+    return LatencyProfile("test", LatencyCurve(GRID, verify), LatencyCurve(GRID, draft))
+
+
+def test_registry_has_every_policy():
+    assert set(SIZING_POLICIES) == {"off", "fixed", "fastgrpo", "cost"}
+    with pytest.raises(ValueError, match="sizing policy must be one of"):
+        make_sizing("eagle")
+    with pytest.raises(ValueError, match="c_peak"):
+        make_sizing("fastgrpo")
+    assert make_sizing("fastgrpo", profile=profile()).c_peak == 64
+
+
+@pytest.mark.parametrize("num_live,shape", [
+    (1, TreeShape(8, 6, 64)),   # N = 64: log2(64 / 0.75) = 6.4
+    (4, TreeShape(8, 4, 16)),   # N = 16: log2(21.3) = 4.4
+    (16, TreeShape(3, 2, 4)),   # N = 4: K = 3, log2(5.3) = 2.4
+    (32, TreeShape(1, 1, 2)),   # N = 2: one draft token, depth 1 (no floor on L)
+    (33, None),                 # N = 1: off, where the reference took log2(0)
+    (10_000, None),
+])
+def test_fastgrpo_rule(num_live, shape):
+    assert FastGRPOSizing(64).choose(num_live) == shape
+
+
+def test_fastgrpo_never_crashes_and_fits_its_bounds():
+    policy = FastGRPOSizing(160, alpha=0.5, k_max=4, l_max=3, n_max=20)
+    max_nodes, max_slots = policy.bounds()
+    for num_live in range(1, 400):
+        shape = policy.choose(num_live)
+        if shape is not None:
+            shape.validate()
+            assert shape.num_nodes <= max_nodes and (shape.depth - 1) * shape.top_k <= max_slots
+
+
+def test_expected_accepted_of_a_chain_and_a_tree():
+    acceptance = torch.full((3, 2), 0.5, dtype=torch.float64)
+    table = expected_accepted_table(acceptance, [(1, 3), (2, 2)], n_max=7)
+    assert table[0].tolist() == pytest.approx([0, 0.5, 0.75, 0.875, 0.875, 0.875, 0.875])
+    # K=2, L=2: candidates .5, .5, then four .25 children
+    assert table[1].tolist() == pytest.approx([0, 0.5, 1.0, 1.25, 1.5, 1.75, 2.0])
+
+
+def test_acceptance_counts_by_depth_and_rank():
+    # root -> a (rank 0), b (rank 1); a -> c; the walk accepts a, then stops at a (c rejected).
+    tree = chain_tree(torch.tensor([[0, 1, 2, 3]]))
+    tree = tree._replace(tokens=torch.tensor([[0, 1, 2, 3]]), parents=torch.tensor([[0, 0, 0, 1]]),
+                         depths=torch.tensor([[0, 1, 1, 2]]), path_logprobs=torch.tensor([[0.0, -0.1, -2.0, -0.5]]))
+    tree = tree._replace(ancestors=ancestors_from_parents(tree.parents, 2), max_depth=2)
+    verdict = accept_paths(tree, torch.tensor([[1, 7, 0, 0]]))   # root draws 1 (= a), a draws 7
+    counts = acceptance_counts(tree, verdict, max_depth=2, max_rank=2).view(2, 2, 2)
+    matches, trials = counts
+    assert matches.tolist() == [[1, 0], [0, 0]]
+    assert trials.tolist() == [[1, 1], [1, 0]]
+
+
+def test_cost_policy_speculates_in_the_tail_only_when_the_draft_is_good():
+    good = CostSizing(profile())
+    good.observe([9.0, 0, 0, 0, 0, 0] * 8 + [10.0] * 48)  # top-1 accepted 90% at every depth
+    assert good.choose(1) is not None and good.choose(1).num_nodes > 8
+    assert good.choose(4) is not None
+    assert good.choose(512) is None                     # past the knee: plain decoding
+    sizes = [good.choose(b).num_nodes if good.choose(b) else 1 for b in (1, 4, 16, 64, 512)]
+    assert sizes == sorted(sizes, reverse=True)          # trees shrink as the batch grows
+
+    bad = CostSizing(profile())
+    bad.observe([0.0] * 48 + [100.0] * 48)                # the draft is never accepted
+    assert all(bad.choose(b) is None for b in (1, 4, 64))
+
+    costly_draft = CostSizing(profile(draft_base_ms=30.0))
+    costly_draft.observe([9.0, 0, 0, 0, 0, 0] * 8 + [10.0] * 48)
+    assert costly_draft.choose(1) is None                 # drafting costs more than it saves
+
+
+def test_policies_drive_a_rollout_and_record_tree_sizes():
+    policy, draft, prompts = trained_pair()
+    sampling = SamplingConfig(max_new_tokens=16, temperature=0.0)
+    cost = CostSizing(profile())
+    fixed = FixedSizing(TreeShape(2, 3, 6))
+    for sizing, expected in ((cost, None), (fixed, {6}), (FastGRPOSizing(16), None)):
+        rollout = generate_speculative(policy, prompts, num_samples=2, sampling=sampling,
+                                       draft=Speculation(draft, sizing))
+        stats = rollout.stats
+        assert len(stats.tree_sizes) == len(stats.live_batch_sizes) == len(stats.accepted_lengths)
+        if expected:
+            assert set(stats.tree_sizes) == expected
+    assert cost.trials.sum() > 0          # the cost policy learned from the verified trees
+    fast = rollout.stats
+    assert all(n == (FastGRPOSizing(16).choose(b) or TreeShape(0, 0, 1)).num_nodes
+               for n, b in zip(fast.tree_sizes, fast.live_batch_sizes))

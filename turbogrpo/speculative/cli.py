@@ -1,0 +1,141 @@
+"""Command-line pieces of speculation, wired into ``turbogrpo`` by ``add_commands``:
+
+    turbogrpo draft train --out DIR [--model demo|PATH] [--prompts FILE | --task arithmetic] ...
+        sample the policy's own completions, train a draft head on them, save it to DIR
+    turbogrpo profile [--model demo|PATH] [--draft DIR] [--context-length N] [--refresh]
+        measure (or read from the cache) forward latency vs. tokens and print the knee C_peak
+
+``python -m turbogrpo.speculative.cli ...`` runs the same commands on their own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import torch
+
+ARITHMETIC = "arithmetic"
+
+
+def add_commands(commands: argparse._SubParsersAction) -> None:
+    """Add ``draft`` and ``profile`` to a ``turbogrpo`` subparser set; each sets ``args.run``."""
+    draft = commands.add_parser("draft", help="draft-head tools (speculative rollouts)")
+    draft_commands = draft.add_subparsers(dest="draft_command", required=True)
+    train = draft_commands.add_parser("train", help="train a draft head on the policy's own completions")
+    _add_model_arguments(train)
+    train.add_argument("--out", required=True, help="folder to write the draft to (draft.safetensors + config)")
+    source = train.add_mutually_exclusive_group()
+    source.add_argument("--prompts", help="prompt file (.jsonl/.parquet/saved dataset) with a 'prompt' column")
+    source.add_argument("--task", choices=[ARITHMETIC], default=ARITHMETIC,
+                        help="built-in prompts (default: the demo's arithmetic task)")
+    train.add_argument("--num-prompts", type=int, default=128, help="prompts to sample completions for")
+    train.add_argument("--num-samples", type=int, default=8, help="completions per prompt")
+    train.add_argument("--max-new-tokens", type=int, default=64, help="longest completion")
+    train.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (GRPO's is 1)")
+    train.add_argument("--layers", type=int, default=1, help="decoder layers in the draft")
+    train.add_argument("--epochs", type=int, default=4, help="passes over the completions")
+    train.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")
+    train.add_argument("--batch-size", type=int, default=16, help="sequences per optimizer step")
+    train.add_argument("--seed", type=int, default=0)
+    train.set_defaults(run=run_draft_train)
+
+    profile = commands.add_parser("profile", help="forward latency vs. tokens on this device, and the knee C_peak")
+    _add_model_arguments(profile)
+    profile.add_argument("--draft", help="a saved draft folder, to profile its forward too")
+    profile.add_argument("--context-length", type=int, default=256, help="tokens of context the forwards attend to")
+    profile.add_argument("--max-tokens", type=int, default=512, help="largest token count measured")
+    profile.add_argument("--refresh", action="store_true", help="measure again even if a cached profile exists")
+    profile.set_defaults(run=run_profile)
+
+
+def _add_model_arguments(cmd: argparse.ArgumentParser) -> None:
+    cmd.add_argument("--model", default="demo", help="model folder, Hub name, or 'demo' (the shipped model)")
+    cmd.add_argument("--dtype", default="float32", help="float32, bfloat16, float16 or float64")
+    cmd.add_argument("--device", default=None, help="e.g. cuda, cuda:1, cpu (default: cuda if available)")
+
+
+def _load(args):
+    from turbogrpo.models import load_demo_model, load_model_and_tokenizer
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if args.model == "demo":
+        return load_demo_model(dtype=args.dtype, device=device)
+    return load_model_and_tokenizer(args.model, dtype=args.dtype, device=device)
+
+
+def run_draft_train(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from turbogrpo.data import build_prompts, demo_records, read_records
+    from turbogrpo.rollout import SamplingConfig, generate
+    from turbogrpo.speculative.draft import DraftHead, DraftTrainConfig, draft_examples, train_draft
+
+    for name in ("num_prompts", "num_samples", "max_new_tokens", "layers", "epochs", "batch_size"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    model, tokenizer = _load(args)
+    rows = read_records(args.prompts) if args.prompts else demo_records("train", args.num_prompts, seed=args.seed)
+    prompts = [ex.token_ids for ex in build_prompts(rows[:args.num_prompts], tokenizer).examples]
+    if not prompts:
+        raise ValueError("no usable prompts (all empty or too long)")
+    stop = () if tokenizer.eos_token_id is None else (tokenizer.eos_token_id,)
+    sampling = SamplingConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, stop_token_ids=stop)
+    start = time.perf_counter()
+    completions: list[list[torch.Tensor]] = []
+    chunk = max(1, 64 // args.num_samples)  # ~64 sequences per rollout keeps memory flat
+    for first in tqdm(range(0, len(prompts), chunk), desc="sampling completions", unit="rollout"):
+        rollout = generate(model, prompts[first:first + chunk], num_samples=args.num_samples, sampling=sampling,
+                           seed=args.seed + first)
+        completions.extend(rollout.tokens_per_group())
+    examples = draft_examples(model, prompts, completions)
+    print(f"{len(examples)} completions sampled in {time.perf_counter() - start:.1f}s")
+    draft = DraftHead(model, num_layers=args.layers)
+    config = DraftTrainConfig(lr=args.lr, num_epochs=args.epochs, batch_size=args.batch_size)
+    num_steps = args.epochs * -(-len(examples) // args.batch_size)
+    with tqdm(total=num_steps, desc="training draft", unit="step") as bar:
+        def on_step(step, metrics):
+            bar.update(1)
+            bar.set_postfix(loss=f"{metrics['loss']:.3f}", top1=f"{metrics['top1_agreement']:.2f}")
+        history = train_draft(draft, examples, config, seed=args.seed, on_step=on_step)
+    out = draft.save(args.out)
+    last = history[-1]
+    print(f"draft saved to {out} (final loss {last['loss']:.3f}, top-1 agreement with the policy "
+          f"{last['top1_agreement']:.2f})")
+    return 0
+
+
+def run_profile(args: argparse.Namespace) -> int:
+    from turbogrpo.speculative.draft import DraftHead
+    from turbogrpo.speculative.profiler import cache_path, cached_profile
+
+    model, _ = _load(args)
+    draft = DraftHead.load(args.draft, model) if args.draft else None
+    profile = cached_profile(model, context_length=args.context_length, draft=draft, refresh=args.refresh,
+                             max_tokens=args.max_tokens)
+    print(f"profile {profile.key}  (cache: {cache_path()})")
+    print(f"{'tokens':>8} {'verify ms':>10}" + (f" {'draft ms':>9}" if profile.draft else ""))
+    for i, n in enumerate(profile.verify.num_tokens):
+        line = f"{n:>8} {1e3 * profile.verify.seconds[i]:>10.2f}"
+        if profile.draft:
+            line += f" {1e3 * profile.draft.seconds[i]:>9.2f}"
+        print(line)
+    print(f"C_peak (knee) = {profile.c_peak} tokens")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="turbogrpo", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_commands(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    try:
+        return args.run(args)
+    except ValueError as err:
+        print(f"turbogrpo: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
