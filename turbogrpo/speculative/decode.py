@@ -41,7 +41,7 @@ from turbogrpo.speculative.draft import DraftHead
 from turbogrpo.speculative.drafting import TreeDrafter, catch_up, prefill_draft
 from turbogrpo.speculative.policy import SizingPolicy, make_sizing
 from turbogrpo.speculative.profiler import LatencyProfile, cached_profile
-from turbogrpo.speculative.tree import DraftTree, build_tree, chain_tree
+from turbogrpo.speculative.tree import DraftTree, TreeShape, build_tree
 from turbogrpo.speculative.verify import verify_tree
 
 
@@ -105,12 +105,55 @@ def resolve_sizing(speculation: Speculation, model: nn.Module, prompts: list[tor
 
 @dataclass
 class _VerifiedStep:
-    """A verified step whose K/V commit waits for the step's host transfer."""
+    """A decoding step whose K/V commit waits for the step's host transfer."""
 
-    path_nodes_BD: torch.Tensor
-    num_accepted_B: torch.Tensor
+    path_nodes_BD: torch.Tensor | None
+    """Accepted path (None for a plain step: its one new token is kept)."""
+    num_accepted_B: torch.Tensor | None
     num_nodes: int
     feedback: torch.Tensor | None
+
+
+@dataclass
+class _Decoder:
+    """What every step of one rollout uses."""
+
+    model: nn.Module
+    lm_head: nn.Module
+    draft: DraftHead
+    sizing: SizingPolicy
+    cache: GroupedKVCache
+    draft_cache: GroupedKVCache
+    outputs: _Outputs
+    criteria: StopCriteria
+    sampling: SamplingConfig
+    generator: torch.Generator | None
+    max_new: int
+
+    def plain_step(self, live: _Live, root_B: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, _VerifiedStep]:
+        """The plain engine's step (speculation off): one token per sequence, no tree bookkeeping."""
+        hidden_B1H = forward_new_tokens(self.model, self.cache, root_B[:, None])
+        logits_BV = self.lm_head(hidden_B1H[:, 0]).float()
+        next_B = sample_tokens(logits_BV, self.sampling, self.generator)
+        logprobs_B = token_logprobs(logits_BV, next_B, self.sampling)
+        finished_B = _emit(self.outputs, live, next_B[:, None], logprobs_B[:, None], hidden_B1H,
+                           torch.ones_like(next_B), self.criteria, self.max_new)
+        return finished_B, next_B, _VerifiedStep(None, None, 1, None)
+
+    def tree_step(self, live: _Live, root_B: torch.Tensor, root_features_BH: torch.Tensor,
+                  shape: TreeShape) -> tuple[torch.Tensor, torch.Tensor, _VerifiedStep]:
+        """Draft a tree per sequence, verify all of them in one policy forward, emit the accepted paths."""
+        root_logprobs_BV = self.draft.logits(root_features_BH).float().log_softmax(-1)
+        tree = build_tree(root_B, root_logprobs_BV, TreeDrafter(self.draft, self.draft_cache, root_features_BH), shape)
+        hidden_BNH = forward_new_tokens(self.model, self.cache, tree.tokens, tree.depths, tree.ancestors)
+        logits_BNV = self.lm_head(hidden_BNH).float()
+        verdict = verify_tree(tree, logits_BNV, self.sampling, self.generator)
+        emitted_BD, logprobs_BD, hidden_BDH = _path_outputs(tree, verdict, logits_BNV, hidden_BNH, self.sampling)
+        finished_B = _emit(self.outputs, live, emitted_BD, logprobs_BD, hidden_BDH, verdict.num_accepted + 1,
+                           self.criteria, self.max_new)
+        step = _VerifiedStep(verdict.path_nodes, verdict.num_accepted, shape.num_nodes,
+                             self.sizing.feedback(tree, verdict))
+        return finished_B, verdict.next_token, step
 
 
 def speculative_rollout(model: nn.Module, prompts: list[torch.Tensor], num_samples: int, sampling: SamplingConfig,
@@ -119,7 +162,6 @@ def speculative_rollout(model: nn.Module, prompts: list[torch.Tensor], num_sampl
     """The loop of the module docstring (inputs already checked and on the model's device)."""
     start = time.perf_counter()
     speculation = draft if isinstance(draft, Speculation) else Speculation(draft)
-    draft_head = speculation.draft
     sizing = resolve_sizing(speculation, model, prompts, sampling)
     max_nodes, max_draft_slots = sizing.bounds()
     device = prompts[0].device
@@ -127,26 +169,26 @@ def speculative_rollout(model: nn.Module, prompts: list[torch.Tensor], num_sampl
     prompt_lengths = [len(p) for p in prompts]
     cache = GroupedKVCache(prompt_lengths, num_samples, capacity=max_new + max_nodes, device=device)
     draft_cache = GroupedKVCache(prompt_lengths, num_samples, capacity=max_new + max_draft_slots, device=device)
-    criteria = StopCriteria(sampling, device)
-    lm_head = lm_head_of(model)
     stats = SpeculativeStats()
 
     prompt_hidden_GPH = _prefill_all_positions(model, cache, prompts)
-    prefill_draft(draft_head, draft_cache, prompts, prompt_hidden_GPH)
+    prefill_draft(speculation.draft, draft_cache, prompts, prompt_hidden_GPH)
     stats.num_forwards += 1
     stats.num_draft_forwards += 1
     last_GH = prompt_hidden_GPH[torch.arange(len(prompts), device=device),
                                 torch.tensor(prompt_lengths, device=device) - 1]
-    logits_BV = lm_head(last_GH).float().repeat_interleave(num_samples, dim=0)
     # Hidden states are always kept: the draft reads its pending pairs from them. _emit writes all D
     # slots of a step's path (slots past a row's count are leftovers), hence the spare columns.
-    outputs = _Outputs.allocate(num_completions, max_new + max_nodes, device, last_GH)
+    decoder = _Decoder(model, lm_head_of(model), speculation.draft, sizing, cache, draft_cache,
+                       _Outputs.allocate(num_completions, max_new + max_nodes, device, last_GH),
+                       StopCriteria(sampling, device), sampling, generator, max_new)
     live = _Live(torch.arange(num_completions, device=device), torch.zeros(num_completions, dtype=torch.long,
                                                                             device=device))
+    logits_BV = decoder.lm_head(last_GH).float().repeat_interleave(num_samples, dim=0)
     root_B = sample_tokens(logits_BV, sampling, generator)
-    finished_B = _emit(outputs, live, root_B[:, None], token_logprobs(logits_BV, root_B, sampling)[:, None],
-                       last_GH.repeat_interleave(num_samples, dim=0)[:, None], torch.ones_like(root_B), criteria,
-                       max_new)
+    finished_B = _emit(decoder.outputs, live, root_B[:, None], token_logprobs(logits_BV, root_B, sampling)[:, None],
+                       last_GH.repeat_interleave(num_samples, dim=0)[:, None], torch.ones_like(root_B),
+                       decoder.criteria, max_new)
     step: _VerifiedStep | None = None
     # Per live row, on the host: tokens emitted, and how many of them the draft has seen. Exact for
     # live rows (a row whose emission was cut short has finished), they give the caches' exact
@@ -156,7 +198,7 @@ def speculative_rollout(model: nn.Module, prompts: list[torch.Tensor], num_sampl
     while True:
         finished, accepted, feedback = _host_view(finished_B, step)
         if step is not None:
-            if step.num_nodes == 1:
+            if step.path_nodes_BD is None:
                 cache.commit_all(1)
             else:
                 cache.commit(step.path_nodes_BD, step.num_accepted_B + 1)
@@ -179,37 +221,26 @@ def speculative_rollout(model: nn.Module, prompts: list[torch.Tensor], num_sampl
         cache.max_length = max(emitted_host) - 1  # the root token is not committed yet
         draft_cache.max_length = max(draft_seen_host)
         stats.live_batch_sizes.append(cache.num_live)
+        stats.num_forwards += 1
 
         shape = sizing.choose(cache.num_live)
         if shape is None:
-            tree = chain_tree(root_B[:, None])
-        else:
-            pending_width = max(e - s for e, s in zip(emitted_host, draft_seen_host))
-            root_features_BH = _catch_up_draft(draft_head, draft_cache, outputs, live, pending_width, max_new)
-            draft_seen_host = list(emitted_host)
-            draft_cache.max_length = max(draft_seen_host)
-            root_logprobs_BV = draft_head.logits(root_features_BH).float().log_softmax(-1)
-            tree = build_tree(root_B, root_logprobs_BV, TreeDrafter(draft_head, draft_cache, root_features_BH), shape)
-            stats.num_draft_forwards += shape.depth
-        hidden_BNH = forward_new_tokens(model, cache, tree.tokens, tree.depths, tree.ancestors)
-        stats.num_forwards += 1
-        logits_BNV = lm_head(hidden_BNH).float()
-        verdict = verify_tree(tree, logits_BNV, sampling, generator)
-        emitted_BD, logprobs_BD, hidden_BDH = _path_outputs(tree, verdict, logits_BNV, hidden_BNH, sampling)
-        finished_B = _emit(outputs, live, emitted_BD, logprobs_BD, hidden_BDH, verdict.num_accepted + 1, criteria,
-                           max_new)
-        root_B = verdict.next_token
-        step = _VerifiedStep(verdict.path_nodes, verdict.num_accepted, tree.tokens.shape[1],
-                             None if shape is None else sizing.feedback(tree, verdict))
-    if not return_hidden:
-        outputs = dataclasses.replace(outputs, hidden_NTH=None)
+            finished_B, root_B, step = decoder.plain_step(live, root_B)
+            continue
+        pending_width = max(e - s for e, s in zip(emitted_host, draft_seen_host))
+        root_features_BH = _catch_up_draft(decoder, live, pending_width)
+        draft_seen_host = list(emitted_host)
+        draft_cache.max_length = max(draft_seen_host)
+        stats.num_draft_forwards += shape.depth
+        finished_B, root_B, step = decoder.tree_step(live, root_B, root_features_BH, shape)
+    outputs = decoder.outputs if return_hidden else dataclasses.replace(decoder.outputs, hidden_NTH=None)
     return _collect(prompts, num_samples, outputs, stats, start)
 
 
 def _host_view(finished_B: torch.Tensor, step: _VerifiedStep | None):
     """Host sync, once per step: which rows finished, accepted counts, sizing statistics."""
     parts = [finished_B.float()]
-    if step is not None:
+    if step is not None and step.num_accepted_B is not None:
         parts.append(step.num_accepted_B.float())
         if step.feedback is not None:
             parts.append(step.feedback.float())
@@ -218,6 +249,8 @@ def _host_view(finished_B: torch.Tensor, step: _VerifiedStep | None):
     finished = [v > 0 for v in values[:num_rows]]
     if step is None:
         return finished, None, None
+    if step.num_accepted_B is None:
+        return finished, [0] * num_rows, None
     accepted = [int(v) for v in values[num_rows:2 * num_rows]]
     return finished, accepted, (values[2 * num_rows:] if step.feedback is not None else None)
 
@@ -235,15 +268,15 @@ def _path_outputs(tree: DraftTree, verdict, logits_BNV: torch.Tensor, hidden_BNH
     return emitted_BD, token_logprobs(path_logits, emitted_BD, sampling), path_hidden
 
 
-def _catch_up_draft(draft: DraftHead, draft_cache: GroupedKVCache, outputs: _Outputs, live: _Live,
-                    pending_width: int, max_new: int) -> torch.Tensor:
+def _catch_up_draft(decoder: _Decoder, live: _Live, pending_width: int) -> torch.Tensor:
     """Feed the draft every pair (feature that predicted token j, token j) it has not seen; return the
     root's predicted feature ``[B, Hd]``."""
-    seen_B = draft_cache.lengths_B
-    columns_Bm = (seen_B[:, None] + torch.arange(pending_width, device=seen_B.device)).clamp(max=max_new - 1)
+    seen_B = decoder.draft_cache.lengths_B
+    columns_Bm = (seen_B[:, None] + torch.arange(pending_width, device=seen_B.device)).clamp(max=decoder.max_new - 1)
     rows_Bm = live.completion_B[:, None].expand_as(columns_Bm)
-    return catch_up(draft, draft_cache, outputs.hidden_NTH[rows_Bm, columns_Bm], outputs.tokens_NT[rows_Bm, columns_Bm],
-                    live.emitted_B - seen_B)
+    outputs = decoder.outputs
+    return catch_up(decoder.draft, decoder.draft_cache, outputs.hidden_NTH[rows_Bm, columns_Bm],
+                    outputs.tokens_NT[rows_Bm, columns_Bm], live.emitted_B - seen_B)
 
 
 def _prefill_all_positions(model: nn.Module, cache: GroupedKVCache, prompts: list[torch.Tensor]) -> torch.Tensor:

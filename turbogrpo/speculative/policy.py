@@ -148,7 +148,6 @@ class CostSizing(SizingPolicy):
             self._expected = expected_accepted_table(self.acceptance(), self.menu, self.n_max)
             self._choices.clear()
             self._steps_since_refresh = 0
-        self._steps_since_refresh += 1
         if num_live not in self._choices:
             self._choices[num_live] = self._best_shape(num_live)
         return self._choices[num_live]
@@ -179,6 +178,7 @@ class CostSizing(SizingPolicy):
         counts = torch.tensor(values, dtype=torch.float64).view(2, self.l_max, self.k_max)
         self.matches += counts[0]
         self.trials += counts[1]
+        self._steps_since_refresh += 1  # only new evidence moves the estimates (plain steps bring none)
 
 
 def expected_accepted_table(acceptance: torch.Tensor, menu: list[tuple[int, int]], n_max: int) -> torch.Tensor:
