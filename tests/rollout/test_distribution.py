@@ -89,25 +89,25 @@ def test_first_two_tokens_follow_the_exact_distribution(small_vocab_model, promp
 
 def test_a_group_sharing_its_first_token_fails(small_vocab_model, prompts, monkeypatch):
     """The FastGRPO reference's bug: one first token per prompt, copied to the whole group."""
+    draw = engine.sample_with_logprobs
     calls = []
 
     def shared_first_token(logits, sampling, generator=None):
         calls.append(1)
         if len(calls) > 1:
-            return sample_tokens(logits, sampling, generator)
-        one_per_group = sample_tokens(logits[::NUM_SAMPLES], sampling, generator)
-        return one_per_group.repeat_interleave(NUM_SAMPLES)
+            return draw(logits, sampling, generator)
+        tokens, logprobs = draw(logits[::NUM_SAMPLES], sampling, generator)
+        return tokens.repeat_interleave(NUM_SAMPLES), logprobs.repeat_interleave(NUM_SAMPLES)
 
-    sample_tokens = engine.sample_tokens
-    monkeypatch.setattr(engine, "sample_tokens", shared_first_token)
+    monkeypatch.setattr(engine, "sample_with_logprobs", shared_first_token)
     assert sampler_p_value(small_vocab_model, prompts, CONFIGS["temperature 1"]) < 1e-9
 
 
 def test_a_wrong_temperature_fails(small_vocab_model, prompts, monkeypatch):
-    sample_tokens = engine.sample_tokens
+    draw = engine.sample_with_logprobs
 
     def temperature_one(logits, sampling, generator=None):
-        return sample_tokens(logits, dataclasses.replace(sampling, temperature=1.0), generator)
+        return draw(logits, dataclasses.replace(sampling, temperature=1.0), generator)
 
-    monkeypatch.setattr(engine, "sample_tokens", temperature_one)
+    monkeypatch.setattr(engine, "sample_with_logprobs", temperature_one)
     assert sampler_p_value(small_vocab_model, prompts, CONFIGS["temperature 0.7, top-p 0.9"]) < 1e-9

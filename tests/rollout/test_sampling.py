@@ -7,7 +7,7 @@ import torch
 from transformers.generation.logits_process import (LogitsProcessorList, TemperatureLogitsWarper,
                                                     TopKLogitsWarper, TopPLogitsWarper)
 
-from turbogrpo.rollout import SamplingConfig, sample_tokens, token_logprobs, warp_logits
+from turbogrpo.rollout import SamplingConfig, sample_tokens, sample_with_logprobs, token_logprobs, warp_logits
 
 
 @pytest.mark.parametrize("field, value, allowed", [
@@ -86,3 +86,18 @@ def test_seeded_draws_are_reproducible():
     config = SamplingConfig(max_new_tokens=1)
     first = sample_tokens(logits, config, torch.Generator().manual_seed(5))
     assert torch.equal(first, sample_tokens(logits, config, torch.Generator().manual_seed(5)))
+
+
+@pytest.mark.parametrize("config", [
+    SamplingConfig(max_new_tokens=1), SamplingConfig(max_new_tokens=1, temperature=0.6, top_k=3),
+    SamplingConfig(max_new_tokens=1, temperature=1.4, top_p=0.7), SamplingConfig(max_new_tokens=1, temperature=0)])
+def test_fused_draw_matches_separate_draw_and_logprobs(config):
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
+    num_draws = 40_000
+    tokens, logprobs = sample_with_logprobs(logits.expand(num_draws, -1), config, torch.Generator().manual_seed(4))
+    torch.testing.assert_close(logprobs, token_logprobs(logits.expand(num_draws, -1), tokens, config))
+    probs = warp_logits(logits, config).softmax(-1) if not config.greedy else torch.nn.functional.one_hot(
+        logits.argmax(), 6).float()
+    frequencies = torch.bincount(tokens, minlength=6).double() / num_draws
+    tolerance = 5 * (probs.double() * (1 - probs.double()) / num_draws).sqrt() + 1e-9
+    assert ((frequencies - probs.double()).abs() <= tolerance).all(), (frequencies, probs)

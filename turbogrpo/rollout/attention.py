@@ -13,15 +13,16 @@ from __future__ import annotations
 import torch
 
 
-def partial_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+def partial_attention(query: torch.Tensor, key_DL: torch.Tensor, value: torch.Tensor,
                       visible: torch.Tensor | None, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax attention of ``query [..., M, D]`` over ``key``/``value [..., L, D]``.
+    """Softmax attention of ``query [..., M, D]`` over keys ``key_DL [..., D, L]`` (transposed: a
+    contiguous ``[D, L]`` block makes the product a plain GEMM) and values ``[..., L, D]``.
 
     ``visible`` (bool, broadcastable to ``[..., M, L]``) hides keys where False. Returns the output
     ``[..., M, D]`` and the log-sum-exp of the scaled scores ``[..., M]``, both float32; a row that
     sees no key gets output 0 and lse ``-inf``, so that it drops out of a merge.
     """
-    scores = torch.matmul(query, key.transpose(-1, -2)).float() * scaling
+    scores = torch.matmul(query, key_DL).float() * scaling
     if visible is not None:
         scores = scores.masked_fill(~visible, float("-inf"))
     row_max = scores.amax(dim=-1, keepdim=True)

@@ -26,7 +26,7 @@ from torch import nn
 from turbogrpo.hook import lm_head_of
 from turbogrpo.rollout.kv_cache import GroupedKVCache
 from turbogrpo.rollout.plans import forward_new_tokens, prefill
-from turbogrpo.rollout.sampling import SamplingConfig, sample_tokens, token_logprobs
+from turbogrpo.rollout.sampling import SamplingConfig, sample_with_logprobs
 from turbogrpo.rollout.stopping import NO_TOKEN, StopCriteria
 from turbogrpo.rollout.types import Rollout, RolloutStats
 
@@ -109,8 +109,7 @@ def _plain_rollout(model: nn.Module, prompts: list[torch.Tensor], num_samples: i
     live = _Live(torch.arange(num_completions, device=device), torch.zeros(num_completions, dtype=torch.long,
                                                                             device=device))
     while True:
-        tokens_B = sample_tokens(logits_BV, sampling, generator)
-        logprobs_B = token_logprobs(logits_BV, tokens_B, sampling)
+        tokens_B, logprobs_B = sample_with_logprobs(logits_BV, sampling, generator)
         finished_B = _emit(outputs, live, tokens_B[:, None], logprobs_B[:, None],
                            None if hidden_BH is None else hidden_BH[:, None],
                            torch.ones_like(tokens_B), criteria, max_new)

@@ -3,8 +3,8 @@
 Shapes (per attention layer): ``G`` live groups (prompts with a live sample), ``B`` live sequences,
 ``Hkv`` key/value heads, ``P`` longest prompt, ``C`` slots (capacity) for generated tokens, ``D`` head dim.
 
-* prompt K/V ``[G, Hkv, P, D]``, valid up to ``prompt_lengths_G``; written once by the prefill and
-  never copied per sample.
+* prompt K/V ``[G, Hkv, P, D]`` (keys stored transposed, ``[G, Hkv, D, P]``), valid up to
+  ``prompt_lengths_G``; written once by the prefill and never copied per sample.
 * generated K/V ``[B, Hkv, C, D]``, preallocated at the rollout's full size; slots ``< lengths_B[b]``
   hold sequence b's committed tokens, at positions ``prompt_length + slot``. A forward writes its n new
   tokens into slots ``lengths_B .. lengths_B + n - 1``; ``commit_all``/``commit`` then keep all or a
@@ -83,7 +83,7 @@ class GroupedKVCache:
         return list(self._sequence_groups)
 
     def prompt(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Prompt K/V of the live groups, ``[G, Hkv, P, D]`` each."""
+        """Prompt keys ``[G, Hkv, D, P]`` (transposed) and values ``[G, Hkv, P, D]`` of the live groups."""
         rows = self.layout.num_groups
         return self._prompt_keys[layer][:rows], self._prompt_values[layer][:rows]
 
@@ -99,7 +99,8 @@ class GroupedKVCache:
     # -- writing ---------------------------------------------------------------------------------
     def store_prompt(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
         """Keep the prefill's K/V ``[G, Hkv, P, D]`` and allocate this layer's generated slots."""
-        self._prompt_keys[layer] = key.contiguous()
+        # Keys are read only as q @ k^T: stored transposed, that product is a plain GEMM every step.
+        self._prompt_keys[layer] = key.transpose(-1, -2).contiguous()
         self._prompt_values[layer] = value.contiguous()
         slots_shape = (self.num_live, key.shape[1], self.capacity, key.shape[3])
         # Zeros, not empty: unused slots are masked out, but a masked weight of 0 times a NaN from

@@ -88,7 +88,8 @@ class DecodePlan:
         prompt_visible, generated_visible = self._visibility(sliding_window, group_size)
         out_prompt, lse_prompt = self._prompt_attention(module.layer_idx, query_BKMD, prompt_visible, scaling)
         keys, values = self.cache.generated(module.layer_idx, self.num_slots)
-        out_own, lse_own = partial_attention(query_BKMD, keys, values, generated_visible, scaling)
+        out_own, lse_own = partial_attention(query_BKMD, keys.transpose(-1, -2), values, generated_visible,
+                                             scaling)
         out_BKMD = merge_partials(out_prompt, lse_prompt, out_own, lse_own)
         return out_BKMD.view(num_rows, num_heads, num_new, head_dim).transpose(1, 2).to(query.dtype)
 
@@ -100,8 +101,8 @@ class DecodePlan:
         stacked = query_BKMD.new_zeros(layout.num_groups, num_kv_heads, layout.max_per_group, rows_per_seq,
                                        head_dim)
         stacked[layout.group_B, :, layout.slot_B] = query_BKMD
-        keys_GKPD, values_GKPD = self.cache.prompt(layer)
-        out, lse = partial_attention(stacked.flatten(2, 3), keys_GKPD, values_GKPD, visible, scaling)
+        keys_GKDP, values_GKPD = self.cache.prompt(layer)
+        out, lse = partial_attention(stacked.flatten(2, 3), keys_GKDP, values_GKPD, visible, scaling)
         out = out.view(stacked.shape)[layout.group_B, :, layout.slot_B]
         lse = lse.view(stacked.shape[:-1])[layout.group_B, :, layout.slot_B]
         return out, lse

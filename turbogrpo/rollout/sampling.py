@@ -78,14 +78,18 @@ def warp_logits(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:
     """
     if sampling.greedy:
         return logits
-    warped = logits / sampling.temperature
+    return _truncate(logits / sampling.temperature, sampling)
+
+
+def _truncate(scaled: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:
+    """Top-k, then top-p, on temperature-scaled logits."""
     if sampling.top_k:
-        k = min(sampling.top_k, warped.shape[-1])
-        kth_largest = torch.topk(warped, k, dim=-1).values[..., -1:]
-        warped = warped.masked_fill(warped < kth_largest, float("-inf"))
+        k = min(sampling.top_k, scaled.shape[-1])
+        kth_largest = torch.topk(scaled, k, dim=-1).values[..., -1:]
+        scaled = scaled.masked_fill(scaled < kth_largest, float("-inf"))
     if sampling.top_p < 1:
-        warped = _top_p(warped, sampling.top_p)
-    return warped
+        scaled = _top_p(scaled, sampling.top_p)
+    return scaled
 
 
 def _top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:
@@ -103,17 +107,43 @@ def sample_tokens(logits: torch.Tensor, sampling: SamplingConfig,
                   generator: torch.Generator | None = None) -> torch.Tensor:
     """Draw one token per row: ``logits [..., V]`` -> token ids ``[...]`` (int64).
 
-    Greedy takes the argmax. Otherwise the draw is ``argmax(p / E)`` with ``E ~ Exp(1)`` i.i.d.
-    ("exponential race"): token i wins with probability ``p_i``, and unlike ``torch.multinomial``
-    it needs no host sync.
+    Greedy takes the argmax. Otherwise the draw inverts the cumulative distribution at one uniform
+    number per row (what ``torch.multinomial`` does), without its host sync and with one random
+    number per row rather than one per vocabulary entry.
     """
     if sampling.greedy:
         return logits.argmax(dim=-1)
     probs = warp_logits(logits.float(), sampling).softmax(dim=-1)
-    race = torch.empty_like(probs).exponential_(1.0, generator=generator)
-    # An exact 0 from exponential_ would turn a removed token (p = 0) into 0/0 = nan.
-    race.clamp_min_(torch.finfo(race.dtype).tiny)
-    return (probs / race).argmax(dim=-1)
+    return _invert_cdf(probs, generator)
+
+
+def _invert_cdf(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    cumulative = probs.cumsum(dim=-1)
+    total = cumulative[..., -1:]
+    uniform = torch.rand(total.shape, generator=generator, device=probs.device, dtype=probs.dtype)
+    # Strictly below the total, so that some entry exceeds it; the first entry that does is the
+    # draw, which never lands on a zero-probability token (its entry equals its predecessor's).
+    point = torch.minimum(uniform * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cumulative, point, right=True).squeeze(-1)
+
+
+def sample_with_logprobs(logits: torch.Tensor, sampling: SamplingConfig,
+                         generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(sample_tokens(...), token_logprobs(...))`` with one pass over the ``[..., V]`` logits: the
+    engine's per-step hot path, where the vocabulary-sized work is most of the step after the model.
+    Draws the same distribution as ``sample_tokens`` (not the same numbers for a given generator).
+    """
+    scaled = logits.float()
+    if sampling.logprob_temperature != 1:
+        scaled = scaled / sampling.logprob_temperature
+    logprobs_all = scaled.log_softmax(dim=-1)
+    if sampling.greedy:
+        tokens = logits.argmax(dim=-1)
+    elif sampling.top_k or sampling.top_p < 1:
+        tokens = _invert_cdf(_truncate(scaled, sampling).softmax(dim=-1), generator)
+    else:
+        tokens = _invert_cdf(logprobs_all.exp(), generator)
+    return tokens, logprobs_all.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:

@@ -1,0 +1,150 @@
+"""Rollout engine vs. Hugging Face ``generate`` with the prompts repeated G times (TRL without vLLM).
+
+Both sample at temperature 1 from the "bench model" of bench/prefix.py (Qwen2-style, hidden 512,
+8 layers, intermediate 1536, 8 heads / 2 KV heads, vocab 16384, float32, random init, seed 0).
+With random weights a stop token would end completions at random, so neither engine gets one:
+every completion runs the full number of new tokens and both generate the same token count.
+
+    python bench/rollout.py           # 2 interleaved repeats per shape
+    python bench/rollout.py --quick   # 1 repeat
+
+Also draws the live batch size per decoding step of a long-tail rollout (8 prompts x G=8, up to 256
+new tokens, stopping on any of 256 token ids, so lengths spread out as in real GRPO rollouts) next
+to the padded batch that ``generate`` keeps until its longest completion ends.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import RESULTS_DIR, interleaved_medians, print_table, write_results  # noqa: E402
+from prefix import BENCH_MODEL, bench_model  # noqa: E402
+
+from turbogrpo.rollout import SamplingConfig, generate  # noqa: E402
+
+# (prompts, samples per prompt G, prompt length, new tokens per completion)
+SHAPES = [(8, 8, 512, 128), (2, 16, 1024, 128), (1, 1, 128, 128)]
+LONG_TAIL = dict(num_prompts=8, num_samples=8, prompt_len=512, max_new_tokens=256, stop_every=64)
+
+
+def make_prompts(num_prompts: int, prompt_len: int, seed: int = 0) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, BENCH_MODEL["vocab_size"], (prompt_len,), generator=generator)
+            for _ in range(num_prompts)]
+
+
+def run_turbogrpo(model, prompts: list[torch.Tensor], num_samples: int, new_tokens: int) -> int:
+    rollout = generate(model, prompts, num_samples=num_samples, seed=0,
+                       sampling=SamplingConfig(max_new_tokens=new_tokens, temperature=1.0))
+    return rollout.stats.num_generated_tokens
+
+
+def run_hf_generate(model, prompts: list[torch.Tensor], num_samples: int, new_tokens: int) -> int:
+    input_ids = torch.stack(prompts).repeat_interleave(num_samples, dim=0)
+    out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), do_sample=True, temperature=1.0,
+                         top_k=0, top_p=1.0, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                         eos_token_id=None, pad_token_id=0)
+    return (out.shape[1] - input_ids.shape[1]) * out.shape[0]
+
+
+def bench_shapes(model, repeats: int) -> tuple[list[list], list[dict]]:
+    rows, records = [], []
+    for num_prompts, num_samples, prompt_len, new_tokens in SHAPES:
+        prompts = make_prompts(num_prompts, prompt_len)
+        counts: dict[str, int] = {}
+
+        def timed(name, fn):
+            def call():
+                counts[name] = fn(model, prompts, num_samples, new_tokens)
+            return call
+
+        print(f"shape {num_prompts} x G={num_samples}, prompt {prompt_len}, {new_tokens} new ...", flush=True)
+        timings = interleaved_medians({"hf_generate": timed("hf_generate", run_hf_generate),
+                                       "turbogrpo": timed("turbogrpo", run_turbogrpo)},
+                                      repeats=repeats, warmup=0)
+        expected = num_prompts * num_samples * new_tokens
+        assert counts == {"hf_generate": expected, "turbogrpo": expected}, counts
+        hf_tps = expected / timings["hf_generate"]["median_s"]
+        ours_tps = expected / timings["turbogrpo"]["median_s"]
+        rows.append([f"{num_prompts}x{num_samples}", prompt_len, new_tokens, expected,
+                     timings["hf_generate"]["median_s"], timings["turbogrpo"]["median_s"], hf_tps, ours_tps,
+                     ours_tps / hf_tps])
+        records.append({"num_prompts": num_prompts, "num_samples": num_samples, "prompt_len": prompt_len,
+                        "new_tokens": new_tokens, "generated_tokens": expected, "timings": timings,
+                        "hf_generate_tokens_per_s": hf_tps, "turbogrpo_tokens_per_s": ours_tps,
+                        "speedup": ours_tps / hf_tps})
+    return rows, records
+
+
+def long_tail_rollout(model) -> dict:
+    spec = LONG_TAIL
+    sampling = SamplingConfig(max_new_tokens=spec["max_new_tokens"], temperature=1.0,
+                              stop_token_ids=tuple(range(0, BENCH_MODEL["vocab_size"], spec["stop_every"])))
+    rollout = generate(model, make_prompts(spec["num_prompts"], spec["prompt_len"], seed=1),
+                       num_samples=spec["num_samples"], sampling=sampling, seed=0)
+    lengths = [len(t) for t in rollout.tokens]
+    return {**spec, "lengths": lengths, "live_batch_sizes": rollout.stats.live_batch_sizes,
+            "num_forwards": rollout.stats.num_forwards, "generated_tokens": rollout.stats.num_generated_tokens,
+            "wall_time_s": rollout.stats.wall_time_s, "tokens_per_s": rollout.stats.tokens_per_second,
+            # Rows a padded batch (HF generate) would run: every completion until the longest one ends.
+            "padded_batch_row_steps": len(lengths) * (max(lengths) - 1),
+            "live_batch_row_steps": sum(rollout.stats.live_batch_sizes)}
+
+
+def plot_long_tail(record: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    live = record["live_batch_sizes"]
+    steps = range(1, len(live) + 1)
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.step(steps, live, where="post", label="turbogrpo: live sequences")
+    ax.step(steps, [len(record["lengths"])] * len(live), where="post", linestyle="--",
+            label="padded batch (HF generate)")
+    ax.set_xlabel("decoding step")
+    ax.set_ylabel("sequences in the forward")
+    ax.set_title(f"Long-tail rollout: {record['num_prompts']} prompts x G={record['num_samples']}, "
+                 f"lengths {min(record['lengths'])}-{max(record['lengths'])}")
+    ax.set_ylim(0, len(record["lengths"]) * 1.1)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="one repeat per shape")
+    parser.add_argument("--repeats", type=int, default=2)
+    args = parser.parse_args()
+    repeats = 1 if args.quick else args.repeats
+
+    model = bench_model().eval()
+    # Warm both paths up on a small shape so that one-time setup is not timed.
+    tiny = make_prompts(2, 16)
+    run_turbogrpo(model, tiny, 2, 4)
+    run_hf_generate(model, tiny, 2, 4)
+
+    rows, records = bench_shapes(model, repeats)
+    table = print_table(
+        f"Rollout: turbogrpo vs HF generate (bench model, float32, temperature 1, median of {repeats})",
+        ["prompts x G", "prompt", "new", "tokens", "hf_s", "ours_s", "hf_tok/s", "ours_tok/s", "speedup"], rows)
+    long_tail = long_tail_rollout(model)
+    print(f"long-tail rollout: {long_tail['generated_tokens']} tokens in {long_tail['wall_time_s']:.1f} s, "
+          f"{long_tail['live_batch_row_steps']} sequence-steps vs {long_tail['padded_batch_row_steps']} padded")
+    plot_long_tail(long_tail, RESULTS_DIR / "rollout_live_batch.png")
+    write_results("rollout", {"model": BENCH_MODEL, "dtype": "float32", "repeats": repeats,
+                              "baseline": "transformers generate, prompts repeated G times, do_sample, "
+                                          "temperature 1, top_k 0, top_p 1",
+                              "shapes": records, "table": table, "long_tail": long_tail,
+                              "target": "speedup >= 4 at 8 x G=8"})
+
+
+if __name__ == "__main__":
+    main()
