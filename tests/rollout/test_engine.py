@@ -1,5 +1,6 @@
 """The plain rollout engine end to end: greedy parity with HF generate, stopping, stats, bad input."""
 
+import functools
 import string
 
 import pytest
@@ -8,12 +9,16 @@ from tokenizers import Tokenizer, decoders, models
 from transformers import PreTrainedTokenizerFast
 
 from tests.rollout.conftest import VOCAB, build_model, random_prompts
-from turbogrpo.rollout import SamplingConfig, generate
+from turbogrpo import completion_logprobs
+from turbogrpo.rollout import SamplingConfig, generate, logprob_gap
 
 PROMPT_LENGTHS = [3, 8, 13]
 
 
-def hf_greedy(model, prompt: torch.Tensor, max_new_tokens: int) -> list[int]:
+@functools.cache
+def hf_greedy(model, prompt: tuple[int, ...], max_new_tokens: int) -> list[int]:
+    """HF generate's greedy completion (cached: several tests compare against the same runs)."""
+    prompt = torch.tensor(prompt)
     out = model.generate(prompt[None], attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
                          do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=None, pad_token_id=0)
     return out[0, len(prompt):].tolist()
@@ -27,7 +32,7 @@ def test_greedy_equals_hf_generate_token_for_token(arch, num_samples, request):
     rollout = generate(model, prompts, num_samples=num_samples,
                        sampling=SamplingConfig(max_new_tokens=12, temperature=0))
     for prompt, completions in zip(prompts, rollout.tokens_per_group()):
-        expected = hf_greedy(model, prompt, 12)
+        expected = hf_greedy(model, tuple(prompt.tolist()), 12)
         assert [c.tolist() for c in completions] == [expected] * num_samples
     assert rollout.finish_reasons == ["length"] * len(prompts) * num_samples
     assert rollout.stats.num_forwards == 12  # one prefill + 11 decoding steps (the 12th token needs none)
@@ -130,6 +135,17 @@ def test_stop_strings_across_token_boundaries(qwen2):
 def test_bad_input_raises_value_error_naming_the_field(qwen2, make_call, message):
     with pytest.raises(ValueError, match=message):
         make_call(qwen2, SamplingConfig(max_new_tokens=10))
+
+
+def test_bfloat16_models_run_with_float32_logprobs():
+    model = build_model("qwen2").to(torch.bfloat16)
+    rollout = generate(model, random_prompts([3, 9]), num_samples=2, sampling=SamplingConfig(max_new_tokens=6),
+                       seed=0, return_hidden=True)
+    assert all(lp.dtype == torch.float32 and torch.isfinite(lp).all() for lp in rollout.logprobs)
+    assert all(h.dtype == torch.bfloat16 for h in rollout.hidden)
+    with torch.no_grad():
+        trainer = completion_logprobs(model, rollout.prompts, rollout.tokens_per_group())
+    assert logprob_gap(rollout, trainer) < 0.05  # bfloat16 rounding, not a mismatch
 
 
 def test_bad_sampling_values_are_refused_before_any_rollout():

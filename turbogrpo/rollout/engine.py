@@ -64,7 +64,8 @@ class _Outputs:
     @staticmethod
     def allocate(num_completions: int, num_columns: int, device: torch.device,
                  hidden_like: torch.Tensor | None) -> _Outputs:
-        """``hidden_like``: a hidden-state tensor to take size and dtype from, or None for no hidden."""
+        """``num_columns``: max_new_tokens + (most tokens emitted per step) - 1. ``hidden_like``: a
+        hidden-state tensor to take size and dtype from, or None to keep no hidden states."""
         hidden = None
         if hidden_like is not None:
             hidden = hidden_like.new_zeros(num_completions, num_columns, hidden_like.shape[-1])
@@ -93,8 +94,8 @@ def _plain_rollout(model: nn.Module, prompts: list[torch.Tensor], num_samples: i
     device = prompts[0].device
     num_completions = len(prompts) * num_samples
     max_new = sampling.max_new_tokens
-    # Tokens fed back: all but the last emitted one, so max_new - 1 slots would do; one spare slot
-    # keeps the capacity >= 1 for max_new_tokens = 1.
+    # Every emitted token but the last is fed back, so max_new - 1 slots would do; max_new keeps
+    # the capacity >= 1 when max_new_tokens = 1.
     cache = GroupedKVCache([len(p) for p in prompts], num_samples, capacity=max_new, device=device)
     criteria = StopCriteria(sampling, device)
     lm_head = lm_head_of(model)
@@ -104,40 +105,43 @@ def _plain_rollout(model: nn.Module, prompts: list[torch.Tensor], num_samples: i
     stats.num_forwards += 1
     # One row per sample, so that every sample draws its own first token from its prompt's logits.
     logits_BV = lm_head(prompt_hidden_GH).float().repeat_interleave(num_samples, dim=0)
-    hidden_BH = prompt_hidden_GH.repeat_interleave(num_samples, dim=0) if return_hidden else None
+    hidden_BH = prompt_hidden_GH.repeat_interleave(num_samples, dim=0)
     outputs = _Outputs.allocate(num_completions, max_new, device, prompt_hidden_GH if return_hidden else None)
-    live = _Live(torch.arange(num_completions, device=device), torch.zeros(num_completions, dtype=torch.long,
-                                                                            device=device))
+    live = _Live(torch.arange(num_completions, device=device),
+                 torch.zeros(num_completions, dtype=torch.long, device=device))
     while True:
         tokens_B, logprobs_B = sample_with_logprobs(logits_BV, sampling, generator)
-        finished_B = _emit(outputs, live, tokens_B[:, None], logprobs_B[:, None],
-                           None if hidden_BH is None else hidden_BH[:, None],
+        finished_B = _emit(outputs, live, tokens_B[:, None], logprobs_B[:, None], hidden_BH[:, None],
                            torch.ones_like(tokens_B), criteria, max_new)
         # Host sync, once per step: which sequences finished decides the next step's batch.
         finished = finished_B.tolist()
+        if all(finished):
+            break
         if any(finished):
-            rows = [row for row, done in enumerate(finished) if not done]
-            if not rows:
-                break
-            rows_device = torch.tensor(rows, dtype=torch.long, device=device)
-            cache.keep(rows)
-            live = live.keep(rows_device)
-            tokens_B = tokens_B[rows_device]
+            live, tokens_B = _drop_finished(finished, cache, live, tokens_B)
         stats.live_batch_sizes.append(cache.num_live)
         hidden_BH = forward_new_tokens(model, cache, tokens_B[:, None])[:, 0]
         cache.commit_all(1)
         stats.num_forwards += 1
         logits_BV = lm_head(hidden_BH).float()
-        if not return_hidden:
-            hidden_BH = None
     return _collect(prompts, num_samples, outputs, stats, start)
+
+
+def _drop_finished(finished: list[bool], cache: GroupedKVCache, live: _Live,
+                   tokens_B: torch.Tensor) -> tuple[_Live, torch.Tensor]:
+    """Compact the cache and the per-sequence state to the unfinished rows."""
+    rows = [row for row, done in enumerate(finished) if not done]
+    rows_device = torch.tensor(rows, dtype=torch.long, device=tokens_B.device)
+    cache.keep(rows)
+    return live.keep(rows_device), tokens_B[rows_device]
 
 
 def _emit(outputs: _Outputs, live: _Live, tokens_Bk: torch.Tensor, logprobs_Bk: torch.Tensor,
           hidden_BkH: torch.Tensor | None, counts_B: torch.Tensor, criteria: StopCriteria,
           max_new: int) -> torch.Tensor:
     """Append the first ``counts_B[b]`` of ``tokens_Bk[b]`` to each live sequence, cut at the first stop
-    token/string and at ``max_new``. ``hidden_BkH``: the hidden state that predicted each token.
+    token/string and at ``max_new``. ``hidden_BkH``: the hidden state that predicted each token (kept
+    only if the outputs have room for it). ``outputs`` needs ``max_new + k - 1`` columns.
     Returns ``[B]`` bool: the sequence finished.
     """
     num_rows, num_new = tokens_Bk.shape
