@@ -65,4 +65,7 @@ def test_sigkill_then_resume_equals_uninterrupted_run(tmp_path):
     def comparable(records):
         return [{k: v for k, v in r.items() if not k.startswith("time/") and "per_s" not in k} for r in records]
 
-    assert comparable(read_metrics(killed_dir)) == comparable(read_metrics(straight_dir))
+    killed, straight = comparable(read_metrics(killed_dir)), comparable(read_metrics(straight_dir))
+    assert [r["step"] for r in killed] == [r["step"] for r in straight]
+    for a, b in zip(killed, straight):
+        assert a == b, {k: (a.get(k), b.get(k)) for k in a.keys() | b.keys() if a.get(k) != b.get(k)}

@@ -135,6 +135,14 @@ def _wrap_fsdp2(module: LogprobModule, dist: DistInfo) -> nn.Module:
     for layer in base.get_decoder().layers:
         fully_shard(layer)
     fully_shard(module)
+    # FSDP2 sets up its module tree on the root's first forward; rollouts call the layers directly,
+    # which would otherwise make each layer a root of its own. One token through the root fixes that.
+    one_token = torch.zeros(1, dtype=torch.long, device=dist.device)
+    with torch.no_grad():
+        module([one_token], [[one_token]])
+    # The root keeps its parameters gathered after forward (for the backward that usually follows);
+    # reshard so the optimizer, built next, holds the sharded parameters that training will update.
+    module.reshard()
     return module
 
 
@@ -164,3 +172,24 @@ def all_reduce_max_int(value: int, dist: DistInfo, device: torch.device) -> int:
     t = torch.tensor([value], device=device)
     torch_dist.all_reduce(t, op=torch_dist.ReduceOp.MAX)
     return int(t.item())
+
+
+@contextlib.contextmanager
+def full_parameters(module: nn.Module):
+    """Inside, every FSDP2-sharded parameter of ``module`` is gathered and stays gathered.
+
+    Rollouts and evaluation decode token by token with a different number of forwards on each rank,
+    so FSDP2's per-layer all-gathers could not be matched across ranks: gather once, decode locally,
+    reshard after. Without FSDP2 this does nothing.
+    """
+    from torch.distributed.fsdp import FSDPModule
+    sharded = [m for m in module.modules() if isinstance(m, FSDPModule)]
+    for m in sharded:  # root first (modules() order), so it initialises as the root
+        m.unshard()
+        m.set_reshard_after_forward(False)
+    try:
+        yield
+    finally:
+        for m in reversed(sharded):
+            m.set_reshard_after_forward(True)
+            m.reshard()

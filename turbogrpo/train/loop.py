@@ -131,7 +131,7 @@ def grpo_step(run: Run, step: int) -> dict[str, float]:
     examples = next(run.batches)[distributed.local_slice(config.train.prompts_per_step, dist)]
     prompts = [e.token_ids.to(dist.device) for e in examples]
 
-    with timer("rollout"):
+    with timer("rollout"), distributed.full_parameters(run.trainer):
         run.policy.eval()
         rollout = generate(run.policy, prompts, num_samples=num_samples, sampling=run.sampling,
                            seed=rollout_seed(config.train.seed, step, dist.rank))
@@ -245,6 +245,9 @@ def _regroup(flat: list[torch.Tensor], batch: StepBatch) -> list[list[torch.Tens
 def build_run(config: Config, dist: DistInfo, rewards: list[setup.Reward], resume: bool) -> Run:
     torch.manual_seed(config.train.seed)  # LoRA initialisation; resumed runs load their adapters
     policy, tokenizer = setup.load_policy(config, dist.device)
+    if dist.enabled and config.distributed.strategy == "fsdp2" and config.lora.enabled and config.algo.beta > 0:
+        raise ValueError("config key 'algo.beta': with distributed.strategy = \"fsdp2\" and LoRA the reference "
+                         "(the base model without adapters) cannot be scored; use beta = 0 or strategy \"ddp\"")
     fn = setup.logprob_fn(config)
     trainer = distributed.wrap_for_training(policy, fn, dist, config.distributed.strategy)
     reference = setup.build_reference(config, policy, dist.device)
@@ -289,7 +292,9 @@ def evaluate(run: Run) -> float | None:
     """Held-out greedy accuracy now (None without eval prompts or an accuracy reward); recorded and printed."""
     if not run.eval_prompts or run.accuracy is None:
         return None
-    accuracy = evaluate_accuracy(run.policy, run.tokenizer, run.eval_prompts, run.accuracy, run.greedy, run.dist)
+    with distributed.full_parameters(run.trainer):
+        accuracy = evaluate_accuracy(run.policy, run.tokenizer, run.eval_prompts, run.accuracy, run.greedy,
+                                     run.dist)
     run.state.evals.append({"step": run.state.step, "accuracy": accuracy})
     run.log.log(run.state.step, {"eval/accuracy": accuracy})
     if run.dist.is_main:

@@ -1,0 +1,88 @@
+"""Worker of tests/train/test_distributed.py: one rank of a 2-process gloo job on CPU."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+from turbogrpo.algo import LOSSES, LossSettings
+from turbogrpo.config import load_config
+from turbogrpo.prefix import compute_logprobs
+from turbogrpo.train import distributed, loop
+from turbogrpo.train.distributed import DistInfo
+from turbogrpo.train.update import StepBatch, update_policy
+
+from .conftest import exact_tiny_model
+from .tiny_run import overrides
+
+PROMPT_LENGTHS = [5, 9, 3, 7]
+COMPLETION_LENGTHS = [[4, 1, 6], [2, 8, 3], [5, 5, 1], [7, 2, 2]]  # 3 completions per prompt
+BUDGET = 20  # rank 0 gets 3 micro-batches (group 1 is cut in two) and rank 1 gets 2 with these lengths: fillers are exercised
+
+
+def global_batch(vocab: int = 64) -> StepBatch:
+    gen = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(0, vocab, (p,), generator=gen) for p in PROMPT_LENGTHS]
+    completions = [[torch.randint(0, vocab, (s,), generator=gen) for s in g] for g in COMPLETION_LENGTHS]
+    n = sum(map(len, COMPLETION_LENGTHS))
+    advantages = torch.randn(n, generator=gen, dtype=torch.float64)
+    old = [[torch.randn(s, generator=gen, dtype=torch.float64) * 0.05 - 4 for s in g] for g in COMPLETION_LENGTHS]
+    ref = [[torch.randn(s, generator=gen, dtype=torch.float64) * 0.05 - 4 for s in g] for g in COMPLETION_LENGTHS]
+    return StepBatch(prompts, completions, advantages, old, ref)
+
+
+def shard(batch: StepBatch, dist: DistInfo) -> StepBatch:
+    groups = distributed.local_slice(len(batch.prompts), dist)
+    per_group = len(batch.completions[0])
+    return StepBatch(batch.prompts[groups], batch.completions[groups],
+                     batch.advantages[groups.start * per_group:groups.stop * per_group],
+                     batch.old_logps[groups], batch.ref_logps[groups])
+
+
+def two_updates(loss_name: str, strategy: str, dist: DistInfo) -> tuple[dict[str, torch.Tensor], dict]:
+    """Parameters after two AdamW steps on this rank's share of the global batch (all of it on one process)."""
+    model = exact_tiny_model(seed=5)
+    trainer = distributed.wrap_for_training(model, compute_logprobs, dist, strategy)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+    batch = shard(global_batch(), dist)
+    config = load_config(None, [f"train.micro_batch_tokens={BUDGET}", "rollout.max_new_tokens=8"])
+    micro_batches = loop.plan(batch, config, dist)
+    normalizer = loop.step_normalizer(batch, config, dist)
+    metrics = []
+    for _ in range(2):
+        out = update_policy(trainer, batch, micro_batches, LOSSES[loss_name], LossSettings(0.2, 0.28, 0.05),
+                            normalizer, optimizer, max_grad_norm=0.5, dist=dist)
+        metrics.append({"grad_norm": out.grad_norm, **out.metrics, "num_micro_batches": len(micro_batches)})
+    params = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return params, metrics
+
+
+def run(rank: int, world_size: int, ports: list[int], out_dir: str, model_dir: str, rows: str) -> None:
+    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(ports[0])})
+    torch.set_num_threads(1)
+    out = Path(out_dir)
+    dist = distributed.setup("cpu", "gloo")
+    results = {}
+    for strategy, losses in (("ddp", sorted(LOSSES)), ("fsdp2", ["dapo"])):
+        for loss_name in losses:
+            params, metrics = two_updates(loss_name, strategy, dist)
+            if dist.is_main:
+                save_file({k: v.contiguous() for k, v in params.items()}, out / f"{strategy}-{loss_name}.safetensors")
+                results[f"{strategy}-{loss_name}"] = metrics
+    if dist.is_main:
+        (out / "metrics.json").write_text(json.dumps(results))
+    distributed.teardown(dist)
+
+    # The whole loop, distributed: each rank rolls out half the prompts; checkpoints, eval, export.
+    for port, strategy in zip(ports[1:], ("ddp", "fsdp2")):
+        os.environ["MASTER_PORT"] = str(port)
+        config = load_config(None, overrides(Path(model_dir), Path(rows), out / f"train-{strategy}",
+                                             **{"distributed.strategy": strategy, "train.num_steps": 2,
+                                                "algo.beta": 0.05}))
+        loop.train(config)
