@@ -116,25 +116,28 @@ def test_stop_strings_across_token_boundaries(qwen2):
     assert stopped.finish_reasons[0] == "stop" and len(stopped.tokens[0]) <= 6
 
 
-@pytest.mark.parametrize("make_call, message", [
-    (lambda m, s: generate(m, [], num_samples=2, sampling=s), "prompts must be a non-empty list"),
-    (lambda m, s: generate(m, [torch.tensor([], dtype=torch.long)], num_samples=2, sampling=s), r"prompts\[0\] is empty"),
-    (lambda m, s: generate(m, [torch.tensor([1, 2]), torch.ones(2, 2, dtype=torch.long)], num_samples=2, sampling=s),
-     r"prompts\[1\] must be a 1-D integer tensor"),
-    (lambda m, s: generate(m, [torch.tensor([1.0])], num_samples=2, sampling=s), r"prompts\[0\] must be a 1-D integer"),
-    (lambda m, s: generate(m, [torch.tensor([1, VOCAB])], num_samples=2, sampling=s), r"allowed is \[0, 64\)"),
-    (lambda m, s: generate(m, [torch.tensor([1])], num_samples=0, sampling=s), "num_samples must be an integer >= 1"),
-    (lambda m, s: generate(m, [torch.arange(120) % VOCAB], num_samples=1, sampling=s),
-     "max_position_embeddings=128"),
-    (lambda m, s: generate(m, [torch.tensor([1])], num_samples=1, sampling=s, draft=object()), "draft"),
-    (lambda m, s: generate(m, [torch.tensor([1])], num_samples=1, sampling={"max_new_tokens": 3}),
-     "sampling must be a SamplingConfig"),
-    (lambda m, s: generate(m, [torch.tensor([1])], num_samples=1,
-                           sampling=SamplingConfig(max_new_tokens=2, stop_token_ids=[VOCAB])), "stop_token_ids"),
-])
-def test_bad_input_raises_value_error_naming_the_field(qwen2, make_call, message):
+VALID_CALL = dict(prompts=[torch.tensor([1, 2])], num_samples=2, sampling=SamplingConfig(max_new_tokens=10))
+BAD_INPUTS = {  # case: (arguments replacing VALID_CALL's, expected message)
+    "no prompts": (dict(prompts=[]), "prompts must be a non-empty list"),
+    "empty prompt": (dict(prompts=[torch.tensor([], dtype=torch.long)]), r"prompts\[0\] is empty"),
+    "2-D prompt": (dict(prompts=[torch.tensor([1]), torch.ones(2, 2, dtype=torch.long)]),
+                   r"prompts\[1\] must be a 1-D integer tensor"),
+    "float prompt": (dict(prompts=[torch.tensor([1.0])]), r"prompts\[0\] must be a 1-D integer tensor"),
+    "token outside vocabulary": (dict(prompts=[torch.tensor([1, VOCAB])]), r"allowed is \[0, 64\)"),
+    "num_samples 0": (dict(num_samples=0), "num_samples must be an integer >= 1"),
+    "beyond max positions": (dict(prompts=[torch.arange(120) % VOCAB]), "max_position_embeddings=128"),
+    "draft": (dict(draft=object()), "draft"),
+    "sampling not a config": (dict(sampling={"max_new_tokens": 3}), "sampling must be a SamplingConfig"),
+    "stop token outside vocabulary": (dict(sampling=SamplingConfig(max_new_tokens=2, stop_token_ids=[VOCAB])),
+                                      "stop_token_ids"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_INPUTS))
+def test_bad_input_raises_value_error_naming_the_field(qwen2, case):
+    replaced, message = BAD_INPUTS[case]
     with pytest.raises(ValueError, match=message):
-        make_call(qwen2, SamplingConfig(max_new_tokens=10))
+        generate(qwen2, **{**VALID_CALL, **replaced})
 
 
 def test_bfloat16_models_run_with_float32_logprobs():
