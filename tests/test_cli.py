@@ -1,0 +1,64 @@
+"""The command line: train / demo / eval, and errors before any work."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from turbogrpo.cli import demo_config, main
+from turbogrpo.config import load_config
+
+from tests.train.tiny_run import overrides, write_model, write_rows
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True)
+def single_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_demo_config_file_matches_the_demo_command():
+    assert load_config(REPO / "configs" / "demo.toml") == demo_config()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["train", "missing.toml"], "turbogrpo: error: config file 'missing.toml' does not exist"),
+    (["demo", "--set", "algo.loss=ppo"], "turbogrpo: error: config key 'algo.loss': 'ppo' is not allowed; expected "
+                                         "one of bnpo, dapo, dr_grpo, grpo, gspo"),
+    (["demo", "--set", "train.num_step=3"], "turbogrpo: error: config key 'train.num_step' is unknown (did you mean "
+                                            "'num_steps'?)"),
+    (["demo", "--set", "rewards.0.function=nowhere:f"], "turbogrpo: error: config key 'rewards.0.function': reward "
+                                                        "'nowhere:f': cannot import module 'nowhere'"),
+    (["demo", "--set", "model.path=/no/such/model"], "turbogrpo: error: model path '/no/such/model' is not an "
+                                                     "existing folder"),
+])
+def test_bad_input_exits_2_with_one_clear_line(argv, message, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(message), err
+
+
+def test_train_then_eval_the_exported_model(tmp_path, capsys):
+    model_dir, rows = write_model(tmp_path / "model"), write_rows(tmp_path / "rows.jsonl")
+    config = tmp_path / "run.yaml"
+    config.write_text("train:\n  num_steps: 2\n")
+    sets = [s for s in overrides(model_dir, rows, tmp_path / "out") if not s.startswith("train.num_steps")]
+    assert main(["train", str(config), "--set", *sets]) == 0
+    out = capsys.readouterr().out
+    assert "held-out accuracy: 0.0% (step 0) -> 0.0% (step 2)" in out
+    assert "2 steps in" in out and (tmp_path / "out" / "final" / "config.json").is_file()
+
+    assert main(["eval", str(config), "--set", *sets, "--model", str(tmp_path / "out" / "final")]) == 0
+    assert "held-out accuracy 0.0% on 8 problems (greedy" in capsys.readouterr().out
+
+
+def test_python_dash_m_runs_the_cli():
+    result = subprocess.run([sys.executable, "-m", "turbogrpo", "train", "--help"], cwd=REPO, capture_output=True,
+                            text=True)
+    assert result.returncode == 0 and "--resume" in result.stdout and "--set" in result.stdout
