@@ -195,8 +195,15 @@ def speculative_rollout(model: nn.Module, prompts: list[torch.Tensor], num_sampl
     # "longest sequence" bounds, so attention reads no slot beyond the longest live sequence.
     emitted_host = [1] * num_completions
     draft_seen_host = [0] * num_completions
+    step_shape: TreeShape | None = None
+    step_start, catch_up_tokens = 0.0, 0
     while True:
         finished, accepted, feedback = _host_view(finished_B, step)
+        now = time.perf_counter()
+        if step is not None:
+            # The transfer above waited for the step's device work, so this is the step's real time.
+            sizing.observe_time(cache.num_live, step_shape, now - step_start, catch_up_tokens)
+        step_start = now
         if step is not None:
             if step.path_nodes_BD is None:
                 cache.commit_all(1)
@@ -223,11 +230,12 @@ def speculative_rollout(model: nn.Module, prompts: list[torch.Tensor], num_sampl
         stats.live_batch_sizes.append(cache.num_live)
         stats.num_forwards += 1
 
-        shape = sizing.choose(cache.num_live)
+        shape = step_shape = sizing.choose(cache.num_live)
         if shape is None:
             finished_B, root_B, step = decoder.plain_step(live, root_B)
             continue
         pending_width = max(e - s for e, s in zip(emitted_host, draft_seen_host))
+        catch_up_tokens = pending_width * cache.num_live
         root_features_BH = _catch_up_draft(decoder, live, pending_width)
         draft_seen_host = list(emitted_host)
         draft_cache.max_length = max(draft_seen_host)
@@ -275,8 +283,10 @@ def _catch_up_draft(decoder: _Decoder, live: _Live, pending_width: int) -> torch
     columns_Bm = (seen_B[:, None] + torch.arange(pending_width, device=seen_B.device)).clamp(max=decoder.max_new - 1)
     rows_Bm = live.completion_B[:, None].expand_as(columns_Bm)
     outputs = decoder.outputs
-    return catch_up(decoder.draft, decoder.draft_cache, outputs.hidden_NTH[rows_Bm, columns_Bm],
-                    outputs.tokens_NT[rows_Bm, columns_Bm], live.emitted_B - seen_B)
+    # Columns past a row's pending count are padding (possibly "no token" markers): any valid id does.
+    tokens_Bm = outputs.tokens_NT[rows_Bm, columns_Bm].clamp(min=0)
+    return catch_up(decoder.draft, decoder.draft_cache, outputs.hidden_NTH[rows_Bm, columns_Bm], tokens_Bm,
+                    live.emitted_B - seen_B)
 
 
 def _prefill_all_positions(model: nn.Module, cache: GroupedKVCache, prompts: list[torch.Tensor]) -> torch.Tensor:

@@ -15,7 +15,9 @@ Every policy is a small class in ``SIZING_POLICIES``; ``make_sizing(name, ...)``
   that the policy's draw matches the draft's rank-r child at depth d as ``a[d, r]``, estimated from
   every verified tree of this rollout (and earlier ones: the policy object keeps its counts), and
   builds the same top-K-per-level tree that ``build_tree`` builds, with those probabilities.
-  Speculation is off wherever the best tree does not beat plain decoding by ``margin``.
+  Speculation is off wherever the best tree does not beat plain decoding by ``margin``. What the
+  curves miss (Python and bookkeeping around the forwards, a machine busier than when profiled) is
+  learnt from the measured time of every step, as one scale factor for plain and one for tree steps.
 
 Policies see verification results through ``feedback`` (device tensors, returned in the step's one
 host transfer) and ``observe`` (the same numbers on the host).
@@ -56,6 +58,10 @@ class SizingPolicy:
 
     def observe(self, values: list[float]) -> None:
         """The host copy of ``feedback``'s tensor."""
+
+    def observe_time(self, num_live: int, shape: TreeShape | None, seconds: float, catch_up_tokens: int = 0) -> None:
+        """The measured wall time of a step that ran ``shape`` (None: plain) with ``num_live`` sequences,
+        whose draft caught up on ``catch_up_tokens`` pairs (padded, all sequences together)."""
 
 
 def _bounds_of(shape: TreeShape | None) -> tuple[int, int]:
@@ -117,7 +123,8 @@ class CostSizing(SizingPolicy):
 
     name = "cost"
     PRIOR_WEIGHT = 4.0   # pseudo-observations behind the prior, so a few real trees outweigh it
-    REFRESH_STEPS = 8    # recompute the expected-acceptance table this often (host work)
+    REFRESH_STEPS = 8    # re-derive the choices after this many new observations (host work)
+    TIME_WEIGHT = 0.3    # exponential average of measured overheads: follows drift, damps noise
 
     def __init__(self, profile: LatencyProfile, *, k_max: int = DEFAULT_K_MAX, l_max: int = DEFAULT_L_MAX,
                  n_max: int = DEFAULT_N_MAX, margin: float = 0.05, prior_top1: float = 0.5):
@@ -132,9 +139,13 @@ class CostSizing(SizingPolicy):
         self.matches = torch.zeros(l_max, k_max, dtype=torch.float64)
         self.trials = torch.zeros(l_max, k_max, dtype=torch.float64)
         self.menu = [(k, l) for k in (1, 2, 4, 8, 16) if k <= k_max for l in range(1, l_max + 1)]
+        # Measured step time / the curves' prediction, for plain and for tree steps: what the curves
+        # miss (Python and bookkeeping around the forwards, a busier machine than when profiled).
+        self.plain_scale = 1.0
+        self.tree_scale = 1.0
         self._expected: torch.Tensor | None = None  # [menu, n_max]: E[accepted] with N = 1 + index
         self._choices: dict[int, TreeShape | None] = {}
-        self._steps_since_refresh = 0
+        self._new_observations = 0
 
     def bounds(self) -> tuple[int, int]:
         return self.n_max, (self.l_max - 1) * self.k_max
@@ -144,32 +155,53 @@ class CostSizing(SizingPolicy):
         return (self.matches + self.PRIOR_WEIGHT * self.prior) / (self.trials + self.PRIOR_WEIGHT)
 
     def choose(self, num_live: int) -> TreeShape | None:
-        if self._expected is None or self._steps_since_refresh >= self.REFRESH_STEPS:
+        if self._expected is None or self._new_observations >= self.REFRESH_STEPS:
             self._expected = expected_accepted_table(self.acceptance(), self.menu, self.n_max)
             self._choices.clear()
-            self._steps_since_refresh = 0
+            self._new_observations = 0
         if num_live not in self._choices:
             self._choices[num_live] = self._best_shape(num_live)
         return self._choices[num_live]
 
     def _best_shape(self, num_live: int) -> TreeShape | None:
-        verify, draft = self.profile.verify, self.profile.draft
         expected = self._expected                                       # [menu, n_max]
         nodes = torch.arange(1, self.n_max + 1, dtype=torch.float64)    # N = 1 .. n_max
         top_k = torch.tensor([k for k, _ in self.menu], dtype=torch.float64)[:, None]
         depth = torch.tensor([l for _, l in self.menu], dtype=torch.float64)[:, None]
-        # Draft time: the catch-up pass over about E[accepted] + 1 pairs, then L - 1 level forwards.
-        draft_time = draft.at(num_live * (expected + 1)) + (depth - 1) * draft.at(num_live * top_k)
-        rate = num_live * (1 + expected) / (draft_time + verify.at(num_live * nodes))
+        rate = num_live * (1 + expected) / self._tree_time(num_live, top_k, depth, nodes, expected)
         rate = torch.where(nodes <= 1 + top_k + (depth - 1) * top_k * top_k, rate, 0.0)
         rate[:, 0] = 0.0  # N = 1 is no tree: that is the plain step below
         best = int(rate.argmax())
-        plain_rate = num_live / verify(num_live)
+        plain_rate = num_live / self._plain_time(num_live)
         if rate.flatten()[best] <= plain_rate * (1 + self.margin):
             return None
         row, column = divmod(best, self.n_max)
         k, l = self.menu[row]
         return TreeShape(k, l, column + 1)
+
+    def _plain_time(self, num_live: int) -> float:
+        return max(self.profile.verify(num_live) * self.plain_scale, 1e-9)
+
+    def _tree_time(self, num_live: int, top_k, depth, nodes, expected, catch_up_tokens=None) -> torch.Tensor:
+        """Seconds of a tree step: the draft's catch-up pass (about E[accepted] + 1 pairs per sequence
+        unless given), its L - 1 level forwards and the policy's forward over B * N tokens, scaled by
+        what measured tree steps took."""
+        draft, verify = self.profile.draft, self.profile.verify
+        if catch_up_tokens is None:
+            catch_up_tokens = num_live * (expected + 1)
+        seconds = (draft.at(torch.as_tensor(catch_up_tokens, dtype=torch.float64))
+                   + (depth - 1) * draft.at(num_live * top_k) + verify.at(num_live * nodes))
+        return (seconds * self.tree_scale).clamp(min=1e-9)
+
+    def observe_time(self, num_live: int, shape: TreeShape | None, seconds: float, catch_up_tokens: int = 0) -> None:
+        if shape is None:
+            ratio = seconds / max(self.profile.verify(num_live), 1e-9)
+            self.plain_scale += self.TIME_WEIGHT * (ratio - self.plain_scale)
+        else:
+            k, l, n = (torch.tensor([[float(v)]], dtype=torch.float64) for v in shape)
+            ratio = seconds * self.tree_scale / float(self._tree_time(num_live, k, l, n, 0.0, catch_up_tokens))
+            self.tree_scale += self.TIME_WEIGHT * (ratio - self.tree_scale)
+        self._new_observations += 1
 
     def feedback(self, tree: DraftTree, verdict: TreeVerdict) -> torch.Tensor:
         return acceptance_counts(tree, verdict, self.l_max, self.k_max)
@@ -178,7 +210,6 @@ class CostSizing(SizingPolicy):
         counts = torch.tensor(values, dtype=torch.float64).view(2, self.l_max, self.k_max)
         self.matches += counts[0]
         self.trials += counts[1]
-        self._steps_since_refresh += 1  # only new evidence moves the estimates (plain steps bring none)
 
 
 def expected_accepted_table(acceptance: torch.Tensor, menu: list[tuple[int, int]], n_max: int) -> torch.Tensor:

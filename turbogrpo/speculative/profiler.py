@@ -29,12 +29,12 @@ from torch import nn
 
 from turbogrpo.hook import lm_head_of
 from turbogrpo.rollout.kv_cache import GroupedKVCache
-from turbogrpo.rollout.plans import DecodePlan, forward_new_tokens, prefill
+from turbogrpo.rollout.plans import forward_new_tokens
 from turbogrpo.rollout.sampling import SamplingConfig, sample_tokens
 
 CACHE_ENV = "TURBOGRPO_CACHE_DIR"
 CACHE_FILE = "latency_profiles.json"
-PROFILE_VERSION = 1  # bump when what is timed changes, so stale entries are not reused
+PROFILE_VERSION = 2  # bump when what is timed changes, so stale entries are not reused
 
 
 @dataclass(frozen=True)
@@ -160,8 +160,10 @@ def profile_latency(model: nn.Module, *, context_length: int, draft: nn.Module |
                     max_tokens: int = 512, repeats: int = 3, seed: int = 0) -> LatencyProfile:
     """Measure the verify (and draft) latency curves at token counts 1, 2, 4, ... ``max_tokens``.
 
-    One sequence with ``context_length`` prompt tokens and n new tokens stands for B sequences with
-    n / B tokens each: the linear layers, which set the knee, see the same n rows either way.
+    n tokens are timed as n sequences of one new token each, sharing one prompt of
+    ``context_length`` tokens: the shape of a decoding step (a tree adds a few tokens per sequence,
+    which costs the linear layers the same rows). Counts are visited from the largest down, so one
+    prefill serves them all (the cache drops rows as n shrinks).
     """
     if context_length < 1 or max_tokens < 1:
         raise ValueError(f"context_length and max_tokens must be >= 1, got {context_length}, {max_tokens}")
@@ -173,43 +175,45 @@ def profile_latency(model: nn.Module, *, context_length: int, draft: nn.Module |
     sampling = SamplingConfig(max_new_tokens=1)
     lm_head = lm_head_of(model)
 
-    cache = GroupedKVCache([context_length], 1, capacity=grid[-1], device=device)
-    prefill(model, cache, [prompt])
+    cache = GroupedKVCache([context_length], grid[-1], capacity=1, device=device)
+    prompt_hidden = _prefill_features(model, cache, prompt)
 
     def verify(n: int) -> Callable[[], object]:
-        ids = torch.randint(vocab_size, (1, n), device=device, generator=generator)
+        cache.keep(list(range(n)))
+        ids = torch.randint(vocab_size, (n, 1), device=device, generator=generator)
         return lambda: sample_tokens(lm_head(forward_new_tokens(model, cache, ids)).float(), sampling, generator)
 
     verify_curve = _measure(verify, grid, repeats, device)
     draft_curve = None
     if draft is not None:
-        draft_cache = GroupedKVCache([context_length], 1, capacity=grid[-1], device=device)
-        from turbogrpo.speculative.drafting import prefill_draft
-        prefill_draft(draft, draft_cache, [prompt],
-                      torch.zeros(1, context_length, model.config.hidden_size, device=device,
-                                  dtype=next(model.parameters()).dtype))
+        from turbogrpo.speculative.drafting import TreeDrafter, prefill_draft
+        from turbogrpo.speculative.tree import DraftLevel
 
-        def draft_step(n: int) -> Callable[[], object]:
-            ids = torch.randint(vocab_size, (1, n), device=device, generator=generator)
-            features = torch.zeros(1, n, model.config.hidden_size, device=device,
-                                   dtype=next(draft.parameters()).dtype)
-            depths = torch.arange(n, device=device)[None]
-            ancestors = torch.ones(n, n, dtype=torch.bool, device=device).tril()[None]
+        draft_cache = GroupedKVCache([context_length], grid[-1], capacity=1, device=device)
+        prefill_draft(draft, draft_cache, [prompt], prompt_hidden)
 
-            def run():
-                positions = draft_cache.next_positions(depths)
-                out = draft(features, ids, positions, DecodePlan(draft_cache, positions, ancestors))
-                return draft.logits(out).float().log_softmax(-1).topk(min(8, vocab_size), dim=-1)
-            return run
+        def draft_level(n: int) -> Callable[[], object]:
+            draft_cache.keep(list(range(n)))
+            level = DraftLevel(torch.randint(vocab_size, (n, 1), device=device, generator=generator),
+                               torch.zeros(n, 1, dtype=torch.long, device=device),
+                               torch.ones(n, 1, 1, dtype=torch.bool, device=device), 1)
+            features = prompt_hidden[:, -1].expand(n, -1)
+            # One tree level as decoding runs it: the plan, the draft layer, LM head, log-softmax, top-k.
+            return lambda: TreeDrafter(draft, draft_cache, features)(level).topk(min(8, vocab_size), dim=-1)
 
-        draft_curve = _measure(draft_step, grid, repeats, device)
+        draft_curve = _measure(draft_level, grid, repeats, device)
     return LatencyProfile(profile_key(model, context_length=context_length, draft=draft), verify_curve, draft_curve)
+
+
+def _prefill_features(model: nn.Module, cache: GroupedKVCache, prompt: torch.Tensor) -> torch.Tensor:
+    from turbogrpo.speculative.decode import _prefill_all_positions
+    return _prefill_all_positions(model, cache, [prompt])
 
 
 def _measure(make: Callable[[int], Callable[[], object]], grid: list[int], repeats: int,
              device: torch.device) -> LatencyCurve:
     seconds = []
-    for n in grid:
+    for n in reversed(grid):
         run = make(n)
         run()  # warm-up (allocations, kernel selection)
         times = []
@@ -220,6 +224,7 @@ def _measure(make: Callable[[int], Callable[[], object]], grid: list[int], repea
             _synchronize(device)
             times.append(time.perf_counter() - start)
         seconds.append(statistics.median(times))
+    seconds.reverse()
     # Timing noise can make a larger forward look faster; latency never truly drops with more tokens.
     monotone = [max(seconds[: i + 1]) for i in range(len(seconds))]
     return LatencyCurve(tuple(grid), tuple(monotone))
