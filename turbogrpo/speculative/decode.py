@@ -34,7 +34,7 @@ from turbogrpo.hook import lm_head_of, run_decoder
 from turbogrpo.rollout.engine import _check_inputs, _collect, _emit, _Live, _Outputs
 from turbogrpo.rollout.kv_cache import GroupedKVCache
 from turbogrpo.rollout.plans import PrefillPlan, forward_new_tokens
-from turbogrpo.rollout.sampling import SamplingConfig, sample_tokens, token_logprobs
+from turbogrpo.rollout.sampling import SamplingConfig, sample_with_logprobs, token_logprobs
 from turbogrpo.rollout.stopping import StopCriteria
 from turbogrpo.rollout.types import Rollout, RolloutStats
 from turbogrpo.speculative.draft import DraftHead
@@ -134,8 +134,7 @@ class _Decoder:
         """The plain engine's step (speculation off): one token per sequence, no tree bookkeeping."""
         hidden_B1H = forward_new_tokens(self.model, self.cache, root_B[:, None])
         logits_BV = self.lm_head(hidden_B1H[:, 0]).float()
-        next_B = sample_tokens(logits_BV, self.sampling, self.generator)
-        logprobs_B = token_logprobs(logits_BV, next_B, self.sampling)
+        next_B, logprobs_B = sample_with_logprobs(logits_BV, self.sampling, self.generator)
         finished_B = _emit(self.outputs, live, next_B[:, None], logprobs_B[:, None], hidden_B1H,
                            torch.ones_like(next_B), self.criteria, self.max_new)
         return finished_B, next_B, _VerifiedStep(None, None, 1, None)
@@ -185,8 +184,8 @@ def speculative_rollout(model: nn.Module, prompts: list[torch.Tensor], num_sampl
     live = _Live(torch.arange(num_completions, device=device), torch.zeros(num_completions, dtype=torch.long,
                                                                             device=device))
     logits_BV = decoder.lm_head(last_GH).float().repeat_interleave(num_samples, dim=0)
-    root_B = sample_tokens(logits_BV, sampling, generator)
-    finished_B = _emit(decoder.outputs, live, root_B[:, None], token_logprobs(logits_BV, root_B, sampling)[:, None],
+    root_B, root_logprobs_B = sample_with_logprobs(logits_BV, sampling, generator)
+    finished_B = _emit(decoder.outputs, live, root_B[:, None], root_logprobs_B[:, None],
                        last_GH.repeat_interleave(num_samples, dim=0)[:, None], torch.ones_like(root_B),
                        decoder.criteria, max_new)
     step: _VerifiedStep | None = None

@@ -116,8 +116,9 @@ def profile_key(model: nn.Module, *, context_length: int, draft: nn.Module | Non
     config_hash = hashlib.sha1(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()[:12]
     draft_part = "none" if draft is None else f"{draft.config.num_layers}layer"
     context = 1 << max(0, int(context_length) - 1).bit_length()
-    return (f"v{PROFILE_VERSION}|{model.config.model_type}-{config_hash}|draft-{draft_part}|{device_name(parameter.device)}"
-            f"|{str(parameter.dtype).removeprefix('torch.')}|ctx{context}")
+    dtype = str(parameter.dtype).removeprefix("torch.")
+    return (f"v{PROFILE_VERSION}|{model.config.model_type}-{config_hash}|draft-{draft_part}"
+            f"|{device_name(parameter.device)}|{dtype}|ctx{context}")
 
 
 def device_name(device: torch.device) -> str:

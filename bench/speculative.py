@@ -1,0 +1,253 @@
+"""Speculative rollouts vs. the plain engine, on the demo task's model with a draft trained on its own
+completions.
+
+    .venv/bin/python bench/speculative.py [--quick] [--model demo] [--draft DIR] [--threads N]
+
+Parts (every variant is timed in the same process, interleaved with the plain engine, medians):
+
+1. Fixed live batch B in {1, 4, 16, 64}: B prompts x 1 sample, no stop token, so all B sequences
+   run the same ``--fixed-new-tokens`` steps; each sizing policy vs. plain.
+2. A GRPO-shaped rollout: 8 prompts x G=8 at temperature 1, stopping at the end-of-text token (the
+   model decides each length: a long tail), for the sizing policies off / fixed / fastgrpo / cost.
+   Sampled lengths differ from run to run, so speed is compared in generated tokens per second,
+   with the k-th run of every variant using seed k.
+
+Reported per variant: tokens/s, speedup over plain, acceptance length (tokens per policy forward in
+speculative steps) and tree sizes. Writes bench/results/speculative.json, speculative_speedup.png
+(speedup vs. B) and speculative_tree_sizes.png (tree size and live batch over a rollout's steps).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import RESULTS_DIR, interleaved_medians, print_table, write_results  # noqa: E402
+
+from turbogrpo.data import build_prompts, demo_records  # noqa: E402
+from turbogrpo.models import load_demo_model, load_model_and_tokenizer  # noqa: E402
+from turbogrpo.rollout import SamplingConfig, generate  # noqa: E402
+from turbogrpo.speculative.decode import Speculation, generate_speculative  # noqa: E402
+from turbogrpo.speculative.draft import DraftHead, DraftTrainConfig, draft_examples, train_draft  # noqa: E402
+from turbogrpo.speculative.policy import FixedSizing, OffSizing, make_sizing  # noqa: E402
+from turbogrpo.speculative.profiler import cached_profile  # noqa: E402
+from turbogrpo.speculative.tree import TreeShape  # noqa: E402
+
+FIXED_SHAPE = TreeShape(2, 4, 8)  # a small EAGLE-like tree: 2 children per node, 4 levels, 8 nodes
+POLICIES = ("off", "fixed", "fastgrpo", "cost")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="demo", help="model folder or 'demo' (the shipped demo model)")
+    parser.add_argument("--draft", help="a saved draft to use instead of training one")
+    parser.add_argument("--save-draft", help="where to save the trained draft (for reuse with --draft)")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    parser.add_argument("--quick", action="store_true", help="small sizes and one repeat (smoke test)")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--fixed-new-tokens", type=int, default=24)
+    parser.add_argument("--grpo-new-tokens", type=int, default=64)
+    parser.add_argument("--draft-prompts", type=int, default=64)
+    parser.add_argument("--draft-epochs", type=int, default=12)
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    repeats = 1 if args.quick else args.repeats
+    batch_sizes = (1, 4) if args.quick else (1, 4, 16, 64)
+
+    model, tokenizer = load_demo_model() if args.model == "demo" else load_model_and_tokenizer(args.model)
+    eos = tokenizer.eos_token_id
+    eval_prompts = [ex.token_ids for ex in build_prompts(demo_records("eval", 64, seed=1), tokenizer).examples]
+    draft, draft_info = load_or_train_draft(model, tokenizer, args, quick=args.quick)
+    context = max(len(p) for p in eval_prompts) + args.grpo_new_tokens // 2
+    start = time.perf_counter()
+    profile = cached_profile(model, context_length=context, draft=draft)
+    print(f"latency profile {profile.key}: C_peak = {profile.c_peak} tokens ({time.perf_counter() - start:.1f}s)")
+
+    fixed_rows, fixed_results = bench_fixed_batches(model, draft, profile, eval_prompts, batch_sizes, repeats,
+                                                    args.fixed_new_tokens)
+    print_table(f"Fixed live batch: B prompts x 1 sample, {args.fixed_new_tokens} new tokens, temperature 1",
+                ["B", "policy", "plain tok/s", "spec tok/s", "speedup", "accept len", "tree sizes"], fixed_rows)
+    grpo_rows, grpo_results, traces = bench_grpo_shaped(model, draft, profile, eval_prompts[:8], eos, repeats,
+                                                        args.grpo_new_tokens)
+    print_table(f"GRPO-shaped: 8 prompts x G=8, temperature 1, stop at EOS, max {args.grpo_new_tokens} new tokens",
+                ["policy", "tok/s", "speedup", "accept len", "steps", "spec steps", "tree sizes"], grpo_rows)
+
+    best = max((r for r in grpo_results if r["policy"] != "off"), key=lambda r: r["speedup"])
+    worst_fixed = min(fixed_results, key=lambda r: r["speedup"]) if fixed_results else None
+    print(f"best GRPO-shaped policy: {best['policy']} at {best['speedup']:.2f}x (target >= 2x); "
+          f"slowest fixed-B variant: {worst_fixed['policy']} at B={worst_fixed['batch']} "
+          f"{worst_fixed['speedup']:.2f}x")
+    plot_speedup(fixed_results, RESULTS_DIR / "speculative_speedup.png")
+    plot_tree_sizes(traces, RESULTS_DIR / "speculative_tree_sizes.png")
+    write_results("speculative" if not args.quick else "speculative_quick", {
+        "model": args.model, "draft": draft_info, "profile": {"key": profile.key, "c_peak": profile.c_peak,
+                                                              "verify": profile.to_json()["verify"],
+                                                              "draft": profile.to_json()["draft"]},
+        "fixed_shape": list(FIXED_SHAPE), "repeats": repeats,
+        "fixed_batch": fixed_results, "grpo_shaped": grpo_results,
+        "grpo_traces": traces, "best_grpo_policy": best["policy"], "best_grpo_speedup": best["speedup"],
+    })
+
+
+def load_or_train_draft(model, tokenizer, args, *, quick: bool) -> tuple[DraftHead, dict]:
+    if args.draft:
+        return DraftHead.load(args.draft, model), {"loaded_from": args.draft}
+    num_prompts = 8 if quick else args.draft_prompts
+    epochs = 1 if quick else args.draft_epochs
+    prompts = [ex.token_ids for ex in build_prompts(demo_records("train", num_prompts, seed=0), tokenizer).examples]
+    sampling = SamplingConfig(max_new_tokens=args.grpo_new_tokens, temperature=1.0,
+                              stop_token_ids=(tokenizer.eos_token_id,))
+    start = time.perf_counter()
+    completions = []
+    for first in range(0, len(prompts), 8):
+        completions += generate(model, prompts[first:first + 8], num_samples=8, sampling=sampling,
+                                seed=first).tokens_per_group()
+    examples = draft_examples(model, prompts, completions)
+    draft = DraftHead(model)
+    config = DraftTrainConfig(lr=3e-3, num_epochs=epochs, batch_size=16)
+    history = train_draft(draft, examples, config)
+    info = {"trained_on": f"{len(examples)} demo-model completions of {num_prompts} train prompts (temperature 1)",
+            "epochs": epochs, "lr": config.lr, "final_loss": history[-1]["loss"],
+            "final_top1_agreement": history[-1]["top1_agreement"], "seconds": time.perf_counter() - start}
+    print(f"draft trained: {info}")
+    if args.save_draft:
+        draft.save(args.save_draft)
+    return draft, info
+
+
+def sizing_of(name: str, profile):
+    if name == "off":
+        return OffSizing()
+    if name == "fixed":
+        return FixedSizing(FIXED_SHAPE)
+    return make_sizing(name, profile=profile)
+
+
+class Runner:
+    """A rollout callable for ``interleaved_medians`` that uses seed k on its k-th call and keeps
+    every call's rollout (for tokens/s and speculation statistics)."""
+
+    def __init__(self, run):
+        self.run, self.rollouts = run, []
+
+    def __call__(self):
+        self.rollouts.append(self.run(len(self.rollouts)))
+
+
+def bench_fixed_batches(model, draft, profile, prompts, batch_sizes, repeats, new_tokens):
+    sampling = SamplingConfig(max_new_tokens=new_tokens, temperature=1.0)
+    rows, results = [], []
+    for batch in batch_sizes:
+        group = prompts[:batch]
+        runners = {"plain": Runner(lambda seed: generate(model, group, num_samples=1, sampling=sampling, seed=seed))}
+        for name in POLICIES[1:]:
+            speculation = Speculation(draft, sizing_of(name, profile))  # one policy object: it learns across runs
+            runners[name] = Runner(lambda seed, s=speculation: generate_speculative(
+                model, group, num_samples=1, sampling=sampling, seed=seed, draft=s))
+        timings = interleaved_medians(runners, repeats=repeats, warmup=1)
+        plain_rate = _median_rate(runners["plain"], timings["plain"])
+        for name in POLICIES[1:]:
+            rate = _median_rate(runners[name], timings[name])
+            stats = runners[name].rollouts[-1].stats
+            result = {"batch": batch, "policy": name, "plain_tokens_per_s": plain_rate, "tokens_per_s": rate,
+                      "speedup": rate / plain_rate, "accept_length": stats.mean_accepted_length,
+                      "tree_sizes": sorted(set(stats.tree_sizes)), "times_s": timings[name]["times_s"],
+                      "plain_times_s": timings["plain"]["times_s"]}
+            results.append(result)
+            rows.append([batch, name, plain_rate, rate, result["speedup"], result["accept_length"],
+                         _sizes_text(stats.tree_sizes)])
+    return rows, results
+
+
+def bench_grpo_shaped(model, draft, profile, prompts, eos, repeats, new_tokens):
+    sampling = SamplingConfig(max_new_tokens=new_tokens, temperature=1.0, stop_token_ids=(eos,))
+    runners = {"plain": Runner(lambda seed: generate(model, prompts, num_samples=8, sampling=sampling, seed=seed))}
+    for name in POLICIES:
+        speculation = Speculation(draft, sizing_of(name, profile))
+        runners[name] = Runner(lambda seed, s=speculation: generate_speculative(
+            model, prompts, num_samples=8, sampling=sampling, seed=seed, draft=s))
+    timings = interleaved_medians(runners, repeats=repeats, warmup=1)
+    plain_rate = _median_rate(runners["plain"], timings["plain"])
+    rows, results, traces = [], [], {}
+    for name in POLICIES:
+        rate = _median_rate(runners[name], timings[name])
+        stats = runners[name].rollouts[-1].stats
+        num_spec = sum(1 for n in stats.tree_sizes if n > 1)
+        result = {"policy": name, "tokens_per_s": rate, "plain_tokens_per_s": plain_rate, "speedup": rate / plain_rate,
+                  "accept_length": stats.mean_accepted_length, "num_steps": len(stats.tree_sizes),
+                  "num_speculative_steps": num_spec, "times_s": timings[name]["times_s"],
+                  "tokens": [r.stats.num_generated_tokens for r in runners[name].rollouts]}
+        results.append(result)
+        traces[name] = {"live_batch": stats.live_batch_sizes, "tree_size": stats.tree_sizes,
+                        "accepted_length": stats.accepted_lengths}
+        rows.append([name, rate, result["speedup"], result["accept_length"], result["num_steps"], num_spec,
+                     _sizes_text(stats.tree_sizes)])
+    plain_stats = runners["plain"].rollouts[-1].stats
+    traces["plain"] = {"live_batch": plain_stats.live_batch_sizes}
+    return rows, results, traces
+
+
+def _median_rate(runner: Runner, timing: dict) -> float:
+    """Median tokens/s over the timed calls (the last ``len(times)`` rollouts; earlier ones warmed up)."""
+    timed = runner.rollouts[-len(timing["times_s"]):]
+    return statistics.median(r.stats.num_generated_tokens / t for r, t in zip(timed, timing["times_s"]))
+
+
+def _sizes_text(sizes: list[int]) -> str:
+    spec = [n for n in sizes if n > 1]
+    if not spec:
+        return "off"
+    return f"{min(spec)}..{max(spec)} ({len(spec)}/{len(sizes)} steps)"
+
+
+def plot_speedup(results: list[dict], path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name in POLICIES[1:]:
+        points = sorted((r["batch"], r["speedup"]) for r in results if r["policy"] == name)
+        ax.plot([b for b, _ in points], [s for _, s in points], marker="o", label=name)
+    ax.axhline(1.0, color="grey", linestyle="--", linewidth=1, label="plain")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("live batch B (sequences)")
+    ax.set_ylabel("speedup over plain (tokens/s)")
+    ax.set_title("Speculative rollouts on the demo model")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
+
+
+def plot_tree_sizes(traces: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
+    for name in ("fixed", "fastgrpo", "cost"):
+        top.step(range(len(traces[name]["tree_size"])), traces[name]["tree_size"], where="post", label=name)
+        bottom.plot(traces[name]["live_batch"], label=name)
+    bottom.plot(traces["plain"]["live_batch"], color="grey", linestyle="--", label="plain")
+    top.set_ylabel("tree size N (1 = off)")
+    top.set_yscale("log", base=2)
+    top.set_title("GRPO-shaped rollout (8 prompts x G=8): tree size and live batch per step")
+    top.legend()
+    bottom.set_ylabel("live batch B")
+    bottom.set_xlabel("decoding step")
+    bottom.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
