@@ -124,3 +124,44 @@ def test_nonfinite_loss_skips_the_step():
     assert all(torch.equal(b, p) for b, p in zip(before, model.parameters()))
     assert all(p.grad is None for p in model.parameters())
     assert optimizer.state == {} or all(not s for s in optimizer.state.values())
+
+
+def test_skipping_zero_advantage_groups_gives_the_same_adamw_steps():
+    """beta = 0: groups whose advantages are all 0 are left out; two AdamW steps (the second with every
+    advantage 0, so only momentum moves the weights) end where the full updates end."""
+    batch, prompt_lengths, completion_lengths = _batch(vocab=64)
+    batch.old_logps = batch.ref_logps = None
+    batch.advantages[3:5] = 0.0  # group 1 (completions 3, 4) has equal rewards
+    all_zero = StepBatch(batch.prompts, batch.completions, torch.zeros_like(batch.advantages))
+    settings, normalizer = LossSettings(beta=0.0), _normalizer(completion_lengths, 8)
+    finals = []
+    for skip in (False, True):
+        model = exact_tiny_model()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+        for step_batch in (batch, all_zero):
+            if skip:
+                moving = [g for g, s in enumerate(_group_slices(completion_lengths))
+                          if step_batch.advantages[s].ne(0).any()] or [0]
+                step_batch = step_batch.groups(moving)
+            lengths = [[c.numel() for c in g] for g in step_batch.completions]
+            plan = plan_micro_batches([p.numel() for p in step_batch.prompts], lengths, 10_000)
+            update_policy(LogprobModule(model, compute_logprobs), step_batch, plan, LOSSES["dapo"], settings,
+                          normalizer, optimizer, max_grad_norm=1.0, dist=SINGLE)
+        finals.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
+    torch.testing.assert_close(finals[1], finals[0], rtol=0, atol=1e-12)
+
+
+def test_trainable_groups_keeps_groups_with_any_nonzero_advantage():
+    from turbogrpo.train.loop import trainable_groups
+
+    advantages = torch.tensor([0.0, 0.0, 1.0, -1.0, 0.0, 0.0, 0.5, 0.0])
+    assert trainable_groups(advantages, 2, beta=0.0) == [1, 3]
+    assert trainable_groups(advantages, 2, beta=0.1) == [0, 1, 2, 3]  # the KL term moves every group
+    assert trainable_groups(torch.zeros(4), 2, beta=0.0) == [0]  # one group keeps every rank's collectives
+
+
+def _group_slices(completion_lengths):
+    start = 0
+    for group in completion_lengths:
+        yield slice(start, start + len(group))
+        start += len(group)

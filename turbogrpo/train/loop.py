@@ -145,6 +145,9 @@ def grpo_step(run: Run, step: int) -> dict[str, float]:
                                       config.algo.scale_rewards)
         advantages = advantages[distributed.local_slice(all_rewards.numel(), dist)]
     batch = StepBatch(prompts, rollout.tokens_per_group(), advantages)
+    normalizer = step_normalizer(batch, config, dist)  # totals of the whole batch, skipped groups included
+    trained = trainable_groups(advantages, num_samples, config.algo.beta)
+    batch = batch.groups(trained)
     micro_batches = plan(batch, config, dist)
     with timer("logprobs"):
         if config.algo.num_iterations > 1:
@@ -153,7 +156,6 @@ def grpo_step(run: Run, step: int) -> dict[str, float]:
             batch.ref_logps = score(run.reference, batch, micro_batches)
     with timer("update"):
         run.policy.train()
-        normalizer = step_normalizer(batch, config, dist)
         updates = []
         for iteration in range(config.algo.num_iterations):
             optimizer_step = step * config.algo.num_iterations + iteration
@@ -164,7 +166,9 @@ def grpo_step(run: Run, step: int) -> dict[str, float]:
             guard_nonfinite(run, updates[-1], step)
 
     trainer_logps = batch.old_logps if batch.old_logps is not None else _regroup(updates[0].logps, batch)
-    metrics = step_metrics(rollout, rewards, trainer_logps, updates, timer.seconds, run, dist)
+    sampler_logps = [rollout.logprobs_per_group()[g] for g in trained]
+    metrics = step_metrics(rollout, rewards, sampler_logps, trainer_logps, updates, timer.seconds, run, dist)
+    metrics["frac_groups_trained"] = len(trained) / len(examples)
     if dist.is_main and config.log.completions_every and (step + 1) % config.log.completions_every == 0:
         run.log.log_completions(step + 1, completion_samples(examples, texts, rewards, num_samples,
                                                              config.log.num_completions))
@@ -185,6 +189,23 @@ def reward_columns(examples: list[PromptExample], num_samples: int, tokens: list
     columns = {name: [e.columns.get(name) for e in examples for _ in range(num_samples)] for name in names}
     columns["completion_lengths"] = [int(t.numel()) for t in tokens]
     return columns
+
+
+def trainable_groups(advantages: torch.Tensor, num_samples: int, beta: float) -> list[int]:
+    """The groups the update runs on.
+
+    With beta = 0, a completion whose advantage is exactly 0 adds exactly 0 to the loss and to its
+    gradient, so groups whose advantages are all 0 (equal rewards) are left out of the forward and
+    backward: the same update for less work (the loss denominators still count them). One group is
+    always kept, so every rank runs its collectives and every parameter gets a gradient (zero, if
+    nothing else) for AdamW, exactly as in the full update.
+    """
+    num_groups = advantages.numel() // num_samples
+    if beta != 0:
+        return list(range(num_groups))
+    # Host sync: which groups run decides the micro-batch plan.
+    moving = advantages.view(num_groups, num_samples).ne(0).any(1).tolist()
+    return [g for g, m in enumerate(moving) if m] or [0]
 
 
 def plan(batch: StepBatch, config: Config, dist: DistInfo):

@@ -36,6 +36,16 @@ class StepBatch:
     old_logps: list[list[Tensor]] | None = None
     ref_logps: list[list[Tensor]] | None = None
 
+    def groups(self, keep: Sequence[int]) -> StepBatch:
+        """The batch restricted to groups ``keep`` (before old/ref log-probs are computed)."""
+        assert self.old_logps is None and self.ref_logps is None
+        offsets = [0]
+        for group in self.completions:
+            offsets.append(offsets[-1] + len(group))
+        index = [i for g in keep for i in range(offsets[g], offsets[g + 1])]
+        return StepBatch([self.prompts[g] for g in keep], [self.completions[g] for g in keep],
+                         self.advantages[torch.tensor(index, device=self.advantages.device)])
+
 
 @dataclass
 class UpdateResult:
@@ -43,8 +53,8 @@ class UpdateResult:
 
     applied: False when loss or gradient norm was NaN/inf and the step was skipped.
     grad_norm: global gradient norm before clipping.
-    metrics: the loss's metrics (loss, loss/policy, clip_ratio/*, kl ...) and the mean token
-        entropy, over the global batch.
+    metrics: the loss's metrics (loss, loss/policy, clip_ratio/*, kl ...) over the global batch, and
+        the mean entropy per completion token the update ran.
     logps: per completion ``[S]`` (flat, group-major) trainer log-probs before the step, detached.
     """
 
@@ -79,8 +89,8 @@ def update_policy(module: nn.Module, batch: StepBatch, micro_batches: Sequence[M
                 batch.advantages[torch.tensor(mb.index, device=batch.advantages.device)],
                 mask_BL, normalizer, settings)
             (loss * mb.weight).backward()
-        # Mean entropy of the sampling distribution per completion token, additive like the loss.
-        metrics["entropy"] = result.entropy.sum() / normalizer.num_tokens
+        metrics["entropy_sum"] = result.entropy.sum()
+        metrics["num_tokens"] = mask_BL.sum()
         for name, value in {"loss": loss.detach(), **metrics}.items():
             totals[name] = totals.get(name, 0.0) + value * mb.weight
         if mb.weight:
@@ -100,7 +110,10 @@ def update_policy(module: nn.Module, batch: StepBatch, micro_batches: Sequence[M
     if applied:
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return UpdateResult(applied=applied, grad_norm=values[1], metrics=dict(zip(names, values[2:])),
+    metrics = dict(zip(names, values[2:]))
+    # Mean entropy of the sampling distribution over the completion tokens this update ran.
+    metrics["entropy"] = metrics.pop("entropy_sum") / max(metrics.pop("num_tokens"), 1.0)
+    return UpdateResult(applied=applied, grad_norm=values[1], metrics=metrics,
                         logps=[logps_by_index[i] for i in sorted(logps_by_index)])
 
 
