@@ -43,7 +43,7 @@ def models_and_drafts():
 
 
 @pytest.mark.parametrize("name", ["qwen2-trained-draft", "llama-random-draft", "mistral-window6-random-draft"])
-@pytest.mark.parametrize("shape", [TreeShape(1, 4, 5), TreeShape(3, 4, 12), TreeShape(4, 2, 9)])
+@pytest.mark.parametrize("shape", [TreeShape(1, 4, 5), TreeShape(3, 4, 12)])
 def test_greedy_speculative_equals_greedy_plain(name, shape):
     policy, draft = models_and_drafts()[name]
     prompts = trained_pair()[2][:3]
@@ -161,7 +161,7 @@ def test_end_to_end_distribution_is_the_policys(case, draft_kind, shape):
     draft = trained if draft_kind == "trained" else DraftHead(policy)
     prompt = torch.tensor([1, 5, 2, 7])
     sampling = CASES[case]
-    spec = speculate(policy, draft, [prompt], sampling, shape, num_samples=20_000, seed=1)
+    spec = speculate(policy, draft, [prompt], sampling, shape, num_samples=8_000, seed=1)
     samples = torch.stack([t[:3] for t in spec.tokens])
     pvalue = chi_square_pvalue(joint_counts(samples, V), exact_first_three(policy, prompt, sampling))
     assert pvalue > 1e-3, f"speculative rollouts differ from the policy (p={pvalue:.2e})"

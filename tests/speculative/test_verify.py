@@ -29,9 +29,8 @@ def tables(seed: int = 0):
 
 
 @pytest.mark.parametrize("sampling,draft,shape", [
-    (T1, "good", CHAIN), (T1, "random", BUSHY), (T1, "good", TRIMMED),
-    (T07_TOP_P, "good", BUSHY), (T07_TOP_P, "random", WIDE), (T07_TOP_P, "good", CHAIN),
-    (TOP_K5, "good", WIDE), (TOP_K5, "random", TRIMMED), (TOP_K5, "good", BUSHY),
+    (T1, "good", CHAIN), (T1, "random", BUSHY), (T07_TOP_P, "good", BUSHY), (T07_TOP_P, "random", WIDE),
+    (TOP_K5, "good", TRIMMED), (TOP_K5, "random", TRIMMED),
 ])
 def test_first_three_tokens_match_the_policy(sampling, draft, shape):
     target, drafts = tables()

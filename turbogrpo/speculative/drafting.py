@@ -34,21 +34,18 @@ class TreeLevelPlan(DecodePlan):
     """
 
     def __init__(self, cache: GroupedKVCache, positions_Bn: torch.Tensor, visible_Bnm: torch.Tensor):
-        # Same fields as DecodePlan.__init__ (its __call__ reads them), with new slots shifted past
-        # the pending ones.
-        self.cache = cache
-        self.positions_Bn = positions_Bn
         num_new, num_seen = positions_Bn.shape[1], visible_Bnm.shape[-1]
-        device = positions_Bn.device
-        seen_slots_Bm = cache.lengths_B.unsqueeze(-1) + torch.arange(num_seen, device=device)
+        super().__init__(cache, positions_Bn, visible_Bnm[:, :, num_seen - num_new:])
+        # Shift the new slots past the pending ones and widen the visibility to cover them. (A
+        # ``num_pending`` argument of DecodePlan itself would make this override unnecessary.)
+        seen_slots_Bm = cache.lengths_B.unsqueeze(-1) + torch.arange(num_seen, device=positions_Bn.device)
         self.slots_Bn = seen_slots_Bm[:, num_seen - num_new:]
         self.num_slots = cache.max_length + num_seen
-        slot_index_L = torch.arange(self.num_slots, device=device)
+        slot_index_L = torch.arange(self.num_slots, device=positions_Bn.device)
         committed_BnL = (slot_index_L < cache.lengths_B[:, None]).unsqueeze(1).expand(-1, num_new, -1)
         seen_BnL = torch.zeros_like(committed_BnL).scatter(
             2, seen_slots_Bm.unsqueeze(1).expand(-1, num_new, -1), visible_Bnm)
-        self.generated_visible_BnL = committed_BnL | seen_BnL
-        self._masks = {}
+        self.own_visible_BnL = committed_BnL | seen_BnL
 
 
 def prefill_draft(draft: DraftHead, cache: GroupedKVCache, prompts: list[torch.Tensor],
