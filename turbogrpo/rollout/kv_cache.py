@@ -87,6 +87,11 @@ class GroupedKVCache:
         rows = self.layout.num_groups
         return self._prompt_keys[layer][:rows], self._prompt_values[layer][:rows]
 
+    @property
+    def prompts_fill_width(self) -> bool:
+        """Whether every live group's prompt is P tokens long (no padded prompt slots to hide)."""
+        return all(self._prompt_lengths_host[g] == self.prompt_width for g in self._live_groups)
+
     def generated(self, layer: int, num_slots: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Generated K/V of the live sequences, first ``num_slots`` slots, ``[B, Hkv, num_slots, D]``."""
         rows = self.num_live

@@ -60,7 +60,7 @@ def prefill(model: nn.Module, cache: GroupedKVCache, prompts: list[torch.Tensor]
 class DecodePlan:
     """Attention of n new tokens per live sequence (see the module docstring).
 
-    Masks and index tensors are built once per forward and shared by all layers.
+    Masks (as additive biases) and index tensors are built once per forward and shared by all layers.
     """
 
     def __init__(self, cache: GroupedKVCache, positions_Bn: torch.Tensor, ancestors_Bnn: torch.Tensor):
@@ -74,27 +74,27 @@ class DecodePlan:
         committed_BnL = (slot_index_L < cache.lengths_B[:, None]).unsqueeze(1).expand(-1, num_new, -1)
         new_BnL = torch.zeros_like(committed_BnL).scatter(
             2, self.slots_Bn.unsqueeze(1).expand(-1, num_new, -1), ancestors_Bnn)
-        self.generated_visible_BnL = committed_BnL | new_BnL
-        self._masks: dict[tuple[int | None, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self.own_visible_BnL = committed_BnL | new_BnL
+        self._biases: dict[tuple[int | None, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
 
     def __call__(self, module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
                  scaling: float, sliding_window: int | None) -> torch.Tensor:
         num_rows, num_heads, num_new, head_dim = query.shape
         num_kv_heads = key.shape[1]
         group_size = num_heads // num_kv_heads
-        self.cache.write(module.layer_idx, key, value, self.slots_Bn)
+        layer = module.layer_idx
+        self.cache.write(layer, key, value, self.slots_Bn)
         # Query head h reads key/value head h // r (as in HF's repeat_kv): rows of one KV head are (r, n).
-        query_BKMD = query.reshape(num_rows, num_kv_heads, group_size * num_new, head_dim)
-        prompt_visible, generated_visible = self._visibility(sliding_window, group_size)
-        out_prompt, lse_prompt = self._prompt_attention(module.layer_idx, query_BKMD, prompt_visible, scaling)
-        keys, values = self.cache.generated(module.layer_idx, self.num_slots)
-        out_own, lse_own = partial_attention(query_BKMD, keys.transpose(-1, -2), values, generated_visible,
-                                             scaling)
+        query_BKMD = (query * scaling).reshape(num_rows, num_kv_heads, group_size * num_new, head_dim)
+        prompt_bias, own_bias = self._attention_biases(sliding_window, group_size)
+        out_prompt, lse_prompt = self._prompt_attention(layer, query_BKMD, prompt_bias)
+        keys, values = self.cache.generated(layer, self.num_slots)
+        out_own, lse_own = partial_attention(query_BKMD, keys.transpose(-1, -2), values, own_bias)
         out_BKMD = merge_partials(out_prompt, lse_prompt, out_own, lse_own)
         return out_BKMD.view(num_rows, num_heads, num_new, head_dim).transpose(1, 2).to(query.dtype)
 
-    def _prompt_attention(self, layer: int, query_BKMD: torch.Tensor, visible: torch.Tensor,
-                          scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    def _prompt_attention(self, layer: int, query_BKMD: torch.Tensor,
+                          bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """All live samples of a group attend to the group's single prompt K/V in one product."""
         layout = self.cache.layout
         num_rows, num_kv_heads, rows_per_seq, head_dim = query_BKMD.shape
@@ -102,38 +102,49 @@ class DecodePlan:
                                        head_dim)
         stacked[layout.group_B, :, layout.slot_B] = query_BKMD
         keys_GKDP, values_GKPD = self.cache.prompt(layer)
-        out, lse = partial_attention(stacked.flatten(2, 3), keys_GKDP, values_GKPD, visible, scaling)
+        out, lse = partial_attention(stacked.flatten(2, 3), keys_GKDP, values_GKPD, bias)
         out = out.view(stacked.shape)[layout.group_B, :, layout.slot_B]
-        lse = lse.view(stacked.shape[:-1])[layout.group_B, :, layout.slot_B]
+        lse = lse.view(*stacked.shape[:-1], 1)[layout.group_B, :, layout.slot_B]
         return out, lse
 
-    def _visibility(self, sliding_window: int | None, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(prompt mask broadcastable to ``[G, Hkv, S*r*n, P]``, own mask broadcastable to
-        ``[B, Hkv, r*n, L]``), built once per (window, r) and reused by every layer."""
-        cached = self._masks.get((sliding_window, group_size))
+    def _attention_biases(self, sliding_window: int | None,
+                          group_size: int) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """Additive masks: (prompt part, broadcastable to ``[G, Hkv, S*r*n, P]``, None when every key
+        is visible; own part, broadcastable to ``[B, Hkv, r*n, L]``), built once per (window, r)."""
+        cached = self._biases.get((sliding_window, group_size))
         if cached is not None:
             return cached
         cache, layout = self.cache, self.cache.layout
         num_rows, num_new = self.positions_Bn.shape
         device = self.positions_Bn.device
         key_positions_P = torch.arange(cache.prompt_width, device=device)
-        prompt_visible = (key_positions_P < cache.prompt_lengths_G[:, None])[:, None, None, :]  # [G,1,1,P]
-        own_visible = self.generated_visible_BnL
+        prompt_visible = None
+        if not cache.prompts_fill_width:
+            prompt_visible = (key_positions_P < cache.prompt_lengths_G[:, None])[:, None, None, :]  # [G,1,1,P]
+        own_visible = self.own_visible_BnL
         if sliding_window is not None:
             stacked_positions = torch.zeros(layout.num_groups, layout.max_per_group, num_new, dtype=torch.long,
                                             device=device)
             stacked_positions[layout.group_B, layout.slot_B] = self.positions_Bn
             query_positions = stacked_positions[:, :, None, :, None].expand(-1, -1, group_size, -1, -1)
             in_window = query_positions.flatten(1, 3) - key_positions_P < sliding_window  # [G, S*r*n, P]
-            prompt_visible = prompt_visible & in_window.unsqueeze(1)
+            prompt_visible = in_window.unsqueeze(1) if prompt_visible is None else \
+                prompt_visible & in_window.unsqueeze(1)
             slot_positions_BL = cache.prompt_lengths_B[:, None] + torch.arange(self.num_slots, device=device)
             slot_positions_BL = slot_positions_BL.scatter(1, self.slots_Bn, self.positions_Bn)
             own_visible = own_visible & (self.positions_Bn[:, :, None] - slot_positions_BL[:, None, :]
                                          < sliding_window)
         own_visible = own_visible.unsqueeze(1).expand(-1, group_size, -1, -1).reshape(
             num_rows, 1, group_size * num_new, self.num_slots)
-        self._masks[(sliding_window, group_size)] = (prompt_visible, own_visible)
-        return prompt_visible, own_visible
+        biases = (None if prompt_visible is None else _additive(prompt_visible), _additive(own_visible))
+        self._biases[(sliding_window, group_size)] = biases
+        return biases
+
+
+def _additive(visible: torch.Tensor) -> torch.Tensor:
+    """A boolean visibility mask as a float32 score bias: 0 where visible, -inf where hidden."""
+    return torch.zeros(visible.shape, dtype=torch.float32, device=visible.device).masked_fill_(
+        ~visible, float("-inf"))
 
 
 def forward_new_tokens(model: nn.Module, cache: GroupedKVCache, input_ids_Bn: torch.Tensor,
