@@ -38,7 +38,7 @@ from turbogrpo.rollout.sampling import SamplingConfig, sample_with_logprobs, tok
 from turbogrpo.rollout.stopping import StopCriteria
 from turbogrpo.rollout.types import Rollout, RolloutStats
 from turbogrpo.speculative.draft import DraftHead
-from turbogrpo.speculative.drafting import TreeDrafter, catch_up, prefill_draft
+from turbogrpo.speculative.drafting import DraftKVCache, TreeDrafter, catch_up, prefill_draft
 from turbogrpo.speculative.policy import SizingPolicy, make_sizing
 from turbogrpo.speculative.profiler import LatencyProfile, cached_profile
 from turbogrpo.speculative.tree import DraftTree, TreeShape, build_tree
@@ -123,7 +123,7 @@ class _Decoder:
     draft: DraftHead
     sizing: SizingPolicy
     cache: GroupedKVCache
-    draft_cache: GroupedKVCache
+    draft_cache: DraftKVCache
     outputs: _Outputs
     criteria: StopCriteria
     sampling: SamplingConfig
@@ -167,7 +167,8 @@ def speculative_rollout(model: nn.Module, prompts: list[torch.Tensor], num_sampl
     num_completions, max_new = len(prompts) * num_samples, sampling.max_new_tokens
     prompt_lengths = [len(p) for p in prompts]
     cache = GroupedKVCache(prompt_lengths, num_samples, capacity=max_new + max_nodes, device=device)
-    draft_cache = GroupedKVCache(prompt_lengths, num_samples, capacity=max_new + max_draft_slots, device=device)
+    # A catch-up pass pads every row to the longest backlog, so rows may write up to 2 * max_new slots.
+    draft_cache = DraftKVCache(prompt_lengths, num_samples, capacity=2 * max_new + max_draft_slots, device=device)
     stats = SpeculativeStats()
 
     prompt_hidden_GPH = _prefill_all_positions(model, cache, prompts)

@@ -1,54 +1,154 @@
 """The draft's side of a speculative rollout: its KV cache and its three kinds of forward.
 
-The draft keeps its own ``GroupedKVCache`` with the policy cache's geometry (prompt K/V once per
-group, generated K/V per sequence, the same positions; see ``draft.py`` for the pair alignment):
+The draft is one layer, so its cache is laid out for the fewest operations per call rather than
+for the least memory: every sequence has its own dense row ``[P + C]`` of slots, the prompt's K/V
+copied into each of the group's rows at prefill (one layer's worth; the policy's cache keeps one
+copy per group), so that every draft call is a single ``scaled_dot_product_attention`` with one mask.
+Positions are the policy's (see ``draft.py`` for the pair alignment):
 
 * ``prefill_draft``: the prompt pairs, once per group;
 * ``catch_up``: the pairs of tokens the policy committed since the draft last ran (a ragged number
   per sequence, padded to the longest), committed, giving the root's predicted feature;
 * ``TreeDrafter``: one forward per tree level; the level's K nodes are written after the earlier
-  levels' (uncommitted) nodes and see only their own ancestors there (``TreeLevelPlan``).
+  levels' (uncommitted) nodes and see only their own ancestors there.
 
-Legend: G groups, B live sequences, P longest prompt, m pending pairs, K nodes per level, Hd hidden
-size, V vocabulary.
+Legend: G groups, B live sequences, P longest prompt, C generated slots, S = P + C, n new tokens,
+m pending + new tokens, Hkv key/value heads, D head dim, Hd hidden size.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 
-from turbogrpo.rollout.kv_cache import GroupedKVCache
-from turbogrpo.rollout.plans import DecodePlan, PrefillPlan
 from turbogrpo.speculative.draft import DraftHead, shift_features
 from turbogrpo.speculative.tree import DraftLevel
 
 
-class TreeLevelPlan(DecodePlan):
-    """``DecodePlan`` for n new tokens placed after ``m - n`` pending (written, uncommitted) ones.
+class DraftKVCache:
+    """Per-sequence K/V rows ``[B, Hkv, S, D]`` per draft layer: slots ``< prompt_length`` hold the
+    prompt, slot ``P + j`` the draft pair of completion token j; ``lengths_B`` of them are committed.
+    New tokens are written after the committed ones (and after ``num_pending`` earlier, uncommitted ones)."""
 
-    ``visible_Bnm`` says which of the m pending + new tokens each new token sees (itself included);
-    all committed tokens and the prompt are visible as usual.
+    def __init__(self, prompt_lengths: list[int], num_samples: int, capacity: int, device: torch.device):
+        self.prompt_width = max(prompt_lengths)
+        self.capacity = capacity
+        self.device = device
+        groups = torch.arange(len(prompt_lengths), device=device).repeat_interleave(num_samples)
+        self.group_B = groups
+        self.prompt_lengths_B = torch.tensor(prompt_lengths, device=device)[groups]
+        self.lengths_B = torch.zeros(len(groups), dtype=torch.long, device=device)
+        self.max_length = 0
+        """Host-side bound on ``lengths_B``: calls read slots ``< P + max_length + m`` only."""
+        self.keys: dict[int, torch.Tensor] = {}
+        self.values: dict[int, torch.Tensor] = {}
+
+    @property
+    def num_live(self) -> int:
+        return self.lengths_B.shape[0]
+
+    def next_positions(self, depths_Bn: torch.Tensor) -> torch.Tensor:
+        """Position ids ``[B, n]`` of new tokens at ``depths_Bn`` past each sequence's committed tokens."""
+        return (self.prompt_lengths_B + self.lengths_B).unsqueeze(-1) + depths_Bn
+
+    def store_prompt(self, layer: int, key_GKPD: torch.Tensor, value_GKPD: torch.Tensor) -> None:
+        """Copy each group's prompt K/V into its sequences' rows (allocating the rows)."""
+        shape = (self.num_live, key_GKPD.shape[1], self.prompt_width + self.capacity, key_GKPD.shape[3])
+        self.keys[layer] = key_GKPD.new_zeros(shape)
+        self.values[layer] = value_GKPD.new_zeros(shape)
+        self.keys[layer][:, :, :self.prompt_width] = key_GKPD[self.group_B]
+        self.values[layer][:, :, :self.prompt_width] = value_GKPD[self.group_B]
+
+    def commit(self, counts_B: torch.Tensor, max_count: int) -> None:
+        """Keep the first ``counts_B[b]`` of the last call's new tokens (they sit right after the
+        committed ones, so nothing moves)."""
+        self.lengths_B = self.lengths_B + counts_B
+        self.max_length += max_count
+
+    def keep(self, rows: list[int]) -> None:
+        """Drop every sequence except ``rows`` (host list of current row indices, increasing)."""
+        index = torch.tensor(rows, dtype=torch.long, device=self.device)
+        used = self.prompt_width + min(self.max_length, self.capacity)
+        for store in (self.keys, self.values):
+            for layer, rows_KSD in store.items():
+                rows_KSD[:len(rows), :, :used] = rows_KSD[index, :, :used]
+                store[layer] = rows_KSD[:len(rows)]
+        self.group_B = self.group_B[index]
+        self.prompt_lengths_B = self.prompt_lengths_B[index]
+        self.lengths_B = self.lengths_B[index]
+
+
+class DraftPrefillPlan:
+    """Causal attention within each right-padded prompt row; stores the prompt K/V."""
+
+    def __init__(self, cache: DraftKVCache):
+        self.cache = cache
+
+    def __call__(self, module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
+                 scaling: float, sliding_window: int | None) -> torch.Tensor:
+        self.cache.store_prompt(module.layer_idx, key, value)
+        mask = None
+        if sliding_window is not None:
+            positions = torch.arange(query.shape[2], device=query.device)
+            distance = positions[:, None] - positions[None, :]
+            mask = (distance >= 0) & (distance < sliding_window)
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, is_causal=mask is None,
+                                             scale=scaling, enable_gqa=True)
+        return out.transpose(1, 2)
+
+
+class DraftStepPlan:
+    """n new tokens per sequence, written after ``m - n`` pending ones; ``visible_Bnm`` says which of
+    the m pending + new tokens each new token sees (itself included). The prompt and the committed
+    tokens are always visible. One SDPA call per layer; the mask is built once.
 
     With a sliding window the pending tokens' distances are taken as if they sat in consecutive
     positions; this only affects what the draft sees while drafting, never what is accepted.
     """
 
-    def __init__(self, cache: GroupedKVCache, positions_Bn: torch.Tensor, visible_Bnm: torch.Tensor):
-        num_new, num_seen = positions_Bn.shape[1], visible_Bnm.shape[-1]
-        super().__init__(cache, positions_Bn, visible_Bnm[:, :, num_seen - num_new:])
-        # Shift the new slots past the pending ones and widen the visibility to cover them. (A
-        # ``num_pending`` argument of DecodePlan itself would make this override unnecessary.)
-        seen_slots_Bm = cache.lengths_B.unsqueeze(-1) + torch.arange(num_seen, device=positions_Bn.device)
+    def __init__(self, cache: DraftKVCache, positions_Bn: torch.Tensor, visible_Bnm: torch.Tensor):
+        num_rows, num_new = positions_Bn.shape
+        num_seen = visible_Bnm.shape[-1]
+        device = positions_Bn.device
+        width = cache.prompt_width
+        self.cache = cache
+        self.positions_Bn = positions_Bn
+        seen_slots_Bm = width + cache.lengths_B[:, None] + torch.arange(num_seen, device=device)
         self.slots_Bn = seen_slots_Bm[:, num_seen - num_new:]
-        self.num_slots = cache.max_length + num_seen
-        slot_index_L = torch.arange(self.num_slots, device=positions_Bn.device)
-        committed_BnL = (slot_index_L < cache.lengths_B[:, None]).unsqueeze(1).expand(-1, num_new, -1)
-        seen_BnL = torch.zeros_like(committed_BnL).scatter(
-            2, seen_slots_Bm.unsqueeze(1).expand(-1, num_new, -1), visible_Bnm)
-        self.own_visible_BnL = committed_BnL | seen_BnL
+        self.num_slots = width + cache.max_length + num_seen
+        slot_S = torch.arange(self.num_slots, device=device)
+        always_BS = (slot_S < cache.prompt_lengths_B[:, None]) | (
+            (slot_S >= width) & (slot_S < width + cache.lengths_B[:, None]))
+        visible_BnS = always_BS[:, None, :].expand(-1, num_new, -1).scatter(
+            2, seen_slots_Bm[:, None, :].expand(-1, num_new, -1), visible_Bnm)
+        self.visible_BnS = visible_BnS
+        self._masks: dict[int | None, torch.Tensor] = {}
+
+    def _mask(self, sliding_window: int | None) -> torch.Tensor:
+        if sliding_window not in self._masks:
+            mask = self.visible_BnS
+            if sliding_window is not None:
+                width = self.cache.prompt_width
+                slot_S = torch.arange(self.num_slots, device=mask.device)
+                key_positions_BS = torch.where(slot_S < width, slot_S,
+                                               self.cache.prompt_lengths_B[:, None] + slot_S - width)
+                mask = mask & (self.positions_Bn[:, :, None] - key_positions_BS[:, None, :] < sliding_window)
+            self._masks[sliding_window] = mask[:, None]
+        return self._masks[sliding_window]
+
+    def __call__(self, module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
+                 scaling: float, sliding_window: int | None) -> torch.Tensor:
+        keys, values = self.cache.keys[module.layer_idx], self.cache.values[module.layer_idx]
+        index = self.slots_Bn[:, None, :, None].expand_as(key)
+        keys.scatter_(2, index, key)
+        values.scatter_(2, index, value)
+        out = F.scaled_dot_product_attention(query, keys[:, :, :self.num_slots], values[:, :, :self.num_slots],
+                                             attn_mask=self._mask(sliding_window), scale=scaling, enable_gqa=True)
+        return out.transpose(1, 2)
 
 
-def prefill_draft(draft: DraftHead, cache: GroupedKVCache, prompts: list[torch.Tensor],
+def prefill_draft(draft: DraftHead, cache: DraftKVCache, prompts: list[torch.Tensor],
                   features_GPH: torch.Tensor) -> None:
     """Run the draft over each prompt's pairs once (right-padded rows, as the policy's prefill)."""
     device = cache.device
@@ -56,10 +156,10 @@ def prefill_draft(draft: DraftHead, cache: GroupedKVCache, prompts: list[torch.T
     for row, prompt in enumerate(prompts):  # a loop over prompts, once per rollout
         ids_GP[row, :len(prompt)] = prompt
     positions_GP = torch.arange(ids_GP.shape[1], device=device).expand_as(ids_GP)
-    draft(shift_features(features_GPH), ids_GP, positions_GP, PrefillPlan(cache))
+    draft(shift_features(features_GPH), ids_GP, positions_GP, DraftPrefillPlan(cache))
 
 
-def catch_up(draft: DraftHead, cache: GroupedKVCache, features_BmH: torch.Tensor, tokens_Bm: torch.Tensor,
+def catch_up(draft: DraftHead, cache: DraftKVCache, features_BmH: torch.Tensor, tokens_Bm: torch.Tensor,
              counts_B: torch.Tensor) -> torch.Tensor:
     """Feed each sequence its first ``counts_B[b]`` (>= 1) pending pairs and commit them.
 
@@ -67,12 +167,11 @@ def catch_up(draft: DraftHead, cache: GroupedKVCache, features_BmH: torch.Tensor
     """
     num_rows, width = tokens_Bm.shape
     device = tokens_Bm.device
-    offsets_m = torch.arange(width, device=device)
-    positions_Bm = cache.next_positions(offsets_m.expand(num_rows, -1))
+    positions_Bm = cache.next_positions(torch.arange(width, device=device).expand(num_rows, -1))
     causal = torch.ones(width, width, dtype=torch.bool, device=device).tril().expand(num_rows, -1, -1)
     # Padding pairs sit after each row's real ones, so the causal mask keeps them out of sight.
-    predicted_BmH = draft(features_BmH, tokens_Bm, positions_Bm, DecodePlan(cache, positions_Bm, causal))
-    cache.commit(offsets_m.expand(num_rows, -1), counts_B, max_chosen=width)
+    predicted_BmH = draft(features_BmH, tokens_Bm, positions_Bm, DraftStepPlan(cache, positions_Bm, causal))
+    cache.commit(counts_B, width)
     return predicted_BmH.gather(1, (counts_B - 1)[:, None, None].expand(-1, 1, predicted_BmH.shape[-1])).squeeze(1)
 
 
@@ -80,7 +179,7 @@ class TreeDrafter:
     """The ``DraftStep`` of ``build_tree``: expands one level per call, feeding the draft's own
     predicted features back in (a node's input is its parent's predicted feature and its token)."""
 
-    def __init__(self, draft: DraftHead, cache: GroupedKVCache, root_features_BH: torch.Tensor):
+    def __init__(self, draft: DraftHead, cache: DraftKVCache, root_features_BH: torch.Tensor):
         self.draft = draft
         self.cache = cache
         self.level_features_BKH = root_features_BH[:, None]
@@ -91,6 +190,6 @@ class TreeDrafter:
             1, level.parent_slots[:, :, None].expand(-1, -1, hidden_size))
         # A level-d node sits d positions past the root, whose pair the draft has committed.
         positions_BK = self.cache.next_positions(torch.full_like(level.tokens, level.depth - 1))
-        plan = TreeLevelPlan(self.cache, positions_BK, level.attend)
+        plan = DraftStepPlan(self.cache, positions_BK, level.attend)
         self.level_features_BKH = self.draft(parent_features, level.tokens, positions_BK, plan)
         return self.draft.logits(self.level_features_BKH).float().log_softmax(-1)

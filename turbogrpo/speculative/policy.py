@@ -127,7 +127,7 @@ class CostSizing(SizingPolicy):
     TIME_WEIGHT = 0.3    # exponential average of measured overheads: follows drift, damps noise
 
     def __init__(self, profile: LatencyProfile, *, k_max: int = DEFAULT_K_MAX, l_max: int = DEFAULT_L_MAX,
-                 n_max: int = DEFAULT_N_MAX, margin: float = 0.05, prior_top1: float = 0.5):
+                 n_max: int = DEFAULT_N_MAX, margin: float = 0.1, prior_top1: float = 0.5):
         if profile.draft is None:
             raise ValueError("cost sizing needs a latency profile with a draft curve (profile with draft=...)")
         _check_limits(k_max, l_max, n_max)

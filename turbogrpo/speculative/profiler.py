@@ -34,7 +34,7 @@ from turbogrpo.rollout.sampling import SamplingConfig, sample_tokens
 
 CACHE_ENV = "TURBOGRPO_CACHE_DIR"
 CACHE_FILE = "latency_profiles.json"
-PROFILE_VERSION = 2  # bump when what is timed changes, so stale entries are not reused
+PROFILE_VERSION = 3  # bump when what is timed changes, so stale entries are not reused
 
 
 @dataclass(frozen=True)
@@ -187,10 +187,10 @@ def profile_latency(model: nn.Module, *, context_length: int, draft: nn.Module |
     verify_curve = _measure(verify, grid, repeats, device)
     draft_curve = None
     if draft is not None:
-        from turbogrpo.speculative.drafting import TreeDrafter, prefill_draft
+        from turbogrpo.speculative.drafting import DraftKVCache, TreeDrafter, prefill_draft
         from turbogrpo.speculative.tree import DraftLevel
 
-        draft_cache = GroupedKVCache([context_length], grid[-1], capacity=1, device=device)
+        draft_cache = DraftKVCache([context_length], grid[-1], capacity=1, device=device)
         prefill_draft(draft, draft_cache, [prompt], prompt_hidden)
 
         def draft_level(n: int) -> Callable[[], object]:
