@@ -20,12 +20,18 @@ speculative steps) and tree sizes. Writes bench/results/speculative.json, specul
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
 from pathlib import Path
 
-import torch
+# Idle OpenMP workers spin by default; on a shared machine with more busy threads than cores the
+# spinners take cores from the thread doing the work, on every small op. Passive waiting removes that
+# artefact for the plain and speculative engines alike (as bench/rollout.py does). Set before torch.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import RESULTS_DIR, interleaved_medians, print_table, write_results  # noqa: E402
@@ -90,7 +96,7 @@ def main() -> None:
         "model": args.model, "draft": draft_info, "profile": {"key": profile.key, "c_peak": profile.c_peak,
                                                               "verify": profile.to_json()["verify"],
                                                               "draft": profile.to_json()["draft"]},
-        "fixed_shape": list(FIXED_SHAPE), "repeats": repeats,
+        "fixed_shape": list(FIXED_SHAPE), "repeats": repeats, "omp_wait_policy": os.environ["OMP_WAIT_POLICY"],
         "fixed_batch": fixed_results, "grpo_shaped": grpo_results,
         "grpo_traces": traces, "best_grpo_policy": best["policy"], "best_grpo_speedup": best["speedup"],
     })

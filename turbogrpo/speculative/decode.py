@@ -172,9 +172,7 @@ def speculative_rollout(model: nn.Module, prompts: list[torch.Tensor], num_sampl
     stats = SpeculativeStats()
 
     prompt_hidden_GPH = _prefill_all_positions(model, cache, prompts)
-    prefill_draft(speculation.draft, draft_cache, prompts, prompt_hidden_GPH)
     stats.num_forwards += 1
-    stats.num_draft_forwards += 1
     last_GH = prompt_hidden_GPH[torch.arange(len(prompts), device=device),
                                 torch.tensor(prompt_lengths, device=device) - 1]
     # Hidden states are always kept: the draft reads its pending pairs from them. _emit writes all D
@@ -196,6 +194,7 @@ def speculative_rollout(model: nn.Module, prompts: list[torch.Tensor], num_sampl
     emitted_host = [1] * num_completions
     draft_seen_host = [0] * num_completions
     step_shape: TreeShape | None = None
+    draft_prefilled = False
     step_start, catch_up_tokens = 0.0, 0
     while True:
         finished, accepted, feedback = _host_view(finished_B, step)
@@ -234,6 +233,12 @@ def speculative_rollout(model: nn.Module, prompts: list[torch.Tensor], num_sampl
         if shape is None:
             finished_B, root_B, step = decoder.plain_step(live, root_B)
             continue
+        if not draft_prefilled:
+            # The draft's prompt pass waits for the first tree, so rollouts that never speculate
+            # (high B throughout) cost the plain engine's time.
+            prefill_draft(speculation.draft, draft_cache, prompts, prompt_hidden_GPH)
+            draft_prefilled = True
+            stats.num_draft_forwards += 1
         pending_width = max(e - s for e, s in zip(emitted_host, draft_seen_host))
         catch_up_tokens = pending_width * cache.num_live
         root_features_BH = _catch_up_draft(decoder, live, pending_width)
