@@ -167,3 +167,12 @@ def test_end_to_end_distribution_is_the_policys(case, draft_kind, shape):
     assert pvalue > 1e-3, f"speculative rollouts differ from the policy (p={pvalue:.2e})"
     if draft_kind == "trained":
         assert spec.stats.mean_accepted_length > 1.15
+
+
+def test_a_draft_of_another_model_object_is_refused():
+    policy, draft, prompts = trained_pair()
+    other = tiny_policy(seed=5)
+    with pytest.raises(ValueError, match="another model object"):
+        generate_speculative(other, prompts, num_samples=1, sampling=GREEDY, draft=draft)
+    with pytest.raises(ValueError, match="DraftHead"):
+        generate_speculative(policy, prompts, num_samples=1, sampling=GREEDY, draft="eagle")

@@ -1,9 +1,10 @@
 """The speculative rollout: the plain engine's loop with a draft tree per step.
 
-    prefill the prompts (policy and draft, once per group); every sample draws its first token
+    prefill the prompts once per group; every sample draws its first token
     loop over steps, for all live sequences at once:
       shape = sizing.choose(B)                 (None: a plain step, the tree is the root alone)
-      draft: catch up on the pairs committed since it last ran, then grow the tree level by level
+      draft: catch up on the pairs committed since it last ran (at the first tree: its prompt pass
+             too), then grow the tree level by level
       policy: one forward over every tree (tree mask, tree positions), LM head at every node
       accept with "sample, then match" (verify.py); emit the path and the bonus token
       one host transfer: finished rows, accepted counts, the sizing policy's statistics
@@ -161,6 +162,7 @@ def speculative_rollout(model: nn.Module, prompts: list[torch.Tensor], num_sampl
     """The loop of the module docstring (inputs already checked and on the model's device)."""
     start = time.perf_counter()
     speculation = draft if isinstance(draft, Speculation) else Speculation(draft)
+    _check_draft(speculation.draft, model)
     sizing = resolve_sizing(speculation, model, prompts, sampling)
     max_nodes, max_draft_slots = sizing.bounds()
     device = prompts[0].device
@@ -248,6 +250,14 @@ def speculative_rollout(model: nn.Module, prompts: list[torch.Tensor], num_sampl
         finished_B, root_B, step = decoder.tree_step(live, root_B, root_features_BH, shape)
     outputs = decoder.outputs if return_hidden else dataclasses.replace(decoder.outputs, hidden_NTH=None)
     return _collect(prompts, num_samples, outputs, stats, start)
+
+
+def _check_draft(draft: object, model: nn.Module) -> None:
+    if not isinstance(draft, DraftHead):
+        raise ValueError(f"draft must be a DraftHead or a Speculation holding one, got {type(draft).__name__}")
+    if draft.policy.lm_head is not lm_head_of(model):
+        raise ValueError("draft was built for another model object: it reuses its policy's embeddings and LM "
+                         "head, so build or load it with this model (DraftHead(model) / DraftHead.load(path, model))")
 
 
 def _host_view(finished_B: torch.Tensor, step: _VerifiedStep | None):
