@@ -102,7 +102,7 @@ class DataConfig:
     """What to do with a prompt over `max_prompt_tokens`."""
     shuffle: bool = True
     """Shuffle prompts each epoch (seeded by train.seed, so runs stay reproducible)."""
-    num_train_problems: int = 20000
+    num_train_problems: int = 2000
     """Arithmetic task only: how many distinct training problems to generate."""
     num_eval_problems: int = 200
     """Held-out problems (or eval rows, at most) for accuracy before/after training and `turbogrpo eval`."""
@@ -255,6 +255,8 @@ class TrainConfig:
     """Reward (a built-in or a [[rewards]] function) logged as "accuracy" and used to score held-out answers."""
     save_final_model: bool = True
     """Export the trained model with save_pretrained to output_dir/final."""
+    num_threads: int = 0
+    """CPU threads per process for torch (0: torch's default, one per core). Tiny models run fastest on 1."""
 
     def check(self, key: str) -> None:
         _require(self.num_steps >= 1, f"{key}.num_steps", "an integer >= 1", self.num_steps)
@@ -269,6 +271,8 @@ class TrainConfig:
         _require(self.max_nonfinite_steps >= 1, f"{key}.max_nonfinite_steps", "an integer >= 1",
                  self.max_nonfinite_steps)
         _require(self.eval_every >= 0, f"{key}.eval_every", "an integer >= 0", self.eval_every)
+        _require(self.num_threads >= 0, f"{key}.num_threads", "an integer >= 0 (0: torch's default)",
+                 self.num_threads)
 
 
 @dataclass

@@ -90,6 +90,8 @@ class RunSummary:
 def train(config: Config, *, resume: bool = False) -> RunSummary:
     """Run GRPO as ``config`` says; with ``resume``, continue from the latest checkpoint in output_dir."""
     rewards = setup.load_rewards(config.rewards)  # import errors surface before any model loads
+    if config.train.num_threads:
+        torch.set_num_threads(config.train.num_threads)
     dist = distributed.setup(config.model.device, config.distributed.backend)
     start = time.perf_counter()
     try:
