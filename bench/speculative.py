@@ -153,8 +153,9 @@ def bench_fixed_batches(model, draft, profile, prompts, batch_sizes, repeats, ne
     for batch in batch_sizes:
         group = prompts[:batch]
         runners = {"plain": Runner(lambda seed: generate(model, group, num_samples=1, sampling=sampling, seed=seed))}
+        sizings = {name: sizing_of(name, profile) for name in POLICIES[1:]}  # each learns across its runs
         for name in POLICIES[1:]:
-            speculation = Speculation(draft, sizing_of(name, profile))  # one policy object: it learns across runs
+            speculation = Speculation(draft, sizings[name])
             runners[name] = Runner(lambda seed, s=speculation: generate_speculative(
                 model, group, num_samples=1, sampling=sampling, seed=seed, draft=s))
         timings = interleaved_medians(runners, repeats=repeats, warmup=1)
@@ -165,7 +166,7 @@ def bench_fixed_batches(model, draft, profile, prompts, batch_sizes, repeats, ne
             result = {"batch": batch, "policy": name, "plain_tokens_per_s": plain_rate, "tokens_per_s": rate,
                       "speedup": rate / plain_rate, "accept_length": stats.mean_accepted_length,
                       "tree_sizes": sorted(set(stats.tree_sizes)), "times_s": timings[name]["times_s"],
-                      "plain_times_s": timings["plain"]["times_s"]}
+                      "plain_times_s": timings["plain"]["times_s"], "learnt": _learnt(sizings[name])}
             results.append(result)
             rows.append([batch, name, plain_rate, rate, result["speedup"], result["accept_length"],
                          _sizes_text(stats.tree_sizes)])
@@ -175,8 +176,9 @@ def bench_fixed_batches(model, draft, profile, prompts, batch_sizes, repeats, ne
 def bench_grpo_shaped(model, draft, profile, prompts, eos, repeats, new_tokens):
     sampling = SamplingConfig(max_new_tokens=new_tokens, temperature=1.0, stop_token_ids=(eos,))
     runners = {"plain": Runner(lambda seed: generate(model, prompts, num_samples=8, sampling=sampling, seed=seed))}
+    sizings = {name: sizing_of(name, profile) for name in POLICIES}
     for name in POLICIES:
-        speculation = Speculation(draft, sizing_of(name, profile))
+        speculation = Speculation(draft, sizings[name])
         runners[name] = Runner(lambda seed, s=speculation: generate_speculative(
             model, prompts, num_samples=8, sampling=sampling, seed=seed, draft=s))
     timings = interleaved_medians(runners, repeats=repeats, warmup=1)
@@ -189,7 +191,8 @@ def bench_grpo_shaped(model, draft, profile, prompts, eos, repeats, new_tokens):
         result = {"policy": name, "tokens_per_s": rate, "plain_tokens_per_s": plain_rate, "speedup": rate / plain_rate,
                   "accept_length": stats.mean_accepted_length, "num_steps": len(stats.tree_sizes),
                   "num_speculative_steps": num_spec, "times_s": timings[name]["times_s"],
-                  "tokens": [r.stats.num_generated_tokens for r in runners[name].rollouts]}
+                  "tokens": [r.stats.num_generated_tokens for r in runners[name].rollouts],
+                  "learnt": _learnt(sizings[name])}
         results.append(result)
         traces[name] = {"live_batch": stats.live_batch_sizes, "tree_size": stats.tree_sizes,
                         "accepted_length": stats.accepted_lengths}
@@ -198,6 +201,10 @@ def bench_grpo_shaped(model, draft, profile, prompts, eos, repeats, new_tokens):
     plain_stats = runners["plain"].rollouts[-1].stats
     traces["plain"] = {"live_batch": plain_stats.live_batch_sizes}
     return rows, results, traces
+
+
+def _learnt(sizing) -> dict | None:
+    return sizing.describe() if hasattr(sizing, "describe") else None
 
 
 def _median_rate(runner: Runner, timing: dict) -> float:

@@ -28,7 +28,7 @@ def test_registry_has_every_policy():
         make_sizing("eagle")
     with pytest.raises(ValueError, match="c_peak"):
         make_sizing("fastgrpo")
-    assert make_sizing("fastgrpo", profile=profile()).c_peak == 64
+    assert make_sizing("fastgrpo", profile=profile()).c_peak == 144   # where 10 ms doubles
 
 
 @pytest.mark.parametrize("num_live,shape", [
@@ -74,28 +74,56 @@ def test_acceptance_counts_by_depth_and_rank():
     assert trials.tolist() == [[1, 1], [1, 0]]
 
 
+TOP1_90_PERCENT = ([9.0] + [0.0] * 7) * 6 + [10.0] * 48   # (matches, trials) per (depth, rank)
+
+
+def timed_cost_policy(**kwargs) -> CostSizing:
+    """A cost policy that has seen one plain step run exactly as profiled."""
+    policy = CostSizing(kwargs.pop("profile", None) or profile(), **kwargs)
+    assert policy.choose(4) is None            # nothing measured yet: a plain step comes first
+    policy.observe_time(4, None, policy.profile.verify(4))
+    return policy
+
+
 def test_cost_policy_speculates_in_the_tail_only_when_the_draft_is_good():
-    good = CostSizing(profile())
-    good.observe([9.0, 0, 0, 0, 0, 0] * 8 + [10.0] * 48)  # top-1 accepted 90% at every depth
+    good = timed_cost_policy()
+    good.observe(TOP1_90_PERCENT)
+    good.refresh()
     assert good.choose(1) is not None and good.choose(1).num_nodes > 8
     assert good.choose(4) is not None
     assert good.choose(512) is None                     # past the knee: plain decoding
     sizes = [good.choose(b).num_nodes if good.choose(b) else 1 for b in (1, 4, 16, 64, 512)]
     assert sizes == sorted(sizes, reverse=True)          # trees shrink as the batch grows
 
-    bad = CostSizing(profile())
+    bad = timed_cost_policy()
     bad.observe([0.0] * 48 + [100.0] * 48)                # the draft is never accepted
+    bad.refresh()
     assert all(bad.choose(b) is None for b in (1, 4, 64))
 
-    costly_draft = CostSizing(profile(draft_base_ms=30.0))
-    costly_draft.observe([9.0, 0, 0, 0, 0, 0] * 8 + [10.0] * 48)
+    costly_draft = timed_cost_policy(profile=profile(draft_base_ms=30.0))
+    costly_draft.observe(TOP1_90_PERCENT)
+    costly_draft.refresh()
     assert costly_draft.choose(1) is None                 # drafting costs more than it saves
+
+
+def test_cost_policy_learns_slow_tree_steps_from_their_measured_time():
+    policy = timed_cost_policy()
+    policy.observe(TOP1_90_PERCENT)
+    policy.refresh()
+    shape = policy.choose(16)
+    assert shape is not None
+    for _ in range(policy.REFRESH_STEPS):   # every tree step takes 5x what the curves predict
+        predicted = float(policy._tree_time(16, *(torch.tensor([[float(v)]]) for v in shape), 0.0, 16))
+        policy.observe_time(16, shape, 5 * predicted / policy.tree_scale, catch_up_tokens=16)
+    assert policy.tree_scale == pytest.approx(5.0, rel=0.05)
+    assert policy.choose(16) is None
+    assert policy.describe()["num_timed"] == {"plain": 1, "tree": policy.REFRESH_STEPS}
 
 
 def test_policies_drive_a_rollout_and_record_tree_sizes():
     policy, draft, prompts = trained_pair()
     sampling = SamplingConfig(max_new_tokens=16, temperature=0.0)
-    cost = CostSizing(profile())
+    cost = timed_cost_policy()
     fixed = FixedSizing(TreeShape(2, 3, 6))
     for sizing, expected in ((cost, None), (fixed, {6}), (FastGRPOSizing(16), None)):
         rollout = generate_speculative(policy, prompts, num_samples=2, sampling=sampling,

@@ -15,7 +15,8 @@ def test_curve_interpolates_extrapolates_and_finds_the_knee():
     curve = LatencyCurve((1, 2, 4, 8, 16, 32), (1.0, 1.0, 1.0, 1.0, 2.0, 4.0))
     assert curve(3) == 1.0 and curve(12) == 1.5 and curve(64) == 8.0
     assert curve.at(torch.tensor([0.5, 3.0, 12.0, 64.0])).tolist() == [1.0, 1.0, 1.5, 8.0]
-    assert curve.knee() == 8                     # flat 1.0 meets the line 4 + (n - 32) / 8
+    assert curve.knee() == 16                    # twice the one-token latency
+    assert LatencyCurve((1, 2, 4, 8), (1.0, 1.2, 1.5, 3.0)).knee() == 5
     assert LatencyCurve((1, 2), (1.0, 1.0)).knee() == 2
 
 

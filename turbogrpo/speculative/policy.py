@@ -123,7 +123,7 @@ class CostSizing(SizingPolicy):
 
     name = "cost"
     PRIOR_WEIGHT = 4.0   # pseudo-observations behind the prior, so a few real trees outweigh it
-    REFRESH_STEPS = 8    # re-derive the choices after this many new observations (host work)
+    REFRESH_STEPS = 16   # re-derive the choices after this many new observations (a tree step brings two)
     TIME_WEIGHT = 0.3    # exponential average of measured overheads: follows drift, damps noise
 
     def __init__(self, profile: LatencyProfile, *, k_max: int = DEFAULT_K_MAX, l_max: int = DEFAULT_L_MAX,
@@ -143,6 +143,7 @@ class CostSizing(SizingPolicy):
         # miss (Python and bookkeeping around the forwards, a busier machine than when profiled).
         self.plain_scale = 1.0
         self.tree_scale = 1.0
+        self.num_timed = {"plain": 0, "tree": 0}
         self._expected: torch.Tensor | None = None  # [menu, n_max]: E[accepted] with N = 1 + index
         self._choices: dict[int, TreeShape | None] = {}
         self._new_observations = 0
@@ -154,11 +155,17 @@ class CostSizing(SizingPolicy):
         """``a[d, r]``: P(the policy's draw is the rank-(r+1) child | a node at depth d has that child)."""
         return (self.matches + self.PRIOR_WEIGHT * self.prior) / (self.trials + self.PRIOR_WEIGHT)
 
+    def refresh(self) -> None:
+        """Re-derive the expected-acceptance table and forget the choices made from the old one."""
+        self._expected = expected_accepted_table(self.acceptance(), self.menu, self.n_max)
+        self._choices.clear()
+        self._new_observations = 0
+
     def choose(self, num_live: int) -> TreeShape | None:
         if self._expected is None or self._new_observations >= self.REFRESH_STEPS:
-            self._expected = expected_accepted_table(self.acceptance(), self.menu, self.n_max)
-            self._choices.clear()
-            self._new_observations = 0
+            self.refresh()
+        if self.num_timed["plain"] == 0:
+            return None  # one measured plain step anchors the comparison before any tree is tried
         if num_live not in self._choices:
             self._choices[num_live] = self._best_shape(num_live)
         return self._choices[num_live]
@@ -194,14 +201,27 @@ class CostSizing(SizingPolicy):
         return (seconds * self.tree_scale).clamp(min=1e-9)
 
     def observe_time(self, num_live: int, shape: TreeShape | None, seconds: float, catch_up_tokens: int = 0) -> None:
+        kind = "plain" if shape is None else "tree"
         if shape is None:
             ratio = seconds / max(self.profile.verify(num_live), 1e-9)
-            self.plain_scale += self.TIME_WEIGHT * (ratio - self.plain_scale)
         else:
             k, l, n = (torch.tensor([[float(v)]], dtype=torch.float64) for v in shape)
             ratio = seconds * self.tree_scale / float(self._tree_time(num_live, k, l, n, 0.0, catch_up_tokens))
-            self.tree_scale += self.TIME_WEIGHT * (ratio - self.tree_scale)
+        # The first measurement replaces the neutral start; later ones move an exponential average.
+        weight = 1.0 if self.num_timed[kind] == 0 else self.TIME_WEIGHT
+        scale = self.plain_scale if shape is None else self.tree_scale
+        scale += weight * (ratio - scale)
+        if shape is None:
+            self.plain_scale = scale
+        else:
+            self.tree_scale = scale
+        self.num_timed[kind] += 1
         self._new_observations += 1
+
+    def describe(self) -> dict:
+        """What the policy has learnt (for logs and benchmarks)."""
+        return {"plain_scale": self.plain_scale, "tree_scale": self.tree_scale, "num_timed": dict(self.num_timed),
+                "top1_acceptance_by_depth": self.acceptance()[:, 0].tolist()}
 
     def feedback(self, tree: DraftTree, verdict: TreeVerdict) -> torch.Tensor:
         return acceptance_counts(tree, verdict, self.l_max, self.k_max)
@@ -210,6 +230,7 @@ class CostSizing(SizingPolicy):
         counts = torch.tensor(values, dtype=torch.float64).view(2, self.l_max, self.k_max)
         self.matches += counts[0]
         self.trials += counts[1]
+        self._new_observations += 1
 
 
 def expected_accepted_table(acceptance: torch.Tensor, menu: list[tuple[int, int]], n_max: int) -> torch.Tensor:

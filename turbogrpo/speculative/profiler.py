@@ -34,7 +34,7 @@ from turbogrpo.rollout.sampling import SamplingConfig, sample_tokens
 
 CACHE_ENV = "TURBOGRPO_CACHE_DIR"
 CACHE_FILE = "latency_profiles.json"
-PROFILE_VERSION = 3  # bump when what is timed changes, so stale entries are not reused
+PROFILE_VERSION = 4  # bump when what is timed changes, so stale entries are not reused
 
 
 @dataclass(frozen=True)
@@ -73,13 +73,16 @@ class LatencyCurve:
         return max(0.0, (self.seconds[-1] - self.seconds[-2]) / dx)
 
     def knee(self) -> int:
-        """``C_peak``: where the flat start (the 1-token latency) meets the compute-bound line through
-        the last two points (the roofline's corner)."""
-        slope = self.final_slope
-        if slope <= 0:
-            return self.num_tokens[-1]
-        corner = self.num_tokens[-1] - (self.seconds[-1] - self.seconds[0]) / slope
-        return int(min(max(corner, 1), self.num_tokens[-1]))
+        """``C_peak``: the token count at which a forward costs twice the one-token forward. Below it
+        extra tokens ride along nearly free (the forward is bound by weight reads and per-call
+        overhead); above it every token costs its own arithmetic. Interpolated between measured
+        points; the largest measured count if the curve never doubles."""
+        target = 2 * self.seconds[0]
+        points = list(zip(self.num_tokens, self.seconds))
+        for (x0, y0), (x1, y1) in zip(points, points[1:]):
+            if y1 >= target:
+                return int(x0 + (x1 - x0) * (target - y0) / (y1 - y0)) if y1 > y0 else x0
+        return self.num_tokens[-1]
 
 
 @dataclass(frozen=True)
