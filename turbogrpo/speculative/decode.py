@@ -307,9 +307,6 @@ def _catch_up_draft(decoder: _Decoder, live: _Live, pending_width: int) -> torch
 def _prefill_all_positions(model: nn.Module, cache: GroupedKVCache, prompts: list[torch.Tensor]) -> torch.Tensor:
     """The engine's prefill, returning the final hidden state at every prompt position ``[G, P, Hd]``
     (the draft's prompt pairs need them all)."""
-    device = cache.device
-    ids_GP = torch.zeros(len(prompts), max(len(p) for p in prompts), dtype=torch.long, device=device)
-    for row, prompt in enumerate(prompts):  # a loop over prompts, once per rollout
-        ids_GP[row, :len(prompt)] = prompt
-    positions_GP = torch.arange(ids_GP.shape[1], device=device).expand_as(ids_GP)
+    ids_GP = nn.utils.rnn.pad_sequence(prompts, batch_first=True)  # right-padded with token 0
+    positions_GP = torch.arange(ids_GP.shape[1], device=cache.device).expand_as(ids_GP)
     return run_decoder(model, ids_GP, positions_GP, PrefillPlan(cache))

@@ -151,11 +151,8 @@ class DraftStepPlan:
 def prefill_draft(draft: DraftHead, cache: DraftKVCache, prompts: list[torch.Tensor],
                   features_GPH: torch.Tensor) -> None:
     """Run the draft over each prompt's pairs once (right-padded rows, as the policy's prefill)."""
-    device = cache.device
-    ids_GP = torch.zeros(len(prompts), features_GPH.shape[1], dtype=torch.long, device=device)
-    for row, prompt in enumerate(prompts):  # a loop over prompts, once per rollout
-        ids_GP[row, :len(prompt)] = prompt
-    positions_GP = torch.arange(ids_GP.shape[1], device=device).expand_as(ids_GP)
+    ids_GP = nn.utils.rnn.pad_sequence(prompts, batch_first=True)  # right-padded with token 0
+    positions_GP = torch.arange(ids_GP.shape[1], device=cache.device).expand_as(ids_GP)
     draft(shift_features(features_GPH), ids_GP, positions_GP, DraftPrefillPlan(cache))
 
 
