@@ -16,20 +16,25 @@ import torch
 
 def partial_attention(scaled_query: torch.Tensor, key_DL: torch.Tensor, value: torch.Tensor,
                       bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax attention of ``scaled_query [..., M, D]`` (already multiplied by the softmax scale)
-    over keys ``key_DL [..., D, L]`` (transposed: a contiguous ``[D, L]`` block makes the product a
-    plain GEMM) and values ``[..., L, D]``.
+    """Softmax attention of ``scaled_query [X, K, M, D]`` (already multiplied by the softmax scale)
+    over keys ``key_DL [X, K, D, L]`` (transposed: a contiguous ``[D, L]`` block makes the product a
+    plain GEMM) and values ``[X, K, L, D]``.
 
-    ``bias`` (float32, 0 or ``-inf``, broadcastable to ``[..., M, L]``) hides keys. Returns the output
-    ``[..., M, D]`` and the log-sum-exp of the scores ``[..., M, 1]``, both float32. A row that sees
-    no key gets output 0 and the lowest finite lse, so that it drops out of a merge.
+    ``bias`` (float32, 0 or ``-inf``, broadcastable to ``[X, K, M, L]``) hides keys. Returns the
+    output ``[X, K, M, D]`` and the log-sum-exp of the scores ``[X, K, M, 1]``, both float32. A row
+    that sees no key gets output 0 and the lowest finite lse, so that it drops out of a merge.
     """
-    scores = torch.matmul(scaled_query, key_DL).float()
+    # bmm on (X*K)-batched views: torch.matmul's 4-D path costs several times more per call on small
+    # shapes, and decoding makes two such calls per part, layer and step.
+    num_x, num_k, num_queries, _ = scaled_query.shape
+    scores = torch.bmm(scaled_query.flatten(0, 1), key_DL.flatten(0, 1)).float()
+    scores = scores.view(num_x, num_k, num_queries, -1)
     if bias is not None:
         scores = scores + bias
     lse = torch.logsumexp(scores, dim=-1, keepdim=True).clamp_min(torch.finfo(scores.dtype).min)
-    weights = torch.exp(scores - lse)
-    return torch.matmul(weights.to(value.dtype), value).float(), lse
+    weights = torch.exp(scores - lse).to(value.dtype)
+    out = torch.bmm(weights.flatten(0, 1), value.flatten(0, 1)).float()
+    return out.view(num_x, num_k, num_queries, -1), lse
 
 
 def merge_partials(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,

@@ -49,9 +49,7 @@ def prefill(model: nn.Module, cache: GroupedKVCache, prompts: list[torch.Tensor]
     """Run each prompt once; return the final hidden state at each prompt's last token ``[G, Hd]``."""
     device = cache.device
     lengths = torch.tensor([len(p) for p in prompts], device=device)
-    ids_GP = torch.zeros(len(prompts), int(max(len(p) for p in prompts)), dtype=torch.long, device=device)
-    for row, prompt in enumerate(prompts):  # a loop over prompts, once per rollout
-        ids_GP[row, :len(prompt)] = prompt
+    ids_GP = nn.utils.rnn.pad_sequence(prompts, batch_first=True)  # right-padded with token 0
     positions_GP = torch.arange(ids_GP.shape[1], device=device).expand_as(ids_GP)
     hidden_GPH = run_decoder(model, ids_GP, positions_GP, PrefillPlan(cache))
     return hidden_GPH[torch.arange(len(prompts), device=device), lengths - 1]
