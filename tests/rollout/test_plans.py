@@ -10,9 +10,14 @@ from turbogrpo.rollout.plans import forward_new_tokens, prefill
 ATOL = 2e-5
 
 
-def reference_last_hidden(model, tokens: torch.Tensor, count: int = 1) -> torch.Tensor:
-    """Final hidden states of the last ``count`` tokens of ``tokens``, by the model's own forward."""
-    return model.model(tokens[None]).last_hidden_state[0, -count:]
+def reference_last_hidden(model, sequences: list[torch.Tensor], count: int = 1) -> torch.Tensor:
+    """Final hidden states ``[len(sequences), count, Hd]`` of each sequence's last ``count`` tokens,
+    by the model's own forward (one right-padded batch: causal attention never sees the padding)."""
+    padded = torch.nn.utils.rnn.pad_sequence(sequences, batch_first=True)
+    hidden = model.model(padded).last_hidden_state
+    ends = torch.tensor([len(s) for s in sequences])
+    columns = ends[:, None] - count + torch.arange(count)
+    return hidden[torch.arange(len(sequences))[:, None], columns]
 
 
 def random_tree(num_nodes: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -39,8 +44,7 @@ def test_chain_decoding_and_dropping_sequences_match_full_forward(arch):
     num_samples = 2
     cache = GroupedKVCache([len(p) for p in prompts], num_samples, capacity=12, device=torch.device("cpu"))
     prompt_hidden = prefill(model, cache, prompts)
-    for prompt, hidden in zip(prompts, prompt_hidden):
-        torch.testing.assert_close(hidden, reference_last_hidden(model, prompt)[0], atol=ATOL, rtol=0)
+    torch.testing.assert_close(prompt_hidden, reference_last_hidden(model, prompts)[:, 0], atol=ATOL, rtol=0)
 
     generator = torch.Generator().manual_seed(0)
     generated = [[] for _ in range(len(prompts) * num_samples)]
@@ -53,8 +57,8 @@ def test_chain_decoding_and_dropping_sequences_match_full_forward(arch):
         cache.commit_all(num_new)
         for row, sequence in enumerate(live):
             generated[sequence] += ids[row].tolist()
-            full = torch.cat([prompts[sequence // num_samples], torch.tensor(generated[sequence])])
-            torch.testing.assert_close(hidden[row], reference_last_hidden(model, full, num_new), atol=ATOL, rtol=0)
+        full = [torch.cat([prompts[s // num_samples], torch.tensor(generated[s])]) for s in live]
+        torch.testing.assert_close(hidden, reference_last_hidden(model, full, num_new), atol=ATOL, rtol=0)
         if keep is not None:
             cache.keep(keep)
             live = [live[row] for row in keep]
@@ -85,13 +89,12 @@ def test_token_trees_and_committing_a_path_match_full_forward(qwen2):
         depths = torch.stack([d for _, d in trees])
         ids = torch.randint(0, VOCAB, (num_sequences, num_nodes), generator=generator)
         hidden = forward_new_tokens(model, cache, ids, depths, ancestors)
-        for sequence in range(num_sequences):
-            base = torch.cat([prompts[sequence // num_samples], torch.tensor(committed[sequence], dtype=torch.long)])
-            for node in range(num_nodes):
-                path = path_to(node, ancestors[sequence])
-                full = torch.cat([base, ids[sequence, path]])
-                torch.testing.assert_close(hidden[sequence, node], reference_last_hidden(model, full)[0],
-                                           atol=ATOL, rtol=0)
+        # Reference: each node as the last token of (prompt, committed tokens, its root-to-node path).
+        full = [torch.cat([prompts[s // num_samples], torch.tensor(committed[s], dtype=torch.long),
+                           ids[s, path_to(node, ancestors[s])]])
+                for s in range(num_sequences) for node in range(num_nodes)]
+        expected = reference_last_hidden(model, full)[:, 0].view(num_sequences, num_nodes, -1)
+        torch.testing.assert_close(hidden, expected, atol=ATOL, rtol=0)
         # Commit the path to a random node per sequence (lengths differ across sequences).
         targets = torch.randint(0, num_nodes, (num_sequences,), generator=generator).tolist()
         paths = [path_to(t, ancestors[s]) for s, t in enumerate(targets)]
@@ -103,9 +106,8 @@ def test_token_trees_and_committing_a_path_match_full_forward(qwen2):
 
     last = torch.randint(0, VOCAB, (num_sequences, 1), generator=generator)
     hidden = forward_new_tokens(model, cache, last)
-    for sequence in range(num_sequences):
-        full = torch.cat([prompts[sequence // num_samples], torch.tensor(committed[sequence]), last[sequence]])
-        torch.testing.assert_close(hidden[sequence, 0], reference_last_hidden(model, full)[0], atol=ATOL, rtol=0)
+    full = [torch.cat([prompts[s // num_samples], torch.tensor(committed[s]), last[s]]) for s in range(num_sequences)]
+    torch.testing.assert_close(hidden, reference_last_hidden(model, full), atol=ATOL, rtol=0)
 
 
 @torch.no_grad()
@@ -118,7 +120,5 @@ def test_sliding_window_attention_matches_full_forward():
     for start, stop in [(0, 1), (1, 4), (4, 6)]:
         hidden = forward_new_tokens(model, cache, ids[:, start:stop])
         cache.commit_all(stop - start)
-        for sequence in range(4):
-            full = torch.cat([prompts[sequence // 2], ids[sequence, :stop]])
-            torch.testing.assert_close(hidden[sequence], reference_last_hidden(model, full, stop - start),
-                                       atol=ATOL, rtol=0)
+        full = [torch.cat([prompts[s // 2], ids[s, :stop]]) for s in range(4)]
+        torch.testing.assert_close(hidden, reference_last_hidden(model, full, stop - start), atol=ATOL, rtol=0)

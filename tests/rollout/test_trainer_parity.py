@@ -7,17 +7,18 @@ from tests.rollout.conftest import random_prompts
 from turbogrpo import completion_logprobs
 from turbogrpo.rollout import SamplingConfig, generate, logprob_gap
 
-CONFIGS = [
-    SamplingConfig(max_new_tokens=10),
-    SamplingConfig(max_new_tokens=10, temperature=0.7, top_p=0.9, top_k=20, stop_token_ids=list(range(6))),
-    SamplingConfig(max_new_tokens=10, temperature=0),
-]
+CONFIGS = {
+    "t1": SamplingConfig(max_new_tokens=10),
+    "t0.7-topp-topk-stops": SamplingConfig(max_new_tokens=10, temperature=0.7, top_p=0.9, top_k=20,
+                                           stop_token_ids=list(range(6))),
+    "greedy": SamplingConfig(max_new_tokens=10, temperature=0),
+}
 
 
-@pytest.mark.parametrize("sampling", CONFIGS, ids=["t1", "t0.7-topp-topk-stops", "greedy"])
-@pytest.mark.parametrize("arch", ["qwen2", "llama"])
-def test_sampler_logprobs_and_hidden_equal_the_trainers(arch, sampling, request):
-    model = request.getfixturevalue(arch)
+@pytest.mark.parametrize("arch, config", [("qwen2", "t1"), ("qwen2", "t0.7-topp-topk-stops"), ("qwen2", "greedy"),
+                                          ("llama", "t0.7-topp-topk-stops")])
+def test_sampler_logprobs_and_hidden_equal_the_trainers(arch, config, request):
+    model, sampling = request.getfixturevalue(arch), CONFIGS[config]
     rollout = generate(model, random_prompts([3, 9, 6], seed=2), num_samples=3, sampling=sampling, seed=7,
                        return_hidden=True)
     with torch.no_grad():
