@@ -7,7 +7,8 @@ import torch
 from transformers.generation.logits_process import (LogitsProcessorList, TemperatureLogitsWarper,
                                                     TopKLogitsWarper, TopPLogitsWarper)
 
-from turbogrpo.rollout import SamplingConfig, sample_tokens, sample_with_logprobs, token_logprobs, warp_logits
+from turbogrpo.rollout import (SamplingConfig, draw_from_probs, sample_tokens, sample_with_logprobs, token_logprobs,
+                              warp_logits)
 
 
 @pytest.mark.parametrize("field, value, allowed", [
@@ -101,3 +102,10 @@ def test_fused_draw_matches_separate_draw_and_logprobs(config):
     frequencies = torch.bincount(tokens, minlength=6).double() / num_draws
     tolerance = 5 * (probs.double() * (1 - probs.double()) / num_draws).sqrt() + 1e-9
     assert ((frequencies - probs.double()).abs() <= tolerance).all(), (frequencies, probs)
+
+
+def test_draw_from_probs_never_lands_on_zero_probability_tokens():
+    probs = torch.tensor([[0.0, 2.0, 0.0, 1.0, 0.0], [0.0, 0.0, 0.0, 0.0, 5.0], [3.0, 0.0, 0.0, 0.0, 0.0]])
+    draws = draw_from_probs(probs.repeat(2000, 1), torch.Generator().manual_seed(0)).view(2000, 3)
+    assert set(draws[:, 0].tolist()) == {1, 3} and set(draws[:, 1].tolist()) == {4} and set(draws[:, 2].tolist()) == {0}
+    assert abs((draws[:, 0] == 1).float().mean().item() - 2 / 3) < 0.05

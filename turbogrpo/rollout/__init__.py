@@ -10,9 +10,9 @@ the batch; the sampler's log-probs match the trainer's (``turbogrpo.completion_l
 
 from turbogrpo.rollout.engine import generate
 from turbogrpo.rollout.metrics import logprob_gap
-from turbogrpo.rollout.sampling import (SamplingConfig, sample_tokens, sample_with_logprobs, token_logprobs,
-                                        warp_logits)
+from turbogrpo.rollout.sampling import (SamplingConfig, draw_from_probs, sample_tokens, sample_with_logprobs,
+                                        token_logprobs, warp_logits)
 from turbogrpo.rollout.types import FinishReason, Rollout, RolloutStats
 
-__all__ = ["FinishReason", "Rollout", "RolloutStats", "SamplingConfig", "generate", "logprob_gap",
-           "sample_tokens", "sample_with_logprobs", "token_logprobs", "warp_logits"]
+__all__ = ["FinishReason", "Rollout", "RolloutStats", "SamplingConfig", "draw_from_probs", "generate",
+           "logprob_gap", "sample_tokens", "sample_with_logprobs", "token_logprobs", "warp_logits"]

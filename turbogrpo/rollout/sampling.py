@@ -105,7 +105,8 @@ def _top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:
 
 def sample_tokens(logits: torch.Tensor, sampling: SamplingConfig,
                   generator: torch.Generator | None = None) -> torch.Tensor:
-    """Draw one token per row: ``logits [..., V]`` -> token ids ``[...]`` (int64).
+    """Draw one token per row: raw ``logits [..., V]`` (this function warps them; pass already-warped
+    probabilities to ``draw_from_probs`` instead) -> token ids ``[...]`` (int64).
 
     Greedy takes the argmax. Otherwise the draw inverts the cumulative distribution at one uniform
     number per row (what ``torch.multinomial`` does), without its host sync and with one random
@@ -114,10 +115,13 @@ def sample_tokens(logits: torch.Tensor, sampling: SamplingConfig,
     if sampling.greedy:
         return logits.argmax(dim=-1)
     probs = warp_logits(logits.float(), sampling).softmax(dim=-1)
-    return _invert_cdf(probs, generator)
+    return draw_from_probs(probs, generator)
 
 
-def _invert_cdf(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+def draw_from_probs(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """One draw per row from ``probs [..., V]`` (non-negative, need not be normalised) -> ``[...]``,
+    by inverting the cumulative distribution at one uniform number per row. For callers that already
+    hold the warped distribution (e.g. ``warp_logits(...).softmax(-1)``)."""
     cumulative = probs.cumsum(dim=-1)
     total = cumulative[..., -1:]
     uniform = torch.rand(total.shape, generator=generator, device=probs.device, dtype=probs.dtype)
@@ -131,7 +135,7 @@ def sample_with_logprobs(logits: torch.Tensor, sampling: SamplingConfig,
                          generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(sample_tokens(...), token_logprobs(...))`` with one pass over the ``[..., V]`` logits: the
     engine's per-step hot path, where the vocabulary-sized work is most of the step after the model.
-    Draws the same distribution as ``sample_tokens`` (not the same numbers for a given generator).
+    Same distribution as ``sample_tokens``, and the same draws for a given generator up to rounding.
     """
     scaled = logits.float()
     if sampling.logprob_temperature != 1:
@@ -140,9 +144,9 @@ def sample_with_logprobs(logits: torch.Tensor, sampling: SamplingConfig,
     if sampling.greedy:
         tokens = logits.argmax(dim=-1)
     elif sampling.top_k or sampling.top_p < 1:
-        tokens = _invert_cdf(_truncate(scaled, sampling).softmax(dim=-1), generator)
+        tokens = draw_from_probs(_truncate(scaled, sampling).softmax(dim=-1), generator)
     else:
-        tokens = _invert_cdf(logprobs_all.exp(), generator)
+        tokens = draw_from_probs(logprobs_all.exp(), generator)
     return tokens, logprobs_all.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
 

@@ -13,8 +13,9 @@ tables built once per (tokenizer, stop strings): for the newest token ``u0`` and
   ends with what is left (``tail[u, r]``: ``u`` ends with ``s[:r]``).
 
 Tokens decoding to partial characters (a multi-byte character split across byte-level tokens)
-decode to replacement characters and so cannot take part in a match; stop strings made of whole
-characters per token, the usual case, are matched exactly.
+decode to replacement characters and so cannot take part in a match, and tokens that decode to no
+text still take a window slot, so an occurrence interrupted by many of them can be missed; stop
+strings made of whole characters per token, the usual case, are matched exactly.
 
 Shapes: ``R`` rows being checked, ``W`` window (longest stop string, in characters), ``S`` number of
 stop strings, ``M`` = W, ``V`` table rows (tokenizer vocabulary + one "no token" row).
