@@ -17,13 +17,14 @@ The two trainers' steps are interleaved (harness.interleaved_medians): TRL's own
 a helper thread and is released one optimizer step at a time; turbogrpo's step is ``grpo_step`` of
 its loop. Each side's phase times are recorded per step (TRL's by timing its own methods).
 
-    python bench/e2e.py            # both shapes, 3 timed steps each after 1 warm-up step
-    python bench/e2e.py --quick    # 1 timed step each
+    python bench/e2e.py            # prompt-heavy: 2 timed steps each; demo: 3 timed steps after 1 warm-up
+    python bench/e2e.py --quick    # 1 timed step each, no warm-up
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import tempfile
@@ -31,7 +32,11 @@ import threading
 import time
 from pathlib import Path
 
-import torch
+# Idle OpenMP threads wait passively: on 2 shared cores, spinning waiters take the cores from the
+# thread doing the work on every small op (set before torch loads; both trainers run under it).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import interleaved_medians, print_table, write_results  # noqa: E402
@@ -42,6 +47,7 @@ from turbogrpo.data import demo_records  # noqa: E402
 from turbogrpo.models import demo_model_path  # noqa: E402
 from turbogrpo.rewards import math_accuracy_reward  # noqa: E402
 from turbogrpo.train import distributed, loop, setup  # noqa: E402
+from turbogrpo.train.run import build_run  # noqa: E402
 
 PHASES = ("rollout", "rewards", "logprobs", "update")
 SETTINGS = {  # shared by both trainers
@@ -108,7 +114,7 @@ class TurboStepper:
             "train.num_steps=1000", f'train.output_dir="{workdir / "turbogrpo"}"', "log.tensorboard=false",
             "log.completions_every=0", "log.progress_bar=false"])
         reward = setup.Reward("reward", shape["reward"], 1.0, 0.0)
-        self.run = loop.build_run(config, distributed.setup("cpu"), [reward], resume=False)
+        self.run = build_run(config, distributed.setup("cpu"), [reward], resume=False)
         self.step = 0
         self.records: list[dict] = []
 
@@ -213,20 +219,21 @@ class TrlStepper:
 # --- the benchmark -------------------------------------------------------------------------------------
 
 
-def bench(shape: dict, workdir: Path, repeats: int) -> dict:
+def bench(shape: dict, workdir: Path, repeats: int, warmup: int) -> dict:
     print(f"\n{shape['name']}: {shape['num_prompts']} prompts x G={shape['num_generations']}, "
           f"up to {shape['max_new_tokens']} new tokens ...", flush=True)
     ours = TurboStepper(shape, workdir)
-    trl = TrlStepper(shape, workdir, num_steps=1 + repeats)
-    timings = interleaved_medians({"trl": trl, "turbogrpo": ours}, repeats=repeats, warmup=1)
+    trl = TrlStepper(shape, workdir, num_steps=warmup + repeats)
+    timings = interleaved_medians({"trl": trl, "turbogrpo": ours}, repeats=repeats, warmup=warmup)
     trl.thread.join(timeout=60)
-    ours_phases = {p: statistics.median(r.get(f"time/{p}", 0.0) for r in ours.records[1:]) for p in PHASES}
-    trl_phases = {p: statistics.median(TrlStepper.phases(r)[p] for r in trl.records[1:]) for p in PHASES}
+    ours_phases = {p: statistics.median(r.get(f"time/{p}", 0.0) for r in ours.records[warmup:]) for p in PHASES}
+    trl_phases = {p: statistics.median(TrlStepper.phases(r)[p] for r in trl.records[warmup:]) for p in PHASES}
     prompt_tokens = statistics.mean(len(e.token_ids) for e in ours.run.batches.examples)
     record = {
         "shape": shape["name"], "num_prompts": shape["num_prompts"], "num_generations": shape["num_generations"],
         "max_new_tokens": shape["max_new_tokens"], "mean_prompt_tokens": prompt_tokens,
         "mean_completion_tokens_turbogrpo": statistics.mean(r["completion_length/mean"] for r in ours.records),
+        "warmup_steps": warmup, "timed_steps": repeats,
         "timings": timings, "phases_s": {"trl": trl_phases, "turbogrpo": ours_phases},
         "speedup": timings["trl"]["median_s"] / timings["turbogrpo"]["median_s"],
         "settings": SETTINGS,
@@ -236,10 +243,16 @@ def bench(shape: dict, workdir: Path, repeats: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="1 timed step per shape instead of 3")
+    parser.add_argument("--quick", action="store_true", help="1 timed step per shape, no warm-up")
     parser.add_argument("--shapes", default="prompt-heavy,demo", help="comma-separated: prompt-heavy, demo")
+    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     args = parser.parse_args()
-    repeats = 1 if args.quick else 3
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    # (timed steps, warm-up steps): a prompt-heavy TRL step takes minutes on 2 CPU cores.
+    plan = {"prompt-heavy": (2, 0), "demo": (3, 1)}
+    if args.quick:
+        plan = {key: (1, 0) for key in plan}
     from transformers.utils import logging as hf_logging
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
@@ -251,7 +264,7 @@ def main() -> None:
         for i, key in enumerate(args.shapes.split(",")):
             workdir = tmp / f"run{i}"
             workdir.mkdir()
-            records.append(bench(makers[key](), workdir, repeats))
+            records.append(bench(makers[key](), workdir, *plan[key]))
 
     rows = []
     for r in records:
@@ -267,7 +280,7 @@ def main() -> None:
             phases = r["phases_s"][name]
             phase_rows.append([r["shape"], name, *(phases[p] for p in PHASES)])
     print_table("Phase breakdown (median seconds per step)", ["shape", "trainer", *PHASES], phase_rows)
-    write_results("e2e", {"shapes": records, "repeats": repeats,
+    write_results("e2e", {"shapes": records, "omp_wait_policy": os.environ["OMP_WAIT_POLICY"],
                           "note": "2 shared CPU cores; other processes may have run during the measurement"})
 
 

@@ -51,11 +51,13 @@ def test_train_then_eval_the_exported_model(tmp_path, capsys):
     sets = [s for s in overrides(model_dir, rows, tmp_path / "out") if not s.startswith("train.num_steps")]
     assert main(["train", str(config), "--set", *sets]) == 0
     out = capsys.readouterr().out
-    assert "held-out accuracy: 0.0% (step 0) -> 0.0% (step 2)" in out
+    assert "held-out accuracy, greedy: 0.0% (step 0) -> 0.0% (step 2)" in out
+    assert "held-out accuracy, sampled (pass@1 at the rollout temperature): 0.0% -> 0.0%" in out
     assert "2 steps in" in out and (tmp_path / "out" / "final" / "config.json").is_file()
 
     assert main(["eval", str(config), "--set", *sets, "--model", str(tmp_path / "out" / "final")]) == 0
-    assert "held-out accuracy 0.0% on 8 problems (greedy" in capsys.readouterr().out
+    assert "held-out accuracy greedy 0.0%, sampled 0.0% (4 per problem, temperature 1) on 8 problems" in \
+        capsys.readouterr().out
 
 
 def test_python_dash_m_runs_the_cli():

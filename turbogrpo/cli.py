@@ -92,8 +92,11 @@ def _train(config: Config, resume: bool, demo: bool = False) -> int:
         return 1
     if summary.evals:
         before, after = summary.evals[0], summary.evals[-1]
-        print(f"held-out accuracy: {before['accuracy']:.1%} (step {before['step']}) -> "
+        print(f"held-out accuracy, greedy: {before['accuracy']:.1%} (step {before['step']}) -> "
               f"{after['accuracy']:.1%} (step {after['step']})")
+        if "sampled_accuracy" in before and "sampled_accuracy" in after:
+            print(f"held-out accuracy, sampled (pass@1 at the rollout temperature): "
+                  f"{before['sampled_accuracy']:.1%} -> {after['sampled_accuracy']:.1%}")
     print(f"{summary.steps} steps in {summary.wall_time_s:.0f} s; outputs in {summary.output_dir} "
           f"(metrics.jsonl, report/, final/)")
     if demo and summary.evals:
@@ -122,12 +125,19 @@ def _eval(args: argparse.Namespace, overrides: list[str]) -> int:
                              "train.accuracy_reward")
         greedy = setup.sampling_config(config.rollout, setup.stop_token_ids(model, tokenizer), tokenizer,
                                        greedy=True)
+        sampling = setup.sampling_config(config.rollout, setup.stop_token_ids(model, tokenizer), tokenizer)
         start = time.perf_counter()
         with torch.no_grad():
             accuracy = evaluate_accuracy(model, tokenizer, examples, accuracy_reward, greedy, dist)
+            sampled = None
+            if config.data.num_eval_samples:
+                sampled = evaluate_accuracy(model, tokenizer, examples, accuracy_reward, sampling, dist,
+                                            num_samples=config.data.num_eval_samples, seed=config.train.seed + 7_919)
         if dist.is_main:
-            print(f"{config.model.path}: held-out accuracy {accuracy:.1%} on {len(examples)} problems "
-                  f"(greedy, {time.perf_counter() - start:.0f} s)")
+            extra = (f", sampled {sampled:.1%} ({config.data.num_eval_samples} per problem, temperature "
+                     f"{config.rollout.temperature:g})" if sampled is not None else "")
+            print(f"{config.model.path}: held-out accuracy greedy {accuracy:.1%}{extra} on {len(examples)} "
+                  f"problems ({time.perf_counter() - start:.0f} s)")
     finally:
         distributed.teardown(dist)
     return 0

@@ -106,6 +106,8 @@ class DataConfig:
     """Arithmetic task only: how many distinct training problems to generate."""
     num_eval_problems: int = 200
     """Held-out problems (or eval rows, at most) for accuracy before/after training and `turbogrpo eval`."""
+    num_eval_samples: int = 4
+    """Samples per held-out problem at the rollout temperature for the sampled (pass@1) accuracy (0: greedy only)."""
 
     def check(self, key: str) -> None:
         needs_path = self.kind in ("rows", "gsm8k")
@@ -116,6 +118,8 @@ class DataConfig:
                  self.num_train_problems)
         _require(self.num_eval_problems >= 1, f"{key}.num_eval_problems", "an integer >= 1",
                  self.num_eval_problems)
+        _require(self.num_eval_samples >= 0, f"{key}.num_eval_samples", "an integer >= 0 (0: greedy only)",
+                 self.num_eval_samples)
 
 
 @dataclass

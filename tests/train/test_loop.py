@@ -43,6 +43,7 @@ def test_short_training_writes_metrics_checkpoints_report_and_final_model(assets
         assert record["kl"] >= 0 and record["skipped_steps"] == 0
     assert steps[0]["kl"] < steps[-1]["kl"]  # the policy moves away from the reference
     assert [r["step"] for r in records if "eval/accuracy" in r] == [0, 4]
+    assert [r["step"] for r in records if "eval/sampled_accuracy" in r] == [0, 4]
     assert sorted(p.name for p in tmp_path.glob("step-*")) == ["step-000002", "step-000004"]
     assert {p.name for p in (tmp_path / "report").iterdir()} >= {"rewards.png", "phases.png", "training.png",
                                                                   "report.md"}

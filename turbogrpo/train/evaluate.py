@@ -14,9 +14,13 @@ from turbogrpo.train.setup import Reward, score_rewards
 
 
 def evaluate_accuracy(model: nn.Module, tokenizer, examples: Sequence[PromptExample], accuracy: Reward,
-                      sampling: SamplingConfig, dist: DistInfo, *, prompts_per_batch: int = 64) -> float:
-    """Fraction of ``examples`` answered correctly with greedy decoding (each rank answers a share)."""
-    assert sampling.greedy
+                      sampling: SamplingConfig, dist: DistInfo, *, num_samples: int = 1, seed: int | None = None,
+                      prompts_per_batch: int = 64) -> float:
+    """Mean accuracy of ``num_samples`` answers per example (each rank answers a share of the examples).
+
+    Greedy ``sampling`` with one sample gives greedy accuracy; temperature sampling with a fixed
+    ``seed`` gives the sampled (pass@1) accuracy, comparable from one evaluation to the next.
+    """
     mine = list(examples[dist.rank::dist.world_size])
     device = dist.device
     counts = torch.zeros(2, dtype=torch.float64, device=device)  # [correct, answered]
@@ -24,13 +28,15 @@ def evaluate_accuracy(model: nn.Module, tokenizer, examples: Sequence[PromptExam
     model.eval()
     for start in range(0, len(mine), prompts_per_batch):
         batch = mine[start:start + prompts_per_batch]
-        rollout = generate(model, [e.token_ids.to(device) for e in batch], num_samples=1, sampling=sampling)
+        rollout = generate(model, [e.token_ids.to(device) for e in batch], num_samples=num_samples,
+                           sampling=sampling, seed=None if seed is None else seed + dist.rank + start)
         completions = tokenizer.batch_decode(rollout.tokens, skip_special_tokens=True)
-        columns = _columns(batch, rollout.tokens)
-        scores = score_rewards([accuracy], [e.text for e in batch], completions, columns).total
-        counts += torch.tensor([float(scores.sum()), float(len(batch))], dtype=torch.float64, device=device)
+        repeated = [e for e in batch for _ in range(num_samples)]
+        scores = score_rewards([accuracy], [e.text for e in repeated], completions,
+                               _columns(repeated, rollout.tokens)).total
+        counts += torch.tensor([float(scores.sum()), float(len(completions))], dtype=torch.float64, device=device)
     model.train(was_training)
-    correct, answered = all_reduce_sum(counts, dist).tolist()
+    correct, answered = all_reduce_sum(counts, dist).tolist()  # host sync: the result is a Python number
     return correct / max(answered, 1.0)
 
 

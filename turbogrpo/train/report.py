@@ -21,6 +21,7 @@ def write_report(output_dir: str | Path) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     steps = [r for r in records if "reward" in r]
     evals = [(r["step"], r["eval/accuracy"]) for r in records if r.get("eval/accuracy") is not None]
+    sampled = [(r["step"], r["eval/sampled_accuracy"]) for r in records if r.get("eval/sampled_accuracy") is not None]
 
     fig, ax = plt.subplots(figsize=(7, 4))
     xs = [r["step"] for r in steps]
@@ -33,6 +34,8 @@ def write_report(output_dir: str | Path) -> Path:
             ax.plot(xs, [r.get("accuracy") for r in steps], label="training accuracy (sampled)")
     if evals:
         ax.plot([s for s, _ in evals], [a for _, a in evals], "o-", label="held-out accuracy (greedy)")
+    if sampled:
+        ax.plot([s for s, _ in sampled], [a for _, a in sampled], "s--", label="held-out accuracy (sampled)")
     ax.set_xlabel("step")
     ax.set_title("Reward and accuracy")
     ax.grid(alpha=0.3)
@@ -70,15 +73,16 @@ def write_report(output_dir: str | Path) -> Path:
         fig.savefig(out / "training.png", dpi=120)
         plt.close(fig)
 
-    (out / "report.md").write_text(_summary(steps, evals))
+    (out / "report.md").write_text(_summary(steps, evals, sampled))
     return out
 
 
-def _summary(steps: list[dict], evals: list[tuple[int, float]]) -> str:
+def _summary(steps: list[dict], evals: list[tuple[int, float]], sampled: list[tuple[int, float]]) -> str:
     lines = ["# Run report", ""]
-    if evals:
-        lines.append(f"Held-out accuracy (greedy): {evals[0][1]:.1%} at step {evals[0][0]} -> "
-                     f"{evals[-1][1]:.1%} at step {evals[-1][0]}.")
+    for name, points in (("greedy", evals), ("sampled", sampled)):
+        if points:
+            lines.append(f"Held-out accuracy ({name}): {points[0][1]:.1%} at step {points[0][0]} -> "
+                         f"{points[-1][1]:.1%} at step {points[-1][0]}.")
     if steps:
         first, last = steps[: max(1, len(steps) // 10)], steps[-max(1, len(steps) // 10):]
         lines.append(f"Mean reward: {_mean(first, 'reward'):.3f} (first tenth of steps) -> "
