@@ -54,3 +54,9 @@ def test_bad_arguments():
     with pytest.raises(ValueError, match="could not draw"):
         generate_problems("eval", 50, config=ArithmeticConfig(min_start=10, max_start=10, max_amount=2,
                                                               min_steps=1, max_steps=1))
+
+
+def test_repeats_allowed_beyond_the_number_space():
+    problems = generate_problems("train", 10000, seed=0, distinct=False)
+    assert len({(p.start, p.changes) for p in problems}) < 10000
+    assert all(split_of(p.start, p.changes) == "train" for p in problems)

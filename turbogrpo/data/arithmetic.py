@@ -42,13 +42,13 @@ INSTRUCTION = (
 class ArithmeticConfig:
     """Difficulty of generated problems (numbers are inclusive ranges)."""
 
-    min_start: int = 10
-    max_start: int = 50
+    min_start: int = 5
+    max_start: int = 30
     min_amount: int = 2
-    max_amount: int = 20
+    max_amount: int = 9
     min_steps: int = 2
     max_steps: int = 2
-    max_value: int = 99  # every running total stays in [0, max_value], so results have <= 2 digits
+    max_value: int = 40  # every running total stays in [0, max_value]
 
     def __post_init__(self):
         if not 0 <= self.min_start <= self.max_start <= self.max_value:
@@ -145,11 +145,12 @@ def _draw_arithmetic(rng: random.Random, config: ArithmeticConfig) -> tuple[int,
     return start, tuple(changes)
 
 
-def generate_problems(split: str, num: int, seed: int = 0,
-                      config: ArithmeticConfig = ArithmeticConfig()) -> list[ArithmeticProblem]:
-    """``num`` distinct problems of ``split``, the same for the same (split, num, seed, config).
+def generate_problems(split: str, num: int, seed: int = 0, config: ArithmeticConfig = ArithmeticConfig(),
+                      *, distinct: bool = True) -> list[ArithmeticProblem]:
+    """``num`` problems of ``split``, the same for the same arguments.
 
-    Problems are distinct by arithmetic (start and changes), not only by wording.
+    distinct: no two problems share their arithmetic (start and changes); False allows repeats
+        (with fresh wording), for more training problems than the number space holds.
     """
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
@@ -160,7 +161,7 @@ def generate_problems(split: str, num: int, seed: int = 0,
         if len(problems) == num:
             return problems
         start, changes = _draw_arithmetic(rng, config)
-        if (start, changes) in seen or split_of(start, changes) != split:
+        if (distinct and (start, changes) in seen) or split_of(start, changes) != split:
             continue
         seen.add((start, changes))
         problems.append(ArithmeticProblem(_render_question(rng, start, changes), start, changes))
@@ -183,7 +184,7 @@ def demo_records(split: str, num: int, seed: int = 0,
 
 def _few_shot_block() -> str:
     rng = random.Random("turbogrpo-arithmetic:few-shot")
-    shots = [(23, (8, -5)), (41, (-12, 6)), (17, (-9, -4))]
+    shots = [(23, (8, -5)), (14, (-9, 6)), (17, (-9, -4))]
     blocks = []
     for start, changes in shots:
         problem = ArithmeticProblem(_render_question(rng, start, changes), start, changes)
