@@ -81,9 +81,24 @@ def peak_rss_delta_mb(argv: list[str]) -> float:
     raise RuntimeError(f"memory probe printed no PEAK_MB line:\n{out}")
 
 
-def current_peak_rss_mb() -> float:
-    import resource
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+def _proc_status_mb(field: str) -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024.0
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+def reset_peak_rss() -> float:
+    """Reset the process's peak resident set (Linux clear_refs) and return the current RSS in MB."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return _proc_status_mb("VmRSS")
+
+
+def peak_rss_mb() -> float:
+    """Peak resident set since the last :func:`reset_peak_rss`, in MB."""
+    return _proc_status_mb("VmHWM")
 
 
 def print_table(title: str, columns: list[str], rows: list[list]) -> str:

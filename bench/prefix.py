@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import (current_peak_rss_mb, interleaved_medians, peak_rss_delta_mb, print_table,  # noqa: E402
+from harness import (interleaved_medians, peak_rss_delta_mb, peak_rss_mb, print_table, reset_peak_rss,  # noqa: E402
                      write_results)
 
 import turbogrpo  # noqa: E402
@@ -146,9 +146,9 @@ def memory_probe(name: str, prompt_len: int, completion_len: int, group: int) ->
     """Child process entry: one forward+backward, print peak RSS growth over the set-up state."""
     model = bench_model()
     prompts, completions = make_batch(prompt_len, completion_len, group)
-    before = current_peak_rss_mb()
+    before = reset_peak_rss()
     CONTENDERS[name](model, prompts, completions)
-    print(f"PEAK_MB {current_peak_rss_mb() - before:.1f}")
+    print(f"PEAK_MB {peak_rss_mb() - before:.1f}")
 
 
 def check_agreement(model, prompts, completions) -> float:
