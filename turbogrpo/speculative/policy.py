@@ -15,7 +15,8 @@ Every policy is a small class in ``SIZING_POLICIES``; ``make_sizing(name, ...)``
   that the policy's draw matches the draft's rank-r child at depth d as ``a[d, r]``, estimated from
   every verified tree of this rollout (and earlier ones: the policy object keeps its counts), and
   builds the same top-K-per-level tree that ``build_tree`` builds, with those probabilities.
-  Speculation is off wherever the best tree does not beat plain decoding by ``margin``. What the
+  Speculation is off wherever the best tree does not beat plain decoding by ``margin``, and trees
+  never push a forward past twice the knee (B * N <= 2 * C_peak). What the
   curves miss (Python and bookkeeping around the forwards, a machine busier than when profiled) is
   learnt from the measured time of every step, as one scale factor for plain and one for tree steps.
 
@@ -177,6 +178,9 @@ class CostSizing(SizingPolicy):
         depth = torch.tensor([l for _, l in self.menu], dtype=torch.float64)[:, None]
         rate = num_live * (1 + expected) / self._tree_time(num_live, top_k, depth, nodes, expected)
         rate = torch.where(nodes <= 1 + top_k + (depth - 1) * top_k * top_k, rate, 0.0)
+        # Past twice the knee the forward is compute-bound: N nodes cost about N plain steps, which
+        # no acceptance rate repays. A hard limit there keeps noisy timings from ever choosing it.
+        rate = torch.where(num_live * nodes <= 2 * self.profile.c_peak, rate, 0.0)
         rate[:, 0] = 0.0  # N = 1 is no tree: that is the plain step below
         best = int(rate.argmax())
         plain_rate = num_live / self._plain_time(num_live)
