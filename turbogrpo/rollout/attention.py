@@ -22,7 +22,7 @@ def partial_attention(scaled_query: torch.Tensor, key_DL: torch.Tensor, value: t
 
     ``bias`` (float32, 0 or ``-inf``, broadcastable to ``[X, K, M, L]``) hides keys. Returns the
     output ``[X, K, M, D]`` and the log-sum-exp of the scores ``[X, K, M, 1]``, both float32. A row
-    that sees no key gets output 0 and the lowest finite lse, so that it drops out of a merge.
+    that sees no key gets output 0 and a hugely negative lse, so that it drops out of a merge.
     """
     # bmm on (X*K)-batched views: torch.matmul's 4-D path costs several times more per call on small
     # shapes, and decoding makes two such calls per part, layer and step.
@@ -30,11 +30,14 @@ def partial_attention(scaled_query: torch.Tensor, key_DL: torch.Tensor, value: t
     scores = torch.bmm(scaled_query.flatten(0, 1), key_DL.flatten(0, 1)).float()
     scores = scores.view(num_x, num_k, num_queries, -1)
     if bias is not None:
-        scores = scores + bias
-    lse = torch.logsumexp(scores, dim=-1, keepdim=True).clamp_min(torch.finfo(scores.dtype).min)
-    weights = torch.exp(scores - lse).to(value.dtype)
-    out = torch.bmm(weights.flatten(0, 1), value.flatten(0, 1)).float()
-    return out.view(num_x, num_k, num_queries, -1), lse
+        scores += bias
+    # The softmax by hand (in place, four passes over the scores) yields the lse on the way; a
+    # clamped max and total keep rows that see no key at output 0 instead of NaN.
+    row_max = scores.amax(dim=-1, keepdim=True).clamp_min_(torch.finfo(scores.dtype).min)
+    weights = scores.sub_(row_max).exp_()
+    total = weights.sum(dim=-1, keepdim=True).clamp_min_(torch.finfo(scores.dtype).tiny)
+    out = torch.bmm(weights.to(value.dtype).flatten(0, 1), value.flatten(0, 1)).float()
+    return out.view(num_x, num_k, num_queries, -1) / total, row_max + total.log()
 
 
 def merge_partials(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,

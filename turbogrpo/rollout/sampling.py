@@ -140,14 +140,16 @@ def sample_with_logprobs(logits: torch.Tensor, sampling: SamplingConfig,
     scaled = logits.float()
     if sampling.logprob_temperature != 1:
         scaled = scaled / sampling.logprob_temperature
-    logprobs_all = scaled.log_softmax(dim=-1)
+    probs_all = scaled.softmax(dim=-1)
     if sampling.greedy:
         tokens = logits.argmax(dim=-1)
     elif sampling.top_k or sampling.top_p < 1:
         tokens = draw_from_probs(_truncate(scaled, sampling).softmax(dim=-1), generator)
     else:
-        tokens = draw_from_probs(logprobs_all.exp(), generator)
-    return tokens, logprobs_all.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+        tokens = draw_from_probs(probs_all, generator)
+    # log(p) of the drawn token rather than a log_softmax pass over the vocabulary: the same value to
+    # float32 rounding for any token that can be drawn (p far above the float32 underflow at 1e-38).
+    return tokens, probs_all.gather(-1, tokens.unsqueeze(-1)).squeeze(-1).log()
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:
