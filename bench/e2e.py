@@ -85,10 +85,10 @@ def bench_shape(folder: Path) -> dict:
             "num_prompts": 8, "num_generations": 8, "max_new_tokens": 128}
 
 
-def demo_shape() -> dict:
+def demo_shape(model: str | None = None) -> dict:
     demo = load_config(Path(__file__).resolve().parents[1] / "configs" / "demo.toml")
     rows = demo_records("train", 256, seed=0)
-    return {"name": "demo task (demo model)", "model": str(demo_model_path()), "rows": rows,
+    return {"name": "demo task (demo model)", "model": model or str(demo_model_path()), "rows": rows,
             "reward": math_accuracy_reward(), "num_prompts": demo.train.prompts_per_step,
             "num_generations": demo.rollout.num_generations, "max_new_tokens": demo.rollout.max_new_tokens}
 
@@ -246,6 +246,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="1 timed step per shape, no warm-up")
     parser.add_argument("--shapes", default="prompt-heavy,demo", help="comma-separated: prompt-heavy, demo")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    parser.add_argument("--demo-model", help="model folder for the demo shape (default: the shipped demo model)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -260,7 +261,7 @@ def main() -> None:
     records = []
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        makers = {"prompt-heavy": lambda: bench_shape(tmp / "bench_model"), "demo": demo_shape}
+        makers = {"prompt-heavy": lambda: bench_shape(tmp / "bench_model"), "demo": lambda: demo_shape(args.demo_model)}
         for i, key in enumerate(args.shapes.split(",")):
             workdir = tmp / f"run{i}"
             workdir.mkdir()

@@ -99,8 +99,9 @@ def _train(config: Config, resume: bool, demo: bool = False) -> int:
                   f"{before['sampled_accuracy']:.1%} -> {after['sampled_accuracy']:.1%}")
     print(f"{summary.steps} steps in {summary.wall_time_s:.0f} s; outputs in {summary.output_dir} "
           f"(metrics.jsonl, report/, final/)")
-    if demo and summary.evals:
-        print("The demo trained the shipped arithmetic model with GRPO; see runs/demo/report/report.md.")
+    if demo:
+        print(f"The demo trained the shipped arithmetic model with GRPO; plots and numbers in "
+              f"{summary.output_dir / 'report'}.")
     return 0
 
 

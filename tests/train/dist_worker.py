@@ -79,10 +79,12 @@ def run(rank: int, world_size: int, ports: list[int], out_dir: str, model_dir: s
         (out / "metrics.json").write_text(json.dumps(results))
     distributed.teardown(dist)
 
-    # The whole loop, distributed: each rank rolls out half the prompts; checkpoints, eval, export.
-    for port, strategy in zip(ports[1:], ("ddp", "fsdp2")):
+    # The whole loop, distributed: each rank rolls out half the prompts; checkpoints, eval, export;
+    # then the FSDP2 run is resumed from its checkpoint for one more step.
+    runs = [("ddp", 2, False), ("fsdp2", 2, False), ("fsdp2", 3, True)]
+    for port, (strategy, num_steps, resume) in zip(ports[1:], runs):
         os.environ["MASTER_PORT"] = str(port)
         config = load_config(None, overrides(Path(model_dir), Path(rows), out / f"train-{strategy}",
-                                             **{"distributed.strategy": strategy, "train.num_steps": 2,
+                                             **{"distributed.strategy": strategy, "train.num_steps": num_steps,
                                                 "algo.beta": 0.05}))
-        loop.train(config)
+        loop.train(config, resume=resume)

@@ -68,7 +68,8 @@ def train(config: Config, *, resume: bool = False) -> RunSummary:
                 if config.train.eval_every and run.state.step % config.train.eval_every == 0 \
                         and run.state.step < total:
                     evaluate(run)
-                bar.set_postfix(reward=f"{metrics['reward']:.3f}", refresh=False)
+                bar.set_postfix({k: f"{metrics[k]:.3f}" for k in ("reward", "accuracy") if k in metrics},
+                                refresh=False)
                 bar.update()
                 if config.train.checkpoint_every and run.state.step % config.train.checkpoint_every == 0:
                     save(run)
