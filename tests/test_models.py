@@ -1,0 +1,66 @@
+import re
+
+import pytest
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
+
+from turbogrpo.data.arithmetic import generate_problems
+from turbogrpo.models import ARCHITECTURES, demo_model_path, load_model_and_tokenizer, tiny_model
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
+def test_tiny_models_run_and_are_seeded(arch):
+    before = torch.random.get_rng_state()
+    model = tiny_model(arch, vocab_size=64, hidden=32, layers=2, heads=4, kv_heads=2, seed=3)
+    assert torch.equal(torch.random.get_rng_state(), before)
+    again = tiny_model(arch, vocab_size=64, hidden=32, layers=2, heads=4, kv_heads=2, seed=3)
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), again.state_dict().values()))
+    assert model.config.head_dim == 8 and model.config.num_key_value_heads == 2
+    logits = model(torch.tensor([[1, 2, 3]])).logits
+    assert logits.shape == (1, 3, 64) and logits.dtype == torch.float32
+
+
+def test_tiny_model_dtype_and_bad_arguments():
+    assert tiny_model("llama", dtype="float64").dtype == torch.float64
+    with pytest.raises(ValueError, match="arch must be one of"):
+        tiny_model("gpt2")
+    with pytest.raises(ValueError, match="divisible"):
+        tiny_model("qwen2", hidden=30, heads=4)
+
+
+def _byte_tokenizer():
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.train_from_iterator(["hello"], trainers.BpeTrainer(
+        vocab_size=258, special_tokens=["<eos>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False))
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<eos>")
+
+
+def test_load_local_folder_with_dtype(tmp_path):
+    tiny_model("qwen3", vocab_size=258).save_pretrained(tmp_path)
+    _byte_tokenizer().save_pretrained(tmp_path)
+    model, tokenizer = load_model_and_tokenizer(tmp_path, dtype="bfloat16", device="cpu")
+    assert model.dtype == torch.bfloat16 and model.config.model_type == "qwen3"
+    assert tokenizer.pad_token == "<eos>"  # filled from eos for batched rollouts
+
+
+def test_missing_local_path_and_bad_dtype(tmp_path):
+    with pytest.raises(ValueError, match="not an existing folder"):
+        load_model_and_tokenizer(tmp_path / "no_model_here")
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        load_model_and_tokenizer(tmp_path, dtype="fp8")
+
+
+def test_demo_model_loads_with_auto_classes_and_writes_the_format():
+    path = demo_model_path()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path)
+    assert model.config.num_hidden_layers >= 8 and len(tokenizer) <= 512
+    problems = generate_problems("eval", 4, seed=123)
+    batch = tokenizer([p.prompt for p in problems], return_tensors="pt", padding=True)
+    out = model.generate(**batch, do_sample=False, max_new_tokens=32, pad_token_id=tokenizer.pad_token_id)
+    texts = tokenizer.batch_decode(out[:, batch["input_ids"].shape[1]:], skip_special_tokens=True)
+    for text in texts:
+        assert re.fullmatch(r" \d+[+-]\d+=\d+( \d+[+-]\d+=\d+)*\n#### \d+", text), text
