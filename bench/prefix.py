@@ -198,13 +198,14 @@ def main() -> None:
                      f"{memory['standard']:.0f}/{memory['turbogrpo']:.0f}" if memory else "-",
                      f"{record.get('memory_ratio_vs_standard', float('nan')):.2f}", f"{max_gap:.1e}"])
         print(f"done {P}/{S}/{G}", flush=True)
+        # Written after every shape, so an interrupted run keeps what it measured.
+        write_results("prefix", {"model": BENCH_MODEL, "dtype": "float32", "repeats": repeats,
+                                 "warmup": warmup, "shapes": records})
 
     print_table(
         "fwd+bwd seconds (median of %d), bench model float32 on CPU" % repeats,
         ["P/S/G", "standard", "prefix_grouper", "turbogrpo", "x std", "x pg", "FLOP ratio",
          "x std / FLOP", "peak MB std/ours", "mem ratio", "max |dlogp|"], rows)
-    write_results("prefix", {"model": BENCH_MODEL, "dtype": "float32", "repeats": repeats,
-                             "warmup": warmup, "shapes": records})
 
 
 if __name__ == "__main__":
