@@ -20,6 +20,7 @@ speculative steps) and tree sizes. Writes bench/results/speculative.json, specul
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -104,7 +105,9 @@ def main() -> None:
 
 def load_or_train_draft(model, tokenizer, args, *, quick: bool) -> tuple[DraftHead, dict]:
     if args.draft:
-        return DraftHead.load(args.draft, model), {"loaded_from": args.draft}
+        info_path = Path(args.draft) / "bench_info.json"
+        info = json.loads(info_path.read_text()) if info_path.is_file() else {}
+        return DraftHead.load(args.draft, model), {**info, "loaded_from": args.draft}
     num_prompts = 8 if quick else args.draft_prompts
     epochs = 1 if quick else args.draft_epochs
     prompts = [ex.token_ids for ex in build_prompts(demo_records("train", num_prompts, seed=0), tokenizer).examples]
@@ -125,6 +128,7 @@ def load_or_train_draft(model, tokenizer, args, *, quick: bool) -> tuple[DraftHe
     print(f"draft trained: {info}")
     if args.save_draft:
         draft.save(args.save_draft)
+        (Path(args.save_draft) / "bench_info.json").write_text(json.dumps(info, indent=2))
     return draft, info
 
 
