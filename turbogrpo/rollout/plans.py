@@ -23,6 +23,20 @@ from turbogrpo.rollout.attention import merge_partials, partial_attention
 from turbogrpo.rollout.kv_cache import GroupedKVCache
 
 
+def causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, scaling: float,
+                     sliding_window: int | None) -> torch.Tensor:
+    """Causal (optionally sliding-window) attention over right-padded rows: ``[B, H, T, D]`` queries,
+    ``[B, Hkv, T, D]`` keys/values -> ``[B, T, H, D]``. Padding sits after every real query."""
+    mask = None
+    if sliding_window is not None:
+        positions = torch.arange(query.shape[2], device=query.device)
+        distance = positions[:, None] - positions[None, :]
+        mask = (distance >= 0) & (distance < sliding_window)
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, is_causal=mask is None,
+                                         scale=scaling, enable_gqa=True)
+    return out.transpose(1, 2)
+
+
 class PrefillPlan:
     """Causal attention within each right-padded prompt row; stores the prompt K/V in the cache.
 
@@ -35,14 +49,7 @@ class PrefillPlan:
     def __call__(self, module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
                  scaling: float, sliding_window: int | None) -> torch.Tensor:
         self.cache.store_prompt(module.layer_idx, key, value)
-        mask = None
-        if sliding_window is not None:
-            positions = torch.arange(query.shape[2], device=query.device)
-            distance = positions[:, None] - positions[None, :]
-            mask = (distance >= 0) & (distance < sliding_window)
-        out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, is_causal=mask is None,
-                                             scale=scaling, enable_gqa=True)
-        return out.transpose(1, 2)
+        return causal_attention(query, key, value, scaling=scaling, sliding_window=sliding_window)
 
 
 def prefill(model: nn.Module, cache: GroupedKVCache, prompts: list[torch.Tensor]) -> torch.Tensor:

@@ -31,6 +31,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from turbogrpo.hook import ATTENTION_NAME, PLAN_KWARG, check_supported, decoder_of, lm_head_of
+from turbogrpo.rollout.plans import causal_attention
 
 CONFIG_FILE = "draft_config.json"
 WEIGHTS_FILE = "draft.safetensors"
@@ -147,14 +148,7 @@ class CausalPlan:
     """Causal attention over right-padded rows (training): padding sits after every real query."""
 
     def __call__(self, module, query, key, value, *, scaling, sliding_window):
-        mask = None
-        if sliding_window is not None:
-            positions = torch.arange(query.shape[2], device=query.device)
-            distance = positions[:, None] - positions[None, :]
-            mask = (distance >= 0) & (distance < sliding_window)
-        out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, is_causal=mask is None,
-                                             scale=scaling, enable_gqa=True)
-        return out.transpose(1, 2)
+        return causal_attention(query, key, value, scaling=scaling, sliding_window=sliding_window)
 
 
 def shift_features(features_BTH: torch.Tensor) -> torch.Tensor:

@@ -24,6 +24,7 @@ from torch import nn
 
 from turbogrpo.speculative.draft import DraftHead, shift_features
 from turbogrpo.speculative.tree import DraftLevel
+from turbogrpo.rollout.plans import causal_attention
 
 
 class DraftKVCache:
@@ -88,14 +89,7 @@ class DraftPrefillPlan:
     def __call__(self, module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
                  scaling: float, sliding_window: int | None) -> torch.Tensor:
         self.cache.store_prompt(module.layer_idx, key, value)
-        mask = None
-        if sliding_window is not None:
-            positions = torch.arange(query.shape[2], device=query.device)
-            distance = positions[:, None] - positions[None, :]
-            mask = (distance >= 0) & (distance < sliding_window)
-        out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, is_causal=mask is None,
-                                             scale=scaling, enable_gqa=True)
-        return out.transpose(1, 2)
+        return causal_attention(query, key, value, scaling=scaling, sliding_window=sliding_window)
 
 
 class DraftStepPlan:
