@@ -259,6 +259,7 @@ def main() -> None:
     hf_logging.set_verbosity_error()
 
     records = []
+    load_before = os.getloadavg()
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         makers = {"prompt-heavy": lambda: bench_shape(tmp / "bench_model"), "demo": lambda: demo_shape(args.demo_model)}
@@ -281,8 +282,12 @@ def main() -> None:
             phases = r["phases_s"][name]
             phase_rows.append([r["shape"], name, *(phases[p] for p in PHASES)])
     print_table("Phase breakdown (median seconds per step)", ["shape", "trainer", *PHASES], phase_rows)
+    load = {"before": load_before, "after": os.getloadavg()}
+    print(f"load average (1, 5, 15 min) before {load['before']}, after {load['after']} on {os.cpu_count()} cores")
     write_results("e2e", {"shapes": records, "omp_wait_policy": os.environ["OMP_WAIT_POLICY"],
-                          "note": "2 shared CPU cores; other processes may have run during the measurement"})
+                          "torch_threads": torch.get_num_threads(), "load_average": load,
+                          "note": "2 CPU cores shared with other processes: a load average above 2 means "
+                                  "the two trainers competed with other work (alike, as steps alternate)"})
 
 
 if __name__ == "__main__":

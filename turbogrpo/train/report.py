@@ -27,11 +27,10 @@ def write_report(output_dir: str | Path) -> Path:
     xs = [r["step"] for r in steps]
     if steps:
         reward = [r["reward"] for r in steps]
-        std = [r["reward_std"] for r in steps]
-        ax.plot(xs, reward, label="reward (mean over completions)")
-        ax.fill_between(xs, [m - s for m, s in zip(reward, std)], [m + s for m, s in zip(reward, std)], alpha=0.2)
-        if any("accuracy" in r for r in steps):
-            ax.plot(xs, [r.get("accuracy") for r in steps], label="training accuracy (sampled)")
+        ax.plot(xs, reward, label="reward (mean over the step's completions)")
+        accuracy = [r.get("accuracy") for r in steps]
+        if any(a is not None for a in accuracy) and accuracy != reward:
+            ax.plot(xs, accuracy, ":", label="training accuracy (sampled)")
     if evals:
         ax.plot([s for s, _ in evals], [a for _, a in evals], "o-", label="held-out accuracy (greedy)")
     if sampled:
