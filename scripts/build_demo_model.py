@@ -15,7 +15,9 @@ temperature 1. Correct and wrong answers then both occur within a GRPO group, an
 of GRPO visibly raise sampled accuracy. The noise rates and training length are the knobs.
 
 MEASURED (see demo_info.json next to the model for the exact numbers of the shipped build)
-RESULTS_PLACEHOLDER
+The shipped build (seed 0, default settings), on 200 held-out problems before GRPO: greedy accuracy
+87.5%, pass@1 at temperature 1 37.6%, pass@8 90%; 1,642,368 parameters, vocabulary 510; generating
+64 completions with HF generate takes about 2.4 s on 2 CPU cores.
 
 Usage: .venv/bin/python scripts/build_demo_model.py [--out DIR] [--threads 2] [--steps N] ...
 Reproducible: the same seed and thread count give the same model (float summation order depends
