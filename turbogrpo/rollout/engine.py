@@ -37,18 +37,22 @@ def generate(model: nn.Module, prompts: list[torch.Tensor], *, num_samples: int,
 
     ``prompts``: 1-D int64 token id tensors, one per group. ``seed`` makes the draws reproducible
     (a generator on the model's device); ``None`` uses torch's global generator. ``return_hidden``
-    keeps the policy's final hidden state for every generated token. ``draft`` is reserved for
-    speculative decoding and must be None in this version.
+    keeps the policy's final hidden state for every generated token. ``draft`` (a
+    ``turbogrpo.speculative`` draft head or ``Speculation``) turns on lossless speculative decoding.
     """
-    _check_inputs(model, prompts, num_samples, sampling, draft)
+    _check_inputs(model, prompts, num_samples, sampling)
     device = next(model.parameters()).device
     generator = None
     if seed is not None:
         generator = torch.Generator(device=device)
         generator.manual_seed(seed)
+    prompts = [p.to(device=device, dtype=torch.long) for p in prompts]
     with torch.no_grad():
-        return _plain_rollout(model, [p.to(device=device, dtype=torch.long) for p in prompts], num_samples,
-                              sampling, generator, return_hidden)
+        if draft is not None:
+            # Imported here: the speculative decoder is built on this engine's pieces.
+            from turbogrpo.speculative.decode import speculative_rollout
+            return speculative_rollout(model, prompts, num_samples, sampling, generator, return_hidden, draft)
+        return _plain_rollout(model, prompts, num_samples, sampling, generator, return_hidden)
 
 
 @dataclass
@@ -190,12 +194,10 @@ def _collect(prompts: list[torch.Tensor], num_samples: int, outputs: _Outputs, s
 _TOKEN_DTYPES = (torch.int64, torch.int32, torch.int16, torch.uint8)
 
 
-def _check_inputs(model: nn.Module, prompts: list[torch.Tensor], num_samples: int, sampling: SamplingConfig,
-                  draft: object | None) -> None:
+def _check_inputs(model: nn.Module, prompts: list[torch.Tensor], num_samples: int,
+                  sampling: SamplingConfig) -> None:
     if not isinstance(sampling, SamplingConfig):
         raise ValueError(f"sampling must be a SamplingConfig, got {type(sampling).__name__}")
-    if draft is not None:
-        raise ValueError("draft: speculative decoding is not available in this version; pass draft=None")
     if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
         raise ValueError(f"num_samples must be an integer >= 1, got {num_samples!r}")
     if not isinstance(prompts, (list, tuple)) or not prompts:

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from turbogrpo.hook import lm_head_of, run_decoder
-from turbogrpo.rollout.engine import _check_inputs, _collect, _emit, _Live, _Outputs
+from turbogrpo.rollout.engine import _collect, _emit, _Live, _Outputs, generate
 from turbogrpo.rollout.kv_cache import GroupedKVCache
 from turbogrpo.rollout.plans import PrefillPlan, forward_new_tokens
 from turbogrpo.rollout.sampling import SamplingConfig, sample_with_logprobs, token_logprobs
@@ -81,15 +81,8 @@ def generate_speculative(model: nn.Module, prompts: list[torch.Tensor], *, num_s
                          sampling: SamplingConfig, draft: DraftHead | Speculation, seed: int | None = None,
                          return_hidden: bool = False) -> Rollout:
     """``turbogrpo.rollout.generate(..., draft=draft)``: the same inputs, checks and outputs."""
-    _check_inputs(model, prompts, num_samples, sampling, None)
-    device = next(model.parameters()).device
-    generator = None
-    if seed is not None:
-        generator = torch.Generator(device=device)
-        generator.manual_seed(seed)
-    with torch.no_grad():
-        return speculative_rollout(model, [p.to(device=device, dtype=torch.long) for p in prompts], num_samples,
-                                   sampling, generator, return_hidden, draft)
+    return generate(model, prompts, num_samples=num_samples, sampling=sampling, seed=seed,
+                    return_hidden=return_hidden, draft=draft)
 
 
 def resolve_sizing(speculation: Speculation, model: nn.Module, prompts: list[torch.Tensor],
@@ -161,6 +154,9 @@ def speculative_rollout(model: nn.Module, prompts: list[torch.Tensor], num_sampl
                         draft: DraftHead | Speculation) -> Rollout:
     """The loop of the module docstring (inputs already checked and on the model's device)."""
     start = time.perf_counter()
+    if not isinstance(draft, (DraftHead, Speculation)):
+        raise ValueError(f"draft must be a turbogrpo.speculative DraftHead or Speculation (or None for plain "
+                         f"sampling), got {type(draft).__name__}")
     speculation = draft if isinstance(draft, Speculation) else Speculation(draft)
     _check_draft(speculation.draft, model)
     sizing = resolve_sizing(speculation, model, prompts, sampling)
