@@ -14,6 +14,7 @@ import sys
 import time
 
 from turbogrpo.config import Config, ConfigError, load_config
+from turbogrpo.speculative.cli import add_commands as add_speculative_commands
 
 # The demo: GRPO on the built-in arithmetic task with the shipped demo model. configs/demo.toml holds
 # the same settings (a test keeps them equal); each value's reason is written there.
@@ -62,10 +63,13 @@ def main(argv: list[str] | None = None) -> int:
     eval_cmd.add_argument("config", nargs="?", help="config file (default: the demo's)")
     eval_cmd.add_argument("--model", help="model folder to evaluate (default: the config's model.path)")
     _add_overrides(eval_cmd)
+    add_speculative_commands(commands)  # `draft train` and `profile`
 
     args = parser.parse_args(argv)
-    overrides = [item for group in args.set or [] for item in group]
+    overrides = [item for group in getattr(args, "set", None) or [] for item in group]
     try:
+        if hasattr(args, "run"):
+            return args.run(args)
         if args.command == "train":
             return _train(load_config(args.config, overrides), args.resume)
         if args.command == "demo":
