@@ -51,6 +51,8 @@ def test_missing_local_path_and_bad_dtype(tmp_path):
         load_model_and_tokenizer(tmp_path / "no_model_here")
     with pytest.raises(ValueError, match="dtype must be one of"):
         load_model_and_tokenizer(tmp_path, dtype="fp8")
+    with pytest.raises(ValueError, match="has no config.json"):
+        load_model_and_tokenizer(tmp_path)
 
 
 def test_demo_model_loads_with_auto_classes_and_writes_the_format():

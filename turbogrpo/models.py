@@ -56,24 +56,30 @@ def load_model_and_tokenizer(name_or_path: str | os.PathLike, *, dtype: str | to
     """A causal LM and its tokenizer from a local folder (``save_pretrained`` layout) or a Hub name.
 
     The tokenizer gets a pad token (its eos token) if it has none, because batched rollouts pad.
+    A name that is not an existing folder but looks like a Hub id ("owner/name") is tried on the Hub,
+    which takes a while to fail when offline (set HF_HUB_OFFLINE=1 to fail at once).
     """
     torch_dtype = resolve_dtype(dtype)
     source = str(name_or_path)
-    if not Path(source).expanduser().is_dir():
-        if not _HUB_ID.match(source) or Path(source).suffix in {".json", ".safetensors", ".bin"}:
-            raise ValueError(f"model path {source!r} is not an existing folder; pass a folder written by "
-                             "save_pretrained (with config.json and the weights) or a Hub name like 'owner/name'")
-    else:
-        source = str(Path(source).expanduser())
+    local = Path(source).expanduser()
+    if local.is_dir():
+        if not (local / "config.json").is_file():
+            raise ValueError(f"model folder {source!r} has no config.json; pass a folder written by "
+                             "save_pretrained (config.json, weights and tokenizer files)")
+        source = str(local)
+    elif not _HUB_ID.match(source) or local.suffix in {".json", ".safetensors", ".bin"}:
+        raise ValueError(f"model path {source!r} is not an existing folder; pass a folder written by "
+                         "save_pretrained (with config.json and the weights) or a Hub name like 'owner/name'")
     try:
         tokenizer = AutoTokenizer.from_pretrained(source)
         model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype,
                                                      attn_implementation=attn_implementation)
     except OSError as err:
-        raise ValueError(
-            f"could not load model {source!r}: it is not a local folder and the Hugging Face Hub could not "
-            f"provide it (the Hub is unreachable when offline; download it elsewhere and pass the local "
-            f"folder). Original error: {err}") from err
+        problem = (f"folder {source!r} is not a complete save_pretrained folder (config.json, weights and "
+                   "tokenizer files)" if local.is_dir() else
+                   f"{source!r} is not a local folder and the Hugging Face Hub could not provide it (the Hub "
+                   "is unreachable offline: download the model elsewhere and pass its local folder)")
+        raise ValueError(f"could not load model: {problem}. Original error: {err}") from err
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is None:
             raise ValueError(f"tokenizer of {source!r} has neither a pad token nor an eos token; "

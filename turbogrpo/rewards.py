@@ -88,8 +88,6 @@ def answers_match(predicted: str, gold: str, *, predicted_is_answer: bool = True
     return bool(verify(gold_parsed, predicted_parsed, timeout_seconds=timeout))
 
 
-
-
 def gold_answer(value: Any) -> str | None:
     """A gold-answer column value as answer text: numbers as is, GSM8K solutions after ``####``."""
     if value is None:
