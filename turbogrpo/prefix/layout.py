@@ -68,12 +68,7 @@ class PackedGroups:
 
     def split_per_completion(self, flat: torch.Tensor) -> list[list[torch.Tensor]]:
         """Split a ``[Nq, ...]`` tensor in flat completion order into per-group lists of ``[S_gi, ...]``."""
-        pieces = torch.split(flat, self.flat_completion_lengths)
-        out, start = [], 0
-        for lengths in self.completion_lengths:
-            out.append(list(pieces[start:start + len(lengths)]))
-            start += len(lengths)
-        return out
+        return split_per_completion(flat, self.completion_lengths)
 
     # ---- padded views used by the cascade backend (built lazily, once per pack) ----
 
@@ -115,6 +110,17 @@ class PackedGroups:
         same_completion = completion[:, None] == completion[None, :]
         causal = pos[None, :] <= pos[:, None]
         return same_group & causal & (key_is_prompt | same_completion)
+
+
+def split_per_completion(flat: torch.Tensor, completion_lengths) -> list[list[torch.Tensor]]:
+    """Split ``[Nq, ...]`` (flat completion order) into per-group lists of ``[S_gi, ...]``;
+    ``completion_lengths`` holds, per group, the lengths of its completions."""
+    pieces = torch.split(flat, [s for lengths in completion_lengths for s in lengths])
+    out, start = [], 0
+    for lengths in completion_lengths:
+        out.append(list(pieces[start:start + len(lengths)]))
+        start += len(lengths)
+    return out
 
 
 @dataclass(frozen=True, eq=False)

@@ -13,7 +13,7 @@ from torch.utils.checkpoint import checkpoint
 
 from turbogrpo.hook import decoder_of, lm_head_of, run_decoder
 from turbogrpo.prefix.backends import select_backend
-from turbogrpo.prefix.layout import PackedGroups, pack_groups
+from turbogrpo.prefix.layout import PackedGroups, pack_groups, split_per_completion
 
 # Rows of (tokens x vocab) logits materialised at once: 2**24 floats = 64 MiB per chunk.
 LOGIT_CHUNK_ELEMENTS = 2 ** 24
@@ -30,12 +30,7 @@ class CompletionLogprobs:
 
     def per_completion(self, flat: torch.Tensor) -> list[list[torch.Tensor]]:
         """Split a ``[Nq, ...]`` tensor into per-group lists of ``[S_gi, ...]``."""
-        pieces = torch.split(flat, [s for lengths in self.completion_lengths for s in lengths])
-        out, start = [], 0
-        for lengths in self.completion_lengths:
-            out.append(list(pieces[start:start + len(lengths)]))
-            start += len(lengths)
-        return out
+        return split_per_completion(flat, self.completion_lengths)
 
 
 def completion_logprobs(model: nn.Module, prompts: list[torch.Tensor],
