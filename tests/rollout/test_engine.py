@@ -90,6 +90,19 @@ def test_max_new_tokens_one_needs_only_the_prefill(qwen2):
     assert rollout.stats.num_forwards == 1 and rollout.stats.live_batch_sizes == []
 
 
+def test_per_completion_limits_cut_each_completion_where_asked(qwen2):
+    prompts = random_prompts([5, 9])
+    sampling = SamplingConfig(max_new_tokens=12, temperature=0.0)
+    full = generate(qwen2, prompts, num_samples=2, sampling=sampling)
+    limits = [12, 1, 7, 3]
+    cut = generate(qwen2, prompts, num_samples=2, sampling=sampling, max_new_tokens_per_completion=limits)
+    assert [len(t) for t in cut.tokens] == limits
+    for whole, part, n in zip(full.tokens, cut.tokens, limits):
+        assert part.tolist() == whole[:n].tolist()  # greedy: a shorter limit gives a prefix
+    assert cut.finish_reasons == ["length"] * 4
+    assert cut.stats.live_batch_sizes == sorted(cut.stats.live_batch_sizes, reverse=True)
+
+
 def piece_tokenizer() -> tuple[PreTrainedTokenizerFast, list[str]]:
     """A 63-piece tokenizer (one short string per id; the model's vocabulary is larger)."""
     pieces = list(string.ascii_lowercase) + [a + b for a in "abcde" for b in "xyz"] + \
@@ -127,6 +140,8 @@ BAD_INPUTS = {  # case: (arguments replacing VALID_CALL's, expected message)
     "num_samples 0": (dict(num_samples=0), "num_samples must be an integer >= 1"),
     "beyond max positions": (dict(prompts=[torch.arange(120) % VOCAB]), "max_position_embeddings=128"),
     "draft": (dict(draft=object()), "draft"),
+    "limits of the wrong length": (dict(max_new_tokens_per_completion=[2]), "one per completion"),
+    "limit above max_new_tokens": (dict(max_new_tokens_per_completion=[2, 99]), r"\[1, sampling.max_new_tokens"),
     "sampling not a config": (dict(sampling={"max_new_tokens": 3}), "sampling must be a SamplingConfig"),
     "stop token outside vocabulary": (dict(sampling=SamplingConfig(max_new_tokens=2, stop_token_ids=[VOCAB])),
                                       "stop_token_ids"),

@@ -79,6 +79,16 @@ def test_max_new_tokens_reached_mid_path(max_new_tokens):
     assert all(len(t) == max_new_tokens for t in spec.tokens)
 
 
+def test_per_completion_limits_match_plain():
+    policy, draft, prompts = trained_pair()
+    prompts = prompts[:2]
+    limits = [20, 3, 1, 11]
+    plain = generate(policy, prompts, num_samples=2, sampling=GREEDY, max_new_tokens_per_completion=limits)
+    spec = speculate(policy, draft, prompts, GREEDY, max_new_tokens_per_completion=limits)
+    assert_same_completions(plain, spec)
+    assert [len(t) for t in spec.tokens] == limits
+
+
 def test_a_single_live_sequence():
     policy, draft, prompts = trained_pair()
     prompts = prompts[:1]

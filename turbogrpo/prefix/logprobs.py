@@ -24,7 +24,7 @@ class CompletionLogprobs:
     """Flat per-token results in completion order (group by group, completion by completion)."""
 
     logps: torch.Tensor               # [Nq] log p(token) at the given temperature; differentiable
-    entropy: torch.Tensor             # [Nq] entropy of the same distribution; detached
+    entropy: torch.Tensor | None      # [Nq] entropy of the same distribution; detached (None: not asked)
     hidden: torch.Tensor | None       # [Nq, Hd] final hidden state that predicts each token
     completion_lengths: list[list[int]]
 
@@ -52,7 +52,7 @@ def completion_logprobs(model: nn.Module, prompts: list[torch.Tensor],
         pair ``(logps, hidden)`` of such nested lists.
     """
     result = compute_logprobs(model, prompts, completions, share_prefix=share_prefix, backend=backend,
-                              temperature=temperature, return_hidden=return_hidden)
+                              temperature=temperature, return_hidden=return_hidden, with_entropy=False)
     logps = result.per_completion(result.logps)
     if return_hidden:
         return logps, result.per_completion(result.hidden)
@@ -61,8 +61,8 @@ def completion_logprobs(model: nn.Module, prompts: list[torch.Tensor],
 
 def compute_logprobs(model: nn.Module, prompts: list[torch.Tensor],
                      completions: list[list[torch.Tensor]], *, share_prefix: bool = True,
-                     backend: str = "auto", temperature: float = 1.0,
-                     return_hidden: bool = False) -> CompletionLogprobs:
+                     backend: str = "auto", temperature: float = 1.0, return_hidden: bool = False,
+                     with_entropy: bool = True) -> CompletionLogprobs:
     """Like :func:`completion_logprobs` but returns flat tensors plus entropy (for the trainer)."""
     validate_inputs(model, prompts, completions, temperature)
     if share_prefix:
@@ -70,7 +70,7 @@ def compute_logprobs(model: nn.Module, prompts: list[torch.Tensor],
     else:
         hidden = _standard_hidden(model, prompts, completions)
     targets = torch.cat([c for cs in completions for c in cs])
-    logps, entropy = token_logprobs(hidden, lm_head_of(model), targets, temperature)
+    logps, entropy = token_logprobs(hidden, lm_head_of(model), targets, temperature, with_entropy=with_entropy)
     return CompletionLogprobs(logps, entropy, hidden if return_hidden else None,
                               [[int(c.numel()) for c in cs] for cs in completions])
 
@@ -101,9 +101,10 @@ def _standard_hidden(model, prompts, completions) -> torch.Tensor:
     return hidden[torch.cat(rows).to(hidden.device), torch.cat(cols).to(hidden.device)]
 
 
-def token_logprobs(hidden: torch.Tensor, lm_head: nn.Module, targets: torch.Tensor,
-                   temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-probs ``[N]`` of ``targets`` and entropies ``[N]`` from hidden states ``[N, Hd]``.
+def token_logprobs(hidden: torch.Tensor, lm_head: nn.Module, targets: torch.Tensor, temperature: float = 1.0,
+                   *, with_entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs ``[N]`` of ``targets`` and entropies ``[N]`` (None without ``with_entropy``) from
+    hidden states ``[N, Hd]``.
 
     The LM head runs chunk by chunk under activation checkpointing, so the ``[N, V]`` logits are
     never all in memory, in the forward or in the backward.
@@ -114,20 +115,54 @@ def token_logprobs(hidden: torch.Tensor, lm_head: nn.Module, targets: torch.Tens
     for start in range(0, hidden.shape[0], rows):
         h, t = hidden[start:start + rows], targets[start:start + rows]
         if torch.is_grad_enabled() and h.requires_grad:
-            lp, ent = checkpoint(_chunk_logprobs, h, t, lm_head, temperature, use_reentrant=False)
+            lp, ent = checkpoint(_chunk_logprobs, h, t, lm_head, temperature, with_entropy, use_reentrant=False)
         else:
-            lp, ent = _chunk_logprobs(h, t, lm_head, temperature)
+            lp, ent = _chunk_logprobs(h, t, lm_head, temperature, with_entropy)
         logps.append(lp)
         entropies.append(ent)
-    return torch.cat(logps), torch.cat(entropies).detach()
+    return torch.cat(logps), torch.cat(entropies).detach() if with_entropy else None
 
 
-def _chunk_logprobs(hidden, targets, lm_head, temperature):
-    logits = lm_head(hidden)
-    logits = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature
-    logp_all = torch.log_softmax(logits, dim=-1)
-    entropy = -(logp_all.exp() * logp_all).sum(-1)
-    return logp_all.gather(-1, targets[:, None]).squeeze(-1), entropy.detach()
+def _chunk_logprobs(hidden, targets, lm_head, temperature, with_entropy):
+    return TargetLogprobs.apply(lm_head(hidden), targets, temperature, with_entropy)
+
+
+class TargetLogprobs(torch.autograd.Function):
+    """``logits [n, V]`` -> (log-prob of ``targets [n]`` under ``softmax(logits / T)``, entropy or None).
+
+    Computed in float32 from the row log-sum-exps; the backward rebuilds the softmax from the saved
+    log-sum-exps in one pass, ``d logp_t / d z = onehot(t) - softmax(z)``, instead of keeping a full
+    ``[n, V]`` log-softmax for autograd and scattering the gather's gradient into a zero-filled one.
+    The entropy is a detached metric.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, targets, temperature, with_entropy):
+        scaled = _scaled_logits(logits, temperature)
+        lse = torch.logsumexp(scaled, dim=-1)
+        logps = scaled.gather(-1, targets[:, None]).squeeze(-1) - lse
+        entropy = None
+        if with_entropy:  # H = lse - sum_v p_v z_v
+            entropy = lse - torch.linalg.vecdot(torch.exp(scaled - lse[:, None]), scaled)
+        ctx.save_for_backward(logits, targets, lse)
+        ctx.temperature = temperature
+        ctx.mark_non_differentiable(*(t for t in (entropy,) if t is not None))
+        return logps, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logps, _grad_entropy):
+        logits, targets, lse = ctx.saved_tensors
+        grad = torch.exp(_scaled_logits(logits, ctx.temperature) - lse[:, None])
+        grad.mul_(-grad_logps[:, None])
+        grad.scatter_add_(-1, targets[:, None], grad_logps[:, None])
+        if ctx.temperature != 1.0:
+            grad.div_(ctx.temperature)
+        return grad.to(logits.dtype), None, None, None
+
+
+def _scaled_logits(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    return logits if temperature == 1.0 else logits / temperature
 
 
 def validate_inputs(model: nn.Module, prompts, completions, temperature: float) -> None:

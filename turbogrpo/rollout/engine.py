@@ -7,9 +7,7 @@
 The policy runs as the user's own ``transformers`` model object (through ``turbogrpo.hook``), so a
 rollout right after an optimizer step already uses the new weights.
 
-Emission is written for k tokens per live sequence per step (``_emit``), so that a decoder that
-accepts several tokens per step (speculative verification) reuses the stop and bookkeeping logic;
-the plain decoder emits one.
+Output buffers and emission live in ``outputs.py``, shared with the speculative decoder.
 
 Legend: ``N`` completions, ``B`` live sequences, ``k`` tokens emitted per sequence in a step,
 ``T`` output columns, ``V`` vocabulary, ``Hd`` hidden size.
@@ -18,30 +16,35 @@ Legend: ``N`` completions, ``B`` live sequences, ``k`` tokens emitted per sequen
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from collections.abc import Sequence
 
 import torch
 from torch import nn
 
 from turbogrpo.hook import lm_head_of
 from turbogrpo.rollout.kv_cache import GroupedKVCache
+from turbogrpo.rollout.outputs import LiveRows, OutputBuffers, collect_rollout, emit
 from turbogrpo.rollout.plans import forward_new_tokens, prefill
 from turbogrpo.rollout.sampling import SamplingConfig, sample_with_logprobs
-from turbogrpo.rollout.stopping import NO_TOKEN, StopCriteria
+from turbogrpo.rollout.stopping import StopCriteria
 from turbogrpo.rollout.types import Rollout, RolloutStats
 
 
 def generate(model: nn.Module, prompts: list[torch.Tensor], *, num_samples: int, sampling: SamplingConfig,
-             seed: int | None = None, draft: object | None = None, return_hidden: bool = False) -> Rollout:
+             seed: int | None = None, draft: object | None = None, return_hidden: bool = False,
+             max_new_tokens_per_completion: Sequence[int] | None = None) -> Rollout:
     """Sample ``num_samples`` completions for each prompt with ``model``'s current weights.
 
     ``prompts``: 1-D int64 token id tensors, one per group. ``seed`` makes the draws reproducible
     (a generator on the model's device); ``None`` uses torch's global generator. ``return_hidden``
     keeps the policy's final hidden state for every generated token. ``draft`` (a
     ``turbogrpo.speculative`` draft head or ``Speculation``) turns on lossless speculative decoding.
+    ``max_new_tokens_per_completion``: a length limit for each completion (group by group, as in the
+    output), each at most ``sampling.max_new_tokens``; None gives every completion that limit.
     """
     _check_inputs(model, prompts, num_samples, sampling)
     device = next(model.parameters()).device
+    limits_N = _length_limits(max_new_tokens_per_completion, len(prompts) * num_samples, sampling, device)
     generator = None
     if seed is not None:
         generator = torch.Generator(device=device)
@@ -51,49 +54,29 @@ def generate(model: nn.Module, prompts: list[torch.Tensor], *, num_samples: int,
         if draft is not None:
             # Imported here: the speculative decoder is built on this engine's pieces.
             from turbogrpo.speculative.decode import speculative_rollout
-            return speculative_rollout(model, prompts, num_samples, sampling, generator, return_hidden, draft)
-        return _plain_rollout(model, prompts, num_samples, sampling, generator, return_hidden)
+            return speculative_rollout(model, prompts, num_samples, sampling, generator, return_hidden, draft,
+                                       limits_N)
+        return _plain_rollout(model, prompts, num_samples, sampling, generator, return_hidden, limits_N)
 
 
-@dataclass
-class _Outputs:
-    """Per-completion output buffers, written in place as tokens are emitted."""
-
-    tokens_NT: torch.Tensor
-    logprobs_NT: torch.Tensor
-    hidden_NTH: torch.Tensor | None
-    lengths_N: torch.Tensor
-    stopped_N: torch.Tensor
-
-    @staticmethod
-    def allocate(num_completions: int, num_columns: int, device: torch.device,
-                 hidden_like: torch.Tensor | None) -> _Outputs:
-        """``num_columns``: max_new_tokens + (most tokens emitted per step) - 1. ``hidden_like``: a
-        hidden-state tensor to take size and dtype from, or None to keep no hidden states."""
-        hidden = None
-        if hidden_like is not None:
-            hidden = hidden_like.new_zeros(num_completions, num_columns, hidden_like.shape[-1])
-        return _Outputs(
-            tokens_NT=torch.full((num_completions, num_columns), NO_TOKEN, dtype=torch.long, device=device),
-            logprobs_NT=torch.zeros(num_completions, num_columns, dtype=torch.float32, device=device),
-            hidden_NTH=hidden,
-            lengths_N=torch.zeros(num_completions, dtype=torch.long, device=device),
-            stopped_N=torch.zeros(num_completions, dtype=torch.bool, device=device))
-
-
-@dataclass
-class _Live:
-    """Per live sequence: which completion it is and how many tokens it has emitted."""
-
-    completion_B: torch.Tensor
-    emitted_B: torch.Tensor
-
-    def keep(self, rows_device: torch.Tensor) -> _Live:
-        return _Live(self.completion_B[rows_device], self.emitted_B[rows_device])
+def _length_limits(limits: Sequence[int] | None, num_completions: int, sampling: SamplingConfig,
+                   device: torch.device) -> torch.Tensor:
+    """``[N]`` most new tokens per completion."""
+    if limits is None:
+        return torch.full((num_completions,), sampling.max_new_tokens, dtype=torch.long, device=device)
+    limits = list(limits)
+    if len(limits) != num_completions:
+        raise ValueError(f"max_new_tokens_per_completion has {len(limits)} entries; it needs one per completion "
+                         f"({num_completions} = prompts x num_samples)")
+    bad = [n for n in limits if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= sampling.max_new_tokens]
+    if bad:
+        raise ValueError(f"max_new_tokens_per_completion holds {bad[:3]}; each must be an integer in "
+                         f"[1, sampling.max_new_tokens={sampling.max_new_tokens}]")
+    return torch.tensor(limits, dtype=torch.long, device=device)
 
 
 def _plain_rollout(model: nn.Module, prompts: list[torch.Tensor], num_samples: int, sampling: SamplingConfig,
-                   generator: torch.Generator | None, return_hidden: bool) -> Rollout:
+                   generator: torch.Generator | None, return_hidden: bool, limits_N: torch.Tensor) -> Rollout:
     start = time.perf_counter()
     device = prompts[0].device
     num_completions = len(prompts) * num_samples
@@ -110,13 +93,12 @@ def _plain_rollout(model: nn.Module, prompts: list[torch.Tensor], num_samples: i
     # One row per sample, so that every sample draws its own first token from its prompt's logits.
     logits_BV = lm_head(prompt_hidden_GH).float().repeat_interleave(num_samples, dim=0)
     hidden_BH = prompt_hidden_GH.repeat_interleave(num_samples, dim=0)
-    outputs = _Outputs.allocate(num_completions, max_new, device, prompt_hidden_GH if return_hidden else None)
-    live = _Live(torch.arange(num_completions, device=device),
-                 torch.zeros(num_completions, dtype=torch.long, device=device))
+    outputs = OutputBuffers.allocate(num_completions, max_new, device, prompt_hidden_GH if return_hidden else None)
+    live = LiveRows.start(limits_N)
     while True:
         tokens_B, logprobs_B = sample_with_logprobs(logits_BV, sampling, generator)
-        finished_B = _emit(outputs, live, tokens_B[:, None], logprobs_B[:, None], hidden_BH[:, None],
-                           torch.ones_like(tokens_B), criteria, max_new)
+        finished_B = emit(outputs, live, tokens_B[:, None], logprobs_B[:, None], hidden_BH[:, None],
+                          torch.ones_like(tokens_B), criteria)
         # Host sync, once per step: which sequences finished decides the next step's batch.
         finished = finished_B.tolist()
         if all(finished):
@@ -128,67 +110,16 @@ def _plain_rollout(model: nn.Module, prompts: list[torch.Tensor], num_samples: i
         cache.commit_all(1)
         stats.num_forwards += 1
         logits_BV = lm_head(hidden_BH).float()
-    return _collect(prompts, num_samples, outputs, stats, start)
+    return collect_rollout(prompts, num_samples, outputs, stats, start)
 
 
-def _drop_finished(finished: list[bool], cache: GroupedKVCache, live: _Live,
-                   tokens_B: torch.Tensor) -> tuple[_Live, torch.Tensor]:
+def _drop_finished(finished: list[bool], cache: GroupedKVCache, live: LiveRows,
+                   tokens_B: torch.Tensor) -> tuple[LiveRows, torch.Tensor]:
     """Compact the cache and the per-sequence state to the unfinished rows."""
     rows = [row for row, done in enumerate(finished) if not done]
     rows_device = torch.tensor(rows, dtype=torch.long, device=tokens_B.device)
     cache.keep(rows)
     return live.keep(rows_device), tokens_B[rows_device]
-
-
-def _emit(outputs: _Outputs, live: _Live, tokens_Bk: torch.Tensor, logprobs_Bk: torch.Tensor,
-          hidden_BkH: torch.Tensor | None, counts_B: torch.Tensor, criteria: StopCriteria,
-          max_new: int) -> torch.Tensor:
-    """Append the first ``counts_B[b]`` of ``tokens_Bk[b]`` to each live sequence, cut at the first stop
-    token/string and at ``max_new``. ``hidden_BkH``: the hidden state that predicted each token (kept
-    only if the outputs have room for it). ``outputs`` needs ``max_new + k - 1`` columns.
-    Returns ``[B]`` bool: the sequence finished.
-    """
-    num_rows, num_new = tokens_Bk.shape
-    offsets_k = torch.arange(num_new, device=tokens_Bk.device)
-    counts_B = torch.minimum(counts_B, max_new - live.emitted_B)
-    columns_Bk = live.emitted_B[:, None] + offsets_k
-    completions_Bk = live.completion_B[:, None].expand(-1, num_new)
-    # Columns past a row's count get leftovers; they lie beyond the final length and are never read.
-    outputs.tokens_NT[completions_Bk, columns_Bk] = tokens_Bk
-    outputs.logprobs_NT[completions_Bk, columns_Bk] = logprobs_Bk
-    if outputs.hidden_NTH is not None:
-        outputs.hidden_NTH[completions_Bk, columns_Bk] = hidden_BkH.to(outputs.hidden_NTH.dtype)
-    windows = None
-    if criteria.window:
-        back_W = torch.arange(1 - criteria.window, 1, device=tokens_Bk.device)
-        window_columns = columns_Bk[..., None] + back_W  # [B, k, W]
-        windows = outputs.tokens_NT[completions_Bk[..., None], window_columns.clamp(min=0)]
-        windows = windows.masked_fill(window_columns < 0, NO_TOKEN).flatten(0, 1)
-    stop_Bk = criteria(tokens_Bk.flatten(), windows).view(num_rows, num_new) & (offsets_k < counts_B[:, None])
-    stopped_B = stop_Bk.any(dim=-1)
-    counts_B = torch.where(stopped_B, stop_Bk.int().argmax(dim=-1) + 1, counts_B)
-    live.emitted_B += counts_B
-    outputs.lengths_N[live.completion_B] = live.emitted_B
-    outputs.stopped_N[live.completion_B] = stopped_B
-    return stopped_B | (live.emitted_B >= max_new)
-
-
-def _collect(prompts: list[torch.Tensor], num_samples: int, outputs: _Outputs, stats: RolloutStats,
-             start: float) -> Rollout:
-    lengths = outputs.lengths_N.tolist()  # host sync: end of the rollout
-    stopped = outputs.stopped_N.tolist()
-    stats.num_generated_tokens = sum(lengths)
-    stats.wall_time_s = time.perf_counter() - start
-    hidden = None
-    if outputs.hidden_NTH is not None:
-        hidden = [outputs.hidden_NTH[i, :n] for i, n in enumerate(lengths)]
-    return Rollout(
-        prompts=prompts, num_samples=num_samples,
-        tokens=[outputs.tokens_NT[i, :n] for i, n in enumerate(lengths)],
-        logprobs=[outputs.logprobs_NT[i, :n] for i, n in enumerate(lengths)],
-        finish_reasons=["stop" if s else "length" for s in stopped],
-        group_index=[i // num_samples for i in range(len(lengths))],
-        hidden=hidden, stats=stats)
 
 
 _TOKEN_DTYPES = (torch.int64, torch.int32, torch.int16, torch.uint8)

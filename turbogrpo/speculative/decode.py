@@ -10,7 +10,7 @@
       one host transfer: finished rows, accepted counts, the sizing policy's statistics
       commit the accepted path's K/V, drop finished sequences
 
-Emission, stop tokens/strings and the output buffers are the plain engine's own (``_emit``), so a stop
+Emission, stop tokens/strings and the output buffers are the plain engine's own (``emit``), so a stop
 token inside an accepted path and max_new_tokens reached mid-path end a completion exactly as in
 plain decoding. The sampler's log-prob of each emitted token is taken from the policy's logits at
 the node that drew it, as in plain sampling.
@@ -26,14 +26,16 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from turbogrpo.hook import lm_head_of, run_decoder
-from turbogrpo.rollout.engine import _collect, _emit, _Live, _Outputs, generate
+from turbogrpo.rollout.engine import generate
 from turbogrpo.rollout.kv_cache import GroupedKVCache
+from turbogrpo.rollout.outputs import LiveRows, OutputBuffers, collect_rollout, emit
 from turbogrpo.rollout.plans import PrefillPlan, forward_new_tokens
 from turbogrpo.rollout.sampling import SamplingConfig, sample_with_logprobs, token_logprobs
 from turbogrpo.rollout.stopping import StopCriteria
@@ -79,10 +81,12 @@ class SpeculativeStats(RolloutStats):
 
 def generate_speculative(model: nn.Module, prompts: list[torch.Tensor], *, num_samples: int,
                          sampling: SamplingConfig, draft: DraftHead | Speculation, seed: int | None = None,
-                         return_hidden: bool = False) -> Rollout:
+                         return_hidden: bool = False,
+                         max_new_tokens_per_completion: Sequence[int] | None = None) -> Rollout:
     """``turbogrpo.rollout.generate(..., draft=draft)``: the same inputs, checks and outputs."""
     return generate(model, prompts, num_samples=num_samples, sampling=sampling, seed=seed,
-                    return_hidden=return_hidden, draft=draft)
+                    return_hidden=return_hidden, draft=draft,
+                    max_new_tokens_per_completion=max_new_tokens_per_completion)
 
 
 def resolve_sizing(speculation: Speculation, model: nn.Module, prompts: list[torch.Tensor],
@@ -118,22 +122,22 @@ class _Decoder:
     sizing: SizingPolicy
     cache: GroupedKVCache
     draft_cache: DraftKVCache
-    outputs: _Outputs
+    outputs: OutputBuffers
     criteria: StopCriteria
     sampling: SamplingConfig
     generator: torch.Generator | None
     max_new: int
 
-    def plain_step(self, live: _Live, root_B: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, _VerifiedStep]:
+    def plain_step(self, live: LiveRows, root_B: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, _VerifiedStep]:
         """The plain engine's step (speculation off): one token per sequence, no tree bookkeeping."""
         hidden_B1H = forward_new_tokens(self.model, self.cache, root_B[:, None])
         logits_BV = self.lm_head(hidden_B1H[:, 0]).float()
         next_B, logprobs_B = sample_with_logprobs(logits_BV, self.sampling, self.generator)
-        finished_B = _emit(self.outputs, live, next_B[:, None], logprobs_B[:, None], hidden_B1H,
-                           torch.ones_like(next_B), self.criteria, self.max_new)
+        finished_B = emit(self.outputs, live, next_B[:, None], logprobs_B[:, None], hidden_B1H,
+                      torch.ones_like(next_B), self.criteria)
         return finished_B, next_B, _VerifiedStep(None, None, 1, None)
 
-    def tree_step(self, live: _Live, root_B: torch.Tensor, root_features_BH: torch.Tensor,
+    def tree_step(self, live: LiveRows, root_B: torch.Tensor, root_features_BH: torch.Tensor,
                   shape: TreeShape) -> tuple[torch.Tensor, torch.Tensor, _VerifiedStep]:
         """Draft a tree per sequence, verify all of them in one policy forward, emit the accepted paths."""
         root_logprobs_BV = self.draft.logits(root_features_BH).float().log_softmax(-1)
@@ -142,8 +146,8 @@ class _Decoder:
         logits_BNV = self.lm_head(hidden_BNH).float()
         verdict = verify_tree(tree, logits_BNV, self.sampling, self.generator)
         emitted_BD, logprobs_BD, hidden_BDH = _path_outputs(tree, verdict, logits_BNV, hidden_BNH, self.sampling)
-        finished_B = _emit(self.outputs, live, emitted_BD, logprobs_BD, hidden_BDH, verdict.num_accepted + 1,
-                           self.criteria, self.max_new)
+        finished_B = emit(self.outputs, live, emitted_BD, logprobs_BD, hidden_BDH, verdict.num_accepted + 1,
+                      self.criteria)
         step = _VerifiedStep(verdict.path_nodes, verdict.num_accepted, shape.num_nodes,
                              self.sizing.feedback(tree, verdict))
         return finished_B, verdict.next_token, step
@@ -151,7 +155,7 @@ class _Decoder:
 
 def speculative_rollout(model: nn.Module, prompts: list[torch.Tensor], num_samples: int, sampling: SamplingConfig,
                         generator: torch.Generator | None, return_hidden: bool,
-                        draft: DraftHead | Speculation) -> Rollout:
+                        draft: DraftHead | Speculation, limits_N: torch.Tensor) -> Rollout:
     """The loop of the module docstring (inputs already checked and on the model's device)."""
     start = time.perf_counter()
     if not isinstance(draft, (DraftHead, Speculation)):
@@ -173,18 +177,17 @@ def speculative_rollout(model: nn.Module, prompts: list[torch.Tensor], num_sampl
     stats.num_forwards += 1
     last_GH = prompt_hidden_GPH[torch.arange(len(prompts), device=device),
                                 torch.tensor(prompt_lengths, device=device) - 1]
-    # Hidden states are always kept: the draft reads its pending pairs from them. _emit writes all D
+    # Hidden states are always kept: the draft reads its pending pairs from them. emit writes all D
     # slots of a step's path (slots past a row's count are leftovers), hence the spare columns.
     decoder = _Decoder(model, lm_head_of(model), speculation.draft, sizing, cache, draft_cache,
-                       _Outputs.allocate(num_completions, max_new + max_nodes, device, last_GH),
+                       OutputBuffers.allocate(num_completions, max_new + max_nodes, device, last_GH),
                        StopCriteria(sampling, device), sampling, generator, max_new)
-    live = _Live(torch.arange(num_completions, device=device), torch.zeros(num_completions, dtype=torch.long,
-                                                                            device=device))
+    live = LiveRows.start(limits_N)
     logits_BV = decoder.lm_head(last_GH).float().repeat_interleave(num_samples, dim=0)
     root_B, root_logprobs_B = sample_with_logprobs(logits_BV, sampling, generator)
-    finished_B = _emit(decoder.outputs, live, root_B[:, None], root_logprobs_B[:, None],
-                       last_GH.repeat_interleave(num_samples, dim=0)[:, None], torch.ones_like(root_B),
-                       decoder.criteria, max_new)
+    finished_B = emit(decoder.outputs, live, root_B[:, None], root_logprobs_B[:, None],
+                      last_GH.repeat_interleave(num_samples, dim=0)[:, None], torch.ones_like(root_B),
+                      decoder.criteria)
     step: _VerifiedStep | None = None
     # Per live row, on the host: tokens emitted, and how many of them the draft has seen. Exact for
     # live rows (a row whose emission was cut short has finished), they give the caches' exact
@@ -245,7 +248,7 @@ def speculative_rollout(model: nn.Module, prompts: list[torch.Tensor], num_sampl
         stats.num_draft_forwards += shape.depth
         finished_B, root_B, step = decoder.tree_step(live, root_B, root_features_BH, shape)
     outputs = decoder.outputs if return_hidden else dataclasses.replace(decoder.outputs, hidden_NTH=None)
-    return _collect(prompts, num_samples, outputs, stats, start)
+    return collect_rollout(prompts, num_samples, outputs, stats, start)
 
 
 def _check_draft(draft: object, model: nn.Module) -> None:
@@ -287,7 +290,7 @@ def _path_outputs(tree: DraftTree, verdict, logits_BNV: torch.Tensor, hidden_BNH
     return emitted_BD, token_logprobs(path_logits, emitted_BD, sampling), path_hidden
 
 
-def _catch_up_draft(decoder: _Decoder, live: _Live, pending_width: int) -> torch.Tensor:
+def _catch_up_draft(decoder: _Decoder, live: LiveRows, pending_width: int) -> torch.Tensor:
     """Feed the draft every pair (feature that predicted token j, token j) it has not seen; return the
     root's predicted feature ``[B, Hd]``."""
     seen_B = decoder.draft_cache.lengths_B
