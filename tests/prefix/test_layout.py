@@ -2,6 +2,7 @@
 
 import torch
 
+from tests.prefix.conftest import PACKS, random_groups
 from turbogrpo.prefix.layout import PaddedIndex, pack_groups
 
 
@@ -45,3 +46,18 @@ def test_padded_index_round_trip():
     assert index.valid.tolist() == [[True, True, False], [True, True, True], [True, False, False]]
     flat = torch.arange(6) * 10
     assert index.to_flat(index.to_padded(flat)).tolist() == flat.tolist()
+
+
+def test_varlen_segments_follow_pack_order():
+    prompts, completions = random_groups(*PACKS["mixed"])   # prompts 5, 11, 3; completions per group
+    layout = pack_groups(prompts, completions)
+    expected = {
+        "prompt_segments": ([0, 5, 16, 19], 11),
+        "group_query_segments": ([0, 23, 26, 34], 23),          # all G completions of a group at once
+        "completion_segments": ([0, 4, 5, 12, 14, 23, 26, 28, 34], 9),
+    }
+    for name, (cu_seqlens, max_length) in expected.items():
+        segments = getattr(layout, name)
+        assert segments.cu_seqlens.dtype == torch.int32 and segments.cu_seqlens.tolist() == cu_seqlens, name
+        assert segments.max_length == max_length, name
+        assert getattr(layout, name) is segments, name   # built once per pack, shared by every layer

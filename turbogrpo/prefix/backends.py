@@ -9,7 +9,11 @@ Each backend turns a :class:`PackedGroups` layout into an attention plan for ``h
   prompts); completion tokens attend to their group's prompt K/V (one batched unmasked call with
   all G completions of a group in one query row, so the prompt K/V is read once and never copied
   G times) and causally to their own tokens; the two partials are merged with their
-  log-sum-exps. A custom autograd function computes the backward part by part.
+  log-sum-exps. A custom autograd function (:class:`MergedPartsAttention`) computes the
+  backward part by part.
+* ``varlen``: the cascade's parts on variable-length packed segments (cu_seqlens) instead of
+  padded rows, so nothing is padded: torch's flash-attention varlen kernel on CUDA (float16 /
+  bfloat16), a per-segment reference loop elsewhere.
 * ``flex``: FlexAttention with a block mask, compiled; used on CUDA, where it has a backward.
 """
 
@@ -21,8 +25,9 @@ from typing import ClassVar, NamedTuple
 import torch
 import torch.nn.functional as F
 
-from turbogrpo.prefix.kernels import attention_backward, attention_forward, merge_partials
-from turbogrpo.prefix.layout import PackedGroups, PaddedIndex
+from turbogrpo.prefix.kernels import (attention_backward, attention_forward, flash_varlen_available, merge_partials,
+                                      varlen_backward, varlen_forward)
+from turbogrpo.prefix.layout import PackedGroups, PaddedIndex, VarlenSegments
 
 BACKENDS: dict[str, type[PrefixAttention]] = {}
 
@@ -85,20 +90,54 @@ class ReferenceAttention(PrefixAttention):
 class CascadeAttention(PrefixAttention):
     def attend(self, query, key, value, scaling):
         layout = self.layout
-        sizes = [layout.num_prompt_tokens, layout.num_completion_tokens]
-        # split/squeeze rather than slicing/indexing: their backward is a cat/view, where a slice's
-        # backward would zero-fill a full [T, H, D] buffer per use.
         (q_prompt, q_completion), (k_prompt, k_completion), (v_prompt, v_completion) = (
-            x.squeeze(0).transpose(0, 1).split(sizes) for x in (query, key, value))
+            _split_prompt_completion(layout, x) for x in (query, key, value))
 
         prompts = layout.prompt_padded
         # Padding sits at the end of each row, so plain causal masking never lets a real query see it.
         out_prompt = F.scaled_dot_product_attention(
             _rows(prompts, q_prompt), _rows(prompts, k_prompt), _rows(prompts, v_prompt),
             is_causal=True, scale=scaling, enable_gqa=query.shape[1] != key.shape[1])
-        out_completion = SharedPrefixAttention.apply(
-            q_completion, k_prompt, v_prompt, k_completion, v_completion, layout, scaling)
+        out_completion = MergedPartsAttention.apply(
+            _padded_completion_parts(layout, query.dtype), scaling,
+            q_completion, k_prompt, v_prompt, k_completion, v_completion)
         return torch.cat([_unrows(prompts, out_prompt), out_completion]).unsqueeze(0)
+
+
+@register_backend("varlen")
+class VarlenAttention(PrefixAttention):
+    """The cascade on packed segments (cu_seqlens) instead of padded rows: no padding at all.
+
+    Prompts attend causally among themselves (one segment per prompt); completion queries attend
+    to their group's prompt (one query segment per group) and causally to their own tokens (one
+    segment per completion), merged by log-sum-exp. On CUDA each part is one flash-attention varlen
+    call; elsewhere a per-segment reference loop (see ``kernels.varlen_forward``).
+    """
+
+    unavailable_hint = ("it needs torch's flash-attention varlen ops (torch.ops.aten._flash_attention_forward), "
+                        "which this torch build lacks; use backend='flex' or 'cascade'.")
+
+    @classmethod
+    def available(cls, device, requires_grad):
+        # Off CUDA the segment-loop reference runs anywhere (slow, but exact: the tests use it).
+        return device.type != "cuda" or flash_varlen_available()
+
+    def attend(self, query, key, value, scaling):
+        layout = self.layout
+        (q_prompt, q_completion), (k_prompt, k_completion), (v_prompt, v_completion) = (
+            _split_prompt_completion(layout, x) for x in (query, key, value))
+        prompts = _VarlenPart(layout.prompt_segments, layout.prompt_segments, causal=True)
+        out_prompt = MergedPartsAttention.apply((prompts,), scaling, q_prompt, k_prompt, v_prompt)
+        out_completion = MergedPartsAttention.apply(
+            _varlen_completion_parts(layout), scaling, q_completion, k_prompt, v_prompt, k_completion, v_completion)
+        return torch.cat([out_prompt, out_completion]).unsqueeze(0)
+
+
+def _split_prompt_completion(layout: PackedGroups, x_1HTD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[1, H, T, D]`` -> flat ``[Np, H, D]`` prompt and ``[Nq, H, D]`` completion token views."""
+    # split/squeeze rather than slicing/indexing: their backward is a cat/view, where a slice's
+    # backward would zero-fill a full [T, H, D] buffer per use.
+    return x_1HTD.squeeze(0).transpose(0, 1).split([layout.num_prompt_tokens, layout.num_completion_tokens])
 
 
 def _rows(index: PaddedIndex, flat_NHD: torch.Tensor) -> torch.Tensor:
@@ -111,16 +150,67 @@ def _unrows(index: PaddedIndex, rows_RHW: torch.Tensor) -> torch.Tensor:
     return index.to_flat(rows_RHW.transpose(1, 2))
 
 
-class _Part(NamedTuple):
-    """One partial attention of the completion queries: which rows the queries and keys form."""
+class _PaddedPart(NamedTuple):
+    """One partial attention over padded rows: which rows the queries and keys form.
+
+    ``forward(q [Nq, H, D], k, v [Nk, Hkv, D], scale) -> (out [Nq, H, D], lse [Nq, H], residual)``
+    and ``backward(grad_out, q, k, v, out, lse, residual, scale) -> (dq, dk, dv)`` work on flat
+    tokens; ``residual`` is whatever the backward needs from this part's own forward.
+    """
 
     queries: PaddedIndex
     keys: PaddedIndex
     key_bias: torch.Tensor | None   # additive [R, 1, 1, W_keys] mask for padded keys
     causal: bool
 
+    def forward(self, q, k, v, scale):
+        out, lse = attention_forward(_rows(self.queries, q), _rows(self.keys, k), _rows(self.keys, v),
+                                     self.key_bias, causal=self.causal, scale=scale)
+        return _unrows(self.queries, out), _unrows(self.queries, lse[..., None])[..., 0], lse
 
-def _completion_parts(layout: PackedGroups, dtype: torch.dtype) -> tuple[_Part, _Part]:
+    def backward(self, grad_out, q, k, v, out, lse, part_lse_rows, scale):
+        rows_grad, rows_out = _rows(self.queries, grad_out), _rows(self.queries, out)
+        rows_lse = _rows_lse(self.queries, lse)
+        if not self.queries.is_dense:
+            valid = self.queries.valid[:, None, :]
+            rows_grad = rows_grad * valid[..., None]
+            # Pad rows keep their own forward lse so that exp(scores - lse) stays finite there.
+            rows_lse = torch.where(valid, rows_lse, part_lse_rows)
+        dq, dk, dv = attention_backward(rows_grad, _rows(self.queries, q), _rows(self.keys, k),
+                                        _rows(self.keys, v), rows_out, rows_lse, self.key_bias,
+                                        causal=self.causal, scale=scale)
+        return _unrows(self.queries, dq), _unrows(self.keys, dk), _unrows(self.keys, dv)
+
+
+def _at_least_float32(x: torch.Tensor) -> torch.Tensor:
+    # Merging half-precision partials in half precision would round the result a second time.
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
+def _rows_lse(index: PaddedIndex, lse_NH: torch.Tensor) -> torch.Tensor:
+    """``[N, H]`` flat log-sum-exps -> ``[R, H, W]`` rows."""
+    return index.to_padded(lse_NH).transpose(1, 2)
+
+
+class _VarlenPart(NamedTuple):
+    """One partial attention over packed segments (same interface as :class:`_PaddedPart`)."""
+
+    queries: VarlenSegments
+    keys: VarlenSegments
+    causal: bool
+
+    def forward(self, q, k, v, scale):
+        out, lse = varlen_forward(q, k, v, *self._segments(), causal=self.causal, scale=scale)
+        return out, lse, None
+
+    def backward(self, grad_out, q, k, v, out, lse, _residual, scale):
+        return varlen_backward(grad_out, q, k, v, out, lse, *self._segments(), causal=self.causal, scale=scale)
+
+    def _segments(self):
+        return (self.queries.cu_seqlens, self.keys.cu_seqlens, self.queries.max_length, self.keys.max_length)
+
+
+def _padded_completion_parts(layout: PackedGroups, dtype: torch.dtype) -> tuple[_PaddedPart, _PaddedPart]:
     """shared: a group's completion tokens (all G completions in one row) against its prompt;
     own: each completion's tokens against themselves, causally."""
     prompts = layout.prompt_padded
@@ -128,62 +218,58 @@ def _completion_parts(layout: PackedGroups, dtype: torch.dtype) -> tuple[_Part, 
     if not prompts.is_dense:
         bias = torch.zeros(prompts.valid.shape, dtype=dtype, device=prompts.valid.device)
         bias = bias.masked_fill(~prompts.valid, float("-inf"))[:, None, None, :]
-    shared = _Part(layout.group_queries_padded, prompts, bias, causal=False)
-    own = _Part(layout.completions_padded, layout.completions_padded, None, causal=True)
+    shared = _PaddedPart(layout.group_queries_padded, prompts, bias, causal=False)
+    own = _PaddedPart(layout.completions_padded, layout.completions_padded, None, causal=True)
     return shared, own
 
 
-class SharedPrefixAttention(torch.autograd.Function):
-    """Completion queries attending to their group's prompt (shared) and causally to themselves.
+def _varlen_completion_parts(layout: PackedGroups) -> tuple[_VarlenPart, _VarlenPart]:
+    """The same two parts as :func:`_padded_completion_parts`, as packed segments."""
+    shared = _VarlenPart(layout.group_query_segments, layout.prompt_segments, causal=False)
+    own = _VarlenPart(layout.completion_segments, layout.completion_segments, causal=True)
+    return shared, own
 
-    Inputs (flat, in the pack's order): ``q_completion [Nq, H, D]``, ``k_prompt, v_prompt [Np, Hkv, D]``,
-    ``k_completion, v_completion [Nq, Hkv, D]``. Output ``[Nq, H, D]``. The prompt's K/V enter the
-    shared part once per group; nothing is repeated per completion.
+
+class MergedPartsAttention(torch.autograd.Function):
+    """Queries attending to several disjoint key sets ("parts"), merged by their log-sum-exps.
+
+    ``apply(parts, scale, q [N, H, D], k_1, v_1, k_2, v_2, ...)`` with ``k_i, v_i [N_i, Hkv, D]`` the
+    keys of ``parts[i]``; returns ``[N, H, D]``. The backward runs each part's backward with the
+    *merged* output and log-sum-exp, which gives exactly that part's share of the gradients (see
+    kernels.py). With one part this is a plain attention with a hand-written backward.
     """
 
     @staticmethod
-    def forward(ctx, q_completion, k_prompt, v_prompt, k_completion, v_completion, layout, scale):
-        parts = _completion_parts(layout, q_completion.dtype)
-        keys = ((k_prompt, v_prompt), (k_completion, v_completion))
-        partials, part_lses = [], []
+    def forward(ctx, parts, scale, q, *keys_values):
+        keys = zip(keys_values[::2], keys_values[1::2])
+        out = lse = None
+        residuals = []
         for part, (k, v) in zip(parts, keys):
-            out, lse = attention_forward(_rows(part.queries, q_completion), _rows(part.keys, k),
-                                         _rows(part.keys, v), part.key_bias, causal=part.causal, scale=scale)
-            partials.append((_unrows(part.queries, out), _unrows(part.queries, lse[..., None])[..., 0]))
-            part_lses.append(lse)
-        out, lse = merge_partials(*partials[0], *partials[1])
-        out = out.to(q_completion.dtype)
-        ctx.save_for_backward(q_completion, k_prompt, v_prompt, k_completion, v_completion, out, lse, *part_lses)
-        ctx.layout, ctx.scale = layout, scale
+            part_out, part_lse, residual = part.forward(q, k, v, scale)
+            residuals.append(residual)
+            if out is None:
+                out, lse = part_out, part_lse
+            else:
+                out, lse = merge_partials(_at_least_float32(out), lse, _at_least_float32(part_out), part_lse)
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, out, lse, *keys_values, *residuals)
+        ctx.parts, ctx.scale = parts, scale
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        q_completion, k_prompt, v_prompt, k_completion, v_completion, out, lse, *part_lses = ctx.saved_tensors
-        parts = _completion_parts(ctx.layout, q_completion.dtype)
-        keys = ((k_prompt, v_prompt), (k_completion, v_completion))
+        q, out, lse, *rest = ctx.saved_tensors
+        num_kv = 2 * len(ctx.parts)
+        keys_values, residuals = rest[:num_kv], rest[num_kv:]
+        keys = zip(keys_values[::2], keys_values[1::2])
         grad_out = grad_out.contiguous()
-        grad_q = torch.zeros_like(q_completion)
+        grad_q = torch.zeros_like(q)
         grad_keys = []
-        for part, (k, v), part_lse in zip(parts, keys, part_lses):
-            rows_grad, rows_out = _rows(part.queries, grad_out), _rows(part.queries, out)
-            rows_lse = _unrows_lse_inverse(part.queries, lse)
-            if not part.queries.is_dense:
-                valid = part.queries.valid[:, None, :]
-                rows_grad = rows_grad * valid[..., None]
-                # Pad rows keep their own forward lse so that exp(scores - lse) stays finite there.
-                rows_lse = torch.where(valid, rows_lse, part_lse)
-            dq, dk, dv = attention_backward(rows_grad, _rows(part.queries, q_completion), _rows(part.keys, k),
-                                            _rows(part.keys, v), rows_out, rows_lse, part.key_bias,
-                                            causal=part.causal, scale=ctx.scale)
-            grad_q += _unrows(part.queries, dq)
-            grad_keys += [_unrows(part.keys, dk), _unrows(part.keys, dv)]
-        return grad_q, *grad_keys, None, None
-
-
-def _unrows_lse_inverse(index: PaddedIndex, lse_NH: torch.Tensor) -> torch.Tensor:
-    """``[N, H]`` flat log-sum-exps -> ``[R, H, W]`` rows."""
-    return index.to_padded(lse_NH).transpose(1, 2)
+        for part, (k, v), residual in zip(ctx.parts, keys, residuals):
+            dq, dk, dv = part.backward(grad_out, q, k, v, out, lse, residual, ctx.scale)
+            grad_q += dq
+            grad_keys += [dk, dv]
+        return None, None, grad_q, *grad_keys
 
 
 _compiled_flex = None

@@ -71,3 +71,102 @@ def merge_partials(out_a, lse_a, out_b, lse_b):
     weight_a = torch.exp(lse_a - lse)[..., None].to(out_a.dtype)
     weight_b = torch.exp(lse_b - lse)[..., None].to(out_b.dtype)
     return out_a * weight_a + out_b * weight_b, lse
+
+
+# ---- variable-length packed segments (cu_seqlens), the layout of flash-attention's varlen kernels ----
+#
+# Shape legend here: Tq / Tk total query / key tokens of all segments, n segments. Segment i is
+# queries ``q[cu_q[i]:cu_q[i+1]]`` against keys ``k[cu_k[i]:cu_k[i+1]]``; the key segments
+# partition ``k``, so no key is shared between segments and dk/dv need no accumulation across them.
+# Log-sum-exps are ``[Tq, H]`` (indexed like ``out``'s leading dims, so `merge_partials` takes them
+# as they are); flash's native ``[H, Tq]`` is converted at the CUDA call.
+
+_flash_varlen_forward = getattr(torch.ops.aten, "_flash_attention_forward", None)
+_flash_varlen_backward = getattr(torch.ops.aten, "_flash_attention_backward", None)
+
+
+def flash_varlen_available() -> bool:
+    """Whether this torch build has the flash-attention varlen ops (they only run on CUDA)."""
+    return _flash_varlen_forward is not None and _flash_varlen_backward is not None
+
+
+def _use_flash_varlen(q: torch.Tensor) -> bool:
+    # Flash attention only computes in half precision; float32/float64 on CUDA take the reference loop.
+    return q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and flash_varlen_available()
+
+
+def _flash_window(causal: bool) -> tuple[int, int]:
+    # As torch.nn.attention.varlen passes them: (-1, 0) is causal, (-1, -1) unrestricted. Flash's
+    # varlen causal mask is bottom-right aligned when a query segment is shorter than its key
+    # segment; our causal calls always have equal query and key segments (prompt vs itself,
+    # completion vs itself) and the only unequal pairing (group completions vs prompt) is
+    # non-causal, so the alignment never matters.
+    return (-1, 0) if causal else (-1, -1)
+
+
+def varlen_forward(q, k, v, cu_q, cu_k, max_q: int, max_k: int, *, causal: bool, scale: float):
+    """Attention of packed variable-length segments, without padding.
+
+    ``q [Tq, H, D]``, ``k, v [Tk, Hkv, D]`` (grouped-query attention as above), ``cu_q, cu_k [n + 1]``
+    int32 on q's device, ``max_q, max_k`` the longest query / key segment. Returns
+    ``(out [Tq, H, D], lse [Tq, H])`` (lse float32 on the flash path, the computation dtype otherwise).
+
+    On CUDA in float16/bfloat16 this is one call of torch's flash-attention varlen kernel
+    (``aten._flash_attention_forward``, called as ``torch.nn.attention.varlen`` calls it; it takes
+    Hkv < H as is). Everywhere else it loops over the segments with :func:`attention_forward`:
+    the reference that the CPU test suite checks. The CUDA call itself is not covered by the CPU
+    tests.
+    """
+    if _use_flash_varlen(q):
+        left, right = _flash_window(causal)
+        out, lse, _rng_state, _unused, _debug = _flash_varlen_forward(
+            q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, return_debug_mask=False, scale=scale,
+            window_size_left=left, window_size_right=right)
+        if lse.shape != (q.shape[1], q.shape[0]):
+            raise RuntimeError(f"flash varlen returned a log-sum-exp of shape {tuple(lse.shape)}; expected "
+                               f"[H, Tq] = {[q.shape[1], q.shape[0]]}")
+        return out, lse.t()
+    outs, lses = [], []
+    for q_i, k_i, v_i in zip(_split(q, cu_q), _split(k, cu_k), _split(v, cu_k)):
+        out, lse = attention_forward(*(_as_batch(x) for x in (q_i, k_i, v_i)), None, causal=causal, scale=scale)
+        outs.append(out[0].transpose(0, 1))
+        lses.append(lse[0].t())
+    return torch.cat(outs), torch.cat(lses)
+
+
+def varlen_backward(grad_out, q, k, v, out, lse, cu_q, cu_k, max_q: int, max_k: int, *, causal: bool,
+                    scale: float):
+    """Gradients ``(dq [Tq, H, D], dk [Tk, Hkv, D], dv [Tk, Hkv, D])`` of :func:`varlen_forward`.
+
+    ``grad_out, out [Tq, H, D]``, ``lse [Tq, H]``: as in :func:`attention_backward`, ``out`` and
+    ``lse`` may be the merged ones of several parts, which yields this part's share of the gradients.
+    Same dispatch as :func:`varlen_forward` (flash on CUDA in half precision, segment loop elsewhere).
+    """
+    if _use_flash_varlen(q):
+        left, right = _flash_window(causal)
+        # Dropout is 0, so the RNG state is unused; torch.nn.attention.varlen passes these placeholders.
+        rng_state = torch.zeros(2, dtype=torch.uint64, device=q.device)
+        unused = torch.empty(0, device=q.device)
+        return _flash_varlen_backward(
+            grad_out.contiguous(), q, k, v, out.contiguous(), lse.t().contiguous(), cu_q, cu_k,
+            max_q, max_k, 0.0, causal, rng_state, unused, scale=scale,
+            window_size_left=left, window_size_right=right)
+    grads = [[], [], []]
+    per_segment = zip(_split(grad_out, cu_q), _split(q, cu_q), _split(k, cu_k), _split(v, cu_k),
+                      _split(out, cu_q), _split(lse, cu_q))
+    for g_i, q_i, k_i, v_i, out_i, lse_i in per_segment:
+        dq, dk, dv = attention_backward(*(_as_batch(x) for x in (g_i, q_i, k_i, v_i, out_i)),
+                                        lse_i.t()[None], None, causal=causal, scale=scale)
+        for acc, grad in zip(grads, (dq, dk, dv)):
+            acc.append(grad[0].transpose(0, 1))
+    return tuple(torch.cat(acc) for acc in grads)
+
+
+def _split(x: torch.Tensor, cu_seqlens: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``[T, ...]`` -> one ``[L_i, ...]`` view per segment (reads cu_seqlens on the host)."""
+    return x.split(torch.diff(cu_seqlens).tolist())
+
+
+def _as_batch(x_LHD: torch.Tensor) -> torch.Tensor:
+    """``[L, H, D]`` segment -> ``[1, H, L, D]``, the layout :func:`attention_forward` takes."""
+    return x_LHD.transpose(0, 1)[None]

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
+from itertools import accumulate
 
 import torch
 
@@ -87,6 +88,24 @@ class PackedGroups:
         """Each completion's tokens as ``[Nc, S_max]`` indices into the completion slice."""
         return PaddedIndex.build(self.flat_completion_lengths, self.device)
 
+    # ---- packed (cu_seqlens) views used by the varlen backend (built lazily, once per pack) ----
+
+    @cached_property
+    def prompt_segments(self) -> VarlenSegments:
+        """Each prompt as one segment of the prompt slice ``[0, Np)``."""
+        return VarlenSegments.build(self.prompt_lengths, self.device)
+
+    @cached_property
+    def group_query_segments(self) -> VarlenSegments:
+        """Each group's completion tokens (all G completions) as one segment of the completion slice;
+        segment g pairs with segment g of :attr:`prompt_segments`."""
+        return VarlenSegments.build([sum(ss) for ss in self.completion_lengths], self.device)
+
+    @cached_property
+    def completion_segments(self) -> VarlenSegments:
+        """Each completion as one segment of the completion slice ``[0, Nq)``."""
+        return VarlenSegments.build(self.flat_completion_lengths, self.device)
+
     @cached_property
     def segment_ids(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Per flat token: group id ``[T]`` and completion id ``[T]`` (-1 for prompt tokens)."""
@@ -121,6 +140,24 @@ def split_per_completion(flat: torch.Tensor, completion_lengths) -> list[list[to
         out.append(list(pieces[start:start + len(lengths)]))
         start += len(lengths)
     return out
+
+
+@dataclass(frozen=True, eq=False)
+class VarlenSegments:
+    """Consecutive segments of a flat ``[N]`` axis, as variable-length attention kernels take them.
+
+    ``cu_seqlens`` ``[n + 1]`` int32: segment i is ``[cu_seqlens[i], cu_seqlens[i + 1])``;
+    ``max_length``: the longest segment (a host int, so kernels need no device sync to read it).
+    """
+
+    cu_seqlens: torch.Tensor
+    max_length: int
+
+    @staticmethod
+    def build(lengths, device: torch.device) -> VarlenSegments:
+        # Lengths are host ints: the prefix sum is taken on the host and copied over once.
+        cu_seqlens = torch.tensor([0, *accumulate(lengths)], dtype=torch.int32)
+        return VarlenSegments(cu_seqlens.to(device), max(lengths))
 
 
 @dataclass(frozen=True, eq=False)

@@ -43,7 +43,9 @@ def completion_logprobs(model: nn.Module, prompts: list[torch.Tensor],
         completions: per group, a list of 1-D LongTensors ``[S_gi]`` (the group's G completions).
         share_prefix: run each prompt once for its whole group (True) or once per completion, the
             standard way (False; the baseline). Both give the same values and gradients.
-        backend: attention backend for the shared layout ("auto", "cascade", "reference", "flex").
+        backend: attention backend for the shared layout ("auto", "cascade", "varlen", "reference",
+            "flex"). "varlen" runs the cascade on unpadded cu_seqlens segments: flash-attention's
+            varlen kernel on CUDA (float16/bfloat16), a per-segment reference loop elsewhere.
         temperature: log-probs of ``softmax(logits / temperature)``.
         return_hidden: also return the final hidden states ``[S_gi, Hd]`` that predict each token.
 
