@@ -126,7 +126,11 @@ def profile_key(model: nn.Module, *, context_length: int, draft: nn.Module | Non
 def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return f"cuda:{torch.cuda.get_device_name(device)}"
-    return f"{device.type}:{platform.processor() or platform.machine()}:{torch.get_num_threads()}threads"
+    # Idle OpenMP threads that sleep (OMP_WAIT_POLICY=PASSIVE) must be woken for every parallel op,
+    # which adds a fixed cost to each small GEMM and moves the knee: profiles are kept apart.
+    wait_policy = os.environ.get("OMP_WAIT_POLICY", "default").lower()
+    return (f"{device.type}:{platform.processor() or platform.machine()}:{torch.get_num_threads()}threads"
+            f":omp-{wait_policy}")
 
 
 def cache_path() -> Path:
