@@ -106,6 +106,16 @@ def test_cost_policy_speculates_in_the_tail_only_when_the_draft_is_good():
     assert costly_draft.choose(1) is None                 # drafting costs more than it saves
 
 
+def test_cost_policy_keeps_exploring_while_off():
+    bad = timed_cost_policy()
+    bad.observe([0.0] * 48 + [100.0] * 48)                # the draft is never accepted
+    bad.refresh()
+    choices = [bad.choose(1) for _ in range(3 * bad.EXPLORE_EVERY)]
+    tried = [i for i, shape in enumerate(choices) if shape is not None]
+    # One exploratory tree per EXPLORE_EVERY steps, so the statistics can recover if the text changes.
+    assert tried == [bad.EXPLORE_EVERY - 1, 2 * bad.EXPLORE_EVERY - 1, 3 * bad.EXPLORE_EVERY - 1]
+
+
 def test_cost_policy_learns_slow_tree_steps_from_their_measured_time():
     policy = timed_cost_policy()
     policy.observe(TOP1_90_PERCENT)

@@ -15,8 +15,10 @@ Every policy is a small class in ``SIZING_POLICIES``; ``make_sizing(name, ...)``
   that the policy's draw matches the draft's rank-r child at depth d as ``a[d, r]``, estimated from
   every verified tree of this rollout (and earlier ones: the policy object keeps its counts), and
   builds the same top-K-per-level tree that ``build_tree`` builds, with those probabilities.
-  Speculation is off wherever the best tree does not beat plain decoding by ``margin``, and trees
-  never push a forward past twice the knee (B * N <= 2 * C_peak). What the
+  Speculation is off wherever the best tree does not beat plain decoding by ``margin``; trees stay
+  within the measured range of the curves (B * N <= the largest profiled count). While off, every
+  ``EXPLORE_EVERY``-th step still verifies the best tree, so the acceptance statistics follow the
+  text (a draft that was poor on one stretch can be good on the next). What the
   curves miss (Python and bookkeeping around the forwards, a machine busier than when profiled) is
   learnt from the measured time of every step, as one scale factor for plain and one for tree steps.
 
@@ -126,6 +128,7 @@ class CostSizing(SizingPolicy):
     PRIOR_WEIGHT = 4.0   # pseudo-observations behind the prior, so a few real trees outweigh it
     REFRESH_STEPS = 16   # re-derive the choices after this many new observations (a tree step brings two)
     TIME_WEIGHT = 0.3    # exponential average of measured overheads: follows drift, damps noise
+    EXPLORE_EVERY = 32   # while speculation is off, one step in this many still tries the best tree
 
     def __init__(self, profile: LatencyProfile, *, k_max: int = DEFAULT_K_MAX, l_max: int = DEFAULT_L_MAX,
                  n_max: int = DEFAULT_N_MAX, margin: float = 0.1, prior_top1: float = 0.5):
@@ -146,8 +149,9 @@ class CostSizing(SizingPolicy):
         self.tree_scale = 1.0
         self.num_timed = {"plain": 0, "tree": 0}
         self._expected: torch.Tensor | None = None  # [menu, n_max]: E[accepted] with N = 1 + index
-        self._choices: dict[int, TreeShape | None] = {}
+        self._choices: dict[int, tuple[TreeShape | None, bool]] = {}  # B -> (best tree, it beats plain)
         self._new_observations = 0
+        self._plain_streak = 0
 
     def bounds(self) -> tuple[int, int]:
         return self.n_max, (self.l_max - 1) * self.k_max
@@ -169,26 +173,34 @@ class CostSizing(SizingPolicy):
             return None  # one measured plain step anchors the comparison before any tree is tried
         if num_live not in self._choices:
             self._choices[num_live] = self._best_shape(num_live)
-        return self._choices[num_live]
+        tree, pays = self._choices[num_live]
+        if pays:
+            self._plain_streak = 0
+            return tree
+        self._plain_streak += 1
+        if tree is not None and self._plain_streak >= self.EXPLORE_EVERY:
+            self._plain_streak = 0
+            return tree
+        return None
 
-    def _best_shape(self, num_live: int) -> TreeShape | None:
+    def _best_shape(self, num_live: int) -> tuple[TreeShape | None, bool]:
+        """The tree with the best predicted token rate, and whether it beats plain decoding."""
         expected = self._expected                                       # [menu, n_max]
         nodes = torch.arange(1, self.n_max + 1, dtype=torch.float64)    # N = 1 .. n_max
         top_k = torch.tensor([k for k, _ in self.menu], dtype=torch.float64)[:, None]
         depth = torch.tensor([l for _, l in self.menu], dtype=torch.float64)[:, None]
         rate = num_live * (1 + expected) / self._tree_time(num_live, top_k, depth, nodes, expected)
         rate = torch.where(nodes <= 1 + top_k + (depth - 1) * top_k * top_k, rate, 0.0)
-        # Past twice the knee the forward is compute-bound: N nodes cost about N plain steps, which
-        # no acceptance rate repays. A hard limit there keeps noisy timings from ever choosing it.
-        rate = torch.where(num_live * nodes <= 2 * self.profile.c_peak, rate, 0.0)
+        # Beyond the profiled range the curve is an extrapolation; no tree is chosen on a guess.
+        rate = torch.where(num_live * nodes <= self.profile.verify.num_tokens[-1], rate, 0.0)
         rate[:, 0] = 0.0  # N = 1 is no tree: that is the plain step below
         best = int(rate.argmax())
-        plain_rate = num_live / self._plain_time(num_live)
-        if rate.flatten()[best] <= plain_rate * (1 + self.margin):
-            return None
+        if rate.flatten()[best] <= 0:
+            return None, False
         row, column = divmod(best, self.n_max)
         k, l = self.menu[row]
-        return TreeShape(k, l, column + 1)
+        plain_rate = num_live / self._plain_time(num_live)
+        return TreeShape(k, l, column + 1), bool(rate.flatten()[best] > plain_rate * (1 + self.margin))
 
     def _plain_time(self, num_live: int) -> float:
         return max(self.profile.verify(num_live) * self.plain_scale, 1e-9)
