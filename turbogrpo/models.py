@@ -90,6 +90,20 @@ def load_model_and_tokenizer(name_or_path: str | os.PathLike, *, dtype: str | to
     return model, tokenizer
 
 
+def enable_activation_checkpointing(model: torch.nn.Module) -> None:
+    """Recompute each decoder layer's activations in the backward (non-reentrant checkpointing).
+
+    transformers 5.x renamed ``gradient_checkpointing_enable`` to ``activation_checkpointing_enable``;
+    the old name warns. Both go through the model object, so PEFT wrappers forward the call.
+    """
+    kwargs = {"use_reentrant": False}
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if enable is not None:
+        enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
 def tiny_model(arch: str = "qwen2", *, vocab_size: int = 128, hidden: int = 64, layers: int = 2,
                heads: int = 4, kv_heads: int = 2, intermediate: int | None = None,
                dtype: str | torch.dtype = "float32", seed: int = 0, attn_implementation: str = "sdpa",

@@ -5,6 +5,7 @@ import torch
 
 import turbogrpo
 from tests.prefix.conftest import PACKS, build_model, random_groups
+from turbogrpo.models import enable_activation_checkpointing
 
 BACKENDS = ["reference", "cascade", "varlen"]
 TOLERANCES = {torch.float64: dict(logp_abs=1e-9, grad_abs=1e-9), torch.float32: dict(logp_abs=1e-5, grad_rel=1e-4)}
@@ -101,7 +102,7 @@ def test_gradient_checkpointing(arch):
     model = build_model(arch, torch.float64)
     prompts, completions = random_groups(*PACKS["mixed"])
     ref_logps, ref_grads = logps_and_grads(model, prompts, completions, share_prefix=False)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    enable_activation_checkpointing(model)
     model.train()
     logps, grads = logps_and_grads(model, prompts, completions, backend="cascade")
     torch.testing.assert_close(logps, ref_logps, rtol=0, atol=1e-10)

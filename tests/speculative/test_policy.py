@@ -114,6 +114,8 @@ def test_cost_policy_keeps_exploring_while_off():
     tried = [i for i, shape in enumerate(choices) if shape is not None]
     # One exploratory tree per EXPLORE_EVERY steps, so the statistics can recover if the text changes.
     assert tried == [bad.EXPLORE_EVERY - 1, 2 * bad.EXPLORE_EVERY - 1, 3 * bad.EXPLORE_EVERY - 1]
+    # Not while the draft has yet to read the prompts: exploring would pay for its prompt pass.
+    assert all(bad.choose(1, may_explore=False) is None for _ in range(2 * bad.EXPLORE_EVERY))
 
 
 def test_cost_policy_learns_slow_tree_steps_from_their_measured_time():

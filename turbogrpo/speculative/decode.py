@@ -230,7 +230,7 @@ def speculative_rollout(model: nn.Module, prompts: list[torch.Tensor], num_sampl
         stats.live_batch_sizes.append(cache.num_live)
         stats.num_forwards += 1
 
-        shape = step_shape = sizing.choose(cache.num_live)
+        shape = step_shape = sizing.choose(cache.num_live, may_explore=draft_prefilled)
         if shape is None:
             finished_B, root_B, step = decoder.plain_step(live, root_B)
             continue

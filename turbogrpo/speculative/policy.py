@@ -17,9 +17,9 @@ Every policy is a small class in ``SIZING_POLICIES``; ``make_sizing(name, ...)``
   builds the same top-K-per-level tree that ``build_tree`` builds, with those probabilities.
   Speculation is off wherever the best tree does not beat plain decoding by ``margin``; trees stay
   within the measured range of the curves (B * N <= the largest profiled count). While off, every
-  ``EXPLORE_EVERY``-th step still verifies the best tree, so the acceptance statistics follow the
-  text (a draft that was poor on one stretch can be good on the next). What the
-  curves miss (Python and bookkeeping around the forwards, a machine busier than when profiled) is
+  ``EXPLORE_EVERY``-th step still verifies the best tree (once the draft has read the prompts), so
+  the acceptance statistics follow the text (a draft that was poor on one stretch can be good on the
+  next). What the curves miss (Python and bookkeeping around the forwards, a machine busier than when profiled) is
   learnt from the measured time of every step, as one scale factor for plain and one for tree steps.
 
 Policies see verification results through ``feedback`` (device tensors, returned in the step's one
@@ -51,8 +51,10 @@ class SizingPolicy:
         """(most nodes a tree can have, most draft slots a tree's levels write): buffer sizes."""
         raise NotImplementedError
 
-    def choose(self, num_live: int) -> TreeShape | None:
-        """The tree for this step, or None for a plain step."""
+    def choose(self, num_live: int, *, may_explore: bool = True) -> TreeShape | None:
+        """The tree for this step, or None for a plain step. ``may_explore``: a tree tried only to
+        learn from is welcome now (False while the draft has not yet read the prompts, so that an
+        exploratory step never pays for the draft's prompt pass)."""
         raise NotImplementedError
 
     def feedback(self, tree: DraftTree, verdict: TreeVerdict) -> torch.Tensor | None:
@@ -79,7 +81,7 @@ class OffSizing(SizingPolicy):
     def bounds(self) -> tuple[int, int]:
         return 1, 0
 
-    def choose(self, num_live: int) -> TreeShape | None:
+    def choose(self, num_live: int, *, may_explore: bool = True) -> TreeShape | None:
         return None
 
 
@@ -92,7 +94,7 @@ class FixedSizing(SizingPolicy):
     def bounds(self) -> tuple[int, int]:
         return _bounds_of(self.shape)
 
-    def choose(self, num_live: int) -> TreeShape | None:
+    def choose(self, num_live: int, *, may_explore: bool = True) -> TreeShape | None:
         return self.shape
 
 
@@ -111,7 +113,7 @@ class FastGRPOSizing(SizingPolicy):
     def bounds(self) -> tuple[int, int]:
         return self.n_max, (self.l_max - 1) * self.k_max
 
-    def choose(self, num_live: int) -> TreeShape | None:
+    def choose(self, num_live: int, *, may_explore: bool = True) -> TreeShape | None:
         nodes = min(self.c_peak // max(num_live, 1), self.n_max)
         if nodes < 2:  # no verify token to spare: speculation is off, not log2(0)
             return None
@@ -166,7 +168,7 @@ class CostSizing(SizingPolicy):
         self._choices.clear()
         self._new_observations = 0
 
-    def choose(self, num_live: int) -> TreeShape | None:
+    def choose(self, num_live: int, *, may_explore: bool = True) -> TreeShape | None:
         if self._expected is None or self._new_observations >= self.REFRESH_STEPS:
             self.refresh()
         if self.num_timed["plain"] == 0:
@@ -178,7 +180,7 @@ class CostSizing(SizingPolicy):
             self._plain_streak = 0
             return tree
         self._plain_streak += 1
-        if tree is not None and self._plain_streak >= self.EXPLORE_EVERY:
+        if tree is not None and may_explore and self._plain_streak >= self.EXPLORE_EVERY:
             self._plain_streak = 0
             return tree
         return None

@@ -17,7 +17,7 @@ from transformers import PreTrainedTokenizerFast
 from turbogrpo.config import Config, DataConfig, RewardConfig, RolloutConfig
 from turbogrpo.data import PromptExample, build_prompts, demo_records, gsm8k_records, read_records
 from turbogrpo.data.sources import source_kind
-from turbogrpo.models import demo_model_path, load_model_and_tokenizer
+from turbogrpo.models import demo_model_path, enable_activation_checkpointing, load_model_and_tokenizer
 from turbogrpo.prefix import compute_logprobs
 from turbogrpo.rewards import BUILTIN_REWARDS, RewardFn, WeightedReward, compute_rewards, resolve_reward
 from turbogrpo.rollout import SamplingConfig
@@ -34,7 +34,7 @@ def load_policy(config: Config, device: torch.device):
             r=config.lora.r, lora_alpha=config.lora.alpha, lora_dropout=config.lora.dropout,
             target_modules=list(config.lora.target_modules), task_type="CAUSAL_LM"))
     if config.model.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_activation_checkpointing(model)
         if config.lora.enabled:
             model.enable_input_require_grads()
     return model, tokenizer
