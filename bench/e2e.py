@@ -32,9 +32,6 @@ import threading
 import time
 from pathlib import Path
 
-# Idle OpenMP threads wait passively: on 2 shared cores, spinning waiters take the cores from the
-# thread doing the work on every small op (set before torch loads; both trainers run under it).
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
 
@@ -284,7 +281,7 @@ def main() -> None:
     print_table("Phase breakdown (median seconds per step)", ["shape", "trainer", *PHASES], phase_rows)
     load = {"before": load_before, "after": os.getloadavg()}
     print(f"load average (1, 5, 15 min) before {load['before']}, after {load['after']} on {os.cpu_count()} cores")
-    write_results("e2e", {"shapes": records, "omp_wait_policy": os.environ["OMP_WAIT_POLICY"],
+    write_results("e2e", {"shapes": records,
                           "torch_threads": torch.get_num_threads(), "load_average": load,
                           "note": "2 CPU cores shared with other processes: a load average above 2 means "
                                   "the two trainers competed with other work (alike, as steps alternate)"})

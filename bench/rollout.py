@@ -16,16 +16,10 @@ to the padded batch that ``generate`` keeps until its longest completion ends.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
-# Idle OpenMP workers spin by default. On a shared machine with more busy threads than cores the
-# spinners take the cores from the thread doing the work, which costs a scheduling slice on every
-# small op; passive waiting removes that artefact for both engines alike. Set before torch loads.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
-import torch  # noqa: E402
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import RESULTS_DIR, interleaved_medians, print_table, write_results  # noqa: E402
@@ -146,7 +140,6 @@ def main() -> None:
           f"{long_tail['live_batch_row_steps']} sequence-steps vs {long_tail['padded_batch_row_steps']} padded")
     plot_long_tail(long_tail, RESULTS_DIR / "rollout_live_batch.png")
     write_results("rollout", {"model": BENCH_MODEL, "dtype": "float32", "repeats": repeats,
-                              "omp_wait_policy": os.environ["OMP_WAIT_POLICY"],
                               "baseline": "transformers generate, prompts repeated G times, do_sample, "
                                           "temperature 1, top_k 0, top_p 1",
                               "shapes": records, "table": table, "long_tail": long_tail,

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import statistics
 import sys
@@ -114,7 +113,7 @@ def main() -> None:
         "model": args.model, "draft": draft_info, "profile": {"key": profile.key, "c_peak": profile.c_peak,
                                                               "verify": profile.to_json()["verify"],
                                                               "draft": profile.to_json()["draft"]},
-        "fixed_shape": list(FIXED_SHAPE), "repeats": repeats, "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "default"),
+        "fixed_shape": list(FIXED_SHAPE), "repeats": repeats,
         "fixed_batch": fixed_results, "grpo_shaped": grpo_results,
         "long_tail": {"min": args.tail_min, "max": args.tail_max, "alpha": args.tail_alpha,
                       "lengths": workloads["long-tail"].lengths},
