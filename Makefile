@@ -27,6 +27,8 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(PY) bench/prefix.py
 	$(PY) bench/rollout.py
+	$(PY) bench/e2e.py
+	$(PY) bench/speculative.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
