@@ -106,6 +106,15 @@ def test_cost_policy_speculates_in_the_tail_only_when_the_draft_is_good():
     assert costly_draft.choose(1) is None                 # drafting costs more than it saves
 
 
+def test_unvisited_depths_borrow_the_estimate_of_the_level_above():
+    policy = timed_cost_policy()
+    seen_at_depth_1 = ([90.0] + [0.0] * 7) + [0.0] * 40 + ([100.0] * 8) + [0.0] * 40
+    policy.observe(seen_at_depth_1)                       # 90 of 100 top-1 children matched, depth 1 only
+    top1 = policy.acceptance()[:, 0]
+    expected_depth_1 = (90 + policy.PRIOR_WEIGHT * 0.5) / (100 + policy.PRIOR_WEIGHT)
+    assert top1.tolist() == pytest.approx([expected_depth_1] * policy.l_max)
+
+
 def test_cost_policy_keeps_exploring_while_off():
     bad = timed_cost_policy()
     bad.observe([0.0] * 48 + [100.0] * 48)                # the draft is never accepted

@@ -159,8 +159,18 @@ class CostSizing(SizingPolicy):
         return self.n_max, (self.l_max - 1) * self.k_max
 
     def acceptance(self) -> torch.Tensor:
-        """``a[d, r]``: P(the policy's draw is the rank-(r+1) child | a node at depth d has that child)."""
-        return (self.matches + self.PRIOR_WEIGHT * self.prior) / (self.trials + self.PRIOR_WEIGHT)
+        """``a[d, r]``: P(the policy's draw is the rank-(r+1) child | a node at depth d has that child).
+
+        Each depth's prior is the estimate one level up (the first level's is ``prior_top1``'s
+        geometric ranks): deep nodes are tried only by deep trees, so a fixed prior there would keep
+        deep trees looking as poor as the prior, and the policy would never try one to learn better.
+        """
+        estimates = torch.empty_like(self.prior)
+        prior = self.prior[0]
+        for depth in range(self.l_max):
+            prior = (self.matches[depth] + self.PRIOR_WEIGHT * prior) / (self.trials[depth] + self.PRIOR_WEIGHT)
+            estimates[depth] = prior
+        return estimates
 
     def refresh(self) -> None:
         """Re-derive the expected-acceptance table and forget the choices made from the old one."""
