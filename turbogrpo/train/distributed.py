@@ -97,7 +97,8 @@ class LogprobModule(nn.Module):
     """Makes the shared-prefix forward the ``forward`` of a module, so DDP/FSDP2 hooks see it.
 
     DDP prepares its gradient all-reduce in ``forward``; calling ``completion_logprobs`` on the bare
-    model would bypass it. ``forward(prompts, completions)`` returns what ``logprob_fn`` returns.
+    model would bypass it. ``forward(prompts, completions, **options)`` returns what ``logprob_fn``
+    returns for those options (e.g. ``with_entropy=False``).
     """
 
     def __init__(self, model: nn.Module, logprob_fn):
@@ -105,8 +106,8 @@ class LogprobModule(nn.Module):
         self.model = model
         self.logprob_fn = logprob_fn
 
-    def forward(self, prompts, completions):
-        return self.logprob_fn(self.model, prompts, completions)
+    def forward(self, prompts, completions, **options):
+        return self.logprob_fn(self.model, prompts, completions, **options)
 
 
 def wrap_for_training(model: nn.Module, logprob_fn, dist: DistInfo, strategy: str) -> nn.Module:

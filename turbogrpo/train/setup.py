@@ -77,9 +77,9 @@ class AdapterlessScorer(nn.Module):
         self.peft_model = peft_model
         self.fn = fn
 
-    def forward(self, prompts, completions):
+    def forward(self, prompts, completions, **options):
         with self.peft_model.disable_adapter():
-            return self.fn(self.peft_model, prompts, completions)
+            return self.fn(self.peft_model, prompts, completions, **options)
 
 
 class FrozenScorer(nn.Module):
@@ -90,8 +90,8 @@ class FrozenScorer(nn.Module):
         self.model = model.requires_grad_(False).eval()
         self.fn = fn
 
-    def forward(self, prompts, completions):
-        return self.fn(self.model, prompts, completions)
+    def forward(self, prompts, completions, **options):
+        return self.fn(self.model, prompts, completions, **options)
 
 
 def build_reference(config: Config, policy: nn.Module, device: torch.device) -> nn.Module | None:

@@ -122,7 +122,9 @@ def score(module: nn.Module, batch: StepBatch, micro_batches: Sequence[MicroBatc
     """Per group, per completion ``[S]`` log-probs under ``module`` (no gradient), micro-batched."""
     out: list[list[Tensor | None]] = [[None] * len(c) for c in batch.completions]
     for mb in micro_batches:
-        result = module([batch.prompts[c.group] for c in mb.chunks], select(batch.completions, mb.chunks))
+        # Scoring needs only the log-probs: no entropy pass over the [tokens, vocab] logits.
+        result = module([batch.prompts[c.group] for c in mb.chunks], select(batch.completions, mb.chunks),
+                        with_entropy=False)
         per_chunk = result.per_completion(result.logps)
         if mb.weight:
             for chunk, logps in zip(mb.chunks, per_chunk):
