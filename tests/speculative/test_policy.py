@@ -124,7 +124,21 @@ def test_cost_policy_keeps_exploring_while_off():
     # One exploratory tree per EXPLORE_EVERY steps, so the statistics can recover if the text changes.
     assert tried == [bad.EXPLORE_EVERY - 1, 2 * bad.EXPLORE_EVERY - 1, 3 * bad.EXPLORE_EVERY - 1]
     # Not while the draft has yet to read the prompts: exploring would pay for its prompt pass.
-    assert all(bad.choose(1, may_explore=False) is None for _ in range(2 * bad.EXPLORE_EVERY))
+    assert all(bad.choose(1, draft_ready=False) is None for _ in range(2 * bad.EXPLORE_EVERY))
+
+
+def test_a_first_tree_must_repay_the_drafts_prompt_pass_before_the_rollout_ends():
+    policy = timed_cost_policy()
+    policy.observe(TOP1_90_PERCENT)
+    policy.refresh()
+    assert policy.choose(4) is not None                    # trees pay at B=4 once the draft is ready
+    policy.observe_startup(0.05)                           # its prompt pass took 50 ms
+    policy.observe_lengths([20] * 60 + [200] * 4)          # most completions end at 20, a few run long
+    assert policy.expected_remaining(4, position=19) == pytest.approx(1.0)
+    # Near the end of short completions the saving cannot repay 50 ms; in a long tail it can.
+    assert policy.choose(4, draft_ready=False, position=19) is None
+    assert policy.choose(4, draft_ready=False, position=30) is not None
+    assert policy.choose(4, draft_ready=True, position=19) is not None   # already paid for
 
 
 def test_cost_policy_learns_slow_tree_steps_from_their_measured_time():

@@ -43,7 +43,7 @@ from turbogrpo.rollout.types import Rollout, RolloutStats
 from turbogrpo.speculative.draft import DraftHead
 from turbogrpo.speculative.drafting import DraftKVCache, TreeDrafter, catch_up, prefill_draft
 from turbogrpo.speculative.policy import SizingPolicy, make_sizing
-from turbogrpo.speculative.profiler import LatencyProfile, cached_profile
+from turbogrpo.speculative.profiler import LatencyProfile, cached_profile, synchronize
 from turbogrpo.speculative.tree import DraftTree, TreeShape, build_tree
 from turbogrpo.speculative.verify import verify_tree
 
@@ -230,14 +230,16 @@ def speculative_rollout(model: nn.Module, prompts: list[torch.Tensor], num_sampl
         stats.live_batch_sizes.append(cache.num_live)
         stats.num_forwards += 1
 
-        shape = step_shape = sizing.choose(cache.num_live, may_explore=draft_prefilled)
+        shape = step_shape = sizing.choose(cache.num_live, draft_ready=draft_prefilled, position=max(emitted_host))
         if shape is None:
             finished_B, root_B, step = decoder.plain_step(live, root_B)
             continue
         if not draft_prefilled:
             # The draft's prompt pass waits for the first tree, so rollouts that never speculate
-            # (high B throughout) cost the plain engine's time.
-            prefill_draft(speculation.draft, draft_cache, prompts, prompt_hidden_GPH)
+            # (high B throughout) cost the plain engine's time. It is timed on its own (two device
+            # syncs, once per rollout) and left out of the step's time: the policy weighs it once.
+            step_start += _timed(device, lambda: prefill_draft(speculation.draft, draft_cache, prompts,
+                                                               prompt_hidden_GPH), sizing.observe_startup)
             draft_prefilled = True
             stats.num_draft_forwards += 1
         pending_width = max(e - s for e, s in zip(emitted_host, draft_seen_host))
@@ -248,7 +250,20 @@ def speculative_rollout(model: nn.Module, prompts: list[torch.Tensor], num_sampl
         stats.num_draft_forwards += shape.depth
         finished_B, root_B, step = decoder.tree_step(live, root_B, root_features_BH, shape)
     outputs = decoder.outputs if return_hidden else dataclasses.replace(decoder.outputs, hidden_NTH=None)
-    return collect_rollout(prompts, num_samples, outputs, stats, start)
+    rollout = collect_rollout(prompts, num_samples, outputs, stats, start)
+    sizing.observe_lengths([len(tokens) for tokens in rollout.tokens])
+    return rollout
+
+
+def _timed(device: torch.device, work, report) -> float:
+    """Run ``work()``, pass its wall time (device work included) to ``report``, and return it."""
+    synchronize(device)
+    start = time.perf_counter()
+    work()
+    synchronize(device)
+    seconds = time.perf_counter() - start
+    report(seconds)
+    return seconds
 
 
 def _check_draft(draft: object, model: nn.Module) -> None:

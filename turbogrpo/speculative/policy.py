@@ -29,6 +29,7 @@ host transfer) and ``observe`` (the same numbers on the host).
 from __future__ import annotations
 
 import math
+from collections import deque
 from typing import ClassVar
 
 import torch
@@ -51,10 +52,10 @@ class SizingPolicy:
         """(most nodes a tree can have, most draft slots a tree's levels write): buffer sizes."""
         raise NotImplementedError
 
-    def choose(self, num_live: int, *, may_explore: bool = True) -> TreeShape | None:
-        """The tree for this step, or None for a plain step. ``may_explore``: a tree tried only to
-        learn from is welcome now (False while the draft has not yet read the prompts, so that an
-        exploratory step never pays for the draft's prompt pass)."""
+    def choose(self, num_live: int, *, draft_ready: bool = True, position: int = 0) -> TreeShape | None:
+        """The tree for this step, or None for a plain step. ``draft_ready``: the draft has read this
+        rollout's prompts (False: a first tree would also pay for that prompt pass). ``position``:
+        tokens generated so far by the furthest live sequence."""
         raise NotImplementedError
 
     def feedback(self, tree: DraftTree, verdict: TreeVerdict) -> torch.Tensor | None:
@@ -67,6 +68,12 @@ class SizingPolicy:
     def observe_time(self, num_live: int, shape: TreeShape | None, seconds: float, catch_up_tokens: int = 0) -> None:
         """The measured wall time of a step that ran ``shape`` (None: plain) with ``num_live`` sequences,
         whose draft caught up on ``catch_up_tokens`` pairs (padded, all sequences together)."""
+
+    def observe_startup(self, seconds: float) -> None:
+        """The measured wall time of the draft's prompt pass (once per rollout that speculates)."""
+
+    def observe_lengths(self, lengths: list[int]) -> None:
+        """The completion lengths of a finished rollout."""
 
 
 def _bounds_of(shape: TreeShape | None) -> tuple[int, int]:
@@ -81,7 +88,7 @@ class OffSizing(SizingPolicy):
     def bounds(self) -> tuple[int, int]:
         return 1, 0
 
-    def choose(self, num_live: int, *, may_explore: bool = True) -> TreeShape | None:
+    def choose(self, num_live: int, *, draft_ready: bool = True, position: int = 0) -> TreeShape | None:
         return None
 
 
@@ -94,7 +101,7 @@ class FixedSizing(SizingPolicy):
     def bounds(self) -> tuple[int, int]:
         return _bounds_of(self.shape)
 
-    def choose(self, num_live: int, *, may_explore: bool = True) -> TreeShape | None:
+    def choose(self, num_live: int, *, draft_ready: bool = True, position: int = 0) -> TreeShape | None:
         return self.shape
 
 
@@ -113,7 +120,7 @@ class FastGRPOSizing(SizingPolicy):
     def bounds(self) -> tuple[int, int]:
         return self.n_max, (self.l_max - 1) * self.k_max
 
-    def choose(self, num_live: int, *, may_explore: bool = True) -> TreeShape | None:
+    def choose(self, num_live: int, *, draft_ready: bool = True, position: int = 0) -> TreeShape | None:
         nodes = min(self.c_peak // max(num_live, 1), self.n_max)
         if nodes < 2:  # no verify token to spare: speculation is off, not log2(0)
             return None
@@ -131,6 +138,7 @@ class CostSizing(SizingPolicy):
     REFRESH_STEPS = 16   # re-derive the choices after this many new observations (a tree step brings two)
     TIME_WEIGHT = 0.3    # exponential average of measured overheads: follows drift, damps noise
     EXPLORE_EVERY = 32   # while speculation is off, one step in this many still tries the best tree
+    LENGTH_HISTORY = 4096  # completion lengths of past rollouts kept to predict how long this one runs
 
     def __init__(self, profile: LatencyProfile, *, k_max: int = DEFAULT_K_MAX, l_max: int = DEFAULT_L_MAX,
                  n_max: int = DEFAULT_N_MAX, margin: float = 0.1, prior_top1: float = 0.5):
@@ -151,9 +159,12 @@ class CostSizing(SizingPolicy):
         self.tree_scale = 1.0
         self.num_timed = {"plain": 0, "tree": 0}
         self._expected: torch.Tensor | None = None  # [menu, n_max]: E[accepted] with N = 1 + index
-        self._choices: dict[int, tuple[TreeShape | None, bool]] = {}  # B -> (best tree, it beats plain)
+        # B -> (best tree, its predicted token rate over plain decoding's)
+        self._choices: dict[int, tuple[TreeShape | None, float]] = {}
         self._new_observations = 0
         self._plain_streak = 0
+        self.startup_seconds = 0.0   # the draft's prompt pass, as last measured
+        self.past_lengths: deque[int] = deque(maxlen=self.LENGTH_HISTORY)
 
     def bounds(self) -> tuple[int, int]:
         return self.n_max, (self.l_max - 1) * self.k_max
@@ -178,25 +189,51 @@ class CostSizing(SizingPolicy):
         self._choices.clear()
         self._new_observations = 0
 
-    def choose(self, num_live: int, *, may_explore: bool = True) -> TreeShape | None:
+    def choose(self, num_live: int, *, draft_ready: bool = True, position: int = 0) -> TreeShape | None:
         if self._expected is None or self._new_observations >= self.REFRESH_STEPS:
             self.refresh()
         if self.num_timed["plain"] == 0:
             return None  # one measured plain step anchors the comparison before any tree is tried
         if num_live not in self._choices:
             self._choices[num_live] = self._best_shape(num_live)
-        tree, pays = self._choices[num_live]
-        if pays:
+        tree, gain = self._choices[num_live]
+        if gain > 1 + self.margin and (draft_ready or self._repays_startup(num_live, position, gain)):
             self._plain_streak = 0
             return tree
         self._plain_streak += 1
-        if tree is not None and may_explore and self._plain_streak >= self.EXPLORE_EVERY:
+        # Exploring only once the draft has read the prompts: a lone exploratory tree would
+        # otherwise pay for the whole prompt pass.
+        if tree is not None and draft_ready and self._plain_streak >= self.EXPLORE_EVERY:
             self._plain_streak = 0
             return tree
         return None
 
-    def _best_shape(self, num_live: int) -> tuple[TreeShape | None, bool]:
-        """The tree with the best predicted token rate, and whether it beats plain decoding."""
+    def _repays_startup(self, num_live: int, position: int, gain: float) -> bool:
+        """Whether speculating from here on saves more time than the draft's prompt pass costs: the
+        time saved per plain step, times the plain steps the rollout is expected to have left."""
+        if self.startup_seconds == 0 or not self.past_lengths:
+            return True  # nothing measured yet
+        saved_per_step = self._plain_time(num_live) * (1 - 1 / gain)
+        return saved_per_step * self.expected_remaining(num_live, position) >= self.startup_seconds
+
+    def expected_remaining(self, num_live: int, position: int) -> float:
+        """Plain steps left until the last of ``num_live`` sequences that have each generated
+        ``position`` tokens finishes, from the lengths of past rollouts: the ``B / (B + 1)``
+        quantile of the remaining lengths (about the expected maximum of B draws)."""
+        remaining = [n - position for n in self.past_lengths if n > position]
+        if not remaining:
+            return 0.0
+        quantile = num_live / (num_live + 1)
+        return float(torch.quantile(torch.tensor(remaining, dtype=torch.float64), quantile))
+
+    def observe_startup(self, seconds: float) -> None:
+        self.startup_seconds = seconds
+
+    def observe_lengths(self, lengths: list[int]) -> None:
+        self.past_lengths.extend(lengths)
+
+    def _best_shape(self, num_live: int) -> tuple[TreeShape | None, float]:
+        """The tree with the best predicted token rate, and that rate over plain decoding's."""
         expected = self._expected                                       # [menu, n_max]
         nodes = torch.arange(1, self.n_max + 1, dtype=torch.float64)    # N = 1 .. n_max
         top_k = torch.tensor([k for k, _ in self.menu], dtype=torch.float64)[:, None]
@@ -208,11 +245,11 @@ class CostSizing(SizingPolicy):
         rate[:, 0] = 0.0  # N = 1 is no tree: that is the plain step below
         best = int(rate.argmax())
         if rate.flatten()[best] <= 0:
-            return None, False
+            return None, 0.0
         row, column = divmod(best, self.n_max)
         k, l = self.menu[row]
         plain_rate = num_live / self._plain_time(num_live)
-        return TreeShape(k, l, column + 1), bool(rate.flatten()[best] > plain_rate * (1 + self.margin))
+        return TreeShape(k, l, column + 1), float(rate.flatten()[best]) / plain_rate
 
     def _plain_time(self, num_live: int) -> float:
         return max(self.profile.verify(num_live) * self.plain_scale, 1e-9)

@@ -225,10 +225,10 @@ def _measure(make: Callable[[int], Callable[[], object]], grid: list[int], repea
         run()  # warm-up (allocations, kernel selection)
         times = []
         for _ in range(repeats):
-            _synchronize(device)
+            synchronize(device)
             start = time.perf_counter()
             run()
-            _synchronize(device)
+            synchronize(device)
             times.append(time.perf_counter() - start)
         # The fastest run: on a shared machine other jobs only ever add time, so the minimum is the
         # best estimate of what the device itself takes.
@@ -239,6 +239,7 @@ def _measure(make: Callable[[int], Callable[[], object]], grid: list[int], repea
     return LatencyCurve(tuple(grid), tuple(monotone))
 
 
-def _synchronize(device: torch.device) -> None:
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (a no-op on the CPU), so wall-clock timings include it."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
