@@ -19,8 +19,11 @@ Every policy is a small class in ``SIZING_POLICIES``; ``make_sizing(name, ...)``
   within the measured range of the curves (B * N <= the largest profiled count). While off, every
   ``EXPLORE_EVERY``-th step still verifies the best tree (once the draft has read the prompts), so
   the acceptance statistics follow the text (a draft that was poor on one stretch can be good on the
-  next). What the curves miss (Python and bookkeeping around the forwards, a machine busier than when profiled) is
-  learnt from the measured time of every step, as one scale factor for plain and one for tree steps.
+  next). The first tree of a rollout also pays for the draft's prompt pass, so speculation starts
+  only where the expected saving over the rollout's expected remaining steps (read off the completion
+  lengths of earlier rollouts) repays that measured cost. What the curves miss (Python and
+  bookkeeping around the forwards, a machine busier than when profiled) is learnt from the measured
+  time of every step, as one scale factor for plain and one for tree steps.
 
 Policies see verification results through ``feedback`` (device tensors, returned in the step's one
 host transfer) and ``observe`` (the same numbers on the host).
