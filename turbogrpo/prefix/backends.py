@@ -170,7 +170,7 @@ class _PaddedPart(NamedTuple):
 
     def backward(self, grad_out, q, k, v, out, lse, part_lse_rows, scale):
         rows_grad, rows_out = _rows(self.queries, grad_out), _rows(self.queries, out)
-        rows_lse = _rows_lse(self.queries, lse)
+        rows_lse = _rows(self.queries, lse)  # [N, H] -> [R, H, W], like any per-token tensor
         if not self.queries.is_dense:
             valid = self.queries.valid[:, None, :]
             rows_grad = rows_grad * valid[..., None]
@@ -185,11 +185,6 @@ class _PaddedPart(NamedTuple):
 def _at_least_float32(x: torch.Tensor) -> torch.Tensor:
     # Merging half-precision partials in half precision would round the result a second time.
     return x.to(torch.promote_types(x.dtype, torch.float32))
-
-
-def _rows_lse(index: PaddedIndex, lse_NH: torch.Tensor) -> torch.Tensor:
-    """``[N, H]`` flat log-sum-exps -> ``[R, H, W]`` rows."""
-    return index.to_padded(lse_NH).transpose(1, 2)
 
 
 class _VarlenPart(NamedTuple):

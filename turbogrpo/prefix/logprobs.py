@@ -146,9 +146,9 @@ class TargetLogprobs(torch.autograd.Function):
         entropy = None
         if with_entropy:  # H = lse - sum_v p_v z_v
             entropy = lse - torch.linalg.vecdot(torch.exp(scaled - lse[:, None]), scaled)
+            ctx.mark_non_differentiable(entropy)
         ctx.save_for_backward(logits, targets, lse)
         ctx.temperature = temperature
-        ctx.mark_non_differentiable(*(t for t in (entropy,) if t is not None))
         return logps, entropy
 
     @staticmethod

@@ -52,14 +52,22 @@ class PrefillPlan:
         return causal_attention(query, key, value, scaling=scaling, sliding_window=sliding_window)
 
 
+def padded_prompts(prompts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids ``[G, P]`` of the prompts, right-padded with token 0, and their position ids ``[G, P]``."""
+    ids_GP = nn.utils.rnn.pad_sequence(prompts, batch_first=True)
+    return ids_GP, torch.arange(ids_GP.shape[1], device=ids_GP.device).expand_as(ids_GP)
+
+
+def prefill_all_positions(model: nn.Module, cache: GroupedKVCache, prompts: list[torch.Tensor]) -> torch.Tensor:
+    """Run each prompt once, storing its K/V; return the final hidden state at every position ``[G, P, Hd]``."""
+    return run_decoder(model, *padded_prompts(prompts), PrefillPlan(cache))
+
+
 def prefill(model: nn.Module, cache: GroupedKVCache, prompts: list[torch.Tensor]) -> torch.Tensor:
     """Run each prompt once; return the final hidden state at each prompt's last token ``[G, Hd]``."""
-    device = cache.device
-    lengths = torch.tensor([len(p) for p in prompts], device=device)
-    ids_GP = nn.utils.rnn.pad_sequence(prompts, batch_first=True)  # right-padded with token 0
-    positions_GP = torch.arange(ids_GP.shape[1], device=device).expand_as(ids_GP)
-    hidden_GPH = run_decoder(model, ids_GP, positions_GP, PrefillPlan(cache))
-    return hidden_GPH[torch.arange(len(prompts), device=device), lengths - 1]
+    lengths = torch.tensor([len(p) for p in prompts], device=cache.device)
+    hidden_GPH = prefill_all_positions(model, cache, prompts)
+    return hidden_GPH[torch.arange(len(prompts), device=cache.device), lengths - 1]
 
 
 class DecodePlan:

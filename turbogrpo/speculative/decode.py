@@ -32,11 +32,11 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from turbogrpo.hook import lm_head_of, run_decoder
+from turbogrpo.hook import lm_head_of
 from turbogrpo.rollout.engine import generate
 from turbogrpo.rollout.kv_cache import GroupedKVCache
 from turbogrpo.rollout.outputs import LiveRows, OutputBuffers, collect_rollout, emit
-from turbogrpo.rollout.plans import PrefillPlan, forward_new_tokens
+from turbogrpo.rollout.plans import forward_new_tokens, prefill_all_positions
 from turbogrpo.rollout.sampling import SamplingConfig, sample_with_logprobs, token_logprobs
 from turbogrpo.rollout.stopping import StopCriteria
 from turbogrpo.rollout.types import Rollout, RolloutStats
@@ -173,7 +173,7 @@ def speculative_rollout(model: nn.Module, prompts: list[torch.Tensor], num_sampl
     draft_cache = DraftKVCache(prompt_lengths, num_samples, capacity=2 * max_new + max_draft_slots, device=device)
     stats = SpeculativeStats()
 
-    prompt_hidden_GPH = _prefill_all_positions(model, cache, prompts)
+    prompt_hidden_GPH = prefill_all_positions(model, cache, prompts)
     stats.num_forwards += 1
     last_GH = prompt_hidden_GPH[torch.arange(len(prompts), device=device),
                                 torch.tensor(prompt_lengths, device=device) - 1]
@@ -238,8 +238,9 @@ def speculative_rollout(model: nn.Module, prompts: list[torch.Tensor], num_sampl
             # The draft's prompt pass waits for the first tree, so rollouts that never speculate
             # (high B throughout) cost the plain engine's time. It is timed on its own (two device
             # syncs, once per rollout) and left out of the step's time: the policy weighs it once.
-            step_start += _timed(device, lambda: prefill_draft(speculation.draft, draft_cache, prompts,
-                                                               prompt_hidden_GPH), sizing.observe_startup)
+            seconds = _timed(device, lambda: prefill_draft(speculation.draft, draft_cache, prompts, prompt_hidden_GPH))
+            sizing.observe_startup(seconds)
+            step_start += seconds
             draft_prefilled = True
             stats.num_draft_forwards += 1
         pending_width = max(e - s for e, s in zip(emitted_host, draft_seen_host))
@@ -255,15 +256,13 @@ def speculative_rollout(model: nn.Module, prompts: list[torch.Tensor], num_sampl
     return rollout
 
 
-def _timed(device: torch.device, work, report) -> float:
-    """Run ``work()``, pass its wall time (device work included) to ``report``, and return it."""
+def _timed(device: torch.device, work) -> float:
+    """Wall seconds of ``work()``, its device work included."""
     synchronize(device)
     start = time.perf_counter()
     work()
     synchronize(device)
-    seconds = time.perf_counter() - start
-    report(seconds)
-    return seconds
+    return time.perf_counter() - start
 
 
 def _check_draft(draft: object, model: nn.Module) -> None:
@@ -316,11 +315,3 @@ def _catch_up_draft(decoder: _Decoder, live: LiveRows, pending_width: int) -> to
     tokens_Bm = outputs.tokens_NT[rows_Bm, columns_Bm].clamp(min=0)
     return catch_up(decoder.draft, decoder.draft_cache, outputs.hidden_NTH[rows_Bm, columns_Bm], tokens_Bm,
                     live.emitted_B - seen_B)
-
-
-def _prefill_all_positions(model: nn.Module, cache: GroupedKVCache, prompts: list[torch.Tensor]) -> torch.Tensor:
-    """The engine's prefill, returning the final hidden state at every prompt position ``[G, P, Hd]``
-    (the draft's prompt pairs need them all)."""
-    ids_GP = nn.utils.rnn.pad_sequence(prompts, batch_first=True)  # right-padded with token 0
-    positions_GP = torch.arange(ids_GP.shape[1], device=cache.device).expand_as(ids_GP)
-    return run_decoder(model, ids_GP, positions_GP, PrefillPlan(cache))

@@ -24,7 +24,7 @@ from torch import nn
 
 from turbogrpo.speculative.draft import DraftHead, shift_features
 from turbogrpo.speculative.tree import DraftLevel
-from turbogrpo.rollout.plans import causal_attention
+from turbogrpo.rollout.plans import causal_attention, padded_prompts
 
 
 class DraftKVCache:
@@ -145,9 +145,7 @@ class DraftStepPlan:
 def prefill_draft(draft: DraftHead, cache: DraftKVCache, prompts: list[torch.Tensor],
                   features_GPH: torch.Tensor) -> None:
     """Run the draft over each prompt's pairs once (right-padded rows, as the policy's prefill)."""
-    ids_GP = nn.utils.rnn.pad_sequence(prompts, batch_first=True)  # right-padded with token 0
-    positions_GP = torch.arange(ids_GP.shape[1], device=cache.device).expand_as(ids_GP)
-    draft(shift_features(features_GPH), ids_GP, positions_GP, DraftPrefillPlan(cache))
+    draft(shift_features(features_GPH), *padded_prompts(prompts), DraftPrefillPlan(cache))
 
 
 def catch_up(draft: DraftHead, cache: DraftKVCache, features_BmH: torch.Tensor, tokens_Bm: torch.Tensor,

@@ -168,6 +168,7 @@ class CostSizing(SizingPolicy):
         self._plain_streak = 0
         self.startup_seconds = 0.0   # the draft's prompt pass, as last measured
         self.past_lengths: deque[int] = deque(maxlen=self.LENGTH_HISTORY)
+        self._lengths = torch.zeros(0, dtype=torch.float64)  # past_lengths as a tensor, for the quantile
 
     def bounds(self) -> tuple[int, int]:
         return self.n_max, (self.l_max - 1) * self.k_max
@@ -223,17 +224,17 @@ class CostSizing(SizingPolicy):
         """Plain steps left until the last of ``num_live`` sequences that have each generated
         ``position`` tokens finishes, from the lengths of past rollouts: the ``B / (B + 1)``
         quantile of the remaining lengths (about the expected maximum of B draws)."""
-        remaining = [n - position for n in self.past_lengths if n > position]
-        if not remaining:
+        remaining = self._lengths[self._lengths > position] - position
+        if remaining.numel() == 0:
             return 0.0
-        quantile = num_live / (num_live + 1)
-        return float(torch.quantile(torch.tensor(remaining, dtype=torch.float64), quantile))
+        return float(torch.quantile(remaining, num_live / (num_live + 1)))
 
     def observe_startup(self, seconds: float) -> None:
         self.startup_seconds = seconds
 
     def observe_lengths(self, lengths: list[int]) -> None:
         self.past_lengths.extend(lengths)
+        self._lengths = torch.tensor(self.past_lengths, dtype=torch.float64)
 
     def _best_shape(self, num_live: int) -> tuple[TreeShape | None, float]:
         """The tree with the best predicted token rate, and that rate over plain decoding's."""

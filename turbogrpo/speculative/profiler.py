@@ -28,7 +28,7 @@ from torch import nn
 
 from turbogrpo.hook import lm_head_of
 from turbogrpo.rollout.kv_cache import GroupedKVCache
-from turbogrpo.rollout.plans import forward_new_tokens
+from turbogrpo.rollout.plans import forward_new_tokens, prefill_all_positions
 from turbogrpo.rollout.sampling import SamplingConfig, sample_tokens
 
 CACHE_ENV = "TURBOGRPO_CACHE_DIR"
@@ -183,7 +183,7 @@ def profile_latency(model: nn.Module, *, context_length: int, draft: nn.Module |
     lm_head = lm_head_of(model)
 
     cache = GroupedKVCache([context_length], grid[-1], capacity=1, device=device)
-    prompt_hidden = _prefill_features(model, cache, prompt)
+    prompt_hidden = prefill_all_positions(model, cache, [prompt])
 
     def verify(n: int) -> Callable[[], object]:
         cache.keep(list(range(n)))
@@ -210,11 +210,6 @@ def profile_latency(model: nn.Module, *, context_length: int, draft: nn.Module |
 
         draft_curve = _measure(draft_level, grid, repeats, device)
     return LatencyProfile(profile_key(model, context_length=context_length, draft=draft), verify_curve, draft_curve)
-
-
-def _prefill_features(model: nn.Module, cache: GroupedKVCache, prompt: torch.Tensor) -> torch.Tensor:
-    from turbogrpo.speculative.decode import _prefill_all_positions
-    return _prefill_all_positions(model, cache, [prompt])
 
 
 def _measure(make: Callable[[int], Callable[[], object]], grid: list[int], repeats: int,
