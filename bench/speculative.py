@@ -45,7 +45,7 @@ from harness import RESULTS_DIR, interleaved_medians, print_table, write_results
 from turbogrpo.data import build_prompts, demo_records  # noqa: E402
 from turbogrpo.models import load_demo_model, load_model_and_tokenizer  # noqa: E402
 from turbogrpo.rollout import SamplingConfig, generate  # noqa: E402
-from turbogrpo.speculative.decode import Speculation, generate_speculative  # noqa: E402
+from turbogrpo.speculative.decode import Speculation  # noqa: E402
 from turbogrpo.speculative.draft import DraftHead, DraftTrainConfig, draft_examples, train_draft  # noqa: E402
 from turbogrpo.speculative.policy import FixedSizing, OffSizing, make_sizing  # noqa: E402
 from turbogrpo.speculative.profiler import cached_profile  # noqa: E402
@@ -107,9 +107,10 @@ def main() -> None:
     print(f"best GRPO-shaped policy: {best['policy']} on {best['workload']} at {best['speedup']:.2f}x "
           f"(target >= 2x); slowest fixed-B variant: {worst_fixed['policy']} at B={worst_fixed['batch']} "
           f"{worst_fixed['speedup']:.2f}x")
-    plot_speedup(fixed_results, RESULTS_DIR / "speculative_speedup.png")
-    plot_tree_sizes(traces["long-tail"], RESULTS_DIR / "speculative_tree_sizes.png")
-    write_results("speculative" if not args.quick else "speculative_quick", {
+    name = "speculative_quick" if args.quick else "speculative"  # a smoke run never overwrites the real results
+    plot_speedup(fixed_results, RESULTS_DIR / f"{name}_speedup.png")
+    plot_tree_sizes(traces["long-tail"], RESULTS_DIR / f"{name}_tree_sizes.png")
+    write_results(name, {
         "model": args.model, "draft": draft_info, "profile": {"key": profile.key, "c_peak": profile.c_peak,
                                                               "verify": profile.to_json()["verify"],
                                                               "draft": profile.to_json()["draft"]},
@@ -175,29 +176,41 @@ class Runner:
         self.rollouts.append(self.run(len(self.rollouts)))
 
 
+def race_policies(rollout, policies, draft, profile, repeats) -> tuple[dict[str, dict], object]:
+    """Time plain decoding and each sizing policy on the same ``rollout(seed, speculation)``,
+    interleaved. Returns per policy its result fields (plus ``stats``: its last rollout's
+    SpeculativeStats, not for the JSON) and the last plain rollout's stats."""
+    runners = {"plain": Runner(rollout)}
+    sizings = {name: sizing_of(name, profile) for name in policies}  # each learns across its runs
+    for name in policies:
+        runners[name] = Runner(lambda seed, s=Speculation(draft, sizings[name]): rollout(seed, s))
+    timings = interleaved_medians(runners, repeats=repeats, warmup=1)
+    plain_rate = _median_rate(runners["plain"], timings["plain"])
+    results = {}
+    for name in policies:
+        rate = _median_rate(runners[name], timings[name])
+        stats = runners[name].rollouts[-1].stats
+        results[name] = {"policy": name, "plain_tokens_per_s": plain_rate, "tokens_per_s": rate,
+                         "speedup": rate / plain_rate, "accept_length": stats.mean_accepted_length,
+                         "times_s": timings[name]["times_s"], "plain_times_s": timings["plain"]["times_s"],
+                         "tokens": [r.stats.num_generated_tokens for r in runners[name].rollouts],
+                         "learnt": _learnt(sizings[name]), "stats": stats}
+    return results, runners["plain"].rollouts[-1].stats
+
+
 def bench_fixed_batches(model, draft, profile, prompts, batch_sizes, repeats, new_tokens):
     sampling = SamplingConfig(max_new_tokens=new_tokens, temperature=1.0)
     rows, results = [], []
     for batch in batch_sizes:
-        group = prompts[:batch]
-        runners = {"plain": Runner(lambda seed: generate(model, group, num_samples=1, sampling=sampling, seed=seed))}
-        sizings = {name: sizing_of(name, profile) for name in POLICIES[1:]}  # each learns across its runs
-        for name in POLICIES[1:]:
-            speculation = Speculation(draft, sizings[name])
-            runners[name] = Runner(lambda seed, s=speculation: generate_speculative(
-                model, group, num_samples=1, sampling=sampling, seed=seed, draft=s))
-        timings = interleaved_medians(runners, repeats=repeats, warmup=1)
-        plain_rate = _median_rate(runners["plain"], timings["plain"])
-        for name in POLICIES[1:]:
-            rate = _median_rate(runners[name], timings[name])
-            stats = runners[name].rollouts[-1].stats
-            result = {"batch": batch, "policy": name, "plain_tokens_per_s": plain_rate, "tokens_per_s": rate,
-                      "speedup": rate / plain_rate, "accept_length": stats.mean_accepted_length,
-                      "tree_sizes": sorted(set(stats.tree_sizes)), "times_s": timings[name]["times_s"],
-                      "plain_times_s": timings["plain"]["times_s"], "learnt": _learnt(sizings[name])}
-            results.append(result)
-            rows.append([batch, name, plain_rate, rate, result["speedup"], result["accept_length"],
-                         _sizes_text(stats.tree_sizes)])
+        def rollout(seed, speculation=None, group=prompts[:batch]):
+            return generate(model, group, num_samples=1, sampling=sampling, seed=seed, draft=speculation)
+
+        raced, _ = race_policies(rollout, POLICIES[1:], draft, profile, repeats)
+        for name, result in raced.items():
+            stats = result.pop("stats")
+            results.append({"batch": batch, **result, "tree_sizes": sorted(set(stats.tree_sizes))})
+            rows.append([batch, name, result["plain_tokens_per_s"], result["tokens_per_s"], result["speedup"],
+                         result["accept_length"], _sizes_text(stats.tree_sizes)])
     return rows, results
 
 
@@ -230,28 +243,16 @@ def bench_grpo_shaped(model, draft, profile, prompts, workload: Workload, repeat
         return generate(model, prompts, num_samples=8, sampling=sampling, seed=seed, draft=speculation,
                         max_new_tokens_per_completion=lengths)
 
-    runners = {"plain": Runner(rollout)}
-    sizings = {name: sizing_of(name, profile) for name in POLICIES}
-    for name in POLICIES:
-        runners[name] = Runner(lambda seed, s=Speculation(draft, sizings[name]): rollout(seed, s))
-    timings = interleaved_medians(runners, repeats=repeats, warmup=1)
-    plain_rate = _median_rate(runners["plain"], timings["plain"])
+    raced, plain_stats = race_policies(rollout, POLICIES, draft, profile, repeats)
     rows, results, traces = [], [], {}
-    for name in POLICIES:
-        rate = _median_rate(runners[name], timings[name])
-        stats = runners[name].rollouts[-1].stats
+    for name, result in raced.items():
+        stats = result.pop("stats")
         num_spec = sum(1 for n in stats.tree_sizes if n > 1)
-        result = {"policy": name, "tokens_per_s": rate, "plain_tokens_per_s": plain_rate, "speedup": rate / plain_rate,
-                  "accept_length": stats.mean_accepted_length, "num_steps": len(stats.tree_sizes),
-                  "num_speculative_steps": num_spec, "times_s": timings[name]["times_s"],
-                  "tokens": [r.stats.num_generated_tokens for r in runners[name].rollouts],
-                  "learnt": _learnt(sizings[name])}
-        results.append(result)
+        results.append({**result, "num_steps": len(stats.tree_sizes), "num_speculative_steps": num_spec})
         traces[name] = {"live_batch": stats.live_batch_sizes, "tree_size": stats.tree_sizes,
                         "accepted_length": stats.accepted_lengths}
-        rows.append([name, rate, result["speedup"], result["accept_length"], result["num_steps"], num_spec,
-                     _sizes_text(stats.tree_sizes)])
-    plain_stats = runners["plain"].rollouts[-1].stats
+        rows.append([name, result["tokens_per_s"], result["speedup"], result["accept_length"],
+                     len(stats.tree_sizes), num_spec, _sizes_text(stats.tree_sizes)])
     traces["plain"] = {"live_batch": plain_stats.live_batch_sizes}
     return rows, results, traces
 
