@@ -46,6 +46,18 @@ def test_load_local_folder_with_dtype(tmp_path):
     assert tokenizer.pad_token == "<eos>"  # filled from eos for batched rollouts
 
 
+def test_a_folder_declaring_a_generic_fast_tokenizer_gets_its_own_tokenizer_json(tmp_path):
+    # transformers 5 would rebuild a qwen2 folder's tokenizer as byte-level BPE and lose these tokens.
+    from tests.train.tiny_run import char_tokenizer
+    saved = char_tokenizer()
+    tiny_model("qwen2", vocab_size=len(saved)).save_pretrained(tmp_path)
+    saved.save_pretrained(tmp_path)
+    _, tokenizer = load_model_and_tokenizer(tmp_path)
+    text = "Mia has 12 pens. 12+3=15"
+    assert tokenizer(text)["input_ids"] == saved(text)["input_ids"]
+    assert tokenizer.decode(saved(text)["input_ids"]) == text
+
+
 def test_missing_local_path_and_bad_dtype(tmp_path):
     with pytest.raises(ValueError, match="not an existing folder"):
         load_model_and_tokenizer(tmp_path / "no_model_here")

@@ -5,6 +5,7 @@ Models know nothing of training: this module only builds and loads them.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from pathlib import Path
@@ -13,7 +14,7 @@ from typing import NamedTuple
 import torch
 from transformers import (AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, MistralConfig,
                           MistralForCausalLM, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase,
-                          Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
+                          PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
 DTYPES = {
     "float32": torch.float32,
@@ -72,6 +73,8 @@ def load_model_and_tokenizer(name_or_path: str | os.PathLike, *, dtype: str | to
                          "save_pretrained (with config.json and the weights) or a Hub name like 'owner/name'")
     try:
         tokenizer = AutoTokenizer.from_pretrained(source)
+        if local.is_dir():
+            tokenizer = _declared_tokenizer(local, tokenizer)
         model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype,
                                                      attn_implementation=attn_implementation)
     except OSError as err:
@@ -88,6 +91,26 @@ def load_model_and_tokenizer(name_or_path: str | os.PathLike, *, dtype: str | to
     if device is not None:
         model = model.to(device)
     return model, tokenizer
+
+
+# Tokenizer classes that mean "the folder's own tokenizer.json, as it is".
+GENERIC_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
+
+
+def _declared_tokenizer(folder: Path, tokenizer: PreTrainedTokenizerBase) -> PreTrainedTokenizerBase:
+    """The folder's own tokenizer when it declares a generic fast tokenizer (its tokenizer.json).
+
+    transformers 5 loads some model types' tokenizer class whatever the folder says (a "qwen2" model
+    gets Qwen2Tokenizer), which rebuilds a byte-level BPE and mis-reads custom tokenizer.json files
+    (word- or character-level ones lose tokens).
+    """
+    config_file = folder / "tokenizer_config.json"
+    if not config_file.is_file():
+        return tokenizer
+    declared = json.loads(config_file.read_text()).get("tokenizer_class")
+    if declared not in GENERIC_TOKENIZER_CLASSES or type(tokenizer).__name__ in GENERIC_TOKENIZER_CLASSES:
+        return tokenizer
+    return PreTrainedTokenizerFast.from_pretrained(folder)
 
 
 def enable_activation_checkpointing(model: torch.nn.Module) -> None:

@@ -5,14 +5,11 @@ Each builder does one thing and is called by the loop; none knows about the othe
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from functools import partial
-from pathlib import Path
 
 import torch
 from torch import nn
-from transformers import PreTrainedTokenizerFast
 
 from turbogrpo.config import Config, DataConfig, RewardConfig, RolloutConfig
 from turbogrpo.data import PromptExample, build_prompts, demo_records, gsm8k_records, read_records
@@ -27,7 +24,6 @@ def load_policy(config: Config, device: torch.device):
     """The trainable policy (full model, or base + LoRA adapters) and its tokenizer, on ``device``."""
     path = demo_model_path() if config.model.path == "demo" else config.model.path
     model, tokenizer = load_model_and_tokenizer(path, dtype=config.model.dtype, device=device)
-    tokenizer = declared_tokenizer(path, tokenizer)
     if config.lora.enabled:
         from peft import LoraConfig, get_peft_model
         model = get_peft_model(model, LoraConfig(
@@ -38,28 +34,6 @@ def load_policy(config: Config, device: torch.device):
         if config.lora.enabled:
             model.enable_input_require_grads()
     return model, tokenizer
-
-
-def declared_tokenizer(path, tokenizer):
-    """The folder's own tokenizer when it declares a generic fast tokenizer (its tokenizer.json).
-
-    transformers 5 loads some model types' tokenizer class whatever the folder says (a "qwen2" model
-    gets Qwen2Tokenizer), which rebuilds a byte-level BPE and mis-reads custom tokenizer.json files
-    (word- or character-level ones lose tokens).
-    """
-    config_file = Path(path) / "tokenizer_config.json"
-    if not config_file.is_file():
-        return tokenizer
-    declared = json.loads(config_file.read_text()).get("tokenizer_class")
-    if declared not in GENERIC_TOKENIZER_CLASSES or type(tokenizer).__name__ in GENERIC_TOKENIZER_CLASSES:
-        return tokenizer
-    own = PreTrainedTokenizerFast.from_pretrained(path)
-    if own.pad_token is None:
-        own.pad_token = own.eos_token
-    return own
-
-
-GENERIC_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
 
 
 def logprob_fn(config: Config):
