@@ -14,6 +14,8 @@ read, ``S`` max live samples per group, ``Hd`` hidden size.
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -37,13 +39,20 @@ def causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     return out.transpose(1, 2)
 
 
+class PromptStore(Protocol):
+    """A KV cache that keeps a prefill's prompt K/V (the policy's ``GroupedKVCache``, the draft's cache)."""
+
+    def store_prompt(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None: ...
+
+
 class PrefillPlan:
-    """Causal attention within each right-padded prompt row; stores the prompt K/V in the cache.
+    """Causal attention within each right-padded prompt row; stores the prompt K/V in the cache
+    (any cache with ``store_prompt(layer, key, value)``: the policy's, or the draft's).
 
     Right padding keeps every real query's causal window free of padding, so no key mask is needed.
     """
 
-    def __init__(self, cache: GroupedKVCache):
+    def __init__(self, cache: PromptStore):
         self.cache = cache
 
     def __call__(self, module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,

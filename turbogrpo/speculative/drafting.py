@@ -22,9 +22,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from turbogrpo.rollout.plans import PrefillPlan, padded_prompts
 from turbogrpo.speculative.draft import DraftHead, shift_features
 from turbogrpo.speculative.tree import DraftLevel
-from turbogrpo.rollout.plans import causal_attention, padded_prompts
 
 
 class DraftKVCache:
@@ -80,18 +80,6 @@ class DraftKVCache:
         self.lengths_B = self.lengths_B[index]
 
 
-class DraftPrefillPlan:
-    """Causal attention within each right-padded prompt row; stores the prompt K/V."""
-
-    def __init__(self, cache: DraftKVCache):
-        self.cache = cache
-
-    def __call__(self, module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
-                 scaling: float, sliding_window: int | None) -> torch.Tensor:
-        self.cache.store_prompt(module.layer_idx, key, value)
-        return causal_attention(query, key, value, scaling=scaling, sliding_window=sliding_window)
-
-
 class DraftStepPlan:
     """n new tokens per sequence, written after ``m - n`` pending ones; ``visible_Bnm`` says which of
     the m pending + new tokens each new token sees (itself included). The prompt and the committed
@@ -145,7 +133,7 @@ class DraftStepPlan:
 def prefill_draft(draft: DraftHead, cache: DraftKVCache, prompts: list[torch.Tensor],
                   features_GPH: torch.Tensor) -> None:
     """Run the draft over each prompt's pairs once (right-padded rows, as the policy's prefill)."""
-    draft(shift_features(features_GPH), *padded_prompts(prompts), DraftPrefillPlan(cache))
+    draft(shift_features(features_GPH), *padded_prompts(prompts), PrefillPlan(cache))
 
 
 def catch_up(draft: DraftHead, cache: DraftKVCache, features_BmH: torch.Tensor, tokens_Bm: torch.Tensor,
