@@ -23,6 +23,23 @@ def exact_tiny_model(seed: int = 3, vocab: int = 64):
     return model
 
 
+def random_step_batch(prompt_lengths, completion_lengths, *, vocab: int, seed: int, logp_center: float,
+                      logp_spread: float):
+    """A StepBatch of random prompts/completions of the given lengths, with random advantages and
+    old/reference log-probs around ``logp_center`` (drawn in that order from one seeded generator)."""
+    from turbogrpo.train.update import StepBatch
+    gen = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(0, vocab, (p,), generator=gen) for p in prompt_lengths]
+    completions = [[torch.randint(0, vocab, (s,), generator=gen) for s in group] for group in completion_lengths]
+    advantages = torch.randn(sum(map(len, completion_lengths)), generator=gen, dtype=torch.float64)
+
+    def logps():
+        return [[torch.randn(s, generator=gen, dtype=torch.float64) * logp_spread + logp_center for s in group]
+                for group in completion_lengths]
+    old = logps()
+    return StepBatch(prompts, completions, advantages, old, logps())
+
+
 @pytest.fixture(autouse=True)
 def single_thread():
     """Tiny models run fastest on one thread; with several, a busy 2-core machine spends its time in

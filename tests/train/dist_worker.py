@@ -17,7 +17,7 @@ from turbogrpo.train import distributed, loop
 from turbogrpo.train.distributed import DistInfo
 from turbogrpo.train.update import StepBatch, update_policy
 
-from .conftest import exact_tiny_model
+from .conftest import exact_tiny_model, random_step_batch
 from .tiny_run import overrides
 
 PROMPT_LENGTHS = [5, 9, 3, 7]
@@ -26,14 +26,8 @@ BUDGET = 20  # rank 0 gets 3 micro-batches (group 1 is cut in two) and rank 1 ge
 
 
 def global_batch(vocab: int = 64) -> StepBatch:
-    gen = torch.Generator().manual_seed(11)
-    prompts = [torch.randint(0, vocab, (p,), generator=gen) for p in PROMPT_LENGTHS]
-    completions = [[torch.randint(0, vocab, (s,), generator=gen) for s in g] for g in COMPLETION_LENGTHS]
-    n = sum(map(len, COMPLETION_LENGTHS))
-    advantages = torch.randn(n, generator=gen, dtype=torch.float64)
-    old = [[torch.randn(s, generator=gen, dtype=torch.float64) * 0.05 - 4 for s in g] for g in COMPLETION_LENGTHS]
-    ref = [[torch.randn(s, generator=gen, dtype=torch.float64) * 0.05 - 4 for s in g] for g in COMPLETION_LENGTHS]
-    return StepBatch(prompts, completions, advantages, old, ref)
+    return random_step_batch(PROMPT_LENGTHS, COMPLETION_LENGTHS, vocab=vocab, seed=11, logp_center=-4,
+                             logp_spread=0.05)
 
 
 def shard(batch: StepBatch, dist: DistInfo) -> StepBatch:

@@ -9,7 +9,7 @@ from turbogrpo.train.distributed import DistInfo, LogprobModule
 from turbogrpo.train.microbatch import Chunk, pad_to_count, plan_micro_batches
 from turbogrpo.train.update import StepBatch, update_policy
 
-from .conftest import exact_tiny_model
+from .conftest import exact_tiny_model, random_step_batch
 
 SINGLE = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
 
@@ -43,15 +43,10 @@ def test_fillers_have_zero_weight():
 
 
 def _batch(vocab: int):
-    gen = torch.Generator().manual_seed(1)
     prompt_lengths, completion_lengths = [6, 3, 9], [[4, 1, 7], [5, 5], [2, 8, 3, 1]]
-    prompts = [torch.randint(0, vocab, (p,), generator=gen) for p in prompt_lengths]
-    completions = [[torch.randint(0, vocab, (s,), generator=gen) for s in group] for group in completion_lengths]
-    n = sum(map(len, completion_lengths))
-    advantages = torch.randn(n, generator=gen, dtype=torch.float64)
-    old = [[torch.randn(s, generator=gen, dtype=torch.float64) * 0.1 - 2 for s in g] for g in completion_lengths]
-    ref = [[torch.randn(s, generator=gen, dtype=torch.float64) * 0.1 - 2 for s in g] for g in completion_lengths]
-    return StepBatch(prompts, completions, advantages, old, ref), prompt_lengths, completion_lengths
+    batch = random_step_batch(prompt_lengths, completion_lengths, vocab=vocab, seed=1, logp_center=-2,
+                              logp_spread=0.1)
+    return batch, prompt_lengths, completion_lengths
 
 
 def _normalizer(completion_lengths, max_len):
