@@ -58,10 +58,10 @@ def fixed_rewards(completions, **_):
 def build_trainer(model_dir, tmp_path, trainer_class, *, peft=False, **config):
     args = trl.GRPOConfig(
         output_dir=str(tmp_path), report_to="none", use_cpu=True, save_strategy="no", seed=0,
-        bf16=False,  # TRL's default autocasts the float32 model to bfloat16; parity is checked in float32
         num_generations=G, max_completion_length=MAX_COMPLETION_LENGTH, logging_steps=1,
-        # num_iterations > 1: several updates per rollout, so TRL computes old-policy log-probs
-        **{"per_device_train_batch_size": G * len(PROMPTS), "num_iterations": 2, **config},
+        # num_iterations > 1: several updates per rollout, so TRL computes old-policy log-probs.
+        # bf16=False: TRL's default autocasts the float32 model to bfloat16; parity is checked in float32.
+        **{"per_device_train_batch_size": G * len(PROMPTS), "num_iterations": 2, "bf16": False, **config},
     )  # fmt: skip
     peft_config = None
     if peft:
@@ -162,13 +162,18 @@ def test_groups_split_across_micro_batches(model_dir, tmp_path, caplog):
     assert stats.num_partial_groups == 2 * len(PROMPTS)  # the 2-member groups of the second micro-batch
 
 
-def test_entropy_bonus_runs_trl_for_the_policy(model_dir, tmp_path):
-    """TRL's entropy bonus differentiates the entropy; ours is a detached metric, so that call falls back."""
-    trl_trainer, ours = build_pair(model_dir, tmp_path, loss_type="dapo", beta=0.0, entropy_coef=0.1)
+@pytest.mark.parametrize(("config", "num_shared", "reason"), [
+    # TRL's entropy bonus differentiates the entropy; ours is a detached metric: the policy's call falls back.
+    ({"entropy_coef": 0.1}, 1, "entropy bonus"),
+    # bf16 autocast of a float32 model (TRL's default on CPU): every call falls back.
+    ({"bf16": True}, 0, "autocast"),
+], ids=["entropy-bonus", "bf16-autocast"])
+def test_calls_that_cannot_share_run_trl(model_dir, tmp_path, config, num_shared, reason):
+    trl_trainer, ours = build_pair(model_dir, tmp_path, loss_type="dapo", beta=0.0, **config)
     assert_same_step(trl_trainer, ours)
-    assert ours.shared_prefix_stats.num_shared_calls == 1  # the old policy's log-probs
-    assert ours.shared_prefix_stats.num_fallback_calls == 1
-    assert "entropy bonus" in next(iter(ours.shared_prefix_stats.fallback_reasons))
+    stats = ours.shared_prefix_stats
+    assert stats.num_shared_calls == num_shared and stats.num_fallback_calls == 2 - num_shared
+    assert reason in next(iter(stats.fallback_reasons))
 
 
 def test_whole_training_step_logs_what_trl_logs(model_dir, tmp_path):

@@ -37,7 +37,7 @@ from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 from torch import nn
 
-from turbogrpo.hook import check_supported, lm_head_of
+from turbogrpo.hook import check_supported, decoder_of, lm_head_of
 from turbogrpo.prefix import compute_logprobs
 
 try:
@@ -107,11 +107,11 @@ def group_rows(prompt_ids_BP: torch.Tensor, prompt_mask_BP: torch.Tensor, comple
     """
     prompt_mask_BP, completion_mask_BC = prompt_mask_BP.bool(), completion_mask_BC.bool()
     prompt_key_BP = prompt_ids_BP.masked_fill(~prompt_mask_BP, -1)
-    _, group_of_row_B = torch.unique(prompt_key_BP, dim=0, return_inverse=True)
+    _, group_of_row_B = torch.unique(prompt_key_BP, dim=0, return_inverse=True)  # host sync (CUDA): output size
     left_padded_B = (prompt_mask_BP[:, 1:] >= prompt_mask_BP[:, :-1]).all(dim=1)
     right_padded_B = (completion_mask_BC[:, 1:] <= completion_mask_BC[:, :-1]).all(dim=1)
     per_row = torch.stack([group_of_row_B, prompt_mask_BP.sum(1), completion_mask_BC.sum(1), left_padded_B,
-                           right_padded_B], dim=1).tolist()  # host sync: the one per call, for the layout
+                           right_padded_B], dim=1).tolist()  # host sync: the layout, read once per call
     num_columns = prompt_ids_BP.shape[1]
     members: dict[int, list[int]] = {}
     for row, (group, prompt_len, completion_len, left_padded, right_padded) in enumerate(per_row):
@@ -202,7 +202,8 @@ def _entropy_bonus(trainer, model, *, compute_entropy, **_) -> str | None:
 
 
 def _mixed_precision(trainer, model, **_) -> str | None:
-    weight = model.get_input_embeddings().weight
+    # The decoder layers' dtype, not the embeddings': cast_lm_head_to_fp32 makes tied embeddings float32.
+    weight = next(decoder_of(model).layers.parameters())
     with trainer.accelerator.autocast():
         enabled = torch.is_autocast_enabled(weight.device.type)
         autocast_dtype = torch.get_autocast_dtype(weight.device.type)

@@ -1,0 +1,160 @@
+"""TRL's GRPOTrainer with and without turbogrpo's drop-in (turbogrpo.integrations.trl).
+
+Two measurements, each interleaved run by run between the two trainers in one process:
+
+* training forward+backward: TRL's ``_compute_loss`` and its backward on one generated batch (the
+  policy's per-token log-probs with entropy, TRL's loss, gradients); the part the drop-in changes;
+* one whole TRL step: ``trainer.training_step`` (TRL's generation with transformers ``generate``,
+  rewards, advantages, loss, backward) plus the optimizer update.
+
+Shape: 8 prompts x G=8 completions, 512-token prompts, 128 new tokens, one micro-batch of 64 rows
+(per_device_train_batch_size=64, steps_per_generation=1). Model: the "bench model" of
+bench/prefix.py (Qwen2-style, hidden 512, 8 layers, vocab 16384), random init, float32. TRL's
+defaults otherwise (gradient checkpointing on, beta=0, loss_type "dapo"), except bf16=False: TRL
+would autocast the float32 model to bfloat16, which is slow on CPU and which the drop-in hands back
+to TRL (see the module doc of turbogrpo.integrations.trl).
+
+    python bench/trl_dropin.py            # 3 repeats of fwd+bwd (after 1 warm-up), 2 of the whole step
+    python bench/trl_dropin.py --quick    # 1 repeat each, no warm-up; writes trl_dropin_quick.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import interleaved_medians, print_table, write_results  # noqa: E402
+from prefix import BENCH_MODEL  # noqa: E402
+
+NUM_PROMPTS, GROUP, PROMPT_LEN, NEW_TOKENS = 8, 8, 512, 128
+os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+
+
+def word_tokenizer(vocab_size: int):
+    """A word-level tokenizer whose words ``t<i>`` are token ids ``i`` (ids 0 and 1: pad and eos)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    vocab = {"<pad>": 0, "<eos>": 1, **{f"t{i}": i for i in range(2, vocab_size)}}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>",
+                                   padding_side="left")
+
+
+def prompt_rows(vocab_size: int, seed: int = 0) -> list[dict]:
+    """A generation batch as TRL's sampler yields it: each prompt repeated G times in a row."""
+    gen = torch.Generator().manual_seed(seed)
+    prompts = [" ".join(f"t{i}" for i in torch.randint(2, vocab_size, (PROMPT_LEN,), generator=gen).tolist())
+               for _ in range(NUM_PROMPTS)]
+    return [{"prompt": p} for p in prompts for _ in range(GROUP)]
+
+
+def length_reward(completions, **_):
+    """Any reward that differs within a group, so that advantages (and gradients) are not zero."""
+    return [float(len(c) % 7) for c in completions]
+
+
+def build_trainer(model, tokenizer, output_dir: str, shared: bool, **config):
+    """A GRPOTrainer (``shared``: with the drop-in) for one micro-batch of the whole generation batch."""
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+
+    from turbogrpo.integrations.trl import SharedPrefixGRPOTrainer
+    args = GRPOConfig(output_dir=output_dir, report_to="none", save_strategy="no", seed=0,
+                      num_generations=GROUP, max_completion_length=NEW_TOKENS,
+                      per_device_train_batch_size=NUM_PROMPTS * GROUP, steps_per_generation=1,
+                      gradient_accumulation_steps=1, **config)
+    trainer_class = SharedPrefixGRPOTrainer if shared else GRPOTrainer
+    trainer = trainer_class(model=model, reward_funcs=[length_reward], args=args, processing_class=tokenizer,
+                            train_dataset=Dataset.from_dict({"prompt": ["t2"]}))
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 1  # set by Trainer.train
+    trainer.create_optimizer()
+    return trainer
+
+
+def training_forward_backward(trainer, batch):
+    def run():
+        trainer.model.zero_grad(set_to_none=True)
+        trainer._compute_loss(trainer.model, batch).backward()
+    return run
+
+
+def whole_step(trainer, rows):
+    def run():
+        torch.manual_seed(0)  # the same completions for both trainers
+        trainer.training_step(trainer.model, rows, None)
+        trainer.optimizer.step()
+        trainer.optimizer.zero_grad(set_to_none=True)
+    return run
+
+
+def measure(make_model, tokenizer, *, repeats: int, step_repeats: int, warmup: int, **config) -> dict:
+    """Interleaved medians for TRL and the drop-in: training fwd+bwd and one whole step."""
+    rows = prompt_rows(tokenizer.vocab_size)
+    with tempfile.TemporaryDirectory() as tmp:
+        trainers = {name: build_trainer(make_model(), tokenizer, f"{tmp}/{name}", shared=name == "turbogrpo",
+                                        **config) for name in ("trl", "turbogrpo")}
+        batches = {}
+        for name, trainer in trainers.items():
+            torch.manual_seed(0)
+            batches[name] = trainer._generate_and_score_completions(rows)
+        completion_tokens = int(batches["trl"]["completion_mask"].sum())
+        fwd_bwd = interleaved_medians({name: training_forward_backward(t, batches[name])
+                                       for name, t in trainers.items()}, repeats=repeats, warmup=warmup)
+        print(f"fwd+bwd: {fwd_bwd['trl']['times_s']} (TRL) vs {fwd_bwd['turbogrpo']['times_s']}", flush=True)
+        # No warm-up for the step: the fwd+bwd runs above warmed both trainers, and a step costs minutes on CPU.
+        step = interleaved_medians({name: whole_step(t, rows) for name, t in trainers.items()},
+                                   repeats=step_repeats, warmup=0)
+        stats = trainers["turbogrpo"].shared_prefix_stats
+    return {
+        "shape": {"num_prompts": NUM_PROMPTS, "group": GROUP, "prompt_len": PROMPT_LEN, "new_tokens": NEW_TOKENS,
+                  "completion_tokens_in_batch": completion_tokens},
+        "trl_config": config,
+        "forward_backward": {**fwd_bwd, "speedup": fwd_bwd["trl"]["median_s"] / fwd_bwd["turbogrpo"]["median_s"]},
+        "whole_step": {**step, "speedup": step["trl"]["median_s"] / step["turbogrpo"]["median_s"]},
+        "drop_in_stats": {"shared_calls": stats.num_shared_calls, "fallback_calls": stats.num_fallback_calls,
+                          "fallback_reasons": stats.fallback_reasons},
+    }
+
+
+def bench_model():
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    torch.manual_seed(0)
+    config = Qwen2Config(**BENCH_MODEL, pad_token_id=0, eos_token_id=1)
+    return Qwen2ForCausalLM(config).float()
+
+
+def print_result(title: str, result: dict) -> None:
+    rows = [[part, result[part]["trl"]["median_s"], result[part]["turbogrpo"]["median_s"], result[part]["speedup"]]
+            for part in ("forward_backward", "whole_step")]
+    print_table(title, ["part", "TRL s", "TRL + turbogrpo s", "speedup"], rows)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="1 repeat each, no warm-up")
+    parser.add_argument("--repeats", type=int, default=3, help="interleaved repeats of the fwd+bwd")
+    parser.add_argument("--step-repeats", type=int, default=2, help="interleaved repeats of the whole step")
+    cli = parser.parse_args()
+    repeats, step_repeats, warmup = (1, 1, 0) if cli.quick else (cli.repeats, cli.step_repeats, 1)
+    tokenizer = word_tokenizer(BENCH_MODEL["vocab_size"])
+    result = measure(bench_model, tokenizer, repeats=repeats, step_repeats=step_repeats, warmup=warmup,
+                     use_cpu=True, bf16=False)
+    title = (f"TRL GRPOTrainer, bench model, {NUM_PROMPTS} prompts x G={GROUP}, {PROMPT_LEN}-token prompts, "
+             f"{NEW_TOKENS} new tokens, CPU float32")
+    print_result(title, result)
+    write_results("trl_dropin_quick" if cli.quick else "trl_dropin", {
+        "note": "2-core CPU, shared with other jobs; ratios come from runs interleaved in one process",
+        "model": BENCH_MODEL, "dtype": "float32", "repeats": repeats, "step_repeats": step_repeats,
+        "warmup": warmup, "step_warmup": 0, **result})
+
+
+if __name__ == "__main__":
+    main()
