@@ -22,8 +22,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -95,33 +97,69 @@ def whole_step(trainer, rows):
     return run
 
 
-def measure(make_model, tokenizer, *, repeats: int, step_repeats: int, warmup: int, **config) -> dict:
-    """Interleaved medians for TRL and the drop-in: training fwd+bwd and one whole step."""
+def measure(make_model, tokenizer, *, repeats: int, step_repeats: int, warmup: int, budget_s: float | None = None,
+            **config) -> dict:
+    """Interleaved medians for TRL and the drop-in: training fwd+bwd and one whole step.
+
+    With ``budget_s``, repeats beyond the first are run only while the time measured so far says they
+    fit, and the whole step is skipped (with the reason recorded) when even one would not.
+    """
+    started = time.perf_counter()
     rows = prompt_rows(tokenizer.vocab_size)
     with tempfile.TemporaryDirectory() as tmp:
         trainers = {name: build_trainer(make_model(), tokenizer, f"{tmp}/{name}", shared=name == "turbogrpo",
                                         **config) for name in ("trl", "turbogrpo")}
         batches = {}
+        generation_s = time.perf_counter()
         for name, trainer in trainers.items():
             torch.manual_seed(0)
             batches[name] = trainer._generate_and_score_completions(rows)
+        generation_s = (time.perf_counter() - generation_s) / len(trainers)
         completion_tokens = int(batches["trl"]["completion_mask"].sum())
-        fwd_bwd = interleaved_medians({name: training_forward_backward(t, batches[name])
-                                       for name, t in trainers.items()}, repeats=repeats, warmup=warmup)
+
+        def left_s() -> float:
+            return float("inf") if budget_s is None else budget_s - (time.perf_counter() - started)
+
+        def how_many(wanted: int, each_s: float, share: float = 1.0) -> int:
+            """Repeats of ``each_s`` seconds, up to ``wanted``, that fit in ``share`` of the budget left."""
+            return wanted if budget_s is None else min(wanted, int(share * left_s() / each_s))
+
+        fns = {name: training_forward_backward(t, batches[name]) for name, t in trainers.items()}
+        fwd_bwd = interleaved_medians(fns, repeats=1, warmup=warmup)
+        pair_s = sum(t["median_s"] for t in fwd_bwd.values())
+        more = how_many(repeats - 1, pair_s, share=0.5)  # half the time left: the step needs the rest
+        if more > 0:
+            fwd_bwd = _merge(fwd_bwd, interleaved_medians(fns, repeats=more, warmup=0))
         print(f"fwd+bwd: {fwd_bwd['trl']['times_s']} (TRL) vs {fwd_bwd['turbogrpo']['times_s']}", flush=True)
-        # No warm-up for the step: the fwd+bwd runs above warmed both trainers, and a step costs minutes on CPU.
-        step = interleaved_medians({name: whole_step(t, rows) for name, t in trainers.items()},
-                                   repeats=step_repeats, warmup=0)
+        step_pair_s = 2 * generation_s + pair_s  # generation dominates a step; fwd+bwd is measured above
+        num_steps = how_many(step_repeats, step_pair_s)
+        if num_steps > 0:
+            # No warm-up: the fwd+bwd runs above warmed both trainers, and a step costs minutes on CPU.
+            step = interleaved_medians({name: whole_step(t, rows) for name, t in trainers.items()},
+                                       repeats=num_steps, warmup=0)
+            step["speedup"] = step["trl"]["median_s"] / step["turbogrpo"]["median_s"]
+        else:
+            step = {"skipped": f"a step pair takes about {step_pair_s:.0f}s; {left_s():.0f}s of the budget left"}
         stats = trainers["turbogrpo"].shared_prefix_stats
     return {
         "shape": {"num_prompts": NUM_PROMPTS, "group": GROUP, "prompt_len": PROMPT_LEN, "new_tokens": NEW_TOKENS,
                   "completion_tokens_in_batch": completion_tokens},
         "trl_config": config,
+        "generation_s": generation_s,
         "forward_backward": {**fwd_bwd, "speedup": fwd_bwd["trl"]["median_s"] / fwd_bwd["turbogrpo"]["median_s"]},
-        "whole_step": {**step, "speedup": step["trl"]["median_s"] / step["turbogrpo"]["median_s"]},
+        "whole_step": step,
         "drop_in_stats": {"shared_calls": stats.num_shared_calls, "fallback_calls": stats.num_fallback_calls,
                           "fallback_reasons": stats.fallback_reasons},
     }
+
+
+def _merge(first: dict, second: dict) -> dict:
+    """Two interleaved_medians results of the same callables, as one."""
+    merged = {}
+    for name in first:
+        times = first[name]["times_s"] + second[name]["times_s"]
+        merged[name] = {"median_s": statistics.median(times), "min_s": min(times), "times_s": times}
+    return merged
 
 
 def bench_model():
@@ -133,6 +171,7 @@ def bench_model():
 
 def print_result(title: str, result: dict) -> None:
     rows = [[part, result[part]["trl"]["median_s"], result[part]["turbogrpo"]["median_s"], result[part]["speedup"]]
+            if "skipped" not in result[part] else [part, "-", "-", result[part]["skipped"]]
             for part in ("forward_backward", "whole_step")]
     print_table(title, ["part", "TRL s", "TRL + turbogrpo s", "speedup"], rows)
 
