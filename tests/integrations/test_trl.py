@@ -14,14 +14,12 @@ import torch
 
 trl = pytest.importorskip("trl", minversion="1.16")
 from datasets import Dataset  # noqa: E402
-from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
-from transformers import PreTrainedTokenizerFast  # noqa: E402
 
 from turbogrpo.integrations.trl import (SharedPrefixGRPOTrainer, check_trl_version,  # noqa: E402
                                         enable_shared_prefix, group_rows, split_groups)
-from turbogrpo.models import tiny_model  # noqa: E402
+from turbogrpo.models import demo_model_path, load_model_and_tokenizer, tiny_model  # noqa: E402
 
-PAD, EOS = 0, 1
+PAD, EOS = 1, 0  # the demo tokenizer's
 PROMPTS = ["t0 t1 t2 t3 t4", "t5 t6", "t7 t8 t9"]   # ragged: TRL left-pads to 5 columns
 G = 3
 # Row i of a generation batch gets COMPLETIONS[i % 9]: EOS-ended (masked after EOS) and cut at 6 tokens.
@@ -32,17 +30,16 @@ REWARDS = [1.0, 0.0, 0.5, 2.0, 1.0, 0.0, 0.3, 1.5, 0.7]
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    """A tiny Qwen2 and a word-level tokenizer, saved (TRL builds its reference model from the path)."""
+def tiny(tmp_path_factory):
+    """A tiny Qwen2, saved (TRL builds its reference model from the path), and the demo model's tokenizer:
+    with a rollout_func TRL only decodes completions for the rewards, so any tokenizer covering the ids will do."""
     path = tmp_path_factory.mktemp("tiny_qwen2_trl")
-    vocab = {"<pad>": PAD, "<eos>": EOS, **{f"t{i}": i + 2 for i in range(30)}}
-    backend = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
-    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>").save_pretrained(path)
     model = tiny_model("qwen2", vocab_size=32, hidden=32, layers=2, heads=4, kv_heads=2, seed=0)
     model.config.pad_token_id, model.config.eos_token_id = PAD, EOS
     model.save_pretrained(path)
-    return str(path)
+    tokenizer = load_model_and_tokenizer(demo_model_path())[1]
+    assert (tokenizer.pad_token_id, tokenizer.eos_token_id) == (PAD, EOS)
+    return str(path), tokenizer
 
 
 def fixed_rollout(prompts, trainer):
@@ -55,7 +52,8 @@ def fixed_rewards(completions, **_):
     return [REWARDS[i % len(REWARDS)] for i in range(len(completions))]
 
 
-def build_trainer(model_dir, tmp_path, trainer_class, *, peft=False, **config):
+def build_trainer(tiny, tmp_path, trainer_class, *, peft=False, **config):
+    model_dir, tokenizer = tiny
     args = trl.GRPOConfig(
         output_dir=str(tmp_path), report_to="none", use_cpu=True, save_strategy="no", seed=0,
         num_generations=G, max_completion_length=MAX_COMPLETION_LENGTH, logging_steps=1,
@@ -67,7 +65,8 @@ def build_trainer(model_dir, tmp_path, trainer_class, *, peft=False, **config):
     if peft:
         from peft import LoraConfig
         peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj"])
-    trainer = trainer_class(model=model_dir, reward_funcs=[fixed_rewards], args=args, peft_config=peft_config,
+    trainer = trainer_class(model=model_dir, processing_class=tokenizer, reward_funcs=[fixed_rewards], args=args,
+                            peft_config=peft_config,
                             train_dataset=Dataset.from_dict({"prompt": PROMPTS}), rollout_func=fixed_rollout)
     # Move the policy off the reference (and LoRA off zero), the same way in both trainers, so that the
     # KL term and the ratios are not trivially at their optimum.
@@ -81,12 +80,12 @@ def build_trainer(model_dir, tmp_path, trainer_class, *, peft=False, **config):
     return trainer
 
 
-def build_pair(model_dir, tmp_path, patch_existing=False, **config):
-    ours = build_trainer(model_dir, tmp_path / "ours", trl.GRPOTrainer if patch_existing else SharedPrefixGRPOTrainer,
+def build_pair(tiny, tmp_path, patch_existing=False, **config):
+    ours = build_trainer(tiny, tmp_path / "ours", trl.GRPOTrainer if patch_existing else SharedPrefixGRPOTrainer,
                          **config)
     if patch_existing:
         ours = enable_shared_prefix(ours)
-    return build_trainer(model_dir, tmp_path / "trl", trl.GRPOTrainer, **config), ours
+    return build_trainer(tiny, tmp_path / "trl", trl.GRPOTrainer, **config), ours
 
 
 def generation_batch(trainer):
@@ -135,8 +134,8 @@ def assert_same_step(trl_trainer, ours, split=None):
     {"loss_type": "grpo", "beta": 0.04},
     {"loss_type": "dapo", "beta": 0.04, "peft": True, "patch_existing": True},
 ], ids=["dapo-beta0", "grpo-beta0.04", "lora-dapo-beta0.04-patched"])
-def test_training_step_matches_trl(model_dir, tmp_path, config):
-    trl_trainer, ours = build_pair(model_dir, tmp_path, **config)
+def test_training_step_matches_trl(tiny, tmp_path, config):
+    trl_trainer, ours = build_pair(tiny, tmp_path, **config)
     assert_same_step(trl_trainer, ours)
     stats = ours.shared_prefix_stats
     # old policy + policy (+ reference): every call shared, 3 prompt forwards for 9 rows each time
@@ -146,10 +145,10 @@ def test_training_step_matches_trl(model_dir, tmp_path, config):
     assert stats.num_rows == G * len(PROMPTS) * stats.num_shared_calls
 
 
-def test_groups_split_across_micro_batches(model_dir, tmp_path, caplog):
+def test_groups_split_across_micro_batches(tiny, tmp_path, caplog):
     """Two micro-batches (gradient accumulation): one holds a single member of each group, so nothing can be
     shared and TRL's own code runs, with one notice; the other holds two members of each group."""
-    trl_trainer, ours = build_pair(model_dir, tmp_path, loss_type="grpo", beta=0.04,
+    trl_trainer, ours = build_pair(tiny, tmp_path, loss_type="grpo", beta=0.04,
                                    per_device_train_batch_size=G * len(PROMPTS) // 3, gradient_accumulation_steps=3,
                                    steps_per_generation=1)
     with caplog.at_level(logging.WARNING, logger="turbogrpo.integrations.trl"):
@@ -168,20 +167,20 @@ def test_groups_split_across_micro_batches(model_dir, tmp_path, caplog):
     # bf16 autocast of a float32 model (TRL's default on CPU): every call falls back.
     ({"bf16": True}, 0, "autocast"),
 ], ids=["entropy-bonus", "bf16-autocast"])
-def test_calls_that_cannot_share_run_trl(model_dir, tmp_path, config, num_shared, reason):
-    trl_trainer, ours = build_pair(model_dir, tmp_path, loss_type="dapo", beta=0.0, **config)
+def test_calls_that_cannot_share_run_trl(tiny, tmp_path, config, num_shared, reason):
+    trl_trainer, ours = build_pair(tiny, tmp_path, loss_type="dapo", beta=0.0, **config)
     assert_same_step(trl_trainer, ours)
     stats = ours.shared_prefix_stats
     assert stats.num_shared_calls == num_shared and stats.num_fallback_calls == 2 - num_shared
     assert reason in next(iter(stats.fallback_reasons))
 
 
-def test_whole_training_step_logs_what_trl_logs(model_dir, tmp_path):
+def test_whole_training_step_logs_what_trl_logs(tiny, tmp_path):
     """`trainer.train()` for one optimizer step over two shuffled micro-batches (steps_per_generation=2):
     TRL's logged loss and entropy, and the updated weights, are the same with the drop-in."""
     config = dict(loss_type="dapo", beta=0.04, num_iterations=1, max_steps=1, optim="sgd", learning_rate=0.1,
                   per_device_train_batch_size=G, gradient_accumulation_steps=2)
-    trainers = build_pair(model_dir, tmp_path, **config)
+    trainers = build_pair(tiny, tmp_path, **config)
     logs = []
     for trainer in trainers:
         trainer.train()
