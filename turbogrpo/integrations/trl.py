@@ -219,6 +219,18 @@ CALL_CHECKS = (_multimodal_inputs, _aux_loss, _entropy_bonus, _wrapped, _not_att
                _mixed_precision)
 
 
+def shareable_groups(trainer, model, input_ids_BL: torch.Tensor, attention_mask_BL: torch.Tensor,
+                     logits_to_keep: int, **call) -> PromptGroups:
+    """The groups of one of TRL's log-prob calls, or :class:`NotShareable` saying why it cannot share."""
+    for check in CALL_CHECKS:
+        reason = check(trainer, model, **call)
+        if reason is not None:
+            raise NotShareable(reason)
+    num_prompt_columns = input_ids_BL.shape[1] - logits_to_keep
+    return group_rows(input_ids_BL[:, :num_prompt_columns], attention_mask_BL[:, :num_prompt_columns],
+                      input_ids_BL[:, num_prompt_columns:], attention_mask_BL[:, num_prompt_columns:])
+
+
 class SharedPrefixMixin:
     """Replaces GRPOTrainer's per-token log-probs with the shared-prefix forward (see the module doc)."""
 
@@ -229,18 +241,12 @@ class SharedPrefixMixin:
         ``input_ids``/``attention_mask`` are ``[B, L]``: prompts then completions, the last
         ``logits_to_keep`` = C columns being the completions, exactly as TRL passes them.
         """
-        reason = next((r for check in CALL_CHECKS if (r := check(
-            self, model, extra_inputs=extra_inputs, compute_aux_loss=compute_aux_loss,
-            compute_entropy=compute_entropy)) is not None), None)
-        num_prompt_columns = input_ids.shape[1] - logits_to_keep
-        if reason is None:
-            try:
-                groups = group_rows(input_ids[:, :num_prompt_columns], attention_mask[:, :num_prompt_columns],
-                                    input_ids[:, num_prompt_columns:], attention_mask[:, num_prompt_columns:])
-            except NotShareable as err:
-                reason = str(err)
-        if reason is not None:
-            self._note_fallback(reason)
+        try:
+            groups = shareable_groups(self, model, input_ids, attention_mask, logits_to_keep,
+                                      compute_entropy=compute_entropy, compute_aux_loss=compute_aux_loss,
+                                      extra_inputs=extra_inputs)
+        except NotShareable as err:
+            self._note_fallback(str(err))
             return super()._get_per_token_logps_and_entropies(
                 model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size,
                 compute_entropy=compute_entropy, compute_aux_loss=compute_aux_loss, **extra_inputs)
