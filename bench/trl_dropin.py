@@ -98,11 +98,12 @@ def whole_step(trainer, rows):
 
 
 def measure(make_model, tokenizer, *, repeats: int, step_repeats: int, warmup: int, budget_s: float | None = None,
-            **config) -> dict:
+            report=None, **config) -> dict:
     """Interleaved medians for TRL and the drop-in: training fwd+bwd and one whole step.
 
     With ``budget_s``, repeats beyond the first are run only while the time measured so far says they
     fit, and the whole step is skipped (with the reason recorded) when even one would not.
+    ``report(partial_result)`` is called once the fwd+bwd is measured, so a long run keeps it.
     """
     started = time.perf_counter()
     rows = prompt_rows(tokenizer.vocab_size)
@@ -130,7 +131,13 @@ def measure(make_model, tokenizer, *, repeats: int, step_repeats: int, warmup: i
         more = how_many(repeats - 1, pair_s, share=0.5)  # half the time left: the step needs the rest
         if more > 0:
             fwd_bwd = _merge(fwd_bwd, interleaved_medians(fns, repeats=more, warmup=0))
-        print(f"fwd+bwd: {fwd_bwd['trl']['times_s']} (TRL) vs {fwd_bwd['turbogrpo']['times_s']}", flush=True)
+        fwd_bwd["speedup"] = fwd_bwd["trl"]["median_s"] / fwd_bwd["turbogrpo"]["median_s"]
+        result = {"shape": {"num_prompts": NUM_PROMPTS, "group": GROUP, "prompt_len": PROMPT_LEN,
+                            "new_tokens": NEW_TOKENS, "completion_tokens_in_batch": completion_tokens},
+                  "trl_config": config, "generation_s": generation_s, "forward_backward": fwd_bwd,
+                  "whole_step": {"skipped": "not measured yet"}}
+        if report is not None:
+            report(result)
         step_pair_s = 2 * generation_s + pair_s  # generation dominates a step; fwd+bwd is measured above
         num_steps = how_many(step_repeats, step_pair_s)
         if num_steps > 0:
@@ -141,16 +148,9 @@ def measure(make_model, tokenizer, *, repeats: int, step_repeats: int, warmup: i
         else:
             step = {"skipped": f"a step pair takes about {step_pair_s:.0f}s; {left_s():.0f}s of the budget left"}
         stats = trainers["turbogrpo"].shared_prefix_stats
-    return {
-        "shape": {"num_prompts": NUM_PROMPTS, "group": GROUP, "prompt_len": PROMPT_LEN, "new_tokens": NEW_TOKENS,
-                  "completion_tokens_in_batch": completion_tokens},
-        "trl_config": config,
-        "generation_s": generation_s,
-        "forward_backward": {**fwd_bwd, "speedup": fwd_bwd["trl"]["median_s"] / fwd_bwd["turbogrpo"]["median_s"]},
-        "whole_step": step,
-        "drop_in_stats": {"shared_calls": stats.num_shared_calls, "fallback_calls": stats.num_fallback_calls,
-                          "fallback_reasons": stats.fallback_reasons},
-    }
+    return {**result, "whole_step": step,
+            "drop_in_stats": {"shared_calls": stats.num_shared_calls, "fallback_calls": stats.num_fallback_calls,
+                              "fallback_reasons": stats.fallback_reasons}}
 
 
 def _merge(first: dict, second: dict) -> dict:
@@ -184,15 +184,19 @@ def main() -> None:
     cli = parser.parse_args()
     repeats, step_repeats, warmup = (1, 1, 0) if cli.quick else (cli.repeats, cli.step_repeats, 1)
     tokenizer = word_tokenizer(BENCH_MODEL["vocab_size"])
+    header = {"note": "2-core CPU, shared with other jobs; ratios come from runs interleaved in one process",
+              "model": BENCH_MODEL, "dtype": "float32", "repeats": repeats, "step_repeats": step_repeats,
+              "warmup": warmup, "step_warmup": 0}
+
+    def write(result: dict) -> None:
+        write_results("trl_dropin_quick" if cli.quick else "trl_dropin", {**header, **result})
+
     result = measure(bench_model, tokenizer, repeats=repeats, step_repeats=step_repeats, warmup=warmup,
-                     use_cpu=True, bf16=False)
+                     report=write, use_cpu=True, bf16=False)
     title = (f"TRL GRPOTrainer, bench model, {NUM_PROMPTS} prompts x G={GROUP}, {PROMPT_LEN}-token prompts, "
              f"{NEW_TOKENS} new tokens, CPU float32")
     print_result(title, result)
-    write_results("trl_dropin_quick" if cli.quick else "trl_dropin", {
-        "note": "2-core CPU, shared with other jobs; ratios come from runs interleaved in one process",
-        "model": BENCH_MODEL, "dtype": "float32", "repeats": repeats, "step_repeats": step_repeats,
-        "warmup": warmup, "step_warmup": 0, **result})
+    write(result)
 
 
 if __name__ == "__main__":
