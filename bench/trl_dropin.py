@@ -62,29 +62,47 @@ def length_reward(completions, **_):
     return [float(len(c) % 7) for c in completions]
 
 
-def build_trainer(model, tokenizer, output_dir: str, shared: bool, **config):
-    """A GRPOTrainer (``shared``: with the drop-in) for one micro-batch of the whole generation batch."""
+def fixed_rollout(prompts, trainer):
+    """Completions of exactly NEW_TOKENS random tokens without generating (TRL's rollout_func hook): for
+    timing the training forward+backward alone, where the tokens do not matter."""
+    gen = torch.Generator().manual_seed(1)
+    prompt_ids = trainer.processing_class(prompts)["input_ids"]
+    vocab_size = trainer.processing_class.vocab_size
+    completions = torch.randint(2, vocab_size, (len(prompts), NEW_TOKENS), generator=gen).tolist()
+    return {"prompt_ids": prompt_ids, "completion_ids": completions, "logprobs": None}
+
+
+def build_trainer(model, tokenizer, output_dir: str, shared: bool, *, micro_batches: int, generate: bool, **config):
+    """A GRPOTrainer (``shared``: with the drop-in) whose generation batch is the whole shape, trained in
+    ``micro_batches`` gradient-accumulated micro-batches; without ``generate``, completions are random."""
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
     from turbogrpo.integrations.trl import SharedPrefixGRPOTrainer
     args = GRPOConfig(output_dir=output_dir, report_to="none", save_strategy="no", seed=0,
                       num_generations=GROUP, max_completion_length=NEW_TOKENS,
-                      per_device_train_batch_size=NUM_PROMPTS * GROUP, steps_per_generation=1,
-                      gradient_accumulation_steps=1, **config)
+                      per_device_train_batch_size=NUM_PROMPTS * GROUP // micro_batches,
+                      steps_per_generation=micro_batches, gradient_accumulation_steps=micro_batches, **config)
     trainer_class = SharedPrefixGRPOTrainer if shared else GRPOTrainer
     trainer = trainer_class(model=model, reward_funcs=[length_reward], args=args, processing_class=tokenizer,
-                            train_dataset=Dataset.from_dict({"prompt": ["t2"]}))
+                            train_dataset=Dataset.from_dict({"prompt": ["t2"]}),
+                            rollout_func=None if generate else fixed_rollout)
     trainer.model.train()
-    trainer.current_gradient_accumulation_steps = 1  # set by Trainer.train
+    trainer.current_gradient_accumulation_steps = micro_batches  # set by Trainer.train
     trainer.create_optimizer()
     return trainer
 
 
-def training_forward_backward(trainer, batch):
+def training_forward_backward(trainer, batch, micro_batches: int):
+    """TRL's loss and backward over the generation batch in ``micro_batches`` runs of consecutive rows
+    (whole groups: TRL's own split would first shuffle the rows; see the README)."""
+    from trl.trainer.utils import split_tensor_dict
+    micro = split_tensor_dict(batch, micro_batches)
+
     def run():
         trainer.model.zero_grad(set_to_none=True)
-        trainer._compute_loss(trainer.model, batch).backward()
+        for inputs in micro:
+            trainer._compute_loss(trainer.model, inputs).backward()
     return run
 
 
@@ -98,18 +116,20 @@ def whole_step(trainer, rows):
 
 
 def measure(make_model, tokenizer, *, repeats: int, step_repeats: int, warmup: int, budget_s: float | None = None,
-            report=None, **config) -> dict:
+            micro_batches: int = 1, report=None, **config) -> dict:
     """Interleaved medians for TRL and the drop-in: training fwd+bwd and one whole step.
 
     With ``budget_s``, repeats beyond the first are run only while the time measured so far says they
     fit, and the whole step is skipped (with the reason recorded) when even one would not.
     ``report(partial_result)`` is called once the fwd+bwd is measured, so a long run keeps it.
+    With ``step_repeats=0`` nothing is generated (random completions) and the whole step is skipped.
     """
     started = time.perf_counter()
     rows = prompt_rows(tokenizer.vocab_size)
     with tempfile.TemporaryDirectory() as tmp:
         trainers = {name: build_trainer(make_model(), tokenizer, f"{tmp}/{name}", shared=name == "turbogrpo",
-                                        **config) for name in ("trl", "turbogrpo")}
+                                        micro_batches=micro_batches, generate=step_repeats > 0, **config)
+                    for name in ("trl", "turbogrpo")}
         batches = {}
         generation_s = time.perf_counter()
         for name, trainer in trainers.items():
@@ -125,7 +145,7 @@ def measure(make_model, tokenizer, *, repeats: int, step_repeats: int, warmup: i
             """Repeats of ``each_s`` seconds, up to ``wanted``, that fit in ``share`` of the budget left."""
             return wanted if budget_s is None else min(wanted, int(share * left_s() / each_s))
 
-        fns = {name: training_forward_backward(t, batches[name]) for name, t in trainers.items()}
+        fns = {name: training_forward_backward(t, batches[name], micro_batches) for name, t in trainers.items()}
         fwd_bwd = interleaved_medians(fns, repeats=1, warmup=warmup)
         pair_s = sum(t["median_s"] for t in fwd_bwd.values())
         more = how_many(repeats - 1, pair_s, share=0.5)  # half the time left: the step needs the rest
@@ -134,13 +154,16 @@ def measure(make_model, tokenizer, *, repeats: int, step_repeats: int, warmup: i
         fwd_bwd["speedup"] = fwd_bwd["trl"]["median_s"] / fwd_bwd["turbogrpo"]["median_s"]
         result = {"shape": {"num_prompts": NUM_PROMPTS, "group": GROUP, "prompt_len": PROMPT_LEN,
                             "new_tokens": NEW_TOKENS, "completion_tokens_in_batch": completion_tokens},
-                  "trl_config": config, "generation_s": generation_s, "forward_backward": fwd_bwd,
+                  "trl_config": {**config, "micro_batches": micro_batches}, "generation_s": generation_s,
+                  "forward_backward": fwd_bwd,
                   "whole_step": {"skipped": "not measured yet"}}
         if report is not None:
             report(result)
         step_pair_s = 2 * generation_s + pair_s  # generation dominates a step; fwd+bwd is measured above
         num_steps = how_many(step_repeats, step_pair_s)
-        if num_steps > 0:
+        if step_repeats == 0:
+            step = {"skipped": "not asked for (step_repeats=0)"}
+        elif num_steps > 0:
             # No warm-up: the fwd+bwd runs above warmed both trainers, and a step costs minutes on CPU.
             step = interleaved_medians({name: whole_step(t, rows) for name, t in trainers.items()},
                                        repeats=num_steps, warmup=0)
@@ -180,9 +203,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="1 repeat each, no warm-up")
     parser.add_argument("--repeats", type=int, default=3, help="interleaved repeats of the fwd+bwd")
-    parser.add_argument("--step-repeats", type=int, default=2, help="interleaved repeats of the whole step")
+    parser.add_argument("--step-repeats", type=int, default=2,
+                        help="interleaved repeats of the whole step (0: none, and no generation at all)")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed fwd+bwd runs first")
+    # TRL's fwd+bwd of all 64 rows at once peaks at about 32 GB here (4 GB per group of 8 rows).
+    parser.add_argument("--micro-batches", type=int, default=NUM_PROMPTS,
+                        help="gradient-accumulated micro-batches per step (default: one group each)")
     cli = parser.parse_args()
-    repeats, step_repeats, warmup = (1, 1, 0) if cli.quick else (cli.repeats, cli.step_repeats, 1)
+    repeats, step_repeats, warmup = (1, 1, 0) if cli.quick else (cli.repeats, cli.step_repeats, cli.warmup)
     tokenizer = word_tokenizer(BENCH_MODEL["vocab_size"])
     header = {"note": "2-core CPU, shared with other jobs; ratios come from runs interleaved in one process",
               "model": BENCH_MODEL, "dtype": "float32", "repeats": repeats, "step_repeats": step_repeats,
@@ -192,7 +220,7 @@ def main() -> None:
         write_results("trl_dropin_quick" if cli.quick else "trl_dropin", {**header, **result})
 
     result = measure(bench_model, tokenizer, repeats=repeats, step_repeats=step_repeats, warmup=warmup,
-                     report=write, use_cpu=True, bf16=False)
+                     micro_batches=cli.micro_batches, report=write, use_cpu=True, bf16=False)
     title = (f"TRL GRPOTrainer, bench model, {NUM_PROMPTS} prompts x G={GROUP}, {PROMPT_LEN}-token prompts, "
              f"{NEW_TOKENS} new tokens, CPU float32")
     print_result(title, result)
