@@ -135,11 +135,13 @@ def _eval(args: argparse.Namespace, overrides: list[str]) -> int:
         sampling = setup.sampling_config(config.rollout, setup.stop_token_ids(model, tokenizer), tokenizer)
         start = time.perf_counter()
         with torch.no_grad():
-            accuracy = evaluate_accuracy(model, tokenizer, examples, accuracy_reward, greedy, dist)
+            accuracy = _scored(evaluate_accuracy(model, tokenizer, examples, accuracy_reward, greedy, dist),
+                               accuracy_reward.name)
             sampled = None
             if config.data.num_eval_samples:
-                sampled = evaluate_accuracy(model, tokenizer, examples, accuracy_reward, sampling, dist,
-                                            num_samples=config.data.num_eval_samples, seed=config.train.seed + 7_919)
+                sampled = _scored(evaluate_accuracy(model, tokenizer, examples, accuracy_reward, sampling, dist,
+                                                    num_samples=config.data.num_eval_samples,
+                                                    seed=config.train.seed + 7_919), accuracy_reward.name)
         if dist.is_main:
             extra = (f", sampled {sampled:.1%} ({config.data.num_eval_samples} per problem, temperature "
                      f"{config.rollout.temperature:g})" if sampled is not None else "")
@@ -148,6 +150,17 @@ def _eval(args: argparse.Namespace, overrides: list[str]) -> int:
     finally:
         distributed.teardown(dist)
     return 0
+
+
+def _scored(measured, reward_name: str) -> float:
+    """The accuracy of a HeldOutAccuracy; a reward that failed on every answer is an error, not 0%."""
+    if measured.accuracy is None:
+        raise ValueError(f"no held-out accuracy: {measured.describe_failures(reward_name)}; check "
+                         "train.accuracy_reward and the columns of the held-out rows it reads")
+    if measured.num_failed:
+        print(f"warning: {measured.describe_failures(reward_name)}; the accuracy counts only the "
+              f"{measured.num_scored} it scored", file=sys.stderr)
+    return measured.accuracy
 
 
 def _toml_string(text: str) -> str:

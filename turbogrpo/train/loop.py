@@ -29,7 +29,7 @@ from turbogrpo.train.metrics import PhaseTimer
 from turbogrpo.train.microbatch import pad_to_count, plan_micro_batches
 from turbogrpo.train.optim import learning_rate, set_learning_rate
 from turbogrpo.train.report import write_report
-from turbogrpo.train.run import Run, build_run, evaluate, export, save
+from turbogrpo.train.run import Run, build_run, check_rewards, evaluate, export, save
 from turbogrpo.train.step_metrics import completion_samples, step_metrics
 from turbogrpo.train.update import StepBatch, UpdateResult, score, update_policy
 
@@ -102,6 +102,7 @@ def grpo_step(run: Run, step: int) -> dict[str, float]:
         texts = run.tokenizer.batch_decode(rollout.tokens, skip_special_tokens=True)
         rewards = setup.score_rewards(run.rewards, [e.text for e in examples for _ in range(num_samples)], texts,
                                       reward_columns(examples, num_samples, rollout.tokens))
+        check_rewards(run, rewards, step)
         # Advantages need every group's rewards only for batch-level std; gathering is cheap either way.
         all_rewards = distributed.all_gather_cat(rewards.total.to(dist.device), dist)
         advantages = group_advantages(all_rewards, [num_samples] * (all_rewards.numel() // num_samples),

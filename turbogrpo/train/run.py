@@ -59,7 +59,12 @@ class Run:
     settings: LossSettings
     log: MetricsLog
     state: RunState
+    reported_reward_failures: set[str] = field(default_factory=set)
+    """Reward functions whose first failure has been printed (each is printed once per process)."""
 
+
+class RewardFailure(ValueError):
+    """A reward function failed on too many of a step's completions (train.reward_failure_limit)."""
 
 
 def build_run(config: Config, dist: DistInfo, rewards: list[setup.Reward], resume: bool) -> Run:
@@ -110,17 +115,36 @@ def build_run(config: Config, dist: DistInfo, rewards: list[setup.Reward], resum
 
 def evaluate(run: Run) -> dict | None:
     """Held-out accuracy now: greedy, and sampled at the rollout temperature (fixed seed); recorded,
-    logged and printed. None without eval prompts or an accuracy reward."""
+    logged and printed. None without eval prompts or an accuracy reward.
+
+    An accuracy is never computed from failed rewards: answers the reward failed on are left out (with
+    a notice); when it fails on every answer, the run stops before training (step 0) and later skips
+    the measurement with a notice, so a long run is not lost at its last evaluation.
+    """
     if not run.eval_prompts or run.accuracy is None:
         return None
     config = run.config
     with distributed.full_parameters(run.trainer):
-        result = {"step": run.state.step, "accuracy": evaluate_accuracy(
-            run.policy, run.tokenizer, run.eval_prompts, run.accuracy, run.greedy, run.dist)}
+        measured = {"accuracy": evaluate_accuracy(run.policy, run.tokenizer, run.eval_prompts, run.accuracy,
+                                                  run.greedy, run.dist)}
         if config.data.num_eval_samples:
-            result["sampled_accuracy"] = evaluate_accuracy(
+            measured["sampled_accuracy"] = evaluate_accuracy(
                 run.policy, run.tokenizer, run.eval_prompts, run.accuracy, run.sampling, run.dist,
                 num_samples=config.data.num_eval_samples, seed=config.train.seed + 7_919)
+    greedy = measured["accuracy"]
+    if greedy.accuracy is None:
+        problem = (f"held-out accuracy at step {run.state.step} cannot be measured: "
+                   f"{greedy.describe_failures(run.accuracy.name)}. Check train.accuracy_reward and the columns "
+                   "of the held-out rows it reads")
+        if run.state.step == 0:
+            raise RewardFailure(problem)
+        if run.dist.is_main:
+            tqdm.write(f"warning: {problem}; skipped")
+        return None
+    if greedy.num_failed and run.dist.is_main:
+        tqdm.write(f"warning: {greedy.describe_failures(run.accuracy.name)}; the accuracy counts only the "
+                   f"{greedy.num_scored} it scored")
+    result = {"step": run.state.step, **{k: m.accuracy for k, m in measured.items() if m.accuracy is not None}}
     run.state.evals.append(result)
     run.log.log(run.state.step, {f"eval/{k}": v for k, v in result.items() if k != "step"})
     if run.dist.is_main:
@@ -129,6 +153,31 @@ def evaluate(run: Run) -> dict | None:
         tqdm.write(f"step {run.state.step}: held-out accuracy greedy {result['accuracy']:.1%}{sampled} on "
                    f"{len(run.eval_prompts)} problems")
     return result
+
+
+def check_rewards(run: Run, rewards: setup.StepRewards, step: int) -> None:
+    """Print each reward function's first failure (once per run, with its message), and stop the run
+    when one fails on at least ``train.reward_failure_limit`` of the step's completions (all ranks),
+    before any update is made from its fallbacks."""
+    names = list(rewards.num_failed)
+    counts = torch.tensor([*(float(rewards.num_failed[n]) for n in names), float(rewards.total.numel())],
+                          dtype=torch.float64, device=run.dist.device)
+    *failed, total = distributed.all_reduce_sum(counts, run.dist).tolist()  # host sync: decides if the run goes on
+    limit = run.config.train.reward_failure_limit
+    for name, num_failed in zip(names, failed):
+        if not num_failed:
+            continue
+        reward = next(r for r in run.rewards if r.name == name)
+        problem = (f"reward {name!r} failed on {num_failed:.0f} of {total:.0f} completions at step {step + 1} "
+                   f"({rewards.first_error[name] or 'on another rank; see metrics.jsonl'})")
+        if limit and num_failed >= limit * total:
+            raise RewardFailure(f"{problem}; stopped, since train.reward_failure_limit = {limit:g} and no update "
+                                "was made from these rewards. Fix the function or the data columns it reads "
+                                "(or raise train.reward_failure_limit, 0 never stops), then continue with --resume")
+        if name not in run.reported_reward_failures and run.dist.is_main:
+            tqdm.write(f"warning: {problem}; those get its fallback {reward.fallback:g} (counted in metrics.jsonl "
+                       "as rewards/<name>/num_failed; only the first failure of each function is printed)")
+        run.reported_reward_failures.add(name)
 
 
 def save(run: Run) -> Path:

@@ -169,19 +169,20 @@ class StepRewards:
     """Rewards of this rank's N completions.
 
     total: float32 ``[N]`` weighted sum; per_function: name -> ``[N]``; num_failed / first_error per
-    function (items that got the fallback, and the first reason).
+    function (items that got the fallback, and the first reason); failed: name -> bool ``[N]``, those items.
     """
 
     total: torch.Tensor
     per_function: dict[str, torch.Tensor]
     num_failed: dict[str, int]
     first_error: dict[str, str | None]
+    failed: dict[str, torch.Tensor]
 
 
 def score_rewards(rewards: list[Reward], prompts: list[str], completions: list[str],
                   columns: dict[str, list]) -> StepRewards:
     """Run every reward on the completions; a failing function or item gets its fallback, never raises."""
-    per_function, num_failed, first_error = {}, {}, {}
+    per_function, num_failed, first_error, failed = {}, {}, {}, {}
     total = torch.zeros(len(completions))
     for reward in rewards:
         result = compute_rewards([WeightedReward(reward.name, reward.func, 1.0)], prompts, completions, columns,
@@ -190,7 +191,8 @@ def score_rewards(rewards: list[Reward], prompts: list[str], completions: list[s
         total += reward.weight * per_function[reward.name]
         num_failed[reward.name] = result.num_failed[reward.name]
         first_error[reward.name] = result.first_error[reward.name]
-    return StepRewards(total, per_function, num_failed, first_error)
+        failed[reward.name] = result.failed[reward.name]
+    return StepRewards(total, per_function, num_failed, first_error, failed)
 
 
 # --- sampling ---------------------------------------------------------------------------------------
