@@ -18,7 +18,8 @@ from turbogrpo.rollout import SamplingConfig
 from turbogrpo.train import checkpoint, distributed, setup
 from turbogrpo.train.distributed import DistInfo
 from turbogrpo.train.evaluate import evaluate_accuracy
-from turbogrpo.train.metrics import MetricsLog
+from turbogrpo.train import output_dir as output_dir_state
+from turbogrpo.train.metrics import METRICS_FILE, MetricsLog
 from turbogrpo.train.optim import build_optimizer
 
 
@@ -86,14 +87,15 @@ def build_run(config: Config, dist: DistInfo, rewards: list[setup.Reward], resum
     stop_ids = setup.stop_token_ids(policy, tokenizer)
     state = RunState()
     output_dir = Path(config.train.output_dir)
-    latest = checkpoint.latest_checkpoint(output_dir) if resume else None
-    if resume and latest is None and dist.is_main:
-        tqdm.write(f"--resume: no checkpoint in {output_dir}; starting from step 0")
+    latest = find_resume_checkpoint(output_dir, dist) if resume else None
     if latest is not None:
         resumed = checkpoint.load_checkpoint(latest, policy, optimizer, dist)
         batches.load_state_dict(resumed.state["data"])
         state = RunState(step=resumed.step, nonfinite_in_a_row=resumed.state["nonfinite_in_a_row"],
                          nonfinite_total=resumed.state["nonfinite_total"], evals=resumed.state["evals"])
+        done = output_dir_state.completed_step(output_dir)
+        if done is not None and resumed.step >= config.train.num_steps and done >= resumed.step:
+            raise RunComplete(resumed.step, state.evals)
         if dist.is_main:
             tqdm.write(f"resumed from {latest} (step {resumed.step})")
     if dist.is_main:
@@ -111,6 +113,41 @@ def build_run(config: Config, dist: DistInfo, rewards: list[setup.Reward], resum
         settings=LossSettings(epsilon_low=config.algo.epsilon_low, epsilon_high=config.algo.epsilon_high,
                               beta=config.algo.beta),
         log=log, state=state)
+
+
+class RunComplete(Exception):
+    """``--resume`` of a run that already trained ``train.num_steps`` steps and wrote its outputs."""
+
+    def __init__(self, step: int, evals: list[dict]):
+        super().__init__(f"the run is complete ({step} steps); nothing to do")
+        self.step, self.evals = step, evals
+
+
+class TrainingInterrupted(Exception):
+    """Ctrl-C: ``step`` steps were done; ``checkpoint`` is the last complete checkpoint (None: none yet)."""
+
+    def __init__(self, step: int, checkpoint: Path | None):
+        super().__init__(f"interrupted at step {step}")
+        self.step, self.checkpoint = step, checkpoint
+
+
+def find_resume_checkpoint(output_dir: Path, dist: DistInfo) -> Path | None:
+    """The newest verified checkpoint to resume from (damaged ones are named and passed over); None in an
+    empty folder. Metrics without any usable checkpoint are refused, not deleted."""
+    latest = checkpoint.latest_checkpoint(output_dir, notice=tqdm.write if dist.is_main else lambda _: None)
+    if latest is None and (output_dir / METRICS_FILE).is_file():
+        raise ValueError(f"--resume: {output_dir} has {METRICS_FILE} but no complete checkpoint to continue from; "
+                         "start the run again with --overwrite (which moves the old files aside) or use another "
+                         "train.output_dir")
+    if latest is None and dist.is_main:
+        tqdm.write(f"--resume: no checkpoint in {output_dir}; starting from step 0")
+    return latest
+
+
+def interrupted(run: Run | None, output_dir: Path) -> TrainingInterrupted:
+    """What to report after Ctrl-C: the steps done and the newest checkpoint verified complete."""
+    latest = checkpoint.latest_checkpoint(output_dir, notice=tqdm.write) if output_dir.is_dir() else None
+    return TrainingInterrupted(run.state.step if run is not None else 0, latest)
 
 
 def evaluate(run: Run) -> dict | None:
