@@ -29,12 +29,11 @@ def test_accuracy_counts_only_scored_answers_of_a_weight_zero_reward():
     verdicts = [1.0, 0.0, None, 1.0, None]  # 2 correct of 3 scored; 2 the reward failed on
     examples = [PromptExample(f"p{i}", torch.tensor([1, 2, 3 + i]), {"verdict": v}, i) for i, v in enumerate(verdicts)]
     accuracy = Reward("judge", judge, weight=0.0, fallback=0.0)  # the built-in accuracy reward has weight 0
-    measured = evaluate_accuracy(model, Letters(), examples, accuracy, SamplingConfig(max_new_tokens=2, temperature=0.0),
-                                 SINGLE)
+    greedy = SamplingConfig(max_new_tokens=2, temperature=0.0)
+    measured = evaluate_accuracy(model, Letters(), examples, accuracy, greedy, SINGLE)
     assert measured.accuracy == 2 / 3 and (measured.num_scored, measured.num_failed) == (3, 2)
     assert measured.first_error == "item 2: returned None"
 
     all_failed = [PromptExample("p", torch.tensor([1, 2]), {"verdict": None})] * 2
-    measured = evaluate_accuracy(model, Letters(), all_failed, accuracy, SamplingConfig(max_new_tokens=2, temperature=0.0),
-                                 SINGLE)
+    measured = evaluate_accuracy(model, Letters(), all_failed, accuracy, greedy, SINGLE)
     assert measured.accuracy is None and measured.num_failed == 2
