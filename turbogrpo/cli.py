@@ -151,7 +151,7 @@ def _eval(args: argparse.Namespace, overrides: list[str]) -> int:
     try:
         model, tokenizer = setup.load_policy(config, dist.device)
         accuracy_reward = setup.accuracy_function(config, rewards)
-        examples = setup.load_eval_prompts(config, tokenizer)
+        examples = setup.load_eval_prompts(config, tokenizer, setup.position_limit(model))
         if not examples or accuracy_reward is None:
             raise ValueError("nothing to evaluate: set data.eval_path (or use data.kind = \"arithmetic\") and "
                              "train.accuracy_reward")

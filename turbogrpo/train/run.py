@@ -78,10 +78,13 @@ def build_run(config: Config, dist: DistInfo, rewards: list[setup.Reward], resum
     trainer = distributed.wrap_for_training(policy, fn, dist, config.distributed.strategy)
     reference = setup.build_reference(config, policy, dist.device)
     optimizer = build_optimizer(policy, config.optim)
-    prompt_set = setup.load_train_prompts(config, tokenizer)
+    max_positions = setup.position_limit(policy)
+    prompt_set = setup.load_train_prompts(config, tokenizer, max_positions)
     if dist.is_main and (prompt_set.num_too_long or prompt_set.num_empty):
+        model_limit = (f" (or, with rollout.max_new_tokens={config.rollout.max_new_tokens}, over the model's "
+                       f"{max_positions} positions)" if max_positions else "")
         tqdm.write(f"skipped {prompt_set.num_too_long} prompts over data.max_prompt_tokens="
-                   f"{config.data.max_prompt_tokens} and {prompt_set.num_empty} empty prompts")
+                   f"{config.data.max_prompt_tokens}{model_limit} and {prompt_set.num_empty} empty prompts")
     batches = PromptBatches(prompt_set.examples, config.train.prompts_per_step, seed=config.train.seed,
                             shuffle=config.data.shuffle)
     stop_ids = setup.stop_token_ids(policy, tokenizer)
@@ -106,7 +109,7 @@ def build_run(config: Config, dist: DistInfo, rewards: list[setup.Reward], resum
     return Run(
         config=config, dist=dist, policy=policy, tokenizer=tokenizer, trainer=trainer, reference=reference,
         optimizer=optimizer, batches=batches, rewards=rewards, accuracy=setup.accuracy_function(config, rewards),
-        eval_prompts=setup.load_eval_prompts(config, tokenizer),
+        eval_prompts=setup.load_eval_prompts(config, tokenizer, max_positions),
         sampling=setup.sampling_config(config.rollout, stop_ids, tokenizer),
         greedy=setup.sampling_config(config.rollout, stop_ids, tokenizer, greedy=True),
         loss=LOSSES[config.algo.loss],
