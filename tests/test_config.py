@@ -115,6 +115,11 @@ def test_bad_files(tmp_path):
         load_config(write(tmp_path, "c.toml", "[rewards]\nfunction = 'math_accuracy'\n"))
     with pytest.raises(ConfigError, match="config key 'rewards': .* expected at least one"):
         load_config(write(tmp_path, "c.yaml", "rewards: []\n"))
+    latin1 = tmp_path / "latin1.toml"
+    latin1.write_bytes(b"[data]\nsystem_prompt = 'caf\xe9'\n")
+    with pytest.raises(ConfigError, match=r"config file '.*latin1.toml' line 2: not valid UTF-8 \(byte 0xe9\); save "
+                                          "it as UTF-8"):
+        load_config(latin1)
 
 
 def test_override_appends_to_a_list():

@@ -369,7 +369,12 @@ def read_config_file(path: str | Path) -> dict:
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file {str(path)!r} does not exist")
-    text = path.read_text()
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        line = path.read_bytes()[:err.start].count(b"\n") + 1
+        raise ConfigError(f"config file {str(path)!r} line {line}: not valid UTF-8 (byte 0x{err.object[err.start]:02x}); "
+                          "save it as UTF-8") from None
     if path.suffix == ".toml":
         try:
             data = tomllib.loads(text)
