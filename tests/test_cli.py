@@ -77,7 +77,8 @@ def test_an_output_dir_that_cannot_be_a_folder_is_one_line(tmp_path, capsys, out
     (tmp_path / "a_file").write_text("not a folder")
     output_dir = output_dir.format(tmp=tmp_path)
     assert main(["demo", "--set", f"train.output_dir=\"{output_dir}\""]) == 2
-    assert capsys.readouterr().err == f"turbogrpo: error: config key 'train.output_dir': {problem.format(tmp=tmp_path)}\n"
+    expected = f"turbogrpo: error: config key 'train.output_dir': {problem.format(tmp=tmp_path)}\n"
+    assert capsys.readouterr().err == expected
 
 
 def test_python_dash_m_runs_the_cli():

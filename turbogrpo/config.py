@@ -373,8 +373,8 @@ def read_config_file(path: str | Path) -> dict:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as err:
         line = path.read_bytes()[:err.start].count(b"\n") + 1
-        raise ConfigError(f"config file {str(path)!r} line {line}: not valid UTF-8 (byte 0x{err.object[err.start]:02x}); "
-                          "save it as UTF-8") from None
+        raise ConfigError(f"config file {str(path)!r} line {line}: not valid UTF-8 "
+                          f"(byte 0x{err.object[err.start]:02x}); save it as UTF-8") from None
     if path.suffix == ".toml":
         try:
             data = tomllib.loads(text)

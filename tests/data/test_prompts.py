@@ -65,7 +65,8 @@ def test_prompts_too_long_for_the_model_follow_the_overlong_rule(byte_tokenizer)
     assert [e.index for e in result.examples] == [0] and result.num_too_long == 1
     assert build_prompts(ROWS, byte_tokenizer, max_positions=max_positions, max_new_tokens=5).num_too_long == 2
     with pytest.raises(ValueError, match=rf"row 1: prompt has {lengths[1]} tokens, which with max_new_tokens=4 is "
-                                         rf"more than the model's {max_positions} positions \(max_position_embeddings\); "
+                                         rf"more than the model's {max_positions} positions "
+                                         r"\(max_position_embeddings\); "
                                          r"to skip such rows set the config key data.on_overlong = \"skip\""):
         build_prompts(ROWS, byte_tokenizer, max_positions=max_positions, max_new_tokens=4, on_too_long="error")
 

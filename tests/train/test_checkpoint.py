@@ -166,8 +166,8 @@ def test_a_full_disk_during_a_checkpoint_says_the_previous_one_is_intact(tmp_pat
         raise OSError(errno.ENOSPC, "No space left on device", str(path))
 
     monkeypatch.setattr(ckpt, "_save_tensors", disk_full)
-    with pytest.raises(ckpt.CheckpointError, match=r"could not write checkpoint .*step-000002 \(No space left on device: "
-                                                    r".*rng-rank0.safetensors\); the previous checkpoint .*step-000001 "
-                                                    r"and the `latest` pointer are intact. Free space"):
+    with pytest.raises(ckpt.CheckpointError, match=r"could not write checkpoint .*step-000002 \(No space left on "
+                                                    r"device: .*rng-rank0.safetensors\); the previous checkpoint "
+                                                    r".*step-000001 and the `latest` pointer are intact. Free space"):
         ckpt.save_checkpoint(tmp_path, 2, model, optimizer, {}, SINGLE)
     assert not (tmp_path / ".tmp-step-000002").exists() and ckpt.latest_checkpoint(tmp_path) == first

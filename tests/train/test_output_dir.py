@@ -68,7 +68,8 @@ def test_the_lock_of_a_killed_run_does_not_block(tmp_path):
     claim(tmp_path / "out").release()
     holder = subprocess.Popen(
         [sys.executable, "-S", "-c", "import fcntl, os, sys, time\nf = open(sys.argv[1], 'a+')\n"
-         "fcntl.flock(f, fcntl.LOCK_EX)\nf.truncate(0)\nf.write(f'pid {os.getpid()}')\nf.flush()\nprint('locked', flush=True)\n"
+         "fcntl.flock(f, fcntl.LOCK_EX)\nf.truncate(0)\nf.write(f'pid {os.getpid()}')\nf.flush()\n"
+         "print('locked', flush=True)\n"
          "time.sleep(60)\n", str(tmp_path / "out" / ".lock")], stdout=subprocess.PIPE, text=True)
     assert holder.stdout.readline() == "locked\n"
     with pytest.raises(ValueError, match=f"in use by another run \\(pid {holder.pid}\\)"):
