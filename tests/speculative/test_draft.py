@@ -105,3 +105,14 @@ def test_packed_batch_trains_each_token_whose_next_feature_is_known():
     assert batch.targets_MH[:, 0].tolist() == [11, 12]
     full = rollout_style._replace(completion_features=[torch.tensor([[10., 0], [11, 0], [12, 0], [13, 0]])])
     assert pack_draft_batch([full], requires_grad=False).targets_MH[:, 0].tolist() == [11, 12, 13]
+
+
+def test_prompt_features_share_a_common_prefix_exactly():
+    policy = tiny_policy()
+    g = torch.Generator().manual_seed(2)
+    preamble = torch.randint(64, (9,), generator=g)
+    prompts = [torch.cat([preamble, torch.randint(64, (n,), generator=g)]) for n in (1, 4, 2)]
+    shared = prompt_features(policy, prompts)
+    for prompt, features in zip(prompts, shared):
+        alone = prompt_features(policy, [prompt, torch.tensor([5, 6])])[0]   # no common prefix: padded path
+        torch.testing.assert_close(features, alone, atol=2e-5, rtol=0)

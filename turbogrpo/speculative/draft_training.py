@@ -82,10 +82,34 @@ class DraftGroup(NamedTuple):
 
 @torch.no_grad()
 def prompt_features(policy: nn.Module, prompts: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """The policy's final hidden state ``[P, Hd]`` at every position of each prompt (one batched forward)."""
-    # Right padding and a causal mask: no real position sees padding.
-    hidden_GPH = run_decoder(policy, *padded_prompts(list(prompts)), CausalPlan())
-    return [hidden_GPH[g, :len(p)] for g, p in enumerate(prompts)]
+    """The policy's final hidden state ``[P, Hd]`` at every position of each prompt, in one forward.
+
+    Prompts that start alike (a system prompt, a few-shot preamble) have equal features over their
+    common prefix, so it runs once: the prefix is packed as the "prompt" and the rest of each prompt
+    as its "completion" in the shared-prefix layout (exact, as in the trainer's forward).
+    """
+    prompts = list(prompts)
+    shared = _common_prefix_length(prompts)
+    if shared == 0:
+        # Right padding and a causal mask: no real position sees padding.
+        hidden_GPH = run_decoder(policy, *padded_prompts(prompts), CausalPlan())
+        return [hidden_GPH[g, :len(p)] for g, p in enumerate(prompts)]
+    layout = pack_groups([prompts[0][:shared]], [[p[shared:] for p in prompts]])
+    plan = select_backend("auto", layout.device, requires_grad=False)(layout)
+    hidden_TH = run_decoder(policy, layout.input_ids[None], layout.position_ids[None], plan)[0]
+    rests = hidden_TH[shared:].split([len(p) - shared for p in prompts])
+    return [torch.cat([hidden_TH[:shared], rest]) for rest in rests]
+
+
+def _common_prefix_length(prompts: list[torch.Tensor]) -> int:
+    """Tokens every prompt starts with, leaving each at least one token of its own."""
+    limit = min(len(p) for p in prompts) - 1
+    if limit < 1:
+        return 0
+    heads_GL = torch.stack([p[:limit] for p in prompts])
+    # Host sync: the prefix length decides the packed layout (once per call).
+    differs_L = (heads_GL != heads_GL[:1]).any(0)
+    return int(differs_L.int().argmax()) if bool(differs_L.any()) else limit
 
 
 @torch.no_grad()
