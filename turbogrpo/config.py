@@ -37,7 +37,8 @@ class ModelConfig:
     """The policy being trained."""
 
     path: str = "demo"
-    """Local folder or Hub name of a Hugging Face causal LM; "demo" is the shipped arithmetic model."""
+    """Local folder or Hub name of a Hugging Face causal LM; "demo" and "longform" are the shipped models
+    of the two built-in tasks."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Parameter dtype; bfloat16 halves memory on GPU, float32 is the exact choice on CPU."""
     device: str = "auto"
@@ -81,13 +82,13 @@ class LoraConfig:
 class DataConfig:
     """Where prompts come from."""
 
-    kind: Literal["arithmetic", "rows", "gsm8k"] = "arithmetic"
-    """"arithmetic": the built-in task; "rows": a jsonl/parquet/`datasets` folder with a prompt column;
+    kind: Literal["arithmetic", "longform", "rows", "gsm8k"] = "arithmetic"
+    """"arithmetic": the built-in demo task; "longform": built-in multi-step problems with long solutions; "rows": a jsonl/parquet/`datasets` folder with a prompt column;
     "gsm8k": GSM8K-format rows (question + worked answer; the gold number goes to column "gold")."""
     path: str = ""
     """Training rows for kind "rows"/"gsm8k": a .jsonl or .parquet file or a folder saved by `datasets`."""
     eval_path: str = ""
-    """Held-out rows for accuracy before/after ("" with kind "arithmetic": its built-in held-out split)."""
+    """Held-out rows for accuracy before/after ("" with a built-in kind: its own held-out split)."""
     split: str = "train"
     """Split to read from a saved DatasetDict folder (ignored for files)."""
     prompt_column: str = "prompt"
@@ -103,7 +104,7 @@ class DataConfig:
     shuffle: bool = True
     """Shuffle prompts each epoch (seeded by train.seed, so runs stay reproducible)."""
     num_train_problems: int = 2000
-    """Arithmetic task only: how many distinct training problems to generate."""
+    """Built-in tasks only: how many distinct training problems to generate."""
     num_eval_problems: int = 200
     """Held-out problems (or eval rows, at most) for accuracy before/after training and `turbogrpo eval`."""
     num_eval_samples: int = 4
