@@ -15,7 +15,7 @@ and lives in its own module (run.py, checkpoint.py, step_metrics.py, evaluate.py
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -31,7 +31,8 @@ from turbogrpo.train.draft_learning import frozen, speculation_metrics
 from turbogrpo.train.metrics import PhaseTimer
 from turbogrpo.train.microbatch import pad_to_count, plan_micro_batches
 from turbogrpo.train.optim import learning_rate, set_learning_rate
-from turbogrpo.train.report import write_report
+from turbogrpo.train.metrics import read_metrics
+from turbogrpo.train.report import speculation_summary, write_report
 from turbogrpo.train.run import Run, build_run, evaluate, export, save
 from turbogrpo.train.step_metrics import completion_samples, step_metrics
 from turbogrpo.train.update import StepBatch, UpdateResult, score, update_policy
@@ -48,6 +49,8 @@ class RunSummary:
     wall_time_s: float
     output_dir: Path
     final_model: Path | None
+    speculation: list[str] = field(default_factory=list)
+    """With rollout.speculation on: acceptance and draft-training figures (the report's lines)."""
 
 
 def train(config: Config, *, resume: bool = False) -> RunSummary:
@@ -83,8 +86,10 @@ def train(config: Config, *, resume: bool = False) -> RunSummary:
         run.log.close()
         if dist.is_main and config.log.report:
             write_report(config.train.output_dir)
+        speculation = (speculation_summary(read_metrics(config.train.output_dir))
+                       if run.draft is not None and dist.is_main else [])
         return RunSummary(total, run.state.evals, time.perf_counter() - start, Path(config.train.output_dir),
-                          final_model)
+                          final_model, speculation)
     finally:
         distributed.teardown(dist)
 
