@@ -13,6 +13,12 @@ Reported: acceptance length per step of the three drafts (PNG), the draft-traini
 of the step time, seconds per GRPO step and rollout seconds (off vs online), and held-out accuracy
 before and after training with speculation on and off (per seed).
 
+Acceptance per step is measured twice: inside the run (tokens per policy forward over the decoding
+steps where the sizing policy chose a tree; none when it chose none), and by a probe outside the
+timed step: after every step, each draft drafts fixed 4x4x16 trees for its own run's current policy
+on 4 held-out prompts x 4 samples (``--probe-tokens`` new tokens), so the drafts' quality is
+compared at every step whether or not the sizing used them.
+
     PYTHONPATH=. python bench/online_draft.py                       # configs/longform.toml, 30 steps
     PYTHONPATH=. python bench/online_draft.py --config demo --steps 30
     PYTHONPATH=. python bench/online_draft.py --quick               # 3 steps, *_quick files
@@ -25,6 +31,7 @@ times.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import statistics
@@ -40,7 +47,9 @@ from bench.harness import RESULTS_DIR, machine_info  # noqa: E402
 from turbogrpo.cli import demo_config  # noqa: E402
 from turbogrpo.config import load_config  # noqa: E402
 from turbogrpo.rollout import generate  # noqa: E402
+from turbogrpo.speculative.decode import Speculation  # noqa: E402
 from turbogrpo.speculative.draft import DraftHead  # noqa: E402
+from turbogrpo.speculative.policy import FixedSizing  # noqa: E402
 from turbogrpo.speculative.draft_training import DraftTrainConfig, draft_groups, train_draft  # noqa: E402
 from turbogrpo.train import distributed, setup  # noqa: E402
 from turbogrpo.train.loop import grpo_step  # noqa: E402
@@ -58,6 +67,7 @@ def main() -> int:
     parser.add_argument("--sizing", default="cost", choices=["fixed", "fastgrpo", "cost"])
     parser.add_argument("--eval-every", type=int, default=10, help="held-out accuracy of off/online every N steps")
     parser.add_argument("--draft-prompts", type=int, default=64, help="prompts for the offline-pretrained draft")
+    parser.add_argument("--probe-tokens", type=int, default=48, help="new tokens per probe completion (0: no probe)")
     parser.add_argument("--set", nargs="*", default=[], help="extra config overrides for every run")
     parser.add_argument("--quick", action="store_true", help="3 steps, a small draft pretraining; *_quick files")
     args = parser.parse_args()
@@ -128,11 +138,14 @@ def run_seed(args, seed: int, out: Path) -> dict:
         if args.eval_every or not args.quick:
             evaluate(runs[name])
     records = {name: [] for name in runs}
+    probe_prompts = [e.token_ids for e in runs["off"].eval_prompts[:4]]
     for step in range(args.steps):
         for name, run in runs.items():
             metrics = grpo_step(run, step)
             run.state.step += 1
             run.log.log(run.state.step, metrics)
+            if run.draft is not None and args.probe_tokens:
+                metrics["probe/accepted_length"] = probe(run, probe_prompts, args.probe_tokens)
             records[name].append({k: v for k, v in metrics.items() if isinstance(v, float)})
         line = "  ".join(f"{n} {records[n][-1]['time/step']:.1f}s acc.len {records[n][-1].get('spec/accepted_length', 1):.2f}"
                          for n in runs)
@@ -149,6 +162,14 @@ def run_seed(args, seed: int, out: Path) -> dict:
             "runs": {name: {"steps": records[name], "evals": runs[name].state.evals} for name in runs}}
 
 
+def probe(run, prompts, max_new_tokens: int) -> float:
+    """Tokens per policy forward when ``run``'s draft drafts fixed 4x4x16 trees for its current policy."""
+    sampling = dataclasses.replace(run.sampling, max_new_tokens=max_new_tokens)
+    rollout = generate(run.policy, prompts, num_samples=4, sampling=sampling, seed=12_345,
+                       draft=Speculation(run.draft.draft, sizing=FixedSizing((4, 4, 16))))
+    return rollout.stats.mean_accepted_length
+
+
 def summarise(seeds: dict) -> dict:
     per_seed = {}
     for seed, result in seeds.items():
@@ -163,6 +184,9 @@ def summarise(seeds: dict) -> dict:
             "draft_share_of_step": {n: sum(r.get("time/draft", 0.0) for r in runs[n]["steps"])
                                     / sum(r["time/step"] for r in runs[n]["steps"]) for n in DRAFTS},
             "mean_accepted_length": {n: _mean_defined(accepted_lengths(runs[n]["steps"])) for n in DRAFTS},
+            "probe_accepted_length_first_last": {n: [runs[n]["steps"][0].get("probe/accepted_length"),
+                                                     runs[n]["steps"][-1].get("probe/accepted_length")]
+                                                 for n in DRAFTS},
             "accuracy": {n: {"first": runs[n]["evals"][0], "last": runs[n]["evals"][-1]}
                          for n in ("off", "online") if runs[n]["evals"]},
         }
@@ -185,7 +209,8 @@ def _mean_defined(values: list[float]) -> float:
 
 
 def write(results: dict, quick: bool) -> None:
-    path = RESULTS_DIR / ("online_draft_quick.json" if quick else "online_draft.json")
+    name = "online_draft" if results["config"] == "configs/longform.toml" else f"online_draft_{Path(results['config']).stem}"
+    path = RESULTS_DIR / (f"{name}_quick.json" if quick else f"{name}.json")
     path.write_text(json.dumps(results, indent=1, default=float))
     print(f"wrote {path}", flush=True)
 
@@ -209,20 +234,25 @@ def plot(results: dict, quick: bool) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, (probe_ax, run_ax) = plt.subplots(1, 2, figsize=(12, 4))
     for seed, result in results["seeds"].items():
-        for name, style in zip(DRAFTS, ("o-", "s--", "^:")):
-            values = accepted_lengths(result["runs"][name]["steps"])
-            ax.plot(range(1, len(values) + 1), values, style, markersize=3,
-                    label=f"{name} (seed {seed})" if len(results["seeds"]) > 1 else name)
-    ax.set_xlabel("GRPO step")
-    ax.set_ylabel("tokens per policy forward (tree steps)")
-    ax.set_title(f"Acceptance length per step ({results['config']}, {results['sizing']} sizing)")
-    ax.grid(alpha=0.3)
-    ax.legend()
+        for name, color in zip(DRAFTS, ("C0", "C1", "C2")):
+            steps = result["runs"][name]["steps"]
+            label = f"{name} (seed {seed})" if len(results["seeds"]) > 1 else name
+            probe_ax.plot(range(1, len(steps) + 1), [r.get("probe/accepted_length", math.nan) for r in steps], "o-",
+                          color=color, markersize=3, label=label)
+            run_ax.plot(range(1, len(steps) + 1), accepted_lengths(steps), "o-", color=color, markersize=3, label=label)
+    probe_ax.set_title("Probe: fixed 4x4x16 trees on the run's current policy", fontsize=10)
+    run_ax.set_title(f"In the run ({results['sizing']} sizing; gaps: no tree chosen)", fontsize=10)
+    for ax in (probe_ax, run_ax):
+        ax.set_xlabel("GRPO step")
+        ax.set_ylabel("tokens per policy forward")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle(f"Acceptance length per step: online-learnt, frozen at step 0, online from scratch ({results['config']})")
     fig.tight_layout()
-    fig.savefig(RESULTS_DIR / ("online_draft_acceptance_quick.png" if quick else "online_draft_acceptance.png"),
-                dpi=120)
+    name = "online_draft" if results["config"] == "configs/longform.toml" else f"online_draft_{Path(results['config']).stem}"
+    fig.savefig(RESULTS_DIR / (f"{name}_acceptance_quick.png" if quick else f"{name}_acceptance.png"), dpi=120)
     plt.close(fig)
 
 

@@ -199,9 +199,10 @@ class DraftLearningConfig:
     """w_p: weight of CE(draft distribution, policy distribution) (EAGLE and FastGRPO 0.1)."""
     steps: int = 1
     """Draft optimizer steps per GRPO step (the step's completions are split between them)."""
-    max_tokens: int = 4096
-    """Token budget: the most completion tokens the draft trains on per GRPO step, drawn at random
-    from all groups (0: all); it bounds the draft's share of the step time."""
+    max_tokens: int = 0
+    """Token budget: the most tokens (each group's prompt once, plus its completions) the draft trains
+    on per GRPO step, whole groups drawn at random (0: the whole rollout); it bounds the draft's share
+    of the step time where the draft is not much smaller than the policy."""
     max_grad_norm: float = 0.5
     """Gradient clipping of the draft (EAGLE's value)."""
 

@@ -68,7 +68,7 @@ class OnlineDraft:
     steps: int
     """Draft optimizer steps per GRPO step."""
     max_tokens: int
-    """Trained completion tokens per GRPO step (0: all)."""
+    """The draft's tokens per GRPO step, prompts counted once per group (0: the whole rollout)."""
 
     @property
     def learns(self) -> bool:
@@ -79,11 +79,12 @@ class OnlineDraft:
 
     def collect(self, policy: nn.Module, rollout: Rollout, seed: int) -> list[DraftGroup]:
         """The draft's training data from ``rollout`` (generated with ``return_hidden``): every group,
-        at most ``max_tokens`` trained tokens drawn at random (seeded). Call before the policy update,
-        so that the prompts' features come from the weights that generated the completions."""
+        zero-advantage ones included, or a random (seeded) share of them within the token budget.
+        Call before the policy update, so that the prompts' features come from the weights that
+        generated the completions."""
         tokens, hidden = rollout.tokens_per_group(), rollout.hidden_per_group()
-        chosen = within_budget([[len(t) - 1 for t in group] for group in tokens], self.max_tokens,
-                               torch.Generator().manual_seed(seed))
+        chosen = within_budget([len(p) for p in rollout.prompts], [[len(t) - 1 for t in group] for group in tokens],
+                               self.max_tokens, torch.Generator().manual_seed(seed))
         groups = [g for g, members in enumerate(chosen) if members]
         features = prompt_features(policy, [rollout.prompts[g] for g in groups])
         return [DraftGroup(rollout.prompts[g], f, [tokens[g][i] for i in chosen[g]], [hidden[g][i] for i in chosen[g]])
@@ -138,21 +139,28 @@ class OnlineDraft:
             self.optimizer.load_state_dict({"state": state, "param_groups": groups})
 
 
-def within_budget(trainable: list[list[int]], max_tokens: int, generator: torch.Generator) -> list[list[int]]:
-    """Per group, the completions (indices, in order) to train on: all of them when ``max_tokens`` is 0,
-    else a random subset whose trainable tokens sum to at most ``max_tokens`` (at least one)."""
+def within_budget(prompt_lengths: list[int], trainable: list[list[int]], max_tokens: int,
+                  generator: torch.Generator) -> list[list[int]]:
+    """Per group, the completions (indices, in order) to train on: all of them when ``max_tokens`` is 0.
+
+    Otherwise groups are taken in a random order, each with as many of its completions as fit, until
+    the draft's tokens (a group's prompt once, plus its completions' trained tokens) reach
+    ``max_tokens``: whole groups cost the fewest prompt tokens per trained token. At least one
+    completion is always taken.
+    """
     if max_tokens == 0:
         return [list(range(len(group))) for group in trainable]
-    flat = [(g, i) for g, group in enumerate(trainable) for i in range(len(group))]
     chosen: list[list[int]] = [[] for _ in trainable]
     total = 0
-    for pick in torch.randperm(len(flat), generator=generator).tolist():
-        g, i = flat[pick]
-        if total and total + trainable[g][i] > max_tokens:
-            continue
-        chosen[g].append(i)
-        total += trainable[g][i]
-    return [sorted(c) for c in chosen]
+    for g in torch.randperm(len(trainable), generator=generator).tolist():
+        cost = prompt_lengths[g]
+        for i, tokens in enumerate(trainable[g]):
+            if total and total + cost + tokens > max_tokens:
+                break
+            chosen[g].append(i)
+            total += cost + tokens
+            cost = 0
+    return chosen
 
 
 def build_online_draft(config: Config, policy: nn.Module, context_length: int) -> OnlineDraft | None:
