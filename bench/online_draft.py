@@ -67,10 +67,14 @@ def main() -> int:
     parser.add_argument("--sizing", default="cost", choices=["fixed", "fastgrpo", "cost"])
     parser.add_argument("--eval-every", type=int, default=10, help="held-out accuracy of off/online every N steps")
     parser.add_argument("--draft-prompts", type=int, default=64, help="prompts for the offline-pretrained draft")
+    parser.add_argument("--variants", nargs="+", default=["off", *DRAFTS], choices=["off", *DRAFTS],
+                        help="runs to step (off and online are needed for the speedups)")
     parser.add_argument("--probe-tokens", type=int, default=48, help="new tokens per probe completion (0: no probe)")
     parser.add_argument("--set", nargs="*", default=[], help="extra config overrides for every run")
     parser.add_argument("--quick", action="store_true", help="3 steps, a small draft pretraining; *_quick files")
     args = parser.parse_args()
+    if not {"off", "online"} <= set(args.variants):
+        parser.error("--variants must include off and online (the speedups compare them)")
     if args.quick:
         args.steps, args.draft_prompts, args.eval_every = 3, 8, 0
     out_root = REPO / "runs" / ("bench_online_draft_quick" if args.quick else "bench_online_draft")
@@ -118,13 +122,15 @@ def pretrain_draft(args, seed: int, out: Path) -> tuple[Path, dict]:
 
 
 def run_seed(args, seed: int, out: Path) -> dict:
-    draft_path, draft_info = pretrain_draft(args, seed, out)
+    needs_draft = {"online", "frozen"} & set(args.variants)
+    draft_path, draft_info = pretrain_draft(args, seed, out) if needs_draft else ("scratch", {})
     variants = {
         "off": ["rollout.speculation=off"],
         "online": [f"rollout.speculation={args.sizing}", f'draft.path="{draft_path}"', "draft.learn=true"],
         "frozen": [f"rollout.speculation={args.sizing}", f'draft.path="{draft_path}"', "draft.learn=false"],
         "scratch": [f"rollout.speculation={args.sizing}", "draft.path=scratch", "draft.learn=true"],
     }
+    variants = {name: variants[name] for name in args.variants}
     rewards = setup.load_rewards(base_config(args, seed, out, []).rewards)
     dist = distributed.setup("cpu", "auto")
     runs = {}
@@ -182,11 +188,11 @@ def summarise(seeds: dict) -> dict:
             "mean_completion_length": {n: statistics.mean(r["completion_length/mean"] for r in runs[n]["steps"])
                                        for n in runs},
             "draft_share_of_step": {n: sum(r.get("time/draft", 0.0) for r in runs[n]["steps"])
-                                    / sum(r["time/step"] for r in runs[n]["steps"]) for n in DRAFTS},
-            "mean_accepted_length": {n: _mean_defined(accepted_lengths(runs[n]["steps"])) for n in DRAFTS},
+                                    / sum(r["time/step"] for r in runs[n]["steps"]) for n in DRAFTS if n in runs},
+            "mean_accepted_length": {n: _mean_defined(accepted_lengths(runs[n]["steps"])) for n in DRAFTS if n in runs},
             "probe_accepted_length_first_last": {n: [runs[n]["steps"][0].get("probe/accepted_length"),
                                                      runs[n]["steps"][-1].get("probe/accepted_length")]
-                                                 for n in DRAFTS},
+                                                 for n in DRAFTS if n in runs},
             "accuracy": {n: {"first": runs[n]["evals"][0], "last": runs[n]["evals"][-1]}
                          for n in ("off", "online") if runs[n]["evals"]},
         }
@@ -220,7 +226,7 @@ def print_table(results: dict) -> None:
           f"{results['machine']['note']}")
     print(f"{'seed':>4} {'variant':>8} {'s/step':>8} {'rollout s':>10} {'len':>6} {'acc.len':>8} {'draft %':>8}")
     for seed, entry in results["summary"].items():
-        for name in ("off", *DRAFTS):
+        for name in entry["s_per_step"]:
             print(f"{seed:>4} {name:>8} {entry['s_per_step'][name]:>8.2f} {entry['rollout_s_per_step'][name]:>10.2f} "
                   f"{entry['mean_completion_length'][name]:>6.1f} "
                   f"{entry['mean_accepted_length'].get(name, float('nan')):>8.2f} "
@@ -237,6 +243,8 @@ def plot(results: dict, quick: bool) -> None:
     fig, (probe_ax, run_ax) = plt.subplots(1, 2, figsize=(12, 4))
     for seed, result in results["seeds"].items():
         for name, color in zip(DRAFTS, ("C0", "C1", "C2")):
+            if name not in result["runs"]:
+                continue
             steps = result["runs"][name]["steps"]
             label = f"{name} (seed {seed})" if len(results["seeds"]) > 1 else name
             probe_ax.plot(range(1, len(steps) + 1), [r.get("probe/accepted_length", math.nan) for r in steps], "o-",
