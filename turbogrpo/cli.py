@@ -57,6 +57,7 @@ LONGFORM_OVERRIDES = [
     "rollout.speculation=cost",
     "draft.path=scratch",
     "draft.learn=true",
+    "draft.max_tokens=2048",
     "algo.loss=dapo",
     "algo.beta=0.0",
     "optim.lr=1e-4",
