@@ -120,10 +120,15 @@ class GroupedKVCache:
         keys.scatter_(2, index, key_BKnD)
         values.scatter_(2, index, value_BKnD)
 
-    def commit_all(self, num_new: int) -> None:
-        """Keep every one of the last forward's ``num_new`` tokens per sequence."""
-        self.lengths_B += num_new
-        self.max_length += num_new
+    def commit_all(self, num_new: int, active_B: torch.Tensor | None = None) -> None:
+        """Keep every one of the last forward's ``num_new`` tokens per sequence; with ``active_B``
+        ([B] bool), only for the active rows (finished rows waiting to be retired keep nothing, so
+        they rewrite the same slots and never outgrow the capacity)."""
+        if active_B is None:
+            self.lengths_B += num_new
+        else:
+            self.lengths_B += active_B.long() * num_new
+        self.max_length = min(self.max_length + num_new, self.capacity)
 
     def commit(self, chosen_Bk: torch.Tensor, num_chosen_B: torch.Tensor, max_chosen: int | None = None) -> None:
         """Keep a subset of the last forward's new tokens: for sequence b, the new tokens

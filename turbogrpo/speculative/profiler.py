@@ -238,3 +238,50 @@ def synchronize(device: torch.device) -> None:
     """Wait for the device's queued work (a no-op on the CPU), so wall-clock timings include it."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+class DeviceStopwatch:
+    """Accumulated device time of blocks of work, without a host sync per block.
+
+    ``with stopwatch: ...`` brackets work with CUDA events (on the CPU, where ops run as they are
+    called, with the wall clock); ``seconds`` reads the events' elapsed times, which waits for them,
+    so read it once the caller has synced anyway (the end of a rollout). ``timed(work)`` syncs
+    around ``work`` and returns its wall seconds (counted too): for one-off work whose time the
+    caller needs at once.
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._host_seconds = 0.0
+        self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self._start: float | torch.cuda.Event | None = None
+
+    def __enter__(self) -> DeviceStopwatch:
+        if self.device.type == "cuda":
+            self._start = torch.cuda.Event(enable_timing=True)
+            self._start.record()
+        else:
+            self._start = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.device.type == "cuda":
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self._events.append((self._start, end))
+        else:
+            self._host_seconds += time.perf_counter() - self._start
+
+    def timed(self, work: Callable[[], object]) -> float:
+        synchronize(self.device)
+        start = time.perf_counter()
+        work()
+        synchronize(self.device)
+        seconds = time.perf_counter() - start
+        self._host_seconds += seconds
+        return seconds
+
+    @property
+    def seconds(self) -> float:
+        # Host sync (CUDA): waits for the recorded events; read once, at the end of a rollout.
+        return self._host_seconds + sum(start.elapsed_time(end) for start, end in self._events) / 1000
