@@ -193,9 +193,11 @@ def _first_draw(model: nn.Module, prompts: list[torch.Tensor], num_samples: int,
                         next_B=torch.zeros(num_completions, dtype=torch.long, device=device), prompts=prompts,
                         num_samples=num_samples, prompt_hidden_GPH=prompt_hidden_GPH,
                         live_counts_S=torch.zeros(max_new, dtype=torch.long, device=device),
-                        step_index=torch.zeros(1, dtype=torch.long, device=device))
+                        step_index=torch.zeros(1, dtype=torch.long, device=device),
+                        uniform_N=torch.zeros(num_completions, dtype=torch.float32, device=device))
     # One row per sample, so that every sample draws its own first token from its prompt's logits.
     hidden_BH = last_GH.repeat_interleave(num_samples, dim=0)
+    state.refill_uniforms()
     tokens_B, logprobs_B = state.draw(lm_head(last_GH).float().repeat_interleave(num_samples, dim=0))
     emit(outputs, live, tokens_B[:, None], logprobs_B[:, None], hidden_BH[:, None], torch.ones_like(tokens_B),
          state.criteria)

@@ -54,9 +54,14 @@ class LiveLayout:
 class GroupedKVCache:
     """K/V of one rollout for every attention layer; see the module docstring for the layout."""
 
-    def __init__(self, prompt_lengths: list[int], num_samples: int, capacity: int, device: torch.device):
-        """Sequence ``i`` belongs to group ``i // num_samples``; ``capacity`` generated slots each."""
+    def __init__(self, prompt_lengths: list[int], num_samples: int, capacity: int, device: torch.device,
+                 static_slots: bool = False):
+        """Sequence ``i`` belongs to group ``i // num_samples``; ``capacity`` generated slots each.
+        ``static_slots``: decoding attends over all ``capacity`` slots (masked by ``lengths_B``) rather
+        than the ``max_length + n`` in use, so that a step's shapes stay the same from step to step
+        (compiled or captured steps); eager decoding reads only the slots in use."""
         self.capacity = capacity
+        self.static_slots = static_slots
         self.prompt_width = max(prompt_lengths)
         """P: the prompt K/V's slot count (longest prompt)."""
         self.device = device
@@ -96,6 +101,10 @@ class GroupedKVCache:
         """Generated K/V of the live sequences, first ``num_slots`` slots, ``[B, Hkv, num_slots, D]``."""
         rows = self.num_live
         return self._keys[layer][:rows, :, :num_slots], self._values[layer][:rows, :, :num_slots]
+
+    def slots_to_read(self, num_new: int) -> int:
+        """How many generated slots a forward of ``num_new`` new tokens per sequence attends over."""
+        return self.capacity if self.static_slots else min(self.max_length + num_new, self.capacity)
 
     def next_positions(self, depths_Bn: torch.Tensor) -> torch.Tensor:
         """Position ids ``[B, n]`` of new tokens at ``depths_Bn`` past each sequence's committed tokens."""

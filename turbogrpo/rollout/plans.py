@@ -91,7 +91,7 @@ class DecodePlan:
         num_new = positions_Bn.shape[1]
         device = positions_Bn.device
         self.slots_Bn = cache.lengths_B.unsqueeze(-1) + torch.arange(num_new, device=device)
-        self.num_slots = cache.max_length + num_new
+        self.num_slots = cache.slots_to_read(num_new)
         slot_index_L = torch.arange(self.num_slots, device=device)
         committed_BnL = (slot_index_L < cache.lengths_B[:, None]).unsqueeze(1).expand(-1, num_new, -1)
         new_BnL = torch.zeros_like(committed_BnL).scatter(

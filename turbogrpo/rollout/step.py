@@ -53,19 +53,25 @@ class DecodeState:
     """[S] int64: live rows entering each decoding step, written on the device, read at host checks."""
     step_index: torch.Tensor
     """[1] int64: the next decoding step's index into ``live_counts_S`` (a device counter)."""
+    uniform_N: torch.Tensor
+    """[N] float32: the uniform numbers of the next draw, one per completion."""
 
     @property
     def num_completions(self) -> int:
         return self.outputs.lengths_N.shape[0]
 
-    def draw(self, logits_BV: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """One token and its sampler log-prob per row. The uniform numbers are drawn per completion
-        (``[N]`` each step) and picked by row, so a row's draw does not depend on which rows share its
-        batch: retiring finished rows early, late or by buckets gives the same tokens."""
-        uniform_B = None
+    def refill_uniforms(self) -> None:
+        """Draw the next step's uniform numbers, one per completion, into ``uniform_N`` (outside the
+        step: a ``torch.Generator`` cannot be traced by ``torch.compile``; no-op when greedy)."""
         if not self.sampling.greedy:
-            uniform_N = torch.rand(self.num_completions, generator=self.generator, device=logits_BV.device)
-            uniform_B = uniform_N[self.live.completion_B]
+            torch.rand(self.uniform_N.shape, generator=self.generator, device=self.uniform_N.device,
+                       out=self.uniform_N)
+
+    def draw(self, logits_BV: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One token and its sampler log-prob per row, from ``uniform_N`` (``refill_uniforms``). The
+        numbers are drawn per completion and picked by row, so a row's draw does not depend on which
+        rows share its batch: retiring finished rows early, late or by buckets gives the same tokens."""
+        uniform_B = None if self.sampling.greedy else self.uniform_N[self.live.completion_B]
         return sample_with_logprobs(logits_BV, self.sampling, self.generator, uniform_B)
 
     def record_live(self) -> None:
@@ -115,7 +121,10 @@ class DecodeStep(Protocol):
 
 
 def plain_step(state: DecodeState) -> None:
-    """Forward each row's newest token, commit it (live rows only), draw and emit the next one."""
+    """Forward each row's newest token, commit it (live rows only), draw and emit the next one.
+
+    Free of host syncs and of untraceable objects, so ``torch.compile(plain_step, fullgraph=True)``
+    captures it whole; the uniform numbers are drawn before it (``DecodeState.refill_uniforms``)."""
     active_B = ~state.live.done_B
     hidden_BH = forward_new_tokens(state.model, state.cache, state.next_B[:, None])[:, 0]
     state.cache.commit_all(1, active_B)
@@ -140,6 +149,7 @@ class PlainStep:
         pass
 
     def __call__(self, state: DecodeState) -> None:
+        state.refill_uniforms()
         plain_step(state)
 
     def host_values(self) -> torch.Tensor | None:

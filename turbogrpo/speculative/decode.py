@@ -162,6 +162,7 @@ class TreeStep:
         draft_cache.max_length = max(self.draft_seen_host)
         shape = self.sizing.choose(cache.num_live, draft_ready=self.draft_prefilled, position=max(self.emitted_host))
         if shape is None:
+            state.refill_uniforms()
             plain_step(state)
             self.pending = _VerifiedStep(None, None, None, None)
             return
