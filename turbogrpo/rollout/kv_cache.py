@@ -7,7 +7,7 @@ Shapes (per attention layer): ``G`` live groups (prompts with a live sample), ``
   ``prompt_lengths_G``; written once by the prefill and never copied per sample.
 * generated K/V ``[B, Hkv, C, D]``, preallocated at the rollout's full size; slots ``< lengths_B[b]``
   hold sequence b's committed tokens, at positions ``prompt_length + slot``. A forward writes its n new
-  tokens into slots ``lengths_B .. lengths_B + n - 1``; ``commit_all``/``commit`` then keep all or a
+  tokens into slots ``lengths_B .. lengths_B + n - 1``; ``commit_all``/``commit_live``/``commit`` then keep all, those of live rows or a
   subset of them (the subset case is speculative verification's accepted path).
 
 Live sequences stay sorted by group, and finished ones are dropped by ``keep`` (rows move up in
@@ -129,15 +129,15 @@ class GroupedKVCache:
         keys.scatter_(2, index, key_BKnD)
         values.scatter_(2, index, value_BKnD)
 
-    def commit_all(self, num_new: int, active_B: torch.Tensor | None = None) -> None:
-        """Keep every one of the last forward's ``num_new`` tokens per sequence; with ``active_B``
-        ([B] bool), only for the active rows (finished rows waiting to be retired keep nothing, so
-        they rewrite the same slots and never outgrow the capacity)."""
-        if active_B is None:
-            self.lengths_B += num_new
-        else:
-            self.lengths_B += active_B.long() * num_new
-        self.max_length = min(self.max_length + num_new, self.capacity)
+    def commit_all(self, num_new: int) -> None:
+        """Keep every one of the last forward's ``num_new`` tokens per sequence."""
+        self.lengths_B += num_new
+        self.max_length += num_new
+
+    def commit_live(self, active_B: torch.Tensor) -> None:
+        """Keep the last forward's one new token of each active row (``[B]`` bool; device only: the
+        caller advances the host bound ``max_length``, so a compiled step reads no changing host int)."""
+        self.lengths_B += active_B.long()
 
     def commit(self, chosen_Bk: torch.Tensor, num_chosen_B: torch.Tensor, max_chosen: int | None = None) -> None:
         """Keep a subset of the last forward's new tokens: for sequence b, the new tokens

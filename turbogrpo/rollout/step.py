@@ -17,6 +17,7 @@ Legend: ``N`` completions, ``B`` rows of the decoding batch (live or finished, n
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -127,7 +128,7 @@ def plain_step(state: DecodeState) -> None:
     captures it whole; the uniform numbers are drawn before it (``DecodeState.refill_uniforms``)."""
     active_B = ~state.live.done_B
     hidden_BH = forward_new_tokens(state.model, state.cache, state.next_B[:, None])[:, 0]
-    state.cache.commit_all(1, active_B)
+    state.cache.commit_live(active_B)
     tokens_B, logprobs_B = state.draw(state.lm_head(hidden_BH).float())
     emit(state.outputs, state.live, tokens_B[:, None], logprobs_B[:, None], hidden_BH[:, None],
          torch.ones_like(tokens_B), state.criteria)
@@ -135,12 +136,18 @@ def plain_step(state: DecodeState) -> None:
 
 
 class PlainStep:
-    """The plain step as a ``DecodeStep``: no extra buffers, nothing for the host but the engine's flags."""
+    """The plain step as a ``DecodeStep``: no extra buffers, nothing for the host but the engine's flags.
+
+    ``run``: the function that runs ``plain_step`` (itself, or a compiled/captured version of it).
+    """
 
     extra_slots = 0
     host_check_every = None
     exact_compaction = False
     keeps_hidden = False
+
+    def __init__(self, run: Callable[[DecodeState], None] = plain_step):
+        self.run = run
 
     def make_stats(self) -> RolloutStats:
         return RolloutStats()
@@ -150,7 +157,8 @@ class PlainStep:
 
     def __call__(self, state: DecodeState) -> None:
         state.refill_uniforms()
-        plain_step(state)
+        self.run(state)
+        state.cache.max_length = min(state.cache.max_length + 1, state.cache.capacity)
 
     def host_values(self) -> torch.Tensor | None:
         return None

@@ -40,7 +40,7 @@ from turbogrpo.rollout.engine import generate
 from turbogrpo.rollout.outputs import emit
 from turbogrpo.rollout.plans import forward_new_tokens
 from turbogrpo.rollout.sampling import SamplingConfig, token_logprobs
-from turbogrpo.rollout.step import DecodeState, plain_step
+from turbogrpo.rollout.step import DecodeState, PlainStep
 from turbogrpo.rollout.types import Rollout, RolloutStats
 from turbogrpo.speculative.draft import DraftHead
 from turbogrpo.speculative.drafting import DraftKVCache, TreeDrafter, catch_up, prefill_draft
@@ -162,8 +162,7 @@ class TreeStep:
         draft_cache.max_length = max(self.draft_seen_host)
         shape = self.sizing.choose(cache.num_live, draft_ready=self.draft_prefilled, position=max(self.emitted_host))
         if shape is None:
-            state.refill_uniforms()
-            plain_step(state)
+            PlainStep()(state)
             self.pending = _VerifiedStep(None, None, None, None)
             return
         if not self.draft_prefilled:
