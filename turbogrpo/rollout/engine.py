@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from turbogrpo.hook import lm_head_of
+from turbogrpo.rollout.compiled import RUNNERS
 from turbogrpo.rollout.kv_cache import GroupedKVCache
 from turbogrpo.rollout.outputs import LiveRows, OutputBuffers, collect_rollout, emit
 from turbogrpo.rollout.plans import prefill_all_positions
@@ -61,6 +62,8 @@ class DecodeSchedule:
     hides that wait but runs finished rows up to k - 1 extra (masked) steps."""
     buckets: str = "exact"
     """Key of ``BUCKETS``: when finished rows are retired."""
+    runner: str = "eager"
+    """Key of ``compiled.RUNNERS``: how the plain step runs (eager, or compiled by ``torch.compile``)."""
 
     def __post_init__(self):
         if isinstance(self.host_check_every, bool) or not isinstance(self.host_check_every, int) \
@@ -69,6 +72,13 @@ class DecodeSchedule:
                              f"{self.host_check_every!r}")
         if self.buckets not in BUCKETS:
             raise ValueError(f"DecodeSchedule.buckets must be one of {sorted(BUCKETS)}, got {self.buckets!r}")
+        if self.runner not in RUNNERS:
+            raise ValueError(f"DecodeSchedule.runner must be one of {sorted(RUNNERS)}, got {self.runner!r}")
+
+    @property
+    def static_slots(self) -> bool:
+        """Compiled steps attend over the whole KV capacity, so shapes hold from step to step."""
+        return self.runner != "eager"
 
 
 DEFAULT_SCHEDULES = {
@@ -115,9 +125,10 @@ def generate(model: nn.Module, prompts: list[torch.Tensor], *, num_samples: int,
         generator.manual_seed(seed)
     prompts = [p.to(device=device, dtype=torch.long) for p in prompts]
     with torch.no_grad():
-        step: DecodeStep = PlainStep() if draft is None else draft.make_step(model, prompts, sampling)
-        return _rollout(model, prompts, num_samples, sampling, generator, return_hidden, limits, step,
-                        schedule or default_schedule(device))
+        schedule = schedule or default_schedule(device)
+        step: DecodeStep = (PlainStep(RUNNERS[schedule.runner]()) if draft is None
+                            else draft.make_step(model, prompts, sampling))
+        return _rollout(model, prompts, num_samples, sampling, generator, return_hidden, limits, step, schedule)
 
 
 def _length_limits(limits: Sequence[int] | None, num_completions: int, sampling: SamplingConfig) -> list[int]:
@@ -141,7 +152,7 @@ def _rollout(model: nn.Module, prompts: list[torch.Tensor], num_samples: int, sa
     """The loop of the module docstring (inputs already checked and on the model's device)."""
     start = time.perf_counter()
     state = _first_draw(model, prompts, num_samples, sampling, generator, return_hidden or step.keeps_hidden,
-                        limits, step.extra_slots)
+                        limits, step.extra_slots, static_slots=schedule.static_slots and not step.extra_slots)
     stats = step.make_stats()
     stats.num_forwards += 1
     step.start(state)
@@ -174,13 +185,14 @@ def _rollout(model: nn.Module, prompts: list[torch.Tensor], num_samples: int, sa
 
 def _first_draw(model: nn.Module, prompts: list[torch.Tensor], num_samples: int, sampling: SamplingConfig,
                 generator: torch.Generator | None, keep_hidden: bool, limits: list[int],
-                extra_slots: int) -> DecodeState:
+                extra_slots: int, static_slots: bool = False) -> DecodeState:
     """Allocate the rollout's buffers once, prefill every prompt once, draw and emit each sample's first token."""
     device = prompts[0].device
     num_completions, max_new = len(prompts) * num_samples, sampling.max_new_tokens
     # Every emitted token but the last is fed back, so max_new - 1 slots would do; max_new keeps
     # the capacity >= 1 when max_new_tokens = 1. A tree step writes up to extra_slots more.
-    cache = GroupedKVCache([len(p) for p in prompts], num_samples, capacity=max_new + extra_slots, device=device)
+    cache = GroupedKVCache([len(p) for p in prompts], num_samples, capacity=max_new + extra_slots, device=device,
+                           static_slots=static_slots)
     prompt_hidden_GPH = prefill_all_positions(model, cache, prompts)
     last_GH = prompt_hidden_GPH[torch.arange(len(prompts), device=device),
                                 torch.tensor([len(p) for p in prompts], device=device) - 1]

@@ -3,7 +3,7 @@
 Shapes (per attention layer): ``G`` live groups (prompts with a live sample), ``B`` live sequences,
 ``Hkv`` key/value heads, ``P`` longest prompt, ``C`` slots (capacity) for generated tokens, ``D`` head dim.
 
-* prompt K/V ``[G, Hkv, P, D]`` (keys stored transposed, ``[G, Hkv, D, P]``), valid up to
+* prompt K/V ``[G, Hkv, P, D]``, valid up to
   ``prompt_lengths_G``; written once by the prefill and never copied per sample.
 * generated K/V ``[B, Hkv, C, D]``, preallocated at the rollout's full size; slots ``< lengths_B[b]``
   hold sequence b's committed tokens, at positions ``prompt_length + slot``. A forward writes its n new
@@ -35,6 +35,8 @@ class LiveLayout:
     """[B] int64: the sequence's index among its group's live sequences."""
     num_groups: int
     max_per_group: int
+    dense: bool
+    """Every group has ``max_per_group`` rows: stacking queries per group is a reshape."""
 
     @staticmethod
     def from_group_rows(group_rows: list[int], device: torch.device) -> LiveLayout:
@@ -48,7 +50,8 @@ class LiveLayout:
             group_B=torch.tensor(group_rows, dtype=torch.long, device=device),
             slot_B=torch.tensor(slots, dtype=torch.long, device=device),
             num_groups=group_rows[-1] + 1 if group_rows else 0,
-            max_per_group=max(slots) + 1 if slots else 0)
+            max_per_group=max(slots) + 1 if slots else 0,
+            dense=bool(group_rows) and len(group_rows) == (group_rows[-1] + 1) * (max(slots) + 1))
 
 
 class GroupedKVCache:
@@ -88,7 +91,7 @@ class GroupedKVCache:
         return list(self._sequence_groups)
 
     def prompt(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Prompt keys ``[G, Hkv, D, P]`` (transposed) and values ``[G, Hkv, P, D]`` of the live groups."""
+        """Prompt keys and values ``[G, Hkv, P, D]`` of the live groups."""
         rows = self.layout.num_groups
         return self._prompt_keys[layer][:rows], self._prompt_values[layer][:rows]
 
@@ -113,8 +116,7 @@ class GroupedKVCache:
     # -- writing ---------------------------------------------------------------------------------
     def store_prompt(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
         """Keep the prefill's K/V ``[G, Hkv, P, D]`` and allocate this layer's generated slots."""
-        # Keys are read only as q @ k^T: stored transposed, that product is a plain GEMM every step.
-        self._prompt_keys[layer] = key.transpose(-1, -2).contiguous()
+        self._prompt_keys[layer] = key.contiguous()
         self._prompt_values[layer] = value.contiguous()
         slots_shape = (self.num_live, key.shape[1], self.capacity, key.shape[3])
         # Zeros, not empty: unused slots are masked out, but a masked weight of 0 times a NaN from
