@@ -74,7 +74,7 @@ def step_ms(model, prompts: list[torch.Tensor], runner: str, num_steps: int = 32
     """Milliseconds per plain decoding step with 64 live sequences (the engine's own step)."""
     from turbogrpo.rollout import SamplingConfig
     from turbogrpo.rollout.compiled import RUNNERS
-    from turbogrpo.rollout.engine import _first_draw
+    from turbogrpo.rollout.engine import first_draw
     from turbogrpo.rollout.step import PlainStep
 
     max_new = 2 * num_steps + 8
@@ -82,7 +82,7 @@ def step_ms(model, prompts: list[torch.Tensor], runner: str, num_steps: int = 32
     generator = torch.Generator(device="cuda").manual_seed(0)
     step = PlainStep(RUNNERS[runner]())
     with torch.no_grad():
-        state = _first_draw(model, prompts, NUM_SAMPLES, sampling, generator, False,
+        state = first_draw(model, prompts, NUM_SAMPLES, sampling, generator, False,
                             [max_new] * (len(prompts) * NUM_SAMPLES), 0, static_slots=runner != "eager")
         for _ in range(num_steps // 2):  # warm-up (and compilation)
             step(state)

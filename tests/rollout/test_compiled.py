@@ -11,7 +11,7 @@ from transformers import DynamicCache
 from tests.rollout.conftest import build_model, random_prompts
 from turbogrpo.rollout import SamplingConfig, generate
 from turbogrpo.rollout.compiled import _compiled
-from turbogrpo.rollout.engine import DecodeSchedule, _first_draw
+from turbogrpo.rollout.engine import DecodeSchedule, first_draw
 from turbogrpo.rollout.step import PlainStep
 
 # Operators that only make a view or change metadata launch no kernel and are not counted.
@@ -67,7 +67,7 @@ def ops_per_layer(num_layers: int) -> tuple[int, int]:
     prompts = random_prompts([5, 5])
     sampling = SamplingConfig(max_new_tokens=12, temperature=0.0)
     with torch.no_grad():
-        state = _first_draw(model, prompts, 3, sampling, None, False, [12] * 6, 0)
+        state = first_draw(model, prompts, 3, sampling, None, False, [12] * 6, 0)
         step = PlainStep()
         step(state)  # past the first step's one-time work
         ours = kernel_ops(lambda: step(state))

@@ -151,7 +151,7 @@ def _rollout(model: nn.Module, prompts: list[torch.Tensor], num_samples: int, sa
              schedule: DecodeSchedule) -> Rollout:
     """The loop of the module docstring (inputs already checked and on the model's device)."""
     start = time.perf_counter()
-    state = _first_draw(model, prompts, num_samples, sampling, generator, return_hidden or step.keeps_hidden,
+    state = first_draw(model, prompts, num_samples, sampling, generator, return_hidden or step.keeps_hidden,
                         limits, step.extra_slots, static_slots=schedule.static_slots and not step.extra_slots)
     stats = step.make_stats()
     stats.num_forwards += 1
@@ -183,7 +183,7 @@ def _rollout(model: nn.Module, prompts: list[torch.Tensor], num_samples: int, sa
     return rollout
 
 
-def _first_draw(model: nn.Module, prompts: list[torch.Tensor], num_samples: int, sampling: SamplingConfig,
+def first_draw(model: nn.Module, prompts: list[torch.Tensor], num_samples: int, sampling: SamplingConfig,
                 generator: torch.Generator | None, keep_hidden: bool, limits: list[int],
                 extra_slots: int, static_slots: bool = False) -> DecodeState:
     """Allocate the rollout's buffers once, prefill every prompt once, draw and emit each sample's first token."""
