@@ -12,8 +12,8 @@ prompt 512, temperature 1, every completion running the full length (no stop tok
   engine's own ``PlainStep``;
 * ``latency_curve``: ``turbogrpo.speculative.profile_latency`` (seconds per forward vs tokens).
 
-Without CUDA it records why it skipped and returns. Each item checks the time left in ``budget_s``
-before it starts and records "skipped: budget" instead of overrunning.
+Without CUDA it records why it skipped and returns. Items run in priority order; one that would start
+with under 15 s of ``budget_s`` left is listed under "skipped" instead, one that fails under "failed".
 """
 
 from __future__ import annotations
@@ -91,68 +91,84 @@ def step_ms(model, prompts: list[torch.Tensor], runner: str, num_steps: int = 32
 
 
 def run(results: dict, budget_s: float) -> None:
-    """Add the rollout GPU measurements to ``results["rollout"]`` within about ``budget_s`` seconds."""
-    record: dict = {}
-    results["rollout"] = record
+    """Add the rollout GPU measurements to ``results`` (bench/gpu.py's part dict) within about
+    ``budget_s`` seconds: the cheap, most telling items first, compiled contenders last."""
     if not torch.cuda.is_available():
-        record["skipped"] = "no CUDA device"
+        results.update(status="skipped", reason="no CUDA device")
         print("rollout: skipped (no CUDA device)")
         return
     deadline = time.perf_counter() + budget_s
-    record["device"] = torch.cuda.get_device_name()
-    record["shapes"] = {}
-    for name, shape in SHAPES.items():
-        entry: dict = {"config": shape, "num_prompts": NUM_PROMPTS, "num_samples": NUM_SAMPLES,
-                       "prompt_len": PROMPT_LEN}
-        record["shapes"][name] = entry
-        if time.perf_counter() > deadline - 30:
-            entry["skipped"] = "budget"
-            continue
-        model = build_model(shape)
-        generator = torch.Generator(device="cuda").manual_seed(0)
-        prompts = [torch.randint(shape["vocab_size"], (PROMPT_LEN,), device="cuda", generator=generator)
-                   for _ in range(NUM_PROMPTS)]
-        new = shape["new_tokens"]
-        contenders = {
-            "hf_dynamic": lambda: hf_generate(model, prompts, new, static=False),
-            "turbogrpo": lambda: ours_generate(model, prompts, new, "eager"),
-            "hf_static_compiled": lambda: hf_generate(model, prompts, new, static=True),
-            "turbogrpo_compiled": lambda: ours_generate(model, prompts, new, "compiled"),
-        }
-        seconds: dict = {}
-        for contender, work in contenders.items():
-            if time.perf_counter() > deadline - 20:
-                seconds[contender] = "skipped: budget"
-                continue
-            try:
-                timed(work)  # warm-up: allocations, kernel selection, compilation
-                seconds[contender] = min(timed(work) for _ in range(2))
-            except Exception as error:  # a contender that fails is recorded, not fatal to the bench
-                seconds[contender] = f"failed: {type(error).__name__}: {error}"[:300]
-            print(f"rollout {name} {contender}: {seconds[contender]}", flush=True)
-        entry["seconds"] = seconds
-        for contender in ("turbogrpo", "turbogrpo_compiled"):
-            for baseline in ("hf_dynamic", "hf_static_compiled"):
-                ours, theirs = seconds.get(contender), seconds.get(baseline)
-                if isinstance(ours, float) and isinstance(theirs, float):
-                    entry[f"speedup_{contender}_vs_{baseline}"] = theirs / ours
-        if time.perf_counter() < deadline - 30:
-            entry["step_ms_B64"] = {}
-            for runner in ("eager", "compiled"):
-                try:
-                    entry["step_ms_B64"][runner] = step_ms(model, prompts, runner)
-                except Exception as error:
-                    entry["step_ms_B64"][runner] = f"failed: {type(error).__name__}: {error}"[:300]
-            print(f"rollout {name} step at B=64 (ms): {entry['step_ms_B64']}", flush=True)
-        if name == "qwen2-0.5b" and time.perf_counter() < deadline - 40:
+    results["device"] = torch.cuda.get_device_name()
+    results["shapes"] = {name: {"config": shape, "num_prompts": NUM_PROMPTS, "num_samples": NUM_SAMPLES,
+                                "prompt_len": PROMPT_LEN, "seconds": {}} for name, shape in SHAPES.items()}
+    models: dict = {}
+
+    def model_and_prompts(name: str):
+        if name not in models:
+            shape = SHAPES[name]
+            generator = torch.Generator(device="cuda").manual_seed(0)
+            models[name] = (build_model(shape), [torch.randint(shape["vocab_size"], (PROMPT_LEN,), device="cuda",
+                                                               generator=generator) for _ in range(NUM_PROMPTS)])
+        return models[name]
+
+    def rollout_item(name: str, contender: str):
+        def measure():
+            model, prompts = model_and_prompts(name)
+            new = SHAPES[name]["new_tokens"]
+            work = {"hf_dynamic": lambda: hf_generate(model, prompts, new, static=False),
+                    "hf_static_compiled": lambda: hf_generate(model, prompts, new, static=True),
+                    "turbogrpo": lambda: ours_generate(model, prompts, new, "eager"),
+                    "turbogrpo_compiled": lambda: ours_generate(model, prompts, new, "compiled")}[contender]
+            timed(work)  # warm-up: allocations, kernel selection, compilation
+            results["shapes"][name]["seconds"][contender] = timed(work)
+        return measure
+
+    def step_item(name: str, runner: str):
+        def measure():
+            model, prompts = model_and_prompts(name)
+            results["shapes"][name].setdefault("step_ms_B64", {})[runner] = step_ms(model, prompts, runner)
+        return measure
+
+    def curve_item(name: str):
+        def measure():
             from turbogrpo.speculative import profile_latency
 
-            curve = profile_latency(model, context_length=PROMPT_LEN + new // 2, max_tokens=1024, repeats=3).verify
-            entry["latency_curve"] = {"num_tokens": list(curve.num_tokens), "seconds": list(curve.seconds),
-                                      "knee_tokens": curve.knee()}
-            print(f"rollout {name} latency knee: {curve.knee()} tokens", flush=True)
-        del model
-        torch.cuda.empty_cache()
+            model, _ = model_and_prompts(name)
+            context = PROMPT_LEN + SHAPES[name]["new_tokens"] // 2
+            curve = profile_latency(model, context_length=context, max_tokens=1024, repeats=3).verify
+            results["shapes"][name]["latency_curve"] = {"num_tokens": list(curve.num_tokens),
+                                                        "seconds": list(curve.seconds), "knee_tokens": curve.knee()}
+        return measure
+
+    small, large = SHAPES
+    items = [(f"{small} hf_dynamic", rollout_item(small, "hf_dynamic")),
+             (f"{small} turbogrpo", rollout_item(small, "turbogrpo")),
+             (f"{small} step eager", step_item(small, "eager")),
+             (f"{large} hf_dynamic", rollout_item(large, "hf_dynamic")),
+             (f"{large} turbogrpo", rollout_item(large, "turbogrpo")),
+             (f"{small} latency curve", curve_item(small)),
+             (f"{small} hf_static_compiled", rollout_item(small, "hf_static_compiled")),
+             (f"{small} step compiled", step_item(small, "compiled")),
+             (f"{small} turbogrpo_compiled", rollout_item(small, "turbogrpo_compiled"))]
+    results["skipped"], results["failed"] = [], {}
+    for label, measure in items:
+        if time.perf_counter() > deadline - 15:
+            results["skipped"].append(label)
+            continue
+        try:
+            measure()
+            print(f"rollout: {label} done", flush=True)
+        except Exception as error:  # a failing item is recorded; the others still run
+            results["failed"][label] = f"{type(error).__name__}: {error}"[:300]
+            print(f"rollout: {label} failed: {results['failed'][label]}", flush=True)
+    for entry in results["shapes"].values():
+        seconds = entry["seconds"]
+        for ours in ("turbogrpo", "turbogrpo_compiled"):
+            for baseline in ("hf_dynamic", "hf_static_compiled"):
+                if ours in seconds and baseline in seconds:
+                    entry[f"speedup_{ours}_vs_{baseline}"] = seconds[baseline] / seconds[ours]
+    models.clear()
+    torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":
@@ -162,5 +178,5 @@ if __name__ == "__main__":
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     out: dict = {}
-    run(out, budget_s=float(sys.argv[1]) if len(sys.argv) > 1 else 240.0)
+    run(out, budget_s=float(sys.argv[1]) if len(sys.argv) > 1 else 105.0)
     print(json.dumps(out, indent=1))
