@@ -124,8 +124,8 @@ def test_the_plain_step_never_syncs_with_the_host(arch, qwen2, monkeypatch):
         assert rollout.stats.num_forwards > 3
 
 
-@pytest.mark.parametrize("sampling", [SamplingConfig(max_new_tokens=8), SamplingConfig(max_new_tokens=8, temperature=0)],
-                         ids=["sampled", "greedy"])
+@pytest.mark.parametrize("sampling", [SamplingConfig(max_new_tokens=8),
+                                      SamplingConfig(max_new_tokens=8, temperature=0)], ids=["sampled", "greedy"])
 @pytest.mark.parametrize("schedule", [REFERENCE, DecodeSchedule(4, "pow2")], ids=["k1", "k4"])
 def test_non_finite_logits_are_named_as_such(sampling, schedule):
     model = build_model("qwen2")

@@ -7,11 +7,11 @@ Shapes (per attention layer): ``G`` live groups (prompts with a live sample), ``
   ``prompt_lengths_G``; written once by the prefill and never copied per sample.
 * generated K/V ``[B, Hkv, C, D]``, preallocated at the rollout's full size; slots ``< lengths_B[b]``
   hold sequence b's committed tokens, at positions ``prompt_length + slot``. A forward writes its n new
-  tokens into slots ``lengths_B .. lengths_B + n - 1``; ``commit_all``/``commit_live``/``commit`` then keep all, those of live rows or a
-  subset of them (the subset case is speculative verification's accepted path).
+  tokens into slots ``lengths_B .. lengths_B + n - 1``; ``commit_all``/``commit_live``/``commit`` then
+  keep all of them, those of live rows, or a subset (speculative verification's accepted path).
 
 Live sequences stay sorted by group, and finished ones are dropped by ``keep`` (rows move up in
-place, so the storage is never reallocated and step cost follows the live batch).
+place, so the storage is never reallocated and step cost follows the decoding batch).
 """
 
 from __future__ import annotations
