@@ -152,7 +152,7 @@ def _rollout(model: nn.Module, prompts: list[torch.Tensor], num_samples: int, sa
     """The loop of the module docstring (inputs already checked and on the model's device)."""
     start = time.perf_counter()
     state = first_draw(model, prompts, num_samples, sampling, generator, return_hidden or step.keeps_hidden,
-                        limits, step.extra_slots, static_slots=schedule.static_slots and not step.extra_slots)
+                       limits, step.extra_slots, static_slots=schedule.static_slots and not step.extra_slots)
     stats = step.make_stats()
     stats.num_forwards += 1
     step.start(state)
@@ -172,6 +172,7 @@ def _rollout(model: nn.Module, prompts: list[torch.Tensor], num_samples: int, sa
             state.keep(rows)
             step.keep(rows)
         window = min(every, steps_left)
+        assert window > 0, "a live row outlived its length limit"
         for _ in range(window):
             state.record_live()
             step(state)
@@ -184,8 +185,8 @@ def _rollout(model: nn.Module, prompts: list[torch.Tensor], num_samples: int, sa
 
 
 def first_draw(model: nn.Module, prompts: list[torch.Tensor], num_samples: int, sampling: SamplingConfig,
-                generator: torch.Generator | None, keep_hidden: bool, limits: list[int],
-                extra_slots: int, static_slots: bool = False) -> DecodeState:
+               generator: torch.Generator | None, keep_hidden: bool, limits: list[int],
+               extra_slots: int, static_slots: bool = False) -> DecodeState:
     """Allocate the rollout's buffers once, prefill every prompt once, draw and emit each sample's first token."""
     device = prompts[0].device
     num_completions, max_new = len(prompts) * num_samples, sampling.max_new_tokens
