@@ -26,6 +26,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen2Tokenizer
 from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX as QWEN2_PRETOKENIZE_REGEX
 
 from turbogrpo.data.arithmetic import ArithmeticProblem, SolutionStep, question_block
+from turbogrpo.models import load_model_and_tokenizer, resolve_model_path
 from turbogrpo.rewards import math_accuracy
 
 EOS, PAD = "<|endoftext|>", "<|pad|>"
@@ -36,6 +37,7 @@ class BuildConfig:
     """The knobs of a shipped model's build (each script sets its own defaults)."""
 
     seed: int = 0
+    init_from: str = ""              # "" trains from scratch; a shipped model's name ("demo") or a folder: start there
     vocab_size: int = 512            # 256 byte tokens + merges for the task's words
     hidden_size: int = 128
     num_layers: int = 8              # deep enough that a one-layer draft head is cheap next to it
@@ -94,6 +96,15 @@ def build_model(config: BuildConfig, tokenizer: Qwen2Tokenizer) -> Qwen2ForCausa
         tie_word_embeddings=True, bos_token_id=None, eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id)
     return Qwen2ForCausalLM(model_config)
+
+
+def initial_model(config: BuildConfig):
+    """(model, tokenizer) of ``config.init_from`` (its architecture and tokenizer, not the config's),
+    allowed ``config.max_positions`` positions (rotary positions extend past the trained ones)."""
+    model, tokenizer = load_model_and_tokenizer(resolve_model_path(config.init_from))
+    model.config.max_position_embeddings = max(model.config.max_position_embeddings, config.max_positions)
+    tokenizer.model_max_length = max(tokenizer.model_max_length, config.max_positions)
+    return model, tokenizer
 
 
 # ------------------------------------------------------------------ warm start
@@ -268,9 +279,12 @@ def main(task: ShippedTask, defaults: BuildConfig, description: str) -> None:
     torch.set_num_threads(args.threads)
     torch.manual_seed(config.seed)
 
-    tokenizer = build_tokenizer(task, task.problems("train", 3000, config.seed + 1), config.vocab_size,
-                                config.max_positions)
-    model = build_model(config, tokenizer)
+    if config.init_from:
+        model, tokenizer = initial_model(config)
+    else:
+        tokenizer = build_tokenizer(task, task.problems("train", 3000, config.seed + 1), config.vocab_size,
+                                    config.max_positions)
+        model = build_model(config, tokenizer)
     print(f"vocab {len(tokenizer)}, parameters {sum(p.numel() for p in model.parameters()):,}", flush=True)
     start = time.time()
     warm_start(task, model, tokenizer, config, log_every=max(1, config.steps // 20))

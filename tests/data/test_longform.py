@@ -34,17 +34,14 @@ def test_steps_span_3_to_12_with_a_long_tail():
     assert statistics.median(counts) <= 5
 
 
-def test_solution_restates_each_sentence_with_its_working():
+def test_solution_writes_one_numbered_step_a_line():
     problem = next(p for p in generate_longform_problems("eval", 20, seed=0) if len(p.changes) == 3)
-    lines = problem.completion.split("\n")
-    sentences = re.findall(r"[^.]+\.", problem.question)[:4]  # the start and the three changes
-    assert lines[0] == " " + sentences[0].strip()
-    total = problem.start
-    for line, sentence, change in zip(lines[1:4], sentences[1:], problem.changes):
-        op = "+" if change > 0 else "-"
-        assert line == f"{sentence.strip()[:-1]}: {total}{op}{abs(change)}={total + change}."
+    total, expected = problem.start, []
+    for k, change in enumerate(problem.changes, 1):
+        expected.append(f" Step {k}: {total}{'+' if change > 0 else '-'}{abs(change)}={total + change}.")
         total += change
-    assert lines[4:] == [f"#### {problem.answer}"] and problem.answer == total
+    assert problem.completion.split("\n") == expected + [f"#### {total}"]
+    assert problem.answer == total
 
 
 def test_solution_text_follows_the_written_steps():
@@ -53,7 +50,7 @@ def test_solution_text_follows_the_written_steps():
     wrong[-1] = SolutionStep(wrong[-1].before, "+", wrong[-1].amount, wrong[-1].before + wrong[-1].amount)
     text = problem.solution_text(wrong)
     assert text.endswith(f"#### {wrong[-1].result}")
-    assert f"{wrong[-1].before}+{wrong[-1].amount}={wrong[-1].result}." in text
+    assert f"{wrong[-1].before}+{wrong[-1].amount}={wrong[-1].result}.\n####" in text
 
 
 def test_reference_solutions_get_full_reward_and_running_totals_stay_in_range():

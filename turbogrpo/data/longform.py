@@ -1,19 +1,17 @@
 """The built-in long-form task: multi-step word problems whose solutions have a long tail of lengths.
 
 The arithmetic task's problems (a start count and signed changes, same names, items and verbs),
-but with 3 to 12 changes, and a solution that restates each sentence of the question with its
-working on its own line:
+but with 3 to 12 changes, and a solution that writes each step's working on its own numbered line:
 
     prompt:      <PREAMBLE>Question: Mia has 14 pens. She buys 7 more. Then she sells 5. ...\\nAnswer:
-    completion:   Mia has 14 pens.
-                 She buys 7 more: 14+7=21.
-                 Then she sells 5: 21-5=16.
+    completion:   Step 1: 14+7=21.
+                 Step 2: 21-5=16.
                  ...
                  #### 16
 
-A step line is about 16 tokens, so a solution is about 11 + 16 x steps tokens: ~60 for 3 steps,
-~200 for 12. The number of steps is drawn with weights ``step_decay ** (steps - min_steps)``, so
-most problems are short and a few are long: in a GRPO rollout most sequences end early and the
+A step line is about 14 tokens, so a solution is about 4 + 14 x steps tokens: ~45 for 3 steps,
+~175 for 12 (the demo task's working, one step a line: the shipped model starts from the demo
+model). The number of steps is drawn with weights ``step_decay ** (steps - min_steps)``, so most problems are short and a few are long: in a GRPO rollout most sequences end early and the
 live batch shrinks to a few long ones (the tail that speculative decoding has something to win on).
 
 Train and held-out problems never overlap, by the arithmetic task's hash split of the numbers.
@@ -30,8 +28,8 @@ from turbogrpo.data.arithmetic import (SPLITS, ArithmeticConfig, ArithmeticProbl
                                        split_of)
 
 INSTRUCTION = (
-    "Solve the word problem step by step. Copy each sentence of the question on its own line and write "
-    "the running total after it: add what a person gets (buys, finds, is given, wins, picks) and subtract "
+    "Solve the word problem step by step, one numbered line per change with the running total: add what a "
+    "person gets (buys, finds, is given, wins, picks) and subtract "
     "what they lose (gives away, sells, loses, drops, trades away). End with the final number after ####.\n\n")
 
 
@@ -42,11 +40,11 @@ class LongformConfig:
     min_steps: int = 3
     max_steps: int = 12
     step_decay: float = 0.75  # P(steps) is proportional to step_decay ** (steps - min_steps): a long tail
-    min_start: int = 5
-    max_start: int = 40
+    min_start: int = 10  # two digits: the demo model (the shipped model's start) miscopies one-digit starts
+    max_start: int = 30
     min_amount: int = 2
     max_amount: int = 9
-    max_value: int = 60  # every running total stays in [0, max_value]
+    max_value: int = 40  # every running total stays in [0, max_value]: the demo task's numbers
 
     def __post_init__(self):
         if not 1 <= self.min_steps <= self.max_steps:
@@ -69,24 +67,22 @@ class LongformConfig:
 
 @dataclass(frozen=True)
 class LongformProblem(ArithmeticProblem):
-    """An arithmetic problem told with ``wording``, solved one restated sentence per line."""
+    """An arithmetic problem told with ``wording`` (kept for tools that restate it), solved one step a line."""
 
     wording: Wording
 
     def solution_text(self, steps: Sequence[SolutionStep]) -> str:
-        return format_longform_solution(self.wording, self.start, steps)
+        return format_longform_solution(steps)
 
     @property
     def prompt(self) -> str:
         return PREAMBLE + question_block(self.question)
 
 
-def format_longform_solution(wording: Wording, start: int, steps: Sequence[SolutionStep]) -> str:
-    """Each question sentence on its own line, a change's sentence followed by its working, then
-    ``#### <last result>`` (the result of the written steps, right or wrong)."""
-    first, *change_sentences = wording.sentences(start)
-    lines = [f" {first}"] + [f"{sentence[:-1]}: {s.before}{s.op}{s.amount}={s.result}."
-                             for sentence, s in zip(change_sentences, steps)]
+def format_longform_solution(steps: Sequence[SolutionStep]) -> str:
+    """One numbered line of working per step, then ``#### <last result>`` (the result of the written
+    steps, right or wrong)."""
+    lines = [f" Step {k}: {s.before}{s.op}{s.amount}={s.result}." for k, s in enumerate(steps, 1)]
     return "\n".join(lines) + f"\n#### {steps[-1].result}"
 
 
