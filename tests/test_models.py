@@ -78,3 +78,13 @@ def test_demo_model_loads_with_auto_classes_and_writes_the_format():
     texts = tokenizer.batch_decode(out[:, batch["input_ids"].shape[1]:], skip_special_tokens=True)
     for text in texts:
         assert re.fullmatch(r" \d+[+-]\d+=\d+( \d+[+-]\d+=\d+)*\n#### \d+", text), text
+
+
+def test_shipped_model_names_resolve_to_their_folders(tmp_path, monkeypatch):
+    from turbogrpo import models
+
+    assert models.resolve_model_path("demo") == models.DEMO_MODEL_DIR
+    assert models.resolve_model_path("some/folder") == "some/folder"
+    monkeypatch.setitem(models.SHIPPED_MODELS, "longform", (tmp_path / "absent", "scripts/build_longform_model.py"))
+    with pytest.raises(ValueError, match="build_longform_model.py"):
+        models.resolve_model_path("longform")
