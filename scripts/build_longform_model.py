@@ -18,7 +18,13 @@ written with the wrong operation, so greedy decoding is mostly right while sampl
 answers in a group to learn from. A solution has 3-12 steps, so the per-step noise is lower than
 the demo's (0.1 against 0.3): a 12-step solution sampled with the demo's rate would nearly never be right.
 
-MEASURED: see longform_info.json next to the model (the shipped build's exact numbers and settings).
+STATUS (not shipped yet): on the shared 2-core machine (load average 13-17) these defaults (150
+steps of 8 from the demo model, lr 1e-3) ended at completion loss 0.70 and a model that no longer
+copies the question's numbers (greedy 0 of 16 held-out problems): the first steps' loss (11 nats,
+the demo model never wrote "Step k:" lines) wiped out what it knew. --lr 3e-4 --warmup-steps 10
+was worse (loss 1.2-1.4, greedy 1 of 16, degenerate text). Next to try on quiet cores: a from-scratch
+build (~1,000+ steps), or a warm start that first teaches only the new tokens (" Step", ":", "."). A build writes longform_info.json
+next to the model with its exact numbers and settings.
 
 Usage: .venv/bin/python scripts/build_longform_model.py [--out DIR] [--threads 2] [--steps N] ...
 Reproducible: the same seed and thread count give the same weights, bit for bit.
