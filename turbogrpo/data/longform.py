@@ -1,18 +1,17 @@
 """The built-in long-form task: multi-step word problems whose solutions have a long tail of lengths.
 
 The arithmetic task's problems (a start count and signed changes, same names, items and verbs),
-but with 3 to 12 changes, and a solution that writes each step's working on its own numbered line:
+but with 3 to 12 changes, written in the demo task's own format, just with more steps:
 
     prompt:      <PREAMBLE>Question: Mia has 14 pens. She buys 7 more. Then she sells 5. ...\\nAnswer:
-    completion:   Step 1: 14+7=21.
-                 Step 2: 21-5=16.
-                 ...
-                 #### 16
+    completion:   14+7=21 21-5=16 16+3=19 ...\\n#### 19
 
-A step line is about 14 tokens, so a solution is about 4 + 14 x steps tokens: ~45 for 3 steps,
-~175 for 12 (the demo task's working, one step a line: the shipped model starts from the demo
-model). The number of steps is drawn with weights ``step_decay ** (steps - min_steps)``, so most problems are short and a few are long: in a GRPO rollout most sequences end early and the
-live batch shrinks to a few long ones (the tail that speculative decoding has something to win on).
+The demo model already writes this working for 2 steps, so the shipped long-form model is a short
+fine-tune of it (a new format, tried first, was foreign to it: see scripts/build_longform_model.py).
+A step is about 8 tokens (every digit is a token), so a solution is about 5 + 8 x steps tokens:
+~30 for 3 steps, ~100 for 12. The number of steps is drawn with weights
+``step_decay ** (steps - min_steps)``, so most problems are short and a few are long: in a GRPO
+rollout most sequences end early and the live batch shrinks to a few long ones (the tail that speculative decoding has something to win on).
 
 Train and held-out problems never overlap, by the arithmetic task's hash split of the numbers.
 """
@@ -20,17 +19,11 @@ Train and held-out problems never overlap, by the arithmetic task's hash split o
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
 from dataclasses import dataclass
 
-from turbogrpo.data.arithmetic import (SPLITS, ArithmeticConfig, ArithmeticProblem, SolutionStep, Wording,
+from turbogrpo.data.arithmetic import (INSTRUCTION, SPLITS, ArithmeticConfig, ArithmeticProblem, Wording,
                                        _draw_arithmetic, draw_wording, problem_records, question_block,
                                        split_of)
-
-INSTRUCTION = (
-    "Solve the word problem step by step, one numbered line per change with the running total: add what a "
-    "person gets (buys, finds, is given, wins, picks) and subtract "
-    "what they lose (gives away, sells, loses, drops, trades away). End with the final number after ####.\n\n")
 
 
 @dataclass(frozen=True)
@@ -67,23 +60,14 @@ class LongformConfig:
 
 @dataclass(frozen=True)
 class LongformProblem(ArithmeticProblem):
-    """An arithmetic problem told with ``wording`` (kept for tools that restate it), solved one step a line."""
+    """An arithmetic problem told with ``wording`` (kept for tools that restate it); its solution is
+    the arithmetic task's (``format_solution``), with 3 to 12 steps."""
 
     wording: Wording
-
-    def solution_text(self, steps: Sequence[SolutionStep]) -> str:
-        return format_longform_solution(steps)
 
     @property
     def prompt(self) -> str:
         return PREAMBLE + question_block(self.question)
-
-
-def format_longform_solution(steps: Sequence[SolutionStep]) -> str:
-    """One numbered line of working per step, then ``#### <last result>`` (the result of the written
-    steps, right or wrong)."""
-    lines = [f" Step {k}: {s.before}{s.op}{s.amount}={s.result}." for k, s in enumerate(steps, 1)]
-    return "\n".join(lines) + f"\n#### {steps[-1].result}"
 
 
 def generate_longform_problems(split: str, num: int, seed: int = 0,
