@@ -75,12 +75,12 @@ def step_ms(model, prompts: list[torch.Tensor], runner: str, num_steps: int = 32
     from turbogrpo.rollout import SamplingConfig
     from turbogrpo.rollout.compiled import RUNNERS
     from turbogrpo.rollout.engine import first_draw
-    from turbogrpo.rollout.step import PlainStep
+    from turbogrpo.rollout.step import PlainStep, plain_step
 
     max_new = 2 * num_steps + 8
     sampling = SamplingConfig(max_new_tokens=max_new)
     generator = torch.Generator(device="cuda").manual_seed(0)
-    step = PlainStep(RUNNERS[runner]())
+    step = PlainStep(RUNNERS[runner](plain_step))
     with torch.no_grad():
         state = first_draw(model, prompts, NUM_SAMPLES, sampling, generator, False,
                             [max_new] * (len(prompts) * NUM_SAMPLES), 0, static_slots=runner != "eager")

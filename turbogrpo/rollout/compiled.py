@@ -1,4 +1,5 @@
-"""How the plain step runs: eagerly, or compiled whole by ``torch.compile`` (``DecodeSchedule.runner``).
+"""How a decoding step runs: eagerly, or compiled whole by ``torch.compile`` (``DecodeSchedule.runner``
+for the plain step, ``Speculation.runner`` for the two device parts of the speculative tree step).
 
 ``plain_step`` has no host sync and no untraceable object, so dynamo captures it as one graph
 (``fullgraph=True``); the attention then reads a static number of KV slots (``static_slots``), so the
@@ -23,20 +24,24 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 
-from turbogrpo.rollout.step import DecodeState, plain_step
+
+
+Step = TypeVar("Step", bound=Callable)
 
 
 @functools.cache
-def _compiled(backend: str) -> Callable[[DecodeState], None]:
-    return torch.compile(plain_step, fullgraph=True, backend=backend)
+def _compiled(function: Step, backend: str) -> Step:
+    return torch.compile(function, fullgraph=True, backend=backend)
 
 
-RUNNERS: dict[str, Callable[[], Callable[[DecodeState], None]]] = {
-    "eager": lambda: plain_step,
-    "compiled": lambda: _compiled("inductor"),
-    "dynamo": lambda: _compiled("eager"),
+RUNNERS: dict[str, Callable[[Step], Step]] = {
+    "eager": lambda function: function,
+    "compiled": lambda function: _compiled(function, "inductor"),
+    "dynamo": lambda function: _compiled(function, "eager"),
 }
-"""Name -> a function returning the callable that runs one plain step."""
+"""Name -> how to run a step function (``plain_step``; the tree step's parts): the function itself, or
+its compiled version (built once per process and function, kept by ``_compiled``)."""

@@ -34,7 +34,7 @@ from turbogrpo.rollout.kv_cache import GroupedKVCache
 from turbogrpo.rollout.outputs import LiveRows, OutputBuffers, collect_rollout, emit
 from turbogrpo.rollout.plans import prefill_all_positions
 from turbogrpo.rollout.sampling import SamplingConfig
-from turbogrpo.rollout.step import DecodeState, DecodeStep, PlainStep
+from turbogrpo.rollout.step import DecodeState, DecodeStep, PlainStep, plain_step
 from turbogrpo.rollout.stopping import StopCriteria
 from turbogrpo.rollout.types import Rollout, RolloutStats
 
@@ -128,7 +128,7 @@ def generate(model: nn.Module, prompts: list[torch.Tensor], *, num_samples: int,
     prompts = [p.to(device=device, dtype=torch.long) for p in prompts]
     with torch.no_grad():
         schedule = schedule or default_schedule(device)
-        step: DecodeStep = (PlainStep(RUNNERS[schedule.runner]()) if draft is None
+        step: DecodeStep = (PlainStep(RUNNERS[schedule.runner](plain_step)) if draft is None
                             else draft.make_step(model, prompts, sampling))
         return _rollout(model, prompts, num_samples, sampling, generator, return_hidden, limits, step, schedule)
 
