@@ -59,3 +59,9 @@ def test_the_tree_step_never_syncs_with_the_host(arch, monkeypatch):
     for sampling in SAMPLINGS.values():
         rollout = speculate(policy, draft, prompts, sampling)
         assert rollout.stats.tree_sizes and set(rollout.stats.tree_sizes) == {5}
+
+
+def test_a_runner_the_tree_step_cannot_use_is_refused():
+    policy = tiny_policy("qwen2", seed=1, num_layers=1)
+    with pytest.raises(ValueError, match="Speculation.runner must be one of"):
+        speculate(policy, DraftHead(policy), [torch.tensor([1, 2, 3])], SAMPLINGS["greedy"], runner="cudagraph")
