@@ -121,3 +121,17 @@ def test_chunked_lm_head_matches_unchunked(monkeypatch):
     torch.testing.assert_close(logps, ref_logps, rtol=0, atol=1e-12)
     for name, ref in ref_grads.items():
         torch.testing.assert_close(grads[name], ref, rtol=0, atol=1e-12)
+
+
+def test_standard_layout_with_short_sliding_window_matches_model_logits():
+    """The standard path's own attention plan applies a sliding window exactly as transformers does."""
+    model = build_model("mistral", torch.float64, sliding_window=4)
+    prompt, completions = torch.tensor([3, 14, 15, 9]), [torch.tensor([92, 65, 35, 8]), torch.tensor([7])]
+    expected = []
+    for completion in completions:
+        logits = model(torch.cat([prompt, completion])[None]).logits[0]
+        positions = torch.arange(prompt.numel() - 1, prompt.numel() + completion.numel() - 1)
+        expected.append(torch.log_softmax(logits, -1)[positions, completion])
+    got = turbogrpo.completion_logprobs(model, [prompt], [completions], share_prefix=False)[0]
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e, rtol=0, atol=1e-12)

@@ -133,6 +133,31 @@ class VarlenAttention(PrefixAttention):
         return torch.cat([out_prompt, out_completion]).unsqueeze(0)
 
 
+class PaddedCausalAttention:
+    """The standard layout's attention plan: every completion with its own prompt copy, right-padded
+    into ``[B, T]`` rows.
+
+    Padding sits after every real token of its row, so causal masking alone keeps real queries off
+    it (pad queries compute values nobody reads): no padding mask is built or inspected, which keeps
+    the baseline free of host syncs and on the fastest SDPA kernel. A layer with a sliding window
+    shorter than ``T`` gets the banded causal mask (``q - k < window``, as transformers builds it).
+    """
+
+    def __init__(self, length: int):
+        self.length = length
+
+    def __call__(self, module, query, key, value, *, scaling: float, sliding_window: int | None):
+        gqa = query.shape[1] != key.shape[1]
+        if sliding_window is None or self.length <= sliding_window:
+            out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=gqa)
+        else:
+            offsets = torch.arange(self.length, device=query.device)
+            distance = offsets[:, None] - offsets[None, :]
+            band = (distance >= 0) & (distance < sliding_window)
+            out = F.scaled_dot_product_attention(query, key, value, attn_mask=band, scale=scaling, enable_gqa=gqa)
+        return out.transpose(1, 2)
+
+
 def _split_prompt_completion(layout: PackedGroups, x_1HTD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``[1, H, T, D]`` -> flat ``[Np, H, D]`` prompt and ``[Nq, H, D]`` completion token views."""
     # split/squeeze rather than slicing/indexing: their backward is a cat/view, where a slice's
@@ -195,14 +220,18 @@ class _VarlenPart(NamedTuple):
     causal: bool
 
     def forward(self, q, k, v, scale):
-        out, lse = varlen_forward(q, k, v, *self._segments(), causal=self.causal, scale=scale)
+        out, lse = varlen_forward(q, k, v, *self._segments(), causal=self.causal, scale=scale, **self._lengths())
         return out, lse, None
 
     def backward(self, grad_out, q, k, v, out, lse, _residual, scale):
-        return varlen_backward(grad_out, q, k, v, out, lse, *self._segments(), causal=self.causal, scale=scale)
+        return varlen_backward(grad_out, q, k, v, out, lse, *self._segments(), causal=self.causal, scale=scale,
+                               **self._lengths())
 
     def _segments(self):
         return (self.queries.cu_seqlens, self.keys.cu_seqlens, self.queries.max_length, self.keys.max_length)
+
+    def _lengths(self):
+        return dict(lengths_q=self.queries.lengths, lengths_k=self.keys.lengths)
 
 
 def _padded_completion_parts(layout: PackedGroups, dtype: torch.dtype) -> tuple[_PaddedPart, _PaddedPart]:
