@@ -14,14 +14,11 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from turbogrpo.hook import lm_head_of, run_decoder
 from turbogrpo.prefix.backends import PaddedCausalAttention, select_backend
 from turbogrpo.prefix.layout import PackedGroups, pack_groups, split_per_completion, upload
-
-# Rows of (tokens x vocab) logits materialised at once: 2**24 floats = 64 MiB per chunk.
-LOGIT_CHUNK_ELEMENTS = 2 ** 24
+from turbogrpo.prefix.lm_head import token_logprobs
 
 
 @dataclass
@@ -110,70 +107,6 @@ def _standard_hidden(model, prompts, completions) -> torch.Tensor:
     position_ids, rows_t, cols_t = indices.split([length, num_tokens, num_tokens])
     hidden = run_decoder(model, input_ids, position_ids.expand(len(sequences), -1), PaddedCausalAttention(length))
     return hidden[rows_t, cols_t]
-
-
-def token_logprobs(hidden: torch.Tensor, lm_head: nn.Module, targets: torch.Tensor, temperature: float = 1.0,
-                   *, with_entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-probs ``[N]`` of ``targets`` and entropies ``[N]`` (None without ``with_entropy``) from
-    hidden states ``[N, Hd]``.
-
-    The LM head runs chunk by chunk under activation checkpointing, so the ``[N, V]`` logits are
-    never all in memory, in the forward or in the backward.
-    """
-    vocab = lm_head.weight.shape[0]
-    rows = max(1, LOGIT_CHUNK_ELEMENTS // vocab)
-    logps, entropies = [], []
-    for start in range(0, hidden.shape[0], rows):
-        h, t = hidden[start:start + rows], targets[start:start + rows]
-        if torch.is_grad_enabled() and h.requires_grad:
-            lp, ent = checkpoint(_chunk_logprobs, h, t, lm_head, temperature, with_entropy, use_reentrant=False)
-        else:
-            lp, ent = _chunk_logprobs(h, t, lm_head, temperature, with_entropy)
-        logps.append(lp)
-        entropies.append(ent)
-    return torch.cat(logps), torch.cat(entropies).detach() if with_entropy else None
-
-
-def _chunk_logprobs(hidden, targets, lm_head, temperature, with_entropy):
-    return TargetLogprobs.apply(lm_head(hidden), targets, temperature, with_entropy)
-
-
-class TargetLogprobs(torch.autograd.Function):
-    """``logits [n, V]`` -> (log-prob of ``targets [n]`` under ``softmax(logits / T)``, entropy or None).
-
-    Computed in float32 from the row log-sum-exps; the backward rebuilds the softmax from the saved
-    log-sum-exps in one pass, ``d logp_t / d z = onehot(t) - softmax(z)``, instead of keeping a full
-    ``[n, V]`` log-softmax for autograd and scattering the gather's gradient into a zero-filled one.
-    The entropy is a detached metric.
-    """
-
-    @staticmethod
-    def forward(ctx, logits, targets, temperature, with_entropy):
-        scaled = _scaled_logits(logits, temperature)
-        lse = torch.logsumexp(scaled, dim=-1)
-        logps = scaled.gather(-1, targets[:, None]).squeeze(-1) - lse
-        entropy = None
-        if with_entropy:  # H = lse - sum_v p_v z_v
-            entropy = lse - torch.linalg.vecdot(torch.exp(scaled - lse[:, None]), scaled)
-            ctx.mark_non_differentiable(entropy)
-        ctx.save_for_backward(logits, targets, lse)
-        ctx.temperature = temperature
-        return logps, entropy
-
-    @staticmethod
-    def backward(ctx, grad_logps, _grad_entropy):
-        logits, targets, lse = ctx.saved_tensors
-        grad = torch.exp(_scaled_logits(logits, ctx.temperature) - lse[:, None])
-        grad.mul_(-grad_logps[:, None])
-        grad.scatter_add_(-1, targets[:, None], grad_logps[:, None])
-        if ctx.temperature != 1.0:
-            grad.div_(ctx.temperature)
-        return grad.to(logits.dtype), None, None, None
-
-
-def _scaled_logits(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-    return logits if temperature == 1.0 else logits / temperature
 
 
 def validate_inputs(model: nn.Module, prompts, completions, temperature: float) -> None:
