@@ -84,7 +84,7 @@ def _shared_prefix_hidden(model, prompts, completions, backend_name) -> torch.Te
     """``[Nq, Hd]`` predictor hidden states from one packed forward with each prompt stored once."""
     layout: PackedGroups = pack_groups(prompts, completions)
     backend = select_backend(backend_name, layout.device, torch.is_grad_enabled())
-    hidden = run_decoder(model, layout.input_ids[None], layout.position_ids[None], backend(layout))
+    hidden = run_decoder(model, layout.input_ids[None], layout.position_ids[None], backend.plan(layout))
     return hidden[0, layout.predictor_index]
 
 
