@@ -29,6 +29,7 @@ from typing import ClassVar, NamedTuple
 import torch
 import torch.nn.functional as F
 
+from turbogrpo.prefix.compile import eager_plan
 from turbogrpo.prefix.kernels import (attention_backward, attention_forward, flash_varlen_available, merge_partials,
                                       varlen_backward, varlen_forward)
 from turbogrpo.prefix.layout import PackedGroups, PaddedIndex, VarlenSegments
@@ -52,9 +53,8 @@ def backend_names() -> tuple[str, ...]:
 
 
 def select_backend(name: str, device: torch.device, requires_grad: bool) -> PrefixAttention:
-    """Resolve a backend name, checking it can run here."""
-    if name == AUTO:
-        name = "flex" if device.type == "cuda" else "cascade"
+    """Resolve a registered backend name, checking it can run here ("auto" is resolved before this,
+    by ``turbogrpo.prefix.auto``)."""
     if name not in BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; choose one of {list(backend_names())}")
     backend = BACKENDS[name]
@@ -87,6 +87,7 @@ class PackPlan:
     def __init__(self, backend: PrefixAttention, layout: PackedGroups, block_mask=None):
         self.backend, self.layout, self.block_mask = backend, layout, block_mask
 
+    @eager_plan
     def __call__(self, module, query, key, value, *, scaling: float, sliding_window: int | None):
         if sliding_window is not None and self.layout.max_sequence_length > sliding_window:
             raise ValueError(
@@ -163,6 +164,7 @@ class PaddedCausalAttention:
     def __init__(self, length: int):
         self.length = length
 
+    @eager_plan
     def __call__(self, module, query, key, value, *, scaling: float, sliding_window: int | None):
         gqa = query.shape[1] != key.shape[1]
         if sliding_window is None or self.length <= sliding_window:
