@@ -31,6 +31,7 @@ from harness import (interleaved_medians, peak_rss_delta_mb, peak_rss_mb, print_
 
 import turbogrpo  # noqa: E402
 from turbogrpo.hook import lm_head_of, run_decoder  # noqa: E402
+from turbogrpo.prefix.cost import ModelDims, layout_flops  # noqa: E402
 
 SHAPES = [(1024, 128, 8), (2048, 256, 16), (256, 256, 4), (128, 512, 8)]
 BENCH_MODEL = dict(vocab_size=16384, hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
@@ -52,18 +53,8 @@ def make_batch(prompt_len: int, completion_len: int, group: int, seed: int = 0):
 
 def flop_ratio(prompt_len: int, completion_len: int, group: int) -> dict:
     """Forward FLOPs of standard and shared layouts (backward scales both alike)."""
-    c = BENCH_MODEL
-    hidden, inter, layers, vocab = c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"], c["vocab_size"]
-    kv_dim = hidden // c["num_attention_heads"] * c["num_key_value_heads"]
-    linear_per_token = 2 * layers * (2 * hidden * hidden + 2 * hidden * kv_dim + 3 * hidden * inter)
-    attention_per_pair = 4 * hidden * layers          # q.k and p.v for every (query, visible key)
-    lm_head = 2 * hidden * vocab * group * completion_len  # both only score completion tokens
-    P, S, G = prompt_len, completion_len, group
-    standard_pairs = G * (P + S) * (P + S + 1) // 2
-    shared_pairs = P * (P + 1) // 2 + G * (S * P + S * (S + 1) // 2)
-    standard = G * (P + S) * linear_per_token + standard_pairs * attention_per_pair + lm_head
-    shared = (P + G * S) * linear_per_token + shared_pairs * attention_per_pair + lm_head
-    return {"standard_gflop": standard / 1e9, "shared_gflop": shared / 1e9, "ratio": standard / shared}
+    flops = layout_flops(ModelDims.of(Qwen2Config(**BENCH_MODEL)), [prompt_len], [[completion_len] * group])
+    return {"standard_gflop": flops.standard / 1e9, "shared_gflop": flops.shared / 1e9, "ratio": flops.ratio}
 
 
 # ---------------------------------------------------------------- the three contenders

@@ -16,7 +16,8 @@ import torch
 from torch import nn
 
 from turbogrpo.hook import lm_head_of, run_decoder
-from turbogrpo.prefix.backends import PaddedCausalAttention, select_backend
+from turbogrpo.prefix.auto import STANDARD, choose_auto
+from turbogrpo.prefix.backends import AUTO, PaddedCausalAttention, select_backend
 from turbogrpo.prefix.layout import PackedGroups, pack_groups, split_per_completion, upload
 from turbogrpo.prefix.lm_head import token_logprobs
 
@@ -45,9 +46,12 @@ def completion_logprobs(model: nn.Module, prompts: list[torch.Tensor],
         completions: per group, a list of 1-D LongTensors ``[S_gi]`` (the group's G completions).
         share_prefix: run each prompt once for its whole group (True) or once per completion, the
             standard way (False; the baseline). Both give the same values and gradients.
-        backend: attention backend for the shared layout ("auto", "cascade", "varlen", "reference",
-            "flex"). "varlen" runs the cascade on unpadded cu_seqlens segments: flash-attention's
-            varlen kernel on CUDA (float16/bfloat16), a per-segment reference loop elsewhere.
+        backend: attention backend for the shared layout (one of ``turbogrpo.prefix.backend_names()``:
+            "auto", "cascade", "varlen", "reference", "flex"). "auto" picks the fastest for the device
+            and pack by a measured rule (``turbogrpo.prefix.auto``), which runs the standard layout
+            where sharing cannot pay (a prompt short against its completions); exact either way.
+            "varlen" runs the cascade on unpadded cu_seqlens segments: flash-attention's varlen
+            kernel on CUDA (float16/bfloat16), a per-segment reference loop elsewhere.
         temperature: log-probs of ``softmax(logits / temperature)``.
         return_hidden: also return the final hidden states ``[S_gi, Hd]`` that predict each token.
 
@@ -70,6 +74,10 @@ def compute_logprobs(model: nn.Module, prompts: list[torch.Tensor],
     """Like :func:`completion_logprobs` but returns flat tensors plus entropy (for the trainer)."""
     validate_inputs(model, prompts, completions, temperature)
     check_token_range(model, prompts, completions)
+    if share_prefix and backend == AUTO:
+        backend = choose_auto(model, [p.numel() for p in prompts], [[c.numel() for c in cs] for cs in completions],
+                              prompts[0].device, lm_head_of(model).weight.dtype, torch.is_grad_enabled())
+        share_prefix = backend != STANDARD
     if share_prefix:
         hidden = _shared_prefix_hidden(model, prompts, completions, backend)
     else:
