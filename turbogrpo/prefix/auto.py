@@ -14,6 +14,9 @@ A rule per device type, written down from measurements:
     path tied or won (0.94x-2.7x). Threshold 2.0, between the two measured points; re-measure
     with bench/gpu.py (part "prefix").
 
+* a model whose sliding window is shorter than the pack's longest sequence runs the standard
+  layout (the shared one implements full causal attention only).
+
 * which backend: the first of the device's list that can run the pack. CUDA: "varlen" (flash
   varlen, half precision; fastest of our backends at every shape of the issue-10 table), then
   "flex" (float32 too), then "cascade". CPU: "cascade" (fastest on the CPU bench; flex has no
@@ -50,6 +53,9 @@ def choose_auto(model, prompt_lengths, completion_lengths, device: torch.device,
                 requires_grad: bool) -> str:
     """``STANDARD`` or the name of the shared-prefix backend to run (lengths are host ints)."""
     rule = AUTO_RULES.get(device.type, _OTHER_DEVICES)
+    longest = max(p + max(ss) for p, ss in zip(prompt_lengths, completion_lengths))
+    if _sliding_window_applies(model.config, longest):
+        return STANDARD   # the shared layout implements full causal attention only
     if layout_flops(ModelDims.of(model), prompt_lengths, completion_lengths).ratio < rule.min_flop_ratio:
         return STANDARD
     for name in rule.backends:
@@ -58,3 +64,12 @@ def choose_auto(model, prompt_lengths, completion_lengths, device: torch.device,
         if BACKENDS[name].available(device, requires_grad):
             return name
     return "cascade"
+
+
+def _sliding_window_applies(config, longest: int) -> bool:
+    """Whether some layer of the model restricts attention to a window shorter than ``longest``."""
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    if window is None or longest <= window:
+        return False
+    return "sliding_attention" in layer_types if layer_types else getattr(config, "use_sliding_window", True)

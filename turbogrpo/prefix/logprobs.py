@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from turbogrpo.hook import lm_head_of, run_decoder
+from turbogrpo.hook import check_supported, lm_head_of, run_decoder
 from turbogrpo.prefix.auto import STANDARD, choose_auto
 from turbogrpo.prefix.backends import AUTO, PaddedCausalAttention, select_backend
 from turbogrpo.prefix.layout import PackedGroups, pack_groups, split_per_completion, upload
@@ -75,6 +75,7 @@ def compute_logprobs(model: nn.Module, prompts: list[torch.Tensor],
     validate_inputs(model, prompts, completions, temperature)
     check_token_range(model, prompts, completions)
     if share_prefix and backend == AUTO:
+        check_supported(model)   # before reading attention dimensions off its config
         backend = choose_auto(model, [p.numel() for p in prompts], [[c.numel() for c in cs] for cs in completions],
                               prompts[0].device, lm_head_of(model).weight.dtype, torch.is_grad_enabled())
         share_prefix = backend != STANDARD
