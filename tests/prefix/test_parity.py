@@ -42,18 +42,8 @@ def test_shared_prefix_matches_standard(arch, backend, dtype, pack):
             assert diff <= tol["grad_rel"] * ref.abs().max().clamp_min(1e-6), name
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the flash-attention varlen kernel needs CUDA")
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])
-def test_varlen_flash_matches_reference_on_cuda(dtype):
-    """The one path the CPU suite cannot reach: varlen's flash call, against the dense-mask reference."""
-    model = build_model("qwen2", dtype).cuda()
-    prompts, completions = random_groups(*PACKS["mixed"])
-    prompts, completions = [p.cuda() for p in prompts], [[c.cuda() for c in cs] for cs in completions]
-    ref_logps, ref_grads = logps_and_grads(model, prompts, completions, backend="reference")
-    logps, grads = logps_and_grads(model, prompts, completions, backend="varlen")
-    assert (logps - ref_logps).abs().max() <= 5e-2
-    for name, ref in ref_grads.items():
-        assert (grads[name] - ref).abs().max() <= 1e-1 * ref.abs().max().clamp_min(1e-3), name
+# Half precision (varlen's flash call, flex with gradients on CUDA) is checked against a float32
+# truth in test_precision.py: two half-precision paths compared with each other only measure noise.
 
 
 def test_temperature_and_hidden_match_standard(arch):
