@@ -4,7 +4,12 @@ Each decoder layer is compiled on its own (regional compilation: the layers shar
 compile time does not grow with depth), with dynamic shapes. Attention plans are not traced:
 :func:`eager_plan` makes them a graph break, so the compiled regions are the per-token parts around
 attention (norms, projections, rotary embedding, MLP, residuals) and packs of any shape reuse the
-same graphs. Off by default; see :func:`compile_decoder_layers` for what it measured.
+same graphs.
+
+Off by default (a setting for the trainer to expose, e.g. ``model.compile_layers``). Measured on the
+CPU (bench model, 1024/128/8, forward + backward, shared layout, one thread on a loaded 2-core
+machine): 1.19x per step once compiled, after a first call of 465 s of compiling. The standard
+layout and GPU speed are unmeasured; the launch-bound GPU forward is where it is expected to pay.
 """
 
 from __future__ import annotations

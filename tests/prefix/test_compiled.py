@@ -1,4 +1,5 @@
-"""The flex backend keeps its compiled kernels and reuses one graph for packs of any length."""
+"""Compiled paths: the flex backend keeps its kernels and one graph serves packs of any length; the
+optional compiled decoder layers change no value and no gradient."""
 
 import pytest
 import torch
@@ -52,3 +53,27 @@ def test_packs_of_other_lengths_reuse_the_compiled_graphs_and_one_mask_per_pack(
     assert compiler.num_graphs == graphs_after_first_pack
     # One block mask per pack, shared by the model's 2 layers.
     assert len(plans) == len(packs)
+
+
+@pytest.mark.slow  # ~20 s: dynamo traces one decoder layer
+def test_compiled_decoder_layers_give_the_same_logprobs_and_gradients_without_recompiling():
+    from tests.prefix.test_parity import logps_and_grads
+    from turbogrpo.prefix import compile_decoder_layers
+    torch._dynamo.reset()
+    compiler = CountingCompiler()
+    eager = build_model("qwen2", torch.float64)
+    compiled = compile_decoder_layers(build_model("qwen2", torch.float64), compiler=compiler)
+    for i, pack in enumerate(["mixed", "g5-equal-prompts"]):
+        prompts, completions = random_groups(*PACKS[pack])
+        ref_logps, ref_grads = logps_and_grads(eager, prompts, completions, backend="cascade")
+        logps, grads = logps_and_grads(compiled, prompts, completions, backend="cascade")
+        torch.testing.assert_close(logps, ref_logps, rtol=0, atol=1e-12)
+        for name, ref in ref_grads.items():
+            torch.testing.assert_close(grads[name], ref, rtol=0, atol=1e-12)
+        if i == 0:
+            graphs_after_first_pack = compiler.num_graphs
+    # The plan is a graph break: regions before and after attention, shared by both layers ...
+    assert graphs_after_first_pack > 0
+    # ... and a pack of another length (48 -> 32 tokens) compiles nothing new.
+    assert compiler.num_graphs == graphs_after_first_pack
+    torch._dynamo.reset()
