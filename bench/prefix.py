@@ -197,8 +197,7 @@ def main() -> None:
         # Written after every shape, so an interrupted run keeps what it measured.
         # The 1/5/15-minute load averages: a shared machine slows every contender, so compare ratios.
         write_results(results_name, {"load_average": os.getloadavg(), "model": BENCH_MODEL, "dtype": "float32",
-                                     "repeats": repeats,
-                                 "warmup": warmup, "shapes": records})
+                                     "repeats": repeats, "warmup": warmup, "shapes": records})
 
     print_table(
         "fwd+bwd seconds (median of %d), bench model float32 on CPU" % repeats,
