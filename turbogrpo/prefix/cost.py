@@ -33,8 +33,9 @@ class ModelDims:
     @property
     def linear_flops_per_token(self) -> int:
         q_dim, kv_dim = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        per_layer = self.hidden * q_dim + 2 * self.hidden * kv_dim + q_dim * self.hidden + 3 * self.hidden * self.intermediate
-        return 2 * self.num_layers * per_layer
+        attention = self.hidden * q_dim + 2 * self.hidden * kv_dim + q_dim * self.hidden   # q, k, v, o
+        mlp = 3 * self.hidden * self.intermediate                                          # gate, up, down
+        return 2 * self.num_layers * (attention + mlp)
 
     @property
     def attention_flops_per_pair(self) -> int:
@@ -65,6 +66,7 @@ def layout_flops(dims: ModelDims, prompt_lengths, completion_lengths) -> LayoutF
             shared_pairs += s * p + s * (s + 1) // 2
             completion_tokens += s
     lm_head = 2 * dims.hidden * dims.vocab * completion_tokens
-    return LayoutFlops(
-        standard=standard_tokens * dims.linear_flops_per_token + standard_pairs * dims.attention_flops_per_pair + lm_head,
-        shared=shared_tokens * dims.linear_flops_per_token + shared_pairs * dims.attention_flops_per_pair + lm_head)
+
+    def total(tokens: int, pairs: int) -> float:
+        return tokens * dims.linear_flops_per_token + pairs * dims.attention_flops_per_pair + lm_head
+    return LayoutFlops(standard=total(standard_tokens, standard_pairs), shared=total(shared_tokens, shared_pairs))
