@@ -7,10 +7,10 @@
 
 ``verify`` (lossless acceptance), ``tree`` (EAGLE-2 dynamic trees), ``draft`` (the draft head and
 its training), ``drafting`` (the draft's cache and forwards), ``policy``/``profiler`` (concurrency-
-aware tree sizing) and ``decode`` (the decoding loop built on the rollout engine).
+aware tree sizing) and ``decode`` (the tree step that the rollout engine's loop runs).
 """
 
-from turbogrpo.speculative.decode import Speculation, SpeculativeStats, generate_speculative, speculative_rollout
+from turbogrpo.speculative.decode import Speculation, SpeculativeStats, TreeStep, generate_speculative
 from turbogrpo.speculative.draft import (DraftConfig, DraftExample, DraftHead, DraftTrainConfig, draft_examples,
                                          train_draft)
 from turbogrpo.speculative.policy import SIZING_POLICIES, SizingPolicy, make_sizing
@@ -19,5 +19,4 @@ from turbogrpo.speculative.tree import TreeShape
 
 __all__ = ["DraftConfig", "DraftExample", "DraftHead", "DraftTrainConfig", "LatencyCurve", "LatencyProfile",
            "SIZING_POLICIES", "SizingPolicy", "Speculation", "SpeculativeStats", "TreeShape", "cached_profile",
-           "draft_examples", "generate_speculative", "make_sizing", "profile_latency", "speculative_rollout",
-           "train_draft"]
+           "TreeStep", "draft_examples", "generate_speculative", "make_sizing", "profile_latency", "train_draft"]
