@@ -58,6 +58,13 @@ def choose_auto(model, prompt_lengths, completion_lengths, device: torch.device,
         return STANDARD   # the shared layout implements full causal attention only
     if layout_flops(ModelDims.of(model), prompt_lengths, completion_lengths).ratio < rule.min_flop_ratio:
         return STANDARD
+    return fastest_shared_backend(device, dtype, requires_grad)
+
+
+def fastest_shared_backend(device: torch.device, dtype: torch.dtype, requires_grad: bool) -> str:
+    """The device rule's fastest shared-prefix backend that can run here (for callers that need the
+    shared layout itself, such as the draft's packed training batches)."""
+    rule = AUTO_RULES.get(device.type, _OTHER_DEVICES)
     for name in rule.backends:
         if name in rule.half_precision_only and dtype not in (torch.float16, torch.bfloat16):
             continue
