@@ -39,7 +39,11 @@ class ModelConfig:
     path: str = "demo"
     """Local folder or Hub name of a Hugging Face causal LM; "demo" is the shipped arithmetic model."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    """Parameter dtype; bfloat16 halves memory on GPU, float32 is the exact choice on CPU."""
+    """Compute dtype. bfloat16/float16: float32 master weights and AdamW state, forwards (rollout and
+    training) under torch.autocast; the fast choice on GPU. float32: the exact choice on CPU."""
+    pure_bf16: bool = False
+    """Store the parameters and AdamW state in bfloat16 too (needs dtype = "bfloat16"): 8 bytes less per
+    parameter, but updates under half of bf16's spacing round away (GRPO's small lr barely trains); warns."""
     device: str = "auto"
     """"auto" (cuda when present, else cpu), "cpu", "cuda" or "cuda:N"; under torchrun each rank uses its local GPU."""
     gradient_checkpointing: bool = False
@@ -51,6 +55,8 @@ class ModelConfig:
         _require(self.path != "", f"{key}.path", "a model folder, a Hub name or \"demo\"", self.path)
         _require(self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda"),
                  f"{key}.device", "\"auto\", \"cpu\", \"cuda\" or \"cuda:N\"", self.device)
+        _require(not self.pure_bf16 or self.dtype == "bfloat16", f"{key}.pure_bf16",
+                 "false, or true only with model.dtype = \"bfloat16\"", self.pure_bf16)
 
 
 @dataclass
@@ -190,6 +196,9 @@ class AlgoConfig:
     """Divide advantages by the reward std of the group, of the whole batch, or not at all (Dr. GRPO)."""
     num_iterations: int = 1
     """Policy updates per rollout; > 1 computes old-policy log-probs before the first update."""
+    tis_cap: float = 0.0
+    """Truncated importance sampling: weight each token's policy loss by min(pi_train / pi_rollout, tis_cap),
+    correcting the sampler-vs-trainer mismatch (bf16 kernels); 0 turns it off (verl/slime use 2)."""
 
     def check(self, key: str) -> None:
         from turbogrpo.algo import LOSSES  # the loss registry is the one source of allowed names
@@ -198,6 +207,8 @@ class AlgoConfig:
         _require(0.0 <= self.epsilon_low < 1.0, f"{key}.epsilon_low", "a number in [0, 1)", self.epsilon_low)
         _require(self.epsilon_high >= 0, f"{key}.epsilon_high", "a number >= 0", self.epsilon_high)
         _require(self.num_iterations >= 1, f"{key}.num_iterations", "an integer >= 1", self.num_iterations)
+        _require(self.tis_cap == 0 or self.tis_cap >= 1, f"{key}.tis_cap", "0 (off) or a number >= 1, e.g. 2",
+                 self.tis_cap)
 
 
 @dataclass
@@ -259,6 +270,8 @@ class TrainConfig:
     """Reward (a built-in or a [[rewards]] function) logged as "accuracy" and used to score held-out answers."""
     save_final_model: bool = True
     """Export the trained model with save_pretrained to output_dir/final."""
+    final_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """dtype of the exported weights; "auto" is model.dtype (a bfloat16 run exports bfloat16)."""
     num_threads: int = 0
     """CPU threads per process for torch (0: torch's default, one per core). Tiny models run fastest on 1."""
 

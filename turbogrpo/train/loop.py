@@ -94,7 +94,8 @@ def grpo_step(run: Run, step: int) -> dict[str, float]:
     examples = next(run.batches)[distributed.local_slice(config.train.prompts_per_step, dist)]
     prompts = [e.token_ids.to(dist.device) for e in examples]
 
-    with timer("rollout"), distributed.full_parameters(run.trainer):
+    # The rollout samples under the training forward's precision: the same bf16 weights and kernels' dtypes.
+    with timer("rollout"), distributed.full_parameters(run.trainer), run.precision.autocast():
         run.policy.eval()
         rollout = generate(run.policy, prompts, num_samples=num_samples, sampling=run.sampling,
                            seed=rollout_seed(config.train.seed, step, dist.rank))
@@ -107,7 +108,8 @@ def grpo_step(run: Run, step: int) -> dict[str, float]:
         advantages = group_advantages(all_rewards, [num_samples] * (all_rewards.numel() // num_samples),
                                       config.algo.scale_rewards)
         advantages = advantages[distributed.local_slice(all_rewards.numel(), dist)]
-    batch = StepBatch(prompts, rollout.tokens_per_group(), advantages)
+    batch = StepBatch(prompts, rollout.tokens_per_group(), advantages,
+                      rollout_logps=rollout.logprobs_per_group() if config.algo.tis_cap else None)
     normalizer = step_normalizer(batch, config, dist)  # totals of the whole batch, skipped groups included
     trained = trainable_groups(advantages, num_samples, config.algo.beta)
     batch = batch.groups(trained)
