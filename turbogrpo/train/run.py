@@ -4,6 +4,7 @@ steps: held-out evaluation, checkpoints, export of the final model.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -157,16 +158,13 @@ def export(run: Run) -> Path | None:
     path = Path(run.config.train.output_dir) / "final"
     state_dict = checkpoint.full_model_state(run.policy)  # collective under FSDP2: every rank calls it
     if run.dist.is_main:
-        dtype = resolve_dtype(run.config.model.dtype if run.config.train.final_dtype == "auto"
-                              else run.config.train.final_dtype)
-        state_dict = {name: t.to(dtype) if t.is_floating_point() else t
-                      for name, t in (state_dict or run.policy.state_dict()).items()}
-        stored_dtype = run.policy.config.dtype
-        run.policy.config.dtype = dtype  # what config.json declares, so dtype="auto" loads it as saved
-        try:
-            run.policy.save_pretrained(path, state_dict=state_dict)
-        finally:
-            run.policy.config.dtype = stored_dtype
+        name = run.config.model.dtype if run.config.train.final_dtype == "auto" else run.config.train.final_dtype
+        state_dict = {key: t.to(resolve_dtype(name)) if t.is_floating_point() else t
+                      for key, t in (state_dict or run.policy.state_dict()).items()}
+        run.policy.save_pretrained(path, state_dict=state_dict)
+        model_config = path / "config.json"  # (LoRA saves adapters only, with no config.json)
+        if model_config.is_file():  # save_pretrained records the float32 masters' dtype; dtype="auto" reads this
+            model_config.write_text(json.dumps({**json.loads(model_config.read_text()), "dtype": name}, indent=2))
         run.tokenizer.save_pretrained(path)
     run.dist.barrier()
     return path
