@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -25,7 +26,9 @@ def command(config: Path, sets: list[str], *flags: str) -> list[str]:
     return [sys.executable, "-m", "turbogrpo", "train", str(config), *flags, "--set", *sets]
 
 
-def test_sigkill_then_resume_equals_uninterrupted_run(tmp_path):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])  # bfloat16: float32 masters, bf16 autocast compute
+def test_sigkill_then_resume_equals_uninterrupted_run(tmp_path, dtype):
+    extra = {**EXTRA, "model.dtype": dtype}
     model_dir, rows = write_model(tmp_path / "model"), write_rows(tmp_path / "rows.jsonl")
     config = tmp_path / "run.toml"
     config.write_text("# everything is set on the command line\n")
@@ -33,7 +36,7 @@ def test_sigkill_then_resume_equals_uninterrupted_run(tmp_path):
            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
 
     killed_dir = tmp_path / "killed"
-    sets = overrides(model_dir, rows, killed_dir, **EXTRA)
+    sets = overrides(model_dir, rows, killed_dir, **extra)
     child = subprocess.Popen(command(config, sets), cwd=REPO, env=env, stdout=subprocess.PIPE,
                              stderr=subprocess.DEVNULL, text=True)
     for line in child.stdout:
@@ -51,11 +54,12 @@ def test_sigkill_then_resume_equals_uninterrupted_run(tmp_path):
     assert f"resumed from {killed_dir / 'step-'}" in resumed.stdout
 
     straight_dir = tmp_path / "straight"
-    train(load_config(None, overrides(model_dir, rows, straight_dir, **EXTRA)))  # in-process, one thread too
+    train(load_config(None, overrides(model_dir, rows, straight_dir, **extra)))  # in-process, one thread too
 
     final_killed = load_file(killed_dir / "step-000008" / "model.safetensors")
     final_straight = load_file(straight_dir / "step-000008" / "model.safetensors")
     assert final_killed.keys() == final_straight.keys()
+    assert {t.dtype for t in final_straight.values()} == {torch.float32}  # the masters, whatever computes
     for name in final_straight:
         assert torch.equal(final_killed[name], final_straight[name]), name
     optim_killed = load_file(killed_dir / "step-000008" / "optimizer.safetensors")
