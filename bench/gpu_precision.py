@@ -30,7 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from harness import interleaved_medians, machine_info, print_table  # noqa: E402
+from harness import interleaved_medians, machine_info, print_table, write_results  # noqa: E402
 
 from turbogrpo.algo import LOSSES, LossNormalizer, LossSettings  # noqa: E402
 from turbogrpo.models import tiny_model  # noqa: E402
@@ -90,7 +90,8 @@ class Mode:
         held = self.state_bytes()
         self.optimizer.zero_grad(set_to_none=True)
         if self.copy is not None:  # refresh the compute copy from the stepped masters
-            torch._foreach_copy_(list(self.copy.parameters()), list(self.master.parameters()))
+            with torch.no_grad():
+                torch._foreach_copy_(list(self.copy.parameters()), list(self.master.parameters()))
         return held
 
     def state_bytes(self) -> int:
@@ -184,7 +185,6 @@ def main() -> None:
     result = measure(device, args.repeats, args.budget)
     result["machine"] = machine_info()
     result["table"] = table(result)
-    from harness import write_results
     write_results(f"precision_{device.type}", result)
 
 
