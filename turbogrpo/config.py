@@ -40,7 +40,8 @@ class ModelConfig:
     """Local folder or Hub name of a Hugging Face causal LM; "demo" is the shipped arithmetic model."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Compute dtype. bfloat16/float16: float32 master weights and AdamW state, forwards (rollout and
-    training) under torch.autocast; the fast choice on GPU. float32: the exact choice on CPU."""
+    training) under torch.autocast; the fast choice on GPU (float16 has no loss scaling: prefer bfloat16).
+    float32: the exact choice on CPU, where bf16 matmuls without native support run several times slower."""
     pure_bf16: bool = False
     """Store the parameters and AdamW state in bfloat16 too (needs dtype = "bfloat16"): 8 bytes less per
     parameter, but updates under half of bf16's spacing round away (GRPO's small lr barely trains); warns."""
