@@ -18,7 +18,8 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/turbogrpo demo
+	# --overwrite: a second `make demo` starts anew; the earlier run moves to runs/demo.previous-<time>/
+	$(VENV)/bin/turbogrpo demo --overwrite
 
 test: $(STAMP)
 	# Idle OpenMP threads must not spin: on a busy 2-core machine spinning makes small ops 5-20x slower.

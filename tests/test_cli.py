@@ -59,6 +59,27 @@ def test_train_then_eval_the_exported_model(tmp_path, capsys):
     assert "held-out accuracy greedy 0.0%, sampled 0.0% (4 per problem, temperature 1) on 8 problems" in \
         capsys.readouterr().out
 
+    metrics = (tmp_path / "out" / "metrics.jsonl").read_text()
+    assert main(["train", str(config), "--set", *sets]) == 2  # a fresh run would mix with this one
+    assert capsys.readouterr().err.startswith(f"turbogrpo: error: train.output_dir '{tmp_path / 'out'}' already "
+                                              "holds files (")
+    assert main(["train", str(config), "--resume", "--set", *sets]) == 0
+    assert f"turbogrpo: the run in {tmp_path / 'out'} is complete (2 steps); nothing to do." in capsys.readouterr().out
+    assert (tmp_path / "out" / "metrics.jsonl").read_text() == metrics  # no second final evaluation
+
+
+@pytest.mark.parametrize("output_dir, problem", [
+    ("/dev/full", "'/dev/full' is a file, not a folder; choose a folder path"),
+    ("{tmp}/a_file/run", "cannot create folder '{tmp}/a_file/run' (Not a directory); choose a folder path you can "
+                         "write to"),
+])
+def test_an_output_dir_that_cannot_be_a_folder_is_one_line(tmp_path, capsys, output_dir, problem):
+    (tmp_path / "a_file").write_text("not a folder")
+    output_dir = output_dir.format(tmp=tmp_path)
+    assert main(["demo", "--set", f"train.output_dir=\"{output_dir}\""]) == 2
+    expected = f"turbogrpo: error: config key 'train.output_dir': {problem.format(tmp=tmp_path)}\n"
+    assert capsys.readouterr().err == expected
+
 
 def test_python_dash_m_runs_the_cli():
     result = subprocess.run([sys.executable, "-m", "turbogrpo", "train", "--help"], cwd=REPO, capture_output=True,

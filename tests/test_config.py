@@ -89,6 +89,16 @@ def test_overrides_apply_on_top_of_the_file(tmp_path):
     ("algo.tis_cap=0.5", "config key 'algo.tis_cap': 0.5 is not allowed; expected 0 (off) or a number >= 1"),
     ("train.final_dtype=int8", "config key 'train.final_dtype': 'int8' is not allowed; expected one of 'auto',"),
     ("optim", "override 'optim': expected the form key.sub=value"),
+    ("optim.lr=inf", "config key 'optim.lr': inf is not allowed; expected a finite number"),
+    ("algo.beta=inf", "config key 'algo.beta': inf is not allowed; expected a finite number"),
+    ("optim.lr=nan", "config key 'optim.lr': nan is not allowed; expected a finite number"),
+    ("rewards.0.weight=-inf", "config key 'rewards.0.weight': -inf is not allowed; expected a finite number"),
+    ("train.accuracy_reward=math_acuracy", "config key 'train.accuracy_reward': 'math_acuracy' is not allowed; "
+                                           "expected a reward's name (answer_format, math_accuracy, overlong_penalty)"),
+    ("model.logprob_backend=flash", "config key 'model.logprob_backend': 'flash' is not allowed; expected one of "
+                                    "auto, cascade,"),
+    ("train.reward_failure_limit=1.5", "config key 'train.reward_failure_limit': 1.5 is not allowed"),
+    ("data.on_empty=drop", "config key 'data.on_empty': 'drop' is not allowed; expected one of 'error', 'skip'"),
 ])
 def test_bad_values_name_the_key_and_what_is_allowed(override, message):
     with pytest.raises(ConfigError) as err:
@@ -109,6 +119,11 @@ def test_bad_files(tmp_path):
         load_config(write(tmp_path, "c.toml", "[rewards]\nfunction = 'math_accuracy'\n"))
     with pytest.raises(ConfigError, match="config key 'rewards': .* expected at least one"):
         load_config(write(tmp_path, "c.yaml", "rewards: []\n"))
+    latin1 = tmp_path / "latin1.toml"
+    latin1.write_bytes(b"[data]\nsystem_prompt = 'caf\xe9'\n")
+    with pytest.raises(ConfigError, match=r"config file '.*latin1.toml' line 2: not valid UTF-8 \(byte 0xe9\); save "
+                                          "it as UTF-8"):
+        load_config(latin1)
 
 
 def test_override_appends_to_a_list():
@@ -136,3 +151,23 @@ def test_unknown_reward_function_is_named():
 def test_file_data_needs_a_path():
     with pytest.raises(ConfigError, match="config key 'data.path': '' is not allowed"):
         load_config(None, ["data.kind=rows"])
+
+
+def test_accuracy_reward_may_name_a_configured_function_or_nothing():
+    c = load_config(None, ["rewards.0.function=pkg.mod:exact", "train.accuracy_reward=exact"])
+    assert c.train.accuracy_reward == "exact"
+    assert load_config(None, ["train.accuracy_reward=\"\""]).train.accuracy_reward == ""
+
+
+def test_every_registered_logprob_backend_is_accepted():
+    from turbogrpo.prefix.backends import BACKENDS
+    for name in ["auto", *BACKENDS]:
+        assert load_config(None, [f"model.logprob_backend={name}"]).model.logprob_backend == name
+
+
+def test_loss_settings_defaults_agree_with_the_config():
+    from turbogrpo.algo import LossSettings
+    from turbogrpo.config import AlgoConfig
+    algo, settings = AlgoConfig(), LossSettings()
+    assert (settings.epsilon_low, settings.epsilon_high, settings.beta) == (algo.epsilon_low, algo.epsilon_high,
+                                                                            algo.beta)

@@ -78,3 +78,29 @@ def test_demo_model_loads_with_auto_classes_and_writes_the_format():
     texts = tokenizer.batch_decode(out[:, batch["input_ids"].shape[1]:], skip_special_tokens=True)
     for text in texts:
         assert re.fullmatch(r" \d+[+-]\d+=\d+( \d+[+-]\d+=\d+)*\n#### \d+", text), text
+
+
+def test_truncated_weights_are_named_in_one_line(tmp_path):
+    from tests.train.tiny_run import write_model
+    folder = write_model(tmp_path / "model")
+    weights = folder / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:weights.stat().st_size // 2])
+    with pytest.raises(ValueError, match=rf"could not load model '{folder}': {weights} is truncated or corrupt \("
+                                         r".*\); copy or download the model again"):
+        load_model_and_tokenizer(folder)
+
+
+def test_a_hub_id_fails_at_once_when_the_hub_cannot_be_reached(monkeypatch):
+    import time
+
+    from huggingface_hub import constants
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")  # the discard port: refused at once
+    for proxy in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.delenv(proxy, raising=False)
+    start = time.perf_counter()
+    with pytest.raises(ValueError, match=r"model 'nobody-i12/no-such-model' is not a local folder, is not in the "
+                                         r"Hugging Face cache, and the Hub \(http://127.0.0.1:9\) cannot be reached; .*"
+                                         r"set HF_HUB_OFFLINE=1"):
+        load_model_and_tokenizer("nobody-i12/no-such-model")
+    assert time.perf_counter() - start < 10

@@ -102,3 +102,31 @@ def test_resolve_reward_by_import_path(tmp_path, monkeypatch):
         resolve_reward("accuracy")
     with pytest.raises(ValueError, match="bad options"):
         resolve_reward("answer_format", weight=2)
+
+
+@pytest.mark.parametrize("returned, message", [
+    ("1.0", "returned a string ('1.0'), not a list of 4 numbers (one per completion)"),
+    (3.0, "returned a float (3.0), not a list of 4 numbers (one per completion)"),
+    (None, "returned a NoneType (None), not a list of 4 numbers (one per completion)"),
+    ({"a": 1.0}, "returned a dict ({'a': 1.0}), not a list of 4 numbers (one per completion)"),
+])
+def test_a_reward_returning_no_list_says_what_it_returned(returned, message):
+    def reward(prompts, completions, **columns):
+        return returned
+
+    result = compute_rewards([reward], ["p"] * 4, ["a", "b", "c", "d"], fallback=-1.0)
+    assert result.first_error["reward"] == message
+    assert result.num_failed["reward"] == 4 and result.per_function["reward"].tolist() == [-1.0] * 4
+
+
+def test_a_reward_without_kwargs_is_told_to_accept_the_columns():
+    def strict(prompts, completions):
+        return [1.0] * len(completions)
+
+    result = compute_rewards([strict], ["p", "p"], ["a", "b"], {"answer": ["1", "2"]})
+    assert result.num_failed["strict"] == 2
+    assert result.first_error["strict"].startswith(
+        "cannot be called as f(prompts, completions, **columns) with columns ['answer'] (got an unexpected keyword "
+        "argument 'answer'); give it a **columns (or **kwargs) parameter")
+    # Without columns it is called as usual.
+    assert compute_rewards([strict], ["p"], ["a"]).per_function["strict"].tolist() == [1.0]

@@ -1,7 +1,8 @@
 """Command line: ``turbogrpo train | demo | eval``.
 
-    turbogrpo train CONFIG [--set key.sub=value ...] [--resume]
-    turbogrpo demo [--set key.sub=value ...]          GRPO on the built-in arithmetic task, ~5 min on 2 CPU cores
+    turbogrpo train CONFIG [--set key.sub=value ...] [--resume | --overwrite]
+    turbogrpo demo [--set key.sub=value ...] [--resume | --overwrite]   GRPO on the built-in arithmetic task,
+                                                      ~5 min on 2 CPU cores
     turbogrpo eval [CONFIG] [--model PATH] [--set ...]  held-out greedy accuracy of a model
 
 Configs are TOML or YAML (see configs/); every key is checked before any work starts.
@@ -54,12 +55,11 @@ def main(argv: list[str] | None = None) -> int:
     train_cmd = commands.add_parser("train", help="run GRPO as a config file says")
     train_cmd.add_argument("config", help="a .toml or .yaml config file")
     _add_overrides(train_cmd)
-    train_cmd.add_argument("--resume", action="store_true",
-                           help="continue from the latest checkpoint in train.output_dir")
+    _add_run_flags(train_cmd, "continue from the latest checkpoint in train.output_dir")
 
     demo_cmd = commands.add_parser("demo", help="GRPO on the built-in arithmetic task with the shipped model")
     _add_overrides(demo_cmd)
-    demo_cmd.add_argument("--resume", action="store_true", help="continue an interrupted demo")
+    _add_run_flags(demo_cmd, "continue an interrupted demo")
 
     eval_cmd = commands.add_parser("eval", help="held-out greedy accuracy of a model")
     eval_cmd.add_argument("config", nargs="?", help="config file (default: the demo's)")
@@ -73,13 +73,24 @@ def main(argv: list[str] | None = None) -> int:
         if hasattr(args, "run"):
             return args.run(args)
         if args.command == "train":
-            return _train(load_config(args.config, overrides), args.resume)
+            return _train(load_config(args.config, overrides), args, f"turbogrpo train {args.config}")
         if args.command == "demo":
-            return _train(demo_config(overrides), args.resume, demo=True)
+            return _train(demo_config(overrides), args, "turbogrpo demo", demo=True)
         return _eval(args, overrides)
     except (ConfigError, ValueError) as err:
         print(f"turbogrpo: error: {err}", file=sys.stderr)
         return 2
+    except OSError as err:  # the machine's, not the config's: a full disk, a vanished folder ...
+        where = f" ({err.filename})" if err.filename else ""
+        print(f"turbogrpo: error: {err.strerror or err}{where}", file=sys.stderr)
+        return 1
+
+
+def _add_run_flags(cmd: argparse.ArgumentParser, resume_help: str) -> None:
+    flags = cmd.add_mutually_exclusive_group()
+    flags.add_argument("--resume", action="store_true", help=resume_help)
+    flags.add_argument("--overwrite", action="store_true",
+                       help="start anew in a used train.output_dir, moving its files aside (nothing is deleted)")
 
 
 def _add_overrides(cmd: argparse.ArgumentParser) -> None:
@@ -87,15 +98,29 @@ def _add_overrides(cmd: argparse.ArgumentParser) -> None:
                      help="override config keys, e.g. --set optim.lr=1e-5 train.num_steps=20")
 
 
-def _train(config: Config, resume: bool, demo: bool = False) -> int:
+def _train(config: Config, args: argparse.Namespace, command: str, demo: bool = False) -> int:
     from turbogrpo.train.loop import TrainingDiverged, train
+    from turbogrpo.train.run import TrainingInterrupted
 
     _quiet_transformers()
+    same_options = " (with the same --set options)" if getattr(args, "set", None) else ""
     try:
-        summary = train(config, resume=resume)
+        summary = train(config, resume=args.resume, overwrite=args.overwrite)
     except TrainingDiverged as err:
         print(f"turbogrpo: {err}", file=sys.stderr)
         return 1
+    except TrainingInterrupted as stop:
+        if stop.checkpoint is None:
+            print(f"turbogrpo: interrupted at step {stop.step}, before the first checkpoint; start again with "
+                  f"`{command} --overwrite`{same_options}", file=sys.stderr)
+        else:
+            print(f"turbogrpo: interrupted at step {stop.step}; continue with `{command} --resume`{same_options} "
+                  f"(from {stop.checkpoint})", file=sys.stderr)
+        return 130
+    if summary.already_complete:
+        print(f"turbogrpo: the run in {summary.output_dir} is complete ({summary.steps} steps); nothing to do. "
+              "To train longer, raise train.num_steps and --resume.")
+        return 0
     if summary.evals:
         before, after = summary.evals[0], summary.evals[-1]
         print(f"held-out accuracy, greedy: {before['accuracy']:.1%} (step {before['step']}) -> "
@@ -126,7 +151,7 @@ def _eval(args: argparse.Namespace, overrides: list[str]) -> int:
     try:
         model, tokenizer = setup.load_policy(config, dist.device)
         accuracy_reward = setup.accuracy_function(config, rewards)
-        examples = setup.load_eval_prompts(config, tokenizer)
+        examples = setup.load_eval_prompts(config, tokenizer, setup.position_limit(model))
         if not examples or accuracy_reward is None:
             raise ValueError("nothing to evaluate: set data.eval_path (or use data.kind = \"arithmetic\") and "
                              "train.accuracy_reward")
@@ -135,11 +160,13 @@ def _eval(args: argparse.Namespace, overrides: list[str]) -> int:
         sampling = setup.sampling_config(config.rollout, setup.stop_token_ids(model, tokenizer), tokenizer)
         start = time.perf_counter()
         with torch.no_grad(), setup.precision(config, dist.device).autocast():  # as the training run computed
-            accuracy = evaluate_accuracy(model, tokenizer, examples, accuracy_reward, greedy, dist)
+            accuracy = _scored(evaluate_accuracy(model, tokenizer, examples, accuracy_reward, greedy, dist),
+                               accuracy_reward.name)
             sampled = None
             if config.data.num_eval_samples:
-                sampled = evaluate_accuracy(model, tokenizer, examples, accuracy_reward, sampling, dist,
-                                            num_samples=config.data.num_eval_samples, seed=config.train.seed + 7_919)
+                sampled = _scored(evaluate_accuracy(model, tokenizer, examples, accuracy_reward, sampling, dist,
+                                                    num_samples=config.data.num_eval_samples,
+                                                    seed=config.train.seed + 7_919), accuracy_reward.name)
         if dist.is_main:
             extra = (f", sampled {sampled:.1%} ({config.data.num_eval_samples} per problem, temperature "
                      f"{config.rollout.temperature:g})" if sampled is not None else "")
@@ -148,6 +175,17 @@ def _eval(args: argparse.Namespace, overrides: list[str]) -> int:
     finally:
         distributed.teardown(dist)
     return 0
+
+
+def _scored(measured, reward_name: str) -> float:
+    """The accuracy of a HeldOutAccuracy; a reward that failed on every answer is an error, not 0%."""
+    if measured.accuracy is None:
+        raise ValueError(f"no held-out accuracy: {measured.describe_failures(reward_name)}; check "
+                         "train.accuracy_reward and the columns of the held-out rows it reads")
+    if measured.num_failed:
+        print(f"warning: {measured.describe_failures(reward_name)}; the accuracy counts only the "
+              f"{measured.num_scored} it scored", file=sys.stderr)
+    return measured.accuracy
 
 
 def _toml_string(text: str) -> str:

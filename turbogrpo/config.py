@@ -53,7 +53,10 @@ class ModelConfig:
     """Attention backend of the shared-prefix forward ("auto" picks the fastest exact one)."""
 
     def check(self, key: str) -> None:
+        from turbogrpo.prefix.backends import BACKENDS  # the backend registry is the one source of names
         _require(self.path != "", f"{key}.path", "a model folder, a Hub name or \"demo\"", self.path)
+        _require(self.logprob_backend == "auto" or self.logprob_backend in BACKENDS, f"{key}.logprob_backend",
+                 f"one of {', '.join(['auto', *sorted(BACKENDS)])}", self.logprob_backend)
         _require(self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda"),
                  f"{key}.device", "\"auto\", \"cpu\", \"cuda\" or \"cuda:N\"", self.device)
         _require(not self.pure_bf16 or self.dtype == "bfloat16", f"{key}.pure_bf16",
@@ -106,7 +109,9 @@ class DataConfig:
     max_prompt_tokens: int = 1024
     """Prompts longer than this are skipped and counted (or rejected, see `on_overlong`)."""
     on_overlong: Literal["skip", "error"] = "skip"
-    """What to do with a prompt over `max_prompt_tokens`."""
+    """What to do with a prompt over `max_prompt_tokens` (or too long for the model with `rollout.max_new_tokens`)."""
+    on_empty: Literal["error", "skip"] = "error"
+    """What to do with a row whose prompt is missing or blank: stop with its row number, or skip and count it."""
     shuffle: bool = True
     """Shuffle prompts each epoch (seeded by train.seed, so runs stay reproducible)."""
     num_train_problems: int = 2000
@@ -268,7 +273,11 @@ class TrainConfig:
     eval_every: int = 0
     """Greedy accuracy on the held-out set every N steps (0: only before and after training)."""
     accuracy_reward: str = "math_accuracy"
-    """Reward (a built-in or a [[rewards]] function) logged as "accuracy" and used to score held-out answers."""
+    """Reward (a built-in or a [[rewards]] function) logged as "accuracy" and used to score held-out answers;
+    "" for none (no held-out evaluation)."""
+    reward_failure_limit: float = 1.0
+    """Stop the run when one reward function fails on at least this fraction of a step's completions
+    (1: only when it fails on every one; 0: never stop). Failures always get the fallback and are logged."""
     save_final_model: bool = True
     """Export the trained model with save_pretrained to output_dir/final."""
     final_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
@@ -291,6 +300,8 @@ class TrainConfig:
         _require(self.eval_every >= 0, f"{key}.eval_every", "an integer >= 0", self.eval_every)
         _require(self.num_threads >= 0, f"{key}.num_threads", "an integer >= 0 (0: torch's default)",
                  self.num_threads)
+        _require(0.0 <= self.reward_failure_limit <= 1.0, f"{key}.reward_failure_limit",
+                 "a fraction in [0, 1] (0: never stop)", self.reward_failure_limit)
 
 
 @dataclass
@@ -340,7 +351,13 @@ class Config:
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
 
     def check(self, key: str) -> None:
+        from turbogrpo.rewards import BUILTIN_REWARDS
         _require(len(self.rewards) >= 1, "rewards", "at least one [[rewards]] entry", self.rewards)
+        named = [r.function.rpartition(":")[2] for r in self.rewards]
+        known = sorted({*named, *BUILTIN_REWARDS})
+        _require(self.train.accuracy_reward in ("", *known), "train.accuracy_reward",
+                 f"a reward's name ({', '.join(known)}) or \"\" for no held-out evaluation",
+                 self.train.accuracy_reward)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -366,7 +383,12 @@ def read_config_file(path: str | Path) -> dict:
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file {str(path)!r} does not exist")
-    text = path.read_text()
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        line = path.read_bytes()[:err.start].count(b"\n") + 1
+        raise ConfigError(f"config file {str(path)!r} line {line}: not valid UTF-8 "
+                          f"(byte 0x{err.object[err.start]:02x}); save it as UTF-8") from None
     if path.suffix == ".toml":
         try:
             data = tomllib.loads(text)
@@ -499,6 +521,8 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
                 pass
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"config key {key!r}: expected a number, got {_describe(value)}")
+        if not math.isfinite(value):
+            raise ConfigError(f"config key {key!r}: {value!r} is not allowed; expected a finite number")
         return float(value)
     if hint is str:
         if not isinstance(value, str):

@@ -8,10 +8,13 @@ from __future__ import annotations
 import json
 import os
 import re
+import socket
 from pathlib import Path
 from typing import NamedTuple
+from urllib.parse import urlparse
 
 import torch
+from safetensors import SafetensorError, safe_open
 from transformers import (AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, MistralConfig,
                           MistralForCausalLM, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase,
                           PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
@@ -57,8 +60,9 @@ def load_model_and_tokenizer(name_or_path: str | os.PathLike, *, dtype: str | to
     """A causal LM and its tokenizer from a local folder (``save_pretrained`` layout) or a Hub name.
 
     The tokenizer gets a pad token (its eos token) if it has none, because batched rollouts pad.
-    A name that is not an existing folder but looks like a Hub id ("owner/name") is tried on the Hub,
-    which takes a while to fail when offline (set HF_HUB_OFFLINE=1 to fail at once).
+    A name that is not an existing folder but looks like a Hub id ("owner/name") is tried on the Hub;
+    when the Hub cannot be reached it comes from the local Hugging Face cache or fails at once (no
+    minute of retries). Damaged weight files are named in a one-line ValueError.
     """
     torch_dtype = resolve_dtype(dtype)
     source = str(name_or_path)
@@ -71,12 +75,16 @@ def load_model_and_tokenizer(name_or_path: str | os.PathLike, *, dtype: str | to
     elif not _HUB_ID.match(source) or local.suffix in {".json", ".safetensors", ".bin"}:
         raise ValueError(f"model path {source!r} is not an existing folder; pass a folder written by "
                          "save_pretrained (with config.json and the weights) or a Hub name like 'owner/name'")
+    hub_options = {} if local.is_dir() else _hub_options(source)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(source)
+        tokenizer = AutoTokenizer.from_pretrained(source, **hub_options)
         if local.is_dir():
             tokenizer = _declared_tokenizer(local, tokenizer)
         model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype,
-                                                     attn_implementation=attn_implementation)
+                                                     attn_implementation=attn_implementation, **hub_options)
+    except SafetensorError as err:
+        raise ValueError(f"could not load model {source!r}: {_damaged_weights(local) or 'a weight file'} is "
+                         f"truncated or corrupt ({err}); copy or download the model again") from None
     except OSError as err:
         problem = (f"folder {source!r} is not a complete save_pretrained folder (config.json, weights and "
                    "tokenizer files)" if local.is_dir() else
@@ -91,6 +99,44 @@ def load_model_and_tokenizer(name_or_path: str | os.PathLike, *, dtype: str | to
     if device is not None:
         model = model.to(device)
     return model, tokenizer
+
+
+def _hub_options(name: str, timeout_s: float = 3.0) -> dict:
+    """from_pretrained options for Hub id ``name``: none when the Hub answers (or HF_HUB_OFFLINE is set,
+    which already fails at once), ``local_files_only`` when it does not but the model is cached; else
+    a ValueError at once instead of a minute of retries."""
+    from huggingface_hub import constants, try_to_load_from_cache
+    if constants.HF_HUB_OFFLINE or _reachable(constants.ENDPOINT, timeout_s):
+        return {}
+    if isinstance(try_to_load_from_cache(name, "config.json"), str):
+        return {"local_files_only": True}
+    raise ValueError(f"model {name!r} is not a local folder, is not in the Hugging Face cache, and the Hub "
+                     f"({constants.ENDPOINT}) cannot be reached; download it on a connected machine and pass its "
+                     "folder (offline, set HF_HUB_OFFLINE=1 so Hub lookups fail at once)")
+
+
+def _reachable(url: str, timeout_s: float) -> bool:
+    """Whether a TCP connection to ``url``'s host opens (a proxy is trusted to reach it)."""
+    if any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+        return True
+    parsed = urlparse(url)
+    try:
+        socket.create_connection((parsed.hostname, parsed.port or (443 if parsed.scheme == "https" else 80)),
+                                 timeout=timeout_s).close()
+    except OSError:
+        return False
+    return True
+
+
+def _damaged_weights(folder: Path) -> str | None:
+    """The first safetensors file in ``folder`` whose header does not cover the file, or None."""
+    for path in sorted(folder.glob("*.safetensors")) if folder.is_dir() else ():
+        try:
+            with safe_open(str(path), framework="pt"):
+                pass
+        except SafetensorError:
+            return str(path)
+    return None
 
 
 # Tokenizer classes that mean "the folder's own tokenizer.json, as it is".

@@ -22,7 +22,7 @@ import inspect
 import math
 import re
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
@@ -205,12 +205,14 @@ class RewardResult:
     total: float32 [N], the weighted sum over functions.
     num_failed: name -> how many of the N items got the fallback.
     first_error: name -> the first failure's message, or None.
+    failed: name -> bool [N], the items that got the fallback.
     """
 
     per_function: dict[str, torch.Tensor]
     total: torch.Tensor
     num_failed: dict[str, int]
     first_error: dict[str, str | None]
+    failed: dict[str, torch.Tensor]
 
 
 def _reward_name(func: Callable) -> str:
@@ -235,27 +237,57 @@ def as_weighted(rewards: Sequence[WeightedReward | tuple[RewardFn, float] | Rewa
     return weighted
 
 
-def _run_one(func: RewardFn, prompts, completions, columns, fallback: float):
-    """(values [N] with fallbacks filled, number of failed items, first error message or None)."""
-    n = len(completions)
+def _call_problem(func: RewardFn, prompts, completions, columns) -> str | None:
+    """Why ``func(prompts, completions, **columns)`` cannot be called, or None (checked before calling,
+    so that a missing ``**columns`` is reported as such, not as whatever TypeError the call raises)."""
     try:
-        raw = list(func(prompts, completions, **columns))
-    except Exception as err:  # a broken reward must not stop training; it is counted and reported
-        return [fallback] * n, n, f"{type(err).__name__}: {err}"
-    if len(raw) != n:
-        return [fallback] * n, n, f"returned {len(raw)} values for {n} completions"
-    values, num_failed, first_error = [], 0, None
+        signature = inspect.signature(func)
+    except (TypeError, ValueError):  # some builtins have no signature; just call them
+        return None
+    try:
+        signature.bind(prompts, completions, **columns)
+    except TypeError as err:
+        return (f"cannot be called as f(prompts, completions, **columns) with columns {sorted(columns)} ({err}); "
+                "give it a **columns (or **kwargs) parameter to accept the columns it does not use")
+    return None
+
+
+def _not_a_list(result: Any, n: int) -> str | None:
+    """Why ``result`` is not one value per completion, or None."""
+    if isinstance(result, (str, bytes)):
+        return f"returned a string ({result[:60]!r}), not a list of {n} numbers (one per completion)"
+    if isinstance(result, Mapping) or not isinstance(result, Iterable):
+        return f"returned a {type(result).__name__} ({result!r:.60}), not a list of {n} numbers (one per completion)"
+    return None
+
+
+def _run_one(func: RewardFn, prompts, completions, columns, fallback: float):
+    """(values [N] with fallbacks filled, which items failed [N], first error message or None)."""
+    n = len(completions)
+    problem = _call_problem(func, prompts, completions, columns)
+    if problem is None:
+        try:
+            result = func(prompts, completions, **columns)
+            problem = _not_a_list(result, n)
+            raw = [] if problem else list(result)
+        except Exception as err:  # a broken reward must not stop training; it is counted and reported
+            problem = f"{type(err).__name__}: {err}"
+    if problem is None and len(raw) != n:
+        problem = f"returned {len(raw)} values for {n} completions"
+    if problem is not None:
+        return [fallback] * n, [True] * n, problem
+    values, failed, first_error = [], [], None
     for i, value in enumerate(raw):
         try:
             number = float(value) if value is not None else math.nan
         except (TypeError, ValueError):
             number = math.nan
-        if not math.isfinite(number):
-            num_failed += 1
+        failed.append(not math.isfinite(number))
+        if failed[-1]:
             first_error = first_error or f"item {i}: returned {value!r}"
             number = fallback
         values.append(number)
-    return values, num_failed, first_error
+    return values, failed, first_error
 
 
 def compute_rewards(rewards: Sequence[WeightedReward | tuple[RewardFn, float] | RewardFn],
@@ -274,10 +306,11 @@ def compute_rewards(rewards: Sequence[WeightedReward | tuple[RewardFn, float] | 
             raise ValueError(f"column {name!r} has {len(values)} values for {n} completions")
     weighted = as_weighted(rewards)
     total = torch.zeros(n, dtype=torch.float32)
-    per_function, num_failed, first_error = {}, {}, {}
+    per_function, num_failed, first_error, failed_items = {}, {}, {}, {}
     for reward in weighted:
         values, failed, error = _run_one(reward.func, list(prompts), list(completions), columns, fallback)
         per_function[reward.name] = torch.tensor(values, dtype=torch.float32)
         total += reward.weight * per_function[reward.name]
-        num_failed[reward.name], first_error[reward.name] = failed, error
-    return RewardResult(per_function, total, num_failed, first_error)
+        failed_items[reward.name] = torch.tensor(failed, dtype=torch.bool)
+        num_failed[reward.name], first_error[reward.name] = sum(failed), error
+    return RewardResult(per_function, total, num_failed, first_error, failed_items)

@@ -56,3 +56,25 @@ def test_bad_settings_name_the_field(byte_tokenizer):
         build_prompts(ROWS, byte_tokenizer, on_too_long="truncate")
     with pytest.raises(ValueError, match="must be a string or a list"):
         build_prompts([{"prompt": 3}], byte_tokenizer)
+
+
+def test_prompts_too_long_for_the_model_follow_the_overlong_rule(byte_tokenizer):
+    lengths = [len(byte_tokenizer(r["prompt"])["input_ids"]) for r in ROWS]
+    max_positions = lengths[0] + 4  # room for the short prompt and 4 new tokens, not for the long one
+    result = build_prompts(ROWS, byte_tokenizer, max_positions=max_positions, max_new_tokens=4)
+    assert [e.index for e in result.examples] == [0] and result.num_too_long == 1
+    assert build_prompts(ROWS, byte_tokenizer, max_positions=max_positions, max_new_tokens=5).num_too_long == 2
+    with pytest.raises(ValueError, match=rf"row 1: prompt has {lengths[1]} tokens, which with max_new_tokens=4 is "
+                                         rf"more than the model's {max_positions} positions "
+                                         r"\(max_position_embeddings\); "
+                                         r"to skip such rows set the config key data.on_overlong = \"skip\""):
+        build_prompts(ROWS, byte_tokenizer, max_positions=max_positions, max_new_tokens=4, on_too_long="error")
+
+
+def test_the_empty_prompt_advice_names_a_real_config_key(byte_tokenizer):
+    from turbogrpo.config import load_config
+    key = 'data.on_empty = "skip"'
+    with pytest.raises(ValueError, match=f"row 0: prompt column 'prompt' is empty; to skip such rows set the config "
+                                         f"key {key}"):
+        build_prompts([{"prompt": " "}], byte_tokenizer)
+    assert load_config(None, [key.replace(" ", "")]).data.on_empty == "skip"

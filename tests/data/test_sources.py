@@ -52,3 +52,11 @@ def test_bad_paths(tmp_path):
     (tmp_path / "folder").mkdir()
     with pytest.raises(ValueError, match="save_to_disk"):
         read_records(tmp_path / "folder")
+
+
+def test_non_utf8_jsonl_names_the_file_and_line(tmp_path):
+    path = tmp_path / "latin1.jsonl"
+    path.write_bytes(b'{"prompt": "ok"}\n{"prompt": "caf\xe9"}\n')
+    with pytest.raises(ValueError, match=rf"{path} line 2: not valid UTF-8 \(byte 0xe9 at column 16\); save the file "
+                                         "as UTF-8"):
+        read_records(path)

@@ -1,5 +1,6 @@
 """Checkpoints: safetensors + JSON round trip (no pickle), atomic replacement, pruning."""
 
+import errno
 import json
 import random
 
@@ -107,3 +108,66 @@ def test_resume_with_another_world_size_is_refused(tmp_path):
     (path / "state.json").write_text(json.dumps(state))
     with pytest.raises(ValueError, match="written by 2 processes"):
         ckpt.load_checkpoint(path, model, optimizer, SINGLE)
+
+
+def test_pruning_keeps_checkpoints_that_are_not_this_runs(tmp_path):
+    model, optimizer = trained_pair()
+    later = ckpt.save_checkpoint(tmp_path, 7, model, optimizer, {}, SINGLE)  # e.g. left by a resumed-from-5 run
+    for step in range(1, 4):
+        ckpt.save_checkpoint(tmp_path, step, model, optimizer, {}, SINGLE, keep=2)
+    assert sorted(p.name for p in tmp_path.glob("step-*")) == ["step-000002", "step-000003", later.name]
+    assert (tmp_path / "latest").read_text() == "step-000003"
+    assert ckpt.latest_checkpoint(tmp_path) == tmp_path / "step-000003"  # not the later one
+
+
+def truncate(path):
+    path.write_bytes(path.read_bytes()[:len(path.read_bytes()) // 2])
+
+
+@pytest.mark.parametrize("damage, bad_file, problem", [
+    (truncate, "model.safetensors", "is missing, truncated or corrupt"),
+    (truncate, "optimizer.safetensors", "is missing, truncated or corrupt"),
+    (truncate, "state.json", "is truncated or corrupt"),
+    (lambda path: path.write_text(""), "rng-rank0.json", "is truncated or corrupt"),
+    (lambda path: path.unlink(), "rng-rank0.safetensors", "is missing, truncated or corrupt"),
+])
+def test_a_damaged_latest_checkpoint_is_named_and_the_previous_one_used(tmp_path, damage, bad_file, problem):
+    model, optimizer = trained_pair()
+    first = ckpt.save_checkpoint(tmp_path, 1, model, optimizer, {}, SINGLE)
+    second = ckpt.save_checkpoint(tmp_path, 2, model, optimizer, {}, SINGLE)
+    assert ckpt.checkpoint_problem(second) is None
+    damage(second / bad_file)
+    notices = []
+    assert ckpt.latest_checkpoint(tmp_path, notice=notices.append) == first
+    assert len(notices) == 1
+    assert notices[0].startswith(f"checkpoint {second} is unusable: {second / bad_file} {problem} (")
+    assert notices[0].endswith("); trying the one before it")
+    assert ckpt.checkpoint_problem(second).startswith(f"{second / bad_file} {problem}")
+    ckpt.load_checkpoint(first, model, optimizer, SINGLE)  # the fallback loads
+
+
+def test_non_finite_weights_are_never_saved(tmp_path):
+    model, optimizer = trained_pair()
+    first = ckpt.save_checkpoint(tmp_path, 1, model, optimizer, {}, SINGLE)
+    with torch.no_grad():
+        model.model.norm.weight[0] = float("inf")
+    with pytest.raises(ckpt.CheckpointError, match=r"not saving checkpoint .*step-000002: the weights are not finite "
+                                                    r"\(inf/NaN in model.norm.weight\); the previous checkpoint "
+                                                    r".*step-000001 and the `latest` pointer are intact"):
+        ckpt.save_checkpoint(tmp_path, 2, model, optimizer, {}, SINGLE)
+    assert not (tmp_path / "step-000002").exists() and ckpt.latest_checkpoint(tmp_path) == first
+
+
+def test_a_full_disk_during_a_checkpoint_says_the_previous_one_is_intact(tmp_path, monkeypatch):
+    model, optimizer = trained_pair()
+    first = ckpt.save_checkpoint(tmp_path, 1, model, optimizer, {}, SINGLE)
+
+    def disk_full(tensors, path):
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    monkeypatch.setattr(ckpt, "_save_tensors", disk_full)
+    with pytest.raises(ckpt.CheckpointError, match=r"could not write checkpoint .*step-000002 \(No space left on "
+                                                    r"device: .*rng-rank0.safetensors\); the previous checkpoint "
+                                                    r".*step-000001 and the `latest` pointer are intact. Free space"):
+        ckpt.save_checkpoint(tmp_path, 2, model, optimizer, {}, SINGLE)
+    assert not (tmp_path / ".tmp-step-000002").exists() and ckpt.latest_checkpoint(tmp_path) == first

@@ -12,6 +12,7 @@ from turbogrpo.config import load_config
 from turbogrpo.train import loop
 from turbogrpo.train.loop import TrainingDiverged, train
 from turbogrpo.train.metrics import read_metrics
+from turbogrpo.train.run import RewardFailure
 
 from .tiny_run import overrides, write_model, write_rows
 
@@ -56,10 +57,15 @@ def test_short_training_writes_metrics_checkpoints_report_and_final_model(assets
         assert torch.equal(param, trained[name])
 
 
-def test_failing_reward_is_counted_not_fatal(assets, tmp_path):
+def test_failing_reward_is_counted_and_its_first_failure_printed(assets, tmp_path, capsys):
     summary = run(assets, tmp_path, **{"rewards.1.function": "tests.train.tiny_run:flaky", "rewards.1.fallback": -1.0,
-                                        "train.num_steps": 2, "train.checkpoint_every": 0})
+                                        "train.num_steps": 2, "train.checkpoint_every": 0,
+                                        "train.reward_failure_limit": 0})
     assert summary.steps == 2
+    printed = [line for line in capsys.readouterr().out.splitlines() if "reward 'flaky'" in line]
+    assert printed == ["warning: reward 'flaky' failed on 16 of 16 completions at step 1 (RuntimeError: reward "
+                       "service unavailable); those get its fallback -1 (counted in metrics.jsonl as "
+                       "rewards/<name>/num_failed; only the first failure of each function is printed)"]
     steps = [r for r in read_metrics(tmp_path) if "reward" in r]
     # Call 1 raises (all 16 items fall back), call 2 returns None for its first item.
     assert [r["rewards/flaky/num_failed"] for r in steps] == [16, 1]
@@ -102,3 +108,22 @@ def test_lora_trains_adapters_only_with_the_base_as_reference(assets, tmp_path):
     assert (tmp_path / "final" / "adapter_config.json").is_file()
     steps = [r for r in read_metrics(tmp_path) if "reward" in r]
     assert steps[0]["kl"] < 1e-6 < steps[1]["kl"]  # adapters start at zero, so step 1 is the base model
+
+
+def test_a_reward_failing_on_a_whole_step_stops_the_run_before_any_update(assets, tmp_path):
+    with pytest.raises(RewardFailure, match=r"reward 'flaky' failed on 16 of 16 completions at step 1 \(RuntimeError: "
+                                            r"reward service unavailable\); stopped, since "
+                                            r"train.reward_failure_limit = 1"):
+        run(assets, tmp_path, **{"rewards.1.function": "tests.train.tiny_run:flaky", "train.num_steps": 2,
+                                 "train.checkpoint_every": 0, "data.eval_path": '""'})
+    assert not [r for r in read_metrics(tmp_path) if "reward" in r]
+
+
+def test_a_missing_answer_column_stops_the_run_instead_of_reporting_zero_accuracy(assets, tmp_path):
+    model_dir, _ = assets
+    rows = tmp_path / "no_answer.jsonl"
+    rows.write_text("".join(json.dumps({"prompt": f"Count to {i}:", "solution": str(i)}) + "\n" for i in range(8)))
+    with pytest.raises(RewardFailure, match=r"held-out accuracy at step 0 cannot be measured: reward 'math_accuracy' "
+                                            r"failed on 8 of 8 held-out answers \(ValueError: math_accuracy needs "
+                                            r"the gold-answer column 'answer'"):
+        train(load_config(None, overrides(model_dir, rows, tmp_path / "out", **{"data.num_eval_samples": 0})))

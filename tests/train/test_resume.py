@@ -2,6 +2,7 @@
 uninterrupted run ends (CPU, real subprocesses)."""
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -12,6 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from turbogrpo.config import load_config
+from turbogrpo.train import checkpoint as ckpt
 from turbogrpo.train.loop import train
 from turbogrpo.train.metrics import read_metrics
 
@@ -49,6 +51,7 @@ def test_sigkill_then_resume_equals_uninterrupted_run(tmp_path, dtype):
     interrupted_at = max(int(p.name.split("-")[1]) for p in killed_dir.glob("step-*"))
     assert interrupted_at < 8
 
+    # The killed run's lock on the folder died with it: the resume is not blocked.
     resumed = subprocess.run(command(config, sets, "--resume"), cwd=REPO, env=env, capture_output=True, text=True)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"resumed from {killed_dir / 'step-'}" in resumed.stdout
@@ -73,3 +76,35 @@ def test_sigkill_then_resume_equals_uninterrupted_run(tmp_path, dtype):
     assert [r["step"] for r in killed] == [r["step"] for r in straight]
     for a, b in zip(killed, straight):
         assert a == b, {k: (a.get(k), b.get(k)) for k in a.keys() | b.keys() if a.get(k) != b.get(k)}
+
+
+def test_ctrl_c_prints_one_line_naming_the_checkpoint_and_the_lock_keeps_other_runs_out(tmp_path):
+    from turbogrpo.train.distributed import DistInfo
+    from turbogrpo.train.output_dir import claim_output_dir
+
+    model_dir, rows = write_model(tmp_path / "model"), write_rows(tmp_path / "rows.jsonl")
+    config = tmp_path / "run.toml"
+    config.write_text("# everything is set on the command line\n")
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    out = tmp_path / "out"
+    sets = overrides(model_dir, rows, out, **{"train.num_steps": 200, "train.checkpoint_every": 1,
+                                              "data.eval_path": '""'})
+    child = subprocess.Popen(command(config, sets), cwd=REPO, env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    for line in child.stdout:
+        if line.startswith("checkpoint saved:"):
+            break
+    with pytest.raises(ValueError, match="is in use by another run"):  # a second run into the folder
+        claim_output_dir(load_config(None, sets), DistInfo(0, 1, 0, torch.device("cpu")), resume=True,
+                         overwrite=False)
+    child.send_signal(signal.SIGINT)
+    stdout, stderr = child.communicate(timeout=120)
+    assert child.returncode == 130, stderr[-3000:]
+    assert "Traceback" not in stderr
+    last = stderr.strip().splitlines()[-1]
+    assert re.fullmatch(rf"turbogrpo: interrupted at step (\d+); continue with `turbogrpo train {config} --resume` "
+                        rf"\(with the same --set options\) \(from {out}/step-(\d+)\)", last), last
+    step, saved = map(int, re.fullmatch(r".* at step (\d+);.*step-(\d+)\)", last).groups())
+    assert 1 <= saved <= step < 200
+    assert ckpt.checkpoint_problem(out / f"step-{saved:06d}") is None

@@ -34,12 +34,13 @@ from torch import Tensor
 
 @dataclasses.dataclass(frozen=True)
 class LossSettings:
-    """Knobs shared by every policy loss (TRL's names and defaults)."""
+    """Knobs shared by every policy loss (TRL's names; the defaults are AlgoConfig's, a test keeps them equal)."""
 
     epsilon_low: float = 0.2
     """The ratio may fall to 1 - epsilon_low before a negative-advantage token stops pushing it down."""
-    epsilon_high: float = 0.2
-    """The ratio may rise to 1 + epsilon_high; DAPO's clip-higher sets it above epsilon_low (e.g. 0.28)."""
+    epsilon_high: float = 0.28
+    """The ratio may rise to 1 + epsilon_high; DAPO's clip-higher (0.28, the config default too) lets it rise
+    further than it may fall."""
     beta: float = 0.0
     """Weight of the k3 KL penalty to the reference policy; 0 drops the term, so no reference model is needed."""
     kl_bias_correction: bool = False

@@ -81,13 +81,27 @@ def _check_prompt_type(prompt: Any, index: int, prompt_column: str) -> None:
                          f"chat messages, got {type(prompt).__name__}")
 
 
+def _too_long(num_tokens: int, max_prompt_tokens: int | None, max_positions: int | None,
+              max_new_tokens: int) -> str | None:
+    """Why a prompt of ``num_tokens`` is too long, or None."""
+    if max_prompt_tokens is not None and num_tokens > max_prompt_tokens:
+        return f"more than max_prompt_tokens={max_prompt_tokens}"
+    if max_positions is not None and num_tokens + max_new_tokens > max_positions:
+        return (f"which with max_new_tokens={max_new_tokens} is more than the model's {max_positions} positions "
+                "(max_position_embeddings)")
+    return None
+
+
 def build_prompts(rows: Sequence[dict[str, Any]], tokenizer, *, prompt_column: str = "prompt",
                   max_prompt_tokens: int | None = None, on_too_long: str = "skip", on_empty: str = "error",
-                  chat_template: bool | None = None, system_prompt: str | None = None) -> PromptSet:
+                  chat_template: bool | None = None, system_prompt: str | None = None,
+                  max_positions: int | None = None, max_new_tokens: int = 0) -> PromptSet:
     """Tokenized prompts for ``rows``.
 
     max_prompt_tokens: prompts with more tokens are skipped and counted (``on_too_long="skip"``) or
         raise ValueError (``"error"``). None: no limit.
+    max_positions: the model's position limit; a prompt that leaves fewer than ``max_new_tokens``
+        positions for its completion is too long by the same rule. None: no limit.
     on_empty: a missing, None or blank prompt raises (``"error"``) or is skipped and counted.
     chat_template: None uses the tokenizer's template when it has one; True requires it; False
         never uses it.
@@ -107,17 +121,18 @@ def build_prompts(rows: Sequence[dict[str, Any]], tokenizer, *, prompt_column: s
         _check_prompt_type(prompt, index, prompt_column)
         if prompt is None or _is_empty(prompt):
             if on_empty == "error":
-                raise ValueError(f"row {index}: prompt column {prompt_column!r} is empty (set on_empty='skip' "
-                                 "to skip such rows)")
+                raise ValueError(f"row {index}: prompt column {prompt_column!r} is empty; to skip such rows set "
+                                 "the config key data.on_empty = \"skip\" (build_prompts: on_empty='skip')")
             num_empty += 1
             continue
         text = format_prompt(prompt, tokenizer, use_template=use_template, system_prompt=system_prompt)
         # A chat template writes its own special tokens (e.g. BOS); plain text gets the tokenizer's.
         token_ids = tokenizer(text, add_special_tokens=not use_template)["input_ids"]
-        if max_prompt_tokens is not None and len(token_ids) > max_prompt_tokens:
+        too_long = _too_long(len(token_ids), max_prompt_tokens, max_positions, max_new_tokens)
+        if too_long is not None:
             if on_too_long == "error":
-                raise ValueError(f"row {index}: prompt has {len(token_ids)} tokens, more than "
-                                 f"max_prompt_tokens={max_prompt_tokens} (set on_too_long='skip' to skip it)")
+                raise ValueError(f"row {index}: prompt has {len(token_ids)} tokens, {too_long}; to skip such rows set "
+                                 "the config key data.on_overlong = \"skip\" (build_prompts: on_too_long='skip')")
             num_too_long += 1
             continue
         columns = {k: v for k, v in row.items() if k != prompt_column}

@@ -17,8 +17,13 @@ Row = dict[str, Any]
 
 def _read_jsonl(path: Path, split: str | None) -> list[Row]:
     rows = []
-    with path.open(encoding="utf-8") as f:
-        for line_number, line in enumerate(f, 1):
+    with path.open("rb") as f:
+        for line_number, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise ValueError(f"{path} line {line_number}: not valid UTF-8 (byte 0x{raw[err.start]:02x} at "
+                                 f"column {err.start + 1}); save the file as UTF-8") from None
             if not line.strip():
                 continue
             try:

@@ -11,7 +11,9 @@ Nothing is pickled (``torch.load`` is never called): a checkpoint folder ``step-
 
 A checkpoint is written into ``.tmp-step-000120/`` and renamed into place, then the ``latest`` file is
 replaced (temp + rename). A crash at any moment leaves the previous checkpoint intact and ``latest``
-pointing at a complete folder.
+pointing at a complete folder. Weights that are not finite are never written, and a checkpoint is
+verified (every file readable and whole) before a run resumes from it: a damaged one is named and
+passed over for the previous one.
 """
 
 from __future__ import annotations
@@ -22,10 +24,12 @@ import random
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -35,11 +39,15 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from turbogrpo.train.distributed import DistInfo
+from turbogrpo.train.distributed import DistInfo, all_reduce_max_int
 
 LATEST_FILE = "latest"
 STATE_FILE = "state.json"
 _FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+
+class CheckpointError(ValueError):
+    """A checkpoint could not be written (disk full, non-finite weights); the previous one is intact."""
 
 
 @dataclass
@@ -67,43 +75,110 @@ def save_checkpoint(root: str | Path, step: int, model: torch.nn.Module, optimiz
     final = root / checkpoint_name(step)
     tmp = root / f".tmp-{checkpoint_name(step)}"
     model_state = _trainable_state(model)
+    # Host sync, once per checkpoint: inf/NaN weights would make every later step fail.
+    nonfinite = [name for name, t in model_state.items() if not bool(t.isfinite().all())]
+    if all_reduce_max_int(int(bool(nonfinite)), dist, dist.device):
+        raise CheckpointError(f"not saving checkpoint {final}: the weights are not finite (inf/NaN in "
+                              f"{', '.join(nonfinite[:3]) or 'a shard on another rank'}); {_previous(root)}. Lower "
+                              "optim.lr or set optim.max_grad_norm, then continue with --resume")
     optim_state = get_optimizer_state_dict(model, optimizer, options=_FULL)
-    if dist.is_main:
-        root.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)  # debris of a crash during an earlier attempt
-        tmp.mkdir()
-    dist.barrier()
-    rng_tensors, rng_scalars = capture_rng_state()
-    _save_tensors(rng_tensors, tmp / f"rng-rank{dist.rank}.safetensors")
-    _write_json({"rng": rng_scalars}, tmp / f"rng-rank{dist.rank}.json")
-    dist.barrier()
-    if dist.is_main:
-        _save_tensors(model_state, tmp / "model.safetensors")
-        optim_tensors, optim_scalars = _flatten_optimizer_state(optim_state)
-        _save_tensors(optim_tensors, tmp / "optimizer.safetensors")
-        _write_json({"step": step, "world_size": dist.world_size, "optimizer": optim_scalars, "extra": extra},
-                    tmp / STATE_FILE)
-        _fsync_dir(tmp)
-        if final.exists():  # re-running a step after a resume: replace the older copy
-            shutil.rmtree(final)
-        os.rename(tmp, final)
-        _write_text_atomic(root / LATEST_FILE, final.name)
-        _fsync_dir(root)
-        _prune(root, keep)
+    try:
+        if dist.is_main:
+            root.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)  # debris of a crash during an earlier attempt
+            tmp.mkdir()
+        dist.barrier()
+        rng_tensors, rng_scalars = capture_rng_state()
+        _save_tensors(rng_tensors, tmp / f"rng-rank{dist.rank}.safetensors")
+        _write_json({"rng": rng_scalars}, tmp / f"rng-rank{dist.rank}.json")
+        dist.barrier()
+        if dist.is_main:
+            _save_tensors(model_state, tmp / "model.safetensors")
+            optim_tensors, optim_scalars = _flatten_optimizer_state(optim_state)
+            _save_tensors(optim_tensors, tmp / "optimizer.safetensors")
+            _write_json({"step": step, "world_size": dist.world_size, "optimizer": optim_scalars, "extra": extra},
+                        tmp / STATE_FILE)
+            _fsync_dir(tmp)
+            if final.exists():  # re-running a step after a resume: replace the older copy
+                shutil.rmtree(final)
+            os.rename(tmp, final)
+            _write_text_atomic(root / LATEST_FILE, final.name)
+            _fsync_dir(root)
+            _prune(root, keep, step)
+    except OSError as err:  # e.g. disk full: the previous checkpoint and `latest` are untouched
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(f"could not write checkpoint {final} ({err.strerror or err}"
+                              f"{f': {err.filename}' if err.filename else ''}); {_previous(root)}. Free space "
+                              "and continue with --resume") from err
     dist.barrier()
     return final
 
 
-def latest_checkpoint(root: str | Path) -> Path | None:
-    """The newest complete checkpoint under ``root`` (or None)."""
+def checkpoint_problem(path: str | Path) -> str | None:
+    """Why a run cannot resume from checkpoint folder ``path`` (naming the bad file), or None if it can.
+
+    Reads every JSON file and every safetensors header (safetensors checks that the file covers all
+    the tensors its header lists, so a truncated file is caught without loading the tensors).
+    """
+    path = Path(path)
+    state = _read_json(path / STATE_FILE)
+    if isinstance(state, str):
+        return state
+    missing = {"step", "world_size", "optimizer", "extra"} - state.keys()
+    if missing:
+        return f"{path / STATE_FILE} lacks {sorted(missing)}"
+    ranks = range(state["world_size"])
+    for name in ["model.safetensors", "optimizer.safetensors", *(f"rng-rank{r}.safetensors" for r in ranks)]:
+        try:
+            with safe_open(str(path / name), framework="pt"):
+                pass
+        except Exception as err:  # SafetensorError (truncated, corrupt) or OSError (missing)
+            return f"{path / name} is missing, truncated or corrupt ({err})"
+    for name in (f"rng-rank{r}.json" for r in ranks):
+        rng = _read_json(path / name)
+        if isinstance(rng, str):
+            return rng
+        if "rng" not in rng:
+            return f"{path / name} lacks 'rng'"
+    return None
+
+
+def _read_json(path: Path) -> dict | str:
+    """The JSON object in ``path``, or a message naming the file and what is wrong with it."""
+    try:
+        value = json.loads(path.read_text())
+    except FileNotFoundError:
+        return f"{path} is missing (the checkpoint was not finished)"
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        return f"{path} is truncated or corrupt ({err})"
+    return value if isinstance(value, dict) else f"{path} holds {type(value).__name__}, not a JSON object"
+
+
+def _previous(root: Path) -> str:
+    latest = latest_checkpoint(root)
+    return (f"the previous checkpoint {latest} and the `latest` pointer are intact" if latest is not None
+            else "no earlier checkpoint exists")
+
+
+def latest_checkpoint(root: str | Path, notice: Callable[[str], None] | None = None) -> Path | None:
+    """The newest complete checkpoint under ``root`` (or None).
+
+    ``latest`` names it; when that folder is missing, no checkpoint after it counts (the pointer is
+    written last) and the newest earlier one is taken. With ``notice``, every checkpoint is verified
+    (:func:`checkpoint_problem`) and each damaged one is passed over with a notice naming the bad file.
+    """
     root = Path(root)
     pointer = root / LATEST_FILE
-    if pointer.is_file():
-        candidate = root / pointer.read_text().strip()
-        if (candidate / STATE_FILE).is_file():
+    named = pointer.read_text().strip() if pointer.is_file() else ""
+    complete = sorted((p for p in root.glob("step-*") if (p / STATE_FILE).is_file()), reverse=True)
+    if (root / named / STATE_FILE).is_file() and named.startswith("step-"):
+        complete = [p for p in complete if p.name <= named]  # later ones are not this run's
+    for candidate in complete:
+        problem = checkpoint_problem(candidate) if notice is not None else None
+        if problem is None:
             return candidate
-    complete = sorted(p for p in root.glob("step-*") if (p / STATE_FILE).is_file())
-    return complete[-1] if complete else None
+        notice(f"checkpoint {candidate} is unusable: {problem}; trying the one before it")
+    return None
 
 
 def load_checkpoint(path: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
@@ -234,7 +309,9 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _prune(root: Path, keep: int) -> None:
-    complete = sorted(p for p in root.glob("step-*") if (p / STATE_FILE).is_file())
+def _prune(root: Path, keep: int, step: int) -> None:
+    """Keep the ``keep`` newest complete checkpoints up to ``step`` (the one just written); never touch
+    a later one (it is not this run's: a resume from an earlier checkpoint leaves it for the user)."""
+    complete = sorted(p for p in root.glob("step-*") if (p / STATE_FILE).is_file() and p.name <= checkpoint_name(step))
     for old in complete[:-keep]:
         shutil.rmtree(old, ignore_errors=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -13,17 +14,35 @@ from turbogrpo.train.distributed import DistInfo, all_reduce_sum
 from turbogrpo.train.setup import Reward, score_rewards
 
 
+class HeldOutAccuracy(NamedTuple):
+    """An accuracy over the answers the reward could score; answers it failed on are left out and counted."""
+
+    accuracy: float | None
+    """Mean score of the scored answers; None when the reward failed on every answer."""
+    num_scored: int
+    num_failed: int
+    first_error: str | None
+    """The reward's first failure on this rank (None: none here)."""
+
+    def describe_failures(self, reward_name: str) -> str:
+        return (f"reward {reward_name!r} failed on {self.num_failed} of {self.num_scored + self.num_failed} "
+                f"held-out answers ({self.first_error or 'see the other ranks'})")
+
+
 def evaluate_accuracy(model: nn.Module, tokenizer, examples: Sequence[PromptExample], accuracy: Reward,
                       sampling: SamplingConfig, dist: DistInfo, *, num_samples: int = 1, seed: int | None = None,
-                      prompts_per_batch: int = 64) -> float:
+                      prompts_per_batch: int = 64) -> HeldOutAccuracy:
     """Mean accuracy of ``num_samples`` answers per example (each rank answers a share of the examples).
 
     Greedy ``sampling`` with one sample gives greedy accuracy; temperature sampling with a fixed
     ``seed`` gives the sampled (pass@1) accuracy, comparable from one evaluation to the next.
+    An answer the reward fails on (it raised, or returned None/NaN) is not scored as wrong: it is
+    left out of the accuracy and counted, so a broken reward never shows up as a low accuracy.
     """
     mine = list(examples[dist.rank::dist.world_size])
     device = dist.device
-    counts = torch.zeros(2, dtype=torch.float64, device=device)  # [correct, answered]
+    counts = torch.zeros(3, dtype=torch.float64, device=device)  # [correct, scored, failed]
+    first_error = None
     was_training = model.training
     model.eval()
     for start in range(0, len(mine), prompts_per_batch):
@@ -32,12 +51,17 @@ def evaluate_accuracy(model: nn.Module, tokenizer, examples: Sequence[PromptExam
                            sampling=sampling, seed=None if seed is None else seed + dist.rank + start)
         completions = tokenizer.batch_decode(rollout.tokens, skip_special_tokens=True)
         repeated = [e for e in batch for _ in range(num_samples)]
-        scores = score_rewards([accuracy], [e.text for e in repeated], completions,
-                               _columns(repeated, rollout.tokens)).total
-        counts += torch.tensor([float(scores.sum()), float(len(completions))], dtype=torch.float64, device=device)
+        scored = score_rewards([accuracy], [e.text for e in repeated], completions, _columns(repeated, rollout.tokens))
+        failed = scored.failed[accuracy.name]
+        first_error = first_error or scored.first_error[accuracy.name]
+        # The reward's own values, not the weighted total: the built-in accuracy reward has weight 0.
+        values = scored.per_function[accuracy.name]
+        counts += torch.tensor([float(values[~failed].sum()), float((~failed).sum()), float(failed.sum())],
+                               dtype=torch.float64, device=device)
     model.train(was_training)
-    correct, answered = all_reduce_sum(counts, dist).tolist()  # host sync: the result is a Python number
-    return correct / max(answered, 1.0)
+    correct, num_scored, num_failed = all_reduce_sum(counts, dist).tolist()  # host sync: Python numbers out
+    return HeldOutAccuracy(correct / num_scored if num_scored else None, int(num_scored), int(num_failed),
+                           first_error)
 
 
 def _columns(examples: Sequence[PromptExample], tokens: Sequence[torch.Tensor]) -> dict[str, list]:

@@ -29,7 +29,8 @@ from turbogrpo.train.metrics import PhaseTimer
 from turbogrpo.train.microbatch import pad_to_count, plan_micro_batches
 from turbogrpo.train.optim import learning_rate, set_learning_rate
 from turbogrpo.train.report import write_report
-from turbogrpo.train.run import Run, build_run, evaluate, export, save
+from turbogrpo.train.output_dir import claim_output_dir, mark_complete
+from turbogrpo.train.run import Run, RunComplete, build_run, check_rewards, evaluate, export, interrupted, save
 from turbogrpo.train.step_metrics import completion_samples, step_metrics
 from turbogrpo.train.update import StepBatch, UpdateResult, score, update_policy
 
@@ -45,16 +46,24 @@ class RunSummary:
     wall_time_s: float
     output_dir: Path
     final_model: Path | None
+    already_complete: bool = False
+    """``--resume`` found the run finished and did nothing."""
 
 
-def train(config: Config, *, resume: bool = False) -> RunSummary:
-    """Run GRPO as ``config`` says; with ``resume``, continue from the latest checkpoint in output_dir."""
+def train(config: Config, *, resume: bool = False, overwrite: bool = False) -> RunSummary:
+    """Run GRPO as ``config`` says; with ``resume``, continue from the latest checkpoint in output_dir.
+
+    A fresh run needs an empty output_dir (``overwrite`` moves what is there aside); Ctrl-C raises
+    TrainingInterrupted naming the last complete checkpoint.
+    """
     rewards = setup.load_rewards(config.rewards)  # import errors surface before any model loads
     if config.train.num_threads:
         torch.set_num_threads(config.train.num_threads)
     dist = distributed.setup(config.model.device, config.distributed.backend)
     start = time.perf_counter()
+    output, run = None, None
     try:
+        output = claim_output_dir(config, dist, resume=resume, overwrite=overwrite)
         run = build_run(config, dist, rewards, resume)
         total = config.train.num_steps
         if run.state.step == 0:
@@ -80,9 +89,17 @@ def train(config: Config, *, resume: bool = False) -> RunSummary:
         run.log.close()
         if dist.is_main and config.log.report:
             write_report(config.train.output_dir)
+        if dist.is_main:
+            mark_complete(output.path, total)
         return RunSummary(total, run.state.evals, time.perf_counter() - start, Path(config.train.output_dir),
                           final_model)
+    except RunComplete as done:
+        return RunSummary(done.step, done.evals, time.perf_counter() - start, output.path, None, already_complete=True)
+    except KeyboardInterrupt:
+        raise interrupted(run, Path(config.train.output_dir)) from None
     finally:
+        if output is not None:
+            output.release()
         distributed.teardown(dist)
 
 
@@ -103,6 +120,7 @@ def grpo_step(run: Run, step: int) -> dict[str, float]:
         texts = run.tokenizer.batch_decode(rollout.tokens, skip_special_tokens=True)
         rewards = setup.score_rewards(run.rewards, [e.text for e in examples for _ in range(num_samples)], texts,
                                       reward_columns(examples, num_samples, rollout.tokens))
+        check_rewards(run, rewards, step)
         # Advantages need every group's rewards only for batch-level std; gathering is cheap either way.
         all_rewards = distributed.all_gather_cat(rewards.total.to(dist.device), dist)
         advantages = group_advantages(all_rewards, [num_samples] * (all_rewards.numel() // num_samples),

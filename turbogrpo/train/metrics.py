@@ -5,12 +5,13 @@ from __future__ import annotations
 import json
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
+from tqdm import tqdm
 
 METRICS_FILE = "metrics.jsonl"
 COMPLETIONS_FILE = "completions.jsonl"
@@ -40,7 +41,7 @@ class MetricsLog:
     """Appends one JSON object per step to ``metrics.jsonl`` and mirrors scalars to TensorBoard.
 
     Only rank 0 writes; on resume the file is truncated to the checkpoint's step so that the log
-    matches the resumed run exactly.
+    matches the resumed run exactly (a last line torn by a kill mid-write is dropped, with a notice).
     """
 
     def __init__(self, output_dir: str | Path, *, tensorboard: bool, enabled: bool, resume_step: int | None):
@@ -50,8 +51,8 @@ class MetricsLog:
         if not enabled:
             return
         self.dir.mkdir(parents=True, exist_ok=True)
-        _truncate_after(self.dir / METRICS_FILE, resume_step)
-        _truncate_after(self.dir / COMPLETIONS_FILE, resume_step)
+        for name in (METRICS_FILE, COMPLETIONS_FILE):
+            _truncate_after(self.dir / name, resume_step, notice=tqdm.write)
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
             self.writer = SummaryWriter(str(self.dir / "tensorboard"), purge_step=resume_step)
@@ -80,10 +81,27 @@ class MetricsLog:
 
 
 def read_metrics(output_dir: str | Path) -> list[dict[str, Any]]:
+    """The records of ``output_dir/metrics.jsonl`` (a torn last line is left out)."""
     path = Path(output_dir) / METRICS_FILE
     if not path.is_file():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [record for _, record in read_records(path)]
+
+
+def read_records(path: Path, notice: Callable[[str], None] | None = None) -> list[tuple[str, dict[str, Any]]]:
+    """(line, record) of every line of a JSONL log. The last line may be torn (a kill during a write):
+    it is dropped, with ``notice``; a bad line before it is an error naming the file and line."""
+    lines = [line for line in path.read_text(encoding="utf-8", errors="replace").splitlines() if line.strip()]
+    records = []
+    for number, line in enumerate(lines, 1):
+        try:
+            records.append((line, json.loads(line)))
+        except json.JSONDecodeError as err:
+            if number < len(lines):
+                raise ValueError(f"{path} line {number} is not valid JSON ({err}); fix or remove that line") from None
+            if notice is not None:
+                notice(f"{path}: dropped its last line, cut short by an interrupted write ({line[:60]!r}...)")
+    return records
 
 
 def _jsonable(value: Any) -> Any:
@@ -92,12 +110,10 @@ def _jsonable(value: Any) -> Any:
     return value
 
 
-def _truncate_after(path: Path, step: int | None) -> None:
-    """Keep records of steps <= ``step`` (later ones belong to the interrupted run); None: start anew."""
-    if not path.exists():
+def _truncate_after(path: Path, step: int | None, notice: Callable[[str], None]) -> None:
+    """Keep records of steps <= ``step`` (later ones belong to the interrupted run). None: a new run,
+    whose folder the output-dir check found empty; nothing is ever deleted here."""
+    if step is None or not path.exists():
         return
-    if step is None:
-        path.unlink()
-        return
-    kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
+    kept = [line for line, record in read_records(path, notice) if record["step"] <= step]
     path.write_text("".join(line + "\n" for line in kept))

@@ -20,7 +20,8 @@ from turbogrpo.rollout import SamplingConfig
 from turbogrpo.train import checkpoint, distributed, setup
 from turbogrpo.train.distributed import DistInfo
 from turbogrpo.train.evaluate import evaluate_accuracy
-from turbogrpo.train.metrics import MetricsLog
+from turbogrpo.train import output_dir as output_dir_state
+from turbogrpo.train.metrics import METRICS_FILE, MetricsLog
 from turbogrpo.train.optim import build_optimizer
 from turbogrpo.train.precision import Precision, warn_if_pure
 
@@ -64,7 +65,12 @@ class Run:
     settings: LossSettings
     log: MetricsLog
     state: RunState
+    reported_reward_failures: set[str] = field(default_factory=set)
+    """Reward functions whose first failure has been printed (each is printed once per process)."""
 
+
+class RewardFailure(ValueError):
+    """A reward function failed on too many of a step's completions (train.reward_failure_limit)."""
 
 
 def build_run(config: Config, dist: DistInfo, rewards: list[setup.Reward], resume: bool) -> Run:
@@ -80,23 +86,27 @@ def build_run(config: Config, dist: DistInfo, rewards: list[setup.Reward], resum
     trainer = distributed.wrap_for_training(policy, fn, dist, config.distributed.strategy, precision)
     reference = setup.build_reference(config, policy, dist.device)
     optimizer = build_optimizer(policy, config.optim)
-    prompt_set = setup.load_train_prompts(config, tokenizer)
+    max_positions = setup.position_limit(policy)
+    prompt_set = setup.load_train_prompts(config, tokenizer, max_positions)
     if dist.is_main and (prompt_set.num_too_long or prompt_set.num_empty):
+        model_limit = (f" (or, with rollout.max_new_tokens={config.rollout.max_new_tokens}, over the model's "
+                       f"{max_positions} positions)" if max_positions else "")
         tqdm.write(f"skipped {prompt_set.num_too_long} prompts over data.max_prompt_tokens="
-                   f"{config.data.max_prompt_tokens} and {prompt_set.num_empty} empty prompts")
+                   f"{config.data.max_prompt_tokens}{model_limit} and {prompt_set.num_empty} empty prompts")
     batches = PromptBatches(prompt_set.examples, config.train.prompts_per_step, seed=config.train.seed,
                             shuffle=config.data.shuffle)
     stop_ids = setup.stop_token_ids(policy, tokenizer)
     state = RunState()
     output_dir = Path(config.train.output_dir)
-    latest = checkpoint.latest_checkpoint(output_dir) if resume else None
-    if resume and latest is None and dist.is_main:
-        tqdm.write(f"--resume: no checkpoint in {output_dir}; starting from step 0")
+    latest = find_resume_checkpoint(output_dir, dist) if resume else None
     if latest is not None:
         resumed = checkpoint.load_checkpoint(latest, policy, optimizer, dist)
         batches.load_state_dict(resumed.state["data"])
         state = RunState(step=resumed.step, nonfinite_in_a_row=resumed.state["nonfinite_in_a_row"],
                          nonfinite_total=resumed.state["nonfinite_total"], evals=resumed.state["evals"])
+        done = output_dir_state.completed_step(output_dir)
+        if done is not None and resumed.step >= config.train.num_steps and done >= resumed.step:
+            raise RunComplete(resumed.step, state.evals)
         if dist.is_main:
             tqdm.write(f"resumed from {latest} (step {resumed.step})")
     if dist.is_main:
@@ -108,7 +118,7 @@ def build_run(config: Config, dist: DistInfo, rewards: list[setup.Reward], resum
         config=config, dist=dist, policy=policy, tokenizer=tokenizer, precision=precision, trainer=trainer,
         reference=reference,
         optimizer=optimizer, batches=batches, rewards=rewards, accuracy=setup.accuracy_function(config, rewards),
-        eval_prompts=setup.load_eval_prompts(config, tokenizer),
+        eval_prompts=setup.load_eval_prompts(config, tokenizer, max_positions),
         sampling=setup.sampling_config(config.rollout, stop_ids, tokenizer),
         greedy=setup.sampling_config(config.rollout, stop_ids, tokenizer, greedy=True),
         loss=LOSSES[config.algo.loss],
@@ -117,19 +127,73 @@ def build_run(config: Config, dist: DistInfo, rewards: list[setup.Reward], resum
         log=log, state=state)
 
 
+class RunComplete(Exception):
+    """``--resume`` of a run that already trained ``train.num_steps`` steps and wrote its outputs."""
+
+    def __init__(self, step: int, evals: list[dict]):
+        super().__init__(f"the run is complete ({step} steps); nothing to do")
+        self.step, self.evals = step, evals
+
+
+class TrainingInterrupted(Exception):
+    """Ctrl-C: ``step`` steps were done; ``checkpoint`` is the last complete checkpoint (None: none yet)."""
+
+    def __init__(self, step: int, checkpoint: Path | None):
+        super().__init__(f"interrupted at step {step}")
+        self.step, self.checkpoint = step, checkpoint
+
+
+def find_resume_checkpoint(output_dir: Path, dist: DistInfo) -> Path | None:
+    """The newest verified checkpoint to resume from (damaged ones are named and passed over); None in an
+    empty folder. Metrics without any usable checkpoint are refused, not deleted."""
+    latest = checkpoint.latest_checkpoint(output_dir, notice=tqdm.write if dist.is_main else lambda _: None)
+    if latest is None and (output_dir / METRICS_FILE).is_file():
+        raise ValueError(f"--resume: {output_dir} has {METRICS_FILE} but no complete checkpoint to continue from; "
+                         "start the run again with --overwrite (which moves the old files aside) or use another "
+                         "train.output_dir")
+    if latest is None and dist.is_main:
+        tqdm.write(f"--resume: no checkpoint in {output_dir}; starting from step 0")
+    return latest
+
+
+def interrupted(run: Run | None, output_dir: Path) -> TrainingInterrupted:
+    """What to report after Ctrl-C: the steps done and the newest checkpoint verified complete."""
+    latest = checkpoint.latest_checkpoint(output_dir, notice=tqdm.write) if output_dir.is_dir() else None
+    return TrainingInterrupted(run.state.step if run is not None else 0, latest)
+
+
 def evaluate(run: Run) -> dict | None:
     """Held-out accuracy now: greedy, and sampled at the rollout temperature (fixed seed); recorded,
-    logged and printed. None without eval prompts or an accuracy reward."""
+    logged and printed. None without eval prompts or an accuracy reward.
+
+    An accuracy is never computed from failed rewards: answers the reward failed on are left out (with
+    a notice); when it fails on every answer, the run stops before training (step 0) and later skips
+    the measurement with a notice, so a long run is not lost at its last evaluation.
+    """
     if not run.eval_prompts or run.accuracy is None:
         return None
     config = run.config
     with distributed.full_parameters(run.trainer), run.precision.autocast():
-        result = {"step": run.state.step, "accuracy": evaluate_accuracy(
-            run.policy, run.tokenizer, run.eval_prompts, run.accuracy, run.greedy, run.dist)}
+        measured = {"accuracy": evaluate_accuracy(run.policy, run.tokenizer, run.eval_prompts, run.accuracy,
+                                                  run.greedy, run.dist)}
         if config.data.num_eval_samples:
-            result["sampled_accuracy"] = evaluate_accuracy(
+            measured["sampled_accuracy"] = evaluate_accuracy(
                 run.policy, run.tokenizer, run.eval_prompts, run.accuracy, run.sampling, run.dist,
                 num_samples=config.data.num_eval_samples, seed=config.train.seed + 7_919)
+    greedy = measured["accuracy"]
+    if greedy.accuracy is None:
+        problem = (f"held-out accuracy at step {run.state.step} cannot be measured: "
+                   f"{greedy.describe_failures(run.accuracy.name)}. Check train.accuracy_reward and the columns "
+                   "of the held-out rows it reads")
+        if run.state.step == 0:
+            raise RewardFailure(problem)
+        if run.dist.is_main:
+            tqdm.write(f"warning: {problem}; skipped")
+        return None
+    if greedy.num_failed and run.dist.is_main:
+        tqdm.write(f"warning: {greedy.describe_failures(run.accuracy.name)}; the accuracy counts only the "
+                   f"{greedy.num_scored} it scored")
+    result = {"step": run.state.step, **{k: m.accuracy for k, m in measured.items() if m.accuracy is not None}}
     run.state.evals.append(result)
     run.log.log(run.state.step, {f"eval/{k}": v for k, v in result.items() if k != "step"})
     if run.dist.is_main:
@@ -138,6 +202,31 @@ def evaluate(run: Run) -> dict | None:
         tqdm.write(f"step {run.state.step}: held-out accuracy greedy {result['accuracy']:.1%}{sampled} on "
                    f"{len(run.eval_prompts)} problems")
     return result
+
+
+def check_rewards(run: Run, rewards: setup.StepRewards, step: int) -> None:
+    """Print each reward function's first failure (once per run, with its message), and stop the run
+    when one fails on at least ``train.reward_failure_limit`` of the step's completions (all ranks),
+    before any update is made from its fallbacks."""
+    names = list(rewards.num_failed)
+    counts = torch.tensor([*(float(rewards.num_failed[n]) for n in names), float(rewards.total.numel())],
+                          dtype=torch.float64, device=run.dist.device)
+    *failed, total = distributed.all_reduce_sum(counts, run.dist).tolist()  # host sync: decides if the run goes on
+    limit = run.config.train.reward_failure_limit
+    for name, num_failed in zip(names, failed):
+        if not num_failed:
+            continue
+        reward = next(r for r in run.rewards if r.name == name)
+        problem = (f"reward {name!r} failed on {num_failed:.0f} of {total:.0f} completions at step {step + 1} "
+                   f"({rewards.first_error[name] or 'on another rank; see metrics.jsonl'})")
+        if limit and num_failed >= limit * total:
+            raise RewardFailure(f"{problem}; stopped, since train.reward_failure_limit = {limit:g} and no update "
+                                "was made from these rewards. Fix the function or the data columns it reads "
+                                "(or raise train.reward_failure_limit, 0 never stops), then continue with --resume")
+        if name not in run.reported_reward_failures and run.dist.is_main:
+            tqdm.write(f"warning: {problem}; those get its fallback {reward.fallback:g} (counted in metrics.jsonl "
+                       "as rewards/<name>/num_failed; only the first failure of each function is printed)")
+        run.reported_reward_failures.add(name)
 
 
 def save(run: Run) -> Path:

@@ -11,7 +11,7 @@ from functools import partial
 import torch
 from torch import nn
 
-from turbogrpo.config import Config, DataConfig, RewardConfig, RolloutConfig
+from turbogrpo.config import Config, ConfigError, DataConfig, RewardConfig, RolloutConfig
 from turbogrpo.data import PromptExample, build_prompts, demo_records, gsm8k_records, read_records
 from turbogrpo.data.sources import source_kind
 from turbogrpo.models import demo_model_path, enable_activation_checkpointing, load_model_and_tokenizer
@@ -113,18 +113,30 @@ ROW_READERS = {
 _CHAT_TEMPLATE = {"auto": None, "always": True, "never": False}
 
 
-def _prompts(rows: list[dict], tokenizer, data: DataConfig):
+def position_limit(model: nn.Module) -> int | None:
+    """How many positions (prompt + completion) the model can attend over; None if it does not say."""
+    return getattr(getattr(model, "config", None), "max_position_embeddings", None)
+
+
+def _prompts(rows: list[dict], tokenizer, config: Config, max_positions: int | None):
+    data = config.data
+    if max_positions is not None and config.rollout.max_new_tokens >= max_positions:
+        raise ConfigError(f"config key 'rollout.max_new_tokens': {config.rollout.max_new_tokens} leaves no room for "
+                          f"a prompt within the model's {max_positions} positions (max_position_embeddings); "
+                          "lower it")
     return build_prompts(rows, tokenizer, prompt_column=data.prompt_column, max_prompt_tokens=data.max_prompt_tokens,
-                         on_too_long=data.on_overlong, chat_template=_CHAT_TEMPLATE[data.chat_template],
-                         system_prompt=data.system_prompt or None)
+                         on_too_long=data.on_overlong, on_empty=data.on_empty,
+                         chat_template=_CHAT_TEMPLATE[data.chat_template], system_prompt=data.system_prompt or None,
+                         max_positions=max_positions, max_new_tokens=config.rollout.max_new_tokens)
 
 
-def load_train_prompts(config: Config, tokenizer):
-    """The training PromptSet (examples plus skipped counts)."""
-    return _prompts(ROW_READERS[config.data.kind](config.data, config.train.seed), tokenizer, config.data)
+def load_train_prompts(config: Config, tokenizer, max_positions: int | None = None):
+    """The training PromptSet (examples plus skipped counts); prompts too long for ``max_positions`` with
+    rollout.max_new_tokens are skipped or refused as data.on_overlong says."""
+    return _prompts(ROW_READERS[config.data.kind](config.data, config.train.seed), tokenizer, config, max_positions)
 
 
-def load_eval_prompts(config: Config, tokenizer) -> list[PromptExample]:
+def load_eval_prompts(config: Config, tokenizer, max_positions: int | None = None) -> list[PromptExample]:
     """Held-out prompts: the arithmetic task's eval split, or ``data.eval_path`` rows ([] if none)."""
     data = config.data
     if data.eval_path:
@@ -133,7 +145,7 @@ def load_eval_prompts(config: Config, tokenizer) -> list[PromptExample]:
         rows = _arithmetic_rows(data, "eval", seed=0)  # fixed, so every run is scored on the same problems
     else:
         return []
-    return _prompts(rows[:data.num_eval_problems], tokenizer, data).examples
+    return _prompts(rows[:data.num_eval_problems], tokenizer, config, max_positions).examples
 
 
 # --- rewards ----------------------------------------------------------------------------------------
@@ -179,19 +191,20 @@ class StepRewards:
     """Rewards of this rank's N completions.
 
     total: float32 ``[N]`` weighted sum; per_function: name -> ``[N]``; num_failed / first_error per
-    function (items that got the fallback, and the first reason).
+    function (items that got the fallback, and the first reason); failed: name -> bool ``[N]``, those items.
     """
 
     total: torch.Tensor
     per_function: dict[str, torch.Tensor]
     num_failed: dict[str, int]
     first_error: dict[str, str | None]
+    failed: dict[str, torch.Tensor]
 
 
 def score_rewards(rewards: list[Reward], prompts: list[str], completions: list[str],
                   columns: dict[str, list]) -> StepRewards:
     """Run every reward on the completions; a failing function or item gets its fallback, never raises."""
-    per_function, num_failed, first_error = {}, {}, {}
+    per_function, num_failed, first_error, failed = {}, {}, {}, {}
     total = torch.zeros(len(completions))
     for reward in rewards:
         result = compute_rewards([WeightedReward(reward.name, reward.func, 1.0)], prompts, completions, columns,
@@ -200,7 +213,8 @@ def score_rewards(rewards: list[Reward], prompts: list[str], completions: list[s
         total += reward.weight * per_function[reward.name]
         num_failed[reward.name] = result.num_failed[reward.name]
         first_error[reward.name] = result.first_error[reward.name]
-    return StepRewards(total, per_function, num_failed, first_error)
+        failed[reward.name] = result.failed[reward.name]
+    return StepRewards(total, per_function, num_failed, first_error, failed)
 
 
 # --- sampling ---------------------------------------------------------------------------------------

@@ -1,0 +1,120 @@
+"""The output folder: a lock, no mixing of runs, nothing deleted, resumes that train the same thing."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from turbogrpo.config import dump_config, load_config
+from turbogrpo.train.distributed import DistInfo
+from turbogrpo.train.metrics import MetricsLog, read_metrics
+from turbogrpo.train.output_dir import changed_training_keys, claim_output_dir
+from turbogrpo.train.run import find_resume_checkpoint
+
+SINGLE = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+
+
+def config_for(out, *sets):
+    return load_config(None, [f"train.output_dir=\"{out}\"", *sets])
+
+
+def claim(out, *sets, resume=False, overwrite=False):
+    return claim_output_dir(config_for(out, *sets), SINGLE, resume=resume, overwrite=overwrite)
+
+
+def earlier_run(out: Path) -> dict[str, str]:
+    (out / "step-000008").mkdir(parents=True)
+    files = {"metrics.jsonl": '{"step": 1, "reward": 0.5}\n', "latest": "step-000008",
+             "step-000008/state.json": "{}"}
+    for name, text in files.items():
+        (out / name).write_text(text)
+    return files
+
+
+def test_a_fresh_run_refuses_a_used_folder_and_touches_nothing(tmp_path):
+    files = earlier_run(tmp_path / "out")
+    with pytest.raises(ValueError, match=r"train.output_dir '.*out' already holds files \(latest, metrics.jsonl, "
+                                         r"step-000008\); continue that run with --resume, start anew with "
+                                         r"--overwrite \(which moves them aside, deleting nothing\)"):
+        claim(tmp_path / "out")
+    assert all((tmp_path / "out" / name).read_text() == text for name, text in files.items())
+    claim(tmp_path / "empty").release()  # an empty or new folder is fine
+
+
+def test_overwrite_moves_the_earlier_run_aside(tmp_path):
+    files = earlier_run(tmp_path / "out")
+    claim(tmp_path / "out", overwrite=True).release()
+    assert [p.name for p in (tmp_path / "out").iterdir()] == [".lock"]
+    (aside,) = tmp_path.glob("out.previous-*")
+    assert all((aside / name).read_text() == text for name, text in files.items())
+
+
+def test_a_second_run_into_a_locked_folder_fails_at_once(tmp_path):
+    first = claim(tmp_path / "out")
+    with pytest.raises(ValueError, match=rf"train.output_dir '.*out' is in use by another run \(pid {os.getpid()} on "):
+        claim(tmp_path / "out", resume=True)
+    first.release()
+    claim(tmp_path / "out", resume=True).release()
+
+
+def test_the_lock_of_a_killed_run_does_not_block(tmp_path):
+    """A process holding the lock as a run does (flock on .lock) is SIGKILLed: the kernel drops its lock.
+    (test_resume.py's --resume after SIGKILL checks the same with a whole run.)"""
+    claim(tmp_path / "out").release()
+    holder = subprocess.Popen(
+        [sys.executable, "-S", "-c", "import fcntl, os, sys, time\nf = open(sys.argv[1], 'a+')\n"
+         "fcntl.flock(f, fcntl.LOCK_EX)\nf.truncate(0)\nf.write(f'pid {os.getpid()}')\nf.flush()\n"
+         "print('locked', flush=True)\n"
+         "time.sleep(60)\n", str(tmp_path / "out" / ".lock")], stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline() == "locked\n"
+    with pytest.raises(ValueError, match=f"in use by another run \\(pid {holder.pid}\\)"):
+        claim(tmp_path / "out", resume=True)
+    holder.send_signal(signal.SIGKILL)
+    holder.wait()
+    claim(tmp_path / "out", resume=True).release()
+
+
+def test_resume_refuses_a_config_that_changes_training_and_names_the_keys(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    dump_config(config_for(out), out / "config.json")
+    with pytest.raises(ValueError, match=r"--resume: the config differs from the one .*out was trained with in keys "
+                                         r"that change training: algo.beta \(0.0 -> 0.04\), optim.lr \(1e-06 -> 0.001\)"
+                                         r"\. Resume with the stored values"):
+        claim(out, "algo.beta=0.04", "optim.lr=1e-3", "train.num_steps=500", "log.tensorboard=false", resume=True)
+    # Longer, logged or evaluated differently: the same training.
+    claim(out, "train.num_steps=500", "log.tensorboard=false", "train.eval_every=5", resume=True).release()
+
+
+def test_changed_rewards_are_a_change_in_training():
+    before = load_config(None).to_dict()
+    after = load_config(None, ["rewards.0.kwargs={answer_column = \"gold\"}"]).to_dict()
+    assert [key for key, _, _ in changed_training_keys(before, after)] == ["rewards"]
+
+
+def test_resume_with_metrics_but_no_checkpoint_refuses_and_keeps_them(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text('{"step": 0, "eval/accuracy": 0.25}\n')
+    with pytest.raises(ValueError, match=r"--resume: .* has metrics.jsonl but no complete checkpoint to continue "
+                                         r"from; start the run again with --overwrite"):
+        find_resume_checkpoint(tmp_path, SINGLE)
+    assert read_metrics(tmp_path) == [{"step": 0, "eval/accuracy": 0.25}]
+
+
+def test_a_torn_last_metrics_line_is_dropped_with_a_notice(tmp_path, capsys):
+    good = [{"step": 1, "reward": 0.5}, {"step": 2, "reward": 0.75}, {"step": 3, "reward": 1.0}]
+    text = "".join(json.dumps(r) + "\n" for r in good)
+    (tmp_path / "metrics.jsonl").write_text(text + '{"step": 4, "rew')
+    assert read_metrics(tmp_path) == good
+    MetricsLog(tmp_path, tensorboard=False, enabled=True, resume_step=2)
+    assert read_metrics(tmp_path) == good[:2]
+    assert "metrics.jsonl: dropped its last line, cut short by an interrupted write ('{\"step\": 4, \"rew'" in \
+        capsys.readouterr().out
+
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1\n' + text)  # damage before the end is not a torn write
+    with pytest.raises(ValueError, match=r"metrics.jsonl line 1 is not valid JSON"):
+        MetricsLog(tmp_path, tensorboard=False, enabled=True, resume_step=2)

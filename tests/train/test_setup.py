@@ -1,0 +1,31 @@
+"""Building a run's prompts: the model's own position limit applies at load, like data.max_prompt_tokens."""
+
+import json
+
+import pytest
+
+from turbogrpo.config import ConfigError, load_config
+from turbogrpo.models import tiny_model
+from turbogrpo.train import setup
+
+from .tiny_run import char_tokenizer
+
+
+def test_prompts_are_checked_against_the_models_positions_at_load(tmp_path):
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"prompt": "x" * n}) + "\n" for n in (4, 10, 20)))
+    config = load_config(None, ["data.kind=rows", f"data.path=\"{rows}\"", "rollout.max_new_tokens=6"])
+    tokenizer = char_tokenizer()
+    model = tiny_model("qwen2", vocab_size=len(tokenizer), hidden=16, layers=1, heads=2, kv_heads=1)
+    assert setup.position_limit(model) == model.config.max_position_embeddings
+
+    prompts = setup.load_train_prompts(config, tokenizer, max_positions=16)  # 4 + 6 and 10 + 6 fit, 20 + 6 not
+    assert [e.token_ids.numel() for e in prompts.examples] == [4, 10] and prompts.num_too_long == 1
+    strict = load_config(None, ["data.kind=rows", f"data.path=\"{rows}\"", "rollout.max_new_tokens=6",
+                                "data.on_overlong=error"])
+    with pytest.raises(ValueError, match=r"row 2: prompt has 20 tokens, which with max_new_tokens=6 is more than the "
+                                         r"model's 16 positions"):
+        setup.load_train_prompts(strict, tokenizer, max_positions=16)
+    with pytest.raises(ConfigError, match=r"config key 'rollout.max_new_tokens': 6 leaves no room for a prompt within "
+                                          r"the model's 6 positions"):
+        setup.load_train_prompts(config, tokenizer, max_positions=6)
