@@ -46,7 +46,7 @@ SHAPES = {
     "cpu": dict(vocab_size=512, hidden=128, layers=4, heads=4, kv_heads=2, intermediate=384, tie_word_embeddings=True),
 }
 # A GRPO step: K prompts of P tokens, G completions of S tokens each.
-STEPS = {"cuda": dict(num_prompts=4, prompt_len=256, group=8, new_tokens=128),
+STEPS = {"cuda": dict(num_prompts=4, prompt_len=256, group=8, new_tokens=64),
          "cpu": dict(num_prompts=2, prompt_len=48, group=4, new_tokens=16)}
 F32, BF16 = torch.float32, torch.bfloat16
 
@@ -110,19 +110,20 @@ def measure(device: torch.device, repeats: int, budget_s: float) -> dict:
                for _ in range(step["num_prompts"])]
     sampling = SamplingConfig(max_new_tokens=step["new_tokens"], temperature=1.0, stop_token_ids=())
     advantages = torch.randn(step["num_prompts"] * step["group"], generator=gen).to(device)
-    modes = {name: Mode(name, device, shape) for name in ("float32", "bf16_autocast", "bf16_compute_copy", "pure_bf16")}
-    num_params = sum(p.numel() for p in modes["float32"].master.parameters())
-    rows, held, peak = {}, {}, {}
-    rollouts = {}
-    for name, mode in modes.items():  # one step each: completions for the update, memory figures
+    modes, rows, held, peak, rollouts = {}, {}, {}, {}, {}
+    for name in ("float32", "bf16_autocast", "bf16_compute_copy", "pure_bf16"):
+        # Build and run one step each: completions for the update, and the memory figures (on CUDA the
+        # peak counts everything this mode allocates: weights, copy, gradients, AdamW state, activations).
         if device.type == "cuda":
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             base = torch.cuda.memory_allocated()
+        modes[name] = mode = Mode(name, device, shape)
         rollouts[name] = mode.rollout(prompts, sampling, step["group"]).tokens_per_group()
         held[name] = mode.update(prompts, rollouts[name], advantages)
         if device.type == "cuda":
             peak[name] = torch.cuda.max_memory_allocated() - base
+    num_params = sum(p.numel() for p in modes["float32"].master.parameters())
     # Same completions for every mode's timed update (the float32 rollout's), so the update work is equal.
     completions = rollouts["float32"]
     start = time.perf_counter()
