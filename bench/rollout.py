@@ -10,12 +10,15 @@ every completion runs the full number of new tokens and both generate the same t
 
 Also draws the live batch size per decoding step of a long-tail rollout (8 prompts x G=8, up to 256
 new tokens, stopping on any of 256 token ids, so lengths spread out as in real GRPO rollouts) next
-to the padded batch that ``generate`` keeps until its longest completion ends.
+to the padded batch that ``generate`` keeps until its longest completion ends, and times that
+rollout under several ``DecodeSchedule``s (host check every k steps, exact or power-of-two
+retirement): the CPU default of ``turbogrpo.rollout.engine.DEFAULT_SCHEDULES`` is read off it.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -26,10 +29,13 @@ from harness import RESULTS_DIR, interleaved_medians, print_table, write_results
 from prefix import BENCH_MODEL, bench_model  # noqa: E402
 
 from turbogrpo.rollout import SamplingConfig, generate  # noqa: E402
+from turbogrpo.rollout.engine import DecodeSchedule  # noqa: E402
 
 # (prompts, samples per prompt G, prompt length, new tokens per completion)
 SHAPES = [(8, 8, 512, 128), (2, 16, 1024, 128), (1, 1, 128, 128)]
 LONG_TAIL = dict(num_prompts=8, num_samples=8, prompt_len=512, max_new_tokens=256, stop_every=64)
+SCHEDULES = {"k1_exact": DecodeSchedule(1, "exact"), "k4_exact": DecodeSchedule(4, "exact"),
+             "k1_pow2": DecodeSchedule(1, "pow2"), "k8_pow2": DecodeSchedule(8, "pow2")}
 
 
 def make_prompts(num_prompts: int, prompt_len: int, seed: int = 0) -> list[torch.Tensor]:
@@ -81,12 +87,34 @@ def bench_shapes(model, repeats: int) -> tuple[list[list], list[dict]]:
     return rows, records
 
 
-def long_tail_rollout(model) -> dict:
+def long_tail_generate(model, schedule: DecodeSchedule | None = None):
     spec = LONG_TAIL
     sampling = SamplingConfig(max_new_tokens=spec["max_new_tokens"], temperature=1.0,
                               stop_token_ids=tuple(range(0, BENCH_MODEL["vocab_size"], spec["stop_every"])))
-    rollout = generate(model, make_prompts(spec["num_prompts"], spec["prompt_len"], seed=1),
-                       num_samples=spec["num_samples"], sampling=sampling, seed=0)
+    return generate(model, make_prompts(spec["num_prompts"], spec["prompt_len"], seed=1),
+                    num_samples=spec["num_samples"], sampling=sampling, seed=0, schedule=schedule)
+
+
+def bench_schedules(model, repeats: int) -> dict:
+    """The long-tail rollout under each of ``SCHEDULES`` (same tokens under all; only time differs)."""
+    tokens: dict[str, list] = {}
+
+    def timed(name):
+        def call():
+            tokens[name] = [t.tolist() for t in long_tail_generate(model, SCHEDULES[name]).tokens]
+        return call
+
+    print("long-tail rollout under each decode schedule ...", flush=True)
+    timings = interleaved_medians({name: timed(name) for name in SCHEDULES}, repeats=repeats, warmup=0)
+    assert all(t == tokens["k1_exact"] for t in tokens.values()), "schedules must not change the tokens"
+    base = timings["k1_exact"]["median_s"]
+    return {name: {"schedule": vars(SCHEDULES[name]), "timings": timings[name],
+                   "time_vs_k1_exact": timings[name]["median_s"] / base} for name in SCHEDULES}
+
+
+def long_tail_rollout(model) -> dict:
+    spec = LONG_TAIL
+    rollout = long_tail_generate(model)
     lengths = [len(t) for t in rollout.tokens]
     return {**spec, "lengths": lengths, "live_batch_sizes": rollout.stats.live_batch_sizes,
             "num_forwards": rollout.stats.num_forwards, "generated_tokens": rollout.stats.num_generated_tokens,
@@ -139,7 +167,14 @@ def main() -> None:
     print(f"long-tail rollout: {long_tail['generated_tokens']} tokens in {long_tail['wall_time_s']:.1f} s, "
           f"{long_tail['live_batch_row_steps']} sequence-steps vs {long_tail['padded_batch_row_steps']} padded")
     plot_long_tail(long_tail, RESULTS_DIR / "rollout_live_batch.png")
+    schedules = bench_schedules(model, repeats)
+    print_table("Long-tail rollout per decode schedule (time relative to k=1, exact)",
+                ["schedule", "median_s", "vs k1_exact"],
+                [[name, r["timings"]["median_s"], r["time_vs_k1_exact"]] for name, r in schedules.items()])
     write_results("rollout", {"model": BENCH_MODEL, "dtype": "float32", "repeats": repeats,
+                              "load": f"2-core CPU shared with other jobs; load average at the end "
+                                      f"{os.getloadavg()[0]:.1f}",
+                              "schedules": schedules,
                               "baseline": "transformers generate, prompts repeated G times, do_sample, "
                                           "temperature 1, top_k 0, top_p 1",
                               "shapes": records, "table": table, "long_tail": long_tail,

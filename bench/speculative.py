@@ -46,7 +46,8 @@ from turbogrpo.data import build_prompts, demo_records  # noqa: E402
 from turbogrpo.models import load_demo_model, load_model_and_tokenizer  # noqa: E402
 from turbogrpo.rollout import SamplingConfig, generate  # noqa: E402
 from turbogrpo.speculative.decode import Speculation  # noqa: E402
-from turbogrpo.speculative.draft import DraftHead, DraftTrainConfig, draft_examples, train_draft  # noqa: E402
+from turbogrpo.speculative.draft import DraftHead  # noqa: E402
+from turbogrpo.speculative.draft_training import DraftTrainConfig, draft_groups, train_draft  # noqa: E402
 from turbogrpo.speculative.policy import FixedSizing, OffSizing, make_sizing  # noqa: E402
 from turbogrpo.speculative.profiler import cached_profile  # noqa: E402
 from turbogrpo.speculative.tree import TreeShape  # noqa: E402
@@ -142,11 +143,12 @@ def load_or_train_draft(model, tokenizer, args, *, quick: bool) -> tuple[DraftHe
         sampling, samples = (stop_at_eos, 8) if first < len(prompts) // 2 else (run_on, 2)
         completions += generate(model, prompts[first:first + 8], num_samples=samples, sampling=sampling,
                                 seed=first).tokens_per_group()
-    examples = draft_examples(model, prompts, completions)
+    groups = draft_groups(model, prompts, completions)
     draft = DraftHead(model)
     config = DraftTrainConfig(lr=3e-3, num_epochs=epochs, batch_size=16)
-    history = train_draft(draft, examples, config)
-    info = {"trained_on": f"{len(examples)} demo-model completions of {num_prompts} train prompts (temperature 1; "
+    history = train_draft(draft, groups, config)
+    num_completions = sum(len(g.completions) for g in groups)
+    info = {"trained_on": f"{num_completions} demo-model completions of {num_prompts} train prompts (temperature 1; "
                           f"half stopped at EOS, half ran on to {args.tail_max} tokens)",
             "epochs": epochs, "lr": config.lr, "final_loss": history[-1]["loss"],
             "final_top1_agreement": history[-1]["top1_agreement"], "seconds": time.perf_counter() - start}

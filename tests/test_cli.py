@@ -27,6 +27,12 @@ def test_demo_config_file_matches_the_demo_command():
     assert load_config(REPO / "configs" / "demo.toml") == demo_config()
 
 
+def test_longform_config_file_matches_the_longform_demo_command():
+    config = demo_config(longform=True)
+    assert load_config(REPO / "configs" / "longform.toml") == config
+    assert config.rollout.speculation == "cost" and config.draft.learn
+
+
 @pytest.mark.parametrize("argv, message", [
     (["train", "missing.toml"], "turbogrpo: error: config file 'missing.toml' does not exist"),
     (["demo", "--set", "algo.loss=ppo"], "turbogrpo: error: config key 'algo.loss': 'ppo' is not allowed; expected "

@@ -104,3 +104,13 @@ def test_a_hub_id_fails_at_once_when_the_hub_cannot_be_reached(monkeypatch):
                                          r"set HF_HUB_OFFLINE=1"):
         load_model_and_tokenizer("nobody-i12/no-such-model")
     assert time.perf_counter() - start < 10
+
+
+def test_shipped_model_names_resolve_to_their_folders(tmp_path, monkeypatch):
+    from turbogrpo import models
+
+    assert models.resolve_model_path("demo") == models.DEMO_MODEL_DIR
+    assert models.resolve_model_path("some/folder") == "some/folder"
+    monkeypatch.setitem(models.SHIPPED_MODELS, "longform", (tmp_path / "absent", "scripts/build_longform_model.py"))
+    with pytest.raises(ValueError, match="build_longform_model.py"):
+        models.resolve_model_path("longform")

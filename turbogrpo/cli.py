@@ -3,6 +3,7 @@
     turbogrpo train CONFIG [--set key.sub=value ...] [--resume | --overwrite]
     turbogrpo demo [--set key.sub=value ...] [--resume | --overwrite]   GRPO on the built-in arithmetic task,
                                                       ~5 min on 2 CPU cores
+    turbogrpo demo --longform [...]                   the long-form task, speculative rollouts + online draft
     turbogrpo eval [CONFIG] [--model PATH] [--set ...]  held-out greedy accuracy of a model
 
 Configs are TOML or YAML (see configs/); every key is checked before any work starts.
@@ -43,8 +44,38 @@ DEMO_OVERRIDES = [
 ]
 
 
-def demo_config(overrides: list[str] = ()) -> Config:
-    return load_config(None, [*DEMO_OVERRIDES, *overrides])
+# `turbogrpo demo --longform`: the long-form task with speculative rollouts and a draft learnt online.
+# configs/longform.toml holds the same settings (a test keeps them equal) with each value's reason.
+LONGFORM_OVERRIDES = [
+    "model.path=longform",
+    "data.kind=longform",
+    "data.num_eval_problems=100",
+    "data.num_eval_samples=2",
+    "rewards.0.function=math_accuracy",
+    "rollout.num_generations=8",
+    "rollout.max_new_tokens=256",
+    "rollout.speculation=cost",
+    "draft.path=scratch",
+    "draft.learn=true",
+    "draft.max_tokens=2048",
+    "algo.loss=dapo",
+    "algo.beta=0.0",
+    "optim.lr=1e-4",
+    "optim.warmup_steps=3",
+    "optim.schedule=constant",
+    "optim.max_grad_norm=1.0",
+    "train.num_steps=30",
+    "train.prompts_per_step=8",
+    "train.micro_batch_tokens=16384",
+    "train.num_threads=2",
+    "train.output_dir=runs/longform",
+    "train.checkpoint_every=10",
+    "log.completions_every=5",
+]
+
+
+def demo_config(overrides: list[str] = (), *, longform: bool = False) -> Config:
+    return load_config(None, [*(LONGFORM_OVERRIDES if longform else DEMO_OVERRIDES), *overrides])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -60,6 +91,9 @@ def main(argv: list[str] | None = None) -> int:
     demo_cmd = commands.add_parser("demo", help="GRPO on the built-in arithmetic task with the shipped model")
     _add_overrides(demo_cmd)
     _add_run_flags(demo_cmd, "continue an interrupted demo")
+    demo_cmd.add_argument("--longform", action="store_true",
+                          help="the long-form task (3-12 step problems) with speculative rollouts and a draft head "
+                               "learnt online (configs/longform.toml)")
 
     eval_cmd = commands.add_parser("eval", help="held-out greedy accuracy of a model")
     eval_cmd.add_argument("config", nargs="?", help="config file (default: the demo's)")
@@ -75,7 +109,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "train":
             return _train(load_config(args.config, overrides), args, f"turbogrpo train {args.config}")
         if args.command == "demo":
-            return _train(demo_config(overrides), args, "turbogrpo demo", demo=True)
+            demo = "turbogrpo demo --longform" if args.longform else "turbogrpo demo"
+            return _train(demo_config(overrides, longform=args.longform), args, demo, demo=True)
         return _eval(args, overrides)
     except (ConfigError, ValueError) as err:
         print(f"turbogrpo: error: {err}", file=sys.stderr)
@@ -130,6 +165,8 @@ def _train(config: Config, args: argparse.Namespace, command: str, demo: bool = 
                   f"{before['sampled_accuracy']:.1%} -> {after['sampled_accuracy']:.1%}")
     print(f"{summary.steps} steps in {summary.wall_time_s:.0f} s; outputs in {summary.output_dir} "
           f"(metrics.jsonl, report/, final/)")
+    if summary.speculation:
+        print("\n".join(summary.speculation))
     if demo:
         print(f"The demo trained the shipped arithmetic model with GRPO; plots and numbers in "
               f"{summary.output_dir / 'report'}.")

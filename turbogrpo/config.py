@@ -37,7 +37,8 @@ class ModelConfig:
     """The policy being trained."""
 
     path: str = "demo"
-    """Local folder or Hub name of a Hugging Face causal LM; "demo" is the shipped arithmetic model."""
+    """Local folder or Hub name of a Hugging Face causal LM; "demo" and "longform" are the shipped models
+    of the two built-in tasks."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Compute dtype. bfloat16/float16: float32 master weights and AdamW state, forwards (rollout and
     training) under torch.autocast; the fast choice on GPU (float16 has no loss scaling: prefer bfloat16).
@@ -91,13 +92,13 @@ class LoraConfig:
 class DataConfig:
     """Where prompts come from."""
 
-    kind: Literal["arithmetic", "rows", "gsm8k"] = "arithmetic"
-    """"arithmetic": the built-in task; "rows": a jsonl/parquet/`datasets` folder with a prompt column;
+    kind: Literal["arithmetic", "longform", "rows", "gsm8k"] = "arithmetic"
+    """"arithmetic": the built-in demo task; "longform": built-in multi-step problems with long solutions; "rows": a jsonl/parquet/`datasets` folder with a prompt column;
     "gsm8k": GSM8K-format rows (question + worked answer; the gold number goes to column "gold")."""
     path: str = ""
     """Training rows for kind "rows"/"gsm8k": a .jsonl or .parquet file or a folder saved by `datasets`."""
     eval_path: str = ""
-    """Held-out rows for accuracy before/after ("" with kind "arithmetic": its built-in held-out split)."""
+    """Held-out rows for accuracy before/after ("" with a built-in kind: its own held-out split)."""
     split: str = "train"
     """Split to read from a saved DatasetDict folder (ignored for files)."""
     prompt_column: str = "prompt"
@@ -115,7 +116,7 @@ class DataConfig:
     shuffle: bool = True
     """Shuffle prompts each epoch (seeded by train.seed, so runs stay reproducible)."""
     num_train_problems: int = 2000
-    """Arithmetic task only: how many distinct training problems to generate."""
+    """Built-in tasks only: how many distinct training problems to generate."""
     num_eval_problems: int = 200
     """Held-out problems (or eval rows, at most) for accuracy before/after training and `turbogrpo eval`."""
     num_eval_samples: int = 4
@@ -173,8 +174,14 @@ class RolloutConfig:
     """Keep the k most likely tokens; 0 disables."""
     stop_strings: list[str] = field(default_factory=list)
     """Extra stop strings; the tokenizer's end-of-sequence token always stops."""
+    speculation: str = "off"
+    """Speculative rollouts with a draft head ([draft]): "off", or the tree-sizing policy "fixed",
+    "fastgrpo" or "cost" (ours: trees only where they pay). Lossless: the samples' distribution is unchanged."""
 
     def check(self, key: str) -> None:
+        from turbogrpo.speculative.policy import SIZING_POLICIES  # the registry is the one source of names
+        _require(self.speculation in SIZING_POLICIES, f"{key}.speculation", f"one of {', '.join(SIZING_POLICIES)}",
+                 self.speculation)
         _require(self.num_generations >= 2, f"{key}.num_generations",
                  "an integer >= 2 (group-relative advantages need at least two completions per prompt)",
                  self.num_generations)
@@ -184,6 +191,48 @@ class RolloutConfig:
                  self.temperature)
         _require(0.0 < self.top_p <= 1.0, f"{key}.top_p", "a number in (0, 1]", self.top_p)
         _require(self.top_k >= 0, f"{key}.top_k", "an integer >= 0 (0 disables)", self.top_k)
+
+
+@dataclass
+class DraftLearningConfig:
+    """The draft head of speculative rollouts (rollout.speculation) and its online learning."""
+
+    path: str = "scratch"
+    """A draft folder saved by `turbogrpo draft train`, or "scratch" for a new, untrained draft."""
+    num_layers: int = 1
+    """Decoder layers of a scratch draft (EAGLE's 1: deeper drafts cost more than they gain)."""
+    learn: bool = True
+    """Train the draft after every rollout on the policy's features of all completions (false: frozen)."""
+    lr: float = 1e-3
+    """AdamW learning rate; above EAGLE's offline 1e-4 so a scratch draft is useful within tens of steps."""
+    feature_weight: float = 1.0
+    """w_v: weight of SmoothL1(predicted feature, policy feature) (EAGLE 1.0, FastGRPO's code 2.0)."""
+    logit_weight: float = 0.1
+    """w_p: weight of CE(draft distribution, policy distribution) (EAGLE and FastGRPO 0.1)."""
+    steps: int = 1
+    """Draft optimizer steps per GRPO step (the step's completions are split between them)."""
+    max_tokens: int = 0
+    """Token budget: the most tokens (each group's prompt once, plus its completions) the draft trains
+    on per GRPO step, whole groups drawn at random (0: the whole rollout); it bounds the draft's share
+    of the step time where the draft is not much smaller than the policy."""
+    max_grad_norm: float = 0.5
+    """Gradient clipping of the draft (EAGLE's value)."""
+
+    def check(self, key: str) -> None:
+        from turbogrpo.speculative.draft import CONFIG_FILE, WEIGHTS_FILE
+        _require(self.path == "scratch" or all((Path(self.path) / f).is_file() for f in (CONFIG_FILE, WEIGHTS_FILE)),
+                 f"{key}.path", f"\"scratch\" or a folder holding {CONFIG_FILE} and {WEIGHTS_FILE} (written by "
+                 "`turbogrpo draft train`)", self.path)
+        _require(self.num_layers >= 1, f"{key}.num_layers", "an integer >= 1", self.num_layers)
+        _require(self.lr > 0, f"{key}.lr", "a number > 0", self.lr)
+        _require(self.feature_weight >= 0, f"{key}.feature_weight", "a number >= 0", self.feature_weight)
+        _require(self.logit_weight >= 0, f"{key}.logit_weight", "a number >= 0", self.logit_weight)
+        _require(self.feature_weight + self.logit_weight > 0, f"{key}.feature_weight",
+                 "weights with a positive sum (feature_weight + logit_weight > 0)", self.feature_weight)
+        _require(self.steps >= 1, f"{key}.steps", "an integer >= 1", self.steps)
+        _require(self.max_tokens >= 0, f"{key}.max_tokens", "an integer >= 0 (0: every completion token)",
+                 self.max_tokens)
+        _require(self.max_grad_norm > 0, f"{key}.max_grad_norm", "a number > 0", self.max_grad_norm)
 
 
 @dataclass
@@ -344,6 +393,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     rewards: list[RewardConfig] = field(default_factory=lambda: [RewardConfig()])
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    draft: DraftLearningConfig = field(default_factory=DraftLearningConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)

@@ -40,7 +40,13 @@ ARCHITECTURES: dict[str, Architecture] = {
     "mistral": Architecture(MistralConfig, MistralForCausalLM),
 }
 
-DEMO_MODEL_DIR = Path(__file__).resolve().parent / "assets" / "demo_model"
+ASSETS_DIR = Path(__file__).resolve().parent / "assets"
+DEMO_MODEL_DIR = ASSETS_DIR / "demo_model"
+# Models shipped with turbogrpo, by the name a config's model.path may give: (folder, build script).
+SHIPPED_MODELS: dict[str, tuple[Path, str]] = {
+    "demo": (DEMO_MODEL_DIR, "scripts/build_demo_model.py"),  # the arithmetic task (turbogrpo.data.arithmetic)
+    "longform": (ASSETS_DIR / "longform_model", "scripts/build_longform_model.py"),  # turbogrpo.data.longform
+}
 # A Hub id is "name" or "owner/name"; anything else that does not exist locally is a missing folder.
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 
@@ -200,12 +206,22 @@ def tiny_model(arch: str = "qwen2", *, vocab_size: int = 128, hidden: int = 64, 
     return model.to(resolve_dtype(dtype)).eval()
 
 
+def shipped_model_path(name: str) -> Path:
+    """Folder of a model shipped with turbogrpo (``SHIPPED_MODELS``: "demo" or "longform")."""
+    folder, script = SHIPPED_MODELS[name]
+    if not (folder / "config.json").is_file():
+        raise ValueError(f"the {name} model is missing from {folder}; rebuild it with `python {script}`")
+    return folder
+
+
+def resolve_model_path(path: str) -> str | Path:
+    """A config's model.path: the shipped folder for a shipped model's name, else ``path`` itself."""
+    return shipped_model_path(path) if path in SHIPPED_MODELS else path
+
+
 def demo_model_path() -> Path:
     """Folder of the demo model shipped with turbogrpo (built by scripts/build_demo_model.py)."""
-    if not (DEMO_MODEL_DIR / "config.json").is_file():
-        raise ValueError(f"the demo model is missing from {DEMO_MODEL_DIR}; rebuild it with "
-                         "`python scripts/build_demo_model.py`")
-    return DEMO_MODEL_DIR
+    return shipped_model_path("demo")
 
 
 def load_demo_model(*, dtype: str | torch.dtype = "float32", device: str | torch.device | None = None,

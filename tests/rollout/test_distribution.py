@@ -13,7 +13,7 @@ import torch
 from transformers.generation.logits_process import (LogitsProcessorList, TemperatureLogitsWarper,
                                                     TopKLogitsWarper, TopPLogitsWarper)
 
-import turbogrpo.rollout.engine as engine
+import turbogrpo.rollout.step as step_module
 from tests.rollout.conftest import build_model, random_prompts
 from turbogrpo.rollout import SamplingConfig, generate
 
@@ -89,25 +89,25 @@ def test_first_two_tokens_follow_the_exact_distribution(small_vocab_model, promp
 
 def test_a_group_sharing_its_first_token_fails(small_vocab_model, prompts, monkeypatch):
     """The FastGRPO reference's bug: one first token per prompt, copied to the whole group."""
-    draw = engine.sample_with_logprobs
+    draw = step_module.sample_with_logprobs
     calls = []
 
-    def shared_first_token(logits, sampling, generator=None):
+    def shared_first_token(logits, sampling, generator=None, uniform=None):
         calls.append(1)
         if len(calls) > 1:
-            return draw(logits, sampling, generator)
-        tokens, logprobs = draw(logits[::NUM_SAMPLES], sampling, generator)
+            return draw(logits, sampling, generator, uniform)
+        tokens, logprobs = draw(logits[::NUM_SAMPLES], sampling, generator, uniform[::NUM_SAMPLES])
         return tokens.repeat_interleave(NUM_SAMPLES), logprobs.repeat_interleave(NUM_SAMPLES)
 
-    monkeypatch.setattr(engine, "sample_with_logprobs", shared_first_token)
+    monkeypatch.setattr(step_module, "sample_with_logprobs", shared_first_token)
     assert sampler_p_value(small_vocab_model, prompts, CONFIGS["temperature 1"]) < 1e-9
 
 
 def test_a_wrong_temperature_fails(small_vocab_model, prompts, monkeypatch):
-    draw = engine.sample_with_logprobs
+    draw = step_module.sample_with_logprobs
 
-    def temperature_one(logits, sampling, generator=None):
-        return draw(logits, dataclasses.replace(sampling, temperature=1.0), generator)
+    def temperature_one(logits, sampling, generator=None, uniform=None):
+        return draw(logits, dataclasses.replace(sampling, temperature=1.0), generator, uniform)
 
-    monkeypatch.setattr(engine, "sample_with_logprobs", temperature_one)
+    monkeypatch.setattr(step_module, "sample_with_logprobs", temperature_one)
     assert sampler_p_value(small_vocab_model, prompts, CONFIGS["temperature 0.7, top-p 0.9"]) < 1e-9

@@ -124,7 +124,8 @@ def trained_pair(vocab_size: int = 64, *, seed: int = 0, sharpness: float = 6.0)
     """(policy, draft, prompts): a tiny policy and a draft trained on its own completions of
     ``prompts`` (cached: a few seconds)."""
     from turbogrpo.rollout import SamplingConfig, generate
-    from turbogrpo.speculative.draft import DraftHead, DraftTrainConfig, draft_examples, train_draft
+    from turbogrpo.speculative.draft import DraftHead
+    from turbogrpo.speculative.draft_training import DraftTrainConfig, draft_groups, train_draft
 
     policy = tiny_policy(vocab_size=vocab_size, seed=seed, sharpness=sharpness)
     g = torch.Generator().manual_seed(seed)
@@ -132,6 +133,6 @@ def trained_pair(vocab_size: int = 64, *, seed: int = 0, sharpness: float = 6.0)
     completions = [generate(policy, prompts, num_samples=n, sampling=SamplingConfig(max_new_tokens=20, temperature=t),
                             seed=seed).tokens_per_group() for n, t in ((1, 0.0), (4, 0.7))]
     draft = DraftHead(policy)
-    train_draft(draft, draft_examples(policy, prompts, [a + b for a, b in zip(*completions)]),
+    train_draft(draft, draft_groups(policy, prompts, [a + b for a, b in zip(*completions)]),
                 DraftTrainConfig(lr=1e-2, num_epochs=25, batch_size=20))
     return policy, draft, prompts

@@ -1,5 +1,6 @@
 """Speculative rollouts against the plain engine: greedy equality, edge cases, losslessness."""
 
+import dataclasses
 import functools
 
 import pytest
@@ -186,3 +187,28 @@ def test_a_draft_of_another_model_object_is_refused():
         generate_speculative(other, prompts, num_samples=1, sampling=GREEDY, draft=draft)
     with pytest.raises(ValueError, match="DraftHead"):
         generate_speculative(policy, prompts, num_samples=1, sampling=GREEDY, draft="eagle")
+
+
+def test_draft_time_is_counted_only_when_the_draft_runs():
+    policy, draft, prompts = trained_pair()
+    spec = speculate(policy, draft, prompts[:2], GREEDY)
+    assert spec.stats.num_draft_forwards > 0 and 0 < spec.stats.draft_seconds < spec.stats.wall_time_s
+    off = generate_speculative(policy, prompts[:2], num_samples=2, sampling=GREEDY,
+                               draft=Speculation(draft, "off"))
+    assert off.stats.num_draft_forwards == 0 and off.stats.draft_seconds == 0.0
+
+
+def test_a_bare_draft_head_and_the_engine_import_nothing_speculative():
+    """generate(draft=DraftHead) builds its step through the duck-typed make_step; the rollout
+    package itself never imports turbogrpo.speculative (no import cycle)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, turbogrpo.rollout, turbogrpo.rollout.engine; "
+            "print(any(m.startswith('turbogrpo.speculative') for m in sys.modules))")
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          check=True).stdout.strip() == "False"
+    policy, draft, prompts = trained_pair()
+    plain = generate(policy, prompts[:2], num_samples=1, sampling=GREEDY)
+    bare = generate(policy, prompts[:2], num_samples=1, sampling=dataclasses.replace(GREEDY), draft=draft)
+    assert_same_completions(plain, bare)

@@ -29,6 +29,22 @@ def test_profile_measures_monotone_curves_for_policy_and_draft():
     assert 1 <= result.c_peak <= 16
 
 
+def test_the_verify_curve_times_the_engines_own_step(monkeypatch):
+    """Each point times the rollout engine's plain step with n live rows, as a rollout runs it."""
+    from turbogrpo.rollout.step import PlainStep
+
+    rows_seen = []
+    step_call = PlainStep.__call__
+
+    def counting(self, state):
+        rows_seen.append(state.next_B.shape[0])
+        step_call(self, state)
+
+    monkeypatch.setattr(PlainStep, "__call__", counting)
+    profile_latency(tiny_policy(), context_length=12, max_tokens=8, repeats=2)
+    assert rows_seen == [8] * 3 + [4] * 3 + [2] * 3 + [1] * 3  # warm-up + 2 repeats, largest first
+
+
 def test_cache_is_keyed_and_reused(tmp_path, monkeypatch):
     model = tiny_policy()
     path = tmp_path / "profiles.json"

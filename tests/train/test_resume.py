@@ -22,15 +22,22 @@ from .tiny_run import overrides, write_model, write_rows
 REPO = Path(__file__).resolve().parents[2]
 EXTRA = {"train.num_steps": 8, "train.checkpoint_every": 2, "algo.num_iterations": 2, "algo.beta": 0.02,
          "optim.warmup_steps": 2, "optim.schedule": "cosine", "optim.weight_decay": 0.01}
+# bf16-mixed: float32 masters and AdamW state in the checkpoint, bf16 autocast compute.
+BF16_MIXED = {**EXTRA, "model.dtype": "bfloat16"}
+# Speculative rollouts with a draft learnt online: the draft, its optimizer and the sizing statistics
+# must resume too (fixed sizing: its tree shapes, hence its draws, do not depend on timings).
+SPECULATIVE = {"train.num_steps": 4, "train.checkpoint_every": 2, "rollout.speculation": "fixed",
+               "draft.lr": 3e-3, "draft.max_tokens": 40, "draft.steps": 2}
 
 
 def command(config: Path, sets: list[str], *flags: str) -> list[str]:
     return [sys.executable, "-m", "turbogrpo", "train", str(config), *flags, "--set", *sets]
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])  # bfloat16: float32 masters, bf16 autocast compute
-def test_sigkill_then_resume_equals_uninterrupted_run(tmp_path, dtype):
-    extra = {**EXTRA, "model.dtype": dtype}
+@pytest.mark.parametrize("extra", [EXTRA, BF16_MIXED, SPECULATIVE], ids=["grpo", "grpo_bf16_mixed",
+                                                               "speculative_online_draft"])
+def test_sigkill_then_resume_equals_uninterrupted_run(tmp_path, extra):
+    last = f"step-{extra['train.num_steps']:06d}"
     model_dir, rows = write_model(tmp_path / "model"), write_rows(tmp_path / "rows.jsonl")
     config = tmp_path / "run.toml"
     config.write_text("# everything is set on the command line\n")
@@ -43,13 +50,13 @@ def test_sigkill_then_resume_equals_uninterrupted_run(tmp_path, dtype):
                              stderr=subprocess.DEVNULL, text=True)
     for line in child.stdout:
         if line.startswith("checkpoint saved:"):
-            child.send_signal(signal.SIGKILL)  # mid-training: 6 of 8 steps still to go
+            child.send_signal(signal.SIGKILL)  # mid-training, after the first checkpoint
             break
     child.wait()
     assert child.returncode == -signal.SIGKILL
     assert not (killed_dir / "final").exists()
     interrupted_at = max(int(p.name.split("-")[1]) for p in killed_dir.glob("step-*"))
-    assert interrupted_at < 8
+    assert interrupted_at < extra["train.num_steps"]
 
     # The killed run's lock on the folder died with it: the resume is not blocked.
     resumed = subprocess.run(command(config, sets, "--resume"), cwd=REPO, env=env, capture_output=True, text=True)
@@ -59,15 +66,21 @@ def test_sigkill_then_resume_equals_uninterrupted_run(tmp_path, dtype):
     straight_dir = tmp_path / "straight"
     train(load_config(None, overrides(model_dir, rows, straight_dir, **extra)))  # in-process, one thread too
 
-    final_killed = load_file(killed_dir / "step-000008" / "model.safetensors")
-    final_straight = load_file(straight_dir / "step-000008" / "model.safetensors")
+    final_killed = load_file(killed_dir / last / "model.safetensors")
+    final_straight = load_file(straight_dir / last / "model.safetensors")
     assert final_killed.keys() == final_straight.keys()
     assert {t.dtype for t in final_straight.values()} == {torch.float32}  # the masters, whatever computes
     for name in final_straight:
         assert torch.equal(final_killed[name], final_straight[name]), name
-    optim_killed = load_file(killed_dir / "step-000008" / "optimizer.safetensors")
-    optim_straight = load_file(straight_dir / "step-000008" / "optimizer.safetensors")
+    optim_killed = load_file(killed_dir / last / "optimizer.safetensors")
+    optim_straight = load_file(straight_dir / last / "optimizer.safetensors")
     assert all(torch.equal(optim_killed[k], optim_straight[k]) for k in optim_straight)
+    if "rollout.speculation" in extra:
+        draft_killed = load_file(killed_dir / last / "extra-rank0.safetensors")
+        draft_straight = load_file(straight_dir / last / "extra-rank0.safetensors")
+        assert any(k.startswith("optimizer/") for k in draft_straight) and draft_killed.keys() == draft_straight.keys()
+        for name in draft_straight:
+            assert torch.equal(draft_killed[name], draft_straight[name]), name
 
     def comparable(records):
         return [{k: v for k, v in r.items() if not k.startswith("time/") and "per_s" not in k} for r in records]

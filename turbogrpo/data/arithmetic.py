@@ -92,10 +92,14 @@ class ArithmeticProblem:
             total += change
         return steps
 
+    def solution_text(self, steps: Sequence[SolutionStep]) -> str:
+        """A completion writing out ``steps`` (the correct ones, or a noisy copy for a warm start)."""
+        return format_solution(steps)
+
     @property
     def completion(self) -> str:
         """The reference completion (what the model should write after the prompt)."""
-        return format_solution(self.steps())
+        return self.solution_text(self.steps())
 
     @property
     def prompt(self) -> str:
@@ -118,16 +122,36 @@ def split_of(start: int, changes: Sequence[int]) -> str:
     return "eval" if int.from_bytes(digest, "little") % EVAL_MODULUS == 0 else "train"
 
 
-def _render_question(rng: random.Random, start: int, changes: Sequence[int]) -> str:
+@dataclass(frozen=True)
+class Wording:
+    """How a problem is told: who, what, and one phrase per change (amounts filled in)."""
+
+    name: str
+    pronoun: str
+    item: str
+    phrases: tuple[str, ...]  # e.g. ("buys 7 more", "gives away 5")
+
+    def sentences(self, start: int) -> list[str]:
+        """The statement, one sentence per fact: the start, then each change in order."""
+        changes = [f"{self.pronoun if i == 0 else 'Then ' + self.pronoun.lower()} {phrase}."
+                   for i, phrase in enumerate(self.phrases)]
+        return [f"{self.name} has {start} {self.item}.", *changes]
+
+    def question(self, start: int) -> str:
+        return " ".join([*self.sentences(start), f"How many {self.item} does {self.name} have now?"])
+
+
+def draw_wording(rng: random.Random, changes: Sequence[int]) -> Wording:
+    """A random person, item and verb per change (a gain verb for a positive change, else a loss verb)."""
     name, pronoun = rng.choice(NAMES)
     item = rng.choice(ITEMS)
-    sentences = [f"{name} has {start} {item}."]
-    for i, change in enumerate(changes):
-        phrase = rng.choice(GAIN_PHRASES if change > 0 else LOSS_PHRASES).format(n=abs(change))
-        subject = pronoun if i == 0 else f"Then {pronoun.lower()}"
-        sentences.append(f"{subject} {phrase}.")
-    sentences.append(f"How many {item} does {name} have now?")
-    return " ".join(sentences)
+    phrases = tuple(rng.choice(GAIN_PHRASES if change > 0 else LOSS_PHRASES).format(n=abs(change))
+                    for change in changes)
+    return Wording(name, pronoun, item, phrases)
+
+
+def _render_question(rng: random.Random, start: int, changes: Sequence[int]) -> str:
+    return draw_wording(rng, changes).question(start)
 
 
 def _draw_arithmetic(rng: random.Random, config: ArithmeticConfig) -> tuple[int, tuple[int, ...]]:

@@ -6,7 +6,11 @@ it to attend to a group's shared prompt K/V and a sequence's own generated K/V w
 them side by side. Written with as few kernels as possible: decoding runs these once per layer and
 step, and small steps (the long tail of a rollout) are bound by per-kernel overhead.
 
-Shapes: ``...`` batch dimensions, ``M`` queries, ``L`` keys, ``D`` head dim.
+Two implementations of a part: matrix products with the softmax by hand (any device, any mask), and
+a fused kernel that returns the log-sum-exp (``PARTIAL_ATTENTION``, per device; rows must see a key).
+
+Shapes: ``...`` batch dimensions, ``X`` batch, ``K`` key/value heads, ``M`` queries, ``L`` keys,
+``D`` head dim.
 """
 
 from __future__ import annotations
@@ -14,20 +18,20 @@ from __future__ import annotations
 import torch
 
 
-def partial_attention(scaled_query: torch.Tensor, key_DL: torch.Tensor, value: torch.Tensor,
-                      bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax attention of ``scaled_query [X, K, M, D]`` (already multiplied by the softmax scale)
-    over keys ``key_DL [X, K, D, L]`` (transposed: a contiguous ``[D, L]`` block makes the product a
-    plain GEMM) and values ``[X, K, L, D]``.
+def partial_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bias: torch.Tensor | None,
+                      scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention of ``query [X, K, M, D]`` over keys and values ``[X, K, L, D]``, scores
+    multiplied by ``scale``, by matrix products.
 
-    ``bias`` (float32, 0 or ``-inf``, broadcastable to ``[X, K, M, L]``) hides keys. Returns the
-    output ``[X, K, M, D]`` and the log-sum-exp of the scores ``[X, K, M, 1]``, both float32. A row
-    that sees no key gets output 0 and a hugely negative lse, so that it drops out of a merge.
+    ``bias`` (0 or ``-inf``, broadcastable to ``[X, K, M, L]``) hides keys. Returns the output
+    ``[X, K, M, D]`` and the log-sum-exp of the scores ``[X, K, M, 1]``, both float32. A row that sees
+    no key gets output 0 and a hugely negative lse, so that it drops out of a merge.
     """
     # bmm on (X*K)-batched views: torch.matmul's 4-D path costs several times more per call on small
-    # shapes, and decoding makes two such calls per part, layer and step.
-    num_x, num_k, num_queries, _ = scaled_query.shape
-    scores = torch.bmm(scaled_query.flatten(0, 1), key_DL.flatten(0, 1)).float()
+    # shapes, and decoding makes two such calls per part, layer and step. The keys' transpose is a
+    # view: BLAS reads the operand transposed, no copy.
+    num_x, num_k, num_queries, _ = query.shape
+    scores = torch.bmm((query * scale).flatten(0, 1), key.flatten(0, 1).transpose(1, 2)).float()
     scores = scores.view(num_x, num_k, num_queries, -1)
     if bias is not None:
         scores += bias
@@ -38,6 +42,26 @@ def partial_attention(scaled_query: torch.Tensor, key_DL: torch.Tensor, value: t
     total = weights.sum(dim=-1, keepdim=True).clamp_min_(torch.finfo(scores.dtype).tiny)
     out = torch.bmm(weights.to(value.dtype).flatten(0, 1), value.flatten(0, 1)).float()
     return out.view(num_x, num_k, num_queries, -1) / total, row_max + total.log()
+
+
+def fused_partial_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                            bias: torch.Tensor | None, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``partial_attention`` in one fused kernel that also returns the log-sum-exp (the CPU flash
+    attention behind SDPA). Every row must see at least one key: a fully hidden row gets lse 0,
+    not -inf. ``bias`` must have the query's dtype."""
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        query, key, value, 0.0, False, attn_mask=bias, scale=scale)
+    return out.float(), lse.unsqueeze(-1)
+
+
+PARTIAL_ATTENTION = {"cpu": fused_partial_attention}
+"""Device type -> its fused partial attention; other devices, and masks that may hide every key of
+a row (sliding windows), use ``partial_attention``."""
+
+
+def partial_attention_for(device: torch.device, may_hide_all: bool):
+    """The partial attention to use on ``device``."""
+    return partial_attention if may_hide_all else PARTIAL_ATTENTION.get(device.type, partial_attention)
 
 
 def merge_partials(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,

@@ -1,69 +1,143 @@
-"""The rollout loop: prefill each prompt once, then decode all live sequences together.
+"""The rollout engine's one decoding loop, for plain and speculative steps alike.
 
     prefill (one forward over the distinct prompts)
       -> every sample draws its own first token from its prompt's logits
-      -> loop: forward the live sequences' newest tokens, draw the next ones, drop finished sequences
+      -> loop: a window of ``host_check_every`` steps with no host sync (``step.py``),
+               then one host read: finished rows, live counts, non-finite logits, the step's values;
+               retire finished rows when the live count falls to a smaller bucket
+
+The step is a ``DecodeStep``: the plain step, or whatever ``draft.make_step(...)`` returns (the
+speculative tree step of ``turbogrpo.speculative``; the engine never imports it). Finished rows stay
+in the batch until their bucket empties, masked (``emit`` gives them nothing), so that within a
+bucket every step has the same shapes.
 
 The policy runs as the user's own ``transformers`` model object (through ``turbogrpo.hook``), so a
 rollout right after an optimizer step already uses the new weights.
 
-Output buffers and emission live in ``outputs.py``, shared with the speculative decoder.
-
-Legend: ``N`` completions, ``B`` live sequences, ``k`` tokens emitted per sequence in a step,
-``T`` output columns, ``V`` vocabulary, ``Hd`` hidden size.
+Legend: ``N`` completions, ``B`` rows of the decoding batch, ``G`` prompts, ``P`` longest prompt,
+``V`` vocabulary, ``Hd`` hidden size.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from turbogrpo.hook import lm_head_of
+from turbogrpo.rollout.compiled import PLAIN_RUNNERS
 from turbogrpo.rollout.kv_cache import GroupedKVCache
 from turbogrpo.rollout.outputs import LiveRows, OutputBuffers, collect_rollout, emit
-from turbogrpo.rollout.plans import forward_new_tokens, prefill
-from turbogrpo.rollout.sampling import SamplingConfig, sample_with_logprobs
+from turbogrpo.rollout.plans import prefill_all_positions
+from turbogrpo.rollout.sampling import SamplingConfig
+from turbogrpo.rollout.step import DecodeState, DecodeStep, PlainStep, plain_step
 from turbogrpo.rollout.stopping import StopCriteria
 from turbogrpo.rollout.types import Rollout, RolloutStats
 
 
+def _exact_bucket(num_live: int, batch_size: int) -> int:
+    return num_live
+
+
+def _power_of_two_bucket(num_live: int, batch_size: int) -> int:
+    return min(batch_size, 1 << max(0, num_live - 1).bit_length())
+
+
+BUCKETS: dict[str, Callable[[int, int], int]] = {"exact": _exact_bucket, "pow2": _power_of_two_bucket}
+"""Batch size to keep for ``num_live`` live rows in a batch of ``batch_size``: "exact" retires every
+finished row at each host check; "pow2" only when the live count falls to a smaller power of two,
+so that a step's shapes change at most log2(N) times per rollout (one captured graph per bucket)."""
+
+
+@dataclass(frozen=True)
+class DecodeSchedule:
+    """When the host looks at the decoding batch."""
+
+    host_check_every: int = 1
+    """Steps run back to back between host reads (>= 1). Each read waits for the device; a larger k
+    hides that wait but runs finished rows up to k - 1 extra (masked) steps."""
+    buckets: str = "exact"
+    """Key of ``BUCKETS``: when finished rows are retired."""
+    runner: str = "eager"
+    """Key of ``compiled.PLAIN_RUNNERS``: how the plain step runs (eager, compiled by ``torch.compile``, or
+    replayed from CUDA graphs: opt-in, CUDA only, not yet measured; see ``turbogrpo.rollout.compiled``)."""
+
+    def __post_init__(self):
+        if isinstance(self.host_check_every, bool) or not isinstance(self.host_check_every, int) \
+                or self.host_check_every < 1:
+            raise ValueError(f"DecodeSchedule.host_check_every must be an integer >= 1, got "
+                             f"{self.host_check_every!r}")
+        if self.buckets not in BUCKETS:
+            raise ValueError(f"DecodeSchedule.buckets must be one of {sorted(BUCKETS)}, got {self.buckets!r}")
+        if self.runner not in PLAIN_RUNNERS:
+            raise ValueError(f"DecodeSchedule.runner must be one of {sorted(PLAIN_RUNNERS)}, got {self.runner!r}")
+
+    @property
+    def static_slots(self) -> bool:
+        """Compiled steps attend over the whole KV capacity, so shapes hold from step to step."""
+        return self.runner != "eager"
+
+
+DEFAULT_SCHEDULES = {
+    # CPU: the host read costs nothing (the work already ran when the op returned) and a masked row
+    # costs its full share of every op, so: read every step, retire at once. bench/rollout.py's
+    # long-tail rollout (8 x 8, up to 256 tokens; 2-core CPU shared with other jobs, one repeat):
+    # k=4 exact 0.94x the time of k=1 exact (within that run's noise), k=1 pow2 1.03x, k=8 pow2 1.34x.
+    "cpu": DecodeSchedule(host_check_every=1, buckets="exact"),
+    # GPU: a host read stalls the launch queue, and shapes should stay put for graph replay. Not yet
+    # measured on a GPU (bench/gpu_rollout.py measures it).
+    "cuda": DecodeSchedule(host_check_every=8, buckets="pow2"),
+}
+
+
+def default_schedule(device: torch.device) -> DecodeSchedule:
+    return DEFAULT_SCHEDULES.get(device.type, DEFAULT_SCHEDULES["cuda"])
+
+
 def generate(model: nn.Module, prompts: list[torch.Tensor], *, num_samples: int, sampling: SamplingConfig,
              seed: int | None = None, draft: object | None = None, return_hidden: bool = False,
-             max_new_tokens_per_completion: Sequence[int] | None = None) -> Rollout:
+             max_new_tokens_per_completion: Sequence[int] | None = None,
+             schedule: DecodeSchedule | None = None) -> Rollout:
     """Sample ``num_samples`` completions for each prompt with ``model``'s current weights.
 
     ``prompts``: 1-D int64 token id tensors, one per group. ``seed`` makes the draws reproducible
     (a generator on the model's device); ``None`` uses torch's global generator. ``return_hidden``
-    keeps the policy's final hidden state for every generated token. ``draft`` (a
-    ``turbogrpo.speculative`` draft head or ``Speculation``) turns on lossless speculative decoding.
+    keeps the policy's final hidden state for every generated token. ``draft`` turns on lossless
+    speculative decoding: any object with ``make_step(model, prompts, sampling) -> DecodeStep``
+    (``turbogrpo.speculative``'s ``DraftHead`` and ``Speculation``).
     ``max_new_tokens_per_completion``: a length limit for each completion (group by group, as in the
     output), each at most ``sampling.max_new_tokens``; None gives every completion that limit.
+    ``schedule``: when the host checks the batch (None: the device's default, ``DEFAULT_SCHEDULES``);
+    it changes speed only, never the tokens.
     """
     _check_inputs(model, prompts, num_samples, sampling)
+    if schedule is not None and not isinstance(schedule, DecodeSchedule):
+        raise ValueError(f"schedule must be a DecodeSchedule or None, got {type(schedule).__name__}")
+    if draft is not None and not callable(getattr(draft, "make_step", None)):
+        raise ValueError(f"draft must be a turbogrpo.speculative DraftHead or Speculation (or None for plain "
+                         f"sampling), got {type(draft).__name__}")
     device = next(model.parameters()).device
-    limits_N = _length_limits(max_new_tokens_per_completion, len(prompts) * num_samples, sampling, device)
+    limits = _length_limits(max_new_tokens_per_completion, len(prompts) * num_samples, sampling)
     generator = None
     if seed is not None:
         generator = torch.Generator(device=device)
         generator.manual_seed(seed)
     prompts = [p.to(device=device, dtype=torch.long) for p in prompts]
     with torch.no_grad():
-        if draft is not None:
-            # Imported here: the speculative decoder is built on this engine's pieces.
-            from turbogrpo.speculative.decode import speculative_rollout
-            return speculative_rollout(model, prompts, num_samples, sampling, generator, return_hidden, draft,
-                                       limits_N)
-        return _plain_rollout(model, prompts, num_samples, sampling, generator, return_hidden, limits_N)
+        schedule = schedule or default_schedule(device)
+        step: DecodeStep = (PlainStep(PLAIN_RUNNERS[schedule.runner](plain_step)) if draft is None
+                            else draft.make_step(model, prompts, sampling))
+        return _rollout(model, prompts, num_samples, sampling, generator, return_hidden, limits, step, schedule)
 
 
-def _length_limits(limits: Sequence[int] | None, num_completions: int, sampling: SamplingConfig,
-                   device: torch.device) -> torch.Tensor:
-    """``[N]`` most new tokens per completion."""
+def _length_limits(limits: Sequence[int] | None, num_completions: int, sampling: SamplingConfig) -> list[int]:
+    """Most new tokens of each completion (host list)."""
     if limits is None:
-        return torch.full((num_completions,), sampling.max_new_tokens, dtype=torch.long, device=device)
+        return [sampling.max_new_tokens] * num_completions
     limits = list(limits)
     if len(limits) != num_completions:
         raise ValueError(f"max_new_tokens_per_completion has {len(limits)} entries; it needs one per completion "
@@ -72,54 +146,108 @@ def _length_limits(limits: Sequence[int] | None, num_completions: int, sampling:
     if bad:
         raise ValueError(f"max_new_tokens_per_completion holds {bad[:3]}; each must be an integer in "
                          f"[1, sampling.max_new_tokens={sampling.max_new_tokens}]")
-    return torch.tensor(limits, dtype=torch.long, device=device)
+    return limits
 
 
-def _plain_rollout(model: nn.Module, prompts: list[torch.Tensor], num_samples: int, sampling: SamplingConfig,
-                   generator: torch.Generator | None, return_hidden: bool, limits_N: torch.Tensor) -> Rollout:
+def _rollout(model: nn.Module, prompts: list[torch.Tensor], num_samples: int, sampling: SamplingConfig,
+             generator: torch.Generator | None, return_hidden: bool, limits: list[int], step: DecodeStep,
+             schedule: DecodeSchedule) -> Rollout:
+    """The loop of the module docstring (inputs already checked and on the model's device)."""
     start = time.perf_counter()
-    device = prompts[0].device
-    num_completions = len(prompts) * num_samples
-    max_new = sampling.max_new_tokens
-    # Every emitted token but the last is fed back, so max_new - 1 slots would do; max_new keeps
-    # the capacity >= 1 when max_new_tokens = 1.
-    cache = GroupedKVCache([len(p) for p in prompts], num_samples, capacity=max_new, device=device)
-    criteria = StopCriteria(sampling, device)
-    lm_head = lm_head_of(model)
-    stats = RolloutStats()
-
-    prompt_hidden_GH = prefill(model, cache, prompts)
+    state = first_draw(model, prompts, num_samples, sampling, generator, return_hidden or step.keeps_hidden,
+                       limits, step.extra_slots, static_slots=schedule.static_slots and not step.extra_slots)
+    stats = step.make_stats()
     stats.num_forwards += 1
-    # One row per sample, so that every sample draws its own first token from its prompt's logits.
-    logits_BV = lm_head(prompt_hidden_GH).float().repeat_interleave(num_samples, dim=0)
-    hidden_BH = prompt_hidden_GH.repeat_interleave(num_samples, dim=0)
-    outputs = OutputBuffers.allocate(num_completions, max_new, device, prompt_hidden_GH if return_hidden else None)
-    live = LiveRows.start(limits_N)
+    step.start(state)
+    every = step.host_check_every or schedule.host_check_every
+    bucket = BUCKETS["exact" if step.exact_compaction else schedule.buckets]
+    # Every live row emits at least one token per step, so after max(limits) - 1 steps all are done.
+    steps_left = max(limits) - 1
+    steps_run, window = 0, 0
     while True:
-        tokens_B, logprobs_B = sample_with_logprobs(logits_BV, sampling, generator)
-        finished_B = emit(outputs, live, tokens_B[:, None], logprobs_B[:, None], hidden_BH[:, None],
-                          torch.ones_like(tokens_B), criteria)
-        # Host sync, once per step: which sequences finished decides the next step's batch.
-        finished = finished_B.tolist()
-        if all(finished):
+        done = _host_check(state, step, stats, steps_run - window, window)
+        num_live = done.count(False)
+        if num_live == 0:
             break
-        if any(finished):
-            live, tokens_B = _drop_finished(finished, cache, live, tokens_B)
-        stats.live_batch_sizes.append(cache.num_live)
-        hidden_BH = forward_new_tokens(model, cache, tokens_B[:, None])[:, 0]
-        cache.commit_all(1)
-        stats.num_forwards += 1
-        logits_BV = lm_head(hidden_BH).float()
-    return collect_rollout(prompts, num_samples, outputs, stats, start)
+        keep_size = bucket(num_live, len(done))
+        if keep_size < len(done):
+            rows = _rows_to_keep(done, keep_size)
+            state.keep(rows)
+            step.keep(rows)
+        window = min(every, steps_left)
+        assert window > 0, "a live row outlived its length limit"
+        for _ in range(window):
+            state.record_live()
+            step(state)
+        steps_left -= window
+        steps_run += window
+    outputs = state.outputs if return_hidden else dataclasses.replace(state.outputs, hidden_NTH=None)
+    rollout = collect_rollout(prompts, num_samples, outputs, stats, start)
+    step.finish(rollout)
+    return rollout
 
 
-def _drop_finished(finished: list[bool], cache: GroupedKVCache, live: LiveRows,
-                   tokens_B: torch.Tensor) -> tuple[LiveRows, torch.Tensor]:
-    """Compact the cache and the per-sequence state to the unfinished rows."""
-    rows = [row for row, done in enumerate(finished) if not done]
-    rows_device = torch.tensor(rows, dtype=torch.long, device=tokens_B.device)
-    cache.keep(rows)
-    return live.keep(rows_device), tokens_B[rows_device]
+def first_draw(model: nn.Module, prompts: list[torch.Tensor], num_samples: int, sampling: SamplingConfig,
+               generator: torch.Generator | None, keep_hidden: bool, limits: list[int],
+               extra_slots: int, static_slots: bool = False) -> DecodeState:
+    """Allocate the rollout's buffers once, prefill every prompt once, draw and emit each sample's first token."""
+    device = prompts[0].device
+    num_completions, max_new = len(prompts) * num_samples, sampling.max_new_tokens
+    # Every emitted token but the last is fed back, so max_new - 1 slots would do; max_new keeps
+    # the capacity >= 1 when max_new_tokens = 1. A tree step writes up to extra_slots more.
+    cache = GroupedKVCache([len(p) for p in prompts], num_samples, capacity=max_new + extra_slots, device=device,
+                           static_slots=static_slots)
+    prompt_hidden_GPH = prefill_all_positions(model, cache, prompts)
+    last_GH = prompt_hidden_GPH[torch.arange(len(prompts), device=device),
+                                torch.tensor([len(p) for p in prompts], device=device) - 1]
+    lm_head = lm_head_of(model)
+    # Columns: max_new, plus the most tokens a step emits (extra_slots + 1), written as leftovers.
+    outputs = OutputBuffers.allocate(num_completions, max_new + extra_slots + 1, device,
+                                     last_GH if keep_hidden else None)
+    live = LiveRows.start(torch.tensor(limits, dtype=torch.long, device=device))
+    state = DecodeState(model, lm_head, sampling, generator, StopCriteria(sampling, device), cache, outputs, live,
+                        next_B=torch.zeros(num_completions, dtype=torch.long, device=device), prompts=prompts,
+                        num_samples=num_samples, prompt_hidden_GPH=prompt_hidden_GPH,
+                        live_counts_S=torch.zeros(max_new, dtype=torch.long, device=device),
+                        step_index=torch.zeros(1, dtype=torch.long, device=device),
+                        uniform_N=torch.zeros(num_completions, dtype=torch.float32, device=device))
+    # One row per sample, so that every sample draws its own first token from its prompt's logits.
+    hidden_BH = last_GH.repeat_interleave(num_samples, dim=0)
+    state.refill_uniforms()
+    tokens_B, logprobs_B = state.draw(lm_head(last_GH).float().repeat_interleave(num_samples, dim=0))
+    emit(outputs, live, tokens_B[:, None], logprobs_B[:, None], hidden_BH[:, None], torch.ones_like(tokens_B),
+         state.criteria)
+    state.next_B.copy_(tokens_B)
+    return state
+
+
+def _host_check(state: DecodeState, step: DecodeStep, stats: RolloutStats, first: int, window: int) -> list[bool]:
+    """Host sync, once per window of steps: finished rows, the live counts of the window's steps
+    (``first`` .. ``first + window - 1``), the non-finite flag and the step's own values, in one
+    transfer. Returns which rows of the batch are done."""
+    parts = [state.live.done_B.float(), state.outputs.nonfinite.float().view(1),
+             state.live_counts_S[first:first + window].float()]
+    values = step.host_values()
+    if values is not None:
+        parts.append(values.float())
+    host = torch.cat(parts).tolist()  # host sync: the one per window
+    num_rows = state.live.done_B.shape[0]
+    if host[num_rows]:
+        raise ValueError("the model's logits are not finite (NaN or inf) for some sequence: check the model's "
+                         "weights (a diverged update, a bad checkpoint or a dtype overflow)")
+    live_counts = [int(n) for n in host[num_rows + 1:num_rows + 1 + window]]
+    stats.live_batch_sizes.extend(n for n in live_counts if n)
+    stats.num_forwards += sum(1 for n in live_counts if n)
+    stats.num_idle_steps += sum(1 for n in live_counts if not n)
+    step.after_host_check(state, host[num_rows + 1 + window:])
+    return [v > 0 for v in host[:num_rows]]
+
+
+def _rows_to_keep(done: list[bool], keep_size: int) -> list[int]:
+    """The live rows, padded with the first finished rows up to ``keep_size`` (increasing)."""
+    live = [row for row, finished in enumerate(done) if not finished]
+    padding = [row for row, finished in enumerate(done) if finished][:keep_size - len(live)]
+    return sorted(live + padding)
 
 
 _TOKEN_DTYPES = (torch.int64, torch.int32, torch.int16, torch.uint8)

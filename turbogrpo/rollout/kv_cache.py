@@ -3,15 +3,15 @@
 Shapes (per attention layer): ``G`` live groups (prompts with a live sample), ``B`` live sequences,
 ``Hkv`` key/value heads, ``P`` longest prompt, ``C`` slots (capacity) for generated tokens, ``D`` head dim.
 
-* prompt K/V ``[G, Hkv, P, D]`` (keys stored transposed, ``[G, Hkv, D, P]``), valid up to
+* prompt K/V ``[G, Hkv, P, D]``, valid up to
   ``prompt_lengths_G``; written once by the prefill and never copied per sample.
 * generated K/V ``[B, Hkv, C, D]``, preallocated at the rollout's full size; slots ``< lengths_B[b]``
   hold sequence b's committed tokens, at positions ``prompt_length + slot``. A forward writes its n new
-  tokens into slots ``lengths_B .. lengths_B + n - 1``; ``commit_all``/``commit`` then keep all or a
-  subset of them (the subset case is speculative verification's accepted path).
+  tokens into slots ``lengths_B .. lengths_B + n - 1``; ``commit_all``/``commit_live``/``commit`` then
+  keep all of them, those of live rows, or a subset (speculative verification's accepted path).
 
 Live sequences stay sorted by group, and finished ones are dropped by ``keep`` (rows move up in
-place, so the storage is never reallocated and step cost follows the live batch).
+place, so the storage is never reallocated and step cost follows the decoding batch).
 """
 
 from __future__ import annotations
@@ -35,6 +35,8 @@ class LiveLayout:
     """[B] int64: the sequence's index among its group's live sequences."""
     num_groups: int
     max_per_group: int
+    dense: bool
+    """Every group has ``max_per_group`` rows: stacking queries per group is a reshape."""
 
     @staticmethod
     def from_group_rows(group_rows: list[int], device: torch.device) -> LiveLayout:
@@ -48,15 +50,21 @@ class LiveLayout:
             group_B=torch.tensor(group_rows, dtype=torch.long, device=device),
             slot_B=torch.tensor(slots, dtype=torch.long, device=device),
             num_groups=group_rows[-1] + 1 if group_rows else 0,
-            max_per_group=max(slots) + 1 if slots else 0)
+            max_per_group=max(slots) + 1 if slots else 0,
+            dense=bool(group_rows) and len(group_rows) == (group_rows[-1] + 1) * (max(slots) + 1))
 
 
 class GroupedKVCache:
     """K/V of one rollout for every attention layer; see the module docstring for the layout."""
 
-    def __init__(self, prompt_lengths: list[int], num_samples: int, capacity: int, device: torch.device):
-        """Sequence ``i`` belongs to group ``i // num_samples``; ``capacity`` generated slots each."""
+    def __init__(self, prompt_lengths: list[int], num_samples: int, capacity: int, device: torch.device,
+                 static_slots: bool = False):
+        """Sequence ``i`` belongs to group ``i // num_samples``; ``capacity`` generated slots each.
+        ``static_slots``: decoding attends over all ``capacity`` slots (masked by ``lengths_B``) rather
+        than the ``max_length + n`` in use, so that a step's shapes stay the same from step to step
+        (compiled or captured steps); eager decoding reads only the slots in use."""
         self.capacity = capacity
+        self.static_slots = static_slots
         self.prompt_width = max(prompt_lengths)
         """P: the prompt K/V's slot count (longest prompt)."""
         self.device = device
@@ -83,7 +91,7 @@ class GroupedKVCache:
         return list(self._sequence_groups)
 
     def prompt(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Prompt keys ``[G, Hkv, D, P]`` (transposed) and values ``[G, Hkv, P, D]`` of the live groups."""
+        """Prompt keys and values ``[G, Hkv, P, D]`` of the live groups."""
         rows = self.layout.num_groups
         return self._prompt_keys[layer][:rows], self._prompt_values[layer][:rows]
 
@@ -97,6 +105,10 @@ class GroupedKVCache:
         rows = self.num_live
         return self._keys[layer][:rows, :, :num_slots], self._values[layer][:rows, :, :num_slots]
 
+    def slots_to_read(self, num_new: int) -> int:
+        """How many generated slots a forward of ``num_new`` new tokens per sequence attends over."""
+        return self.capacity if self.static_slots else min(self.max_length + num_new, self.capacity)
+
     def next_positions(self, depths_Bn: torch.Tensor) -> torch.Tensor:
         """Position ids ``[B, n]`` of new tokens at ``depths_Bn`` past each sequence's committed tokens."""
         return (self.prompt_lengths_B + self.lengths_B).unsqueeze(-1) + depths_Bn
@@ -104,8 +116,7 @@ class GroupedKVCache:
     # -- writing ---------------------------------------------------------------------------------
     def store_prompt(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
         """Keep the prefill's K/V ``[G, Hkv, P, D]`` and allocate this layer's generated slots."""
-        # Keys are read only as q @ k^T: stored transposed, that product is a plain GEMM every step.
-        self._prompt_keys[layer] = key.transpose(-1, -2).contiguous()
+        self._prompt_keys[layer] = key.contiguous()
         self._prompt_values[layer] = value.contiguous()
         slots_shape = (self.num_live, key.shape[1], self.capacity, key.shape[3])
         # Zeros, not empty: unused slots are masked out, but a masked weight of 0 times a NaN from
@@ -124,6 +135,11 @@ class GroupedKVCache:
         """Keep every one of the last forward's ``num_new`` tokens per sequence."""
         self.lengths_B += num_new
         self.max_length += num_new
+
+    def commit_live(self, active_B: torch.Tensor) -> None:
+        """Keep the last forward's one new token of each active row (``[B]`` bool; device only: the
+        caller advances the host bound ``max_length``, so a compiled step reads no changing host int)."""
+        self.lengths_B += active_B.long()
 
     def commit(self, chosen_Bk: torch.Tensor, num_chosen_B: torch.Tensor, max_chosen: int | None = None) -> None:
         """Keep a subset of the last forward's new tokens: for sequence b, the new tokens

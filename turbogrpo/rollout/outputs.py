@@ -4,6 +4,10 @@ Emission is written for k tokens per live sequence per step (``emit``), so that 
 accepts several tokens per step (speculative verification) reuses the stop and bookkeeping logic of
 the plain decoder, which emits one.
 
+Finished sequences may stay in the batch until the host next looks (``LiveRows.done_B``): ``emit``
+gives them nothing, so whatever they draw after their stop is dropped and the outputs are those of
+a decoder that removed them at once.
+
 Legend: ``N`` completions, ``B`` live sequences, ``k`` tokens emitted per sequence in a step,
 ``T`` output columns, ``Hd`` hidden size, ``W`` stop-string window.
 """
@@ -28,11 +32,15 @@ class OutputBuffers:
     hidden_NTH: torch.Tensor | None
     lengths_N: torch.Tensor
     stopped_N: torch.Tensor
+    nonfinite: torch.Tensor
+    """[] bool: some emitted token's log-prob was not finite (the model's logits held NaN or inf);
+    read by the engine at its host check, so the step itself never syncs for it."""
 
     @staticmethod
     def allocate(num_completions: int, num_columns: int, device: torch.device,
                  hidden_like: torch.Tensor | None) -> OutputBuffers:
-        """``num_columns``: max_new_tokens + (most tokens emitted per step) - 1. ``hidden_like``: a
+        """``num_columns``: max_new_tokens + (most tokens emitted per step); the last k columns take the
+        leftovers that finished rows write while they wait to be retired. ``hidden_like``: a
         hidden-state tensor to take size and dtype from, or None to keep no hidden states."""
         hidden = None
         if hidden_like is not None:
@@ -42,38 +50,44 @@ class OutputBuffers:
             logprobs_NT=torch.zeros(num_completions, num_columns, dtype=torch.float32, device=device),
             hidden_NTH=hidden,
             lengths_N=torch.zeros(num_completions, dtype=torch.long, device=device),
-            stopped_N=torch.zeros(num_completions, dtype=torch.bool, device=device))
+            stopped_N=torch.zeros(num_completions, dtype=torch.bool, device=device),
+            nonfinite=torch.zeros((), dtype=torch.bool, device=device))
 
 
 @dataclass
 class LiveRows:
-    """Per live sequence: which completion it is, how many tokens it has emitted and may emit."""
+    """Per row of the decoding batch: which completion it is, how many tokens it has emitted and may
+    emit, and whether it has finished (a finished row stays until the batch is next compacted)."""
 
     completion_B: torch.Tensor
     emitted_B: torch.Tensor
     limit_B: torch.Tensor
+    done_B: torch.Tensor
 
     @staticmethod
     def start(limits_N: torch.Tensor) -> LiveRows:
         """Every completion live, none emitted; ``limits_N``: most new tokens of each completion."""
         num_completions = limits_N.shape[0]
-        return LiveRows(torch.arange(num_completions, device=limits_N.device),
-                        torch.zeros(num_completions, dtype=torch.long, device=limits_N.device), limits_N)
+        device = limits_N.device
+        return LiveRows(torch.arange(num_completions, device=device),
+                        torch.zeros(num_completions, dtype=torch.long, device=device), limits_N,
+                        torch.zeros(num_completions, dtype=torch.bool, device=device))
 
     def keep(self, rows_device: torch.Tensor) -> LiveRows:
-        return LiveRows(self.completion_B[rows_device], self.emitted_B[rows_device], self.limit_B[rows_device])
+        return LiveRows(self.completion_B[rows_device], self.emitted_B[rows_device], self.limit_B[rows_device],
+                        self.done_B[rows_device])
 
 
 def emit(outputs: OutputBuffers, live: LiveRows, tokens_Bk: torch.Tensor, logprobs_Bk: torch.Tensor,
          hidden_BkH: torch.Tensor | None, counts_B: torch.Tensor, criteria: StopCriteria) -> torch.Tensor:
     """Append the first ``counts_B[b]`` of ``tokens_Bk[b]`` to each live sequence, cut at the first stop
     token/string and at the row's limit. ``hidden_BkH``: the hidden state that predicted each token (kept
-    only if the outputs have room for it). ``outputs`` needs ``max(limits) + k - 1`` columns.
-    Returns ``[B]`` bool: the sequence finished.
+    only if the outputs have room for it). ``outputs`` needs ``max(limits) + k`` columns. Rows already
+    done emit nothing. Updates ``live.done_B`` (no host sync) and returns it: ``[B]`` bool, finished.
     """
     num_rows, num_new = tokens_Bk.shape
     offsets_k = torch.arange(num_new, device=tokens_Bk.device)
-    counts_B = torch.minimum(counts_B, live.limit_B - live.emitted_B)
+    counts_B = torch.minimum(counts_B, live.limit_B - live.emitted_B).masked_fill(live.done_B, 0)
     columns_Bk = live.emitted_B[:, None] + offsets_k
     completions_Bk = live.completion_B[:, None].expand(-1, num_new)
     # Columns past a row's count get leftovers; they lie beyond the final length and are never read.
@@ -88,12 +102,15 @@ def emit(outputs: OutputBuffers, live: LiveRows, tokens_Bk: torch.Tensor, logpro
         windows = outputs.tokens_NT[completions_Bk[..., None], window_columns.clamp(min=0)]
         windows = windows.masked_fill(window_columns < 0, NO_TOKEN).flatten(0, 1)
     stop_Bk = criteria(tokens_Bk.flatten(), windows).view(num_rows, num_new) & (offsets_k < counts_B[:, None])
+    emitted_Bk = offsets_k < counts_B[:, None]
+    outputs.nonfinite |= (~torch.isfinite(logprobs_Bk) & emitted_Bk).any()
     stopped_B = stop_Bk.any(dim=-1)
     counts_B = torch.where(stopped_B, stop_Bk.int().argmax(dim=-1) + 1, counts_B)
     live.emitted_B += counts_B
     outputs.lengths_N[live.completion_B] = live.emitted_B
-    outputs.stopped_N[live.completion_B] = stopped_B
-    return stopped_B | (live.emitted_B >= live.limit_B)
+    outputs.stopped_N[live.completion_B] |= stopped_B
+    live.done_B |= stopped_B | (live.emitted_B >= live.limit_B)
+    return live.done_B
 
 
 def collect_rollout(prompts: list[torch.Tensor], num_samples: int, outputs: OutputBuffers, stats: RolloutStats,

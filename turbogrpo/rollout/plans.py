@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from turbogrpo.hook import run_decoder
-from turbogrpo.rollout.attention import merge_partials, partial_attention
+from turbogrpo.rollout.attention import merge_partials, partial_attention, partial_attention_for
 from turbogrpo.rollout.kv_cache import GroupedKVCache
 
 
@@ -91,13 +91,13 @@ class DecodePlan:
         num_new = positions_Bn.shape[1]
         device = positions_Bn.device
         self.slots_Bn = cache.lengths_B.unsqueeze(-1) + torch.arange(num_new, device=device)
-        self.num_slots = cache.max_length + num_new
+        self.num_slots = cache.slots_to_read(num_new)
         slot_index_L = torch.arange(self.num_slots, device=device)
         committed_BnL = (slot_index_L < cache.lengths_B[:, None]).unsqueeze(1).expand(-1, num_new, -1)
         new_BnL = torch.zeros_like(committed_BnL).scatter(
             2, self.slots_Bn.unsqueeze(1).expand(-1, num_new, -1), ancestors_Bnn)
         self.own_visible_BnL = committed_BnL | new_BnL
-        self._biases: dict[tuple[int | None, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
+        self._biases: dict[tuple, tuple[torch.Tensor | None, torch.Tensor]] = {}
 
     def __call__(self, module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
                  scaling: float, sliding_window: int | None) -> torch.Tensor:
@@ -106,34 +106,46 @@ class DecodePlan:
         group_size = num_heads // num_kv_heads
         layer = module.layer_idx
         self.cache.write(layer, key, value, self.slots_Bn)
+        # A sliding window can hide a query's whole prompt part: only the matmul partial handles that.
+        partial = partial_attention_for(query.device, may_hide_all=sliding_window is not None)
+        bias_dtype = torch.float32 if partial is partial_attention else query.dtype
         # Query head h reads key/value head h // r (as in HF's repeat_kv): rows of one KV head are (r, n).
-        query_BKMD = (query * scaling).reshape(num_rows, num_kv_heads, group_size * num_new, head_dim)
-        prompt_bias, own_bias = self._attention_biases(sliding_window, group_size)
-        out_prompt, lse_prompt = self._prompt_attention(layer, query_BKMD, prompt_bias)
+        query_BKMD = query.reshape(num_rows, num_kv_heads, group_size * num_new, head_dim)
+        prompt_bias, own_bias = self._attention_biases(sliding_window, group_size, bias_dtype)
+        out_prompt, lse_prompt = self._prompt_attention(layer, query_BKMD, prompt_bias, partial, scaling)
         keys, values = self.cache.generated(layer, self.num_slots)
-        out_own, lse_own = partial_attention(query_BKMD, keys.transpose(-1, -2), values, own_bias)
+        out_own, lse_own = partial(query_BKMD, keys, values, own_bias, scaling)
         out_BKMD = merge_partials(out_prompt, lse_prompt, out_own, lse_own)
         return out_BKMD.view(num_rows, num_heads, num_new, head_dim).transpose(1, 2).to(query.dtype)
 
-    def _prompt_attention(self, layer: int, query_BKMD: torch.Tensor,
-                          bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """All live samples of a group attend to the group's single prompt K/V in one product."""
+    def _prompt_attention(self, layer: int, query_BKMD: torch.Tensor, bias: torch.Tensor | None, partial,
+                          scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """All live samples of a group attend to the group's single prompt K/V in one product: their
+        queries are stacked per group (a reshape when every group has all its rows, a scatter if not)."""
         layout = self.cache.layout
         num_rows, num_kv_heads, rows_per_seq, head_dim = query_BKMD.shape
+        keys_GKPD, values_GKPD = self.cache.prompt(layer)
+        stacked_shape = (layout.num_groups, layout.max_per_group, num_kv_heads, rows_per_seq, head_dim)
+        if layout.dense:
+            stacked = query_BKMD.view(stacked_shape).transpose(1, 2)
+            out, lse = partial(stacked.flatten(2, 3), keys_GKPD, values_GKPD, bias, scale)
+            out = out.view(stacked.shape).transpose(1, 2).reshape(query_BKMD.shape)
+            lse = lse.view(*stacked.shape[:-1], 1).transpose(1, 2).reshape(*query_BKMD.shape[:-1], 1)
+            return out, lse
         stacked = query_BKMD.new_zeros(layout.num_groups, num_kv_heads, layout.max_per_group, rows_per_seq,
                                        head_dim)
         stacked[layout.group_B, :, layout.slot_B] = query_BKMD
-        keys_GKDP, values_GKPD = self.cache.prompt(layer)
-        out, lse = partial_attention(stacked.flatten(2, 3), keys_GKDP, values_GKPD, bias)
+        out, lse = partial(stacked.flatten(2, 3), keys_GKPD, values_GKPD, bias, scale)
         out = out.view(stacked.shape)[layout.group_B, :, layout.slot_B]
         lse = lse.view(*stacked.shape[:-1], 1)[layout.group_B, :, layout.slot_B]
         return out, lse
 
-    def _attention_biases(self, sliding_window: int | None,
-                          group_size: int) -> tuple[torch.Tensor | None, torch.Tensor]:
-        """Additive masks: (prompt part, broadcastable to ``[G, Hkv, S*r*n, P]``, None when every key
-        is visible; own part, broadcastable to ``[B, Hkv, r*n, L]``), built once per (window, r)."""
-        cached = self._biases.get((sliding_window, group_size))
+    def _attention_biases(self, sliding_window: int | None, group_size: int,
+                          dtype: torch.dtype) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """Additive masks of ``dtype``: (prompt part, broadcastable to ``[G, Hkv, S*r*n, P]``, None when
+        every key is visible; own part, broadcastable to ``[B, Hkv, r*n, L]``), built once per
+        (window, r, dtype)."""
+        cached = self._biases.get((sliding_window, group_size, dtype))
         if cached is not None:
             return cached
         cache, layout = self.cache, self.cache.layout
@@ -158,15 +170,14 @@ class DecodePlan:
                                          < sliding_window)
         own_visible = own_visible.unsqueeze(1).expand(-1, group_size, -1, -1).reshape(
             num_rows, 1, group_size * num_new, self.num_slots)
-        biases = (None if prompt_visible is None else _additive(prompt_visible), _additive(own_visible))
-        self._biases[(sliding_window, group_size)] = biases
+        biases = (None if prompt_visible is None else _additive(prompt_visible, dtype), _additive(own_visible, dtype))
+        self._biases[(sliding_window, group_size, dtype)] = biases
         return biases
 
 
-def _additive(visible: torch.Tensor) -> torch.Tensor:
-    """A boolean visibility mask as a float32 score bias: 0 where visible, -inf where hidden."""
-    return torch.zeros(visible.shape, dtype=torch.float32, device=visible.device).masked_fill_(
-        ~visible, float("-inf"))
+def _additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean visibility mask as a score bias: 0 where visible, -inf where hidden."""
+    return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible, float("-inf"))
 
 
 def forward_new_tokens(model: nn.Module, cache: GroupedKVCache, input_ids_Bn: torch.Tensor,

@@ -104,38 +104,48 @@ def _top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:
 
 
 def sample_tokens(logits: torch.Tensor, sampling: SamplingConfig,
-                  generator: torch.Generator | None = None) -> torch.Tensor:
+                  generator: torch.Generator | None = None, uniform: torch.Tensor | None = None) -> torch.Tensor:
     """Draw one token per row: raw ``logits [..., V]`` (this function warps them; pass already-warped
     probabilities to ``draw_from_probs`` instead) -> token ids ``[...]`` (int64).
 
     Greedy takes the argmax. Otherwise the draw inverts the cumulative distribution at one uniform
     number per row (what ``torch.multinomial`` does), without its host sync and with one random
-    number per row rather than one per vocabulary entry.
+    number per row rather than one per vocabulary entry. ``uniform [...]``: see ``draw_from_probs``.
     """
     if sampling.greedy:
         return logits.argmax(dim=-1)
     probs = warp_logits(logits.float(), sampling).softmax(dim=-1)
-    return draw_from_probs(probs, generator)
+    return draw_from_probs(probs, generator, uniform)
 
 
-def draw_from_probs(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+def draw_from_probs(probs: torch.Tensor, generator: torch.Generator | None = None,
+                    uniform: torch.Tensor | None = None) -> torch.Tensor:
     """One draw per row from ``probs [..., V]`` (non-negative, need not be normalised) -> ``[...]``,
     by inverting the cumulative distribution at one uniform number per row. For callers that already
-    hold the warped distribution (e.g. ``warp_logits(...).softmax(-1)``)."""
+    hold the warped distribution (e.g. ``warp_logits(...).softmax(-1)``). ``uniform [...]``: the
+    numbers in [0, 1) to use (the engine draws them per completion, so that a row's draw does not
+    depend on which other rows share its batch); None draws them from ``generator``."""
     cumulative = probs.cumsum(dim=-1)
     total = cumulative[..., -1:]
-    uniform = torch.rand(total.shape, generator=generator, device=probs.device, dtype=probs.dtype)
+    if uniform is None:
+        uniform = torch.rand(total.shape, generator=generator, device=probs.device, dtype=probs.dtype)
+    else:
+        uniform = uniform.to(probs.dtype).unsqueeze(-1)
     # Strictly below the total, so that some entry exceeds it; the first entry that does is the
     # draw, which never lands on a zero-probability token (its entry equals its predecessor's).
     point = torch.minimum(uniform * total, torch.nextafter(total, torch.zeros_like(total)))
-    return torch.searchsorted(cumulative, point, right=True).squeeze(-1)
+    # Clamped: NaN probabilities (non-finite logits) find no entry and would give V, outside the
+    # vocabulary; their NaN log-prob is what reports them (``OutputBuffers.nonfinite``).
+    return torch.searchsorted(cumulative, point, right=True).squeeze(-1).clamp_(max=probs.shape[-1] - 1)
 
 
 def sample_with_logprobs(logits: torch.Tensor, sampling: SamplingConfig,
-                         generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                         generator: torch.Generator | None = None,
+                         uniform: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(sample_tokens(...), token_logprobs(...))`` with one pass over the ``[..., V]`` logits: the
     engine's per-step hot path, where the vocabulary-sized work is most of the step after the model.
     Same distribution as ``sample_tokens``, and the same draws for a given generator up to rounding.
+    ``uniform [...]``: see ``draw_from_probs``.
     """
     scaled = logits.float()
     if sampling.logprob_temperature != 1:
@@ -144,9 +154,9 @@ def sample_with_logprobs(logits: torch.Tensor, sampling: SamplingConfig,
     if sampling.greedy:
         tokens = logits.argmax(dim=-1)
     elif sampling.top_k or sampling.top_p < 1:
-        tokens = draw_from_probs(_truncate(scaled, sampling).softmax(dim=-1), generator)
+        tokens = draw_from_probs(_truncate(scaled, sampling).softmax(dim=-1), generator, uniform)
     else:
-        tokens = draw_from_probs(probs_all, generator)
+        tokens = draw_from_probs(probs_all, generator, uniform)
     # log(p) of the drawn token rather than a log_softmax pass over the vocabulary: the same value to
     # float32 rounding for any token that can be drawn (p far above the float32 underflow at 1e-38).
     return tokens, probs_all.gather(-1, tokens.unsqueeze(-1)).squeeze(-1).log()

@@ -27,6 +27,9 @@ class RolloutStats:
     wall_time_s: float = 0.0
     live_batch_sizes: list[int] = field(default_factory=list)
     """Live sequences in each decoding step (the forward after the prefill), in step order."""
+    num_idle_steps: int = 0
+    """Steps run after every sequence had finished (the rest of the last window of steps between
+    two host checks; see ``DecodeSchedule``); not in ``num_forwards``."""
 
     @property
     def tokens_per_second(self) -> float:

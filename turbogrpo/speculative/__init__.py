@@ -5,19 +5,19 @@
     rollout = generate_speculative(model, prompts, num_samples=8, sampling=sampling, draft=draft)
     rollout.stats.tree_sizes, rollout.stats.accepted_lengths   # per decoding step
 
-``verify`` (lossless acceptance), ``tree`` (EAGLE-2 dynamic trees), ``draft`` (the draft head and
-its training), ``drafting`` (the draft's cache and forwards), ``policy``/``profiler`` (concurrency-
-aware tree sizing) and ``decode`` (the decoding loop built on the rollout engine).
+``verify`` (lossless acceptance), ``tree`` (EAGLE-2 dynamic trees), ``draft`` (the draft head),
+``draft_training`` (its training, offline and online), ``drafting`` (the draft's cache and forwards),
+``policy``/``profiler`` (concurrency-aware tree sizing) and ``decode`` (the tree step that the rollout
+engine's loop runs).
 """
 
-from turbogrpo.speculative.decode import Speculation, SpeculativeStats, generate_speculative, speculative_rollout
-from turbogrpo.speculative.draft import (DraftConfig, DraftExample, DraftHead, DraftTrainConfig, draft_examples,
-                                         train_draft)
+from turbogrpo.speculative.decode import Speculation, SpeculativeStats, TreeStep, generate_speculative
+from turbogrpo.speculative.draft import DraftConfig, DraftHead
+from turbogrpo.speculative.draft_training import DraftGroup, DraftTrainConfig, draft_groups, train_draft
 from turbogrpo.speculative.policy import SIZING_POLICIES, SizingPolicy, make_sizing
 from turbogrpo.speculative.profiler import LatencyCurve, LatencyProfile, cached_profile, profile_latency
 from turbogrpo.speculative.tree import TreeShape
 
-__all__ = ["DraftConfig", "DraftExample", "DraftHead", "DraftTrainConfig", "LatencyCurve", "LatencyProfile",
+__all__ = ["DraftConfig", "DraftGroup", "DraftHead", "DraftTrainConfig", "LatencyCurve", "LatencyProfile",
            "SIZING_POLICIES", "SizingPolicy", "Speculation", "SpeculativeStats", "TreeShape", "cached_profile",
-           "draft_examples", "generate_speculative", "make_sizing", "profile_latency", "speculative_rollout",
-           "train_draft"]
+           "TreeStep", "draft_groups", "generate_speculative", "make_sizing", "profile_latency", "train_draft"]

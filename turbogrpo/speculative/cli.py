@@ -70,7 +70,8 @@ def run_draft_train(args: argparse.Namespace) -> int:
 
     from turbogrpo.data import build_prompts, demo_records, read_records
     from turbogrpo.rollout import SamplingConfig, generate
-    from turbogrpo.speculative.draft import DraftHead, DraftTrainConfig, draft_examples, train_draft
+    from turbogrpo.speculative.draft import DraftHead
+    from turbogrpo.speculative.draft_training import DraftTrainConfig, draft_groups, train_draft
 
     for name in ("num_prompts", "num_samples", "max_new_tokens", "layers", "epochs", "batch_size"):
         if getattr(args, name) < 1:
@@ -89,16 +90,17 @@ def run_draft_train(args: argparse.Namespace) -> int:
         rollout = generate(model, prompts[first:first + chunk], num_samples=args.num_samples, sampling=sampling,
                            seed=args.seed + first)
         completions.extend(rollout.tokens_per_group())
-    examples = draft_examples(model, prompts, completions)
-    print(f"{len(examples)} completions sampled in {time.perf_counter() - start:.1f}s")
+    groups = draft_groups(model, prompts, completions)
+    num_completions = sum(len(g.completions) for g in groups)
+    print(f"{num_completions} completions sampled in {time.perf_counter() - start:.1f}s")
     draft = DraftHead(model, num_layers=args.layers)
     config = DraftTrainConfig(lr=args.lr, num_epochs=args.epochs, batch_size=args.batch_size)
-    num_steps = args.epochs * -(-len(examples) // args.batch_size)
+    num_steps = args.epochs * -(-num_completions // args.batch_size)  # about: batches hold whole groups
     with tqdm(total=num_steps, desc="training draft", unit="step") as bar:
         def on_step(step, metrics):
             bar.update(1)
             bar.set_postfix(loss=f"{metrics['loss']:.3f}", top1=f"{metrics['top1_agreement']:.2f}")
-        history = train_draft(draft, examples, config, seed=args.seed, on_step=on_step)
+        history = train_draft(draft, groups, config, seed=args.seed, on_step=on_step)
     out = draft.save(args.out)
     last = history[-1]
     print(f"draft saved to {out} (final loss {last['loss']:.3f}, top-1 agreement with the policy "

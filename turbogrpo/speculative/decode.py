@@ -1,19 +1,31 @@
-"""The speculative rollout: the plain engine's loop with a draft tree per step.
+"""The speculative tree step: what ``generate(draft=...)`` runs inside the rollout engine's loop.
 
-    prefill the prompts once per group; every sample draws its first token
-    loop over steps, for all live sequences at once:
-      shape = sizing.choose(B)                 (None: a plain step, the tree is the root alone)
-      draft: catch up on the pairs committed since it last ran (at the first tree: its prompt pass
-             too), then grow the tree level by level
-      policy: one forward over every tree (tree mask, tree positions), LM head at every node
-      accept with "sample, then match" (verify.py); emit the path and the bonus token
-      one host transfer: finished rows, accepted counts, the sizing policy's statistics
-      commit the accepted path's K/V, drop finished sequences
+    the engine prefills the prompts once per group; every sample draws its first token
+    per step, for all live sequences at once (``TreeStep.__call__``, on the host):
+      shape = sizing.choose(B)                 (None: the engine's plain step)
+      at the first tree: the draft's prompt pass; the uniform numbers of the policy's draws
+      draft_tree (device only): catch up on the pairs committed since the draft last ran, then grow
+             the tree of ``shape`` level by level
+      verify_step (device only): one policy forward over every tree (tree mask, tree positions), LM
+             head at every node; accept with "sample, then match" (verify.py); emit the path and the
+             bonus token; commit the accepted path's K/V
+    at the engine's host check, every step: accepted counts and the sizing policy's statistics
+    travel with the engine's finished flags
 
-Emission, stop tokens/strings and the output buffers are the plain engine's own (``emit``), so a stop
-token inside an accepted path and max_new_tokens reached mid-path end a completion exactly as in
-plain decoding. The sampler's log-prob of each emitted token is taken from the policy's logits at
-the node that drew it, as in plain sampling.
+The host chooses every size (the tree's shape, the catch-up width, the caches' slot bounds) from
+host ints it keeps up to date at the host checks, outside the step; ``draft_tree`` and
+``verify_step`` read only device tensors and those static sizes, with no host sync and no
+``torch.Generator``, so ``torch.compile(fullgraph=True)`` captures each whole (``Speculation.runner``).
+They are two functions, not one, so that the draft's share of the time can be measured between them.
+
+The loop itself is the engine's (``turbogrpo.rollout.engine``); this module supplies the step through
+``Speculation.make_step`` and never is imported by the engine. Emission, stop tokens/strings and the
+output buffers are the plain engine's own (``emit``), so a stop token inside an accepted path and
+max_new_tokens reached mid-path end a completion exactly as in plain decoding. The sampler's log-prob
+of each emitted token is taken from the policy's logits at the node that drew it.
+
+The tree step needs the host every step (its sizing policy reads the live count and acceptance
+statistics), so it checks every step and retires finished rows at once.
 
 The draft lags behind lazily: pending pairs (policy feature, token) are read back from the output
 buffers when the draft next runs, so plain steps (speculation off at high B) pay nothing for it.
@@ -24,7 +36,6 @@ vocabulary, Hd hidden size.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -33,19 +44,19 @@ import torch
 from torch import nn
 
 from turbogrpo.hook import lm_head_of
+from turbogrpo.rollout.compiled import RUNNERS
 from turbogrpo.rollout.engine import generate
-from turbogrpo.rollout.kv_cache import GroupedKVCache
-from turbogrpo.rollout.outputs import LiveRows, OutputBuffers, collect_rollout, emit
-from turbogrpo.rollout.plans import forward_new_tokens, prefill_all_positions
-from turbogrpo.rollout.sampling import SamplingConfig, sample_with_logprobs, token_logprobs
-from turbogrpo.rollout.stopping import StopCriteria
+from turbogrpo.rollout.outputs import emit
+from turbogrpo.rollout.plans import forward_new_tokens
+from turbogrpo.rollout.sampling import SamplingConfig, token_logprobs
+from turbogrpo.rollout.step import DecodeState, PlainStep
 from turbogrpo.rollout.types import Rollout, RolloutStats
 from turbogrpo.speculative.draft import DraftHead
 from turbogrpo.speculative.drafting import DraftKVCache, TreeDrafter, catch_up, prefill_draft
 from turbogrpo.speculative.policy import SizingPolicy, make_sizing
-from turbogrpo.speculative.profiler import LatencyProfile, cached_profile, synchronize
+from turbogrpo.speculative.profiler import DeviceStopwatch, LatencyProfile, cached_profile
 from turbogrpo.speculative.tree import DraftTree, TreeShape, build_tree
-from turbogrpo.speculative.verify import verify_tree
+from turbogrpo.speculative.verify import TreeVerdict, verify_tree
 
 
 @dataclass
@@ -58,6 +69,17 @@ class Speculation:
     name (``off``, ``fixed``, ``fastgrpo``, ``cost``), built afresh for each rollout."""
     profile: LatencyProfile | None = None
     """Latency curves for ``fastgrpo``/``cost``; None reads the profile cache or measures on first use."""
+    runner: str = "eager"
+    """Key of ``turbogrpo.rollout.compiled.RUNNERS``: how the tree step's device parts run (eager, or
+    compiled whole by ``torch.compile``). Each tree shape, catch-up width and cache bound is its own
+    graph (the host picks them), so compiling pays only where shapes repeat; the default stays eager."""
+
+    def make_step(self, model: nn.Module, prompts: list[torch.Tensor], sampling: SamplingConfig) -> TreeStep:
+        """The engine's ``DecodeStep`` for one rollout (see ``turbogrpo.rollout.step``)."""
+        _check_draft(self.draft, model)
+        if self.runner not in RUNNERS:
+            raise ValueError(f"Speculation.runner must be one of {sorted(RUNNERS)}, got {self.runner!r}")
+        return TreeStep(self.draft, resolve_sizing(self, model, prompts, sampling), self.runner)
 
 
 @dataclass
@@ -70,6 +92,8 @@ class SpeculativeStats(RolloutStats):
     accepted_lengths: list[float] = field(default_factory=list)
     """Tokens emitted per live sequence, averaged over the live batch (accepted draft tokens + 1)."""
     num_draft_forwards: int = 0
+    draft_seconds: float = 0.0
+    """Time spent in the draft's own work: its prompt pass, catch-up passes and tree levels."""
 
     @property
     def mean_accepted_length(self) -> float:
@@ -103,166 +127,122 @@ def resolve_sizing(speculation: Speculation, model: nn.Module, prompts: list[tor
 
 @dataclass
 class _VerifiedStep:
-    """A decoding step whose K/V commit waits for the step's host transfer."""
+    """A decoding step whose accepted counts and statistics wait for the step's host transfer."""
 
-    path_nodes_BD: torch.Tensor | None
-    """Accepted path (None for a plain step: its one new token is kept)."""
     num_accepted_B: torch.Tensor | None
-    num_nodes: int
+    """[B] draft tokens accepted (None for a plain step)."""
+    shape: TreeShape | None
     feedback: torch.Tensor | None
+    catch_up_tokens: int = 0
 
 
-@dataclass
-class _Decoder:
-    """What every step of one rollout uses."""
+class TreeStep:
+    """The speculative ``DecodeStep`` (protocol in ``turbogrpo.rollout.step``)."""
 
-    model: nn.Module
-    lm_head: nn.Module
-    draft: DraftHead
-    sizing: SizingPolicy
-    cache: GroupedKVCache
-    draft_cache: DraftKVCache
-    outputs: OutputBuffers
-    criteria: StopCriteria
-    sampling: SamplingConfig
-    generator: torch.Generator | None
-    max_new: int
+    host_check_every = 1
+    exact_compaction = True
+    keeps_hidden = True  # the draft reads its pending pairs from the policy's hidden states
 
-    def plain_step(self, live: LiveRows, root_B: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, _VerifiedStep]:
-        """The plain engine's step (speculation off): one token per sequence, no tree bookkeeping."""
-        hidden_B1H = forward_new_tokens(self.model, self.cache, root_B[:, None])
-        logits_BV = self.lm_head(hidden_B1H[:, 0]).float()
-        next_B, logprobs_B = sample_with_logprobs(logits_BV, self.sampling, self.generator)
-        finished_B = emit(self.outputs, live, next_B[:, None], logprobs_B[:, None], hidden_B1H,
-                      torch.ones_like(next_B), self.criteria)
-        return finished_B, next_B, _VerifiedStep(None, None, 1, None)
+    def __init__(self, draft: DraftHead, sizing: SizingPolicy, runner: str = "eager"):
+        self.draft = draft
+        self.sizing = sizing
+        # Looked up here, not bound at import, so that the functions can be watched in tests.
+        self.draft_tree, self.verify_step = RUNNERS[runner](draft_tree), RUNNERS[runner](verify_step)
+        max_nodes, self.max_draft_slots = sizing.bounds()
+        self.extra_slots = max_nodes
 
-    def tree_step(self, live: LiveRows, root_B: torch.Tensor, root_features_BH: torch.Tensor,
-                  shape: TreeShape) -> tuple[torch.Tensor, torch.Tensor, _VerifiedStep]:
-        """Draft a tree per sequence, verify all of them in one policy forward, emit the accepted paths."""
-        root_logprobs_BV = self.draft.logits(root_features_BH).float().log_softmax(-1)
-        tree = build_tree(root_B, root_logprobs_BV, TreeDrafter(self.draft, self.draft_cache, root_features_BH), shape)
-        hidden_BNH = forward_new_tokens(self.model, self.cache, tree.tokens, tree.depths, tree.ancestors)
-        logits_BNV = self.lm_head(hidden_BNH).float()
-        verdict = verify_tree(tree, logits_BNV, self.sampling, self.generator)
-        emitted_BD, logprobs_BD, hidden_BDH = _path_outputs(tree, verdict, logits_BNV, hidden_BNH, self.sampling)
-        finished_B = emit(self.outputs, live, emitted_BD, logprobs_BD, hidden_BDH, verdict.num_accepted + 1,
-                      self.criteria)
-        step = _VerifiedStep(verdict.path_nodes, verdict.num_accepted, shape.num_nodes,
-                             self.sizing.feedback(tree, verdict))
-        return finished_B, verdict.next_token, step
+    def make_stats(self) -> SpeculativeStats:
+        self.stats = SpeculativeStats()
+        return self.stats
 
+    def start(self, state: DecodeState) -> None:
+        prompt_lengths = [len(p) for p in state.prompts]
+        num_completions = state.num_completions
+        self.max_new = state.sampling.max_new_tokens
+        # A catch-up pass pads every row to the longest backlog, so rows may write up to 2 * max_new slots.
+        self.draft_cache = DraftKVCache(prompt_lengths, state.num_samples,
+                                        capacity=2 * self.max_new + self.max_draft_slots, device=state.next_B.device)
+        self.draft_prefilled = False
+        self.pending: _VerifiedStep | None = None
+        self.stopwatch = DeviceStopwatch(state.next_B.device)
+        # Per live row, on the host: tokens emitted, and how many of them the draft has seen. Exact for
+        # live rows (a row whose emission was cut short has finished), they give the caches' exact
+        # "longest sequence" bounds, so attention reads no slot beyond the longest live sequence.
+        self.emitted_host = [1] * num_completions
+        self.draft_seen_host = [0] * num_completions
+        self.step_start = time.perf_counter()
 
-def speculative_rollout(model: nn.Module, prompts: list[torch.Tensor], num_samples: int, sampling: SamplingConfig,
-                        generator: torch.Generator | None, return_hidden: bool,
-                        draft: DraftHead | Speculation, limits_N: torch.Tensor) -> Rollout:
-    """The loop of the module docstring (inputs already checked and on the model's device)."""
-    start = time.perf_counter()
-    if not isinstance(draft, (DraftHead, Speculation)):
-        raise ValueError(f"draft must be a turbogrpo.speculative DraftHead or Speculation (or None for plain "
-                         f"sampling), got {type(draft).__name__}")
-    speculation = draft if isinstance(draft, Speculation) else Speculation(draft)
-    _check_draft(speculation.draft, model)
-    sizing = resolve_sizing(speculation, model, prompts, sampling)
-    max_nodes, max_draft_slots = sizing.bounds()
-    device = prompts[0].device
-    num_completions, max_new = len(prompts) * num_samples, sampling.max_new_tokens
-    prompt_lengths = [len(p) for p in prompts]
-    cache = GroupedKVCache(prompt_lengths, num_samples, capacity=max_new + max_nodes, device=device)
-    # A catch-up pass pads every row to the longest backlog, so rows may write up to 2 * max_new slots.
-    draft_cache = DraftKVCache(prompt_lengths, num_samples, capacity=2 * max_new + max_draft_slots, device=device)
-    stats = SpeculativeStats()
-
-    prompt_hidden_GPH = prefill_all_positions(model, cache, prompts)
-    stats.num_forwards += 1
-    last_GH = prompt_hidden_GPH[torch.arange(len(prompts), device=device),
-                                torch.tensor(prompt_lengths, device=device) - 1]
-    # Hidden states are always kept: the draft reads its pending pairs from them. emit writes all D
-    # slots of a step's path (slots past a row's count are leftovers), hence the spare columns.
-    decoder = _Decoder(model, lm_head_of(model), speculation.draft, sizing, cache, draft_cache,
-                       OutputBuffers.allocate(num_completions, max_new + max_nodes, device, last_GH),
-                       StopCriteria(sampling, device), sampling, generator, max_new)
-    live = LiveRows.start(limits_N)
-    logits_BV = decoder.lm_head(last_GH).float().repeat_interleave(num_samples, dim=0)
-    root_B, root_logprobs_B = sample_with_logprobs(logits_BV, sampling, generator)
-    finished_B = emit(decoder.outputs, live, root_B[:, None], root_logprobs_B[:, None],
-                      last_GH.repeat_interleave(num_samples, dim=0)[:, None], torch.ones_like(root_B),
-                      decoder.criteria)
-    step: _VerifiedStep | None = None
-    # Per live row, on the host: tokens emitted, and how many of them the draft has seen. Exact for
-    # live rows (a row whose emission was cut short has finished), they give the caches' exact
-    # "longest sequence" bounds, so attention reads no slot beyond the longest live sequence.
-    emitted_host = [1] * num_completions
-    draft_seen_host = [0] * num_completions
-    step_shape: TreeShape | None = None
-    draft_prefilled = False
-    step_start, catch_up_tokens = 0.0, 0
-    while True:
-        finished, accepted, feedback = _host_view(finished_B, step)
-        now = time.perf_counter()
-        if step is not None:
-            # The transfer above waited for the step's device work, so this is the step's real time.
-            sizing.observe_time(cache.num_live, step_shape, now - step_start, catch_up_tokens)
-        step_start = now
-        if step is not None:
-            if step.path_nodes_BD is None:
-                cache.commit_all(1)
-            else:
-                cache.commit(step.path_nodes_BD, step.num_accepted_B + 1)
-            if feedback is not None:
-                sizing.observe(feedback)
-            stats.tree_sizes.append(step.num_nodes)
-            stats.accepted_lengths.append(sum(accepted) / len(accepted) + 1)
-            emitted_host = [e + a + 1 for e, a in zip(emitted_host, accepted)]
-        if any(finished):
-            rows = [row for row, done in enumerate(finished) if not done]
-            if not rows:
-                break
-            rows_device = torch.tensor(rows, dtype=torch.long, device=device)
-            cache.keep(rows)
-            draft_cache.keep(rows)
-            live = live.keep(rows_device)
-            root_B = root_B[rows_device]
-            emitted_host = [emitted_host[r] for r in rows]
-            draft_seen_host = [draft_seen_host[r] for r in rows]
-        cache.max_length = max(emitted_host) - 1  # the root token is not committed yet
-        draft_cache.max_length = max(draft_seen_host)
-        stats.live_batch_sizes.append(cache.num_live)
-        stats.num_forwards += 1
-
-        shape = step_shape = sizing.choose(cache.num_live, draft_ready=draft_prefilled, position=max(emitted_host))
+    def __call__(self, state: DecodeState) -> None:
+        cache, draft_cache = state.cache, self.draft_cache
+        cache.max_length = max(self.emitted_host) - 1  # the root token is not committed yet
+        draft_cache.max_length = max(self.draft_seen_host)
+        shape = self.sizing.choose(cache.num_live, draft_ready=self.draft_prefilled, position=max(self.emitted_host))
         if shape is None:
-            finished_B, root_B, step = decoder.plain_step(live, root_B)
-            continue
-        if not draft_prefilled:
+            PlainStep()(state)
+            self.pending = _VerifiedStep(None, None, None)
+            return
+        if not self.draft_prefilled:
             # The draft's prompt pass waits for the first tree, so rollouts that never speculate
             # (high B throughout) cost the plain engine's time. It is timed on its own (two device
             # syncs, once per rollout) and left out of the step's time: the policy weighs it once.
-            seconds = _timed(device, lambda: prefill_draft(speculation.draft, draft_cache, prompts, prompt_hidden_GPH))
-            sizing.observe_startup(seconds)
-            step_start += seconds
-            draft_prefilled = True
-            stats.num_draft_forwards += 1
-        pending_width = max(e - s for e, s in zip(emitted_host, draft_seen_host))
+            seconds = self.stopwatch.timed(
+                lambda: prefill_draft(self.draft, draft_cache, state.prompts, state.prompt_hidden_GPH))
+            self.sizing.observe_startup(seconds)
+            self.step_start += seconds
+            self.draft_prefilled = True
+            self.stats.num_draft_forwards += 1
+        pending_width = max(e - s for e, s in zip(self.emitted_host, self.draft_seen_host))
         catch_up_tokens = pending_width * cache.num_live
-        root_features_BH = _catch_up_draft(decoder, live, pending_width)
-        draft_seen_host = list(emitted_host)
-        draft_cache.max_length = max(draft_seen_host)
-        stats.num_draft_forwards += shape.depth
-        finished_B, root_B, step = decoder.tree_step(live, root_B, root_features_BH, shape)
-    outputs = decoder.outputs if return_hidden else dataclasses.replace(decoder.outputs, hidden_NTH=None)
-    rollout = collect_rollout(prompts, num_samples, outputs, stats, start)
-    sizing.observe_lengths([len(tokens) for tokens in rollout.tokens])
-    return rollout
+        # Drawn before the step: a torch.Generator cannot be traced. The same numbers, in the same
+        # order, as drawing them at the acceptance (the draft draws none).
+        uniform_BN = None if state.sampling.greedy else torch.rand(
+            (cache.num_live, shape.num_nodes), generator=state.generator, device=state.next_B.device)
+        with self.stopwatch:
+            tree = self.draft_tree(state, self.draft, draft_cache, shape, pending_width)
+        self.draft_seen_host = list(self.emitted_host)
+        draft_cache.max_length = max(self.draft_seen_host)
+        self.stats.num_draft_forwards += shape.depth
+        verdict = self.verify_step(state, tree, uniform_BN)
+        self.pending = _VerifiedStep(verdict.num_accepted, shape, self.sizing.feedback(tree, verdict),
+                                     catch_up_tokens)
 
+    def host_values(self) -> torch.Tensor | None:
+        step = self.pending
+        if step is None or step.num_accepted_B is None:
+            return None
+        parts = [step.num_accepted_B.float()]
+        if step.feedback is not None:
+            parts.append(step.feedback.float())
+        return torch.cat(parts)
 
-def _timed(device: torch.device, work) -> float:
-    """Wall seconds of ``work()``, its device work included."""
-    synchronize(device)
-    start = time.perf_counter()
-    work()
-    synchronize(device)
-    return time.perf_counter() - start
+    def after_host_check(self, state: DecodeState, values: list[float]) -> None:
+        """The step's results reached the host: time it, commit its accepted path, feed the sizing policy."""
+        step, self.pending = self.pending, None
+        now = time.perf_counter()
+        if step is None:  # the check after the first draw
+            self.step_start = now
+            return
+        # The host transfer waited for the step's device work, so this is the step's real time.
+        self.sizing.observe_time(state.cache.num_live, step.shape, now - self.step_start, step.catch_up_tokens)
+        self.step_start = now
+        num_rows = state.cache.num_live
+        accepted = [0] * num_rows
+        if step.num_accepted_B is not None:
+            accepted = [int(v) for v in values[:num_rows]]
+            if step.feedback is not None:
+                self.sizing.observe(values[num_rows:])
+        self.stats.tree_sizes.append(1 if step.shape is None else step.shape.num_nodes)
+        self.stats.accepted_lengths.append(sum(accepted) / num_rows + 1)
+        self.emitted_host = [e + a + 1 for e, a in zip(self.emitted_host, accepted)]
+
+    def keep(self, rows: list[int]) -> None:
+        self.draft_cache.keep(rows)
+        self.emitted_host = [self.emitted_host[r] for r in rows]
+        self.draft_seen_host = [self.draft_seen_host[r] for r in rows]
+
+    def finish(self, rollout: Rollout) -> None:
+        self.stats.draft_seconds = self.stopwatch.seconds
+        self.sizing.observe_lengths([len(tokens) for tokens in rollout.tokens])
 
 
 def _check_draft(draft: object, model: nn.Module) -> None:
@@ -273,25 +253,32 @@ def _check_draft(draft: object, model: nn.Module) -> None:
                          "head, so build or load it with this model (DraftHead(model) / DraftHead.load(path, model))")
 
 
-def _host_view(finished_B: torch.Tensor, step: _VerifiedStep | None):
-    """Host sync, once per step: which rows finished, accepted counts, sizing statistics."""
-    parts = [finished_B.float()]
-    if step is not None and step.num_accepted_B is not None:
-        parts.append(step.num_accepted_B.float())
-        if step.feedback is not None:
-            parts.append(step.feedback.float())
-    values = torch.cat(parts).tolist()
-    num_rows = finished_B.shape[0]
-    finished = [v > 0 for v in values[:num_rows]]
-    if step is None:
-        return finished, None, None
-    if step.num_accepted_B is None:
-        return finished, [0] * num_rows, None
-    accepted = [int(v) for v in values[num_rows:2 * num_rows]]
-    return finished, accepted, (values[2 * num_rows:] if step.feedback is not None else None)
+def draft_tree(state: DecodeState, draft: DraftHead, draft_cache: DraftKVCache, shape: TreeShape,
+               pending_width: int) -> DraftTree:
+    """The draft's part of a tree step (device only): feed it the ``pending_width`` (host int, the
+    longest backlog) pairs each row committed since it last ran, then grow every row's tree of ``shape``."""
+    root_features_BH = _catch_up_draft(draft, draft_cache, state, pending_width, state.sampling.max_new_tokens)
+    root_logprobs_BV = draft.logits(root_features_BH).float().log_softmax(-1)
+    return build_tree(state.next_B, root_logprobs_BV, TreeDrafter(draft, draft_cache, root_features_BH), shape)
 
 
-def _path_outputs(tree: DraftTree, verdict, logits_BNV: torch.Tensor, hidden_BNH: torch.Tensor,
+def verify_step(state: DecodeState, tree: DraftTree, uniform_BN: torch.Tensor | None) -> TreeVerdict:
+    """The policy's part of a tree step (device only): one forward over every row's tree ``[B, N]``,
+    acceptance with the uniform numbers ``uniform_BN`` (None when greedy), emission of the accepted
+    path and the bonus token, and the commit of the path's K/V (finished rows' too: they are retired
+    at the next host check, so nothing reads them)."""
+    hidden_BNH = forward_new_tokens(state.model, state.cache, tree.tokens, tree.depths, tree.ancestors)
+    logits_BNV = state.lm_head(hidden_BNH).float()
+    verdict = verify_tree(tree, logits_BNV, state.sampling, uniform_BN=uniform_BN)
+    emitted_BD, logprobs_BD, hidden_BDH = _path_outputs(tree, verdict, logits_BNV, hidden_BNH, state.sampling)
+    emit(state.outputs, state.live, emitted_BD, logprobs_BD, hidden_BDH, verdict.num_accepted + 1,
+         state.criteria)
+    state.next_B.copy_(verdict.next_token)
+    state.cache.commit(verdict.path_nodes, verdict.num_accepted + 1)
+    return verdict
+
+
+def _path_outputs(tree: DraftTree, verdict: TreeVerdict, logits_BNV: torch.Tensor, hidden_BNH: torch.Tensor,
                   sampling: SamplingConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Tokens ``[B, D]`` a step emits (accepted draft tokens, then the bonus token at slot
     num_accepted; later slots are unused), their sampler log-probs and the hidden states that
@@ -304,14 +291,15 @@ def _path_outputs(tree: DraftTree, verdict, logits_BNV: torch.Tensor, hidden_BNH
     return emitted_BD, token_logprobs(path_logits, emitted_BD, sampling), path_hidden
 
 
-def _catch_up_draft(decoder: _Decoder, live: LiveRows, pending_width: int) -> torch.Tensor:
+def _catch_up_draft(draft: DraftHead, draft_cache: DraftKVCache, state: DecodeState, pending_width: int,
+                    max_new: int) -> torch.Tensor:
     """Feed the draft every pair (feature that predicted token j, token j) it has not seen; return the
     root's predicted feature ``[B, Hd]``."""
-    seen_B = decoder.draft_cache.lengths_B
-    columns_Bm = (seen_B[:, None] + torch.arange(pending_width, device=seen_B.device)).clamp(max=decoder.max_new - 1)
-    rows_Bm = live.completion_B[:, None].expand_as(columns_Bm)
-    outputs = decoder.outputs
+    seen_B = draft_cache.lengths_B
+    columns_Bm = (seen_B[:, None] + torch.arange(pending_width, device=seen_B.device)).clamp(max=max_new - 1)
+    rows_Bm = state.live.completion_B[:, None].expand_as(columns_Bm)
+    outputs = state.outputs
     # Columns past a row's pending count are padding (possibly "no token" markers): any valid id does.
     tokens_Bm = outputs.tokens_NT[rows_Bm, columns_Bm].clamp(min=0)
-    return catch_up(decoder.draft, decoder.draft_cache, outputs.hidden_NTH[rows_Bm, columns_Bm], tokens_Bm,
-                    live.emitted_B - seen_B)
+    return catch_up(draft, draft_cache, outputs.hidden_NTH[rows_Bm, columns_Bm], tokens_Bm,
+                    state.live.emitted_B - seen_B)

@@ -8,7 +8,8 @@ from the policy's config, so any model the engine runs works), and the output ``
 to equal ``f[s]``; the policy's frozen LM head turns it into draft logits for ``x[s+1]``. While
 drafting, the draft feeds its own predicted features back in place of the policy's.
 
-Features are the policy's final (post-norm) hidden states, the input of its LM head.
+Features are the policy's final (post-norm) hidden states, the input of its LM head. Training
+(offline and online) lives in ``draft_training.py``.
 
 The policy's embeddings and LM head are referenced, never copied: they are not parameters of the
 draft and not in its saved file. The draft is saved as ``draft.safetensors`` + ``draft_config.json``.
@@ -20,7 +21,7 @@ from __future__ import annotations
 
 import copy
 import json
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import NamedTuple
@@ -96,6 +97,12 @@ class DraftHead(nn.Module):
                            **{PLAN_KWARG: plan})
         return hidden
 
+    def make_step(self, model: nn.Module, prompts: list[torch.Tensor], sampling):
+        """The rollout engine's decoding step for ``generate(draft=self)``: ``Speculation(self)``'s."""
+        # Imported here: decode.py builds on this module (the draft), not the other way round.
+        from turbogrpo.speculative.decode import Speculation
+        return Speculation(self).make_step(model, prompts, sampling)
+
     def logits(self, features: torch.Tensor) -> torch.Tensor:
         """Draft logits ``[..., V]`` of the next token from predicted features ``[..., Hd]``.
 
@@ -154,141 +161,3 @@ class CausalPlan:
 def shift_features(features_BTH: torch.Tensor) -> torch.Tensor:
     """Draft input features: ``f[s-1]`` at position s, zeros at s = 0."""
     return F.pad(features_BTH[:, :-1], (0, 0, 1, 0))
-
-
-# -- training ----------------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class DraftTrainConfig:
-    """Draft training hyper-parameters (EAGLE / FastGRPO defaults)."""
-
-    feature_weight: float = 1.0
-    """w_v, weight of SmoothL1(predicted feature, policy feature) (EAGLE 1.0, FastGRPO code 2.0)."""
-    logit_weight: float = 0.1
-    """w_p, weight of CE(draft logits, policy's next-token distribution)."""
-    lr: float = 1e-4
-    """AdamW learning rate (EAGLE and FastGRPO)."""
-    weight_decay: float = 0.0
-    """AdamW weight decay (EAGLE uses none)."""
-    num_epochs: int = 1
-    """Passes over the examples (offline training; online training makes one pass per rollout)."""
-    batch_size: int = 8
-    """Sequences per optimizer step."""
-    max_grad_norm: float = 0.5
-    """Gradient clipping (EAGLE's value); keeps early steps on random features stable."""
-
-    def __post_init__(self):
-        for name in ("lr", "batch_size", "num_epochs", "max_grad_norm"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"draft training {name} must be > 0, got {getattr(self, name)!r}")
-        for name in ("feature_weight", "logit_weight", "weight_decay"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"draft training {name} must be >= 0, got {getattr(self, name)!r}")
-
-
-class DraftExample(NamedTuple):
-    """One sequence to train on: a prompt and a completion, with the policy's features."""
-
-    tokens: torch.Tensor    # [T] long: prompt then completion
-    features: torch.Tensor  # [T, Hd]: the policy's final hidden state at every position
-    loss_start: int         # first position whose prediction is trained (the first completion token)
-
-
-@torch.no_grad()
-def policy_features(policy: nn.Module, sequences: Sequence[torch.Tensor], *, batch_size: int = 8) -> list[torch.Tensor]:
-    """The policy's final hidden state ``[T, Hd]`` at every position of each 1-D sequence."""
-    decoder = decoder_of(policy)
-    device = next(policy.parameters()).device
-    features = []
-    for start in range(0, len(sequences), batch_size):
-        chunk = sequences[start:start + batch_size]
-        ids, lengths = _pad(chunk, device)
-        # Right padding and a causal mask: no real position sees padding, so no attention mask is needed.
-        hidden = decoder(input_ids=ids).last_hidden_state
-        features.extend(hidden[row, :length] for row, length in enumerate(lengths))
-    return features
-
-
-def draft_examples(policy: nn.Module, prompts: Sequence[torch.Tensor],
-                   completions: Sequence[Sequence[torch.Tensor]]) -> list[DraftExample]:
-    """Training examples from prompts and the policy's own completions (a list per prompt)."""
-    sequences, starts = [], []
-    for prompt, group in zip(prompts, completions):
-        for completion in group:
-            if len(completion) > 1:  # one-token completions have no position to learn from
-                sequences.append(torch.cat([prompt.to(completion.device), completion]))
-                starts.append(len(prompt))
-    feats = policy_features(policy, sequences)
-    return [DraftExample(seq, feat, start) for seq, feat, start in zip(sequences, feats, starts)]
-
-
-def draft_loss(draft: DraftHead, batch: Sequence[DraftExample], config: DraftTrainConfig) -> tuple[torch.Tensor, dict]:
-    """``w_v * SmoothL1(g, f) + w_p * CE(draft logits, policy distribution)`` over trained positions.
-
-    Returns the loss and metrics (both terms and the draft's top-1 agreement with the policy).
-    """
-    device = next(draft.parameters()).device
-    tokens, lengths = _pad([ex.tokens for ex in batch], device)
-    width = tokens.shape[1]
-    features = torch.stack([F.pad(ex.features.to(device), (0, 0, 0, width - len(ex.tokens))) for ex in batch])
-    positions = torch.arange(width, device=device).expand_as(tokens)
-    starts = torch.tensor([ex.loss_start for ex in batch], device=device)
-    # Position s predicts f[s], whose next-token distribution is p(x[s+1]); the last position has no
-    # next token in the data but its feature is still a valid target.
-    trained = (positions >= starts[:, None]) & (positions < torch.tensor(lengths, device=device)[:, None])
-    predicted = draft(shift_features(features), tokens, positions, CausalPlan())[trained]
-    target = features[trained].to(predicted.dtype)
-    feature_loss = F.smooth_l1_loss(predicted.float(), target.float())
-    with torch.no_grad():
-        target_probs = draft.logits(target).float().softmax(-1)
-    draft_logprobs = draft.logits(predicted).float().log_softmax(-1)
-    logit_loss = -(target_probs * draft_logprobs).sum(-1).mean()
-    loss = config.feature_weight * feature_loss + config.logit_weight * logit_loss
-    top1 = (draft_logprobs.argmax(-1) == target_probs.argmax(-1)).float().mean()
-    return loss, {"loss": loss.detach(), "feature_loss": feature_loss.detach(), "logit_loss": logit_loss.detach(),
-                  "top1_agreement": top1}
-
-
-def make_optimizer(draft: DraftHead, config: DraftTrainConfig) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(draft.parameters(), lr=config.lr, weight_decay=config.weight_decay)
-
-
-def train_draft(draft: DraftHead, examples: Sequence[DraftExample], config: DraftTrainConfig = DraftTrainConfig(),
-                *, optimizer: torch.optim.Optimizer | None = None, seed: int = 0,
-                on_step: Callable[[int, dict], None] | None = None) -> list[dict]:
-    """Train ``draft`` on ``examples`` (the policy's parts get no gradient).
-
-    Pass a persistent ``optimizer`` for online training across rollouts. Returns per-step metrics
-    (floats); ``on_step(step, metrics)`` is called after every step (progress bars, logging).
-    """
-    optimizer = optimizer or make_optimizer(draft, config)
-    generator = torch.Generator().manual_seed(seed)
-    history = []
-    for _ in range(config.num_epochs):
-        order = torch.randperm(len(examples), generator=generator).tolist()
-        for start in range(0, len(order), config.batch_size):
-            _, metrics = _train_step(draft, [examples[i] for i in order[start:start + config.batch_size]],
-                                     optimizer, config)
-            history.append(metrics)
-            if on_step is not None:
-                on_step(len(history), metrics)
-    return history
-
-
-def _train_step(draft, batch, optimizer, config) -> tuple[torch.Tensor, dict]:
-    loss, metrics = draft_loss(draft, batch, config)
-    optimizer.zero_grad(set_to_none=True)
-    loss.backward()
-    torch.nn.utils.clip_grad_norm_(draft.parameters(), config.max_grad_norm)
-    optimizer.step()
-    # One host sync per step, for the metrics the caller logs.
-    return loss, {name: float(value) for name, value in metrics.items()}
-
-
-def _pad(sequences: Iterable[torch.Tensor], device) -> tuple[torch.Tensor, list[int]]:
-    sequences = list(sequences)
-    lengths = [len(s) for s in sequences]
-    ids = torch.zeros(len(sequences), max(lengths), dtype=torch.long, device=device)
-    for row, seq in enumerate(sequences):  # a loop over sequences when batching data, not per token
-        ids[row, :len(seq)] = seq
-    return ids, lengths

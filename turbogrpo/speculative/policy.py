@@ -78,6 +78,16 @@ class SizingPolicy:
     def observe_lengths(self, lengths: list[int]) -> None:
         """The completion lengths of a finished rollout."""
 
+    def forget(self, keep: float) -> None:
+        """The draft has changed (online learning): weigh the acceptance seen so far by ``keep`` in [0, 1]."""
+
+    def state_dict(self) -> dict:
+        """What the policy has learnt (tensors and JSON scalars), for checkpoints."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore what ``state_dict`` returned."""
+
 
 def _bounds_of(shape: TreeShape | None) -> tuple[int, int]:
     if shape is None:
@@ -294,6 +304,26 @@ class CostSizing(SizingPolicy):
 
     def feedback(self, tree: DraftTree, verdict: TreeVerdict) -> torch.Tensor:
         return acceptance_counts(tree, verdict, self.l_max, self.k_max)
+
+    def forget(self, keep: float) -> None:
+        self.matches *= keep
+        self.trials *= keep
+        self._expected = None  # re-derive the choices from the discounted counts
+
+    def state_dict(self) -> dict:
+        return {"matches": self.matches.clone(), "trials": self.trials.clone(), "plain_scale": self.plain_scale,
+                "tree_scale": self.tree_scale, "num_timed": dict(self.num_timed),
+                "startup_seconds": self.startup_seconds, "past_lengths": list(self.past_lengths),
+                "plain_streak": self._plain_streak}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.matches, self.trials = state["matches"].to(torch.float64), state["trials"].to(torch.float64)
+        self.plain_scale, self.tree_scale = state["plain_scale"], state["tree_scale"]
+        self.num_timed, self.startup_seconds = dict(state["num_timed"]), state["startup_seconds"]
+        self.past_lengths.clear()
+        self.observe_lengths(list(state["past_lengths"]))
+        self._plain_streak = state["plain_streak"]
+        self._expected = None
 
     def observe(self, values: list[float]) -> None:
         counts = torch.tensor(values, dtype=torch.float64).view(2, self.l_max, self.k_max)

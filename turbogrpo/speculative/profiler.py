@@ -7,8 +7,10 @@ the model, device, dtype and (through attention) the context length, so it is me
 ``cached_profile`` returns the stored curve for this key or measures it (a few seconds) and stores
 it in ``$TURBOGRPO_CACHE_DIR/latency_profiles.json`` (default ``~/.cache/turbogrpo``).
 
-The verify curve times what a speculative step does per token on the policy side: the forward of n
-new tokens over a context, the LM head on all of them and one draw each. The draft curve times the
+The verify curve times the engine's own plain step (``turbogrpo.rollout.step.PlainStep``) with n
+live sequences, as a rollout runs it: the forward of one new token each over the shared context, the
+LM head, the draw and the emission. A tree of N nodes per sequence costs the linear layers what
+N x n sequences cost. The draft curve times the
 draft layer plus LM head and top-k over n tokens.
 """
 
@@ -26,14 +28,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from turbogrpo.hook import lm_head_of
-from turbogrpo.rollout.kv_cache import GroupedKVCache
-from turbogrpo.rollout.plans import forward_new_tokens, prefill_all_positions
-from turbogrpo.rollout.sampling import SamplingConfig, sample_tokens
+from turbogrpo.rollout.engine import first_draw
+from turbogrpo.rollout.sampling import SamplingConfig
+from turbogrpo.rollout.step import PlainStep
 
 CACHE_ENV = "TURBOGRPO_CACHE_DIR"
 CACHE_FILE = "latency_profiles.json"
-PROFILE_VERSION = 5  # bump when what is timed changes, so stale entries are not reused
+PROFILE_VERSION = 6  # bump when what is timed changes, so stale entries are not reused
 
 
 @dataclass(frozen=True)
@@ -179,16 +180,18 @@ def profile_latency(model: nn.Module, *, context_length: int, draft: nn.Module |
     generator = torch.Generator(device=device).manual_seed(seed)
     grid = [1 << i for i in range(max(1, int(max_tokens)).bit_length()) if 1 << i <= max_tokens]
     prompt = torch.randint(vocab_size, (context_length,), device=device, generator=generator)
-    sampling = SamplingConfig(max_new_tokens=1)
-    lm_head = lm_head_of(model)
-
-    cache = GroupedKVCache([context_length], grid[-1], capacity=1, device=device)
-    prompt_hidden = prefill_all_positions(model, cache, [prompt])
+    # The engine's own state and step (the plain step, as a rollout runs it: forward, LM head, draw,
+    # emit): one prompt shared by grid[-1] rows, cut to n rows per point. Every timed step commits
+    # one token, so the capacity covers all of them.
+    num_steps = len(grid) * (repeats + 1) + 1
+    state = first_draw(model, [prompt], grid[-1], SamplingConfig(max_new_tokens=num_steps + 1), generator,
+                       False, [num_steps + 1] * grid[-1], 0)
+    prompt_hidden = state.prompt_hidden_GPH
+    step = PlainStep()
 
     def verify(n: int) -> Callable[[], object]:
-        cache.keep(list(range(n)))
-        ids = torch.randint(vocab_size, (n, 1), device=device, generator=generator)
-        return lambda: sample_tokens(lm_head(forward_new_tokens(model, cache, ids)).float(), sampling, generator)
+        state.keep(list(range(n)))
+        return lambda: step(state)
 
     verify_curve = _measure(verify, grid, repeats, device)
     draft_curve = None
@@ -238,3 +241,50 @@ def synchronize(device: torch.device) -> None:
     """Wait for the device's queued work (a no-op on the CPU), so wall-clock timings include it."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+class DeviceStopwatch:
+    """Accumulated device time of blocks of work, without a host sync per block.
+
+    ``with stopwatch: ...`` brackets work with CUDA events (on the CPU, where ops run as they are
+    called, with the wall clock); ``seconds`` reads the events' elapsed times, which waits for them,
+    so read it once the caller has synced anyway (the end of a rollout). ``timed(work)`` syncs
+    around ``work`` and returns its wall seconds (counted too): for one-off work whose time the
+    caller needs at once.
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._host_seconds = 0.0
+        self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self._start: float | torch.cuda.Event | None = None
+
+    def __enter__(self) -> DeviceStopwatch:
+        if self.device.type == "cuda":
+            self._start = torch.cuda.Event(enable_timing=True)
+            self._start.record()
+        else:
+            self._start = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.device.type == "cuda":
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self._events.append((self._start, end))
+        else:
+            self._host_seconds += time.perf_counter() - self._start
+
+    def timed(self, work: Callable[[], object]) -> float:
+        synchronize(self.device)
+        start = time.perf_counter()
+        work()
+        synchronize(self.device)
+        seconds = time.perf_counter() - start
+        self._host_seconds += seconds
+        return seconds
+
+    @property
+    def seconds(self) -> float:
+        # Host sync (CUDA): waits for the recorded events; read once, at the end of a rollout.
+        return self._host_seconds + sum(start.elapsed_time(end) for start, end in self._events) / 1000

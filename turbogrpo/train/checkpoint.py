@@ -6,6 +6,8 @@ Nothing is pickled (``torch.load`` is never called): a checkpoint folder ``step-
                              is reloaded from ``model.path``);
 * ``optimizer.safetensors``  optimizer state tensors, keys ``"<param name>/<state key>"``;
 * ``rng-rank<r>.safetensors`` torch CPU/CUDA and numpy RNG states of rank r;
+* ``extra-rank<r>.safetensors`` rank r's own component state, when given (the online draft, its
+                             optimizer and acceptance statistics); its scalars go in ``rng-rank<r>.json``;
 * ``state.json``             step, optimizer hyper-parameters, python/numpy RNG scalars, data position,
                              counters; written last, so a folder without it is incomplete.
 
@@ -58,6 +60,8 @@ class Resumed:
     """GRPO steps completed."""
     state: dict[str, Any]
     """The ``extra`` dict given to :func:`save_checkpoint` (data position, counters, metric history)."""
+    rank_state: tuple[dict[str, torch.Tensor], dict[str, Any]] | None = None
+    """The ``rank_state`` this rank gave to :func:`save_checkpoint` (None if it gave none)."""
 
 
 def checkpoint_name(step: int) -> str:
@@ -65,11 +69,13 @@ def checkpoint_name(step: int) -> str:
 
 
 def save_checkpoint(root: str | Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                    extra: dict[str, Any], dist: DistInfo, *, keep: int = 2) -> Path:
+                    extra: dict[str, Any], dist: DistInfo, *, keep: int = 2,
+                    rank_state: tuple[dict[str, torch.Tensor], dict[str, Any]] | None = None) -> Path:
     """Write checkpoint ``root/step-XXXXXX`` atomically and point ``root/latest`` at it.
 
     Every rank must call this (the full state dicts are gathered collectively under FSDP2); rank 0
-    writes the shared files, every rank writes its own RNG state.
+    writes the shared files, every rank writes its own RNG state and ``rank_state`` (tensors, JSON
+    scalars) when given.
     """
     root = Path(root)
     final = root / checkpoint_name(step)
@@ -90,7 +96,11 @@ def save_checkpoint(root: str | Path, step: int, model: torch.nn.Module, optimiz
         dist.barrier()
         rng_tensors, rng_scalars = capture_rng_state()
         _save_tensors(rng_tensors, tmp / f"rng-rank{dist.rank}.safetensors")
-        _write_json({"rng": rng_scalars}, tmp / f"rng-rank{dist.rank}.json")
+        rank_json: dict[str, Any] = {"rng": rng_scalars}
+        if rank_state is not None:
+            _save_tensors(rank_state[0], tmp / f"extra-rank{dist.rank}.safetensors")
+            rank_json["extra"] = rank_state[1]
+        _write_json(rank_json, tmp / f"rng-rank{dist.rank}.json")
         dist.barrier()
         if dist.is_main:
             _save_tensors(model_state, tmp / "model.safetensors")
@@ -140,6 +150,13 @@ def checkpoint_problem(path: str | Path) -> str | None:
             return rng
         if "rng" not in rng:
             return f"{path / name} lacks 'rng'"
+        if "extra" in rng:  # this rank's own component state (the online draft)
+            extra = path / name.replace("rng-rank", "extra-rank").replace(".json", ".safetensors")
+            try:
+                with safe_open(str(extra), framework="pt"):
+                    pass
+            except Exception as err:
+                return f"{extra} is missing, truncated or corrupt ({err})"
     return None
 
 
@@ -198,9 +215,12 @@ def load_checkpoint(path: str | Path, model: torch.nn.Module, optimizer: torch.o
     for group in optimizer.param_groups:  # JSON has no tuples; give hyper-parameters their own type back
         for key in tuple_keys & group.keys():
             group[key] = tuple(group[key])
-    rng_scalars = json.loads((path / f"rng-rank{dist.rank}.json").read_text())["rng"]
-    restore_rng_state(load_file(path / f"rng-rank{dist.rank}.safetensors"), rng_scalars)
-    return Resumed(step=state["step"], state=state["extra"])
+    rank_json = json.loads((path / f"rng-rank{dist.rank}.json").read_text())
+    restore_rng_state(load_file(path / f"rng-rank{dist.rank}.safetensors"), rank_json["rng"])
+    rank_state = None
+    if "extra" in rank_json:
+        rank_state = (load_file(path / f"extra-rank{dist.rank}.safetensors"), rank_json["extra"])
+    return Resumed(step=state["step"], state=state["extra"], rank_state=rank_state)
 
 
 def full_model_state(model: torch.nn.Module) -> dict[str, torch.Tensor] | None:

@@ -2,9 +2,11 @@
 
 One step, as in the algorithm:
 
-    prompts -> rollout (G samples each, the policy's own weights) -> rewards -> group advantages
+    prompts -> rollout (G samples each, the policy's own weights; speculative with the run's draft)
+            -> rewards -> group advantages
             -> old-policy / reference log-probs (shared-prefix forward, forward only, when needed)
             -> num_iterations x [micro-batched loss and backward, clip, AdamW step (skipped if NaN/inf)]
+            -> draft update on every group's features (draft_learning.py; policy frozen)
 
 Everything else (building the run's components, checkpoints, metrics, evaluation) is called from here
 and lives in its own module (run.py, checkpoint.py, step_metrics.py, evaluate.py ...).
@@ -13,7 +15,7 @@ and lives in its own module (run.py, checkpoint.py, step_metrics.py, evaluate.py
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -25,10 +27,12 @@ from turbogrpo.data import PromptExample
 from turbogrpo.rollout import generate
 from turbogrpo.train import distributed, setup
 from turbogrpo.train.distributed import DistInfo
+from turbogrpo.train.draft_learning import frozen, speculation_metrics
 from turbogrpo.train.metrics import PhaseTimer
 from turbogrpo.train.microbatch import pad_to_count, plan_micro_batches
 from turbogrpo.train.optim import learning_rate, set_learning_rate
-from turbogrpo.train.report import write_report
+from turbogrpo.train.metrics import read_metrics
+from turbogrpo.train.report import speculation_summary, write_report
 from turbogrpo.train.output_dir import claim_output_dir, mark_complete
 from turbogrpo.train.run import Run, RunComplete, build_run, check_rewards, evaluate, export, interrupted, save
 from turbogrpo.train.step_metrics import completion_samples, step_metrics
@@ -48,6 +52,8 @@ class RunSummary:
     final_model: Path | None
     already_complete: bool = False
     """``--resume`` found the run finished and did nothing."""
+    speculation: list[str] = field(default_factory=list)
+    """With rollout.speculation on: acceptance and draft-training figures (the report's lines)."""
 
 
 def train(config: Config, *, resume: bool = False, overwrite: bool = False) -> RunSummary:
@@ -91,8 +97,10 @@ def train(config: Config, *, resume: bool = False, overwrite: bool = False) -> R
             write_report(config.train.output_dir)
         if dist.is_main:
             mark_complete(output.path, total)
+        speculation = (speculation_summary(read_metrics(config.train.output_dir))
+                       if run.draft is not None and dist.is_main else [])
         return RunSummary(total, run.state.evals, time.perf_counter() - start, Path(config.train.output_dir),
-                          final_model)
+                          final_model, speculation=speculation)
     except RunComplete as done:
         return RunSummary(done.step, done.evals, time.perf_counter() - start, output.path, None, already_complete=True)
     except KeyboardInterrupt:
@@ -110,12 +118,18 @@ def grpo_step(run: Run, step: int) -> dict[str, float]:
     num_samples = config.rollout.num_generations
     examples = next(run.batches)[distributed.local_slice(config.train.prompts_per_step, dist)]
     prompts = [e.token_ids.to(dist.device) for e in examples]
+    seed = rollout_seed(config.train.seed, step, dist.rank)
+    draft = run.draft  # None: speculation off
+    learns = draft is not None and draft.learns
 
     # The rollout samples under the training forward's precision: the same bf16 weights and kernels' dtypes.
     with timer("rollout"), distributed.full_parameters(run.trainer), run.precision.autocast():
         run.policy.eval()
-        rollout = generate(run.policy, prompts, num_samples=num_samples, sampling=run.sampling,
-                           seed=rollout_seed(config.train.seed, step, dist.rank))
+        rollout = generate(run.policy, prompts, num_samples=num_samples, sampling=run.sampling, seed=seed,
+                           draft=draft.speculation() if draft is not None else None, return_hidden=learns)
+    if learns:
+        with timer("draft"):
+            draft_data = draft.collect(run.policy, rollout, seed)  # all groups, before the policy moves
     with timer("rewards"):
         texts = run.tokenizer.batch_decode(rollout.tokens, skip_special_tokens=True)
         rewards = setup.score_rewards(run.rewards, [e.text for e in examples for _ in range(num_samples)], texts,
@@ -137,7 +151,7 @@ def grpo_step(run: Run, step: int) -> dict[str, float]:
             batch.old_logps = score(run.trainer, batch, micro_batches)
         if run.reference is not None:
             batch.ref_logps = score(run.reference, batch, micro_batches)
-    with timer("update"):
+    with timer("update"), frozen(draft.draft if draft is not None else None):
         run.policy.train()
         updates = []
         for iteration in range(config.algo.num_iterations):
@@ -147,11 +161,16 @@ def grpo_step(run: Run, step: int) -> dict[str, float]:
             updates.append(update_policy(run.trainer, batch, micro_batches, run.loss, run.settings, normalizer,
                                          run.optimizer, max_grad_norm=config.optim.max_grad_norm, dist=dist))
             guard_nonfinite(run, updates[-1], step)
+    draft_metrics = {}
+    if learns:
+        with timer("draft"):
+            draft_metrics = draft.learn(run.policy, draft_data, seed)
 
     trainer_logps = batch.old_logps if batch.old_logps is not None else _regroup(updates[0].logps, batch)
     sampler_logps = [rollout.logprobs_per_group()[g] for g in trained]
     metrics = step_metrics(rollout, rewards, sampler_logps, trainer_logps, updates, timer.seconds, run, dist)
     metrics["frac_groups_trained"] = len(trained) / len(examples)
+    metrics.update(speculation_metrics(rollout.stats), **draft_metrics)
     if dist.is_main and config.log.completions_every and (step + 1) % config.log.completions_every == 0:
         run.log.log_completions(step + 1, completion_samples(examples, texts, rewards, num_samples,
                                                              config.log.num_completions))

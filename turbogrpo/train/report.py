@@ -6,7 +6,7 @@ from pathlib import Path
 
 from turbogrpo.train.metrics import read_metrics
 
-PHASES = ("rollout", "rewards", "logprobs", "update")
+PHASES = ("rollout", "rewards", "logprobs", "update", "draft")
 
 
 def write_report(output_dir: str | Path) -> Path:
@@ -72,8 +72,52 @@ def write_report(output_dir: str | Path) -> Path:
         fig.savefig(out / "training.png", dpi=120)
         plt.close(fig)
 
+    speculative = [r for r in steps if "spec/accepted_length" in r]
+    if speculative:
+        _plot_speculation(plt, speculative, out / "speculation.png")
+
     (out / "report.md").write_text(_summary(steps, evals, sampled))
     return out
+
+
+def _plot_speculation(plt, steps: list[dict], path: Path) -> None:
+    """Acceptance length and tree use per step, and the draft's training time as a share of the step."""
+    xs = [r["step"] for r in steps]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.5))
+    left.plot(xs, [r["spec/accepted_length"] if r.get("spec/frac_tree_steps", 0) > 0 else float("nan")
+                   for r in steps], "o-", markersize=3, label="accepted length (tree steps)")
+    left.plot(xs, [r["spec/tokens_per_forward"] for r in steps], ":", label="tokens per forward (all steps)")
+    left.set_title("Speculation: tokens per policy forward", fontsize=9)
+    left.set_xlabel("step")
+    left.grid(alpha=0.3)
+    left.legend(fontsize=8)
+    right.plot(xs, [r["spec/frac_tree_steps"] for r in steps], label="decoding steps with a tree")
+    right.plot(xs, [r.get("time/draft", 0.0) / r["time/step"] for r in steps], label="draft training / step time")
+    right.set_title("Tree use and draft-training share", fontsize=9)
+    right.set_xlabel("step")
+    right.grid(alpha=0.3)
+    right.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def speculation_summary(steps: list[dict]) -> list[str]:
+    """Lines on speculative rollouts and online draft learning ([] for a run without speculation)."""
+    steps = [r for r in steps if "spec/accepted_length" in r]
+    if not steps:
+        return []
+    tenth = max(1, len(steps) // 10)
+    first, last = steps[:tenth], steps[-tenth:]
+    lines = [f"Speculation: accepted length {_mean(first, 'spec/accepted_length'):.2f} (first tenth of steps) -> "
+             f"{_mean(last, 'spec/accepted_length'):.2f} (last tenth) tokens per policy forward on tree steps; "
+             f"{_mean(steps, 'spec/frac_tree_steps'):.0%} of decoding steps verified a tree "
+             f"(mean tree {_mean(steps, 'spec/tree_size'):.1f} nodes, mean live batch {_mean(steps, 'spec/live_batch'):.1f})."]
+    if any("time/draft" in r for r in steps):
+        share = sum(r.get("time/draft", 0.0) for r in steps) / (sum(r["time/step"] for r in steps) or 1.0)
+        lines.append(f"Online draft learning: {share:.1%} of the step time; draft top-1 agreement with the policy "
+                     f"{_mean(first, 'draft/top1_agreement'):.2f} -> {_mean(last, 'draft/top1_agreement'):.2f}.")
+    return lines
 
 
 def _summary(steps: list[dict], evals: list[tuple[int, float]], sampled: list[tuple[int, float]]) -> str:
@@ -89,9 +133,12 @@ def _summary(steps: list[dict], evals: list[tuple[int, float]], sampled: list[tu
         totals = {p: sum(r.get(f"time/{p}", 0.0) for r in steps) for p in PHASES}
         whole = sum(totals.values()) or 1.0
         lines.append("Time by phase: " + ", ".join(f"{p} {t:.1f} s ({t / whole:.0%})" for p, t in totals.items()))
+        lines += speculation_summary(steps)
         lines.append(f"Steps: {len(steps)}; mean step time {_mean(steps, 'time/step'):.2f} s; "
                      f"skipped optimizer steps (NaN/inf): {int(steps[-1].get('skipped_steps_total', 0))}.")
     lines += ["", "![rewards](rewards.png)", "", "![phases](phases.png)", "", "![training](training.png)", ""]
+    if any("spec/accepted_length" in r for r in steps):
+        lines += ["![speculation](speculation.png)", ""]
     return "\n".join(lines)
 
 

@@ -19,6 +19,7 @@ from turbogrpo.models import resolve_dtype
 from turbogrpo.rollout import SamplingConfig
 from turbogrpo.train import checkpoint, distributed, setup
 from turbogrpo.train.distributed import DistInfo
+from turbogrpo.train.draft_learning import OnlineDraft, build_online_draft
 from turbogrpo.train.evaluate import evaluate_accuracy
 from turbogrpo.train import output_dir as output_dir_state
 from turbogrpo.train.metrics import METRICS_FILE, MetricsLog
@@ -67,6 +68,8 @@ class Run:
     state: RunState
     reported_reward_failures: set[str] = field(default_factory=set)
     """Reward functions whose first failure has been printed (each is printed once per process)."""
+    draft: OnlineDraft | None = None
+    """The speculative rollouts' draft head and its online learning; None when rollout.speculation is "off"."""
 
 
 class RewardFailure(ValueError):
@@ -96,6 +99,11 @@ def build_run(config: Config, dist: DistInfo, rewards: list[setup.Reward], resum
     batches = PromptBatches(prompt_set.examples, config.train.prompts_per_step, seed=config.train.seed,
                             shuffle=config.data.shuffle)
     stop_ids = setup.stop_token_ids(policy, tokenizer)
+    if dist.enabled and config.distributed.strategy == "fsdp2" and config.rollout.speculation != "off":
+        raise ValueError("config key 'rollout.speculation': the draft head shares the policy's embeddings and LM "
+                         "head, which FSDP2 shards; use rollout.speculation = \"off\" or strategy \"ddp\"")
+    longest_prompt = max(e.token_ids.numel() for e in prompt_set.examples)
+    draft = build_online_draft(config, policy, longest_prompt + config.rollout.max_new_tokens // 2)
     state = RunState()
     output_dir = Path(config.train.output_dir)
     latest = find_resume_checkpoint(output_dir, dist) if resume else None
@@ -104,6 +112,8 @@ def build_run(config: Config, dist: DistInfo, rewards: list[setup.Reward], resum
         batches.load_state_dict(resumed.state["data"])
         state = RunState(step=resumed.step, nonfinite_in_a_row=resumed.state["nonfinite_in_a_row"],
                          nonfinite_total=resumed.state["nonfinite_total"], evals=resumed.state["evals"])
+        if draft is not None and resumed.rank_state is not None:
+            draft.load_state_dict(*resumed.rank_state)
         done = output_dir_state.completed_step(output_dir)
         if done is not None and resumed.step >= config.train.num_steps and done >= resumed.step:
             raise RunComplete(resumed.step, state.evals)
@@ -124,7 +134,7 @@ def build_run(config: Config, dist: DistInfo, rewards: list[setup.Reward], resum
         loss=LOSSES[config.algo.loss],
         settings=LossSettings(epsilon_low=config.algo.epsilon_low, epsilon_high=config.algo.epsilon_high,
                               beta=config.algo.beta, tis_cap=config.algo.tis_cap),
-        log=log, state=state)
+        log=log, state=state, draft=draft)
 
 
 class RunComplete(Exception):
@@ -233,7 +243,8 @@ def save(run: Run) -> Path:
     extra = {"data": run.batches.state_dict(), "nonfinite_in_a_row": run.state.nonfinite_in_a_row,
              "nonfinite_total": run.state.nonfinite_total, "evals": run.state.evals}
     path = checkpoint.save_checkpoint(run.config.train.output_dir, run.state.step, run.policy, run.optimizer,
-                                      extra, run.dist, keep=run.config.train.keep_checkpoints)
+                                      extra, run.dist, keep=run.config.train.keep_checkpoints,
+                                      rank_state=run.draft.state_dict() if run.draft is not None else None)
     if run.dist.is_main:
         tqdm.write(f"checkpoint saved: {path}")
     return path

@@ -12,9 +12,9 @@ import torch
 from torch import nn
 
 from turbogrpo.config import Config, ConfigError, DataConfig, RewardConfig, RolloutConfig
-from turbogrpo.data import PromptExample, build_prompts, demo_records, gsm8k_records, read_records
+from turbogrpo.data import PromptExample, build_prompts, demo_records, gsm8k_records, longform_records, read_records
 from turbogrpo.data.sources import source_kind
-from turbogrpo.models import demo_model_path, enable_activation_checkpointing, load_model_and_tokenizer
+from turbogrpo.models import enable_activation_checkpointing, load_model_and_tokenizer, resolve_model_path
 from turbogrpo.prefix import compute_logprobs
 from turbogrpo.rewards import BUILTIN_REWARDS, RewardFn, WeightedReward, compute_rewards, resolve_reward
 from turbogrpo.rollout import SamplingConfig
@@ -29,7 +29,7 @@ def precision(config: Config, device: torch.device) -> Precision:
 def load_policy(config: Config, device: torch.device):
     """The trainable policy (full model, or base + LoRA adapters) and its tokenizer, on ``device``, its
     parameters in the run's storage dtype (float32 masters unless model.pure_bf16)."""
-    path = demo_model_path() if config.model.path == "demo" else config.model.path
+    path = resolve_model_path(config.model.path)
     model, tokenizer = load_model_and_tokenizer(path, dtype=precision(config, device).param_dtype, device=device)
     if config.lora.enabled:
         from peft import LoraConfig, get_peft_model
@@ -85,7 +85,7 @@ def build_reference(config: Config, policy: nn.Module, device: torch.device) -> 
     fn = logprob_fn(config, device)
     if config.lora.enabled:
         return AdapterlessScorer(policy, fn)
-    path = demo_model_path() if config.model.path == "demo" else config.model.path
+    path = resolve_model_path(config.model.path)
     # Stored like the policy, so that at step 0 it computes exactly the policy's log-probs.
     reference, _ = load_model_and_tokenizer(path, dtype=precision(config, device).param_dtype, device=device)
     return FrozenScorer(reference, fn)
@@ -94,9 +94,13 @@ def build_reference(config: Config, policy: nn.Module, device: torch.device) -> 
 # --- prompts ----------------------------------------------------------------------------------------
 
 
-def _arithmetic_rows(data: DataConfig, split: str, seed: int) -> list[dict]:
+# The built-in tasks' generators, by data.kind: records(split, num, seed) -> rows.
+BUILTIN_TASKS = {"arithmetic": demo_records, "longform": longform_records}
+
+
+def _builtin_rows(data: DataConfig, split: str, seed: int) -> list[dict]:
     num = data.num_train_problems if split == "train" else data.num_eval_problems
-    return demo_records(split, num, seed=seed)
+    return BUILTIN_TASKS[data.kind](split, num, seed=seed)
 
 
 def _file_rows(data: DataConfig, path: str) -> list[dict]:
@@ -106,7 +110,8 @@ def _file_rows(data: DataConfig, path: str) -> list[dict]:
 
 # Readers of training rows, by data.kind.
 ROW_READERS = {
-    "arithmetic": lambda data, seed: _arithmetic_rows(data, "train", seed),
+    "arithmetic": lambda data, seed: _builtin_rows(data, "train", seed),
+    "longform": lambda data, seed: _builtin_rows(data, "train", seed),
     "rows": lambda data, seed: _file_rows(data, data.path),
     "gsm8k": lambda data, seed: gsm8k_records(data.path),
 }
@@ -137,12 +142,12 @@ def load_train_prompts(config: Config, tokenizer, max_positions: int | None = No
 
 
 def load_eval_prompts(config: Config, tokenizer, max_positions: int | None = None) -> list[PromptExample]:
-    """Held-out prompts: the arithmetic task's eval split, or ``data.eval_path`` rows ([] if none)."""
+    """Held-out prompts: a built-in task's eval split, or ``data.eval_path`` rows ([] if none)."""
     data = config.data
     if data.eval_path:
         rows = gsm8k_records(data.eval_path) if data.kind == "gsm8k" else _file_rows(data, data.eval_path)
-    elif data.kind == "arithmetic":
-        rows = _arithmetic_rows(data, "eval", seed=0)  # fixed, so every run is scored on the same problems
+    elif data.kind in BUILTIN_TASKS:
+        rows = _builtin_rows(data, "eval", seed=0)  # fixed, so every run is scored on the same problems
     else:
         return []
     return _prompts(rows[:data.num_eval_problems], tokenizer, config, max_positions).examples

@@ -1,0 +1,107 @@
+"""The plain step as one graph: torch.compile(fullgraph=True) captures it, it is not compiled again
+while the live batch shrinks within a bucket or for the next rollout, and it runs no more operators
+per decoder layer than Hugging Face's own eager decoding step."""
+
+import pytest
+import torch
+import torch._dynamo
+from torch._dynamo.utils import counters
+from torch.profiler import ProfilerActivity, profile
+from transformers import DynamicCache
+
+from tests.rollout.conftest import build_model, random_prompts
+from turbogrpo.rollout import SamplingConfig, generate
+from turbogrpo.rollout.compiled import _compiled
+from turbogrpo.rollout.engine import DecodeSchedule, first_draw
+from turbogrpo.rollout.step import PlainStep
+
+# Operators that only make a view or change metadata launch no kernel and are not counted.
+VIEW_OPS = {"aten::view", "aten::flatten", "aten::unsqueeze", "aten::slice", "aten::transpose", "aten::expand",
+            "aten::expand_as", "aten::alias", "aten::reshape", "aten::select", "aten::squeeze", "aten::as_strided",
+            "aten::t", "aten::contiguous", "aten::detach", "aten::lift_fresh", "aten::_unsafe_view",
+            "aten::unbind", "aten::view_as", "aten::split", "aten::chunk", "aten::narrow", "aten::permute",
+            "aten::empty", "aten::empty_like"}
+EXTRA_OPS_PER_LAYER = 6  # the two attention parts and their merge, against one SDPA
+
+
+def test_the_plain_step_is_one_graph_reused_within_a_bucket_and_across_rollouts():
+    torch._dynamo.reset()
+    _compiled.cache_clear()
+    model = build_model("qwen2", num_hidden_layers=1)
+    sampling = SamplingConfig(max_new_tokens=6)
+    # Limits 5, 6, 6, 6: the live batch goes 4, 4, 4, 4, 3 -- always within the bucket of 4.
+    kwargs = dict(num_samples=4, sampling=sampling, seed=1, max_new_tokens_per_completion=[5, 6, 6, 6])
+    eager = generate(model, random_prompts([5]), schedule=DecodeSchedule(2, "pow2"), **kwargs)
+    counters.clear()
+    compiled = generate(model, random_prompts([5]), schedule=DecodeSchedule(2, "pow2", "dynamo"), **kwargs)
+    assert compiled.stats.live_batch_sizes == [4, 4, 4, 4, 3]
+    assert [t.tolist() for t in compiled.tokens] == [t.tolist() for t in eager.tokens]
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]  # fullgraph: one graph
+    counters.clear()
+    again = generate(model, random_prompts([5]), schedule=DecodeSchedule(2, "pow2", "dynamo"), **kwargs)
+    assert [t.tolist() for t in again.tokens] == [t.tolist() for t in eager.tokens]
+    assert not counters["stats"] and not counters["recompiles"]  # the next rollout reuses the graph
+
+
+def kernel_ops(work) -> int:
+    """Top-level aten operators that launch work, in one call of ``work``."""
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        work()
+    count = 0
+    for event in prof.events():
+        if not event.name.startswith("aten::") or event.name in VIEW_OPS:
+            continue
+        parent = event.cpu_parent
+        while parent is not None and not parent.name.startswith("aten::"):
+            parent = parent.cpu_parent
+        if parent is not None:
+            continue  # called by another aten operator
+        if event.name == "aten::to" and not any(c.name == "aten::_to_copy" for c in event.cpu_children):
+            continue  # a no-op conversion
+        count += 1
+    return count
+
+
+def ops_per_layer(num_layers: int) -> tuple[int, int]:
+    """(ours, HF's) operators of one greedy decoding step, 6 sequences of 2 prompts."""
+    model = build_model("qwen2", num_hidden_layers=num_layers)
+    prompts = random_prompts([5, 5])
+    sampling = SamplingConfig(max_new_tokens=12, temperature=0.0)
+    with torch.no_grad():
+        state = first_draw(model, prompts, 3, sampling, None, False, [12] * 6, 0)
+        step = PlainStep()
+        step(state)  # past the first step's one-time work
+        ours = kernel_ops(lambda: step(state))
+        cache = DynamicCache(config=model.config)
+        tokens = model(torch.stack(prompts).repeat_interleave(3, 0), past_key_values=cache).logits[:, -1:].argmax(-1)
+        model(tokens, past_key_values=cache)
+        hf = kernel_ops(lambda: model(tokens, past_key_values=cache).logits[:, -1].argmax(-1))
+    return ours, hf
+
+
+def test_a_plain_step_runs_about_as_many_operators_per_layer_as_hf_decoding():
+    (ours_2, hf_2), (ours_4, hf_4) = ops_per_layer(2), ops_per_layer(4)
+    ours, hf = (ours_4 - ours_2) / 2, (hf_4 - hf_2) / 2
+    assert ours <= hf + EXTRA_OPS_PER_LAYER, (ours, hf)
+
+
+def test_the_cuda_graph_runners_are_refused_off_cuda():
+    for runner in ("cudagraph", "compiled-cudagraph"):
+        with pytest.raises(ValueError, match="needs a model on a CUDA device"):
+            generate(build_model("qwen2", num_hidden_layers=1), random_prompts([5]), num_samples=2,
+                     sampling=SamplingConfig(max_new_tokens=3), schedule=DecodeSchedule(2, "pow2", runner))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+def test_cuda_graph_replay_gives_the_eager_tokens_across_buckets_and_rollouts():
+    model = build_model("qwen2").cuda()
+    prompts = [p.cuda() for p in random_prompts([5, 9])]
+    # Limits spread so that the batch of 8 retires to buckets of 4, 2 and 1 while it decodes.
+    kwargs = dict(num_samples=4, seed=3, return_hidden=True, max_new_tokens_per_completion=[2, 3, 5, 6, 9, 12, 12, 3],
+                  sampling=SamplingConfig(max_new_tokens=12, top_p=0.9))
+    eager = generate(model, prompts, schedule=DecodeSchedule(2, "pow2"), **kwargs)
+    for _ in range(2):  # a second rollout records its own graphs
+        replayed = generate(model, prompts, schedule=DecodeSchedule(2, "pow2", "cudagraph"), **kwargs)
+        assert [t.tolist() for t in replayed.tokens] == [t.tolist() for t in eager.tokens]
+        for ours, theirs in zip(replayed.logprobs + replayed.hidden, eager.logprobs + eager.hidden):
+            torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)

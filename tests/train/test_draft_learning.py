@@ -1,0 +1,189 @@
+"""Speculation inside GRPO: config checks, freezing, online learning raises acceptance, the draft's
+state round-trips, and speculative training rollouts sample as plain ones do."""
+
+import json
+
+import pytest
+import safetensors.torch
+import torch
+
+from tests.speculative.speculative_helpers import tiny_policy
+from turbogrpo.config import ConfigError, load_config
+from turbogrpo.rollout import SamplingConfig, generate
+from turbogrpo.speculative.draft import DraftHead
+from turbogrpo.speculative.draft_training import DraftTrainConfig, make_optimizer
+from turbogrpo.speculative.policy import CostSizing, FixedSizing
+from turbogrpo.speculative.profiler import LatencyCurve, LatencyProfile
+from turbogrpo.train import draft_learning, loop
+from turbogrpo.train.draft_learning import OnlineDraft, frozen, within_budget
+
+from .tiny_run import overrides, write_model, write_rows
+
+
+@pytest.mark.parametrize("key,value,message", [
+    ("rollout.speculation", "eagle", "rollout.speculation"),
+    ("draft.path", "/no/such/draft", "draft.path"),
+    ("draft.lr", 0, "draft.lr"),
+    ("draft.steps", 0, "draft.steps"),
+    ("draft.max_tokens", -1, "draft.max_tokens"),
+    ("draft.logit_weight", -0.1, "draft.logit_weight"),
+    ("draft.num_layers", 0, "draft.num_layers"),
+])
+def test_bad_speculation_settings_are_named(key, value, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, [f"{key}={value}"])
+
+
+def test_a_saved_draft_folder_is_accepted(tmp_path):
+    DraftHead(tiny_policy()).save(tmp_path / "d")
+    config = load_config(None, ["rollout.speculation=cost", f'draft.path="{tmp_path / "d"}"'])
+    assert config.rollout.speculation == "cost" and config.draft.path == str(tmp_path / "d")
+
+
+def test_frozen_restores_each_flag():
+    module = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+    module[1].bias.requires_grad_(False)
+    with frozen(module):
+        assert not any(p.requires_grad for p in module.parameters())
+    assert [p.requires_grad for p in module.parameters()] == [True, True, True, False]
+
+
+def test_budget_takes_whole_groups_and_counts_each_prompt_once():
+    prompts, trainable = [4, 6, 1], [[5, 7, 3], [10], [2, 2]]
+    assert within_budget(prompts, trainable, 0, torch.Generator()) == [[0, 1, 2], [0], [0, 1]]
+    for seed in range(5):
+        chosen = within_budget(prompts, trainable, 16, torch.Generator().manual_seed(seed))
+        total = sum(prompts[g] + sum(trainable[g][i] for i in c) for g, c in enumerate(chosen) if c)
+        assert 0 < total <= 16
+        assert all(c == list(range(len(c))) for c in chosen)  # a prefix of each group's completions
+    assert within_budget([1], [[40]], 12, torch.Generator()) == [[0]]  # at least one completion
+
+
+def test_policy_and_draft_are_frozen_in_each_others_training(tmp_path, monkeypatch):
+    model_dir, rows = write_model(tmp_path / "model"), write_rows(tmp_path / "rows.jsonl")
+    seen = {}
+    real_update, real_train = loop.update_policy, draft_learning.train_draft
+
+    def update_policy(trainer, *args, **kwargs):
+        seen["draft_trainable_in_update"] = any(p.requires_grad for p in run_state["draft"].parameters())
+        seen["policy_trainable_in_update"] = all(p.requires_grad for p in trainer.parameters())
+        return real_update(trainer, *args, **kwargs)
+
+    def train_draft(draft, groups, config, **kwargs):
+        seen["policy_trainable_in_draft"] = any(p.requires_grad for p in run_state["policy"].parameters())
+        seen["draft_trainable_in_draft"] = all(p.requires_grad for p in draft.parameters())
+        policy_before = [p.clone() for p in run_state["policy"].parameters()]
+        history = real_train(draft, groups, config, **kwargs)
+        seen["policy_unchanged_by_draft"] = all(torch.equal(a, b) for a, b in
+                                                zip(policy_before, run_state["policy"].parameters()))
+        return history
+
+    monkeypatch.setattr(loop, "update_policy", update_policy)
+    monkeypatch.setattr(draft_learning, "train_draft", train_draft)
+    from turbogrpo.train import distributed, setup
+    from turbogrpo.train.run import build_run
+    config = load_config(None, overrides(model_dir, rows, tmp_path / "out", **{"rollout.speculation": "fixed"}))
+    run = build_run(config, distributed.setup("cpu", "auto"), setup.load_rewards(config.rewards), False)
+    run_state = {"draft": run.draft.draft, "policy": run.policy}
+    run.policy.zero_grad(set_to_none=True)
+    draft_before = [p.clone() for p in run.draft.draft.parameters()]
+    metrics = loop.grpo_step(run, 0)
+    assert seen == {"draft_trainable_in_update": False, "policy_trainable_in_update": True,
+                    "policy_trainable_in_draft": False, "draft_trainable_in_draft": True,
+                    "policy_unchanged_by_draft": True}
+    assert all(p.requires_grad for p in run.policy.parameters())      # flags restored
+    assert all(p.requires_grad for p in run.draft.draft.parameters())
+    assert any(not torch.equal(a, b) for a, b in zip(draft_before, run.draft.draft.parameters()))
+    assert metrics["spec/tree_size"] == 16 and metrics["draft/tokens"] > 0 and "time/draft" in metrics
+
+
+def _online(policy, sizing, lr=1e-2, max_tokens=0, steps=2) -> OnlineDraft:
+    draft = DraftHead(policy)
+    config = DraftTrainConfig(lr=lr)
+    return OnlineDraft(draft, sizing, make_optimizer(draft, config), config, steps, max_tokens)
+
+
+def test_online_learning_raises_acceptance():
+    """A scratch draft learning online from the policy's rollouts (policy fixed) accepts more."""
+    torch.manual_seed(0)
+    policy = tiny_policy(sharpness=6.0)
+    online = _online(policy, FixedSizing((4, 4, 16)), lr=2e-2)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(64, (n,), generator=g) for n in (5, 9, 3, 7)]
+    sampling = SamplingConfig(max_new_tokens=16, temperature=1.0)
+    accepted = []
+    for step in range(8):
+        rollout = generate(policy, prompts, num_samples=4, sampling=sampling, seed=step,
+                           draft=online.speculation(), return_hidden=True)
+        accepted.append(rollout.stats.mean_accepted_length)
+        online.learn(policy, online.collect(policy, rollout, seed=step), seed=step)
+    assert accepted[0] < 1.2  # a scratch draft: almost every tree is rejected at its root
+    assert sum(accepted[-3:]) / 3 > accepted[0] + 0.5, accepted  # measured: 1.08 -> 1.84
+
+
+def _cost_sizing() -> CostSizing:
+    curve = LatencyCurve((1, 8, 64), (1e-3, 1.2e-3, 4e-3))
+    return CostSizing(LatencyProfile("test", curve, curve))
+
+
+def test_state_round_trips_draft_optimizer_and_acceptance_statistics():
+    torch.manual_seed(0)
+    policy = tiny_policy(sharpness=6.0)
+    online = _online(policy, _cost_sizing())
+    prompts = [torch.randint(64, (6,)) for _ in range(3)]
+    rollout = generate(policy, prompts, num_samples=4, sampling=SamplingConfig(max_new_tokens=16), seed=0,
+                       draft=online.speculation(), return_hidden=True)
+    online.learn(policy, online.collect(policy, rollout, seed=0), seed=0)
+    online.sizing.matches += 3.0  # as if trees had been verified
+    online.sizing.trials += 5.0
+    tensors, scalars = online.state_dict()
+
+    copy = _online(policy, _cost_sizing())
+    # Through the checkpoint's formats: safetensors for tensors, JSON for the rest.
+    copy.load_state_dict(safetensors.torch.load(safetensors.torch.save(tensors)), json.loads(json.dumps(scalars)))
+    for a, b in zip(online.draft.state_dict().values(), copy.draft.state_dict().values()):
+        assert torch.equal(a, b)
+    assert copy.sizing.state_dict().keys() == online.sizing.state_dict().keys()
+    assert torch.equal(copy.sizing.matches, online.sizing.matches) and copy.sizing.past_lengths == online.sizing.past_lengths
+    # The restored optimizer continues exactly as the original.
+    groups = online.collect(policy, rollout, seed=1)
+    online.learn(policy, groups, seed=1)
+    copy.learn(policy, groups, seed=1)
+    for a, b in zip(online.draft.parameters(), copy.draft.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_speculative_training_rollouts_sample_the_plain_distribution(tmp_path, monkeypatch):
+    """The first GRPO step's completions with speculation on (fixed trees, scratch draft) and off:
+    the same distribution of tokens at the first two positions (the second is drawn through a tree)."""
+    model_dir, rows = write_model(tmp_path / "model", seed=1), write_rows(tmp_path / "rows.jsonl")
+    captured = []
+    real_generate = loop.generate
+    monkeypatch.setattr(loop, "generate", lambda *a, **k: captured.append(real_generate(*a, **k)) or captured[-1])
+
+    def first_step_tokens(speculation: str, seed: int) -> torch.Tensor:
+        from turbogrpo.train import distributed, setup
+        from turbogrpo.train.run import build_run
+        extra = {"rollout.speculation": speculation, "train.seed": seed, "rollout.num_generations": 32,
+                 "rollout.max_new_tokens": 3, "rollout.stop_strings": "[]", "train.prompts_per_step": 4}
+        config = load_config(None, overrides(model_dir, rows, tmp_path / f"{speculation}{seed}", **extra))
+        run = build_run(config, distributed.setup("cpu", "auto"), setup.load_rewards(config.rewards), False)
+        loop.grpo_step(run, 0)
+        return torch.stack([t[:2] for t in captured[-1].tokens if len(t) >= 2])
+
+    counts = {}
+    for speculation in ("off", "fixed"):
+        tokens = torch.cat([first_step_tokens(speculation, seed) for seed in range(6)])
+        counts[speculation] = [torch.bincount(tokens[:, i], minlength=79).double() for i in range(2)]
+        if speculation == "fixed":
+            assert captured[-1].stats.tree_sizes and max(captured[-1].stats.tree_sizes) == 16
+    for position in range(2):
+        a, b = counts["off"][position], counts["fixed"][position]
+        assert a.sum() == b.sum() and a.sum() >= 700
+        seen = (a + b) > 0
+        # Two-sample chi-square test of equal distributions (equal sample sizes): under equality the
+        # statistic follows chi2(bins - 1); the bound is its 99.9% quantile (Wilson-Hilferty).
+        statistic = float(((a - b)[seen] ** 2 / (a + b)[seen]).sum())
+        dof = int(seen.sum()) - 1
+        bound = dof * (1 - 2 / (9 * dof) + 3.09 * (2 / (9 * dof)) ** 0.5) ** 3
+        assert statistic < bound, (position, statistic, bound)

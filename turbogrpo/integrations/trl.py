@@ -1,0 +1,318 @@
+"""TRL's ``GRPOTrainer`` with turbogrpo's shared-prefix training forward, in one line.
+
+    from turbogrpo.integrations.trl import SharedPrefixGRPOTrainer
+    trainer = SharedPrefixGRPOTrainer(model=..., reward_funcs=..., args=GRPOConfig(...), train_dataset=...)
+
+or, for a trainer that is already built (a ``GRPOTrainer`` or any subclass of it):
+
+    from turbogrpo.integrations.trl import enable_shared_prefix
+    enable_shared_prefix(trainer)
+
+What changes: TRL's per-token log-prob computation (``_get_per_token_logps_and_entropies``: policy with
+entropy, old policy, reference) runs each distinct prompt of a batch once for all of its completions,
+with the same values and gradients. Everything else stays TRL's: generation (its vLLM included),
+rewards, advantages, every ``loss_type``, ``beta``, ``num_iterations``, ``steps_per_generation``,
+gradient accumulation, PEFT adapters.
+
+Groups come from the tokens, never from an assumed layout: rows whose real (left-padded) prompt
+tokens are identical share one prompt forward, wherever they sit in the batch. TRL shuffles the rows
+of a generation batch before cutting it into micro-batches, so a micro-batch often holds part of a
+group; the members present still share. Calls that cannot share run TRL's own code, and the trainer
+logs each reason once (``trainer.shared_prefix_stats`` counts both kinds of call).
+
+Shape legend: B rows (one completion each), P prompt columns (left-padded), C completion columns
+(right-padded), L = P + C.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import torch
+from packaging.specifiers import SpecifierSet
+from packaging.version import Version
+from torch import nn
+
+from turbogrpo.hook import check_supported, decoder_of, lm_head_of
+from turbogrpo.prefix import compute_logprobs
+
+try:
+    import trl
+    from trl import GRPOTrainer
+except ImportError as err:  # pragma: no cover - exercised only without TRL
+    raise ImportError("turbogrpo.integrations.trl needs TRL; install it with pip install 'trl>=1.16,<2'") from err
+
+logger = logging.getLogger(__name__)
+
+# TRL 1.16 introduced the fused-LM-head `_get_per_token_logps_and_entropies` this module replaces; a
+# 2.x may change it again. Tested with 1.16.0.
+SUPPORTED_TRL = SpecifierSet(">=1.16,<2")
+PATCHED_METHOD = "_get_per_token_logps_and_entropies"
+PATCHED_PARAMETERS = ("model", "input_ids", "attention_mask", "logits_to_keep", "batch_size", "compute_entropy",
+                      "compute_aux_loss")
+# Config fields that make TRL's fused LM head rescale or soft-cap the logits; turbogrpo's does neither.
+LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "output_multiplier", "lm_head_multiplier",
+                    "logits_scaling")
+
+
+def check_trl_version(version: str | None = None) -> None:
+    """Raise ValueError unless ``version`` (default: the installed TRL) is one this drop-in supports."""
+    version = trl.__version__ if version is None else version
+    if not SUPPORTED_TRL.contains(Version(version), prereleases=True):
+        raise ValueError(f"turbogrpo.integrations.trl supports TRL {SUPPORTED_TRL} (tested with 1.16.0), but "
+                         f"trl {version} is installed; install a supported one: pip install 'trl{SUPPORTED_TRL}'")
+    method = getattr(GRPOTrainer, PATCHED_METHOD, None)
+    parameters = inspect.signature(method).parameters if method is not None else {}
+    missing = [name for name in PATCHED_PARAMETERS if name not in parameters]
+    if missing:
+        raise ValueError(f"trl {version}'s GRPOTrainer.{PATCHED_METHOD} lacks {missing}, which "
+                         f"turbogrpo.integrations.trl replaces; install trl 1.16 (pip install 'trl>=1.16,<1.17')")
+
+
+@dataclass
+class SharedPrefixStats:
+    """What the drop-in did, call by call (read it as ``trainer.shared_prefix_stats``)."""
+
+    num_shared_calls: int = 0        # log-prob calls run through the shared-prefix forward
+    num_fallback_calls: int = 0      # calls handed to TRL's own code
+    num_rows: int = 0                # completions scored by shared calls
+    num_prompt_forwards: int = 0     # prompts those calls ran (one per group found)
+    num_partial_groups: int = 0      # groups with fewer than num_generations members in their batch
+    fallback_reasons: dict[str, int] = field(default_factory=dict)  # reason -> number of calls
+
+
+class PromptGroups(NamedTuple):
+    """Rows of a TRL batch grouped by identical prompt, in the form ``compute_logprobs`` takes."""
+
+    prompts: list[torch.Tensor]              # per group, its real prompt tokens [P_g]
+    completions: list[list[torch.Tensor]]    # per group, each member's real completion tokens [S_r]
+    rows: list[list[int]]                    # per group, the batch row of each member
+
+
+class NotShareable(ValueError):
+    """A batch whose layout the shared forward cannot take; the message says why."""
+
+
+def group_rows(prompt_ids_BP: torch.Tensor, prompt_mask_BP: torch.Tensor, completion_ids_BC: torch.Tensor,
+               completion_mask_BC: torch.Tensor) -> PromptGroups:
+    """Group the rows of a TRL batch by their real prompt tokens.
+
+    Checks TRL's layout on the tokens themselves: prompt masks left-padded (zeros, then ones) and
+    completion masks right-padded (ones, then zeros). Rows whose completion mask is all zeros (TRL's
+    ``mask_truncated_completions``) score nothing and join no group. Raises :class:`NotShareable`.
+    """
+    prompt_mask_BP, completion_mask_BC = prompt_mask_BP.bool(), completion_mask_BC.bool()
+    prompt_key_BP = prompt_ids_BP.masked_fill(~prompt_mask_BP, -1)
+    _, group_of_row_B = torch.unique(prompt_key_BP, dim=0, return_inverse=True)  # host sync (CUDA): output size
+    left_padded_B = (prompt_mask_BP[:, 1:] >= prompt_mask_BP[:, :-1]).all(dim=1)
+    right_padded_B = (completion_mask_BC[:, 1:] <= completion_mask_BC[:, :-1]).all(dim=1)
+    per_row = torch.stack([group_of_row_B, prompt_mask_BP.sum(1), completion_mask_BC.sum(1), left_padded_B,
+                           right_padded_B], dim=1).tolist()  # host sync: the layout, read once per call
+    num_columns = prompt_ids_BP.shape[1]
+    members: dict[int, list[int]] = {}
+    for row, (group, prompt_len, completion_len, left_padded, right_padded) in enumerate(per_row):
+        if not left_padded or prompt_len == 0:
+            raise NotShareable(f"row {row}'s prompt mask is not left padding before at least one token")
+        if not right_padded:
+            raise NotShareable(f"row {row}'s completion mask has a hole (it is not right padding)")
+        if completion_len > 0:
+            members.setdefault(group, []).append(row)
+    if not members:
+        raise NotShareable("no row has a completion token")
+    if all(len(rows) == 1 for rows in members.values()):
+        raise NotShareable("no two rows of the batch share a prompt (groups split across micro-batches), "
+                           "so there is nothing to share")
+    rows = list(members.values())
+    prompts = [prompt_ids_BP[g[0], num_columns - per_row[g[0]][1]:] for g in rows]
+    completions = [[completion_ids_BC[r, :per_row[r][2]] for r in g] for g in rows]
+    return PromptGroups(prompts, completions, rows)
+
+
+def split_groups(groups: PromptGroups, max_rows: int | None) -> list[PromptGroups]:
+    """Whole groups, gathered into chunks of at most ``max_rows`` rows (a larger group is a chunk of
+    its own): TRL's ``batch_size`` bounds the rows of one forward, and so its memory."""
+    if max_rows is None:
+        return [groups]
+    chunks, start, rows_in_chunk = [], 0, 0
+    for end, members in enumerate(groups.rows):
+        if rows_in_chunk and rows_in_chunk + len(members) > max_rows:
+            chunks.append(PromptGroups(*(part[start:end] for part in groups)))
+            start, rows_in_chunk = end, 0
+        rows_in_chunk += len(members)
+    chunks.append(PromptGroups(*(part[start:] for part in groups)))
+    return chunks
+
+
+def scatter_index(groups: PromptGroups, num_columns: int) -> torch.Tensor:
+    """``[Nq]`` flat positions in a ``[B, C]`` tensor of the groups' completion tokens, in the order
+    ``compute_logprobs`` returns them (group by group, member by member)."""
+    return torch.cat([torch.arange(c.numel()) + row * num_columns
+                      for members, completions in zip(groups.rows, groups.completions)
+                      for row, c in zip(members, completions)])
+
+
+# ---------------------------------------------------------------- when TRL's own code must run
+
+def _wrapped(trainer, model, **_) -> str | None:
+    if trainer.accelerator.unwrap_model(model) is not model:
+        return (f"the model is wrapped as {type(model).__name__} (distributed training or torch.compile); the "
+                "shared forward calls its decoder directly, which would bypass the wrapper")
+    return None
+
+
+def _not_attention(trainer, model, **_) -> str | None:
+    try:
+        check_supported(model)
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+def _not_plain_lm(trainer, model, **_) -> str | None:
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if base.config.get_text_config() is not base.config:
+        return f"{type(base).__name__} is a multimodal model"
+    transforms = [name for name in LOGIT_TRANSFORMS if getattr(base.config, name, None) not in (None, 1.0)]
+    if transforms:
+        return f"the model's config rescales or soft-caps its logits ({', '.join(transforms)})"
+    if type(lm_head_of(model)) is not nn.Linear:
+        return (f"the LM head is a {type(lm_head_of(model)).__name__} (an adapter on lm_head?); TRL scores "
+                "with its raw weight")
+    return None
+
+
+def _multimodal_inputs(trainer, model, *, extra_inputs, **_) -> str | None:
+    present = sorted(name for name, value in extra_inputs.items() if value is not None)
+    return f"the batch has multimodal inputs ({', '.join(present)})" if present else None
+
+
+def _aux_loss(trainer, model, *, compute_aux_loss, **_) -> str | None:
+    return "the MoE load-balancing loss is asked for" if compute_aux_loss else None
+
+
+def _entropy_bonus(trainer, model, *, compute_entropy, **_) -> str | None:
+    if compute_entropy and getattr(trainer, "_entropy_bonus_enabled", False):
+        return ("the entropy bonus (entropy_coef / adaptive entropy) differentiates the entropy, which "
+                "turbogrpo returns as a detached metric")
+    return None
+
+
+def _mixed_precision(trainer, model, **_) -> str | None:
+    # The decoder layers' dtype, not the embeddings': cast_lm_head_to_fp32 makes tied embeddings float32.
+    weight = next(decoder_of(model).layers.parameters())
+    with trainer.accelerator.autocast():
+        enabled = torch.is_autocast_enabled(weight.device.type)
+        autocast_dtype = torch.get_autocast_dtype(weight.device.type)
+    if enabled and autocast_dtype != weight.dtype:
+        return (f"autocast runs a {weight.dtype} model in {autocast_dtype} (bf16/fp16 mixed precision), which "
+                "turbogrpo's attention backends do not take; load the model in that dtype (model_init_kwargs="
+                "{'dtype': ...}) or turn mixed precision off")
+    return None
+
+
+# Each check returns why a call cannot share, or None. Order: cheapest and most common first.
+CALL_CHECKS = (_multimodal_inputs, _aux_loss, _entropy_bonus, _wrapped, _not_attention, _not_plain_lm,
+               _mixed_precision)
+
+
+def shareable_groups(trainer, model, input_ids_BL: torch.Tensor, attention_mask_BL: torch.Tensor,
+                     logits_to_keep: int, **call) -> PromptGroups:
+    """The groups of one of TRL's log-prob calls, or :class:`NotShareable` saying why it cannot share."""
+    for check in CALL_CHECKS:
+        reason = check(trainer, model, **call)
+        if reason is not None:
+            raise NotShareable(reason)
+    num_prompt_columns = input_ids_BL.shape[1] - logits_to_keep
+    return group_rows(input_ids_BL[:, :num_prompt_columns], attention_mask_BL[:, :num_prompt_columns],
+                      input_ids_BL[:, num_prompt_columns:], attention_mask_BL[:, num_prompt_columns:])
+
+
+class SharedPrefixMixin:
+    """Replaces GRPOTrainer's per-token log-probs with the shared-prefix forward (see the module doc)."""
+
+    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
+                                           compute_entropy=False, compute_aux_loss=False, **extra_inputs):
+        """Per-token log-probs ``[B, C]`` (0 at padding), entropies ``[B, C]`` or None, aux loss (None).
+
+        ``input_ids``/``attention_mask`` are ``[B, L]``: prompts then completions, the last
+        ``logits_to_keep`` = C columns being the completions, exactly as TRL passes them.
+        """
+        try:
+            groups = shareable_groups(self, model, input_ids, attention_mask, logits_to_keep,
+                                      compute_entropy=compute_entropy, compute_aux_loss=compute_aux_loss,
+                                      extra_inputs=extra_inputs)
+        except NotShareable as err:
+            self._note_fallback(str(err))
+            return super()._get_per_token_logps_and_entropies(
+                model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size,
+                compute_entropy=compute_entropy, compute_aux_loss=compute_aux_loss, **extra_inputs)
+        self._note_shared(groups)
+        logps, entropies, indices = [], [], []
+        for chunk in split_groups(groups, batch_size):
+            with self.accelerator.autocast():
+                result = compute_logprobs(model, chunk.prompts, chunk.completions, temperature=self.temperature,
+                                          with_entropy=compute_entropy)
+            logps.append(result.logps)
+            entropies.append(result.entropy)
+            indices.append(scatter_index(chunk, logits_to_keep))
+        index = torch.cat(indices).to(input_ids.device)
+        num_cells = input_ids.shape[0] * logits_to_keep
+
+        def to_rows(flat: list[torch.Tensor]) -> torch.Tensor:
+            values = torch.cat(flat)
+            return values.new_zeros(num_cells).index_copy(0, index, values).view(-1, logits_to_keep)
+
+        return to_rows(logps), to_rows(entropies) if compute_entropy else None, None
+
+    def _note_fallback(self, reason: str) -> None:
+        stats = self.shared_prefix_stats
+        stats.num_fallback_calls += 1
+        if reason not in stats.fallback_reasons:
+            logger.warning("turbogrpo: this log-prob call runs TRL's own forward (no prompt sharing) because %s. "
+                           "Logged once per reason; see trainer.shared_prefix_stats.", reason)
+        stats.fallback_reasons[reason] = stats.fallback_reasons.get(reason, 0) + 1
+
+    def _note_shared(self, groups: PromptGroups) -> None:
+        stats = self.shared_prefix_stats
+        partial = sum(len(members) < self.num_generations for members in groups.rows)
+        if partial and not stats.num_partial_groups:
+            logger.info("turbogrpo: a batch holds only part of some groups (TRL shuffles a generation batch "
+                        "before cutting it into micro-batches); the members present share their prompt.")
+        stats.num_shared_calls += 1
+        stats.num_rows += sum(map(len, groups.rows))
+        stats.num_prompt_forwards += len(groups.rows)
+        stats.num_partial_groups += partial
+
+
+class SharedPrefixGRPOTrainer(SharedPrefixMixin, GRPOTrainer):
+    """``trl.GRPOTrainer`` whose per-token log-probs run each distinct prompt once (same arguments)."""
+
+    def __init__(self, *args, **kwargs):
+        check_trl_version()
+        self.shared_prefix_stats = SharedPrefixStats()
+        super().__init__(*args, **kwargs)
+
+
+def enable_shared_prefix(trainer: GRPOTrainer) -> GRPOTrainer:
+    """Give an existing ``GRPOTrainer`` (or subclass) instance the shared-prefix forward; returns it.
+
+    The instance's class becomes a subclass of its own class with :class:`SharedPrefixMixin` first,
+    so the instance keeps every override it had and still passes ``isinstance`` checks.
+    """
+    check_trl_version()
+    if not isinstance(trainer, GRPOTrainer):
+        raise ValueError(f"enable_shared_prefix takes a trl.GRPOTrainer, got {type(trainer).__name__}")
+    if not isinstance(trainer, SharedPrefixMixin):
+        trainer.__class__ = _shared_prefix_class(type(trainer))
+        trainer.shared_prefix_stats = SharedPrefixStats()
+    return trainer
+
+
+@functools.cache
+def _shared_prefix_class(trainer_class: type) -> type:
+    """One shared-prefix subclass per trainer class (so repeated calls do not pile up classes)."""
+    return type(f"SharedPrefix{trainer_class.__name__}", (SharedPrefixMixin, trainer_class), {})

@@ -1,0 +1,247 @@
+"""Training the draft head: one implementation for offline training (``turbogrpo draft train``) and
+online learning inside GRPO (``turbogrpo.train.draft_learning``).
+
+The data is a list of ``DraftGroup``s: a prompt and its completions with the policy's features. A
+batch of groups is packed in the shared-prefix layout of ``turbogrpo.prefix`` (each prompt once, every
+completion attending to its prompt and causally to itself), so a long prompt costs the draft once
+per group, not once per completion.
+
+Draft alignment (see ``draft.py``): the draft's input at position s is (f[s-1], x[s]) and its output
+is trained to equal f[s]. For a completion ``c`` of a prompt of length P, ``completion_features[j]``
+is f[P-1+j], the feature that predicted ``c[j]``; so token ``c[j]`` is fed with
+``completion_features[j]`` and trained towards ``completion_features[j+1]``: every token whose next
+feature is known is trained. A rollout's hidden states (``return_hidden``) give S features for S
+tokens (S - 1 trained positions); a full policy forward gives S + 1 (all S trained).
+
+Loss: ``w_v * SmoothL1(g, f) + w_p * CE(draft logits, policy distribution)`` (EAGLE), AdamW.
+
+Legend: T packed tokens, Np prompt tokens, M trained positions, Hd hidden size, V vocabulary.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from turbogrpo.hook import run_decoder
+from turbogrpo.prefix.backends import select_backend
+from turbogrpo.prefix.layout import pack_groups
+from turbogrpo.rollout.plans import padded_prompts
+from turbogrpo.speculative.draft import CausalPlan, DraftHead, shift_features
+
+
+@dataclass(frozen=True)
+class DraftTrainConfig:
+    """Draft training hyper-parameters (EAGLE / FastGRPO defaults)."""
+
+    feature_weight: float = 1.0
+    """w_v, weight of SmoothL1(predicted feature, policy feature) (EAGLE 1.0, FastGRPO code 2.0)."""
+    logit_weight: float = 0.1
+    """w_p, weight of CE(draft logits, policy's next-token distribution)."""
+    lr: float = 1e-4
+    """AdamW learning rate (EAGLE and FastGRPO)."""
+    weight_decay: float = 0.0
+    """AdamW weight decay (EAGLE uses none)."""
+    num_epochs: int = 1
+    """Passes over the data (online learning makes one pass per rollout)."""
+    batch_size: int = 8
+    """Completions per optimizer step (whole groups are packed until a batch holds this many)."""
+    max_grad_norm: float = 0.5
+    """Gradient clipping (EAGLE's value); keeps early steps on random features stable."""
+
+    def __post_init__(self):
+        for name in ("lr", "batch_size", "num_epochs", "max_grad_norm"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"draft training {name} must be > 0, got {getattr(self, name)!r}")
+        for name in ("feature_weight", "logit_weight", "weight_decay"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"draft training {name} must be >= 0, got {getattr(self, name)!r}")
+
+
+class DraftGroup(NamedTuple):
+    """One prompt and its completions, with the policy's features (see the module docstring)."""
+
+    prompt: torch.Tensor                     # [P] long
+    prompt_features: torch.Tensor            # [P, Hd]: f[s] at each prompt position
+    completions: list[torch.Tensor]          # per completion [S_i] long
+    completion_features: list[torch.Tensor]  # per completion [S_i or S_i + 1, Hd]: f[P-1+j], j = 0, 1, ...
+
+    @property
+    def num_trained(self) -> int:
+        """Positions this group trains: one per completion token whose next feature is known."""
+        return sum(min(len(c), len(f) - 1) for c, f in zip(self.completions, self.completion_features))
+
+
+# -- data ---------------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def prompt_features(policy: nn.Module, prompts: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The policy's final hidden state ``[P, Hd]`` at every position of each prompt, in one forward.
+
+    Prompts that start alike (a system prompt, a few-shot preamble) have equal features over their
+    common prefix, so it runs once: the prefix is packed as the "prompt" and the rest of each prompt
+    as its "completion" in the shared-prefix layout (exact, as in the trainer's forward).
+    """
+    prompts = list(prompts)
+    shared = _common_prefix_length(prompts)
+    if shared == 0:
+        # Right padding and a causal mask: no real position sees padding.
+        hidden_GPH = run_decoder(policy, *padded_prompts(prompts), CausalPlan())
+        return [hidden_GPH[g, :len(p)] for g, p in enumerate(prompts)]
+    layout = pack_groups([prompts[0][:shared]], [[p[shared:] for p in prompts]])
+    plan = select_backend("auto", layout.device, requires_grad=False)(layout)
+    hidden_TH = run_decoder(policy, layout.input_ids[None], layout.position_ids[None], plan)[0]
+    rests = hidden_TH[shared:].split([len(p) - shared for p in prompts])
+    return [torch.cat([hidden_TH[:shared], rest]) for rest in rests]
+
+
+def _common_prefix_length(prompts: list[torch.Tensor]) -> int:
+    """Tokens every prompt starts with, leaving each at least one token of its own."""
+    limit = min(len(p) for p in prompts) - 1
+    if limit < 1:
+        return 0
+    heads_GL = torch.stack([p[:limit] for p in prompts])
+    # Host sync: the prefix length decides the packed layout (once per call).
+    differs_L = (heads_GL != heads_GL[:1]).any(0)
+    return int(differs_L.int().argmax()) if bool(differs_L.any()) else limit
+
+
+@torch.no_grad()
+def draft_groups(policy: nn.Module, prompts: Sequence[torch.Tensor],
+                 completions: Sequence[Sequence[torch.Tensor]], *, groups_per_forward: int = 8) -> list[DraftGroup]:
+    """Offline data: the policy's features of its own completions (a list per prompt), from
+    shared-prefix forwards of ``groups_per_forward`` groups; every completion token is trained."""
+    kept = [(p, [c.to(p.device) for c in cs if len(c) > 0]) for p, cs in zip(prompts, completions)]
+    kept = [(p, cs) for p, cs in kept if cs]
+    groups = []
+    for first in range(0, len(kept), groups_per_forward):
+        chunk = kept[first:first + groups_per_forward]
+        layout = pack_groups([p for p, _ in chunk], [cs for _, cs in chunk])
+        plan = select_backend("auto", layout.device, requires_grad=False)(layout)
+        hidden_TH = run_decoder(policy, layout.input_ids[None], layout.position_ids[None], plan)[0]
+        # Per completion token, the flat position that predicted it (f[P-1+j]); then each completion's
+        # last position (f[P+S-1]) completes its S + 1 features.
+        predictors = hidden_TH[layout.predictor_index].split(layout.flat_completion_lengths)
+        completion_ends = torch.tensor(layout.flat_completion_lengths).cumsum(0) + layout.num_prompt_tokens - 1
+        last_H = hidden_TH[completion_ends.to(layout.device)]
+        prompt_starts = [sum(layout.prompt_lengths[:g]) for g in range(len(chunk))]
+        index = 0
+        for (prompt, group), start in zip(chunk, prompt_starts):
+            features = [torch.cat([predictors[index + i], last_H[index + i, None]]) for i in range(len(group))]
+            groups.append(DraftGroup(prompt, hidden_TH[start:start + len(prompt)], group, features))
+            index += len(group)
+    return groups
+
+
+# -- loss and optimizer steps ---------------------------------------------------------------------------
+
+
+class PackedDraftBatch(NamedTuple):
+    """Groups packed for one draft forward (shared-prefix layout of ``turbogrpo.prefix``)."""
+
+    tokens_T: torch.Tensor        # [T] the draft's input tokens x[s]
+    positions_T: torch.Tensor     # [T]
+    features_TH: torch.Tensor     # [T, Hd] the draft's input features f[s-1]
+    targets_MH: torch.Tensor      # [M, Hd] f[s] at the trained positions (the packed completion tokens)
+    plan: Callable                # the shared-prefix attention over the pack
+    num_prompt_tokens: int
+
+
+def pack_draft_batch(groups: Sequence[DraftGroup], *, requires_grad: bool) -> PackedDraftBatch:
+    """Pack ``groups`` (completions cut to their trained tokens; completions with none are left out)."""
+    prompts, completions, inputs, targets, prompt_inputs = [], [], [], [], []
+    for group in groups:
+        cut = [(c[:len(f) - 1], f) for c, f in zip(group.completions, group.completion_features) if len(f) > 1]
+        if not cut:
+            continue
+        prompts.append(group.prompt)
+        completions.append([c for c, _ in cut])
+        prompt_inputs.append(shift_features(group.prompt_features[None])[0])
+        for c, f in cut:
+            inputs.append(f[:len(c)])
+            targets.append(f[1:len(c) + 1])
+    if not prompts:
+        raise ValueError("no draft training data: every completion is shorter than two features")
+    layout = pack_groups(prompts, completions)
+    plan = select_backend("auto", layout.device, requires_grad=requires_grad)(layout)
+    features_TH = torch.cat(prompt_inputs + inputs).to(layout.device)
+    return PackedDraftBatch(layout.input_ids, layout.position_ids, features_TH, torch.cat(targets).to(layout.device),
+                            plan, layout.num_prompt_tokens)
+
+
+def draft_loss(draft: DraftHead, groups: Sequence[DraftGroup], config: DraftTrainConfig) -> tuple[torch.Tensor, dict]:
+    """``w_v * SmoothL1(g, f) + w_p * CE(draft logits, policy distribution)`` over the trained positions.
+
+    Returns the loss and metrics (both terms and the draft's top-1 agreement with the policy), as
+    device tensors.
+    """
+    batch = pack_draft_batch(groups, requires_grad=torch.is_grad_enabled())
+    dtype = next(draft.parameters()).dtype
+    predicted_1TH = draft(batch.features_TH[None].to(dtype), batch.tokens_T[None], batch.positions_T[None], batch.plan)
+    predicted_MH = predicted_1TH[0, batch.num_prompt_tokens:]
+    target_MH = batch.targets_MH.to(predicted_MH.dtype)
+    feature_loss = F.smooth_l1_loss(predicted_MH.float(), target_MH.float())
+    with torch.no_grad():
+        target_probs_MV = draft.logits(target_MH).float().softmax(-1)
+    draft_logprobs_MV = draft.logits(predicted_MH).float().log_softmax(-1)
+    logit_loss = -(target_probs_MV * draft_logprobs_MV).sum(-1).mean()
+    loss = config.feature_weight * feature_loss + config.logit_weight * logit_loss
+    top1 = (draft_logprobs_MV.argmax(-1) == target_probs_MV.argmax(-1)).float().mean()
+    return loss, {"loss": loss.detach(), "feature_loss": feature_loss.detach(), "logit_loss": logit_loss.detach(),
+                  "top1_agreement": top1}
+
+
+def make_optimizer(draft: DraftHead, config: DraftTrainConfig) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(draft.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+
+
+def batches_of(groups: Sequence[DraftGroup], batch_size: int, generator: torch.Generator) -> list[list[DraftGroup]]:
+    """The groups in a random order, cut into batches of at least ``batch_size`` completions (whole groups)."""
+    batches, current, count = [], [], 0
+    for index in torch.randperm(len(groups), generator=generator).tolist():
+        current.append(groups[index])
+        count += len(groups[index].completions)
+        if count >= batch_size:
+            batches.append(current)
+            current, count = [], 0
+    if current:
+        batches.append(current)
+    return batches
+
+
+def train_draft(draft: DraftHead, groups: Sequence[DraftGroup], config: DraftTrainConfig = DraftTrainConfig(),
+                *, optimizer: torch.optim.Optimizer | None = None, seed: int = 0,
+                on_step: Callable[[int, dict], None] | None = None) -> list[dict]:
+    """Train ``draft`` on ``groups`` (the policy's parts get no gradient).
+
+    Pass a persistent ``optimizer`` for online training across rollouts. Returns per-step metrics
+    (floats); ``on_step(step, metrics)`` is called after every step (progress bars, logging).
+    """
+    optimizer = optimizer or make_optimizer(draft, config)
+    generator = torch.Generator().manual_seed(seed)
+    history = []
+    for _ in range(config.num_epochs):
+        for batch in batches_of(groups, config.batch_size, generator):
+            history.append(draft_train_step(draft, batch, optimizer, config))
+            if on_step is not None:
+                on_step(len(history), history[-1])
+    return history
+
+
+def draft_train_step(draft: DraftHead, batch: Sequence[DraftGroup], optimizer: torch.optim.Optimizer,
+                     config: DraftTrainConfig) -> dict[str, float]:
+    """One AdamW step of the draft on ``batch``; returns its metrics as floats."""
+    loss, metrics = draft_loss(draft, batch, config)
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(draft.parameters(), config.max_grad_norm)
+    optimizer.step()
+    # Host sync, once per draft step: the metrics the caller logs.
+    values = torch.stack([metrics[k] for k in metrics]).tolist()
+    return dict(zip(metrics, values))
