@@ -22,6 +22,8 @@ from .tiny_run import overrides, write_model, write_rows
 REPO = Path(__file__).resolve().parents[2]
 EXTRA = {"train.num_steps": 8, "train.checkpoint_every": 2, "algo.num_iterations": 2, "algo.beta": 0.02,
          "optim.warmup_steps": 2, "optim.schedule": "cosine", "optim.weight_decay": 0.01}
+# bf16-mixed: float32 masters and AdamW state in the checkpoint, bf16 autocast compute.
+BF16_MIXED = {**EXTRA, "model.dtype": "bfloat16"}
 # Speculative rollouts with a draft learnt online: the draft, its optimizer and the sizing statistics
 # must resume too (fixed sizing: its tree shapes, hence its draws, do not depend on timings).
 SPECULATIVE = {"train.num_steps": 4, "train.checkpoint_every": 2, "rollout.speculation": "fixed",
@@ -32,7 +34,8 @@ def command(config: Path, sets: list[str], *flags: str) -> list[str]:
     return [sys.executable, "-m", "turbogrpo", "train", str(config), *flags, "--set", *sets]
 
 
-@pytest.mark.parametrize("extra", [EXTRA, SPECULATIVE], ids=["grpo", "speculative_online_draft"])
+@pytest.mark.parametrize("extra", [EXTRA, BF16_MIXED, SPECULATIVE], ids=["grpo", "grpo_bf16_mixed",
+                                                               "speculative_online_draft"])
 def test_sigkill_then_resume_equals_uninterrupted_run(tmp_path, extra):
     last = f"step-{extra['train.num_steps']:06d}"
     model_dir, rows = write_model(tmp_path / "model"), write_rows(tmp_path / "rows.jsonl")
@@ -66,6 +69,7 @@ def test_sigkill_then_resume_equals_uninterrupted_run(tmp_path, extra):
     final_killed = load_file(killed_dir / last / "model.safetensors")
     final_straight = load_file(straight_dir / last / "model.safetensors")
     assert final_killed.keys() == final_straight.keys()
+    assert {t.dtype for t in final_straight.values()} == {torch.float32}  # the masters, whatever computes
     for name in final_straight:
         assert torch.equal(final_killed[name], final_straight[name]), name
     optim_killed = load_file(killed_dir / last / "optimizer.safetensors")
