@@ -30,6 +30,17 @@ SPECULATIVE = {"train.num_steps": 4, "train.checkpoint_every": 2, "rollout.specu
                "draft.lr": 3e-3, "draft.max_tokens": 40, "draft.steps": 2}
 
 
+def subprocess_run_setup(tmp_path: Path) -> tuple[Path, Path, Path, dict]:
+    """A tiny model, its data rows, an empty config file (everything is set with --set) and the env of a
+    one-thread ``python -m turbogrpo`` child that imports this checkout."""
+    model_dir, rows = write_model(tmp_path / "model"), write_rows(tmp_path / "rows.jsonl")
+    config = tmp_path / "run.toml"
+    config.write_text("# everything is set on the command line\n")
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    return model_dir, rows, config, env
+
+
 def command(config: Path, sets: list[str], *flags: str) -> list[str]:
     return [sys.executable, "-m", "turbogrpo", "train", str(config), *flags, "--set", *sets]
 
@@ -38,11 +49,7 @@ def command(config: Path, sets: list[str], *flags: str) -> list[str]:
                                                                "speculative_online_draft"])
 def test_sigkill_then_resume_equals_uninterrupted_run(tmp_path, extra):
     last = f"step-{extra['train.num_steps']:06d}"
-    model_dir, rows = write_model(tmp_path / "model"), write_rows(tmp_path / "rows.jsonl")
-    config = tmp_path / "run.toml"
-    config.write_text("# everything is set on the command line\n")
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    model_dir, rows, config, env = subprocess_run_setup(tmp_path)
 
     killed_dir = tmp_path / "killed"
     sets = overrides(model_dir, rows, killed_dir, **extra)
@@ -95,11 +102,7 @@ def test_ctrl_c_prints_one_line_naming_the_checkpoint_and_the_lock_keeps_other_r
     from turbogrpo.train.distributed import DistInfo
     from turbogrpo.train.output_dir import claim_output_dir
 
-    model_dir, rows = write_model(tmp_path / "model"), write_rows(tmp_path / "rows.jsonl")
-    config = tmp_path / "run.toml"
-    config.write_text("# everything is set on the command line\n")
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    model_dir, rows, config, env = subprocess_run_setup(tmp_path)
     out = tmp_path / "out"
     sets = overrides(model_dir, rows, out, **{"train.num_steps": 200, "train.checkpoint_every": 1,
                                               "data.eval_path": '""'})
