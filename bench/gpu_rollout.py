@@ -6,10 +6,12 @@ prompt 512, temperature 1, every completion running the full length (no stop tok
 * ``hf_dynamic``: ``model.generate`` with each prompt repeated G times (its dynamic cache);
 * ``hf_static_compiled``: the same with ``cache_implementation="static"``, with which transformers
   compiles the decoding forward itself (its first, compiling run is a warm-up, not timed);
-* ``turbogrpo`` / ``turbogrpo_compiled``: ``turbogrpo.rollout.generate`` with the device's default
-  schedule, eager and with ``DecodeSchedule(runner="compiled")``;
-* ``step_ms_B64``: one plain decoding step of 64 live sequences (eager and compiled), from the
-  engine's own ``PlainStep``;
+* ``turbogrpo`` / ``turbogrpo_compiled`` / ``turbogrpo_cudagraph`` / ``turbogrpo_compiled-cudagraph``:
+  ``turbogrpo.rollout.generate`` with the device's default schedule and each plain-step runner
+  (``turbogrpo.rollout.compiled.PLAIN_RUNNERS``: eager, inductor, CUDA-graph replay of the eager or of
+  the compiled step). The CUDA default runner is to be set from these numbers (not yet measured);
+* ``step_ms_B64``: one plain decoding step of 64 live sequences under each runner, from the engine's
+  own ``PlainStep``;
 * ``latency_curve``: ``turbogrpo.speculative.profile_latency`` (seconds per forward vs tokens).
 
 Without CUDA it records why it skipped and returns. Items run in priority order; one that would start
@@ -30,6 +32,7 @@ SHAPES = {
                      intermediate_size=18944, vocab_size=152064, tie_word_embeddings=False, new_tokens=128),
 }
 NUM_PROMPTS, NUM_SAMPLES, PROMPT_LEN = 8, 8, 512
+GRAPH_RUNNERS = ("compiled", "cudagraph", "compiled-cudagraph")  # plain-step runners measured against eager
 
 
 def build_model(shape: dict):
@@ -73,14 +76,14 @@ def ours_generate(model, prompts: list[torch.Tensor], new_tokens: int, runner: s
 def step_ms(model, prompts: list[torch.Tensor], runner: str, num_steps: int = 32) -> float:
     """Milliseconds per plain decoding step with 64 live sequences (the engine's own step)."""
     from turbogrpo.rollout import SamplingConfig
-    from turbogrpo.rollout.compiled import RUNNERS
+    from turbogrpo.rollout.compiled import PLAIN_RUNNERS
     from turbogrpo.rollout.engine import first_draw
-    from turbogrpo.rollout.step import PlainStep
+    from turbogrpo.rollout.step import PlainStep, plain_step
 
     max_new = 2 * num_steps + 8
     sampling = SamplingConfig(max_new_tokens=max_new)
     generator = torch.Generator(device="cuda").manual_seed(0)
-    step = PlainStep(RUNNERS[runner]())
+    step = PlainStep(PLAIN_RUNNERS[runner](plain_step))
     with torch.no_grad():
         state = first_draw(model, prompts, NUM_SAMPLES, sampling, generator, False,
                             [max_new] * (len(prompts) * NUM_SAMPLES), 0, static_slots=runner != "eager")
@@ -118,7 +121,8 @@ def run(results: dict, budget_s: float) -> None:
             work = {"hf_dynamic": lambda: hf_generate(model, prompts, new, static=False),
                     "hf_static_compiled": lambda: hf_generate(model, prompts, new, static=True),
                     "turbogrpo": lambda: ours_generate(model, prompts, new, "eager"),
-                    "turbogrpo_compiled": lambda: ours_generate(model, prompts, new, "compiled")}[contender]
+                    **{f"turbogrpo_{runner}": (lambda runner=runner: ours_generate(model, prompts, new, runner))
+                       for runner in GRAPH_RUNNERS}}[contender]
             timed(work)  # warm-up: allocations, kernel selection, compilation
             results["shapes"][name]["seconds"][contender] = timed(work)
         return measure
@@ -148,8 +152,13 @@ def run(results: dict, budget_s: float) -> None:
              (f"{large} turbogrpo", rollout_item(large, "turbogrpo")),
              (f"{small} latency curve", curve_item(small)),
              (f"{small} hf_static_compiled", rollout_item(small, "hf_static_compiled")),
+             (f"{small} step cudagraph", step_item(small, "cudagraph")),
+             (f"{small} turbogrpo_cudagraph", rollout_item(small, "turbogrpo_cudagraph")),
              (f"{small} step compiled", step_item(small, "compiled")),
-             (f"{small} turbogrpo_compiled", rollout_item(small, "turbogrpo_compiled"))]
+             (f"{small} turbogrpo_compiled", rollout_item(small, "turbogrpo_compiled")),
+             (f"{small} step compiled-cudagraph", step_item(small, "compiled-cudagraph")),
+             (f"{small} turbogrpo_compiled-cudagraph", rollout_item(small, "turbogrpo_compiled-cudagraph")),
+             (f"{large} turbogrpo_cudagraph", rollout_item(large, "turbogrpo_cudagraph"))]
     results["skipped"], results["failed"] = [], {}
     for label, measure in items:
         if time.perf_counter() > deadline - 15:
@@ -163,7 +172,7 @@ def run(results: dict, budget_s: float) -> None:
             print(f"rollout: {label} failed: {results['failed'][label]}", flush=True)
     for entry in results["shapes"].values():
         seconds = entry["seconds"]
-        for ours in ("turbogrpo", "turbogrpo_compiled"):
+        for ours in ("turbogrpo", *(f"turbogrpo_{runner}" for runner in GRAPH_RUNNERS)):
             for baseline in ("hf_dynamic", "hf_static_compiled"):
                 if ours in seconds and baseline in seconds:
                     entry[f"speedup_{ours}_vs_{baseline}"] = seconds[baseline] / seconds[ours]

@@ -6,6 +6,7 @@ Forward + backward of a loss on the completion log-probs, for GRPO-shaped batche
 
     python bench/prefix.py            # all shapes, 3 interleaved repeats, memory probes
     python bench/prefix.py --quick    # 1 repeat, no memory probes
+    python bench/prefix.py --shapes 1024x128x8   # some shapes (writes results/prefix_partial.json)
 
 prefix_grouper is used as its README describes (concat_input -> model forward with its
 ``forward(attn_func, q, k, v)`` -> full-sequence logits -> split_output(include_prefix_last=1)),
@@ -18,6 +19,7 @@ SDPA calls.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -31,6 +33,7 @@ from harness import (interleaved_medians, peak_rss_delta_mb, peak_rss_mb, print_
 
 import turbogrpo  # noqa: E402
 from turbogrpo.hook import lm_head_of, run_decoder  # noqa: E402
+from turbogrpo.prefix.cost import ModelDims, layout_flops  # noqa: E402
 
 SHAPES = [(1024, 128, 8), (2048, 256, 16), (256, 256, 4), (128, 512, 8)]
 BENCH_MODEL = dict(vocab_size=16384, hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
@@ -52,18 +55,8 @@ def make_batch(prompt_len: int, completion_len: int, group: int, seed: int = 0):
 
 def flop_ratio(prompt_len: int, completion_len: int, group: int) -> dict:
     """Forward FLOPs of standard and shared layouts (backward scales both alike)."""
-    c = BENCH_MODEL
-    hidden, inter, layers, vocab = c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"], c["vocab_size"]
-    kv_dim = hidden // c["num_attention_heads"] * c["num_key_value_heads"]
-    linear_per_token = 2 * layers * (2 * hidden * hidden + 2 * hidden * kv_dim + 3 * hidden * inter)
-    attention_per_pair = 4 * hidden * layers          # q.k and p.v for every (query, visible key)
-    lm_head = 2 * hidden * vocab * group * completion_len  # both only score completion tokens
-    P, S, G = prompt_len, completion_len, group
-    standard_pairs = G * (P + S) * (P + S + 1) // 2
-    shared_pairs = P * (P + 1) // 2 + G * (S * P + S * (S + 1) // 2)
-    standard = G * (P + S) * linear_per_token + standard_pairs * attention_per_pair + lm_head
-    shared = (P + G * S) * linear_per_token + shared_pairs * attention_per_pair + lm_head
-    return {"standard_gflop": standard / 1e9, "shared_gflop": shared / 1e9, "ratio": standard / shared}
+    flops = layout_flops(ModelDims.of(Qwen2Config(**BENCH_MODEL)), [prompt_len], [[completion_len] * group])
+    return {"standard_gflop": flops.standard / 1e9, "shared_gflop": flops.shared / 1e9, "ratio": flops.ratio}
 
 
 # ---------------------------------------------------------------- the three contenders
@@ -73,7 +66,8 @@ def run_turbogrpo(model, prompts, completions, share_prefix: bool) -> None:
     torch.cat([t for group in per_group for t in group]).mean().backward()
 
 
-def run_prefix_grouper(model, prompts, completions) -> None:
+def run_prefix_grouper(model, prompts, completions, attention_cls=None) -> None:
+    """``attention_cls``: the adapter of its attention calls (default: the CPU one below)."""
     from prefix_grouper import PrefixGrouper
 
     prompt_ids = torch.stack(prompts)                                  # [b1, P] (equal lengths here)
@@ -84,8 +78,8 @@ def run_prefix_grouper(model, prompts, completions) -> None:
                                                  group_sizes=[len(cs) for cs in completions],
                                                  padding_mode="right")
     input_ids = grouper.concat_input(prompt_ids, prompt_mask, completion_ids, completion_mask)
-    position_ids = _prefix_grouper_positions(grouper)
-    attention = _PrefixGrouperAttention(grouper)
+    position_ids = _prefix_grouper_positions(grouper).to(input_ids.device)
+    attention = (attention_cls or _PrefixGrouperAttention)(grouper)
     hidden = run_decoder(model, input_ids, position_ids, attention)
     logits = lm_head_of(model)(hidden)                                 # every position, as its README does
     _, _, suffix_logits, suffix_mask = grouper.split_output(logits, include_prefix_last=1)
@@ -171,6 +165,8 @@ def main() -> None:
 
     shapes = SHAPES if not args.shapes else [tuple(map(int, s.split("x"))) for s in args.shapes.split(",")]
     repeats, warmup = (1, 0) if args.quick else (args.repeats, 1)
+    # Only a full run replaces the committed results; a partial one is written beside them.
+    results_name = "prefix_quick" if args.quick else "prefix" if shapes == SHAPES else "prefix_partial"
     model = bench_model()
     rows, records = [], []
     for P, S, G in shapes:
@@ -199,8 +195,9 @@ def main() -> None:
                      f"{record.get('memory_ratio_vs_standard', float('nan')):.2f}", f"{max_gap:.1e}"])
         print(f"done {P}/{S}/{G}", flush=True)
         # Written after every shape, so an interrupted run keeps what it measured.
-        write_results("prefix", {"model": BENCH_MODEL, "dtype": "float32", "repeats": repeats,
-                                 "warmup": warmup, "shapes": records})
+        # The 1/5/15-minute load averages: a shared machine slows every contender, so compare ratios.
+        write_results(results_name, {"load_average": os.getloadavg(), "model": BENCH_MODEL, "dtype": "float32",
+                                     "repeats": repeats, "warmup": warmup, "shapes": records})
 
     print_table(
         "fwd+bwd seconds (median of %d), bench model float32 on CPU" % repeats,

@@ -84,6 +84,10 @@ def test_overrides_apply_on_top_of_the_file(tmp_path):
     ("rewards.0.wieght=1", "config key 'rewards.0.wieght' is unknown (did you mean 'weight'?)"),
     ("lora.r=0", "config key 'lora.r': 0 is not allowed; expected an integer >= 1"),
     ("model.device=tpu", "config key 'model.device': 'tpu' is not allowed"),
+    ("model.pure_bf16=true", "config key 'model.pure_bf16': True is not allowed; expected false, or true only with "
+                             "model.dtype = \"bfloat16\""),
+    ("algo.tis_cap=0.5", "config key 'algo.tis_cap': 0.5 is not allowed; expected 0 (off) or a number >= 1"),
+    ("train.final_dtype=int8", "config key 'train.final_dtype': 'int8' is not allowed; expected one of 'auto',"),
     ("optim", "override 'optim': expected the form key.sub=value"),
     ("optim.lr=inf", "config key 'optim.lr': inf is not allowed; expected a finite number"),
     ("algo.beta=inf", "config key 'algo.beta': inf is not allowed; expected a finite number"),

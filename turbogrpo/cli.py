@@ -196,7 +196,7 @@ def _eval(args: argparse.Namespace, overrides: list[str]) -> int:
                                        greedy=True)
         sampling = setup.sampling_config(config.rollout, setup.stop_token_ids(model, tokenizer), tokenizer)
         start = time.perf_counter()
-        with torch.no_grad():
+        with torch.no_grad(), setup.precision(config, dist.device).autocast():  # as the training run computed
             accuracy = _scored(evaluate_accuracy(model, tokenizer, examples, accuracy_reward, greedy, dist),
                                accuracy_reward.name)
             sampled = None

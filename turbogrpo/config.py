@@ -40,7 +40,12 @@ class ModelConfig:
     """Local folder or Hub name of a Hugging Face causal LM; "demo" and "longform" are the shipped models
     of the two built-in tasks."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    """Parameter dtype; bfloat16 halves memory on GPU, float32 is the exact choice on CPU."""
+    """Compute dtype. bfloat16/float16: float32 master weights and AdamW state, forwards (rollout and
+    training) under torch.autocast; the fast choice on GPU (float16 has no loss scaling: prefer bfloat16).
+    float32: the exact choice on CPU, where bf16 matmuls without native support run several times slower."""
+    pure_bf16: bool = False
+    """Store the parameters and AdamW state in bfloat16 too (needs dtype = "bfloat16"): 8 bytes less per
+    parameter, but updates under half of bf16's spacing round away (GRPO's small lr barely trains); warns."""
     device: str = "auto"
     """"auto" (cuda when present, else cpu), "cpu", "cuda" or "cuda:N"; under torchrun each rank uses its local GPU."""
     gradient_checkpointing: bool = False
@@ -55,6 +60,8 @@ class ModelConfig:
                  f"one of {', '.join(['auto', *sorted(BACKENDS)])}", self.logprob_backend)
         _require(self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda"),
                  f"{key}.device", "\"auto\", \"cpu\", \"cuda\" or \"cuda:N\"", self.device)
+        _require(not self.pure_bf16 or self.dtype == "bfloat16", f"{key}.pure_bf16",
+                 "false, or true only with model.dtype = \"bfloat16\"", self.pure_bf16)
 
 
 @dataclass
@@ -244,6 +251,9 @@ class AlgoConfig:
     """Divide advantages by the reward std of the group, of the whole batch, or not at all (Dr. GRPO)."""
     num_iterations: int = 1
     """Policy updates per rollout; > 1 computes old-policy log-probs before the first update."""
+    tis_cap: float = 0.0
+    """Truncated importance sampling: weight each token's policy loss by min(pi_train / pi_rollout, tis_cap),
+    correcting the sampler-vs-trainer mismatch (bf16 kernels); 0 turns it off (verl/slime use 2)."""
 
     def check(self, key: str) -> None:
         from turbogrpo.algo import LOSSES  # the loss registry is the one source of allowed names
@@ -252,6 +262,8 @@ class AlgoConfig:
         _require(0.0 <= self.epsilon_low < 1.0, f"{key}.epsilon_low", "a number in [0, 1)", self.epsilon_low)
         _require(self.epsilon_high >= 0, f"{key}.epsilon_high", "a number >= 0", self.epsilon_high)
         _require(self.num_iterations >= 1, f"{key}.num_iterations", "an integer >= 1", self.num_iterations)
+        _require(self.tis_cap == 0 or self.tis_cap >= 1, f"{key}.tis_cap", "0 (off) or a number >= 1, e.g. 2",
+                 self.tis_cap)
 
 
 @dataclass
@@ -317,6 +329,8 @@ class TrainConfig:
     (1: only when it fails on every one; 0: never stop). Failures always get the fallback and are logged."""
     save_final_model: bool = True
     """Export the trained model with save_pretrained to output_dir/final."""
+    final_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """dtype of the exported weights; "auto" is model.dtype (a bfloat16 run exports bfloat16)."""
     num_threads: int = 0
     """CPU threads per process for torch (0: torch's default, one per core). Tiny models run fastest on 1."""
 

@@ -53,6 +53,11 @@ def _turbogrpo_attention(module, query, key, value, attention_mask, **kwargs):
                 f"{type(module).__name__} passes `{unsupported}` to its attention; turbogrpo's attention "
                 "plans implement plain softmax attention only. Use a model without attention "
                 f"{unsupported} (Qwen2/Qwen3/Llama/Mistral work).")
+    if torch.is_autocast_enabled(query.device.type):
+        # Under mixed precision RoPE's float32 tables promote q and k to float32 while v comes out of
+        # its projection in the autocast dtype; the plans' kernels need one dtype, as SDPA's autocast gives.
+        dtype = torch.get_autocast_dtype(query.device.type)
+        query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
     scaling = kwargs.get("scaling")
     if scaling is None:
         scaling = query.shape[-1] ** -0.5

@@ -240,3 +240,45 @@ def test_bool_mask_gives_the_same_loss():
     norm = LossNormalizer.for_batch(MASK.bool(), MAX_LEN)
     loss, _ = get_loss("grpo")(with_ratios(RATIOS), OLD, None, ADVANTAGES, MASK.bool(), norm, CLIP_HIGHER)
     torch.testing.assert_close(loss, torch.tensor(EXPECTED_LOSS["grpo"]))
+
+
+# ---- truncated importance sampling (TIS) -----------------------------------------------------------------
+
+# Sampler log-probs ROLLOUT vs the trainer's OLD: weights exp(OLD - ROLLOUT) = [[e^0.5, e^-1, pad], [1, e^2, e^1]],
+# capped at 2: [[1.6487, 0.3679, pad], [1, 2 (capped), 2 (capped)]].
+ROLLOUT = OLD - torch.tensor([[0.5, -1.0, 0.0], [0.0, 2.0, 1.0]])
+TIS_WEIGHTS = torch.tensor([[math.exp(0.5), math.exp(-1.0), 0.0], [1.0, 2.0, 2.0]])
+
+
+def test_tis_weights_each_tokens_policy_loss_by_hand():
+    settings = LossSettings(epsilon_low=0.2, epsilon_high=0.28, tis_cap=2.0)
+    logps = with_ratios(RATIOS)
+    norm = LossNormalizer.for_batch(MASK, MAX_LEN)
+    loss, metrics = get_loss("bnpo")(logps, OLD, None, ADVANTAGES, MASK, norm, settings, rollout_logps=ROLLOUT)
+    (grad,) = torch.autograd.grad(loss, logps)
+    # Per-token surrogate (see the table above RATIOS) times the weight, summed over 5 tokens, / 5.
+    surrogate = torch.tensor([[-1.28, -0.5, 0.0], [1.5, 0.8, 1.0]])
+    torch.testing.assert_close(loss, (surrogate * TIS_WEIGHTS).sum() / 5)
+    # The weight scales each unclipped token's gradient and carries none itself (it is detached).
+    torch.testing.assert_close(grad, torch.tensor(EXPECTED_GRAD["bnpo"]) * TIS_WEIGHTS * MASK)
+    torch.testing.assert_close(metrics["tis/weight_mean"], (TIS_WEIGHTS * MASK).sum() / 5)
+    torch.testing.assert_close(metrics["tis/frac_capped"], torch.tensor(2 / 5))  # seq 1 tokens 1 and 2
+
+
+def test_tis_cap_bounds_every_weight_and_off_is_the_plain_loss():
+    norm = LossNormalizer.for_batch(MASK, MAX_LEN)
+    far = OLD - 30.0  # a sampler that under-weighted every token by e^30
+    for cap in (1.0, 5.0):
+        settings = LossSettings(tis_cap=cap)
+        capped, metrics = get_loss("dapo")(OLD.clone(), OLD, None, ADVANTAGES, MASK, norm, settings, rollout_logps=far)
+        plain, _ = get_loss("dapo")(OLD.clone(), OLD, None, ADVANTAGES, MASK, norm, LossSettings())
+        torch.testing.assert_close(capped, cap * plain)  # every weight is exactly the cap
+        torch.testing.assert_close(metrics["tis/frac_capped"], torch.tensor(1.0))
+    # On the sampler's own log-probs every weight is 1: the loss is the uncorrected one.
+    same, metrics = get_loss("grpo")(OLD.clone(), OLD, None, ADVANTAGES, MASK, norm, LossSettings(tis_cap=2.0),
+                                     rollout_logps=OLD)
+    torch.testing.assert_close(same, get_loss("grpo")(OLD.clone(), OLD, None, ADVANTAGES, MASK, norm,
+                                                      LossSettings())[0])
+    torch.testing.assert_close(metrics["tis/weight_mean"], torch.tensor(1.0))
+    with pytest.raises(ValueError, match="tis_cap=2.0 needs rollout_logps"):
+        get_loss("grpo")(OLD, OLD, None, ADVANTAGES, MASK, norm, LossSettings(tis_cap=2.0))

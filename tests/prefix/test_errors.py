@@ -52,7 +52,16 @@ def test_recurrent_model_is_refused():
 def test_sliding_window_that_changes_results_is_refused():
     model = build_model("mistral", sliding_window=4)
     with pytest.raises(ValueError, match="sliding window of 4 tokens"):
-        turbogrpo.completion_logprobs(model, [P], [[C]])
+        turbogrpo.completion_logprobs(model, [P], [[C]], backend="cascade")
     # A window longer than every sequence changes nothing and is accepted.
     wide = build_model("mistral", sliding_window=64)
-    turbogrpo.completion_logprobs(wide, [P], [[C]])
+    turbogrpo.completion_logprobs(wide, [P], [[C]], backend="cascade")
+
+
+def test_auto_runs_the_standard_layout_under_a_short_sliding_window():
+    model = build_model("mistral", torch.float64, sliding_window=4)
+    prompt, completions = torch.arange(20), [torch.arange(3), torch.arange(5)]   # sharing would pay
+    got = turbogrpo.completion_logprobs(model, [prompt], [completions])
+    expected = turbogrpo.completion_logprobs(model, [prompt], [completions], share_prefix=False)
+    for g, e in zip(got[0], expected[0]):
+        torch.testing.assert_close(g, e, rtol=0, atol=0)

@@ -42,18 +42,8 @@ def test_shared_prefix_matches_standard(arch, backend, dtype, pack):
             assert diff <= tol["grad_rel"] * ref.abs().max().clamp_min(1e-6), name
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the flash-attention varlen kernel needs CUDA")
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])
-def test_varlen_flash_matches_reference_on_cuda(dtype):
-    """The one path the CPU suite cannot reach: varlen's flash call, against the dense-mask reference."""
-    model = build_model("qwen2", dtype).cuda()
-    prompts, completions = random_groups(*PACKS["mixed"])
-    prompts, completions = [p.cuda() for p in prompts], [[c.cuda() for c in cs] for cs in completions]
-    ref_logps, ref_grads = logps_and_grads(model, prompts, completions, backend="reference")
-    logps, grads = logps_and_grads(model, prompts, completions, backend="varlen")
-    assert (logps - ref_logps).abs().max() <= 5e-2
-    for name, ref in ref_grads.items():
-        assert (grads[name] - ref).abs().max() <= 1e-1 * ref.abs().max().clamp_min(1e-3), name
+# Half precision (varlen's flash call, flex with gradients on CUDA) is checked against a float32
+# truth in test_precision.py: two half-precision paths compared with each other only measure noise.
 
 
 def test_temperature_and_hidden_match_standard(arch):
@@ -111,13 +101,27 @@ def test_gradient_checkpointing(arch):
 
 
 def test_chunked_lm_head_matches_unchunked(monkeypatch):
-    from turbogrpo.prefix import logprobs as logprobs_module
+    from turbogrpo.prefix import lm_head
     model = build_model("llama", torch.float64)
     prompts, completions = random_groups(*PACKS["mixed"])
     ref_logps, ref_grads = logps_and_grads(model, prompts, completions)
     # 3 rows per chunk: many chunks, a ragged last one.
-    monkeypatch.setattr(logprobs_module, "LOGIT_CHUNK_ELEMENTS", 3 * model.config.vocab_size)
+    monkeypatch.setattr(lm_head, "logit_chunk_rows", lambda *args: 3)
     logps, grads = logps_and_grads(model, prompts, completions)
     torch.testing.assert_close(logps, ref_logps, rtol=0, atol=1e-12)
     for name, ref in ref_grads.items():
         torch.testing.assert_close(grads[name], ref, rtol=0, atol=1e-12)
+
+
+def test_standard_layout_with_short_sliding_window_matches_model_logits():
+    """The standard path's own attention plan applies a sliding window exactly as transformers does."""
+    model = build_model("mistral", torch.float64, sliding_window=4)
+    prompt, completions = torch.tensor([3, 14, 15, 9]), [torch.tensor([92, 65, 35, 8]), torch.tensor([7])]
+    expected = []
+    for completion in completions:
+        logits = model(torch.cat([prompt, completion])[None]).logits[0]
+        positions = torch.arange(prompt.numel() - 1, prompt.numel() + completion.numel() - 1)
+        expected.append(torch.log_softmax(logits, -1)[positions, completion])
+    got = turbogrpo.completion_logprobs(model, [prompt], [completions], share_prefix=False)[0]
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e, rtol=0, atol=1e-12)

@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from turbogrpo.prefix import logprobs as logprobs_module
-from turbogrpo.prefix.logprobs import TargetLogprobs, token_logprobs
+from turbogrpo.prefix import lm_head
+from turbogrpo.prefix.lm_head import TargetLogprobs, token_logprobs
 
 
 def test_two_token_vocabulary_by_hand():
@@ -26,7 +26,7 @@ def test_two_token_vocabulary_by_hand():
 def test_values_and_gradients_equal_autograd_of_log_softmax(monkeypatch, temperature, chunk_rows):
     torch.manual_seed(0)
     vocab, hidden_size, num_tokens = 11, 6, 10
-    monkeypatch.setattr(logprobs_module, "LOGIT_CHUNK_ELEMENTS", chunk_rows * vocab)
+    monkeypatch.setattr(lm_head, "logit_chunk_rows", lambda *args: chunk_rows)
     head = nn.Linear(hidden_size, vocab, bias=False).double()
     hidden = torch.randn(num_tokens, hidden_size, dtype=torch.float64, requires_grad=True)
     targets = torch.randint(vocab, (num_tokens,))

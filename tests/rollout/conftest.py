@@ -36,3 +36,36 @@ def qwen2():
 @pytest.fixture(scope="module")
 def llama():
     return build_model("llama", seed=1)
+
+
+HOST_SYNCS = ("item", "tolist", "cpu", "nonzero", "__bool__", "__int__", "__float__", "numpy")
+"""``torch.Tensor`` methods that wait for the device (``torch.nonzero`` is watched too)."""
+
+
+def forbid_host_syncs_inside(monkeypatch, *functions: tuple[object, str]) -> None:
+    """Make every host sync raise while one of ``functions`` (``(owner, attribute name)`` pairs,
+    patched through ``monkeypatch``) runs: the check that a decoding step never waits for the device."""
+    in_step = []
+
+    def forbidden(name, original):
+        def guarded(*args, **kwargs):
+            if in_step:
+                raise AssertionError(f"host sync inside a decoding step: {name}")
+            return original(*args, **kwargs)
+        return guarded
+
+    for name in HOST_SYNCS:
+        monkeypatch.setattr(torch.Tensor, name, forbidden(f"Tensor.{name}", getattr(torch.Tensor, name)))
+    monkeypatch.setattr(torch, "nonzero", forbidden("torch.nonzero", torch.nonzero))
+
+    def watched(original):
+        def run(*args, **kwargs):
+            in_step.append(True)
+            try:
+                return original(*args, **kwargs)
+            finally:
+                in_step.pop()
+        return run
+
+    for owner, attribute in functions:
+        monkeypatch.setattr(owner, attribute, watched(getattr(owner, attribute)))

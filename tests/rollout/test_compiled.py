@@ -2,6 +2,7 @@
 while the live batch shrinks within a bucket or for the next rollout, and it runs no more operators
 per decoder layer than Hugging Face's own eager decoding step."""
 
+import pytest
 import torch
 import torch._dynamo
 from torch._dynamo.utils import counters
@@ -82,3 +83,25 @@ def test_a_plain_step_runs_about_as_many_operators_per_layer_as_hf_decoding():
     (ours_2, hf_2), (ours_4, hf_4) = ops_per_layer(2), ops_per_layer(4)
     ours, hf = (ours_4 - ours_2) / 2, (hf_4 - hf_2) / 2
     assert ours <= hf + EXTRA_OPS_PER_LAYER, (ours, hf)
+
+
+def test_the_cuda_graph_runners_are_refused_off_cuda():
+    for runner in ("cudagraph", "compiled-cudagraph"):
+        with pytest.raises(ValueError, match="needs a model on a CUDA device"):
+            generate(build_model("qwen2", num_hidden_layers=1), random_prompts([5]), num_samples=2,
+                     sampling=SamplingConfig(max_new_tokens=3), schedule=DecodeSchedule(2, "pow2", runner))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+def test_cuda_graph_replay_gives_the_eager_tokens_across_buckets_and_rollouts():
+    model = build_model("qwen2").cuda()
+    prompts = [p.cuda() for p in random_prompts([5, 9])]
+    # Limits spread so that the batch of 8 retires to buckets of 4, 2 and 1 while it decodes.
+    kwargs = dict(num_samples=4, seed=3, return_hidden=True, max_new_tokens_per_completion=[2, 3, 5, 6, 9, 12, 12, 3],
+                  sampling=SamplingConfig(max_new_tokens=12, top_p=0.9))
+    eager = generate(model, prompts, schedule=DecodeSchedule(2, "pow2"), **kwargs)
+    for _ in range(2):  # a second rollout records its own graphs
+        replayed = generate(model, prompts, schedule=DecodeSchedule(2, "pow2", "cudagraph"), **kwargs)
+        assert [t.tolist() for t in replayed.tokens] == [t.tolist() for t in eager.tokens]
+        for ours, theirs in zip(replayed.logprobs + replayed.hidden, eager.logprobs + eager.hidden):
+            torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)

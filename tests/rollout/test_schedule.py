@@ -9,7 +9,7 @@ limits, a single live sequence and all sequences finishing in one step.
 import pytest
 import torch
 
-from tests.rollout.conftest import build_model, random_prompts
+from tests.rollout.conftest import build_model, forbid_host_syncs_inside, random_prompts
 from turbogrpo.rollout import SamplingConfig, generate
 from turbogrpo.rollout.engine import BUCKETS, DecodeSchedule, _rows_to_keep
 from turbogrpo.rollout.step import DecodeState, PlainStep
@@ -95,28 +95,7 @@ def test_buckets_and_the_rows_kept_by_hand():
 @pytest.mark.parametrize("arch", ["qwen2", "mistral-window"])
 def test_the_plain_step_never_syncs_with_the_host(arch, qwen2, monkeypatch):
     model = qwen2 if arch == "qwen2" else build_model("mistral", seed=2, sliding_window=4)
-    in_step = []
-
-    def forbidden(name, original):
-        def guarded(*args, **kwargs):
-            if in_step:
-                raise AssertionError(f"host sync inside a decoding step: {name}")
-            return original(*args, **kwargs)
-        return guarded
-
-    for name in ("item", "tolist", "cpu", "nonzero", "__bool__", "__int__", "__float__", "numpy"):
-        monkeypatch.setattr(torch.Tensor, name, forbidden(f"Tensor.{name}", getattr(torch.Tensor, name)))
-    monkeypatch.setattr(torch, "nonzero", forbidden("torch.nonzero", torch.nonzero))
-    step_call = PlainStep.__call__
-
-    def watched(self, state):
-        in_step.append(True)
-        try:
-            step_call(self, state)
-        finally:
-            in_step.pop()
-
-    monkeypatch.setattr(PlainStep, "__call__", watched)
+    forbid_host_syncs_inside(monkeypatch, (PlainStep, "__call__"))
     for schedule in (REFERENCE, DecodeSchedule(4, "pow2")):
         rollout = generate(model, random_prompts([5, 9]), num_samples=3, seed=1, return_hidden=True,
                            sampling=SamplingConfig(max_new_tokens=10, top_p=0.9, stop_token_ids=STOPS),

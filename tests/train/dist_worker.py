@@ -74,11 +74,14 @@ def run(rank: int, world_size: int, ports: list[int], out_dir: str, model_dir: s
     distributed.teardown(dist)
 
     # The whole loop, distributed: each rank rolls out half the prompts; checkpoints, eval, export;
-    # then the FSDP2 run is resumed from its checkpoint for one more step.
-    runs = [("ddp", 2, False), ("fsdp2", 2, False), ("fsdp2", 3, True)]
-    for port, (strategy, num_steps, resume) in zip(ports[1:], runs):
+    # then the FSDP2 run is resumed from its checkpoint for one more step. Last, FSDP2 in bf16-mixed
+    # (float32 shards, bf16 gathers) with the TIS correction.
+    bf16 = {"model.dtype": "bfloat16", "algo.tis_cap": 2.0}
+    runs = [("ddp", 2, False, {}), ("fsdp2", 2, False, {}), ("fsdp2", 3, True, {}), ("fsdp2", 2, False, bf16)]
+    for port, (strategy, num_steps, resume, extra) in zip(ports[1:], runs):
         os.environ["MASTER_PORT"] = str(port)
-        config = load_config(None, overrides(Path(model_dir), Path(rows), out / f"train-{strategy}",
+        name = f"train-{strategy}" + ("-bf16" if extra else "")
+        config = load_config(None, overrides(Path(model_dir), Path(rows), out / name,
                                              **{"distributed.strategy": strategy, "train.num_steps": num_steps,
-                                                "algo.beta": 0.05}))
+                                                "algo.beta": 0.05, **extra}))
         loop.train(config, resume=resume)

@@ -33,7 +33,7 @@ def free_ports(n):
 def two_ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("dist")
     model_dir, rows = write_model(out / "model"), write_rows(out / "rows.jsonl")
-    mp.spawn(dist_worker.run, args=(2, free_ports(4), str(out), str(model_dir), str(rows)), nprocs=2, join=True)
+    mp.spawn(dist_worker.run, args=(2, free_ports(5), str(out), str(model_dir), str(rows)), nprocs=2, join=True)
     return out
 
 
@@ -62,3 +62,14 @@ def test_the_whole_loop_runs_on_two_processes(two_ranks, strategy):
     assert (out / "step-000002" / "rng-rank1.safetensors").is_file()
     assert (out / "latest").read_text() == ("step-000002" if strategy == "ddp" else "step-000003")
     AutoModelForCausalLM.from_pretrained(out / "final")
+
+
+def test_fsdp2_bf16_mixed_keeps_float32_shards_and_logs_the_gap_and_tis(two_ranks):
+    out = two_ranks / "train-fsdp2-bf16"
+    steps = [r for r in read_metrics(out) if "reward" in r]
+    assert [r["step"] for r in steps] == [1, 2]
+    for r in steps:
+        assert 0 < r["logprob_gap"] < 0.05  # both sample and train in bf16; the kernels still differ
+        assert 0.9 < r["tis/weight_mean"] < 1.1 and 0 <= r["tis/frac_capped"] <= 1
+    assert {t.dtype for t in load_file(out / "step-000002" / "model.safetensors").values()} == {torch.float32}
+    assert AutoModelForCausalLM.from_pretrained(out / "final", dtype="auto").dtype == torch.bfloat16

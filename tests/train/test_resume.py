@@ -22,24 +22,34 @@ from .tiny_run import overrides, write_model, write_rows
 REPO = Path(__file__).resolve().parents[2]
 EXTRA = {"train.num_steps": 8, "train.checkpoint_every": 2, "algo.num_iterations": 2, "algo.beta": 0.02,
          "optim.warmup_steps": 2, "optim.schedule": "cosine", "optim.weight_decay": 0.01}
+# bf16-mixed: float32 masters and AdamW state in the checkpoint, bf16 autocast compute.
+BF16_MIXED = {**EXTRA, "model.dtype": "bfloat16"}
 # Speculative rollouts with a draft learnt online: the draft, its optimizer and the sizing statistics
 # must resume too (fixed sizing: its tree shapes, hence its draws, do not depend on timings).
 SPECULATIVE = {"train.num_steps": 4, "train.checkpoint_every": 2, "rollout.speculation": "fixed",
                "draft.lr": 3e-3, "draft.max_tokens": 40, "draft.steps": 2}
 
 
-def command(config: Path, sets: list[str], *flags: str) -> list[str]:
-    return [sys.executable, "-m", "turbogrpo", "train", str(config), *flags, "--set", *sets]
-
-
-@pytest.mark.parametrize("extra", [EXTRA, SPECULATIVE], ids=["grpo", "speculative_online_draft"])
-def test_sigkill_then_resume_equals_uninterrupted_run(tmp_path, extra):
-    last = f"step-{extra['train.num_steps']:06d}"
+def subprocess_run_setup(tmp_path: Path) -> tuple[Path, Path, Path, dict]:
+    """A tiny model, its data rows, an empty config file (everything is set with --set) and the env of a
+    one-thread ``python -m turbogrpo`` child that imports this checkout."""
     model_dir, rows = write_model(tmp_path / "model"), write_rows(tmp_path / "rows.jsonl")
     config = tmp_path / "run.toml"
     config.write_text("# everything is set on the command line\n")
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    return model_dir, rows, config, env
+
+
+def command(config: Path, sets: list[str], *flags: str) -> list[str]:
+    return [sys.executable, "-m", "turbogrpo", "train", str(config), *flags, "--set", *sets]
+
+
+@pytest.mark.parametrize("extra", [EXTRA, BF16_MIXED, SPECULATIVE], ids=["grpo", "grpo_bf16_mixed",
+                                                               "speculative_online_draft"])
+def test_sigkill_then_resume_equals_uninterrupted_run(tmp_path, extra):
+    last = f"step-{extra['train.num_steps']:06d}"
+    model_dir, rows, config, env = subprocess_run_setup(tmp_path)
 
     killed_dir = tmp_path / "killed"
     sets = overrides(model_dir, rows, killed_dir, **extra)
@@ -66,6 +76,7 @@ def test_sigkill_then_resume_equals_uninterrupted_run(tmp_path, extra):
     final_killed = load_file(killed_dir / last / "model.safetensors")
     final_straight = load_file(straight_dir / last / "model.safetensors")
     assert final_killed.keys() == final_straight.keys()
+    assert {t.dtype for t in final_straight.values()} == {torch.float32}  # the masters, whatever computes
     for name in final_straight:
         assert torch.equal(final_killed[name], final_straight[name]), name
     optim_killed = load_file(killed_dir / last / "optimizer.safetensors")
@@ -91,11 +102,7 @@ def test_ctrl_c_prints_one_line_naming_the_checkpoint_and_the_lock_keeps_other_r
     from turbogrpo.train.distributed import DistInfo
     from turbogrpo.train.output_dir import claim_output_dir
 
-    model_dir, rows = write_model(tmp_path / "model"), write_rows(tmp_path / "rows.jsonl")
-    config = tmp_path / "run.toml"
-    config.write_text("# everything is set on the command line\n")
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    model_dir, rows, config, env = subprocess_run_setup(tmp_path)
     out = tmp_path / "out"
     sets = overrides(model_dir, rows, out, **{"train.num_steps": 200, "train.checkpoint_every": 1,
                                               "data.eval_path": '""'})

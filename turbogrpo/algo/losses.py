@@ -5,7 +5,13 @@ Every variant is the same clipped surrogate plus an optional k3 KL penalty to a 
     r = exp(logp - logp_old)                        per token, or per sequence for gspo
     policy = -min(r * A, clip(r, 1 - eps_low, 1 + eps_high) * A)
     kl = exp(ref - logp) - (ref - logp) - 1         per token (k3: unbiased, always >= 0), optionally x r
-    loss = reduce(policy + beta * kl)
+    loss = reduce(tis * policy + beta * kl)
+    tis = min(exp(logp_old - logp_rollout), tis_cap)   per token, detached; 1 when tis_cap is 0 (off)
+
+TIS (truncated importance sampling, as in verl and slime) corrects for the sampler and the trainer
+computing slightly different probabilities for the same weights (bf16 kernels, a different engine): the
+tokens were drawn from pi_rollout, the surrogate assumes pi_old, so each token is reweighted by their
+ratio, capped so a rare token the sampler under-weighted cannot dominate the step.
 
 The variants differ only in two small units, paired by name in LOSSES: the importance ratio's level
 (token or sequence) and the reduction (what the summed token losses are divided by).
@@ -41,6 +47,9 @@ class LossSettings:
     """Multiply each token's k3 by the (differentiable) importance ratio, which makes the KL gradient the
     unbiased reverse-KL gradient (DeepSeek-V3.2), even on-policy where the ratio is 1 in value. TRL's
     use_bias_correction_kl, on by default in TRL 1.16; off here: plain k3 as in the GRPO paper."""
+    tis_cap: float = 0.0
+    """Truncated importance sampling cap: each token's policy loss is weighted by
+    min(pi_old / pi_rollout, tis_cap) (needs the sampler's log-probs); 0 turns the correction off."""
 
     def __post_init__(self):
         if not 0.0 <= self.epsilon_low < 1.0:
@@ -49,6 +58,8 @@ class LossSettings:
             raise ValueError(f"epsilon_high must be >= 0, got {self.epsilon_high}")
         if self.beta < 0.0:
             raise ValueError(f"beta must be >= 0, got {self.beta}")
+        if self.tis_cap < 0.0:
+            raise ValueError(f"tis_cap must be >= 0 (0: off), got {self.tis_cap}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,6 +175,16 @@ def k3_kl(ref_logps_BL: Tensor, logps_BL: Tensor) -> Tensor:
     return log_ratio_BL.exp() - log_ratio_BL - 1
 
 
+def truncated_importance_weights(train_logps_BL: Tensor, rollout_logps_BL: Tensor, cap: float, mask_BL: Tensor,
+                                 norm: LossNormalizer) -> tuple[Tensor, dict[str, Tensor]]:
+    """Per-token TIS weights ``min(exp(train - rollout), cap)`` [B, L] (no gradient) and their metrics
+    (mean weight and share of capped tokens over the step batch's completion tokens, additive)."""
+    raw_BL = (train_logps_BL - rollout_logps_BL).exp()
+    weights_BL = raw_BL.clamp(max=cap)
+    return weights_BL, {"tis/weight_mean": step_token_mean(weights_BL, mask_BL, norm),
+                        "tis/frac_capped": step_token_mean((raw_BL > cap).to(mask_BL.dtype), mask_BL, norm)}
+
+
 @dataclasses.dataclass(frozen=True)
 class PolicyLoss:
     """A clipped-surrogate policy loss: one ratio level and one reduction."""
@@ -180,6 +201,7 @@ class PolicyLoss:
         mask: Tensor,
         normalizer: LossNormalizer,
         settings: LossSettings,
+        rollout_logps: Tensor | None = None,
     ) -> tuple[Tensor, dict[str, Tensor]]:
         """Loss of one micro-batch, already divided by the whole step batch's denominator.
 
@@ -188,6 +210,7 @@ class PolicyLoss:
             (num_iterations = 1): the ratio is then exactly 1 in value, with the gradient of logps.
         ref_logps: [B, L] under the reference policy, or None. Needed when settings.beta > 0; when given
             with beta = 0 the KL is still reported in the metrics but adds nothing to the loss.
+        rollout_logps: [B, L] as the sampler computed them while sampling; needed when settings.tis_cap > 0.
         advantages: [B], one per sequence.
         mask: [B, L], 1 (or True) on real completion tokens, 0 on padding. Padded positions of the log-prob
             tensors must hold finite numbers (0 is fine): they are multiplied by 0, not selected away.
@@ -199,7 +222,9 @@ class PolicyLoss:
                          kl_bias_correction: an estimate of the current policy's KL from the sampled
                          tokens), if ref_logps;
             clip_ratio/low, clip_ratio/high, clip_ratio/region  share of tokens (sequences for gspo) whose
-                         ratio is clipped: below 1 - eps_low with A < 0, above 1 + eps_high with A > 0, either.
+                         ratio is clipped: below 1 - eps_low with A < 0, above 1 + eps_high with A > 0, either;
+            tis/weight_mean, tis/frac_capped  mean TIS weight per completion token and share of tokens whose
+                         weight hit the cap, if tis_cap > 0.
         """
         if logps.shape != mask.shape or advantages.shape != logps.shape[:1]:
             raise ValueError(
@@ -208,13 +233,20 @@ class PolicyLoss:
             )
         if settings.beta != 0.0 and ref_logps is None:
             raise ValueError(f"beta={settings.beta} needs ref_logps (the reference policy's log-probs)")
+        if settings.tis_cap and rollout_logps is None:
+            raise ValueError(f"tis_cap={settings.tis_cap} needs rollout_logps (the sampler's log-probs)")
         mask_BL = mask.to(logps.dtype)
         old_logps_BL = logps.detach() if old_logps is None else old_logps
         ratio = self.level.log_weights(logps - old_logps_BL, mask_BL).exp()  # [B, L] or [B, 1]
         advantages_B1 = advantages.unsqueeze(-1)
         clipped_ratio = ratio.clamp(1 - settings.epsilon_low, 1 + settings.epsilon_high)
-        policy = -torch.minimum(ratio * advantages_B1, clipped_ratio * advantages_B1)
-        loss = policy_loss = self.reduce(policy.expand_as(mask_BL), mask_BL, normalizer)
+        policy = -torch.minimum(ratio * advantages_B1, clipped_ratio * advantages_B1).expand_as(mask_BL)
+        tis_metrics = {}
+        if settings.tis_cap:
+            tis_BL, tis_metrics = truncated_importance_weights(old_logps_BL.detach(), rollout_logps, settings.tis_cap,
+                                                               mask_BL, normalizer)
+            policy = policy * tis_BL
+        loss = policy_loss = self.reduce(policy, mask_BL, normalizer)
 
         low = (ratio < 1 - settings.epsilon_low) & (advantages_B1 < 0)
         high = (ratio > 1 + settings.epsilon_high) & (advantages_B1 > 0)
@@ -223,6 +255,7 @@ class PolicyLoss:
             "clip_ratio/low": self.level.share(low, mask_BL, normalizer),
             "clip_ratio/high": self.level.share(high, mask_BL, normalizer),
             "clip_ratio/region": self.level.share(low | high, mask_BL, normalizer),
+            **tis_metrics,
         }
         if ref_logps is not None:
             kl_BL = k3_kl(ref_logps, logps)

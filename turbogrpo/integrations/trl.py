@@ -12,7 +12,8 @@ What changes: TRL's per-token log-prob computation (``_get_per_token_logps_and_e
 entropy, old policy, reference) runs each distinct prompt of a batch once for all of its completions,
 with the same values and gradients. Everything else stays TRL's: generation (its vLLM included),
 rewards, advantages, every ``loss_type``, ``beta``, ``num_iterations``, ``steps_per_generation``,
-gradient accumulation, PEFT adapters.
+gradient accumulation, PEFT adapters, and TRL's mixed precision (a float32 model under bf16 autocast,
+its default: the shared forward runs under the same ``accelerator.autocast()``).
 
 Groups come from the tokens, never from an assumed layout: rows whose real (left-padded) prompt
 tokens are identical share one prompt forward, wherever they sit in the batch. TRL shuffles the rows
@@ -201,22 +202,8 @@ def _entropy_bonus(trainer, model, *, compute_entropy, **_) -> str | None:
     return None
 
 
-def _mixed_precision(trainer, model, **_) -> str | None:
-    # The decoder layers' dtype, not the embeddings': cast_lm_head_to_fp32 makes tied embeddings float32.
-    weight = next(decoder_of(model).layers.parameters())
-    with trainer.accelerator.autocast():
-        enabled = torch.is_autocast_enabled(weight.device.type)
-        autocast_dtype = torch.get_autocast_dtype(weight.device.type)
-    if enabled and autocast_dtype != weight.dtype:
-        return (f"autocast runs a {weight.dtype} model in {autocast_dtype} (bf16/fp16 mixed precision), which "
-                "turbogrpo's attention backends do not take; load the model in that dtype (model_init_kwargs="
-                "{'dtype': ...}) or turn mixed precision off")
-    return None
-
-
 # Each check returns why a call cannot share, or None. Order: cheapest and most common first.
-CALL_CHECKS = (_multimodal_inputs, _aux_loss, _entropy_bonus, _wrapped, _not_attention, _not_plain_lm,
-               _mixed_precision)
+CALL_CHECKS = (_multimodal_inputs, _aux_loss, _entropy_bonus, _wrapped, _not_attention, _not_plain_lm)
 
 
 def shareable_groups(trainer, model, input_ids_BL: torch.Tensor, attention_mask_BL: torch.Tensor,

@@ -1,6 +1,8 @@
 """Attention backends for the shared-prefix layout, registered in one table.
 
-Each backend turns a :class:`PackedGroups` layout into an attention plan for ``hook.run_decoder``:
+Each backend is one long-lived object in :data:`BACKENDS` (state that outlives a pack, such as
+compiled kernels, lives on it). ``backend.plan(layout)`` binds it to one :class:`PackedGroups`
+pack and gives the attention plan for ``hook.run_decoder``:
 ``plan(module, q [1, H, T, D], k [1, Hkv, T, D], v, *, scaling, sliding_window) -> [1, T, H, D]``.
 
 * ``reference``: one SDPA call with the dense ``[T, T]`` boolean mask. Obviously right, quadratic
@@ -15,6 +17,8 @@ Each backend turns a :class:`PackedGroups` layout into an attention plan for ``h
   padded rows, so nothing is padded: torch's flash-attention varlen kernel on CUDA (float16 /
   bfloat16), a per-segment reference loop elsewhere.
 * ``flex``: FlexAttention with a block mask, compiled; used on CUDA, where it has a backward.
+
+:func:`backend_names` lists what ``backend=`` accepts (for config validation).
 """
 
 from __future__ import annotations
@@ -25,27 +29,34 @@ from typing import ClassVar, NamedTuple
 import torch
 import torch.nn.functional as F
 
+from turbogrpo.prefix.compile import eager_plan
 from turbogrpo.prefix.kernels import (attention_backward, attention_forward, flash_varlen_available, merge_partials,
                                       varlen_backward, varlen_forward)
 from turbogrpo.prefix.layout import PackedGroups, PaddedIndex, VarlenSegments
 
-BACKENDS: dict[str, type[PrefixAttention]] = {}
+BACKENDS: dict[str, PrefixAttention] = {}
+AUTO = "auto"
 
 
 def register_backend(name: str) -> Callable[[type], type]:
+    """Class decorator: register one instance of the class under ``name``."""
     def decorate(cls: type) -> type:
         cls.name = name
-        BACKENDS[name] = cls
+        BACKENDS[name] = cls()
         return cls
     return decorate
 
 
-def select_backend(name: str, device: torch.device, requires_grad: bool) -> type[PrefixAttention]:
-    """Resolve a backend name ("auto" picks the fastest correct one for the device)."""
-    if name == "auto":
-        name = "flex" if device.type == "cuda" else "cascade"
+def backend_names() -> tuple[str, ...]:
+    """Every value ``backend=`` accepts: "auto" and the registered backends."""
+    return (AUTO, *BACKENDS)
+
+
+def select_backend(name: str, device: torch.device, requires_grad: bool) -> PrefixAttention:
+    """Resolve a registered backend name, checking it can run here ("auto" is resolved before this,
+    by ``turbogrpo.prefix.auto``)."""
     if name not in BACKENDS:
-        raise ValueError(f"unknown attention backend {name!r}; choose one of {['auto', *BACKENDS]}")
+        raise ValueError(f"unknown attention backend {name!r}; choose one of {list(backend_names())}")
     backend = BACKENDS[name]
     if not backend.available(device, requires_grad):
         raise ValueError(f"attention backend {name!r} is not available on {device.type}"
@@ -54,42 +65,50 @@ def select_backend(name: str, device: torch.device, requires_grad: bool) -> type
 
 
 class PrefixAttention:
-    """Base class: an attention plan bound to one pack."""
+    """Base class of a backend: ``plan(layout)`` gives the attention plan of one pack."""
 
     name: ClassVar[str]
     unavailable_hint: ClassVar[str] = ""
 
-    def __init__(self, layout: PackedGroups):
-        self.layout = layout
-
-    @classmethod
-    def available(cls, device: torch.device, requires_grad: bool) -> bool:
+    def available(self, device: torch.device, requires_grad: bool) -> bool:
         return True
 
+    def plan(self, layout: PackedGroups) -> PackPlan:
+        return PackPlan(self, layout)
+
+    def attend(self, plan: PackPlan, query, key, value, scaling):
+        raise NotImplementedError
+
+
+class PackPlan:
+    """A backend bound to one pack: what ``hook.run_decoder`` calls in every attention layer.
+    ``block_mask``: a per-pack mask a backend builds once and every layer shares (flex)."""
+
+    def __init__(self, backend: PrefixAttention, layout: PackedGroups, block_mask=None):
+        self.backend, self.layout, self.block_mask = backend, layout, block_mask
+
+    @eager_plan
     def __call__(self, module, query, key, value, *, scaling: float, sliding_window: int | None):
         if sliding_window is not None and self.layout.max_sequence_length > sliding_window:
             raise ValueError(
                 f"layer {module.layer_idx} uses a sliding window of {sliding_window} tokens but a sequence "
                 f"in this pack is {self.layout.max_sequence_length} tokens long; the shared-prefix layout "
                 "implements full causal attention only. Shorten the sequences or disable the sliding window.")
-        return self.attend(query, key, value, scaling)
-
-    def attend(self, query, key, value, scaling):
-        raise NotImplementedError
+        return self.backend.attend(self, query, key, value, scaling)
 
 
 @register_backend("reference")
 class ReferenceAttention(PrefixAttention):
-    def attend(self, query, key, value, scaling):
-        out = F.scaled_dot_product_attention(query, key, value, attn_mask=self.layout.dense_mask(),
+    def attend(self, plan, query, key, value, scaling):
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=plan.layout.dense_mask(),
                                              scale=scaling, enable_gqa=query.shape[1] != key.shape[1])
         return out.transpose(1, 2)
 
 
 @register_backend("cascade")
 class CascadeAttention(PrefixAttention):
-    def attend(self, query, key, value, scaling):
-        layout = self.layout
+    def attend(self, plan, query, key, value, scaling):
+        layout = plan.layout
         (q_prompt, q_completion), (k_prompt, k_completion), (v_prompt, v_completion) = (
             _split_prompt_completion(layout, x) for x in (query, key, value))
 
@@ -117,13 +136,12 @@ class VarlenAttention(PrefixAttention):
     unavailable_hint = ("it needs torch's flash-attention varlen ops (torch.ops.aten._flash_attention_forward), "
                         "which this torch build lacks; use backend='flex' or 'cascade'.")
 
-    @classmethod
-    def available(cls, device, requires_grad):
+    def available(self, device, requires_grad):
         # Off CUDA the segment-loop reference runs anywhere (slow, but exact: the tests use it).
         return device.type != "cuda" or flash_varlen_available()
 
-    def attend(self, query, key, value, scaling):
-        layout = self.layout
+    def attend(self, plan, query, key, value, scaling):
+        layout = plan.layout
         (q_prompt, q_completion), (k_prompt, k_completion), (v_prompt, v_completion) = (
             _split_prompt_completion(layout, x) for x in (query, key, value))
         prompts = _VarlenPart(layout.prompt_segments, layout.prompt_segments, causal=True)
@@ -131,6 +149,32 @@ class VarlenAttention(PrefixAttention):
         out_completion = MergedPartsAttention.apply(
             _varlen_completion_parts(layout), scaling, q_completion, k_prompt, v_prompt, k_completion, v_completion)
         return torch.cat([out_prompt, out_completion]).unsqueeze(0)
+
+
+class PaddedCausalAttention:
+    """The standard layout's attention plan: every completion with its own prompt copy, right-padded
+    into ``[B, T]`` rows.
+
+    Padding sits after every real token of its row, so causal masking alone keeps real queries off
+    it (pad queries compute values nobody reads): no padding mask is built or inspected, which keeps
+    the baseline free of host syncs and on the fastest SDPA kernel. A layer with a sliding window
+    shorter than ``T`` gets the banded causal mask (``q - k < window``, as transformers builds it).
+    """
+
+    def __init__(self, length: int):
+        self.length = length
+
+    @eager_plan
+    def __call__(self, module, query, key, value, *, scaling: float, sliding_window: int | None):
+        gqa = query.shape[1] != key.shape[1]
+        if sliding_window is None or self.length <= sliding_window:
+            out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=gqa)
+        else:
+            offsets = torch.arange(self.length, device=query.device)
+            distance = offsets[:, None] - offsets[None, :]
+            band = (distance >= 0) & (distance < sliding_window)
+            out = F.scaled_dot_product_attention(query, key, value, attn_mask=band, scale=scaling, enable_gqa=gqa)
+        return out.transpose(1, 2)
 
 
 def _split_prompt_completion(layout: PackedGroups, x_1HTD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -195,14 +239,18 @@ class _VarlenPart(NamedTuple):
     causal: bool
 
     def forward(self, q, k, v, scale):
-        out, lse = varlen_forward(q, k, v, *self._segments(), causal=self.causal, scale=scale)
+        out, lse = varlen_forward(q, k, v, *self._segments(), causal=self.causal, scale=scale, **self._lengths())
         return out, lse, None
 
     def backward(self, grad_out, q, k, v, out, lse, _residual, scale):
-        return varlen_backward(grad_out, q, k, v, out, lse, *self._segments(), causal=self.causal, scale=scale)
+        return varlen_backward(grad_out, q, k, v, out, lse, *self._segments(), causal=self.causal, scale=scale,
+                               **self._lengths())
 
     def _segments(self):
         return (self.queries.cu_seqlens, self.keys.cu_seqlens, self.queries.max_length, self.keys.max_length)
+
+    def _lengths(self):
+        return dict(lengths_q=self.queries.lengths, lengths_k=self.keys.lengths)
 
 
 def _padded_completion_parts(layout: PackedGroups, dtype: torch.dtype) -> tuple[_PaddedPart, _PaddedPart]:
@@ -267,40 +315,58 @@ class MergedPartsAttention(torch.autograd.Function):
         return None, None, grad_q, *grad_keys
 
 
-_compiled_flex = None
-
-
 @register_backend("flex")
 class FlexAttention(PrefixAttention):
+    """One FlexAttention call per layer over the whole pack, with a block mask of the attention rule.
+
+    The backend holds its kernels: ``flex_attention`` and ``create_block_mask`` compiled once per
+    device type (on ``compile_devices``; eager elsewhere, where flex runs its math reference), with
+    dynamic shapes, so packs of any length reuse one graph instead of compiling per length. The
+    block mask is built once per pack (:meth:`plan`) and shared by every layer.
+    """
+
     unavailable_hint = "FlexAttention has no backward on CPU in this torch; use backend='cascade'."
 
-    @classmethod
-    def available(cls, device, requires_grad):
+    def __init__(self, compiler="inductor", compile_devices=("cuda",)):
+        self.compiler = compiler                # torch.compile backend (tests count compiles with their own)
+        self.compile_devices = compile_devices
+        self._kernels: dict[str, tuple[Callable, Callable]] = {}   # device type -> (flex, create_block_mask)
+
+    def available(self, device, requires_grad):
         try:
             from torch.nn.attention import flex_attention  # noqa: F401
         except ImportError:
             return False
         return device.type == "cuda" or not requires_grad
 
-    def attend(self, query, key, value, scaling):
-        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-        global _compiled_flex
-        if _compiled_flex is None:
-            _compiled_flex = torch.compile(flex_attention, dynamic=True) if query.is_cuda else flex_attention
-        block_mask = self._block_mask(create_block_mask, query.shape[2], query.device)
-        out = _compiled_flex(query, key, value, block_mask=block_mask, scale=scaling,
+    def kernels(self, device: torch.device) -> tuple[Callable, Callable]:
+        if device.type not in self._kernels:
+            from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+            if device.type in self.compile_devices:
+                flex_attention = torch.compile(flex_attention, backend=self.compiler, dynamic=True)
+                create_block_mask = torch.compile(create_block_mask, backend=self.compiler, dynamic=True)
+            self._kernels[device.type] = (flex_attention, create_block_mask)
+        return self._kernels[device.type]
+
+    def plan(self, layout):
+        _, create_block_mask = self.kernels(layout.device)
+        length = layout.num_prompt_tokens + layout.num_completion_tokens
+        return PackPlan(self, layout, create_block_mask(attention_rule(layout), None, None, length, length,
+                                                        device=layout.device))
+
+    def attend(self, plan, query, key, value, scaling):
+        flex_attention, _ = self.kernels(query.device)
+        out = flex_attention(query, key, value, block_mask=plan.block_mask, scale=scaling,
                              enable_gqa=query.shape[1] != key.shape[1])
         return out.transpose(1, 2)
 
-    def _block_mask(self, create_block_mask, length, device):
-        # Built once per pack and shared by every layer.
-        if getattr(self, "_mask", None) is None:
-            group, completion = self.layout.segment_ids
-            pos = self.layout.position_ids
 
-            def rule(b, h, q_idx, kv_idx):
-                return ((group[q_idx] == group[kv_idx]) & (pos[kv_idx] <= pos[q_idx])
-                        & ((completion[kv_idx] == -1) | (completion[kv_idx] == completion[q_idx])))
+def attention_rule(layout: PackedGroups) -> Callable:
+    """The layout's attention rule as a FlexAttention ``mask_mod(b, h, q_idx, kv_idx) -> bool``."""
+    group, completion = layout.segment_ids
+    pos = layout.position_ids
 
-            self._mask = create_block_mask(rule, None, None, length, length, device=device)
-        return self._mask
+    def rule(b, h, q_idx, kv_idx):
+        return ((group[q_idx] == group[kv_idx]) & (pos[kv_idx] <= pos[q_idx])
+                & ((completion[kv_idx] == -1) | (completion[kv_idx] == completion[q_idx])))
+    return rule

@@ -22,8 +22,19 @@ def _use_cpu_flash(q: torch.Tensor) -> bool:
     return q.device.type == "cpu" and _cpu_flash is not None
 
 
+def _float32_on_cpu(*tensors):
+    """Half-precision inputs on the CPU are computed in float32. A part's output is merged with
+    another part's before the single rounding to the model's dtype, so rounding each part first
+    would round twice: in bfloat16 that made the shared path's error 2.6x the standard path's
+    (test_precision.py). CPU half precision is for tests and small runs, where float32 costs little."""
+    if tensors[0].device.type == "cpu" and tensors[0].dtype in (torch.float16, torch.bfloat16):
+        return tuple(t if t is None else t.float() for t in tensors)
+    return tensors
+
+
 def attention_forward(q, k, v, bias, *, causal: bool, scale: float):
-    """Returns ``(out [B, H, Q, D], lse [B, H, Q])``."""
+    """Returns ``(out [B, H, Q, D], lse [B, H, Q])`` (float32 for half-precision CPU inputs)."""
+    q, k, v, bias = _float32_on_cpu(q, k, v, bias)
     if _use_cpu_flash(q):
         out, lse = _cpu_flash(q, k, v, 0.0, causal, attn_mask=bias, scale=scale)
         return out, lse
@@ -37,6 +48,7 @@ def attention_forward(q, k, v, bias, *, causal: bool, scale: float):
 
 def attention_backward(grad_out, q, k, v, out, lse, bias, *, causal: bool, scale: float):
     """Gradients ``(dq, dk, dv)`` of one attention part given the merged ``out`` and ``lse``."""
+    grad_out, q, k, v, out, bias = _float32_on_cpu(grad_out, q, k, v, out, bias)
     if _use_cpu_flash(q):
         return _cpu_flash_backward(grad_out, q, k, v, out, lse, 0.0, causal, attn_mask=bias, scale=scale)
     num_kv, num_rep = k.shape[1], q.shape[1] // k.shape[1]
@@ -104,7 +116,8 @@ def _flash_window(causal: bool) -> tuple[int, int]:
     return (-1, 0) if causal else (-1, -1)
 
 
-def varlen_forward(q, k, v, cu_q, cu_k, max_q: int, max_k: int, *, causal: bool, scale: float):
+def varlen_forward(q, k, v, cu_q, cu_k, max_q: int, max_k: int, *, causal: bool, scale: float,
+                   lengths_q=None, lengths_k=None):
     """Attention of packed variable-length segments, without padding.
 
     ``q [Tq, H, D]``, ``k, v [Tk, Hkv, D]`` (grouped-query attention as above), ``cu_q, cu_k [n + 1]``
@@ -115,7 +128,8 @@ def varlen_forward(q, k, v, cu_q, cu_k, max_q: int, max_k: int, *, causal: bool,
     (``aten._flash_attention_forward``, called as ``torch.nn.attention.varlen`` calls it; it takes
     Hkv < H as is). Everywhere else it loops over the segments with :func:`attention_forward`:
     the reference that the CPU test suite checks. The CUDA call itself is not covered by the CPU
-    tests.
+    tests. ``lengths_q`` / ``lengths_k``: the segment lengths as host ints, so the loop need not
+    read ``cu_q`` / ``cu_k`` back from the device (without them it does: a host sync).
     """
     if _use_flash_varlen(q):
         left, right = _flash_window(causal)
@@ -127,7 +141,7 @@ def varlen_forward(q, k, v, cu_q, cu_k, max_q: int, max_k: int, *, causal: bool,
                                f"[H, Tq] = {[q.shape[1], q.shape[0]]}")
         return out, lse.t()
     outs, lses = [], []
-    for q_i, k_i, v_i in zip(_split(q, cu_q), _split(k, cu_k), _split(v, cu_k)):
+    for q_i, k_i, v_i in zip(_split(q, cu_q, lengths_q), _split(k, cu_k, lengths_k), _split(v, cu_k, lengths_k)):
         out, lse = attention_forward(*(_as_batch(x) for x in (q_i, k_i, v_i)), None, causal=causal, scale=scale)
         outs.append(out[0].transpose(0, 1))
         lses.append(lse[0].t())
@@ -135,7 +149,7 @@ def varlen_forward(q, k, v, cu_q, cu_k, max_q: int, max_k: int, *, causal: bool,
 
 
 def varlen_backward(grad_out, q, k, v, out, lse, cu_q, cu_k, max_q: int, max_k: int, *, causal: bool,
-                    scale: float):
+                    scale: float, lengths_q=None, lengths_k=None):
     """Gradients ``(dq [Tq, H, D], dk [Tk, Hkv, D], dv [Tk, Hkv, D])`` of :func:`varlen_forward`.
 
     ``grad_out, out [Tq, H, D]``, ``lse [Tq, H]``: as in :func:`attention_backward`, ``out`` and
@@ -152,8 +166,9 @@ def varlen_backward(grad_out, q, k, v, out, lse, cu_q, cu_k, max_q: int, max_k: 
             max_q, max_k, 0.0, causal, rng_state, unused, scale=scale,
             window_size_left=left, window_size_right=right)
     grads = [[], [], []]
-    per_segment = zip(_split(grad_out, cu_q), _split(q, cu_q), _split(k, cu_k), _split(v, cu_k),
-                      _split(out, cu_q), _split(lse, cu_q))
+    per_segment = zip(*(_split(x, cu_q, lengths_q) for x in (grad_out, q)),
+                      *(_split(x, cu_k, lengths_k) for x in (k, v)),
+                      *(_split(x, cu_q, lengths_q) for x in (out, lse)))
     for g_i, q_i, k_i, v_i, out_i, lse_i in per_segment:
         dq, dk, dv = attention_backward(*(_as_batch(x) for x in (g_i, q_i, k_i, v_i, out_i)),
                                         lse_i.t()[None], None, causal=causal, scale=scale)
@@ -162,9 +177,11 @@ def varlen_backward(grad_out, q, k, v, out, lse, cu_q, cu_k, max_q: int, max_k: 
     return tuple(torch.cat(acc) for acc in grads)
 
 
-def _split(x: torch.Tensor, cu_seqlens: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """``[T, ...]`` -> one ``[L_i, ...]`` view per segment (reads cu_seqlens on the host)."""
-    return x.split(torch.diff(cu_seqlens).tolist())
+def _split(x: torch.Tensor, cu_seqlens: torch.Tensor, lengths) -> tuple[torch.Tensor, ...]:
+    """``[T, ...]`` -> one ``[L_i, ...]`` view per segment."""
+    if lengths is None:
+        lengths = torch.diff(cu_seqlens).tolist()  # host sync: reads cu_seqlens back (callers without host lengths)
+    return x.split(list(lengths))
 
 
 def _as_batch(x_LHD: torch.Tensor) -> torch.Tensor:

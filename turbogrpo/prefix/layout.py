@@ -15,6 +15,10 @@ prompts first makes the prompt part and the completion part two contiguous slice
 * the log-prob of ``c_i[0]`` is read at the last prompt token (shared by the group's G members),
   that of ``c_i[j]`` at the position of ``c_i[j-1]``.
 
+Host syncs: none. Every index tensor is built on the host from host ints (the lengths) and
+copied to the device once per pack with :func:`upload` (pinned memory, ``non_blocking``), so
+building a pack never waits for the device.
+
 Shape legend: Ng groups, Nc completions, Np prompt tokens, Nq completion tokens, T = Np + Nq,
 P_max / S_max / Q_max the longest prompt / completion / completions-of-one-group.
 """
@@ -116,9 +120,9 @@ class PackedGroups:
             torch.tensor([sum(ss) for ss in self.completion_lengths]))
         completion_of_completion = torch.repeat_interleave(
             torch.arange(len(self.flat_completion_lengths)), torch.tensor(self.flat_completion_lengths))
-        group = torch.cat([group_of_prompt, group_of_completion]).to(self.device)
+        group = torch.cat([group_of_prompt, group_of_completion])
         completion = torch.cat([torch.full((self.num_prompt_tokens,), -1), completion_of_completion])
-        return group, completion.to(self.device)
+        return upload(group, self.device), upload(completion, self.device)
 
     def dense_mask(self) -> torch.Tensor:
         """The attention rule as a dense boolean ``[T, T]`` mask (query, key): the reference."""
@@ -146,18 +150,20 @@ def split_per_completion(flat: torch.Tensor, completion_lengths) -> list[list[to
 class VarlenSegments:
     """Consecutive segments of a flat ``[N]`` axis, as variable-length attention kernels take them.
 
-    ``cu_seqlens`` ``[n + 1]`` int32: segment i is ``[cu_seqlens[i], cu_seqlens[i + 1])``;
-    ``max_length``: the longest segment (a host int, so kernels need no device sync to read it).
+    ``cu_seqlens`` ``[n + 1]`` int32 on the device: segment i is ``[cu_seqlens[i], cu_seqlens[i + 1])``;
+    ``lengths`` / ``max_length``: the segment lengths and the longest one as host ints, so no kernel
+    or loop ever reads ``cu_seqlens`` back from the device.
     """
 
     cu_seqlens: torch.Tensor
+    lengths: tuple[int, ...]
     max_length: int
 
     @staticmethod
     def build(lengths, device: torch.device) -> VarlenSegments:
         # Lengths are host ints: the prefix sum is taken on the host and copied over once.
         cu_seqlens = torch.tensor([0, *accumulate(lengths)], dtype=torch.int32)
-        return VarlenSegments(cu_seqlens.to(device), max(lengths))
+        return VarlenSegments(upload(cu_seqlens, device), tuple(lengths), max(lengths))
 
 
 @dataclass(frozen=True, eq=False)
@@ -185,7 +191,8 @@ class PaddedIndex:
         gather = torch.where(valid, starts[:, None] + cols[None, :], torch.zeros((), dtype=torch.long))
         slot_of_flat = torch.nonzero(valid.flatten(), as_tuple=False).squeeze(1)
         is_dense = all(n == width for n in lengths)
-        return PaddedIndex(gather.to(device), valid.to(device), slot_of_flat.to(device), width, is_dense)
+        return PaddedIndex(upload(gather, device), upload(valid, device), upload(slot_of_flat, device),
+                           width, is_dense)
 
     def to_padded(self, flat: torch.Tensor) -> torch.Tensor:
         """``[N, ...]`` -> ``[R, W, ...]`` (pad slots hold copies of item 0)."""
@@ -200,8 +207,25 @@ class PaddedIndex:
         return padded.flatten(0, 1)[self.slot_of_flat]
 
 
+def upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Copy an index tensor built on the host to ``device`` without making the host wait.
+
+    A plain ``.to("cuda")`` from pageable memory synchronises the stream; from pinned memory with
+    ``non_blocking=True`` it is queued like a kernel (the caching host allocator keeps the pinned
+    buffer alive until the copy has run).
+    """
+    if host.device == device:
+        return host
+    if device.type == "cuda":
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)
+
+
 def pack_groups(prompts: list[torch.Tensor], completions: list[list[torch.Tensor]]) -> PackedGroups:
-    """Build the shared-prefix layout (inputs must already be validated)."""
+    """Build the shared-prefix layout (inputs must already be validated).
+
+    Lengths come from tensor shapes (host metadata), so nothing here reads the device.
+    """
     device = prompts[0].device
     prompt_lengths = tuple(int(p.numel()) for p in prompts)
     completion_lengths = tuple(tuple(int(c.numel()) for c in cs) for cs in completions)
@@ -222,8 +246,9 @@ def pack_groups(prompts: list[torch.Tensor], completions: list[list[torch.Tensor
             predictors.append(torch.arange(completion_start, completion_start + s_len - 1))
             completion_start += s_len
     prompt_positions = [torch.arange(p) for p in prompt_lengths]
-    position_ids = torch.cat(prompt_positions + positions).to(device)
-    predictor_index = torch.cat(predictors).to(device)
+    # One host buffer, one copy: positions [T] then predictors [Nq].
+    indices = upload(torch.cat(prompt_positions + positions + predictors), device)
+    position_ids, predictor_index = indices.split([len(input_ids), len(indices) - len(input_ids)])
     target_ids = input_ids[num_prompt_tokens:]
     return PackedGroups(input_ids, position_ids, prompt_lengths, completion_lengths,
                         predictor_index, target_ids)

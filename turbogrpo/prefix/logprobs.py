@@ -1,5 +1,10 @@
 """Per-token log-probs of GRPO completions, with the prompt run through the model once per group.
 
+Host syncs: none in :func:`compute_logprobs`, forward or backward, on the shared-prefix path. Lengths
+are read from tensor shapes, index tensors are built on the host and copied without waiting
+(``layout.upload``), and the token-range check is an asynchronous device assert (see
+:func:`check_token_range`). The standard path (``share_prefix=False``) is sync-free the same way.
+
 Shape legend: Ng groups, Nc completions, Nq completion tokens, Hd hidden size, V vocabulary.
 """
 
@@ -9,14 +14,12 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
-from turbogrpo.hook import decoder_of, lm_head_of, run_decoder
-from turbogrpo.prefix.backends import select_backend
-from turbogrpo.prefix.layout import PackedGroups, pack_groups, split_per_completion
-
-# Rows of (tokens x vocab) logits materialised at once: 2**24 floats = 64 MiB per chunk.
-LOGIT_CHUNK_ELEMENTS = 2 ** 24
+from turbogrpo.hook import check_supported, lm_head_of, run_decoder
+from turbogrpo.prefix.auto import STANDARD, choose_auto
+from turbogrpo.prefix.backends import AUTO, PaddedCausalAttention, select_backend
+from turbogrpo.prefix.layout import PackedGroups, pack_groups, split_per_completion, upload
+from turbogrpo.prefix.lm_head import token_logprobs
 
 
 @dataclass
@@ -43,9 +46,12 @@ def completion_logprobs(model: nn.Module, prompts: list[torch.Tensor],
         completions: per group, a list of 1-D LongTensors ``[S_gi]`` (the group's G completions).
         share_prefix: run each prompt once for its whole group (True) or once per completion, the
             standard way (False; the baseline). Both give the same values and gradients.
-        backend: attention backend for the shared layout ("auto", "cascade", "varlen", "reference",
-            "flex"). "varlen" runs the cascade on unpadded cu_seqlens segments: flash-attention's
-            varlen kernel on CUDA (float16/bfloat16), a per-segment reference loop elsewhere.
+        backend: attention backend for the shared layout (one of ``turbogrpo.prefix.backend_names()``:
+            "auto", "cascade", "varlen", "reference", "flex"). "auto" picks the fastest for the device
+            and pack by a measured rule (``turbogrpo.prefix.auto``), which runs the standard layout
+            where sharing cannot pay (a prompt short against its completions); exact either way.
+            "varlen" runs the cascade on unpadded cu_seqlens segments: flash-attention's varlen
+            kernel on CUDA (float16/bfloat16), a per-segment reference loop elsewhere.
         temperature: log-probs of ``softmax(logits / temperature)``.
         return_hidden: also return the final hidden states ``[S_gi, Hd]`` that predict each token.
 
@@ -67,6 +73,12 @@ def compute_logprobs(model: nn.Module, prompts: list[torch.Tensor],
                      with_entropy: bool = True) -> CompletionLogprobs:
     """Like :func:`completion_logprobs` but returns flat tensors plus entropy (for the trainer)."""
     validate_inputs(model, prompts, completions, temperature)
+    check_token_range(model, prompts, completions)
+    if share_prefix and backend == AUTO:
+        check_supported(model)   # before reading attention dimensions off its config
+        backend = choose_auto(model, [p.numel() for p in prompts], [[c.numel() for c in cs] for cs in completions],
+                              prompts[0].device, lm_head_of(model).weight.dtype, torch.is_grad_enabled())
+        share_prefix = backend != STANDARD
     if share_prefix:
         hidden = _shared_prefix_hidden(model, prompts, completions, backend)
     else:
@@ -81,18 +93,16 @@ def _shared_prefix_hidden(model, prompts, completions, backend_name) -> torch.Te
     """``[Nq, Hd]`` predictor hidden states from one packed forward with each prompt stored once."""
     layout: PackedGroups = pack_groups(prompts, completions)
     backend = select_backend(backend_name, layout.device, torch.is_grad_enabled())
-    hidden = run_decoder(model, layout.input_ids[None], layout.position_ids[None], backend(layout))
+    hidden = run_decoder(model, layout.input_ids[None], layout.position_ids[None], backend.plan(layout))
     return hidden[0, layout.predictor_index]
 
 
 def _standard_hidden(model, prompts, completions) -> torch.Tensor:
-    """The baseline: every completion with its own copy of the prompt, right-padded into a batch."""
+    """The baseline: every completion with its own copy of the prompt, right-padded into a batch
+    ``[B, T]`` and run with plain causal attention (:class:`PaddedCausalAttention`)."""
     sequences = [torch.cat([p, c]) for p, cs in zip(prompts, completions) for c in cs]
-    lengths = torch.tensor([s.numel() for s in sequences])
+    length = max(s.numel() for s in sequences)
     input_ids = nn.utils.rnn.pad_sequence(sequences, batch_first=True)
-    attention_mask = (torch.arange(input_ids.shape[1])[None, :] < lengths[:, None]).to(input_ids.device)
-    hidden = decoder_of(model)(input_ids=input_ids, attention_mask=attention_mask,
-                               use_cache=False).last_hidden_state
     rows, cols = [], []
     row = 0
     for p, cs in zip(prompts, completions):
@@ -100,71 +110,12 @@ def _standard_hidden(model, prompts, completions) -> torch.Tensor:
             cols.append(torch.arange(p.numel() - 1, p.numel() + c.numel() - 1))
             rows.append(torch.full((c.numel(),), row))
             row += 1
-    return hidden[torch.cat(rows).to(hidden.device), torch.cat(cols).to(hidden.device)]
-
-
-def token_logprobs(hidden: torch.Tensor, lm_head: nn.Module, targets: torch.Tensor, temperature: float = 1.0,
-                   *, with_entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-probs ``[N]`` of ``targets`` and entropies ``[N]`` (None without ``with_entropy``) from
-    hidden states ``[N, Hd]``.
-
-    The LM head runs chunk by chunk under activation checkpointing, so the ``[N, V]`` logits are
-    never all in memory, in the forward or in the backward.
-    """
-    vocab = lm_head.weight.shape[0]
-    rows = max(1, LOGIT_CHUNK_ELEMENTS // vocab)
-    logps, entropies = [], []
-    for start in range(0, hidden.shape[0], rows):
-        h, t = hidden[start:start + rows], targets[start:start + rows]
-        if torch.is_grad_enabled() and h.requires_grad:
-            lp, ent = checkpoint(_chunk_logprobs, h, t, lm_head, temperature, with_entropy, use_reentrant=False)
-        else:
-            lp, ent = _chunk_logprobs(h, t, lm_head, temperature, with_entropy)
-        logps.append(lp)
-        entropies.append(ent)
-    return torch.cat(logps), torch.cat(entropies).detach() if with_entropy else None
-
-
-def _chunk_logprobs(hidden, targets, lm_head, temperature, with_entropy):
-    return TargetLogprobs.apply(lm_head(hidden), targets, temperature, with_entropy)
-
-
-class TargetLogprobs(torch.autograd.Function):
-    """``logits [n, V]`` -> (log-prob of ``targets [n]`` under ``softmax(logits / T)``, entropy or None).
-
-    Computed in float32 from the row log-sum-exps; the backward rebuilds the softmax from the saved
-    log-sum-exps in one pass, ``d logp_t / d z = onehot(t) - softmax(z)``, instead of keeping a full
-    ``[n, V]`` log-softmax for autograd and scattering the gather's gradient into a zero-filled one.
-    The entropy is a detached metric.
-    """
-
-    @staticmethod
-    def forward(ctx, logits, targets, temperature, with_entropy):
-        scaled = _scaled_logits(logits, temperature)
-        lse = torch.logsumexp(scaled, dim=-1)
-        logps = scaled.gather(-1, targets[:, None]).squeeze(-1) - lse
-        entropy = None
-        if with_entropy:  # H = lse - sum_v p_v z_v
-            entropy = lse - torch.linalg.vecdot(torch.exp(scaled - lse[:, None]), scaled)
-            ctx.mark_non_differentiable(entropy)
-        ctx.save_for_backward(logits, targets, lse)
-        ctx.temperature = temperature
-        return logps, entropy
-
-    @staticmethod
-    def backward(ctx, grad_logps, _grad_entropy):
-        logits, targets, lse = ctx.saved_tensors
-        grad = torch.exp(_scaled_logits(logits, ctx.temperature) - lse[:, None])
-        grad.mul_(-grad_logps[:, None])
-        grad.scatter_add_(-1, targets[:, None], grad_logps[:, None])
-        if ctx.temperature != 1.0:
-            grad.div_(ctx.temperature)
-        return grad.to(logits.dtype), None, None, None
-
-
-def _scaled_logits(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-    return logits if temperature == 1.0 else logits / temperature
+    # One host buffer, one copy: position ids [T] (the same for every row), then rows and columns [Nq].
+    indices = upload(torch.cat([torch.arange(length), torch.cat(rows), torch.cat(cols)]), input_ids.device)
+    num_tokens = (len(indices) - length) // 2
+    position_ids, rows_t, cols_t = indices.split([length, num_tokens, num_tokens])
+    hidden = run_decoder(model, input_ids, position_ids.expand(len(sequences), -1), PaddedCausalAttention(length))
+    return hidden[rows_t, cols_t]
 
 
 def validate_inputs(model: nn.Module, prompts, completions, temperature: float) -> None:
@@ -176,9 +127,7 @@ def validate_inputs(model: nn.Module, prompts, completions, temperature: float) 
                          "pass one list of completions per prompt")
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
-    embeddings = model.get_input_embeddings()
-    device = embeddings.weight.device
-    vocab = embeddings.num_embeddings
+    device = model.get_input_embeddings().weight.device
     max_positions = getattr(model.config, "max_position_embeddings", None)
 
     def check_tokens(t, what):
@@ -192,12 +141,6 @@ def validate_inputs(model: nn.Module, prompts, completions, temperature: float) 
         if t.numel() == 0:
             raise ValueError(f"{what} is empty; every prompt and completion needs at least one token")
 
-    def check_range(t, what):
-        low, high = int(t.min()), int(t.max())
-        if low < 0 or high >= vocab:
-            raise ValueError(f"{what} has token id {low if low < 0 else high}, outside the model's "
-                             f"vocabulary [0, {vocab})")
-
     for g, (prompt, group) in enumerate(zip(prompts, completions)):
         check_tokens(prompt, f"prompt of group {g}")
         if len(group) == 0:
@@ -209,11 +152,32 @@ def validate_inputs(model: nn.Module, prompts, completions, temperature: float) 
                 raise ValueError(f"group {g}, completion {i}: prompt + completion is {total} tokens, beyond "
                                  f"the model's max_position_embeddings={max_positions}")
 
-    # One host sync for the whole batch: out-of-range ids would otherwise index garbage (CPU) or
-    # trigger an asynchronous device assert (CUDA). Only on failure do we look for the culprit.
+
+def check_token_range(model: nn.Module, prompts, completions) -> None:
+    """Every token id must lie in ``[0, vocab)``: out-of-range ids would index garbage (CPU) or fail
+    inside the embedding kernel (CUDA).
+
+    Without a host sync: the check is a device-side assert, queued like a kernel. On the CPU it
+    fails at once and we name the culprit with a ValueError; on CUDA a failure surfaces as an
+    asynchronous device assert carrying the same vocabulary bound (reading the ids back to raise a
+    ValueError would stall every call to save only the failing one).
+    """
+    vocab = model.get_input_embeddings().num_embeddings
     every_token = torch.cat([*prompts, *(c for group in completions for c in group)])
-    if int(every_token.min()) < 0 or int(every_token.max()) >= vocab:
+    low_high = torch.aminmax(every_token)
+    in_range = (low_high.min >= 0) & (low_high.max < vocab)
+    try:
+        torch._assert_async(in_range, f"turbogrpo: a token id is outside the model's vocabulary [0, {vocab})")
+    except RuntimeError:  # only the CPU raises here, so reading values back costs no device sync
         for g, (prompt, group) in enumerate(zip(prompts, completions)):
-            check_range(prompt, f"prompt of group {g}")
+            _raise_if_out_of_range(prompt, vocab, f"prompt of group {g}")
             for i, completion in enumerate(group):
-                check_range(completion, f"completion {i} of group {g}")
+                _raise_if_out_of_range(completion, vocab, f"completion {i} of group {g}")
+        raise
+
+
+def _raise_if_out_of_range(tokens: torch.Tensor, vocab: int, what: str) -> None:
+    low, high = int(tokens.min()), int(tokens.max())
+    if low < 0 or high >= vocab:
+        raise ValueError(f"{what} has token id {low if low < 0 else high}, outside the model's "
+                         f"vocabulary [0, {vocab})")

@@ -29,12 +29,12 @@ import torch
 from torch import nn
 
 from turbogrpo.hook import lm_head_of
-from turbogrpo.rollout.compiled import RUNNERS
+from turbogrpo.rollout.compiled import PLAIN_RUNNERS
 from turbogrpo.rollout.kv_cache import GroupedKVCache
 from turbogrpo.rollout.outputs import LiveRows, OutputBuffers, collect_rollout, emit
 from turbogrpo.rollout.plans import prefill_all_positions
 from turbogrpo.rollout.sampling import SamplingConfig
-from turbogrpo.rollout.step import DecodeState, DecodeStep, PlainStep
+from turbogrpo.rollout.step import DecodeState, DecodeStep, PlainStep, plain_step
 from turbogrpo.rollout.stopping import StopCriteria
 from turbogrpo.rollout.types import Rollout, RolloutStats
 
@@ -63,7 +63,8 @@ class DecodeSchedule:
     buckets: str = "exact"
     """Key of ``BUCKETS``: when finished rows are retired."""
     runner: str = "eager"
-    """Key of ``compiled.RUNNERS``: how the plain step runs (eager, or compiled by ``torch.compile``)."""
+    """Key of ``compiled.PLAIN_RUNNERS``: how the plain step runs (eager, compiled by ``torch.compile``, or
+    replayed from CUDA graphs: opt-in, CUDA only, not yet measured; see ``turbogrpo.rollout.compiled``)."""
 
     def __post_init__(self):
         if isinstance(self.host_check_every, bool) or not isinstance(self.host_check_every, int) \
@@ -72,8 +73,8 @@ class DecodeSchedule:
                              f"{self.host_check_every!r}")
         if self.buckets not in BUCKETS:
             raise ValueError(f"DecodeSchedule.buckets must be one of {sorted(BUCKETS)}, got {self.buckets!r}")
-        if self.runner not in RUNNERS:
-            raise ValueError(f"DecodeSchedule.runner must be one of {sorted(RUNNERS)}, got {self.runner!r}")
+        if self.runner not in PLAIN_RUNNERS:
+            raise ValueError(f"DecodeSchedule.runner must be one of {sorted(PLAIN_RUNNERS)}, got {self.runner!r}")
 
     @property
     def static_slots(self) -> bool:
@@ -128,7 +129,7 @@ def generate(model: nn.Module, prompts: list[torch.Tensor], *, num_samples: int,
     prompts = [p.to(device=device, dtype=torch.long) for p in prompts]
     with torch.no_grad():
         schedule = schedule or default_schedule(device)
-        step: DecodeStep = (PlainStep(RUNNERS[schedule.runner]()) if draft is None
+        step: DecodeStep = (PlainStep(PLAIN_RUNNERS[schedule.runner](plain_step)) if draft is None
                             else draft.make_step(model, prompts, sampling))
         return _rollout(model, prompts, num_samples, sampling, generator, return_hidden, limits, step, schedule)
 

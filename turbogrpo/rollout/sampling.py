@@ -104,18 +104,18 @@ def _top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:
 
 
 def sample_tokens(logits: torch.Tensor, sampling: SamplingConfig,
-                  generator: torch.Generator | None = None) -> torch.Tensor:
+                  generator: torch.Generator | None = None, uniform: torch.Tensor | None = None) -> torch.Tensor:
     """Draw one token per row: raw ``logits [..., V]`` (this function warps them; pass already-warped
     probabilities to ``draw_from_probs`` instead) -> token ids ``[...]`` (int64).
 
     Greedy takes the argmax. Otherwise the draw inverts the cumulative distribution at one uniform
     number per row (what ``torch.multinomial`` does), without its host sync and with one random
-    number per row rather than one per vocabulary entry.
+    number per row rather than one per vocabulary entry. ``uniform [...]``: see ``draw_from_probs``.
     """
     if sampling.greedy:
         return logits.argmax(dim=-1)
     probs = warp_logits(logits.float(), sampling).softmax(dim=-1)
-    return draw_from_probs(probs, generator)
+    return draw_from_probs(probs, generator, uniform)
 
 
 def draw_from_probs(probs: torch.Tensor, generator: torch.Generator | None = None,

@@ -1,14 +1,22 @@
 """The speculative tree step: what ``generate(draft=...)`` runs inside the rollout engine's loop.
 
     the engine prefills the prompts once per group; every sample draws its first token
-    per step, for all live sequences at once (``TreeStep.__call__``):
+    per step, for all live sequences at once (``TreeStep.__call__``, on the host):
       shape = sizing.choose(B)                 (None: the engine's plain step)
-      draft: catch up on the pairs committed since it last ran (at the first tree: its prompt pass
-             too), then grow the tree level by level
-      policy: one forward over every tree (tree mask, tree positions), LM head at every node
-      accept with "sample, then match" (verify.py); emit the path and the bonus token
+      at the first tree: the draft's prompt pass; the uniform numbers of the policy's draws
+      draft_tree (device only): catch up on the pairs committed since the draft last ran, then grow
+             the tree of ``shape`` level by level
+      verify_step (device only): one policy forward over every tree (tree mask, tree positions), LM
+             head at every node; accept with "sample, then match" (verify.py); emit the path and the
+             bonus token; commit the accepted path's K/V
     at the engine's host check, every step: accepted counts and the sizing policy's statistics
-    travel with the engine's finished flags; the accepted path's K/V is committed
+    travel with the engine's finished flags
+
+The host chooses every size (the tree's shape, the catch-up width, the caches' slot bounds) from
+host ints it keeps up to date at the host checks, outside the step; ``draft_tree`` and
+``verify_step`` read only device tensors and those static sizes, with no host sync and no
+``torch.Generator``, so ``torch.compile(fullgraph=True)`` captures each whole (``Speculation.runner``).
+They are two functions, not one, so that the draft's share of the time can be measured between them.
 
 The loop itself is the engine's (``turbogrpo.rollout.engine``); this module supplies the step through
 ``Speculation.make_step`` and never is imported by the engine. Emission, stop tokens/strings and the
@@ -36,6 +44,7 @@ import torch
 from torch import nn
 
 from turbogrpo.hook import lm_head_of
+from turbogrpo.rollout.compiled import RUNNERS
 from turbogrpo.rollout.engine import generate
 from turbogrpo.rollout.outputs import emit
 from turbogrpo.rollout.plans import forward_new_tokens
@@ -47,7 +56,7 @@ from turbogrpo.speculative.drafting import DraftKVCache, TreeDrafter, catch_up, 
 from turbogrpo.speculative.policy import SizingPolicy, make_sizing
 from turbogrpo.speculative.profiler import DeviceStopwatch, LatencyProfile, cached_profile
 from turbogrpo.speculative.tree import DraftTree, TreeShape, build_tree
-from turbogrpo.speculative.verify import verify_tree
+from turbogrpo.speculative.verify import TreeVerdict, verify_tree
 
 
 @dataclass
@@ -60,11 +69,17 @@ class Speculation:
     name (``off``, ``fixed``, ``fastgrpo``, ``cost``), built afresh for each rollout."""
     profile: LatencyProfile | None = None
     """Latency curves for ``fastgrpo``/``cost``; None reads the profile cache or measures on first use."""
+    runner: str = "eager"
+    """Key of ``turbogrpo.rollout.compiled.RUNNERS``: how the tree step's device parts run (eager, or
+    compiled whole by ``torch.compile``). Each tree shape, catch-up width and cache bound is its own
+    graph (the host picks them), so compiling pays only where shapes repeat; the default stays eager."""
 
     def make_step(self, model: nn.Module, prompts: list[torch.Tensor], sampling: SamplingConfig) -> TreeStep:
         """The engine's ``DecodeStep`` for one rollout (see ``turbogrpo.rollout.step``)."""
         _check_draft(self.draft, model)
-        return TreeStep(self.draft, resolve_sizing(self, model, prompts, sampling))
+        if self.runner not in RUNNERS:
+            raise ValueError(f"Speculation.runner must be one of {sorted(RUNNERS)}, got {self.runner!r}")
+        return TreeStep(self.draft, resolve_sizing(self, model, prompts, sampling), self.runner)
 
 
 @dataclass
@@ -112,11 +127,10 @@ def resolve_sizing(speculation: Speculation, model: nn.Module, prompts: list[tor
 
 @dataclass
 class _VerifiedStep:
-    """A decoding step whose K/V commit waits for the step's host transfer."""
+    """A decoding step whose accepted counts and statistics wait for the step's host transfer."""
 
-    path_nodes_BD: torch.Tensor | None
-    """Accepted path (None for a plain step: the plain step committed its one token itself)."""
     num_accepted_B: torch.Tensor | None
+    """[B] draft tokens accepted (None for a plain step)."""
     shape: TreeShape | None
     feedback: torch.Tensor | None
     catch_up_tokens: int = 0
@@ -129,9 +143,11 @@ class TreeStep:
     exact_compaction = True
     keeps_hidden = True  # the draft reads its pending pairs from the policy's hidden states
 
-    def __init__(self, draft: DraftHead, sizing: SizingPolicy):
+    def __init__(self, draft: DraftHead, sizing: SizingPolicy, runner: str = "eager"):
         self.draft = draft
         self.sizing = sizing
+        # Looked up here, not bound at import, so that the functions can be watched in tests.
+        self.draft_tree, self.verify_step = RUNNERS[runner](draft_tree), RUNNERS[runner](verify_step)
         max_nodes, self.max_draft_slots = sizing.bounds()
         self.extra_slots = max_nodes
 
@@ -163,7 +179,7 @@ class TreeStep:
         shape = self.sizing.choose(cache.num_live, draft_ready=self.draft_prefilled, position=max(self.emitted_host))
         if shape is None:
             PlainStep()(state)
-            self.pending = _VerifiedStep(None, None, None, None)
+            self.pending = _VerifiedStep(None, None, None)
             return
         if not self.draft_prefilled:
             # The draft's prompt pass waits for the first tree, so rollouts that never speculate
@@ -177,23 +193,18 @@ class TreeStep:
             self.stats.num_draft_forwards += 1
         pending_width = max(e - s for e, s in zip(self.emitted_host, self.draft_seen_host))
         catch_up_tokens = pending_width * cache.num_live
+        # Drawn before the step: a torch.Generator cannot be traced. The same numbers, in the same
+        # order, as drawing them at the acceptance (the draft draws none).
+        uniform_BN = None if state.sampling.greedy else torch.rand(
+            (cache.num_live, shape.num_nodes), generator=state.generator, device=state.next_B.device)
         with self.stopwatch:
-            root_features_BH = _catch_up_draft(self.draft, draft_cache, state, pending_width, self.max_new)
-            root_logprobs_BV = self.draft.logits(root_features_BH).float().log_softmax(-1)
-            tree = build_tree(state.next_B, root_logprobs_BV, TreeDrafter(self.draft, draft_cache, root_features_BH),
-                              shape)
+            tree = self.draft_tree(state, self.draft, draft_cache, shape, pending_width)
         self.draft_seen_host = list(self.emitted_host)
         draft_cache.max_length = max(self.draft_seen_host)
         self.stats.num_draft_forwards += shape.depth
-        hidden_BNH = forward_new_tokens(state.model, cache, tree.tokens, tree.depths, tree.ancestors)
-        logits_BNV = state.lm_head(hidden_BNH).float()
-        verdict = verify_tree(tree, logits_BNV, state.sampling, state.generator)
-        emitted_BD, logprobs_BD, hidden_BDH = _path_outputs(tree, verdict, logits_BNV, hidden_BNH, state.sampling)
-        emit(state.outputs, state.live, emitted_BD, logprobs_BD, hidden_BDH, verdict.num_accepted + 1,
-             state.criteria)
-        state.next_B.copy_(verdict.next_token)
-        self.pending = _VerifiedStep(verdict.path_nodes, verdict.num_accepted, shape,
-                                     self.sizing.feedback(tree, verdict), catch_up_tokens)
+        verdict = self.verify_step(state, tree, uniform_BN)
+        self.pending = _VerifiedStep(verdict.num_accepted, shape, self.sizing.feedback(tree, verdict),
+                                     catch_up_tokens)
 
     def host_values(self) -> torch.Tensor | None:
         step = self.pending
@@ -216,8 +227,7 @@ class TreeStep:
         self.step_start = now
         num_rows = state.cache.num_live
         accepted = [0] * num_rows
-        if step.path_nodes_BD is not None:
-            state.cache.commit(step.path_nodes_BD, step.num_accepted_B + 1)
+        if step.num_accepted_B is not None:
             accepted = [int(v) for v in values[:num_rows]]
             if step.feedback is not None:
                 self.sizing.observe(values[num_rows:])
@@ -243,7 +253,32 @@ def _check_draft(draft: object, model: nn.Module) -> None:
                          "head, so build or load it with this model (DraftHead(model) / DraftHead.load(path, model))")
 
 
-def _path_outputs(tree: DraftTree, verdict, logits_BNV: torch.Tensor, hidden_BNH: torch.Tensor,
+def draft_tree(state: DecodeState, draft: DraftHead, draft_cache: DraftKVCache, shape: TreeShape,
+               pending_width: int) -> DraftTree:
+    """The draft's part of a tree step (device only): feed it the ``pending_width`` (host int, the
+    longest backlog) pairs each row committed since it last ran, then grow every row's tree of ``shape``."""
+    root_features_BH = _catch_up_draft(draft, draft_cache, state, pending_width, state.sampling.max_new_tokens)
+    root_logprobs_BV = draft.logits(root_features_BH).float().log_softmax(-1)
+    return build_tree(state.next_B, root_logprobs_BV, TreeDrafter(draft, draft_cache, root_features_BH), shape)
+
+
+def verify_step(state: DecodeState, tree: DraftTree, uniform_BN: torch.Tensor | None) -> TreeVerdict:
+    """The policy's part of a tree step (device only): one forward over every row's tree ``[B, N]``,
+    acceptance with the uniform numbers ``uniform_BN`` (None when greedy), emission of the accepted
+    path and the bonus token, and the commit of the path's K/V (finished rows' too: they are retired
+    at the next host check, so nothing reads them)."""
+    hidden_BNH = forward_new_tokens(state.model, state.cache, tree.tokens, tree.depths, tree.ancestors)
+    logits_BNV = state.lm_head(hidden_BNH).float()
+    verdict = verify_tree(tree, logits_BNV, state.sampling, uniform_BN=uniform_BN)
+    emitted_BD, logprobs_BD, hidden_BDH = _path_outputs(tree, verdict, logits_BNV, hidden_BNH, state.sampling)
+    emit(state.outputs, state.live, emitted_BD, logprobs_BD, hidden_BDH, verdict.num_accepted + 1,
+         state.criteria)
+    state.next_B.copy_(verdict.next_token)
+    state.cache.commit(verdict.path_nodes, verdict.num_accepted + 1)
+    return verdict
+
+
+def _path_outputs(tree: DraftTree, verdict: TreeVerdict, logits_BNV: torch.Tensor, hidden_BNH: torch.Tensor,
                   sampling: SamplingConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Tokens ``[B, D]`` a step emits (accepted draft tokens, then the bonus token at slot
     num_accepted; later slots are unused), their sampler log-probs and the hidden states that

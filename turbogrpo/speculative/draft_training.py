@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from turbogrpo.hook import run_decoder
+from turbogrpo.prefix.auto import fastest_shared_backend
 from turbogrpo.prefix.backends import select_backend
 from turbogrpo.prefix.layout import pack_groups
 from turbogrpo.rollout.plans import padded_prompts
@@ -95,7 +96,7 @@ def prompt_features(policy: nn.Module, prompts: Sequence[torch.Tensor]) -> list[
         hidden_GPH = run_decoder(policy, *padded_prompts(prompts), CausalPlan())
         return [hidden_GPH[g, :len(p)] for g, p in enumerate(prompts)]
     layout = pack_groups([prompts[0][:shared]], [[p[shared:] for p in prompts]])
-    plan = select_backend("auto", layout.device, requires_grad=False)(layout)
+    plan = _shared_plan(layout, next(policy.parameters()).dtype, requires_grad=False)
     hidden_TH = run_decoder(policy, layout.input_ids[None], layout.position_ids[None], plan)[0]
     rests = hidden_TH[shared:].split([len(p) - shared for p in prompts])
     return [torch.cat([hidden_TH[:shared], rest]) for rest in rests]
@@ -123,7 +124,7 @@ def draft_groups(policy: nn.Module, prompts: Sequence[torch.Tensor],
     for first in range(0, len(kept), groups_per_forward):
         chunk = kept[first:first + groups_per_forward]
         layout = pack_groups([p for p, _ in chunk], [cs for _, cs in chunk])
-        plan = select_backend("auto", layout.device, requires_grad=False)(layout)
+        plan = _shared_plan(layout, next(policy.parameters()).dtype, requires_grad=False)
         hidden_TH = run_decoder(policy, layout.input_ids[None], layout.position_ids[None], plan)[0]
         # Per completion token, the flat position that predicted it (f[P-1+j]); then each completion's
         # last position (f[P+S-1]) completes its S + 1 features.
@@ -137,6 +138,13 @@ def draft_groups(policy: nn.Module, prompts: Sequence[torch.Tensor],
             groups.append(DraftGroup(prompt, hidden_TH[start:start + len(prompt)], group, features))
             index += len(group)
     return groups
+
+
+def _shared_plan(layout, dtype: torch.dtype, requires_grad: bool):
+    """The shared-prefix attention plan of ``layout``: these packs need the shared layout itself, so
+    "auto"'s choice of the standard layout does not apply; the device's fastest shared backend does."""
+    name = fastest_shared_backend(layout.device, dtype, requires_grad)
+    return select_backend(name, layout.device, requires_grad=requires_grad).plan(layout)
 
 
 # -- loss and optimizer steps ---------------------------------------------------------------------------
@@ -169,7 +177,7 @@ def pack_draft_batch(groups: Sequence[DraftGroup], *, requires_grad: bool) -> Pa
     if not prompts:
         raise ValueError("no draft training data: every completion is shorter than two features")
     layout = pack_groups(prompts, completions)
-    plan = select_backend("auto", layout.device, requires_grad=requires_grad)(layout)
+    plan = _shared_plan(layout, groups[0].prompt_features.dtype, requires_grad=requires_grad)
     features_TH = torch.cat(prompt_inputs + inputs).to(layout.device)
     return PackedDraftBatch(layout.input_ids, layout.position_ids, features_TH, torch.cat(targets).to(layout.device),
                             plan, layout.num_prompt_tokens)

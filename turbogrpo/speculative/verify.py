@@ -35,14 +35,15 @@ class TreeVerdict(NamedTuple):
 
 
 def verify_tree(tree: DraftTree, target_logits: torch.Tensor, sampling: SamplingConfig,
-                generator: torch.Generator | None = None) -> TreeVerdict:
+                generator: torch.Generator | None = None, uniform_BN: torch.Tensor | None = None) -> TreeVerdict:
     """Accept the longest tree path that the policy's own draws follow.
 
     ``target_logits`` [B, N, V]: the policy's logits at every node (the distribution of the token
     after the node's path). ``sampling`` is the plain sampler's config; draws go through the plain
-    sampler's own ``sample_tokens``, so both warp logits identically.
+    sampler's own ``sample_tokens``, so both warp logits identically. ``uniform_BN``: the draws'
+    uniform numbers, drawn by the caller (e.g. outside a compiled step); None draws them from ``generator``.
     """
-    draws = sample_tokens(target_logits, sampling, generator)                                # [B, N]
+    draws = sample_tokens(target_logits, sampling, generator, uniform_BN)                    # [B, N]
     return accept_paths(tree, draws)
 
 

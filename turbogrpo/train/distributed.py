@@ -14,6 +14,8 @@ import torch
 import torch.distributed as torch_dist
 from torch import nn
 
+from turbogrpo.train.precision import Precision
+
 
 @dataclass(frozen=True)
 class DistInfo:
@@ -110,32 +112,39 @@ class LogprobModule(nn.Module):
         return self.logprob_fn(self.model, prompts, completions, **options)
 
 
-def wrap_for_training(model: nn.Module, logprob_fn, dist: DistInfo, strategy: str) -> nn.Module:
+def wrap_for_training(model: nn.Module, logprob_fn, dist: DistInfo, strategy: str,
+                      precision: Precision | None = None) -> nn.Module:
     """The module the update calls: ``module(prompts, completions) -> per-group log-probs``.
 
     One process: a plain :class:`LogprobModule`. DDP: that module wrapped in DistributedDataParallel
     (gradients averaged over ranks in backward). FSDP2: ``fully_shard`` on every decoder layer and on
     the root, so parameters are sharded at rest and gathered per layer in forward and backward.
+    ``precision`` (float32 storage by default): DDP all-reduces the float32 gradients of the float32
+    masters; FSDP2 gathers the float32 shards cast to the compute dtype and reduce-scatters in float32.
     """
     module = LogprobModule(model, logprob_fn)
     if not dist.enabled:
         return module
-    return WRAPPERS[strategy](module, dist)
+    return WRAPPERS[strategy](module, dist, precision or Precision(torch.float32, torch.float32))
 
 
-def _wrap_ddp(module: LogprobModule, dist: DistInfo) -> nn.Module:
+def _wrap_ddp(module: LogprobModule, dist: DistInfo, precision: Precision) -> nn.Module:
+    # Mixed precision needs nothing here: the parameters (and so their gradients) are the float32 masters.
     from torch.nn.parallel import DistributedDataParallel
     device_ids = [dist.device.index] if dist.device.type == "cuda" else None
     # Buffers (rotary tables) are identical on every rank and never trained: no per-forward broadcast.
     return DistributedDataParallel(module, device_ids=device_ids, broadcast_buffers=False)
 
 
-def _wrap_fsdp2(module: LogprobModule, dist: DistInfo) -> nn.Module:
+def _wrap_fsdp2(module: LogprobModule, dist: DistInfo, precision: Precision) -> nn.Module:
     from torch.distributed.fsdp import fully_shard
     base = module.model.get_base_model() if hasattr(module.model, "get_base_model") else module.model
+    # Float32 shards at rest (masters and AdamW state); each layer is gathered in the compute dtype and
+    # its gradients reduce-scattered in float32, so small updates and the gradient sum stay exact.
+    options = {"mp_policy": fsdp_mixed_precision(precision)} if precision.mixed else {}
     for layer in base.get_decoder().layers:
-        fully_shard(layer)
-    fully_shard(module)
+        fully_shard(layer, **options)
+    fully_shard(module, **options)
     # FSDP2 sets up its module tree on the root's first forward; rollouts call the layers directly,
     # which would otherwise make each layer a root of its own. One token through the root fixes that.
     one_token = torch.zeros(1, dtype=torch.long, device=dist.device)
@@ -148,6 +157,14 @@ def _wrap_fsdp2(module: LogprobModule, dist: DistInfo) -> nn.Module:
 
 
 WRAPPERS = {"ddp": _wrap_ddp, "fsdp2": _wrap_fsdp2}
+
+
+def fsdp_mixed_precision(precision: Precision):
+    """FSDP2's policy for float32 shards with low-precision compute: gather in the compute dtype,
+    reduce gradients in float32, outputs left as the forward made them (the log-probs are float32)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    return MixedPrecisionPolicy(param_dtype=precision.compute_dtype, reduce_dtype=torch.float32,
+                                output_dtype=None, cast_forward_inputs=False)
 
 
 @contextlib.contextmanager

@@ -122,7 +122,8 @@ def grpo_step(run: Run, step: int) -> dict[str, float]:
     draft = run.draft  # None: speculation off
     learns = draft is not None and draft.learns
 
-    with timer("rollout"), distributed.full_parameters(run.trainer):
+    # The rollout samples under the training forward's precision: the same bf16 weights and kernels' dtypes.
+    with timer("rollout"), distributed.full_parameters(run.trainer), run.precision.autocast():
         run.policy.eval()
         rollout = generate(run.policy, prompts, num_samples=num_samples, sampling=run.sampling, seed=seed,
                            draft=draft.speculation() if draft is not None else None, return_hidden=learns)
@@ -139,7 +140,8 @@ def grpo_step(run: Run, step: int) -> dict[str, float]:
         advantages = group_advantages(all_rewards, [num_samples] * (all_rewards.numel() // num_samples),
                                       config.algo.scale_rewards)
         advantages = advantages[distributed.local_slice(all_rewards.numel(), dist)]
-    batch = StepBatch(prompts, rollout.tokens_per_group(), advantages)
+    batch = StepBatch(prompts, rollout.tokens_per_group(), advantages,
+                      rollout_logps=rollout.logprobs_per_group() if config.algo.tis_cap else None)
     normalizer = step_normalizer(batch, config, dist)  # totals of the whole batch, skipped groups included
     trained = trainable_groups(advantages, num_samples, config.algo.beta)
     batch = batch.groups(trained)

@@ -4,6 +4,7 @@ steps: held-out evaluation, checkpoints, export of the final model.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -14,6 +15,7 @@ from tqdm import tqdm
 from turbogrpo.algo import LOSSES, LossSettings, PolicyLoss
 from turbogrpo.config import Config, dump_config
 from turbogrpo.data import PromptBatches, PromptExample
+from turbogrpo.models import resolve_dtype
 from turbogrpo.rollout import SamplingConfig
 from turbogrpo.train import checkpoint, distributed, setup
 from turbogrpo.train.distributed import DistInfo
@@ -22,6 +24,7 @@ from turbogrpo.train.evaluate import evaluate_accuracy
 from turbogrpo.train import output_dir as output_dir_state
 from turbogrpo.train.metrics import METRICS_FILE, MetricsLog
 from turbogrpo.train.optim import build_optimizer
+from turbogrpo.train.precision import Precision, warn_if_pure
 
 
 @dataclass
@@ -45,6 +48,8 @@ class Run:
     policy: nn.Module
     """The Hugging Face model (or PEFT model) being trained; rollouts sample with its weights."""
     tokenizer: object
+    precision: Precision
+    """Storage and compute dtypes; rollouts and evaluation run under ``precision.autocast()`` like training."""
     trainer: nn.Module
     """``trainer(prompts, completions) -> CompletionLogprobs``: the policy's shared-prefix forward,
     wrapped for DDP/FSDP2 when distributed."""
@@ -73,12 +78,15 @@ class RewardFailure(ValueError):
 
 def build_run(config: Config, dist: DistInfo, rewards: list[setup.Reward], resume: bool) -> Run:
     torch.manual_seed(config.train.seed)  # LoRA initialisation; resumed runs load their adapters
+    if dist.is_main:
+        warn_if_pure(config.model.pure_bf16)
     policy, tokenizer = setup.load_policy(config, dist.device)
     if dist.enabled and config.distributed.strategy == "fsdp2" and config.lora.enabled and config.algo.beta > 0:
         raise ValueError("config key 'algo.beta': with distributed.strategy = \"fsdp2\" and LoRA the reference "
                          "(the base model without adapters) cannot be scored; use beta = 0 or strategy \"ddp\"")
-    fn = setup.logprob_fn(config)
-    trainer = distributed.wrap_for_training(policy, fn, dist, config.distributed.strategy)
+    precision = setup.precision(config, dist.device)
+    fn = setup.logprob_fn(config, dist.device)
+    trainer = distributed.wrap_for_training(policy, fn, dist, config.distributed.strategy, precision)
     reference = setup.build_reference(config, policy, dist.device)
     optimizer = build_optimizer(policy, config.optim)
     max_positions = setup.position_limit(policy)
@@ -117,14 +125,15 @@ def build_run(config: Config, dist: DistInfo, rewards: list[setup.Reward], resum
     log = MetricsLog(output_dir, tensorboard=config.log.tensorboard, enabled=dist.is_main,
                      resume_step=state.step if latest is not None else None)
     return Run(
-        config=config, dist=dist, policy=policy, tokenizer=tokenizer, trainer=trainer, reference=reference,
+        config=config, dist=dist, policy=policy, tokenizer=tokenizer, precision=precision, trainer=trainer,
+        reference=reference,
         optimizer=optimizer, batches=batches, rewards=rewards, accuracy=setup.accuracy_function(config, rewards),
         eval_prompts=setup.load_eval_prompts(config, tokenizer, max_positions),
         sampling=setup.sampling_config(config.rollout, stop_ids, tokenizer),
         greedy=setup.sampling_config(config.rollout, stop_ids, tokenizer, greedy=True),
         loss=LOSSES[config.algo.loss],
         settings=LossSettings(epsilon_low=config.algo.epsilon_low, epsilon_high=config.algo.epsilon_high,
-                              beta=config.algo.beta),
+                              beta=config.algo.beta, tis_cap=config.algo.tis_cap),
         log=log, state=state, draft=draft)
 
 
@@ -174,7 +183,7 @@ def evaluate(run: Run) -> dict | None:
     if not run.eval_prompts or run.accuracy is None:
         return None
     config = run.config
-    with distributed.full_parameters(run.trainer):
+    with distributed.full_parameters(run.trainer), run.precision.autocast():
         measured = {"accuracy": evaluate_accuracy(run.policy, run.tokenizer, run.eval_prompts, run.accuracy,
                                                   run.greedy, run.dist)}
         if config.data.num_eval_samples:
@@ -242,13 +251,20 @@ def save(run: Run) -> Path:
 
 
 def export(run: Run) -> Path | None:
-    """The trained model (LoRA: its adapters) and tokenizer, with save_pretrained, to output_dir/final."""
+    """The trained model (LoRA: its adapters) and tokenizer, with save_pretrained, to output_dir/final,
+    in train.final_dtype ("auto": model.dtype, so a bf16 run exports bf16 casts of its float32 masters)."""
     if not run.config.train.save_final_model:
         return None
     path = Path(run.config.train.output_dir) / "final"
     state_dict = checkpoint.full_model_state(run.policy)  # collective under FSDP2: every rank calls it
     if run.dist.is_main:
+        name = run.config.model.dtype if run.config.train.final_dtype == "auto" else run.config.train.final_dtype
+        state_dict = {key: t.to(resolve_dtype(name)) if t.is_floating_point() else t
+                      for key, t in (state_dict or run.policy.state_dict()).items()}
         run.policy.save_pretrained(path, state_dict=state_dict)
+        model_config = path / "config.json"  # (LoRA saves adapters only, with no config.json)
+        if model_config.is_file():  # save_pretrained records the float32 masters' dtype; dtype="auto" reads this
+            model_config.write_text(json.dumps({**json.loads(model_config.read_text()), "dtype": name}, indent=2))
         run.tokenizer.save_pretrained(path)
     run.dist.barrier()
     return path

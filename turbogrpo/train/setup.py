@@ -18,12 +18,19 @@ from turbogrpo.models import enable_activation_checkpointing, load_model_and_tok
 from turbogrpo.prefix import compute_logprobs
 from turbogrpo.rewards import BUILTIN_REWARDS, RewardFn, WeightedReward, compute_rewards, resolve_reward
 from turbogrpo.rollout import SamplingConfig
+from turbogrpo.train.precision import Precision, run_precision
+
+
+def precision(config: Config, device: torch.device) -> Precision:
+    """The run's storage and compute dtypes (model.dtype, model.pure_bf16) on ``device``."""
+    return run_precision(config.model.dtype, config.model.pure_bf16, device)
 
 
 def load_policy(config: Config, device: torch.device):
-    """The trainable policy (full model, or base + LoRA adapters) and its tokenizer, on ``device``."""
+    """The trainable policy (full model, or base + LoRA adapters) and its tokenizer, on ``device``, its
+    parameters in the run's storage dtype (float32 masters unless model.pure_bf16)."""
     path = resolve_model_path(config.model.path)
-    model, tokenizer = load_model_and_tokenizer(path, dtype=config.model.dtype, device=device)
+    model, tokenizer = load_model_and_tokenizer(path, dtype=precision(config, device).param_dtype, device=device)
     if config.lora.enabled:
         from peft import LoraConfig, get_peft_model
         model = get_peft_model(model, LoraConfig(
@@ -36,11 +43,13 @@ def load_policy(config: Config, device: torch.device):
     return model, tokenizer
 
 
-def logprob_fn(config: Config):
+def logprob_fn(config: Config, device: torch.device):
     """``fn(model, prompts, completions) -> CompletionLogprobs``: the shared-prefix forward at the
-    sampling temperature (the loss uses the distribution the completions were sampled from)."""
-    return partial(compute_logprobs, share_prefix=True, backend=config.model.logprob_backend,
-                   temperature=config.rollout.temperature)
+    sampling temperature (the loss uses the distribution the completions were sampled from), under the
+    run's compute precision (the rollout's too)."""
+    return precision(config, device).computing(partial(
+        compute_logprobs, share_prefix=True, backend=config.model.logprob_backend,
+        temperature=config.rollout.temperature))
 
 
 class AdapterlessScorer(nn.Module):
@@ -73,11 +82,12 @@ def build_reference(config: Config, policy: nn.Module, device: torch.device) -> 
     beta == 0 (the KL term is dropped, so no reference model is loaded at all)."""
     if config.algo.beta == 0:
         return None
-    fn = logprob_fn(config)
+    fn = logprob_fn(config, device)
     if config.lora.enabled:
         return AdapterlessScorer(policy, fn)
     path = resolve_model_path(config.model.path)
-    reference, _ = load_model_and_tokenizer(path, dtype=config.model.dtype, device=device)
+    # Stored like the policy, so that at step 0 it computes exactly the policy's log-probs.
+    reference, _ = load_model_and_tokenizer(path, dtype=precision(config, device).param_dtype, device=device)
     return FrozenScorer(reference, fn)
 
 

@@ -28,6 +28,7 @@ class StepBatch:
     old_logps: per group, per completion ``[S]`` log-probs under the policy that sampled them, or None
         (num_iterations == 1: the ratio is exactly 1 and TRL skips this forward too).
     ref_logps: the same under the reference policy, or None (beta == 0).
+    rollout_logps: the same as the sampler computed them while sampling, or None (no TIS correction).
     """
 
     prompts: list[Tensor]
@@ -35,6 +36,7 @@ class StepBatch:
     advantages: Tensor
     old_logps: list[list[Tensor]] | None = None
     ref_logps: list[list[Tensor]] | None = None
+    rollout_logps: list[list[Tensor]] | None = None
 
     def groups(self, keep: Sequence[int]) -> StepBatch:
         """The batch restricted to groups ``keep`` (before old/ref log-probs are computed)."""
@@ -44,7 +46,8 @@ class StepBatch:
             offsets.append(offsets[-1] + len(group))
         index = [i for g in keep for i in range(offsets[g], offsets[g + 1])]
         return StepBatch([self.prompts[g] for g in keep], [self.completions[g] for g in keep],
-                         self.advantages[torch.tensor(index, device=self.advantages.device)])
+                         self.advantages[torch.tensor(index, device=self.advantages.device)],
+                         rollout_logps=None if self.rollout_logps is None else [self.rollout_logps[g] for g in keep])
 
 
 @dataclass
@@ -87,7 +90,7 @@ def update_policy(module: nn.Module, batch: StepBatch, micro_batches: Sequence[M
                 _padded(batch.old_logps, mb),
                 _padded(batch.ref_logps, mb),
                 batch.advantages[torch.tensor(mb.index, device=batch.advantages.device)],
-                mask_BL, normalizer, settings)
+                mask_BL, normalizer, settings, rollout_logps=_padded(batch.rollout_logps, mb))
             (loss * mb.weight).backward()
         metrics["entropy_sum"] = result.entropy.sum()
         metrics["num_tokens"] = mask_BL.sum()

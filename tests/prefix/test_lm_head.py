@@ -1,0 +1,45 @@
+"""LM-head chunking by a device memory budget, and the compiled chunk kernels against eager
+(the eager math itself is checked against autograd in test_token_logprobs.py)."""
+
+import types
+
+import pytest
+import torch
+
+from turbogrpo.prefix import lm_head
+
+
+def test_cpu_chunks_hold_the_tuned_budget_by_hand():
+    cpu = torch.device("cpu")
+    # 192 MiB / (16384 * (4 + 8) bytes) = 1024 rows: 2**24 float32 logits, the CPU bench's tuned size.
+    assert lm_head.logit_chunk_rows(10_000, 16384, torch.float32, cpu) == 1024
+    # bf16 at Qwen2's vocabulary: 201326592 // (151936 * 10) = 132 rows.
+    assert lm_head.logit_chunk_rows(10_000, 151936, torch.bfloat16, cpu) == 132
+    assert lm_head.logit_chunk_rows(7, 16384, torch.float32, cpu) == 7          # never more than there are
+    assert lm_head.logit_chunk_rows(10, 2 ** 40, torch.float32, cpu) == 1      # never fewer than one
+
+
+def test_cuda_chunks_scale_with_device_memory(monkeypatch):
+    h200 = types.SimpleNamespace(total_memory=150_000_000_000)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: h200)
+    budget = lm_head._chunk_budget_bytes.__wrapped__(torch.device("cuda", 0))
+    assert budget == 150_000_000_000 // 64
+    monkeypatch.setattr(lm_head, "_chunk_budget_bytes", lambda device: budget)
+    # 2343750000 // (151936 * 10) = 1542 rows of bf16 logits: ~2**27.8 elements per chunk.
+    assert lm_head.logit_chunk_rows(10_000, 151936, torch.bfloat16, torch.device("cuda", 0)) == 1542
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled chunk kernels are used on CUDA only")
+def test_compiled_cuda_kernels_match_eager():
+    torch.manual_seed(0)
+    kernels = lm_head.logprob_kernels("cuda")
+    grads = torch.randn(2, 37, device="cuda")
+    for rows in (37, 5):   # a full and a ragged last chunk: one dynamic graph
+        logits = torch.randn(rows, 1000, device="cuda", dtype=torch.bfloat16)
+        targets = torch.randint(0, 1000, (rows,), device="cuda")
+        got = kernels.forward(logits, targets, 0.7, True)
+        want = lm_head.logprobs_forward(logits, targets, 0.7, True)
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w)
+        torch.testing.assert_close(kernels.backward(logits, targets, got[1], grads[0, :rows], 0.7),
+                                   lm_head.logprobs_backward(logits, targets, want[1], grads[0, :rows], 0.7))
