@@ -30,6 +30,9 @@ bench: $(STAMP)
 	$(PY) bench/rollout.py
 	$(PY) bench/e2e.py
 	$(PY) bench/speculative.py
+	$(PY) bench/trl_dropin.py
+	$(PY) bench/online_draft.py --config demo
+	$(PY) bench/gpu.py   # every GPU part, when a GPU is present (prints a notice and exits otherwise)
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
