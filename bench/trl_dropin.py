@@ -107,9 +107,14 @@ def training_forward_backward(trainer, batch, micro_batches: int):
 
 
 def whole_step(trainer, rows):
+    """One optimizer step as ``Trainer.train`` runs it: ``steps_per_generation`` calls of TRL's
+    ``training_step`` (the first generates the whole batch, shuffles its rows and buffers the
+    micro-batches; each call trains one), then the optimizer update."""
     def run():
         torch.manual_seed(0)  # the same completions for both trainers
-        trainer.training_step(trainer.model, rows, None)
+        assert trainer._step % trainer.args.steps_per_generation == 0  # this step starts with a generation
+        for _ in range(trainer.args.steps_per_generation):
+            trainer.training_step(trainer.model, rows, None)
         trainer.optimizer.step()
         trainer.optimizer.zero_grad(set_to_none=True)
     return run
