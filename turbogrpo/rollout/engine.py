@@ -85,8 +85,9 @@ class DecodeSchedule:
 DEFAULT_SCHEDULES = {
     # CPU: the host read costs nothing (the work already ran when the op returned) and a masked row
     # costs its full share of every op, so: read every step, retire at once. bench/rollout.py's
-    # long-tail rollout (8 x 8, up to 256 tokens; 2-core CPU shared with other jobs, one repeat):
-    # k=4 exact 0.94x the time of k=1 exact (within that run's noise), k=1 pow2 1.03x, k=8 pow2 1.34x.
+    # long-tail rollout (8 x 8, up to 256 tokens; 2-core CPU, one repeat), time against k=1 exact:
+    # loaded machine k=4 exact 0.94x, k=1 pow2 1.03x, k=8 pow2 1.34x; quiet machine 1.05x, 1.07x,
+    # 0.97x. Noise-level either way, so the simplest schedule stays.
     "cpu": DecodeSchedule(host_check_every=1, buckets="exact"),
     # GPU: a host read stalls the launch queue, and shapes should stay put for graph replay. Not yet
     # measured on a GPU (bench/gpu_rollout.py measures it).
