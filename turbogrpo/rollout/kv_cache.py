@@ -85,11 +85,6 @@ class GroupedKVCache:
     def num_live(self) -> int:
         return len(self._sequence_groups)
 
-    @property
-    def sequence_groups(self) -> list[int]:
-        """Group id of each live sequence (host list)."""
-        return list(self._sequence_groups)
-
     def prompt(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Prompt keys and values ``[G, Hkv, P, D]`` of the live groups."""
         rows = self.layout.num_groups
