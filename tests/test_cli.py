@@ -27,6 +27,12 @@ def test_demo_config_file_matches_the_demo_command():
     assert load_config(REPO / "configs" / "demo.toml") == demo_config()
 
 
+def test_smollm2_config_file_matches_the_smollm2_demo_command():
+    config = demo_config(model="smollm2")
+    assert load_config(REPO / "configs" / "smollm2_arithmetic.toml") == config
+    assert config.model.path == "smollm2-135m-instruct" and config.data.kind == "small_arithmetic"
+
+
 def test_longform_config_file_matches_the_longform_demo_command():
     config = demo_config(longform=True)
     assert load_config(REPO / "configs" / "longform.toml") == config

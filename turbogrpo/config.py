@@ -92,8 +92,9 @@ class LoraConfig:
 class DataConfig:
     """Where prompts come from."""
 
-    kind: Literal["arithmetic", "longform", "rows", "gsm8k"] = "arithmetic"
-    """"arithmetic": the built-in demo task; "longform": built-in multi-step problems with long solutions; "rows": a jsonl/parquet/`datasets` folder with a prompt column;
+    kind: Literal["arithmetic", "longform", "small_arithmetic", "rows", "gsm8k"] = "arithmetic"
+    """"arithmetic": the built-in demo task; "longform": built-in multi-step problems with long solutions;
+    "small_arithmetic": built-in one-operation chat questions with small numbers (the SmolLM2 task); "rows": a jsonl/parquet/`datasets` folder with a prompt column;
     "gsm8k": GSM8K-format rows (question + worked answer; the gold number goes to column "gold")."""
     path: str = ""
     """Training rows for kind "rows"/"gsm8k": a .jsonl or .parquet file or a folder saved by `datasets`."""

