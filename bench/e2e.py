@@ -11,7 +11,11 @@ Shapes:
 * prompt-heavy: the bench model of bench/prefix.py (Qwen2-style, hidden 512, 8 layers, intermediate
   1536, 8/2 heads, vocab 16384, random init, float32), 8 prompts x G=8, prompts of 512 tokens, up to
   128 new tokens (a random model rarely emits its end token, so completions run ~128 tokens);
-* demo: the shipped demo model on the built-in arithmetic task, with the demo's step shape.
+* demo: the shipped demo model on the built-in arithmetic task, with the demo's step shape;
+* smollm2-zero-shot / smollm2-few-shot: the real model SmolLM2-135M-Instruct (bench/real_model.py; TRL loads
+  the same cached float32 folder), 8 GSM8K train questions per step rendered with its chat template
+  (a one-line system prompt, or that plus 4 worked solutions) x G=8, up to 128 new tokens, both stopping at
+  its end token, and a dense reward (completion length mod 7, so every group has spread).
 
 The two trainers' steps are interleaved (harness.interleaved_medians): TRL's own training loop runs in
 a helper thread and is released one optimizer step at a time; turbogrpo's step is ``grpo_step`` of
@@ -41,7 +45,7 @@ from prefix import BENCH_MODEL  # noqa: E402
 
 from turbogrpo.config import load_config  # noqa: E402
 from turbogrpo.data import demo_records  # noqa: E402
-from turbogrpo.models import demo_model_path  # noqa: E402
+from turbogrpo.models import declared_tokenizer, demo_model_path  # noqa: E402
 from turbogrpo.rewards import math_accuracy_reward  # noqa: E402
 from turbogrpo.train import distributed, loop, setup  # noqa: E402
 from turbogrpo.train.run import build_run  # noqa: E402
@@ -80,6 +84,21 @@ def bench_shape(folder: Path) -> dict:
             for _ in range(64)]
     return {"name": "prompt-heavy (bench model)", "model": str(folder), "rows": rows, "reward": distinct_word_share,
             "num_prompts": 8, "num_generations": 8, "max_new_tokens": 128}
+
+
+def completion_length_mod_7(prompts, completions, **columns):
+    """A dense reward with spread on any text, so no group is skipped for having no signal."""
+    return [float(len(c) % 7) for c in completions]
+
+
+def smollm2_shape(few_shot: bool) -> dict:
+    from real_model import chat_prompt_texts, load_real_model, real_model_folder
+    _, tokenizer = load_real_model()
+    rows = [{"prompt": text} for text in chat_prompt_texts(tokenizer, 64, few_shot=few_shot, split="train",
+                                                           offset=100)]
+    return {"name": f"SmolLM2-135M GSM8K {'few-shot' if few_shot else 'zero-shot'}", "model": real_model_folder(),
+            "rows": rows, "reward": completion_length_mod_7, "num_prompts": 8, "num_generations": 8,
+            "max_new_tokens": 128}
 
 
 def demo_shape(model: str | None = None) -> dict:
@@ -167,7 +186,7 @@ class TrlStepper:
         reward_fn.__name__ = "reward"
         # The tokenizer exactly as turbogrpo loads it (TRL's default AutoProcessor would pick the model
         # type's tokenizer class, Qwen2Tokenizer, which mis-reads a custom tokenizer.json).
-        tokenizer = setup.declared_tokenizer(shape["model"], AutoTokenizer.from_pretrained(shape["model"]))
+        tokenizer = declared_tokenizer(Path(shape["model"]), AutoTokenizer.from_pretrained(shape["model"]))
         tokenizer.padding_side = "left"
         self.trainer = GRPOTrainer(model=shape["model"], reward_funcs=[reward_fn], args=args,
                                    train_dataset=Dataset.from_list(shape["rows"]), processing_class=tokenizer,
@@ -241,14 +260,14 @@ def bench(shape: dict, workdir: Path, repeats: int, warmup: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="1 timed step per shape, no warm-up")
-    parser.add_argument("--shapes", default="prompt-heavy,demo", help="comma-separated: prompt-heavy, demo")
+    parser.add_argument("--shapes", default="prompt-heavy,demo", help="comma-separated: prompt-heavy, demo, smollm2-zero-shot, smollm2-few-shot")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     parser.add_argument("--demo-model", help="model folder for the demo shape (default: the shipped demo model)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     # (timed steps, warm-up steps): a prompt-heavy TRL step takes minutes on 2 CPU cores.
-    plan = {"prompt-heavy": (2, 0), "demo": (3, 1)}
+    plan = {"prompt-heavy": (2, 0), "demo": (3, 1), "smollm2-zero-shot": (2, 1), "smollm2-few-shot": (2, 1)}
     if args.quick:
         plan = {key: (1, 0) for key in plan}
     from transformers.utils import logging as hf_logging
@@ -259,7 +278,8 @@ def main() -> None:
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        makers = {"prompt-heavy": lambda: bench_shape(tmp / "bench_model"), "demo": lambda: demo_shape(args.demo_model)}
+        makers = {"prompt-heavy": lambda: bench_shape(tmp / "bench_model"), "demo": lambda: demo_shape(args.demo_model),
+                  "smollm2-zero-shot": lambda: smollm2_shape(False), "smollm2-few-shot": lambda: smollm2_shape(True)}
         for i, key in enumerate(args.shapes.split(",")):
             workdir = tmp / f"run{i}"
             workdir.mkdir()
@@ -281,7 +301,7 @@ def main() -> None:
     print_table("Phase breakdown (median seconds per step)", ["shape", "trainer", *PHASES], phase_rows)
     load = {"before": load_before, "after": os.getloadavg()}
     print(f"load average (1, 5, 15 min) before {load['before']}, after {load['after']} on {os.cpu_count()} cores")
-    write_results("e2e", {"shapes": records,
+    write_results("e2e" if args.shapes == "prompt-heavy,demo" else "e2e_" + args.shapes.replace(",", "_"), {"shapes": records,
                           "torch_threads": torch.get_num_threads(), "load_average": load,
                           "note": "2 CPU cores shared with other processes: a load average above 2 means "
                                   "the two trainers competed with other work (alike, as steps alternate)"})

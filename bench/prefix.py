@@ -7,6 +7,13 @@ Forward + backward of a loss on the completion log-probs, for GRPO-shaped batche
     python bench/prefix.py            # all shapes, 3 interleaved repeats, memory probes
     python bench/prefix.py --quick    # 1 repeat, no memory probes
     python bench/prefix.py --shapes 1024x128x8   # some shapes (writes results/prefix_partial.json)
+    python bench/prefix.py --model smollm2       # the real model on GSM8K prompts (results/prefix_smollm2.json)
+
+On the real model (bench/real_model.py) the batch is one GSM8K test prompt under the chat template, with
+and without 4 worked train solutions in the system prompt, and G=8 completions of 128 token ids drawn
+uniformly (the content of a completion does not change the work). Each contender's achieved GFLOP/s
+(3x the forward weight FLOPs of its own layout, i.e. forward + backward) is reported as a fraction of
+the large-matmul rate measured in the same process.
 
 prefix_grouper is used as its README describes (concat_input -> model forward with its
 ``forward(attn_func, q, k, v)`` -> full-sequence logits -> split_output(include_prefix_last=1)),
@@ -152,8 +159,52 @@ def check_agreement(model, prompts, completions) -> float:
     return (a - b).abs().max().item()
 
 
+def real_model_main(repeats: int, warmup: int, completion_len: int = 128, group: int = 8) -> None:
+    from real_model import REAL_MODEL, chat_prompts, large_matmul_gflops, load_real_model
+
+    model, tokenizer = load_real_model()
+    model.train()
+    large_rate = large_matmul_gflops()
+    dims = ModelDims.of(model)
+    rows, records = [], []
+    for few_shot in (True, False):
+        prompts = chat_prompts(tokenizer, 1, few_shot=few_shot)
+        generator = torch.Generator().manual_seed(0)
+        completions = [[torch.randint(0, model.config.vocab_size, (completion_len,), generator=generator)
+                        for _ in range(group)]]
+        P = prompts[0].numel()
+        max_gap = check_agreement(model, prompts, completions)
+        times = interleaved_medians({name: (lambda fn=fn: (model.zero_grad(set_to_none=True),
+                                                            fn(model, prompts, completions)))
+                                     for name, fn in CONTENDERS.items()}, repeats=repeats, warmup=warmup)
+        flops = layout_flops(dims, [P], [[completion_len] * group])
+        # Forward + backward = 3x the forward's weight FLOPs; prefix_grouper does the shared layout's work.
+        work = {"standard": 3 * flops.standard, "turbogrpo": 3 * flops.shared, "prefix_grouper": 3 * flops.shared}
+        gflops = {name: work[name] / times[name]["median_s"] / 1e9 for name in CONTENDERS}
+        std, ours, pg = (times[n]["median_s"] for n in ("standard", "turbogrpo", "prefix_grouper"))
+        record = {"prompt": "few-shot" if few_shot else "zero-shot", "prompt_len": P, "completion_len": completion_len,
+                  "group_size": group, "times": times, "speedup_vs_standard": std / ours,
+                  "speedup_vs_prefix_grouper": pg / ours, "flop_ratio": flops.ratio,
+                  "speedup_over_flop_ratio": (std / ours) / flops.ratio, "gflops": gflops,
+                  "fraction_of_large_matmul": {n: g / large_rate for n, g in gflops.items()},
+                  "max_abs_logprob_gap": max_gap}
+        records.append(record)
+        rows.append([record["prompt"], P, std, pg, ours, std / ours, flops.ratio, pg / ours, gflops["turbogrpo"],
+                     gflops["turbogrpo"] / large_rate, f"{max_gap:.1e}"])
+        write_results("prefix_smollm2", {"model": REAL_MODEL, "dtype": "float32", "repeats": repeats,
+                                         "warmup": warmup, "large_matmul_gflops": large_rate,
+                                         "load_average": os.getloadavg(), "shapes": records})
+    print_table(f"fwd+bwd seconds on {REAL_MODEL} (median of {repeats}), GSM8K prompt + {group} x {completion_len}; "
+                f"large-matmul rate {large_rate:.0f} GFLOP/s",
+                ["prompt", "P", "standard", "prefix_grouper", "turbogrpo", "x std", "FLOP ratio", "x pg",
+                 "ours GFLOP/s", "of matmul", "max |dlogp|"], rows)
+    print(f"load average {os.getloadavg()}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", choices=["bench", "smollm2"], default="bench",
+                        help="bench: the random bench model (default); smollm2: the real instruct model")
     parser.add_argument("--quick", action="store_true", help="1 repeat, no warm-up, no memory probes")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--shapes", default=None, help="e.g. 1024x128x8,256x256x4")
@@ -163,6 +214,8 @@ def main() -> None:
         name, *dims = args.memory_probe
         return memory_probe(name, *map(int, dims))
 
+    if args.model == "smollm2":
+        return real_model_main(*((1, 0) if args.quick else (args.repeats, 1)))
     shapes = SHAPES if not args.shapes else [tuple(map(int, s.split("x"))) for s in args.shapes.split(",")]
     repeats, warmup = (1, 0) if args.quick else (args.repeats, 1)
     # Only a full run replaces the committed results; a partial one is written beside them.

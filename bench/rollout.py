@@ -7,6 +7,13 @@ every completion runs the full number of new tokens and both generate the same t
 
     python bench/rollout.py           # 2 interleaved repeats per shape
     python bench/rollout.py --quick   # 1 repeat
+    python bench/rollout.py --model smollm2   # the real model (bench/real_model.py), with a roofline
+
+The real-model run samples GSM8K test prompts under SmolLM2-135M-Instruct's chat template (EOS ignored on
+both sides, so both generate the same tokens) and reports each contender's time as a multiple of this
+machine's roofline for the rollout: every weight matmul of every decoding step timed alone at its exact
+shape in the same process (bench/real_model.py: step_bound_seconds), plus the prompts' prefill at the
+large-matmul rate.
 
 Also draws the live batch size per decoding step of a long-tail rollout (8 prompts x G=8, up to 256
 new tokens, stopping on any of 256 token ids, so lengths spread out as in real GRPO rollouts) next
@@ -146,12 +153,79 @@ def plot_long_tail(record: dict, path: Path) -> None:
     print(f"wrote {path}")
 
 
+# Real-model shapes: (prompts, G, new tokens); 8 x 8 x 256 is the issue's headline shape.
+REAL_SHAPES = [(8, 8, 256), (4, 8, 128)]
+
+
+def run_hf_generate_ragged(model, prompts: list[torch.Tensor], num_samples: int, new_tokens: int, *,
+                           pad_id: int) -> int:
+    """HF generate on prompts of different lengths: left-padded, each repeated G times (TRL's way)."""
+    width = max(p.numel() for p in prompts)
+    input_ids = torch.stack([torch.cat([torch.full((width - p.numel(),), pad_id), p]) for p in prompts])
+    mask = torch.stack([torch.cat([torch.zeros(width - p.numel()), torch.ones(p.numel())]) for p in prompts]).long()
+    out = model.generate(input_ids.repeat_interleave(num_samples, 0), attention_mask=mask.repeat_interleave(num_samples, 0),
+                         do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=new_tokens,
+                         min_new_tokens=new_tokens, eos_token_id=None, pad_token_id=pad_id)
+    return (out.shape[1] - width) * out.shape[0]
+
+
+def real_model_main(repeats: int) -> None:
+    from real_model import REAL_MODEL, chat_prompts, large_matmul_gflops, load_real_model, step_bound_seconds, \
+        weight_flops_per_token
+
+    model, tokenizer = load_real_model()
+    config = model.config
+    large_rate = large_matmul_gflops()
+    run_turbogrpo(model, chat_prompts(tokenizer, 1, few_shot=False), 2, 4)  # warm-up
+    rows, records = [], []
+    for num_prompts, num_samples, new_tokens in REAL_SHAPES:
+        prompts = chat_prompts(tokenizer, num_prompts, few_shot=False)
+        batch = num_prompts * num_samples
+        bound = step_bound_seconds(config, batch)
+        prefill_s = sum(p.numel() for p in prompts) * weight_flops_per_token(config) / (large_rate * 1e9)
+        roofline_s = new_tokens * bound["bound_s"] + prefill_s
+        counts: dict[str, int] = {}
+        contenders = {
+            "hf_generate": lambda: counts.__setitem__("hf_generate", run_hf_generate_ragged(
+                model, prompts, num_samples, new_tokens, pad_id=tokenizer.pad_token_id)),
+            "turbogrpo": lambda: counts.__setitem__("turbogrpo", run_turbogrpo(model, prompts, num_samples, new_tokens)),
+        }
+        print(f"real model: {num_prompts} x G={num_samples}, {new_tokens} new ...", flush=True)
+        timings = interleaved_medians(contenders, repeats=repeats, warmup=0)
+        expected = batch * new_tokens
+        assert counts == {"hf_generate": expected, "turbogrpo": expected}, counts
+        hf_s, ours_s = timings["hf_generate"]["median_s"], timings["turbogrpo"]["median_s"]
+        flops = (expected + sum(p.numel() for p in prompts)) * weight_flops_per_token(config)
+        record = {"num_prompts": num_prompts, "num_samples": num_samples, "new_tokens": new_tokens,
+                  "prompt_tokens": [p.numel() for p in prompts], "timings": timings, "speedup": hf_s / ours_s,
+                  "roofline_s": roofline_s, "step_bound": bound, "prefill_bound_s": prefill_s,
+                  "hf_vs_roofline": hf_s / roofline_s, "ours_vs_roofline": ours_s / roofline_s,
+                  "ours_gflops": flops / ours_s / 1e9, "ours_fraction_of_large_matmul": flops / ours_s / 1e9 / large_rate}
+        records.append(record)
+        rows.append([f"{num_prompts}x{num_samples}", new_tokens, hf_s, ours_s, hf_s / ours_s, roofline_s,
+                     hf_s / roofline_s, ours_s / roofline_s, record["ours_gflops"]])
+        write_results("rollout_smollm2", {"model": REAL_MODEL, "dtype": "float32", "repeats": repeats,
+                                          "large_matmul_gflops": large_rate, "load_average": os.getloadavg(),
+                                          "baseline": "transformers generate, left-padded prompts repeated G times, "
+                                                      "do_sample, temperature 1, EOS ignored on both sides",
+                                          "shapes": records})
+    print_table(f"Rollout on {REAL_MODEL} (GSM8K test prompts, chat template, float32, median of {repeats}); "
+                f"large-matmul rate {large_rate:.0f} GFLOP/s",
+                ["prompts x G", "new", "hf_s", "ours_s", "speedup", "roofline_s", "hf x bound", "ours x bound",
+                 "ours GFLOP/s"], rows)
+    print(f"load average {os.getloadavg()}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="one repeat per shape")
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--model", choices=["bench", "smollm2"], default="bench",
+                        help="bench: the random bench model (default); smollm2: the real instruct model")
     args = parser.parse_args()
     repeats = 1 if args.quick else args.repeats
+    if args.model == "smollm2":
+        return real_model_main(repeats)
 
     model = bench_model().eval()
     # Warm both paths up on a small shape so that one-time setup is not timed.

@@ -189,3 +189,25 @@ def test_smollm2_greedy_rollout_equals_hf_generate(smollm2_cache):
         ours = generate(model, [prompt], num_samples=1, seed=0,
                         sampling=SamplingConfig(max_new_tokens=16, temperature=0.0)).tokens_per_group()[0][0]
         assert ours.tolist() == hf.tolist(), question
+
+
+def test_training_on_a_gguf_source_checkpoints_and_exports_like_any_model(tmp_path, cache, monkeypatch):
+    """A run whose model.path is a .gguf file trains from the cached folder and exports a plain folder."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tests.train.tiny_run import overrides, write_model, write_rows
+    from turbogrpo.config import load_config
+    from turbogrpo.train.loop import train
+
+    folder = write_model(tmp_path / "tiny")
+    monkeypatch.setattr(gguf_models, "_read_gguf", lambda path: (AutoModelForCausalLM.from_pretrained(folder),
+                                                                 AutoTokenizer.from_pretrained(folder)))
+    source = tmp_path / "tiny.gguf"
+    write_gguf(source, "qwen2")
+    config = load_config(None, overrides(source, write_rows(tmp_path / "rows.jsonl"), tmp_path / "out",
+                                         **{"train.num_steps": 2}))
+    summary = train(config)
+    exported = AutoModelForCausalLM.from_pretrained(summary.final_model)
+    assert type(exported).__name__ == "Qwen2ForCausalLM"
+    assert (tmp_path / "out" / "step-000002").is_dir()
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["model"]["path"] == str(source)

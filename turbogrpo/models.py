@@ -88,7 +88,7 @@ def load_model_and_tokenizer(name_or_path: str | os.PathLike, *, dtype: str | to
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, **hub_options)
         if local.is_dir():
-            tokenizer = _declared_tokenizer(local, tokenizer)
+            tokenizer = declared_tokenizer(local, tokenizer)
         model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype,
                                                      attn_implementation=attn_implementation, **hub_options)
     except SafetensorError as err:
@@ -152,7 +152,7 @@ def _damaged_weights(folder: Path) -> str | None:
 GENERIC_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
 
 
-def _declared_tokenizer(folder: Path, tokenizer: PreTrainedTokenizerBase) -> PreTrainedTokenizerBase:
+def declared_tokenizer(folder: Path, tokenizer: PreTrainedTokenizerBase) -> PreTrainedTokenizerBase:
     """The folder's own tokenizer when it declares a generic fast tokenizer (its tokenizer.json).
 
     transformers 5 loads some model types' tokenizer class whatever the folder says (a "qwen2" model

