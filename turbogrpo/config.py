@@ -430,11 +430,14 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
 
 
 def read_config_file(path: str | Path) -> dict:
+    """The sections of a TOML/YAML config file; ConfigError for a missing, empty or malformed one."""
     path = Path(path)
+    if path.is_dir():
+        raise ConfigError(f"config file {str(path)!r} is a folder; pass a .toml or .yaml file (see configs/)")
     if not path.is_file():
         raise ConfigError(f"config file {str(path)!r} does not exist")
     try:
-        text = path.read_text(encoding="utf-8")
+        text = path.read_text(encoding="utf-8-sig")  # -sig: a byte-order mark some editors write is dropped
     except UnicodeDecodeError as err:
         line = path.read_bytes()[:err.start].count(b"\n") + 1
         raise ConfigError(f"config file {str(path)!r} line {line}: not valid UTF-8 "
@@ -446,14 +449,43 @@ def read_config_file(path: str | Path) -> dict:
             raise ConfigError(f"config file {str(path)!r} is not valid TOML: {err}") from None
     elif path.suffix in (".yaml", ".yml"):
         try:
-            data = yaml.safe_load(text) or {}
+            data = yaml.load(text, Loader=_UniqueKeyLoader)
         except yaml.YAMLError as err:
-            raise ConfigError(f"config file {str(path)!r} is not valid YAML: {err}") from None
+            raise ConfigError(f"config file {str(path)!r} is not valid YAML: {_yaml_problem(err)}") from None
     else:
         raise ConfigError(f"config file {str(path)!r}: allowed extensions are .toml, .yaml and .yml")
+    if data is None or data == {}:
+        raise ConfigError(f"config file {str(path)!r} holds no settings; give at least the sections you change "
+                          "(see configs/ for examples), or run `turbogrpo demo` for the built-in defaults")
     if not isinstance(data, dict):
         raise ConfigError(f"config file {str(path)!r} must hold a table of sections, not {type(data).__name__}")
     return data
+
+
+def _yaml_problem(err: yaml.YAMLError) -> str:
+    """A YAML error on one line: where and what (PyYAML's own message spans several, quoting the file)."""
+    mark, problem = getattr(err, "problem_mark", None), getattr(err, "problem", None)
+    if mark is None or problem is None:
+        return " ".join(str(err).split())
+    return f"line {mark.line + 1}, column {mark.column + 1}: {problem}"
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, except that a key given twice in one mapping is an error (as in TOML), not
+    a silent replacement of the first value and everything under it."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            if isinstance(key, typing.Hashable) and key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key!r} appears twice in one mapping (lines {seen[key]} and {line}); "
+                    "merge the two into one", key_node.start_mark)
+            if isinstance(key, typing.Hashable):
+                seen[key] = line
+        return super().construct_mapping(node, deep=deep)
 
 
 def apply_override(raw: dict, item: str) -> None:
