@@ -5,14 +5,19 @@
   stale lock never blocks a later run.
 * A fresh run refuses a folder that holds files, unless ``--overwrite``, which moves them aside into
   ``<output_dir>.previous-<time>/``: nothing a user has is deleted.
+* The path is resolved before anything moves, and a folder that is, holds or sits inside the model,
+  the data or the draft is refused: outputs never mix with inputs, and ``--overwrite`` never moves them.
+* ``--overwrite`` moves all the files aside or, when one cannot move, none.
 * ``--resume`` compares the stored ``config.json`` with the new config and refuses a change in any
-  key that changes what is trained, naming the keys.
+  key that changes what is trained, naming the keys; and ``data.json``'s content hash of the training
+  data with the data file now, refusing a file rewritten since the run started.
 * A run that finished writes ``complete.json``; resuming it again does nothing.
 """
 
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import json
 import os
 import socket
@@ -25,9 +30,11 @@ from tqdm import tqdm
 from turbogrpo.config import Config
 from turbogrpo.train.distributed import DistInfo, all_reduce_max_int
 
+OUTPUT_KEY = "train.output_dir"
 LOCK_FILE = ".lock"
 COMPLETE_FILE = "complete.json"
 CONFIG_FILE = "config.json"
+DATA_FILE = "data.json"
 
 # Keys a resumed run may change: they say how long to run, where and how to log, evaluate or compute,
 # not what is trained (micro-batches sum exactly to the step's batch, and every backend is exact).
@@ -57,18 +64,18 @@ class OutputDir:
 def claim_output_dir(config: Config, dist: DistInfo, *, resume: bool, overwrite: bool) -> OutputDir:
     """Create and lock ``train.output_dir`` and check that this run may write there (ValueError if not).
 
+    The path is resolved first (``.``, ``a/..`` and symlinks name the folder they lead to), and a folder
+    that is, holds or sits inside the model, the data or the draft is refused before anything moves.
     Rank 0 does the work; every rank learns whether it failed, so none is left waiting in a collective.
     """
-    path = Path(config.train.output_dir)
+    path = Path(config.train.output_dir).expanduser().resolve()
     lock, error = None, None
     if dist.is_main:
         try:
-            _make_folder(path)
-            lock = _take_lock(path)
+            lock = claim_folder(path, OUTPUT_KEY, run_inputs(config), resume=resume, overwrite=overwrite)
             if resume:
                 _check_same_training(path, config)
-            else:
-                _fresh_folder(path, overwrite)
+                _check_same_data(path, config)
         except ValueError as err:
             if lock is not None:
                 lock.close()
@@ -76,6 +83,36 @@ def claim_output_dir(config: Config, dist: DistInfo, *, resume: bool, overwrite:
     if all_reduce_max_int(int(error is not None), dist, dist.device):
         raise error or ValueError(f"rank 0 refused train.output_dir {path}; see its message")
     return OutputDir(path, lock)
+
+
+def claim_folder(path: Path, key: str, inputs: dict[str, Path], *, resume: bool, overwrite: bool) -> IO[str]:
+    """Lock the output folder ``path`` (given by ``key``: a config key or a command-line flag) and, for a
+    fresh start, check that it is empty or move its files aside (``overwrite``); returns the lock.
+
+    ``inputs`` are the files and folders the command reads, by the key that names them: an output
+    folder that is, holds or sits inside one of them is refused (an ``--overwrite`` would move them aside,
+    and outputs would mix with them)."""
+    _check_apart_from_inputs(path, key, inputs)
+    _make_folder(path, key)
+    lock = _take_lock(path, key)
+    try:
+        if not resume:
+            _fresh_folder(path, key, overwrite)
+    except ValueError:
+        lock.close()
+        raise
+    return lock
+
+
+def run_inputs(config: Config) -> dict[str, Path]:
+    """The local files and folders a run reads, by config key (the model, its data, the draft)."""
+    from turbogrpo.models import SHIPPED_MODELS, resolve_model_path
+    model = config.model.path
+    inputs = {"model.path": Path(resolve_model_path(model)) if model in SHIPPED_MODELS else Path(model),
+              "data.path": Path(config.data.path), "data.eval_path": Path(config.data.eval_path)}
+    if config.draft.path != "scratch":
+        inputs["draft.path"] = Path(config.draft.path)
+    return {key: path for key, path in inputs.items() if str(path) not in ("", ".") or key == "model.path"}
 
 
 def mark_complete(path: Path, step: int) -> None:
@@ -94,22 +131,38 @@ def completed_step(path: Path) -> int | None:
 # --- steps of the claim -----------------------------------------------------------------------------
 
 
-def _make_folder(path: Path) -> None:
+def _named(key: str) -> str:
+    """How a message names the setting behind a path: a config key, or a command-line flag as it is."""
+    return key if key.startswith("--") else f"config key {key!r}"
+
+
+def _check_apart_from_inputs(path: Path, key: str, inputs: dict[str, Path]) -> None:
+    for input_key, given in inputs.items():
+        source = given.expanduser()
+        if not source.exists():
+            continue
+        source = source.resolve()
+        if path == source or path in source.parents or source in path.parents:
+            relation = ("is" if path == source else "holds" if path in source.parents else "sits inside")
+            raise ValueError(f"{_named(key)}: {str(path)!r} {relation} {input_key} {str(source)!r}; outputs "
+                             f"must not mix with what the run reads, so choose a {key} outside it")
+
+
+def _make_folder(path: Path, key: str) -> None:
     if path.exists() and not path.is_dir():
-        raise ValueError(f"config key 'train.output_dir': {str(path)!r} is a file, not a folder; choose a "
-                         "folder path")
+        raise ValueError(f"{_named(key)}: {str(path)!r} is a file, not a folder; choose a folder path")
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as err:
-        raise ValueError(f"config key 'train.output_dir': cannot create folder {str(path)!r} "
+        raise ValueError(f"{_named(key)}: cannot create folder {str(path)!r} "
                          f"({err.strerror or err}); choose a folder path you can write to") from None
 
 
-def _take_lock(path: Path) -> IO[str]:
+def _take_lock(path: Path, key: str) -> IO[str]:
     try:
         handle = open(path / LOCK_FILE, "a+")
     except OSError as err:
-        raise ValueError(f"config key 'train.output_dir': cannot write in {str(path)!r} ({err.strerror or err}); "
+        raise ValueError(f"{_named(key)}: cannot write in {str(path)!r} ({err.strerror or err}); "
                          "choose a folder you can write to") from None
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -117,8 +170,8 @@ def _take_lock(path: Path) -> IO[str]:
         handle.seek(0)
         holder = handle.read().strip() or "another process"
         handle.close()
-        raise ValueError(f"train.output_dir {str(path)!r} is in use by another run ({holder}); wait for it to end "
-                         "or choose another train.output_dir") from None
+        raise ValueError(f"{key} {str(path)!r} is in use by another run ({holder}); wait for it to end "
+                         f"or choose another {key}") from None
     handle.seek(0)
     handle.truncate()
     handle.write(f"pid {os.getpid()} on {socket.gethostname()}")
@@ -130,22 +183,42 @@ def _entries(path: Path) -> list[Path]:
     return sorted(p for p in path.iterdir() if p.name != LOCK_FILE)
 
 
-def _fresh_folder(path: Path, overwrite: bool) -> None:
+def _fresh_folder(path: Path, key: str, overwrite: bool) -> None:
     entries = _entries(path)
     if not entries:
         return
     if not overwrite:
         shown = ", ".join(p.name for p in entries[:5]) + (", ..." if len(entries) > 5 else "")
-        raise ValueError(f"train.output_dir {str(path)!r} already holds files ({shown}); continue that run with "
+        raise ValueError(f"{key} {str(path)!r} already holds files ({shown}); continue that run with "
                          "--resume, start anew with --overwrite (which moves them aside, deleting nothing), or "
-                         "choose another train.output_dir")
+                         f"choose another {key}")
+    aside = move_aside(entries, path)
+    tqdm.write(f"--overwrite: moved the earlier contents of {path} to {aside}")
+
+
+def move_aside(entries: list[Path], path: Path) -> Path:
+    """Move ``entries`` (files in folder ``path``) into a new ``<path>.previous-<time>/`` beside it, all
+    or nothing: when one cannot move, those already moved go back and a ValueError says why."""
     aside = path.with_name(f"{path.name}.previous-{time.strftime('%Y%m%d-%H%M%S')}")
     while aside.exists():
         aside = aside.with_name(aside.name + "+")
-    aside.mkdir()
-    for entry in entries:
-        entry.rename(aside / entry.name)
-    tqdm.write(f"--overwrite: moved the earlier contents of {path} to {aside}")
+    try:
+        aside.mkdir()
+    except OSError as err:
+        raise ValueError(f"--overwrite: cannot create {str(aside)!r} to move the earlier files of {str(path)!r} "
+                         f"into ({err.strerror or err}); nothing was moved") from None
+    moved: list[Path] = []
+    try:
+        for entry in entries:
+            entry.rename(aside / entry.name)
+            moved.append(entry)
+    except OSError as err:
+        for done in reversed(moved):
+            (aside / done.name).rename(done)
+        aside.rmdir()
+        raise ValueError(f"--overwrite: cannot move {str(entry)!r} to {str(aside)!r} ({err.strerror or err}); "
+                         "nothing was moved") from None
+    return aside
 
 
 def _check_same_training(path: Path, config: Config) -> None:
@@ -162,6 +235,39 @@ def _check_same_training(path: Path, config: Config) -> None:
         shown = ", ".join(f"{key} ({before!r} -> {after!r})" for key, before, after in changed)
         raise ValueError(f"--resume: the config differs from the one {path} was trained with in keys that change "
                          f"training: {shown}. Resume with the stored values, or start a new run (another "
+                         "train.output_dir, or --overwrite)")
+
+
+def record_data(path: Path, config: Config) -> None:
+    """Write ``data.json``: a content hash of the training data (data.path), which ``--resume`` checks."""
+    (path / DATA_FILE).write_text(json.dumps({"data.path": data_fingerprint(config.data.path)}))
+
+
+def data_fingerprint(data_path: str) -> str | None:
+    """sha256 of a data file, or of every file (relative path and content) in a data folder; None when
+    there is no local file (a built-in task)."""
+    root = Path(data_path).expanduser() if data_path else None
+    if root is None or not root.exists():
+        return None
+    digest = hashlib.sha256()
+    for file in [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file()):
+        digest.update(str(file.relative_to(root)).encode() + b"\0")
+        with open(file, "rb") as handle:
+            for block in iter(lambda: handle.read(1 << 20), b""):
+                digest.update(block)
+    return digest.hexdigest()
+
+
+def _check_same_data(path: Path, config: Config) -> None:
+    stored_file = path / DATA_FILE
+    try:
+        stored = json.loads(stored_file.read_text())["data.path"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return  # a run from before data.json, or one that never got past loading its model
+    if stored != data_fingerprint(config.data.path):
+        raise ValueError(f"--resume: the training data {config.data.path!r} has changed since {path} started "
+                         f"(its content hash differs from {stored_file}); resuming would train on other rows "
+                         "at the same data position. Restore the file, or start a new run (another "
                          "train.output_dir, or --overwrite)")
 
 
