@@ -59,15 +59,27 @@ def teardown(dist: DistInfo) -> None:
         torch_dist.destroy_process_group()
 
 
-def resolve_device(device: str, local_rank: int = 0) -> torch.device:
+def resolve_device(device: str, local_rank: int = 0, key: str = "config key 'model.device'") -> torch.device:
+    """The torch device of a device setting ("auto", "cpu", "cuda", "cuda:N"); ValueError naming ``key``
+    when this machine lacks it."""
+    given = device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda":
         device = f"cuda:{local_rank}"
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"config key 'model.device': {device!r} needs CUDA, which this machine lacks; "
+    try:
+        resolved = torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"{key}: {given!r} is not a device; use \"auto\", \"cpu\", \"cuda\" or \"cuda:N\"") from None
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"{key}: {given!r} needs CUDA, which this machine (or this torch build) lacks; "
                          "use \"cpu\" or \"auto\"")
-    return torch.device(device)
+    if resolved.type == "cuda" and (resolved.index or 0) >= torch.cuda.device_count():
+        raise ValueError(f"{key}: {given!r} names a GPU this machine lacks (it has "
+                         f"{torch.cuda.device_count()}); use \"cuda\" or \"cuda:N\" with N below that")
+    if resolved.type not in ("cpu", "cuda"):
+        raise ValueError(f"{key}: {given!r} is not supported; use \"auto\", \"cpu\", \"cuda\" or \"cuda:N\"")
+    return resolved
 
 
 def local_slice(num_items: int, dist: DistInfo) -> slice:

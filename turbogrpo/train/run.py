@@ -15,6 +15,7 @@ from tqdm import tqdm
 from turbogrpo.algo import LOSSES, LossSettings, PolicyLoss
 from turbogrpo.config import Config, dump_config
 from turbogrpo.data import PromptBatches, PromptExample
+from turbogrpo.files import write_folder_atomically
 from turbogrpo.models import resolve_dtype
 from turbogrpo.rollout import SamplingConfig
 from turbogrpo.train import checkpoint, distributed, setup
@@ -252,8 +253,8 @@ def save(run: Run) -> Path:
 
 
 def export(run: Run) -> Path | None:
-    """The trained model (LoRA: its adapters) and tokenizer, with save_pretrained, to output_dir/final,
-    in train.final_dtype ("auto": model.dtype, so a bf16 run exports bf16 casts of its float32 masters)."""
+    """The trained model (LoRA: its adapters) and tokenizer, with save_pretrained, to output_dir/final
+    (written whole or not at all), in train.final_dtype ("auto": model.dtype, so a bf16 run exports bf16 casts of its float32 masters)."""
     if not run.config.train.save_final_model:
         return None
     path = Path(run.config.train.output_dir) / "final"
@@ -262,10 +263,15 @@ def export(run: Run) -> Path | None:
         name = run.config.model.dtype if run.config.train.final_dtype == "auto" else run.config.train.final_dtype
         state_dict = {key: t.to(resolve_dtype(name)) if t.is_floating_point() else t
                       for key, t in (state_dict or run.policy.state_dict()).items()}
-        run.policy.save_pretrained(path, state_dict=state_dict)
-        model_config = path / "config.json"  # (LoRA saves adapters only, with no config.json)
-        if model_config.is_file():  # save_pretrained records the float32 masters' dtype; dtype="auto" reads this
-            model_config.write_text(json.dumps({**json.loads(model_config.read_text()), "dtype": name}, indent=2))
-        run.tokenizer.save_pretrained(path)
+
+        def write(folder: Path) -> None:
+            run.policy.save_pretrained(folder, state_dict=state_dict)
+            model_config = folder / "config.json"  # (LoRA saves adapters only, with no config.json)
+            if model_config.is_file():  # save_pretrained records the float32 masters' dtype; "auto" reads this
+                model_config.write_text(json.dumps({**json.loads(model_config.read_text()), "dtype": name},
+                                                   indent=2))
+            run.tokenizer.save_pretrained(folder)
+        # A kill or a full disk mid-export must not leave a final/ with config.json but no weights.
+        write_folder_atomically(path, write, "the final model")
     run.dist.barrier()
     return path
