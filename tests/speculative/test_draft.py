@@ -68,6 +68,13 @@ def test_a_truncated_draft_file_is_named(tmp_path):
         DraftHead.load(tmp_path / "d", policy)
 
 
+def test_a_model_without_rotary_decoder_layers_gets_no_draft():
+    from tests.prefix.conftest import build_gpt2
+    with pytest.raises(ValueError, match=r"model type 'gpt2' has no rotary-position decoder layers .* set "
+                                         r"rollout.speculation = \"off\""):
+        DraftHead(build_gpt2())
+
+
 def test_bad_config_is_a_value_error():
     with pytest.raises(ValueError, match="num_layers"):
         DraftHead(tiny_policy(), num_layers=0)

@@ -71,7 +71,7 @@ class DraftHead(nn.Module):
 
     def __init__(self, policy: nn.Module, num_layers: int = 1):
         super().__init__()
-        check_supported(policy)
+        check_draftable(policy)
         policy_config = policy.config
         self.config = DraftConfig(num_layers=num_layers, model_type=policy_config.model_type,
                                   hidden_size=policy_config.hidden_size, vocab_size=policy_config.vocab_size)
@@ -180,6 +180,18 @@ def _mismatch(expected: dict[str, torch.Tensor], weights: dict[str, torch.Tensor
                ([f"unexpected {', '.join(unexpected[:3])}{' ...' if len(unexpected) > 3 else ''}"] if unexpected
                 else []) + reshaped[:3]
     return "; ".join(problems) or None
+
+
+def check_draftable(policy: nn.Module) -> None:
+    """ValueError unless ``policy`` is a decoder whose layers the draft can copy: pure attention with
+    rotary positions and a ``layers`` list (Qwen2/Qwen3/Llama/Mistral), not GPT-2's absolute positions."""
+    check_supported(policy)
+    decoder = decoder_of(policy)
+    if not isinstance(getattr(decoder, "layers", None), nn.ModuleList) or getattr(decoder, "rotary_emb", None) is None:
+        model_type = getattr(policy.config, "model_type", type(policy).__name__)
+        raise ValueError(f"model type {model_type!r} has no rotary-position decoder layers (model.layers and "
+                         "rotary_emb) for a draft head to copy; speculative rollouts need a Qwen2/Qwen3/Llama/"
+                         "Mistral-style model: set rollout.speculation = \"off\" (or generate without draft=)")
 
 
 def _draft_layer_config(policy_config, num_layers: int):
