@@ -84,9 +84,14 @@ def source_kind(path: str | os.PathLike) -> str:
 
 
 def read_records(path: str | os.PathLike, *, split: str | None = None) -> list[Row]:
-    """All rows of a local jsonl / parquet file or saved ``datasets`` folder, as dicts."""
+    """All rows of a local jsonl / parquet file or saved ``datasets`` folder, as dicts (ValueError naming
+    the file when it holds none)."""
     path = Path(path).expanduser()
     kind = source_kind(path)
     if split is not None and kind != "datasets":
         raise ValueError(f"split={split!r} applies only to saved datasets folders, not to {kind} file {path}")
-    return SOURCE_READERS[kind](path, split)
+    rows = SOURCE_READERS[kind](path, split)
+    if not rows:
+        where = f"folder {path}" + (f" (split {split!r})" if split else "") if kind == "datasets" else f"file {path}"
+        raise ValueError(f"data {where} holds no rows; give data with at least one row")
+    return rows

@@ -97,6 +97,7 @@ def build_run(config: Config, dist: DistInfo, rewards: list[setup.Reward], resum
                        f"{max_positions} positions)" if max_positions else "")
         tqdm.write(f"skipped {prompt_set.num_too_long} prompts over data.max_prompt_tokens="
                    f"{config.data.max_prompt_tokens}{model_limit} and {prompt_set.num_empty} empty prompts")
+    check_prompt_count(config, prompt_set)
     batches = PromptBatches(prompt_set.examples, config.train.prompts_per_step, seed=config.train.seed,
                             shuffle=config.data.shuffle)
     stop_ids = setup.stop_token_ids(policy, tokenizer)
@@ -137,6 +138,22 @@ def build_run(config: Config, dist: DistInfo, rewards: list[setup.Reward], resum
         settings=LossSettings(epsilon_low=config.algo.epsilon_low, epsilon_high=config.algo.epsilon_high,
                               beta=config.algo.beta, tis_cap=config.algo.tis_cap),
         log=log, state=state, draft=draft)
+
+
+def check_prompt_count(config: Config, prompt_set) -> None:
+    """ValueError naming the data and train.prompts_per_step when a step cannot be filled with distinct
+    usable prompts (``prompt_set``: a PromptSet, its skipped rows counted)."""
+    source = f"data.path {config.data.path!r}" if config.data.path else f"the built-in {config.data.kind} task"
+    usable = len(prompt_set.examples)
+    skipped = (f" ({prompt_set.num_too_long} skipped as too long for data.max_prompt_tokens="
+               f"{config.data.max_prompt_tokens} or the model, {prompt_set.num_empty} as empty)"
+               if prompt_set.num_too_long or prompt_set.num_empty else "")
+    if not usable:
+        raise ValueError(f"{source} has no usable prompts{skipped}; raise data.max_prompt_tokens, shorten the "
+                         "prompts, or check data.prompt_column")
+    if config.train.prompts_per_step > usable:
+        raise ValueError(f"config key 'train.prompts_per_step': {config.train.prompts_per_step} is more than the "
+                         f"{usable} usable prompts of {source}{skipped}; use at most {usable} or add rows")
 
 
 class RunComplete(Exception):
