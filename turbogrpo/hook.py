@@ -87,6 +87,14 @@ def check_supported(model: nn.Module) -> None:
             f"which turbogrpo cannot run; supported layer types are {sorted(SUPPORTED_LAYER_TYPES)}.")
 
 
+def check_materialized(model: nn.Module) -> None:
+    """ValueError when ``model``'s weights are on the meta device (shapes only, no values: built under
+    ``init_empty_weights`` or ``device="meta"``), where every forward would fail deep inside torch."""
+    if any(p.is_meta for p in model.parameters()):
+        raise ValueError("the model's weights are on the meta device (shapes without values); load real weights "
+                         "first (from_pretrained, or to_empty() and load_state_dict) before generating or scoring")
+
+
 # Decoder attributes that hold a learnt table of absolute positions (GPT-2's wpe, OPT's embed_positions ...).
 ABSOLUTE_POSITION_MODULES = ("wpe", "embed_positions", "position_embeddings")
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from turbogrpo.hook import check_supported, lm_head_of, run_decoder
+from turbogrpo.hook import check_materialized, check_supported, lm_head_of, run_decoder
 from turbogrpo.prefix.auto import STANDARD, choose_auto
 from turbogrpo.prefix.backends import AUTO, PaddedCausalAttention, select_backend
 from turbogrpo.prefix.layout import PackedGroups, pack_groups, split_per_completion, upload
@@ -130,6 +130,7 @@ def validate_inputs(model: nn.Module, prompts, completions, temperature: float) 
                          "pass one list of completions per prompt")
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
+    check_materialized(model)
     device = model.get_input_embeddings().weight.device
     max_positions = getattr(model.config, "max_position_embeddings", None)
 
