@@ -193,6 +193,7 @@ def test_yaml_errors_are_one_line(tmp_path):
 def test_an_empty_config_file_is_refused(tmp_path, name, text):
     with pytest.raises(ConfigError, match="holds no settings; give at least the sections you change"):
         load_config(write(tmp_path, name, text))
+    assert load_config(write(tmp_path, name, text), ["train.num_steps=3"]).train.num_steps == 3  # set by --set
 
 
 def test_a_byte_order_mark_is_read_as_utf8(tmp_path):

@@ -12,6 +12,8 @@ Configs are TOML or YAML (see configs/); every key is checked before any work st
 from __future__ import annotations
 
 import argparse
+import contextlib
+import signal
 import sys
 import time
 
@@ -140,18 +142,22 @@ def _train(config: Config, args: argparse.Namespace, command: str, demo: bool = 
     _quiet_transformers()
     same_options = " (with the same --set options)" if getattr(args, "set", None) else ""
     try:
-        summary = train(config, resume=args.resume, overwrite=args.overwrite)
+        with _sigterm_as_interrupt():
+            summary = train(config, resume=args.resume, overwrite=args.overwrite)
     except TrainingDiverged as err:
         print(f"turbogrpo: {err}", file=sys.stderr)
         return 1
-    except TrainingInterrupted as stop:
-        if stop.checkpoint is None:
-            print(f"turbogrpo: interrupted at step {stop.step}, before the first checkpoint; start again with "
+    except (TrainingInterrupted, KeyboardInterrupt) as stop:
+        cause = stop.__context__ if isinstance(stop, TrainingInterrupted) else stop
+        how, code = ("terminated (SIGTERM)", 143) if isinstance(cause, Terminated) else ("interrupted", 130)
+        step = stop.step if isinstance(stop, TrainingInterrupted) else 0
+        if getattr(stop, "checkpoint", None) is None:
+            print(f"turbogrpo: {how} at step {step}, before the first checkpoint; start again with "
                   f"`{command} --overwrite`{same_options}", file=sys.stderr)
         else:
-            print(f"turbogrpo: interrupted at step {stop.step}; continue with `{command} --resume`{same_options} "
+            print(f"turbogrpo: {how} at step {step}; continue with `{command} --resume`{same_options} "
                   f"(from {stop.checkpoint})", file=sys.stderr)
-        return 130
+        return code
     if summary.already_complete:
         print(f"turbogrpo: the run in {summary.output_dir} is complete ({summary.steps} steps); nothing to do. "
               "To train longer, raise train.num_steps and --resume.")
@@ -171,6 +177,24 @@ def _train(config: Config, args: argparse.Namespace, command: str, demo: bool = 
         print(f"The demo trained the shipped arithmetic model with GRPO; plots and numbers in "
               f"{summary.output_dir / 'report'}.")
     return 0
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (``kill``, a scheduler ending a job), handled like Ctrl-C: the run stops where it is, its
+    lock and processes are released, and the last complete checkpoint is named (exit status 143)."""
+
+
+def _raise_terminated(signum, frame) -> None:
+    raise Terminated()
+
+
+@contextlib.contextmanager
+def _sigterm_as_interrupt():
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _eval(args: argparse.Namespace, overrides: list[str]) -> int:

@@ -421,16 +421,21 @@ class Config:
 def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> Config:
     """Read a TOML/YAML file (or start from the defaults), apply ``key.sub=value`` overrides, validate.
 
+    A file that sets nothing, with no overrides either, is refused: it would start a default run.
+
     Raises :class:`ConfigError` naming the key for anything wrong, before any model is loaded.
     """
     raw = read_config_file(path) if path is not None else {}
+    if path is not None and not raw and not overrides:
+        raise ConfigError(f"config file {str(path)!r} holds no settings; give at least the sections you change "
+                          "(see configs/ for examples), or run `turbogrpo demo` for the built-in defaults")
     for item in overrides:
         apply_override(raw, item)
     return config_from_dict(raw)
 
 
 def read_config_file(path: str | Path) -> dict:
-    """The sections of a TOML/YAML config file; ConfigError for a missing, empty or malformed one."""
+    """The sections of a TOML/YAML config file ({} when empty); ConfigError for a missing or malformed one."""
     path = Path(path)
     if path.is_dir():
         raise ConfigError(f"config file {str(path)!r} is a folder; pass a .toml or .yaml file (see configs/)")
@@ -454,9 +459,8 @@ def read_config_file(path: str | Path) -> dict:
             raise ConfigError(f"config file {str(path)!r} is not valid YAML: {_yaml_problem(err)}") from None
     else:
         raise ConfigError(f"config file {str(path)!r}: allowed extensions are .toml, .yaml and .yml")
-    if data is None or data == {}:
-        raise ConfigError(f"config file {str(path)!r} holds no settings; give at least the sections you change "
-                          "(see configs/ for examples), or run `turbogrpo demo` for the built-in defaults")
+    if data is None:  # an empty YAML file
+        return {}
     if not isinstance(data, dict):
         raise ConfigError(f"config file {str(path)!r} must hold a table of sections, not {type(data).__name__}")
     return data

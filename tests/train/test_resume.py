@@ -124,3 +124,22 @@ def test_ctrl_c_prints_one_line_naming_the_checkpoint_and_the_lock_keeps_other_r
     step, saved = map(int, re.fullmatch(r".* at step (\d+);.*step-(\d+)\)", last).groups())
     assert 1 <= saved <= step < 200
     assert ckpt.checkpoint_problem(out / f"step-{saved:06d}") is None
+
+
+def test_sigterm_says_what_ctrl_c_says(tmp_path):
+    model_dir, rows, config, env = subprocess_run_setup(tmp_path)
+    out = tmp_path / "out"
+    sets = overrides(model_dir, rows, out, **{"train.num_steps": 200, "train.checkpoint_every": 1,
+                                              "data.eval_path": '""'})
+    child = subprocess.Popen(command(config, sets), cwd=REPO, env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    for line in child.stdout:
+        if line.startswith("checkpoint saved:"):
+            break
+    child.send_signal(signal.SIGTERM)
+    stdout, stderr = child.communicate(timeout=120)
+    assert child.returncode == 143, stderr[-3000:]
+    assert "Traceback" not in stderr
+    last = stderr.strip().splitlines()[-1]
+    assert re.fullmatch(rf"turbogrpo: terminated \(SIGTERM\) at step (\d+); continue with `turbogrpo train {config} "
+                        rf"--resume` \(with the same --set options\) \(from {out}/step-(\d+)\)", last), last
