@@ -121,6 +121,10 @@ def main(argv: list[str] | None = None) -> int:
         where = f" ({err.filename})" if err.filename else ""
         print(f"turbogrpo: error: {err.strerror or err}{where}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # (training runs report their step and checkpoint themselves, in _train)
+        print(f"turbogrpo: {args.command} interrupted; its outputs are written whole or not at all, so nothing "
+              "half-written is left", file=sys.stderr)
+        return 130
 
 
 def _add_run_flags(cmd: argparse.ArgumentParser, resume_help: str) -> None:

@@ -669,4 +669,5 @@ def _default_of(schema: type, name: str) -> Any:
 
 def dump_config(config: Config, path: str | Path) -> None:
     """Write the resolved config as JSON (kept next to checkpoints, so a run says what it was)."""
-    Path(path).write_text(json.dumps(config.to_dict(), indent=2, sort_keys=True))
+    from turbogrpo.files import write_text_atomically  # (a run killed mid-write must not leave half a config)
+    write_text_atomically(Path(path), json.dumps(config.to_dict(), indent=2, sort_keys=True))

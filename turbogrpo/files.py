@@ -2,6 +2,7 @@
 I/O failures (a full disk) are ``OSError`` naming the file, like every other write.
 
     write_folder_atomically(final, write)   write(tmp) into a hidden folder beside final, then rename it
+    write_text_atomically(path, text)       the same for one text file
     save_tensors(tensors, path)             safetensors save_file + fsync; OSError on failure
 """
 
@@ -59,6 +60,16 @@ def replace_folder(new: Path, final: Path) -> None:
     os.rename(final, old)
     os.rename(new, final)
     shutil.rmtree(old, ignore_errors=True)
+
+
+def write_text_atomically(path: Path, text: str) -> None:
+    """Replace file ``path`` with ``text`` through a temporary file beside it: a reader (or a run killed
+    mid-write) sees the old content or the new, never part of it."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    fsync_file(tmp)
+    os.replace(tmp, path)
 
 
 def save_tensors(tensors: dict[str, torch.Tensor], path: Path) -> None:

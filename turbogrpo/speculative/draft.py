@@ -33,7 +33,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 from torch import nn
 
-from turbogrpo.files import save_tensors
+from turbogrpo.files import save_tensors, write_text_atomically
 from turbogrpo.hook import ATTENTION_NAME, PLAN_KWARG, check_supported, decoder_of, lm_head_of
 from turbogrpo.rollout.plans import causal_attention
 
@@ -121,11 +121,10 @@ class DraftHead(nn.Module):
         (temporary files renamed into place; the config, which makes the folder a draft, goes last)."""
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
-        weights_tmp, config_tmp = directory / f".{WEIGHTS_FILE}.tmp", directory / f".{CONFIG_FILE}.tmp"
+        weights_tmp = directory / f".{WEIGHTS_FILE}.tmp"
         save_tensors(self.state_dict(), weights_tmp)
-        config_tmp.write_text(json.dumps(asdict(self.config), indent=2))
         os.replace(weights_tmp, directory / WEIGHTS_FILE)
-        os.replace(config_tmp, directory / CONFIG_FILE)
+        write_text_atomically(directory / CONFIG_FILE, json.dumps(asdict(self.config), indent=2))
         return directory
 
     @classmethod

@@ -21,7 +21,6 @@ passed over for the previous one.
 from __future__ import annotations
 
 import json
-import os
 import random
 import shutil
 from dataclasses import dataclass
@@ -41,7 +40,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from turbogrpo.files import describe_os_error, fsync_dir, fsync_file, replace_folder, save_tensors
+from turbogrpo.files import (describe_os_error, fsync_dir, fsync_file, replace_folder, save_tensors,
+                             write_text_atomically)
 from turbogrpo.train.distributed import DistInfo, all_reduce_max_int
 
 LATEST_FILE = "latest"
@@ -111,7 +111,7 @@ def save_checkpoint(root: str | Path, step: int, model: torch.nn.Module, optimiz
                         tmp / STATE_FILE)
             fsync_dir(tmp)
             replace_folder(tmp, final)  # an existing copy: re-running a step after a resume
-            _write_text_atomic(root / LATEST_FILE, final.name)
+            write_text_atomically(root / LATEST_FILE, final.name)
             fsync_dir(root)
             _prune(root, keep, step)
     except OSError as err:  # e.g. disk full: the previous checkpoint and `latest` are untouched
@@ -300,13 +300,6 @@ def _unflatten_optimizer_state(tensors: dict[str, torch.Tensor], scalars: dict[s
 def _write_json(obj: Any, path: Path) -> None:
     path.write_text(json.dumps(obj))
     fsync_file(path)
-
-
-def _write_text_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    fsync_file(tmp)
-    os.replace(tmp, path)
 
 
 def _prune(root: Path, keep: int, step: int) -> None:

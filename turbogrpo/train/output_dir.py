@@ -28,6 +28,7 @@ from typing import IO, Any
 from tqdm import tqdm
 
 from turbogrpo.config import Config
+from turbogrpo.files import write_text_atomically
 from turbogrpo.train.distributed import DistInfo, all_reduce_max_int
 
 OUTPUT_KEY = "train.output_dir"
@@ -117,7 +118,7 @@ def run_inputs(config: Config) -> dict[str, Path]:
 
 def mark_complete(path: Path, step: int) -> None:
     """Record that the run trained to ``step`` and wrote its final outputs."""
-    (path / COMPLETE_FILE).write_text(json.dumps({"step": step}))
+    write_text_atomically(path / COMPLETE_FILE, json.dumps({"step": step}))
 
 
 def completed_step(path: Path) -> int | None:
@@ -240,7 +241,7 @@ def _check_same_training(path: Path, config: Config) -> None:
 
 def record_data(path: Path, config: Config) -> None:
     """Write ``data.json``: a content hash of the training data (data.path), which ``--resume`` checks."""
-    (path / DATA_FILE).write_text(json.dumps({"data.path": data_fingerprint(config.data.path)}))
+    write_text_atomically(path / DATA_FILE, json.dumps({"data.path": data_fingerprint(config.data.path)}))
 
 
 def data_fingerprint(data_path: str) -> str | None:
