@@ -91,3 +91,12 @@ def test_python_dash_m_runs_the_cli():
     result = subprocess.run([sys.executable, "-m", "turbogrpo", "train", "--help"], cwd=REPO, capture_output=True,
                             text=True)
     assert result.returncode == 0 and "--resume" in result.stdout and "--set" in result.stdout
+
+
+def test_ctrl_c_outside_training_is_one_line(monkeypatch, capsys):
+    def interrupted(args):
+        raise KeyboardInterrupt
+    monkeypatch.setattr("turbogrpo.speculative.cli.run_profile", interrupted)
+    assert main(["profile"]) == 130
+    assert capsys.readouterr().err == ("turbogrpo: profile interrupted; its outputs are written whole or not at all, "
+                                       "so nothing half-written is left\n")
