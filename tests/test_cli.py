@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from turbogrpo.cli import demo_config, main
+from turbogrpo.cli import Terminated, demo_config, main
 from turbogrpo.config import load_config
 
 from tests.train.tiny_run import overrides, write_model, write_rows
@@ -93,10 +93,12 @@ def test_python_dash_m_runs_the_cli():
     assert result.returncode == 0 and "--resume" in result.stdout and "--set" in result.stdout
 
 
-def test_ctrl_c_outside_training_is_one_line(monkeypatch, capsys):
-    def interrupted(args):
-        raise KeyboardInterrupt
-    monkeypatch.setattr("turbogrpo.speculative.cli.run_profile", interrupted)
-    assert main(["profile"]) == 130
-    assert capsys.readouterr().err == ("turbogrpo: profile interrupted; its outputs are written whole or not at all, "
+@pytest.mark.parametrize("stop, how, code", [(KeyboardInterrupt, "interrupted", 130),
+                                             (Terminated, "terminated (SIGTERM)", 143)])
+def test_ctrl_c_or_sigterm_outside_training_is_one_line(monkeypatch, capsys, stop, how, code):
+    def stopped(args):
+        raise stop
+    monkeypatch.setattr("turbogrpo.speculative.cli.run_profile", stopped)
+    assert main(["profile"]) == code
+    assert capsys.readouterr().err == (f"turbogrpo: profile {how}; its outputs are written whole or not at all, "
                                        "so nothing half-written is left\n")

@@ -15,6 +15,7 @@ import argparse
 import contextlib
 import signal
 import sys
+import threading
 import time
 
 from turbogrpo.config import Config, ConfigError, load_config
@@ -106,14 +107,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     overrides = [item for group in getattr(args, "set", None) or [] for item in group]
     try:
-        if hasattr(args, "run"):
-            return args.run(args)
-        if args.command == "train":
-            return _train(load_config(args.config, overrides), args, f"turbogrpo train {args.config}")
-        if args.command == "demo":
-            demo = "turbogrpo demo --longform" if args.longform else "turbogrpo demo"
-            return _train(demo_config(overrides, longform=args.longform), args, demo, demo=True)
-        return _eval(args, overrides)
+        with _sigterm_as_interrupt():
+            return _run_command(args, overrides)
     except (ConfigError, ValueError) as err:
         print(f"turbogrpo: error: {err}", file=sys.stderr)
         return 2
@@ -121,10 +116,22 @@ def main(argv: list[str] | None = None) -> int:
         where = f" ({err.filename})" if err.filename else ""
         print(f"turbogrpo: error: {err.strerror or err}{where}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:  # (training runs report their step and checkpoint themselves, in _train)
-        print(f"turbogrpo: {args.command} interrupted; its outputs are written whole or not at all, so nothing "
+    except KeyboardInterrupt as stop:  # (training runs report their step and checkpoint themselves, in _train)
+        how, code = _stopped_by(stop)
+        print(f"turbogrpo: {args.command} {how}; its outputs are written whole or not at all, so nothing "
               "half-written is left", file=sys.stderr)
-        return 130
+        return code
+
+
+def _run_command(args: argparse.Namespace, overrides: list[str]) -> int:
+    if hasattr(args, "run"):
+        return args.run(args)
+    if args.command == "train":
+        return _train(load_config(args.config, overrides), args, f"turbogrpo train {args.config}")
+    if args.command == "demo":
+        demo = "turbogrpo demo --longform" if args.longform else "turbogrpo demo"
+        return _train(demo_config(overrides, longform=args.longform), args, demo, demo=True)
+    return _eval(args, overrides)
 
 
 def _add_run_flags(cmd: argparse.ArgumentParser, resume_help: str) -> None:
@@ -146,20 +153,17 @@ def _train(config: Config, args: argparse.Namespace, command: str, demo: bool = 
     _quiet_transformers()
     same_options = " (with the same --set options)" if getattr(args, "set", None) else ""
     try:
-        with _sigterm_as_interrupt():
-            summary = train(config, resume=args.resume, overwrite=args.overwrite)
+        summary = train(config, resume=args.resume, overwrite=args.overwrite)
     except TrainingDiverged as err:
         print(f"turbogrpo: {err}", file=sys.stderr)
         return 1
-    except (TrainingInterrupted, KeyboardInterrupt) as stop:
-        cause = stop.__context__ if isinstance(stop, TrainingInterrupted) else stop
-        how, code = ("terminated (SIGTERM)", 143) if isinstance(cause, Terminated) else ("interrupted", 130)
-        step = stop.step if isinstance(stop, TrainingInterrupted) else 0
-        if getattr(stop, "checkpoint", None) is None:
-            print(f"turbogrpo: {how} at step {step}, before the first checkpoint; start again with "
+    except TrainingInterrupted as stop:
+        how, code = _stopped_by(stop.__context__)  # the KeyboardInterrupt (or SIGTERM) it was raised from
+        if stop.checkpoint is None:
+            print(f"turbogrpo: {how} at step {stop.step}, before the first checkpoint; start again with "
                   f"`{command} --overwrite`{same_options}", file=sys.stderr)
         else:
-            print(f"turbogrpo: {how} at step {step}; continue with `{command} --resume`{same_options} "
+            print(f"turbogrpo: {how} at step {stop.step}; continue with `{command} --resume`{same_options} "
                   f"(from {stop.checkpoint})", file=sys.stderr)
         return code
     if summary.already_complete:
@@ -188,12 +192,20 @@ class Terminated(KeyboardInterrupt):
     lock and processes are released, and the last complete checkpoint is named (exit status 143)."""
 
 
+def _stopped_by(interrupt: BaseException | None) -> tuple[str, int]:
+    """How a command was stopped, for its message, and its exit status (128 + the signal's number)."""
+    return ("terminated (SIGTERM)", 143) if isinstance(interrupt, Terminated) else ("interrupted", 130)
+
+
 def _raise_terminated(signum, frame) -> None:
     raise Terminated()
 
 
 @contextlib.contextmanager
 def _sigterm_as_interrupt():
+    if threading.current_thread() is not threading.main_thread():  # only the main thread may set handlers
+        yield
+        return
     previous = signal.signal(signal.SIGTERM, _raise_terminated)
     try:
         yield

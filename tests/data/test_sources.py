@@ -74,3 +74,9 @@ def test_a_source_without_rows_is_named(tmp_path):
     pq.write_table(pa.table({"prompt": pa.array([], pa.string())}), empty_parquet)
     with pytest.raises(ValueError, match=rf"data file {empty_parquet} holds no rows"):
         read_records(empty_parquet)
+
+
+def test_a_byte_order_mark_in_jsonl_is_read_as_utf8(tmp_path):
+    path = tmp_path / "rows.jsonl"
+    path.write_bytes("\ufeff".encode() + "\n".join(json.dumps(r) for r in ROWS).encode())
+    assert read_records(path) == ROWS

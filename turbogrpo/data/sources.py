@@ -20,7 +20,7 @@ def _read_jsonl(path: Path, split: str | None) -> list[Row]:
     with path.open("rb") as f:
         for line_number, raw in enumerate(f, 1):
             try:
-                line = raw.decode("utf-8")
+                line = raw.decode("utf-8-sig" if line_number == 1 else "utf-8")  # -sig: drop a byte-order mark
             except UnicodeDecodeError as err:
                 raise ValueError(f"{path} line {line_number}: not valid UTF-8 (byte 0x{raw[err.start]:02x} at "
                                  f"column {err.start + 1}); save the file as UTF-8") from None
