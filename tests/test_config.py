@@ -205,3 +205,10 @@ def test_a_byte_order_mark_is_read_as_utf8(tmp_path):
 def test_a_folder_passed_as_the_config_is_named_a_folder(tmp_path):
     with pytest.raises(ConfigError, match="is a folder; pass a .toml or .yaml file"):
         load_config(tmp_path)
+
+
+def test_the_output_folder_has_one_spelling():
+    """Every module writes to train.output_dir as given: "a/..", "./" or "~" must not split a run in two."""
+    import os
+    assert load_config(None, ['train.output_dir="runs/a/../b/./"']).train.output_dir == "runs/b"
+    assert load_config(None, ['train.output_dir="~/runs"']).train.output_dir == os.path.expanduser("~/runs")

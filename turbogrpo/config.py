@@ -12,6 +12,7 @@ import dataclasses
 import difflib
 import json
 import math
+import os
 import tomllib
 import types
 import typing
@@ -333,6 +334,12 @@ class TrainConfig:
     """dtype of the exported weights; "auto" is model.dtype (a bfloat16 run exports bfloat16)."""
     num_threads: int = 0
     """CPU threads per process for torch (0: torch's default, one per core). Tiny models run fastest on 1."""
+
+    def __post_init__(self):
+        # One spelling of the folder for every module that writes there: "~" expanded, "a/.." and "./" gone
+        # (otherwise the lock, checkpoints and exports could land in different folders).
+        if isinstance(self.output_dir, str) and self.output_dir:
+            self.output_dir = os.path.normpath(os.path.expanduser(self.output_dir))
 
     def check(self, key: str) -> None:
         _require(self.num_steps >= 1, f"{key}.num_steps", "an integer >= 1", self.num_steps)
