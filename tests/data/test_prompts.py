@@ -100,11 +100,12 @@ def test_a_chat_template_that_refuses_a_prompt_is_one_line_naming_the_row(chat_t
         "<{{ m['role'] }}>{{ m['content'] }}{% endfor %}")
     rows = [{"prompt": "fine"}, {"prompt": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]}]
     with pytest.raises(ValueError, match=r"row 1: the tokenizer's chat template refused the prompt \(Conversation "
-                                         r"roles must alternate .*\); fix the row's messages .* data.chat_template "
-                                         r"= \"never\"") as err:
+                                         r"roles must alternate .*\); fix the row's messages \(and "
+                                         r"data.system_prompt\) to what the template accepts$") as err:
         build_prompts(rows, chat_tokenizer)
     assert "\n" not in str(err.value)
-    with pytest.raises(ValueError, match=r"row 0: the tokenizer's chat template refused"):  # a system prompt it refuses
+    with pytest.raises(ValueError, match=r"row 0: the tokenizer's chat template refused .* or set the config key "
+                                         r"data.chat_template = \"never\""):  # a system prompt it refuses
         build_prompts(rows[:1], chat_tokenizer, system_prompt="Be brief.")
 
 

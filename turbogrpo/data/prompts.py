@@ -106,9 +106,10 @@ def _formatted(prompt: Any, tokenizer, index: int, *, use_template: bool, system
     try:
         return format_prompt(prompt, tokenizer, use_template=use_template, system_prompt=system_prompt)
     except TemplateError as err:
+        plain = (", or set the config key data.chat_template = \"never\" to use the text as it is"
+                 if isinstance(prompt, str) else "")
         raise ValueError(f"row {index}: the tokenizer's chat template refused the prompt ({err}); fix the row's "
-                         "messages (and data.system_prompt) to what the template accepts, or set the config key "
-                         "data.chat_template = \"never\" to use the text as it is") from None
+                         f"messages (and data.system_prompt) to what the template accepts{plain}") from None
 
 
 def _too_long(num_tokens: int, max_prompt_tokens: int | None, max_positions: int | None,
