@@ -30,6 +30,13 @@ def test_a_folder_appears_whole_and_replaces_the_older_copy_only_once_complete(t
     write_folder_atomically(final, lambda folder: (folder / "b.txt").write_text("new"), "the test output")
     assert [p.name for p in final.iterdir()] == ["b.txt"] and [p.name for p in tmp_path.iterdir()] == ["final"]
 
+    def interrupted(folder):
+        (folder / "config.json").write_text("{}")
+        raise KeyboardInterrupt
+    with pytest.raises(KeyboardInterrupt):
+        write_folder_atomically(final, interrupted, "the test output")
+    assert [p.name for p in tmp_path.iterdir()] == ["final"] and [p.name for p in final.iterdir()] == ["b.txt"]
+
 
 def test_a_safetensors_write_failure_is_an_os_error_naming_the_file(tmp_path, monkeypatch):
     def disk_full(tensors, path):

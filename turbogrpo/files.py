@@ -47,6 +47,9 @@ def write_folder_atomically(final: Path, write: Callable[[Path], None], what: st
         shutil.rmtree(tmp, ignore_errors=True)
         raise WriteError(f"could not write {what} {final} ({describe_os_error(err)}); nothing was left "
                          "half-written. Free space (or fix the folder's permissions) and try again") from err
+    except BaseException:  # Ctrl-C or SIGTERM mid-write: no debris either
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return final
 
 

@@ -118,6 +118,9 @@ def save_checkpoint(root: str | Path, step: int, model: torch.nn.Module, optimiz
         shutil.rmtree(tmp, ignore_errors=True)
         raise CheckpointError(f"could not write checkpoint {final} ({describe_os_error(err)}); {_previous(root)}. "
                               "Free space and continue with --resume") from err
+    except BaseException:  # Ctrl-C or SIGTERM mid-write: the previous checkpoint stands, and no debris
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     dist.barrier()
     return final
 

@@ -15,7 +15,7 @@ from tqdm import tqdm
 from turbogrpo.algo import LOSSES, LossSettings, PolicyLoss
 from turbogrpo.config import Config, dump_config
 from turbogrpo.data import PromptBatches, PromptExample
-from turbogrpo.files import write_folder_atomically
+from turbogrpo.files import WriteError, write_folder_atomically
 from turbogrpo.models import resolve_dtype
 from turbogrpo.rollout import SamplingConfig
 from turbogrpo.train import checkpoint, distributed, setup
@@ -271,11 +271,13 @@ def save(run: Run) -> Path:
 
 def export(run: Run) -> Path | None:
     """The trained model (LoRA: its adapters) and tokenizer, with save_pretrained, to output_dir/final
-    (written whole or not at all), in train.final_dtype ("auto": model.dtype, so a bf16 run exports bf16 casts of its float32 masters)."""
+    (written whole or not at all), in train.final_dtype ("auto": model.dtype, so a bf16 run exports bf16
+    casts of its float32 masters). A failed write raises WriteError on every rank."""
     if not run.config.train.save_final_model:
         return None
     path = Path(run.config.train.output_dir) / "final"
     state_dict = checkpoint.full_model_state(run.policy)  # collective under FSDP2: every rank calls it
+    error = None
     if run.dist.is_main:
         name = run.config.model.dtype if run.config.train.final_dtype == "auto" else run.config.train.final_dtype
         state_dict = {key: t.to(resolve_dtype(name)) if t.is_floating_point() else t
@@ -289,6 +291,10 @@ def export(run: Run) -> Path | None:
                                                    indent=2))
             run.tokenizer.save_pretrained(folder)
         # A kill or a full disk mid-export must not leave a final/ with config.json but no weights.
-        write_folder_atomically(path, write, "the final model")
-    run.dist.barrier()
+        try:
+            write_folder_atomically(path, write, "the final model")
+        except WriteError as err:
+            error = err
+    if distributed.all_reduce_max_int(int(error is not None), run.dist, run.dist.device):  # no rank left waiting
+        raise error or WriteError(f"rank 0 could not write the final model {path}; see its message")
     return path
