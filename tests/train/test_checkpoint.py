@@ -73,11 +73,13 @@ def test_crash_while_writing_leaves_the_previous_checkpoint(tmp_path, monkeypatc
         real_save(tensors, path)
 
     monkeypatch.setattr(ckpt, "save_tensors", crash_on_optimizer)
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(KeyboardInterrupt):  # Ctrl-C (or SIGTERM) mid-write: the half-written folder goes
         ckpt.save_checkpoint(tmp_path, 2, model, optimizer, {}, SINGLE)
-    assert (tmp_path / ".tmp-step-000002" / "model.safetensors").exists()  # the debris is there ...
-    assert not (tmp_path / "step-000002").exists()
-    assert ckpt.latest_checkpoint(tmp_path) == first  # ... and ignored
+    assert not (tmp_path / ".tmp-step-000002").exists() and not (tmp_path / "step-000002").exists()
+    assert ckpt.latest_checkpoint(tmp_path) == first
+    (tmp_path / ".tmp-step-000002").mkdir()  # what a SIGKILL mid-write leaves: debris ...
+    (tmp_path / ".tmp-step-000002" / "model.safetensors").write_bytes(b"half")
+    assert ckpt.latest_checkpoint(tmp_path) == first  # ... that is ignored
 
     monkeypatch.setattr(ckpt, "save_tensors", real_save)
     second = ckpt.save_checkpoint(tmp_path, 2, model, optimizer, {}, SINGLE)
