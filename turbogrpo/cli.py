@@ -218,6 +218,7 @@ def _eval(args: argparse.Namespace, overrides: list[str]) -> int:
 
     from turbogrpo.train import distributed, setup
     from turbogrpo.train.evaluate import evaluate_accuracy
+    from turbogrpo.train.run import naming_the_file
 
     _quiet_transformers()
     if args.model:
@@ -228,7 +229,8 @@ def _eval(args: argparse.Namespace, overrides: list[str]) -> int:
     try:
         model, tokenizer = setup.load_policy(config, dist.device)
         accuracy_reward = setup.accuracy_function(config, rewards)
-        examples = setup.load_eval_prompts(config, tokenizer, setup.position_limit(model))
+        examples = naming_the_file("data.eval_path", config.data.eval_path, setup.load_eval_prompts, config,
+                                   tokenizer, setup.position_limit(model))
         if not examples or accuracy_reward is None:
             raise ValueError("nothing to evaluate: set data.eval_path (or use data.kind = \"arithmetic\") and "
                              "train.accuracy_reward")

@@ -1,4 +1,4 @@
-"""What build_run checks before any step: enough usable prompts for train.prompts_per_step."""
+"""What build_run checks before any step: enough usable prompts, bad rows named with their file."""
 
 import pytest
 import torch
@@ -6,7 +6,7 @@ import torch
 from turbogrpo.config import load_config
 from turbogrpo.data import PromptExample
 from turbogrpo.data.prompts import PromptSet
-from turbogrpo.train.run import check_prompt_count
+from turbogrpo.train.run import check_prompt_count, naming_the_file
 
 
 def prompt_set(num_usable, num_too_long=0, num_empty=0):
@@ -30,3 +30,13 @@ def test_no_usable_prompt_names_the_data():
         check_prompt_count(config, prompt_set(0, num_empty=4))
     with pytest.raises(ValueError, match=r"the built-in arithmetic task has no usable prompts"):
         check_prompt_count(load_config(None, []), prompt_set(0))
+
+
+def test_a_bad_row_is_named_with_the_data_file_it_is_in():
+    def load(message):
+        raise ValueError(message)
+    with pytest.raises(ValueError, match=r"^data.eval_path 'held_out.jsonl' row 2: message 0 has no role$"):
+        naming_the_file("data.eval_path", "held_out.jsonl", load, "row 2: message 0 has no role")
+    with pytest.raises(ValueError, match=r"^config key 'rollout.max_new_tokens': too long$"):  # not a row's error
+        naming_the_file("data.path", "rows.jsonl", load, "config key 'rollout.max_new_tokens': too long")
+    assert naming_the_file("data.path", "rows.jsonl", lambda n: n + 1, 1) == 2

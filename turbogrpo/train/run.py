@@ -5,8 +5,10 @@ steps: held-out evaluation, checkpoints, export of the final model.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 from torch import nn
@@ -26,6 +28,9 @@ from turbogrpo.train import output_dir as output_dir_state
 from turbogrpo.train.metrics import METRICS_FILE, MetricsLog
 from turbogrpo.train.optim import build_optimizer
 from turbogrpo.train.precision import Precision, warn_if_pure
+
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -91,7 +96,8 @@ def build_run(config: Config, dist: DistInfo, rewards: list[setup.Reward], resum
     reference = setup.build_reference(config, policy, dist.device)
     optimizer = build_optimizer(policy, config.optim)
     max_positions = setup.position_limit(policy)
-    prompt_set = setup.load_train_prompts(config, tokenizer, max_positions)
+    prompt_set = naming_the_file("data.path", config.data.path, setup.load_train_prompts, config, tokenizer,
+                                 max_positions)
     if dist.is_main and (prompt_set.num_too_long or prompt_set.num_empty):
         model_limit = (f" (or, with rollout.max_new_tokens={config.rollout.max_new_tokens}, over the model's "
                        f"{max_positions} positions)" if max_positions else "")
@@ -131,13 +137,25 @@ def build_run(config: Config, dist: DistInfo, rewards: list[setup.Reward], resum
         config=config, dist=dist, policy=policy, tokenizer=tokenizer, precision=precision, trainer=trainer,
         reference=reference,
         optimizer=optimizer, batches=batches, rewards=rewards, accuracy=setup.accuracy_function(config, rewards),
-        eval_prompts=setup.load_eval_prompts(config, tokenizer, max_positions),
+        eval_prompts=naming_the_file("data.eval_path", config.data.eval_path, setup.load_eval_prompts, config,
+                                     tokenizer, max_positions),
         sampling=setup.sampling_config(config.rollout, stop_ids, tokenizer),
         greedy=setup.sampling_config(config.rollout, stop_ids, tokenizer, greedy=True),
         loss=LOSSES[config.algo.loss],
         settings=LossSettings(epsilon_low=config.algo.epsilon_low, epsilon_high=config.algo.epsilon_high,
                               beta=config.algo.beta, tis_cap=config.algo.tis_cap),
         log=log, state=state, draft=draft)
+
+
+def naming_the_file(key: str, path: str, load: Callable[..., T], *args) -> T:
+    """``load(*args)``, with a row's ValueError ("row 3: ...") naming the data file (``key``) it is in: the
+    training and the held-out rows are told apart."""
+    try:
+        return load(*args)
+    except ValueError as err:
+        if not path or not str(err).startswith("row "):
+            raise
+        raise ValueError(f"{key} {path!r} {err}") from None
 
 
 def check_prompt_count(config: Config, prompt_set) -> None:
