@@ -171,15 +171,23 @@ def test_overwrite_moves_everything_or_nothing(tmp_path, monkeypatch):
     assert not list(tmp_path.glob("out.previous-*"))
 
 
-def test_resume_refuses_training_data_rewritten_since_the_run_started(tmp_path):
-    from turbogrpo.train.output_dir import record_data
+def test_resume_refuses_training_data_or_a_model_rewritten_since_the_run_started(tmp_path, monkeypatch):
+    from tests.train.tiny_run import write_model
+    from turbogrpo.train import output_dir
     rows = tmp_path / "rows.jsonl"
     rows.write_text('{"prompt": "a"}\n')
-    sets = ("data.kind=rows", f'data.path="{rows}"')
+    model = write_model(tmp_path / "model")
+    sets = ("data.kind=rows", f'data.path="{rows}"', f'model.path="{model}"')
     claim(tmp_path / "out", *sets).release()
-    record_data(tmp_path / "out", config_for(tmp_path / "out", *sets))
-    claim(tmp_path / "out", *sets, resume=True).release()  # the same data resumes
+    output_dir.record_inputs(tmp_path / "out", config_for(tmp_path / "out", *sets))
+    claim(tmp_path / "out", *sets, resume=True).release()  # the same inputs resume
     rows.write_text('{"prompt": "b"}\n')  # same row count, other content
-    with pytest.raises(ValueError, match=r"--resume: the training data '.*rows.jsonl' has changed since .*out "
-                                         r"started \(its content hash differs"):
+    with pytest.raises(ValueError, match=rf"--resume: data.path '{rows}' changed since .*out started \(the content "
+                                         "differs from the fingerprint in .*inputs.json\)"):
+        claim(tmp_path / "out", *sets, resume=True)
+    rows.write_text('{"prompt": "a"}\n')
+    monkeypatch.setattr(output_dir, "SAMPLED_ABOVE_BYTES", 1000)  # the weights are sampled, not read whole
+    output_dir.record_inputs(tmp_path / "out", config_for(tmp_path / "out", *sets))
+    write_model(model, seed=1)  # retrained: same files and sizes, other weights
+    with pytest.raises(ValueError, match=rf"--resume: model.path '{model}' changed since"):
         claim(tmp_path / "out", *sets, resume=True)

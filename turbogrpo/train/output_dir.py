@@ -9,8 +9,8 @@
   the data or the draft is refused: outputs never mix with inputs, and ``--overwrite`` never moves them.
 * ``--overwrite`` moves all the files aside or, when one cannot move, none.
 * ``--resume`` compares the stored ``config.json`` with the new config and refuses a change in any
-  key that changes what is trained, naming the keys; and ``data.json``'s content hash of the training
-  data with the data file now, refusing a file rewritten since the run started.
+  key that changes what is trained, naming the keys; and ``inputs.json``'s fingerprints of the training
+  data and the model folder with those files now, refusing ones rewritten since the run started.
 * A run that finished writes ``complete.json``; resuming it again does nothing.
 """
 
@@ -35,7 +35,7 @@ OUTPUT_KEY = "train.output_dir"
 LOCK_FILE = ".lock"
 COMPLETE_FILE = "complete.json"
 CONFIG_FILE = "config.json"
-DATA_FILE = "data.json"
+INPUTS_FILE = "inputs.json"
 
 # Keys a resumed run may change: they say how long to run, where and how to log, evaluate or compute,
 # not what is trained (micro-batches sum exactly to the step's batch, and every backend is exact).
@@ -76,7 +76,7 @@ def claim_output_dir(config: Config, dist: DistInfo, *, resume: bool, overwrite:
             lock = claim_folder(path, OUTPUT_KEY, run_inputs(config), resume=resume, overwrite=overwrite)
             if resume:
                 _check_same_training(path, config)
-                _check_same_data(path, config)
+                _check_same_inputs(path, config)
         except ValueError as err:
             if lock is not None:
                 lock.close()
@@ -239,37 +239,65 @@ def _check_same_training(path: Path, config: Config) -> None:
                          "train.output_dir, or --overwrite)")
 
 
-def record_data(path: Path, config: Config) -> None:
-    """Write ``data.json``: a content hash of the training data (data.path), which ``--resume`` checks."""
-    write_text_atomically(path / DATA_FILE, json.dumps({"data.path": data_fingerprint(config.data.path)}))
+def record_inputs(path: Path, config: Config) -> None:
+    """Write ``inputs.json``: fingerprints of what the run reads from disk (:func:`input_fingerprints`),
+    which ``--resume`` checks."""
+    write_text_atomically(path / INPUTS_FILE, json.dumps(input_fingerprints(config)))
 
 
-def data_fingerprint(data_path: str) -> str | None:
-    """sha256 of a data file, or of every file (relative path and content) in a data folder; None when
-    there is no local file (a built-in task)."""
-    root = Path(data_path).expanduser() if data_path else None
+def input_fingerprints(config: Config) -> dict[str, str | None]:
+    """By config key, a fingerprint of each local input a resumed run reads again and trains on:
+    data.path (its rows) and model.path (LoRA's frozen base and the reference are reloaded from it).
+    None for what is not a local file (a built-in task, a Hub id)."""
+    from turbogrpo.models import SHIPPED_MODELS, resolve_model_path
+    model = config.model.path
+    model_folder = str(resolve_model_path(model)) if model in SHIPPED_MODELS else model
+    return {"data.path": fingerprint(config.data.path),
+            "model.path": fingerprint(model_folder, whole_up_to=SAMPLED_ABOVE_BYTES)}
+
+
+# Files above this size are fingerprinted by their size and three 1 MiB samples (start, middle, end):
+# a retrained model changes every weight, and reading a 15 GB model whole on every resume would not do.
+SAMPLED_ABOVE_BYTES = 64 << 20
+SAMPLE_BYTES = 1 << 20
+
+
+def fingerprint(path_text: str, *, whole_up_to: int | None = None) -> str | None:
+    """sha256 of a file, or of every file (relative path and content) in a folder; files larger than
+    ``whole_up_to`` bytes contribute their size and three samples instead. None when ``path_text`` is
+    not a local file or folder."""
+    root = Path(path_text).expanduser() if path_text else None
     if root is None or not root.exists():
         return None
     digest = hashlib.sha256()
     for file in [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file()):
-        digest.update(str(file.relative_to(root)).encode() + b"\0")
+        size = file.stat().st_size
+        digest.update(f"{file.relative_to(root)}\0{size}\0".encode())
         with open(file, "rb") as handle:
-            for block in iter(lambda: handle.read(1 << 20), b""):
-                digest.update(block)
+            if whole_up_to is not None and size > whole_up_to:
+                for offset in (0, size // 2, max(0, size - SAMPLE_BYTES)):
+                    handle.seek(offset)
+                    digest.update(handle.read(SAMPLE_BYTES))
+            else:
+                for block in iter(lambda: handle.read(1 << 20), b""):
+                    digest.update(block)
     return digest.hexdigest()
 
 
-def _check_same_data(path: Path, config: Config) -> None:
-    stored_file = path / DATA_FILE
+def _check_same_inputs(path: Path, config: Config) -> None:
+    stored_file = path / INPUTS_FILE
     try:
-        stored = json.loads(stored_file.read_text())["data.path"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return  # a run from before data.json, or one that never got past loading its model
-    if stored != data_fingerprint(config.data.path):
-        raise ValueError(f"--resume: the training data {config.data.path!r} has changed since {path} started "
-                         f"(its content hash differs from {stored_file}); resuming would train on other rows "
-                         "at the same data position. Restore the file, or start a new run (another "
-                         "train.output_dir, or --overwrite)")
+        stored = json.loads(stored_file.read_text())
+    except (OSError, ValueError):
+        return  # a run from before inputs.json, or one that never got past loading its model
+    current = input_fingerprints(config)
+    changed = [key for key, value in current.items() if isinstance(stored, dict) and key in stored
+               and stored[key] != value]
+    if changed:
+        shown = ", ".join(f"{key} {getattr(config, key.split('.')[0]).path!r}" for key in changed)
+        raise ValueError(f"--resume: {shown} changed since {path} started (the content differs from the "
+                         f"fingerprint in {stored_file}); resuming would train on other rows or weights. Restore "
+                         "it, or start a new run (another train.output_dir, or --overwrite)")
 
 
 def changed_training_keys(stored: dict, current: dict) -> list[tuple[str, Any, Any]]:

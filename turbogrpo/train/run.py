@@ -130,7 +130,7 @@ def build_run(config: Config, dist: DistInfo, rewards: list[setup.Reward], resum
     if dist.is_main:
         output_dir.mkdir(parents=True, exist_ok=True)
         dump_config(config, output_dir / "config.json")
-        output_dir_state.record_data(output_dir, config)
+        output_dir_state.record_inputs(output_dir, config)
     log = MetricsLog(output_dir, tensorboard=config.log.tensorboard, enabled=dist.is_main,
                      resume_step=state.step if latest is not None else None)
     return Run(
