@@ -40,7 +40,7 @@ from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 from torch import nn
 
-from turbogrpo.hook import check_supported, decoder_of, has_absolute_positions, lm_head_of
+from turbogrpo.hook import check_supported, has_absolute_positions, lm_head_of
 from turbogrpo.prefix import compute_logprobs
 
 try:
