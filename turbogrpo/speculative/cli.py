@@ -106,10 +106,10 @@ def _train_draft(args: argparse.Namespace, out: Path) -> int:
 
     from turbogrpo.data import build_prompts, demo_records, read_records
     from turbogrpo.rollout import SamplingConfig, generate
-    from turbogrpo.speculative.draft import CONFIG_FILE, DraftHead
     from turbogrpo.speculative.draft_training import DraftTrainConfig, draft_groups, train_draft
 
     model, tokenizer = _load(args)
+    draft = _draft_to_train(args, model, out)  # before sampling: a damaged draft in --out fails at once
     rows = read_records(args.prompts) if args.prompts else demo_records("train", args.num_prompts, seed=args.seed)
     prompts = [ex.token_ids for ex in build_prompts(rows[:args.num_prompts], tokenizer).examples]
     if not prompts:
@@ -126,13 +126,6 @@ def _train_draft(args: argparse.Namespace, out: Path) -> int:
     groups = draft_groups(model, prompts, completions)
     num_completions = sum(len(g.completions) for g in groups)
     print(f"{num_completions} completions sampled in {time.perf_counter() - start:.1f}s")
-    if args.resume and (out / CONFIG_FILE).is_file():
-        draft = DraftHead.load(out, model)
-        print(f"--resume: training the draft in {out} further ({draft.config.num_layers} layers)")
-    else:
-        if args.resume:
-            print(f"--resume: no draft in {out} yet; training a new one")
-        draft = DraftHead(model, num_layers=args.layers)
     config = DraftTrainConfig(lr=args.lr, num_epochs=args.epochs, batch_size=args.batch_size)
     num_steps = args.epochs * -(-num_completions // args.batch_size)  # about: batches hold whole groups
     with tqdm(total=num_steps, desc="training draft", unit="step") as bar:
@@ -145,6 +138,19 @@ def _train_draft(args: argparse.Namespace, out: Path) -> int:
     print(f"draft saved to {out} (final loss {last['loss']:.3f}, top-1 agreement with the policy "
           f"{last['top1_agreement']:.2f})")
     return 0
+
+
+def _draft_to_train(args: argparse.Namespace, model, out: Path):
+    """With --resume, the draft saved in ``out`` (when there is one); else a new one of --layers layers."""
+    from turbogrpo.speculative.draft import CONFIG_FILE, DraftHead
+
+    if args.resume and (out / CONFIG_FILE).is_file():
+        draft = DraftHead.load(out, model)
+        print(f"--resume: training the draft in {out} further ({draft.config.num_layers} layers)")
+        return draft
+    if args.resume:
+        print(f"--resume: no draft in {out} yet; training a new one")
+    return DraftHead(model, num_layers=args.layers)
 
 
 def run_profile(args: argparse.Namespace) -> int:
