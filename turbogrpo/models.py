@@ -69,7 +69,9 @@ def load_model_and_tokenizer(name_or_path: str | os.PathLike, *, dtype: str | to
     The tokenizer gets a pad token (its eos token) if it has none, because batched rollouts pad.
     A name that is not an existing folder but looks like a Hub id ("owner/name") is tried on the Hub;
     when the Hub cannot be reached it comes from the local Hugging Face cache or fails at once (no
-    minute of retries). Damaged weight files are named in a one-line ValueError.
+    minute of retries). Damaged weight files, pickle weights that hold code, a folder without tokenizer
+    files and recurrent model types are named in a one-line ValueError. A folder of PEFT adapters (a LoRA
+    run's ``final/``) loads as its base model with the adapters merged in.
     """
     torch_dtype = resolve_dtype(dtype)
     source = str(name_or_path)
