@@ -137,6 +137,19 @@ def test_an_output_folder_that_is_or_holds_an_input_is_refused_and_nothing_moves
     assert kept.read_text() == "{}" and not list(tmp_path.glob("out.previous-*"))
 
 
+def test_an_output_folder_that_holds_a_reward_module_is_refused(tmp_path, monkeypatch):
+    import importlib.util
+    (tmp_path / "my_rewards.py").write_text("def score(prompts, completions, **columns):\n    return [0.0]\n")
+    spec = importlib.util.spec_from_file_location("my_rewards", tmp_path / "my_rewards.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.setitem(sys.modules, "my_rewards", module)  # train imports reward modules before the claim
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match=r"'.*' holds rewards.0.function '.*my_rewards.py'"):
+        claim(".", "rewards.0.function=my_rewards:score", "train.accuracy_reward=\"\"", overwrite=True)
+    assert (tmp_path / "my_rewards.py").is_file()
+
+
 def test_an_output_folder_inside_the_model_folder_is_refused(tmp_path):
     (tmp_path / "model").mkdir()
     with pytest.raises(ValueError, match=r"'.*model/run' sits inside model.path"):

@@ -21,6 +21,7 @@ import hashlib
 import json
 import os
 import socket
+import sys
 import time
 from pathlib import Path
 from typing import IO, Any
@@ -106,13 +107,18 @@ def claim_folder(path: Path, key: str, inputs: dict[str, Path], *, resume: bool,
 
 
 def run_inputs(config: Config) -> dict[str, Path]:
-    """The local files and folders a run reads, by config key (the model, its data, the draft)."""
+    """The local files and folders a run reads, by config key: the model, its data, the draft, and the
+    files of reward modules already imported (``train`` imports them before it claims the folder)."""
     from turbogrpo.models import SHIPPED_MODELS, resolve_model_path
     model = config.model.path
     inputs = {"model.path": Path(resolve_model_path(model)) if model in SHIPPED_MODELS else Path(model),
               "data.path": Path(config.data.path), "data.eval_path": Path(config.data.eval_path)}
     if config.draft.path != "scratch":
         inputs["draft.path"] = Path(config.draft.path)
+    for number, reward in enumerate(config.rewards):
+        module_file = getattr(sys.modules.get(reward.function.partition(":")[0]), "__file__", None)
+        if ":" in reward.function and module_file:
+            inputs[f"rewards.{number}.function"] = Path(module_file)
     return {key: path for key, path in inputs.items() if str(path) not in ("", ".") or key == "model.path"}
 
 
