@@ -163,3 +163,12 @@ def test_a_lora_export_loads_as_its_base_with_the_adapters_merged(tmp_path):
     merged, loaded_tokenizer = load_model_and_tokenizer(tmp_path / "final")
     assert not hasattr(merged, "peft_config") and loaded_tokenizer("ab")["input_ids"] == tokenizer("ab")["input_ids"]
     torch.testing.assert_close(merged(ids).logits, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without CUDA")
+def test_a_cuda_device_without_cuda_is_one_line():
+    with pytest.raises(ValueError, match=r"^device: 'cuda' needs CUDA, which this machine \(or this torch build\) "
+                                         r"lacks; use \"cpu\"$"):
+        load_model_and_tokenizer(demo_model_path(), device="cuda")
+    with pytest.raises(ValueError, match=r"^device: 'gpu0' is not a device"):
+        load_model_and_tokenizer(demo_model_path(), device="gpu0")

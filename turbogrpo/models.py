@@ -61,6 +61,23 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     return DTYPES[dtype]
 
 
+def checked_device(device: str | torch.device, key: str = "device", *, shown: object = None) -> torch.device:
+    """``device`` as a torch.device; a ValueError naming ``key`` (and the value as the user wrote it,
+    ``shown``) when it is no device or one this machine or torch build lacks."""
+    shown = device if shown is None else shown
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"{key}: {shown!r} is not a device; use \"cpu\", \"cuda\" or \"cuda:N\"") from None
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"{key}: {shown!r} needs CUDA, which this machine (or this torch build) lacks; "
+                         "use \"cpu\"")
+    if resolved.type == "cuda" and (resolved.index or 0) >= torch.cuda.device_count():
+        raise ValueError(f"{key}: {shown!r} names a GPU this machine lacks (it has "
+                         f"{torch.cuda.device_count()}); use \"cuda\" or \"cuda:N\" with N below that")
+    return resolved
+
+
 def load_model_and_tokenizer(name_or_path: str | os.PathLike, *, dtype: str | torch.dtype = "float32",
                              device: str | torch.device | None = None,
                              attn_implementation: str = "sdpa") -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
@@ -74,6 +91,8 @@ def load_model_and_tokenizer(name_or_path: str | os.PathLike, *, dtype: str | to
     run's ``final/``) loads as its base model with the adapters merged in.
     """
     torch_dtype = resolve_dtype(dtype)
+    if device is not None:
+        device = checked_device(device)
     source = str(name_or_path)
     local = Path(source).expanduser()
     if local.is_dir() and (local / ADAPTER_CONFIG).is_file() and not (local / "config.json").is_file():

@@ -91,4 +91,4 @@ def test_a_cuda_device_without_cuda_is_one_line(model_dir, tmp_path, capsys, com
     command = [str(tmp_path / "d") if arg == "OUT" else arg for arg in command]
     assert main([*command, "--model", str(model_dir), "--device", "cuda"]) == 2
     assert capsys.readouterr().err.strip() == ("turbogrpo: error: --device: 'cuda' needs CUDA, which this machine "
-                                               "(or this torch build) lacks; use \"cpu\" or \"auto\"")
+                                               "(or this torch build) lacks; use \"cpu\"")

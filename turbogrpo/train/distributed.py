@@ -14,6 +14,7 @@ import torch
 import torch.distributed as torch_dist
 from torch import nn
 
+from turbogrpo.models import checked_device
 from turbogrpo.train.precision import Precision
 
 
@@ -67,16 +68,7 @@ def resolve_device(device: str, local_rank: int = 0, key: str = "config key 'mod
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda":
         device = f"cuda:{local_rank}"
-    try:
-        resolved = torch.device(device)
-    except RuntimeError:
-        raise ValueError(f"{key}: {given!r} is not a device; use \"auto\", \"cpu\", \"cuda\" or \"cuda:N\"") from None
-    if resolved.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"{key}: {given!r} needs CUDA, which this machine (or this torch build) lacks; "
-                         "use \"cpu\" or \"auto\"")
-    if resolved.type == "cuda" and (resolved.index or 0) >= torch.cuda.device_count():
-        raise ValueError(f"{key}: {given!r} names a GPU this machine lacks (it has "
-                         f"{torch.cuda.device_count()}); use \"cuda\" or \"cuda:N\" with N below that")
+    resolved = checked_device(device, key, shown=given)
     if resolved.type not in ("cpu", "cuda"):
         raise ValueError(f"{key}: {given!r} is not supported; use \"auto\", \"cpu\", \"cuda\" or \"cuda:N\"")
     return resolved
