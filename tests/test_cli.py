@@ -74,6 +74,16 @@ def test_train_then_eval_the_exported_model(tmp_path, capsys):
     assert (tmp_path / "out" / "metrics.jsonl").read_text() == metrics  # no second final evaluation
 
 
+def test_an_output_dir_that_holds_the_config_file_is_refused(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "run.toml").write_text('[train]\noutput_dir = "."\n')
+    assert main(["train", "run.toml", "--overwrite"]) == 2
+    assert capsys.readouterr().err == (f"turbogrpo: error: config key 'train.output_dir': '{tmp_path}' holds the "
+                                       f"config file '{tmp_path / 'run.toml'}'; outputs must not mix with what the "
+                                       "run reads, so choose a train.output_dir outside it\n")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run.toml"]
+
+
 @pytest.mark.parametrize("output_dir, problem", [
     ("/dev/full", "'/dev/full' is a file, not a folder; choose a folder path"),
     ("{tmp}/a_file/run", "cannot create folder '{tmp}/a_file/run' (Not a directory); choose a folder path you can "

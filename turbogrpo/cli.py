@@ -127,11 +127,23 @@ def _run_command(args: argparse.Namespace, overrides: list[str]) -> int:
     if hasattr(args, "run"):
         return args.run(args)
     if args.command == "train":
-        return _train(load_config(args.config, overrides), args, f"turbogrpo train {args.config}")
+        config = load_config(args.config, overrides)
+        _keep_apart_from_the_config_file(config, args.config)
+        return _train(config, args, f"turbogrpo train {args.config}")
     if args.command == "demo":
         demo = "turbogrpo demo --longform" if args.longform else "turbogrpo demo"
         return _train(demo_config(overrides, longform=args.longform), args, demo, demo=True)
     return _eval(args, overrides)
+
+
+def _keep_apart_from_the_config_file(config: Config, config_file: str) -> None:
+    """An output folder that holds the config file is refused like one that holds the data (``--overwrite``
+    would move the file aside, and a resume needs it)."""
+    from pathlib import Path
+
+    from turbogrpo.train.output_dir import check_apart_from_inputs
+    check_apart_from_inputs(Path(config.train.output_dir).resolve(), "train.output_dir",
+                            {"the config file": Path(config_file)})
 
 
 def _add_run_flags(cmd: argparse.ArgumentParser, resume_help: str) -> None:

@@ -94,7 +94,7 @@ def claim_folder(path: Path, key: str, inputs: dict[str, Path], *, resume: bool,
     ``inputs`` are the files and folders the command reads, by the key that names them: an output
     folder that is, holds or sits inside one of them is refused (an ``--overwrite`` would move them aside,
     and outputs would mix with them)."""
-    _check_apart_from_inputs(path, key, inputs)
+    check_apart_from_inputs(path, key, inputs)
     _make_folder(path, key)
     lock = _take_lock(path, key)
     try:
@@ -143,7 +143,9 @@ def _named(key: str) -> str:
     return key if key.startswith("--") else f"config key {key!r}"
 
 
-def _check_apart_from_inputs(path: Path, key: str, inputs: dict[str, Path]) -> None:
+def check_apart_from_inputs(path: Path, key: str, inputs: dict[str, Path]) -> None:
+    """ValueError when output folder ``path`` (resolved) is, holds or sits inside one of ``inputs`` (by the
+    key or flag that names each; missing ones are passed over)."""
     for input_key, given in inputs.items():
         source = given.expanduser()
         if not source.exists():
