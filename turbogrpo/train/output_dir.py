@@ -6,7 +6,9 @@
 * A fresh run refuses a folder that holds files, unless ``--overwrite``, which moves them aside into
   ``<output_dir>.previous-<time>/``: nothing a user has is deleted.
 * The path is resolved before anything moves, and a folder that is, holds or sits inside the model,
-  the data or the draft is refused: outputs never mix with inputs, and ``--overwrite`` never moves them.
+  the data, the draft or a reward module (the CLI adds the config file) is refused: outputs never mix
+  with inputs, and ``--overwrite`` never moves them. ``turbogrpo draft train --out`` claims its folder
+  by the same rules (:func:`claim_folder`).
 * ``--overwrite`` moves all the files aside or, when one cannot move, none.
 * ``--resume`` compares the stored ``config.json`` with the new config and refuses a change in any
   key that changes what is trained, naming the keys; and ``inputs.json``'s fingerprints of the training
