@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from turbogrpo.cli import demo_config, main
+from turbogrpo.cli import Terminated, demo_config, main
 from turbogrpo.config import load_config
 
 from tests.train.tiny_run import overrides, write_model, write_rows
@@ -80,6 +80,16 @@ def test_train_then_eval_the_exported_model(tmp_path, capsys):
     assert (tmp_path / "out" / "metrics.jsonl").read_text() == metrics  # no second final evaluation
 
 
+def test_an_output_dir_that_holds_the_config_file_is_refused(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "run.toml").write_text('[train]\noutput_dir = "."\n')
+    assert main(["train", "run.toml", "--overwrite"]) == 2
+    assert capsys.readouterr().err == (f"turbogrpo: error: config key 'train.output_dir': '{tmp_path}' holds the "
+                                       f"config file '{tmp_path / 'run.toml'}'; outputs must not mix with what the "
+                                       "run reads, so choose a train.output_dir outside it\n")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run.toml"]
+
+
 @pytest.mark.parametrize("output_dir, problem", [
     ("/dev/full", "'/dev/full' is a file, not a folder; choose a folder path"),
     ("{tmp}/a_file/run", "cannot create folder '{tmp}/a_file/run' (Not a directory); choose a folder path you can "
@@ -97,3 +107,14 @@ def test_python_dash_m_runs_the_cli():
     result = subprocess.run([sys.executable, "-m", "turbogrpo", "train", "--help"], cwd=REPO, capture_output=True,
                             text=True)
     assert result.returncode == 0 and "--resume" in result.stdout and "--set" in result.stdout
+
+
+@pytest.mark.parametrize("stop, how, code", [(KeyboardInterrupt, "interrupted", 130),
+                                             (Terminated, "terminated (SIGTERM)", 143)])
+def test_ctrl_c_or_sigterm_outside_training_is_one_line(monkeypatch, capsys, stop, how, code):
+    def stopped(args):
+        raise stop
+    monkeypatch.setattr("turbogrpo.speculative.cli.run_profile", stopped)
+    assert main(["profile"]) == code
+    assert capsys.readouterr().err == (f"turbogrpo: profile {how}; its outputs are written whole or not at all, "
+                                       "so nothing half-written is left\n")

@@ -171,3 +171,44 @@ def test_loss_settings_defaults_agree_with_the_config():
     algo, settings = AlgoConfig(), LossSettings()
     assert (settings.epsilon_low, settings.epsilon_high, settings.beta) == (algo.epsilon_low, algo.epsilon_high,
                                                                             algo.beta)
+
+
+def test_a_yaml_key_given_twice_is_refused_not_replaced(tmp_path):
+    text = "optim:\n  lr: 1.0e-3\n  warmup_steps: 3\ntrain:\n  num_steps: 2\noptim:\n  schedule: constant\n"
+    with pytest.raises(ConfigError, match=r"not valid YAML: line 6, column 1: key 'optim' appears twice in one "
+                                          r"mapping \(lines 1 and 6\)"):
+        load_config(write(tmp_path, "c.yaml", text))
+    with pytest.raises(ConfigError, match="key 'lr' appears twice"):
+        load_config(write(tmp_path, "c.yaml", "optim:\n  lr: 1.0e-3\n  lr: 2.0e-3\n"))
+
+
+def test_yaml_errors_are_one_line(tmp_path):
+    with pytest.raises(ConfigError) as err:
+        load_config(write(tmp_path, "c.yaml", "train: [1\n"))
+    assert "\n" not in str(err.value) and "line 2, column 1" in str(err.value)
+
+
+@pytest.mark.parametrize("name, text", [("c.toml", ""), ("c.toml", "# only a comment\n"), ("c.yaml", ""),
+                                        ("c.yaml", "{}\n")])
+def test_an_empty_config_file_is_refused(tmp_path, name, text):
+    with pytest.raises(ConfigError, match="holds no settings; give at least the sections you change"):
+        load_config(write(tmp_path, name, text))
+    assert load_config(write(tmp_path, name, text), ["train.num_steps=3"]).train.num_steps == 3  # set by --set
+
+
+def test_a_byte_order_mark_is_read_as_utf8(tmp_path):
+    path = tmp_path / "bom.toml"
+    path.write_bytes("\ufeff[train]\nnum_steps = 3\n".encode())
+    assert load_config(path).train.num_steps == 3
+
+
+def test_a_folder_passed_as_the_config_is_named_a_folder(tmp_path):
+    with pytest.raises(ConfigError, match="is a folder; pass a .toml or .yaml file"):
+        load_config(tmp_path)
+
+
+def test_the_output_folder_has_one_spelling():
+    """Every module writes to train.output_dir as given: "a/..", "./" or "~" must not split a run in two."""
+    import os
+    assert load_config(None, ['train.output_dir="runs/a/../b/./"']).train.output_dir == "runs/b"
+    assert load_config(None, ['train.output_dir="~/runs"']).train.output_dir == os.path.expanduser("~/runs")

@@ -114,3 +114,61 @@ def test_shipped_model_names_resolve_to_their_folders(tmp_path, monkeypatch):
     monkeypatch.setitem(models.SHIPPED_MODELS, "longform", (tmp_path / "absent", "scripts/build_longform_model.py"))
     with pytest.raises(ValueError, match="build_longform_model.py"):
         models.resolve_model_path("longform")
+
+
+def test_a_model_folder_without_tokenizer_files_is_named(tmp_path):
+    tiny_model("qwen2").save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=rf"model folder '{tmp_path}' has no tokenizer files \(tokenizer.json, "):
+        load_model_and_tokenizer(tmp_path)
+
+
+def test_a_recurrent_model_folder_is_refused_by_its_type(tmp_path):
+    from transformers import MambaConfig, MambaForCausalLM
+    MambaForCausalLM(MambaConfig(vocab_size=258, hidden_size=16, num_hidden_layers=1)).save_pretrained(tmp_path)
+    _byte_tokenizer().save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"holds a 'mamba' model, whose layers mix tokens by recurrence or "
+                                         r"convolution .*; turbogrpo trains pure-attention decoders") as err:
+        load_model_and_tokenizer(tmp_path)
+    assert "attn_implementation" not in str(err.value)
+
+
+def test_pickle_weights_that_hold_code_are_refused_naming_the_file(tmp_path):
+    import os
+    tiny_model("qwen2", vocab_size=258).config.save_pretrained(tmp_path)
+    _byte_tokenizer().save_pretrained(tmp_path)
+
+    class RunsCode:
+        def __reduce__(self):
+            return os.getpid, ()
+    torch.save({"model.embed_tokens.weight": RunsCode()}, tmp_path / "pytorch_model.bin")
+    with pytest.raises(ValueError, match=r"could not load model .*: its pickle weights \(pytorch_model.bin\) hold "
+                                         r"more than tensors, which torch's safe loader refuses") as err:
+        load_model_and_tokenizer(tmp_path)
+    assert "weights_only" not in str(err.value)
+
+
+def test_a_lora_export_loads_as_its_base_with_the_adapters_merged(tmp_path):
+    from peft import LoraConfig, get_peft_model
+    from tests.train.tiny_run import write_model
+    base, tokenizer = load_model_and_tokenizer(write_model(tmp_path / "base"))
+    tuned = get_peft_model(base, LoraConfig(r=2, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"))
+    with torch.no_grad():
+        for name, p in tuned.named_parameters():
+            if "lora_B" in name:
+                p.normal_(std=0.5, generator=torch.Generator().manual_seed(1))
+    tuned.save_pretrained(tmp_path / "final")  # adapters only, no config.json: what a LoRA run exports
+    tokenizer.save_pretrained(tmp_path / "final")
+    ids = torch.tensor([[5, 9, 12, 3]])
+    expected = tuned(ids).logits
+    merged, loaded_tokenizer = load_model_and_tokenizer(tmp_path / "final")
+    assert not hasattr(merged, "peft_config") and loaded_tokenizer("ab")["input_ids"] == tokenizer("ab")["input_ids"]
+    torch.testing.assert_close(merged(ids).logits, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without CUDA")
+def test_a_cuda_device_without_cuda_is_one_line():
+    with pytest.raises(ValueError, match=r"^device: 'cuda' needs CUDA, which this machine \(or this torch build\) "
+                                         r"lacks; use \"cpu\"$"):
+        load_model_and_tokenizer(demo_model_path(), device="cuda")
+    with pytest.raises(ValueError, match=r"^device: 'gpu0' is not a device"):
+        load_model_and_tokenizer(demo_model_path(), device="gpu0")

@@ -13,7 +13,10 @@ Configs are TOML or YAML (see configs/); every key is checked before any work st
 from __future__ import annotations
 
 import argparse
+import contextlib
+import signal
 import sys
+import threading
 import time
 
 from turbogrpo.config import Config, ConfigError, load_config
@@ -140,15 +143,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     overrides = [item for group in getattr(args, "set", None) or [] for item in group]
     try:
-        if hasattr(args, "run"):
-            return args.run(args)
-        if args.command == "train":
-            return _train(load_config(args.config, overrides), args, f"turbogrpo train {args.config}")
-        if args.command == "demo":
-            model = "longform" if args.longform else args.model
-            demo = "turbogrpo demo" + ("" if model == "demo" else f" --model {model}")
-            return _train(demo_config(overrides, model=model), args, demo, demo=True)
-        return _eval(args, overrides)
+        with _sigterm_as_interrupt():
+            return _run_command(args, overrides)
     except (ConfigError, ValueError) as err:
         print(f"turbogrpo: error: {err}", file=sys.stderr)
         return 2
@@ -156,6 +152,35 @@ def main(argv: list[str] | None = None) -> int:
         where = f" ({err.filename})" if err.filename else ""
         print(f"turbogrpo: error: {err.strerror or err}{where}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt as stop:  # (training runs report their step and checkpoint themselves, in _train)
+        how, code = _stopped_by(stop)
+        print(f"turbogrpo: {args.command} {how}; its outputs are written whole or not at all, so nothing "
+              "half-written is left", file=sys.stderr)
+        return code
+
+
+def _run_command(args: argparse.Namespace, overrides: list[str]) -> int:
+    if hasattr(args, "run"):
+        return args.run(args)
+    if args.command == "train":
+        config = load_config(args.config, overrides)
+        _keep_apart_from_the_config_file(config, args.config)
+        return _train(config, args, f"turbogrpo train {args.config}")
+    if args.command == "demo":
+        model = "longform" if args.longform else args.model
+        demo = "turbogrpo demo" + ("" if model == "demo" else f" --model {model}")
+        return _train(demo_config(overrides, model=model), args, demo, demo=True)
+    return _eval(args, overrides)
+
+
+def _keep_apart_from_the_config_file(config: Config, config_file: str) -> None:
+    """An output folder that holds the config file is refused like one that holds the data (``--overwrite``
+    would move the file aside, and a resume needs it)."""
+    from pathlib import Path
+
+    from turbogrpo.train.output_dir import check_apart_from_inputs
+    check_apart_from_inputs(Path(config.train.output_dir).resolve(), "train.output_dir",
+                            {"the config file": Path(config_file)})
 
 
 def _add_run_flags(cmd: argparse.ArgumentParser, resume_help: str) -> None:
@@ -182,13 +207,14 @@ def _train(config: Config, args: argparse.Namespace, command: str, demo: bool = 
         print(f"turbogrpo: {err}", file=sys.stderr)
         return 1
     except TrainingInterrupted as stop:
+        how, code = _stopped_by(stop.__context__)  # the KeyboardInterrupt (or SIGTERM) it was raised from
         if stop.checkpoint is None:
-            print(f"turbogrpo: interrupted at step {stop.step}, before the first checkpoint; start again with "
+            print(f"turbogrpo: {how} at step {stop.step}, before the first checkpoint; start again with "
                   f"`{command} --overwrite`{same_options}", file=sys.stderr)
         else:
-            print(f"turbogrpo: interrupted at step {stop.step}; continue with `{command} --resume`{same_options} "
+            print(f"turbogrpo: {how} at step {stop.step}; continue with `{command} --resume`{same_options} "
                   f"(from {stop.checkpoint})", file=sys.stderr)
-        return 130
+        return code
     if summary.already_complete:
         print(f"turbogrpo: the run in {summary.output_dir} is complete ({summary.steps} steps); nothing to do. "
               "To train longer, raise train.num_steps and --resume.")
@@ -209,11 +235,38 @@ def _train(config: Config, args: argparse.Namespace, command: str, demo: bool = 
     return 0
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (``kill``, a scheduler ending a job), handled like Ctrl-C: the run stops where it is, its
+    lock and processes are released, and the last complete checkpoint is named (exit status 143)."""
+
+
+def _stopped_by(interrupt: BaseException | None) -> tuple[str, int]:
+    """How a command was stopped, for its message, and its exit status (128 + the signal's number)."""
+    return ("terminated (SIGTERM)", 143) if isinstance(interrupt, Terminated) else ("interrupted", 130)
+
+
+def _raise_terminated(signum, frame) -> None:
+    raise Terminated()
+
+
+@contextlib.contextmanager
+def _sigterm_as_interrupt():
+    if threading.current_thread() is not threading.main_thread():  # only the main thread may set handlers
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def _eval(args: argparse.Namespace, overrides: list[str]) -> int:
     import torch
 
     from turbogrpo.train import distributed, setup
     from turbogrpo.train.evaluate import evaluate_accuracy
+    from turbogrpo.train.run import naming_the_file
 
     _quiet_transformers()
     if args.model:
@@ -224,7 +277,8 @@ def _eval(args: argparse.Namespace, overrides: list[str]) -> int:
     try:
         model, tokenizer = setup.load_policy(config, dist.device)
         accuracy_reward = setup.accuracy_function(config, rewards)
-        examples = setup.load_eval_prompts(config, tokenizer, setup.position_limit(model))
+        examples = naming_the_file("data.eval_path", config.data.eval_path, setup.load_eval_prompts, config,
+                                   tokenizer, setup.position_limit(model))
         if not examples or accuracy_reward is None:
             raise ValueError("nothing to evaluate: set data.eval_path (or use data.kind = \"arithmetic\") and "
                              "train.accuracy_reward")

@@ -12,6 +12,7 @@ import dataclasses
 import difflib
 import json
 import math
+import os
 import tomllib
 import types
 import typing
@@ -335,6 +336,12 @@ class TrainConfig:
     num_threads: int = 0
     """CPU threads per process for torch (0: torch's default, one per core). Tiny models run fastest on 1."""
 
+    def __post_init__(self):
+        # One spelling of the folder for every module that writes there: "~" expanded, "a/.." and "./" gone
+        # (otherwise the lock, checkpoints and exports could land in different folders).
+        if isinstance(self.output_dir, str) and self.output_dir:
+            self.output_dir = os.path.normpath(os.path.expanduser(self.output_dir))
+
     def check(self, key: str) -> None:
         _require(self.num_steps >= 1, f"{key}.num_steps", "an integer >= 1", self.num_steps)
         _require(self.prompts_per_step >= 1, f"{key}.prompts_per_step", "an integer >= 1", self.prompts_per_step)
@@ -422,20 +429,28 @@ class Config:
 def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> Config:
     """Read a TOML/YAML file (or start from the defaults), apply ``key.sub=value`` overrides, validate.
 
+    A file that sets nothing, with no overrides either, is refused: it would start a default run.
+
     Raises :class:`ConfigError` naming the key for anything wrong, before any model is loaded.
     """
     raw = read_config_file(path) if path is not None else {}
+    if path is not None and not raw and not overrides:
+        raise ConfigError(f"config file {str(path)!r} holds no settings; give at least the sections you change "
+                          "(see configs/ for examples), or run `turbogrpo demo` for the built-in defaults")
     for item in overrides:
         apply_override(raw, item)
     return config_from_dict(raw)
 
 
 def read_config_file(path: str | Path) -> dict:
+    """The sections of a TOML/YAML config file ({} when empty); ConfigError for a missing or malformed one."""
     path = Path(path)
+    if path.is_dir():
+        raise ConfigError(f"config file {str(path)!r} is a folder; pass a .toml or .yaml file (see configs/)")
     if not path.is_file():
         raise ConfigError(f"config file {str(path)!r} does not exist")
     try:
-        text = path.read_text(encoding="utf-8")
+        text = path.read_text(encoding="utf-8-sig")  # -sig: a byte-order mark some editors write is dropped
     except UnicodeDecodeError as err:
         line = path.read_bytes()[:err.start].count(b"\n") + 1
         raise ConfigError(f"config file {str(path)!r} line {line}: not valid UTF-8 "
@@ -447,14 +462,42 @@ def read_config_file(path: str | Path) -> dict:
             raise ConfigError(f"config file {str(path)!r} is not valid TOML: {err}") from None
     elif path.suffix in (".yaml", ".yml"):
         try:
-            data = yaml.safe_load(text) or {}
+            data = yaml.load(text, Loader=_UniqueKeyLoader)
         except yaml.YAMLError as err:
-            raise ConfigError(f"config file {str(path)!r} is not valid YAML: {err}") from None
+            raise ConfigError(f"config file {str(path)!r} is not valid YAML: {_yaml_problem(err)}") from None
     else:
         raise ConfigError(f"config file {str(path)!r}: allowed extensions are .toml, .yaml and .yml")
+    if data is None:  # an empty YAML file
+        return {}
     if not isinstance(data, dict):
         raise ConfigError(f"config file {str(path)!r} must hold a table of sections, not {type(data).__name__}")
     return data
+
+
+def _yaml_problem(err: yaml.YAMLError) -> str:
+    """A YAML error on one line: where and what (PyYAML's own message spans several, quoting the file)."""
+    mark, problem = getattr(err, "problem_mark", None), getattr(err, "problem", None)
+    if mark is None or problem is None:
+        return " ".join(str(err).split())
+    return f"line {mark.line + 1}, column {mark.column + 1}: {problem}"
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, except that a key given twice in one mapping is an error (as in TOML), not
+    a silent replacement of the first value and everything under it."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            if isinstance(key, typing.Hashable) and key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key!r} appears twice in one mapping (lines {seen[key]} and {line}); "
+                    "merge the two into one", key_node.start_mark)
+            if isinstance(key, typing.Hashable):
+                seen[key] = line
+        return super().construct_mapping(node, deep=deep)
 
 
 def apply_override(raw: dict, item: str) -> None:
@@ -634,4 +677,5 @@ def _default_of(schema: type, name: str) -> Any:
 
 def dump_config(config: Config, path: str | Path) -> None:
     """Write the resolved config as JSON (kept next to checkpoints, so a run says what it was)."""
-    Path(path).write_text(json.dumps(config.to_dict(), indent=2, sort_keys=True))
+    from turbogrpo.files import write_text_atomically  # (a run killed mid-write must not leave half a config)
+    write_text_atomically(Path(path), json.dumps(config.to_dict(), indent=2, sort_keys=True))

@@ -87,6 +87,26 @@ def check_supported(model: nn.Module) -> None:
             f"which turbogrpo cannot run; supported layer types are {sorted(SUPPORTED_LAYER_TYPES)}.")
 
 
+def check_materialized(model: nn.Module) -> None:
+    """ValueError when ``model``'s weights are on the meta device (shapes only, no values: built under
+    ``init_empty_weights`` or ``device="meta"``), where every forward would fail deep inside torch."""
+    if any(p.is_meta for p in model.parameters()):
+        raise ValueError("the model's weights are on the meta device (shapes without values); load real weights "
+                         "first (from_pretrained, or to_empty() and load_state_dict) before generating or scoring")
+
+
+# Decoder attributes that hold a learnt table of absolute positions (GPT-2's wpe, OPT's embed_positions ...).
+ABSOLUTE_POSITION_MODULES = ("wpe", "embed_positions", "position_embeddings")
+
+
+def has_absolute_positions(model: nn.Module) -> bool:
+    """Whether ``model`` adds absolute position embeddings to its tokens (GPT-2) rather than rotating q/k
+    (RoPE): its outputs then depend on where a sequence starts, not only on token distances. turbogrpo
+    counts positions from each prompt's first real token, which such a model also runs exactly."""
+    decoder = decoder_of(model)
+    return any(isinstance(getattr(decoder, name, None), nn.Embedding) for name in ABSOLUTE_POSITION_MODULES)
+
+
 def install(model: nn.Module) -> None:
     """Make ``model`` dispatch attention through turbogrpo (idempotent, SDPA-equivalent otherwise)."""
     check_supported(model)

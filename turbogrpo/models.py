@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import re
 import socket
 from pathlib import Path
@@ -19,7 +20,7 @@ from transformers import (AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Llam
                           MistralForCausalLM, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase,
                           PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
-from turbogrpo.gguf_models import gguf_model_folder, is_gguf_source
+from turbogrpo.gguf_models import gguf_model_folder, is_gguf_source, packaged_gguf_file
 
 DTYPES = {
     "float32": torch.float32,
@@ -62,6 +63,23 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     return DTYPES[dtype]
 
 
+def checked_device(device: str | torch.device, key: str = "device", *, shown: object = None) -> torch.device:
+    """``device`` as a torch.device; a ValueError naming ``key`` (and the value as the user wrote it,
+    ``shown``) when it is no device or one this machine or torch build lacks."""
+    shown = device if shown is None else shown
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"{key}: {shown!r} is not a device; use \"cpu\", \"cuda\" or \"cuda:N\"") from None
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"{key}: {shown!r} needs CUDA, which this machine (or this torch build) lacks; "
+                         "use \"cpu\"")
+    if resolved.type == "cuda" and (resolved.index or 0) >= torch.cuda.device_count():
+        raise ValueError(f"{key}: {shown!r} names a GPU this machine lacks (it has "
+                         f"{torch.cuda.device_count()}); use \"cuda\" or \"cuda:N\" with N below that")
+    return resolved
+
+
 def load_model_and_tokenizer(name_or_path: str | os.PathLike, *, dtype: str | torch.dtype = "float32",
                              device: str | torch.device | None = None,
                              attn_implementation: str = "sdpa") -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
@@ -71,15 +89,19 @@ def load_model_and_tokenizer(name_or_path: str | os.PathLike, *, dtype: str | to
     The tokenizer gets a pad token (its eos token) if it has none, because batched rollouts pad.
     A name that is not an existing folder but looks like a Hub id ("owner/name") is tried on the Hub;
     when the Hub cannot be reached it comes from the local Hugging Face cache or fails at once (no
-    minute of retries). Damaged weight files are named in a one-line ValueError.
+    minute of retries). Damaged weight files, pickle weights that hold code, a folder without tokenizer
+    files and recurrent model types are named in a one-line ValueError. A folder of PEFT adapters (a LoRA
+    run's ``final/``) loads as its base model with the adapters merged in.
     """
     torch_dtype = resolve_dtype(dtype)
+    if device is not None:
+        device = checked_device(device)
     source = str(resolve_model_path(name_or_path))
     local = Path(source).expanduser()
+    if local.is_dir() and (local / ADAPTER_CONFIG).is_file() and not (local / "config.json").is_file():
+        return _load_adapter_folder(local, dtype=torch_dtype, device=device, attn_implementation=attn_implementation)
     if local.is_dir():
-        if not (local / "config.json").is_file():
-            raise ValueError(f"model folder {source!r} has no config.json; pass a folder written by "
-                             "save_pretrained (config.json, weights and tokenizer files)")
+        _check_model_folder(local, source)
         source = str(local)
     elif not _HUB_ID.match(source) or local.suffix in {".json", ".safetensors", ".bin"}:
         raise ValueError(f"model path {source!r} is not an existing folder; pass a folder written by "
@@ -94,12 +116,27 @@ def load_model_and_tokenizer(name_or_path: str | os.PathLike, *, dtype: str | to
     except SafetensorError as err:
         raise ValueError(f"could not load model {source!r}: {_damaged_weights(local) or 'a weight file'} is "
                          f"truncated or corrupt ({err}); copy or download the model again") from None
+    except pickle.UnpicklingError:
+        pickles = sorted(p.name for p in local.glob("*.bin")) if local.is_dir() else []
+        raise ValueError(f"could not load model {source!r}: its pickle weights ({', '.join(pickles) or '*.bin'}) "
+                         "hold more than tensors, which torch's safe loader refuses (unpickling them could run "
+                         "code); get the model as safetensors (model.safetensors) from a source you trust") from None
+    except ValueError as err:
+        if "does not support an attention implementation" not in str(err):
+            raise
+        raise ValueError(f"could not load model {source!r}: its architecture does not run with SDPA attention, "
+                         "which turbogrpo's forwards use; turbogrpo trains pure-attention decoders (Qwen2, Qwen3, "
+                         "Llama, Mistral, GPT-2)") from None
     except OSError as err:
         problem = (f"folder {source!r} is not a complete save_pretrained folder (config.json, weights and "
                    "tokenizer files)" if local.is_dir() else
                    f"{source!r} is not a local folder and the Hugging Face Hub could not provide it (the Hub "
                    "is unreachable offline: download the model elsewhere and pass its local folder)")
         raise ValueError(f"could not load model: {problem}. Original error: {err}") from err
+    if len(tokenizer) < 2:
+        raise ValueError(f"the tokenizer of model {source!r} is empty ({len(tokenizer)} tokens); the folder needs "
+                         f"its tokenizer files ({', '.join(TOKENIZER_FILES[:2])}): save them with "
+                         "tokenizer.save_pretrained(folder)")
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is None:
             raise ValueError(f"tokenizer of {source!r} has neither a pad token nor an eos token; "
@@ -107,6 +144,60 @@ def load_model_and_tokenizer(name_or_path: str | os.PathLike, *, dtype: str | to
         tokenizer.pad_token = tokenizer.eos_token
     if device is not None:
         model = model.to(device)
+    return model, tokenizer
+
+
+# Files of which a saved tokenizer has at least one (fast tokenizers: tokenizer.json; slow ones: their vocab).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                   "spiece.model")
+ADAPTER_CONFIG = "adapter_config.json"  # PEFT's: a folder of adapters (turbogrpo's LoRA export) names its base
+
+
+def _check_model_folder(folder: Path, source: str) -> None:
+    """ValueError naming what a model folder lacks (config.json, tokenizer files) or the model type
+    turbogrpo cannot run, before transformers makes something of it."""
+    if not (folder / "config.json").is_file():
+        raise ValueError(f"model folder {source!r} has no config.json; pass a folder written by "
+                         "save_pretrained (config.json, weights and tokenizer files)")
+    if not any((folder / name).is_file() for name in TOKENIZER_FILES):
+        raise ValueError(f"model folder {source!r} has no tokenizer files ({', '.join(TOKENIZER_FILES)}); copy "
+                         "them from the model it was trained from, or save them with tokenizer.save_pretrained")
+    from turbogrpo.hook import NON_ATTENTION_MODEL_TYPES
+    model_type = _model_type(str(folder))
+    if model_type in NON_ATTENTION_MODEL_TYPES:
+        raise ValueError(f"model folder {source!r} holds a {model_type!r} model, whose layers mix tokens by "
+                         "recurrence or convolution rather than softmax attention; turbogrpo trains pure-attention "
+                         "decoders (Qwen2, Qwen3, Llama, Mistral, GPT-2)")
+
+
+def _model_type(source: str) -> str:
+    """The model_type a local folder's config.json records ("" when it cannot be read)."""
+    try:
+        return str(json.loads((Path(source) / "config.json").read_text()).get("model_type", ""))
+    except (OSError, ValueError, AttributeError):
+        return ""
+
+
+def _load_adapter_folder(folder: Path, *, dtype: torch.dtype, device, attn_implementation: str,
+                         ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """A folder of PEFT adapters (a LoRA run's final/): its base model with the adapters merged in, and
+    the folder's own tokenizer when it has one."""
+    try:
+        base = json.loads((folder / ADAPTER_CONFIG).read_text())["base_model_name_or_path"]
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise ValueError(f"adapter folder {str(folder)!r}: cannot read base_model_name_or_path from "
+                         f"{ADAPTER_CONFIG} ({err}); it should be the file PEFT's save_pretrained wrote") from None
+    if not base:
+        raise ValueError(f"adapter folder {str(folder)!r}: {ADAPTER_CONFIG} names no base model "
+                         "(base_model_name_or_path); pass the base model's folder instead")
+    model, tokenizer = load_model_and_tokenizer(base, dtype=dtype, device=device,
+                                                attn_implementation=attn_implementation)
+    from peft import PeftModel
+    model = PeftModel.from_pretrained(model, str(folder)).merge_and_unload()
+    if any((folder / name).is_file() for name in TOKENIZER_FILES):
+        tokenizer = declared_tokenizer(folder, AutoTokenizer.from_pretrained(str(folder)))
+        if tokenizer.pad_token is None:
+            tokenizer.pad_token = tokenizer.eos_token
     return model, tokenizer
 
 
@@ -226,6 +317,16 @@ def resolve_model_path(path: str | os.PathLike) -> str | Path:
     if is_gguf_source(path):
         return gguf_model_folder(path)
     return path
+
+
+def model_source(path: str) -> Path:
+    """What a config's model.path reads on disk, without converting anything: a shipped model's folder,
+    a packaged GGUF model's file, else ``path`` itself (a folder, a .gguf file, or a Hub id)."""
+    if path in SHIPPED_MODELS:
+        return SHIPPED_MODELS[path][0]
+    if is_gguf_source(path) and not path.lower().endswith(".gguf"):
+        return packaged_gguf_file(path)
+    return Path(path)
 
 
 def demo_model_path() -> Path:

@@ -78,3 +78,41 @@ def test_the_empty_prompt_advice_names_a_real_config_key(byte_tokenizer):
                                          f"key {key}"):
         build_prompts([{"prompt": " "}], byte_tokenizer)
     assert load_config(None, [key.replace(" ", "")]).data.on_empty == "skip"
+
+
+@pytest.mark.parametrize("message, problem", [
+    ({"content": "Tom has 3 apples"}, "has no role"),
+    ({"role": "user", "content": [1, 2]}, "has list content, not a string"),
+    ({"role": "user", "content": 7}, "has int content, not a string"),
+    ({"role": "user"}, "has no content"),
+    ({"role": 3, "content": "hi"}, "has role 3, not a non-empty string"),
+])
+def test_chat_messages_need_a_role_and_text_content(chat_tokenizer, message, problem):
+    rows = [{"prompt": "fine"}, {"prompt": [{"role": "system", "content": "Be brief."}, message]}]
+    with pytest.raises(ValueError, match=rf"row 1: message 1 of prompt column 'prompt' {problem}; each message is"):
+        build_prompts(rows, chat_tokenizer)
+
+
+def test_a_chat_template_that_refuses_a_prompt_is_one_line_naming_the_row(chat_tokenizer):
+    chat_tokenizer.chat_template = (
+        "{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+        "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+        "<{{ m['role'] }}>{{ m['content'] }}{% endfor %}")
+    rows = [{"prompt": "fine"}, {"prompt": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]}]
+    with pytest.raises(ValueError, match=r"row 1: the tokenizer's chat template refused the prompt \(Conversation "
+                                         r"roles must alternate .*\); fix the row's messages \(and "
+                                         r"data.system_prompt\) to what the template accepts$") as err:
+        build_prompts(rows, chat_tokenizer)
+    assert "\n" not in str(err.value)
+    with pytest.raises(ValueError, match=r"row 0: the tokenizer's chat template refused .* or set the config key "
+                                         r"data.chat_template = \"never\""):  # a system prompt it refuses
+        build_prompts(rows[:1], chat_tokenizer, system_prompt="Be brief.")
+
+
+def test_template_errors_name_the_config_key(byte_tokenizer):
+    with pytest.raises(ValueError, match=r"data.chat_template = \"always\" but the tokenizer has no chat template; "
+                                         r"set the config key data.chat_template = \"auto\" .* or \"never\""):
+        build_prompts(ROWS, byte_tokenizer, chat_template=True)
+    with pytest.raises(ValueError, match=r"needs the tokenizer's chat template, which is off or missing; set the "
+                                         r"config key data.chat_template = \"auto\""):
+        build_prompts([{"prompt": [{"role": "user", "content": "Hi"}]}], byte_tokenizer)

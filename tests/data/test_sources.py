@@ -60,3 +60,23 @@ def test_non_utf8_jsonl_names_the_file_and_line(tmp_path):
     with pytest.raises(ValueError, match=rf"{path} line 2: not valid UTF-8 \(byte 0xe9 at column 16\); save the file "
                                          "as UTF-8"):
         read_records(path)
+
+
+def test_a_source_without_rows_is_named(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    empty_jsonl = tmp_path / "empty.jsonl"
+    empty_jsonl.write_text("\n\n")
+    with pytest.raises(ValueError, match=rf"data file {empty_jsonl} holds no rows"):
+        read_records(empty_jsonl)
+    empty_parquet = tmp_path / "empty.parquet"
+    pq.write_table(pa.table({"prompt": pa.array([], pa.string())}), empty_parquet)
+    with pytest.raises(ValueError, match=rf"data file {empty_parquet} holds no rows"):
+        read_records(empty_parquet)
+
+
+def test_a_byte_order_mark_in_jsonl_is_read_as_utf8(tmp_path):
+    path = tmp_path / "rows.jsonl"
+    path.write_bytes("\ufeff".encode() + "\n".join(json.dumps(r) for r in ROWS).encode())
+    assert read_records(path) == ROWS

@@ -230,3 +230,26 @@ def test_group_rows_reads_groups_from_the_tokens():
 def test_unsupported_trl_versions_are_refused(version):
     with pytest.raises(ValueError, match=r"supports TRL <2,>=1.16|supports TRL >=1.16,<2"):
         check_trl_version(version)
+
+
+@pytest.fixture(scope="module")
+def tiny_gpt2(tmp_path_factory, tiny):
+    """A tiny GPT-2 (absolute position embeddings), saved like ``tiny``, with the same tokenizer."""
+    from tests.prefix.conftest import build_gpt2
+    path = tmp_path_factory.mktemp("tiny_gpt2_trl")
+    model = build_gpt2(vocab=32)
+    model.config.pad_token_id, model.config.eos_token_id = PAD, EOS
+    model.save_pretrained(path)
+    return str(path), tiny[1]
+
+
+def test_an_absolute_position_model_with_left_padding_runs_trl_with_a_notice(tiny_gpt2, tmp_path, caplog):
+    """TRL counts GPT-2's left padding in the positions, so only TRL's own forward gives TRL's log-probs."""
+    trl_trainer, ours = build_pair(tiny_gpt2, tmp_path, loss_type="dapo", beta=0.0)
+    with caplog.at_level(logging.WARNING, logger="turbogrpo.integrations.trl"):
+        assert_same_step(trl_trainer, ours)
+    stats = ours.shared_prefix_stats
+    assert stats.num_shared_calls == 0 and stats.num_fallback_calls == 2
+    (reason,) = stats.fallback_reasons
+    assert "absolute position embeddings and the batch left-pads its prompts" in reason
+    assert len([r for r in caplog.records if "TRL's own forward" in r.getMessage()]) == 1

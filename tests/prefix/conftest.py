@@ -26,6 +26,16 @@ def build_model(arch: str, dtype=torch.float32, seed: int = 0, **overrides):
     return model
 
 
+def build_gpt2(dtype=torch.float32, seed: int = 0, vocab: int = VOCAB):
+    """A tiny GPT-2: absolute position embeddings (wpe), no intermediate_size, layers in ``transformer.h``."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+    torch.manual_seed(seed)
+    config = GPT2Config(vocab_size=vocab, n_positions=256, n_embd=64, n_layer=2, n_head=4, bos_token_id=0,
+                        eos_token_id=0, initializer_range=0.2, resid_pdrop=0.0, embd_pdrop=0.0,
+                        attn_pdrop=0.0)
+    return GPT2LMHeadModel(config).to(dtype).eval()
+
+
 def full_precision_norms(model):
     """HF RMSNorms compute in float32 even in a float64 model; their rounding would hide float64
     agreement (both layouts round differently-summed gradients to float32), so float64 tests run the

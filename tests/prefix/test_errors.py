@@ -26,6 +26,9 @@ P, C = torch.tensor([1, 2, 3]), torch.tensor([4, 5])
     ([P], [[torch.tensor([1.0, 2.0])]], "completion 0 of group 0 has dtype torch.float32"),
     ([P], [[torch.zeros(260, dtype=torch.long)]], "prompt \\+ completion is 263 tokens, beyond .*=256"),
     ([P], [[C], [C]], "2 groups"),
+    ([P], [C], r"completions\[0\] must be the list of group 0's completions \(1-D LongTensors\), got Tensor; "
+               "completions is a list of lists"),
+    ([P], C, "completions must be a list of lists of 1-D LongTensors"),
 ])
 def test_bad_input(model, prompts, completions, message):
     with pytest.raises(ValueError, match=message):

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import turbogrpo
-from tests.prefix.conftest import PACKS, build_model, random_groups
+from tests.prefix.conftest import PACKS, build_gpt2, build_model, random_groups
 from turbogrpo.models import enable_activation_checkpointing
 
 BACKENDS = ["reference", "cascade", "varlen"]
@@ -70,6 +70,20 @@ def test_logprobs_equal_model_logits_by_hand():
     expected = torch.log_softmax(logits / 2.0, -1)[[2, 3], [92, 65]]
     got = turbogrpo.completion_logprobs(model, [prompt], [[completion]], temperature=2.0)[0][0]
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("backend", ["auto", *BACKENDS])
+def test_absolute_position_models_run_exactly(backend):
+    """GPT-2 adds a learnt embedding of each absolute position: every completion's positions continue
+    its prompt's from 0, so the shared forward equals the model's own forward of prompt + completion."""
+    model = build_gpt2(torch.float64)
+    prompts, completions = random_groups(*PACKS["mixed"], seed=4)
+    got = turbogrpo.completion_logprobs(model, prompts, completions, backend=backend)
+    for prompt, group, got_group in zip(prompts, completions, got):
+        for completion, logps in zip(group, got_group):
+            logits = model(torch.cat([prompt, completion])[None]).logits[0]
+            expected = torch.log_softmax(logits, -1)[torch.arange(prompt.numel() - 1, logits.shape[0] - 1), completion]
+            torch.testing.assert_close(logps, expected, rtol=0, atol=1e-10)
 
 
 def test_flex_backend_forward_matches_standard():

@@ -145,6 +145,8 @@ BAD_INPUTS = {  # case: (arguments replacing VALID_CALL's, expected message)
     "sampling not a config": (dict(sampling={"max_new_tokens": 3}), "sampling must be a SamplingConfig"),
     "stop token outside vocabulary": (dict(sampling=SamplingConfig(max_new_tokens=2, stop_token_ids=[VOCAB])),
                                       "stop_token_ids"),
+    "seed a string": (dict(seed="abc"), r"seed must be None or an integer in \[0, 2\*\*63\), got 'abc'"),
+    "seed negative": (dict(seed=-1), "seed must be None or an integer"),
 }
 
 
@@ -153,6 +155,30 @@ def test_bad_input_raises_value_error_naming_the_field(qwen2, case):
     replaced, message = BAD_INPUTS[case]
     with pytest.raises(ValueError, match=message):
         generate(qwen2, **{**VALID_CALL, **replaced})
+
+
+def test_a_model_on_the_meta_device_is_refused_in_one_line():
+    with torch.device("meta"):
+        model = build_model("qwen2")
+    with pytest.raises(ValueError, match="the model's weights are on the meta device"):
+        generate(model, **VALID_CALL)
+    with pytest.raises(ValueError, match="the model's weights are on the meta device"):
+        completion_logprobs(model, [torch.tensor([1, 2])], [[torch.tensor([3])]])
+
+
+def test_absolute_position_models_sample_with_their_own_logprobs():
+    """GPT-2 (learnt absolute positions): the engine's log-probs are the model's own forward's."""
+    from tests.prefix.conftest import build_gpt2
+    model = build_gpt2(vocab=VOCAB)
+    prompts = [torch.tensor([1, 2, 3]), torch.tensor([4, 5])]
+    rollout = generate(model, prompts, num_samples=2, sampling=SamplingConfig(max_new_tokens=5), seed=0)
+    with torch.no_grad():
+        for g, prompt in enumerate(prompts):
+            for tokens, logps in zip(rollout.tokens_per_group()[g], rollout.logprobs_per_group()[g]):
+                logits = model(torch.cat([prompt, tokens])[None]).logits[0]
+                expected = torch.log_softmax(logits.float(), -1)[torch.arange(prompt.numel() - 1, logits.shape[0] - 1),
+                                                                 tokens]
+                torch.testing.assert_close(logps, expected, rtol=1e-5, atol=1e-5)
 
 
 def test_bfloat16_models_run_with_float32_logprobs():

@@ -3,6 +3,7 @@
 import json
 
 import pytest
+import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
@@ -46,3 +47,48 @@ def test_draft_train_then_profile(model_dir, tmp_path, monkeypatch, capsys):
 def test_bad_arguments_exit_with_a_message(model_dir, tmp_path, capsys):
     assert main(["draft", "train", "--model", str(model_dir), "--out", str(tmp_path / "d"), "--epochs", "0"]) == 2
     assert "--epochs must be >= 1" in capsys.readouterr().err
+
+
+def draft_train(model_dir, prompts, out, *flags):
+    return main(["draft", "train", "--model", str(model_dir), "--prompts", str(prompts), "--out", str(out),
+                 "--num-prompts", "2", "--num-samples", "2", "--max-new-tokens", "4", "--epochs", "1",
+                 "--batch-size", "4", *flags])
+
+
+def test_draft_train_refuses_a_used_out_and_overwrite_moves_it_aside_and_resume_trains_further(
+        model_dir, tmp_path, capsys):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": text}) + "\n" for text in ("1234", "abc5")))
+    out = tmp_path / "draft"
+    out.mkdir()
+    (out / "draft_config.json").write_text("{}")
+    assert draft_train(model_dir, prompts, out) == 2
+    assert "--out '" in capsys.readouterr().err and (out / "draft_config.json").read_text() == "{}"
+    assert draft_train(model_dir, prompts, out, "--overwrite") == 0
+    (aside,) = tmp_path.glob("draft.previous-*")
+    assert (aside / "draft_config.json").read_text() == "{}"
+    first = (out / "draft.safetensors").read_bytes()
+    assert draft_train(model_dir, prompts, out, "--resume") == 0
+    assert "--resume: training the draft in" in capsys.readouterr().out
+    assert (out / "draft.safetensors").read_bytes() != first
+
+
+def test_draft_train_checks_out_before_any_work(model_dir, tmp_path, capsys):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "12"}\n')
+    (tmp_path / "file").write_text("x")
+    before = sorted(p.name for p in model_dir.iterdir())
+    for out, message in [(tmp_path / "file", "is a file, not a folder"), (model_dir, "is --model"),
+                         (tmp_path, "holds --prompts")]:
+        assert draft_train(model_dir, prompts, out, "--overwrite") == 2
+        assert message in capsys.readouterr().err
+    assert sorted(p.name for p in model_dir.iterdir()) == before
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without CUDA")
+@pytest.mark.parametrize("command", [["draft", "train", "--out", "OUT"], ["profile"]])
+def test_a_cuda_device_without_cuda_is_one_line(model_dir, tmp_path, capsys, command):
+    command = [str(tmp_path / "d") if arg == "OUT" else arg for arg in command]
+    assert main([*command, "--model", str(model_dir), "--device", "cuda"]) == 2
+    assert capsys.readouterr().err.strip() == ("turbogrpo: error: --device: 'cuda' needs CUDA, which this machine "
+                                               "(or this torch build) lacks; use \"cpu\"")

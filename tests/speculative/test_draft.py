@@ -43,6 +43,38 @@ def test_load_rejects_a_draft_of_another_policy(tmp_path):
         DraftHead.load(tmp_path / "missing", tiny_policy())
 
 
+def test_a_draft_whose_config_does_not_match_its_weights_is_named(tmp_path):
+    policy = tiny_policy()
+    DraftHead(policy, num_layers=2).save(tmp_path / "d")
+    config_file = tmp_path / "d" / "draft_config.json"
+    config_file.write_text(config_file.read_text().replace('"num_layers": 2', '"num_layers": 1'))
+    with pytest.raises(ValueError, match=r"draft '.*d': draft.safetensors does not match draft_config.json \(1 "
+                                         r"layers for this policy\): unexpected layers.1.*; save the two files"):
+        DraftHead.load(tmp_path / "d", policy)
+    config_file.write_text('{"num_layers": 1, "colour": "red"}')
+    with pytest.raises(ValueError, match=r"draft config '.*draft_config.json' is not valid \(.*colour"):
+        DraftHead.load(tmp_path / "d", policy)
+    config_file.write_text('{"num_layers": ')
+    with pytest.raises(ValueError, match=r"draft config '.*draft_config.json' is not valid"):
+        DraftHead.load(tmp_path / "d", policy)
+
+
+def test_a_truncated_draft_file_is_named(tmp_path):
+    policy = tiny_policy()
+    DraftHead(policy).save(tmp_path / "d")
+    weights = tmp_path / "d" / "draft.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])
+    with pytest.raises(ValueError, match=r"draft weights '.*draft.safetensors' are truncated or corrupt"):
+        DraftHead.load(tmp_path / "d", policy)
+
+
+def test_a_model_without_rotary_decoder_layers_gets_no_draft():
+    from tests.prefix.conftest import build_gpt2
+    with pytest.raises(ValueError, match=r"model type 'gpt2' has no rotary-position decoder layers .* set "
+                                         r"rollout.speculation = \"off\""):
+        DraftHead(build_gpt2())
+
+
 def test_bad_config_is_a_value_error():
     with pytest.raises(ValueError, match="num_layers"):
         DraftHead(tiny_policy(), num_layers=0)

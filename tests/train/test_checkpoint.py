@@ -65,21 +65,23 @@ def test_round_trip_restores_model_optimizer_rng_and_extra(tmp_path, monkeypatch
 def test_crash_while_writing_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
     model, optimizer = trained_pair()
     first = ckpt.save_checkpoint(tmp_path, 1, model, optimizer, {}, SINGLE)
-    real_save = ckpt._save_tensors
+    real_save = ckpt.save_tensors
 
     def crash_on_optimizer(tensors, path):
         if path.name == "optimizer.safetensors":
             raise KeyboardInterrupt("killed mid-write")
         real_save(tensors, path)
 
-    monkeypatch.setattr(ckpt, "_save_tensors", crash_on_optimizer)
-    with pytest.raises(KeyboardInterrupt):
+    monkeypatch.setattr(ckpt, "save_tensors", crash_on_optimizer)
+    with pytest.raises(KeyboardInterrupt):  # Ctrl-C (or SIGTERM) mid-write: the half-written folder goes
         ckpt.save_checkpoint(tmp_path, 2, model, optimizer, {}, SINGLE)
-    assert (tmp_path / ".tmp-step-000002" / "model.safetensors").exists()  # the debris is there ...
-    assert not (tmp_path / "step-000002").exists()
-    assert ckpt.latest_checkpoint(tmp_path) == first  # ... and ignored
+    assert not (tmp_path / ".tmp-step-000002").exists() and not (tmp_path / "step-000002").exists()
+    assert ckpt.latest_checkpoint(tmp_path) == first
+    (tmp_path / ".tmp-step-000002").mkdir()  # what a SIGKILL mid-write leaves: debris ...
+    (tmp_path / ".tmp-step-000002" / "model.safetensors").write_bytes(b"half")
+    assert ckpt.latest_checkpoint(tmp_path) == first  # ... that is ignored
 
-    monkeypatch.setattr(ckpt, "_save_tensors", real_save)
+    monkeypatch.setattr(ckpt, "save_tensors", real_save)
     second = ckpt.save_checkpoint(tmp_path, 2, model, optimizer, {}, SINGLE)
     assert ckpt.latest_checkpoint(tmp_path) == second
     assert not (tmp_path / ".tmp-step-000002").exists()
@@ -165,9 +167,26 @@ def test_a_full_disk_during_a_checkpoint_says_the_previous_one_is_intact(tmp_pat
     def disk_full(tensors, path):
         raise OSError(errno.ENOSPC, "No space left on device", str(path))
 
-    monkeypatch.setattr(ckpt, "_save_tensors", disk_full)
+    monkeypatch.setattr(ckpt, "save_tensors", disk_full)
     with pytest.raises(ckpt.CheckpointError, match=r"could not write checkpoint .*step-000002 \(No space left on "
                                                     r"device: .*rng-rank0.safetensors\); the previous checkpoint "
                                                     r".*step-000001 and the `latest` pointer are intact. Free space"):
         ckpt.save_checkpoint(tmp_path, 2, model, optimizer, {}, SINGLE)
     assert not (tmp_path / ".tmp-step-000002").exists() and ckpt.latest_checkpoint(tmp_path) == first
+
+
+def test_a_full_disk_inside_safetensors_is_one_line_and_leaves_no_temporary_folder(tmp_path, monkeypatch):
+    from safetensors import SafetensorError
+    model, optimizer = trained_pair()
+    first = ckpt.save_checkpoint(tmp_path, 1, model, optimizer, {}, SINGLE)
+
+    def disk_full(tensors, path):  # what safetensors raises when the disk fills up (not an OSError)
+        raise SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: '
+                              '"No space left on device" })')
+
+    monkeypatch.setattr("turbogrpo.files.save_file", disk_full)
+    with pytest.raises(ckpt.CheckpointError, match=r"could not write checkpoint .*step-000002 \(No space left on "
+                                                    r"device: .*rng-rank0.safetensors\); the previous checkpoint "):
+        ckpt.save_checkpoint(tmp_path, 2, model, optimizer, {}, SINGLE)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-000001"]
+    assert ckpt.latest_checkpoint(tmp_path) == first

@@ -118,3 +118,89 @@ def test_a_torn_last_metrics_line_is_dropped_with_a_notice(tmp_path, capsys):
     (tmp_path / "metrics.jsonl").write_text('{"step": 1\n' + text)  # damage before the end is not a torn write
     with pytest.raises(ValueError, match=r"metrics.jsonl line 1 is not valid JSON"):
         MetricsLog(tmp_path, tensorboard=False, enabled=True, resume_step=2)
+
+
+@pytest.mark.parametrize("key, where", [("model.path", "out"), ("model.path", "out/model"), ("data.path", "out"),
+                                        ("draft.path", "out/draft")])
+def test_an_output_folder_that_is_or_holds_an_input_is_refused_and_nothing_moves(tmp_path, key, where):
+    (tmp_path / where).mkdir(parents=True, exist_ok=True)
+    kept = tmp_path / where / ("rows.jsonl" if key == "data.path" else "config.json")
+    kept.write_text("{}")
+    source = kept if key == "data.path" else tmp_path / where
+    if key == "draft.path":
+        (source / "draft_config.json").write_text("{}")
+        (source / "draft.safetensors").write_text("")
+    relation = "is" if where == "out" and key != "data.path" else "holds"
+    with pytest.raises(ValueError, match=rf"config key 'train.output_dir': '.*out' {relation} {key} '.*'; outputs "
+                                         "must not mix"):
+        claim(tmp_path / "out", f'{key}="{source}"', overwrite=True)
+    assert kept.read_text() == "{}" and not list(tmp_path.glob("out.previous-*"))
+
+
+def test_an_output_folder_that_holds_a_reward_module_is_refused(tmp_path, monkeypatch):
+    import importlib.util
+    (tmp_path / "my_rewards.py").write_text("def score(prompts, completions, **columns):\n    return [0.0]\n")
+    spec = importlib.util.spec_from_file_location("my_rewards", tmp_path / "my_rewards.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.setitem(sys.modules, "my_rewards", module)  # train imports reward modules before the claim
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match=r"'.*' holds rewards.0.function '.*my_rewards.py'"):
+        claim(".", "rewards.0.function=my_rewards:score", "train.accuracy_reward=\"\"", overwrite=True)
+    assert (tmp_path / "my_rewards.py").is_file()
+
+
+def test_an_output_folder_inside_the_model_folder_is_refused(tmp_path):
+    (tmp_path / "model").mkdir()
+    with pytest.raises(ValueError, match=r"'.*model/run' sits inside model.path"):
+        claim(tmp_path / "model" / "run", f'model.path="{tmp_path / "model"}"')
+    assert not (tmp_path / "model" / "run").exists()
+
+
+@pytest.mark.parametrize("spelled", ["out/sub/..", "."])
+def test_overwrite_resolves_the_path_before_anything_moves(tmp_path, monkeypatch, spelled):
+    (tmp_path / "out" / "sub").mkdir(parents=True, exist_ok=True)
+    monkeypatch.chdir(tmp_path / "out" if spelled == "." else tmp_path)
+    (tmp_path / "out" / "metrics.jsonl").write_text("{}\n")
+    claim(spelled, overwrite=True).release()
+    (aside,) = tmp_path.glob("out.previous-*")
+    assert sorted(p.name for p in aside.iterdir()) == ["metrics.jsonl", "sub"]
+    assert [p.name for p in (tmp_path / "out").iterdir()] == [".lock"]
+
+
+def test_overwrite_moves_everything_or_nothing(tmp_path, monkeypatch):
+    earlier_run(tmp_path / "out")
+    real_rename = Path.rename
+
+    def rename_fails_on_the_second(self, target):
+        if self.name == "metrics.jsonl":
+            raise OSError(18, "Invalid cross-device link")
+        return real_rename(self, target)
+    monkeypatch.setattr(Path, "rename", rename_fails_on_the_second)
+    with pytest.raises(ValueError, match=r"--overwrite: cannot move '.*metrics.jsonl' to .* \(Invalid cross-device "
+                                         r"link\); nothing was moved"):
+        claim(tmp_path / "out", overwrite=True)
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [".lock", "latest", "metrics.jsonl", "step-000008"]
+    assert not list(tmp_path.glob("out.previous-*"))
+
+
+def test_resume_refuses_training_data_or_a_model_rewritten_since_the_run_started(tmp_path, monkeypatch):
+    from tests.train.tiny_run import write_model
+    from turbogrpo.train import output_dir
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"prompt": "a"}\n')
+    model = write_model(tmp_path / "model")
+    sets = ("data.kind=rows", f'data.path="{rows}"', f'model.path="{model}"')
+    claim(tmp_path / "out", *sets).release()
+    output_dir.record_inputs(tmp_path / "out", config_for(tmp_path / "out", *sets))
+    claim(tmp_path / "out", *sets, resume=True).release()  # the same inputs resume
+    rows.write_text('{"prompt": "b"}\n')  # same row count, other content
+    with pytest.raises(ValueError, match=rf"--resume: data.path '{rows}' changed since .*out started \(the content "
+                                         "differs from the fingerprint in .*inputs.json\)"):
+        claim(tmp_path / "out", *sets, resume=True)
+    rows.write_text('{"prompt": "a"}\n')
+    monkeypatch.setattr(output_dir, "SAMPLED_ABOVE_BYTES", 1000)  # the weights are sampled, not read whole
+    output_dir.record_inputs(tmp_path / "out", config_for(tmp_path / "out", *sets))
+    write_model(model, seed=1)  # retrained: same files and sizes, other weights
+    with pytest.raises(ValueError, match=rf"--resume: model.path '{model}' changed since"):
+        claim(tmp_path / "out", *sets, resume=True)

@@ -98,10 +98,9 @@ def test_sigkill_then_resume_equals_uninterrupted_run(tmp_path, extra):
         assert a == b, {k: (a.get(k), b.get(k)) for k in a.keys() | b.keys() if a.get(k) != b.get(k)}
 
 
-def test_ctrl_c_prints_one_line_naming_the_checkpoint_and_the_lock_keeps_other_runs_out(tmp_path):
-    from turbogrpo.train.distributed import DistInfo
-    from turbogrpo.train.output_dir import claim_output_dir
-
+def long_run_after_its_first_checkpoint(tmp_path):
+    """A 200-step ``turbogrpo train`` child, returned once it printed its first checkpoint; and its config
+    file, set options and output folder."""
     model_dir, rows, config, env = subprocess_run_setup(tmp_path)
     out = tmp_path / "out"
     sets = overrides(model_dir, rows, out, **{"train.num_steps": 200, "train.checkpoint_every": 1,
@@ -111,15 +110,27 @@ def test_ctrl_c_prints_one_line_naming_the_checkpoint_and_the_lock_keeps_other_r
     for line in child.stdout:
         if line.startswith("checkpoint saved:"):
             break
+    return child, config, sets, out
+
+
+@pytest.mark.parametrize("stop, code, how", [(signal.SIGINT, 130, "interrupted"),
+                                             (signal.SIGTERM, 143, r"terminated \(SIGTERM\)")],
+                         ids=["ctrl_c", "sigterm"])
+def test_ctrl_c_or_sigterm_prints_one_line_naming_the_checkpoint_and_the_lock_keeps_other_runs_out(
+        tmp_path, stop, code, how):
+    from turbogrpo.train.distributed import DistInfo
+    from turbogrpo.train.output_dir import claim_output_dir
+
+    child, config, sets, out = long_run_after_its_first_checkpoint(tmp_path)
     with pytest.raises(ValueError, match="is in use by another run"):  # a second run into the folder
         claim_output_dir(load_config(None, sets), DistInfo(0, 1, 0, torch.device("cpu")), resume=True,
                          overwrite=False)
-    child.send_signal(signal.SIGINT)
+    child.send_signal(stop)
     stdout, stderr = child.communicate(timeout=120)
-    assert child.returncode == 130, stderr[-3000:]
+    assert child.returncode == code, stderr[-3000:]
     assert "Traceback" not in stderr
     last = stderr.strip().splitlines()[-1]
-    assert re.fullmatch(rf"turbogrpo: interrupted at step (\d+); continue with `turbogrpo train {config} --resume` "
+    assert re.fullmatch(rf"turbogrpo: {how} at step (\d+); continue with `turbogrpo train {config} --resume` "
                         rf"\(with the same --set options\) \(from {out}/step-(\d+)\)", last), last
     step, saved = map(int, re.fullmatch(r".* at step (\d+);.*step-(\d+)\)", last).groups())
     assert 1 <= saved <= step < 200

@@ -47,8 +47,9 @@ def uses_chat_template(tokenizer, chat_template: bool | None) -> bool:
     """Whether prompts get the chat template: ``None`` means "if the tokenizer has one"."""
     has_template = bool(getattr(tokenizer, "chat_template", None))
     if chat_template and not has_template:
-        raise ValueError("chat_template=True but the tokenizer has no chat template; set chat_template to "
-                         "None (use it when present) or False")
+        raise ValueError("data.chat_template = \"always\" but the tokenizer has no chat template; set the config "
+                         "key data.chat_template = \"auto\" (use it when present) or \"never\" (build_prompts: "
+                         "chat_template=None or False)")
     return has_template if chat_template is None else chat_template
 
 
@@ -61,7 +62,9 @@ def format_prompt(prompt: str | list[dict[str, str]], tokenizer, *, use_template
         messages = [{"role": "user", "content": prompt}]
     else:
         if not use_template:
-            raise ValueError("a prompt given as chat messages needs a tokenizer with a chat template")
+            raise ValueError("a prompt given as chat messages needs the tokenizer's chat template, which is off "
+                             "or missing; set the config key data.chat_template = \"auto\" with a tokenizer that "
+                             "has one, or give prompts as plain strings (build_prompts: chat_template=None)")
         messages = list(prompt)
     if system_prompt is not None and messages[0].get("role") != "system":
         messages = [{"role": "system", "content": system_prompt}, *messages]
@@ -79,6 +82,34 @@ def _check_prompt_type(prompt: Any, index: int, prompt_column: str) -> None:
     if not (isinstance(prompt, str) or is_messages or prompt is None):
         raise ValueError(f"row {index}: prompt column {prompt_column!r} must be a string or a list of "
                          f"chat messages, got {type(prompt).__name__}")
+    for number, message in enumerate(prompt if is_messages else ()):
+        problem = _message_problem(message)
+        if problem:
+            raise ValueError(f"row {index}: message {number} of prompt column {prompt_column!r} {problem}; each "
+                             "message is {\"role\": \"system\" | \"user\" | \"assistant\", \"content\": text}")
+
+
+def _message_problem(message: dict) -> str | None:
+    """What is wrong with one chat message (None: a role and text content)."""
+    role, content = message.get("role"), message.get("content")
+    if not isinstance(role, str) or not role:
+        return "has no role" if role is None else f"has role {role!r}, not a non-empty string"
+    if not isinstance(content, str):
+        return "has no content" if content is None else f"has {type(content).__name__} content, not a string"
+    return None
+
+
+def _formatted(prompt: Any, tokenizer, index: int, *, use_template: bool, system_prompt: str | None) -> str:
+    """``format_prompt``, with a chat template's own refusal (roles that must alternate, no system
+    role ...) turned into a one-line ValueError naming the row."""
+    from jinja2 import TemplateError
+    try:
+        return format_prompt(prompt, tokenizer, use_template=use_template, system_prompt=system_prompt)
+    except TemplateError as err:
+        plain = (", or set the config key data.chat_template = \"never\" to use the text as it is"
+                 if isinstance(prompt, str) else "")
+        raise ValueError(f"row {index}: the tokenizer's chat template refused the prompt ({err}); fix the row's "
+                         f"messages (and data.system_prompt) to what the template accepts{plain}") from None
 
 
 def _too_long(num_tokens: int, max_prompt_tokens: int | None, max_positions: int | None,
@@ -125,7 +156,7 @@ def build_prompts(rows: Sequence[dict[str, Any]], tokenizer, *, prompt_column: s
                                  "the config key data.on_empty = \"skip\" (build_prompts: on_empty='skip')")
             num_empty += 1
             continue
-        text = format_prompt(prompt, tokenizer, use_template=use_template, system_prompt=system_prompt)
+        text = _formatted(prompt, tokenizer, index, use_template=use_template, system_prompt=system_prompt)
         # A chat template writes its own special tokens (e.g. BOS); plain text gets the tokenizer's.
         token_ids = tokenizer(text, add_special_tokens=not use_template)["input_ids"]
         too_long = _too_long(len(token_ids), max_prompt_tokens, max_positions, max_new_tokens)

@@ -20,7 +20,7 @@ def _read_jsonl(path: Path, split: str | None) -> list[Row]:
     with path.open("rb") as f:
         for line_number, raw in enumerate(f, 1):
             try:
-                line = raw.decode("utf-8")
+                line = raw.decode("utf-8-sig" if line_number == 1 else "utf-8")  # -sig: drop a byte-order mark
             except UnicodeDecodeError as err:
                 raise ValueError(f"{path} line {line_number}: not valid UTF-8 (byte 0x{raw[err.start]:02x} at "
                                  f"column {err.start + 1}); save the file as UTF-8") from None
@@ -84,9 +84,14 @@ def source_kind(path: str | os.PathLike) -> str:
 
 
 def read_records(path: str | os.PathLike, *, split: str | None = None) -> list[Row]:
-    """All rows of a local jsonl / parquet file or saved ``datasets`` folder, as dicts."""
+    """All rows of a local jsonl / parquet file or saved ``datasets`` folder, as dicts (ValueError naming
+    the file when it holds none)."""
     path = Path(path).expanduser()
     kind = source_kind(path)
     if split is not None and kind != "datasets":
         raise ValueError(f"split={split!r} applies only to saved datasets folders, not to {kind} file {path}")
-    return SOURCE_READERS[kind](path, split)
+    rows = SOURCE_READERS[kind](path, split)
+    if not rows:
+        where = f"folder {path}" + (f" (split {split!r})" if split else "") if kind == "datasets" else f"file {path}"
+        raise ValueError(f"data {where} holds no rows; give data with at least one row")
+    return rows

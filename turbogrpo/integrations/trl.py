@@ -19,7 +19,9 @@ Groups come from the tokens, never from an assumed layout: rows whose real (left
 tokens are identical share one prompt forward, wherever they sit in the batch. TRL shuffles the rows
 of a generation batch before cutting it into micro-batches, so a micro-batch often holds part of a
 group; the members present still share. Calls that cannot share run TRL's own code, and the trainer
-logs each reason once (``trainer.shared_prefix_stats`` counts both kinds of call).
+logs each reason once (``trainer.shared_prefix_stats`` counts both kinds of call). One such reason is a
+model with absolute position embeddings (GPT-2) and left-padded prompts: TRL counts the padding in
+the positions, so only TRL's own forward reproduces TRL's log-probs.
 
 Shape legend: B rows (one completion each), P prompt columns (left-padded), C completion columns
 (right-padded), L = P + C.
@@ -38,7 +40,7 @@ from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 from torch import nn
 
-from turbogrpo.hook import check_supported, decoder_of, lm_head_of
+from turbogrpo.hook import check_supported, has_absolute_positions, lm_head_of
 from turbogrpo.prefix import compute_logprobs
 
 try:
@@ -214,6 +216,11 @@ def shareable_groups(trainer, model, input_ids_BL: torch.Tensor, attention_mask_
         if reason is not None:
             raise NotShareable(reason)
     num_prompt_columns = input_ids_BL.shape[1] - logits_to_keep
+    # Host sync (only for absolute-position models): whether any prompt is left-padded.
+    if has_absolute_positions(model) and not bool(attention_mask_BL[:, :num_prompt_columns].all()):
+        raise NotShareable("the model has absolute position embeddings and the batch left-pads its prompts: "
+                           "TRL's forward counts the padding in every token's position, the shared forward starts "
+                           "at the first real token, so their log-probs would differ")
     return group_rows(input_ids_BL[:, :num_prompt_columns], attention_mask_BL[:, :num_prompt_columns],
                       input_ids_BL[:, num_prompt_columns:], attention_mask_BL[:, num_prompt_columns:])
 

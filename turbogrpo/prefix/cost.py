@@ -27,7 +27,9 @@ class ModelDims:
         """Dimensions of an HF causal LM (or its config)."""
         c = model_or_config.config if isinstance(model_or_config, nn.Module) else model_or_config
         head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-        return ModelDims(c.hidden_size, c.intermediate_size, c.num_hidden_layers, c.num_attention_heads,
+        # GPT-2-style configs name the MLP width n_inner (None: 4 x hidden) instead of intermediate_size.
+        intermediate = getattr(c, "intermediate_size", None) or getattr(c, "n_inner", None) or 4 * c.hidden_size
+        return ModelDims(c.hidden_size, intermediate, c.num_hidden_layers, c.num_attention_heads,
                          getattr(c, "num_key_value_heads", None) or c.num_attention_heads, head_dim, c.vocab_size)
 
     @property

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from turbogrpo.hook import check_supported, lm_head_of, run_decoder
+from turbogrpo.hook import check_materialized, check_supported, lm_head_of, run_decoder
 from turbogrpo.prefix.auto import STANDARD, choose_auto
 from turbogrpo.prefix.backends import AUTO, PaddedCausalAttention, select_backend
 from turbogrpo.prefix.layout import PackedGroups, pack_groups, split_per_completion, upload
@@ -122,11 +122,15 @@ def validate_inputs(model: nn.Module, prompts, completions, temperature: float) 
     """Raise ValueError naming the offending group/completion and what is allowed."""
     if not isinstance(prompts, (list, tuple)) or len(prompts) == 0:
         raise ValueError("prompts must be a non-empty list of 1-D LongTensors (one per group)")
+    if not isinstance(completions, (list, tuple)):
+        raise ValueError(f"completions must be a list of lists of 1-D LongTensors (one list per prompt), got "
+                         f"{type(completions).__name__}")
     if len(completions) != len(prompts):
         raise ValueError(f"got {len(prompts)} prompts but completions for {len(completions)} groups; "
                          "pass one list of completions per prompt")
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
+    check_materialized(model)
     device = model.get_input_embeddings().weight.device
     max_positions = getattr(model.config, "max_position_embeddings", None)
 
@@ -143,6 +147,10 @@ def validate_inputs(model: nn.Module, prompts, completions, temperature: float) 
 
     for g, (prompt, group) in enumerate(zip(prompts, completions)):
         check_tokens(prompt, f"prompt of group {g}")
+        if not isinstance(group, (list, tuple)):
+            raise ValueError(f"completions[{g}] must be the list of group {g}'s completions (1-D LongTensors), got "
+                             f"{type(group).__name__}; completions is a list of lists, one per prompt "
+                             "(for one completion per prompt: [[c] for c in completions])")
         if len(group) == 0:
             raise ValueError(f"group {g} has no completions; each group needs at least one")
         for i, completion in enumerate(group):

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from turbogrpo.hook import lm_head_of
+from turbogrpo.hook import check_materialized, lm_head_of
 from turbogrpo.rollout.compiled import PLAIN_RUNNERS
 from turbogrpo.rollout.kv_cache import GroupedKVCache
 from turbogrpo.rollout.outputs import LiveRows, OutputBuffers, collect_rollout, emit
@@ -116,6 +116,8 @@ def generate(model: nn.Module, prompts: list[torch.Tensor], *, num_samples: int,
     it changes speed only, never the tokens.
     """
     _check_inputs(model, prompts, num_samples, sampling)
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63):
+        raise ValueError(f"seed must be None or an integer in [0, 2**63), got {seed!r}")
     if schedule is not None and not isinstance(schedule, DecodeSchedule):
         raise ValueError(f"schedule must be a DecodeSchedule or None, got {type(schedule).__name__}")
     if draft is not None and not callable(getattr(draft, "make_step", None)):
@@ -258,6 +260,7 @@ def _check_inputs(model: nn.Module, prompts: list[torch.Tensor], num_samples: in
                   sampling: SamplingConfig) -> None:
     if not isinstance(sampling, SamplingConfig):
         raise ValueError(f"sampling must be a SamplingConfig, got {type(sampling).__name__}")
+    check_materialized(model)
     if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
         raise ValueError(f"num_samples must be an integer >= 1, got {num_samples!r}")
     if not isinstance(prompts, (list, tuple)) or not prompts:

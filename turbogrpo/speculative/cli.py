@@ -1,7 +1,8 @@
 """Command-line pieces of speculation, wired into ``turbogrpo`` by ``add_commands``:
 
-    turbogrpo draft train --out DIR [--model demo|PATH] [--prompts FILE | --task arithmetic] ...
-        sample the policy's own completions, train a draft head on them, save it to DIR
+    turbogrpo draft train --out DIR [--model demo|PATH] [--prompts FILE | --task arithmetic] [--resume | --overwrite]
+        sample the policy's own completions, train a draft head on them, save it to DIR (a new or empty
+        folder; --overwrite moves what is there aside, --resume trains the draft saved there further)
     turbogrpo profile [--model demo|PATH] [--draft DIR] [--context-length N] [--refresh]
         measure (or read from the cache) forward latency vs. tokens and print the knee C_peak
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -39,6 +41,11 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     train.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")
     train.add_argument("--batch-size", type=int, default=16, help="sequences per optimizer step")
     train.add_argument("--seed", type=int, default=0)
+    existing = train.add_mutually_exclusive_group()
+    existing.add_argument("--resume", action="store_true",
+                          help="train the draft saved in --out further (its own --layers) and save it there")
+    existing.add_argument("--overwrite", action="store_true",
+                          help="start anew in a used --out, moving its files aside (nothing is deleted)")
     train.set_defaults(run=run_draft_train)
 
     profile = commands.add_parser("profile", help="forward latency vs. tokens on this device, and the knee C_peak")
@@ -56,27 +63,53 @@ def _add_model_arguments(cmd: argparse.ArgumentParser) -> None:
     cmd.add_argument("--device", default=None, help="e.g. cuda, cuda:1, cpu (default: cuda if available)")
 
 
+def _device(args) -> torch.device:
+    from turbogrpo.train.distributed import resolve_device
+    return resolve_device(args.device or "auto", key="--device")
+
+
 def _load(args):
     from turbogrpo.models import load_demo_model, load_model_and_tokenizer
 
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = _device(args)
     if args.model == "demo":
         return load_demo_model(dtype=args.dtype, device=device)
     return load_model_and_tokenizer(args.model, dtype=args.dtype, device=device)
 
 
-def run_draft_train(args: argparse.Namespace) -> int:
-    from tqdm import tqdm
+def _inputs(args) -> dict[str, Path]:
+    """The files and folders ``draft train`` reads, which its --out must keep apart from."""
+    from turbogrpo.models import SHIPPED_MODELS, resolve_model_path
 
-    from turbogrpo.data import build_prompts, demo_records, read_records
-    from turbogrpo.rollout import SamplingConfig, generate
-    from turbogrpo.speculative.draft import DraftHead
-    from turbogrpo.speculative.draft_training import DraftTrainConfig, draft_groups, train_draft
+    model = Path(resolve_model_path(args.model)) if args.model in SHIPPED_MODELS else Path(args.model)
+    return {"--model": model, **({"--prompts": Path(args.prompts)} if args.prompts else {})}
+
+
+def run_draft_train(args: argparse.Namespace) -> int:
+    from turbogrpo.train.output_dir import claim_folder
 
     for name in ("num_prompts", "num_samples", "max_new_tokens", "layers", "epochs", "batch_size"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    _device(args)
+    out = Path(args.out).expanduser().resolve()
+    # Claimed before any work: a used, locked or impossible --out fails at once, not after training.
+    lock = claim_folder(out, "--out", _inputs(args), resume=args.resume, overwrite=args.overwrite)
+    try:
+        return _train_draft(args, out)
+    finally:
+        lock.close()
+
+
+def _train_draft(args: argparse.Namespace, out: Path) -> int:
+    from tqdm import tqdm
+
+    from turbogrpo.data import build_prompts, demo_records, read_records
+    from turbogrpo.rollout import SamplingConfig, generate
+    from turbogrpo.speculative.draft_training import DraftTrainConfig, draft_groups, train_draft
+
     model, tokenizer = _load(args)
+    draft = _draft_to_train(args, model, out)  # before sampling: a damaged draft in --out fails at once
     rows = read_records(args.prompts) if args.prompts else demo_records("train", args.num_prompts, seed=args.seed)
     prompts = [ex.token_ids for ex in build_prompts(rows[:args.num_prompts], tokenizer).examples]
     if not prompts:
@@ -93,7 +126,6 @@ def run_draft_train(args: argparse.Namespace) -> int:
     groups = draft_groups(model, prompts, completions)
     num_completions = sum(len(g.completions) for g in groups)
     print(f"{num_completions} completions sampled in {time.perf_counter() - start:.1f}s")
-    draft = DraftHead(model, num_layers=args.layers)
     config = DraftTrainConfig(lr=args.lr, num_epochs=args.epochs, batch_size=args.batch_size)
     num_steps = args.epochs * -(-num_completions // args.batch_size)  # about: batches hold whole groups
     with tqdm(total=num_steps, desc="training draft", unit="step") as bar:
@@ -101,11 +133,24 @@ def run_draft_train(args: argparse.Namespace) -> int:
             bar.update(1)
             bar.set_postfix(loss=f"{metrics['loss']:.3f}", top1=f"{metrics['top1_agreement']:.2f}")
         history = train_draft(draft, groups, config, seed=args.seed, on_step=on_step)
-    out = draft.save(args.out)
+    draft.save(out)
     last = history[-1]
     print(f"draft saved to {out} (final loss {last['loss']:.3f}, top-1 agreement with the policy "
           f"{last['top1_agreement']:.2f})")
     return 0
+
+
+def _draft_to_train(args: argparse.Namespace, model, out: Path):
+    """With --resume, the draft saved in ``out`` (when there is one); else a new one of --layers layers."""
+    from turbogrpo.speculative.draft import CONFIG_FILE, DraftHead
+
+    if args.resume and (out / CONFIG_FILE).is_file():
+        draft = DraftHead.load(out, model)
+        print(f"--resume: training the draft in {out} further ({draft.config.num_layers} layers)")
+        return draft
+    if args.resume:
+        print(f"--resume: no draft in {out} yet; training a new one")
+    return DraftHead(model, num_layers=args.layers)
 
 
 def run_profile(args: argparse.Namespace) -> int:

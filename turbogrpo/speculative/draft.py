@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -28,9 +29,11 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
+from safetensors import SafetensorError
+from safetensors.torch import load_file
 from torch import nn
 
+from turbogrpo.files import save_tensors, write_text_atomically
 from turbogrpo.hook import ATTENTION_NAME, PLAN_KWARG, check_supported, decoder_of, lm_head_of
 from turbogrpo.rollout.plans import causal_attention
 
@@ -68,7 +71,7 @@ class DraftHead(nn.Module):
 
     def __init__(self, policy: nn.Module, num_layers: int = 1):
         super().__init__()
-        check_supported(policy)
+        check_draftable(policy)
         policy_config = policy.config
         self.config = DraftConfig(num_layers=num_layers, model_type=policy_config.model_type,
                                   hidden_size=policy_config.hidden_size, vocab_size=policy_config.vocab_size)
@@ -114,28 +117,80 @@ class DraftHead(nn.Module):
 
     # -- persistence -----------------------------------------------------------------------------
     def save(self, directory: str | Path) -> Path:
+        """Write ``draft.safetensors`` and ``draft_config.json`` into ``directory``, each whole or not at all
+        (temporary files renamed into place; the config, which makes the folder a draft, goes last)."""
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
-        save_file({k: v.detach().contiguous() for k, v in self.state_dict().items()}, directory / WEIGHTS_FILE)
-        (directory / CONFIG_FILE).write_text(json.dumps(asdict(self.config), indent=2))
+        weights_tmp = directory / f".{WEIGHTS_FILE}.tmp"
+        save_tensors(self.state_dict(), weights_tmp)
+        os.replace(weights_tmp, directory / WEIGHTS_FILE)
+        write_text_atomically(directory / CONFIG_FILE, json.dumps(asdict(self.config), indent=2))
         return directory
 
     @classmethod
     def load(cls, directory: str | Path, policy: nn.Module) -> "DraftHead":
+        """The draft saved in ``directory``, attached to ``policy``; a ValueError naming the file when the
+        folder is not a draft, was trained for another policy, or its files are damaged or disagree."""
         directory = Path(directory)
         if not (directory / CONFIG_FILE).is_file() or not (directory / WEIGHTS_FILE).is_file():
             raise ValueError(f"draft path {str(directory)!r} must be a folder with {CONFIG_FILE} and "
                              f"{WEIGHTS_FILE} (written by DraftHead.save)")
-        config = DraftConfig(**json.loads((directory / CONFIG_FILE).read_text()))
+        config = _read_config(directory / CONFIG_FILE)
         expected = (policy.config.model_type, policy.config.hidden_size, policy.config.vocab_size)
         if (config.model_type, config.hidden_size, config.vocab_size) != expected:
             raise ValueError(
                 f"draft at {str(directory)!r} was trained for (model_type, hidden_size, vocab_size) = "
                 f"{(config.model_type, config.hidden_size, config.vocab_size)}, but the policy has {expected}")
         draft = cls(policy, num_layers=config.num_layers)
-        weights = load_file(directory / WEIGHTS_FILE, device=str(next(draft.parameters()).device))
+        weights_file = directory / WEIGHTS_FILE
+        try:
+            weights = load_file(weights_file, device=str(next(draft.parameters()).device))
+        except SafetensorError as err:
+            raise ValueError(f"draft weights {str(weights_file)!r} are truncated or corrupt ({err}); train the "
+                             "draft again (`turbogrpo draft train`) or copy it again") from None
+        problem = _mismatch(draft.state_dict(), weights)
+        if problem:
+            raise ValueError(f"draft {str(directory)!r}: {WEIGHTS_FILE} does not match {CONFIG_FILE} "
+                             f"({config.num_layers} layers for this policy): {problem}; save the two files together "
+                             "(DraftHead.save) or train the draft again")
         draft.load_state_dict(weights)
         return draft
+
+
+def _read_config(path: Path) -> DraftConfig:
+    """The DraftConfig in ``path``; a ValueError naming the file for bad JSON or unknown or bad fields."""
+    try:
+        fields = json.loads(path.read_text())
+        if not isinstance(fields, dict):
+            raise TypeError(f"it holds {type(fields).__name__}, not a JSON object")
+        return DraftConfig(**fields)
+    except (UnicodeDecodeError, json.JSONDecodeError, TypeError, ValueError) as err:
+        raise ValueError(f"draft config {str(path)!r} is not valid ({err}); it should be the {CONFIG_FILE} "
+                         "DraftHead.save wrote") from None
+
+
+def _mismatch(expected: dict[str, torch.Tensor], weights: dict[str, torch.Tensor]) -> str | None:
+    """What differs between a state dict's tensor names and shapes and loaded ``weights`` (None: nothing)."""
+    missing = sorted(expected.keys() - weights.keys())
+    unexpected = sorted(weights.keys() - expected.keys())
+    reshaped = [f"{k} is {tuple(weights[k].shape)}, expected {tuple(expected[k].shape)}"
+                for k in sorted(expected.keys() & weights.keys()) if weights[k].shape != expected[k].shape]
+    problems = ([f"missing {', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}"] if missing else []) + \
+               ([f"unexpected {', '.join(unexpected[:3])}{' ...' if len(unexpected) > 3 else ''}"] if unexpected
+                else []) + reshaped[:3]
+    return "; ".join(problems) or None
+
+
+def check_draftable(policy: nn.Module) -> None:
+    """ValueError unless ``policy`` is a decoder whose layers the draft can copy: pure attention with
+    rotary positions and a ``layers`` list (Qwen2/Qwen3/Llama/Mistral), not GPT-2's absolute positions."""
+    check_supported(policy)
+    decoder = decoder_of(policy)
+    if not isinstance(getattr(decoder, "layers", None), nn.ModuleList) or getattr(decoder, "rotary_emb", None) is None:
+        model_type = getattr(policy.config, "model_type", type(policy).__name__)
+        raise ValueError(f"model type {model_type!r} has no rotary-position decoder layers (model.layers and "
+                         "rotary_emb) for a draft head to copy; speculative rollouts need a Qwen2/Qwen3/Llama/"
+                         "Mistral-style model: set rollout.speculation = \"off\" (or generate without draft=)")
 
 
 def _draft_layer_config(policy_config, num_layers: int):

@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from turbogrpo.files import write_text_atomically
 from turbogrpo.rollout.engine import first_draw
 from turbogrpo.rollout.sampling import SamplingConfig
 from turbogrpo.rollout.step import PlainStep
@@ -150,9 +151,7 @@ def cached_profile(model: nn.Module, *, context_length: int, draft: nn.Module | 
     stored = _read(path)  # re-read: another process may have added entries meanwhile
     stored[key] = profile.to_json()
     path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_suffix(f".{os.getpid()}.tmp")
-    temporary.write_text(json.dumps(stored, indent=1))
-    temporary.replace(path)  # atomic, so concurrent readers never see half a file
+    write_text_atomically(path, json.dumps(stored, indent=1))  # concurrent readers never see half a file
     return profile
 
 

@@ -21,7 +21,6 @@ passed over for the previous one.
 from __future__ import annotations
 
 import json
-import os
 import random
 import shutil
 from dataclasses import dataclass
@@ -32,7 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -41,6 +40,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from turbogrpo.files import (describe_os_error, fsync_dir, fsync_file, replace_folder, save_tensors,
+                             write_text_atomically)
 from turbogrpo.train.distributed import DistInfo, all_reduce_max_int
 
 LATEST_FILE = "latest"
@@ -95,31 +96,31 @@ def save_checkpoint(root: str | Path, step: int, model: torch.nn.Module, optimiz
             tmp.mkdir()
         dist.barrier()
         rng_tensors, rng_scalars = capture_rng_state()
-        _save_tensors(rng_tensors, tmp / f"rng-rank{dist.rank}.safetensors")
+        save_tensors(rng_tensors, tmp / f"rng-rank{dist.rank}.safetensors")
         rank_json: dict[str, Any] = {"rng": rng_scalars}
         if rank_state is not None:
-            _save_tensors(rank_state[0], tmp / f"extra-rank{dist.rank}.safetensors")
+            save_tensors(rank_state[0], tmp / f"extra-rank{dist.rank}.safetensors")
             rank_json["extra"] = rank_state[1]
         _write_json(rank_json, tmp / f"rng-rank{dist.rank}.json")
         dist.barrier()
         if dist.is_main:
-            _save_tensors(model_state, tmp / "model.safetensors")
+            save_tensors(model_state, tmp / "model.safetensors")
             optim_tensors, optim_scalars = _flatten_optimizer_state(optim_state)
-            _save_tensors(optim_tensors, tmp / "optimizer.safetensors")
+            save_tensors(optim_tensors, tmp / "optimizer.safetensors")
             _write_json({"step": step, "world_size": dist.world_size, "optimizer": optim_scalars, "extra": extra},
                         tmp / STATE_FILE)
-            _fsync_dir(tmp)
-            if final.exists():  # re-running a step after a resume: replace the older copy
-                shutil.rmtree(final)
-            os.rename(tmp, final)
-            _write_text_atomic(root / LATEST_FILE, final.name)
-            _fsync_dir(root)
+            fsync_dir(tmp)
+            replace_folder(tmp, final)  # an existing copy: re-running a step after a resume
+            write_text_atomically(root / LATEST_FILE, final.name)
+            fsync_dir(root)
             _prune(root, keep, step)
     except OSError as err:  # e.g. disk full: the previous checkpoint and `latest` are untouched
         shutil.rmtree(tmp, ignore_errors=True)
-        raise CheckpointError(f"could not write checkpoint {final} ({err.strerror or err}"
-                              f"{f': {err.filename}' if err.filename else ''}); {_previous(root)}. Free space "
-                              "and continue with --resume") from err
+        raise CheckpointError(f"could not write checkpoint {final} ({describe_os_error(err)}); {_previous(root)}. "
+                              "Free space and continue with --resume") from err
+    except BaseException:  # Ctrl-C or SIGTERM mid-write: the previous checkpoint stands, and no debris
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     dist.barrier()
     return final
 
@@ -299,34 +300,9 @@ def _unflatten_optimizer_state(tensors: dict[str, torch.Tensor], scalars: dict[s
     return {"state": state, "param_groups": scalars["param_groups"]}
 
 
-def _save_tensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
-    save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(path))
-    _fsync_file(path)
-
-
 def _write_json(obj: Any, path: Path) -> None:
     path.write_text(json.dumps(obj))
-    _fsync_file(path)
-
-
-def _write_text_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    _fsync_file(tmp)
-    os.replace(tmp, path)
-
-
-def _fsync_file(path: Path) -> None:
-    with open(path, "rb") as f:
-        os.fsync(f.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_file(path)
 
 
 def _prune(root: Path, keep: int, step: int) -> None:

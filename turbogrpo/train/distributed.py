@@ -14,6 +14,7 @@ import torch
 import torch.distributed as torch_dist
 from torch import nn
 
+from turbogrpo.models import checked_device
 from turbogrpo.train.precision import Precision
 
 
@@ -59,15 +60,18 @@ def teardown(dist: DistInfo) -> None:
         torch_dist.destroy_process_group()
 
 
-def resolve_device(device: str, local_rank: int = 0) -> torch.device:
+def resolve_device(device: str, local_rank: int = 0, key: str = "config key 'model.device'") -> torch.device:
+    """The torch device of a device setting ("auto", "cpu", "cuda", "cuda:N"); ValueError naming ``key``
+    when this machine lacks it."""
+    given = device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda":
         device = f"cuda:{local_rank}"
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"config key 'model.device': {device!r} needs CUDA, which this machine lacks; "
-                         "use \"cpu\" or \"auto\"")
-    return torch.device(device)
+    resolved = checked_device(device, key, shown=given)
+    if resolved.type not in ("cpu", "cuda"):
+        raise ValueError(f"{key}: {given!r} is not supported; use \"auto\", \"cpu\", \"cuda\" or \"cuda:N\"")
+    return resolved
 
 
 def local_slice(num_items: int, dist: DistInfo) -> slice:

@@ -13,6 +13,8 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from turbogrpo.files import write_text_atomically
+
 METRICS_FILE = "metrics.jsonl"
 COMPLETIONS_FILE = "completions.jsonl"
 
@@ -116,4 +118,4 @@ def _truncate_after(path: Path, step: int | None, notice: Callable[[str], None])
     if step is None or not path.exists():
         return
     kept = [line for line, record in read_records(path, notice) if record["step"] <= step]
-    path.write_text("".join(line + "\n" for line in kept))
+    write_text_atomically(path, "".join(line + "\n" for line in kept))  # a kill mid-rewrite loses nothing

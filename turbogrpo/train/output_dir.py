@@ -5,17 +5,25 @@
   stale lock never blocks a later run.
 * A fresh run refuses a folder that holds files, unless ``--overwrite``, which moves them aside into
   ``<output_dir>.previous-<time>/``: nothing a user has is deleted.
+* The path is resolved before anything moves, and a folder that is, holds or sits inside the model,
+  the data, the draft or a reward module (the CLI adds the config file) is refused: outputs never mix
+  with inputs, and ``--overwrite`` never moves them. ``turbogrpo draft train --out`` claims its folder
+  by the same rules (:func:`claim_folder`).
+* ``--overwrite`` moves all the files aside or, when one cannot move, none.
 * ``--resume`` compares the stored ``config.json`` with the new config and refuses a change in any
-  key that changes what is trained, naming the keys.
+  key that changes what is trained, naming the keys; and ``inputs.json``'s fingerprints of the training
+  data and the model folder with those files now, refusing ones rewritten since the run started.
 * A run that finished writes ``complete.json``; resuming it again does nothing.
 """
 
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import json
 import os
 import socket
+import sys
 import time
 from pathlib import Path
 from typing import IO, Any
@@ -23,11 +31,14 @@ from typing import IO, Any
 from tqdm import tqdm
 
 from turbogrpo.config import Config
+from turbogrpo.files import write_text_atomically
 from turbogrpo.train.distributed import DistInfo, all_reduce_max_int
 
+OUTPUT_KEY = "train.output_dir"
 LOCK_FILE = ".lock"
 COMPLETE_FILE = "complete.json"
 CONFIG_FILE = "config.json"
+INPUTS_FILE = "inputs.json"
 
 # Keys a resumed run may change: they say how long to run, where and how to log, evaluate or compute,
 # not what is trained (micro-batches sum exactly to the step's batch, and every backend is exact).
@@ -57,18 +68,18 @@ class OutputDir:
 def claim_output_dir(config: Config, dist: DistInfo, *, resume: bool, overwrite: bool) -> OutputDir:
     """Create and lock ``train.output_dir`` and check that this run may write there (ValueError if not).
 
+    The path is resolved first (``.``, ``a/..`` and symlinks name the folder they lead to), and a folder
+    that is, holds or sits inside the model, the data or the draft is refused before anything moves.
     Rank 0 does the work; every rank learns whether it failed, so none is left waiting in a collective.
     """
-    path = Path(config.train.output_dir)
+    path = Path(config.train.output_dir).expanduser().resolve()
     lock, error = None, None
     if dist.is_main:
         try:
-            _make_folder(path)
-            lock = _take_lock(path)
+            lock = claim_folder(path, OUTPUT_KEY, run_inputs(config), resume=resume, overwrite=overwrite)
             if resume:
                 _check_same_training(path, config)
-            else:
-                _fresh_folder(path, overwrite)
+                _check_same_inputs(path, config)
         except ValueError as err:
             if lock is not None:
                 lock.close()
@@ -78,9 +89,43 @@ def claim_output_dir(config: Config, dist: DistInfo, *, resume: bool, overwrite:
     return OutputDir(path, lock)
 
 
+def claim_folder(path: Path, key: str, inputs: dict[str, Path], *, resume: bool, overwrite: bool) -> IO[str]:
+    """Lock the output folder ``path`` (given by ``key``: a config key or a command-line flag) and, for a
+    fresh start, check that it is empty or move its files aside (``overwrite``); returns the lock.
+
+    ``inputs`` are the files and folders the command reads, by the key that names them: an output
+    folder that is, holds or sits inside one of them is refused (an ``--overwrite`` would move them aside,
+    and outputs would mix with them)."""
+    check_apart_from_inputs(path, key, inputs)
+    _make_folder(path, key)
+    lock = _take_lock(path, key)
+    try:
+        if not resume:
+            _fresh_folder(path, key, overwrite)
+    except ValueError:
+        lock.close()
+        raise
+    return lock
+
+
+def run_inputs(config: Config) -> dict[str, Path]:
+    """The local files and folders a run reads, by config key: the model, its data, the draft, and the
+    files of reward modules already imported (``train`` imports them before it claims the folder)."""
+    from turbogrpo.models import model_source
+    inputs = {"model.path": model_source(config.model.path),
+              "data.path": Path(config.data.path), "data.eval_path": Path(config.data.eval_path)}
+    if config.draft.path != "scratch":
+        inputs["draft.path"] = Path(config.draft.path)
+    for number, reward in enumerate(config.rewards):
+        module_file = getattr(sys.modules.get(reward.function.partition(":")[0]), "__file__", None)
+        if ":" in reward.function and module_file:
+            inputs[f"rewards.{number}.function"] = Path(module_file)
+    return {key: path for key, path in inputs.items() if str(path) not in ("", ".") or key == "model.path"}
+
+
 def mark_complete(path: Path, step: int) -> None:
     """Record that the run trained to ``step`` and wrote its final outputs."""
-    (path / COMPLETE_FILE).write_text(json.dumps({"step": step}))
+    write_text_atomically(path / COMPLETE_FILE, json.dumps({"step": step}))
 
 
 def completed_step(path: Path) -> int | None:
@@ -94,22 +139,40 @@ def completed_step(path: Path) -> int | None:
 # --- steps of the claim -----------------------------------------------------------------------------
 
 
-def _make_folder(path: Path) -> None:
+def _named(key: str) -> str:
+    """How a message names the setting behind a path: a config key, or a command-line flag as it is."""
+    return key if key.startswith("--") else f"config key {key!r}"
+
+
+def check_apart_from_inputs(path: Path, key: str, inputs: dict[str, Path]) -> None:
+    """ValueError when output folder ``path`` (resolved) is, holds or sits inside one of ``inputs`` (by the
+    key or flag that names each; missing ones are passed over)."""
+    for input_key, given in inputs.items():
+        source = given.expanduser()
+        if not source.exists():
+            continue
+        source = source.resolve()
+        if path == source or path in source.parents or source in path.parents:
+            relation = ("is" if path == source else "holds" if path in source.parents else "sits inside")
+            raise ValueError(f"{_named(key)}: {str(path)!r} {relation} {input_key} {str(source)!r}; outputs "
+                             f"must not mix with what the run reads, so choose a {key} outside it")
+
+
+def _make_folder(path: Path, key: str) -> None:
     if path.exists() and not path.is_dir():
-        raise ValueError(f"config key 'train.output_dir': {str(path)!r} is a file, not a folder; choose a "
-                         "folder path")
+        raise ValueError(f"{_named(key)}: {str(path)!r} is a file, not a folder; choose a folder path")
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as err:
-        raise ValueError(f"config key 'train.output_dir': cannot create folder {str(path)!r} "
+        raise ValueError(f"{_named(key)}: cannot create folder {str(path)!r} "
                          f"({err.strerror or err}); choose a folder path you can write to") from None
 
 
-def _take_lock(path: Path) -> IO[str]:
+def _take_lock(path: Path, key: str) -> IO[str]:
     try:
         handle = open(path / LOCK_FILE, "a+")
     except OSError as err:
-        raise ValueError(f"config key 'train.output_dir': cannot write in {str(path)!r} ({err.strerror or err}); "
+        raise ValueError(f"{_named(key)}: cannot write in {str(path)!r} ({err.strerror or err}); "
                          "choose a folder you can write to") from None
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -117,8 +180,8 @@ def _take_lock(path: Path) -> IO[str]:
         handle.seek(0)
         holder = handle.read().strip() or "another process"
         handle.close()
-        raise ValueError(f"train.output_dir {str(path)!r} is in use by another run ({holder}); wait for it to end "
-                         "or choose another train.output_dir") from None
+        raise ValueError(f"{key} {str(path)!r} is in use by another run ({holder}); wait for it to end "
+                         f"or choose another {key}") from None
     handle.seek(0)
     handle.truncate()
     handle.write(f"pid {os.getpid()} on {socket.gethostname()}")
@@ -130,22 +193,42 @@ def _entries(path: Path) -> list[Path]:
     return sorted(p for p in path.iterdir() if p.name != LOCK_FILE)
 
 
-def _fresh_folder(path: Path, overwrite: bool) -> None:
+def _fresh_folder(path: Path, key: str, overwrite: bool) -> None:
     entries = _entries(path)
     if not entries:
         return
     if not overwrite:
         shown = ", ".join(p.name for p in entries[:5]) + (", ..." if len(entries) > 5 else "")
-        raise ValueError(f"train.output_dir {str(path)!r} already holds files ({shown}); continue that run with "
+        raise ValueError(f"{key} {str(path)!r} already holds files ({shown}); continue that run with "
                          "--resume, start anew with --overwrite (which moves them aside, deleting nothing), or "
-                         "choose another train.output_dir")
+                         f"choose another {key}")
+    aside = move_aside(entries, path)
+    tqdm.write(f"--overwrite: moved the earlier contents of {path} to {aside}")
+
+
+def move_aside(entries: list[Path], path: Path) -> Path:
+    """Move ``entries`` (files in folder ``path``) into a new ``<path>.previous-<time>/`` beside it, all
+    or nothing: when one cannot move, those already moved go back and a ValueError says why."""
     aside = path.with_name(f"{path.name}.previous-{time.strftime('%Y%m%d-%H%M%S')}")
     while aside.exists():
         aside = aside.with_name(aside.name + "+")
-    aside.mkdir()
-    for entry in entries:
-        entry.rename(aside / entry.name)
-    tqdm.write(f"--overwrite: moved the earlier contents of {path} to {aside}")
+    try:
+        aside.mkdir()
+    except OSError as err:
+        raise ValueError(f"--overwrite: cannot create {str(aside)!r} to move the earlier files of {str(path)!r} "
+                         f"into ({err.strerror or err}); nothing was moved") from None
+    moved: list[Path] = []
+    try:
+        for entry in entries:
+            entry.rename(aside / entry.name)
+            moved.append(entry)
+    except OSError as err:
+        for done in reversed(moved):
+            (aside / done.name).rename(done)
+        aside.rmdir()
+        raise ValueError(f"--overwrite: cannot move {str(entry)!r} to {str(aside)!r} ({err.strerror or err}); "
+                         "nothing was moved") from None
+    return aside
 
 
 def _check_same_training(path: Path, config: Config) -> None:
@@ -163,6 +246,65 @@ def _check_same_training(path: Path, config: Config) -> None:
         raise ValueError(f"--resume: the config differs from the one {path} was trained with in keys that change "
                          f"training: {shown}. Resume with the stored values, or start a new run (another "
                          "train.output_dir, or --overwrite)")
+
+
+def record_inputs(path: Path, config: Config) -> None:
+    """Write ``inputs.json``: fingerprints of what the run reads from disk (:func:`input_fingerprints`),
+    which ``--resume`` checks."""
+    write_text_atomically(path / INPUTS_FILE, json.dumps(input_fingerprints(config)))
+
+
+def input_fingerprints(config: Config) -> dict[str, str | None]:
+    """By config key, a fingerprint of each local input a resumed run reads again and trains on:
+    data.path (its rows) and model.path (LoRA's frozen base and the reference are reloaded from it).
+    None for what is not a local file (a built-in task, a Hub id)."""
+    from turbogrpo.models import model_source
+    return {"data.path": fingerprint(config.data.path),
+            "model.path": fingerprint(str(model_source(config.model.path)), whole_up_to=SAMPLED_ABOVE_BYTES)}
+
+
+# Files above this size are fingerprinted by their size and three 1 MiB samples (start, middle, end):
+# a retrained model changes every weight, and reading a 15 GB model whole on every resume would not do.
+SAMPLED_ABOVE_BYTES = 64 << 20
+SAMPLE_BYTES = 1 << 20
+
+
+def fingerprint(path_text: str, *, whole_up_to: int | None = None) -> str | None:
+    """sha256 of a file, or of every file (relative path and content) in a folder; files larger than
+    ``whole_up_to`` bytes contribute their size and three samples instead. None when ``path_text`` is
+    not a local file or folder."""
+    root = Path(path_text).expanduser() if path_text else None
+    if root is None or not root.exists():
+        return None
+    digest = hashlib.sha256()
+    for file in [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file()):
+        size = file.stat().st_size
+        digest.update(f"{file.relative_to(root)}\0{size}\0".encode())
+        with open(file, "rb") as handle:
+            if whole_up_to is not None and size > whole_up_to:
+                for offset in (0, size // 2, max(0, size - SAMPLE_BYTES)):
+                    handle.seek(offset)
+                    digest.update(handle.read(SAMPLE_BYTES))
+            else:
+                for block in iter(lambda: handle.read(1 << 20), b""):
+                    digest.update(block)
+    return digest.hexdigest()
+
+
+def _check_same_inputs(path: Path, config: Config) -> None:
+    stored_file = path / INPUTS_FILE
+    try:
+        stored = json.loads(stored_file.read_text())
+    except (OSError, ValueError):
+        return  # a run from before inputs.json, or one that never got past loading its model
+    current = input_fingerprints(config)
+    changed = [key for key, value in current.items() if isinstance(stored, dict) and key in stored
+               and stored[key] != value]
+    if changed:
+        shown = ", ".join(f"{key} {getattr(config, key.split('.')[0]).path!r}" for key in changed)
+        raise ValueError(f"--resume: {shown} changed since {path} started (the content differs from the "
+                         f"fingerprint in {stored_file}); resuming would train on other rows or weights. Restore "
+                         "it, or start a new run (another train.output_dir, or --overwrite)")
 
 
 def changed_training_keys(stored: dict, current: dict) -> list[tuple[str, Any, Any]]:

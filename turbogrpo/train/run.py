@@ -5,8 +5,10 @@ steps: held-out evaluation, checkpoints, export of the final model.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 from torch import nn
@@ -15,6 +17,7 @@ from tqdm import tqdm
 from turbogrpo.algo import LOSSES, LossSettings, PolicyLoss
 from turbogrpo.config import Config, dump_config
 from turbogrpo.data import PromptBatches, PromptExample
+from turbogrpo.files import WriteError, write_folder_atomically
 from turbogrpo.models import resolve_dtype
 from turbogrpo.rollout import SamplingConfig
 from turbogrpo.train import checkpoint, distributed, setup
@@ -25,6 +28,9 @@ from turbogrpo.train import output_dir as output_dir_state
 from turbogrpo.train.metrics import METRICS_FILE, MetricsLog
 from turbogrpo.train.optim import build_optimizer
 from turbogrpo.train.precision import Precision, warn_if_pure
+
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -90,12 +96,14 @@ def build_run(config: Config, dist: DistInfo, rewards: list[setup.Reward], resum
     reference = setup.build_reference(config, policy, dist.device)
     optimizer = build_optimizer(policy, config.optim)
     max_positions = setup.position_limit(policy)
-    prompt_set = setup.load_train_prompts(config, tokenizer, max_positions)
+    prompt_set = naming_the_file("data.path", config.data.path, setup.load_train_prompts, config, tokenizer,
+                                 max_positions)
     if dist.is_main and (prompt_set.num_too_long or prompt_set.num_empty):
         model_limit = (f" (or, with rollout.max_new_tokens={config.rollout.max_new_tokens}, over the model's "
                        f"{max_positions} positions)" if max_positions else "")
         tqdm.write(f"skipped {prompt_set.num_too_long} prompts over data.max_prompt_tokens="
                    f"{config.data.max_prompt_tokens}{model_limit} and {prompt_set.num_empty} empty prompts")
+    check_prompt_count(config, prompt_set)
     batches = PromptBatches(prompt_set.examples, config.train.prompts_per_step, seed=config.train.seed,
                             shuffle=config.data.shuffle)
     stop_ids = setup.stop_token_ids(policy, tokenizer)
@@ -122,19 +130,48 @@ def build_run(config: Config, dist: DistInfo, rewards: list[setup.Reward], resum
     if dist.is_main:
         output_dir.mkdir(parents=True, exist_ok=True)
         dump_config(config, output_dir / "config.json")
+        output_dir_state.record_inputs(output_dir, config)
     log = MetricsLog(output_dir, tensorboard=config.log.tensorboard, enabled=dist.is_main,
                      resume_step=state.step if latest is not None else None)
     return Run(
         config=config, dist=dist, policy=policy, tokenizer=tokenizer, precision=precision, trainer=trainer,
         reference=reference,
         optimizer=optimizer, batches=batches, rewards=rewards, accuracy=setup.accuracy_function(config, rewards),
-        eval_prompts=setup.load_eval_prompts(config, tokenizer, max_positions),
+        eval_prompts=naming_the_file("data.eval_path", config.data.eval_path, setup.load_eval_prompts, config,
+                                     tokenizer, max_positions),
         sampling=setup.sampling_config(config.rollout, stop_ids, tokenizer),
         greedy=setup.sampling_config(config.rollout, stop_ids, tokenizer, greedy=True),
         loss=LOSSES[config.algo.loss],
         settings=LossSettings(epsilon_low=config.algo.epsilon_low, epsilon_high=config.algo.epsilon_high,
                               beta=config.algo.beta, tis_cap=config.algo.tis_cap),
         log=log, state=state, draft=draft)
+
+
+def naming_the_file(key: str, path: str, load: Callable[..., T], *args) -> T:
+    """``load(*args)``, with a row's ValueError ("row 3: ...") naming the data file (``key``) it is in: the
+    training and the held-out rows are told apart."""
+    try:
+        return load(*args)
+    except ValueError as err:
+        if not path or not str(err).startswith("row "):
+            raise
+        raise ValueError(f"{key} {path!r} {err}") from None
+
+
+def check_prompt_count(config: Config, prompt_set) -> None:
+    """ValueError naming the data and train.prompts_per_step when a step cannot be filled with distinct
+    usable prompts (``prompt_set``: a PromptSet, its skipped rows counted)."""
+    source = f"data.path {config.data.path!r}" if config.data.path else f"the built-in {config.data.kind} task"
+    usable = len(prompt_set.examples)
+    skipped = (f" ({prompt_set.num_too_long} skipped as too long for data.max_prompt_tokens="
+               f"{config.data.max_prompt_tokens} or the model, {prompt_set.num_empty} as empty)"
+               if prompt_set.num_too_long or prompt_set.num_empty else "")
+    if not usable:
+        raise ValueError(f"{source} has no usable prompts{skipped}; raise data.max_prompt_tokens, shorten the "
+                         "prompts, or check data.prompt_column")
+    if config.train.prompts_per_step > usable:
+        raise ValueError(f"config key 'train.prompts_per_step': {config.train.prompts_per_step} is more than the "
+                         f"{usable} usable prompts of {source}{skipped}; use at most {usable} or add rows")
 
 
 class RunComplete(Exception):
@@ -251,20 +288,31 @@ def save(run: Run) -> Path:
 
 
 def export(run: Run) -> Path | None:
-    """The trained model (LoRA: its adapters) and tokenizer, with save_pretrained, to output_dir/final,
-    in train.final_dtype ("auto": model.dtype, so a bf16 run exports bf16 casts of its float32 masters)."""
+    """The trained model (LoRA: its adapters) and tokenizer, with save_pretrained, to output_dir/final
+    (written whole or not at all), in train.final_dtype ("auto": model.dtype, so a bf16 run exports bf16
+    casts of its float32 masters). A failed write raises WriteError on every rank."""
     if not run.config.train.save_final_model:
         return None
     path = Path(run.config.train.output_dir) / "final"
     state_dict = checkpoint.full_model_state(run.policy)  # collective under FSDP2: every rank calls it
+    error = None
     if run.dist.is_main:
         name = run.config.model.dtype if run.config.train.final_dtype == "auto" else run.config.train.final_dtype
         state_dict = {key: t.to(resolve_dtype(name)) if t.is_floating_point() else t
                       for key, t in (state_dict or run.policy.state_dict()).items()}
-        run.policy.save_pretrained(path, state_dict=state_dict)
-        model_config = path / "config.json"  # (LoRA saves adapters only, with no config.json)
-        if model_config.is_file():  # save_pretrained records the float32 masters' dtype; dtype="auto" reads this
-            model_config.write_text(json.dumps({**json.loads(model_config.read_text()), "dtype": name}, indent=2))
-        run.tokenizer.save_pretrained(path)
-    run.dist.barrier()
+
+        def write(folder: Path) -> None:
+            run.policy.save_pretrained(folder, state_dict=state_dict)
+            model_config = folder / "config.json"  # (LoRA saves adapters only, with no config.json)
+            if model_config.is_file():  # save_pretrained records the float32 masters' dtype; "auto" reads this
+                model_config.write_text(json.dumps({**json.loads(model_config.read_text()), "dtype": name},
+                                                   indent=2))
+            run.tokenizer.save_pretrained(folder)
+        # A kill or a full disk mid-export must not leave a final/ with config.json but no weights.
+        try:
+            write_folder_atomically(path, write, "the final model")
+        except WriteError as err:
+            error = err
+    if distributed.all_reduce_max_int(int(error is not None), run.dist, run.dist.device):  # no rank left waiting
+        raise error or WriteError(f"rank 0 could not write the final model {path}; see its message")
     return path

@@ -1,0 +1,42 @@
+"""What build_run checks before any step: enough usable prompts, bad rows named with their file."""
+
+import pytest
+import torch
+
+from turbogrpo.config import load_config
+from turbogrpo.data import PromptExample
+from turbogrpo.data.prompts import PromptSet
+from turbogrpo.train.run import check_prompt_count, naming_the_file
+
+
+def prompt_set(num_usable, num_too_long=0, num_empty=0):
+    examples = [PromptExample(f"p{i}", torch.tensor([1, 2])) for i in range(num_usable)]
+    return PromptSet(examples, num_too_long, num_empty)
+
+
+def test_more_prompts_per_step_than_usable_prompts_names_the_key_and_the_data():
+    config = load_config(None, ["data.kind=rows", 'data.path="rows.jsonl"', "train.prompts_per_step=16"])
+    with pytest.raises(ValueError, match=r"config key 'train.prompts_per_step': 16 is more than the 10 usable prompts "
+                                         r"of data.path 'rows.jsonl' \(3 skipped as too long for "
+                                         r"data.max_prompt_tokens=1024 or the model, 0 as empty\); use at most 10"):
+        check_prompt_count(config, prompt_set(10, num_too_long=3))
+    check_prompt_count(config, prompt_set(16))
+
+
+def test_no_usable_prompt_names_the_data():
+    config = load_config(None, ["data.kind=rows", 'data.path="rows.jsonl"'])
+    with pytest.raises(ValueError, match=r"data.path 'rows.jsonl' has no usable prompts \(0 skipped as too long .*, "
+                                         r"4 as empty\)"):
+        check_prompt_count(config, prompt_set(0, num_empty=4))
+    with pytest.raises(ValueError, match=r"the built-in arithmetic task has no usable prompts"):
+        check_prompt_count(load_config(None, []), prompt_set(0))
+
+
+def test_a_bad_row_is_named_with_the_data_file_it_is_in():
+    def load(message):
+        raise ValueError(message)
+    with pytest.raises(ValueError, match=r"^data.eval_path 'held_out.jsonl' row 2: message 0 has no role$"):
+        naming_the_file("data.eval_path", "held_out.jsonl", load, "row 2: message 0 has no role")
+    with pytest.raises(ValueError, match=r"^config key 'rollout.max_new_tokens': too long$"):  # not a row's error
+        naming_the_file("data.path", "rows.jsonl", load, "config key 'rollout.max_new_tokens': too long")
+    assert naming_the_file("data.path", "rows.jsonl", lambda n: n + 1, 1) == 2
