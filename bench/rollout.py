@@ -169,7 +169,21 @@ def run_hf_generate_ragged(model, prompts: list[torch.Tensor], num_samples: int,
     return (out.shape[1] - width) * out.shape[0]
 
 
-def real_model_main(repeats: int) -> None:
+def profile_real_step(model, prompts, num_samples: int, new_tokens: int, top: int = 15) -> list[dict]:
+    """torch.profiler over one rollout of the real model: the top operators by self CPU time."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        run_turbogrpo(model, prompts, num_samples, new_tokens)
+    events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
+    total = sum(e.self_cpu_time_total for e in events)
+    table = [{"op": e.key, "self_s": e.self_cpu_time_total / 1e6, "share": e.self_cpu_time_total / total,
+              "calls": e.count} for e in events[:top]]
+    print_table(f"Top {top} operators by self time, one rollout ({len(prompts)} x G={num_samples}, {new_tokens} new)",
+                ["op", "self_s", "share", "calls"], [[r["op"], r["self_s"], r["share"], r["calls"]] for r in table])
+    return table
+
+
+def real_model_main(repeats: int, profile_ops: bool = False) -> None:
     from real_model import REAL_MODEL, chat_prompts, large_matmul_gflops, load_real_model, step_bound_seconds, \
         weight_flops_per_token
 
@@ -209,6 +223,11 @@ def real_model_main(repeats: int) -> None:
                                           "baseline": "transformers generate, left-padded prompts repeated G times, "
                                                       "do_sample, temperature 1, EOS ignored on both sides",
                                           "shapes": records})
+    if profile_ops:
+        profile = profile_real_step(model, chat_prompts(tokenizer, 4, few_shot=False), 8, 32)
+        write_results("rollout_smollm2", {"model": REAL_MODEL, "dtype": "float32", "repeats": repeats,
+                                          "large_matmul_gflops": large_rate, "load_average": os.getloadavg(),
+                                          "shapes": records, "profile_top_ops_4x8x32": profile})
     print_table(f"Rollout on {REAL_MODEL} (GSM8K test prompts, chat template, float32, median of {repeats}); "
                 f"large-matmul rate {large_rate:.0f} GFLOP/s",
                 ["prompts x G", "new", "hf_s", "ours_s", "speedup", "roofline_s", "hf x bound", "ours x bound",
@@ -222,10 +241,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--model", choices=["bench", "smollm2"], default="bench",
                         help="bench: the random bench model (default); smollm2: the real instruct model")
+    parser.add_argument("--profile", action="store_true", help="with --model smollm2: also the top operators")
     args = parser.parse_args()
     repeats = 1 if args.quick else args.repeats
     if args.model == "smollm2":
-        return real_model_main(repeats)
+        return real_model_main(repeats, args.profile)
 
     model = bench_model().eval()
     # Warm both paths up on a small shape so that one-time setup is not timed.
