@@ -46,6 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.harness import RESULTS_DIR, machine_info  # noqa: E402
 from turbogrpo.cli import demo_config  # noqa: E402
 from turbogrpo.config import load_config  # noqa: E402
+from turbogrpo.rewards import build_rewards  # noqa: E402
 from turbogrpo.rollout import generate  # noqa: E402
 from turbogrpo.speculative.decode import Speculation  # noqa: E402
 from turbogrpo.speculative.draft import DraftHead  # noqa: E402
@@ -131,7 +132,7 @@ def run_seed(args, seed: int, out: Path) -> dict:
         "scratch": [f"rollout.speculation={args.sizing}", "draft.path=scratch", "draft.learn=true"],
     }
     variants = {name: variants[name] for name in args.variants}
-    rewards = setup.load_rewards(base_config(args, seed, out, []).rewards)
+    rewards = build_rewards(base_config(args, seed, out, []).rewards)
     dist = distributed.setup("cpu", "auto")
     runs = {}
     for name, overrides in variants.items():

@@ -176,6 +176,7 @@ def _train(config: Config, args: argparse.Namespace, command: str, demo: bool = 
 def _eval(args: argparse.Namespace, overrides: list[str]) -> int:
     import torch
 
+    from turbogrpo.rewards import build_rewards
     from turbogrpo.train import distributed, setup
     from turbogrpo.train.evaluate import evaluate_accuracy
 
@@ -183,7 +184,7 @@ def _eval(args: argparse.Namespace, overrides: list[str]) -> int:
     if args.model:
         overrides = [*overrides, f"model.path={_toml_string(args.model)}"]
     config = load_config(args.config, overrides) if args.config else demo_config(overrides)
-    rewards = setup.load_rewards(config.rewards)
+    rewards = build_rewards(config.rewards)
     dist = distributed.setup(config.model.device, config.distributed.backend)
     try:
         model, tokenizer = setup.load_policy(config, dist.device)

@@ -9,6 +9,7 @@ import torch
 
 from tests.speculative.speculative_helpers import tiny_policy
 from turbogrpo.config import ConfigError, load_config
+from turbogrpo.rewards import build_rewards
 from turbogrpo.rollout import SamplingConfig, generate
 from turbogrpo.speculative.draft import DraftHead
 from turbogrpo.speculative.draft_training import DraftTrainConfig, make_optimizer
@@ -80,10 +81,10 @@ def test_policy_and_draft_are_frozen_in_each_others_training(tmp_path, monkeypat
 
     monkeypatch.setattr(loop, "update_policy", update_policy)
     monkeypatch.setattr(draft_learning, "train_draft", train_draft)
-    from turbogrpo.train import distributed, setup
+    from turbogrpo.train import distributed
     from turbogrpo.train.run import build_run
     config = load_config(None, overrides(model_dir, rows, tmp_path / "out", **{"rollout.speculation": "fixed"}))
-    run = build_run(config, distributed.setup("cpu", "auto"), setup.load_rewards(config.rewards), False)
+    run = build_run(config, distributed.setup("cpu", "auto"), build_rewards(config.rewards), False)
     run_state = {"draft": run.draft.draft, "policy": run.policy}
     run.policy.zero_grad(set_to_none=True)
     draft_before = [p.clone() for p in run.draft.draft.parameters()]
@@ -162,12 +163,12 @@ def test_speculative_training_rollouts_sample_the_plain_distribution(tmp_path, m
     monkeypatch.setattr(loop, "generate", lambda *a, **k: captured.append(real_generate(*a, **k)) or captured[-1])
 
     def first_step_tokens(speculation: str, seed: int) -> torch.Tensor:
-        from turbogrpo.train import distributed, setup
+        from turbogrpo.train import distributed
         from turbogrpo.train.run import build_run
         extra = {"rollout.speculation": speculation, "train.seed": seed, "rollout.num_generations": 32,
                  "rollout.max_new_tokens": 3, "rollout.stop_strings": "[]", "train.prompts_per_step": 4}
         config = load_config(None, overrides(model_dir, rows, tmp_path / f"{speculation}{seed}", **extra))
-        run = build_run(config, distributed.setup("cpu", "auto"), setup.load_rewards(config.rewards), False)
+        run = build_run(config, distributed.setup("cpu", "auto"), build_rewards(config.rewards), False)
         loop.grpo_step(run, 0)
         return torch.stack([t[:2] for t in captured[-1].tokens if len(t) >= 2])
 

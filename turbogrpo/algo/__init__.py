@@ -1,6 +1,6 @@
 """Advantages and the GRPO policy-loss family."""
 
-from turbogrpo.algo.advantages import REWARD_SCALES, group_advantages
+from turbogrpo.algo.advantages import REWARD_SCALES, group_advantages, statistics_are_finite
 from turbogrpo.algo.losses import LOSSES, LossNormalizer, LossSettings, PolicyLoss, get_loss, k3_kl
 
 __all__ = [
@@ -12,4 +12,5 @@ __all__ = [
     "get_loss",
     "group_advantages",
     "k3_kl",
+    "statistics_are_finite",
 ]

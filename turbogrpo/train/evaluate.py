@@ -9,9 +9,9 @@ import torch
 from torch import nn
 
 from turbogrpo.data import PromptExample
+from turbogrpo.rewards import Reward, score_completions
 from turbogrpo.rollout import SamplingConfig, generate
 from turbogrpo.train.distributed import DistInfo, all_reduce_sum
-from turbogrpo.train.setup import Reward, score_rewards
 
 
 class HeldOutAccuracy(NamedTuple):
@@ -50,8 +50,7 @@ def evaluate_accuracy(model: nn.Module, tokenizer, examples: Sequence[PromptExam
         rollout = generate(model, [e.token_ids.to(device) for e in batch], num_samples=num_samples,
                            sampling=sampling, seed=None if seed is None else seed + dist.rank + start)
         completions = tokenizer.batch_decode(rollout.tokens, skip_special_tokens=True)
-        repeated = [e for e in batch for _ in range(num_samples)]
-        scored = score_rewards([accuracy], [e.text for e in repeated], completions, _columns(repeated, rollout.tokens))
+        scored = score_completions([accuracy], batch, completions, [t.numel() for t in rollout.tokens], num_samples)
         failed = scored.failed[accuracy.name]
         first_error = first_error or scored.first_error[accuracy.name]
         # The reward's own values, not the weighted total: the built-in accuracy reward has weight 0.
@@ -63,9 +62,3 @@ def evaluate_accuracy(model: nn.Module, tokenizer, examples: Sequence[PromptExam
     return HeldOutAccuracy(correct / num_scored if num_scored else None, int(num_scored), int(num_failed),
                            first_error)
 
-
-def _columns(examples: Sequence[PromptExample], tokens: Sequence[torch.Tensor]) -> dict[str, list]:
-    names = examples[0].columns.keys() if examples else ()
-    columns = {name: [e.columns.get(name) for e in examples] for name in names}
-    columns["completion_lengths"] = [int(t.numel()) for t in tokens]
-    return columns

@@ -21,11 +21,11 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from turbogrpo.algo import LossNormalizer, group_advantages
+from turbogrpo.algo import LossNormalizer, group_advantages, statistics_are_finite
 from turbogrpo.config import Config
-from turbogrpo.data import PromptExample
+from turbogrpo.rewards import build_rewards, score_completions
 from turbogrpo.rollout import generate
-from turbogrpo.train import distributed, setup
+from turbogrpo.train import distributed
 from turbogrpo.train.distributed import DistInfo
 from turbogrpo.train.draft_learning import frozen, speculation_metrics
 from turbogrpo.train.metrics import PhaseTimer
@@ -62,7 +62,7 @@ def train(config: Config, *, resume: bool = False, overwrite: bool = False) -> R
     A fresh run needs an empty output_dir (``overwrite`` moves what is there aside); Ctrl-C raises
     TrainingInterrupted naming the last complete checkpoint.
     """
-    rewards = setup.load_rewards(config.rewards)  # import errors surface before any model loads
+    rewards = build_rewards(config.rewards)  # import errors surface before any model loads
     if config.train.num_threads:
         torch.set_num_threads(config.train.num_threads)
     dist = distributed.setup(config.model.device, config.distributed.backend)
@@ -132,13 +132,12 @@ def grpo_step(run: Run, step: int) -> dict[str, float]:
             draft_data = draft.collect(run.policy, rollout, seed)  # all groups, before the policy moves
     with timer("rewards"):
         texts = run.tokenizer.batch_decode(rollout.tokens, skip_special_tokens=True)
-        rewards = setup.score_rewards(run.rewards, [e.text for e in examples for _ in range(num_samples)], texts,
-                                      reward_columns(examples, num_samples, rollout.tokens))
-        check_rewards(run, rewards, step)
+        rewards = score_completions(run.rewards, examples, texts, [t.numel() for t in rollout.tokens], num_samples)
         # Advantages need every group's rewards only for batch-level std; gathering is cheap either way.
         all_rewards = distributed.all_gather_cat(rewards.total.to(dist.device), dist)
-        advantages = group_advantages(all_rewards, [num_samples] * (all_rewards.numel() // num_samples),
-                                      config.algo.scale_rewards)
+        group_sizes = [num_samples] * (all_rewards.numel() // num_samples)
+        advantages = group_advantages(all_rewards, group_sizes, config.algo.scale_rewards)
+        check_rewards(run, rewards, step, statistics_are_finite(all_rewards, group_sizes, config.algo.scale_rewards))
         advantages = advantages[distributed.local_slice(all_rewards.numel(), dist)]
     batch = StepBatch(prompts, rollout.tokens_per_group(), advantages,
                       rollout_logps=rollout.logprobs_per_group() if config.algo.tis_cap else None)
@@ -183,14 +182,6 @@ def grpo_step(run: Run, step: int) -> dict[str, float]:
 def rollout_seed(seed: int, step: int, rank: int) -> int:
     """A distinct, reproducible sampling seed per (run seed, step, rank): resumed runs draw the same."""
     return (seed * 1_000_003 + step) * 1_009 + rank
-
-
-def reward_columns(examples: list[PromptExample], num_samples: int, tokens: list[torch.Tensor]) -> dict:
-    """Each prompt row's other columns repeated per completion, plus completion lengths in tokens."""
-    names = examples[0].columns.keys()
-    columns = {name: [e.columns.get(name) for e in examples for _ in range(num_samples)] for name in names}
-    columns["completion_lengths"] = [int(t.numel()) for t in tokens]
-    return columns
 
 
 def trainable_groups(advantages: torch.Tensor, num_samples: int, beta: float) -> list[int]:

@@ -16,6 +16,7 @@ from turbogrpo.algo import LOSSES, LossSettings, PolicyLoss
 from turbogrpo.config import Config, dump_config
 from turbogrpo.data import PromptBatches, PromptExample
 from turbogrpo.models import resolve_dtype
+from turbogrpo.rewards import Reward, RewardResult
 from turbogrpo.rollout import SamplingConfig
 from turbogrpo.train import checkpoint, distributed, setup
 from turbogrpo.train.distributed import DistInfo
@@ -57,8 +58,8 @@ class Run:
     """The same for the reference policy; None when algo.beta == 0."""
     optimizer: torch.optim.Optimizer
     batches: PromptBatches
-    rewards: list[setup.Reward]
-    accuracy: setup.Reward | None
+    rewards: list[Reward]
+    accuracy: Reward | None
     eval_prompts: list[PromptExample]
     sampling: SamplingConfig
     greedy: SamplingConfig
@@ -76,7 +77,7 @@ class RewardFailure(ValueError):
     """A reward function failed on too many of a step's completions (train.reward_failure_limit)."""
 
 
-def build_run(config: Config, dist: DistInfo, rewards: list[setup.Reward], resume: bool) -> Run:
+def build_run(config: Config, dist: DistInfo, rewards: list[Reward], resume: bool) -> Run:
     torch.manual_seed(config.train.seed)  # LoRA initialisation; resumed runs load their adapters
     if dist.is_main:
         warn_if_pure(config.model.pure_bf16)
@@ -214,14 +215,16 @@ def evaluate(run: Run) -> dict | None:
     return result
 
 
-def check_rewards(run: Run, rewards: setup.StepRewards, step: int) -> None:
+def check_rewards(run: Run, rewards: RewardResult, step: int, statistics_finite: torch.Tensor) -> None:
     """Print each reward function's first failure (once per run, with its message), and stop the run
-    when one fails on at least ``train.reward_failure_limit`` of the step's completions (all ranks),
-    before any update is made from its fallbacks."""
+    when one fails on at least ``train.reward_failure_limit`` of the step's completions (all ranks), or
+    when the rewards overflow the advantages' float32 statistics (``statistics_finite`` False), before
+    any update is made from them."""
     names = list(rewards.num_failed)
     counts = torch.tensor([*(float(rewards.num_failed[n]) for n in names), float(rewards.total.numel())],
                           dtype=torch.float64, device=run.dist.device)
-    *failed, total = distributed.all_reduce_sum(counts, run.dist).tolist()  # host sync: decides if the run goes on
+    counts = torch.cat([counts, (~statistics_finite).to(counts)[None]])
+    *failed, total, overflowed = distributed.all_reduce_sum(counts, run.dist).tolist()  # host sync: the run goes on?
     limit = run.config.train.reward_failure_limit
     for name, num_failed in zip(names, failed):
         if not num_failed:
@@ -237,6 +240,13 @@ def check_rewards(run: Run, rewards: setup.StepRewards, step: int) -> None:
             tqdm.write(f"warning: {problem}; those get its fallback {reward.fallback:g} (counted in metrics.jsonl "
                        "as rewards/<name>/num_failed; only the first failure of each function is printed)")
         run.reported_reward_failures.add(name)
+    if overflowed:
+        largest = ", ".join(f"{name!r} {float(values.abs().max()):.3g}" for name, values in rewards.per_function.items()
+                            if values.numel())
+        raise RewardFailure(f"the rewards at step {step + 1} are too large for float32: their group means or stds "
+                            f"overflow to inf, so the advantages would be 0 or NaN (largest |reward| on this rank: "
+                            f"{largest}; weights {[r.weight for r in run.rewards]}). Stopped before any update; keep "
+                            "rewards well within +-1e18, then continue with --resume")
 
 
 def save(run: Run) -> Path:

@@ -5,18 +5,17 @@ Each builder does one thing and is called by the loop; none knows about the othe
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from functools import partial
 
 import torch
 from torch import nn
 
-from turbogrpo.config import Config, ConfigError, DataConfig, RewardConfig, RolloutConfig
+from turbogrpo.config import Config, ConfigError, DataConfig, RolloutConfig
 from turbogrpo.data import PromptExample, build_prompts, demo_records, gsm8k_records, longform_records, read_records
 from turbogrpo.data.sources import source_kind
 from turbogrpo.models import enable_activation_checkpointing, load_model_and_tokenizer, resolve_model_path
 from turbogrpo.prefix import compute_logprobs
-from turbogrpo.rewards import BUILTIN_REWARDS, RewardFn, WeightedReward, compute_rewards, resolve_reward
+from turbogrpo.rewards import BUILTIN_REWARDS, Reward, resolve_reward
 from turbogrpo.rollout import SamplingConfig
 from turbogrpo.train.precision import Precision, run_precision
 
@@ -153,32 +152,7 @@ def load_eval_prompts(config: Config, tokenizer, max_positions: int | None = Non
     return _prompts(rows[:data.num_eval_problems], tokenizer, config, max_positions).examples
 
 
-# --- rewards ----------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Reward:
-    """A resolved reward function with its weight and fallback."""
-
-    name: str
-    func: RewardFn
-    weight: float
-    fallback: float
-
-
-def load_rewards(configs: list[RewardConfig]) -> list[Reward]:
-    """Resolve every ``[[rewards]]`` entry (built-in or import path); ValueError naming a bad one."""
-    rewards = []
-    for i, rc in enumerate(configs):
-        try:
-            func = resolve_reward(rc.function, **rc.kwargs)
-        except ValueError as err:
-            raise ValueError(f"config key 'rewards.{i}.function': {err}") from None
-        name = rc.function.rpartition(":")[2]
-        if any(r.name == name for r in rewards):
-            name = f"{name}_{i}"
-        rewards.append(Reward(name, func, rc.weight, rc.fallback))
-    return rewards
+# --- rewards ---------------------------------------------------------------------------------------
 
 
 def accuracy_function(config: Config, rewards: list[Reward]) -> Reward | None:
@@ -189,37 +163,6 @@ def accuracy_function(config: Config, rewards: list[Reward]) -> Reward | None:
     if config.train.accuracy_reward in BUILTIN_REWARDS:
         return Reward(config.train.accuracy_reward, resolve_reward(config.train.accuracy_reward), 0.0, 0.0)
     return None
-
-
-@dataclass
-class StepRewards:
-    """Rewards of this rank's N completions.
-
-    total: float32 ``[N]`` weighted sum; per_function: name -> ``[N]``; num_failed / first_error per
-    function (items that got the fallback, and the first reason); failed: name -> bool ``[N]``, those items.
-    """
-
-    total: torch.Tensor
-    per_function: dict[str, torch.Tensor]
-    num_failed: dict[str, int]
-    first_error: dict[str, str | None]
-    failed: dict[str, torch.Tensor]
-
-
-def score_rewards(rewards: list[Reward], prompts: list[str], completions: list[str],
-                  columns: dict[str, list]) -> StepRewards:
-    """Run every reward on the completions; a failing function or item gets its fallback, never raises."""
-    per_function, num_failed, first_error, failed = {}, {}, {}, {}
-    total = torch.zeros(len(completions))
-    for reward in rewards:
-        result = compute_rewards([WeightedReward(reward.name, reward.func, 1.0)], prompts, completions, columns,
-                                 fallback=reward.fallback)
-        per_function[reward.name] = result.per_function[reward.name]
-        total += reward.weight * per_function[reward.name]
-        num_failed[reward.name] = result.num_failed[reward.name]
-        first_error[reward.name] = result.first_error[reward.name]
-        failed[reward.name] = result.failed[reward.name]
-    return StepRewards(total, per_function, num_failed, first_error, failed)
 
 
 # --- sampling ---------------------------------------------------------------------------------------

@@ -5,14 +5,14 @@ from __future__ import annotations
 import torch
 
 from turbogrpo.data import PromptExample
+from turbogrpo.rewards import RewardResult
 from turbogrpo.rollout import Rollout
 from turbogrpo.train import distributed
 from turbogrpo.train.distributed import DistInfo
-from turbogrpo.train.setup import StepRewards
 from turbogrpo.train.update import UpdateResult
 
 
-def step_metrics(rollout: Rollout, rewards: StepRewards, sampler_logps: list[list[torch.Tensor]],
+def step_metrics(rollout: Rollout, rewards: RewardResult, sampler_logps: list[list[torch.Tensor]],
                  trainer_logps: list[list[torch.Tensor]], updates: list[UpdateResult], seconds: dict[str, float],
                  run, dist: DistInfo) -> dict[str, float]:
     """Reward mean/std (total and per function), accuracy, completion lengths, loss metrics (KL, clip
@@ -66,7 +66,7 @@ def step_metrics(rollout: Rollout, rewards: StepRewards, sampler_logps: list[lis
     return metrics
 
 
-def completion_samples(examples: list[PromptExample], texts: list[str], rewards: StepRewards, num_samples: int,
+def completion_samples(examples: list[PromptExample], texts: list[str], rewards: RewardResult, num_samples: int,
                        count: int) -> list[dict]:
     """The first ``count`` completions of this rank with their prompt (its last 300 characters) and rewards."""
     samples = []
