@@ -51,7 +51,8 @@ from turbogrpo.rollout import generate  # noqa: E402
 from turbogrpo.speculative.decode import Speculation  # noqa: E402
 from turbogrpo.speculative.draft import DraftHead  # noqa: E402
 from turbogrpo.speculative.policy import FixedSizing  # noqa: E402
-from turbogrpo.speculative.draft_training import DraftTrainConfig, draft_groups, train_draft  # noqa: E402
+from turbogrpo.config import DraftLearningConfig  # noqa: E402
+from turbogrpo.speculative.draft_training import draft_groups, train_draft  # noqa: E402
 from turbogrpo.train import distributed, setup  # noqa: E402
 from turbogrpo.train.loop import grpo_step  # noqa: E402
 from turbogrpo.train.run import build_run, evaluate  # noqa: E402
@@ -114,7 +115,8 @@ def pretrain_draft(args, seed: int, out: Path) -> tuple[Path, dict]:
                                 seed=10_000 + first).tokens_per_group()
     groups = draft_groups(policy, prompts, completions)
     draft = DraftHead(policy)
-    history = train_draft(draft, groups, DraftTrainConfig(lr=3e-3, num_epochs=2 if args.quick else 8, batch_size=16))
+    history = train_draft(draft, groups, DraftLearningConfig(lr=3e-3), num_epochs=2 if args.quick else 8,
+                          batch_size=16)
     path = draft.save(out / "draft0")
     info = {"prompts": len(prompts), "completions": sum(len(g.completions) for g in groups),
             "final_top1_agreement": history[-1]["top1_agreement"], "seconds": time.perf_counter() - start}

@@ -163,11 +163,3 @@ def test_every_registered_logprob_backend_is_accepted():
     from turbogrpo.prefix.backends import BACKENDS
     for name in ["auto", *BACKENDS]:
         assert load_config(None, [f"model.logprob_backend={name}"]).model.logprob_backend == name
-
-
-def test_loss_settings_defaults_agree_with_the_config():
-    from turbogrpo.algo import LossSettings
-    from turbogrpo.config import AlgoConfig
-    algo, settings = AlgoConfig(), LossSettings()
-    assert (settings.epsilon_low, settings.epsilon_high, settings.beta) == (algo.epsilon_low, algo.epsilon_high,
-                                                                            algo.beta)

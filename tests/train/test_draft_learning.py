@@ -8,11 +8,11 @@ import safetensors.torch
 import torch
 
 from tests.speculative.speculative_helpers import tiny_policy
-from turbogrpo.config import ConfigError, load_config
+from turbogrpo.config import ConfigError, DraftLearningConfig, load_config
 from turbogrpo.rewards import build_rewards
 from turbogrpo.rollout import SamplingConfig, generate
 from turbogrpo.speculative.draft import DraftHead
-from turbogrpo.speculative.draft_training import DraftTrainConfig, make_optimizer
+from turbogrpo.speculative.draft_training import make_optimizer
 from turbogrpo.speculative.policy import CostSizing, FixedSizing
 from turbogrpo.speculative.profiler import LatencyCurve, LatencyProfile
 from turbogrpo.train import draft_learning, loop
@@ -100,8 +100,8 @@ def test_policy_and_draft_are_frozen_in_each_others_training(tmp_path, monkeypat
 
 def _online(policy, sizing, lr=1e-2, max_tokens=0, steps=2) -> OnlineDraft:
     draft = DraftHead(policy)
-    config = DraftTrainConfig(lr=lr)
-    return OnlineDraft(draft, sizing, make_optimizer(draft, config), config, steps, max_tokens)
+    config = DraftLearningConfig(lr=lr, steps=steps, max_tokens=max_tokens)
+    return OnlineDraft(draft, sizing, make_optimizer(draft, config), config)
 
 
 def test_online_learning_raises_acceptance():

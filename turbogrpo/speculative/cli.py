@@ -71,11 +71,14 @@ def run_draft_train(args: argparse.Namespace) -> int:
     from turbogrpo.data import build_prompts, demo_records, read_records
     from turbogrpo.rollout import SamplingConfig, generate
     from turbogrpo.speculative.draft import DraftHead
-    from turbogrpo.speculative.draft_training import DraftTrainConfig, draft_groups, train_draft
+    from turbogrpo.config import DraftLearningConfig
+    from turbogrpo.speculative.draft_training import draft_groups, train_draft
 
     for name in ("num_prompts", "num_samples", "max_new_tokens", "layers", "epochs", "batch_size"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if not args.lr > 0:
+        raise ValueError(f"--lr must be > 0, got {args.lr}")
     model, tokenizer = _load(args)
     rows = read_records(args.prompts) if args.prompts else demo_records("train", args.num_prompts, seed=args.seed)
     prompts = [ex.token_ids for ex in build_prompts(rows[:args.num_prompts], tokenizer).examples]
@@ -94,13 +97,14 @@ def run_draft_train(args: argparse.Namespace) -> int:
     num_completions = sum(len(g.completions) for g in groups)
     print(f"{num_completions} completions sampled in {time.perf_counter() - start:.1f}s")
     draft = DraftHead(model, num_layers=args.layers)
-    config = DraftTrainConfig(lr=args.lr, num_epochs=args.epochs, batch_size=args.batch_size)
+    config = DraftLearningConfig(lr=args.lr)
     num_steps = args.epochs * -(-num_completions // args.batch_size)  # about: batches hold whole groups
     with tqdm(total=num_steps, desc="training draft", unit="step") as bar:
         def on_step(step, metrics):
             bar.update(1)
             bar.set_postfix(loss=f"{metrics['loss']:.3f}", top1=f"{metrics['top1_agreement']:.2f}")
-        history = train_draft(draft, groups, config, seed=args.seed, on_step=on_step)
+        history = train_draft(draft, groups, config, num_epochs=args.epochs, batch_size=args.batch_size,
+                              seed=args.seed, on_step=on_step)
     out = draft.save(args.out)
     last = history[-1]
     print(f"draft saved to {out} (final loss {last['loss']:.3f}, top-1 agreement with the policy "

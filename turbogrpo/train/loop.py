@@ -157,7 +157,7 @@ def grpo_step(run: Run, step: int) -> dict[str, float]:
             optimizer_step = step * config.algo.num_iterations + iteration
             set_learning_rate(run.optimizer, learning_rate(
                 optimizer_step, config.train.num_steps * config.algo.num_iterations, config.optim))
-            updates.append(update_policy(run.trainer, batch, micro_batches, run.loss, run.settings, normalizer,
+            updates.append(update_policy(run.trainer, batch, micro_batches, run.loss, normalizer,
                                          run.optimizer, max_grad_norm=config.optim.max_grad_norm, dist=dist))
             guard_nonfinite(run, updates[-1], step)
     draft_metrics = {}

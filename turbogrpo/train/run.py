@@ -5,6 +5,7 @@ steps: held-out evaluation, checkpoints, export of the final model.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -12,7 +13,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from turbogrpo.algo import LOSSES, LossSettings, PolicyLoss
+from turbogrpo.algo import build_loss
 from turbogrpo.config import Config, dump_config
 from turbogrpo.data import PromptBatches, PromptExample
 from turbogrpo.models import resolve_dtype
@@ -63,8 +64,8 @@ class Run:
     eval_prompts: list[PromptExample]
     sampling: SamplingConfig
     greedy: SamplingConfig
-    loss: PolicyLoss
-    settings: LossSettings
+    loss: Callable
+    """The policy loss with the [algo] settings bound (``algo.build_loss``)."""
     log: MetricsLog
     state: RunState
     reported_reward_failures: set[str] = field(default_factory=set)
@@ -132,9 +133,7 @@ def build_run(config: Config, dist: DistInfo, rewards: list[Reward], resume: boo
         eval_prompts=setup.load_eval_prompts(config, tokenizer, max_positions),
         sampling=setup.sampling_config(config.rollout, stop_ids, tokenizer),
         greedy=setup.sampling_config(config.rollout, stop_ids, tokenizer, greedy=True),
-        loss=LOSSES[config.algo.loss],
-        settings=LossSettings(epsilon_low=config.algo.epsilon_low, epsilon_high=config.algo.epsilon_high,
-                              beta=config.algo.beta, tis_cap=config.algo.tis_cap),
+        loss=build_loss(config.algo),
         log=log, state=state, draft=draft)
 
 

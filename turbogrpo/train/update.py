@@ -7,13 +7,13 @@ full-batch gradient), clips the global norm, and applies the step only if loss a
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
-from turbogrpo.algo import LossNormalizer, LossSettings, PolicyLoss
+from turbogrpo.algo import LossNormalizer
 from turbogrpo.train.distributed import DistInfo, all_reduce_sum, gradient_sync
 from turbogrpo.train.microbatch import MicroBatch, length_mask, pad_ragged, select
 
@@ -67,13 +67,13 @@ class UpdateResult:
     logps: list[Tensor]
 
 
-def update_policy(module: nn.Module, batch: StepBatch, micro_batches: Sequence[MicroBatch], loss_fn: PolicyLoss,
-                  settings: LossSettings, normalizer: LossNormalizer, optimizer: torch.optim.Optimizer, *,
-                  max_grad_norm: float, dist: DistInfo) -> UpdateResult:
+def update_policy(module: nn.Module, batch: StepBatch, micro_batches: Sequence[MicroBatch], loss_fn: Callable,
+                  normalizer: LossNormalizer, optimizer: torch.optim.Optimizer, *, max_grad_norm: float,
+                  dist: DistInfo) -> UpdateResult:
     """Accumulate the gradient of the step batch over ``micro_batches`` and take one optimizer step.
 
     ``module(prompts, completions) -> CompletionLogprobs`` is the (possibly DDP/FSDP2-wrapped)
-    shared-prefix forward.
+    shared-prefix forward; ``loss_fn`` a policy loss with its settings bound (``algo.build_loss``).
     Every rank passes the same number of micro-batches (fillers have weight 0).
     """
     optimizer.zero_grad(set_to_none=True)
@@ -90,7 +90,7 @@ def update_policy(module: nn.Module, batch: StepBatch, micro_batches: Sequence[M
                 _padded(batch.old_logps, mb),
                 _padded(batch.ref_logps, mb),
                 batch.advantages[torch.tensor(mb.index, device=batch.advantages.device)],
-                mask_BL, normalizer, settings, rollout_logps=_padded(batch.rollout_logps, mb))
+                mask_BL, normalizer, rollout_logps=_padded(batch.rollout_logps, mb))
             (loss * mb.weight).backward()
         metrics["entropy_sum"] = result.entropy.sum()
         metrics["num_tokens"] = mask_BL.sum()
