@@ -47,7 +47,7 @@ from bench.harness import RESULTS_DIR, machine_info  # noqa: E402
 from turbogrpo.cli import demo_config  # noqa: E402
 from turbogrpo.config import load_config  # noqa: E402
 from turbogrpo.rewards import build_rewards  # noqa: E402
-from turbogrpo.rollout import generate  # noqa: E402
+from turbogrpo.rollout import SamplingConfig, generate  # noqa: E402
 from turbogrpo.speculative.decode import Speculation  # noqa: E402
 from turbogrpo.speculative.draft import DraftHead  # noqa: E402
 from turbogrpo.speculative.policy import FixedSizing  # noqa: E402
@@ -107,7 +107,7 @@ def pretrain_draft(args, seed: int, out: Path) -> tuple[Path, dict]:
     policy, tokenizer = setup.load_policy(config, torch.device("cpu"))
     examples = setup.load_train_prompts(config, tokenizer).examples
     prompts = [e.token_ids for e in examples[-args.draft_prompts:]]  # the end of the shuffled-later list
-    sampling = setup.sampling_config(config.rollout, setup.stop_token_ids(policy, tokenizer), tokenizer)
+    sampling = SamplingConfig.from_rollout(config.rollout, setup.stop_token_ids(policy, tokenizer), tokenizer)
     start = time.perf_counter()
     completions = []
     for first in range(0, len(prompts), 8):

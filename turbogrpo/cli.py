@@ -177,6 +177,7 @@ def _eval(args: argparse.Namespace, overrides: list[str]) -> int:
     import torch
 
     from turbogrpo.rewards import build_rewards
+    from turbogrpo.rollout import SamplingConfig
     from turbogrpo.train import distributed, setup
     from turbogrpo.train.evaluate import evaluate_accuracy
 
@@ -193,9 +194,9 @@ def _eval(args: argparse.Namespace, overrides: list[str]) -> int:
         if not examples or accuracy_reward is None:
             raise ValueError("nothing to evaluate: set data.eval_path (or use data.kind = \"arithmetic\") and "
                              "train.accuracy_reward")
-        greedy = setup.sampling_config(config.rollout, setup.stop_token_ids(model, tokenizer), tokenizer,
-                                       greedy=True)
-        sampling = setup.sampling_config(config.rollout, setup.stop_token_ids(model, tokenizer), tokenizer)
+        stop_ids = setup.stop_token_ids(model, tokenizer)
+        greedy = SamplingConfig.from_rollout(config.rollout, stop_ids, tokenizer, greedy=True)
+        sampling = SamplingConfig.from_rollout(config.rollout, stop_ids, tokenizer)
         start = time.perf_counter()
         with torch.no_grad(), setup.precision(config, dist.device).autocast():  # as the training run computed
             accuracy = _scored(evaluate_accuracy(model, tokenizer, examples, accuracy_reward, greedy, dist),

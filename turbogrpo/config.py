@@ -160,7 +160,8 @@ class RewardConfig:
 
 @dataclass
 class RolloutConfig:
-    """How completions are sampled."""
+    """How completions are sampled; ``rollout.SamplingConfig.from_rollout`` builds the sampler's settings
+    from this section, and both are checked by the sampler's one rule set (``SAMPLING_RULES``)."""
 
     num_generations: int = 8
     """G: completions per prompt; advantages are relative within these G."""
@@ -179,18 +180,21 @@ class RolloutConfig:
     "fastgrpo" or "cost" (ours: trees only where they pay). Lossless: the samples' distribution is unchanged."""
 
     def check(self, key: str) -> None:
+        from turbogrpo.rollout.sampling import sampling_problem
         from turbogrpo.speculative.policy import SIZING_POLICIES  # the registry is the one source of names
         _require(self.speculation in SIZING_POLICIES, f"{key}.speculation", f"one of {', '.join(SIZING_POLICIES)}",
                  self.speculation)
         _require(self.num_generations >= 2, f"{key}.num_generations",
                  "an integer >= 2 (group-relative advantages need at least two completions per prompt)",
                  self.num_generations)
-        _require(self.max_new_tokens >= 1, f"{key}.max_new_tokens", "an integer >= 1", self.max_new_tokens)
         _require(self.temperature > 0, f"{key}.temperature",
                  "a number > 0 (training samples; greedy decoding would give G identical completions)",
                  self.temperature)
-        _require(0.0 < self.top_p <= 1.0, f"{key}.top_p", "a number in (0, 1]", self.top_p)
-        _require(self.top_k >= 0, f"{key}.top_k", "an integer >= 0 (0 disables)", self.top_k)
+        problem = sampling_problem(max_new_tokens=self.max_new_tokens, top_p=self.top_p, top_k=self.top_k,
+                                   stop_strings=self.stop_strings)  # the sampler's own rules
+        if problem is not None:
+            name, allowed, value = problem
+            _require(False, f"{key}.{name}", allowed, value)
 
 
 @dataclass

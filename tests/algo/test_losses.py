@@ -286,11 +286,14 @@ def test_tis_cap_bounds_every_weight_and_off_is_the_plain_loss():
         get_loss("grpo")(OLD, OLD, None, ADVANTAGES, MASK, norm, AlgoConfig(tis_cap=2.0))
 
 
-def test_loss_settings_is_a_deprecated_way_to_build_the_algo_section():
+def test_the_deprecated_loss_settings_still_work_like_the_algo_section():
     with pytest.warns(DeprecationWarning, match="AlgoConfig"):
-        settings = LossSettings(0.1, 0.3, 0.05, True, 2.0)
-    assert settings == AlgoConfig(epsilon_low=0.1, epsilon_high=0.3, beta=0.05, kl_bias_correction=True, tis_cap=2.0)
-    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="config key 'algo.epsilon_low'"):
+        old = LossSettings(0.1, 0.3, 0.05, True)
+    new = AlgoConfig(epsilon_low=0.1, epsilon_high=0.3, beta=0.05, kl_bias_correction=True)
+    logps = with_ratios([[1.5, 0.5, 1.0], [1.5, 0.5, 1.0]])
+    losses = [run("grpo", logps, OLD, OLD + KL_D, settings)[0] for settings in (old, new)]
+    torch.testing.assert_close(losses[0], losses[1], rtol=0, atol=0)
+    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="epsilon_low"):
         LossSettings(epsilon_low=1.5)
 
 

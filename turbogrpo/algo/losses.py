@@ -272,13 +272,20 @@ def build_loss(algo: AlgoConfig) -> Callable[..., tuple[Tensor, dict[str, Tensor
     return functools.partial(get_loss(algo.loss), settings=algo)
 
 
-def LossSettings(epsilon_low: float = 0.2, epsilon_high: float = 0.28, beta: float = 0.0,  # noqa: N802
-                 kl_bias_correction: bool = False, tis_cap: float = 0.0) -> AlgoConfig:
-    """Deprecated: the losses take the [algo] section, ``turbogrpo.config.AlgoConfig``, itself."""
-    from turbogrpo.config import AlgoConfig
-    warnings.warn("turbogrpo.algo.LossSettings is deprecated; pass turbogrpo.config.AlgoConfig (the [algo] "
-                  "section) instead", DeprecationWarning, stacklevel=2)
-    algo = AlgoConfig(epsilon_low=epsilon_low, epsilon_high=epsilon_high, beta=beta,
-                      kl_bias_correction=kl_bias_correction, tis_cap=tis_cap)
-    algo.check("algo")
-    return algo
+@dataclasses.dataclass(frozen=True)
+class LossSettings:
+    """Deprecated (kept for one release): the losses take the [algo] section, ``turbogrpo.config.AlgoConfig``,
+    which has these fields (the losses read only them) and is checked by the config's rules."""
+
+    epsilon_low: float = 0.2
+    epsilon_high: float = 0.28
+    beta: float = 0.0
+    kl_bias_correction: bool = False
+    tis_cap: float = 0.0
+
+    def __post_init__(self):
+        warnings.warn("turbogrpo.algo.LossSettings is deprecated; pass turbogrpo.config.AlgoConfig (the [algo] "
+                      "section) instead", DeprecationWarning, stacklevel=3)
+        if not 0.0 <= self.epsilon_low < 1.0 or self.epsilon_high < 0.0 or self.beta < 0.0 or self.tis_cap < 0.0:
+            raise ValueError(f"bad loss settings {self}: need 0 <= epsilon_low < 1 and epsilon_high, beta, "
+                             "tis_cap >= 0")

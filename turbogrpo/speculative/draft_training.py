@@ -23,19 +23,21 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 import warnings
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from turbogrpo.config import DraftLearningConfig
 from turbogrpo.hook import run_decoder
 from turbogrpo.prefix.auto import fastest_shared_backend
 from turbogrpo.prefix.backends import select_backend
 from turbogrpo.prefix.layout import pack_groups
 from turbogrpo.rollout.plans import padded_prompts
 from turbogrpo.speculative.draft import CausalPlan, DraftHead, shift_features
+
+if TYPE_CHECKING:
+    from turbogrpo.config import DraftLearningConfig
 
 
 class DraftGroup(NamedTuple):
@@ -157,7 +159,8 @@ def pack_draft_batch(groups: Sequence[DraftGroup], *, requires_grad: bool) -> Pa
                             plan, layout.num_prompt_tokens)
 
 
-def draft_loss(draft: DraftHead, groups: Sequence[DraftGroup], config: DraftLearningConfig) -> tuple[torch.Tensor, dict]:
+def draft_loss(draft: DraftHead, groups: Sequence[DraftGroup],
+               config: DraftLearningConfig) -> tuple[torch.Tensor, dict]:
     """``w_v * SmoothL1(g, f) + w_p * CE(draft logits, policy distribution)`` over the trained positions
     (``config``: the [draft] section, its feature_weight and logit_weight).
 
@@ -198,18 +201,17 @@ def batches_of(groups: Sequence[DraftGroup], batch_size: int, generator: torch.G
     return batches
 
 
-def train_draft(draft: DraftHead, groups: Sequence[DraftGroup], config: DraftLearningConfig | None = None, *,
+def train_draft(draft: DraftHead, groups: Sequence[DraftGroup], config: DraftLearningConfig, *,
                 num_epochs: int = 1, batch_size: int = 8, optimizer: torch.optim.Optimizer | None = None,
                 seed: int = 0, on_step: Callable[[int, dict], None] | None = None) -> list[dict]:
     """Train ``draft`` on ``groups`` (the policy's parts get no gradient) for ``num_epochs`` passes, in
     batches of at least ``batch_size`` completions (whole groups).
 
-    config: the [draft] section's hyper-parameters (loss weights, lr, weight decay, clipping); default
-        ``DraftLearningConfig()``, checked like a config file's.
+    config: the [draft] section (``turbogrpo.config.DraftLearningConfig()`` for the defaults), whose
+        loss weights, lr, weight decay and clipping are used; checked here as a config file's is.
     Pass a persistent ``optimizer`` for online training across rollouts. Returns per-step metrics
     (floats); ``on_step(step, metrics)`` is called after every step (progress bars, logging).
     """
-    config = config if config is not None else DraftLearningConfig()
     num_epochs, batch_size = getattr(config, "num_epochs", num_epochs), getattr(config, "batch_size", batch_size)
     config.check("draft")
     if num_epochs < 1 or batch_size < 1:
@@ -238,19 +240,29 @@ def draft_train_step(draft: DraftHead, batch: Sequence[DraftGroup], optimizer: t
     return dict(zip(metrics, values))
 
 
-@dataclass
-class DraftTrainConfig(DraftLearningConfig):
-    """Deprecated: pass the [draft] section, ``turbogrpo.config.DraftLearningConfig``, and give
-    ``train_draft`` its ``num_epochs`` and ``batch_size``. Kept for one release with the old defaults."""
+@dataclass(frozen=True)
+class DraftTrainConfig:
+    """Deprecated (kept for one release): pass the [draft] section, ``turbogrpo.config.DraftLearningConfig``,
+    and give ``train_draft`` its ``num_epochs`` and ``batch_size``."""
 
+    feature_weight: float = 1.0
+    logit_weight: float = 0.1
     lr: float = 1e-4
+    weight_decay: float = 0.0
     num_epochs: int = 1
     batch_size: int = 8
+    max_grad_norm: float = 0.5
 
     def __post_init__(self):
         warnings.warn("turbogrpo.speculative.DraftTrainConfig is deprecated; pass turbogrpo.config."
                       "DraftLearningConfig and train_draft(..., num_epochs=, batch_size=)", DeprecationWarning,
                       stacklevel=3)
-        self.check("draft")
-        if self.num_epochs < 1 or self.batch_size < 1:
-            raise ValueError(f"num_epochs and batch_size must be >= 1, got {self.num_epochs} and {self.batch_size}")
+        self.check("draft training")
+
+    def check(self, key: str) -> None:
+        for name in ("lr", "batch_size", "num_epochs", "max_grad_norm"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{key} {name} must be > 0, got {getattr(self, name)!r}")
+        for name in ("feature_weight", "logit_weight", "weight_decay"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{key} {name} must be >= 0, got {getattr(self, name)!r}")

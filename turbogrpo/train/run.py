@@ -131,8 +131,8 @@ def build_run(config: Config, dist: DistInfo, rewards: list[Reward], resume: boo
         reference=reference,
         optimizer=optimizer, batches=batches, rewards=rewards, accuracy=setup.accuracy_function(config, rewards),
         eval_prompts=setup.load_eval_prompts(config, tokenizer, max_positions),
-        sampling=setup.sampling_config(config.rollout, stop_ids, tokenizer),
-        greedy=setup.sampling_config(config.rollout, stop_ids, tokenizer, greedy=True),
+        sampling=SamplingConfig.from_rollout(config.rollout, stop_ids, tokenizer),
+        greedy=SamplingConfig.from_rollout(config.rollout, stop_ids, tokenizer, greedy=True),
         loss=build_loss(config.algo),
         log=log, state=state, draft=draft)
 

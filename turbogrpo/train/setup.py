@@ -10,13 +10,12 @@ from functools import partial
 import torch
 from torch import nn
 
-from turbogrpo.config import Config, ConfigError, DataConfig, RolloutConfig
+from turbogrpo.config import Config, ConfigError, DataConfig
 from turbogrpo.data import PromptExample, build_prompts, demo_records, gsm8k_records, longform_records, read_records
 from turbogrpo.data.sources import source_kind
 from turbogrpo.models import enable_activation_checkpointing, load_model_and_tokenizer, resolve_model_path
 from turbogrpo.prefix import compute_logprobs
 from turbogrpo.rewards import BUILTIN_REWARDS, Reward, resolve_reward
-from turbogrpo.rollout import SamplingConfig
 from turbogrpo.train.precision import Precision, run_precision
 
 
@@ -177,10 +176,3 @@ def stop_token_ids(model: nn.Module, tokenizer) -> tuple[int, ...]:
     if generation_eos is not None:
         ids.update(int(i) for i in (generation_eos if isinstance(generation_eos, (list, tuple)) else [generation_eos]))
     return tuple(sorted(ids))
-
-
-def sampling_config(rollout: RolloutConfig, stop_ids: tuple[int, ...], tokenizer, *, greedy: bool = False):
-    return SamplingConfig(
-        max_new_tokens=rollout.max_new_tokens, temperature=0.0 if greedy else rollout.temperature,
-        top_p=rollout.top_p, top_k=rollout.top_k, stop_token_ids=stop_ids,
-        stop_strings=tuple(rollout.stop_strings), tokenizer=tokenizer if rollout.stop_strings else None)
