@@ -47,7 +47,7 @@ from bench.harness import RESULTS_DIR, machine_info  # noqa: E402
 from turbogrpo.cli import demo_config  # noqa: E402
 from turbogrpo.config import load_config  # noqa: E402
 from turbogrpo.rewards import build_rewards  # noqa: E402
-from turbogrpo.rollout import SamplingConfig, generate  # noqa: E402
+from turbogrpo.rollout import generate  # noqa: E402
 from turbogrpo.speculative.decode import Speculation  # noqa: E402
 from turbogrpo.speculative.draft import DraftHead  # noqa: E402
 from turbogrpo.speculative.policy import FixedSizing  # noqa: E402
@@ -104,10 +104,10 @@ def base_config(args, seed: int, output_dir: Path, overrides: list[str]):
 def pretrain_draft(args, seed: int, out: Path) -> tuple[Path, dict]:
     """A draft trained offline on the step-0 policy's own completions (as `turbogrpo draft train`)."""
     config = base_config(args, seed, out / "pretrain", [])
-    policy, tokenizer = setup.load_policy(config, torch.device("cpu"))
+    policy, tokenizer = setup.load_policy(config, torch.device("cpu"), setup.precision(config, torch.device("cpu")))
     examples = setup.load_train_prompts(config, tokenizer).examples
     prompts = [e.token_ids for e in examples[-args.draft_prompts:]]  # the end of the shuffled-later list
-    sampling = SamplingConfig.from_rollout(config.rollout, setup.stop_token_ids(policy, tokenizer), tokenizer)
+    sampling = setup.rollout_sampling(config, policy, tokenizer)
     start = time.perf_counter()
     completions = []
     for first in range(0, len(prompts), 8):
@@ -147,7 +147,7 @@ def run_seed(args, seed: int, out: Path) -> dict:
         if args.eval_every or not args.quick:
             evaluate(runs[name])
     records = {name: [] for name in runs}
-    probe_prompts = [e.token_ids for e in runs["off"].eval_prompts[:4]]
+    probe_prompts = [e.token_ids for e in runs["off"].held_out.examples[:4]]
     for step in range(args.steps):
         for name, run in runs.items():
             metrics = grpo_step(run, step)

@@ -91,3 +91,15 @@ def test_python_dash_m_runs_the_cli():
     result = subprocess.run([sys.executable, "-m", "turbogrpo", "train", "--help"], cwd=REPO, capture_output=True,
                             text=True)
     assert result.returncode == 0 and "--resume" in result.stdout and "--set" in result.stdout
+
+
+def test_eval_measures_a_model_exactly_as_a_run_does_at_step_0(tmp_path, capsys):
+    # One builder (train.evaluate.build_held_out) serves both: same prompts, sampling and seed.
+    sets = ["data.num_eval_problems=12", "data.num_eval_samples=2", "train.num_steps=1", "train.checkpoint_every=0",
+            "train.save_final_model=false", "log.report=false", "log.progress_bar=false",
+            f'train.output_dir="{tmp_path / "run"}"']
+    assert main(["demo", "--set", *sets]) == 0
+    step_0 = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("step 0: "))
+    assert main(["eval", "--set", *sets]) == 0
+    measured = capsys.readouterr().out.strip().splitlines()[-1]
+    assert measured.startswith(f"demo: {step_0.removeprefix('step 0: ')} (")

@@ -15,14 +15,14 @@ from tqdm import tqdm
 
 from turbogrpo.algo import build_loss
 from turbogrpo.config import Config, dump_config
-from turbogrpo.data import PromptBatches, PromptExample
+from turbogrpo.data import PromptBatches
 from turbogrpo.models import resolve_dtype
 from turbogrpo.rewards import Reward, RewardResult
 from turbogrpo.rollout import SamplingConfig
 from turbogrpo.train import checkpoint, distributed, setup
 from turbogrpo.train.distributed import DistInfo
 from turbogrpo.train.draft_learning import OnlineDraft, build_online_draft
-from turbogrpo.train.evaluate import evaluate_accuracy
+from turbogrpo.train.evaluate import HeldOut, build_held_out, describe_accuracies, measure_held_out
 from turbogrpo.train import output_dir as output_dir_state
 from turbogrpo.train.metrics import METRICS_FILE, MetricsLog
 from turbogrpo.train.optim import build_optimizer
@@ -60,10 +60,10 @@ class Run:
     optimizer: torch.optim.Optimizer
     batches: PromptBatches
     rewards: list[Reward]
-    accuracy: Reward | None
-    eval_prompts: list[PromptExample]
     sampling: SamplingConfig
-    greedy: SamplingConfig
+    """How rollouts sample (the [rollout] section with the model's stop ids)."""
+    held_out: HeldOut
+    """Held-out evaluation: prompts, the accuracy reward, greedy and sampled settings."""
     loss: Callable
     """The policy loss with the [algo] settings bound (``algo.build_loss``)."""
     log: MetricsLog
@@ -82,14 +82,14 @@ def build_run(config: Config, dist: DistInfo, rewards: list[Reward], resume: boo
     torch.manual_seed(config.train.seed)  # LoRA initialisation; resumed runs load their adapters
     if dist.is_main:
         warn_if_pure(config.model.pure_bf16)
-    policy, tokenizer = setup.load_policy(config, dist.device)
+    precision = setup.precision(config, dist.device)
+    policy, tokenizer = setup.load_policy(config, dist.device, precision)
     if dist.enabled and config.distributed.strategy == "fsdp2" and config.lora.enabled and config.algo.beta > 0:
         raise ValueError("config key 'algo.beta': with distributed.strategy = \"fsdp2\" and LoRA the reference "
                          "(the base model without adapters) cannot be scored; use beta = 0 or strategy \"ddp\"")
-    precision = setup.precision(config, dist.device)
-    fn = setup.logprob_fn(config, dist.device)
+    fn = setup.logprob_fn(config, precision)
     trainer = distributed.wrap_for_training(policy, fn, dist, config.distributed.strategy, precision)
-    reference = setup.build_reference(config, policy, dist.device)
+    reference = setup.build_reference(config, policy, dist.device, precision, fn)
     optimizer = build_optimizer(policy, config.optim)
     max_positions = setup.position_limit(policy)
     prompt_set = setup.load_train_prompts(config, tokenizer, max_positions)
@@ -100,10 +100,10 @@ def build_run(config: Config, dist: DistInfo, rewards: list[Reward], resume: boo
                    f"{config.data.max_prompt_tokens}{model_limit} and {prompt_set.num_empty} empty prompts")
     batches = PromptBatches(prompt_set.examples, config.train.prompts_per_step, seed=config.train.seed,
                             shuffle=config.data.shuffle)
-    stop_ids = setup.stop_token_ids(policy, tokenizer)
     if dist.enabled and config.distributed.strategy == "fsdp2" and config.rollout.speculation != "off":
         raise ValueError("config key 'rollout.speculation': the draft head shares the policy's embeddings and LM "
                          "head, which FSDP2 shards; use rollout.speculation = \"off\" or strategy \"ddp\"")
+    sampling = setup.rollout_sampling(config, policy, tokenizer)
     longest_prompt = max(e.token_ids.numel() for e in prompt_set.examples)
     draft = build_online_draft(config, policy, longest_prompt + config.rollout.max_new_tokens // 2)
     state = RunState()
@@ -129,10 +129,8 @@ def build_run(config: Config, dist: DistInfo, rewards: list[Reward], resume: boo
     return Run(
         config=config, dist=dist, policy=policy, tokenizer=tokenizer, precision=precision, trainer=trainer,
         reference=reference,
-        optimizer=optimizer, batches=batches, rewards=rewards, accuracy=setup.accuracy_function(config, rewards),
-        eval_prompts=setup.load_eval_prompts(config, tokenizer, max_positions),
-        sampling=SamplingConfig.from_rollout(config.rollout, stop_ids, tokenizer),
-        greedy=SamplingConfig.from_rollout(config.rollout, stop_ids, tokenizer, greedy=True),
+        optimizer=optimizer, batches=batches, rewards=rewards, sampling=sampling,
+        held_out=build_held_out(config, policy, tokenizer, rewards, sampling),
         loss=build_loss(config.algo),
         log=log, state=state, draft=draft)
 
@@ -180,20 +178,15 @@ def evaluate(run: Run) -> dict | None:
     a notice); when it fails on every answer, the run stops before training (step 0) and later skips
     the measurement with a notice, so a long run is not lost at its last evaluation.
     """
-    if not run.eval_prompts or run.accuracy is None:
+    held_out = run.held_out
+    if not held_out.enabled:
         return None
-    config = run.config
     with distributed.full_parameters(run.trainer), run.precision.autocast():
-        measured = {"accuracy": evaluate_accuracy(run.policy, run.tokenizer, run.eval_prompts, run.accuracy,
-                                                  run.greedy, run.dist)}
-        if config.data.num_eval_samples:
-            measured["sampled_accuracy"] = evaluate_accuracy(
-                run.policy, run.tokenizer, run.eval_prompts, run.accuracy, run.sampling, run.dist,
-                num_samples=config.data.num_eval_samples, seed=config.train.seed + 7_919)
-    greedy = measured["accuracy"]
+        measured = measure_held_out(held_out, run.policy, run.tokenizer, run.dist)
+    greedy, name = measured["accuracy"], held_out.accuracy.name
     if greedy.accuracy is None:
         problem = (f"held-out accuracy at step {run.state.step} cannot be measured: "
-                   f"{greedy.describe_failures(run.accuracy.name)}. Check train.accuracy_reward and the columns "
+                   f"{greedy.describe_failures(name)}. Check train.accuracy_reward and the columns "
                    "of the held-out rows it reads")
         if run.state.step == 0:
             raise RewardFailure(problem)
@@ -201,16 +194,13 @@ def evaluate(run: Run) -> dict | None:
             tqdm.write(f"warning: {problem}; skipped")
         return None
     if greedy.num_failed and run.dist.is_main:
-        tqdm.write(f"warning: {greedy.describe_failures(run.accuracy.name)}; the accuracy counts only the "
+        tqdm.write(f"warning: {greedy.describe_failures(name)}; the accuracy counts only the "
                    f"{greedy.num_scored} it scored")
     result = {"step": run.state.step, **{k: m.accuracy for k, m in measured.items() if m.accuracy is not None}}
     run.state.evals.append(result)
     run.log.log(run.state.step, {f"eval/{k}": v for k, v in result.items() if k != "step"})
     if run.dist.is_main:
-        sampled = (f", sampled {result['sampled_accuracy']:.1%} ({config.data.num_eval_samples} per problem, "
-                   f"temperature {config.rollout.temperature:g})" if "sampled_accuracy" in result else "")
-        tqdm.write(f"step {run.state.step}: held-out accuracy greedy {result['accuracy']:.1%}{sampled} on "
-                   f"{len(run.eval_prompts)} problems")
+        tqdm.write(f"step {run.state.step}: {describe_accuracies(held_out, result)}")
     return result
 
 

@@ -44,8 +44,9 @@ def step_metrics(rollout: Rollout, rewards: RewardResult, sampler_logps: list[li
         metrics[f"rewards/{name}/num_failed"] = sums[2 + i]
         if rewards.first_error[name] and dist.is_main:
             metrics[f"rewards/{name}/first_error"] = rewards.first_error[name]
-    if run.accuracy is not None and run.accuracy.name in names:
-        metrics["accuracy"] = mean[1 + names.index(run.accuracy.name)]
+    accuracy = run.held_out.accuracy
+    if accuracy is not None and accuracy.name in names:
+        metrics["accuracy"] = mean[1 + names.index(accuracy.name)]
     metrics["frac_groups_zero_std"] = float((group_std == 0).float().mean())
     metrics.update({"completion_length/mean": mean[-2], "completion_length/min": float(lengths_all.min()),
                     "completion_length/max": float(lengths_all.max()), "completion_length/truncated": mean[-1]})
