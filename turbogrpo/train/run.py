@@ -17,7 +17,7 @@ from turbogrpo.algo import build_loss
 from turbogrpo.config import Config, dump_config
 from turbogrpo.data import PromptBatches
 from turbogrpo.models import resolve_dtype
-from turbogrpo.rewards import Reward, RewardResult
+from turbogrpo.rewards import Reward
 from turbogrpo.rollout import SamplingConfig
 from turbogrpo.train import checkpoint, distributed, setup
 from turbogrpo.train.distributed import DistInfo
@@ -202,40 +202,6 @@ def evaluate(run: Run) -> dict | None:
     if run.dist.is_main:
         tqdm.write(f"step {run.state.step}: {describe_accuracies(held_out, result)}")
     return result
-
-
-def check_rewards(run: Run, rewards: RewardResult, step: int, statistics_finite: torch.Tensor) -> None:
-    """Print each reward function's first failure (once per run, with its message), and stop the run
-    when one fails on at least ``train.reward_failure_limit`` of the step's completions (all ranks), or
-    when the rewards overflow the advantages' float32 statistics (``statistics_finite`` False), before
-    any update is made from them."""
-    names = list(rewards.num_failed)
-    counts = torch.tensor([*(float(rewards.num_failed[n]) for n in names), float(rewards.total.numel())],
-                          dtype=torch.float64, device=run.dist.device)
-    counts = torch.cat([counts, (~statistics_finite).to(counts)[None]])
-    *failed, total, overflowed = distributed.all_reduce_sum(counts, run.dist).tolist()  # host sync: the run goes on?
-    limit = run.config.train.reward_failure_limit
-    for name, num_failed in zip(names, failed):
-        if not num_failed:
-            continue
-        reward = next(r for r in run.rewards if r.name == name)
-        problem = (f"reward {name!r} failed on {num_failed:.0f} of {total:.0f} completions at step {step + 1} "
-                   f"({rewards.first_error[name] or 'on another rank; see metrics.jsonl'})")
-        if limit and num_failed >= limit * total:
-            raise RewardFailure(f"{problem}; stopped, since train.reward_failure_limit = {limit:g} and no update "
-                                "was made from these rewards. Fix the function or the data columns it reads "
-                                "(or raise train.reward_failure_limit, 0 never stops), then continue with --resume")
-        if name not in run.reported_reward_failures and run.dist.is_main:
-            tqdm.write(f"warning: {problem}; those get its fallback {reward.fallback:g} (counted in metrics.jsonl "
-                       "as rewards/<name>/num_failed; only the first failure of each function is printed)")
-        run.reported_reward_failures.add(name)
-    if overflowed:
-        largest = ", ".join(f"{name!r} {float(values.abs().max()):.3g}" for name, values in rewards.per_function.items()
-                            if values.numel())
-        raise RewardFailure(f"the rewards at step {step + 1} are too large for float32: their group means or stds "
-                            f"overflow to inf, so the advantages would be 0 or NaN (largest |reward| on this rank: "
-                            f"{largest}; weights {[r.weight for r in run.rewards]}). Stopped before any update; keep "
-                            "rewards well within +-1e18, then continue with --resume")
 
 
 def save(run: Run) -> Path:
