@@ -1,0 +1,64 @@
+"""Groups, the one ragged layout: equivalence with the converters it replaces, and hand cases."""
+
+import pytest
+import torch
+
+from turbogrpo.batch import Groups
+from turbogrpo.prefix.layout import split_per_completion
+from turbogrpo.rollout.types import Rollout, RolloutStats
+from turbogrpo.train import loop, update
+from turbogrpo.train.microbatch import plan_micro_batches
+from turbogrpo.train.update import StepBatch
+
+SIZES = [3, 1, 2, 4]  # K = 4 groups, N = 10 completions
+
+
+def nested(sizes=SIZES):
+    """Per group, per completion: a tensor [S] whose values say (group, completion)."""
+    return [[torch.full((1 + (g + i) % 3,), 10 * g + i) for i in range(size)] for g, size in enumerate(sizes)]
+
+
+def test_split_and_flatten_match_todays_converters():
+    per_group = nested()
+    flat = [t for group in per_group for t in group]
+    groups = Groups.of(per_group)
+    assert groups.sizes == (3, 1, 2, 4) and groups.offsets == (0, 3, 4, 6, 10) and groups.num_completions == 10
+    batch = StepBatch([torch.tensor([1])] * 4, per_group, torch.zeros(10))
+    assert groups.split(flat) == loop._regroup(flat, batch)
+    assert Groups.flatten(per_group) == update._flat(per_group)
+    assert list(groups.group(2)) == [4, 5]
+
+
+def test_a_rollouts_layout_matches_its_group_index():
+    num_samples = 3
+    tokens = [torch.tensor([i]) for i in range(2 * num_samples)]
+    rollout = Rollout([torch.tensor([1]), torch.tensor([2])], num_samples, tokens, tokens, ["stop"] * 6,
+                      [i // num_samples for i in range(6)], None, RolloutStats())
+    assert Groups.uniform(2, num_samples).split(tokens) == rollout._per_group(tokens)
+
+
+def test_select_matches_the_step_batchs_group_selection():
+    per_group = nested()
+    advantages = torch.arange(10.0)
+    batch = StepBatch([torch.tensor([g]) for g in range(4)], per_group, advantages)
+    kept = batch.groups([3, 0])
+    sub, index = Groups.of(per_group).select([3, 0])
+    assert sub == Groups.of(kept.completions) == Groups([4, 3])
+    assert torch.equal(advantages[index], kept.advantages) and index == [6, 7, 8, 9, 0, 1, 2]
+
+
+def test_offsets_match_the_micro_batch_plan_and_the_packed_split():
+    per_group = nested()
+    lengths = [[t.numel() for t in group] for group in per_group]
+    groups = Groups.of(per_group)
+    for mb in plan_micro_batches([5] * 4, lengths, 12):
+        assert mb.index == [i for c in mb.chunks for i in list(groups.group(c.group))[c.start:c.stop]]
+    flat_tokens = torch.cat([t for group in per_group for t in group])
+    split = split_per_completion(flat_tokens, lengths)
+    assert Groups.of(split) == groups
+    assert all(torch.equal(a, b) for a, b in zip(Groups.flatten(split), Groups.flatten(per_group)))
+
+
+def test_split_refuses_a_wrong_count():
+    with pytest.raises(ValueError, match="got 2 items for 3 completions"):
+        Groups([1, 2]).split([0, 1])
