@@ -1,4 +1,6 @@
-"""Groups, the one ragged layout: equivalence with the converters it replaces, and hand cases."""
+"""Groups, the one ragged layout, by hand; it replaced the converters ``Rollout._per_group``,
+``loop._regroup`` and ``update._flat`` and the offsets of ``StepBatch.groups``, ``plan_micro_batches``
+and ``split_per_completion`` (equivalence with them was checked before they were removed)."""
 
 import pytest
 import torch
@@ -6,7 +8,6 @@ import torch
 from turbogrpo.batch import Groups
 from turbogrpo.prefix.layout import split_per_completion
 from turbogrpo.rollout.types import Rollout, RolloutStats
-from turbogrpo.train import loop, update
 from turbogrpo.train.microbatch import plan_micro_batches
 from turbogrpo.train.update import StepBatch
 
@@ -18,26 +19,24 @@ def nested(sizes=SIZES):
     return [[torch.full((1 + (g + i) % 3,), 10 * g + i) for i in range(size)] for g, size in enumerate(sizes)]
 
 
-def test_split_and_flatten_match_todays_converters():
-    per_group = nested()
-    flat = [t for group in per_group for t in group]
-    groups = Groups.of(per_group)
+def test_split_and_flatten_by_hand():
+    groups = Groups(SIZES)
     assert groups.sizes == (3, 1, 2, 4) and groups.offsets == (0, 3, 4, 6, 10) and groups.num_completions == 10
-    batch = StepBatch([torch.tensor([1])] * 4, per_group, torch.zeros(10))
-    assert groups.split(flat) == loop._regroup(flat, batch)
-    assert Groups.flatten(per_group) == update._flat(per_group)
+    assert groups.split(list("abcdefghij")) == [["a", "b", "c"], ["d"], ["e", "f"], ["g", "h", "i", "j"]]
+    assert Groups.flatten([[1, 2], [], [3]]) == [1, 2, 3] and Groups.of([[1, 2], [], [3]]) == Groups([2, 0, 1])
     assert list(groups.group(2)) == [4, 5]
 
 
-def test_a_rollouts_layout_matches_its_group_index():
+def test_a_rollouts_layout_is_num_samples_per_prompt():
     num_samples = 3
     tokens = [torch.tensor([i]) for i in range(2 * num_samples)]
     rollout = Rollout([torch.tensor([1]), torch.tensor([2])], num_samples, tokens, tokens, ["stop"] * 6,
                       [i // num_samples for i in range(6)], None, RolloutStats())
-    assert Groups.uniform(2, num_samples).split(tokens) == rollout._per_group(tokens)
+    assert rollout.groups == Groups([3, 3])
+    assert [[int(t) for t in group] for group in rollout.tokens_per_group()] == [[0, 1, 2], [3, 4, 5]]
 
 
-def test_select_matches_the_step_batchs_group_selection():
+def test_select_picks_groups_and_their_flat_positions():
     per_group = nested()
     advantages = torch.arange(10.0)
     batch = StepBatch([torch.tensor([g]) for g in range(4)], per_group, advantages)
@@ -47,7 +46,7 @@ def test_select_matches_the_step_batchs_group_selection():
     assert torch.equal(advantages[index], kept.advantages) and index == [6, 7, 8, 9, 0, 1, 2]
 
 
-def test_offsets_match_the_micro_batch_plan_and_the_packed_split():
+def test_the_micro_batch_plan_and_the_packed_split_use_the_same_offsets():
     per_group = nested()
     lengths = [[t.numel() for t in group] for group in per_group]
     groups = Groups.of(per_group)

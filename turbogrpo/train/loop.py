@@ -27,6 +27,7 @@ import torch
 from tqdm import tqdm
 
 from turbogrpo.algo import LossNormalizer, group_advantages, statistics_are_finite
+from turbogrpo.batch import Groups
 from turbogrpo.config import Config
 from turbogrpo.data import PromptExample
 from turbogrpo.rewards import RewardResult, build_rewards, score_completions
@@ -243,7 +244,7 @@ def learn_draft(run: Run, data: StepData) -> StepData:
 def record(run: Run, data: StepData) -> StepData:
     """The step's metrics over the global batch (one gather, one host sync) and sample completions."""
     config, rollout, batch = run.config, data.rollout, data.batch
-    trainer_logps = batch.old_logps if batch.old_logps is not None else _regroup(data.updates[0].logps, batch)
+    trainer_logps = batch.old_logps if batch.old_logps is not None else Groups.of(batch.completions).split(data.updates[0].logps)
     per_group = rollout.logprobs_per_group()
     sampler_logps = [per_group[g] for g in data.trained]
     draft_metrics, data.metrics = data.metrics, step_metrics(rollout, data.rewards, sampler_logps, trainer_logps,
@@ -358,13 +359,5 @@ def guard_nonfinite(run: Run, update: UpdateResult, step: int) -> None:
             f"or gradients (train.max_nonfinite_steps = {limit}) and were skipped, so the weights are the last "
             f"good ones. Checkpoint saved to {path}. Lower optim.lr, set optim.max_grad_norm, or check the "
             "rewards and data; then continue with --resume.")
-
-
-def _regroup(flat: list[torch.Tensor], batch: StepBatch) -> list[list[torch.Tensor]]:
-    out, i = [], 0
-    for group in batch.completions:
-        out.append(flat[i:i + len(group)])
-        i += len(group)
-    return out
 
 

@@ -14,6 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from turbogrpo.algo import LossNormalizer
+from turbogrpo.batch import Groups
 from turbogrpo.train.distributed import DistInfo, all_reduce_sum, gradient_sync
 from turbogrpo.train.microbatch import MicroBatch, length_mask, pad_ragged, select
 
@@ -41,10 +42,7 @@ class StepBatch:
     def groups(self, keep: Sequence[int]) -> StepBatch:
         """The batch restricted to groups ``keep`` (before old/ref log-probs are computed)."""
         assert self.old_logps is None and self.ref_logps is None
-        offsets = [0]
-        for group in self.completions:
-            offsets.append(offsets[-1] + len(group))
-        index = [i for g in keep for i in range(offsets[g], offsets[g + 1])]
+        _, index = Groups.of(self.completions).select(keep)
         return StepBatch([self.prompts[g] for g in keep], [self.completions[g] for g in keep],
                          self.advantages[torch.tensor(index, device=self.advantages.device)],
                          rollout_logps=None if self.rollout_logps is None else [self.rollout_logps[g] for g in keep])
@@ -83,7 +81,7 @@ def update_policy(module: nn.Module, batch: StepBatch, micro_batches: Sequence[M
         with gradient_sync(module, enabled=i == len(micro_batches) - 1):
             prompts = [batch.prompts[c.group] for c in mb.chunks]
             result = module(prompts, select(batch.completions, mb.chunks))
-            logps = _flat(result.per_completion(result.logps))
+            logps = Groups.flatten(result.per_completion(result.logps))
             mask_BL = length_mask([t.numel() for t in logps], device=logps[0].device)
             loss, metrics = loss_fn(
                 pad_ragged(logps),
@@ -135,12 +133,8 @@ def score(module: nn.Module, batch: StepBatch, micro_batches: Sequence[MicroBatc
     return out
 
 
-def _flat(per_group: Sequence[Sequence[Tensor]]) -> list[Tensor]:
-    return [t for group in per_group for t in group]
-
-
 def _padded(per_group: list[list[Tensor]] | None, mb: MicroBatch) -> Tensor | None:
-    return None if per_group is None else pad_ragged(_flat(select(per_group, mb.chunks)))
+    return None if per_group is None else pad_ragged(Groups.flatten(select(per_group, mb.chunks)))
 
 
 def _full(t: Tensor) -> Tensor:
