@@ -50,7 +50,7 @@ from turbogrpo.rewards import build_rewards  # noqa: E402
 from turbogrpo.rollout import generate  # noqa: E402
 from turbogrpo.speculative.decode import Speculation  # noqa: E402
 from turbogrpo.speculative.draft import DraftHead  # noqa: E402
-from turbogrpo.speculative.policy import FixedSizing  # noqa: E402
+from turbogrpo.speculative.sizing import FixedSizing  # noqa: E402
 from turbogrpo.config import DraftLearningConfig  # noqa: E402
 from turbogrpo.speculative.draft_training import draft_groups, train_draft  # noqa: E402
 from turbogrpo.train import distributed, setup  # noqa: E402

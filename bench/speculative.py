@@ -49,8 +49,8 @@ from turbogrpo.speculative.decode import Speculation  # noqa: E402
 from turbogrpo.speculative.draft import DraftHead  # noqa: E402
 from turbogrpo.config import DraftLearningConfig  # noqa: E402
 from turbogrpo.speculative.draft_training import draft_groups, train_draft  # noqa: E402
-from turbogrpo.speculative.policy import FixedSizing, OffSizing, make_sizing  # noqa: E402
 from turbogrpo.speculative.profiler import cached_profile  # noqa: E402
+from turbogrpo.speculative.sizing import FixedSizing, OffSizing, make_sizing  # noqa: E402
 from turbogrpo.speculative.tree import TreeShape  # noqa: E402
 
 FIXED_SHAPE = TreeShape(2, 4, 8)  # a small EAGLE-like tree: 2 children per node, 4 levels, 8 nodes

@@ -181,7 +181,7 @@ class RolloutConfig:
 
     def check(self, key: str) -> None:
         from turbogrpo.rollout.sampling import sampling_problem
-        from turbogrpo.speculative.policy import SIZING_POLICIES  # the registry is the one source of names
+        from turbogrpo.speculative.sizing import SIZING_POLICIES  # the registry is the one source of names
         _require(self.speculation in SIZING_POLICIES, f"{key}.speculation", f"one of {', '.join(SIZING_POLICIES)}",
                  self.speculation)
         _require(self.num_generations >= 2, f"{key}.num_generations",

@@ -11,7 +11,7 @@ from turbogrpo.prefix.logprobs import completion_logprobs
 from turbogrpo.rollout import SamplingConfig, generate
 from turbogrpo.speculative.decode import Speculation, SpeculativeStats, generate_speculative
 from turbogrpo.speculative.draft import DraftHead
-from turbogrpo.speculative.policy import FixedSizing
+from turbogrpo.speculative.sizing import FixedSizing
 from turbogrpo.speculative.tree import TreeShape
 
 GREEDY = SamplingConfig(max_new_tokens=20, temperature=0.0)

@@ -13,8 +13,8 @@ from turbogrpo.rewards import build_rewards
 from turbogrpo.rollout import SamplingConfig, generate
 from turbogrpo.speculative.draft import DraftHead
 from turbogrpo.speculative.draft_training import make_optimizer
-from turbogrpo.speculative.policy import CostSizing, FixedSizing
 from turbogrpo.speculative.profiler import LatencyCurve, LatencyProfile
+from turbogrpo.speculative.sizing import CostSizing, FixedSizing
 from turbogrpo.train import draft_learning, loop
 from turbogrpo.train.draft_learning import OnlineDraft, frozen, within_budget
 

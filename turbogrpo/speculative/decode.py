@@ -53,8 +53,8 @@ from turbogrpo.rollout.step import DecodeState, PlainStep
 from turbogrpo.rollout.types import Rollout, RolloutStats
 from turbogrpo.speculative.draft import DraftHead
 from turbogrpo.speculative.drafting import DraftKVCache, TreeDrafter, catch_up, prefill_draft
-from turbogrpo.speculative.policy import SizingPolicy, make_sizing
 from turbogrpo.speculative.profiler import DeviceStopwatch, LatencyProfile, cached_profile
+from turbogrpo.speculative.sizing import SizingPolicy, make_sizing
 from turbogrpo.speculative.tree import DraftTree, TreeShape, build_tree
 from turbogrpo.speculative.verify import TreeVerdict, verify_tree
 

@@ -36,8 +36,8 @@ from turbogrpo.speculative.decode import Speculation, SpeculativeStats
 from turbogrpo.speculative.draft import DraftHead
 from turbogrpo.speculative.draft_training import (DraftGroup, make_optimizer, prompt_features,
                                                   train_draft)
-from turbogrpo.speculative.policy import SizingPolicy, make_sizing
 from turbogrpo.speculative.profiler import cached_profile
+from turbogrpo.speculative.sizing import SizingPolicy, make_sizing
 
 FORGET = 0.5
 """Weight of the acceptance counts seen before a draft update: about the last two rollouts count."""

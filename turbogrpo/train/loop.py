@@ -244,7 +244,8 @@ def learn_draft(run: Run, data: StepData) -> StepData:
 def record(run: Run, data: StepData) -> StepData:
     """The step's metrics over the global batch (one gather, one host sync) and sample completions."""
     config, rollout, batch = run.config, data.rollout, data.batch
-    trainer_logps = batch.old_logps if batch.old_logps is not None else Groups.of(batch.completions).split(data.updates[0].logps)
+    trainer_logps = (batch.old_logps if batch.old_logps is not None
+                     else Groups.of(batch.completions).split(data.updates[0].logps))
     per_group = rollout.logprobs_per_group()
     sampler_logps = [per_group[g] for g in data.trained]
     draft_metrics, data.metrics = data.metrics, step_metrics(rollout, data.rewards, sampler_logps, trainer_logps,
