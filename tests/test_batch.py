@@ -8,7 +8,7 @@ import torch
 from turbogrpo.batch import Groups
 from turbogrpo.prefix.layout import split_per_completion
 from turbogrpo.rollout.types import Rollout, RolloutStats
-from turbogrpo.train.microbatch import plan_micro_batches
+from turbogrpo.train.microbatch import Chunk, plan_micro_batches
 from turbogrpo.train.update import StepBatch
 
 SIZES = [3, 1, 2, 4]  # K = 4 groups, N = 10 completions
@@ -39,11 +39,14 @@ def test_a_rollouts_layout_is_num_samples_per_prompt():
 def test_select_picks_groups_and_their_flat_positions():
     per_group = nested()
     advantages = torch.arange(10.0)
-    batch = StepBatch([torch.tensor([g]) for g in range(4)], per_group, advantages)
-    kept = batch.groups([3, 0])
+    batch = StepBatch.from_groups([torch.tensor([g]) for g in range(4)], per_group, advantages)
+    kept = batch.select([3, 0])
     sub, index = Groups.of(per_group).select([3, 0])
-    assert sub == Groups.of(kept.completions) == Groups([4, 3])
-    assert torch.equal(advantages[index], kept.advantages) and index == [6, 7, 8, 9, 0, 1, 2]
+    assert sub == kept.groups == Groups([4, 3]) and index == [6, 7, 8, 9, 0, 1, 2]
+    assert torch.equal(kept.advantages, torch.tensor([6.0, 7, 8, 9, 0, 1, 2]))
+    assert [int(c[0]) for c in kept.completions] == [30, 31, 32, 33, 0, 1, 2]
+    assert [[int(c[0]) for c in run] for run in kept.chunk_completions([Chunk(0, 1, 3), Chunk(1, 2, 3)])] == [
+        [31, 32], [2]]
 
 
 def test_the_micro_batch_plan_and_the_packed_split_use_the_same_offsets():

@@ -32,10 +32,7 @@ def global_batch(vocab: int = 64) -> StepBatch:
 
 def shard(batch: StepBatch, dist: DistInfo) -> StepBatch:
     groups = distributed.local_slice(len(batch.prompts), dist)
-    per_group = len(batch.completions[0])
-    return StepBatch(batch.prompts[groups], batch.completions[groups],
-                     batch.advantages[groups.start * per_group:groups.stop * per_group],
-                     batch.old_logps[groups], batch.ref_logps[groups])
+    return batch.select(range(groups.start, groups.stop))
 
 
 def two_updates(loss_name: str, strategy: str, dist: DistInfo) -> tuple[dict[str, torch.Tensor], dict]:

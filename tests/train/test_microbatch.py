@@ -91,7 +91,7 @@ def test_update_matches_the_loss_computed_by_hand_on_the_padded_batch():
     settings = AlgoConfig(beta=0.0)
     normalizer = _normalizer(completion_lengths, max_len=8)
     model = exact_tiny_model()
-    logps = compute_logprobs(model, batch.prompts, batch.completions).logps
+    logps = compute_logprobs(model, batch.prompts, batch.groups.split(batch.completions)).logps
     flat_lengths = [s for g in completion_lengths for s in g]
     logps_BL = torch.nn.utils.rnn.pad_sequence(list(torch.split(logps, flat_lengths)), batch_first=True)
     mask = (torch.arange(logps_BL.shape[1])[None] < torch.tensor(flat_lengths)[:, None]).double()
@@ -131,7 +131,7 @@ def test_skipping_zero_advantage_groups_gives_the_same_adamw_steps():
     batch, prompt_lengths, completion_lengths = _batch(vocab=64)
     batch.old_logps = batch.ref_logps = None
     batch.advantages[3:5] = 0.0  # group 1 (completions 3, 4) has equal rewards
-    all_zero = StepBatch(batch.prompts, batch.completions, torch.zeros_like(batch.advantages))
+    all_zero = StepBatch(batch.prompts, batch.groups, batch.completions, torch.zeros_like(batch.advantages))
     settings, normalizer = AlgoConfig(beta=0.0), _normalizer(completion_lengths, 8)
     finals = []
     for skip in (False, True):
@@ -141,8 +141,8 @@ def test_skipping_zero_advantage_groups_gives_the_same_adamw_steps():
             if skip:
                 moving = [g for g, s in enumerate(_group_slices(completion_lengths))
                           if step_batch.advantages[s].ne(0).any()] or [0]
-                step_batch = step_batch.groups(moving)
-            lengths = [[c.numel() for c in g] for g in step_batch.completions]
+                step_batch = step_batch.select(moving)
+            lengths = step_batch.completion_lengths()
             plan = plan_micro_batches([p.numel() for p in step_batch.prompts], lengths, 10_000)
             update_policy(LogprobModule(model, compute_logprobs), step_batch, plan, build_loss(settings),
                           normalizer, optimizer, max_grad_norm=1.0, dist=SINGLE)

@@ -81,10 +81,10 @@ def one_step(model, batch, precision):
     """Loss and parameter gradients of one dapo step of ``batch`` under ``precision``."""
     model.zero_grad(set_to_none=True)
     forward = precision.computing(compute_logprobs)
-    result = forward(model, batch.prompts, batch.completions, share_prefix=True)
+    result = forward(model, batch.prompts, batch.groups.split(batch.completions), share_prefix=True)
     logps = [t for group in result.per_completion(result.logps) for t in group]
     mask_BL = length_mask([t.numel() for t in logps], device=logps[0].device)
-    loss, _ = LOSSES["dapo"](pad_ragged(logps), pad_ragged([t.float() for g in batch.old_logps for t in g]), None,
+    loss, _ = LOSSES["dapo"](pad_ragged(logps), pad_ragged([t.float() for t in batch.old_logps]), None,
                              batch.advantages.float(), mask_BL, LossNormalizer.for_batch(mask_BL, 16),
                              AlgoConfig())
     loss.backward()

@@ -27,7 +27,6 @@ import torch
 from tqdm import tqdm
 
 from turbogrpo.algo import LossNormalizer, group_advantages, statistics_are_finite
-from turbogrpo.batch import Groups
 from turbogrpo.config import Config
 from turbogrpo.data import PromptExample
 from turbogrpo.rewards import RewardResult, build_rewards, score_completions
@@ -204,11 +203,11 @@ def prepare(run: Run, data: StepData) -> StepData:
     """The update's batch: loss totals of the whole batch, the trained groups, the micro-batch plan
     (both agreed over ranks) and old-policy / reference log-probs where the loss needs them."""
     config, rollout = run.config, data.rollout
-    batch = StepBatch(data.prompts, rollout.tokens_per_group(), data.advantages,
-                      rollout_logps=rollout.logprobs_per_group() if config.algo.tis_cap else None)
+    batch = StepBatch(data.prompts, rollout.groups, rollout.tokens, data.advantages,
+                      rollout_logps=rollout.logprobs if config.algo.tis_cap else None)
     data.normalizer = step_normalizer(batch, config, run.dist)  # totals of the whole batch, skipped groups included
     data.trained = trainable_groups(data.advantages, config.rollout.num_generations, config.algo.beta)
-    data.batch = batch.groups(data.trained)
+    data.batch = batch.select(data.trained)
     data.micro_batches = plan(data.batch, config, run.dist)
     with data.timer("logprobs"):
         if config.algo.num_iterations > 1:
@@ -244,10 +243,9 @@ def learn_draft(run: Run, data: StepData) -> StepData:
 def record(run: Run, data: StepData) -> StepData:
     """The step's metrics over the global batch (one gather, one host sync) and sample completions."""
     config, rollout, batch = run.config, data.rollout, data.batch
-    trainer_logps = (batch.old_logps if batch.old_logps is not None
-                     else Groups.of(batch.completions).split(data.updates[0].logps))
-    per_group = rollout.logprobs_per_group()
-    sampler_logps = [per_group[g] for g in data.trained]
+    trainer_logps = batch.old_logps if batch.old_logps is not None else data.updates[0].logps
+    _, trained = rollout.groups.select(data.trained)
+    sampler_logps = [rollout.logprobs[i] for i in trained]
     draft_metrics, data.metrics = data.metrics, step_metrics(rollout, data.rewards, sampler_logps, trainer_logps,
                                                              data.updates, data.timer.seconds, run, run.dist)
     data.metrics["frac_groups_trained"] = len(data.trained) / len(data.examples)
@@ -286,8 +284,7 @@ def trainable_groups(advantages: torch.Tensor, num_samples: int, beta: float) ->
 
 def plan(batch: StepBatch, config: Config, dist: DistInfo):
     """Micro-batches by token budget; every rank runs as many (fillers of weight 0 where short)."""
-    micro_batches = plan_micro_batches([p.numel() for p in batch.prompts],
-                                       [[c.numel() for c in group] for group in batch.completions],
+    micro_batches = plan_micro_batches([p.numel() for p in batch.prompts], batch.completion_lengths(),
                                        config.train.micro_batch_tokens)
     count = distributed.all_reduce_max_int(len(micro_batches), dist, dist.device)
     return pad_to_count(micro_batches, count)
@@ -300,7 +297,7 @@ def step_normalizer(batch: StepBatch, config: Config, dist: DistInfo) -> LossNor
     loss is its share of the global-batch loss, so the averaged gradient is the global batch's
     gradient, exactly as one process on the whole batch would compute it, for every loss variant.
     """
-    lengths = [c.numel() for group in batch.completions for c in group]
+    lengths = [c.numel() for c in batch.completions]
     totals = torch.tensor([len(lengths), sum(lengths)], dtype=torch.float32, device=dist.device)
     totals = distributed.all_reduce_sum(totals, dist) / dist.world_size
     num_sequences, num_tokens = totals[0], totals[1]

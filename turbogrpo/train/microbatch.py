@@ -93,11 +93,6 @@ def pad_to_count(batches: list[MicroBatch], count: int) -> list[MicroBatch]:
     return batches + [filler] * (count - len(batches))
 
 
-def select(per_group: Sequence[Sequence], chunks: Sequence[Chunk]) -> list[list]:
-    """``per_group[g][start:stop]`` for each chunk (the chunk's completions, or their log-probs)."""
-    return [list(per_group[c.group][c.start:c.stop]) for c in chunks]
-
-
 def pad_ragged(rows: Sequence[Tensor]) -> Tensor:
     """Right-pad 1-D tensors with 0 into ``[B, L]`` (L = the longest row); differentiable."""
     return pad_sequence(list(rows), batch_first=True, padding_value=0.0)
