@@ -6,9 +6,9 @@
     rollout.stats.tree_sizes, rollout.stats.accepted_lengths   # per decoding step
 
 ``verify`` (lossless acceptance), ``tree`` (EAGLE-2 dynamic trees), ``draft`` (the draft head),
-``draft_training`` (its training, offline and online), ``drafting`` (the draft's cache and forwards),
-``sizing``/``profiler`` (concurrency-aware tree sizing) and ``decode`` (the tree step that the rollout
-engine's loop runs).
+``draft_training`` (its training, offline and online), ``draft_decoding`` (the draft's cache and
+forwards while decoding), ``sizing``/``profiler`` (concurrency-aware tree sizing) and ``decode`` (the
+tree step that the rollout engine's loop runs).
 """
 
 from turbogrpo.speculative.decode import Speculation, SpeculativeStats, TreeStep, generate_speculative

@@ -52,7 +52,7 @@ from turbogrpo.rollout.sampling import SamplingConfig, token_logprobs
 from turbogrpo.rollout.step import DecodeState, PlainStep
 from turbogrpo.rollout.types import Rollout, RolloutStats
 from turbogrpo.speculative.draft import DraftHead
-from turbogrpo.speculative.drafting import DraftKVCache, TreeDrafter, catch_up, prefill_draft
+from turbogrpo.speculative.draft_decoding import DraftKVCache, TreeDrafter, catch_up, prefill_draft
 from turbogrpo.speculative.profiler import DeviceStopwatch, LatencyProfile, cached_profile
 from turbogrpo.speculative.sizing import SizingPolicy, make_sizing
 from turbogrpo.speculative.tree import DraftTree, TreeShape, build_tree

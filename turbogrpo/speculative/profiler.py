@@ -31,7 +31,7 @@ from torch import nn
 from turbogrpo.rollout.engine import first_draw
 from turbogrpo.rollout.sampling import SamplingConfig
 from turbogrpo.rollout.step import PlainStep
-from turbogrpo.speculative.drafting import DraftKVCache, TreeDrafter, prefill_draft
+from turbogrpo.speculative.draft_decoding import DraftKVCache, TreeDrafter, prefill_draft
 from turbogrpo.speculative.tree import DraftLevel
 
 CACHE_ENV = "TURBOGRPO_CACHE_DIR"
