@@ -46,7 +46,7 @@ from prefix import BENCH_MODEL  # noqa: E402
 from turbogrpo.config import load_config  # noqa: E402
 from turbogrpo.data import demo_records  # noqa: E402
 from turbogrpo.models import declared_tokenizer, demo_model_path  # noqa: E402
-from turbogrpo.rewards import math_accuracy_reward  # noqa: E402
+from turbogrpo.rewards import Reward, math_accuracy_reward  # noqa: E402
 from turbogrpo.train import distributed, loop, setup  # noqa: E402
 from turbogrpo.train.run import build_run  # noqa: E402
 
@@ -129,7 +129,7 @@ class TurboStepper:
             f"optim.lr={SETTINGS['lr']}", f"optim.max_grad_norm={SETTINGS['max_grad_norm']}",
             "train.num_steps=1000", f'train.output_dir="{workdir / "turbogrpo"}"', "log.tensorboard=false",
             "log.completions_every=0", "log.progress_bar=false"])
-        reward = setup.Reward("reward", shape["reward"], 1.0, 0.0)
+        reward = Reward("reward", shape["reward"], 1.0, 0.0)
         self.run = build_run(config, distributed.setup("cpu"), [reward], resume=False)
         self.step = 0
         self.records: list[dict] = []

@@ -32,7 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from harness import interleaved_medians, print_table, write_results  # noqa: E402
 
-from turbogrpo.algo import LOSSES, LossNormalizer, LossSettings  # noqa: E402
+from turbogrpo.algo import LOSSES, LossNormalizer  # noqa: E402
+from turbogrpo.config import AlgoConfig  # noqa: E402
 from turbogrpo.models import tiny_model  # noqa: E402
 from turbogrpo.prefix import compute_logprobs  # noqa: E402
 from turbogrpo.rollout import SamplingConfig, generate  # noqa: E402
@@ -79,7 +80,7 @@ class Mode:
         logps = [t for group in result.per_completion(result.logps) for t in group]
         mask_BL = length_mask([t.numel() for t in logps], device=logps[0].device)
         loss, _ = LOSSES["dapo"](pad_ragged(logps), None, None, advantages, mask_BL,
-                                 LossNormalizer.for_batch(mask_BL, mask_BL.shape[1]), LossSettings())
+                                 LossNormalizer.for_batch(mask_BL, mask_BL.shape[1]), AlgoConfig())
         loss.backward()
         if self.copy is not None:  # bf16 gradients into the float32 masters
             for master, low in zip(self.master.parameters(), self.copy.parameters()):

@@ -46,11 +46,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.harness import RESULTS_DIR, machine_info  # noqa: E402
 from turbogrpo.cli import demo_config  # noqa: E402
 from turbogrpo.config import load_config  # noqa: E402
+from turbogrpo.rewards import build_rewards  # noqa: E402
 from turbogrpo.rollout import generate  # noqa: E402
 from turbogrpo.speculative.decode import Speculation  # noqa: E402
 from turbogrpo.speculative.draft import DraftHead  # noqa: E402
-from turbogrpo.speculative.policy import FixedSizing  # noqa: E402
-from turbogrpo.speculative.draft_training import DraftTrainConfig, draft_groups, train_draft  # noqa: E402
+from turbogrpo.speculative.sizing import FixedSizing  # noqa: E402
+from turbogrpo.config import DraftLearningConfig  # noqa: E402
+from turbogrpo.speculative.draft_training import draft_groups, train_draft  # noqa: E402
 from turbogrpo.train import distributed, setup  # noqa: E402
 from turbogrpo.train.loop import grpo_step  # noqa: E402
 from turbogrpo.train.run import build_run, evaluate  # noqa: E402
@@ -102,10 +104,10 @@ def base_config(args, seed: int, output_dir: Path, overrides: list[str]):
 def pretrain_draft(args, seed: int, out: Path) -> tuple[Path, dict]:
     """A draft trained offline on the step-0 policy's own completions (as `turbogrpo draft train`)."""
     config = base_config(args, seed, out / "pretrain", [])
-    policy, tokenizer = setup.load_policy(config, torch.device("cpu"))
+    policy, tokenizer = setup.load_policy(config, torch.device("cpu"), setup.precision(config, torch.device("cpu")))
     examples = setup.load_train_prompts(config, tokenizer).examples
     prompts = [e.token_ids for e in examples[-args.draft_prompts:]]  # the end of the shuffled-later list
-    sampling = setup.sampling_config(config.rollout, setup.stop_token_ids(policy, tokenizer), tokenizer)
+    sampling = setup.rollout_sampling(config, policy, tokenizer)
     start = time.perf_counter()
     completions = []
     for first in range(0, len(prompts), 8):
@@ -113,7 +115,8 @@ def pretrain_draft(args, seed: int, out: Path) -> tuple[Path, dict]:
                                 seed=10_000 + first).tokens_per_group()
     groups = draft_groups(policy, prompts, completions)
     draft = DraftHead(policy)
-    history = train_draft(draft, groups, DraftTrainConfig(lr=3e-3, num_epochs=2 if args.quick else 8, batch_size=16))
+    history = train_draft(draft, groups, DraftLearningConfig(lr=3e-3), num_epochs=2 if args.quick else 8,
+                          batch_size=16)
     path = draft.save(out / "draft0")
     info = {"prompts": len(prompts), "completions": sum(len(g.completions) for g in groups),
             "final_top1_agreement": history[-1]["top1_agreement"], "seconds": time.perf_counter() - start}
@@ -131,7 +134,7 @@ def run_seed(args, seed: int, out: Path) -> dict:
         "scratch": [f"rollout.speculation={args.sizing}", "draft.path=scratch", "draft.learn=true"],
     }
     variants = {name: variants[name] for name in args.variants}
-    rewards = setup.load_rewards(base_config(args, seed, out, []).rewards)
+    rewards = build_rewards(base_config(args, seed, out, []).rewards)
     dist = distributed.setup("cpu", "auto")
     runs = {}
     for name, overrides in variants.items():
@@ -144,7 +147,7 @@ def run_seed(args, seed: int, out: Path) -> dict:
         if args.eval_every or not args.quick:
             evaluate(runs[name])
     records = {name: [] for name in runs}
-    probe_prompts = [e.token_ids for e in runs["off"].eval_prompts[:4]]
+    probe_prompts = [e.token_ids for e in runs["off"].held_out.examples[:4]]
     for step in range(args.steps):
         for name, run in runs.items():
             metrics = grpo_step(run, step)

@@ -47,9 +47,10 @@ from turbogrpo.models import load_demo_model, load_model_and_tokenizer  # noqa: 
 from turbogrpo.rollout import SamplingConfig, generate  # noqa: E402
 from turbogrpo.speculative.decode import Speculation  # noqa: E402
 from turbogrpo.speculative.draft import DraftHead  # noqa: E402
-from turbogrpo.speculative.draft_training import DraftTrainConfig, draft_groups, train_draft  # noqa: E402
-from turbogrpo.speculative.policy import FixedSizing, OffSizing, make_sizing  # noqa: E402
+from turbogrpo.config import DraftLearningConfig  # noqa: E402
+from turbogrpo.speculative.draft_training import draft_groups, train_draft  # noqa: E402
 from turbogrpo.speculative.profiler import cached_profile  # noqa: E402
+from turbogrpo.speculative.sizing import FixedSizing, OffSizing, make_sizing  # noqa: E402
 from turbogrpo.speculative.tree import TreeShape  # noqa: E402
 
 FIXED_SHAPE = TreeShape(2, 4, 8)  # a small EAGLE-like tree: 2 children per node, 4 levels, 8 nodes
@@ -145,8 +146,7 @@ def load_or_train_draft(model, tokenizer, args, *, quick: bool) -> tuple[DraftHe
                                 seed=first).tokens_per_group()
     groups = draft_groups(model, prompts, completions)
     draft = DraftHead(model)
-    config = DraftTrainConfig(lr=3e-3, num_epochs=epochs, batch_size=16)
-    history = train_draft(draft, groups, config)
+    history = train_draft(draft, groups, DraftLearningConfig(lr=3e-3), num_epochs=epochs, batch_size=16)
     num_completions = sum(len(g.completions) for g in groups)
     info = {"trained_on": f"{num_completions} demo-model completions of {num_prompts} train prompts (temperature 1; "
                           f"half stopped at EOS, half ran on to {args.tail_max} tokens)",

@@ -118,3 +118,15 @@ def test_ctrl_c_or_sigterm_outside_training_is_one_line(monkeypatch, capsys, sto
     assert main(["profile"]) == code
     assert capsys.readouterr().err == (f"turbogrpo: profile {how}; its outputs are written whole or not at all, "
                                        "so nothing half-written is left\n")
+
+
+def test_eval_measures_a_model_exactly_as_a_run_does_at_step_0(tmp_path, capsys):
+    # One builder (train.evaluate.build_held_out) serves both: same prompts, sampling and seed.
+    sets = ["data.num_eval_problems=12", "data.num_eval_samples=2", "train.num_steps=1", "train.checkpoint_every=0",
+            "train.save_final_model=false", "log.report=false", "log.progress_bar=false",
+            f'train.output_dir="{tmp_path / "run"}"']
+    assert main(["demo", "--set", *sets]) == 0
+    step_0 = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("step 0: "))
+    assert main(["eval", "--set", *sets]) == 0
+    measured = capsys.readouterr().out.strip().splitlines()[-1]
+    assert measured.startswith(f"demo: {step_0.removeprefix('step 0: ')} (")

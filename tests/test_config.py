@@ -165,14 +165,6 @@ def test_every_registered_logprob_backend_is_accepted():
         assert load_config(None, [f"model.logprob_backend={name}"]).model.logprob_backend == name
 
 
-def test_loss_settings_defaults_agree_with_the_config():
-    from turbogrpo.algo import LossSettings
-    from turbogrpo.config import AlgoConfig
-    algo, settings = AlgoConfig(), LossSettings()
-    assert (settings.epsilon_low, settings.epsilon_high, settings.beta) == (algo.epsilon_low, algo.epsilon_high,
-                                                                            algo.beta)
-
-
 def test_a_yaml_key_given_twice_is_refused_not_replaced(tmp_path):
     text = "optim:\n  lr: 1.0e-3\n  warmup_steps: 3\ntrain:\n  num_steps: 2\noptim:\n  schedule: constant\n"
     with pytest.raises(ConfigError, match=r"not valid YAML: line 6, column 1: key 'optim' appears twice in one "

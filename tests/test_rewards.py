@@ -4,8 +4,10 @@ import threading
 import pytest
 import torch
 
-from turbogrpo.rewards import (WeightedReward, answer_format, answers_match, compute_rewards, math_accuracy,
-                               resolve_reward)
+from turbogrpo.algo import statistics_are_finite
+from turbogrpo.data import PromptExample
+from turbogrpo.rewards import (Reward, answer_format, answers_match, build_rewards, compute_rewards, math_accuracy,
+                               resolve_reward, reward_columns, score_completions)
 
 DEMO = " 14+7=21 21-5=16\n#### 16"
 
@@ -64,7 +66,7 @@ def test_compute_rewards_weights_and_failures():
 
     prompts, completions = ["p"] * 4, [DEMO, "#### 3", "junk", DEMO]
     result = compute_rewards([(math_accuracy, 1.0), (answer_format, 0.5), (raises, 1.0),
-                              WeightedReward("short", wrong_length, 2.0), (holes, 4.0)],
+                              Reward("short", wrong_length, 2.0), (holes, 4.0)],
                              prompts, completions, {"answer": ["16", "16", "16", "17"]}, fallback=-1.0)
     assert result.per_function["math_accuracy"].tolist() == [1.0, 0.0, 0.0, 0.0]
     assert result.per_function["answer_format"].tolist() == [1.0, 1.0, 0.0, 1.0]
@@ -130,3 +132,86 @@ def test_a_reward_without_kwargs_is_told_to_accept_the_columns():
         "argument 'answer'); give it a **columns (or **kwargs) parameter")
     # Without columns it is called as usual.
     assert compute_rewards([strict], ["p"], ["a"]).per_function["strict"].tolist() == [1.0]
+
+
+def test_a_reward_record_carries_its_own_fallback():
+    def raises(prompts, completions, **columns):
+        raise RuntimeError("boom")
+
+    result = compute_rewards([Reward("own", raises, 2.0, fallback=-3.0), Reward("shared", raises)], ["p"], ["a"],
+                             fallback=-1.0)
+    assert result.per_function["own"].tolist() == [-3.0] and result.per_function["shared"].tolist() == [-1.0]
+    assert result.total.tolist() == [2 * -3.0 - 1.0]
+
+
+def test_weighted_reward_is_a_deprecated_name_of_reward():
+    import turbogrpo.rewards as rewards_module
+    with pytest.warns(DeprecationWarning, match="use turbogrpo.rewards.Reward"):
+        assert rewards_module.WeightedReward is Reward
+
+
+def test_build_rewards_names_and_fallbacks_from_the_config():
+    from turbogrpo.config import RewardConfig
+    built = build_rewards([RewardConfig("math_accuracy", 1.0, -1.0), RewardConfig("math_accuracy", 0.5),
+                           RewardConfig("answer_format", 2.0)])
+    assert [(r.name, r.weight, r.fallback) for r in built] == [
+        ("math_accuracy", 1.0, -1.0), ("math_accuracy_1", 0.5, 0.0), ("answer_format", 2.0, 0.0)]
+
+
+def test_reward_columns_are_per_row_not_from_the_first_row():
+    # D32: the first row lacks "answer"; the others keep theirs, and the first row gets None.
+    columns = reward_columns([{"id": 1}, {"id": 2, "answer": "16"}, {"answer": "3", "extra": True}], [4, 5, 6])
+    assert columns == {"id": [1, 2, None], "answer": [None, "16", "3"], "extra": [None, None, True],
+                       "completion_lengths": [4, 5, 6]}
+    examples = [PromptExample("p0", torch.tensor([1]), {}), PromptExample("p1", torch.tensor([1]), {"answer": "16"})]
+    result = score_completions([Reward("math_accuracy", math_accuracy, fallback=-1.0)], examples,
+                               [DEMO, DEMO, DEMO, "#### 15"], [3, 3, 3, 3], num_samples=2)
+    assert result.per_function["math_accuracy"].tolist() == [-1.0, -1.0, 1.0, 0.0]
+    assert result.num_failed["math_accuracy"] == 2  # only the row without an answer fails
+
+
+@pytest.mark.parametrize("value", [1e39, -1e39, 10 ** 400])
+def test_a_reward_beyond_float32_is_a_failure(value):
+    # R06: 1e39 is a finite Python float but inf in float32, the dtype the advantages and loss use.
+    def huge(prompts, completions, **columns):
+        return [0.5, value]
+
+    result = compute_rewards([huge], ["p"] * 2, ["a", "b"], fallback=-1.0)
+    assert result.per_function["huge"].tolist() == [0.5, -1.0] and result.num_failed["huge"] == 1
+    assert result.failed["huge"].tolist() == [False, True]
+    assert result.first_error["huge"].startswith(f"item 1: returned {value!r}")
+    assert torch.isfinite(result.total).all()
+
+
+def test_rewards_that_overflow_the_advantage_statistics_are_detected():
+    # R07: +-3e38 are finite in float32, but the group std (and centring) overflow to inf.
+    for rewards, scale in [([3e38, -3e38, 0.0, 1.0], "group"), ([3e38, 0.0, 1.0, 2.0], "batch"),
+                           ([3e38, 3e38, 1.0, 2.0], "none")]:
+        assert not statistics_are_finite(torch.tensor(rewards), [2, 2], scale)
+    assert statistics_are_finite(torch.tensor([1e18, -1e18, 0.0, 1.0]), [2, 2], "group")
+
+
+def test_a_reward_calling_sys_exit_is_a_failing_reward():
+    # R15: SystemExit is not an Exception; it must not end the run.
+    def exits(prompts, completions, **columns):
+        raise SystemExit(3)
+
+    result = compute_rewards([exits], ["p"] * 2, ["a", "b"])
+    assert result.num_failed["exits"] == 2 and result.first_error["exits"] == "called sys.exit(3)"
+
+
+@pytest.mark.parametrize("source, message", [
+    ("def f(prompts, completions, **columns)\n    return [1.0]\n",  # R01: a syntax error
+     r"reward 'bad_{0}:f': module 'bad_{0}' has a syntax error in .*bad_{0}\.py, line 1: expected ':'"),
+    ("raise RuntimeError('no GPU here')\n",  # R02: raises at import
+     r"reward 'bad_{0}:f': importing module 'bad_{0}' \(.*bad_{0}\.py\) raised RuntimeError: no GPU here"),
+    ("import sys\nsys.exit(3)\n",
+     r"reward 'bad_{0}:f': importing module 'bad_{0}' \(.*bad_{0}\.py\) called sys.exit\(3\)"),
+])
+def test_a_reward_module_that_cannot_be_imported_is_one_clear_error(tmp_path, monkeypatch, source, message):
+    name = abs(hash(source)) % 10 ** 8
+    (tmp_path / f"bad_{name}.py").write_text(source)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ValueError, match=message.format(name)) as raised:
+        resolve_reward(f"bad_{name}:f")
+    assert "\n" not in str(raised.value) and raised.value.__cause__ is None

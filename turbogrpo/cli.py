@@ -262,43 +262,33 @@ def _sigterm_as_interrupt():
 
 
 def _eval(args: argparse.Namespace, overrides: list[str]) -> int:
+    """Held-out accuracy of a model, measured with the parts a training run builds (``build_held_out``)."""
     import torch
 
+    from turbogrpo.rewards import build_rewards
     from turbogrpo.train import distributed, setup
-    from turbogrpo.train.evaluate import evaluate_accuracy
-    from turbogrpo.train.run import naming_the_file
+    from turbogrpo.train.evaluate import build_held_out, describe_accuracies, measure_held_out
 
     _quiet_transformers()
     if args.model:
         overrides = [*overrides, f"model.path={_toml_string(args.model)}"]
     config = load_config(args.config, overrides) if args.config else demo_config(overrides)
-    rewards = setup.load_rewards(config.rewards)
+    rewards = build_rewards(config.rewards)
     dist = distributed.setup(config.model.device, config.distributed.backend)
     try:
-        model, tokenizer = setup.load_policy(config, dist.device)
-        accuracy_reward = setup.accuracy_function(config, rewards)
-        examples = naming_the_file("data.eval_path", config.data.eval_path, setup.load_eval_prompts, config,
-                                   tokenizer, setup.position_limit(model))
-        if not examples or accuracy_reward is None:
+        precision = setup.precision(config, dist.device)
+        model, tokenizer = setup.load_policy(config, dist.device, precision)
+        held_out = build_held_out(config, model, tokenizer, rewards, setup.rollout_sampling(config, model, tokenizer))
+        if not held_out.enabled:
             raise ValueError("nothing to evaluate: set data.eval_path (or use data.kind = \"arithmetic\") and "
                              "train.accuracy_reward")
-        greedy = setup.sampling_config(config.rollout, setup.stop_token_ids(model, tokenizer), tokenizer,
-                                       greedy=True)
-        sampling = setup.sampling_config(config.rollout, setup.stop_token_ids(model, tokenizer), tokenizer)
         start = time.perf_counter()
-        with torch.no_grad(), setup.precision(config, dist.device).autocast():  # as the training run computed
-            accuracy = _scored(evaluate_accuracy(model, tokenizer, examples, accuracy_reward, greedy, dist),
-                               accuracy_reward.name)
-            sampled = None
-            if config.data.num_eval_samples:
-                sampled = _scored(evaluate_accuracy(model, tokenizer, examples, accuracy_reward, sampling, dist,
-                                                    num_samples=config.data.num_eval_samples,
-                                                    seed=config.train.seed + 7_919), accuracy_reward.name)
+        with torch.no_grad(), precision.autocast():  # as the training run computed
+            measured = measure_held_out(held_out, model, tokenizer, dist)
+        accuracies = {key: _scored(m, held_out.accuracy.name) for key, m in measured.items()}
         if dist.is_main:
-            extra = (f", sampled {sampled:.1%} ({config.data.num_eval_samples} per problem, temperature "
-                     f"{config.rollout.temperature:g})" if sampled is not None else "")
-            print(f"{config.model.path}: held-out accuracy greedy {accuracy:.1%}{extra} on {len(examples)} "
-                  f"problems ({time.perf_counter() - start:.0f} s)")
+            print(f"{config.model.path}: {describe_accuracies(held_out, accuracies)} "
+                  f"({time.perf_counter() - start:.0f} s)")
     finally:
         distributed.teardown(dist)
     return 0

@@ -162,7 +162,8 @@ class RewardConfig:
 
 @dataclass
 class RolloutConfig:
-    """How completions are sampled."""
+    """How completions are sampled; ``rollout.SamplingConfig.from_rollout`` builds the sampler's settings
+    from this section, and both are checked by the sampler's one rule set (``SAMPLING_RULES``)."""
 
     num_generations: int = 8
     """G: completions per prompt; advantages are relative within these G."""
@@ -181,23 +182,27 @@ class RolloutConfig:
     "fastgrpo" or "cost" (ours: trees only where they pay). Lossless: the samples' distribution is unchanged."""
 
     def check(self, key: str) -> None:
-        from turbogrpo.speculative.policy import SIZING_POLICIES  # the registry is the one source of names
+        from turbogrpo.rollout.sampling import sampling_problem
+        from turbogrpo.speculative.sizing import SIZING_POLICIES  # the registry is the one source of names
         _require(self.speculation in SIZING_POLICIES, f"{key}.speculation", f"one of {', '.join(SIZING_POLICIES)}",
                  self.speculation)
         _require(self.num_generations >= 2, f"{key}.num_generations",
                  "an integer >= 2 (group-relative advantages need at least two completions per prompt)",
                  self.num_generations)
-        _require(self.max_new_tokens >= 1, f"{key}.max_new_tokens", "an integer >= 1", self.max_new_tokens)
         _require(self.temperature > 0, f"{key}.temperature",
                  "a number > 0 (training samples; greedy decoding would give G identical completions)",
                  self.temperature)
-        _require(0.0 < self.top_p <= 1.0, f"{key}.top_p", "a number in (0, 1]", self.top_p)
-        _require(self.top_k >= 0, f"{key}.top_k", "an integer >= 0 (0 disables)", self.top_k)
+        problem = sampling_problem(max_new_tokens=self.max_new_tokens, top_p=self.top_p, top_k=self.top_k,
+                                   stop_strings=self.stop_strings)  # the sampler's own rules
+        if problem is not None:
+            name, allowed, value = problem
+            _require(False, f"{key}.{name}", allowed, value)
 
 
 @dataclass
 class DraftLearningConfig:
-    """The draft head of speculative rollouts (rollout.speculation) and its online learning."""
+    """The draft head of speculative rollouts (rollout.speculation) and its online learning; draft
+    training (``speculative.train_draft``, offline too) takes this section itself."""
 
     path: str = "scratch"
     """A draft folder saved by `turbogrpo draft train`, or "scratch" for a new, untrained draft."""
@@ -217,8 +222,10 @@ class DraftLearningConfig:
     """Token budget: the most tokens (each group's prompt once, plus its completions) the draft trains
     on per GRPO step, whole groups drawn at random (0: the whole rollout); it bounds the draft's share
     of the step time where the draft is not much smaller than the policy."""
+    weight_decay: float = 0.0
+    """AdamW weight decay of the draft (EAGLE uses none)."""
     max_grad_norm: float = 0.5
-    """Gradient clipping of the draft (EAGLE's value)."""
+    """Gradient clipping of the draft (EAGLE's value); keeps early steps on random features stable."""
 
     def check(self, key: str) -> None:
         from turbogrpo.speculative.draft import CONFIG_FILE, WEIGHTS_FILE
@@ -234,12 +241,13 @@ class DraftLearningConfig:
         _require(self.steps >= 1, f"{key}.steps", "an integer >= 1", self.steps)
         _require(self.max_tokens >= 0, f"{key}.max_tokens", "an integer >= 0 (0: every completion token)",
                  self.max_tokens)
+        _require(self.weight_decay >= 0, f"{key}.weight_decay", "a number >= 0", self.weight_decay)
         _require(self.max_grad_norm > 0, f"{key}.max_grad_norm", "a number > 0", self.max_grad_norm)
 
 
 @dataclass
 class AlgoConfig:
-    """The GRPO objective."""
+    """The GRPO objective; the losses take this section itself (``turbogrpo.algo.build_loss``)."""
 
     loss: str = "dapo"
     """Loss variant: grpo, dr_grpo, dapo (TRL's default), bnpo or gspo (sequence-level ratio)."""
@@ -256,6 +264,10 @@ class AlgoConfig:
     tis_cap: float = 0.0
     """Truncated importance sampling: weight each token's policy loss by min(pi_train / pi_rollout, tis_cap),
     correcting the sampler-vs-trainer mismatch (bf16 kernels); 0 turns it off (verl/slime use 2)."""
+    kl_bias_correction: bool = False
+    """Multiply each token's k3 by the (differentiable) importance ratio, which makes the KL gradient the
+    unbiased reverse-KL gradient (DeepSeek-V3.2), even on-policy where the ratio is 1 in value. TRL's
+    use_bias_correction_kl, on by default in TRL 1.16; off here: plain k3 as in the GRPO paper."""
 
     def check(self, key: str) -> None:
         from turbogrpo.algo import LOSSES  # the loss registry is the one source of allowed names

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import importlib.util
 import inspect
 import math
 import re
@@ -176,25 +177,50 @@ def resolve_reward(spec: str | RewardFn, **options) -> RewardFn:
     if not colon or not module_name or not attribute:
         raise ValueError(f"reward {spec!r} is neither a built-in ({sorted(BUILTIN_REWARDS)}) nor an import "
                          "path of the form 'package.module:function'")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as err:
-        raise ValueError(f"reward {spec!r}: cannot import module {module_name!r} ({err})") from err
+    module = _import_reward_module(spec, module_name)
     func = getattr(module, attribute, None)
     if not callable(func):
         raise ValueError(f"reward {spec!r}: module {module_name!r} has no callable {attribute!r}")
     return functools.partial(func, **options) if options else func
 
 
+def _import_reward_module(spec: str, module_name: str):
+    """``module_name`` imported; any failure of its import (missing, a syntax error, an exception or
+    ``sys.exit`` at import) is one ValueError naming the reward and the module's file."""
+    try:
+        return importlib.import_module(module_name)
+    except ImportError as err:
+        raise ValueError(f"reward {spec!r}: cannot import module {module_name!r} ({err})") from None
+    except SyntaxError as err:
+        raise ValueError(f"reward {spec!r}: module {module_name!r} has a syntax error in {err.filename}, line "
+                         f"{err.lineno}: {err.msg}") from None
+    except (Exception, SystemExit) as err:
+        raised = (f"called sys.exit({err.code!r})" if isinstance(err, SystemExit)
+                  else f"raised {type(err).__name__}: {err}")
+        raise ValueError(f"reward {spec!r}: importing module {module_name!r} ({_module_file(module_name)}) "
+                         f"{raised}") from None
+
+
+def _module_file(module_name: str) -> str:
+    """The file a module is loaded from, for messages (its name where it cannot be found)."""
+    try:
+        spec = importlib.util.find_spec(module_name)
+    except Exception:  # a parent package that fails to import
+        spec = None
+    return spec.origin if spec is not None and spec.origin else module_name
+
+
 # ---------------------------------------------------------------- safe execution
 
 @dataclass(frozen=True)
-class WeightedReward:
-    """A reward function, the name its metrics are logged under, and its weight in the total."""
+class Reward:
+    """A reward function, the name its metrics are logged under, its weight in the total, and the
+    value an item gets where the function fails on it (None: ``compute_rewards``' ``fallback``)."""
 
     name: str
     func: RewardFn
     weight: float = 1.0
+    fallback: float | None = None
 
 
 @dataclass(frozen=True)
@@ -220,21 +246,37 @@ def _reward_name(func: Callable) -> str:
     return getattr(inner, "__name__", type(inner).__name__)
 
 
-def as_weighted(rewards: Sequence[WeightedReward | tuple[RewardFn, float] | RewardFn]) -> list[WeightedReward]:
-    """Normalise ``rewards`` (WeightedReward, (function, weight) or a bare function with weight 1)."""
-    weighted = []
+def as_rewards(rewards: Sequence[Reward | tuple[RewardFn, float] | RewardFn]) -> list[Reward]:
+    """Normalise ``rewards`` (Reward, (function, weight) or a bare function with weight 1)."""
+    records = []
     for item in rewards:
-        if isinstance(item, WeightedReward):
-            weighted.append(item)
+        if isinstance(item, Reward):
+            records.append(item)
         elif isinstance(item, tuple):
             func, weight = item
-            weighted.append(WeightedReward(_reward_name(func), func, float(weight)))
+            records.append(Reward(_reward_name(func), func, float(weight)))
         else:
-            weighted.append(WeightedReward(_reward_name(item), item, 1.0))
-    names = [w.name for w in weighted]
+            records.append(Reward(_reward_name(item), item, 1.0))
+    names = [r.name for r in records]
     if len(set(names)) != len(names):
-        raise ValueError(f"reward names must be unique, got {names}; give WeightedReward explicit names")
-    return weighted
+        raise ValueError(f"reward names must be unique, got {names}; give Reward explicit names")
+    return records
+
+
+def build_rewards(configs) -> list[Reward]:
+    """The ``[[rewards]]`` entries (RewardConfig: function, weight, fallback, kwargs) resolved, built-in or
+    import path, each named after its function (``name_i`` for a repeated one); ValueError naming a bad one."""
+    rewards = []
+    for i, rc in enumerate(configs):
+        try:
+            func = resolve_reward(rc.function, **rc.kwargs)
+        except ValueError as err:
+            raise ValueError(f"config key 'rewards.{i}.function': {err}") from None
+        name = rc.function.rpartition(":")[2]
+        if any(r.name == name for r in rewards):
+            name = f"{name}_{i}"
+        rewards.append(Reward(name, func, rc.weight, rc.fallback))
+    return rewards
 
 
 def _call_problem(func: RewardFn, prompts, completions, columns) -> str | None:
@@ -261,8 +303,19 @@ def _not_a_list(result: Any, n: int) -> str | None:
     return None
 
 
+def _as_number(value: Any) -> float:
+    try:
+        return float(value) if value is not None else math.nan
+    except (TypeError, ValueError, OverflowError):
+        return math.nan
+
+
 def _run_one(func: RewardFn, prompts, completions, columns, fallback: float):
-    """(values [N] with fallbacks filled, which items failed [N], first error message or None)."""
+    """(float32 values [N] with fallbacks filled, which items failed bool [N], first error message or None).
+
+    Values are checked in float32, the dtype the advantages and the loss use: 1e39 is a finite Python
+    float but inf in float32, so it is a failure like NaN, inf or None.
+    """
     n = len(completions)
     problem = _call_problem(func, prompts, completions, columns)
     if problem is None:
@@ -272,30 +325,31 @@ def _run_one(func: RewardFn, prompts, completions, columns, fallback: float):
             raw = [] if problem else list(result)
         except Exception as err:  # a broken reward must not stop training; it is counted and reported
             problem = f"{type(err).__name__}: {err}"
+        except SystemExit as err:  # sys.exit() in a reward is its failure, not the run's end
+            problem = f"called sys.exit({err.code!r})"
     if problem is None and len(raw) != n:
         problem = f"returned {len(raw)} values for {n} completions"
     if problem is not None:
-        return [fallback] * n, [True] * n, problem
-    values, failed, first_error = [], [], None
-    for i, value in enumerate(raw):
-        try:
-            number = float(value) if value is not None else math.nan
-        except (TypeError, ValueError):
-            number = math.nan
-        failed.append(not math.isfinite(number))
-        if failed[-1]:
-            first_error = first_error or f"item {i}: returned {value!r}"
-            number = fallback
-        values.append(number)
-    return values, failed, first_error
+        return torch.full((n,), fallback, dtype=torch.float32), torch.ones(n, dtype=torch.bool), problem
+    numbers = [_as_number(value) for value in raw]
+    values = torch.tensor(numbers, dtype=torch.float64).to(torch.float32)
+    failed = ~torch.isfinite(values)
+    first_error = None
+    if failed.any():
+        i = int(failed.nonzero()[0])
+        beyond = (f", beyond float32's range (largest {torch.finfo(torch.float32).max:.3g})"
+                  if math.isfinite(numbers[i]) else "")
+        first_error = f"item {i}: returned {raw[i]!r}{beyond}"
+    return values.masked_fill(failed, fallback), failed, first_error
 
 
-def compute_rewards(rewards: Sequence[WeightedReward | tuple[RewardFn, float] | RewardFn],
+def compute_rewards(rewards: Sequence[Reward | tuple[RewardFn, float] | RewardFn],
                     prompts: Sequence[str], completions: Sequence[str],
                     columns: dict[str, Sequence[Any]] | None = None, *, fallback: float = 0.0) -> RewardResult:
     """Run every reward function on the N (prompt, completion) pairs, never raising for their faults.
 
     columns: name -> N values (per completion), passed to every function as keyword arguments.
+    fallback: what a failed item gets from a function whose Reward sets no fallback of its own.
     """
     columns = dict(columns or {})
     n = len(completions)
@@ -304,13 +358,47 @@ def compute_rewards(rewards: Sequence[WeightedReward | tuple[RewardFn, float] | 
     for name, values in columns.items():
         if len(values) != n:
             raise ValueError(f"column {name!r} has {len(values)} values for {n} completions")
-    weighted = as_weighted(rewards)
     total = torch.zeros(n, dtype=torch.float32)
     per_function, num_failed, first_error, failed_items = {}, {}, {}, {}
-    for reward in weighted:
-        values, failed, error = _run_one(reward.func, list(prompts), list(completions), columns, fallback)
-        per_function[reward.name] = torch.tensor(values, dtype=torch.float32)
-        total += reward.weight * per_function[reward.name]
-        failed_items[reward.name] = torch.tensor(failed, dtype=torch.bool)
-        num_failed[reward.name], first_error[reward.name] = sum(failed), error
+    for reward in as_rewards(rewards):
+        own_fallback = fallback if reward.fallback is None else reward.fallback
+        values, failed, error = _run_one(reward.func, list(prompts), list(completions), columns, own_fallback)
+        per_function[reward.name], failed_items[reward.name] = values, failed
+        total += reward.weight * values
+        num_failed[reward.name], first_error[reward.name] = int(failed.sum()), error
     return RewardResult(per_function, total, num_failed, first_error, failed_items)
+
+
+def reward_columns(rows: Sequence[Mapping[str, Any]], completion_lengths: Sequence[int]) -> dict[str, list]:
+    """The columns reward functions get, one value per completion: each completion's prompt row's
+    columns (``rows``, one per completion), plus ``completion_lengths`` in tokens.
+
+    The names are those of every row, not of the first: a row without a column gives None there, so
+    only its own items fail (and are counted), never the whole batch's.
+    """
+    names = list(dict.fromkeys(name for row in rows for name in row))
+    columns = {name: [row.get(name) for row in rows] for name in names}
+    columns["completion_lengths"] = [int(length) for length in completion_lengths]
+    return columns
+
+
+def score_completions(rewards: Sequence[Reward], examples: Sequence, completions: Sequence[str],
+                      completion_lengths: Sequence[int], num_samples: int = 1) -> RewardResult:
+    """Rewards of ``num_samples`` completions per example (completions group-major: example 0's first),
+    the one place training and evaluation call the reward functions from.
+
+    examples: prompts with ``.text`` and ``.columns`` (``data.PromptExample``).
+    completion_lengths: tokens per completion, for the ``completion_lengths`` column.
+    """
+    repeated = [e for e in examples for _ in range(num_samples)]
+    return compute_rewards(rewards, [e.text for e in repeated], completions,
+                           reward_columns([e.columns for e in repeated], completion_lengths))
+
+
+def __getattr__(name: str):
+    if name == "WeightedReward":  # deprecated in 0.2: the one reward record is Reward (it adds a fallback)
+        import warnings
+        warnings.warn("turbogrpo.rewards.WeightedReward is deprecated; use turbogrpo.rewards.Reward",
+                      DeprecationWarning, stacklevel=2)
+        return Reward
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -3,12 +3,13 @@ import math
 import pytest
 import torch
 
-from turbogrpo.algo.losses import LOSSES, LossNormalizer, LossSettings, get_loss
+from turbogrpo.algo.losses import LOSSES, LossNormalizer, LossSettings, build_loss, get_loss
+from turbogrpo.config import AlgoConfig
 
 # Two sequences: 2 real tokens + 1 padding, and 3 real tokens.
 MASK = torch.tensor([[1, 1, 0], [1, 1, 1]])
 ADVANTAGES = torch.tensor([1.0, -1.0])
-CLIP_HIGHER = LossSettings(epsilon_low=0.2, epsilon_high=0.28)  # ratio kept within [0.8, 1.28]
+CLIP_HIGHER = AlgoConfig(epsilon_low=0.2, epsilon_high=0.28)  # ratio kept within [0.8, 1.28]
 MAX_LEN = 4  # configured generation limit, longer than this batch's longest completion (3)
 OLD = torch.tensor([[-1.0, -2.0, 0.0], [-1.5, -0.5, -1.0]])
 
@@ -64,7 +65,8 @@ def test_token_level_clipped_surrogate_by_hand(name):
 def test_symmetric_clip_clips_more_than_clip_higher():
     # With epsilon_high = 0.2 a ratio of 1.25 (A > 0) is clipped at 1.2; clip-higher (0.28) lets it through.
     ratios = [[1.25, 1.0, 1.0], [1.0, 1.0, 1.0]]
-    loss_sym, metrics_sym, grad_sym = run("dapo", with_ratios(ratios), OLD, settings=LossSettings(0.2, 0.2))
+    symmetric = AlgoConfig(epsilon_low=0.2, epsilon_high=0.2)
+    loss_sym, metrics_sym, grad_sym = run("dapo", with_ratios(ratios), OLD, settings=symmetric)
     loss_high, metrics_high, grad_high = run("dapo", with_ratios(ratios), OLD)
     # Token sums: symmetric -1.2 - 1 + 3 = 0.8; clip-higher -1.25 - 1 + 3 = 0.75; over 5 tokens.
     torch.testing.assert_close(loss_sym, torch.tensor(0.8 / 5))
@@ -87,7 +89,7 @@ def test_k3_kl_added_with_beta_by_hand():
     logps = OLD.clone().requires_grad_()
     ref = OLD + KL_D
     beta = 0.1
-    settings = LossSettings(beta=beta)
+    settings = AlgoConfig(beta=beta)
     kl_sum = sum(map(sum, KL_TOKENS))  # 0.806853
     # dapo: policy (-2 + 3) / 5 = 0.2; kl 0.806853 / 5 = 0.161371
     loss, metrics, grad = run("dapo", logps, None, ref, settings)
@@ -109,7 +111,7 @@ def test_kl_bias_correction_gives_the_reverse_kl_gradient_on_policy():
     # logp - ref, the gradient of KL(policy || ref) for a sampled token: -ln 2, 0 / ln 2, 0, -ln 2.
     logps = OLD.clone().requires_grad_()
     beta = 0.1
-    settings = LossSettings(beta=beta, kl_bias_correction=True)
+    settings = AlgoConfig(beta=beta, kl_bias_correction=True)
     loss, metrics, grad = run("dapo", logps, None, OLD + KL_D, settings)
     kl_sum = sum(map(sum, KL_TOKENS))
     torch.testing.assert_close(loss, torch.tensor(0.2 + beta * kl_sum / 5))  # same value as plain k3 at r = 1
@@ -121,7 +123,7 @@ def test_kl_bias_correction_gives_the_reverse_kl_gradient_on_policy():
 def test_kl_bias_correction_weights_kl_by_the_ratio():
     # Ratios [[1.5, 0.5], [1.5, 0.5, 1.0]] times the k3 values: 1.5 * 0.306853 + 0, 1.5 * 0.193147 + 0 + 0.306853.
     logps = with_ratios(RATIOS)
-    settings = LossSettings(0.2, 0.28, beta=0.1, kl_bias_correction=True)
+    settings = AlgoConfig(epsilon_low=0.2, epsilon_high=0.28, beta=0.1, kl_bias_correction=True)
     _, metrics, _ = run("bnpo", logps, OLD, logps.detach() + KL_D, settings)
     weighted = 1.5 * KL_TOKENS[0][0] + 1.5 * KL_TOKENS[1][0] + KL_TOKENS[1][2]
     torch.testing.assert_close(metrics["kl"], torch.tensor(weighted / 5))
@@ -130,7 +132,7 @@ def test_kl_bias_correction_weights_kl_by_the_ratio():
 
 def test_reference_with_zero_beta_only_reports_kl():
     logps = OLD.clone().requires_grad_()
-    loss, metrics, _ = run("dapo", logps, None, OLD + KL_D, LossSettings(beta=0.0))
+    loss, metrics, _ = run("dapo", logps, None, OLD + KL_D, AlgoConfig(beta=0.0))
     torch.testing.assert_close(loss, torch.tensor(0.2))
     assert metrics["kl"] > 0
 
@@ -172,7 +174,7 @@ def test_dapo_divides_by_generation_tokens_bnpo_by_step_tokens():
 def test_fully_masked_sequence_contributes_nothing(name):
     mask = torch.tensor([[0, 0, 0], [1, 1, 0]])
     logps = torch.randn(2, 3, generator=torch.Generator().manual_seed(2)).requires_grad_()
-    settings = LossSettings(beta=0.1)
+    settings = AlgoConfig(beta=0.1)
     norm = LossNormalizer.for_batch(mask, MAX_LEN)
     ref = torch.zeros(2, 3)
     loss, metrics = LOSSES[name](logps, logps.detach() + 0.3, ref, ADVANTAGES, mask, norm, settings)
@@ -200,7 +202,7 @@ def random_batch(B=6, L=5, seed=0):
 @pytest.mark.parametrize("name", sorted(LOSSES))
 def test_micro_batch_losses_sum_to_the_whole_batch_loss(name, kl_bias_correction):
     logps, old, ref, advantages, mask = random_batch()
-    settings = LossSettings(epsilon_low=0.2, epsilon_high=0.28, beta=0.05, kl_bias_correction=kl_bias_correction)
+    settings = AlgoConfig(epsilon_low=0.2, epsilon_high=0.28, beta=0.05, kl_bias_correction=kl_bias_correction)
     norm = LossNormalizer.for_batch(mask, max_completion_length=8)  # built once, from the whole batch
     whole = logps.clone().requires_grad_()
     loss, metrics = LOSSES[name](whole, old, ref, advantages, mask, norm, settings)
@@ -225,15 +227,15 @@ def test_micro_batch_losses_sum_to_the_whole_batch_loss(name, kl_bias_correction
 def test_user_errors_name_what_is_allowed():
     with pytest.raises(ValueError, match=r"allowed: \['bnpo', 'dapo', 'dr_grpo', 'grpo', 'gspo'\]"):
         get_loss("ppo")
-    with pytest.raises(ValueError, match="epsilon_low"):
-        LossSettings(epsilon_low=1.5)
-    with pytest.raises(ValueError, match="beta"):
-        LossSettings(beta=-0.1)
+    with pytest.raises(ValueError, match="config key 'algo.epsilon_low'"):
+        build_loss(AlgoConfig(epsilon_low=1.5))
+    with pytest.raises(ValueError, match="config key 'algo.beta'"):
+        build_loss(AlgoConfig(beta=-0.1))
     norm = LossNormalizer.for_batch(MASK, MAX_LEN)
     with pytest.raises(ValueError, match="ref_logps"):
-        get_loss("grpo")(OLD, None, None, ADVANTAGES, MASK, norm, LossSettings(beta=0.1))
+        get_loss("grpo")(OLD, None, None, ADVANTAGES, MASK, norm, AlgoConfig(beta=0.1))
     with pytest.raises(ValueError, match=r"advantages \[B\]"):
-        get_loss("grpo")(OLD, None, None, ADVANTAGES[:1], MASK, norm, LossSettings())
+        get_loss("grpo")(OLD, None, None, ADVANTAGES[:1], MASK, norm, AlgoConfig())
 
 
 def test_bool_mask_gives_the_same_loss():
@@ -251,7 +253,7 @@ TIS_WEIGHTS = torch.tensor([[math.exp(0.5), math.exp(-1.0), 0.0], [1.0, 2.0, 2.0
 
 
 def test_tis_weights_each_tokens_policy_loss_by_hand():
-    settings = LossSettings(epsilon_low=0.2, epsilon_high=0.28, tis_cap=2.0)
+    settings = AlgoConfig(epsilon_low=0.2, epsilon_high=0.28, tis_cap=2.0)
     logps = with_ratios(RATIOS)
     norm = LossNormalizer.for_batch(MASK, MAX_LEN)
     loss, metrics = get_loss("bnpo")(logps, OLD, None, ADVANTAGES, MASK, norm, settings, rollout_logps=ROLLOUT)
@@ -269,16 +271,34 @@ def test_tis_cap_bounds_every_weight_and_off_is_the_plain_loss():
     norm = LossNormalizer.for_batch(MASK, MAX_LEN)
     far = OLD - 30.0  # a sampler that under-weighted every token by e^30
     for cap in (1.0, 5.0):
-        settings = LossSettings(tis_cap=cap)
+        settings = AlgoConfig(tis_cap=cap)
         capped, metrics = get_loss("dapo")(OLD.clone(), OLD, None, ADVANTAGES, MASK, norm, settings, rollout_logps=far)
-        plain, _ = get_loss("dapo")(OLD.clone(), OLD, None, ADVANTAGES, MASK, norm, LossSettings())
+        plain, _ = get_loss("dapo")(OLD.clone(), OLD, None, ADVANTAGES, MASK, norm, AlgoConfig())
         torch.testing.assert_close(capped, cap * plain)  # every weight is exactly the cap
         torch.testing.assert_close(metrics["tis/frac_capped"], torch.tensor(1.0))
     # On the sampler's own log-probs every weight is 1: the loss is the uncorrected one.
-    same, metrics = get_loss("grpo")(OLD.clone(), OLD, None, ADVANTAGES, MASK, norm, LossSettings(tis_cap=2.0),
+    same, metrics = get_loss("grpo")(OLD.clone(), OLD, None, ADVANTAGES, MASK, norm, AlgoConfig(tis_cap=2.0),
                                      rollout_logps=OLD)
     torch.testing.assert_close(same, get_loss("grpo")(OLD.clone(), OLD, None, ADVANTAGES, MASK, norm,
-                                                      LossSettings())[0])
+                                                      AlgoConfig())[0])
     torch.testing.assert_close(metrics["tis/weight_mean"], torch.tensor(1.0))
     with pytest.raises(ValueError, match="tis_cap=2.0 needs rollout_logps"):
-        get_loss("grpo")(OLD, OLD, None, ADVANTAGES, MASK, norm, LossSettings(tis_cap=2.0))
+        get_loss("grpo")(OLD, OLD, None, ADVANTAGES, MASK, norm, AlgoConfig(tis_cap=2.0))
+
+
+def test_the_deprecated_loss_settings_still_work_like_the_algo_section():
+    with pytest.warns(DeprecationWarning, match="AlgoConfig"):
+        old = LossSettings(0.1, 0.3, 0.05, True)
+    new = AlgoConfig(epsilon_low=0.1, epsilon_high=0.3, beta=0.05, kl_bias_correction=True)
+    logps = with_ratios([[1.5, 0.5, 1.0], [1.5, 0.5, 1.0]])
+    losses = [run("grpo", logps, OLD, OLD + KL_D, settings)[0] for settings in (old, new)]
+    torch.testing.assert_close(losses[0], losses[1], rtol=0, atol=0)
+    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="epsilon_low"):
+        LossSettings(epsilon_low=1.5)
+
+
+def test_build_loss_binds_the_sections_settings():
+    norm = LossNormalizer.for_batch(MASK, MAX_LEN)
+    logps = with_ratios([[1.5, 0.5, 1.0], [1.5, 0.5, 1.0]])
+    bound, _ = build_loss(AlgoConfig(loss="bnpo", epsilon_high=0.28))(logps, OLD, None, ADVANTAGES, MASK, norm)
+    torch.testing.assert_close(bound, get_loss("bnpo")(logps, OLD, None, ADVANTAGES, MASK, norm, CLIP_HIGHER)[0])

@@ -18,7 +18,8 @@ from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM  # noqa: E402
 from trl.trainer.utils import split_tensor_dict  # noqa: E402
 
-from turbogrpo.algo import LOSSES, LossNormalizer, LossSettings, group_advantages  # noqa: E402
+from turbogrpo.algo import LOSSES, LossNormalizer, group_advantages  # noqa: E402
+from turbogrpo.config import AlgoConfig  # noqa: E402
 
 PAD, EOS = 0, 1
 PROMPTS = ["t0 t1", "t2 t3"]
@@ -142,7 +143,8 @@ def test_loss_gradient_and_metrics_match_trl(model_dir, tmp_path, name, beta, kl
     mask = our_mask()
     assert torch.equal(mask, batch["completion_mask"])
     advantages = group_advantages(torch.tensor(REWARDS), [G] * len(PROMPTS), "group")
-    settings = LossSettings(EPSILON_LOW, EPSILON_HIGH, beta, kl_bias_correction)
+    settings = AlgoConfig(epsilon_low=EPSILON_LOW, epsilon_high=EPSILON_HIGH, beta=beta,
+                          kl_bias_correction=kl_bias_correction)
     loss, metrics = LOSSES[name](
         current, old, ref if beta else None, advantages, mask,
         LossNormalizer.for_batch(mask, MAX_COMPLETION_LENGTH), settings,
@@ -182,7 +184,7 @@ def test_micro_batches_match_trl_gradient_accumulation(model_dir, tmp_path, name
 
     mask = our_mask()
     advantages = group_advantages(torch.tensor(REWARDS), [G] * len(PROMPTS), "group")
-    settings = LossSettings(EPSILON_LOW, EPSILON_HIGH, beta, kl_bias_correction=True)
+    settings = AlgoConfig(epsilon_low=EPSILON_LOW, epsilon_high=EPSILON_HIGH, beta=beta, kl_bias_correction=True)
     loss, _ = LOSSES[name](
         current, old, ref, advantages, mask, LossNormalizer.for_batch(mask, MAX_COMPLETION_LENGTH), settings
     )

@@ -70,7 +70,7 @@ def test_prompts_share_the_preamble_and_solutions_have_a_long_tail_of_lengths():
 
 
 def test_config_kind_longform_reads_builtin_rows():
-    from turbogrpo.train.setup import ROW_READERS
+    from turbogrpo.data.kinds import ROW_READERS
 
     config = load_config(None, ["data.kind=longform", "data.num_train_problems=50"])
     rows = ROW_READERS["longform"](config.data, 0)
@@ -86,3 +86,4 @@ def test_bad_arguments():
         LongformConfig(step_decay=0)
     with pytest.raises(ValueError, match="min_amount"):
         LongformConfig(min_amount=0)
+

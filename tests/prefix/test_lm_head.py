@@ -1,5 +1,5 @@
 """LM-head chunking by a device memory budget, and the compiled chunk kernels against eager
-(the eager math itself is checked against autograd in test_token_logprobs.py)."""
+(the eager math itself is checked against autograd in test_lm_head_logprobs.py)."""
 
 import types
 

@@ -109,3 +109,18 @@ def test_draw_from_probs_never_lands_on_zero_probability_tokens():
     draws = draw_from_probs(probs.repeat(2000, 1), torch.Generator().manual_seed(0)).view(2000, 3)
     assert set(draws[:, 0].tolist()) == {1, 3} and set(draws[:, 1].tolist()) == {4} and set(draws[:, 2].tolist()) == {0}
     assert abs((draws[:, 0] == 1).float().mean().item() - 2 / 3) < 0.05
+
+
+def test_the_rollout_section_builds_the_sampling_and_shares_its_rules():
+    from turbogrpo.config import ConfigError, RolloutConfig, load_config
+    rollout = RolloutConfig(max_new_tokens=7, temperature=0.7, top_p=0.9, top_k=5)
+    assert SamplingConfig.from_rollout(rollout, (2,), None) == SamplingConfig(7, 0.7, 0.9, 5, (2,))
+    assert SamplingConfig.from_rollout(rollout, (2,), None, greedy=True).greedy
+    # One rule set: the config names its key, SamplingConfig its field, with the same allowed values.
+    for key, value in [("top_k", -1), ("top_p", 1.5), ("max_new_tokens", 0)]:
+        with pytest.raises(ConfigError, match=rf"config key 'rollout.{key}'.*expected (an integer|a number)"):
+            load_config(None, [f"rollout.{key}={value}"])
+        with pytest.raises(ValueError, match=rf"^{key} must be (an integer|a number)"):
+            SamplingConfig(**{"max_new_tokens": 4, key: value})
+    with pytest.raises(ConfigError, match="config key 'rollout.stop_strings'.*non-empty strings"):
+        load_config(None, ['rollout.stop_strings=[""]'])

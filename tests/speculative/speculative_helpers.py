@@ -125,7 +125,8 @@ def trained_pair(vocab_size: int = 64, *, seed: int = 0, sharpness: float = 6.0)
     ``prompts`` (cached: a few seconds)."""
     from turbogrpo.rollout import SamplingConfig, generate
     from turbogrpo.speculative.draft import DraftHead
-    from turbogrpo.speculative.draft_training import DraftTrainConfig, draft_groups, train_draft
+    from turbogrpo.config import DraftLearningConfig
+    from turbogrpo.speculative.draft_training import draft_groups, train_draft
 
     policy = tiny_policy(vocab_size=vocab_size, seed=seed, sharpness=sharpness)
     g = torch.Generator().manual_seed(seed)
@@ -134,5 +135,5 @@ def trained_pair(vocab_size: int = 64, *, seed: int = 0, sharpness: float = 6.0)
                             seed=seed).tokens_per_group() for n, t in ((1, 0.0), (4, 0.7))]
     draft = DraftHead(policy)
     train_draft(draft, draft_groups(policy, prompts, [a + b for a, b in zip(*completions)]),
-                DraftTrainConfig(lr=1e-2, num_epochs=25, batch_size=20))
+                DraftLearningConfig(lr=1e-2), num_epochs=25, batch_size=20)
     return policy, draft, prompts

@@ -14,7 +14,7 @@ from turbogrpo.rollout.compiled import _compiled
 from turbogrpo.speculative import decode
 from turbogrpo.speculative.decode import Speculation, generate_speculative
 from turbogrpo.speculative.draft import DraftHead
-from turbogrpo.speculative.policy import FixedSizing
+from turbogrpo.speculative.sizing import FixedSizing
 from turbogrpo.speculative.tree import TreeShape
 
 SAMPLINGS = {"sampled": SamplingConfig(max_new_tokens=10, top_p=0.9, stop_token_ids=(3,)),

@@ -11,7 +11,7 @@ from turbogrpo.prefix.logprobs import completion_logprobs
 from turbogrpo.rollout import SamplingConfig, generate
 from turbogrpo.speculative.decode import Speculation, SpeculativeStats, generate_speculative
 from turbogrpo.speculative.draft import DraftHead
-from turbogrpo.speculative.policy import FixedSizing
+from turbogrpo.speculative.sizing import FixedSizing
 from turbogrpo.speculative.tree import TreeShape
 
 GREEDY = SamplingConfig(max_new_tokens=20, temperature=0.0)
@@ -199,8 +199,8 @@ def test_draft_time_is_counted_only_when_the_draft_runs():
 
 
 def test_a_bare_draft_head_and_the_engine_import_nothing_speculative():
-    """generate(draft=DraftHead) builds its step through the duck-typed make_step; the rollout
-    package itself never imports turbogrpo.speculative (no import cycle)."""
+    """generate(draft=...) takes a Speculation (duck-typed make_step), generate_speculative also a bare
+    DraftHead; the rollout package itself never imports turbogrpo.speculative (no import cycle)."""
     import subprocess
     import sys
 
@@ -210,5 +210,7 @@ def test_a_bare_draft_head_and_the_engine_import_nothing_speculative():
                           check=True).stdout.strip() == "False"
     policy, draft, prompts = trained_pair()
     plain = generate(policy, prompts[:2], num_samples=1, sampling=GREEDY)
-    bare = generate(policy, prompts[:2], num_samples=1, sampling=dataclasses.replace(GREEDY), draft=draft)
+    bare = generate_speculative(policy, prompts[:2], num_samples=1, sampling=dataclasses.replace(GREEDY), draft=draft)
     assert_same_completions(plain, bare)
+    with pytest.raises(ValueError, match=r"draft must be a turbogrpo.speculative.Speculation .*got DraftHead; wrap"):
+        generate(policy, prompts[:2], num_samples=1, sampling=GREEDY, draft=draft)

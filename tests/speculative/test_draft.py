@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from tests.speculative.speculative_helpers import tiny_policy
+from turbogrpo.config import DraftLearningConfig
 from turbogrpo.speculative.draft import CausalPlan, DraftHead, shift_features
 from turbogrpo.speculative.draft_training import (DraftGroup, DraftTrainConfig, draft_groups, draft_loss,
                                                   pack_draft_batch, prompt_features, train_draft)
@@ -78,8 +79,11 @@ def test_a_model_without_rotary_decoder_layers_gets_no_draft():
 def test_bad_config_is_a_value_error():
     with pytest.raises(ValueError, match="num_layers"):
         DraftHead(tiny_policy(), num_layers=0)
-    with pytest.raises(ValueError, match="lr"):
-        DraftTrainConfig(lr=0)
+    with pytest.raises(ValueError, match="config key 'draft.lr'"):
+        train_draft(DraftHead(tiny_policy()), [], DraftLearningConfig(lr=0))
+    with pytest.warns(DeprecationWarning, match="DraftLearningConfig"):
+        old = DraftTrainConfig(lr=3e-3, num_epochs=2, batch_size=4)  # deprecated, kept for one release
+    assert (old.lr, old.num_epochs, old.batch_size, old.feature_weight) == (3e-3, 2, 4, 1.0)
 
 
 def test_features_are_shifted_by_one_position():
@@ -97,10 +101,10 @@ def test_training_lowers_the_loss_and_leaves_the_policy_alone():
     assert len(examples) == 4 and [len(f) for f in examples[0].completion_features] == [13] * 4
     assert examples[0].prompt_features.shape == (6, 32) and examples[0].num_trained == 4 * 12
     draft = DraftHead(policy)
-    config = DraftTrainConfig(lr=3e-3, num_epochs=10, batch_size=8)
+    config = DraftLearningConfig(lr=3e-3)
     with torch.no_grad():
         start = draft_loss(draft, examples, config)[1]
-    history = train_draft(draft, examples, config)
+    history = train_draft(draft, examples, config, num_epochs=10, batch_size=8)
     with torch.no_grad():
         end = draft_loss(draft, examples, config)[1]
     assert len(history) == 20

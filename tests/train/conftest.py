@@ -37,7 +37,7 @@ def random_step_batch(prompt_lengths, completion_lengths, *, vocab: int, seed: i
         return [[torch.randn(s, generator=gen, dtype=torch.float64) * logp_spread + logp_center for s in group]
                 for group in completion_lengths]
     old = logps()
-    return StepBatch(prompts, completions, advantages, old, logps())
+    return StepBatch.from_groups(prompts, completions, advantages, old, logps())
 
 
 @pytest.fixture(autouse=True)

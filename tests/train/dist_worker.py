@@ -10,8 +10,8 @@ import torch
 from safetensors.torch import save_file
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-from turbogrpo.algo import LOSSES, LossSettings
-from turbogrpo.config import load_config
+from turbogrpo.algo import LOSSES, build_loss
+from turbogrpo.config import AlgoConfig, load_config
 from turbogrpo.prefix import compute_logprobs
 from turbogrpo.train import distributed, loop
 from turbogrpo.train.distributed import DistInfo
@@ -32,10 +32,7 @@ def global_batch(vocab: int = 64) -> StepBatch:
 
 def shard(batch: StepBatch, dist: DistInfo) -> StepBatch:
     groups = distributed.local_slice(len(batch.prompts), dist)
-    per_group = len(batch.completions[0])
-    return StepBatch(batch.prompts[groups], batch.completions[groups],
-                     batch.advantages[groups.start * per_group:groups.stop * per_group],
-                     batch.old_logps[groups], batch.ref_logps[groups])
+    return batch.select(range(groups.start, groups.stop))
 
 
 def two_updates(loss_name: str, strategy: str, dist: DistInfo) -> tuple[dict[str, torch.Tensor], dict]:
@@ -49,8 +46,8 @@ def two_updates(loss_name: str, strategy: str, dist: DistInfo) -> tuple[dict[str
     normalizer = loop.step_normalizer(batch, config, dist)
     metrics = []
     for _ in range(2):
-        out = update_policy(trainer, batch, micro_batches, LOSSES[loss_name], LossSettings(0.2, 0.28, 0.05),
-                            normalizer, optimizer, max_grad_norm=0.5, dist=dist)
+        loss = build_loss(AlgoConfig(loss=loss_name, beta=0.05))
+        out = update_policy(trainer, batch, micro_batches, loss, normalizer, optimizer, max_grad_norm=0.5, dist=dist)
         metrics.append({"grad_norm": out.grad_norm, **out.metrics, "num_micro_batches": len(micro_batches)})
     params = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     return params, metrics

@@ -8,12 +8,13 @@ import safetensors.torch
 import torch
 
 from tests.speculative.speculative_helpers import tiny_policy
-from turbogrpo.config import ConfigError, load_config
+from turbogrpo.config import ConfigError, DraftLearningConfig, load_config
+from turbogrpo.rewards import build_rewards
 from turbogrpo.rollout import SamplingConfig, generate
 from turbogrpo.speculative.draft import DraftHead
-from turbogrpo.speculative.draft_training import DraftTrainConfig, make_optimizer
-from turbogrpo.speculative.policy import CostSizing, FixedSizing
+from turbogrpo.speculative.draft_training import make_optimizer
 from turbogrpo.speculative.profiler import LatencyCurve, LatencyProfile
+from turbogrpo.speculative.sizing import CostSizing, FixedSizing
 from turbogrpo.train import draft_learning, loop
 from turbogrpo.train.draft_learning import OnlineDraft, frozen, within_budget
 
@@ -80,10 +81,10 @@ def test_policy_and_draft_are_frozen_in_each_others_training(tmp_path, monkeypat
 
     monkeypatch.setattr(loop, "update_policy", update_policy)
     monkeypatch.setattr(draft_learning, "train_draft", train_draft)
-    from turbogrpo.train import distributed, setup
+    from turbogrpo.train import distributed
     from turbogrpo.train.run import build_run
     config = load_config(None, overrides(model_dir, rows, tmp_path / "out", **{"rollout.speculation": "fixed"}))
-    run = build_run(config, distributed.setup("cpu", "auto"), setup.load_rewards(config.rewards), False)
+    run = build_run(config, distributed.setup("cpu", "auto"), build_rewards(config.rewards), False)
     run_state = {"draft": run.draft.draft, "policy": run.policy}
     run.policy.zero_grad(set_to_none=True)
     draft_before = [p.clone() for p in run.draft.draft.parameters()]
@@ -99,8 +100,8 @@ def test_policy_and_draft_are_frozen_in_each_others_training(tmp_path, monkeypat
 
 def _online(policy, sizing, lr=1e-2, max_tokens=0, steps=2) -> OnlineDraft:
     draft = DraftHead(policy)
-    config = DraftTrainConfig(lr=lr)
-    return OnlineDraft(draft, sizing, make_optimizer(draft, config), config, steps, max_tokens)
+    config = DraftLearningConfig(lr=lr, steps=steps, max_tokens=max_tokens)
+    return OnlineDraft(draft, sizing, make_optimizer(draft, config), config)
 
 
 def test_online_learning_raises_acceptance():
@@ -162,12 +163,12 @@ def test_speculative_training_rollouts_sample_the_plain_distribution(tmp_path, m
     monkeypatch.setattr(loop, "generate", lambda *a, **k: captured.append(real_generate(*a, **k)) or captured[-1])
 
     def first_step_tokens(speculation: str, seed: int) -> torch.Tensor:
-        from turbogrpo.train import distributed, setup
+        from turbogrpo.train import distributed
         from turbogrpo.train.run import build_run
         extra = {"rollout.speculation": speculation, "train.seed": seed, "rollout.num_generations": 32,
                  "rollout.max_new_tokens": 3, "rollout.stop_strings": "[]", "train.prompts_per_step": 4}
         config = load_config(None, overrides(model_dir, rows, tmp_path / f"{speculation}{seed}", **extra))
-        run = build_run(config, distributed.setup("cpu", "auto"), setup.load_rewards(config.rewards), False)
+        run = build_run(config, distributed.setup("cpu", "auto"), build_rewards(config.rewards), False)
         loop.grpo_step(run, 0)
         return torch.stack([t[:2] for t in captured[-1].tokens if len(t) >= 2])
 

@@ -110,12 +110,18 @@ def test_lora_trains_adapters_only_with_the_base_as_reference(assets, tmp_path):
     assert steps[0]["kl"] < 1e-6 < steps[1]["kl"]  # adapters start at zero, so step 1 is the base model
 
 
-def test_a_reward_failing_on_a_whole_step_stops_the_run_before_any_update(assets, tmp_path):
-    with pytest.raises(RewardFailure, match=r"reward 'flaky' failed on 16 of 16 completions at step 1 \(RuntimeError: "
-                                            r"reward service unavailable\); stopped, since "
-                                            r"train.reward_failure_limit = 1"):
-        run(assets, tmp_path, **{"rewards.1.function": "tests.train.tiny_run:flaky", "train.num_steps": 2,
-                                 "train.checkpoint_every": 0, "data.eval_path": '""'})
+@pytest.mark.parametrize("reward, message", [
+    ("flaky", r"reward 'flaky' failed on 16 of 16 completions at step 1 \(RuntimeError: reward service unavailable\); "
+              r"stopped, since train.reward_failure_limit = 1"),
+    # R07: finite rewards whose float32 group std is inf would silently give every advantage 0.
+    ("overflowing", r"the rewards at step 1 are too large for float32: their group means or stds overflow to inf, "
+                    r"so the advantages would be 0 or NaN \(largest \|reward\| on this rank: 'overflowing' 3e\+38"),
+])
+def test_rewards_that_cannot_train_stop_the_run_before_any_update(assets, tmp_path, reward, message):
+    extra = {"rewards.0.function": "tests.train.tiny_run:overflowing"} if reward == "overflowing" else \
+        {"rewards.1.function": "tests.train.tiny_run:flaky"}
+    with pytest.raises(RewardFailure, match=message):
+        run(assets, tmp_path, **extra, **{"train.num_steps": 2, "train.checkpoint_every": 0, "data.eval_path": '""'})
     assert not [r for r in read_metrics(tmp_path) if "reward" in r]
 
 

@@ -1,9 +1,12 @@
 """Micro-batch planning, and accumulated gradients equal to the single-batch gradients."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
-from turbogrpo.algo import LOSSES, LossNormalizer, LossSettings
+from turbogrpo.algo import LOSSES, LossNormalizer, build_loss
+from turbogrpo.config import AlgoConfig
 from turbogrpo.prefix import compute_logprobs
 from turbogrpo.train.distributed import DistInfo, LogprobModule
 from turbogrpo.train.microbatch import Chunk, pad_to_count, plan_micro_batches
@@ -58,7 +61,7 @@ def _normalizer(completion_lengths, max_len):
 def test_accumulated_update_equals_single_batch_update(loss_name):
     """Parameters after one SGD step (lr 1, no clipping: the step is the gradient) agree to 1e-12."""
     batch, prompt_lengths, completion_lengths = _batch(vocab=64)
-    settings = LossSettings(epsilon_low=0.2, epsilon_high=0.28, beta=0.05)
+    settings = AlgoConfig(epsilon_low=0.2, epsilon_high=0.28, beta=0.05)
     normalizer = _normalizer(completion_lengths, max_len=8)
     results = {}
     for budget in (10_000, 12, 1):
@@ -66,8 +69,8 @@ def test_accumulated_update_equals_single_batch_update(loss_name):
         module = LogprobModule(model, compute_logprobs)
         optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
         plan = plan_micro_batches(prompt_lengths, completion_lengths, budget)
-        out = update_policy(module, batch, plan, LOSSES[loss_name], settings, normalizer, optimizer,
-                            max_grad_norm=0.0, dist=SINGLE)
+        out = update_policy(module, batch, plan, build_loss(replace(settings, loss=loss_name)), normalizer,
+                            optimizer, max_grad_norm=0.0, dist=SINGLE)
         assert out.applied
         results[budget] = (torch.cat([p.detach().flatten() for p in model.parameters()]), out)
     whole, whole_out = results[10_000]
@@ -85,10 +88,10 @@ def test_accumulated_update_equals_single_batch_update(loss_name):
 def test_update_matches_the_loss_computed_by_hand_on_the_padded_batch():
     """One micro-batch == the algo loss on the whole padded batch (gradients via autograd directly)."""
     batch, prompt_lengths, completion_lengths = _batch(vocab=64)
-    settings = LossSettings(beta=0.0)
+    settings = AlgoConfig(beta=0.0)
     normalizer = _normalizer(completion_lengths, max_len=8)
     model = exact_tiny_model()
-    logps = compute_logprobs(model, batch.prompts, batch.completions).logps
+    logps = compute_logprobs(model, batch.prompts, batch.groups.split(batch.completions)).logps
     flat_lengths = [s for g in completion_lengths for s in g]
     logps_BL = torch.nn.utils.rnn.pad_sequence(list(torch.split(logps, flat_lengths)), batch_first=True)
     mask = (torch.arange(logps_BL.shape[1])[None] < torch.tensor(flat_lengths)[:, None]).double()
@@ -100,7 +103,7 @@ def test_update_matches_the_loss_computed_by_hand_on_the_padded_batch():
     optimizer = torch.optim.SGD(model2.parameters(), lr=1.0)
     batch.old_logps = batch.ref_logps = None
     update_policy(LogprobModule(model2, compute_logprobs), batch, plan_micro_batches(prompt_lengths,
-                  completion_lengths, 20), LOSSES["dapo"], settings, normalizer, optimizer, max_grad_norm=0.0,
+                  completion_lengths, 20), build_loss(settings), normalizer, optimizer, max_grad_norm=0.0,
                   dist=SINGLE)
     for b, p, g in zip(before, model2.parameters(), expected):
         torch.testing.assert_close(b - p.detach(), g, rtol=0, atol=1e-12)
@@ -113,8 +116,9 @@ def test_nonfinite_loss_skips_the_step():
     before = [p.detach().clone() for p in model.parameters()]
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     out = update_policy(LogprobModule(model, compute_logprobs), batch,
-                        plan_micro_batches(prompt_lengths, completion_lengths, 20), LOSSES["grpo"], LossSettings(),
-                        _normalizer(completion_lengths, 8), optimizer, max_grad_norm=1.0, dist=SINGLE)
+                        plan_micro_batches(prompt_lengths, completion_lengths, 20),
+                        build_loss(AlgoConfig(loss="grpo")), _normalizer(completion_lengths, 8), optimizer,
+                        max_grad_norm=1.0, dist=SINGLE)
     assert not out.applied
     assert all(torch.equal(b, p) for b, p in zip(before, model.parameters()))
     assert all(p.grad is None for p in model.parameters())
@@ -127,8 +131,8 @@ def test_skipping_zero_advantage_groups_gives_the_same_adamw_steps():
     batch, prompt_lengths, completion_lengths = _batch(vocab=64)
     batch.old_logps = batch.ref_logps = None
     batch.advantages[3:5] = 0.0  # group 1 (completions 3, 4) has equal rewards
-    all_zero = StepBatch(batch.prompts, batch.completions, torch.zeros_like(batch.advantages))
-    settings, normalizer = LossSettings(beta=0.0), _normalizer(completion_lengths, 8)
+    all_zero = StepBatch(batch.prompts, batch.groups, batch.completions, torch.zeros_like(batch.advantages))
+    settings, normalizer = AlgoConfig(beta=0.0), _normalizer(completion_lengths, 8)
     finals = []
     for skip in (False, True):
         model = exact_tiny_model()
@@ -137,10 +141,10 @@ def test_skipping_zero_advantage_groups_gives_the_same_adamw_steps():
             if skip:
                 moving = [g for g, s in enumerate(_group_slices(completion_lengths))
                           if step_batch.advantages[s].ne(0).any()] or [0]
-                step_batch = step_batch.groups(moving)
-            lengths = [[c.numel() for c in g] for g in step_batch.completions]
+                step_batch = step_batch.select(moving)
+            lengths = step_batch.completion_lengths()
             plan = plan_micro_batches([p.numel() for p in step_batch.prompts], lengths, 10_000)
-            update_policy(LogprobModule(model, compute_logprobs), step_batch, plan, LOSSES["dapo"], settings,
+            update_policy(LogprobModule(model, compute_logprobs), step_batch, plan, build_loss(settings),
                           normalizer, optimizer, max_grad_norm=1.0, dist=SINGLE)
         finals.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
     torch.testing.assert_close(finals[1], finals[0], rtol=0, atol=1e-12)

@@ -8,7 +8,8 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from turbogrpo.algo import LOSSES, LossNormalizer, LossSettings
+from turbogrpo.algo import LOSSES, LossNormalizer
+from turbogrpo.config import AlgoConfig
 from turbogrpo.config import load_config
 from turbogrpo.models import tiny_model
 from turbogrpo.prefix import compute_logprobs
@@ -80,12 +81,12 @@ def one_step(model, batch, precision):
     """Loss and parameter gradients of one dapo step of ``batch`` under ``precision``."""
     model.zero_grad(set_to_none=True)
     forward = precision.computing(compute_logprobs)
-    result = forward(model, batch.prompts, batch.completions, share_prefix=True)
+    result = forward(model, batch.prompts, batch.groups.split(batch.completions), share_prefix=True)
     logps = [t for group in result.per_completion(result.logps) for t in group]
     mask_BL = length_mask([t.numel() for t in logps], device=logps[0].device)
-    loss, _ = LOSSES["dapo"](pad_ragged(logps), pad_ragged([t.float() for g in batch.old_logps for t in g]), None,
+    loss, _ = LOSSES["dapo"](pad_ragged(logps), pad_ragged([t.float() for t in batch.old_logps]), None,
                              batch.advantages.float(), mask_BL, LossNormalizer.for_batch(mask_BL, 16),
-                             LossSettings())
+                             AlgoConfig())
     loss.backward()
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 

@@ -6,7 +6,7 @@ import torch
 from turbogrpo.config import load_config
 from turbogrpo.data import PromptExample
 from turbogrpo.data.prompts import PromptSet
-from turbogrpo.train.run import check_prompt_count, naming_the_file
+from turbogrpo.train.run import check_prompt_count
 
 
 def prompt_set(num_usable, num_too_long=0, num_empty=0):
@@ -32,11 +32,17 @@ def test_no_usable_prompt_names_the_data():
         check_prompt_count(load_config(None, []), prompt_set(0))
 
 
-def test_a_bad_row_is_named_with_the_data_file_it_is_in():
-    def load(message):
-        raise ValueError(message)
-    with pytest.raises(ValueError, match=r"^data.eval_path 'held_out.jsonl' row 2: message 0 has no role$"):
-        naming_the_file("data.eval_path", "held_out.jsonl", load, "row 2: message 0 has no role")
-    with pytest.raises(ValueError, match=r"^config key 'rollout.max_new_tokens': too long$"):  # not a row's error
-        naming_the_file("data.path", "rows.jsonl", load, "config key 'rollout.max_new_tokens': too long")
-    assert naming_the_file("data.path", "rows.jsonl", lambda n: n + 1, 1) == 2
+def test_a_bad_row_is_named_with_the_data_file_it_is_in(tmp_path):
+    from turbogrpo.models import load_demo_model
+    from turbogrpo.train import setup
+    good, bad = tmp_path / "rows.jsonl", tmp_path / "held_out.jsonl"
+    good.write_text('{"prompt": "1+1", "answer": "2"}\n')
+    bad.write_text('{"prompt": "1+1", "answer": "2"}\n{"prompt": 5, "answer": "2"}\n')
+    config = load_config(None, ["data.kind=rows", f'data.path="{good}"', f'data.eval_path="{bad}"'])
+    tokenizer = load_demo_model()[1]
+    assert len(setup.load_train_prompts(config, tokenizer).examples) == 1
+    with pytest.raises(ValueError, match=rf"^data.eval_path '{bad}' row 1: prompt column 'prompt' must be"):
+        setup.load_eval_prompts(config, tokenizer)
+    config = load_config(None, ["data.kind=rows", f'data.path="{bad}"'])
+    with pytest.raises(ValueError, match=rf"^data.path '{bad}' row 1:"):
+        setup.load_train_prompts(config, tokenizer)

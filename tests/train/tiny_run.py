@@ -55,6 +55,11 @@ def flaky(prompts, completions, **columns):
     return [None] + [1.0] * (len(completions) - 1)
 
 
+def overflowing(prompts, completions, **columns):
+    """+-3e38 in turn: finite in float32, but a group's std of them is inf."""
+    return [3e38 if i % 2 else -3e38 for i in range(len(completions))]
+
+
 def overrides(model_dir: Path, rows: Path, output_dir: Path, **extra) -> list[str]:
     """--set overrides of a tiny, fast, deterministic run."""
     base = {

@@ -1,7 +1,7 @@
 """Advantages and the GRPO policy-loss family."""
 
-from turbogrpo.algo.advantages import REWARD_SCALES, group_advantages
-from turbogrpo.algo.losses import LOSSES, LossNormalizer, LossSettings, PolicyLoss, get_loss, k3_kl
+from turbogrpo.algo.advantages import REWARD_SCALES, group_advantages, statistics_are_finite
+from turbogrpo.algo.losses import LOSSES, LossNormalizer, LossSettings, PolicyLoss, build_loss, get_loss, k3_kl
 
 __all__ = [
     "LOSSES",
@@ -9,7 +9,9 @@ __all__ = [
     "LossNormalizer",
     "LossSettings",
     "PolicyLoss",
+    "build_loss",
     "get_loss",
     "group_advantages",
     "k3_kl",
+    "statistics_are_finite",
 ]

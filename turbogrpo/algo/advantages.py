@@ -61,6 +61,24 @@ def group_advantages(
         "none" (no division). A group or batch of one has std 0, hence advantage 0.
     Returns [N], same dtype and device as `rewards`.
     """
+    centered_N, std_N = _centered_and_std(rewards, group_sizes, scale)
+    return centered_N if std_N is None else centered_N / (std_N + eps)
+
+
+def statistics_are_finite(rewards: Tensor, group_sizes: Sequence[int] | Tensor, scale: str = "group") -> Tensor:
+    """Whether the group means and the stds that ``group_advantages`` divides by are finite in the
+    rewards' dtype: a 0-dim bool tensor on their device (no host sync).
+
+    Finite rewards can still overflow them (float32 rewards of +-3e38 have an inf std); the advantages
+    are then silently 0 or NaN, so callers check this and stop with a message instead.
+    """
+    centered_N, std_N = _centered_and_std(rewards, group_sizes, scale)
+    finite = torch.isfinite(centered_N).all()
+    return finite if std_N is None else finite & torch.isfinite(std_N).all()
+
+
+def _centered_and_std(rewards: Tensor, group_sizes: Sequence[int] | Tensor, scale: str) -> tuple[Tensor, Tensor | None]:
+    """(R - group mean [N], the std to divide by [N] or None), as ``group_advantages`` describes."""
     if scale not in REWARD_SCALES:
         raise ValueError(f"scale={scale!r} is not a reward scaling; allowed: {sorted(REWARD_SCALES)}")
     if rewards.dim() != 1:
@@ -78,6 +96,4 @@ def group_advantages(
     )
     sum_K = torch.zeros_like(counts_K).index_add_(0, group_of_N, rewards)
     mean_N = (sum_K / counts_K)[group_of_N]
-    std_N = REWARD_SCALES[scale](rewards, mean_N, group_of_N, counts_K)
-    centered_N = rewards - mean_N
-    return centered_N if std_N is None else centered_N / (std_N + eps)
+    return rewards - mean_N, REWARD_SCALES[scale](rewards, mean_N, group_of_N, counts_K)

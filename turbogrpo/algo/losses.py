@@ -24,42 +24,19 @@ those of the whole batch in one piece, however the batch is split.
 Shape legend: B sequences in the micro-batch, L padded completion length (completion tokens only).
 """
 
+from __future__ import annotations
+
 import dataclasses
+import functools
+import warnings
 from collections.abc import Callable
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from torch import Tensor
 
-
-@dataclasses.dataclass(frozen=True)
-class LossSettings:
-    """Knobs shared by every policy loss (TRL's names; the defaults are AlgoConfig's, a test keeps them equal)."""
-
-    epsilon_low: float = 0.2
-    """The ratio may fall to 1 - epsilon_low before a negative-advantage token stops pushing it down."""
-    epsilon_high: float = 0.28
-    """The ratio may rise to 1 + epsilon_high; DAPO's clip-higher (0.28, the config default too) lets it rise
-    further than it may fall."""
-    beta: float = 0.0
-    """Weight of the k3 KL penalty to the reference policy; 0 drops the term, so no reference model is needed."""
-    kl_bias_correction: bool = False
-    """Multiply each token's k3 by the (differentiable) importance ratio, which makes the KL gradient the
-    unbiased reverse-KL gradient (DeepSeek-V3.2), even on-policy where the ratio is 1 in value. TRL's
-    use_bias_correction_kl, on by default in TRL 1.16; off here: plain k3 as in the GRPO paper."""
-    tis_cap: float = 0.0
-    """Truncated importance sampling cap: each token's policy loss is weighted by
-    min(pi_old / pi_rollout, tis_cap) (needs the sampler's log-probs); 0 turns the correction off."""
-
-    def __post_init__(self):
-        if not 0.0 <= self.epsilon_low < 1.0:
-            raise ValueError(f"epsilon_low must be in [0, 1), got {self.epsilon_low}")
-        if self.epsilon_high < 0.0:
-            raise ValueError(f"epsilon_high must be >= 0, got {self.epsilon_high}")
-        if self.beta < 0.0:
-            raise ValueError(f"beta must be >= 0, got {self.beta}")
-        if self.tis_cap < 0.0:
-            raise ValueError(f"tis_cap must be >= 0 (0: off), got {self.tis_cap}")
+if TYPE_CHECKING:
+    from turbogrpo.config import AlgoConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -200,7 +177,7 @@ class PolicyLoss:
         advantages: Tensor,
         mask: Tensor,
         normalizer: LossNormalizer,
-        settings: LossSettings,
+        settings: AlgoConfig,
         rollout_logps: Tensor | None = None,
     ) -> tuple[Tensor, dict[str, Tensor]]:
         """Loss of one micro-batch, already divided by the whole step batch's denominator.
@@ -285,3 +262,30 @@ def get_loss(name: str) -> PolicyLoss:
     if name not in LOSSES:
         raise ValueError(f"loss {name!r} is unknown; allowed: {sorted(LOSSES)}")
     return LOSSES[name]
+
+
+def build_loss(algo: AlgoConfig) -> Callable[..., tuple[Tensor, dict[str, Tensor]]]:
+    """The policy loss ``algo.loss`` with the [algo] section's settings bound (checked first, so a
+    section built in Python is validated as one read from a config file):
+    ``loss(logps, old_logps, ref_logps, advantages, mask, normalizer, rollout_logps=None)``."""
+    algo.check("algo")
+    return functools.partial(get_loss(algo.loss), settings=algo)
+
+
+@dataclasses.dataclass(frozen=True)
+class LossSettings:
+    """Deprecated (kept for one release): the losses take the [algo] section, ``turbogrpo.config.AlgoConfig``,
+    which has these fields (the losses read only them) and is checked by the config's rules."""
+
+    epsilon_low: float = 0.2
+    epsilon_high: float = 0.28
+    beta: float = 0.0
+    kl_bias_correction: bool = False
+    tis_cap: float = 0.0
+
+    def __post_init__(self):
+        warnings.warn("turbogrpo.algo.LossSettings is deprecated; pass turbogrpo.config.AlgoConfig (the [algo] "
+                      "section) instead", DeprecationWarning, stacklevel=3)
+        if not 0.0 <= self.epsilon_low < 1.0 or self.epsilon_high < 0.0 or self.beta < 0.0 or self.tis_cap < 0.0:
+            raise ValueError(f"bad loss settings {self}: need 0 <= epsilon_low < 1 and epsilon_high, beta, "
+                             "tis_cap >= 0")

@@ -1,4 +1,5 @@
-"""Prompt data: local sources, tokenized prompts, resumable batches, GSM8K and the built-in tasks."""
+"""Prompt data: local sources, tokenized prompts, resumable batches, GSM8K, the built-in tasks and the
+data kinds' registries (``kinds.py``)."""
 
 from turbogrpo.data.arithmetic import (PREAMBLE, ArithmeticConfig, ArithmeticProblem, demo_records,
                                        generate_problems, problem_records)

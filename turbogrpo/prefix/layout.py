@@ -31,6 +31,8 @@ from itertools import accumulate
 
 import torch
 
+from turbogrpo.batch import Groups
+
 
 @dataclass(frozen=True, eq=False)
 class PackedGroups:
@@ -138,12 +140,8 @@ class PackedGroups:
 def split_per_completion(flat: torch.Tensor, completion_lengths) -> list[list[torch.Tensor]]:
     """Split ``[Nq, ...]`` (flat completion order) into per-group lists of ``[S_gi, ...]``;
     ``completion_lengths`` holds, per group, the lengths of its completions."""
-    pieces = torch.split(flat, [s for lengths in completion_lengths for s in lengths])
-    out, start = [], 0
-    for lengths in completion_lengths:
-        out.append(list(pieces[start:start + len(lengths)]))
-        start += len(lengths)
-    return out
+    groups = Groups.of(completion_lengths)
+    return groups.split(torch.split(flat, Groups.flatten(completion_lengths)))
 
 
 @dataclass(frozen=True, eq=False)

@@ -47,8 +47,8 @@ def _chunk_budget_bytes(device: torch.device) -> int:
     return _CPU_CHUNK_BYTES
 
 
-def token_logprobs(hidden: torch.Tensor, lm_head: nn.Module, targets: torch.Tensor, temperature: float = 1.0,
-                   *, with_entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+def lm_head_logprobs(hidden: torch.Tensor, lm_head: nn.Module, targets: torch.Tensor, temperature: float = 1.0,
+                     *, with_entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs ``[N]`` of ``targets [N]`` and entropies ``[N]`` (None without ``with_entropy``) from
     hidden states ``[N, Hd]`` at the given temperature."""
     rows = logit_chunk_rows(hidden.shape[0], lm_head.weight.shape[0], lm_head.weight.dtype, hidden.device)

@@ -19,7 +19,7 @@ from turbogrpo.hook import check_materialized, check_supported, lm_head_of, run_
 from turbogrpo.prefix.auto import STANDARD, choose_auto
 from turbogrpo.prefix.backends import AUTO, PaddedCausalAttention, select_backend
 from turbogrpo.prefix.layout import PackedGroups, pack_groups, split_per_completion, upload
-from turbogrpo.prefix.lm_head import token_logprobs
+from turbogrpo.prefix.lm_head import lm_head_logprobs
 
 
 @dataclass
@@ -84,7 +84,7 @@ def compute_logprobs(model: nn.Module, prompts: list[torch.Tensor],
     else:
         hidden = _standard_hidden(model, prompts, completions)
     targets = torch.cat([c for cs in completions for c in cs])
-    logps, entropy = token_logprobs(hidden, lm_head_of(model), targets, temperature, with_entropy=with_entropy)
+    logps, entropy = lm_head_logprobs(hidden, lm_head_of(model), targets, temperature, with_entropy=with_entropy)
     return CompletionLogprobs(logps, entropy, hidden if return_hidden else None,
                               [[int(c.numel()) for c in cs] for cs in completions])
 

@@ -109,7 +109,7 @@ def generate(model: nn.Module, prompts: list[torch.Tensor], *, num_samples: int,
     (a generator on the model's device); ``None`` uses torch's global generator. ``return_hidden``
     keeps the policy's final hidden state for every generated token. ``draft`` turns on lossless
     speculative decoding: any object with ``make_step(model, prompts, sampling) -> DecodeStep``
-    (``turbogrpo.speculative``'s ``DraftHead`` and ``Speculation``).
+    (``turbogrpo.speculative.Speculation``; ``generate_speculative`` also takes a bare ``DraftHead``).
     ``max_new_tokens_per_completion``: a length limit for each completion (group by group, as in the
     output), each at most ``sampling.max_new_tokens``; None gives every completion that limit.
     ``schedule``: when the host checks the batch (None: the device's default, ``DEFAULT_SCHEDULES``);
@@ -121,8 +121,9 @@ def generate(model: nn.Module, prompts: list[torch.Tensor], *, num_samples: int,
     if schedule is not None and not isinstance(schedule, DecodeSchedule):
         raise ValueError(f"schedule must be a DecodeSchedule or None, got {type(schedule).__name__}")
     if draft is not None and not callable(getattr(draft, "make_step", None)):
-        raise ValueError(f"draft must be a turbogrpo.speculative DraftHead or Speculation (or None for plain "
-                         f"sampling), got {type(draft).__name__}")
+        raise ValueError(f"draft must be a turbogrpo.speculative.Speculation (or None for plain sampling), got "
+                         f"{type(draft).__name__}; wrap a DraftHead as Speculation(draft_head), or call "
+                         "turbogrpo.speculative.generate_speculative, which takes either")
     device = next(model.parameters()).device
     limits = _length_limits(max_new_tokens_per_completion, len(prompts) * num_samples, sampling)
     generator = None

@@ -18,6 +18,33 @@ from typing import Any
 import torch
 
 
+def _integer(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+# The one rule for each sampling setting: (name, test, what is allowed). SamplingConfig and the [rollout]
+# config section are both checked with it, so a value means the same in Python and in a config file.
+SAMPLING_RULES = (
+    ("max_new_tokens", lambda v: _integer(v) and v >= 1, "an integer >= 1"),
+    ("temperature", lambda v: _number(v) and v >= 0, "a finite number >= 0 (0 = greedy)"),
+    ("top_p", lambda v: _number(v) and 0 < v <= 1, "a number in (0, 1]"),
+    ("top_k", lambda v: _integer(v) and v >= 0, "an integer >= 0 (0 = off)"),
+    ("stop_strings", lambda v: all(isinstance(t, str) and t for t in v), "a list of non-empty strings"),
+)
+
+
+def sampling_problem(**settings) -> tuple[str, str, Any] | None:
+    """(name, what is allowed, value) of the first setting that breaks its rule in SAMPLING_RULES, or None."""
+    for name, ok, allowed in SAMPLING_RULES:
+        if name in settings and not ok(settings[name]):
+            return name, allowed, settings[name]
+    return None
+
+
 @dataclass(frozen=True)
 class SamplingConfig:
     """How completions are drawn and when they stop."""
@@ -41,25 +68,26 @@ class SamplingConfig:
         # Lists are accepted for convenience and frozen into tuples so the config stays hashable.
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         object.__setattr__(self, "stop_strings", tuple(self.stop_strings))
-        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) \
-                or self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
-        if not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature) \
-                or self.temperature < 0:
-            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}")
-        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
+        problem = sampling_problem(max_new_tokens=self.max_new_tokens, temperature=self.temperature,
+                                   top_p=self.top_p, top_k=self.top_k, stop_strings=self.stop_strings)
+        if problem is not None:
+            name, allowed, value = problem
+            raise ValueError(f"{name} must be {allowed}, got {value!r}")
         for token_id in self.stop_token_ids:
             if isinstance(token_id, bool) or not isinstance(token_id, int) or token_id < 0:
                 raise ValueError(f"stop_token_ids must be non-negative integers, got {token_id!r}")
-        for text in self.stop_strings:
-            if not isinstance(text, str) or not text:
-                raise ValueError(f"stop_strings must be non-empty strings, got {text!r}")
         if self.stop_strings and self.tokenizer is None:
             raise ValueError("stop_strings needs `tokenizer` (to read the generated tokens as text); "
                              "pass tokenizer=... or use stop_token_ids")
+
+    @classmethod
+    def from_rollout(cls, rollout, stop_token_ids: tuple[int, ...], tokenizer, *,
+                     greedy: bool = False) -> SamplingConfig:
+        """The sampling of a run's [rollout] section (``config.RolloutConfig``), with the model's stop
+        ids and its tokenizer (for stop strings); ``greedy`` for held-out greedy answers."""
+        return cls(max_new_tokens=rollout.max_new_tokens, temperature=0.0 if greedy else rollout.temperature,
+                   top_p=rollout.top_p, top_k=rollout.top_k, stop_token_ids=stop_token_ids,
+                   stop_strings=tuple(rollout.stop_strings), tokenizer=tokenizer if rollout.stop_strings else None)
 
     @property
     def greedy(self) -> bool:

@@ -7,15 +7,14 @@ Completions are ordered group-major: completion ``i`` is sample ``i % num_sample
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, TypeVar
+from typing import Literal
 
 import torch
 
+from turbogrpo.batch import Groups
+
 FinishReason = Literal["stop", "length"]
 """"stop": ended on a stop token or stop string (kept as its last token); "length": max_new_tokens."""
-
-T = TypeVar("T")
-
 
 @dataclass
 class RolloutStats:
@@ -60,20 +59,19 @@ class Rollout:
     def num_completions(self) -> int:
         return len(self.tokens)
 
+    @property
+    def groups(self) -> Groups:
+        """The completions' layout: ``num_samples`` per prompt, group-major."""
+        return Groups.uniform(len(self.prompts), self.num_samples)
+
     def tokens_per_group(self) -> list[list[torch.Tensor]]:
         """``tokens`` grouped per prompt (the layout ``turbogrpo.completion_logprobs`` takes)."""
-        return self._per_group(self.tokens)
+        return self.groups.split(self.tokens)
 
     def logprobs_per_group(self) -> list[list[torch.Tensor]]:
-        return self._per_group(self.logprobs)
+        return self.groups.split(self.logprobs)
 
     def hidden_per_group(self) -> list[list[torch.Tensor]]:
         if self.hidden is None:
             raise ValueError("this rollout has no hidden states; generate with return_hidden=True")
-        return self._per_group(self.hidden)
-
-    def _per_group(self, items: list[T]) -> list[list[T]]:
-        grouped: list[list[T]] = [[] for _ in self.prompts]
-        for group, item in zip(self.group_index, items):
-            grouped[group].append(item)
-        return grouped
+        return self.groups.split(self.hidden)

@@ -91,6 +91,8 @@ def run_draft_train(args: argparse.Namespace) -> int:
     for name in ("num_prompts", "num_samples", "max_new_tokens", "layers", "epochs", "batch_size"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if not args.lr > 0:
+        raise ValueError(f"--lr must be > 0, got {args.lr}")
     _device(args)
     out = Path(args.out).expanduser().resolve()
     # Claimed before any work: a used, locked or impossible --out fails at once, not after training.
@@ -104,9 +106,10 @@ def run_draft_train(args: argparse.Namespace) -> int:
 def _train_draft(args: argparse.Namespace, out: Path) -> int:
     from tqdm import tqdm
 
+    from turbogrpo.config import DraftLearningConfig
     from turbogrpo.data import build_prompts, demo_records, read_records
     from turbogrpo.rollout import SamplingConfig, generate
-    from turbogrpo.speculative.draft_training import DraftTrainConfig, draft_groups, train_draft
+    from turbogrpo.speculative.draft_training import draft_groups, train_draft
 
     model, tokenizer = _load(args)
     draft = _draft_to_train(args, model, out)  # before sampling: a damaged draft in --out fails at once
@@ -126,13 +129,14 @@ def _train_draft(args: argparse.Namespace, out: Path) -> int:
     groups = draft_groups(model, prompts, completions)
     num_completions = sum(len(g.completions) for g in groups)
     print(f"{num_completions} completions sampled in {time.perf_counter() - start:.1f}s")
-    config = DraftTrainConfig(lr=args.lr, num_epochs=args.epochs, batch_size=args.batch_size)
+    config = DraftLearningConfig(lr=args.lr)
     num_steps = args.epochs * -(-num_completions // args.batch_size)  # about: batches hold whole groups
     with tqdm(total=num_steps, desc="training draft", unit="step") as bar:
         def on_step(step, metrics):
             bar.update(1)
             bar.set_postfix(loss=f"{metrics['loss']:.3f}", top1=f"{metrics['top1_agreement']:.2f}")
-        history = train_draft(draft, groups, config, seed=args.seed, on_step=on_step)
+        history = train_draft(draft, groups, config, num_epochs=args.epochs, batch_size=args.batch_size,
+                              seed=args.seed, on_step=on_step)
     draft.save(out)
     last = history[-1]
     print(f"draft saved to {out} (final loss {last['loss']:.3f}, top-1 agreement with the policy "

@@ -52,16 +52,16 @@ from turbogrpo.rollout.sampling import SamplingConfig, token_logprobs
 from turbogrpo.rollout.step import DecodeState, PlainStep
 from turbogrpo.rollout.types import Rollout, RolloutStats
 from turbogrpo.speculative.draft import DraftHead
-from turbogrpo.speculative.drafting import DraftKVCache, TreeDrafter, catch_up, prefill_draft
-from turbogrpo.speculative.policy import SizingPolicy, make_sizing
+from turbogrpo.speculative.draft_decoding import DraftKVCache, TreeDrafter, catch_up, prefill_draft
 from turbogrpo.speculative.profiler import DeviceStopwatch, LatencyProfile, cached_profile
+from turbogrpo.speculative.sizing import SizingPolicy, make_sizing
 from turbogrpo.speculative.tree import DraftTree, TreeShape, build_tree
 from turbogrpo.speculative.verify import TreeVerdict, verify_tree
 
 
 @dataclass
 class Speculation:
-    """How ``generate(draft=...)`` speculates; a bare ``DraftHead`` means ``Speculation(draft)``."""
+    """How ``generate(draft=...)`` speculates: the draft head, its tree sizing and runner."""
 
     draft: DraftHead
     sizing: SizingPolicy | str = "cost"
@@ -107,9 +107,11 @@ def generate_speculative(model: nn.Module, prompts: list[torch.Tensor], *, num_s
                          sampling: SamplingConfig, draft: DraftHead | Speculation, seed: int | None = None,
                          return_hidden: bool = False,
                          max_new_tokens_per_completion: Sequence[int] | None = None) -> Rollout:
-    """``turbogrpo.rollout.generate(..., draft=draft)``: the same inputs, checks and outputs."""
+    """``turbogrpo.rollout.generate(..., draft=Speculation(draft))``: the same inputs, checks and outputs;
+    a bare ``DraftHead`` is wrapped as ``Speculation(draft)`` (the default sizing)."""
+    speculation = Speculation(draft) if isinstance(draft, DraftHead) else draft
     return generate(model, prompts, num_samples=num_samples, sampling=sampling, seed=seed,
-                    return_hidden=return_hidden, draft=draft,
+                    return_hidden=return_hidden, draft=speculation,
                     max_new_tokens_per_completion=max_new_tokens_per_completion)
 
 

@@ -100,12 +100,6 @@ class DraftHead(nn.Module):
                            **{PLAN_KWARG: plan})
         return hidden
 
-    def make_step(self, model: nn.Module, prompts: list[torch.Tensor], sampling):
-        """The rollout engine's decoding step for ``generate(draft=self)``: ``Speculation(self)``'s."""
-        # Imported here: decode.py builds on this module (the draft), not the other way round.
-        from turbogrpo.speculative.decode import Speculation
-        return Speculation(self).make_step(model, prompts, sampling)
-
     def logits(self, features: torch.Tensor) -> torch.Tensor:
         """Draft logits ``[..., V]`` of the next token from predicted features ``[..., Hd]``.
 

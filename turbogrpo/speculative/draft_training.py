@@ -21,8 +21,9 @@ Legend: T packed tokens, Np prompt tokens, M trained positions, Hd hidden size, 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+import warnings
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -35,33 +36,8 @@ from turbogrpo.prefix.layout import pack_groups
 from turbogrpo.rollout.plans import padded_prompts
 from turbogrpo.speculative.draft import CausalPlan, DraftHead, shift_features
 
-
-@dataclass(frozen=True)
-class DraftTrainConfig:
-    """Draft training hyper-parameters (EAGLE / FastGRPO defaults)."""
-
-    feature_weight: float = 1.0
-    """w_v, weight of SmoothL1(predicted feature, policy feature) (EAGLE 1.0, FastGRPO code 2.0)."""
-    logit_weight: float = 0.1
-    """w_p, weight of CE(draft logits, policy's next-token distribution)."""
-    lr: float = 1e-4
-    """AdamW learning rate (EAGLE and FastGRPO)."""
-    weight_decay: float = 0.0
-    """AdamW weight decay (EAGLE uses none)."""
-    num_epochs: int = 1
-    """Passes over the data (online learning makes one pass per rollout)."""
-    batch_size: int = 8
-    """Completions per optimizer step (whole groups are packed until a batch holds this many)."""
-    max_grad_norm: float = 0.5
-    """Gradient clipping (EAGLE's value); keeps early steps on random features stable."""
-
-    def __post_init__(self):
-        for name in ("lr", "batch_size", "num_epochs", "max_grad_norm"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"draft training {name} must be > 0, got {getattr(self, name)!r}")
-        for name in ("feature_weight", "logit_weight", "weight_decay"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"draft training {name} must be >= 0, got {getattr(self, name)!r}")
+if TYPE_CHECKING:
+    from turbogrpo.config import DraftLearningConfig
 
 
 class DraftGroup(NamedTuple):
@@ -183,8 +159,10 @@ def pack_draft_batch(groups: Sequence[DraftGroup], *, requires_grad: bool) -> Pa
                             plan, layout.num_prompt_tokens)
 
 
-def draft_loss(draft: DraftHead, groups: Sequence[DraftGroup], config: DraftTrainConfig) -> tuple[torch.Tensor, dict]:
-    """``w_v * SmoothL1(g, f) + w_p * CE(draft logits, policy distribution)`` over the trained positions.
+def draft_loss(draft: DraftHead, groups: Sequence[DraftGroup],
+               config: DraftLearningConfig) -> tuple[torch.Tensor, dict]:
+    """``w_v * SmoothL1(g, f) + w_p * CE(draft logits, policy distribution)`` over the trained positions
+    (``config``: the [draft] section, its feature_weight and logit_weight).
 
     Returns the loss and metrics (both terms and the draft's top-1 agreement with the policy), as
     device tensors.
@@ -205,7 +183,7 @@ def draft_loss(draft: DraftHead, groups: Sequence[DraftGroup], config: DraftTrai
                   "top1_agreement": top1}
 
 
-def make_optimizer(draft: DraftHead, config: DraftTrainConfig) -> torch.optim.Optimizer:
+def make_optimizer(draft: DraftHead, config: DraftLearningConfig) -> torch.optim.Optimizer:
     return torch.optim.AdamW(draft.parameters(), lr=config.lr, weight_decay=config.weight_decay)
 
 
@@ -223,19 +201,26 @@ def batches_of(groups: Sequence[DraftGroup], batch_size: int, generator: torch.G
     return batches
 
 
-def train_draft(draft: DraftHead, groups: Sequence[DraftGroup], config: DraftTrainConfig = DraftTrainConfig(),
-                *, optimizer: torch.optim.Optimizer | None = None, seed: int = 0,
-                on_step: Callable[[int, dict], None] | None = None) -> list[dict]:
-    """Train ``draft`` on ``groups`` (the policy's parts get no gradient).
+def train_draft(draft: DraftHead, groups: Sequence[DraftGroup], config: DraftLearningConfig, *,
+                num_epochs: int = 1, batch_size: int = 8, optimizer: torch.optim.Optimizer | None = None,
+                seed: int = 0, on_step: Callable[[int, dict], None] | None = None) -> list[dict]:
+    """Train ``draft`` on ``groups`` (the policy's parts get no gradient) for ``num_epochs`` passes, in
+    batches of at least ``batch_size`` completions (whole groups).
 
+    config: the [draft] section (``turbogrpo.config.DraftLearningConfig()`` for the defaults), whose
+        loss weights, lr, weight decay and clipping are used; checked here as a config file's is.
     Pass a persistent ``optimizer`` for online training across rollouts. Returns per-step metrics
     (floats); ``on_step(step, metrics)`` is called after every step (progress bars, logging).
     """
+    num_epochs, batch_size = getattr(config, "num_epochs", num_epochs), getattr(config, "batch_size", batch_size)
+    config.check("draft")
+    if num_epochs < 1 or batch_size < 1:
+        raise ValueError(f"num_epochs and batch_size must be >= 1, got {num_epochs} and {batch_size}")
     optimizer = optimizer or make_optimizer(draft, config)
     generator = torch.Generator().manual_seed(seed)
     history = []
-    for _ in range(config.num_epochs):
-        for batch in batches_of(groups, config.batch_size, generator):
+    for _ in range(num_epochs):
+        for batch in batches_of(groups, batch_size, generator):
             history.append(draft_train_step(draft, batch, optimizer, config))
             if on_step is not None:
                 on_step(len(history), history[-1])
@@ -243,7 +228,7 @@ def train_draft(draft: DraftHead, groups: Sequence[DraftGroup], config: DraftTra
 
 
 def draft_train_step(draft: DraftHead, batch: Sequence[DraftGroup], optimizer: torch.optim.Optimizer,
-                     config: DraftTrainConfig) -> dict[str, float]:
+                     config: DraftLearningConfig) -> dict[str, float]:
     """One AdamW step of the draft on ``batch``; returns its metrics as floats."""
     loss, metrics = draft_loss(draft, batch, config)
     optimizer.zero_grad(set_to_none=True)
@@ -253,3 +238,31 @@ def draft_train_step(draft: DraftHead, batch: Sequence[DraftGroup], optimizer: t
     # Host sync, once per draft step: the metrics the caller logs.
     values = torch.stack([metrics[k] for k in metrics]).tolist()
     return dict(zip(metrics, values))
+
+
+@dataclass(frozen=True)
+class DraftTrainConfig:
+    """Deprecated (kept for one release): pass the [draft] section, ``turbogrpo.config.DraftLearningConfig``,
+    and give ``train_draft`` its ``num_epochs`` and ``batch_size``."""
+
+    feature_weight: float = 1.0
+    logit_weight: float = 0.1
+    lr: float = 1e-4
+    weight_decay: float = 0.0
+    num_epochs: int = 1
+    batch_size: int = 8
+    max_grad_norm: float = 0.5
+
+    def __post_init__(self):
+        warnings.warn("turbogrpo.speculative.DraftTrainConfig is deprecated; pass turbogrpo.config."
+                      "DraftLearningConfig and train_draft(..., num_epochs=, batch_size=)", DeprecationWarning,
+                      stacklevel=3)
+        self.check("draft training")
+
+    def check(self, key: str) -> None:
+        for name in ("lr", "batch_size", "num_epochs", "max_grad_norm"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{key} {name} must be > 0, got {getattr(self, name)!r}")
+        for name in ("feature_weight", "logit_weight", "weight_decay"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{key} {name} must be >= 0, got {getattr(self, name)!r}")

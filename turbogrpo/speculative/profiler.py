@@ -32,6 +32,8 @@ from turbogrpo.files import write_text_atomically
 from turbogrpo.rollout.engine import first_draw
 from turbogrpo.rollout.sampling import SamplingConfig
 from turbogrpo.rollout.step import PlainStep
+from turbogrpo.speculative.draft_decoding import DraftKVCache, TreeDrafter, prefill_draft
+from turbogrpo.speculative.tree import DraftLevel
 
 CACHE_ENV = "TURBOGRPO_CACHE_DIR"
 CACHE_FILE = "latency_profiles.json"
@@ -195,9 +197,6 @@ def profile_latency(model: nn.Module, *, context_length: int, draft: nn.Module |
     verify_curve = _measure(verify, grid, repeats, device)
     draft_curve = None
     if draft is not None:
-        from turbogrpo.speculative.drafting import DraftKVCache, TreeDrafter, prefill_draft
-        from turbogrpo.speculative.tree import DraftLevel
-
         draft_cache = DraftKVCache([context_length], grid[-1], capacity=1, device=device)
         prefill_draft(draft, draft_cache, [prompt], prompt_hidden)
 

@@ -30,14 +30,14 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from turbogrpo.config import Config
+from turbogrpo.config import Config, DraftLearningConfig
 from turbogrpo.rollout import Rollout
 from turbogrpo.speculative.decode import Speculation, SpeculativeStats
 from turbogrpo.speculative.draft import DraftHead
-from turbogrpo.speculative.draft_training import (DraftGroup, DraftTrainConfig, make_optimizer, prompt_features,
+from turbogrpo.speculative.draft_training import (DraftGroup, make_optimizer, prompt_features,
                                                   train_draft)
-from turbogrpo.speculative.policy import SizingPolicy, make_sizing
 from turbogrpo.speculative.profiler import cached_profile
+from turbogrpo.speculative.sizing import SizingPolicy, make_sizing
 
 FORGET = 0.5
 """Weight of the acceptance counts seen before a draft update: about the last two rollouts count."""
@@ -64,11 +64,8 @@ class OnlineDraft:
     draft: DraftHead
     sizing: SizingPolicy
     optimizer: torch.optim.Optimizer | None
-    train_config: DraftTrainConfig
-    steps: int
-    """Draft optimizer steps per GRPO step."""
-    max_tokens: int
-    """The draft's tokens per GRPO step, prompts counted once per group (0: the whole rollout)."""
+    settings: DraftLearningConfig
+    """The [draft] section: loss weights, lr, steps per GRPO step, the token budget (max_tokens)."""
 
     @property
     def learns(self) -> bool:
@@ -84,7 +81,7 @@ class OnlineDraft:
         generated the completions."""
         tokens, hidden = rollout.tokens_per_group(), rollout.hidden_per_group()
         chosen = within_budget([len(p) for p in rollout.prompts], [[len(t) - 1 for t in group] for group in tokens],
-                               self.max_tokens, torch.Generator().manual_seed(seed))
+                               self.settings.max_tokens, torch.Generator().manual_seed(seed))
         groups = [g for g, members in enumerate(chosen) if members]
         features = prompt_features(policy, [rollout.prompts[g] for g in groups])
         return [DraftGroup(rollout.prompts[g], f, [tokens[g][i] for i in chosen[g]], [hidden[g][i] for i in chosen[g]])
@@ -95,9 +92,9 @@ class OnlineDraft:
         if not groups:
             return {}
         num_completions = sum(len(g.completions) for g in groups)
-        config = DraftTrainConfig(**{**self.train_config.__dict__, "batch_size": -(-num_completions // self.steps)})
         with frozen(policy):
-            history = train_draft(self.draft, groups, config, optimizer=self.optimizer, seed=seed)
+            history = train_draft(self.draft, groups, self.settings, optimizer=self.optimizer, seed=seed,
+                                  batch_size=-(-num_completions // self.settings.steps))
         self.sizing.forget(FORGET)
         metrics = {f"draft/{k}": sum(h[k] for h in history) / len(history) for k in history[0]}
         metrics["draft/tokens"] = float(sum(g.num_trained for g in groups))
@@ -176,10 +173,8 @@ def build_online_draft(config: Config, policy: nn.Module, context_length: int) -
         # Measured once per (model, device, context) and cached on disk: a few seconds the first time.
         profile = cached_profile(policy, context_length=context_length, draft=draft)
     sizing = make_sizing(config.rollout.speculation, profile=profile)
-    train_config = DraftTrainConfig(feature_weight=settings.feature_weight, logit_weight=settings.logit_weight,
-                                    lr=settings.lr, max_grad_norm=settings.max_grad_norm)
-    optimizer = make_optimizer(draft, train_config) if settings.learn else None
-    return OnlineDraft(draft, sizing, optimizer, train_config, settings.steps, settings.max_tokens)
+    optimizer = make_optimizer(draft, settings) if settings.learn else None
+    return OnlineDraft(draft, sizing, optimizer, settings)
 
 
 def speculation_metrics(stats) -> dict[str, float]:

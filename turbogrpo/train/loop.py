@@ -1,15 +1,20 @@
 """The GRPO training loop.
 
-One step, as in the algorithm:
+One step is six phases, each taking and returning the step's data (``StepData``), with the collectives
+of each inside it:
 
-    prompts -> rollout (G samples each, the policy's own weights; speculative with the run's draft)
-            -> rewards -> group advantages
-            -> old-policy / reference log-probs (shared-prefix forward, forward only, when needed)
-            -> num_iterations x [micro-batched loss and backward, clip, AdamW step (skipped if NaN/inf)]
-            -> draft update on every group's features (draft_learning.py; policy frozen)
+    sample   G completions per prompt with the policy's own weights (speculative with the run's draft);
+             the draft's training features of every group, before the policy moves
+    score    rewards (checked: failures, float32 overflow) -> group advantages      [gather, all-reduce]
+    prepare  loss totals, the trained groups, the micro-batch plan, old-policy / reference log-probs
+             (shared-prefix forward, forward only, when the loss needs them)          [all-reduce x 2]
+    update   num_iterations x [micro-batched loss and backward, clip, AdamW step (skipped if NaN/inf)]
+                                                                                      [all-reduce]
+    draft    the draft's update on the collected features (draft_learning.py; policy frozen)
+    record   the step's metrics over the global batch, sample completions           [gather, all-reduce]
 
-Everything else (building the run's components, checkpoints, metrics, evaluation) is called from here
-and lives in its own module (run.py, checkpoint.py, step_metrics.py, evaluate.py ...).
+What is built once lives in run.py and setup.py (``build_run``), the run's state between steps
+(resume, checkpoints, export) in run.py and checkpoint.py, held-out evaluation in evaluate.py.
 """
 
 from __future__ import annotations
@@ -21,11 +26,12 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from turbogrpo.algo import LossNormalizer, group_advantages
+from turbogrpo.algo import LossNormalizer, group_advantages, statistics_are_finite
 from turbogrpo.config import Config
 from turbogrpo.data import PromptExample
-from turbogrpo.rollout import generate
-from turbogrpo.train import distributed, setup
+from turbogrpo.rewards import RewardResult, build_rewards, score_completions
+from turbogrpo.rollout import Rollout, generate
+from turbogrpo.train import distributed
 from turbogrpo.train.distributed import DistInfo
 from turbogrpo.train.draft_learning import frozen, speculation_metrics
 from turbogrpo.train.metrics import PhaseTimer
@@ -34,9 +40,10 @@ from turbogrpo.train.optim import learning_rate, set_learning_rate
 from turbogrpo.train.metrics import read_metrics
 from turbogrpo.train.report import speculation_summary, write_report
 from turbogrpo.train.output_dir import claim_output_dir, mark_complete
-from turbogrpo.train.run import Run, RunComplete, build_run, check_rewards, evaluate, export, interrupted, save
+from turbogrpo.train.run import Run, RunComplete, RewardFailure, build_run, evaluate, export, interrupted, save
 from turbogrpo.train.step_metrics import completion_samples, step_metrics
-from turbogrpo.train.update import StepBatch, UpdateResult, score, update_policy
+from turbogrpo.train.update import StepBatch, UpdateResult, update_policy
+from turbogrpo.train.update import score as logprobs_of
 
 
 class TrainingDiverged(RuntimeError):
@@ -62,7 +69,7 @@ def train(config: Config, *, resume: bool = False, overwrite: bool = False) -> R
     A fresh run needs an empty output_dir (``overwrite`` moves what is there aside); Ctrl-C raises
     TrainingInterrupted naming the last complete checkpoint.
     """
-    rewards = setup.load_rewards(config.rewards)  # import errors surface before any model loads
+    rewards = build_rewards(config.rewards)  # import errors surface before any model loads
     if config.train.num_threads:
         torch.set_num_threads(config.train.num_threads)
     dist = distributed.setup(config.model.device, config.distributed.backend)
@@ -111,70 +118,143 @@ def train(config: Config, *, resume: bool = False, overwrite: bool = False) -> R
         distributed.teardown(dist)
 
 
+@dataclass
+class StepData:
+    """One GRPO step on this rank, as its phases fill it in; each phase takes it and returns it."""
+
+    index: int
+    """Steps done before this one."""
+    seed: int
+    """This rank's sampling seed (``rollout_seed``)."""
+    examples: list[PromptExample]
+    """This rank's share of the step's prompts."""
+    prompts: list[torch.Tensor]
+    """Their token ids ``[P]`` on the device."""
+    timer: PhaseTimer
+    rollout: Rollout | None = None
+    draft_data: list | None = None
+    """The draft's training data, collected before the policy moves (None: the draft does not learn)."""
+    texts: list[str] = field(default_factory=list)
+    """The completions decoded, group-major."""
+    rewards: RewardResult | None = None
+    advantages: torch.Tensor | None = None
+    """[N] this rank's completions' advantages."""
+    trained: list[int] = field(default_factory=list)
+    """The groups the update runs on (``trainable_groups``)."""
+    batch: StepBatch | None = None
+    """The trained groups with their advantages and old/reference log-probs."""
+    normalizer: LossNormalizer | None = None
+    micro_batches: list = field(default_factory=list)
+    updates: list[UpdateResult] = field(default_factory=list)
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
 def grpo_step(run: Run, step: int) -> dict[str, float]:
     """One GRPO step on this rank's share of the step's prompts; returns the step's metrics."""
-    config, dist = run.config, run.dist
-    timer = PhaseTimer(dist.device)
-    num_samples = config.rollout.num_generations
-    examples = next(run.batches)[distributed.local_slice(config.train.prompts_per_step, dist)]
-    prompts = [e.token_ids.to(dist.device) for e in examples]
-    seed = rollout_seed(config.train.seed, step, dist.rank)
+    data = begin_step(run, step)
+    for phase in (sample, score, prepare, update, learn_draft, record):
+        data = phase(run, data)
+    return data.metrics
+
+
+def begin_step(run: Run, step: int) -> StepData:
+    """The step's prompts (this rank's share of the next batch) and sampling seed."""
+    examples = next(run.batches)[distributed.local_slice(run.config.train.prompts_per_step, run.dist)]
+    return StepData(step, rollout_seed(run.config.train.seed, step, run.dist.rank), examples,
+                    [e.token_ids.to(run.dist.device) for e in examples], PhaseTimer(run.dist.device))
+
+
+def sample(run: Run, data: StepData) -> StepData:
+    """G completions per prompt with the policy's weights (speculative with the run's draft), and the
+    draft's training data from every group, before the policy moves."""
     draft = run.draft  # None: speculation off
     learns = draft is not None and draft.learns
-
     # The rollout samples under the training forward's precision: the same bf16 weights and kernels' dtypes.
-    with timer("rollout"), distributed.full_parameters(run.trainer), run.precision.autocast():
+    with data.timer("rollout"), distributed.full_parameters(run.trainer), run.precision.autocast():
         run.policy.eval()
-        rollout = generate(run.policy, prompts, num_samples=num_samples, sampling=run.sampling, seed=seed,
-                           draft=draft.speculation() if draft is not None else None, return_hidden=learns)
+        data.rollout = generate(run.policy, data.prompts, num_samples=run.config.rollout.num_generations,
+                                sampling=run.sampling, seed=data.seed,
+                                draft=draft.speculation() if draft is not None else None, return_hidden=learns)
     if learns:
-        with timer("draft"):
-            draft_data = draft.collect(run.policy, rollout, seed)  # all groups, before the policy moves
-    with timer("rewards"):
-        texts = run.tokenizer.batch_decode(rollout.tokens, skip_special_tokens=True)
-        rewards = setup.score_rewards(run.rewards, [e.text for e in examples for _ in range(num_samples)], texts,
-                                      reward_columns(examples, num_samples, rollout.tokens))
-        check_rewards(run, rewards, step)
+        with data.timer("draft"):
+            data.draft_data = draft.collect(run.policy, data.rollout, data.seed)
+    return data
+
+
+def score(run: Run, data: StepData) -> StepData:
+    """Rewards, checked, and group advantages over the whole batch (one gather, one all-reduce)."""
+    config, dist = run.config, run.dist
+    num_samples = config.rollout.num_generations
+    with data.timer("rewards"):
+        data.texts = run.tokenizer.batch_decode(data.rollout.tokens, skip_special_tokens=True)
+        data.rewards = score_completions(run.rewards, data.examples, data.texts,
+                                         [t.numel() for t in data.rollout.tokens], num_samples)
         # Advantages need every group's rewards only for batch-level std; gathering is cheap either way.
-        all_rewards = distributed.all_gather_cat(rewards.total.to(dist.device), dist)
-        advantages = group_advantages(all_rewards, [num_samples] * (all_rewards.numel() // num_samples),
-                                      config.algo.scale_rewards)
-        advantages = advantages[distributed.local_slice(all_rewards.numel(), dist)]
-    batch = StepBatch(prompts, rollout.tokens_per_group(), advantages,
-                      rollout_logps=rollout.logprobs_per_group() if config.algo.tis_cap else None)
-    normalizer = step_normalizer(batch, config, dist)  # totals of the whole batch, skipped groups included
-    trained = trainable_groups(advantages, num_samples, config.algo.beta)
-    batch = batch.groups(trained)
-    micro_batches = plan(batch, config, dist)
-    with timer("logprobs"):
+        all_rewards = distributed.all_gather_cat(data.rewards.total.to(dist.device), dist)
+        group_sizes = [num_samples] * (all_rewards.numel() // num_samples)
+        advantages = group_advantages(all_rewards, group_sizes, config.algo.scale_rewards)
+        check_rewards(run, data.rewards, data.index,
+                      statistics_are_finite(all_rewards, group_sizes, config.algo.scale_rewards))
+        data.advantages = advantages[distributed.local_slice(all_rewards.numel(), dist)]
+    return data
+
+
+def prepare(run: Run, data: StepData) -> StepData:
+    """The update's batch: loss totals of the whole batch, the trained groups, the micro-batch plan
+    (both agreed over ranks) and old-policy / reference log-probs where the loss needs them."""
+    config, rollout = run.config, data.rollout
+    batch = StepBatch(data.prompts, rollout.groups, rollout.tokens, data.advantages,
+                      rollout_logps=rollout.logprobs if config.algo.tis_cap else None)
+    data.normalizer = step_normalizer(batch, config, run.dist)  # totals of the whole batch, skipped groups included
+    data.trained = trainable_groups(data.advantages, config.rollout.num_generations, config.algo.beta)
+    data.batch = batch.select(data.trained)
+    data.micro_batches = plan(data.batch, config, run.dist)
+    with data.timer("logprobs"):
         if config.algo.num_iterations > 1:
-            batch.old_logps = score(run.trainer, batch, micro_batches)
+            data.batch.old_logps = logprobs_of(run.trainer, data.batch, data.micro_batches)
         if run.reference is not None:
-            batch.ref_logps = score(run.reference, batch, micro_batches)
-    with timer("update"), frozen(draft.draft if draft is not None else None):
+            data.batch.ref_logps = logprobs_of(run.reference, data.batch, data.micro_batches)
+    return data
+
+
+def update(run: Run, data: StepData) -> StepData:
+    """algo.num_iterations optimizer steps on the batch (the draft frozen), NaN/inf steps skipped."""
+    config = run.config
+    with data.timer("update"), frozen(run.draft.draft if run.draft is not None else None):
         run.policy.train()
-        updates = []
         for iteration in range(config.algo.num_iterations):
-            optimizer_step = step * config.algo.num_iterations + iteration
+            optimizer_step = data.index * config.algo.num_iterations + iteration
             set_learning_rate(run.optimizer, learning_rate(
                 optimizer_step, config.train.num_steps * config.algo.num_iterations, config.optim))
-            updates.append(update_policy(run.trainer, batch, micro_batches, run.loss, run.settings, normalizer,
-                                         run.optimizer, max_grad_norm=config.optim.max_grad_norm, dist=dist))
-            guard_nonfinite(run, updates[-1], step)
-    draft_metrics = {}
-    if learns:
-        with timer("draft"):
-            draft_metrics = draft.learn(run.policy, draft_data, seed)
+            data.updates.append(update_policy(run.trainer, data.batch, data.micro_batches, run.loss, data.normalizer,
+                                              run.optimizer, max_grad_norm=config.optim.max_grad_norm, dist=run.dist))
+            guard_nonfinite(run, data.updates[-1], data.index)
+    return data
 
-    trainer_logps = batch.old_logps if batch.old_logps is not None else _regroup(updates[0].logps, batch)
-    sampler_logps = [rollout.logprobs_per_group()[g] for g in trained]
-    metrics = step_metrics(rollout, rewards, sampler_logps, trainer_logps, updates, timer.seconds, run, dist)
-    metrics["frac_groups_trained"] = len(trained) / len(examples)
-    metrics.update(speculation_metrics(rollout.stats), **draft_metrics)
-    if dist.is_main and config.log.completions_every and (step + 1) % config.log.completions_every == 0:
-        run.log.log_completions(step + 1, completion_samples(examples, texts, rewards, num_samples,
-                                                             config.log.num_completions))
-    return metrics
+
+def learn_draft(run: Run, data: StepData) -> StepData:
+    """The draft's update on the features collected at sampling (the policy frozen)."""
+    if data.draft_data is not None:
+        with data.timer("draft"):
+            data.metrics.update(run.draft.learn(run.policy, data.draft_data, data.seed))
+    return data
+
+
+def record(run: Run, data: StepData) -> StepData:
+    """The step's metrics over the global batch (one gather, one host sync) and sample completions."""
+    config, rollout, batch = run.config, data.rollout, data.batch
+    trainer_logps = batch.old_logps if batch.old_logps is not None else data.updates[0].logps
+    _, trained = rollout.groups.select(data.trained)
+    sampler_logps = [rollout.logprobs[i] for i in trained]
+    draft_metrics, data.metrics = data.metrics, step_metrics(rollout, data.rewards, sampler_logps, trainer_logps,
+                                                             data.updates, data.timer.seconds, run, run.dist)
+    data.metrics["frac_groups_trained"] = len(data.trained) / len(data.examples)
+    data.metrics.update(speculation_metrics(rollout.stats), **draft_metrics)
+    step = data.index + 1
+    if run.dist.is_main and config.log.completions_every and step % config.log.completions_every == 0:
+        run.log.log_completions(step, completion_samples(data.examples, data.texts, data.rewards,
+                                                         config.rollout.num_generations, config.log.num_completions))
+    return data
 
 
 # --- pieces of a step -------------------------------------------------------------------------------
@@ -183,14 +263,6 @@ def grpo_step(run: Run, step: int) -> dict[str, float]:
 def rollout_seed(seed: int, step: int, rank: int) -> int:
     """A distinct, reproducible sampling seed per (run seed, step, rank): resumed runs draw the same."""
     return (seed * 1_000_003 + step) * 1_009 + rank
-
-
-def reward_columns(examples: list[PromptExample], num_samples: int, tokens: list[torch.Tensor]) -> dict:
-    """Each prompt row's other columns repeated per completion, plus completion lengths in tokens."""
-    names = examples[0].columns.keys()
-    columns = {name: [e.columns.get(name) for e in examples for _ in range(num_samples)] for name in names}
-    columns["completion_lengths"] = [int(t.numel()) for t in tokens]
-    return columns
 
 
 def trainable_groups(advantages: torch.Tensor, num_samples: int, beta: float) -> list[int]:
@@ -212,8 +284,7 @@ def trainable_groups(advantages: torch.Tensor, num_samples: int, beta: float) ->
 
 def plan(batch: StepBatch, config: Config, dist: DistInfo):
     """Micro-batches by token budget; every rank runs as many (fillers of weight 0 where short)."""
-    micro_batches = plan_micro_batches([p.numel() for p in batch.prompts],
-                                       [[c.numel() for c in group] for group in batch.completions],
+    micro_batches = plan_micro_batches([p.numel() for p in batch.prompts], batch.completion_lengths(),
                                        config.train.micro_batch_tokens)
     count = distributed.all_reduce_max_int(len(micro_batches), dist, dist.device)
     return pad_to_count(micro_batches, count)
@@ -226,13 +297,47 @@ def step_normalizer(batch: StepBatch, config: Config, dist: DistInfo) -> LossNor
     loss is its share of the global-batch loss, so the averaged gradient is the global batch's
     gradient, exactly as one process on the whole batch would compute it, for every loss variant.
     """
-    lengths = [c.numel() for group in batch.completions for c in group]
+    lengths = [c.numel() for c in batch.completions]
     totals = torch.tensor([len(lengths), sum(lengths)], dtype=torch.float32, device=dist.device)
     totals = distributed.all_reduce_sum(totals, dist) / dist.world_size
     num_sequences, num_tokens = totals[0], totals[1]
     return LossNormalizer(num_sequences=num_sequences, num_tokens=num_tokens,
                           max_completion_length=config.rollout.max_new_tokens,
                           generation_tokens_per_step=num_tokens)
+
+
+def check_rewards(run: Run, rewards: RewardResult, step: int, statistics_finite: torch.Tensor) -> None:
+    """Print each reward function's first failure (once per run, with its message), and stop the run
+    when one fails on at least ``train.reward_failure_limit`` of the step's completions (all ranks), or
+    when the rewards overflow the advantages' float32 statistics (``statistics_finite`` False), before
+    any update is made from them."""
+    names = list(rewards.num_failed)
+    counts = torch.tensor([*(float(rewards.num_failed[n]) for n in names), float(rewards.total.numel())],
+                          dtype=torch.float64, device=run.dist.device)
+    counts = torch.cat([counts, (~statistics_finite).to(counts)[None]])
+    *failed, total, overflowed = distributed.all_reduce_sum(counts, run.dist).tolist()  # host sync: the run goes on?
+    limit = run.config.train.reward_failure_limit
+    for name, num_failed in zip(names, failed):
+        if not num_failed:
+            continue
+        reward = next(r for r in run.rewards if r.name == name)
+        problem = (f"reward {name!r} failed on {num_failed:.0f} of {total:.0f} completions at step {step + 1} "
+                   f"({rewards.first_error[name] or 'on another rank; see metrics.jsonl'})")
+        if limit and num_failed >= limit * total:
+            raise RewardFailure(f"{problem}; stopped, since train.reward_failure_limit = {limit:g} and no update "
+                                "was made from these rewards. Fix the function or the data columns it reads "
+                                "(or raise train.reward_failure_limit, 0 never stops), then continue with --resume")
+        if name not in run.reported_reward_failures and run.dist.is_main:
+            tqdm.write(f"warning: {problem}; those get its fallback {reward.fallback:g} (counted in metrics.jsonl "
+                       "as rewards/<name>/num_failed; only the first failure of each function is printed)")
+        run.reported_reward_failures.add(name)
+    if overflowed:
+        largest = ", ".join(f"{name!r} {float(values.abs().max()):.3g}" for name, values in rewards.per_function.items()
+                            if values.numel())
+        raise RewardFailure(f"the rewards at step {step + 1} are too large for float32: their group means or stds "
+                            f"overflow to inf, so the advantages would be 0 or NaN (largest |reward| on this rank: "
+                            f"{largest}; weights {[r.weight for r in run.rewards]}). Stopped before any update; keep "
+                            "rewards well within +-1e18, then continue with --resume")
 
 
 def guard_nonfinite(run: Run, update: UpdateResult, step: int) -> None:
@@ -252,13 +357,5 @@ def guard_nonfinite(run: Run, update: UpdateResult, step: int) -> None:
             f"or gradients (train.max_nonfinite_steps = {limit}) and were skipped, so the weights are the last "
             f"good ones. Checkpoint saved to {path}. Lower optim.lr, set optim.max_grad_norm, or check the "
             "rewards and data; then continue with --resume.")
-
-
-def _regroup(flat: list[torch.Tensor], batch: StepBatch) -> list[list[torch.Tensor]]:
-    out, i = [], 0
-    for group in batch.completions:
-        out.append(flat[i:i + len(group)])
-        i += len(group)
-    return out
 
 

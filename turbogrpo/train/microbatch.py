@@ -15,6 +15,8 @@ import torch
 from torch import Tensor
 from torch.nn.utils.rnn import pad_sequence
 
+from turbogrpo.batch import Groups
+
 
 class Chunk(NamedTuple):
     """Completions ``start..stop-1`` of group ``group``."""
@@ -44,9 +46,7 @@ def plan_micro_batches(prompt_lengths: Sequence[int], completion_lengths: Sequen
     A group is kept whole when it fits in a fresh micro-batch; a larger one is cut into runs of
     completions that fit with the prompt. A prompt plus one completion over the budget runs alone.
     """
-    offsets = [0]
-    for lengths in completion_lengths:
-        offsets.append(offsets[-1] + len(lengths))
+    offsets = Groups.of(completion_lengths).offsets
     batches: list[MicroBatch] = []
     current: list[Chunk] = []
     used = 0
@@ -91,11 +91,6 @@ def pad_to_count(batches: list[MicroBatch], count: int) -> list[MicroBatch]:
     assert batches and count >= len(batches)
     filler = batches[-1]._replace(weight=0.0)
     return batches + [filler] * (count - len(batches))
-
-
-def select(per_group: Sequence[Sequence], chunks: Sequence[Chunk]) -> list[list]:
-    """``per_group[g][start:stop]`` for each chunk (the chunk's completions, or their log-probs)."""
-    return [list(per_group[c.group][c.start:c.stop]) for c in chunks]
 
 
 def pad_ragged(rows: Sequence[Tensor]) -> Tensor:

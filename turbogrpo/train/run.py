@@ -8,29 +8,28 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TypeVar
 
 import torch
 from torch import nn
 from tqdm import tqdm
 
-from turbogrpo.algo import LOSSES, LossSettings, PolicyLoss
+from turbogrpo.algo import build_loss
 from turbogrpo.config import Config, dump_config
 from turbogrpo.data import PromptBatches, PromptExample
 from turbogrpo.files import WriteError, write_folder_atomically
 from turbogrpo.models import resolve_dtype
+from turbogrpo.rewards import Reward
 from turbogrpo.rollout import SamplingConfig
 from turbogrpo.train import checkpoint, distributed, setup
 from turbogrpo.train.distributed import DistInfo
 from turbogrpo.train.draft_learning import OnlineDraft, build_online_draft
-from turbogrpo.train.evaluate import evaluate_accuracy
+from turbogrpo.train.evaluate import HeldOut, build_held_out, describe_accuracies, measure_held_out
 from turbogrpo.train import output_dir as output_dir_state
 from turbogrpo.train.metrics import METRICS_FILE, MetricsLog
 from turbogrpo.train.optim import build_optimizer
 from turbogrpo.train.precision import Precision, warn_if_pure
 
 
-T = TypeVar("T")
 
 
 @dataclass
@@ -63,13 +62,13 @@ class Run:
     """The same for the reference policy; None when algo.beta == 0."""
     optimizer: torch.optim.Optimizer
     batches: PromptBatches
-    rewards: list[setup.Reward]
-    accuracy: setup.Reward | None
-    eval_prompts: list[PromptExample]
+    rewards: list[Reward]
     sampling: SamplingConfig
-    greedy: SamplingConfig
-    loss: PolicyLoss
-    settings: LossSettings
+    """How rollouts sample (the [rollout] section with the model's stop ids)."""
+    held_out: HeldOut
+    """Held-out evaluation: prompts, the accuracy reward, greedy and sampled settings."""
+    loss: Callable
+    """The policy loss with the [algo] settings bound (``algo.build_loss``)."""
     log: MetricsLog
     state: RunState
     reported_reward_failures: set[str] = field(default_factory=set)
@@ -82,22 +81,21 @@ class RewardFailure(ValueError):
     """A reward function failed on too many of a step's completions (train.reward_failure_limit)."""
 
 
-def build_run(config: Config, dist: DistInfo, rewards: list[setup.Reward], resume: bool) -> Run:
+def build_run(config: Config, dist: DistInfo, rewards: list[Reward], resume: bool) -> Run:
     torch.manual_seed(config.train.seed)  # LoRA initialisation; resumed runs load their adapters
     if dist.is_main:
         warn_if_pure(config.model.pure_bf16)
-    policy, tokenizer = setup.load_policy(config, dist.device)
+    precision = setup.precision(config, dist.device)
+    policy, tokenizer = setup.load_policy(config, dist.device, precision)
     if dist.enabled and config.distributed.strategy == "fsdp2" and config.lora.enabled and config.algo.beta > 0:
         raise ValueError("config key 'algo.beta': with distributed.strategy = \"fsdp2\" and LoRA the reference "
                          "(the base model without adapters) cannot be scored; use beta = 0 or strategy \"ddp\"")
-    precision = setup.precision(config, dist.device)
-    fn = setup.logprob_fn(config, dist.device)
+    fn = setup.logprob_fn(config, precision)
     trainer = distributed.wrap_for_training(policy, fn, dist, config.distributed.strategy, precision)
-    reference = setup.build_reference(config, policy, dist.device)
+    reference = setup.build_reference(config, policy, dist.device, precision, fn)
     optimizer = build_optimizer(policy, config.optim)
     max_positions = setup.position_limit(policy)
-    prompt_set = naming_the_file("data.path", config.data.path, setup.load_train_prompts, config, tokenizer,
-                                 max_positions)
+    prompt_set = setup.load_train_prompts(config, tokenizer, max_positions)
     if dist.is_main and (prompt_set.num_too_long or prompt_set.num_empty):
         model_limit = (f" (or, with rollout.max_new_tokens={config.rollout.max_new_tokens}, over the model's "
                        f"{max_positions} positions)" if max_positions else "")
@@ -106,10 +104,10 @@ def build_run(config: Config, dist: DistInfo, rewards: list[setup.Reward], resum
     check_prompt_count(config, prompt_set)
     batches = PromptBatches(prompt_set.examples, config.train.prompts_per_step, seed=config.train.seed,
                             shuffle=config.data.shuffle)
-    stop_ids = setup.stop_token_ids(policy, tokenizer)
     if dist.enabled and config.distributed.strategy == "fsdp2" and config.rollout.speculation != "off":
         raise ValueError("config key 'rollout.speculation': the draft head shares the policy's embeddings and LM "
                          "head, which FSDP2 shards; use rollout.speculation = \"off\" or strategy \"ddp\"")
+    sampling = setup.rollout_sampling(config, policy, tokenizer)
     longest_prompt = max(e.token_ids.numel() for e in prompt_set.examples)
     draft = build_online_draft(config, policy, longest_prompt + config.rollout.max_new_tokens // 2)
     state = RunState()
@@ -136,26 +134,10 @@ def build_run(config: Config, dist: DistInfo, rewards: list[setup.Reward], resum
     return Run(
         config=config, dist=dist, policy=policy, tokenizer=tokenizer, precision=precision, trainer=trainer,
         reference=reference,
-        optimizer=optimizer, batches=batches, rewards=rewards, accuracy=setup.accuracy_function(config, rewards),
-        eval_prompts=naming_the_file("data.eval_path", config.data.eval_path, setup.load_eval_prompts, config,
-                                     tokenizer, max_positions),
-        sampling=setup.sampling_config(config.rollout, stop_ids, tokenizer),
-        greedy=setup.sampling_config(config.rollout, stop_ids, tokenizer, greedy=True),
-        loss=LOSSES[config.algo.loss],
-        settings=LossSettings(epsilon_low=config.algo.epsilon_low, epsilon_high=config.algo.epsilon_high,
-                              beta=config.algo.beta, tis_cap=config.algo.tis_cap),
+        optimizer=optimizer, batches=batches, rewards=rewards, sampling=sampling,
+        held_out=build_held_out(config, policy, tokenizer, rewards, sampling),
+        loss=build_loss(config.algo),
         log=log, state=state, draft=draft)
-
-
-def naming_the_file(key: str, path: str, load: Callable[..., T], *args) -> T:
-    """``load(*args)``, with a row's ValueError ("row 3: ...") naming the data file (``key``) it is in: the
-    training and the held-out rows are told apart."""
-    try:
-        return load(*args)
-    except ValueError as err:
-        if not path or not str(err).startswith("row "):
-            raise
-        raise ValueError(f"{key} {path!r} {err}") from None
 
 
 def check_prompt_count(config: Config, prompt_set) -> None:
@@ -217,20 +199,15 @@ def evaluate(run: Run) -> dict | None:
     a notice); when it fails on every answer, the run stops before training (step 0) and later skips
     the measurement with a notice, so a long run is not lost at its last evaluation.
     """
-    if not run.eval_prompts or run.accuracy is None:
+    held_out = run.held_out
+    if not held_out.enabled:
         return None
-    config = run.config
     with distributed.full_parameters(run.trainer), run.precision.autocast():
-        measured = {"accuracy": evaluate_accuracy(run.policy, run.tokenizer, run.eval_prompts, run.accuracy,
-                                                  run.greedy, run.dist)}
-        if config.data.num_eval_samples:
-            measured["sampled_accuracy"] = evaluate_accuracy(
-                run.policy, run.tokenizer, run.eval_prompts, run.accuracy, run.sampling, run.dist,
-                num_samples=config.data.num_eval_samples, seed=config.train.seed + 7_919)
-    greedy = measured["accuracy"]
+        measured = measure_held_out(held_out, run.policy, run.tokenizer, run.dist)
+    greedy, name = measured["accuracy"], held_out.accuracy.name
     if greedy.accuracy is None:
         problem = (f"held-out accuracy at step {run.state.step} cannot be measured: "
-                   f"{greedy.describe_failures(run.accuracy.name)}. Check train.accuracy_reward and the columns "
+                   f"{greedy.describe_failures(name)}. Check train.accuracy_reward and the columns "
                    "of the held-out rows it reads")
         if run.state.step == 0:
             raise RewardFailure(problem)
@@ -238,42 +215,14 @@ def evaluate(run: Run) -> dict | None:
             tqdm.write(f"warning: {problem}; skipped")
         return None
     if greedy.num_failed and run.dist.is_main:
-        tqdm.write(f"warning: {greedy.describe_failures(run.accuracy.name)}; the accuracy counts only the "
+        tqdm.write(f"warning: {greedy.describe_failures(name)}; the accuracy counts only the "
                    f"{greedy.num_scored} it scored")
     result = {"step": run.state.step, **{k: m.accuracy for k, m in measured.items() if m.accuracy is not None}}
     run.state.evals.append(result)
     run.log.log(run.state.step, {f"eval/{k}": v for k, v in result.items() if k != "step"})
     if run.dist.is_main:
-        sampled = (f", sampled {result['sampled_accuracy']:.1%} ({config.data.num_eval_samples} per problem, "
-                   f"temperature {config.rollout.temperature:g})" if "sampled_accuracy" in result else "")
-        tqdm.write(f"step {run.state.step}: held-out accuracy greedy {result['accuracy']:.1%}{sampled} on "
-                   f"{len(run.eval_prompts)} problems")
+        tqdm.write(f"step {run.state.step}: {describe_accuracies(held_out, result)}")
     return result
-
-
-def check_rewards(run: Run, rewards: setup.StepRewards, step: int) -> None:
-    """Print each reward function's first failure (once per run, with its message), and stop the run
-    when one fails on at least ``train.reward_failure_limit`` of the step's completions (all ranks),
-    before any update is made from its fallbacks."""
-    names = list(rewards.num_failed)
-    counts = torch.tensor([*(float(rewards.num_failed[n]) for n in names), float(rewards.total.numel())],
-                          dtype=torch.float64, device=run.dist.device)
-    *failed, total = distributed.all_reduce_sum(counts, run.dist).tolist()  # host sync: decides if the run goes on
-    limit = run.config.train.reward_failure_limit
-    for name, num_failed in zip(names, failed):
-        if not num_failed:
-            continue
-        reward = next(r for r in run.rewards if r.name == name)
-        problem = (f"reward {name!r} failed on {num_failed:.0f} of {total:.0f} completions at step {step + 1} "
-                   f"({rewards.first_error[name] or 'on another rank; see metrics.jsonl'})")
-        if limit and num_failed >= limit * total:
-            raise RewardFailure(f"{problem}; stopped, since train.reward_failure_limit = {limit:g} and no update "
-                                "was made from these rewards. Fix the function or the data columns it reads "
-                                "(or raise train.reward_failure_limit, 0 never stops), then continue with --resume")
-        if name not in run.reported_reward_failures and run.dist.is_main:
-            tqdm.write(f"warning: {problem}; those get its fallback {reward.fallback:g} (counted in metrics.jsonl "
-                       "as rewards/<name>/num_failed; only the first failure of each function is printed)")
-        run.reported_reward_failures.add(name)
 
 
 def save(run: Run) -> Path:

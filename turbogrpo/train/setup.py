@@ -1,37 +1,38 @@
-"""Building a run's components from its config: policy, reference, prompts, rewards, sampling.
+"""Building a run's components once from its config: precision, policy, reference, prompts, the accuracy
+reward, sampling.
 
-Each builder does one thing and is called by the loop; none knows about the others.
+Each builder does one thing and is called by ``run.build_run`` (and by ``turbogrpo eval``, through
+``evaluate.build_held_out``); none knows about the others.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from functools import partial
 
 import torch
 from torch import nn
 
-from turbogrpo.config import Config, ConfigError, DataConfig, RewardConfig, RolloutConfig
-from turbogrpo.data import (PromptExample, build_prompts, demo_records, gsm8k_records, longform_records,
-                            read_records, small_arithmetic_records)
-from turbogrpo.data.sources import source_kind
+from turbogrpo.config import Config, ConfigError
+from turbogrpo.data import PromptExample, build_prompts
+from turbogrpo.data.kinds import BUILTIN_TASKS, ROW_READERS, eval_rows, train_rows  # noqa: F401 (re-exported)
 from turbogrpo.models import enable_activation_checkpointing, load_model_and_tokenizer, resolve_model_path
 from turbogrpo.prefix import compute_logprobs
-from turbogrpo.rewards import BUILTIN_REWARDS, RewardFn, WeightedReward, compute_rewards, resolve_reward
+from turbogrpo.rewards import BUILTIN_REWARDS, Reward, resolve_reward
 from turbogrpo.rollout import SamplingConfig
 from turbogrpo.train.precision import Precision, run_precision
 
 
 def precision(config: Config, device: torch.device) -> Precision:
-    """The run's storage and compute dtypes (model.dtype, model.pure_bf16) on ``device``."""
+    """The run's storage and compute dtypes (model.dtype, model.pure_bf16) on ``device``; built once per
+    run (or ``turbogrpo eval``) and passed to the builders below."""
     return run_precision(config.model.dtype, config.model.pure_bf16, device)
 
 
-def load_policy(config: Config, device: torch.device):
+def load_policy(config: Config, device: torch.device, precision: Precision):
     """The trainable policy (full model, or base + LoRA adapters) and its tokenizer, on ``device``, its
     parameters in the run's storage dtype (float32 masters unless model.pure_bf16)."""
     path = resolve_model_path(config.model.path)
-    model, tokenizer = load_model_and_tokenizer(path, dtype=precision(config, device).param_dtype, device=device)
+    model, tokenizer = load_model_and_tokenizer(path, dtype=precision.param_dtype, device=device)
     if config.lora.enabled:
         from peft import LoraConfig, get_peft_model
         model = get_peft_model(model, LoraConfig(
@@ -44,11 +45,11 @@ def load_policy(config: Config, device: torch.device):
     return model, tokenizer
 
 
-def logprob_fn(config: Config, device: torch.device):
+def logprob_fn(config: Config, precision: Precision):
     """``fn(model, prompts, completions) -> CompletionLogprobs``: the shared-prefix forward at the
     sampling temperature (the loss uses the distribution the completions were sampled from), under the
     run's compute precision (the rollout's too)."""
-    return precision(config, device).computing(partial(
+    return precision.computing(partial(
         compute_logprobs, share_prefix=True, backend=config.model.logprob_backend,
         temperature=config.rollout.temperature))
 
@@ -78,46 +79,24 @@ class FrozenScorer(nn.Module):
         return self.fn(self.model, prompts, completions, **options)
 
 
-def build_reference(config: Config, policy: nn.Module, device: torch.device) -> nn.Module | None:
-    """``scorer(prompts, completions) -> CompletionLogprobs`` under the reference policy; None when
-    beta == 0 (the KL term is dropped, so no reference model is loaded at all)."""
+def build_reference(config: Config, policy: nn.Module, device: torch.device, precision: Precision,
+                    fn) -> nn.Module | None:
+    """``scorer(prompts, completions) -> CompletionLogprobs`` under the reference policy, with the
+    policy's log-prob ``fn``; None when beta == 0 (the KL term is dropped, so no reference model is
+    loaded at all)."""
     if config.algo.beta == 0:
         return None
-    fn = logprob_fn(config, device)
     if config.lora.enabled:
         return AdapterlessScorer(policy, fn)
     path = resolve_model_path(config.model.path)
     # Stored like the policy, so that at step 0 it computes exactly the policy's log-probs.
-    reference, _ = load_model_and_tokenizer(path, dtype=precision(config, device).param_dtype, device=device)
+    reference, _ = load_model_and_tokenizer(path, dtype=precision.param_dtype, device=device)
     return FrozenScorer(reference, fn)
 
 
 # --- prompts ----------------------------------------------------------------------------------------
 
 
-# The built-in tasks' generators, by data.kind: records(split, num, seed) -> rows.
-BUILTIN_TASKS = {"arithmetic": demo_records, "longform": longform_records,
-                 "small_arithmetic": small_arithmetic_records}
-
-
-def _builtin_rows(data: DataConfig, split: str, seed: int) -> list[dict]:
-    num = data.num_train_problems if split == "train" else data.num_eval_problems
-    return BUILTIN_TASKS[data.kind](split, num, seed=seed)
-
-
-def _file_rows(data: DataConfig, path: str) -> list[dict]:
-    split = data.split if source_kind(path) == "datasets" else None
-    return read_records(path, split=split)
-
-
-# Readers of training rows, by data.kind.
-ROW_READERS = {
-    "arithmetic": lambda data, seed: _builtin_rows(data, "train", seed),
-    "longform": lambda data, seed: _builtin_rows(data, "train", seed),
-    "small_arithmetic": lambda data, seed: _builtin_rows(data, "train", seed),
-    "rows": lambda data, seed: _file_rows(data, data.path),
-    "gsm8k": lambda data, seed: gsm8k_records(data.path),
-}
 _CHAT_TEMPLATE = {"auto": None, "always": True, "never": False}
 
 
@@ -126,7 +105,19 @@ def position_limit(model: nn.Module) -> int | None:
     return getattr(getattr(model, "config", None), "max_position_embeddings", None)
 
 
-def _prompts(rows: list[dict], tokenizer, config: Config, max_positions: int | None):
+def _prompts(rows: list[dict], tokenizer, config: Config, max_positions: int | None, source_key: str):
+    """``rows`` as a PromptSet; a row's ValueError ("row 3: ...") names the data file (``source_key``'s
+    value) it is in, so training and held-out rows are told apart."""
+    try:
+        return _build_prompts(rows, tokenizer, config, max_positions)
+    except ValueError as err:
+        path = getattr(config.data, source_key.partition(".")[2])
+        if not path or not str(err).startswith("row "):
+            raise
+        raise ValueError(f"{source_key} {path!r} {err}") from None
+
+
+def _build_prompts(rows: list[dict], tokenizer, config: Config, max_positions: int | None):
     data = config.data
     if max_positions is not None and config.rollout.max_new_tokens >= max_positions:
         raise ConfigError(f"config key 'rollout.max_new_tokens': {config.rollout.max_new_tokens} leaves no room for "
@@ -141,47 +132,19 @@ def _prompts(rows: list[dict], tokenizer, config: Config, max_positions: int | N
 def load_train_prompts(config: Config, tokenizer, max_positions: int | None = None):
     """The training PromptSet (examples plus skipped counts); prompts too long for ``max_positions`` with
     rollout.max_new_tokens are skipped or refused as data.on_overlong says."""
-    return _prompts(ROW_READERS[config.data.kind](config.data, config.train.seed), tokenizer, config, max_positions)
+    return _prompts(train_rows(config.data, config.train.seed), tokenizer, config, max_positions, "data.path")
 
 
 def load_eval_prompts(config: Config, tokenizer, max_positions: int | None = None) -> list[PromptExample]:
     """Held-out prompts: a built-in task's eval split, or ``data.eval_path`` rows ([] if none)."""
-    data = config.data
-    if data.eval_path:
-        rows = gsm8k_records(data.eval_path) if data.kind == "gsm8k" else _file_rows(data, data.eval_path)
-    elif data.kind in BUILTIN_TASKS:
-        rows = _builtin_rows(data, "eval", seed=0)  # fixed, so every run is scored on the same problems
-    else:
+    rows = eval_rows(config.data)
+    if rows is None:
         return []
-    return _prompts(rows[:data.num_eval_problems], tokenizer, config, max_positions).examples
+    return _prompts(rows[:config.data.num_eval_problems], tokenizer, config, max_positions,
+                    "data.eval_path").examples
 
 
-# --- rewards ----------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Reward:
-    """A resolved reward function with its weight and fallback."""
-
-    name: str
-    func: RewardFn
-    weight: float
-    fallback: float
-
-
-def load_rewards(configs: list[RewardConfig]) -> list[Reward]:
-    """Resolve every ``[[rewards]]`` entry (built-in or import path); ValueError naming a bad one."""
-    rewards = []
-    for i, rc in enumerate(configs):
-        try:
-            func = resolve_reward(rc.function, **rc.kwargs)
-        except ValueError as err:
-            raise ValueError(f"config key 'rewards.{i}.function': {err}") from None
-        name = rc.function.rpartition(":")[2]
-        if any(r.name == name for r in rewards):
-            name = f"{name}_{i}"
-        rewards.append(Reward(name, func, rc.weight, rc.fallback))
-    return rewards
+# --- rewards ---------------------------------------------------------------------------------------
 
 
 def accuracy_function(config: Config, rewards: list[Reward]) -> Reward | None:
@@ -194,38 +157,12 @@ def accuracy_function(config: Config, rewards: list[Reward]) -> Reward | None:
     return None
 
 
-@dataclass
-class StepRewards:
-    """Rewards of this rank's N completions.
-
-    total: float32 ``[N]`` weighted sum; per_function: name -> ``[N]``; num_failed / first_error per
-    function (items that got the fallback, and the first reason); failed: name -> bool ``[N]``, those items.
-    """
-
-    total: torch.Tensor
-    per_function: dict[str, torch.Tensor]
-    num_failed: dict[str, int]
-    first_error: dict[str, str | None]
-    failed: dict[str, torch.Tensor]
-
-
-def score_rewards(rewards: list[Reward], prompts: list[str], completions: list[str],
-                  columns: dict[str, list]) -> StepRewards:
-    """Run every reward on the completions; a failing function or item gets its fallback, never raises."""
-    per_function, num_failed, first_error, failed = {}, {}, {}, {}
-    total = torch.zeros(len(completions))
-    for reward in rewards:
-        result = compute_rewards([WeightedReward(reward.name, reward.func, 1.0)], prompts, completions, columns,
-                                 fallback=reward.fallback)
-        per_function[reward.name] = result.per_function[reward.name]
-        total += reward.weight * per_function[reward.name]
-        num_failed[reward.name] = result.num_failed[reward.name]
-        first_error[reward.name] = result.first_error[reward.name]
-        failed[reward.name] = result.failed[reward.name]
-    return StepRewards(total, per_function, num_failed, first_error, failed)
-
-
 # --- sampling ---------------------------------------------------------------------------------------
+
+
+def rollout_sampling(config: Config, model: nn.Module, tokenizer) -> SamplingConfig:
+    """How the run samples: the [rollout] section with the model's stop ids and its tokenizer."""
+    return SamplingConfig.from_rollout(config.rollout, stop_token_ids(model, tokenizer), tokenizer)
 
 
 def stop_token_ids(model: nn.Module, tokenizer) -> tuple[int, ...]:
@@ -237,10 +174,3 @@ def stop_token_ids(model: nn.Module, tokenizer) -> tuple[int, ...]:
     if generation_eos is not None:
         ids.update(int(i) for i in (generation_eos if isinstance(generation_eos, (list, tuple)) else [generation_eos]))
     return tuple(sorted(ids))
-
-
-def sampling_config(rollout: RolloutConfig, stop_ids: tuple[int, ...], tokenizer, *, greedy: bool = False):
-    return SamplingConfig(
-        max_new_tokens=rollout.max_new_tokens, temperature=0.0 if greedy else rollout.temperature,
-        top_p=rollout.top_p, top_k=rollout.top_k, stop_token_ids=stop_ids,
-        stop_strings=tuple(rollout.stop_strings), tokenizer=tokenizer if rollout.stop_strings else None)

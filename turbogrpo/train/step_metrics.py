@@ -5,27 +5,27 @@ from __future__ import annotations
 import torch
 
 from turbogrpo.data import PromptExample
+from turbogrpo.rewards import RewardResult
 from turbogrpo.rollout import Rollout
 from turbogrpo.train import distributed
 from turbogrpo.train.distributed import DistInfo
-from turbogrpo.train.setup import StepRewards
 from turbogrpo.train.update import UpdateResult
 
 
-def step_metrics(rollout: Rollout, rewards: StepRewards, sampler_logps: list[list[torch.Tensor]],
-                 trainer_logps: list[list[torch.Tensor]], updates: list[UpdateResult], seconds: dict[str, float],
+def step_metrics(rollout: Rollout, rewards: RewardResult, sampler_logps: list[torch.Tensor],
+                 trainer_logps: list[torch.Tensor], updates: list[UpdateResult], seconds: dict[str, float],
                  run, dist: DistInfo) -> dict[str, float]:
     """Reward mean/std (total and per function), accuracy, completion lengths, loss metrics (KL, clip
     fractions, entropy), grad norm, learning rate, phase times, tokens/s and the sampler-vs-trainer
     log-prob gap (over the completions the update ran: ``sampler_logps`` and ``trainer_logps`` align,
-    per group per completion). One gather and one host sync for the batch statistics."""
+    per completion, flat). One gather and one host sync for the batch statistics."""
     names = list(rewards.per_function)
     lengths = torch.tensor([t.numel() for t in rollout.tokens], dtype=torch.float32)
     truncated = torch.tensor([reason == "length" for reason in rollout.finish_reasons], dtype=torch.float32)
     columns_NC = torch.stack([rewards.total, *(rewards.per_function[n] for n in names), lengths, truncated], dim=1)
     all_NC = distributed.all_gather_cat(columns_NC.to(dist.device), dist)
-    sampler = torch.cat([t.float() for group in sampler_logps for t in group]).to(dist.device)
-    trainer = torch.cat([t.detach().float() for group in trainer_logps for t in group]).to(dist.device)
+    sampler = torch.cat([t.float() for t in sampler_logps]).to(dist.device)
+    trainer = torch.cat([t.detach().float() for t in trainer_logps]).to(dist.device)
     failed = torch.tensor([float(rewards.num_failed[n]) for n in names], device=dist.device)
     sums = distributed.all_reduce_sum(torch.cat([(sampler - trainer).abs().sum()[None],
                                                  torch.tensor([float(sampler.numel())], device=dist.device),
@@ -44,8 +44,9 @@ def step_metrics(rollout: Rollout, rewards: StepRewards, sampler_logps: list[lis
         metrics[f"rewards/{name}/num_failed"] = sums[2 + i]
         if rewards.first_error[name] and dist.is_main:
             metrics[f"rewards/{name}/first_error"] = rewards.first_error[name]
-    if run.accuracy is not None and run.accuracy.name in names:
-        metrics["accuracy"] = mean[1 + names.index(run.accuracy.name)]
+    accuracy = run.held_out.accuracy
+    if accuracy is not None and accuracy.name in names:
+        metrics["accuracy"] = mean[1 + names.index(accuracy.name)]
     metrics["frac_groups_zero_std"] = float((group_std == 0).float().mean())
     metrics.update({"completion_length/mean": mean[-2], "completion_length/min": float(lengths_all.min()),
                     "completion_length/max": float(lengths_all.max()), "completion_length/truncated": mean[-1]})
@@ -66,7 +67,7 @@ def step_metrics(rollout: Rollout, rewards: StepRewards, sampler_logps: list[lis
     return metrics
 
 
-def completion_samples(examples: list[PromptExample], texts: list[str], rewards: StepRewards, num_samples: int,
+def completion_samples(examples: list[PromptExample], texts: list[str], rewards: RewardResult, num_samples: int,
                        count: int) -> list[dict]:
     """The first ``count`` completions of this rank with their prompt (its last 300 characters) and rewards."""
     samples = []

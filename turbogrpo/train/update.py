@@ -7,47 +7,67 @@ full-batch gradient), clips the global norm, and applies the step only if loss a
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
-from turbogrpo.algo import LossNormalizer, LossSettings, PolicyLoss
+from turbogrpo.algo import LossNormalizer
+from turbogrpo.batch import Groups
 from turbogrpo.train.distributed import DistInfo, all_reduce_sum, gradient_sync
-from turbogrpo.train.microbatch import MicroBatch, length_mask, pad_ragged, select
+from turbogrpo.train.microbatch import Chunk, MicroBatch, length_mask, pad_ragged
 
 
 @dataclass
 class StepBatch:
-    """This rank's share of one GRPO step: K groups, N completions in group-major order.
+    """This rank's share of one GRPO step: K groups, N completions flat in group-major order.
 
     prompts: K prompt token ids, each ``[P_k]``.
-    completions: per group, the completion token ids, each ``[S]``.
+    groups: the layout (how many of the N completions each group has, and where they start).
+    completions: N completion token ids, each ``[S_i]``.
     advantages: ``[N]``, one per completion.
-    old_logps: per group, per completion ``[S]`` log-probs under the policy that sampled them, or None
-        (num_iterations == 1: the ratio is exactly 1 and TRL skips this forward too).
+    old_logps: N ``[S_i]`` log-probs under the policy that sampled them, or None (num_iterations == 1:
+        the ratio is exactly 1 and TRL skips this forward too).
     ref_logps: the same under the reference policy, or None (beta == 0).
     rollout_logps: the same as the sampler computed them while sampling, or None (no TIS correction).
     """
 
     prompts: list[Tensor]
-    completions: list[list[Tensor]]
+    groups: Groups
+    completions: list[Tensor]
     advantages: Tensor
-    old_logps: list[list[Tensor]] | None = None
-    ref_logps: list[list[Tensor]] | None = None
-    rollout_logps: list[list[Tensor]] | None = None
+    old_logps: list[Tensor] | None = None
+    ref_logps: list[Tensor] | None = None
+    rollout_logps: list[Tensor] | None = None
 
-    def groups(self, keep: Sequence[int]) -> StepBatch:
-        """The batch restricted to groups ``keep`` (before old/ref log-probs are computed)."""
-        assert self.old_logps is None and self.ref_logps is None
-        offsets = [0]
-        for group in self.completions:
-            offsets.append(offsets[-1] + len(group))
-        index = [i for g in keep for i in range(offsets[g], offsets[g + 1])]
-        return StepBatch([self.prompts[g] for g in keep], [self.completions[g] for g in keep],
-                         self.advantages[torch.tensor(index, device=self.advantages.device)],
-                         rollout_logps=None if self.rollout_logps is None else [self.rollout_logps[g] for g in keep])
+    @classmethod
+    def from_groups(cls, prompts: list[Tensor], completions: Sequence[Sequence[Tensor]], advantages: Tensor,
+                    old_logps=None, ref_logps=None, rollout_logps=None) -> StepBatch:
+        """A batch from per-group lists (completions, and the per-token fields that are given)."""
+        def flat(nested):
+            return None if nested is None else Groups.flatten(nested)
+        return cls(prompts, Groups.of(completions), Groups.flatten(completions), advantages, flat(old_logps),
+                   flat(ref_logps), flat(rollout_logps))
+
+    def select(self, keep: Sequence[int]) -> StepBatch:
+        """The batch restricted to groups ``keep``, in that order."""
+        groups, index = self.groups.select(keep)
+
+        def pick(items):
+            return None if items is None else [items[i] for i in index]
+        return StepBatch([self.prompts[g] for g in keep], groups, pick(self.completions),
+                         self.advantages[torch.tensor(index, device=self.advantages.device)], pick(self.old_logps),
+                         pick(self.ref_logps), pick(self.rollout_logps))
+
+    def completion_lengths(self) -> list[list[int]]:
+        """Per group, its completions' lengths (what micro-batch planning reads)."""
+        return self.groups.split([c.numel() for c in self.completions])
+
+    def chunk_completions(self, chunks: Sequence[Chunk]) -> list[list[Tensor]]:
+        """Per chunk, its run of completions (the nested layout the shared-prefix forward takes)."""
+        starts = self.groups.offsets
+        return [self.completions[starts[c.group] + c.start:starts[c.group] + c.stop] for c in chunks]
 
 
 @dataclass
@@ -67,13 +87,13 @@ class UpdateResult:
     logps: list[Tensor]
 
 
-def update_policy(module: nn.Module, batch: StepBatch, micro_batches: Sequence[MicroBatch], loss_fn: PolicyLoss,
-                  settings: LossSettings, normalizer: LossNormalizer, optimizer: torch.optim.Optimizer, *,
-                  max_grad_norm: float, dist: DistInfo) -> UpdateResult:
+def update_policy(module: nn.Module, batch: StepBatch, micro_batches: Sequence[MicroBatch], loss_fn: Callable,
+                  normalizer: LossNormalizer, optimizer: torch.optim.Optimizer, *, max_grad_norm: float,
+                  dist: DistInfo) -> UpdateResult:
     """Accumulate the gradient of the step batch over ``micro_batches`` and take one optimizer step.
 
     ``module(prompts, completions) -> CompletionLogprobs`` is the (possibly DDP/FSDP2-wrapped)
-    shared-prefix forward.
+    shared-prefix forward; ``loss_fn`` a policy loss with its settings bound (``algo.build_loss``).
     Every rank passes the same number of micro-batches (fillers have weight 0).
     """
     optimizer.zero_grad(set_to_none=True)
@@ -82,15 +102,15 @@ def update_policy(module: nn.Module, batch: StepBatch, micro_batches: Sequence[M
     for i, mb in enumerate(micro_batches):
         with gradient_sync(module, enabled=i == len(micro_batches) - 1):
             prompts = [batch.prompts[c.group] for c in mb.chunks]
-            result = module(prompts, select(batch.completions, mb.chunks))
-            logps = _flat(result.per_completion(result.logps))
+            result = module(prompts, batch.chunk_completions(mb.chunks))
+            logps = Groups.flatten(result.per_completion(result.logps))
             mask_BL = length_mask([t.numel() for t in logps], device=logps[0].device)
             loss, metrics = loss_fn(
                 pad_ragged(logps),
                 _padded(batch.old_logps, mb),
                 _padded(batch.ref_logps, mb),
                 batch.advantages[torch.tensor(mb.index, device=batch.advantages.device)],
-                mask_BL, normalizer, settings, rollout_logps=_padded(batch.rollout_logps, mb))
+                mask_BL, normalizer, rollout_logps=_padded(batch.rollout_logps, mb))
             (loss * mb.weight).backward()
         metrics["entropy_sum"] = result.entropy.sum()
         metrics["num_tokens"] = mask_BL.sum()
@@ -121,26 +141,23 @@ def update_policy(module: nn.Module, batch: StepBatch, micro_batches: Sequence[M
 
 
 @torch.no_grad()
-def score(module: nn.Module, batch: StepBatch, micro_batches: Sequence[MicroBatch]) -> list[list[Tensor]]:
-    """Per group, per completion ``[S]`` log-probs under ``module`` (no gradient), micro-batched."""
-    out: list[list[Tensor | None]] = [[None] * len(c) for c in batch.completions]
+def score(module: nn.Module, batch: StepBatch, micro_batches: Sequence[MicroBatch]) -> list[Tensor]:
+    """Per completion ``[S]`` log-probs under ``module`` (no gradient), micro-batched; flat like
+    ``batch.completions``."""
+    out: list[Tensor | None] = [None] * len(batch.completions)
     for mb in micro_batches:
         # Scoring needs only the log-probs: no entropy pass over the [tokens, vocab] logits.
-        result = module([batch.prompts[c.group] for c in mb.chunks], select(batch.completions, mb.chunks),
+        result = module([batch.prompts[c.group] for c in mb.chunks], batch.chunk_completions(mb.chunks),
                         with_entropy=False)
-        per_chunk = result.per_completion(result.logps)
         if mb.weight:
-            for chunk, logps in zip(mb.chunks, per_chunk):
-                out[chunk.group][chunk.start:chunk.stop] = [t.detach() for t in logps]
+            for i, logps in zip(mb.index, Groups.flatten(result.per_completion(result.logps))):
+                out[i] = logps.detach()
     return out
 
 
-def _flat(per_group: Sequence[Sequence[Tensor]]) -> list[Tensor]:
-    return [t for group in per_group for t in group]
-
-
-def _padded(per_group: list[list[Tensor]] | None, mb: MicroBatch) -> Tensor | None:
-    return None if per_group is None else pad_ragged(_flat(select(per_group, mb.chunks)))
+def _padded(flat: list[Tensor] | None, mb: MicroBatch) -> Tensor | None:
+    """``[B, L]``: the micro-batch's completions' rows of a flat per-token field, right-padded with 0."""
+    return None if flat is None else pad_ragged([flat[i] for i in mb.index])
 
 
 def _full(t: Tensor) -> Tensor:

@@ -6,9 +6,9 @@ import torch
 from tests.speculative.speculative_helpers import trained_pair
 from turbogrpo.rollout import SamplingConfig
 from turbogrpo.speculative.decode import Speculation, generate_speculative
-from turbogrpo.speculative.policy import (SIZING_POLICIES, CostSizing, FastGRPOSizing, FixedSizing, acceptance_counts,
-                                          expected_accepted_table, make_sizing)
 from turbogrpo.speculative.profiler import LatencyCurve, LatencyProfile
+from turbogrpo.speculative.sizing import (SIZING_POLICIES, CostSizing, FastGRPOSizing, FixedSizing, acceptance_counts,
+                                          expected_accepted_table, make_sizing)
 from turbogrpo.speculative.tree import TreeShape, ancestors_from_parents, chain_tree
 from turbogrpo.speculative.verify import accept_paths
 
@@ -171,3 +171,13 @@ def test_policies_drive_a_rollout_and_record_tree_sizes():
     fast = rollout.stats
     assert all(n == (FastGRPOSizing(16).choose(b) or TreeShape(0, 0, 1)).num_nodes
                for n, b in zip(fast.tree_sizes, fast.live_batch_sizes))
+
+
+def test_the_old_module_name_still_imports_with_a_warning():
+    import importlib
+    import sys
+
+    sys.modules.pop("turbogrpo.speculative.policy", None)
+    with pytest.warns(DeprecationWarning, match="turbogrpo.speculative.sizing"):
+        old = importlib.import_module("turbogrpo.speculative.policy")
+    assert old.make_sizing is make_sizing and old.SIZING_POLICIES is SIZING_POLICIES

@@ -6,7 +6,7 @@ import torch
 from tests.speculative.speculative_helpers import tiny_policy
 from turbogrpo.speculative.draft import CausalPlan, DraftHead, shift_features
 from turbogrpo.speculative.draft_training import prompt_features as policy_features
-from turbogrpo.speculative.drafting import DraftKVCache, TreeDrafter, catch_up, prefill_draft
+from turbogrpo.speculative.draft_decoding import DraftKVCache, TreeDrafter, catch_up, prefill_draft
 from turbogrpo.speculative.tree import DraftLevel
 
 ATOL = 2e-5

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from turbogrpo.prefix import lm_head
-from turbogrpo.prefix.lm_head import TargetLogprobs, token_logprobs
+from turbogrpo.prefix.lm_head import TargetLogprobs, lm_head_logprobs
 
 
 def test_two_token_vocabulary_by_hand():
@@ -32,7 +32,7 @@ def test_values_and_gradients_equal_autograd_of_log_softmax(monkeypatch, tempera
     targets = torch.randint(vocab, (num_tokens,))
     weights = torch.rand(num_tokens, dtype=torch.float64)  # uneven token weights
 
-    logp, entropy = token_logprobs(hidden, head, targets, temperature)
+    logp, entropy = lm_head_logprobs(hidden, head, targets, temperature)
     (logp * weights).sum().backward()
     ours = hidden.grad.clone(), head.weight.grad.clone()
     hidden.grad, head.weight.grad = None, None
@@ -48,14 +48,20 @@ def test_values_and_gradients_equal_autograd_of_log_softmax(monkeypatch, tempera
 
 def test_entropy_is_skipped_when_not_asked():
     head = nn.Linear(4, 7, bias=False)
-    logp, entropy = token_logprobs(torch.randn(5, 4), head, torch.zeros(5, dtype=torch.long), with_entropy=False)
+    logp, entropy = lm_head_logprobs(torch.randn(5, 4), head, torch.zeros(5, dtype=torch.long), with_entropy=False)
     assert logp.shape == (5,) and entropy is None
 
 
 def test_bfloat16_logits_give_float32_logprobs_and_bfloat16_gradients():
     head = nn.Linear(4, 7, bias=False).to(torch.bfloat16)
     hidden = torch.randn(5, 4, dtype=torch.bfloat16, requires_grad=True)
-    logp, _ = token_logprobs(hidden, head, torch.arange(5))
+    logp, _ = lm_head_logprobs(hidden, head, torch.arange(5))
     assert logp.dtype == torch.float32
     logp.sum().backward()
     assert hidden.grad.dtype == torch.bfloat16 and torch.isfinite(hidden.grad.float()).all()
+
+
+def test_the_old_name_is_a_deprecated_alias():
+    import turbogrpo.prefix
+    with pytest.warns(DeprecationWarning, match="lm_head_logprobs"):
+        assert turbogrpo.prefix.token_logprobs is lm_head_logprobs

@@ -1,0 +1,53 @@
+"""The data kinds (``data.kind``): where each reads its training and held-out rows.
+
+Each registry is a dict, so a new kind is one entry in each: ``BUILTIN_TASKS`` for a generated task
+(``records(split, num, seed) -> rows``), ``ROW_READERS`` for every kind's training rows. ``data`` is the
+[data] config section (``config.DataConfig``).
+"""
+
+from __future__ import annotations
+
+from turbogrpo.data.arithmetic import demo_records
+from turbogrpo.data.gsm8k import gsm8k_records
+from turbogrpo.data.longform import longform_records
+from turbogrpo.data.small_arithmetic import small_arithmetic_records
+from turbogrpo.data.sources import read_records, source_kind
+
+# The built-in tasks' generators, by data.kind: records(split, num, seed) -> rows.
+BUILTIN_TASKS = {"arithmetic": demo_records, "longform": longform_records,
+                 "small_arithmetic": small_arithmetic_records}
+
+
+def builtin_rows(data, split: str, seed: int) -> list[dict]:
+    num = data.num_train_problems if split == "train" else data.num_eval_problems
+    return BUILTIN_TASKS[data.kind](split, num, seed=seed)
+
+
+def file_rows(data, path: str) -> list[dict]:
+    split = data.split if source_kind(path) == "datasets" else None
+    return read_records(path, split=split)
+
+
+# Readers of training rows, by data.kind: reader(data, seed) -> rows.
+ROW_READERS = {
+    "arithmetic": lambda data, seed: builtin_rows(data, "train", seed),
+    "longform": lambda data, seed: builtin_rows(data, "train", seed),
+    "small_arithmetic": lambda data, seed: builtin_rows(data, "train", seed),
+    "rows": lambda data, seed: file_rows(data, data.path),
+    "gsm8k": lambda data, seed: gsm8k_records(data.path),
+}
+
+
+def train_rows(data, seed: int) -> list[dict]:
+    """The training rows of ``data.kind`` (a built-in task's are generated from ``seed``)."""
+    return ROW_READERS[data.kind](data, seed)
+
+
+def eval_rows(data) -> list[dict] | None:
+    """Held-out rows: ``data.eval_path``'s, else a built-in task's eval split (fixed, so every run is
+    scored on the same problems); None where there is no held-out source."""
+    if data.eval_path:
+        return gsm8k_records(data.eval_path) if data.kind == "gsm8k" else file_rows(data, data.eval_path)
+    if data.kind in BUILTIN_TASKS:
+        return builtin_rows(data, "eval", seed=0)
+    return None

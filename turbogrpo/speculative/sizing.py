@@ -1,0 +1,403 @@
+"""Concurrency-aware tree sizing: how big a tree each live sequence gets at each step.
+
+Every policy is a small class in ``SIZING_POLICIES``; ``make_sizing(name, ...)`` builds one.
+
+* ``off``: never speculate (plain decoding through the speculative loop).
+* ``fixed``: the same tree shape at every step.
+* ``fastgrpo``: FastGRPO's rule. With B live sequences each gets ``N = C_peak // B`` verify tokens,
+  ``K = min(N - 1, K_max)``, ``L = min(floor(log2(N / alpha)), L_max)``. Unlike the reference code,
+  ``C_peak`` comes from the measured latency curve, L has no lower floor beyond 1 (a floor wastes
+  draft steps at high B), and B > C_peak / 2 (N < 2) turns speculation off instead of taking log2(0).
+* ``cost``: ours. It predicts tokens per second for every shape (K, L, N) and for no tree, and picks
+  the best. A step yields ``B * (1 + E[accepted])`` tokens in ``t_draft(B, K, L) + t_verify(B * N)``
+  seconds, both read off the measured latency curves. ``E[accepted]`` is the sum over the tree's
+  nodes of the probability that the path to the node is accepted; the policy models the probability
+  that the policy's draw matches the draft's rank-r child at depth d as ``a[d, r]``, estimated from
+  every verified tree of this rollout (and earlier ones: the policy object keeps its counts), and
+  builds the same top-K-per-level tree that ``build_tree`` builds, with those probabilities.
+  Speculation is off wherever the best tree does not beat plain decoding by ``margin``; trees stay
+  within the measured range of the curves (B * N <= the largest profiled count). While off, every
+  ``EXPLORE_EVERY``-th step still verifies the best tree (once the draft has read the prompts), so
+  the acceptance statistics follow the text (a draft that was poor on one stretch can be good on the
+  next). The first tree of a rollout also pays for the draft's prompt pass, so speculation starts
+  only where the expected saving over the rollout's expected remaining steps (read off the completion
+  lengths of earlier rollouts) repays that measured cost. What the curves miss (Python and
+  bookkeeping around the forwards, a machine busier than when profiled) is learnt from the measured
+  time of every step, as one scale factor for plain and one for tree steps.
+
+Policies see verification results through ``feedback`` (device tensors, returned in the step's one
+host transfer) and ``observe`` (the same numbers on the host).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from typing import ClassVar
+
+import torch
+
+from turbogrpo.speculative.profiler import LatencyProfile
+from turbogrpo.speculative.tree import DraftTree, TreeShape
+from turbogrpo.speculative.verify import TreeVerdict
+
+DEFAULT_K_MAX = 8
+DEFAULT_L_MAX = 6
+DEFAULT_N_MAX = 64
+
+
+class SizingPolicy:
+    """Chooses each step's tree shape from the number of live sequences."""
+
+    name: ClassVar[str]
+
+    def bounds(self) -> tuple[int, int]:
+        """(most nodes a tree can have, most draft slots a tree's levels write): buffer sizes."""
+        raise NotImplementedError
+
+    def choose(self, num_live: int, *, draft_ready: bool = True, position: int = 0) -> TreeShape | None:
+        """The tree for this step, or None for a plain step. ``draft_ready``: the draft has read this
+        rollout's prompts (False: a first tree would also pay for that prompt pass). ``position``:
+        tokens generated so far by the furthest live sequence."""
+        raise NotImplementedError
+
+    def feedback(self, tree: DraftTree, verdict: TreeVerdict) -> torch.Tensor | None:
+        """Device statistics of a verified step, sent to the host with the step's other results."""
+        return None
+
+    def observe(self, values: list[float]) -> None:
+        """The host copy of ``feedback``'s tensor."""
+
+    def observe_time(self, num_live: int, shape: TreeShape | None, seconds: float, catch_up_tokens: int = 0) -> None:
+        """The measured wall time of a step that ran ``shape`` (None: plain) with ``num_live`` sequences,
+        whose draft caught up on ``catch_up_tokens`` pairs (padded, all sequences together)."""
+
+    def observe_startup(self, seconds: float) -> None:
+        """The measured wall time of the draft's prompt pass (once per rollout that speculates)."""
+
+    def observe_lengths(self, lengths: list[int]) -> None:
+        """The completion lengths of a finished rollout."""
+
+    def forget(self, keep: float) -> None:
+        """The draft has changed (online learning): weigh the acceptance seen so far by ``keep`` in [0, 1]."""
+
+    def state_dict(self) -> dict:
+        """What the policy has learnt (tensors and JSON scalars), for checkpoints."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore what ``state_dict`` returned."""
+
+
+def _bounds_of(shape: TreeShape | None) -> tuple[int, int]:
+    if shape is None:
+        return 1, 0
+    return shape.num_nodes, (shape.depth - 1) * shape.top_k
+
+
+class OffSizing(SizingPolicy):
+    name = "off"
+
+    def bounds(self) -> tuple[int, int]:
+        return 1, 0
+
+    def choose(self, num_live: int, *, draft_ready: bool = True, position: int = 0) -> TreeShape | None:
+        return None
+
+
+class FixedSizing(SizingPolicy):
+    name = "fixed"
+
+    def __init__(self, shape: TreeShape | tuple[int, int, int] = TreeShape(4, 4, 16)):
+        self.shape = TreeShape(*shape).validate()
+
+    def bounds(self) -> tuple[int, int]:
+        return _bounds_of(self.shape)
+
+    def choose(self, num_live: int, *, draft_ready: bool = True, position: int = 0) -> TreeShape | None:
+        return self.shape
+
+
+class FastGRPOSizing(SizingPolicy):
+    name = "fastgrpo"
+
+    def __init__(self, c_peak: int, *, alpha: float = 0.75, k_max: int = DEFAULT_K_MAX,
+                 l_max: int = DEFAULT_L_MAX, n_max: int = DEFAULT_N_MAX):
+        if c_peak < 1:
+            raise ValueError(f"fastgrpo sizing: c_peak must be >= 1, got {c_peak!r}")
+        if not alpha > 0:
+            raise ValueError(f"fastgrpo sizing: alpha must be > 0, got {alpha!r}")
+        _check_limits(k_max, l_max, n_max)
+        self.c_peak, self.alpha, self.k_max, self.l_max, self.n_max = c_peak, alpha, k_max, l_max, n_max
+
+    def bounds(self) -> tuple[int, int]:
+        return self.n_max, (self.l_max - 1) * self.k_max
+
+    def choose(self, num_live: int, *, draft_ready: bool = True, position: int = 0) -> TreeShape | None:
+        nodes = min(self.c_peak // max(num_live, 1), self.n_max)
+        if nodes < 2:  # no verify token to spare: speculation is off, not log2(0)
+            return None
+        top_k = min(nodes - 1, self.k_max)
+        depth = max(1, min(math.floor(math.log2(nodes / self.alpha)), self.l_max, nodes - 1))
+        nodes = min(nodes, 1 + top_k + (depth - 1) * top_k * top_k)
+        return TreeShape(top_k, depth, nodes)
+
+
+class CostSizing(SizingPolicy):
+    """See the module docstring."""
+
+    name = "cost"
+    PRIOR_WEIGHT = 4.0   # pseudo-observations behind the prior, so a few real trees outweigh it
+    REFRESH_STEPS = 16   # re-derive the choices after this many new observations (a tree step brings two)
+    TIME_WEIGHT = 0.3    # exponential average of measured overheads: follows drift, damps noise
+    EXPLORE_EVERY = 32   # while speculation is off, one step in this many still tries the best tree
+    LENGTH_HISTORY = 4096  # completion lengths of past rollouts kept to predict how long this one runs
+
+    def __init__(self, profile: LatencyProfile, *, k_max: int = DEFAULT_K_MAX, l_max: int = DEFAULT_L_MAX,
+                 n_max: int = DEFAULT_N_MAX, margin: float = 0.1, prior_top1: float = 0.5):
+        if profile.draft is None:
+            raise ValueError("cost sizing needs a latency profile with a draft curve (profile with draft=...)")
+        _check_limits(k_max, l_max, n_max)
+        if not 0 < prior_top1 < 1:
+            raise ValueError(f"cost sizing: prior_top1 must be in (0, 1), got {prior_top1!r}")
+        self.profile, self.k_max, self.l_max, self.n_max, self.margin = profile, k_max, l_max, n_max, margin
+        ranks = torch.arange(k_max, dtype=torch.float64)
+        self.prior = (prior_top1 * (1 - prior_top1) ** ranks).expand(l_max, k_max)   # [depth, rank]
+        self.matches = torch.zeros(l_max, k_max, dtype=torch.float64)
+        self.trials = torch.zeros(l_max, k_max, dtype=torch.float64)
+        self.menu = [(k, l) for k in (1, 2, 4, 8, 16) if k <= k_max for l in range(1, l_max + 1)]
+        # Measured step time / the curves' prediction, for plain and for tree steps: what the curves
+        # miss (Python and bookkeeping around the forwards, a busier machine than when profiled).
+        self.plain_scale = 1.0
+        self.tree_scale = 1.0
+        self.num_timed = {"plain": 0, "tree": 0}
+        self._expected: torch.Tensor | None = None  # [menu, n_max]: E[accepted] with N = 1 + index
+        # B -> (best tree, its predicted token rate over plain decoding's)
+        self._choices: dict[int, tuple[TreeShape | None, float]] = {}
+        self._new_observations = 0
+        self._plain_streak = 0
+        self.startup_seconds = 0.0   # the draft's prompt pass, as last measured
+        self.past_lengths: deque[int] = deque(maxlen=self.LENGTH_HISTORY)
+        self._lengths = torch.zeros(0, dtype=torch.float64)  # past_lengths as a tensor, for the quantile
+
+    def bounds(self) -> tuple[int, int]:
+        return self.n_max, (self.l_max - 1) * self.k_max
+
+    def acceptance(self) -> torch.Tensor:
+        """``a[d, r]``: P(the policy's draw is the rank-(r+1) child | a node at depth d has that child).
+
+        Each depth's prior is the estimate one level up (the first level's is ``prior_top1``'s
+        geometric ranks): deep nodes are tried only by deep trees, so a fixed prior there would keep
+        deep trees looking as poor as the prior, and the policy would never try one to learn better.
+        """
+        estimates = torch.empty_like(self.prior)
+        prior = self.prior[0]
+        for depth in range(self.l_max):
+            prior = (self.matches[depth] + self.PRIOR_WEIGHT * prior) / (self.trials[depth] + self.PRIOR_WEIGHT)
+            estimates[depth] = prior
+        return estimates
+
+    def refresh(self) -> None:
+        """Re-derive the expected-acceptance table and forget the choices made from the old one."""
+        self._expected = expected_accepted_table(self.acceptance(), self.menu, self.n_max)
+        self._choices.clear()
+        self._new_observations = 0
+
+    def choose(self, num_live: int, *, draft_ready: bool = True, position: int = 0) -> TreeShape | None:
+        if self._expected is None or self._new_observations >= self.REFRESH_STEPS:
+            self.refresh()
+        if self.num_timed["plain"] == 0:
+            return None  # one measured plain step anchors the comparison before any tree is tried
+        if num_live not in self._choices:
+            self._choices[num_live] = self._best_shape(num_live)
+        tree, gain = self._choices[num_live]
+        if gain > 1 + self.margin and (draft_ready or self._repays_startup(num_live, position, gain)):
+            self._plain_streak = 0
+            return tree
+        self._plain_streak += 1
+        # Exploring only once the draft has read the prompts: a lone exploratory tree would
+        # otherwise pay for the whole prompt pass.
+        if tree is not None and draft_ready and self._plain_streak >= self.EXPLORE_EVERY:
+            self._plain_streak = 0
+            return tree
+        return None
+
+    def _repays_startup(self, num_live: int, position: int, gain: float) -> bool:
+        """Whether speculating from here on saves more time than the draft's prompt pass costs: the
+        time saved per plain step, times the plain steps the rollout is expected to have left."""
+        if self.startup_seconds == 0 or not self.past_lengths:
+            return True  # nothing measured yet
+        saved_per_step = self._plain_time(num_live) * (1 - 1 / gain)
+        return saved_per_step * self.expected_remaining(num_live, position) >= self.startup_seconds
+
+    def expected_remaining(self, num_live: int, position: int) -> float:
+        """Plain steps left until the last of ``num_live`` sequences that have each generated
+        ``position`` tokens finishes, from the lengths of past rollouts: the ``B / (B + 1)``
+        quantile of the remaining lengths (about the expected maximum of B draws)."""
+        remaining = self._lengths[self._lengths > position] - position
+        if remaining.numel() == 0:
+            return 0.0
+        return float(torch.quantile(remaining, num_live / (num_live + 1)))
+
+    def observe_startup(self, seconds: float) -> None:
+        self.startup_seconds = seconds
+
+    def observe_lengths(self, lengths: list[int]) -> None:
+        self.past_lengths.extend(lengths)
+        self._lengths = torch.tensor(self.past_lengths, dtype=torch.float64)
+
+    def _best_shape(self, num_live: int) -> tuple[TreeShape | None, float]:
+        """The tree with the best predicted token rate, and that rate over plain decoding's."""
+        expected = self._expected                                       # [menu, n_max]
+        nodes = torch.arange(1, self.n_max + 1, dtype=torch.float64)    # N = 1 .. n_max
+        top_k = torch.tensor([k for k, _ in self.menu], dtype=torch.float64)[:, None]
+        depth = torch.tensor([l for _, l in self.menu], dtype=torch.float64)[:, None]
+        rate = num_live * (1 + expected) / self._tree_time(num_live, top_k, depth, nodes, expected)
+        rate = torch.where(nodes <= 1 + top_k + (depth - 1) * top_k * top_k, rate, 0.0)
+        # Beyond the profiled range the curve is an extrapolation; no tree is chosen on a guess.
+        rate = torch.where(num_live * nodes <= self.profile.verify.num_tokens[-1], rate, 0.0)
+        rate[:, 0] = 0.0  # N = 1 is no tree: that is the plain step below
+        best = int(rate.argmax())
+        if rate.flatten()[best] <= 0:
+            return None, 0.0
+        row, column = divmod(best, self.n_max)
+        k, l = self.menu[row]
+        plain_rate = num_live / self._plain_time(num_live)
+        return TreeShape(k, l, column + 1), float(rate.flatten()[best]) / plain_rate
+
+    def _plain_time(self, num_live: int) -> float:
+        return max(self.profile.verify(num_live) * self.plain_scale, 1e-9)
+
+    def _tree_time(self, num_live: int, top_k, depth, nodes, expected, catch_up_tokens=None) -> torch.Tensor:
+        """Seconds of a tree step: the draft's catch-up pass (about E[accepted] + 1 pairs per sequence
+        unless given), its L - 1 level forwards and the policy's forward over B * N tokens, scaled by
+        what measured tree steps took."""
+        draft, verify = self.profile.draft, self.profile.verify
+        if catch_up_tokens is None:
+            catch_up_tokens = num_live * (expected + 1)
+        seconds = (draft.at(torch.as_tensor(catch_up_tokens, dtype=torch.float64))
+                   + (depth - 1) * draft.at(num_live * top_k) + verify.at(num_live * nodes))
+        return (seconds * self.tree_scale).clamp(min=1e-9)
+
+    def observe_time(self, num_live: int, shape: TreeShape | None, seconds: float, catch_up_tokens: int = 0) -> None:
+        kind = "plain" if shape is None else "tree"
+        if shape is None:
+            ratio = seconds / max(self.profile.verify(num_live), 1e-9)
+        else:
+            k, l, n = (torch.tensor([[float(v)]], dtype=torch.float64) for v in shape)
+            ratio = seconds * self.tree_scale / float(self._tree_time(num_live, k, l, n, 0.0, catch_up_tokens))
+        # The first measurement replaces the neutral start; later ones move an exponential average.
+        weight = 1.0 if self.num_timed[kind] == 0 else self.TIME_WEIGHT
+        scale = self.plain_scale if shape is None else self.tree_scale
+        scale += weight * (ratio - scale)
+        if shape is None:
+            self.plain_scale = scale
+        else:
+            self.tree_scale = scale
+        self.num_timed[kind] += 1
+        self._new_observations += 1
+
+    def describe(self) -> dict:
+        """What the policy has learnt (for logs and benchmarks)."""
+        return {"plain_scale": self.plain_scale, "tree_scale": self.tree_scale, "num_timed": dict(self.num_timed),
+                "top1_acceptance_by_depth": self.acceptance()[:, 0].tolist()}
+
+    def feedback(self, tree: DraftTree, verdict: TreeVerdict) -> torch.Tensor:
+        return acceptance_counts(tree, verdict, self.l_max, self.k_max)
+
+    def forget(self, keep: float) -> None:
+        self.matches *= keep
+        self.trials *= keep
+        self._expected = None  # re-derive the choices from the discounted counts
+
+    def state_dict(self) -> dict:
+        return {"matches": self.matches.clone(), "trials": self.trials.clone(), "plain_scale": self.plain_scale,
+                "tree_scale": self.tree_scale, "num_timed": dict(self.num_timed),
+                "startup_seconds": self.startup_seconds, "past_lengths": list(self.past_lengths),
+                "plain_streak": self._plain_streak}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.matches, self.trials = state["matches"].to(torch.float64), state["trials"].to(torch.float64)
+        self.plain_scale, self.tree_scale = state["plain_scale"], state["tree_scale"]
+        self.num_timed, self.startup_seconds = dict(state["num_timed"]), state["startup_seconds"]
+        self.past_lengths.clear()
+        self.observe_lengths(list(state["past_lengths"]))
+        self._plain_streak = state["plain_streak"]
+        self._expected = None
+
+    def observe(self, values: list[float]) -> None:
+        counts = torch.tensor(values, dtype=torch.float64).view(2, self.l_max, self.k_max)
+        self.matches += counts[0]
+        self.trials += counts[1]
+        self._new_observations += 1
+
+
+def expected_accepted_table(acceptance: torch.Tensor, menu: list[tuple[int, int]], n_max: int) -> torch.Tensor:
+    """``[len(menu), n_max]``: expected accepted tokens of the tree ``build_tree`` would build for each
+    (K, L) in ``menu`` and ``N = 1 + column`` nodes, if child r at depth d were accepted with
+    probability ``acceptance[d-1, r-1]`` independently (host work, a few milliseconds)."""
+    table = torch.zeros(len(menu), n_max, dtype=torch.float64)
+    for row, (k, l) in enumerate(menu):
+        frontier = acceptance[0, :k].clone()
+        pool = [frontier]
+        for depth in range(1, l):
+            children = (frontier[:, None] * acceptance[depth, :k]).flatten()
+            pool.append(children)
+            frontier = children.topk(k).values
+        best = torch.cat(pool).sort(descending=True).values[: n_max - 1]
+        sums = torch.cat([torch.zeros(1, dtype=torch.float64), best.cumsum(0)])
+        table[row, :len(sums)] = sums
+        table[row, len(sums):] = sums[-1]
+    return table
+
+
+def acceptance_counts(tree: DraftTree, verdict: TreeVerdict, max_depth: int, max_rank: int) -> torch.Tensor:
+    """``[2 * max_depth * max_rank]``: (matches, trials) per (child depth, sibling rank), summed over
+    every node on the walked paths. A walked node with c children is a trial for ranks 1..c at its
+    children's depth; the child it moved to (if any) is a match at that child's rank."""
+    last = verdict.path_nodes.gather(1, verdict.num_accepted[:, None])                     # [B, 1]
+    walked = tree.ancestors.gather(1, last[:, :, None].expand(-1, 1, tree.tokens.shape[1])).squeeze(1)
+    is_child = torch.ones_like(tree.path_logprobs)
+    is_child[:, 0] = 0.0  # the root is its own parent but not its own child
+    num_children = torch.zeros_like(is_child).scatter_add_(1, tree.parents, is_child)     # [B, N]
+    siblings = tree.parents[:, :, None] == tree.parents[:, None, :]
+    siblings[:, :, 0] = False  # the root shares its "parent" (itself) with depth-1 nodes, not a rank
+    rank = (siblings & (tree.path_logprobs[:, None, :] > tree.path_logprobs[:, :, None])).sum(-1)
+
+    ranks = torch.arange(max_rank, device=rank.device)
+    tried = (walked & (tree.depths < max_depth))[:, :, None] & (num_children[:, :, None] > ranks)  # [B, N, R]
+    trials = torch.zeros(max_depth, max_rank, device=rank.device).index_put_(
+        (tree.depths.clamp(max=max_depth - 1).flatten(),), tried.flatten(0, 1).float(), accumulate=True)
+    matched = walked & (tree.depths > 0)
+    matches = torch.zeros(max_depth * max_rank, device=rank.device).index_put_(
+        (((tree.depths - 1).clamp(0, max_depth - 1) * max_rank + rank.clamp(max=max_rank - 1)).flatten(),),
+        matched.flatten().float(), accumulate=True)
+    return torch.cat([matches, trials.flatten()])
+
+
+def _check_limits(k_max: int, l_max: int, n_max: int) -> None:
+    for name, value in (("k_max", k_max), ("l_max", l_max), ("n_max", n_max)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"sizing {name} must be an integer >= 1, got {value!r}")
+    if n_max < 2:
+        raise ValueError(f"sizing n_max must be >= 2 (the root and one draft node), got {n_max!r}")
+
+
+SIZING_POLICIES: dict[str, type[SizingPolicy]] = {
+    cls.name: cls for cls in (OffSizing, FixedSizing, FastGRPOSizing, CostSizing)}
+
+
+def make_sizing(name: str, *, profile: LatencyProfile | None = None, **options) -> SizingPolicy:
+    """Build the registered policy ``name``; ``profile`` feeds ``fastgrpo`` (its knee, unless
+    ``c_peak=`` is given) and ``cost`` (its curves)."""
+    if name not in SIZING_POLICIES:
+        raise ValueError(f"sizing policy must be one of {sorted(SIZING_POLICIES)}, got {name!r}")
+    if name == "fastgrpo" and "c_peak" not in options:
+        if profile is None:
+            raise ValueError("fastgrpo sizing needs c_peak=... or a latency profile")
+        options["c_peak"] = profile.c_peak
+    if name == "cost":
+        if profile is None:
+            raise ValueError("cost sizing needs a latency profile")
+        options["profile"] = profile
+    return SIZING_POLICIES[name](**options)
