@@ -34,6 +34,7 @@ from turbogrpo.config import Config
 from turbogrpo.rollout import Rollout
 from turbogrpo.speculative.decode import Speculation, SpeculativeStats
 from turbogrpo.speculative.draft import DraftHead
+from turbogrpo.speculative.history import HistoryDrafts
 from turbogrpo.speculative.draft_training import (DraftGroup, DraftTrainConfig, make_optimizer, prompt_features,
                                                   train_draft)
 from turbogrpo.speculative.policy import SizingPolicy, make_sizing
@@ -69,13 +70,16 @@ class OnlineDraft:
     """Draft optimizer steps per GRPO step."""
     max_tokens: int
     """The draft's tokens per GRPO step, prompts counted once per group (0: the whole rollout)."""
+    history: HistoryDrafts | None = None
+    """History/sibling drafts merged into the draft's trees; one object for the run, so that its store
+    keeps earlier steps' completions of recurring prompts (None: the neural draft alone)."""
 
     @property
     def learns(self) -> bool:
         return self.optimizer is not None
 
     def speculation(self) -> Speculation:
-        return Speculation(self.draft, sizing=self.sizing)
+        return Speculation(self.draft, sizing=self.sizing, history=self.history)
 
     def collect(self, policy: nn.Module, rollout: Rollout, seed: int) -> list[DraftGroup]:
         """The draft's training data from ``rollout`` (generated with ``return_hidden``): every group,
