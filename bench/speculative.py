@@ -6,10 +6,10 @@ completions.
 
 With ``--model smollm2-135m-instruct`` (the real model) it runs GSM8K test prompts with the chat
 template instead (``main_real_model``): per live batch B (prompts x G samples, EOS ignored so all B
-run the same steps, temperature 1), plain vs. history drafts (siblings only, and siblings plus the
+run the same steps, temperature 1 or ``--temperature``), plain vs. history drafts (siblings only, and siblings plus the
 completions of earlier rollouts of the same prompts), sized by the cost policy; acceptance per draft
 kind and the tree sizes chosen. No neural draft is trained for this model here, so "neural" and
-"both" are reported only with ``--draft DIR``. Writes bench/results/speculative_smollm2.json.
+"both" are reported only with ``--draft DIR``. Writes bench/results/speculative_smollm2[_greedy].json.
 
 Parts (every variant is timed in the same process, interleaved with the plain engine, medians):
 
@@ -83,6 +83,7 @@ def main() -> None:
     parser.add_argument("--draft-epochs", type=int, default=12)
     parser.add_argument("--batches", default="1,4,8,32", help="real model: live batches B (G = min(B, 8))")
     parser.add_argument("--new-tokens", type=int, default=64, help="real model: new tokens per completion")
+    parser.add_argument("--temperature", type=float, default=1.0, help="real model: sampling temperature (0: greedy)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -340,7 +341,7 @@ def main_real_model(args) -> None:
     batches = [int(b) for b in args.batches.split(",")]
     repeats = 1 if args.quick else args.repeats
     prompts = chat_prompts(tokenizer, max(-(-b // min(b, 8)) for b in batches), few_shot=False)
-    sampling = SamplingConfig(max_new_tokens=args.new_tokens, temperature=1.0)  # EOS ignored: fixed B
+    sampling = SamplingConfig(max_new_tokens=args.new_tokens, temperature=args.temperature)  # EOS ignored: fixed B
     draft = DraftHead.load(args.draft, model) if args.draft else None
     context = max(len(p) for p in prompts) + args.new_tokens // 2
     start = time.perf_counter()
@@ -393,15 +394,15 @@ def main_real_model(args) -> None:
         print(f"B={batch} done, load average {os.getloadavg()[0]:.2f}", flush=True)
     load_after = os.getloadavg()
     print_table(f"SmolLM2-135M-Instruct, GSM8K test prompts (chat template), {args.new_tokens} new tokens, "
-                f"temperature 1, EOS ignored; cost sizing; median of {repeats} (after 1 warm-up)",
+                f"temperature {args.temperature:g}, EOS ignored; cost sizing; median of {repeats} (after 1 warm-up)",
                 ["B", "prompts x G", "draft", "plain tok/s", "spec tok/s", "speedup", "accept len", "tree sizes"],
                 rows)
     print(f"load average before {load_before[0]:.2f}, after {load_after[0]:.2f} (a shared 2-core machine: "
           f"figures from a loaded machine)")
-    name = "speculative_smollm2_quick" if args.quick else "speculative_smollm2"
+    name = "speculative_smollm2" + ("_greedy" if args.temperature == 0 else "") + ("_quick" if args.quick else "")
     write_results(name, {
         "model": REAL_MODEL, "prompts": "GSM8K test, zero-shot chat template", "new_tokens": args.new_tokens,
-        "temperature": 1.0, "eos_ignored": True, "sizing": "cost", "repeats": repeats,
+        "temperature": args.temperature, "eos_ignored": True, "sizing": "cost", "repeats": repeats,
         "neural_draft": args.draft, "load_average_before": load_before, "load_average_after": load_after,
         "prompt_lengths": [len(p) for p in prompts],
         "profile": {key: {"key": p.key, "c_peak": p.c_peak, "verify": p.to_json()["verify"]}

@@ -27,6 +27,10 @@ of each emitted token is taken from the policy's logits at the node that drew it
 The tree step needs the host every step (its sizing policy reads the live count and acceptance
 statistics), so it checks every step and retires finished rows at once.
 
+History drafts (``history.py``, ``Speculation.history``) add suffix-match chains from the group's
+siblings and earlier rollouts to the draft's tree, or make the tree alone when there is no draft
+(``Speculation(None, history=...)``: no prompt pass, no catch-up, no draft forward).
+
 The draft lags behind lazily: pending pairs (policy feature, token) are read back from the output
 buffers when the draft next runs, so plain steps (speculation off at high B) pay nothing for it.
 
@@ -155,13 +159,14 @@ class TreeStep:
 
     host_check_every = 1
     exact_compaction = True
-    keeps_hidden = True  # the draft reads its pending pairs from the policy's hidden states
+    keeps_hidden = True  # the draft reads its pending pairs from the policy's hidden states (not history)
 
     def __init__(self, draft: DraftHead | None, sizing: SizingPolicy, runner: str = "eager",
                  history: HistoryDrafts | None = None):
         self.draft = draft
         self.sizing = sizing
         self.history = history
+        self.keeps_hidden = draft is not None  # history drafts read tokens only
         # Looked up here, not bound at import, so that the functions can be watched in tests.
         self.draft_tree, self.verify_step = RUNNERS[runner](draft_tree), RUNNERS[runner](verify_step)
         max_nodes, self.max_draft_slots = sizing.bounds()
