@@ -57,7 +57,8 @@ from turbogrpo.rollout import SamplingConfig, generate  # noqa: E402
 from turbogrpo.speculative.decode import Speculation  # noqa: E402
 from turbogrpo.speculative.draft import DraftHead  # noqa: E402
 from turbogrpo.speculative.draft_training import DraftTrainConfig, draft_groups, train_draft  # noqa: E402
-from turbogrpo.speculative.history import HistoryDrafts, HistoryStore  # noqa: E402
+from turbogrpo.speculative.history import (HistoryDrafts, HistoryStore, history_profile,  # noqa: E402
+                                           history_sizing_options)
 from turbogrpo.speculative.policy import FixedSizing, OffSizing, make_sizing  # noqa: E402
 from turbogrpo.speculative.profiler import cached_profile  # noqa: E402
 from turbogrpo.speculative.tree import TreeShape  # noqa: E402
@@ -353,13 +354,16 @@ def main_real_model(args) -> None:
           f"({time.perf_counter() - start:.1f}s)")
 
     def variants() -> dict[str, Speculation]:
-        """Fresh sizing per batch (each learns over its own runs); the store persists over the runs."""
-        found = {"siblings": Speculation(None, "cost", profile=profiles["none"], history=HistoryDrafts(store=None)),
-                 "history": Speculation(None, "cost", profile=profiles["none"],
-                                        history=HistoryDrafts(store=HistoryStore()))}
+        """Fresh sizing policy objects per batch, each learning over its own runs (acceptance and step
+        times), as a trainer's would over steps; the history store persists over the runs too."""
+        def history_cost():
+            return make_sizing("cost", profile=history_profile(profiles["none"]), **history_sizing_options("cost"))
+
+        found = {"siblings": Speculation(None, history_cost(), history=HistoryDrafts(store=None)),
+                 "history": Speculation(None, history_cost(), history=HistoryDrafts(store=HistoryStore()))}
         if draft is not None:
-            found["neural"] = Speculation(draft, "cost", profile=profiles["draft"])
-            found["both"] = Speculation(draft, "cost", profile=profiles["draft"],
+            found["neural"] = Speculation(draft, make_sizing("cost", profile=profiles["draft"]))
+            found["both"] = Speculation(draft, make_sizing("cost", profile=profiles["draft"]),
                                         history=HistoryDrafts(store=HistoryStore()))
         return found
 
@@ -372,7 +376,8 @@ def main_real_model(args) -> None:
             return generate(model, group, num_samples=samples, sampling=sampling, seed=seed, draft=speculation)
 
         runners = {"plain": Runner(rollout)}
-        for name, speculation in variants().items():
+        speculation_of = variants()
+        for name, speculation in speculation_of.items():
             runners[name] = Runner(lambda seed, s=speculation: rollout(seed, s))
         timings = interleaved_medians(runners, repeats=repeats, warmup=1)  # the warm-up fills the stores
         plain_rate = _median_rate(runners["plain"], timings["plain"])
@@ -388,6 +393,7 @@ def main_real_model(args) -> None:
                       "plain_times_s": timings["plain"]["times_s"], "tree_sizes": stats.tree_sizes,
                       "tree_size_counts": {n: sizes.count(n) for n in sorted(set(sizes))},
                       "num_steps": len(stats.tree_sizes), "num_speculative_steps": len(sizes)}
+            result["learnt"] = _learnt(speculation_of[name].sizing)
             results.append(result)
             rows.append([batch, f"{len(group)}x{samples}", name, plain_rate, rate, rate / plain_rate,
                          stats.mean_accepted_length, _sizes_text(stats.tree_sizes)])

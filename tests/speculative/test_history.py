@@ -1,6 +1,8 @@
 """History and sibling drafts: hand-computed suffix matches and trees, greedy equality with plain
 decoding, the chi-square test of losslessness, and no host sync inside the step."""
 
+import math
+
 import pytest
 import torch
 
@@ -12,8 +14,8 @@ from turbogrpo.speculative import decode
 from turbogrpo.speculative.decode import Speculation
 from turbogrpo.speculative.draft import DraftHead
 from turbogrpo.speculative.history import (DEAD_TOKEN, HistoryCorpus, HistoryDrafts, HistoryStore, chain_geometry,
-                                           continuations, corpus_rows, history_tree, row_queries, suffix_matches,
-                                           tree_from_paths)
+                                           continuations, corpus_rows, history_profile, history_sizing_options,
+                                           history_tree, row_queries, suffix_matches, tree_from_paths)
 from turbogrpo.speculative.policy import FixedSizing, make_sizing
 from turbogrpo.speculative.profiler import LatencyCurve, LatencyProfile
 from turbogrpo.speculative.tree import TreeShape, chain_tree
@@ -181,6 +183,14 @@ def test_history_alone_sizes_chains_with_the_cost_policy():
     spec = generate(policy, prompts, num_samples=3, sampling=GREEDY, draft=Speculation(None, "cost", profile=profile,
                                                                                      history=HistoryDrafts()))
     assert spec.stats.tree_sizes[0] == 1 and max(spec.stats.tree_sizes) > 1
+    assert_same_completions(generate(policy, prompts, num_samples=3, sampling=GREEDY), spec)
+    # The policy object learns from timed tree steps: a finite time scale (a one-point zero draft
+    # curve once made it NaN, which kept speculation off for good).
+    sizing = make_sizing("cost", profile=history_profile(profile), **history_sizing_options("cost"))
+    history = HistoryDrafts()
+    for _round in range(3):
+        spec = generate(policy, prompts, num_samples=3, sampling=GREEDY, draft=Speculation(None, sizing, history=history))
+    assert sizing.num_timed["tree"] > 0 and math.isfinite(sizing.tree_scale)
     assert_same_completions(generate(policy, prompts, num_samples=3, sampling=GREEDY), spec)
     with pytest.raises(ValueError, match="draft curve"):
         make_sizing("cost", profile=profile)

@@ -302,7 +302,7 @@ def history_sizing_options(name: str) -> dict:
 
 def history_profile(profile: LatencyProfile) -> LatencyProfile:
     """``profile`` with a draft curve of zero seconds: history drafts run no draft forward."""
-    return replace(profile, draft=LatencyCurve((1,), (0.0,)))
+    return replace(profile, draft=LatencyCurve((1, 2), (0.0, 0.0)))  # two points: a curve needs a segment
 
 
 def propose_history(state: DecodeState, corpus: HistoryCorpus, drafts: HistoryDrafts, num_chains: int, depth: int,
