@@ -2,6 +2,14 @@
 completions.
 
     .venv/bin/python bench/speculative.py [--quick] [--model demo] [--draft DIR] [--threads N]
+    .venv/bin/python bench/speculative.py --model smollm2-135m-instruct [--batches 1,4,8,32] [--new-tokens 64]
+
+With ``--model smollm2-135m-instruct`` (the real model) it runs GSM8K test prompts with the chat
+template instead (``main_real_model``): per live batch B (prompts x G samples, EOS ignored so all B
+run the same steps, temperature 1 or ``--temperature``), plain vs. history drafts (siblings only, and siblings plus the
+completions of earlier rollouts of the same prompts), sized by the cost policy; acceptance per draft
+kind and the tree sizes chosen. No neural draft is trained for this model here, so "neural" and
+"both" are reported only with ``--draft DIR``. Writes bench/results/speculative_smollm2[_greedy].json.
 
 Parts (every variant is timed in the same process, interleaved with the plain engine, medians):
 
@@ -41,6 +49,7 @@ import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import RESULTS_DIR, interleaved_medians, print_table, write_results  # noqa: E402
+from real_model import REAL_MODEL, chat_prompts, load_real_model  # noqa: E402
 
 from turbogrpo.data import build_prompts, demo_records  # noqa: E402
 from turbogrpo.models import load_demo_model, load_model_and_tokenizer  # noqa: E402
@@ -49,6 +58,9 @@ from turbogrpo.speculative.decode import Speculation  # noqa: E402
 from turbogrpo.speculative.draft import DraftHead  # noqa: E402
 from turbogrpo.config import DraftLearningConfig  # noqa: E402
 from turbogrpo.speculative.draft_training import draft_groups, train_draft  # noqa: E402
+from turbogrpo.speculative.history import (HistoryDrafts, HistoryStore, history_profile,  # noqa: E402
+                                           history_sizing_options)
+from turbogrpo.speculative.sizing import FixedSizing, OffSizing, make_sizing  # noqa: E402
 from turbogrpo.speculative.profiler import cached_profile  # noqa: E402
 from turbogrpo.speculative.sizing import FixedSizing, OffSizing, make_sizing  # noqa: E402
 from turbogrpo.speculative.tree import TreeShape  # noqa: E402
@@ -72,9 +84,14 @@ def main() -> None:
     parser.add_argument("--tail-alpha", type=float, default=1.2, help="Pareto exponent of the long-tail lengths")
     parser.add_argument("--draft-prompts", type=int, default=64)
     parser.add_argument("--draft-epochs", type=int, default=12)
+    parser.add_argument("--batches", default="1,4,8,32", help="real model: live batches B (G = min(B, 8))")
+    parser.add_argument("--new-tokens", type=int, default=64, help="real model: new tokens per completion")
+    parser.add_argument("--temperature", type=float, default=1.0, help="real model: sampling temperature (0: greedy)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.model == REAL_MODEL:
+        return main_real_model(args)
     repeats = 1 if args.quick else args.repeats
     batch_sizes = (1, 4) if args.quick else (1, 4, 16, 64)
 
@@ -316,6 +333,88 @@ def plot_tree_sizes(traces: dict, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     print(f"wrote {path}")
+
+
+def main_real_model(args) -> None:
+    """Plain vs. history (and, with --draft, neural and both) drafts on SmolLM2 with GSM8K prompts."""
+    import os
+    load_before = os.getloadavg()
+    model, tokenizer = load_real_model()
+    batches = [int(b) for b in args.batches.split(",")]
+    repeats = 1 if args.quick else args.repeats
+    prompts = chat_prompts(tokenizer, max(-(-b // min(b, 8)) for b in batches), few_shot=False)
+    sampling = SamplingConfig(max_new_tokens=args.new_tokens, temperature=args.temperature)  # EOS ignored: fixed B
+    draft = DraftHead.load(args.draft, model) if args.draft else None
+    context = max(len(p) for p in prompts) + args.new_tokens // 2
+    start = time.perf_counter()
+    # Up to 128 tokens per forward: trees are priced inside that range only (B * N <= 128).
+    profiles = {"none": cached_profile(model, context_length=context, max_tokens=128)}
+    if draft is not None:
+        profiles["draft"] = cached_profile(model, context_length=context, draft=draft, max_tokens=128)
+    print(f"latency profile {profiles['none'].key}: C_peak = {profiles['none'].c_peak} tokens "
+          f"({time.perf_counter() - start:.1f}s)")
+
+    def variants() -> dict[str, Speculation]:
+        """Fresh sizing policy objects per batch, each learning over its own runs (acceptance and step
+        times), as a trainer's would over steps; the history store persists over the runs too."""
+        def history_cost():
+            return make_sizing("cost", profile=history_profile(profiles["none"]), **history_sizing_options("cost"))
+
+        found = {"siblings": Speculation(None, history_cost(), history=HistoryDrafts(store=None)),
+                 "history": Speculation(None, history_cost(), history=HistoryDrafts(store=HistoryStore()))}
+        if draft is not None:
+            found["neural"] = Speculation(draft, make_sizing("cost", profile=profiles["draft"]))
+            found["both"] = Speculation(draft, make_sizing("cost", profile=profiles["draft"]),
+                                        history=HistoryDrafts(store=HistoryStore()))
+        return found
+
+    rows, results = [], []
+    for batch in batches:
+        samples = min(batch, 8)
+        group = prompts[:batch // samples]
+
+        def rollout(seed, speculation=None, group=group, samples=samples):
+            return generate(model, group, num_samples=samples, sampling=sampling, seed=seed, draft=speculation)
+
+        runners = {"plain": Runner(rollout)}
+        speculation_of = variants()
+        for name, speculation in speculation_of.items():
+            runners[name] = Runner(lambda seed, s=speculation: rollout(seed, s))
+        timings = interleaved_medians(runners, repeats=repeats, warmup=1)  # the warm-up fills the stores
+        plain_rate = _median_rate(runners["plain"], timings["plain"])
+        for name in runners:
+            if name == "plain":
+                continue
+            rate = _median_rate(runners[name], timings[name])
+            stats = runners[name].rollouts[-1].stats
+            sizes = [n for n in stats.tree_sizes if n > 1]
+            result = {"batch": batch, "prompts": len(group), "num_samples": samples, "kind": name,
+                      "plain_tokens_per_s": plain_rate, "tokens_per_s": rate, "speedup": rate / plain_rate,
+                      "accept_length": stats.mean_accepted_length, "times_s": timings[name]["times_s"],
+                      "plain_times_s": timings["plain"]["times_s"], "tree_sizes": stats.tree_sizes,
+                      "tree_size_counts": {n: sizes.count(n) for n in sorted(set(sizes))},
+                      "num_steps": len(stats.tree_sizes), "num_speculative_steps": len(sizes)}
+            result["learnt"] = _learnt(speculation_of[name].sizing)
+            results.append(result)
+            rows.append([batch, f"{len(group)}x{samples}", name, plain_rate, rate, rate / plain_rate,
+                         stats.mean_accepted_length, _sizes_text(stats.tree_sizes)])
+        print(f"B={batch} done, load average {os.getloadavg()[0]:.2f}", flush=True)
+    load_after = os.getloadavg()
+    print_table(f"SmolLM2-135M-Instruct, GSM8K test prompts (chat template), {args.new_tokens} new tokens, "
+                f"temperature {args.temperature:g}, EOS ignored; cost sizing; median of {repeats} (after 1 warm-up)",
+                ["B", "prompts x G", "draft", "plain tok/s", "spec tok/s", "speedup", "accept len", "tree sizes"],
+                rows)
+    print(f"load average before {load_before[0]:.2f}, after {load_after[0]:.2f} (a shared 2-core machine: "
+          f"figures from a loaded machine)")
+    name = "speculative_smollm2" + ("_greedy" if args.temperature == 0 else "") + ("_quick" if args.quick else "")
+    write_results(name, {
+        "model": REAL_MODEL, "prompts": "GSM8K test, zero-shot chat template", "new_tokens": args.new_tokens,
+        "temperature": args.temperature, "eos_ignored": True, "sizing": "cost", "repeats": repeats,
+        "neural_draft": args.draft, "load_average_before": load_before, "load_average_after": load_after,
+        "prompt_lengths": [len(p) for p in prompts],
+        "profile": {key: {"key": p.key, "c_peak": p.c_peak, "verify": p.to_json()["verify"]}
+                    for key, p in profiles.items()},
+        "results": results})
 
 
 if __name__ == "__main__":

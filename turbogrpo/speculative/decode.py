@@ -27,6 +27,10 @@ of each emitted token is taken from the policy's logits at the node that drew it
 The tree step needs the host every step (its sizing policy reads the live count and acceptance
 statistics), so it checks every step and retires finished rows at once.
 
+History drafts (``history.py``, ``Speculation.history``) add suffix-match chains from the group's
+siblings and earlier rollouts to the draft's tree, or make the tree alone when there is no draft
+(``Speculation(None, history=...)``: no prompt pass, no catch-up, no draft forward).
+
 The draft lags behind lazily: pending pairs (policy feature, token) are read back from the output
 buffers when the draft next runs, so plain steps (speculation off at high B) pay nothing for it.
 
@@ -53,6 +57,8 @@ from turbogrpo.rollout.step import DecodeState, PlainStep
 from turbogrpo.rollout.types import Rollout, RolloutStats
 from turbogrpo.speculative.draft import DraftHead
 from turbogrpo.speculative.draft_decoding import DraftKVCache, TreeDrafter, catch_up, prefill_draft
+from turbogrpo.speculative.history import (HistoryDrafts, chain_geometry, history_profile, history_sizing_options,
+                                           propose_history)
 from turbogrpo.speculative.profiler import DeviceStopwatch, LatencyProfile, cached_profile
 from turbogrpo.speculative.sizing import SizingPolicy, make_sizing
 from turbogrpo.speculative.tree import DraftTree, TreeShape, build_tree
@@ -63,7 +69,8 @@ from turbogrpo.speculative.verify import TreeVerdict, verify_tree
 class Speculation:
     """How ``generate(draft=...)`` speculates: the draft head, its tree sizing and runner."""
 
-    draft: DraftHead
+    draft: DraftHead | None
+    """The neural draft; None speculates with ``history`` alone (no draft forward)."""
     sizing: SizingPolicy | str = "cost"
     """A sizing policy object (it keeps its acceptance statistics across rollouts) or a registered
     name (``off``, ``fixed``, ``fastgrpo``, ``cost``), built afresh for each rollout."""
@@ -73,13 +80,20 @@ class Speculation:
     """Key of ``turbogrpo.rollout.compiled.RUNNERS``: how the tree step's device parts run (eager, or
     compiled whole by ``torch.compile``). Each tree shape, catch-up width and cache bound is its own
     graph (the host picks them), so compiling pays only where shapes repeat; the default stays eager."""
+    history: HistoryDrafts | None = None
+    """Suffix-match candidates from the group's siblings and earlier rollouts (``history.py``), merged
+    into the neural draft's trees, or alone when ``draft`` is None. Keep one object across rollouts so
+    that its store remembers earlier completions of recurring prompts."""
 
     def make_step(self, model: nn.Module, prompts: list[torch.Tensor], sampling: SamplingConfig) -> TreeStep:
         """The engine's ``DecodeStep`` for one rollout (see ``turbogrpo.rollout.step``)."""
-        _check_draft(self.draft, model)
+        if self.draft is not None or self.history is None:
+            _check_draft(self.draft, model)
+        if self.history is not None and not isinstance(self.history, HistoryDrafts):
+            raise ValueError(f"Speculation.history must be a HistoryDrafts or None, got {type(self.history).__name__}")
         if self.runner not in RUNNERS:
             raise ValueError(f"Speculation.runner must be one of {sorted(RUNNERS)}, got {self.runner!r}")
-        return TreeStep(self.draft, resolve_sizing(self, model, prompts, sampling), self.runner)
+        return TreeStep(self.draft, resolve_sizing(self, model, prompts, sampling), self.runner, self.history)
 
 
 @dataclass
@@ -124,6 +138,9 @@ def resolve_sizing(speculation: Speculation, model: nn.Module, prompts: list[tor
         # The context a typical step attends to: the longest prompt plus half the generation.
         context = max(len(p) for p in prompts) + sampling.max_new_tokens // 2
         profile = cached_profile(model, context_length=context, draft=speculation.draft)
+    if speculation.draft is None:  # history alone: chains, and no draft forward to pay for
+        return make_sizing(speculation.sizing, profile=profile and history_profile(profile),
+                           **history_sizing_options(speculation.sizing))
     return make_sizing(speculation.sizing, profile=profile)
 
 
@@ -136,6 +153,7 @@ class _VerifiedStep:
     shape: TreeShape | None
     feedback: torch.Tensor | None
     catch_up_tokens: int = 0
+    num_nodes: int = 1
 
 
 class TreeStep:
@@ -143,15 +161,19 @@ class TreeStep:
 
     host_check_every = 1
     exact_compaction = True
-    keeps_hidden = True  # the draft reads its pending pairs from the policy's hidden states
+    keeps_hidden = True  # the draft reads its pending pairs from the policy's hidden states (not history)
 
-    def __init__(self, draft: DraftHead, sizing: SizingPolicy, runner: str = "eager"):
+    def __init__(self, draft: DraftHead | None, sizing: SizingPolicy, runner: str = "eager",
+                 history: HistoryDrafts | None = None):
         self.draft = draft
         self.sizing = sizing
+        self.history = history
+        self.keeps_hidden = draft is not None  # history drafts read tokens only
         # Looked up here, not bound at import, so that the functions can be watched in tests.
         self.draft_tree, self.verify_step = RUNNERS[runner](draft_tree), RUNNERS[runner](verify_step)
         max_nodes, self.max_draft_slots = sizing.bounds()
-        self.extra_slots = max_nodes
+        merged = history.extra_nodes(max_nodes - 1) if history is not None and draft is not None else 0
+        self.extra_slots = max_nodes + merged
 
     def make_stats(self) -> SpeculativeStats:
         self.stats = SpeculativeStats()
@@ -162,9 +184,11 @@ class TreeStep:
         num_completions = state.num_completions
         self.max_new = state.sampling.max_new_tokens
         # A catch-up pass pads every row to the longest backlog, so rows may write up to 2 * max_new slots.
-        self.draft_cache = DraftKVCache(prompt_lengths, state.num_samples,
-                                        capacity=2 * self.max_new + self.max_draft_slots, device=state.next_B.device)
-        self.draft_prefilled = False
+        self.draft_cache = None if self.draft is None else DraftKVCache(
+            prompt_lengths, state.num_samples, capacity=2 * self.max_new + self.max_draft_slots,
+            device=state.next_B.device)
+        self.corpus = None if self.history is None else self.history.start(state.prompts, state.num_samples)
+        self.draft_prefilled = self.draft is None  # nothing to prefill without a neural draft
         self.pending: _VerifiedStep | None = None
         self.stopwatch = DeviceStopwatch(state.next_B.device)
         # Per live row, on the host: tokens emitted, and how many of them the draft has seen. Exact for
@@ -177,11 +201,15 @@ class TreeStep:
     def __call__(self, state: DecodeState) -> None:
         cache, draft_cache = state.cache, self.draft_cache
         cache.max_length = max(self.emitted_host) - 1  # the root token is not committed yet
-        draft_cache.max_length = max(self.draft_seen_host)
+        if draft_cache is not None:
+            draft_cache.max_length = max(self.draft_seen_host)
         shape = self.sizing.choose(cache.num_live, draft_ready=self.draft_prefilled, position=max(self.emitted_host))
         if shape is None:
             PlainStep()(state)
             self.pending = _VerifiedStep(None, None, None)
+            return
+        if self.draft is None:
+            self._history_tree_step(state, shape)
             return
         if not self.draft_prefilled:
             # The draft's prompt pass waits for the first tree, so rollouts that never speculate
@@ -195,18 +223,38 @@ class TreeStep:
             self.stats.num_draft_forwards += 1
         pending_width = max(e - s for e, s in zip(self.emitted_host, self.draft_seen_host))
         catch_up_tokens = pending_width * cache.num_live
-        # Drawn before the step: a torch.Generator cannot be traced. The same numbers, in the same
-        # order, as drawing them at the acceptance (the draft draws none).
-        uniform_BN = None if state.sampling.greedy else torch.rand(
-            (cache.num_live, shape.num_nodes), generator=state.generator, device=state.next_B.device)
+        num_chains = 0 if self.history is None else self.history.num_chains
+        uniform_BN = self._uniforms(state, shape.num_nodes + num_chains * shape.depth)
         with self.stopwatch:
             tree = self.draft_tree(state, self.draft, draft_cache, shape, pending_width)
+            if self.history is not None:  # merged: the neural tree plus the history's chains
+                tree = propose_history(state, self.corpus, self.history, num_chains, shape.depth,
+                                       max(self.emitted_host), tree)
         self.draft_seen_host = list(self.emitted_host)
         draft_cache.max_length = max(self.draft_seen_host)
         self.stats.num_draft_forwards += shape.depth
+        self._verify(state, tree, uniform_BN, shape, catch_up_tokens)
+
+    def _history_tree_step(self, state: DecodeState, shape: TreeShape) -> None:
+        """A tree step of history chains alone: no draft forward, nothing to catch up."""
+        num_chains, depth = chain_geometry(shape)
+        uniform_BN = self._uniforms(state, 1 + num_chains * depth)
+        with self.stopwatch:
+            tree = propose_history(state, self.corpus, self.history, num_chains, depth, max(self.emitted_host))
+        self._verify(state, tree, uniform_BN, shape, 0)
+
+    @staticmethod
+    def _uniforms(state: DecodeState, num_nodes: int) -> torch.Tensor | None:
+        # Drawn before the step: a torch.Generator cannot be traced. The same numbers, in the same
+        # order, as drawing them at the acceptance (the draft draws none).
+        return None if state.sampling.greedy else torch.rand(
+            (state.cache.num_live, num_nodes), generator=state.generator, device=state.next_B.device)
+
+    def _verify(self, state: DecodeState, tree: DraftTree, uniform_BN: torch.Tensor | None, shape: TreeShape,
+                catch_up_tokens: int) -> None:
         verdict = self.verify_step(state, tree, uniform_BN)
         self.pending = _VerifiedStep(verdict.num_accepted, shape, self.sizing.feedback(tree, verdict),
-                                     catch_up_tokens)
+                                     catch_up_tokens, tree.tokens.shape[1])
 
     def host_values(self) -> torch.Tensor | None:
         step = self.pending
@@ -233,18 +281,21 @@ class TreeStep:
             accepted = [int(v) for v in values[:num_rows]]
             if step.feedback is not None:
                 self.sizing.observe(values[num_rows:])
-        self.stats.tree_sizes.append(1 if step.shape is None else step.shape.num_nodes)
+        self.stats.tree_sizes.append(step.num_nodes)
         self.stats.accepted_lengths.append(sum(accepted) / num_rows + 1)
         self.emitted_host = [e + a + 1 for e, a in zip(self.emitted_host, accepted)]
 
     def keep(self, rows: list[int]) -> None:
-        self.draft_cache.keep(rows)
+        if self.draft_cache is not None:
+            self.draft_cache.keep(rows)
         self.emitted_host = [self.emitted_host[r] for r in rows]
         self.draft_seen_host = [self.draft_seen_host[r] for r in rows]
 
     def finish(self, rollout: Rollout) -> None:
         self.stats.draft_seconds = self.stopwatch.seconds
         self.sizing.observe_lengths([len(tokens) for tokens in rollout.tokens])
+        if self.history is not None:
+            self.history.record(rollout.prompts, rollout.tokens_per_group())
 
 
 def _check_draft(draft: object, model: nn.Module) -> None:
@@ -269,7 +320,8 @@ def verify_step(state: DecodeState, tree: DraftTree, uniform_BN: torch.Tensor | 
     acceptance with the uniform numbers ``uniform_BN`` (None when greedy), emission of the accepted
     path and the bonus token, and the commit of the path's K/V (finished rows' too: they are retired
     at the next host check, so nothing reads them)."""
-    hidden_BNH = forward_new_tokens(state.model, state.cache, tree.tokens, tree.depths, tree.ancestors)
+    # Dead nodes (history.DEAD_TOKEN, never accepted) go through the forward as token 0.
+    hidden_BNH = forward_new_tokens(state.model, state.cache, tree.tokens.clamp(min=0), tree.depths, tree.ancestors)
     logits_BNV = state.lm_head(hidden_BNH).float()
     verdict = verify_tree(tree, logits_BNV, state.sampling, uniform_BN=uniform_BN)
     emitted_BD, logprobs_BD, hidden_BDH = _path_outputs(tree, verdict, logits_BNV, hidden_BNH, state.sampling)

@@ -34,6 +34,7 @@ from turbogrpo.config import Config, DraftLearningConfig
 from turbogrpo.rollout import Rollout
 from turbogrpo.speculative.decode import Speculation, SpeculativeStats
 from turbogrpo.speculative.draft import DraftHead
+from turbogrpo.speculative.history import HistoryDrafts
 from turbogrpo.speculative.draft_training import (DraftGroup, make_optimizer, prompt_features,
                                                   train_draft)
 from turbogrpo.speculative.profiler import cached_profile
@@ -66,13 +67,16 @@ class OnlineDraft:
     optimizer: torch.optim.Optimizer | None
     settings: DraftLearningConfig
     """The [draft] section: loss weights, lr, steps per GRPO step, the token budget (max_tokens)."""
+    history: HistoryDrafts | None = None
+    """History/sibling drafts merged into the draft's trees; one object for the run, so that its store
+    keeps earlier steps' completions of recurring prompts (None: the neural draft alone)."""
 
     @property
     def learns(self) -> bool:
         return self.optimizer is not None
 
     def speculation(self) -> Speculation:
-        return Speculation(self.draft, sizing=self.sizing)
+        return Speculation(self.draft, sizing=self.sizing, history=self.history)
 
     def collect(self, policy: nn.Module, rollout: Rollout, seed: int) -> list[DraftGroup]:
         """The draft's training data from ``rollout`` (generated with ``return_hidden``): every group,
