@@ -98,12 +98,16 @@ def test_sigkill_then_resume_equals_uninterrupted_run(tmp_path, extra):
         assert a == b, {k: (a.get(k), b.get(k)) for k in a.keys() | b.keys() if a.get(k) != b.get(k)}
 
 
+LONG_RUN_STEPS = 1_000_000
+
+
 def long_run_after_its_first_checkpoint(tmp_path):
-    """A 200-step ``turbogrpo train`` child, returned once it printed its first checkpoint; and its config
-    file, set options and output folder."""
+    """A ``turbogrpo train`` child far too long to finish by itself (so only the test's signal ends it, on
+    however fast a machine), returned once it printed its first checkpoint; and its config file, set
+    options and output folder."""
     model_dir, rows, config, env = subprocess_run_setup(tmp_path)
     out = tmp_path / "out"
-    sets = overrides(model_dir, rows, out, **{"train.num_steps": 200, "train.checkpoint_every": 1,
+    sets = overrides(model_dir, rows, out, **{"train.num_steps": LONG_RUN_STEPS, "train.checkpoint_every": 1,
                                               "data.eval_path": '""'})
     child = subprocess.Popen(command(config, sets), cwd=REPO, env=env, stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True)
@@ -133,5 +137,5 @@ def test_ctrl_c_or_sigterm_prints_one_line_naming_the_checkpoint_and_the_lock_ke
     assert re.fullmatch(rf"turbogrpo: {how} at step (\d+); continue with `turbogrpo train {config} --resume` "
                         rf"\(with the same --set options\) \(from {out}/step-(\d+)\)", last), last
     step, saved = map(int, re.fullmatch(r".* at step (\d+);.*step-(\d+)\)", last).groups())
-    assert 1 <= saved <= step < 200
+    assert 1 <= saved <= step < LONG_RUN_STEPS
     assert ckpt.checkpoint_problem(out / f"step-{saved:06d}") is None
