@@ -79,11 +79,17 @@ def packaged_gguf_file(name: str) -> Path:
     return path
 
 
+def gguf_source_file(source: str | os.PathLike) -> Path:
+    """The GGUF file a model.path reads: the path itself, or a packaged model's file."""
+    text = str(source)
+    return Path(text).expanduser() if text.lower().endswith(GGUF_SUFFIX) else packaged_gguf_file(text)
+
+
 def gguf_model_folder(source: str | os.PathLike, *, cache: Path | None = None) -> Path:
     """A ``save_pretrained`` folder holding GGUF model ``source`` (a ``.gguf`` path or a packaged name),
     converted on first use and reused while its record matches the source."""
     text = str(source)
-    gguf_path = packaged_gguf_file(text) if not text.lower().endswith(GGUF_SUFFIX) else Path(text).expanduser()
+    gguf_path = gguf_source_file(text)
     if not gguf_path.is_file():
         raise ValueError(f"model path {text!r} is not an existing .gguf file")
     gguf_path = gguf_path.resolve()

@@ -20,7 +20,7 @@ from transformers import (AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Llam
                           MistralForCausalLM, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase,
                           PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
-from turbogrpo.gguf_models import gguf_model_folder, is_gguf_source, packaged_gguf_file
+from turbogrpo.gguf_models import gguf_model_folder, gguf_source_file, is_gguf_source
 
 DTYPES = {
     "float32": torch.float32,
@@ -324,9 +324,7 @@ def model_source(path: str) -> Path:
     a packaged GGUF model's file, else ``path`` itself (a folder, a .gguf file, or a Hub id)."""
     if path in SHIPPED_MODELS:
         return SHIPPED_MODELS[path][0]
-    if is_gguf_source(path) and not path.lower().endswith(".gguf"):
-        return packaged_gguf_file(path)
-    return Path(path)
+    return gguf_source_file(path) if is_gguf_source(path) else Path(path)
 
 
 def demo_model_path() -> Path:
