@@ -40,7 +40,7 @@ from pathlib import Path
 import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import interleaved_medians, print_table, write_results  # noqa: E402
+from harness import interleaved_medians, peak_rss_mb, print_table, reset_peak_rss, write_results  # noqa: E402
 from prefix import BENCH_MODEL  # noqa: E402
 
 from turbogrpo.config import load_config  # noqa: E402
@@ -239,12 +239,42 @@ class TrlStepper:
 # --- the benchmark -------------------------------------------------------------------------------------
 
 
+class StepMemory:
+    """Wraps a stepper: each call records the step's transient peak, the process's peak resident set
+    during the step (Linux VmHWM, reset before it) minus the resident set it started from, in MB.
+
+    Both trainers live in one process, so a step's absolute peak also holds the other trainer's model;
+    the transient peak is what the step itself adds on top of what persists between steps (weights,
+    gradients, optimizer state: see :func:`training_state_mb`)."""
+
+    def __init__(self, step):
+        self.step = step
+        self.transient_mb: list[float] = []
+
+    def __call__(self) -> None:
+        before = reset_peak_rss()
+        self.step()
+        self.transient_mb.append(peak_rss_mb() - before)
+
+
+def training_state_mb(model: torch.nn.Module) -> dict[str, float]:
+    """Bytes that persist across steps for full fine-tuning with AdamW, from the parameter count:
+    weights and gradients in the parameters' dtype, AdamW's two moments in float32."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    grads = sum(p.numel() * p.element_size() for p in trainable)
+    adamw = sum(2 * p.numel() * 4 for p in trainable)
+    return {"weights_mb": weights / 2 ** 20, "grads_mb": grads / 2 ** 20, "adamw_mb": adamw / 2 ** 20,
+            "total_mb": (weights + grads + adamw) / 2 ** 20}
+
+
 def bench(shape: dict, workdir: Path, repeats: int, warmup: int) -> dict:
     print(f"\n{shape['name']}: {shape['num_prompts']} prompts x G={shape['num_generations']}, "
           f"up to {shape['max_new_tokens']} new tokens ...", flush=True)
     ours = TurboStepper(shape, workdir)
     trl = TrlStepper(shape, workdir, num_steps=warmup + repeats)
-    timings = interleaved_medians({"trl": trl, "turbogrpo": ours}, repeats=repeats, warmup=warmup)
+    memory = {"trl": StepMemory(trl), "turbogrpo": StepMemory(ours)}
+    timings = interleaved_medians(memory, repeats=repeats, warmup=warmup)
     trl.thread.join(timeout=60)
     ours_phases = {p: statistics.median(r.get(f"time/{p}", 0.0) for r in ours.records[warmup:]) for p in PHASES}
     trl_phases = {p: statistics.median(TrlStepper.phases(r)[p] for r in trl.records[warmup:]) for p in PHASES}
@@ -256,6 +286,9 @@ def bench(shape: dict, workdir: Path, repeats: int, warmup: int) -> dict:
         "warmup_steps": warmup, "timed_steps": repeats,
         "timings": timings, "phases_s": {"trl": trl_phases, "turbogrpo": ours_phases},
         "speedup": timings["trl"]["median_s"] / timings["turbogrpo"]["median_s"],
+        "memory_mb": {name: {"step_transient_peak": max(m.transient_mb[warmup:]),
+                             **training_state_mb(ours.run.policy if name == "turbogrpo" else trl.trainer.model)}
+                      for name, m in memory.items()},
         "settings": SETTINGS,
     }
     return record
@@ -303,6 +336,10 @@ def main() -> None:
             phases = r["phases_s"][name]
             phase_rows.append([r["shape"], name, *(phases[p] for p in PHASES)])
     print_table("Phase breakdown (median seconds per step)", ["shape", "trainer", *PHASES], phase_rows)
+    memory_rows = [[r["shape"], name, m["step_transient_peak"], m["weights_mb"], m["grads_mb"], m["adamw_mb"],
+                    m["total_mb"]] for r in records for name, m in r["memory_mb"].items()]
+    print_table("Memory (MB): a step's transient peak (measured) next to what persists between steps",
+                ["shape", "trainer", "step peak", "weights", "grads", "AdamW", "persistent"], memory_rows)
     load = {"before": load_before, "after": os.getloadavg()}
     print(f"load average (1, 5, 15 min) before {load['before']}, after {load['after']} on {os.cpu_count()} cores")
     write_results("e2e" if args.shapes == "prompt-heavy,demo" else "e2e_" + args.shapes.replace(",", "_"), {"shapes": records,

@@ -29,6 +29,28 @@ def test_cuda_chunks_scale_with_device_memory(monkeypatch):
     assert lm_head.logit_chunk_rows(10_000, 151936, torch.bfloat16, torch.device("cuda", 0)) == 1542
 
 
+def test_logits_are_kept_for_the_backward_up_to_a_sixteenth_of_device_memory(monkeypatch):
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(lm_head, "_device_memory_bytes", lambda device: 24 * 2 ** 30)
+    # 24 GiB / 16 = 1.5 GiB: 8192 float32 rows at vocab 49152 are 1.5 GiB exactly (kept), one more is not.
+    assert not lm_head.recomputes_logits(8192, 49152, torch.float32, cpu)
+    assert lm_head.recomputes_logits(8193, 49152, torch.float32, cpu)
+    assert not lm_head.recomputes_logits(16384, 49152, torch.bfloat16, cpu)   # half the bytes per logit
+
+
+def test_kept_logits_skip_the_recomputing_matmul(monkeypatch):
+    calls = []
+    head = torch.nn.Linear(4, 9, bias=False)
+    head.register_forward_hook(lambda *args: calls.append(1))
+    hidden = torch.randn(6, 4, requires_grad=True)
+    for recompute, expected_calls in ((True, 2), (False, 1)):
+        calls.clear()
+        monkeypatch.setattr(lm_head, "recomputes_logits", lambda *args, value=recompute: value)
+        logps, _ = lm_head.lm_head_logprobs(hidden, head, torch.randint(9, (6,)))
+        logps.sum().backward()
+        assert len(calls) == expected_calls
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled chunk kernels are used on CUDA only")
 def test_compiled_cuda_kernels_match_eager():
     torch.manual_seed(0)

@@ -23,10 +23,12 @@ def test_two_token_vocabulary_by_hand():
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 @pytest.mark.parametrize("chunk_rows", [3, 1000], ids=["chunked", "one-chunk"])
-def test_values_and_gradients_equal_autograd_of_log_softmax(monkeypatch, temperature, chunk_rows):
+@pytest.mark.parametrize("recompute", [True, False], ids=["recomputed-logits", "kept-logits"])
+def test_values_and_gradients_equal_autograd_of_log_softmax(monkeypatch, temperature, chunk_rows, recompute):
     torch.manual_seed(0)
     vocab, hidden_size, num_tokens = 11, 6, 10
     monkeypatch.setattr(lm_head, "logit_chunk_rows", lambda *args: chunk_rows)
+    monkeypatch.setattr(lm_head, "recomputes_logits", lambda *args: recompute)
     head = nn.Linear(hidden_size, vocab, bias=False).double()
     hidden = torch.randn(num_tokens, hidden_size, dtype=torch.float64, requires_grad=True)
     targets = torch.randint(vocab, (num_tokens,))
