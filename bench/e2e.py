@@ -42,10 +42,12 @@ import torch  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import interleaved_medians, peak_rss_mb, print_table, reset_peak_rss, write_results  # noqa: E402
 from prefix import BENCH_MODEL  # noqa: E402
+from real_model import large_matmul_gflops  # noqa: E402
 
 from turbogrpo.config import load_config  # noqa: E402
 from turbogrpo.data import demo_records  # noqa: E402
 from turbogrpo.models import declared_tokenizer, demo_model_path  # noqa: E402
+from turbogrpo.prefix.cost import ModelDims, layout_flops  # noqa: E402
 from turbogrpo.rewards import Reward, math_accuracy_reward  # noqa: E402
 from turbogrpo.train import distributed, loop, setup  # noqa: E402
 from turbogrpo.train.run import build_run  # noqa: E402
@@ -268,6 +270,18 @@ def training_state_mb(model: torch.nn.Module) -> dict[str, float]:
             "total_mb": (weights + grads + adamw) / 2 ** 20}
 
 
+def update_gflops(ours: TurboStepper, records: list[dict], shape: dict, prompt_tokens: float, update_s: float) -> float:
+    """The rate of turbogrpo's update: forward + backward = 3x the shared layout's forward FLOPs
+    (prefix.cost.layout_flops) over its median update seconds. Lengths are the timed steps' means
+    (mean prompt, mean completion, groups trained), exact for the weight matmuls, which are linear in
+    tokens; attention's quadratic share is approximated."""
+    groups = statistics.mean(r.get("frac_groups_trained", 1.0) for r in records) * shape["num_prompts"]
+    completion = statistics.mean(r["completion_length/mean"] for r in records)
+    dims = ModelDims.of(ours.run.policy)
+    flops = layout_flops(dims, [round(prompt_tokens)], [[round(completion)] * shape["num_generations"]]).shared
+    return 3 * flops * groups / update_s / 1e9
+
+
 def bench(shape: dict, workdir: Path, repeats: int, warmup: int) -> dict:
     print(f"\n{shape['name']}: {shape['num_prompts']} prompts x G={shape['num_generations']}, "
           f"up to {shape['max_new_tokens']} new tokens ...", flush=True)
@@ -279,6 +293,8 @@ def bench(shape: dict, workdir: Path, repeats: int, warmup: int) -> dict:
     ours_phases = {p: statistics.median(r.get(f"time/{p}", 0.0) for r in ours.records[warmup:]) for p in PHASES}
     trl_phases = {p: statistics.median(TrlStepper.phases(r)[p] for r in trl.records[warmup:]) for p in PHASES}
     prompt_tokens = statistics.mean(len(e.token_ids) for e in ours.run.batches.examples)
+    update_rate = update_gflops(ours, ours.records[warmup:], shape, prompt_tokens, ours_phases["update"])
+    large_rate = large_matmul_gflops()
     record = {
         "shape": shape["name"], "num_prompts": shape["num_prompts"], "num_generations": shape["num_generations"],
         "max_new_tokens": shape["max_new_tokens"], "mean_prompt_tokens": prompt_tokens,
@@ -286,6 +302,8 @@ def bench(shape: dict, workdir: Path, repeats: int, warmup: int) -> dict:
         "warmup_steps": warmup, "timed_steps": repeats,
         "timings": timings, "phases_s": {"trl": trl_phases, "turbogrpo": ours_phases},
         "speedup": timings["trl"]["median_s"] / timings["turbogrpo"]["median_s"],
+        "update_gflops": update_rate, "large_matmul_gflops": large_rate,
+        "update_fraction_of_large_matmul": update_rate / large_rate,
         "memory_mb": {name: {"step_transient_peak": max(m.transient_mb[warmup:]),
                              **training_state_mb(ours.run.policy if name == "turbogrpo" else trl.trainer.model)}
                       for name, m in memory.items()},
@@ -336,6 +354,10 @@ def main() -> None:
             phases = r["phases_s"][name]
             phase_rows.append([r["shape"], name, *(phases[p] for p in PHASES)])
     print_table("Phase breakdown (median seconds per step)", ["shape", "trainer", *PHASES], phase_rows)
+    print_table("turbogrpo's update rate (forward + backward GFLOP/s) against this process's large-matmul rate",
+                ["shape", "update GFLOP/s", "large matmul GFLOP/s", "fraction"],
+                [[r["shape"], r["update_gflops"], r["large_matmul_gflops"], r["update_fraction_of_large_matmul"]]
+                 for r in records])
     memory_rows = [[r["shape"], name, m["step_transient_peak"], m["weights_mb"], m["grads_mb"], m["adamw_mb"],
                     m["total_mb"]] for r in records for name, m in r["memory_mb"].items()]
     print_table("Memory (MB): a step's transient peak (measured) next to what persists between steps",
