@@ -3,7 +3,9 @@
 Both train the same model on the same prompts with the same settings: G completions per prompt at
 temperature 1 (no top-k/top-p), the same maximum completion length, loss "dapo" with clip-higher
 (0.2 / 0.28), beta 0 (no reference model), one optimizer step per rollout (num_iterations 1, all
-completions in one forward/backward), AdamW, grad-norm clipping at 1, speculation off. TRL runs
+completions in one forward/backward, except on the real model's shapes, where both trainers accumulate over
+micro-batches to fit memory), AdamW, grad-norm clipping at 1, no activation checkpointing (TRL's default
+turns it on: set off here so both do the same work), speculation off. TRL runs
 offline from a local model folder with its default generation backend (transformers ``generate``
 with each prompt repeated G times).
 
@@ -101,9 +103,13 @@ def smollm2_shape(few_shot: bool) -> dict:
     return {"name": f"SmolLM2-135M GSM8K {'few-shot' if few_shot else 'zero-shot'}", "model": real_model_folder(),
             "rows": rows, "reward": completion_length_mod_7, "num_prompts": 8, "num_generations": 8,
             "max_new_tokens": 128,
-            # The real model's whole few-shot step in one forward/backward (13.6k tokens x 30 layers) was
-            # killed for memory beside TRL's trainer on a 24 GB machine; the shipped configs' budget fits.
-            "micro_batch_tokens": 16384 if few_shot else 1_000_000}
+            # The trainer's default budget. Without activation checkpointing a token costs about 1.4 MB of
+            # saved activations in this model (30 layers), so the few-shot step's 12.8k tokens in one
+            # forward/backward were killed for memory beside TRL's trainer on a 24 GB machine.
+            "micro_batch_tokens": 8192,
+            # TRL likewise runs one group (G completions) per forward/backward, accumulating over the K
+            # groups into one optimizer step: all 64 padded completions at once do not fit either.
+            "trl_micro_batch": 8}
 
 
 def demo_shape(model: str | None = None) -> dict:
@@ -175,11 +181,15 @@ class TrlStepper:
                 stepper.done.release()
 
         num_completions = shape["num_prompts"] * shape["num_generations"]
+        micro_batch = shape.get("trl_micro_batch", num_completions)
+        accumulation = num_completions // micro_batch
         args = GRPOConfig(
             output_dir=str(workdir / "trl"), report_to="none", use_cpu=True, save_strategy="no", logging_steps=1,
-            max_steps=num_steps, per_device_train_batch_size=num_completions, gradient_accumulation_steps=1,
+            max_steps=num_steps, per_device_train_batch_size=micro_batch, gradient_accumulation_steps=accumulation,
+            steps_per_generation=accumulation,  # one rollout of all completions per optimizer step, as ours
+            gradient_checkpointing=False,  # TRL's default recomputes activations; turbogrpo's run does not
             num_generations=shape["num_generations"], max_completion_length=shape["max_new_tokens"],
-            temperature=1.0, top_p=1.0, top_k=0, num_iterations=1, steps_per_generation=1,
+            temperature=1.0, top_p=1.0, top_k=0, num_iterations=1,
             loss_type=SETTINGS["loss"], beta=SETTINGS["beta"], epsilon=SETTINGS["epsilon_low"],
             epsilon_high=SETTINGS["epsilon_high"], learning_rate=SETTINGS["lr"], lr_scheduler_type="constant",
             warmup_steps=0, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.99, max_grad_norm=SETTINGS["max_grad_norm"],
