@@ -131,7 +131,8 @@ class TurboStepper:
         rows_path = workdir / "rows.jsonl"
         rows_path.write_text("".join(json.dumps(r) + "\n" for r in shape["rows"]))
         config = load_config(None, [
-            f'model.path="{shape["model"]}"', "data.kind=rows", f'data.path="{rows_path}"',
+            f'model.path="{shape["model"]}"', f'model.dtype="{shape.get("dtype", "float32")}"', "data.kind=rows",
+            f'data.path="{rows_path}"',
             "data.chat_template=never", "data.max_prompt_tokens=4096",
             f"rollout.num_generations={shape['num_generations']}", f"rollout.max_new_tokens={shape['max_new_tokens']}",
             f"train.prompts_per_step={shape['num_prompts']}",
@@ -193,7 +194,8 @@ class TrlStepper:
             loss_type=SETTINGS["loss"], beta=SETTINGS["beta"], epsilon=SETTINGS["epsilon_low"],
             epsilon_high=SETTINGS["epsilon_high"], learning_rate=SETTINGS["lr"], lr_scheduler_type="constant",
             warmup_steps=0, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.99, max_grad_norm=SETTINGS["max_grad_norm"],
-            disable_tqdm=True, seed=0, dataloader_num_workers=0)
+            disable_tqdm=True, seed=0, dataloader_num_workers=0,
+            bf16=shape.get("dtype") == "bfloat16")  # accelerate's autocast, as ours: float32 masters, bf16 compute
         reward = shape["reward"]
 
         def reward_fn(prompts, completions, **kwargs):
@@ -304,9 +306,9 @@ def bench(shape: dict, workdir: Path, repeats: int, warmup: int) -> dict:
     trl_phases = {p: statistics.median(TrlStepper.phases(r)[p] for r in trl.records[warmup:]) for p in PHASES}
     prompt_tokens = statistics.mean(len(e.token_ids) for e in ours.run.batches.examples)
     update_rate = update_gflops(ours, ours.records[warmup:], shape, prompt_tokens, ours_phases["update"])
-    large_rate = large_matmul_gflops()
+    large_rate = large_matmul_gflops(getattr(torch, shape.get("dtype", "float32")))
     record = {
-        "shape": shape["name"], "num_prompts": shape["num_prompts"], "num_generations": shape["num_generations"],
+        "shape": shape["name"], "dtype": shape.get("dtype", "float32"), "num_prompts": shape["num_prompts"], "num_generations": shape["num_generations"],
         "max_new_tokens": shape["max_new_tokens"], "mean_prompt_tokens": prompt_tokens,
         "mean_completion_tokens_turbogrpo": statistics.mean(r["completion_length/mean"] for r in ours.records),
         "warmup_steps": warmup, "timed_steps": repeats,
@@ -327,6 +329,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="1 timed step per shape, no warm-up")
     parser.add_argument("--shapes", default="prompt-heavy,demo", help="comma-separated: prompt-heavy, demo, smollm2-zero-shot, smollm2-few-shot")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                        help="compute dtype of both trainers (bfloat16: float32 masters under autocast, on both sides)")
     parser.add_argument("--demo-model", help="model folder for the demo shape (default: the shipped demo model)")
     args = parser.parse_args()
     if args.threads:
@@ -348,7 +352,7 @@ def main() -> None:
         for i, key in enumerate(args.shapes.split(",")):
             workdir = tmp / f"run{i}"
             workdir.mkdir()
-            records.append(bench(makers[key](), workdir, *plan[key]))
+            records.append(bench({**makers[key](), "dtype": args.dtype}, workdir, *plan[key]))
 
     rows = []
     for r in records:
@@ -374,7 +378,8 @@ def main() -> None:
                 ["shape", "trainer", "step peak", "weights", "grads", "AdamW", "persistent"], memory_rows)
     load = {"before": load_before, "after": os.getloadavg()}
     print(f"load average (1, 5, 15 min) before {load['before']}, after {load['after']} on {os.cpu_count()} cores")
-    write_results("e2e" if args.shapes == "prompt-heavy,demo" else "e2e_" + args.shapes.replace(",", "_"), {"shapes": records,
+    name = "e2e" if args.shapes == "prompt-heavy,demo" else "e2e_" + args.shapes.replace(",", "_")
+    write_results(name + ("_bf16" if args.dtype == "bfloat16" else ""), {"shapes": records, "dtype": args.dtype,
                           "torch_threads": torch.get_num_threads(), "load_average": load,
                           "note": "2 CPU cores shared with other processes: a load average above 2 means "
                                   "the two trainers competed with other work (alike, as steps alternate)"})

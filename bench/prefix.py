@@ -8,6 +8,7 @@ Forward + backward of a loss on the completion log-probs, for GRPO-shaped batche
     python bench/prefix.py --quick    # 1 repeat, no memory probes
     python bench/prefix.py --shapes 1024x128x8   # some shapes (writes results/prefix_partial.json)
     python bench/prefix.py --model smollm2       # the real model on GSM8K prompts (results/prefix_smollm2.json)
+    python bench/prefix.py --model smollm2 --dtype bfloat16   # the same under CPU autocast (..._bf16.json)
 
 On the real model (bench/real_model.py) the batch is one GSM8K test prompt under the chat template, with
 and without 4 worked train solutions in the system prompt, and G=8 completions of 128 token ids drawn
@@ -159,12 +160,17 @@ def check_agreement(model, prompts, completions) -> float:
     return (a - b).abs().max().item()
 
 
-def real_model_main(repeats: int, warmup: int, completion_len: int = 128, group: int = 8) -> None:
+def real_model_main(repeats: int, warmup: int, dtype: str = "float32", completion_len: int = 128,
+                    group: int = 8) -> None:
+    """``dtype`` "bfloat16": every contender runs under CPU autocast (float32 weights, bfloat16 matmuls),
+    as turbogrpo's ``model.dtype = "bfloat16"`` trains, against the bfloat16 large-matmul rate."""
     from real_model import REAL_MODEL, chat_prompts, large_matmul_gflops, load_real_model
 
     model, tokenizer = load_real_model()
     model.train()
-    large_rate = large_matmul_gflops()
+    compute_dtype = getattr(torch, dtype)
+    large_rate = large_matmul_gflops(compute_dtype)
+    autocast = torch.autocast("cpu", dtype=compute_dtype, enabled=compute_dtype != torch.float32)
     dims = ModelDims.of(model)
     rows, records = [], []
     for few_shot in (True, False):
@@ -174,9 +180,14 @@ def real_model_main(repeats: int, warmup: int, completion_len: int = 128, group:
                         for _ in range(group)]]
         P = prompts[0].numel()
         max_gap = check_agreement(model, prompts, completions)
-        times = interleaved_medians({name: (lambda fn=fn: (model.zero_grad(set_to_none=True),
-                                                            fn(model, prompts, completions)))
-                                     for name, fn in CONTENDERS.items()}, repeats=repeats, warmup=warmup)
+        def timed(fn):
+            def step():
+                model.zero_grad(set_to_none=True)
+                with autocast:
+                    fn(model, prompts, completions)
+            return step
+        times = interleaved_medians({name: timed(fn) for name, fn in CONTENDERS.items()}, repeats=repeats,
+                                    warmup=warmup)
         flops = layout_flops(dims, [P], [[completion_len] * group])
         # Forward + backward = 3x the forward's weight FLOPs; prefix_grouper does the shared layout's work.
         work = {"standard": 3 * flops.standard, "turbogrpo": 3 * flops.shared, "prefix_grouper": 3 * flops.shared}
@@ -191,10 +202,10 @@ def real_model_main(repeats: int, warmup: int, completion_len: int = 128, group:
         records.append(record)
         rows.append([record["prompt"], P, std, pg, ours, std / ours, flops.ratio, pg / ours, gflops["turbogrpo"],
                      gflops["turbogrpo"] / large_rate, f"{max_gap:.1e}"])
-        write_results("prefix_smollm2", {"model": REAL_MODEL, "dtype": "float32", "repeats": repeats,
-                                         "warmup": warmup, "large_matmul_gflops": large_rate,
-                                         "load_average": os.getloadavg(), "shapes": records})
-    print_table(f"fwd+bwd seconds on {REAL_MODEL} (median of {repeats}), GSM8K prompt + {group} x {completion_len}; "
+        write_results("prefix_smollm2" + ("" if dtype == "float32" else "_bf16"), {
+            "model": REAL_MODEL, "dtype": dtype, "repeats": repeats, "warmup": warmup,
+            "large_matmul_gflops": large_rate, "load_average": os.getloadavg(), "shapes": records})
+    print_table(f"fwd+bwd seconds on {REAL_MODEL} ({dtype}, median of {repeats}), GSM8K prompt + {group} x {completion_len}; "
                 f"large-matmul rate {large_rate:.0f} GFLOP/s",
                 ["prompt", "P", "standard", "prefix_grouper", "turbogrpo", "x std", "FLOP ratio", "x pg",
                  "ours GFLOP/s", "of matmul", "max |dlogp|"], rows)
@@ -208,6 +219,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="1 repeat, no warm-up, no memory probes")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--shapes", default=None, help="e.g. 1024x128x8,256x256x4")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                        help="smollm2: compute dtype (bfloat16: CPU autocast over float32 weights)")
     parser.add_argument("--memory-probe", nargs=4, metavar=("NAME", "P", "S", "G"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.memory_probe:
@@ -215,7 +228,7 @@ def main() -> None:
         return memory_probe(name, *map(int, dims))
 
     if args.model == "smollm2":
-        return real_model_main(*((1, 0) if args.quick else (args.repeats, 1)))
+        return real_model_main(*((1, 0) if args.quick else (args.repeats, 1)), dtype=args.dtype)
     shapes = SHAPES if not args.shapes else [tuple(map(int, s.split("x"))) for s in args.shapes.split(",")]
     repeats, warmup = (1, 0) if args.quick else (args.repeats, 1)
     # Only a full run replaces the committed results; a partial one is written beside them.
