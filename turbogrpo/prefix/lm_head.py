@@ -122,17 +122,23 @@ class TargetLogprobs(torch.autograd.Function):
 def logprobs_forward(logits, targets, temperature: float, with_entropy: bool):
     """``logits [n, V]``, ``targets [n]`` -> ``(logps [n], lse [n], entropy [n] or None)``, float32."""
     scaled = _scaled_logits(logits, temperature)
-    lse = torch.logsumexp(scaled, dim=-1)
+    if with_entropy:
+        # One exp pass serves both: e = exp(z - max), lse = max + log(sum e), H = lse - (e . z) / sum e
+        # (torch.logsumexp and then exp(z - lse) for the entropy would run it twice).
+        row_max = scaled.amax(dim=-1)
+        exps = torch.sub(scaled, row_max[:, None]).exp_()
+        total = exps.sum(dim=-1)
+        lse = row_max + total.log()
+        entropy = lse - torch.linalg.vecdot(exps, scaled) / total
+    else:
+        lse, entropy = torch.logsumexp(scaled, dim=-1), None
     logps = scaled.gather(-1, targets[:, None]).squeeze(-1) - lse
-    entropy = None
-    if with_entropy:  # H = lse - sum_v p_v z_v
-        entropy = lse - torch.linalg.vecdot(torch.exp(scaled - lse[:, None]), scaled)
     return logps, lse, entropy
 
 
 def logprobs_backward(logits, targets, lse, grad_logps, temperature: float):
     """Gradient ``[n, V]`` (logits' dtype) of ``sum(grad_logps * logps)`` with respect to ``logits``."""
-    grad = torch.exp(_scaled_logits(logits, temperature) - lse[:, None])
+    grad = torch.sub(_scaled_logits(logits, temperature), lse[:, None]).exp_()
     grad.mul_(-grad_logps[:, None])
     grad.scatter_add_(-1, targets[:, None], grad_logps[:, None])
     if temperature != 1.0:
