@@ -328,6 +328,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="1 timed step per shape, no warm-up")
     parser.add_argument("--shapes", default="prompt-heavy,demo", help="comma-separated: prompt-heavy, demo, smollm2-zero-shot, smollm2-few-shot")
+    parser.add_argument("--steps", type=int, help="timed steps per shape (default: the shape's plan)")
+    parser.add_argument("--warmup", type=int, help="warm-up steps per shape (default: the shape's plan)")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                         help="compute dtype of both trainers (bfloat16: float32 masters under autocast, on both sides)")
@@ -339,6 +341,8 @@ def main() -> None:
     plan = {"prompt-heavy": (2, 0), "demo": (3, 1), "smollm2-zero-shot": (2, 1), "smollm2-few-shot": (2, 1)}
     if args.quick:
         plan = {key: (1, 0) for key in plan}
+    plan = {key: (args.steps or steps, warmup if args.warmup is None else args.warmup)
+            for key, (steps, warmup) in plan.items()}
     from transformers.utils import logging as hf_logging
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
