@@ -87,7 +87,8 @@ def bench_shape(folder: Path) -> dict:
                                                                       generator=generator))}
             for _ in range(64)]
     return {"name": "prompt-heavy (bench model)", "model": str(folder), "rows": rows, "reward": distinct_word_share,
-            "num_prompts": 8, "num_generations": 8, "max_new_tokens": 128}
+            "num_prompts": 8, "num_generations": 8, "max_new_tokens": 128,
+            "trl_micro_batch": 8}  # 64 rows of 640 tokens in one TRL forward need ~32 GB even checkpointed
 
 
 def completion_length_mod_7(prompts, completions, **columns):
