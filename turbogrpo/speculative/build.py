@@ -88,13 +88,17 @@ BUILT_DRAFTS: dict[str, BuiltDraft] = {
 }
 
 
-def built_draft_for_model(model: str) -> BuiltDraft:
-    """The built draft of ``model`` (a packaged model's name or alias); ValueError naming those there are."""
+def same_model(name: str, model_path: str) -> bool:
+    """Whether a config's ``model_path`` names packaged model ``name`` (itself or an alias)."""
     from turbogrpo.gguf_models import PACKAGED_MODEL_ALIASES
 
-    canonical = PACKAGED_MODEL_ALIASES.get(model, model)
+    return PACKAGED_MODEL_ALIASES.get(model_path, model_path) == name
+
+
+def built_draft_for_model(model: str) -> BuiltDraft:
+    """The built draft of ``model`` (a packaged model's name or alias); ValueError naming those there are."""
     for built in BUILT_DRAFTS.values():
-        if built.model == canonical:
+        if same_model(built.model, model):
             return built
     raise ValueError(f"no draft recipe for model {model!r}; `turbogrpo draft build` knows "
                      f"{sorted({b.model for b in BUILT_DRAFTS.values()})} (use `turbogrpo draft train` for others)")
