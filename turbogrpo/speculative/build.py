@@ -44,6 +44,8 @@ class DraftRecipe:
     """Sampling temperature (GRPO samples at 1, so the draft learns the distribution it will meet)."""
     num_layers: int = 1
     """Decoder layers of the draft (EAGLE's 1)."""
+    num_draft_tokens: int = 0
+    """Draft vocabulary: the tokens most frequent in the sampled completions (``DraftHead``); 0: all."""
     epochs: int = 4
     """Passes over the completions."""
     lr: float = 1e-3
@@ -59,6 +61,8 @@ class DraftRecipe:
             if getattr(self, name) < 1:
                 flag = "layers" if name == "num_layers" else name.replace("_", "-")  # draft train's flag
                 raise ValueError(f"--{flag} must be >= 1, got {getattr(self, name)}")
+        if self.num_draft_tokens < 0:
+            raise ValueError(f"--draft-tokens must be >= 0, got {self.num_draft_tokens}")
         if not self.lr > 0:
             raise ValueError(f"--lr must be > 0, got {self.lr}")
         if not self.temperature >= 0:
@@ -84,7 +88,7 @@ class BuiltDraft:
 BUILT_DRAFTS: dict[str, BuiltDraft] = {
     "smollm2-gsm8k": BuiltDraft("smollm2-gsm8k", "smollm2-135m-instruct", "configs/smollm2_gsm8k.toml",
                                 DraftRecipe(num_prompts=128, num_samples=4, max_new_tokens=320, epochs=2,
-                                            batch_size=8)),
+                                            batch_size=8, num_draft_tokens=4096)),
 }
 
 
@@ -160,7 +164,7 @@ def build_draft(built: BuiltDraft, *, refresh: bool = False, device: torch.devic
     prompts = [ex.token_ids for ex in examples[:built.recipe.num_prompts]]
 
     def write(tmp: Path) -> None:
-        draft = DraftHead(model, num_layers=built.recipe.num_layers)
+        draft = DraftHead(model, num_layers=built.recipe.num_layers, num_draft_tokens=built.recipe.num_draft_tokens)
         record = train_on_own_completions(model, draft, prompts, stop_token_ids(model, tokenizer), built.recipe,
                                           log=log)
         draft.save(tmp)
@@ -202,6 +206,12 @@ def train_on_own_completions(model: nn.Module, draft: DraftHead, prompts: Sequen
     num_tokens = sum(len(c) for g in groups for c in g.completions)
     log(f"{num_completions} completions ({num_tokens} tokens) sampled in {sampled - start:.0f}s, "
         f"features in {featured - sampled:.0f}s")
+    coverage = None
+    if draft.config.num_draft_tokens:
+        tokens = torch.cat([c for g in groups for c in g.completions]).cpu()
+        coverage = choose_draft_tokens(draft, tokens)
+        log(f"draft vocabulary: the {draft.config.num_draft_tokens} most frequent tokens cover {coverage:.1%} of "
+            "the completions' tokens")
     config = DraftLearningConfig(lr=recipe.lr)
     num_steps = recipe.epochs * -(-num_completions // recipe.batch_size)  # about: batches hold whole groups
     with tqdm(total=num_steps, desc="training draft", unit="step") as bar:
@@ -213,6 +223,7 @@ def train_on_own_completions(model: nn.Module, draft: DraftHead, prompts: Sequen
     trained = time.perf_counter()
     last_epoch = history[-max(1, len(history) // recipe.epochs):]
     record = {"num_prompts": len(groups), "num_completions": num_completions, "num_tokens": num_tokens,
+              "num_draft_tokens": draft.config.num_draft_tokens, "draft_token_coverage": coverage,
               "sampling_s": round(sampled - start, 1), "features_s": round(featured - sampled, 1),
               "training_s": round(trained - featured, 1), "num_steps": len(history),
               "final_loss": sum(m["loss"] for m in last_epoch) / len(last_epoch),
@@ -224,3 +235,14 @@ def train_on_own_completions(model: nn.Module, draft: DraftHead, prompts: Sequen
     log(f"draft trained in {record['training_s']:.0f}s: loss {record['final_loss']:.3f}, top-1 agreement with the "
         f"policy {record['final_top1_agreement']:.2f} (last epoch)")
     return record
+
+
+def choose_draft_tokens(draft: DraftHead, tokens: torch.Tensor) -> float:
+    """Make the ``draft.config.num_draft_tokens`` most frequent of ``tokens`` ``[T]`` (long) the draft's
+    vocabulary (ties and unseen tokens by id); returns the share of ``tokens`` it covers."""
+    counts_V = torch.bincount(tokens, minlength=draft.config.vocab_size).double()
+    # Stable order: frequency first, then the lower id (a tiny tie-break below one count).
+    ranked_V = (counts_V - torch.arange(len(counts_V), dtype=torch.double) / (2 * len(counts_V))).argsort(descending=True)
+    chosen = ranked_V[:draft.config.num_draft_tokens]
+    draft.set_draft_tokens(chosen.sort().values.to(draft.draft_token_ids.device))
+    return float(counts_V[chosen].sum() / max(1.0, float(counts_V.sum())))

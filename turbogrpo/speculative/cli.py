@@ -43,6 +43,8 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     train.add_argument("--max-new-tokens", type=int, default=64, help="longest completion")
     train.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (GRPO's is 1)")
     train.add_argument("--layers", type=int, default=1, help="decoder layers in the draft")
+    train.add_argument("--draft-tokens", type=int, default=0,
+                       help="draft vocabulary: the N most frequent tokens of the completions (0: all)")
     train.add_argument("--epochs", type=int, default=4, help="passes over the completions")
     train.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")
     train.add_argument("--batch-size", type=int, default=16, help="sequences per optimizer step")
@@ -102,7 +104,8 @@ def _recipe(args: argparse.Namespace):
 
     return DraftRecipe(num_prompts=args.num_prompts, num_samples=args.num_samples,
                        max_new_tokens=args.max_new_tokens, temperature=args.temperature, num_layers=args.layers,
-                       epochs=args.epochs, lr=args.lr, batch_size=args.batch_size, seed=args.seed)
+                       num_draft_tokens=args.draft_tokens, epochs=args.epochs, lr=args.lr, batch_size=args.batch_size,
+                       seed=args.seed)
 
 
 def run_draft_train(args: argparse.Namespace) -> int:
@@ -176,7 +179,7 @@ def _draft_to_train(args: argparse.Namespace, model, out: Path):
         return draft
     if args.resume:
         print(f"--resume: no draft in {out} yet; training a new one")
-    return DraftHead(model, num_layers=args.layers)
+    return DraftHead(model, num_layers=args.layers, num_draft_tokens=args.draft_tokens)
 
 
 def run_profile(args: argparse.Namespace) -> int:
