@@ -34,24 +34,24 @@ BUILD_RECORD = "turbogrpo_draft_build.json"
 class DraftRecipe:
     """How a draft is trained offline on the policy's own completions."""
 
-    num_prompts: int = 128
+    num_prompts: int
     """Prompts to sample completions for (the first ones of the prompt source)."""
-    num_samples: int = 8
+    num_samples: int
     """Completions per prompt (G)."""
-    max_new_tokens: int = 64
+    max_new_tokens: int
     """Longest completion; a completion also ends at the model's stop tokens."""
+    epochs: int
+    """Passes over the completions."""
+    batch_size: int
+    """Completions per optimizer step (whole groups)."""
     temperature: float = 1.0
     """Sampling temperature (GRPO samples at 1, so the draft learns the distribution it will meet)."""
     num_layers: int = 1
     """Decoder layers of the draft (EAGLE's 1)."""
     num_draft_tokens: int = 0
     """Draft vocabulary: the tokens most frequent in the sampled completions (``DraftHead``); 0: all."""
-    epochs: int = 4
-    """Passes over the completions."""
     lr: float = 1e-3
     """AdamW learning rate."""
-    batch_size: int = 16
-    """Completions per optimizer step (whole groups)."""
     seed: int = 0
     """Sampling and shuffling seed."""
 
