@@ -3,13 +3,16 @@ completions.
 
     .venv/bin/python bench/speculative.py [--quick] [--model demo] [--draft DIR] [--threads N]
     .venv/bin/python bench/speculative.py --model smollm2-135m-instruct [--batches 1,4,8,32] [--new-tokens 64]
+        [--kinds history,neural,both] [--tail-kinds neural+siblings] [--draft smollm2-gsm8k|DIR]
 
 With ``--model smollm2-135m-instruct`` (the real model) it runs GSM8K test prompts with the chat
 template instead (``main_real_model``): per live batch B (prompts x G samples, EOS ignored so all B
-run the same steps, temperature 1 or ``--temperature``), plain vs. history drafts (siblings only, and siblings plus the
-completions of earlier rollouts of the same prompts), sized by the cost policy; acceptance per draft
-kind and the tree sizes chosen. No neural draft is trained for this model here, so "neural" and
-"both" are reported only with ``--draft DIR``. Writes bench/results/speculative_smollm2[_greedy].json.
+run the same steps, temperature 1 or ``--temperature``), plain vs. each draft kind of ``REAL_KINDS``
+(history drafts, the neural draft, both merged), sized by the cost policy; acceptance per draft kind
+and the tree sizes chosen. Then the GRPO shape with its natural tail: 8 prompts x G=8, stop at
+<|im_end|>, a 512-token cap. The neural draft is the one ``turbogrpo draft build --model smollm2``
+made (or ``--draft``); without one only the history kinds run. Writes
+bench/results/speculative_smollm2[_neural][_greedy].json (or ``--out``) and a speedup plot.
 
 Parts (every variant is timed in the same process, interleaved with the plain engine, medians):
 
