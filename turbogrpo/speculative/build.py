@@ -1,7 +1,7 @@
 """Drafts trained on the policy's own completions: the one training routine of ``turbogrpo draft train``
 and ``turbogrpo draft build``, and the cache of built drafts.
 
-    turbogrpo draft build --model smollm2      trains the SmolLM2 draft once (~45 min on 2 CPU cores) into
+    turbogrpo draft build --model smollm2      trains the SmolLM2 draft once (~48 min on 2 CPU cores) into
                                                <cache>/drafts/, beside the model cache; later calls reuse it
     [draft] path = "smollm2-gsm8k"             a training config names a built draft by its name
 
@@ -10,7 +10,10 @@ the prompts exactly as training renders them (chat template, system prompt), and
 folder, ``<cache>/drafts/<name>-<key>``, is keyed by the recipe, the config file's text and the model's
 fingerprint, and appears whole or not at all (built in a temporary folder, then renamed). The draft
 holds only its own layers: the policy's embeddings and 49k-row LM head are shared, not copied (see
-``draft.py``), so the folder is ~30 MB for SmolLM2, not the 110 MB a copied head would add.
+``draft.py``), so SmolLM2's is 17 MB (one decoder layer and the fusion), not the 113 MB more a copied
+head would add. Built on this project's shared 2-core CPU (load average 5-7): 26 min sampling 512
+completions (128k tokens), 8 min of features, 14 min of training; top-1 agreement with the policy 0.31
+in the last epoch (0.17 in the first: more epochs would still help).
 """
 
 from __future__ import annotations
