@@ -394,7 +394,7 @@ def main_real_model(args) -> None:
     """Plain vs. history, neural and merged drafts on SmolLM2 with GSM8K test prompts: fixed live batches
     (EOS ignored), then the natural tail (8 prompts x G=8, stop at <|im_end|>)."""
     import os
-    from turbogrpo.speculative.build import BUILT_DRAFTS, built_draft_folder, is_built, resolve_draft_path
+    from turbogrpo.speculative.built_drafts import BUILT_DRAFTS, built_draft_folder, is_built, resolve_draft_path
     from turbogrpo.train.setup import stop_token_ids
 
     load_before = os.getloadavg()

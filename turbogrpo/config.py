@@ -232,7 +232,7 @@ class DraftLearningConfig:
     """Gradient clipping of the draft (EAGLE's value); keeps early steps on random features stable."""
 
     def check(self, key: str) -> None:
-        from turbogrpo.speculative.build import BUILT_DRAFTS, built_draft_folder, is_built
+        from turbogrpo.speculative.built_drafts import BUILT_DRAFTS, built_draft_folder, is_built
         from turbogrpo.speculative.draft import CONFIG_FILE, WEIGHTS_FILE
         if self.path in BUILT_DRAFTS:
             built = BUILT_DRAFTS[self.path]
@@ -441,7 +441,7 @@ class Config:
         _require(not self.draft.history or self.rollout.speculation != "off", "draft.history",
                  "false while rollout.speculation = \"off\" (history drafts are candidates of speculative "
                  "rollouts: set rollout.speculation, e.g. \"cost\")", self.draft.history)
-        from turbogrpo.speculative.build import BUILT_DRAFTS, same_model
+        from turbogrpo.speculative.built_drafts import BUILT_DRAFTS, same_model
         built = BUILT_DRAFTS.get(self.draft.path)
         _require(built is None or same_model(built.model, self.model.path), "draft.path",
                  f"a draft of this run's model.path {self.model.path!r} (draft {self.draft.path!r} is "

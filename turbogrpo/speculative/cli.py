@@ -100,7 +100,7 @@ def _inputs(args) -> dict[str, Path]:
 
 
 def _recipe(args: argparse.Namespace):
-    from turbogrpo.speculative.build import DraftRecipe
+    from turbogrpo.speculative.built_drafts import DraftRecipe
 
     return DraftRecipe(num_prompts=args.num_prompts, num_samples=args.num_samples,
                        max_new_tokens=args.max_new_tokens, temperature=args.temperature, num_layers=args.layers,
@@ -161,7 +161,8 @@ def _train_draft(args: argparse.Namespace, out: Path, config) -> int:
 
 
 def run_draft_build(args: argparse.Namespace) -> int:
-    from turbogrpo.speculative.build import build_draft, built_draft_for_model
+    from turbogrpo.speculative.build import build_draft
+    from turbogrpo.speculative.built_drafts import built_draft_for_model
 
     built = built_draft_for_model(args.model)
     folder = build_draft(built, refresh=args.refresh, device=_device(args))

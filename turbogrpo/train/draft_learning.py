@@ -38,7 +38,7 @@ from turbogrpo.config import Config, DraftLearningConfig
 from turbogrpo.rollout import Rollout
 from turbogrpo.speculative.decode import Speculation, SpeculativeStats
 from turbogrpo.speculative.draft import DraftHead
-from turbogrpo.speculative.build import resolve_draft_path
+from turbogrpo.speculative.built_drafts import resolve_draft_path
 from turbogrpo.speculative.history import HistoryDrafts
 from turbogrpo.speculative.draft_training import (DraftGroup, make_optimizer, prompt_features,
                                                   train_draft)

@@ -112,7 +112,7 @@ def run_inputs(config: Config) -> dict[str, Path]:
     """The local files and folders a run reads, by config key: the model, its data, the draft, and the
     files of reward modules already imported (``train`` imports them before it claims the folder)."""
     from turbogrpo.models import model_source
-    from turbogrpo.speculative.build import resolve_draft_path
+    from turbogrpo.speculative.built_drafts import resolve_draft_path
     inputs = {"model.path": model_source(config.model.path),
               "data.path": Path(config.data.path), "data.eval_path": Path(config.data.eval_path)}
     if config.draft.path != "scratch":
