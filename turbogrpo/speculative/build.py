@@ -1,5 +1,5 @@
 """Drafts trained on the policy's own completions: the one training routine of ``turbogrpo draft train``
-and ``turbogrpo draft build``, and the cache of built drafts.
+and ``turbogrpo draft build``, and the building of a draft into the cache.
 
     turbogrpo draft build --model smollm2      trains the SmolLM2 draft once (~48 min on 2 CPU cores) into
                                                <cache>/drafts/, beside the model cache; later calls reuse it
