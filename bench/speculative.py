@@ -3,13 +3,16 @@ completions.
 
     .venv/bin/python bench/speculative.py [--quick] [--model demo] [--draft DIR] [--threads N]
     .venv/bin/python bench/speculative.py --model smollm2-135m-instruct [--batches 1,4,8,32] [--new-tokens 64]
+        [--kinds history,neural,both] [--tail-kinds neural+siblings] [--draft smollm2-gsm8k|DIR]
 
 With ``--model smollm2-135m-instruct`` (the real model) it runs GSM8K test prompts with the chat
 template instead (``main_real_model``): per live batch B (prompts x G samples, EOS ignored so all B
-run the same steps, temperature 1 or ``--temperature``), plain vs. history drafts (siblings only, and siblings plus the
-completions of earlier rollouts of the same prompts), sized by the cost policy; acceptance per draft
-kind and the tree sizes chosen. No neural draft is trained for this model here, so "neural" and
-"both" are reported only with ``--draft DIR``. Writes bench/results/speculative_smollm2[_greedy].json.
+run the same steps, temperature 1 or ``--temperature``), plain vs. each draft kind of ``REAL_KINDS``
+(history drafts, the neural draft, both merged), sized by the cost policy; acceptance per draft kind
+and the tree sizes chosen. Then the GRPO shape with its natural tail: 8 prompts x G=8, stop at
+<|im_end|>, a 512-token cap. The neural draft is the one ``turbogrpo draft build --model smollm2``
+made (or ``--draft``); without one only the history kinds run. Writes
+bench/results/speculative_smollm2[_neural][_greedy].json (or ``--out``) and a speedup plot.
 
 Parts (every variant is timed in the same process, interleaved with the plain engine, medians):
 
@@ -87,6 +90,13 @@ def main() -> None:
     parser.add_argument("--batches", default="1,4,8,32", help="real model: live batches B (G = min(B, 8))")
     parser.add_argument("--new-tokens", type=int, default=64, help="real model: new tokens per completion")
     parser.add_argument("--temperature", type=float, default=1.0, help="real model: sampling temperature (0: greedy)")
+    parser.add_argument("--kinds", default="history,neural,both",
+                        help=f"real model: draft kinds at fixed B ({', '.join(REAL_KINDS)})")
+    parser.add_argument("--tail-kinds", default="neural+siblings",
+                        help="real model: draft kinds on the natural-tail GSM8K rollout ('' to skip it)")
+    parser.add_argument("--tail-repeats", type=int, default=2, help="real model: timed natural-tail rollouts")
+    parser.add_argument("--tail-new-tokens", type=int, default=512, help="real model: the natural tail's cap")
+    parser.add_argument("--out", help="real model: results name (default speculative_smollm2[_neural][_greedy])")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -335,16 +345,77 @@ def plot_tree_sizes(traces: dict, path: Path) -> None:
     print(f"wrote {path}")
 
 
+REAL_KINDS = ("siblings", "history", "neural", "both", "neural+siblings")
+"""Draft kinds on the real model: history drafts alone (the group's siblings; siblings plus a store of
+earlier rollouts' completions of the same prompts, as when prompts recur across epochs), the neural
+draft alone, and the neural draft merged with history (with the store, or siblings only)."""
+
+
+def real_model_speculation(kind: str, draft, profiles) -> Speculation:
+    """A fresh ``Speculation`` of ``kind`` (``REAL_KINDS``) with its own cost sizing, which learns over
+    its runs (acceptance and step times) as a trainer's does over steps."""
+    if kind in ("siblings", "history"):
+        sizing = make_sizing("cost", profile=history_profile(profiles["none"]), **history_sizing_options("cost"))
+        return Speculation(None, sizing, history=HistoryDrafts(store=HistoryStore() if kind == "history" else None))
+    if draft is None:
+        raise SystemExit(f"draft kind {kind!r} needs a neural draft: build it with `turbogrpo draft build "
+                         f"--model smollm2` or pass --draft DIR")
+    history = {"neural": None, "both": HistoryDrafts(store=HistoryStore()),
+               "neural+siblings": HistoryDrafts(store=None)}[kind]
+    return Speculation(draft, make_sizing("cost", profile=profiles["draft"]), history=history)
+
+
+def race_kinds(rollout, kinds, draft, profiles, *, repeats: int, warmup: int) -> tuple[list[dict], dict]:
+    """Time plain decoding and each draft kind on ``rollout(seed, speculation)``, interleaved (the k-th
+    call of every variant uses seed k). Returns one result per kind and each variant's last rollout."""
+    runners = {"plain": Runner(rollout)}
+    speculation_of = {kind: real_model_speculation(kind, draft, profiles) for kind in kinds}
+    for kind, speculation in speculation_of.items():
+        runners[kind] = Runner(lambda seed, s=speculation: rollout(seed, s))
+    timings = interleaved_medians(runners, repeats=repeats, warmup=warmup)  # a warm-up fills the stores
+    plain_rate = _median_rate(runners["plain"], timings["plain"])
+    results = []
+    for kind in kinds:
+        rate = _median_rate(runners[kind], timings[kind])
+        stats = runners[kind].rollouts[-1].stats
+        sizes = [n for n in stats.tree_sizes if n > 1]
+        results.append({"kind": kind, "plain_tokens_per_s": plain_rate, "tokens_per_s": rate,
+                        "speedup": rate / plain_rate, "accept_length": stats.mean_accepted_length,
+                        "times_s": timings[kind]["times_s"], "plain_times_s": timings["plain"]["times_s"],
+                        "tokens": [r.stats.num_generated_tokens for r in runners[kind].rollouts],
+                        "tree_sizes": stats.tree_sizes, "live_batch": stats.live_batch_sizes,
+                        "tree_size_counts": {n: sizes.count(n) for n in sorted(set(sizes))},
+                        "num_steps": len(stats.tree_sizes), "num_speculative_steps": len(sizes),
+                        "draft_seconds": stats.draft_seconds, "learnt": _learnt(speculation_of[kind].sizing)})
+    return results, {name: runner.rollouts[-1] for name, runner in runners.items()}
+
+
 def main_real_model(args) -> None:
-    """Plain vs. history (and, with --draft, neural and both) drafts on SmolLM2 with GSM8K prompts."""
+    """Plain vs. history, neural and merged drafts on SmolLM2 with GSM8K test prompts: fixed live batches
+    (EOS ignored), then the natural tail (8 prompts x G=8, stop at <|im_end|>)."""
     import os
+    from turbogrpo.speculative.built_drafts import BUILT_DRAFTS, built_draft_folder, is_built, resolve_draft_path
+    from turbogrpo.train.setup import stop_token_ids
+
     load_before = os.getloadavg()
     model, tokenizer = load_real_model()
-    batches = [int(b) for b in args.batches.split(",")]
+    batches = [int(b) for b in args.batches.split(",")] if args.batches else []
+    kinds = [k for k in args.kinds.split(",") if k]
+    tail_kinds = [k for k in args.tail_kinds.split(",") if k]
+    for kind in kinds + tail_kinds:
+        if kind not in REAL_KINDS:
+            raise SystemExit(f"unknown draft kind {kind!r}; choose from {', '.join(REAL_KINDS)}")
     repeats = 1 if args.quick else args.repeats
-    prompts = chat_prompts(tokenizer, max(-(-b // min(b, 8)) for b in batches), few_shot=False)
+    prompts = chat_prompts(tokenizer, max([8] + [-(-b // min(b, 8)) for b in batches]), few_shot=False)
     sampling = SamplingConfig(max_new_tokens=args.new_tokens, temperature=args.temperature)  # EOS ignored: fixed B
-    draft = DraftHead.load(args.draft, model) if args.draft else None
+    draft_path = args.draft
+    if draft_path is None and is_built(built_draft_folder(BUILT_DRAFTS["smollm2-gsm8k"])):
+        draft_path = "smollm2-gsm8k"  # the draft `turbogrpo draft build --model smollm2` made
+    draft = DraftHead.load(resolve_draft_path(draft_path), model) if draft_path else None
+    if draft is None:
+        print("no neural draft (build one with `turbogrpo draft build --model smollm2`): history kinds only")
+        kinds = [k for k in kinds if k in ("siblings", "history")]
+        tail_kinds = [k for k in tail_kinds if k in ("siblings", "history")]
     context = max(len(p) for p in prompts) + args.new_tokens // 2
     start = time.perf_counter()
     # Up to 128 tokens per forward: trees are priced inside that range only (B * N <= 128).
@@ -354,20 +425,6 @@ def main_real_model(args) -> None:
     print(f"latency profile {profiles['none'].key}: C_peak = {profiles['none'].c_peak} tokens "
           f"({time.perf_counter() - start:.1f}s)")
 
-    def variants() -> dict[str, Speculation]:
-        """Fresh sizing policy objects per batch, each learning over its own runs (acceptance and step
-        times), as a trainer's would over steps; the history store persists over the runs too."""
-        def history_cost():
-            return make_sizing("cost", profile=history_profile(profiles["none"]), **history_sizing_options("cost"))
-
-        found = {"siblings": Speculation(None, history_cost(), history=HistoryDrafts(store=None)),
-                 "history": Speculation(None, history_cost(), history=HistoryDrafts(store=HistoryStore()))}
-        if draft is not None:
-            found["neural"] = Speculation(draft, make_sizing("cost", profile=profiles["draft"]))
-            found["both"] = Speculation(draft, make_sizing("cost", profile=profiles["draft"]),
-                                        history=HistoryDrafts(store=HistoryStore()))
-        return found
-
     rows, results = [], []
     for batch in batches:
         samples = min(batch, 8)
@@ -376,45 +433,86 @@ def main_real_model(args) -> None:
         def rollout(seed, speculation=None, group=group, samples=samples):
             return generate(model, group, num_samples=samples, sampling=sampling, seed=seed, draft=speculation)
 
-        runners = {"plain": Runner(rollout)}
-        speculation_of = variants()
-        for name, speculation in speculation_of.items():
-            runners[name] = Runner(lambda seed, s=speculation: rollout(seed, s))
-        timings = interleaved_medians(runners, repeats=repeats, warmup=1)  # the warm-up fills the stores
-        plain_rate = _median_rate(runners["plain"], timings["plain"])
-        for name in runners:
-            if name == "plain":
-                continue
-            rate = _median_rate(runners[name], timings[name])
-            stats = runners[name].rollouts[-1].stats
-            sizes = [n for n in stats.tree_sizes if n > 1]
-            result = {"batch": batch, "prompts": len(group), "num_samples": samples, "kind": name,
-                      "plain_tokens_per_s": plain_rate, "tokens_per_s": rate, "speedup": rate / plain_rate,
-                      "accept_length": stats.mean_accepted_length, "times_s": timings[name]["times_s"],
-                      "plain_times_s": timings["plain"]["times_s"], "tree_sizes": stats.tree_sizes,
-                      "tree_size_counts": {n: sizes.count(n) for n in sorted(set(sizes))},
-                      "num_steps": len(stats.tree_sizes), "num_speculative_steps": len(sizes)}
-            result["learnt"] = _learnt(speculation_of[name].sizing)
-            results.append(result)
-            rows.append([batch, f"{len(group)}x{samples}", name, plain_rate, rate, rate / plain_rate,
-                         stats.mean_accepted_length, _sizes_text(stats.tree_sizes)])
-        print(f"B={batch} done, load average {os.getloadavg()[0]:.2f}", flush=True)
+        raced, _ = race_kinds(rollout, kinds, draft, profiles, repeats=repeats, warmup=1)
+        load = os.getloadavg()[0]
+        for result in raced:
+            results.append({"batch": batch, "prompts": len(group), "num_samples": samples, "load_average": load,
+                            **result})
+            rows.append([batch, f"{len(group)}x{samples}", result["kind"], result["plain_tokens_per_s"],
+                         result["tokens_per_s"], result["speedup"], result["accept_length"],
+                         _sizes_text(result["tree_sizes"]), f"{load:.1f}"])
+        print(f"B={batch} done, load average {load:.2f}", flush=True)
+    if rows:
+        print_table(f"SmolLM2-135M-Instruct, GSM8K test prompts (chat template), {args.new_tokens} new tokens, "
+                    f"temperature {args.temperature:g}, EOS ignored; cost sizing; median of {repeats} (after 1 "
+                    "warm-up)", ["B", "prompts x G", "draft", "plain tok/s", "spec tok/s", "speedup", "accept len",
+                                 "tree sizes", "load"], rows)
+
+    tail = None
+    if tail_kinds and args.tail_repeats:
+        # The GRPO shape with its natural tail: 8 prompts x G=8, stop at <|im_end|>, 512-token cap.
+        tail_sampling = SamplingConfig(max_new_tokens=args.tail_new_tokens, temperature=args.temperature,
+                                       stop_token_ids=stop_token_ids(model, tokenizer))
+
+        def tail_rollout(seed, speculation=None):
+            return generate(model, prompts[:8], num_samples=8, sampling=tail_sampling, seed=seed, draft=speculation)
+
+        raced, last = race_kinds(tail_rollout, tail_kinds, draft, profiles, repeats=args.tail_repeats, warmup=0)
+        load = os.getloadavg()[0]
+        lengths = sorted(len(c) for group in last["plain"].tokens_per_group() for c in group)
+        tail = {"prompts": 8, "num_samples": 8, "max_new_tokens": args.tail_new_tokens, "load_average": load,
+                "plain_live_batch": last["plain"].stats.live_batch_sizes, "results": raced,
+                "plain_completion_lengths": lengths}
+        print(f"plain completion lengths: median {statistics.median(lengths):.0f}, "
+              f"{sum(n >= args.tail_new_tokens for n in lengths)}/{len(lengths)} at the cap")
+        print_table(f"GSM8K natural tail: 8 prompts x G=8, stop at <|im_end|>, {args.tail_new_tokens}-token cap, "
+                    f"temperature {args.temperature:g}; median of {args.tail_repeats}, no warm-up (stores start "
+                    f"empty); load {load:.1f}",
+                    ["draft", "plain tok/s", "spec tok/s", "speedup", "accept len", "steps", "tree sizes"],
+                    [[r["kind"], r["plain_tokens_per_s"], r["tokens_per_s"], r["speedup"], r["accept_length"],
+                      r["num_steps"], _sizes_text(r["tree_sizes"])] for r in raced])
     load_after = os.getloadavg()
-    print_table(f"SmolLM2-135M-Instruct, GSM8K test prompts (chat template), {args.new_tokens} new tokens, "
-                f"temperature {args.temperature:g}, EOS ignored; cost sizing; median of {repeats} (after 1 warm-up)",
-                ["B", "prompts x G", "draft", "plain tok/s", "spec tok/s", "speedup", "accept len", "tree sizes"],
-                rows)
     print(f"load average before {load_before[0]:.2f}, after {load_after[0]:.2f} (a shared 2-core machine: "
           f"figures from a loaded machine)")
-    name = "speculative_smollm2" + ("_greedy" if args.temperature == 0 else "") + ("_quick" if args.quick else "")
+    name = args.out or ("speculative_smollm2" + ("_neural" if draft is not None else "")
+                        + ("_greedy" if args.temperature == 0 else "") + ("_quick" if args.quick else ""))
+    build_record = None
+    if draft_path:
+        record_path = Path(resolve_draft_path(draft_path)) / "turbogrpo_draft_build.json"
+        build_record = json.loads(record_path.read_text()) if record_path.is_file() else None
     write_results(name, {
         "model": REAL_MODEL, "prompts": "GSM8K test, zero-shot chat template", "new_tokens": args.new_tokens,
         "temperature": args.temperature, "eos_ignored": True, "sizing": "cost", "repeats": repeats,
-        "neural_draft": args.draft, "load_average_before": load_before, "load_average_after": load_after,
+        "neural_draft": draft_path, "neural_draft_build": build_record,
+        "load_average_before": load_before, "load_average_after": load_after,
         "prompt_lengths": [len(p) for p in prompts],
-        "profile": {key: {"key": p.key, "c_peak": p.c_peak, "verify": p.to_json()["verify"]}
-                    for key, p in profiles.items()},
-        "results": results})
+        "profile": {key: {"key": p.key, "c_peak": p.c_peak, "verify": p.to_json()["verify"],
+                          "draft": p.to_json()["draft"]} for key, p in profiles.items()},
+        "results": results, "natural_tail": tail})
+    if results:
+        plot_real_model(results, RESULTS_DIR / f"{name}_speedup.png", args.temperature)
+
+
+def plot_real_model(results: list[dict], path: Path, temperature: float) -> None:
+    """Speedup over plain vs. live batch, one line per draft kind."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for kind in dict.fromkeys(r["kind"] for r in results):
+        points = [(r["batch"], r["speedup"]) for r in results if r["kind"] == kind]
+        ax.plot(*zip(*points), marker="o", label=kind)
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.axhline(1.5, color="grey", lw=0.8, ls="--")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("live batch B")
+    ax.set_ylabel("speedup over plain")
+    ax.set_title(f"SmolLM2-135M, GSM8K prompts, T={temperature:g}, 2-core CPU")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

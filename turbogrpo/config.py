@@ -205,7 +205,11 @@ class DraftLearningConfig:
     training (``speculative.train_draft``, offline too) takes this section itself."""
 
     path: str = "scratch"
-    """A draft folder saved by `turbogrpo draft train`, or "scratch" for a new, untrained draft."""
+    """A draft folder saved by `turbogrpo draft train`, a built draft's name (`turbogrpo draft build`, e.g.
+    "smollm2-gsm8k"), or "scratch" for a new, untrained draft."""
+    history: bool = False
+    """Also propose suffix matches in the group's siblings and in earlier steps' completions of the same
+    prompt (history drafts: no neural forward), merged into the draft's trees; verified like any tree."""
     num_layers: int = 1
     """Decoder layers of a scratch draft (EAGLE's 1: deeper drafts cost more than they gain)."""
     learn: bool = True
@@ -228,10 +232,16 @@ class DraftLearningConfig:
     """Gradient clipping of the draft (EAGLE's value); keeps early steps on random features stable."""
 
     def check(self, key: str) -> None:
+        from turbogrpo.speculative.built_drafts import BUILT_DRAFTS, built_draft_folder, is_built
         from turbogrpo.speculative.draft import CONFIG_FILE, WEIGHTS_FILE
-        _require(self.path == "scratch" or all((Path(self.path) / f).is_file() for f in (CONFIG_FILE, WEIGHTS_FILE)),
-                 f"{key}.path", f"\"scratch\" or a folder holding {CONFIG_FILE} and {WEIGHTS_FILE} (written by "
-                 "`turbogrpo draft train`)", self.path)
+        if self.path in BUILT_DRAFTS:
+            built = BUILT_DRAFTS[self.path]
+            _require(is_built(built_draft_folder(built)), f"{key}.path", f"a built draft; build it once with "
+                     f"`turbogrpo draft build --model {built.model}`", self.path)
+        _require(self.path in ("scratch", *BUILT_DRAFTS) or
+                 all((Path(self.path) / f).is_file() for f in (CONFIG_FILE, WEIGHTS_FILE)),
+                 f"{key}.path", f"\"scratch\", a built draft's name ({', '.join(BUILT_DRAFTS)}) or a folder holding "
+                 f"{CONFIG_FILE} and {WEIGHTS_FILE} (written by `turbogrpo draft train`)", self.path)
         _require(self.num_layers >= 1, f"{key}.num_layers", "an integer >= 1", self.num_layers)
         _require(self.lr > 0, f"{key}.lr", "a number > 0", self.lr)
         _require(self.feature_weight >= 0, f"{key}.feature_weight", "a number >= 0", self.feature_weight)
@@ -428,6 +438,14 @@ class Config:
         _require(self.train.accuracy_reward in ("", *known), "train.accuracy_reward",
                  f"a reward's name ({', '.join(known)}) or \"\" for no held-out evaluation",
                  self.train.accuracy_reward)
+        _require(not self.draft.history or self.rollout.speculation != "off", "draft.history",
+                 "false while rollout.speculation = \"off\" (history drafts are candidates of speculative "
+                 "rollouts: set rollout.speculation, e.g. \"cost\")", self.draft.history)
+        from turbogrpo.speculative.built_drafts import BUILT_DRAFTS, same_model
+        built = BUILT_DRAFTS.get(self.draft.path)
+        _require(built is None or same_model(built.model, self.model.path), "draft.path",
+                 f"a draft of this run's model.path {self.model.path!r} (draft {self.draft.path!r} is "
+                 f"built for {built.model if built else ''!r})", self.draft.path)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

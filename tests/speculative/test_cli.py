@@ -92,3 +92,28 @@ def test_a_cuda_device_without_cuda_is_one_line(model_dir, tmp_path, capsys, com
     assert main([*command, "--model", str(model_dir), "--device", "cuda"]) == 2
     assert capsys.readouterr().err.strip() == ("turbogrpo: error: --device: 'cuda' needs CUDA, which this machine "
                                                "(or this torch build) lacks; use \"cpu\"")
+
+
+def test_draft_train_with_a_config_renders_its_prompts_as_training_does(model_dir, tmp_path, monkeypatch):
+    from turbogrpo.config import load_config
+    from turbogrpo.models import load_model_and_tokenizer
+    from turbogrpo.speculative import build
+    from turbogrpo.train.setup import load_train_prompts
+
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"question": q}) + "\n" for q in ("12", "345", "6")))
+    config_file = tmp_path / "run.toml"
+    config_file.write_text(f'[model]\npath = "{model_dir}"\n[data]\nkind = "rows"\npath = "{rows}"\n'
+                           'prompt_column = "question"\nsystem_prompt = "99"\nchat_template = "never"\n')
+    seen = {}
+
+    def train_on_own_completions(model, draft, prompts, stop_token_ids, recipe, **kwargs):
+        seen["prompts"] = [p.tolist() for p in prompts]
+        seen["num_draft_tokens"] = draft.config.num_draft_tokens
+
+    monkeypatch.setattr(build, "train_on_own_completions", train_on_own_completions)
+    assert main(["draft", "train", "--config", str(config_file), "--out", str(tmp_path / "d"), "--num-prompts", "2",
+                 "--draft-tokens", "8"]) == 0  # the model is the config's
+    _, tokenizer = load_model_and_tokenizer(model_dir)
+    expected = load_train_prompts(load_config(config_file), tokenizer).examples[:2]
+    assert seen == {"prompts": [ex.token_ids.tolist() for ex in expected], "num_draft_tokens": 8}

@@ -180,6 +180,35 @@ def test_end_to_end_distribution_is_the_policys(case, draft_kind, shape):
         assert spec.stats.mean_accepted_length > 1.15
 
 
+def restricted(policy, draft, token_ids):
+    """``draft``'s weights, drafting from the vocabulary ``token_ids`` only."""
+    small = DraftHead(policy, num_draft_tokens=len(token_ids))
+    small.load_state_dict({**draft.state_dict(), "draft_token_ids": torch.tensor(token_ids)})
+    return small
+
+
+def test_a_draft_vocabulary_keeps_the_policys_distribution():
+    policy, trained, _ = trained_pair(V, sharpness=1.5)
+    draft = restricted(policy, trained, [0, 2, 3, 6])  # half the vocabulary can be proposed
+    prompt = torch.tensor([1, 5, 2, 7])
+    sampling = CASES["T1"]
+    spec = speculate(policy, draft, [prompt], sampling, TreeShape(3, 2, 6), num_samples=8_000, seed=2)
+    pvalue = chi_square_pvalue(joint_counts(torch.stack([t[:3] for t in spec.tokens]), V),
+                               exact_first_three(policy, prompt, sampling))
+    assert pvalue > 1e-3, f"speculative rollouts with a draft vocabulary differ from the policy (p={pvalue:.2e})"
+
+
+def test_a_draft_vocabulary_drafts_only_its_tokens_and_greedy_is_unchanged():
+    policy, trained, prompts = trained_pair()
+    draft = restricted(policy, trained, list(range(0, 64, 2)))
+    greedy = SamplingConfig(max_new_tokens=12, temperature=0.0)
+    plain = generate(policy, prompts, num_samples=1, sampling=greedy, seed=0)
+    spec = speculate(policy, draft, prompts, greedy, num_samples=1)
+    assert [t.tolist() for t in spec.tokens] == [t.tolist() for t in plain.tokens]
+    logprobs = draft.draft_logprobs(torch.randn(3, 32))
+    assert torch.isinf(logprobs[:, 1::2]).all() and torch.allclose(logprobs[:, ::2].logsumexp(-1), torch.zeros(3), atol=1e-5)
+
+
 def test_a_draft_of_another_model_object_is_refused():
     policy, draft, prompts = trained_pair()
     other = tiny_policy(seed=5)

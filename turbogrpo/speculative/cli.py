@@ -1,8 +1,13 @@
 """Command-line pieces of speculation, wired into ``turbogrpo`` by ``add_commands``:
 
-    turbogrpo draft train --out DIR [--model demo|PATH] [--prompts FILE | --task arithmetic] [--resume | --overwrite]
+    turbogrpo draft train --out DIR [--model demo|PATH] [--prompts FILE | --config FILE | --task arithmetic]
+                          [--resume | --overwrite]
         sample the policy's own completions, train a draft head on them, save it to DIR (a new or empty
-        folder; --overwrite moves what is there aside, --resume trains the draft saved there further)
+        folder; --overwrite moves what is there aside, --resume trains the draft saved there further);
+        --config renders the prompts of a training config's [data] section as training does
+    turbogrpo draft build --model smollm2 [--refresh]
+        train the model's draft once by its recipe (``speculative/build.py``) into the cache beside the
+        model; configs then name it (draft.path = "smollm2-gsm8k")
     turbogrpo profile [--model demo|PATH] [--draft DIR] [--context-length N] [--refresh]
         measure (or read from the cache) forward latency vs. tokens and print the knee C_peak
 
@@ -13,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -26,10 +30,12 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     draft = commands.add_parser("draft", help="draft-head tools (speculative rollouts)")
     draft_commands = draft.add_subparsers(dest="draft_command", required=True)
     train = draft_commands.add_parser("train", help="train a draft head on the policy's own completions")
-    _add_model_arguments(train)
+    _add_model_arguments(train, default=None)
     train.add_argument("--out", required=True, help="folder to write the draft to (draft.safetensors + config)")
     source = train.add_mutually_exclusive_group()
     source.add_argument("--prompts", help="prompt file (.jsonl/.parquet/saved dataset) with a 'prompt' column")
+    source.add_argument("--config", help="a training config: its [data] prompts, rendered as training renders "
+                                         "them (chat template, system prompt), and its model unless --model")
     source.add_argument("--task", choices=[ARITHMETIC], default=ARITHMETIC,
                         help="built-in prompts (default: the demo's arithmetic task)")
     train.add_argument("--num-prompts", type=int, default=128, help="prompts to sample completions for")
@@ -37,6 +43,8 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     train.add_argument("--max-new-tokens", type=int, default=64, help="longest completion")
     train.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (GRPO's is 1)")
     train.add_argument("--layers", type=int, default=1, help="decoder layers in the draft")
+    train.add_argument("--draft-tokens", type=int, default=0,
+                       help="draft vocabulary: the N most frequent tokens of the completions (0: all)")
     train.add_argument("--epochs", type=int, default=4, help="passes over the completions")
     train.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")
     train.add_argument("--batch-size", type=int, default=16, help="sequences per optimizer step")
@@ -48,6 +56,11 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
                           help="start anew in a used --out, moving its files aside (nothing is deleted)")
     train.set_defaults(run=run_draft_train)
 
+    build = draft_commands.add_parser("build", help="train a model's draft once by its recipe, into the cache")
+    _add_model_arguments(build, default="smollm2")
+    build.add_argument("--refresh", action="store_true", help="train it again even if it is built")
+    build.set_defaults(run=run_draft_build)
+
     profile = commands.add_parser("profile", help="forward latency vs. tokens on this device, and the knee C_peak")
     _add_model_arguments(profile)
     profile.add_argument("--draft", help="a saved draft folder, to profile its forward too")
@@ -57,8 +70,9 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     profile.set_defaults(run=run_profile)
 
 
-def _add_model_arguments(cmd: argparse.ArgumentParser) -> None:
-    cmd.add_argument("--model", default="demo", help="model folder, Hub name, or 'demo' (the shipped model)")
+def _add_model_arguments(cmd: argparse.ArgumentParser, default: str | None = "demo") -> None:
+    cmd.add_argument("--model", default=default, help=f"model folder, Hub name, or 'demo' (the shipped model); "
+                                                      f"default {default or 'demo, or the --config model'}")
     cmd.add_argument("--dtype", default="float32", help="float32, bfloat16, float16 or float64")
     cmd.add_argument("--device", default=None, help="e.g. cuda, cuda:1, cpu (default: cuda if available)")
 
@@ -69,78 +83,90 @@ def _device(args) -> torch.device:
 
 
 def _load(args):
-    from turbogrpo.models import load_demo_model, load_model_and_tokenizer
+    from turbogrpo.models import load_demo_model, load_model_and_tokenizer, resolve_model_path
 
     device = _device(args)
     if args.model == "demo":
         return load_demo_model(dtype=args.dtype, device=device)
-    return load_model_and_tokenizer(args.model, dtype=args.dtype, device=device)
+    return load_model_and_tokenizer(resolve_model_path(args.model), dtype=args.dtype, device=device)
 
 
 def _inputs(args) -> dict[str, Path]:
     """The files and folders ``draft train`` reads, which its --out must keep apart from."""
-    from turbogrpo.models import SHIPPED_MODELS, resolve_model_path
+    from turbogrpo.models import model_source
 
-    model = Path(resolve_model_path(args.model)) if args.model in SHIPPED_MODELS else Path(args.model)
-    return {"--model": model, **({"--prompts": Path(args.prompts)} if args.prompts else {})}
+    sources = {"--prompts": args.prompts, "--config": args.config}
+    return {"--model": model_source(args.model), **{k: Path(v) for k, v in sources.items() if v}}
+
+
+def _recipe(args: argparse.Namespace):
+    from turbogrpo.speculative.built_drafts import DraftRecipe
+
+    return DraftRecipe(num_prompts=args.num_prompts, num_samples=args.num_samples,
+                       max_new_tokens=args.max_new_tokens, temperature=args.temperature, num_layers=args.layers,
+                       num_draft_tokens=args.draft_tokens, epochs=args.epochs, lr=args.lr, batch_size=args.batch_size,
+                       seed=args.seed)
 
 
 def run_draft_train(args: argparse.Namespace) -> int:
     from turbogrpo.train.output_dir import claim_folder
 
-    for name in ("num_prompts", "num_samples", "max_new_tokens", "layers", "epochs", "batch_size"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if not args.lr > 0:
-        raise ValueError(f"--lr must be > 0, got {args.lr}")
+    config = _training_config(args)
+    _recipe(args).check()
     _device(args)
     out = Path(args.out).expanduser().resolve()
     # Claimed before any work: a used, locked or impossible --out fails at once, not after training.
     lock = claim_folder(out, "--out", _inputs(args), resume=args.resume, overwrite=args.overwrite)
     try:
-        return _train_draft(args, out)
+        return _train_draft(args, out, config)
     finally:
         lock.close()
 
 
-def _train_draft(args: argparse.Namespace, out: Path) -> int:
-    from tqdm import tqdm
+def _training_config(args: argparse.Namespace):
+    """The --config training config (None without one); it names the model unless --model does."""
+    from turbogrpo.config import load_config
 
-    from turbogrpo.config import DraftLearningConfig
+    config = load_config(args.config) if args.config else None
+    if args.model is None:
+        args.model = config.model.path if config is not None else "demo"
+    return config
+
+
+def _prompts(args: argparse.Namespace, tokenizer, model, config) -> list[torch.Tensor]:
+    """Token ids ``[P]`` of the first --num-prompts prompts: a training config's, rendered by the trainer's
+    own ``load_train_prompts``; else a --prompts file's or the arithmetic task's, by ``build_prompts``."""
     from turbogrpo.data import build_prompts, demo_records, read_records
-    from turbogrpo.rollout import SamplingConfig, generate
-    from turbogrpo.speculative.draft_training import draft_groups, train_draft
+    from turbogrpo.train.setup import load_train_prompts, position_limit
+
+    if config is not None:
+        examples = load_train_prompts(config, tokenizer, position_limit(model)).examples
+    else:
+        rows = read_records(args.prompts) if args.prompts else demo_records("train", args.num_prompts, seed=args.seed)
+        examples = build_prompts(rows[:args.num_prompts], tokenizer).examples
+    return [ex.token_ids for ex in examples[:args.num_prompts]]
+
+
+def _train_draft(args: argparse.Namespace, out: Path, config) -> int:
+    from turbogrpo.speculative.build import train_on_own_completions
+    from turbogrpo.train.setup import stop_token_ids
 
     model, tokenizer = _load(args)
     draft = _draft_to_train(args, model, out)  # before sampling: a damaged draft in --out fails at once
-    rows = read_records(args.prompts) if args.prompts else demo_records("train", args.num_prompts, seed=args.seed)
-    prompts = [ex.token_ids for ex in build_prompts(rows[:args.num_prompts], tokenizer).examples]
-    if not prompts:
-        raise ValueError("no usable prompts (all empty or too long)")
-    stop = () if tokenizer.eos_token_id is None else (tokenizer.eos_token_id,)
-    sampling = SamplingConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, stop_token_ids=stop)
-    start = time.perf_counter()
-    completions: list[list[torch.Tensor]] = []
-    chunk = max(1, 64 // args.num_samples)  # ~64 sequences per rollout keeps memory flat
-    for first in tqdm(range(0, len(prompts), chunk), desc="sampling completions", unit="rollout"):
-        rollout = generate(model, prompts[first:first + chunk], num_samples=args.num_samples, sampling=sampling,
-                           seed=args.seed + first)
-        completions.extend(rollout.tokens_per_group())
-    groups = draft_groups(model, prompts, completions)
-    num_completions = sum(len(g.completions) for g in groups)
-    print(f"{num_completions} completions sampled in {time.perf_counter() - start:.1f}s")
-    config = DraftLearningConfig(lr=args.lr)
-    num_steps = args.epochs * -(-num_completions // args.batch_size)  # about: batches hold whole groups
-    with tqdm(total=num_steps, desc="training draft", unit="step") as bar:
-        def on_step(step, metrics):
-            bar.update(1)
-            bar.set_postfix(loss=f"{metrics['loss']:.3f}", top1=f"{metrics['top1_agreement']:.2f}")
-        history = train_draft(draft, groups, config, num_epochs=args.epochs, batch_size=args.batch_size,
-                              seed=args.seed, on_step=on_step)
+    prompts = _prompts(args, tokenizer, model, config)
+    train_on_own_completions(model, draft, prompts, stop_token_ids(model, tokenizer), _recipe(args))
     draft.save(out)
-    last = history[-1]
-    print(f"draft saved to {out} (final loss {last['loss']:.3f}, top-1 agreement with the policy "
-          f"{last['top1_agreement']:.2f})")
+    print(f"draft saved to {out}")
+    return 0
+
+
+def run_draft_build(args: argparse.Namespace) -> int:
+    from turbogrpo.speculative.build import build_draft
+    from turbogrpo.speculative.built_drafts import built_draft_for_model
+
+    built = built_draft_for_model(args.model)
+    folder = build_draft(built, refresh=args.refresh, device=_device(args))
+    print(f"draft {built.name!r}: {folder}\n  use it with draft.path = \"{built.name}\" (or --draft {built.name})")
     return 0
 
 
@@ -154,7 +180,7 @@ def _draft_to_train(args: argparse.Namespace, model, out: Path):
         return draft
     if args.resume:
         print(f"--resume: no draft in {out} yet; training a new one")
-    return DraftHead(model, num_layers=args.layers)
+    return DraftHead(model, num_layers=args.layers, num_draft_tokens=args.draft_tokens)
 
 
 def run_profile(args: argparse.Namespace) -> int:

@@ -120,7 +120,8 @@ def profile_key(model: nn.Module, *, context_length: int, draft: nn.Module | Non
     for volatile in ("_name_or_path", "transformers_version", "_attn_implementation", "architectures"):
         config.pop(volatile, None)
     config_hash = hashlib.sha1(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()[:12]
-    draft_part = "none" if draft is None else f"{draft.config.num_layers}layer"
+    draft_part = "none" if draft is None else f"{draft.config.num_layers}layer" + (
+        f"-{draft.config.num_draft_tokens}tokens" if draft.config.num_draft_tokens else "")
     context = 1 << max(0, int(context_length) - 1).bit_length()
     dtype = str(parameter.dtype).removeprefix("torch.")
     return (f"v{PROFILE_VERSION}|{model.config.model_type}-{config_hash}|draft-{draft_part}"

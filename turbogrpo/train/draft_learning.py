@@ -18,6 +18,10 @@ draft. With ``fixed`` sizing a run (and its resume) is bit-exact; ``fastgrpo`` a
 tree shapes from measured times, and the shape decides how many random numbers a step draws, so
 their samples (equally distributed) can differ between runs.
 
+History drafts (draft.history): one ``HistoryStore`` for the run keeps earlier steps' completions of
+each prompt; it is not in the checkpoint, so a resumed run starts it empty (its samples keep their
+distribution; only which trees are proposed differs).
+
 Distributed: every rank trains its own draft on its own rollouts and saves it with its RNG state.
 """
 
@@ -34,6 +38,7 @@ from turbogrpo.config import Config, DraftLearningConfig
 from turbogrpo.rollout import Rollout
 from turbogrpo.speculative.decode import Speculation, SpeculativeStats
 from turbogrpo.speculative.draft import DraftHead
+from turbogrpo.speculative.built_drafts import resolve_draft_path
 from turbogrpo.speculative.history import HistoryDrafts
 from turbogrpo.speculative.draft_training import (DraftGroup, make_optimizer, prompt_features,
                                                   train_draft)
@@ -171,14 +176,15 @@ def build_online_draft(config: Config, policy: nn.Module, context_length: int) -
         return None
     settings = config.draft
     draft = (DraftHead(policy, num_layers=settings.num_layers) if settings.path == "scratch"
-             else DraftHead.load(settings.path, policy))
+             else DraftHead.load(resolve_draft_path(settings.path), policy))
     profile = None
     if config.rollout.speculation in ("fastgrpo", "cost"):
         # Measured once per (model, device, context) and cached on disk: a few seconds the first time.
         profile = cached_profile(policy, context_length=context_length, draft=draft)
     sizing = make_sizing(config.rollout.speculation, profile=profile)
     optimizer = make_optimizer(draft, settings) if settings.learn else None
-    return OnlineDraft(draft, sizing, optimizer, settings)
+    history = HistoryDrafts() if settings.history else None  # one store for the run: prompts recur
+    return OnlineDraft(draft, sizing, optimizer, settings, history)
 
 
 def speculation_metrics(stats) -> dict[str, float]:

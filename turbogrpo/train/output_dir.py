@@ -112,10 +112,11 @@ def run_inputs(config: Config) -> dict[str, Path]:
     """The local files and folders a run reads, by config key: the model, its data, the draft, and the
     files of reward modules already imported (``train`` imports them before it claims the folder)."""
     from turbogrpo.models import model_source
+    from turbogrpo.speculative.built_drafts import resolve_draft_path
     inputs = {"model.path": model_source(config.model.path),
               "data.path": Path(config.data.path), "data.eval_path": Path(config.data.eval_path)}
     if config.draft.path != "scratch":
-        inputs["draft.path"] = Path(config.draft.path)
+        inputs["draft.path"] = Path(resolve_draft_path(config.draft.path))
     for number, reward in enumerate(config.rewards):
         module_file = getattr(sys.modules.get(reward.function.partition(":")[0]), "__file__", None)
         if ":" in reward.function and module_file:
