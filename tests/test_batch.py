@@ -5,7 +5,7 @@ and ``split_per_completion`` (equivalence with them was checked before they were
 import pytest
 import torch
 
-from turbogrpo.batch import Groups
+from turbogrpo.batch import Layout as Groups
 from turbogrpo.prefix.layout import split_per_completion
 from turbogrpo.rollout.types import Rollout, RolloutStats
 from turbogrpo.train.microbatch import Chunk, plan_micro_batches

@@ -31,7 +31,7 @@ from itertools import accumulate
 
 import torch
 
-from turbogrpo.batch import Groups
+from turbogrpo.batch import Layout as Groups
 
 
 @dataclass(frozen=True, eq=False)

@@ -11,7 +11,7 @@ from typing import Literal
 
 import torch
 
-from turbogrpo.batch import Groups
+from turbogrpo.batch import Layout as Groups
 
 FinishReason = Literal["stop", "length"]
 """"stop": ended on a stop token or stop string (kept as its last token); "length": max_new_tokens."""

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 from torch.nn.utils.rnn import pad_sequence
 
-from turbogrpo.batch import Groups
+from turbogrpo.batch import Layout as Groups
 
 
 class Chunk(NamedTuple):

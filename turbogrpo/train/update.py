@@ -14,7 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from turbogrpo.algo import LossNormalizer
-from turbogrpo.batch import Groups
+from turbogrpo.batch import Layout as Groups
 from turbogrpo.train.distributed import DistInfo, all_reduce_sum, gradient_sync
 from turbogrpo.train.microbatch import Chunk, MicroBatch, length_mask, pad_ragged
 
