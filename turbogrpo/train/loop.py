@@ -20,13 +20,14 @@ What is built once lives in run.py and setup.py (``build_run``), the run's state
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
 from turbogrpo.algo import LossNormalizer, group_advantages, statistics_are_finite
+from turbogrpo.batch import Groups, pad_to_count
 from turbogrpo.config import Config
 from turbogrpo.data import PromptExample
 from turbogrpo.rewards import RewardResult, build_rewards, score_completions
@@ -35,14 +36,13 @@ from turbogrpo.train import distributed
 from turbogrpo.train.distributed import DistInfo
 from turbogrpo.train.draft_learning import frozen, speculation_metrics
 from turbogrpo.train.metrics import PhaseTimer
-from turbogrpo.train.microbatch import pad_to_count, plan_micro_batches
 from turbogrpo.train.optim import learning_rate, set_learning_rate
 from turbogrpo.train.metrics import read_metrics
 from turbogrpo.train.report import speculation_summary, write_report
 from turbogrpo.train.output_dir import claim_output_dir, mark_complete
 from turbogrpo.train.run import Run, RunComplete, RewardFailure, build_run, evaluate, export, interrupted, save
 from turbogrpo.train.step_metrics import completion_samples, step_metrics
-from turbogrpo.train.update import StepBatch, UpdateResult, update_policy
+from turbogrpo.train.update import UpdateResult, update_policy
 from turbogrpo.train.update import score as logprobs_of
 
 
@@ -141,10 +141,11 @@ class StepData:
     """[N] this rank's completions' advantages."""
     trained: list[int] = field(default_factory=list)
     """The groups the update runs on (``trainable_groups``)."""
-    batch: StepBatch | None = None
-    """The trained groups with their advantages and old/reference log-probs."""
+    batch: Groups | None = None
+    """The trained groups with their advantages and old/reference log-probs (flat, group-major)."""
     normalizer: LossNormalizer | None = None
-    micro_batches: list = field(default_factory=list)
+    micro_batches: list[Groups] = field(default_factory=list)
+    """``batch`` cut by the token budget (each carries its share of every field)."""
     updates: list[UpdateResult] = field(default_factory=list)
     metrics: dict[str, float] = field(default_factory=dict)
 
@@ -202,18 +203,19 @@ def score(run: Run, data: StepData) -> StepData:
 def prepare(run: Run, data: StepData) -> StepData:
     """The update's batch: loss totals of the whole batch, the trained groups, the micro-batch plan
     (both agreed over ranks) and old-policy / reference log-probs where the loss needs them."""
-    config, rollout = run.config, data.rollout
-    batch = StepBatch(data.prompts, rollout.groups, rollout.tokens, data.advantages,
-                      rollout_logps=rollout.logprobs if config.algo.tis_cap else None)
+    config = run.config
+    # The loss reads the sampler's log-probs only for the TIS correction; hidden states stay behind.
+    batch = replace(data.rollout.groups, advantages=data.advantages, hidden=None,
+                    sampler_logps=data.rollout.logprobs if config.algo.tis_cap else None)
     data.normalizer = step_normalizer(batch, config, run.dist)  # totals of the whole batch, skipped groups included
     data.trained = trainable_groups(data.advantages, config.rollout.num_generations, config.algo.beta)
     data.batch = batch.select(data.trained)
     data.micro_batches = plan(data.batch, config, run.dist)
     with data.timer("logprobs"):
         if config.algo.num_iterations > 1:
-            data.batch.old_logps = logprobs_of(run.trainer, data.batch, data.micro_batches)
+            data.batch.old_logps = logprobs_of(run.trainer, data.micro_batches, "old_logps")
         if run.reference is not None:
-            data.batch.ref_logps = logprobs_of(run.reference, data.batch, data.micro_batches)
+            data.batch.ref_logps = logprobs_of(run.reference, data.micro_batches, "ref_logps")
     return data
 
 
@@ -226,7 +228,7 @@ def update(run: Run, data: StepData) -> StepData:
             optimizer_step = data.index * config.algo.num_iterations + iteration
             set_learning_rate(run.optimizer, learning_rate(
                 optimizer_step, config.train.num_steps * config.algo.num_iterations, config.optim))
-            data.updates.append(update_policy(run.trainer, data.batch, data.micro_batches, run.loss, data.normalizer,
+            data.updates.append(update_policy(run.trainer, data.micro_batches, run.loss, data.normalizer,
                                               run.optimizer, max_grad_norm=config.optim.max_grad_norm, dist=run.dist))
             guard_nonfinite(run, data.updates[-1], data.index)
     return data
@@ -244,8 +246,7 @@ def record(run: Run, data: StepData) -> StepData:
     """The step's metrics over the global batch (one gather, one host sync) and sample completions."""
     config, rollout, batch = run.config, data.rollout, data.batch
     trainer_logps = batch.old_logps if batch.old_logps is not None else data.updates[0].logps
-    _, trained = rollout.groups.select(data.trained)
-    sampler_logps = [rollout.logprobs[i] for i in trained]
+    sampler_logps = rollout.groups.select(data.trained).sampler_logps
     draft_metrics, data.metrics = data.metrics, step_metrics(rollout, data.rewards, sampler_logps, trainer_logps,
                                                              data.updates, data.timer.seconds, run, run.dist)
     data.metrics["frac_groups_trained"] = len(data.trained) / len(data.examples)
@@ -282,22 +283,21 @@ def trainable_groups(advantages: torch.Tensor, num_samples: int, beta: float) ->
     return [g for g, m in enumerate(moving) if m] or [0]
 
 
-def plan(batch: StepBatch, config: Config, dist: DistInfo):
+def plan(batch: Groups, config: Config, dist: DistInfo) -> list[Groups]:
     """Micro-batches by token budget; every rank runs as many (fillers of weight 0 where short)."""
-    micro_batches = plan_micro_batches([p.numel() for p in batch.prompts], batch.completion_lengths(),
-                                       config.train.micro_batch_tokens)
+    micro_batches = batch.micro_batches(config.train.micro_batch_tokens)
     count = distributed.all_reduce_max_int(len(micro_batches), dist, dist.device)
     return pad_to_count(micro_batches, count)
 
 
-def step_normalizer(batch: StepBatch, config: Config, dist: DistInfo) -> LossNormalizer:
+def step_normalizer(batch: Groups, config: Config, dist: DistInfo) -> LossNormalizer:
     """Whole-batch totals over all ranks, divided by the world size.
 
     DDP averages gradients over ranks; with totals of the global batch / world size each rank's
     loss is its share of the global-batch loss, so the averaged gradient is the global batch's
     gradient, exactly as one process on the whole batch would compute it, for every loss variant.
     """
-    lengths = [c.numel() for c in batch.completions]
+    lengths = batch.lengths
     totals = torch.tensor([len(lengths), sum(lengths)], dtype=torch.float32, device=dist.device)
     totals = distributed.all_reduce_sum(totals, dist) / dist.world_size
     num_sequences, num_tokens = totals[0], totals[1]
