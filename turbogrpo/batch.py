@@ -66,7 +66,10 @@ class Groups:
     ref_logps: list[Tensor] | None = None
     """N ``[S_i]``: log-probs under the reference policy."""
     hidden: list[Tensor] | None = None
-    """N ``[S_i, Hd]``: the policy's final hidden state that predicted each token."""
+    """N ``[S_i, Hd]``: the policy's final hidden state that predicted each token (draft training's
+    offline data also has the one after the last token: ``[S_i + 1, Hd]``)."""
+    prompt_hidden: list[Tensor] | None = None
+    """K ``[P_k, Hd]``: the policy's final hidden state at every prompt position (draft training)."""
     weight: float = 1.0
     """This batch's share of a step's gradient sum: 1.0, or 0.0 for a filler micro-batch that only keeps
     collective calls matched across ranks (:func:`pad_to_count`)."""
@@ -83,8 +86,9 @@ class Groups:
     def from_nested(cls, prompts: Sequence[Tensor], completions: Sequence[Sequence[Tensor]],
                     **fields) -> Groups:
         """A batch from per-group lists: ``completions`` and any per-completion field given per group
-        (lists of lists; ``advantages`` / ``rewards`` may be given flat ``[N]``)."""
-        flat = {name: value if value is None or isinstance(value, Tensor) else flatten(value)
+        (lists of lists; ``advantages`` / ``rewards`` may be given flat ``[N]``, ``prompt_hidden`` is
+        per group already)."""
+        flat = {name: flatten(value) if name in PER_COMPLETION and isinstance(value, (list, tuple)) else value
                 for name, value in fields.items()}
         return cls(list(prompts), flatten(completions), [len(group) for group in completions], **flat)
 
@@ -134,8 +138,29 @@ class Groups:
     def select(self, keep: Sequence[int]) -> Groups:
         """The batch restricted to groups ``keep``, in that order, with every field."""
         keep = list(keep)
-        return self._take([self.prompts[g] for g in keep], [self.sizes[g] for g in keep],
-                          [i for g in keep for i in self.positions(g)])
+        return self._take(keep, [self.sizes[g] for g in keep], [i for g in keep for i in self.positions(g)])
+
+    def pick(self, chosen: Sequence[Sequence[int]]) -> Groups:
+        """Per group, the completions ``chosen[g]`` (indices within the group, in order); groups with
+        none chosen are left out."""
+        keep = [g for g, members in enumerate(chosen) if members]
+        return self._take(keep, [len(chosen[g]) for g in keep],
+                          [self.offsets[g] + i for g in keep for i in chosen[g]])
+
+    @classmethod
+    def concat(cls, batches: Sequence[Groups]) -> Groups:
+        """The groups of ``batches`` one after the other (each field kept only where every batch has it)."""
+        fields = {}
+        for name in (*PER_COMPLETION, "prompt_hidden"):
+            values = [getattr(b, name) for b in batches]
+            if any(v is None for v in values):
+                fields[name] = None
+            elif isinstance(values[0], Tensor):
+                fields[name] = torch.cat(values)
+            else:
+                fields[name] = flatten(values)
+        return cls(flatten([b.prompts for b in batches]), flatten([b.completions for b in batches]),
+                   flatten([b.sizes for b in batches]), **fields)
 
     def micro_batches(self, token_budget: int) -> list[Groups]:
         """The batch cut into micro-batches of at most ``token_budget`` tokens, each a ``Groups``.
@@ -148,7 +173,7 @@ class Groups:
         results concatenated are the whole batch's, and their losses (each divided by whole-batch
         totals) sum exactly to the whole batch's loss.
         """
-        return [self._take([self.prompts[g] for g, _, _ in runs], [stop - start for _, start, stop in runs],
+        return [self._take([g for g, _, _ in runs], [stop - start for _, start, stop in runs],
                            [self.offsets[g] + i for g, start, stop in runs for i in range(start, stop)])
                 for runs in _plan(self.prompt_lengths, self.split(self.lengths), token_budget)]
 
@@ -163,8 +188,9 @@ class Groups:
         """``[B, L]`` float mask on ``device``: 1 on each completion's tokens, 0 on the padding."""
         return length_mask(self.lengths, device)
 
-    def _take(self, prompts: list[Tensor], sizes: list[int], index: list[int]) -> Groups:
-        """A batch of ``prompts`` with the completions at flat positions ``index`` (grouped by ``sizes``)."""
+    def _take(self, groups: list[int], sizes: list[int], index: list[int]) -> Groups:
+        """A batch of the prompts of ``groups`` with the completions at flat positions ``index``
+        (``sizes[k]`` of them for ``groups[k]``)."""
         fields = {}
         for name in PER_COMPLETION:
             value = getattr(self, name)
@@ -173,10 +199,12 @@ class Groups:
             elif value is not None:
                 value = [value[i] for i in index]
             fields[name] = value
-        return Groups(prompts, [self.completions[i] for i in index], sizes, **fields, weight=self.weight)
+        prompt_hidden = None if self.prompt_hidden is None else [self.prompt_hidden[g] for g in groups]
+        return Groups([self.prompts[g] for g in groups], [self.completions[i] for i in index], sizes, **fields,
+                      prompt_hidden=prompt_hidden, weight=self.weight)
 
     def __repr__(self) -> str:
-        present = [name for name in PER_COMPLETION if getattr(self, name) is not None]
+        present = [name for name in (*PER_COMPLETION, "prompt_hidden") if getattr(self, name) is not None]
         return f"Groups(sizes={list(self.sizes)}, fields={present})"
 
 

@@ -132,7 +132,7 @@ class StepData:
     """Their token ids ``[P]`` on the device."""
     timer: PhaseTimer
     rollout: Rollout | None = None
-    draft_data: list | None = None
+    draft_data: Groups | None = None
     """The draft's training data, collected before the policy moves (None: the draft does not learn)."""
     texts: list[str] = field(default_factory=list)
     """The completions decoded, group-major."""
