@@ -118,7 +118,7 @@ def pretrain_draft(args, seed: int, out: Path) -> tuple[Path, dict]:
     history = train_draft(draft, groups, DraftLearningConfig(lr=3e-3), num_epochs=2 if args.quick else 8,
                           batch_size=16)
     path = draft.save(out / "draft0")
-    info = {"prompts": len(prompts), "completions": sum(len(g.completions) for g in groups),
+    info = {"prompts": len(prompts), "completions": groups.num_completions,
             "final_top1_agreement": history[-1]["top1_agreement"], "seconds": time.perf_counter() - start}
     print(f"pretrained draft: {info}", flush=True)
     return path, info
