@@ -56,6 +56,18 @@ def test_select_and_group_carry_every_field():
     assert batch.select([]).num_completions == 0
 
 
+def test_pick_keeps_chosen_completions_and_concat_joins_batches():
+    batch = batch_of(advantages=torch.arange(10.0), prompt_hidden=[torch.full((1, 2), float(g)) for g in range(4)])
+    picked = batch.pick([[2], [], [0, 1], [3]])
+    assert picked.sizes == (1, 2, 1) and values(picked.prompts) == [0, 2, 3]
+    assert values(picked.completions) == [2, 20, 21, 33] and picked.advantages.tolist() == [2.0, 4.0, 5.0, 9.0]
+    assert [float(h[0, 0]) for h in picked.prompt_hidden] == [0.0, 2.0, 3.0]
+    joined = Groups.concat([picked, batch.group(1)])
+    assert joined.sizes == (1, 2, 1, 1) and values(joined.completions) == [2, 20, 21, 33, 10]
+    assert joined.advantages.tolist() == [2.0, 4.0, 5.0, 9.0, 3.0] and len(joined.prompt_hidden) == 4
+    assert Groups.concat([picked, Groups([torch.tensor([9])], [torch.tensor([1])], [1])]).advantages is None
+
+
 def test_micro_batches_hold_every_completion_once_in_flat_order():
     """Prompts of 1 token; completion lengths 1 2 3 | 2 | 3 1 | 1 2 3 1. Budget 6: group 0 (7 tokens) is
     cut into runs [0, 1] (4 tokens) and [2] (4); group 1 (3) does not fit beside that run, nor group 2

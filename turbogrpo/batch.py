@@ -15,7 +15,8 @@ B completions of one micro-batch, L the longest of them, Hd hidden size.
     batch = Groups.from_nested(prompts, [[c00, c01, c02], [c10, c11]])
     batch.sizes, batch.offsets          # (3, 2), (0, 3, 5)
     batch.nested()                      # [[c00, c01, c02], [c10, c11]]
-    batch.select([1])                   # group 1 alone, with every field
+    batch.select([1])                   # group 1 alone, with every field (group(1) too)
+    batch.pick([[0, 2], [1]])           # some completions of each group
     batch.micro_batches(token_budget)   # whole groups (or runs of one group) within the budget
 """
 
