@@ -127,7 +127,7 @@ def _train_draft(args: argparse.Namespace, out: Path) -> int:
                            seed=args.seed + first)
         completions.extend(rollout.tokens_per_group())
     groups = draft_groups(model, prompts, completions)
-    num_completions = sum(len(g.completions) for g in groups)
+    num_completions = groups.num_completions
     print(f"{num_completions} completions sampled in {time.perf_counter() - start:.1f}s")
     config = DraftLearningConfig(lr=args.lr)
     num_steps = args.epochs * -(-num_completions // args.batch_size)  # about: batches hold whole groups
