@@ -37,7 +37,7 @@ from turbogrpo.config import AlgoConfig  # noqa: E402
 from turbogrpo.models import tiny_model  # noqa: E402
 from turbogrpo.prefix import compute_logprobs  # noqa: E402
 from turbogrpo.rollout import SamplingConfig, generate  # noqa: E402
-from turbogrpo.train.microbatch import length_mask, pad_ragged  # noqa: E402
+from turbogrpo.batch import Groups, length_mask, pad_ragged  # noqa: E402
 from turbogrpo.train.precision import Precision  # noqa: E402
 
 # Qwen2-0.5B: 24 layers, hidden 896, 14 heads (2 KV), MLP 4864, vocab 151936, tied embeddings (494M parameters).
@@ -77,7 +77,7 @@ class Mode:
     def update(self, prompts, completions, advantages):
         with self.precision.autocast():
             result = compute_logprobs(self.compute_model, prompts, completions, share_prefix=True)
-        logps = [t for group in result.per_completion(result.logps) for t in group]
+        logps = Groups.from_nested(prompts, completions).per_completion(result.logps)
         mask_BL = length_mask([t.numel() for t in logps], device=logps[0].device)
         loss, _ = LOSSES["dapo"](pad_ragged(logps), None, None, advantages, mask_BL,
                                  LossNormalizer.for_batch(mask_BL, mask_BL.shape[1]), AlgoConfig())

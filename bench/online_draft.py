@@ -55,7 +55,8 @@ from turbogrpo.config import DraftLearningConfig  # noqa: E402
 from turbogrpo.speculative.draft_training import draft_groups, train_draft  # noqa: E402
 from turbogrpo.train import distributed, setup  # noqa: E402
 from turbogrpo.train.loop import grpo_step  # noqa: E402
-from turbogrpo.train.run import build_run, evaluate  # noqa: E402
+from turbogrpo.train.run import build_run  # noqa: E402
+from turbogrpo.train.state import evaluate, start  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 DRAFTS = ("online", "frozen", "scratch")
@@ -118,7 +119,7 @@ def pretrain_draft(args, seed: int, out: Path) -> tuple[Path, dict]:
     history = train_draft(draft, groups, DraftLearningConfig(lr=3e-3), num_epochs=2 if args.quick else 8,
                           batch_size=16)
     path = draft.save(out / "draft0")
-    info = {"prompts": len(prompts), "completions": sum(len(g.completions) for g in groups),
+    info = {"prompts": len(prompts), "completions": groups.num_completions,
             "final_top1_agreement": history[-1]["top1_agreement"], "seconds": time.perf_counter() - start}
     print(f"pretrained draft: {info}", flush=True)
     return path, info
@@ -141,7 +142,8 @@ def run_seed(args, seed: int, out: Path) -> dict:
         config = base_config(args, seed, out / name, overrides)
         if config.train.num_threads:
             torch.set_num_threads(config.train.num_threads)
-        runs[name] = build_run(config, dist, rewards, resume=False)
+        runs[name] = build_run(config, dist, rewards)
+        start(runs[name], resume=False)
     evaluated = ("off", "online")
     for name in evaluated:
         if args.eval_every or not args.quick:
@@ -152,7 +154,7 @@ def run_seed(args, seed: int, out: Path) -> dict:
         for name, run in runs.items():
             metrics = grpo_step(run, step)
             run.state.step += 1
-            run.log.log(run.state.step, metrics)
+            run.state.log.log(run.state.step, metrics)
             if run.draft is not None and args.probe_tokens:
                 metrics["probe/accepted_length"] = probe(run, probe_prompts, args.probe_tokens)
             records[name].append({k: v for k, v in metrics.items() if isinstance(v, float)})
@@ -166,7 +168,7 @@ def run_seed(args, seed: int, out: Path) -> dict:
         for name in evaluated:
             evaluate(runs[name])
     for run in runs.values():
-        run.log.close()
+        run.state.log.close()
     return {"pretrained_draft": draft_info,
             "runs": {name: {"steps": records[name], "evals": runs[name].state.evals} for name in runs}}
 

@@ -174,7 +174,7 @@ def load_or_train_draft(model, tokenizer, args, *, quick: bool) -> tuple[DraftHe
     groups = draft_groups(model, prompts, completions)
     draft = DraftHead(model)
     history = train_draft(draft, groups, DraftLearningConfig(lr=3e-3), num_epochs=epochs, batch_size=16)
-    num_completions = sum(len(g.completions) for g in groups)
+    num_completions = groups.num_completions
     info = {"trained_on": f"{num_completions} demo-model completions of {num_prompts} train prompts (temperature 1; "
                           f"half stopped at EOS, half ran on to {args.tail_max} tokens)",
             "epochs": epochs, "lr": config.lr, "final_loss": history[-1]["loss"],

@@ -1,45 +1,99 @@
-"""The ragged layout of a GRPO batch, stated once: K groups (one prompt each) with N completions in
-group-major order.
+"""One GRPO batch, ragged, stated once: K groups (one prompt each) with N completions in group-major order.
 
-Every per-completion list or tensor of a step (tokens, log-probs, hidden states, advantages, rewards)
-is flat in this order; ``Groups`` holds the host offsets that say where each group's completions are,
-and is the one place that regroups a flat list, flattens a nested one, or picks groups out.
+``Groups`` holds the batch's data from rollout to loss to metrics: the prompts, the completions flat and
+group-major, and every per-completion field (advantages, rewards, finish reasons) and per-token field
+(sampler / old-policy / reference log-probs, hidden states) in the same flat order. It is the one place
+that regroups a flat list, picks groups out, cuts micro-batches and pads per-token fields.
 
-    groups = Groups([3, 2])            # group 0 has completions 0..2, group 1 has 3..4
-    groups.split(flat)                 # [[c0, c1, c2], [c3, c4]]
-    sub, index = groups.select([1])    # Groups([2]), [3, 4]
+Host ints and device tensors are kept apart (as in ``prefix/layout.py``): ``sizes``, ``offsets`` and
+``lengths`` are host ints read from tensor shapes, never from tensor values, so no method here waits
+for the device; tensor fields stay on their device, and index tensors are built on the host.
+
+Shape legend: K groups, N completions, P_k prompt k's length, S_i completion i's length, Nq = sum S_i,
+B completions of one micro-batch, L the longest of them, Hd hidden size.
+
+    batch = Groups.from_nested(prompts, [[c00, c01, c02], [c10, c11]])
+    batch.sizes, batch.offsets          # (3, 2), (0, 3, 5)
+    batch.nested()                      # [[c00, c01, c02], [c10, c11]]
+    batch.select([1])                   # group 1 alone, with every field (group(1) too)
+    batch.pick([[0, 2], [1]])           # some completions of each group
+    batch.micro_batches(token_budget)   # whole groups (or runs of one group) within the budget
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
+from dataclasses import dataclass
 from itertools import accumulate
 from typing import TypeVar
 
+import torch
+from torch import Tensor
+from torch.nn.utils.rnn import pad_sequence
+
 T = TypeVar("T")
 
+PER_COMPLETION = ("advantages", "rewards", "finish_reasons", "sampler_logps", "old_logps", "ref_logps", "hidden")
+"""The optional fields with one entry per completion (flat, group-major)."""
+PER_TOKEN = ("sampler_logps", "old_logps", "ref_logps", "hidden")
+"""Those whose entry is one ``[S_i, ...]`` tensor per completion (what :meth:`Groups.padded` pads)."""
 
+
+@dataclass(eq=False)
 class Groups:
-    """Sizes and host offsets of K groups of completions (group-major; no device data)."""
+    """K groups of completions with their per-completion and per-token fields (all flat, group-major).
 
-    __slots__ = ("sizes", "offsets")
+    Group k's completions are ``offsets[k]:offsets[k + 1]`` of every flat field. An optional field is
+    None when the batch does not carry it.
+    """
 
-    def __init__(self, sizes: Sequence[int]):
-        self.sizes = tuple(int(s) for s in sizes)
-        """Completions per group, ``[K]``."""
-        self.offsets = (0, *accumulate(self.sizes))
-        """``[K + 1]``: group k's completions are ``offsets[k]:offsets[k + 1]`` of the flat order."""
+    prompts: list[Tensor]
+    """K prompt token ids, each ``[P_k]`` (int64)."""
+    completions: list[Tensor]
+    """N completion token ids, each ``[S_i]`` (int64), group-major."""
+    sizes: tuple[int, ...]
+    """``[K]`` host ints: completions per group."""
+    advantages: Tensor | None = None
+    """``[N]`` group-normalised advantages."""
+    rewards: Tensor | None = None
+    """``[N]`` total (weighted) rewards."""
+    finish_reasons: list[str] | None = None
+    """N of "stop" / "length" (``rollout.types.FinishReason``)."""
+    sampler_logps: list[Tensor] | None = None
+    """N ``[S_i]``: log-probs as the sampler computed them while sampling (float32)."""
+    old_logps: list[Tensor] | None = None
+    """N ``[S_i]``: log-probs under the policy that sampled them, recomputed by the trainer's forward."""
+    ref_logps: list[Tensor] | None = None
+    """N ``[S_i]``: log-probs under the reference policy."""
+    hidden: list[Tensor] | None = None
+    """N ``[S_i, Hd]``: the policy's final hidden state that predicted each token (draft training's
+    offline data also has the one after the last token: ``[S_i + 1, Hd]``)."""
+    prompt_hidden: list[Tensor] | None = None
+    """K ``[P_k, Hd]``: the policy's final hidden state at every prompt position (draft training)."""
+    weight: float = 1.0
+    """This batch's share of a step's gradient sum: 1.0, or 0.0 for a filler micro-batch that only keeps
+    collective calls matched across ranks (:func:`pad_to_count`)."""
+
+    def __post_init__(self):
+        self.sizes = tuple(int(s) for s in self.sizes)
+        self.offsets: tuple[int, ...] = (0, *accumulate(self.sizes))
+        """``[K + 1]`` host ints: group k's completions are ``offsets[k]:offsets[k + 1]``."""
+        if len(self.sizes) != len(self.prompts) or self.offsets[-1] != len(self.completions):
+            raise ValueError(f"Groups of sizes {list(self.sizes)} need {len(self.sizes)} prompts and "
+                             f"{self.offsets[-1]} completions, got {len(self.prompts)} and {len(self.completions)}")
 
     @classmethod
-    def of(cls, nested: Sequence[Sequence]) -> Groups:
-        """The layout of a per-group nested list."""
-        return cls([len(group) for group in nested])
+    def from_nested(cls, prompts: Sequence[Tensor], completions: Sequence[Sequence[Tensor]],
+                    **fields) -> Groups:
+        """A batch from per-group lists: ``completions`` and any per-completion field given per group
+        (lists of lists; ``advantages`` / ``rewards`` may be given flat ``[N]``, ``prompt_hidden`` is
+        per group already)."""
+        flat = {name: flatten(value) if name in PER_COMPLETION and isinstance(value, (list, tuple)) else value
+                for name, value in fields.items()}
+        return cls(list(prompts), flatten(completions), [len(group) for group in completions], **flat)
 
-    @classmethod
-    def uniform(cls, num_groups: int, size: int) -> Groups:
-        """K groups of G completions each (a rollout's layout)."""
-        return cls([size] * num_groups)
-
+    # -- the layout (host ints) ---------------------------------------------------------------------
     @property
     def num_groups(self) -> int:
         return len(self.sizes)
@@ -48,7 +102,17 @@ class Groups:
     def num_completions(self) -> int:
         return self.offsets[-1]
 
-    def group(self, g: int) -> range:
+    @property
+    def lengths(self) -> list[int]:
+        """``[N]`` host ints: each completion's length (from its shape)."""
+        return [c.numel() for c in self.completions]
+
+    @property
+    def prompt_lengths(self) -> list[int]:
+        """``[K]`` host ints: each prompt's length."""
+        return [p.numel() for p in self.prompts]
+
+    def positions(self, g: int) -> range:
         """Flat positions of group ``g``'s completions."""
         return range(self.offsets[g], self.offsets[g + 1])
 
@@ -58,17 +122,151 @@ class Groups:
             raise ValueError(f"got {len(flat)} items for {self.num_completions} completions")
         return [list(flat[start:stop]) for start, stop in zip(self.offsets, self.offsets[1:])]
 
-    @staticmethod
-    def flatten(nested: Sequence[Sequence[T]]) -> list[T]:
-        """Per-group lists as one flat, group-major list."""
-        return [item for group in nested for item in group]
+    def nested(self) -> list[list[Tensor]]:
+        """The completions per group (the layout ``turbogrpo.completion_logprobs`` takes)."""
+        return self.split(self.completions)
 
-    def select(self, keep: Sequence[int]) -> tuple[Groups, list[int]]:
-        """The layout of groups ``keep`` (in that order) and their completions' flat positions here."""
-        return Groups([self.sizes[g] for g in keep]), [i for g in keep for i in self.group(g)]
+    def per_completion(self, flat_Nq: Tensor) -> list[Tensor]:
+        """A ``[Nq, ...]`` tensor over every completion token (what the shared-prefix forward returns)
+        as N ``[S_i, ...]`` views, flat like ``completions``."""
+        return list(flat_Nq.split(self.lengths))
 
-    def __eq__(self, other) -> bool:
-        return isinstance(other, Groups) and self.sizes == other.sizes
+    # -- views and sub-batches ----------------------------------------------------------------------
+    def group(self, g: int) -> Groups:
+        """Group ``g`` alone, with every field."""
+        return self.select([g])
+
+    def select(self, keep: Sequence[int]) -> Groups:
+        """The batch restricted to groups ``keep``, in that order, with every field."""
+        keep = list(keep)
+        return self._take(keep, [self.sizes[g] for g in keep], [i for g in keep for i in self.positions(g)])
+
+    def pick(self, chosen: Sequence[Sequence[int]]) -> Groups:
+        """Per group, the completions ``chosen[g]`` (indices within the group, in order); groups with
+        none chosen are left out."""
+        keep = [g for g, members in enumerate(chosen) if members]
+        return self._take(keep, [len(chosen[g]) for g in keep],
+                          [self.offsets[g] + i for g in keep for i in chosen[g]])
+
+    @classmethod
+    def concat(cls, batches: Sequence[Groups]) -> Groups:
+        """The groups of ``batches`` one after the other (each field kept only where every batch has it)."""
+        fields = {}
+        for name in (*PER_COMPLETION, "prompt_hidden"):
+            values = [getattr(b, name) for b in batches]
+            if any(v is None for v in values):
+                fields[name] = None
+            elif isinstance(values[0], Tensor):
+                fields[name] = torch.cat(values)
+            else:
+                fields[name] = flatten(values)
+        return cls(flatten([b.prompts for b in batches]), flatten([b.completions for b in batches]),
+                   flatten([b.sizes for b in batches]), **fields)
+
+    def micro_batches(self, token_budget: int) -> list[Groups]:
+        """The batch cut into micro-batches of at most ``token_budget`` tokens, each a ``Groups``.
+
+        With the shared-prefix forward a group costs ``P + sum(S_i)`` tokens. Groups are packed greedily
+        in order while they fit; a group larger than the budget is cut into runs of completions that
+        fit with the prompt, each carrying the prompt again (the gradient is a sum over completions,
+        so any cut gives the same total); a prompt plus one completion over the budget runs alone.
+        The micro-batches hold every completion exactly once and in the batch's flat order, so their
+        results concatenated are the whole batch's, and their losses (each divided by whole-batch
+        totals) sum exactly to the whole batch's loss.
+        """
+        return [self._take([g for g, _, _ in runs], [stop - start for _, start, stop in runs],
+                           [self.offsets[g] + i for g, start, stop in runs for i in range(start, stop)])
+                for runs in _plan(self.prompt_lengths, self.split(self.lengths), token_budget)]
+
+    def padded(self, name: str) -> Tensor | None:
+        """``[B, L]``: per-token field ``name`` right-padded with 0 (None when the batch lacks it)."""
+        if name not in PER_TOKEN:
+            raise ValueError(f"{name!r} is not a per-token field; one of {PER_TOKEN}")
+        rows = getattr(self, name)
+        return None if rows is None else pad_ragged(rows)
+
+    def mask(self, device: torch.device) -> Tensor:
+        """``[B, L]`` float mask on ``device``: 1 on each completion's tokens, 0 on the padding."""
+        return length_mask(self.lengths, device)
+
+    def _take(self, groups: list[int], sizes: list[int], index: list[int]) -> Groups:
+        """A batch of the prompts of ``groups`` with the completions at flat positions ``index``
+        (``sizes[k]`` of them for ``groups[k]``)."""
+        fields = {}
+        for name in PER_COMPLETION:
+            value = getattr(self, name)
+            if isinstance(value, Tensor):
+                value = value[torch.tensor(index, dtype=torch.long, device=value.device)]
+            elif value is not None:
+                value = [value[i] for i in index]
+            fields[name] = value
+        prompt_hidden = None if self.prompt_hidden is None else [self.prompt_hidden[g] for g in groups]
+        return Groups([self.prompts[g] for g in groups], [self.completions[i] for i in index], sizes, **fields,
+                      prompt_hidden=prompt_hidden, weight=self.weight)
 
     def __repr__(self) -> str:
-        return f"Groups({list(self.sizes)})"
+        present = [name for name in (*PER_COMPLETION, "prompt_hidden") if getattr(self, name) is not None]
+        return f"Groups(sizes={list(self.sizes)}, fields={present})"
+
+
+def flatten(nested: Sequence[Sequence[T]]) -> list[T]:
+    """Per-group lists as one flat, group-major list."""
+    return [item for group in nested for item in group]
+
+
+def pad_to_count(batches: list[Groups], count: int) -> list[Groups]:
+    """Append zero-weight copies of the last micro-batch up to ``count`` (ranks must run equally many)."""
+    assert batches and count >= len(batches)
+    filler = dataclasses.replace(batches[-1], weight=0.0)
+    return batches + [filler] * (count - len(batches))
+
+
+def pad_ragged(rows: Sequence[Tensor]) -> Tensor:
+    """Right-pad 1-D tensors with 0 into ``[B, L]`` (L = the longest row); differentiable."""
+    return pad_sequence(list(rows), batch_first=True, padding_value=0.0)
+
+
+def length_mask(lengths: Sequence[int], device: torch.device) -> Tensor:
+    """``[B, L]`` float mask, 1 on the first ``lengths[b]`` positions of row b."""
+    lengths_B = torch.tensor(lengths, device=device)
+    positions_L = torch.arange(max(lengths), device=device)
+    return (positions_L[None, :] < lengths_B[:, None]).float()
+
+
+def _plan(prompt_lengths: Sequence[int], completion_lengths: Sequence[Sequence[int]],
+          token_budget: int) -> list[list[tuple[int, int, int]]]:
+    """Per micro-batch, its runs ``(group, start, stop)``: completions ``start..stop-1`` of ``group``
+    (see :meth:`Groups.micro_batches`)."""
+    batches: list[list[tuple[int, int, int]]] = []
+    current: list[tuple[int, int, int]] = []
+    used = 0
+
+    def close() -> None:
+        nonlocal current, used
+        if current:
+            batches.append(current)
+        current, used = [], 0
+
+    for group, (prompt_len, lengths) in enumerate(zip(prompt_lengths, completion_lengths)):
+        whole = prompt_len + sum(lengths)
+        if used + whole > token_budget:
+            close()
+        if whole <= token_budget:
+            current.append((group, 0, len(lengths)))
+            used += whole
+            continue
+        start = 0
+        while start < len(lengths):
+            stop, cost = start, prompt_len
+            while stop < len(lengths) and cost + lengths[stop] <= token_budget:
+                cost += lengths[stop]
+                stop += 1
+            if stop == start:  # one completion alone is over budget: it still has to run
+                cost += lengths[stop]
+                stop += 1
+            close()
+            current.append((group, start, stop))
+            used = cost
+            start = stop
+    close()
+    return batches

@@ -197,7 +197,7 @@ def _add_overrides(cmd: argparse.ArgumentParser) -> None:
 
 def _train(config: Config, args: argparse.Namespace, command: str, demo: bool = False) -> int:
     from turbogrpo.train.loop import TrainingDiverged, train
-    from turbogrpo.train.run import TrainingInterrupted
+    from turbogrpo.train.state import TrainingInterrupted
 
     _quiet_transformers()
     same_options = " (with the same --set options)" if getattr(args, "set", None) else ""
@@ -262,12 +262,13 @@ def _sigterm_as_interrupt():
 
 
 def _eval(args: argparse.Namespace, overrides: list[str]) -> int:
-    """Held-out accuracy of a model, measured with the parts a training run builds (``build_held_out``)."""
+    """Held-out accuracy of a model, measured with the parts a training run builds (``run.build_policy``)."""
     import torch
 
     from turbogrpo.rewards import build_rewards
-    from turbogrpo.train import distributed, setup
-    from turbogrpo.train.evaluate import build_held_out, describe_accuracies, measure_held_out
+    from turbogrpo.train import distributed
+    from turbogrpo.train.evaluate import describe_accuracies, measure_held_out
+    from turbogrpo.train.run import build_policy
 
     _quiet_transformers()
     if args.model:
@@ -276,9 +277,7 @@ def _eval(args: argparse.Namespace, overrides: list[str]) -> int:
     rewards = build_rewards(config.rewards)
     dist = distributed.setup(config.model.device, config.distributed.backend)
     try:
-        precision = setup.precision(config, dist.device)
-        model, tokenizer = setup.load_policy(config, dist.device, precision)
-        held_out = build_held_out(config, model, tokenizer, rewards, setup.rollout_sampling(config, model, tokenizer))
+        precision, model, tokenizer, _, held_out = build_policy(config, dist, rewards)
         if not held_out.enabled:
             raise ValueError("nothing to evaluate: set data.eval_path (or use data.kind = \"arithmetic\") and "
                              "train.accuracy_reward")

@@ -16,7 +16,8 @@ trl = pytest.importorskip("trl", minversion="1.16")
 from datasets import Dataset  # noqa: E402
 
 from turbogrpo.integrations.trl import (SharedPrefixGRPOTrainer, check_trl_version,  # noqa: E402
-                                        enable_shared_prefix, group_rows, split_groups)
+                                        enable_shared_prefix, group_rows, scatter_index,
+                                        split_groups)
 from turbogrpo.models import demo_model_path, load_model_and_tokenizer, tiny_model  # noqa: E402
 
 PAD, EOS = 1, 0  # the demo tokenizer's
@@ -218,12 +219,17 @@ def test_group_rows_reads_groups_from_the_tokens():
     prompt_mask = torch.tensor([[0, 1, 1], [1, 1, 1], [0, 1, 1], [1, 1, 1], [0, 1, 1]])
     completion_ids = torch.tensor([[3, 4, 0], [3, 0, 0], [2, 2, 2], [4, 4, 0], [0, 0, 0]])
     completion_mask = torch.tensor([[1, 1, 0], [1, 0, 0], [1, 1, 1], [1, 1, 0], [0, 0, 0]])
-    groups = group_rows(prompt_ids, prompt_mask, completion_ids, completion_mask)
-    by_prompt = {tuple(p.tolist()): (rows, [c.tolist() for c in cs])
-                 for p, cs, rows in zip(groups.prompts, groups.completions, groups.rows)}
+    groups, rows = group_rows(prompt_ids, prompt_mask, completion_ids, completion_mask)
+    by_prompt = {tuple(p.tolist()): (members, [c.tolist() for c in cs])
+                 for p, cs, members in zip(groups.prompts, groups.nested(), groups.split(rows))}
     assert by_prompt == {(7, 8): ([0, 2], [[3, 4], [2, 2, 2]]), (5, 6, 9): ([1, 3], [[3], [4, 4]])}
-    assert [chunk.rows for chunk in split_groups(groups, max_rows=3)] == [[rows] for rows in groups.rows]
-    assert split_groups(groups, max_rows=4) == [groups]
+    chunks = split_groups(groups, rows, max_rows=3)
+    assert [chunk_rows for _, chunk_rows in chunks] == groups.split(rows)
+    assert [chunk.sizes for chunk, _ in chunks] == [(2,), (2,)]
+    [(whole, whole_rows)] = split_groups(groups, rows, max_rows=4)
+    assert whole.sizes == groups.sizes and whole_rows == rows
+    assert scatter_index(groups, rows, 3).tolist() == [
+        3 * r + j for r, n in zip(rows, groups.lengths) for j in range(n)]
 
 
 @pytest.mark.parametrize("version", ["0.19.1", "1.15.2", "2.0.0"])

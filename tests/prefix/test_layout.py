@@ -3,6 +3,7 @@
 import torch
 
 from tests.prefix.conftest import PACKS, random_groups
+from turbogrpo.batch import Groups
 from turbogrpo.prefix.layout import PaddedIndex, pack_groups
 
 
@@ -32,11 +33,12 @@ def test_two_groups_by_hand():
         assert torch.nonzero(mask[query]).flatten().tolist() == keys
 
 
-def test_split_per_completion_restores_nesting():
+def test_the_packs_targets_are_the_completions_in_groups_order():
     prompts = [torch.tensor([1, 2]), torch.tensor([3])]
     completions = [[torch.tensor([4]), torch.tensor([5, 6, 7])], [torch.tensor([8, 9])]]
     pack = pack_groups(prompts, completions)
-    nested = pack.split_per_completion(pack.target_ids)
+    batch = Groups.from_nested(prompts, completions)
+    nested = batch.split(batch.per_completion(pack.target_ids))
     assert [[t.tolist() for t in g] for g in nested] == [[[4], [5, 6, 7]], [[8, 9]]]
 
 

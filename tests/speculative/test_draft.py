@@ -1,13 +1,16 @@
 """The draft head: ownership of parameters, save/load, training, and the CLI's data path."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
 from tests.speculative.speculative_helpers import tiny_policy
+from turbogrpo.batch import Groups
 from turbogrpo.config import DraftLearningConfig
 from turbogrpo.speculative.draft import CausalPlan, DraftHead, shift_features
 from turbogrpo.speculative.draft_training import (DraftGroup, DraftTrainConfig, draft_groups, draft_loss,
-                                                  pack_draft_batch, prompt_features, train_draft)
+                                                  num_trained, pack_draft_batch, prompt_features, train_draft)
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])
@@ -111,8 +114,8 @@ def test_training_lowers_the_loss_and_leaves_the_policy_alone():
     prompts = [torch.randint(64, (6,), generator=g) for _ in range(4)]
     completions = [[torch.randint(64, (12,), generator=g) for _ in range(4)] for _ in prompts]
     examples = draft_groups(policy, prompts, completions)
-    assert len(examples) == 4 and [len(f) for f in examples[0].completion_features] == [13] * 4
-    assert examples[0].prompt_features.shape == (6, 32) and examples[0].num_trained == 4 * 12
+    assert examples.sizes == (4,) * 4 and [len(f) for f in examples.hidden] == [13] * 16
+    assert examples.prompt_hidden[0].shape == (6, 32) and num_trained(examples.group(0)) == 4 * 12
     draft = DraftHead(policy)
     config = DraftLearningConfig(lr=3e-3)
     with torch.no_grad():
@@ -135,25 +138,34 @@ def test_offline_features_are_the_policys_own_forward_over_each_sequence():
     prompts = [torch.randint(64, (n,), generator=g) for n in (4, 7)]
     completions = [[torch.randint(64, (s,), generator=g) for s in (3, 5)] for _ in prompts]
     groups = draft_groups(policy, prompts, completions)
-    for group in groups:
-        for completion, features in zip(group.completions, group.completion_features):
-            full = prompt_features(policy, [torch.cat([group.prompt, completion])])[0]
-            torch.testing.assert_close(features, full[len(group.prompt) - 1:], atol=2e-5, rtol=0)
-            torch.testing.assert_close(group.prompt_features, full[:len(group.prompt)], atol=2e-5, rtol=0)
+    for prompt, prompt_hidden, group, hidden in zip(groups.prompts, groups.prompt_hidden, groups.nested(),
+                                                    groups.split(groups.hidden)):
+        for completion, features in zip(group, hidden):
+            full = prompt_features(policy, [torch.cat([prompt, completion])])[0]
+            torch.testing.assert_close(features, full[len(prompt) - 1:], atol=2e-5, rtol=0)
+            torch.testing.assert_close(prompt_hidden, full[:len(prompt)], atol=2e-5, rtol=0)
 
 
 def test_packed_batch_trains_each_token_whose_next_feature_is_known():
     """Hand-built group: a rollout-style completion (S features) trains S - 1 tokens, a full one S."""
     prompt = torch.tensor([1, 2, 3])
     feats = torch.arange(3 * 2.0).view(3, 2)
-    rollout_style = DraftGroup(prompt, feats, [torch.tensor([4, 5, 6])], [torch.tensor([[10., 0], [11, 0], [12, 0]])])
-    batch = pack_draft_batch([rollout_style], requires_grad=False)
+    rollout_style = Groups([prompt], [torch.tensor([4, 5, 6])], [1], hidden=[torch.tensor([[10., 0], [11, 0], [12, 0]])],
+                           prompt_hidden=[feats])
+    batch = pack_draft_batch(rollout_style, requires_grad=False)
     assert batch.tokens_T.tolist() == [1, 2, 3, 4, 5]            # the last token has no target: cut
     assert batch.positions_T.tolist() == [0, 1, 2, 3, 4]
     assert batch.features_TH[:, 0].tolist() == [0, 0, 2, 10, 11]  # f[s-1]: shifted prompt, then f[P-1+j]
     assert batch.targets_MH[:, 0].tolist() == [11, 12]
-    full = rollout_style._replace(completion_features=[torch.tensor([[10., 0], [11, 0], [12, 0], [13, 0]])])
-    assert pack_draft_batch([full], requires_grad=False).targets_MH[:, 0].tolist() == [11, 12, 13]
+    full = replace(rollout_style, hidden=[torch.tensor([[10., 0], [11, 0], [12, 0], [13, 0]])])
+    assert pack_draft_batch(full, requires_grad=False).targets_MH[:, 0].tolist() == [11, 12, 13]
+
+
+def test_the_deprecated_draft_group_is_a_one_group_batch():
+    prompt, feats = torch.tensor([1, 2, 3]), torch.zeros(3, 2)
+    with pytest.warns(DeprecationWarning, match="DraftGroup is deprecated"):
+        group = DraftGroup(prompt, feats, [torch.tensor([4, 5])], [torch.zeros(3, 2)])
+    assert group.sizes == (1,) and group.prompt_hidden[0] is feats and num_trained(Groups.concat([group, group])) == 4
 
 
 def test_prompt_features_share_a_common_prefix_exactly():

@@ -25,9 +25,9 @@ def exact_tiny_model(seed: int = 3, vocab: int = 64):
 
 def random_step_batch(prompt_lengths, completion_lengths, *, vocab: int, seed: int, logp_center: float,
                       logp_spread: float):
-    """A StepBatch of random prompts/completions of the given lengths, with random advantages and
+    """A batch (``Groups``) of random prompts/completions of the given lengths, with random advantages and
     old/reference log-probs around ``logp_center`` (drawn in that order from one seeded generator)."""
-    from turbogrpo.train.update import StepBatch
+    from turbogrpo.batch import Groups
     gen = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(0, vocab, (p,), generator=gen) for p in prompt_lengths]
     completions = [[torch.randint(0, vocab, (s,), generator=gen) for s in group] for group in completion_lengths]
@@ -37,7 +37,7 @@ def random_step_batch(prompt_lengths, completion_lengths, *, vocab: int, seed: i
         return [[torch.randn(s, generator=gen, dtype=torch.float64) * logp_spread + logp_center for s in group]
                 for group in completion_lengths]
     old = logps()
-    return StepBatch.from_groups(prompts, completions, advantages, old, logps())
+    return Groups.from_nested(prompts, completions, advantages=advantages, old_logps=old, ref_logps=logps())
 
 
 @pytest.fixture(autouse=True)

@@ -15,7 +15,8 @@ from turbogrpo.config import AlgoConfig, load_config
 from turbogrpo.prefix import compute_logprobs
 from turbogrpo.train import distributed, loop
 from turbogrpo.train.distributed import DistInfo
-from turbogrpo.train.update import StepBatch, update_policy
+from turbogrpo.batch import Groups
+from turbogrpo.train.update import update_policy
 
 from .conftest import exact_tiny_model, random_step_batch
 from .tiny_run import overrides
@@ -25,12 +26,12 @@ COMPLETION_LENGTHS = [[4, 1, 6], [2, 8, 3], [5, 5, 1], [7, 2, 2]]  # 3 completio
 BUDGET = 20  # rank 0 gets 3 micro-batches (group 1 is cut in two) and rank 1 gets 2 with these lengths: fillers are exercised
 
 
-def global_batch(vocab: int = 64) -> StepBatch:
+def global_batch(vocab: int = 64) -> Groups:
     return random_step_batch(PROMPT_LENGTHS, COMPLETION_LENGTHS, vocab=vocab, seed=11, logp_center=-4,
                              logp_spread=0.05)
 
 
-def shard(batch: StepBatch, dist: DistInfo) -> StepBatch:
+def shard(batch: Groups, dist: DistInfo) -> Groups:
     groups = distributed.local_slice(len(batch.prompts), dist)
     return batch.select(range(groups.start, groups.stop))
 
@@ -47,7 +48,7 @@ def two_updates(loss_name: str, strategy: str, dist: DistInfo) -> tuple[dict[str
     metrics = []
     for _ in range(2):
         loss = build_loss(AlgoConfig(loss=loss_name, beta=0.05))
-        out = update_policy(trainer, batch, micro_batches, loss, normalizer, optimizer, max_grad_norm=0.5, dist=dist)
+        out = update_policy(trainer, micro_batches, loss, normalizer, optimizer, max_grad_norm=0.5, dist=dist)
         metrics.append({"grad_norm": out.grad_norm, **out.metrics, "num_micro_batches": len(micro_batches)})
     params = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     return params, metrics

@@ -116,8 +116,10 @@ def test_policy_and_draft_are_frozen_in_each_others_training(tmp_path, monkeypat
     monkeypatch.setattr(draft_learning, "train_draft", train_draft)
     from turbogrpo.train import distributed
     from turbogrpo.train.run import build_run
+    from turbogrpo.train.state import start
     config = load_config(None, overrides(model_dir, rows, tmp_path / "out", **{"rollout.speculation": "fixed"}))
-    run = build_run(config, distributed.setup("cpu", "auto"), build_rewards(config.rewards), False)
+    run = build_run(config, distributed.setup("cpu", "auto"), build_rewards(config.rewards))
+    start(run, resume=False)
     run_state = {"draft": run.draft.draft, "policy": run.policy}
     run.policy.zero_grad(set_to_none=True)
     draft_before = [p.clone() for p in run.draft.draft.parameters()]
@@ -198,10 +200,12 @@ def test_speculative_training_rollouts_sample_the_plain_distribution(tmp_path, m
     def first_step_tokens(speculation: str, seed: int) -> torch.Tensor:
         from turbogrpo.train import distributed
         from turbogrpo.train.run import build_run
+        from turbogrpo.train.state import start
         extra = {"rollout.speculation": speculation, "train.seed": seed, "rollout.num_generations": 32,
                  "rollout.max_new_tokens": 3, "rollout.stop_strings": "[]", "train.prompts_per_step": 4}
         config = load_config(None, overrides(model_dir, rows, tmp_path / f"{speculation}{seed}", **extra))
-        run = build_run(config, distributed.setup("cpu", "auto"), build_rewards(config.rewards), False)
+        run = build_run(config, distributed.setup("cpu", "auto"), build_rewards(config.rewards))
+        start(run, resume=False)
         loop.grpo_step(run, 0)
         return torch.stack([t[:2] for t in captured[-1].tokens if len(t) >= 2])
 

@@ -12,7 +12,7 @@ from turbogrpo.config import load_config
 from turbogrpo.train import loop
 from turbogrpo.train.loop import TrainingDiverged, train
 from turbogrpo.train.metrics import read_metrics
-from turbogrpo.train.run import RewardFailure
+from turbogrpo.train.state import RewardFailure
 
 from .tiny_run import overrides, write_model, write_rows
 

@@ -14,7 +14,7 @@ from turbogrpo.config import dump_config, load_config
 from turbogrpo.train.distributed import DistInfo
 from turbogrpo.train.metrics import MetricsLog, read_metrics
 from turbogrpo.train.output_dir import changed_training_keys, claim_output_dir
-from turbogrpo.train.run import find_resume_checkpoint
+from turbogrpo.train.state import find_resume_checkpoint
 
 SINGLE = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
 

@@ -15,7 +15,7 @@ from turbogrpo.models import tiny_model
 from turbogrpo.prefix import compute_logprobs
 from turbogrpo.train.loop import train
 from turbogrpo.train.metrics import read_metrics
-from turbogrpo.train.microbatch import length_mask, pad_ragged
+from turbogrpo.batch import length_mask, pad_ragged
 from turbogrpo.train.precision import PURE_BF16_WARNING, run_precision
 
 from .conftest import random_step_batch
@@ -81,8 +81,8 @@ def one_step(model, batch, precision):
     """Loss and parameter gradients of one dapo step of ``batch`` under ``precision``."""
     model.zero_grad(set_to_none=True)
     forward = precision.computing(compute_logprobs)
-    result = forward(model, batch.prompts, batch.groups.split(batch.completions), share_prefix=True)
-    logps = [t for group in result.per_completion(result.logps) for t in group]
+    result = forward(model, batch.prompts, batch.nested(), share_prefix=True)
+    logps = batch.per_completion(result.logps)
     mask_BL = length_mask([t.numel() for t in logps], device=logps[0].device)
     loss, _ = LOSSES["dapo"](pad_ragged(logps), pad_ragged([t.float() for t in batch.old_logps]), None,
                              batch.advantages.float(), mask_BL, LossNormalizer.for_batch(mask_BL, 16),

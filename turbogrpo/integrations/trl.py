@@ -33,13 +33,13 @@ import functools
 import inspect
 import logging
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
 import torch
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 from torch import nn
 
+from turbogrpo.batch import Groups
 from turbogrpo.hook import check_supported, has_absolute_positions, lm_head_of
 from turbogrpo.prefix import compute_logprobs
 
@@ -88,21 +88,14 @@ class SharedPrefixStats:
     fallback_reasons: dict[str, int] = field(default_factory=dict)  # reason -> number of calls
 
 
-class PromptGroups(NamedTuple):
-    """Rows of a TRL batch grouped by identical prompt, in the form ``compute_logprobs`` takes."""
-
-    prompts: list[torch.Tensor]              # per group, its real prompt tokens [P_g]
-    completions: list[list[torch.Tensor]]    # per group, each member's real completion tokens [S_r]
-    rows: list[list[int]]                    # per group, the batch row of each member
-
-
 class NotShareable(ValueError):
     """A batch whose layout the shared forward cannot take; the message says why."""
 
 
 def group_rows(prompt_ids_BP: torch.Tensor, prompt_mask_BP: torch.Tensor, completion_ids_BC: torch.Tensor,
-               completion_mask_BC: torch.Tensor) -> PromptGroups:
-    """Group the rows of a TRL batch by their real prompt tokens.
+               completion_mask_BC: torch.Tensor) -> tuple[Groups, list[int]]:
+    """Group the rows of a TRL batch by their real prompt tokens: the groups (``Groups`` of the real
+    prompt and completion tokens) and, per completion in their flat order, its row of the batch.
 
     Checks TRL's layout on the tokens themselves: prompt masks left-padded (zeros, then ones) and
     completion masks right-padded (ones, then zeros). Rows whose completion mask is all zeros (TRL's
@@ -129,33 +122,35 @@ def group_rows(prompt_ids_BP: torch.Tensor, prompt_mask_BP: torch.Tensor, comple
     if all(len(rows) == 1 for rows in members.values()):
         raise NotShareable("no two rows of the batch share a prompt (groups split across micro-batches), "
                            "so there is nothing to share")
-    rows = list(members.values())
-    prompts = [prompt_ids_BP[g[0], num_columns - per_row[g[0]][1]:] for g in rows]
-    completions = [[completion_ids_BC[r, :per_row[r][2]] for r in g] for g in rows]
-    return PromptGroups(prompts, completions, rows)
+    groups = list(members.values())
+    rows = [r for g in groups for r in g]
+    batch = Groups([prompt_ids_BP[g[0], num_columns - per_row[g[0]][1]:] for g in groups],
+                   [completion_ids_BC[r, :per_row[r][2]] for r in rows], [len(g) for g in groups])
+    return batch, rows
 
 
-def split_groups(groups: PromptGroups, max_rows: int | None) -> list[PromptGroups]:
+def split_groups(groups: Groups, rows: list[int], max_rows: int | None) -> list[tuple[Groups, list[int]]]:
     """Whole groups, gathered into chunks of at most ``max_rows`` rows (a larger group is a chunk of
-    its own): TRL's ``batch_size`` bounds the rows of one forward, and so its memory."""
+    its own), each with its completions' rows: TRL's ``batch_size`` bounds the rows of one forward,
+    and so its memory."""
     if max_rows is None:
-        return [groups]
-    chunks, start, rows_in_chunk = [], 0, 0
-    for end, members in enumerate(groups.rows):
-        if rows_in_chunk and rows_in_chunk + len(members) > max_rows:
-            chunks.append(PromptGroups(*(part[start:end] for part in groups)))
-            start, rows_in_chunk = end, 0
-        rows_in_chunk += len(members)
-    chunks.append(PromptGroups(*(part[start:] for part in groups)))
-    return chunks
+        return [(groups, rows)]
+    bounds, rows_in_chunk = [0], 0
+    for end, size in enumerate(groups.sizes):
+        if rows_in_chunk and rows_in_chunk + size > max_rows:
+            bounds.append(end)
+            rows_in_chunk = 0
+        rows_in_chunk += size
+    bounds.append(groups.num_groups)
+    return [(groups.select(range(start, stop)), rows[groups.offsets[start]:groups.offsets[stop]])
+            for start, stop in zip(bounds, bounds[1:])]
 
 
-def scatter_index(groups: PromptGroups, num_columns: int) -> torch.Tensor:
+def scatter_index(groups: Groups, rows: list[int], num_columns: int) -> torch.Tensor:
     """``[Nq]`` flat positions in a ``[B, C]`` tensor of the groups' completion tokens, in the order
-    ``compute_logprobs`` returns them (group by group, member by member)."""
-    return torch.cat([torch.arange(c.numel()) + row * num_columns
-                      for members, completions in zip(groups.rows, groups.completions)
-                      for row, c in zip(members, completions)])
+    ``compute_logprobs`` returns them (Groups order: group by group, member by member); ``rows``: each
+    completion's row."""
+    return torch.cat([torch.arange(length) + row * num_columns for row, length in zip(rows, groups.lengths)])
 
 
 # ---------------------------------------------------------------- when TRL's own code must run
@@ -209,7 +204,7 @@ CALL_CHECKS = (_multimodal_inputs, _aux_loss, _entropy_bonus, _wrapped, _not_att
 
 
 def shareable_groups(trainer, model, input_ids_BL: torch.Tensor, attention_mask_BL: torch.Tensor,
-                     logits_to_keep: int, **call) -> PromptGroups:
+                     logits_to_keep: int, **call) -> tuple[Groups, list[int]]:
     """The groups of one of TRL's log-prob calls, or :class:`NotShareable` saying why it cannot share."""
     for check in CALL_CHECKS:
         reason = check(trainer, model, **call)
@@ -236,7 +231,7 @@ class SharedPrefixMixin:
         ``logits_to_keep`` = C columns being the completions, exactly as TRL passes them.
         """
         try:
-            groups = shareable_groups(self, model, input_ids, attention_mask, logits_to_keep,
+            groups, rows = shareable_groups(self, model, input_ids, attention_mask, logits_to_keep,
                                       compute_entropy=compute_entropy, compute_aux_loss=compute_aux_loss,
                                       extra_inputs=extra_inputs)
         except NotShareable as err:
@@ -246,13 +241,13 @@ class SharedPrefixMixin:
                 compute_entropy=compute_entropy, compute_aux_loss=compute_aux_loss, **extra_inputs)
         self._note_shared(groups)
         logps, entropies, indices = [], [], []
-        for chunk in split_groups(groups, batch_size):
+        for chunk, chunk_rows in split_groups(groups, rows, batch_size):
             with self.accelerator.autocast():
-                result = compute_logprobs(model, chunk.prompts, chunk.completions, temperature=self.temperature,
+                result = compute_logprobs(model, chunk.prompts, chunk.nested(), temperature=self.temperature,
                                           with_entropy=compute_entropy)
             logps.append(result.logps)
             entropies.append(result.entropy)
-            indices.append(scatter_index(chunk, logits_to_keep))
+            indices.append(scatter_index(chunk, chunk_rows, logits_to_keep))
         index = torch.cat(indices).to(input_ids.device)
         num_cells = input_ids.shape[0] * logits_to_keep
 
@@ -270,15 +265,15 @@ class SharedPrefixMixin:
                            "Logged once per reason; see trainer.shared_prefix_stats.", reason)
         stats.fallback_reasons[reason] = stats.fallback_reasons.get(reason, 0) + 1
 
-    def _note_shared(self, groups: PromptGroups) -> None:
+    def _note_shared(self, groups: Groups) -> None:
         stats = self.shared_prefix_stats
-        partial = sum(len(members) < self.num_generations for members in groups.rows)
+        partial = sum(size < self.num_generations for size in groups.sizes)
         if partial and not stats.num_partial_groups:
             logger.info("turbogrpo: a batch holds only part of some groups (TRL shuffles a generation batch "
                         "before cutting it into micro-batches); the members present share their prompt.")
         stats.num_shared_calls += 1
-        stats.num_rows += sum(map(len, groups.rows))
-        stats.num_prompt_forwards += len(groups.rows)
+        stats.num_rows += groups.num_completions
+        stats.num_prompt_forwards += groups.num_groups
         stats.num_partial_groups += partial
 
 

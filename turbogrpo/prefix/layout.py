@@ -31,8 +31,6 @@ from itertools import accumulate
 
 import torch
 
-from turbogrpo.batch import Groups
-
 
 @dataclass(frozen=True, eq=False)
 class PackedGroups:
@@ -72,10 +70,6 @@ class PackedGroups:
     def max_sequence_length(self) -> int:
         """Longest prompt + completion, i.e. the largest position id + 1."""
         return max(p + max(ss) for p, ss in zip(self.prompt_lengths, self.completion_lengths))
-
-    def split_per_completion(self, flat: torch.Tensor) -> list[list[torch.Tensor]]:
-        """Split a ``[Nq, ...]`` tensor in flat completion order into per-group lists of ``[S_gi, ...]``."""
-        return split_per_completion(flat, self.completion_lengths)
 
     # ---- padded views used by the cascade backend (built lazily, once per pack) ----
 
@@ -135,13 +129,6 @@ class PackedGroups:
         same_completion = completion[:, None] == completion[None, :]
         causal = pos[None, :] <= pos[:, None]
         return same_group & causal & (key_is_prompt | same_completion)
-
-
-def split_per_completion(flat: torch.Tensor, completion_lengths) -> list[list[torch.Tensor]]:
-    """Split ``[Nq, ...]`` (flat completion order) into per-group lists of ``[S_gi, ...]``;
-    ``completion_lengths`` holds, per group, the lengths of its completions."""
-    groups = Groups.of(completion_lengths)
-    return groups.split(torch.split(flat, Groups.flatten(completion_lengths)))
 
 
 @dataclass(frozen=True, eq=False)

@@ -10,7 +10,7 @@ Shape legend: Ng groups, Nc completions, Nq completion tokens, Hd hidden size, V
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -18,22 +18,18 @@ from torch import nn
 from turbogrpo.hook import check_materialized, check_supported, lm_head_of, run_decoder
 from turbogrpo.prefix.auto import STANDARD, choose_auto
 from turbogrpo.prefix.backends import AUTO, PaddedCausalAttention, select_backend
-from turbogrpo.prefix.layout import PackedGroups, pack_groups, split_per_completion, upload
+from turbogrpo.batch import Groups
+from turbogrpo.prefix.layout import PackedGroups, pack_groups, upload
 from turbogrpo.prefix.lm_head import lm_head_logprobs
 
 
-@dataclass
-class CompletionLogprobs:
-    """Flat per-token results in completion order (group by group, completion by completion)."""
+class CompletionLogprobs(NamedTuple):
+    """Per-token results over every completion token, flat in ``turbogrpo.batch.Groups`` order (group by
+    group, completion by completion); ``Groups.per_completion`` cuts them per completion."""
 
     logps: torch.Tensor               # [Nq] log p(token) at the given temperature; differentiable
     entropy: torch.Tensor | None      # [Nq] entropy of the same distribution; detached (None: not asked)
     hidden: torch.Tensor | None       # [Nq, Hd] final hidden state that predicts each token
-    completion_lengths: list[list[int]]
-
-    def per_completion(self, flat: torch.Tensor) -> list[list[torch.Tensor]]:
-        """Split a ``[Nq, ...]`` tensor into per-group lists of ``[S_gi, ...]``."""
-        return split_per_completion(flat, self.completion_lengths)
 
 
 def completion_logprobs(model: nn.Module, prompts: list[torch.Tensor],
@@ -61,9 +57,10 @@ def completion_logprobs(model: nn.Module, prompts: list[torch.Tensor],
     """
     result = compute_logprobs(model, prompts, completions, share_prefix=share_prefix, backend=backend,
                               temperature=temperature, return_hidden=return_hidden, with_entropy=False)
-    logps = result.per_completion(result.logps)
+    batch = Groups.from_nested(prompts, completions)
+    logps = batch.split(batch.per_completion(result.logps))
     if return_hidden:
-        return logps, result.per_completion(result.hidden)
+        return logps, batch.split(batch.per_completion(result.hidden))
     return logps
 
 
@@ -85,8 +82,7 @@ def compute_logprobs(model: nn.Module, prompts: list[torch.Tensor],
         hidden = _standard_hidden(model, prompts, completions)
     targets = torch.cat([c for cs in completions for c in cs])
     logps, entropy = lm_head_logprobs(hidden, lm_head_of(model), targets, temperature, with_entropy=with_entropy)
-    return CompletionLogprobs(logps, entropy, hidden if return_hidden else None,
-                              [[int(c.numel()) for c in cs] for cs in completions])
+    return CompletionLogprobs(logps, entropy, hidden if return_hidden else None)
 
 
 def _shared_prefix_hidden(model, prompts, completions, backend_name) -> torch.Tensor:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from turbogrpo.rollout.stopping import NO_TOKEN, StopCriteria
+from turbogrpo.batch import Groups
 from turbogrpo.rollout.types import Rollout, RolloutStats
 
 
@@ -122,10 +123,7 @@ def collect_rollout(prompts: list[torch.Tensor], num_samples: int, outputs: Outp
     hidden = None
     if outputs.hidden_NTH is not None:
         hidden = [outputs.hidden_NTH[i, :n] for i, n in enumerate(lengths)]
-    return Rollout(
-        prompts=prompts, num_samples=num_samples,
-        tokens=[outputs.tokens_NT[i, :n] for i, n in enumerate(lengths)],
-        logprobs=[outputs.logprobs_NT[i, :n] for i, n in enumerate(lengths)],
-        finish_reasons=["stop" if s else "length" for s in stopped],
-        group_index=[i // num_samples for i in range(len(lengths))],
-        hidden=hidden, stats=stats)
+    batch = Groups(prompts, [outputs.tokens_NT[i, :n] for i, n in enumerate(lengths)], [num_samples] * len(prompts),
+                   finish_reasons=["stop" if s else "length" for s in stopped],
+                   sampler_logps=[outputs.logprobs_NT[i, :n] for i, n in enumerate(lengths)], hidden=hidden)
+    return Rollout(batch, stats)

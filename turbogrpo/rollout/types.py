@@ -1,7 +1,7 @@
 """What a rollout returns.
 
 Completions are ordered group-major: completion ``i`` is sample ``i % num_samples`` of prompt
-``i // num_samples`` (``group_index`` says so explicitly). ``S_i`` is completion i's length.
+``i // num_samples`` (``group_index`` says so explicitly), held in one ``turbogrpo.batch.Groups``. ``S_i`` is completion i's length.
 """
 
 from __future__ import annotations
@@ -37,36 +37,59 @@ class RolloutStats:
 
 @dataclass
 class Rollout:
-    """Completions of ``num_samples`` samples for each prompt, with the sampler's log-probs."""
+    """Completions of ``num_samples`` samples for each prompt, with the sampler's log-probs.
 
-    prompts: list[torch.Tensor]
-    """Per group: the prompt ``[P_g]`` (int64)."""
-    num_samples: int
-    tokens: list[torch.Tensor]
-    """Per completion: generated token ids ``[S_i]`` (int64), stop token included."""
-    logprobs: list[torch.Tensor]
-    """Per completion: ``log_softmax(logits / T)`` of each generated token over the full vocabulary
-    ``[S_i]`` (float32; T = 1 when greedy) — what the trainer recomputes."""
-    finish_reasons: list[FinishReason]
-    group_index: list[int]
-    """Per completion: index of its prompt in ``prompts``."""
-    hidden: list[torch.Tensor] | None
-    """With ``return_hidden``: per completion ``[S_i, Hd]``, the policy's final (post-norm) hidden state
-    at the position that predicted each token (the prompt's last token for the first one)."""
+    ``groups`` holds them (``turbogrpo.batch.Groups``: K groups of G completions, group-major) with
+    ``finish_reasons``, ``sampler_logps`` (``log_softmax(logits / T)`` of each generated token over the
+    full vocabulary ``[S_i]``, float32, T = 1 when greedy: what the trainer recomputes) and, with
+    ``return_hidden``, ``hidden`` (``[S_i, Hd]``: the policy's final, post-norm hidden state at the
+    position that predicted each token, the prompt's last token for the first one). The attributes
+    below are views of it.
+    """
+
+    groups: Groups
     stats: RolloutStats
 
     @property
-    def num_completions(self) -> int:
-        return len(self.tokens)
+    def prompts(self) -> list[torch.Tensor]:
+        """Per group: the prompt ``[P_g]`` (int64)."""
+        return self.groups.prompts
 
     @property
-    def groups(self) -> Groups:
-        """The completions' layout: ``num_samples`` per prompt, group-major."""
-        return Groups.uniform(len(self.prompts), self.num_samples)
+    def num_samples(self) -> int:
+        return self.groups.sizes[0]
+
+    @property
+    def tokens(self) -> list[torch.Tensor]:
+        """Per completion: generated token ids ``[S_i]`` (int64), stop token included."""
+        return self.groups.completions
+
+    @property
+    def logprobs(self) -> list[torch.Tensor]:
+        """Per completion: the sampler's log-prob of each generated token ``[S_i]``."""
+        return self.groups.sampler_logps
+
+    @property
+    def finish_reasons(self) -> list[FinishReason]:
+        return self.groups.finish_reasons
+
+    @property
+    def hidden(self) -> list[torch.Tensor] | None:
+        """With ``return_hidden``: per completion ``[S_i, Hd]``; else None."""
+        return self.groups.hidden
+
+    @property
+    def group_index(self) -> list[int]:
+        """Per completion: index of its prompt in ``prompts``."""
+        return [g for g, size in enumerate(self.groups.sizes) for _ in range(size)]
+
+    @property
+    def num_completions(self) -> int:
+        return self.groups.num_completions
 
     def tokens_per_group(self) -> list[list[torch.Tensor]]:
         """``tokens`` grouped per prompt (the layout ``turbogrpo.completion_logprobs`` takes)."""
-        return self.groups.split(self.tokens)
+        return self.groups.nested()
 
     def logprobs_per_group(self) -> list[list[torch.Tensor]]:
         return self.groups.split(self.logprobs)

@@ -85,13 +85,13 @@ def train_on_own_completions(model: nn.Module, draft: DraftHead, prompts: Sequen
     sampled = time.perf_counter()
     groups = draft_groups(model, prompts, completions)
     featured = time.perf_counter()
-    num_completions = sum(len(g.completions) for g in groups)
-    num_tokens = sum(len(c) for g in groups for c in g.completions)
+    num_completions = groups.num_completions
+    num_tokens = sum(len(c) for c in groups.completions)
     log(f"{num_completions} completions ({num_tokens} tokens) sampled in {sampled - start:.0f}s, "
         f"features in {featured - sampled:.0f}s")
     coverage = None
     if draft.config.num_draft_tokens:
-        tokens = torch.cat([c for g in groups for c in g.completions]).cpu()
+        tokens = torch.cat(list(groups.completions)).cpu()
         coverage = choose_draft_tokens(draft, tokens)
         log(f"draft vocabulary: the {draft.config.num_draft_tokens} most frequent tokens cover {coverage:.1%} of "
             "the completions' tokens")
@@ -105,7 +105,7 @@ def train_on_own_completions(model: nn.Module, draft: DraftHead, prompts: Sequen
                               seed=recipe.seed, on_step=on_step)
     trained = time.perf_counter()
     last_epoch = history[-max(1, len(history) // recipe.epochs):]
-    record = {"num_prompts": len(groups), "num_completions": num_completions, "num_tokens": num_tokens,
+    record = {"num_prompts": groups.num_groups, "num_completions": num_completions, "num_tokens": num_tokens,
               "num_draft_tokens": draft.config.num_draft_tokens, "draft_token_coverage": coverage,
               "sampling_s": round(sampled - start, 1), "features_s": round(featured - sampled, 1),
               "training_s": round(trained - featured, 1), "num_steps": len(history),

@@ -1,15 +1,15 @@
 """Training the draft head: one implementation for offline training (``turbogrpo draft train``) and
 online learning inside GRPO (``turbogrpo.train.draft_learning``).
 
-The data is a list of ``DraftGroup``s: a prompt and its completions with the policy's features. A
-batch of groups is packed in the shared-prefix layout of ``turbogrpo.prefix`` (each prompt once, every
+The data is one ``turbogrpo.batch.Groups``: prompts and their completions with the policy's features
+(``prompt_hidden`` and ``hidden``). A batch of groups is packed in the shared-prefix layout of ``turbogrpo.prefix`` (each prompt once, every
 completion attending to its prompt and causally to itself), so a long prompt costs the draft once
 per group, not once per completion.
 
 Draft alignment (see ``draft.py``): the draft's input at position s is (f[s-1], x[s]) and its output
-is trained to equal f[s]. For a completion ``c`` of a prompt of length P, ``completion_features[j]``
-is f[P-1+j], the feature that predicted ``c[j]``; so token ``c[j]`` is fed with
-``completion_features[j]`` and trained towards ``completion_features[j+1]``: every token whose next
+is trained to equal f[s]. For a completion ``c`` of a prompt of length P, its features ``hidden[i][j]``
+are f[P-1+j], the feature that predicted ``c[j]``; so token ``c[j]`` is fed with
+``hidden[i][j]`` and trained towards ``hidden[i][j+1]``: every token whose next
 feature is known is trained. A rollout's hidden states (``return_hidden``) give S features for S
 tokens (S - 1 trained positions); a full policy forward gives S + 1 (all S trained).
 
@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from turbogrpo.batch import Groups
 from turbogrpo.hook import run_decoder
 from turbogrpo.prefix.auto import fastest_shared_backend
 from turbogrpo.prefix.backends import select_backend
@@ -40,18 +41,19 @@ if TYPE_CHECKING:
     from turbogrpo.config import DraftLearningConfig
 
 
-class DraftGroup(NamedTuple):
-    """One prompt and its completions, with the policy's features (see the module docstring)."""
+def DraftGroup(prompt: torch.Tensor, prompt_features: torch.Tensor, completions: list[torch.Tensor],
+               completion_features: list[torch.Tensor]) -> Groups:
+    """Deprecated (kept for one release): one group of draft data is a ``turbogrpo.batch.Groups`` with
+    ``prompt_hidden`` and ``hidden``; ``Groups.concat`` joins several."""
+    warnings.warn("turbogrpo.speculative.DraftGroup is deprecated; draft data is a turbogrpo.batch.Groups "
+                  "(prompt_hidden=, hidden=; Groups.concat joins groups)", DeprecationWarning, stacklevel=2)
+    return Groups([prompt], list(completions), [len(completions)], hidden=list(completion_features),
+                  prompt_hidden=[prompt_features])
 
-    prompt: torch.Tensor                     # [P] long
-    prompt_features: torch.Tensor            # [P, Hd]: f[s] at each prompt position
-    completions: list[torch.Tensor]          # per completion [S_i] long
-    completion_features: list[torch.Tensor]  # per completion [S_i or S_i + 1, Hd]: f[P-1+j], j = 0, 1, ...
 
-    @property
-    def num_trained(self) -> int:
-        """Positions this group trains: one per completion token whose next feature is known."""
-        return sum(min(len(c), len(f) - 1) for c, f in zip(self.completions, self.completion_features))
+def num_trained(groups: Groups) -> int:
+    """Positions ``groups`` trains: one per completion token whose next feature is known."""
+    return sum(min(len(c), len(f) - 1) for c, f in zip(groups.completions, groups.hidden))
 
 
 # -- data ---------------------------------------------------------------------------------------------
@@ -91,12 +93,12 @@ def _common_prefix_length(prompts: list[torch.Tensor]) -> int:
 
 @torch.no_grad()
 def draft_groups(policy: nn.Module, prompts: Sequence[torch.Tensor],
-                 completions: Sequence[Sequence[torch.Tensor]], *, groups_per_forward: int = 8) -> list[DraftGroup]:
+                 completions: Sequence[Sequence[torch.Tensor]], *, groups_per_forward: int = 8) -> Groups:
     """Offline data: the policy's features of its own completions (a list per prompt), from
     shared-prefix forwards of ``groups_per_forward`` groups; every completion token is trained."""
     kept = [(p, [c.to(p.device) for c in cs if len(c) > 0]) for p, cs in zip(prompts, completions)]
     kept = [(p, cs) for p, cs in kept if cs]
-    groups = []
+    prompt_hidden, hidden = [], []
     for first in range(0, len(kept), groups_per_forward):
         chunk = kept[first:first + groups_per_forward]
         layout = pack_groups([p for p, _ in chunk], [cs for _, cs in chunk])
@@ -107,13 +109,10 @@ def draft_groups(policy: nn.Module, prompts: Sequence[torch.Tensor],
         predictors = hidden_TH[layout.predictor_index].split(layout.flat_completion_lengths)
         completion_ends = torch.tensor(layout.flat_completion_lengths).cumsum(0) + layout.num_prompt_tokens - 1
         last_H = hidden_TH[completion_ends.to(layout.device)]
-        prompt_starts = [sum(layout.prompt_lengths[:g]) for g in range(len(chunk))]
-        index = 0
-        for (prompt, group), start in zip(chunk, prompt_starts):
-            features = [torch.cat([predictors[index + i], last_H[index + i, None]]) for i in range(len(group))]
-            groups.append(DraftGroup(prompt, hidden_TH[start:start + len(prompt)], group, features))
-            index += len(group)
-    return groups
+        prompt_hidden.extend(hidden_TH[:layout.num_prompt_tokens].split(layout.prompt_lengths))
+        hidden.extend(torch.cat([predictor, last_H[i, None]]) for i, predictor in enumerate(predictors))
+    return Groups([p for p, _ in kept], [c for _, cs in kept for c in cs], [len(cs) for _, cs in kept], hidden=hidden,
+                  prompt_hidden=prompt_hidden)
 
 
 def _shared_plan(layout, dtype: torch.dtype, requires_grad: bool):
@@ -137,29 +136,30 @@ class PackedDraftBatch(NamedTuple):
     num_prompt_tokens: int
 
 
-def pack_draft_batch(groups: Sequence[DraftGroup], *, requires_grad: bool) -> PackedDraftBatch:
+def pack_draft_batch(groups: Groups, *, requires_grad: bool) -> PackedDraftBatch:
     """Pack ``groups`` (completions cut to their trained tokens; completions with none are left out)."""
     prompts, completions, inputs, targets, prompt_inputs = [], [], [], [], []
-    for group in groups:
-        cut = [(c[:len(f) - 1], f) for c, f in zip(group.completions, group.completion_features) if len(f) > 1]
+    for prompt, features, group, group_features in zip(groups.prompts, groups.prompt_hidden, groups.nested(),
+                                                        groups.split(groups.hidden)):
+        cut = [(c[:len(f) - 1], f) for c, f in zip(group, group_features) if len(f) > 1]
         if not cut:
             continue
-        prompts.append(group.prompt)
+        prompts.append(prompt)
         completions.append([c for c, _ in cut])
-        prompt_inputs.append(shift_features(group.prompt_features[None])[0])
+        prompt_inputs.append(shift_features(features[None])[0])
         for c, f in cut:
             inputs.append(f[:len(c)])
             targets.append(f[1:len(c) + 1])
     if not prompts:
         raise ValueError("no draft training data: every completion is shorter than two features")
     layout = pack_groups(prompts, completions)
-    plan = _shared_plan(layout, groups[0].prompt_features.dtype, requires_grad=requires_grad)
+    plan = _shared_plan(layout, groups.prompt_hidden[0].dtype, requires_grad=requires_grad)
     features_TH = torch.cat(prompt_inputs + inputs).to(layout.device)
     return PackedDraftBatch(layout.input_ids, layout.position_ids, features_TH, torch.cat(targets).to(layout.device),
                             plan, layout.num_prompt_tokens)
 
 
-def draft_loss(draft: DraftHead, groups: Sequence[DraftGroup],
+def draft_loss(draft: DraftHead, groups: Groups,
                config: DraftLearningConfig) -> tuple[torch.Tensor, dict]:
     """``w_v * SmoothL1(g, f) + w_p * CE(draft logits, policy distribution)`` over the trained positions
     (``config``: the [draft] section, its feature_weight and logit_weight).
@@ -187,25 +187,28 @@ def make_optimizer(draft: DraftHead, config: DraftLearningConfig) -> torch.optim
     return torch.optim.AdamW(draft.parameters(), lr=config.lr, weight_decay=config.weight_decay)
 
 
-def batches_of(groups: Sequence[DraftGroup], batch_size: int, generator: torch.Generator) -> list[list[DraftGroup]]:
+def batches_of(groups: Groups, batch_size: int, generator: torch.Generator) -> list[Groups]:
     """The groups in a random order, cut into batches of at least ``batch_size`` completions (whole groups)."""
     batches, current, count = [], [], 0
-    for index in torch.randperm(len(groups), generator=generator).tolist():
-        current.append(groups[index])
-        count += len(groups[index].completions)
+    for index in torch.randperm(groups.num_groups, generator=generator).tolist():
+        current.append(index)
+        count += groups.sizes[index]
         if count >= batch_size:
-            batches.append(current)
+            batches.append(groups.select(current))
             current, count = [], 0
     if current:
-        batches.append(current)
+        batches.append(groups.select(current))
     return batches
 
 
-def train_draft(draft: DraftHead, groups: Sequence[DraftGroup], config: DraftLearningConfig, *,
+def train_draft(draft: DraftHead, groups: Groups | Sequence[Groups], config: DraftLearningConfig, *,
                 num_epochs: int = 1, batch_size: int = 8, optimizer: torch.optim.Optimizer | None = None,
                 seed: int = 0, on_step: Callable[[int, dict], None] | None = None) -> list[dict]:
     """Train ``draft`` on ``groups`` (the policy's parts get no gradient) for ``num_epochs`` passes, in
     batches of at least ``batch_size`` completions (whole groups).
+
+    groups: a ``Groups`` with ``prompt_hidden`` and ``hidden`` (``draft_groups``; a list of them, as
+        the deprecated ``DraftGroup`` built, is joined).
 
     config: the [draft] section (``turbogrpo.config.DraftLearningConfig()`` for the defaults), whose
         loss weights, lr, weight decay and clipping are used; checked here as a config file's is.
@@ -216,6 +219,8 @@ def train_draft(draft: DraftHead, groups: Sequence[DraftGroup], config: DraftLea
     config.check("draft")
     if num_epochs < 1 or batch_size < 1:
         raise ValueError(f"num_epochs and batch_size must be >= 1, got {num_epochs} and {batch_size}")
+    if not isinstance(groups, Groups):
+        groups = Groups.concat(groups) if groups else Groups([], [], [])
     optimizer = optimizer or make_optimizer(draft, config)
     generator = torch.Generator().manual_seed(seed)
     history = []
@@ -227,7 +232,7 @@ def train_draft(draft: DraftHead, groups: Sequence[DraftGroup], config: DraftLea
     return history
 
 
-def draft_train_step(draft: DraftHead, batch: Sequence[DraftGroup], optimizer: torch.optim.Optimizer,
+def draft_train_step(draft: DraftHead, batch: Groups, optimizer: torch.optim.Optimizer,
                      config: DraftLearningConfig) -> dict[str, float]:
     """One AdamW step of the draft on ``batch``; returns its metrics as floats."""
     loss, metrics = draft_loss(draft, batch, config)

@@ -29,19 +29,19 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
 
+from turbogrpo.batch import Groups
 from turbogrpo.config import Config, DraftLearningConfig
 from turbogrpo.rollout import Rollout
 from turbogrpo.speculative.decode import Speculation, SpeculativeStats
 from turbogrpo.speculative.draft import DraftHead
 from turbogrpo.speculative.built_drafts import resolve_draft_path
 from turbogrpo.speculative.history import HistoryDrafts
-from turbogrpo.speculative.draft_training import (DraftGroup, make_optimizer, prompt_features,
-                                                  train_draft)
+from turbogrpo.speculative.draft_training import make_optimizer, num_trained, prompt_features, train_draft
 from turbogrpo.speculative.profiler import cached_profile
 from turbogrpo.speculative.sizing import SizingPolicy, make_sizing
 
@@ -83,30 +83,30 @@ class OnlineDraft:
     def speculation(self) -> Speculation:
         return Speculation(self.draft, sizing=self.sizing, history=self.history)
 
-    def collect(self, policy: nn.Module, rollout: Rollout, seed: int) -> list[DraftGroup]:
+    def collect(self, policy: nn.Module, rollout: Rollout, seed: int) -> Groups:
         """The draft's training data from ``rollout`` (generated with ``return_hidden``): every group,
         zero-advantage ones included, or a random (seeded) share of them within the token budget.
         Call before the policy update, so that the prompts' features come from the weights that
         generated the completions."""
-        tokens, hidden = rollout.tokens_per_group(), rollout.hidden_per_group()
-        chosen = within_budget([len(p) for p in rollout.prompts], [[len(t) - 1 for t in group] for group in tokens],
+        batch = rollout.groups
+        if batch.hidden is None:
+            raise ValueError("this rollout has no hidden states; generate with return_hidden=True")
+        chosen = within_budget(batch.prompt_lengths, batch.split([n - 1 for n in batch.lengths]),
                                self.settings.max_tokens, torch.Generator().manual_seed(seed))
-        groups = [g for g, members in enumerate(chosen) if members]
-        features = prompt_features(policy, [rollout.prompts[g] for g in groups])
-        return [DraftGroup(rollout.prompts[g], f, [tokens[g][i] for i in chosen[g]], [hidden[g][i] for i in chosen[g]])
-                for g, f in zip(groups, features)]
+        picked = batch.pick(chosen)
+        return replace(picked, sampler_logps=None, prompt_hidden=prompt_features(policy, picked.prompts))
 
-    def learn(self, policy: nn.Module, groups: list[DraftGroup], seed: int) -> dict[str, float]:
+    def learn(self, policy: nn.Module, groups: Groups, seed: int) -> dict[str, float]:
         """``steps`` AdamW steps of the draft on ``groups`` with the policy frozen; the step's metrics."""
-        if not groups:
+        if not groups.num_groups:
             return {}
-        num_completions = sum(len(g.completions) for g in groups)
+        num_completions = groups.num_completions
         with frozen(policy):
             history = train_draft(self.draft, groups, self.settings, optimizer=self.optimizer, seed=seed,
                                   batch_size=-(-num_completions // self.settings.steps))
         self.sizing.forget(FORGET)
         metrics = {f"draft/{k}": sum(h[k] for h in history) / len(history) for k in history[0]}
-        metrics["draft/tokens"] = float(sum(g.num_trained for g in groups))
+        metrics["draft/tokens"] = float(num_trained(groups))
         return metrics
 
     # -- checkpoints ---------------------------------------------------------------------------------

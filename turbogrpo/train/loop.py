@@ -13,20 +13,22 @@ of each inside it:
     draft    the draft's update on the collected features (draft_learning.py; policy frozen)
     record   the step's metrics over the global batch, sample completions           [gather, all-reduce]
 
-What is built once lives in run.py and setup.py (``build_run``), the run's state between steps
-(resume, checkpoints, export) in run.py and checkpoint.py, held-out evaluation in evaluate.py.
+One owner per lifetime: what is built once lives in run.py and setup.py (``build_run``), the run's state
+between steps (resume, checkpoints, export, interrupt) in state.py and checkpoint.py, held-out evaluation
+in evaluate.py, and the step here.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
 from turbogrpo.algo import LossNormalizer, group_advantages, statistics_are_finite
+from turbogrpo.batch import Groups, pad_to_count
 from turbogrpo.config import Config
 from turbogrpo.data import PromptExample
 from turbogrpo.rewards import RewardResult, build_rewards, score_completions
@@ -35,14 +37,14 @@ from turbogrpo.train import distributed
 from turbogrpo.train.distributed import DistInfo
 from turbogrpo.train.draft_learning import frozen, speculation_metrics
 from turbogrpo.train.metrics import PhaseTimer
-from turbogrpo.train.microbatch import pad_to_count, plan_micro_batches
 from turbogrpo.train.optim import learning_rate, set_learning_rate
 from turbogrpo.train.metrics import read_metrics
 from turbogrpo.train.report import speculation_summary, write_report
 from turbogrpo.train.output_dir import claim_output_dir, mark_complete
-from turbogrpo.train.run import Run, RunComplete, RewardFailure, build_run, evaluate, export, interrupted, save
+from turbogrpo.train.run import Run, build_run
+from turbogrpo.train.state import RewardFailure, RunComplete, evaluate, export, interrupted, save, start
 from turbogrpo.train.step_metrics import completion_samples, step_metrics
-from turbogrpo.train.update import StepBatch, UpdateResult, update_policy
+from turbogrpo.train.update import UpdateResult, update_policy
 from turbogrpo.train.update import score as logprobs_of
 
 
@@ -73,43 +75,43 @@ def train(config: Config, *, resume: bool = False, overwrite: bool = False) -> R
     if config.train.num_threads:
         torch.set_num_threads(config.train.num_threads)
     dist = distributed.setup(config.model.device, config.distributed.backend)
-    start = time.perf_counter()
+    started = time.perf_counter()
     output, run = None, None
     try:
         output = claim_output_dir(config, dist, resume=resume, overwrite=overwrite)
-        run = build_run(config, dist, rewards, resume)
+        run = build_run(config, dist, rewards)
+        state = start(run, resume)
         total = config.train.num_steps
-        if run.state.step == 0:
+        if state.step == 0:
             evaluate(run)
-        with tqdm(total=total, initial=run.state.step, desc="GRPO", unit="step", dynamic_ncols=True,
+        with tqdm(total=total, initial=state.step, desc="GRPO", unit="step", dynamic_ncols=True,
                   disable=not (dist.is_main and config.log.progress_bar)) as bar:
-            while run.state.step < total:
-                metrics = grpo_step(run, run.state.step)
-                run.state.step += 1
-                run.log.log(run.state.step, metrics)
-                if config.train.eval_every and run.state.step % config.train.eval_every == 0 \
-                        and run.state.step < total:
+            while state.step < total:
+                metrics = grpo_step(run, state.step)
+                state.step += 1
+                state.log.log(state.step, metrics)
+                if config.train.eval_every and state.step % config.train.eval_every == 0 and state.step < total:
                     evaluate(run)
                 bar.set_postfix({k: f"{metrics[k]:.3f}" for k in ("reward", "accuracy") if k in metrics},
                                 refresh=False)
                 bar.update()
-                if config.train.checkpoint_every and run.state.step % config.train.checkpoint_every == 0:
+                if config.train.checkpoint_every and state.step % config.train.checkpoint_every == 0:
                     save(run)
         evaluate(run)
         if not (config.train.checkpoint_every and total % config.train.checkpoint_every == 0):
             save(run)  # (otherwise the loop has just saved this step)
         final_model = export(run)
-        run.log.close()
+        state.log.close()
         if dist.is_main and config.log.report:
             write_report(config.train.output_dir)
         if dist.is_main:
             mark_complete(output.path, total)
         speculation = (speculation_summary(read_metrics(config.train.output_dir))
                        if run.draft is not None and dist.is_main else [])
-        return RunSummary(total, run.state.evals, time.perf_counter() - start, Path(config.train.output_dir),
+        return RunSummary(total, state.evals, time.perf_counter() - started, Path(config.train.output_dir),
                           final_model, speculation=speculation)
     except RunComplete as done:
-        return RunSummary(done.step, done.evals, time.perf_counter() - start, output.path, None, already_complete=True)
+        return RunSummary(done.step, done.evals, time.perf_counter() - started, output.path, None, already_complete=True)
     except KeyboardInterrupt:
         raise interrupted(run, Path(config.train.output_dir)) from None
     finally:
@@ -132,19 +134,23 @@ class StepData:
     """Their token ids ``[P]`` on the device."""
     timer: PhaseTimer
     rollout: Rollout | None = None
-    draft_data: list | None = None
+    """The rollout (its stats); its completions are ``batch``."""
+    batch: Groups | None = None
+    """This rank's groups, flat and group-major: the rollout's completions with the sampler's log-probs,
+    then their total rewards and advantages ``[N]`` (score)."""
+    draft_data: Groups | None = None
     """The draft's training data, collected before the policy moves (None: the draft does not learn)."""
     texts: list[str] = field(default_factory=list)
     """The completions decoded, group-major."""
     rewards: RewardResult | None = None
-    advantages: torch.Tensor | None = None
-    """[N] this rank's completions' advantages."""
+    """Every reward function's values, failures and first errors."""
     trained: list[int] = field(default_factory=list)
     """The groups the update runs on (``trainable_groups``)."""
-    batch: StepBatch | None = None
-    """The trained groups with their advantages and old/reference log-probs."""
+    trained_batch: Groups | None = None
+    """Those groups of ``batch``, with the fields the loss reads (old/reference log-probs added in prepare)."""
     normalizer: LossNormalizer | None = None
-    micro_batches: list = field(default_factory=list)
+    micro_batches: list[Groups] = field(default_factory=list)
+    """``trained_batch`` cut by the token budget (each carries its share of every field)."""
     updates: list[UpdateResult] = field(default_factory=list)
     metrics: dict[str, float] = field(default_factory=dict)
 
@@ -175,6 +181,7 @@ def sample(run: Run, data: StepData) -> StepData:
         data.rollout = generate(run.policy, data.prompts, num_samples=run.config.rollout.num_generations,
                                 sampling=run.sampling, seed=data.seed,
                                 draft=draft.speculation() if draft is not None else None, return_hidden=learns)
+    data.batch = data.rollout.groups
     if learns:
         with data.timer("draft"):
             data.draft_data = draft.collect(run.policy, data.rollout, data.seed)
@@ -183,37 +190,37 @@ def sample(run: Run, data: StepData) -> StepData:
 
 def score(run: Run, data: StepData) -> StepData:
     """Rewards, checked, and group advantages over the whole batch (one gather, one all-reduce)."""
-    config, dist = run.config, run.dist
+    config, dist, batch = run.config, run.dist, data.batch
     num_samples = config.rollout.num_generations
     with data.timer("rewards"):
-        data.texts = run.tokenizer.batch_decode(data.rollout.tokens, skip_special_tokens=True)
-        data.rewards = score_completions(run.rewards, data.examples, data.texts,
-                                         [t.numel() for t in data.rollout.tokens], num_samples)
+        data.texts = run.tokenizer.batch_decode(batch.completions, skip_special_tokens=True)
+        data.rewards = score_completions(run.rewards, data.examples, data.texts, batch.lengths, num_samples)
         # Advantages need every group's rewards only for batch-level std; gathering is cheap either way.
         all_rewards = distributed.all_gather_cat(data.rewards.total.to(dist.device), dist)
         group_sizes = [num_samples] * (all_rewards.numel() // num_samples)
         advantages = group_advantages(all_rewards, group_sizes, config.algo.scale_rewards)
         check_rewards(run, data.rewards, data.index,
                       statistics_are_finite(all_rewards, group_sizes, config.algo.scale_rewards))
-        data.advantages = advantages[distributed.local_slice(all_rewards.numel(), dist)]
+        batch.rewards = data.rewards.total
+        batch.advantages = advantages[distributed.local_slice(all_rewards.numel(), dist)]
     return data
 
 
 def prepare(run: Run, data: StepData) -> StepData:
     """The update's batch: loss totals of the whole batch, the trained groups, the micro-batch plan
     (both agreed over ranks) and old-policy / reference log-probs where the loss needs them."""
-    config, rollout = run.config, data.rollout
-    batch = StepBatch(data.prompts, rollout.groups, rollout.tokens, data.advantages,
-                      rollout_logps=rollout.logprobs if config.algo.tis_cap else None)
+    config, batch = run.config, data.batch
     data.normalizer = step_normalizer(batch, config, run.dist)  # totals of the whole batch, skipped groups included
-    data.trained = trainable_groups(data.advantages, config.rollout.num_generations, config.algo.beta)
-    data.batch = batch.select(data.trained)
-    data.micro_batches = plan(data.batch, config, run.dist)
+    data.trained = trainable_groups(batch.advantages, config.rollout.num_generations, config.algo.beta)
+    # The loss reads the sampler's log-probs only for the TIS correction; hidden states stay behind.
+    trained = replace(batch, hidden=None, sampler_logps=batch.sampler_logps if config.algo.tis_cap else None)
+    data.trained_batch = trained = trained.select(data.trained)
+    data.micro_batches = plan(trained, config, run.dist)
     with data.timer("logprobs"):
         if config.algo.num_iterations > 1:
-            data.batch.old_logps = logprobs_of(run.trainer, data.batch, data.micro_batches)
+            trained.old_logps = logprobs_of(run.trainer, data.micro_batches, "old_logps")
         if run.reference is not None:
-            data.batch.ref_logps = logprobs_of(run.reference, data.batch, data.micro_batches)
+            trained.ref_logps = logprobs_of(run.reference, data.micro_batches, "ref_logps")
     return data
 
 
@@ -226,7 +233,7 @@ def update(run: Run, data: StepData) -> StepData:
             optimizer_step = data.index * config.algo.num_iterations + iteration
             set_learning_rate(run.optimizer, learning_rate(
                 optimizer_step, config.train.num_steps * config.algo.num_iterations, config.optim))
-            data.updates.append(update_policy(run.trainer, data.batch, data.micro_batches, run.loss, data.normalizer,
+            data.updates.append(update_policy(run.trainer, data.micro_batches, run.loss, data.normalizer,
                                               run.optimizer, max_grad_norm=config.optim.max_grad_norm, dist=run.dist))
             guard_nonfinite(run, data.updates[-1], data.index)
     return data
@@ -242,17 +249,16 @@ def learn_draft(run: Run, data: StepData) -> StepData:
 
 def record(run: Run, data: StepData) -> StepData:
     """The step's metrics over the global batch (one gather, one host sync) and sample completions."""
-    config, rollout, batch = run.config, data.rollout, data.batch
-    trainer_logps = batch.old_logps if batch.old_logps is not None else data.updates[0].logps
-    _, trained = rollout.groups.select(data.trained)
-    sampler_logps = [rollout.logprobs[i] for i in trained]
+    config, rollout, trained = run.config, data.rollout, data.trained_batch
+    trainer_logps = trained.old_logps if trained.old_logps is not None else data.updates[0].logps
+    sampler_logps = data.batch.select(data.trained).sampler_logps
     draft_metrics, data.metrics = data.metrics, step_metrics(rollout, data.rewards, sampler_logps, trainer_logps,
                                                              data.updates, data.timer.seconds, run, run.dist)
     data.metrics["frac_groups_trained"] = len(data.trained) / len(data.examples)
     data.metrics.update(speculation_metrics(rollout.stats), **draft_metrics)
     step = data.index + 1
     if run.dist.is_main and config.log.completions_every and step % config.log.completions_every == 0:
-        run.log.log_completions(step, completion_samples(data.examples, data.texts, data.rewards,
+        run.state.log.log_completions(step, completion_samples(data.examples, data.texts, data.rewards,
                                                          config.rollout.num_generations, config.log.num_completions))
     return data
 
@@ -282,22 +288,21 @@ def trainable_groups(advantages: torch.Tensor, num_samples: int, beta: float) ->
     return [g for g, m in enumerate(moving) if m] or [0]
 
 
-def plan(batch: StepBatch, config: Config, dist: DistInfo):
+def plan(batch: Groups, config: Config, dist: DistInfo) -> list[Groups]:
     """Micro-batches by token budget; every rank runs as many (fillers of weight 0 where short)."""
-    micro_batches = plan_micro_batches([p.numel() for p in batch.prompts], batch.completion_lengths(),
-                                       config.train.micro_batch_tokens)
+    micro_batches = batch.micro_batches(config.train.micro_batch_tokens)
     count = distributed.all_reduce_max_int(len(micro_batches), dist, dist.device)
     return pad_to_count(micro_batches, count)
 
 
-def step_normalizer(batch: StepBatch, config: Config, dist: DistInfo) -> LossNormalizer:
+def step_normalizer(batch: Groups, config: Config, dist: DistInfo) -> LossNormalizer:
     """Whole-batch totals over all ranks, divided by the world size.
 
     DDP averages gradients over ranks; with totals of the global batch / world size each rank's
     loss is its share of the global-batch loss, so the averaged gradient is the global batch's
     gradient, exactly as one process on the whole batch would compute it, for every loss variant.
     """
-    lengths = [c.numel() for c in batch.completions]
+    lengths = batch.lengths
     totals = torch.tensor([len(lengths), sum(lengths)], dtype=torch.float32, device=dist.device)
     totals = distributed.all_reduce_sum(totals, dist) / dist.world_size
     num_sequences, num_tokens = totals[0], totals[1]
@@ -327,10 +332,10 @@ def check_rewards(run: Run, rewards: RewardResult, step: int, statistics_finite:
             raise RewardFailure(f"{problem}; stopped, since train.reward_failure_limit = {limit:g} and no update "
                                 "was made from these rewards. Fix the function or the data columns it reads "
                                 "(or raise train.reward_failure_limit, 0 never stops), then continue with --resume")
-        if name not in run.reported_reward_failures and run.dist.is_main:
+        if name not in run.state.reported_reward_failures and run.dist.is_main:
             tqdm.write(f"warning: {problem}; those get its fallback {reward.fallback:g} (counted in metrics.jsonl "
                        "as rewards/<name>/num_failed; only the first failure of each function is printed)")
-        run.reported_reward_failures.add(name)
+        run.state.reported_reward_failures.add(name)
     if overflowed:
         largest = ", ".join(f"{name!r} {float(values.abs().max()):.3g}" for name, values in rewards.per_function.items()
                             if values.numel())

@@ -1,8 +1,9 @@
 """Building a run's components once from its config: precision, policy, reference, prompts, the accuracy
 reward, sampling.
 
-Each builder does one thing and is called by ``run.build_run`` (and by ``turbogrpo eval``, through
-``evaluate.build_held_out``); none knows about the others.
+Each builder does one thing and is called by ``run.build_policy`` (a run's and ``turbogrpo eval``'s
+precision, policy, sampling and held-out evaluation) or ``run.build_run`` (the rest of a run); none knows
+about the others.
 """
 
 from __future__ import annotations

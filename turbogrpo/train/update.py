@@ -1,6 +1,7 @@
 """One optimizer step of the policy on a step batch, and the forward-only scoring of a step batch.
 
-Both run the batch micro-batch by micro-batch through the shared-prefix forward. The update sums the
+Both run the batch micro-batch by micro-batch (``Groups.micro_batches``: each a ``Groups`` of its own,
+together every completion once, in the batch's flat order) through the shared-prefix forward. The update sums the
 micro-batch losses' gradients (each loss is already divided by whole-batch totals, so the sum is the
 full-batch gradient), clips the global norm, and applies the step only if loss and norm are finite.
 """
@@ -14,60 +15,8 @@ import torch
 from torch import Tensor, nn
 
 from turbogrpo.algo import LossNormalizer
-from turbogrpo.batch import Groups
+from turbogrpo.batch import Groups, pad_ragged
 from turbogrpo.train.distributed import DistInfo, all_reduce_sum, gradient_sync
-from turbogrpo.train.microbatch import Chunk, MicroBatch, length_mask, pad_ragged
-
-
-@dataclass
-class StepBatch:
-    """This rank's share of one GRPO step: K groups, N completions flat in group-major order.
-
-    prompts: K prompt token ids, each ``[P_k]``.
-    groups: the layout (how many of the N completions each group has, and where they start).
-    completions: N completion token ids, each ``[S_i]``.
-    advantages: ``[N]``, one per completion.
-    old_logps: N ``[S_i]`` log-probs under the policy that sampled them, or None (num_iterations == 1:
-        the ratio is exactly 1 and TRL skips this forward too).
-    ref_logps: the same under the reference policy, or None (beta == 0).
-    rollout_logps: the same as the sampler computed them while sampling, or None (no TIS correction).
-    """
-
-    prompts: list[Tensor]
-    groups: Groups
-    completions: list[Tensor]
-    advantages: Tensor
-    old_logps: list[Tensor] | None = None
-    ref_logps: list[Tensor] | None = None
-    rollout_logps: list[Tensor] | None = None
-
-    @classmethod
-    def from_groups(cls, prompts: list[Tensor], completions: Sequence[Sequence[Tensor]], advantages: Tensor,
-                    old_logps=None, ref_logps=None, rollout_logps=None) -> StepBatch:
-        """A batch from per-group lists (completions, and the per-token fields that are given)."""
-        def flat(nested):
-            return None if nested is None else Groups.flatten(nested)
-        return cls(prompts, Groups.of(completions), Groups.flatten(completions), advantages, flat(old_logps),
-                   flat(ref_logps), flat(rollout_logps))
-
-    def select(self, keep: Sequence[int]) -> StepBatch:
-        """The batch restricted to groups ``keep``, in that order."""
-        groups, index = self.groups.select(keep)
-
-        def pick(items):
-            return None if items is None else [items[i] for i in index]
-        return StepBatch([self.prompts[g] for g in keep], groups, pick(self.completions),
-                         self.advantages[torch.tensor(index, device=self.advantages.device)], pick(self.old_logps),
-                         pick(self.ref_logps), pick(self.rollout_logps))
-
-    def completion_lengths(self) -> list[list[int]]:
-        """Per group, its completions' lengths (what micro-batch planning reads)."""
-        return self.groups.split([c.numel() for c in self.completions])
-
-    def chunk_completions(self, chunks: Sequence[Chunk]) -> list[list[Tensor]]:
-        """Per chunk, its run of completions (the nested layout the shared-prefix forward takes)."""
-        starts = self.groups.offsets
-        return [self.completions[starts[c.group] + c.start:starts[c.group] + c.stop] for c in chunks]
 
 
 @dataclass
@@ -87,37 +36,33 @@ class UpdateResult:
     logps: list[Tensor]
 
 
-def update_policy(module: nn.Module, batch: StepBatch, micro_batches: Sequence[MicroBatch], loss_fn: Callable,
-                  normalizer: LossNormalizer, optimizer: torch.optim.Optimizer, *, max_grad_norm: float,
-                  dist: DistInfo) -> UpdateResult:
-    """Accumulate the gradient of the step batch over ``micro_batches`` and take one optimizer step.
+def update_policy(module: nn.Module, micro_batches: Sequence[Groups], loss_fn: Callable, normalizer: LossNormalizer,
+                  optimizer: torch.optim.Optimizer, *, max_grad_norm: float, dist: DistInfo) -> UpdateResult:
+    """Accumulate the gradient of the step batch over its ``micro_batches`` and take one optimizer step.
 
     ``module(prompts, completions) -> CompletionLogprobs`` is the (possibly DDP/FSDP2-wrapped)
-    shared-prefix forward; ``loss_fn`` a policy loss with its settings bound (``algo.build_loss``).
-    Every rank passes the same number of micro-batches (fillers have weight 0).
+    shared-prefix forward; ``loss_fn`` a policy loss with its settings bound (``algo.build_loss``). A
+    micro-batch carries the advantages and the old / reference / sampler log-probs the loss reads
+    (None where the loss does not need them). Every rank passes the same number of micro-batches
+    (fillers have weight 0).
     """
     optimizer.zero_grad(set_to_none=True)
     totals: dict[str, Tensor] = {}
-    logps_by_index: dict[int, Tensor] = {}
+    logps_out: list[Tensor] = []
     for i, mb in enumerate(micro_batches):
         with gradient_sync(module, enabled=i == len(micro_batches) - 1):
-            prompts = [batch.prompts[c.group] for c in mb.chunks]
-            result = module(prompts, batch.chunk_completions(mb.chunks))
-            logps = Groups.flatten(result.per_completion(result.logps))
-            mask_BL = length_mask([t.numel() for t in logps], device=logps[0].device)
-            loss, metrics = loss_fn(
-                pad_ragged(logps),
-                _padded(batch.old_logps, mb),
-                _padded(batch.ref_logps, mb),
-                batch.advantages[torch.tensor(mb.index, device=batch.advantages.device)],
-                mask_BL, normalizer, rollout_logps=_padded(batch.rollout_logps, mb))
+            result = module(mb.prompts, mb.nested())
+            mask_BL = mb.mask(result.logps.device)
+            logps = mb.per_completion(result.logps)
+            loss, metrics = loss_fn(pad_ragged(logps), mb.padded("old_logps"), mb.padded("ref_logps"), mb.advantages,
+                                    mask_BL, normalizer, rollout_logps=mb.padded("sampler_logps"))
             (loss * mb.weight).backward()
         metrics["entropy_sum"] = result.entropy.sum()
         metrics["num_tokens"] = mask_BL.sum()
         for name, value in {"loss": loss.detach(), **metrics}.items():
             totals[name] = totals.get(name, 0.0) + value * mb.weight
-        if mb.weight:
-            logps_by_index.update(zip(mb.index, (t.detach() for t in logps)))
+        if mb.weight:  # the micro-batches hold the batch's completions in its flat order
+            logps_out.extend(t.detach() for t in logps)
 
     params = [p for group in optimizer.param_groups for p in group["params"]]
     grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm if max_grad_norm > 0 else float("inf"))
@@ -136,28 +81,22 @@ def update_policy(module: nn.Module, batch: StepBatch, micro_batches: Sequence[M
     metrics = dict(zip(names, values[2:]))
     # Mean entropy of the sampling distribution over the completion tokens this update ran.
     metrics["entropy"] = metrics.pop("entropy_sum") / max(metrics.pop("num_tokens"), 1.0)
-    return UpdateResult(applied=applied, grad_norm=values[1], metrics=metrics,
-                        logps=[logps_by_index[i] for i in sorted(logps_by_index)])
+    return UpdateResult(applied=applied, grad_norm=values[1], metrics=metrics, logps=logps_out)
 
 
 @torch.no_grad()
-def score(module: nn.Module, batch: StepBatch, micro_batches: Sequence[MicroBatch]) -> list[Tensor]:
-    """Per completion ``[S]`` log-probs under ``module`` (no gradient), micro-batched; flat like
-    ``batch.completions``."""
-    out: list[Tensor | None] = [None] * len(batch.completions)
+def score(module: nn.Module, micro_batches: Sequence[Groups], name: str) -> list[Tensor]:
+    """Per completion ``[S_i]`` log-probs under ``module`` (no gradient), kept on each micro-batch as its
+    per-token field ``name`` ("old_logps" or "ref_logps", which the update's loss reads) and returned
+    flat over the batch. Fillers are scored too: their forwards keep the ranks' collectives matched."""
+    flat: list[Tensor] = []
     for mb in micro_batches:
         # Scoring needs only the log-probs: no entropy pass over the [tokens, vocab] logits.
-        result = module([batch.prompts[c.group] for c in mb.chunks], batch.chunk_completions(mb.chunks),
-                        with_entropy=False)
+        logps = mb.per_completion(module(mb.prompts, mb.nested(), with_entropy=False).logps.detach())
+        setattr(mb, name, logps)
         if mb.weight:
-            for i, logps in zip(mb.index, Groups.flatten(result.per_completion(result.logps))):
-                out[i] = logps.detach()
-    return out
-
-
-def _padded(flat: list[Tensor] | None, mb: MicroBatch) -> Tensor | None:
-    """``[B, L]``: the micro-batch's completions' rows of a flat per-token field, right-padded with 0."""
-    return None if flat is None else pad_ragged([flat[i] for i in mb.index])
+            flat.extend(logps)
+    return flat
 
 
 def _full(t: Tensor) -> Tensor:

@@ -1,0 +1,190 @@
+"""A run's state between steps, and its one owner: start (fresh or resumed from the newest checkpoint, the
+output folder's records, the metrics log), held-out evaluation, checkpoints, export of the final model,
+and what Ctrl-C reports. The components it works on are built once by run.py (``build_run``).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from tqdm import tqdm
+
+from turbogrpo.config import dump_config
+from turbogrpo.files import WriteError, write_folder_atomically
+from turbogrpo.models import resolve_dtype
+from turbogrpo.train import checkpoint, distributed
+from turbogrpo.train import output_dir as output_dir_state
+from turbogrpo.train.distributed import DistInfo
+from turbogrpo.train.evaluate import describe_accuracies, measure_held_out
+from turbogrpo.train.metrics import METRICS_FILE, MetricsLog
+
+if TYPE_CHECKING:
+    from turbogrpo.train.run import Run
+
+
+@dataclass
+class RunState:
+    """What changes from step to step besides weights and optimizer (the counters and evaluations are
+    saved in checkpoints)."""
+
+    step: int = 0
+    """GRPO steps completed."""
+    nonfinite_in_a_row: int = 0
+    nonfinite_total: int = 0
+    evals: list[dict] = field(default_factory=list)
+    """Held-out accuracy measurements: {"step": s, "accuracy": a}."""
+    log: MetricsLog | None = None
+    """The run's metrics.jsonl (and TensorBoard) log, opened by :func:`start` (not saved)."""
+    reported_reward_failures: set[str] = field(default_factory=set)
+    """Reward functions whose first failure has been printed (each is printed once per process; not saved)."""
+
+
+def start(run: Run, resume: bool) -> RunState:
+    """The run's state: fresh, or (``resume``) the newest verified checkpoint's, loaded into the policy,
+    optimizer, data order and draft; RunComplete when that run had finished. Records the config and
+    inputs in the output folder and opens the metrics log. Sets and returns ``run.state``."""
+    config, dist = run.config, run.dist
+    state = RunState()
+    output_dir = Path(config.train.output_dir)
+    latest = find_resume_checkpoint(output_dir, dist) if resume else None
+    if latest is not None:
+        resumed = checkpoint.load_checkpoint(latest, run.policy, run.optimizer, dist)
+        run.batches.load_state_dict(resumed.state["data"])
+        state = RunState(step=resumed.step, nonfinite_in_a_row=resumed.state["nonfinite_in_a_row"],
+                         nonfinite_total=resumed.state["nonfinite_total"], evals=resumed.state["evals"])
+        if run.draft is not None and resumed.rank_state is not None:
+            run.draft.load_state_dict(*resumed.rank_state)
+        done = output_dir_state.completed_step(output_dir)
+        if done is not None and resumed.step >= config.train.num_steps and done >= resumed.step:
+            raise RunComplete(resumed.step, state.evals)
+        if dist.is_main:
+            tqdm.write(f"resumed from {latest} (step {resumed.step})")
+    if dist.is_main:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        dump_config(config, output_dir / "config.json")
+        output_dir_state.record_inputs(output_dir, config)
+    state.log = MetricsLog(output_dir, tensorboard=config.log.tensorboard, enabled=dist.is_main,
+                           resume_step=state.step if latest is not None else None)
+    run.state = state
+    return state
+
+
+class RewardFailure(ValueError):
+    """A reward function failed on too many of a step's completions (train.reward_failure_limit), or on every
+    held-out answer before training."""
+
+
+class RunComplete(Exception):
+    """``--resume`` of a run that already trained ``train.num_steps`` steps and wrote its outputs."""
+
+    def __init__(self, step: int, evals: list[dict]):
+        super().__init__(f"the run is complete ({step} steps); nothing to do")
+        self.step, self.evals = step, evals
+
+
+class TrainingInterrupted(Exception):
+    """Ctrl-C: ``step`` steps were done; ``checkpoint`` is the last complete checkpoint (None: none yet)."""
+
+    def __init__(self, step: int, checkpoint: Path | None):
+        super().__init__(f"interrupted at step {step}")
+        self.step, self.checkpoint = step, checkpoint
+
+
+def find_resume_checkpoint(output_dir: Path, dist: DistInfo) -> Path | None:
+    """The newest verified checkpoint to resume from (damaged ones are named and passed over); None in an
+    empty folder. Metrics without any usable checkpoint are refused, not deleted."""
+    latest = checkpoint.latest_checkpoint(output_dir, notice=tqdm.write if dist.is_main else lambda _: None)
+    if latest is None and (output_dir / METRICS_FILE).is_file():
+        raise ValueError(f"--resume: {output_dir} has {METRICS_FILE} but no complete checkpoint to continue from; "
+                         "start the run again with --overwrite (which moves the old files aside) or use another "
+                         "train.output_dir")
+    if latest is None and dist.is_main:
+        tqdm.write(f"--resume: no checkpoint in {output_dir}; starting from step 0")
+    return latest
+
+
+def interrupted(run: Run | None, output_dir: Path) -> TrainingInterrupted:
+    """What to report after Ctrl-C: the steps done and the newest checkpoint verified complete."""
+    latest = checkpoint.latest_checkpoint(output_dir, notice=tqdm.write) if output_dir.is_dir() else None
+    return TrainingInterrupted(run.state.step if run is not None else 0, latest)
+
+
+def evaluate(run: Run) -> dict | None:
+    """Held-out accuracy now: greedy, and sampled at the rollout temperature (fixed seed); recorded,
+    logged and printed. None without eval prompts or an accuracy reward.
+
+    An accuracy is never computed from failed rewards: answers the reward failed on are left out (with
+    a notice); when it fails on every answer, the run stops before training (step 0) and later skips
+    the measurement with a notice, so a long run is not lost at its last evaluation.
+    """
+    held_out = run.held_out
+    if not held_out.enabled:
+        return None
+    with distributed.full_parameters(run.trainer), run.precision.autocast():
+        measured = measure_held_out(held_out, run.policy, run.tokenizer, run.dist)
+    greedy, name = measured["accuracy"], held_out.accuracy.name
+    if greedy.accuracy is None:
+        problem = (f"held-out accuracy at step {run.state.step} cannot be measured: "
+                   f"{greedy.describe_failures(name)}. Check train.accuracy_reward and the columns "
+                   "of the held-out rows it reads")
+        if run.state.step == 0:
+            raise RewardFailure(problem)
+        if run.dist.is_main:
+            tqdm.write(f"warning: {problem}; skipped")
+        return None
+    if greedy.num_failed and run.dist.is_main:
+        tqdm.write(f"warning: {greedy.describe_failures(name)}; the accuracy counts only the "
+                   f"{greedy.num_scored} it scored")
+    result = {"step": run.state.step, **{k: m.accuracy for k, m in measured.items() if m.accuracy is not None}}
+    run.state.evals.append(result)
+    run.state.log.log(run.state.step, {f"eval/{k}": v for k, v in result.items() if k != "step"})
+    if run.dist.is_main:
+        tqdm.write(f"step {run.state.step}: {describe_accuracies(held_out, result)}")
+    return result
+
+
+def save(run: Run) -> Path:
+    """A checkpoint of the run now: weights, optimizer, data order, the state's counters and evaluations,
+    and each rank's draft."""
+    extra = {"data": run.batches.state_dict(), "nonfinite_in_a_row": run.state.nonfinite_in_a_row,
+             "nonfinite_total": run.state.nonfinite_total, "evals": run.state.evals}
+    path = checkpoint.save_checkpoint(run.config.train.output_dir, run.state.step, run.policy, run.optimizer,
+                                      extra, run.dist, keep=run.config.train.keep_checkpoints,
+                                      rank_state=run.draft.state_dict() if run.draft is not None else None)
+    if run.dist.is_main:
+        tqdm.write(f"checkpoint saved: {path}")
+    return path
+
+
+def export(run: Run) -> Path | None:
+    """The trained model (LoRA: its adapters) and tokenizer, with save_pretrained, to output_dir/final
+    (written whole or not at all), in train.final_dtype ("auto": model.dtype, so a bf16 run exports bf16
+    casts of its float32 masters). A failed write raises WriteError on every rank."""
+    if not run.config.train.save_final_model:
+        return None
+    path = Path(run.config.train.output_dir) / "final"
+    state_dict = checkpoint.full_model_state(run.policy)  # collective under FSDP2: every rank calls it
+    error = None
+    if run.dist.is_main:
+        name = run.config.model.dtype if run.config.train.final_dtype == "auto" else run.config.train.final_dtype
+        state_dict = {key: t.to(resolve_dtype(name)) if t.is_floating_point() else t
+                      for key, t in (state_dict or run.policy.state_dict()).items()}
+
+        def write(folder: Path) -> None:
+            run.policy.save_pretrained(folder, state_dict=state_dict)
+            model_config = folder / "config.json"  # (LoRA saves adapters only, with no config.json)
+            if model_config.is_file():  # save_pretrained records the float32 masters' dtype; "auto" reads this
+                model_config.write_text(json.dumps({**json.loads(model_config.read_text()), "dtype": name},
+                                                   indent=2))
+            run.tokenizer.save_pretrained(folder)
+        # A kill or a full disk mid-export must not leave a final/ with config.json but no weights.
+        try:
+            write_folder_atomically(path, write, "the final model")
+        except WriteError as err:
+            error = err
+    if distributed.all_reduce_max_int(int(error is not None), run.dist, run.dist.device):  # no rank left waiting
+        raise error or WriteError(f"rank 0 could not write the final model {path}; see its message")
+    return path
