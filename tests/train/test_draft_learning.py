@@ -64,11 +64,13 @@ def test_history_drafts_join_the_runs_speculation_and_keep_its_completions(tmp_p
     from turbogrpo.speculative.history import HistoryDrafts
     from turbogrpo.train import distributed
     from turbogrpo.train.run import build_run
+    from turbogrpo.train.state import start
 
     model_dir, rows = write_model(tmp_path / "model"), write_rows(tmp_path / "rows.jsonl")
     config = load_config(None, overrides(model_dir, rows, tmp_path / "out",
                                          **{"rollout.speculation": "fixed", "draft.history": "true"}))
-    run = build_run(config, distributed.setup("cpu", "auto"), build_rewards(config.rewards), False)
+    run = build_run(config, distributed.setup("cpu", "auto"), build_rewards(config.rewards))
+    start(run, resume=False)
     assert isinstance(run.draft.history, HistoryDrafts) and run.draft.speculation().history is run.draft.history
     loop.grpo_step(run, 0)
     assert len(run.draft.history.store) == config.train.prompts_per_step  # the step's prompts, for later steps
