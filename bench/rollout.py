@@ -113,10 +113,19 @@ def bench_schedules(model, repeats: int) -> dict:
 
     print("long-tail rollout under each decode schedule ...", flush=True)
     timings = interleaved_medians({name: timed(name) for name in SCHEDULES}, repeats=repeats, warmup=0)
-    assert all(t == tokens["k1_exact"] for t in tokens.values()), "schedules must not change the tokens"
+    # A schedule changes which rows share a step's matmuls, and a float32 GEMM's rounding may depend on
+    # its row count (the kernel's blocking): on some machines (this project's AMX Xeon) a rare sample
+    # then flips and the completion diverges from there. The engine's logic is schedule-free (exact
+    # token equality is tested on small models in tests/rollout); here the share of identical
+    # completions is measured and reported rather than asserted.
+    base_tokens = tokens["k1_exact"]
+    identical = {name: sum(a == b for a, b in zip(t, base_tokens)) / len(base_tokens) for name, t in tokens.items()}
+    if min(identical.values()) < 1.0:
+        print(f"note: completions identical to k1_exact's: {identical} (batch-dependent GEMM rounding)")
     base = timings["k1_exact"]["median_s"]
     return {name: {"schedule": vars(SCHEDULES[name]), "timings": timings[name],
-                   "time_vs_k1_exact": timings[name]["median_s"] / base} for name in SCHEDULES}
+                   "time_vs_k1_exact": timings[name]["median_s"] / base,
+                   "identical_completions_vs_k1_exact": identical[name]} for name in SCHEDULES}
 
 
 def long_tail_rollout(model) -> dict:
