@@ -3,8 +3,8 @@
 Both train the same model on the same prompts with the same settings: G completions per prompt at
 temperature 1 (no top-k/top-p), the same maximum completion length, loss "dapo" with clip-higher
 (0.2 / 0.28), beta 0 (no reference model), one optimizer step per rollout (num_iterations 1, all
-completions in one forward/backward, except on the real model's shapes, where both trainers accumulate over
-micro-batches to fit memory), AdamW, grad-norm clipping at 1, no activation checkpointing (TRL's default
+completions in one forward/backward on the demo shape; on the prompt-heavy and real-model shapes TRL
+accumulates over micro-batches of one group and turbogrpo over its token budget, to fit memory), AdamW, grad-norm clipping at 1, no activation checkpointing (TRL's default
 turns it on: set off here so both do the same work), speculation off. TRL runs
 offline from a local model folder with its default generation backend (transformers ``generate``
 with each prompt repeated G times).
