@@ -243,3 +243,21 @@ def test_a_bare_draft_head_and_the_engine_import_nothing_speculative():
     assert_same_completions(plain, bare)
     with pytest.raises(ValueError, match=r"draft must be a turbogrpo.speculative.Speculation .*got DraftHead; wrap"):
         generate(policy, prompts[:2], num_samples=1, sampling=GREEDY, draft=draft)
+
+
+def test_the_draft_vocabularys_head_rows_follow_the_policys_updates():
+    policy, trained, _ = trained_pair()
+    draft = restricted(policy, trained, list(range(0, 64, 2)))
+    features = torch.randn(3, 32)
+    before = draft.draft_logprobs(features)
+    assert torch.equal(draft.draft_logprobs(features), before)  # the kept rows give the same values
+    with torch.no_grad():
+        policy.get_output_embeddings().weight[2].add_(1.0)     # an optimizer-style in-place update
+    after = draft.draft_logprobs(features)
+    head = policy.get_output_embeddings().weight[0::2]
+    expected = (features @ head.T).float().log_softmax(-1)
+    torch.testing.assert_close(after[:, ::2], expected)
+    assert not torch.equal(after, before)
+    draft.set_draft_tokens(torch.arange(1, 64, 2))             # new ids: the rows are gathered again
+    torch.testing.assert_close(draft.draft_logprobs(features)[:, 1::2],
+                               (features @ policy.get_output_embeddings().weight[1::2].T).log_softmax(-1))
