@@ -22,6 +22,8 @@ def test_cpu_chunks_hold_the_tuned_budget_by_hand():
 def test_cuda_chunks_scale_with_device_memory(monkeypatch):
     h200 = types.SimpleNamespace(total_memory=150_000_000_000)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: h200)
+    # Uncached, so the stand-in device's memory does not stay in the process-wide cache.
+    monkeypatch.setattr(lm_head, "_device_memory_bytes", lm_head._device_memory_bytes.__wrapped__)
     budget = lm_head._chunk_budget_bytes.__wrapped__(torch.device("cuda", 0))
     assert budget == 150_000_000_000 // 64
     monkeypatch.setattr(lm_head, "_chunk_budget_bytes", lambda device: budget)
