@@ -40,6 +40,7 @@ bench: $(STAMP)
 # The real model (SmolLM2-135M-Instruct) on GSM8K prompts: about 40 minutes on 2 cores.
 bench-smollm2: $(STAMP)
 	$(PY) bench/prefix.py --model smollm2
+	$(PY) bench/update.py
 	$(PY) bench/rollout.py --model smollm2 --profile
 	$(PY) bench/e2e.py --shapes smollm2-zero-shot,smollm2-few-shot
 	# SmolLM2's neural draft, built once into the cache (~48 min on 2 shared cores), then the speculative bench

@@ -105,11 +105,11 @@ def smollm2_shape(few_shot: bool) -> dict:
     return {"name": f"SmolLM2-135M GSM8K {'few-shot' if few_shot else 'zero-shot'}", "model": real_model_folder(),
             "rows": rows, "reward": completion_length_mod_7, "num_prompts": 8, "num_generations": 8,
             "max_new_tokens": 128,
-            # Micro-batches of about two zero-shot groups (one few-shot group). Measured on this CPU (8
-            # zero-shot groups, float32, forward+backward of the same tokens, load 2): packs of 2 groups
-            # 46.6-52.0 s against 58.1-58.2 s for all 8 in one pack (the default 8192-token budget),
-            # whose activations (8.2 GB transient) leave the caches; the whole few-shot step in one
-            # pack (12.8k tokens) was killed for memory beside TRL's trainer on 24 GB.
+            # Micro-batches of about two zero-shot groups (one few-shot group): on this CPU packs of 2
+            # groups ran 8 groups' forward+backward 1.11x faster than one pack of all 8 (the default
+            # 8192-token budget; `bench/update.py --parts packs`), whose activations (8.2 GB transient)
+            # leave the caches; the whole few-shot step in one pack (12.8k tokens) was killed for
+            # memory beside TRL's trainer on 24 GB.
             "micro_batch_tokens": 2048,
             # TRL likewise runs one group (G completions) per forward/backward, accumulating over the K
             # groups into one optimizer step: all 64 padded completions at once do not fit either.
