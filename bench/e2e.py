@@ -188,6 +188,8 @@ class TrlStepper:
 
         num_completions = shape["num_prompts"] * shape["num_generations"]
         micro_batch = shape.get("trl_micro_batch", num_completions)
+        if num_completions % micro_batch:
+            raise ValueError(f"trl_micro_batch {micro_batch} must divide the step's {num_completions} completions")
         accumulation = num_completions // micro_batch
         args = GRPOConfig(
             output_dir=str(workdir / "trl"), report_to="none", use_cpu=True, save_strategy="no", logging_steps=1,

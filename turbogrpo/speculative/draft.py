@@ -101,6 +101,7 @@ class DraftHead(nn.Module):
         self.rotary = type(decoder.rotary_emb)(config=layer_config).to(reference.device)
         if num_draft_tokens:  # [Vd] token ids, saved with the weights; set_draft_tokens fills them
             self.register_buffer("draft_token_ids", torch.arange(num_draft_tokens, device=reference.device))
+        self._head_rows_key, self._head_rows = None, None  # the head's draft-vocabulary rows, kept (_draft_head_rows)
 
     def forward(self, features_BnH: torch.Tensor, tokens_Bn: torch.Tensor, positions_Bn: torch.Tensor,
                 plan: Callable) -> torch.Tensor:
@@ -139,12 +140,13 @@ class DraftHead(nn.Module):
         """The LM head's rows of the draft vocabulary, weight ``[Vd, Hd]`` and bias ``[Vd]`` or None.
 
         Drafting asks at every tree level; gathering them each time cost about as much as the level's
-        matmul (4096 x 576 float32, one CPU thread: 2.9-3.3 ms with the gather, 1.6-1.9 ms without), so
+        matmul (4096 x 576 float32, 8 rows, one CPU thread, timed by hand: 2.9-3.3 ms with the gather,
+        1.6-1.9 ms without), so
         they are kept until the head's or the ids' storage or version changes (an optimizer step on
         the policy bumps the weight's version)."""
         head, ids_Vd = self.policy.lm_head, self.draft_token_ids
         key = tuple((t.data_ptr(), t._version) for t in (head.weight, ids_Vd, head.bias) if t is not None)
-        if getattr(self, "_head_rows_key", None) != key:
+        if self._head_rows_key != key:
             bias = None if head.bias is None else head.bias.detach().index_select(0, ids_Vd)
             self._head_rows = head.weight.detach().index_select(0, ids_Vd), bias
             self._head_rows_key = key
