@@ -69,7 +69,10 @@ def main() -> int:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0])
     parser.add_argument("--sizing", default="cost", choices=["fixed", "fastgrpo", "cost"])
     parser.add_argument("--eval-every", type=int, default=10, help="held-out accuracy of off/online every N steps")
+    parser.add_argument("--no-eval", action="store_true", help="no held-out accuracy at all (a speed-only run)")
     parser.add_argument("--draft-prompts", type=int, default=64, help="prompts for the offline-pretrained draft")
+    parser.add_argument("--draft", help='a built or saved draft for online/frozen (e.g. "smollm2-gsm8k", from '
+                                        '`turbogrpo draft build`) instead of pretraining one on step-0 completions')
     parser.add_argument("--variants", nargs="+", default=["off", *DRAFTS], choices=["off", *DRAFTS],
                         help="runs to step (off and online are needed for the speedups)")
     parser.add_argument("--probe-tokens", type=int, default=48, help="new tokens per probe completion (0: no probe)")
@@ -80,6 +83,8 @@ def main() -> int:
         parser.error("--variants must include off and online (the speedups compare them)")
     if args.quick:
         args.steps, args.draft_prompts, args.eval_every = 3, 8, 0
+    if args.no_eval:
+        args.eval_every = 0
     out_root = REPO / "runs" / ("bench_online_draft_quick" if args.quick else "bench_online_draft")
     results = {"machine": {**machine_info(), "note": "2-core CPU, shared with other jobs (loaded machine)"},
                "config": args.config, "steps": args.steps, "sizing": args.sizing, "seeds": {}}
@@ -87,6 +92,7 @@ def main() -> int:
         results["seeds"][str(seed)] = run_seed(args, seed, out_root / f"seed{seed}")
         write(results, args.quick)
     results["summary"] = summarise(results["seeds"])
+    results["across_seeds"] = accuracy_across_seeds(results["summary"])
     write(results, args.quick)
     print_table(results)
     plot(results, args.quick)
@@ -127,7 +133,10 @@ def pretrain_draft(args, seed: int, out: Path) -> tuple[Path, dict]:
 
 def run_seed(args, seed: int, out: Path) -> dict:
     needs_draft = {"online", "frozen"} & set(args.variants)
-    draft_path, draft_info = pretrain_draft(args, seed, out) if needs_draft else ("scratch", {})
+    if args.draft:
+        draft_path, draft_info = args.draft, {"path": args.draft}
+    else:
+        draft_path, draft_info = pretrain_draft(args, seed, out) if needs_draft else ("scratch", {})
     variants = {
         "off": ["rollout.speculation=off"],
         "online": [f"rollout.speculation={args.sizing}", f'draft.path="{draft_path}"', "draft.learn=true"],
@@ -144,7 +153,7 @@ def run_seed(args, seed: int, out: Path) -> dict:
             torch.set_num_threads(config.train.num_threads)
         runs[name] = build_run(config, dist, rewards)
         start(runs[name], resume=False)
-    evaluated = ("off", "online")
+    evaluated = () if args.no_eval else ("off", "online")
     for name in evaluated:
         if args.eval_every or not args.quick:
             evaluate(runs[name])
@@ -209,6 +218,28 @@ def summarise(seeds: dict) -> dict:
     return per_seed
 
 
+def accuracy_across_seeds(summary: dict) -> dict:
+    """Final held-out accuracy (greedy and sampled) of off vs online over the seeds: the mean of the
+    per-seed differences against the seed-to-seed spread ("learning unchanged" when the difference is
+    within 2 standard errors of it; with one seed the spread is unknown and the verdict is None)."""
+    out = {}
+    for metric in ("accuracy", "sampled_accuracy"):
+        last = {name: [entry["accuracy"][name]["last"][metric] for entry in summary.values()
+                       if name in entry["accuracy"] and metric in entry["accuracy"][name]["last"]]
+                for name in ("off", "online")}
+        if not last["off"] or len(last["off"]) != len(last["online"]):
+            continue
+        differences = [on - off for on, off in zip(last["online"], last["off"])]
+        spread = {name: statistics.stdev(values) if len(values) > 1 else math.nan for name, values in last.items()}
+        standard_error = math.sqrt((spread["off"] ** 2 + spread["online"] ** 2) / len(differences))
+        mean_difference = statistics.mean(differences)
+        out[metric] = {"off": last["off"], "online": last["online"], "mean_online_minus_off": mean_difference,
+                       "seed_to_seed_std": spread, "standard_error_of_difference": standard_error,
+                       "within_seed_noise": None if math.isnan(standard_error)
+                       else abs(mean_difference) <= 2 * standard_error}
+    return out
+
+
 def accepted_lengths(steps: list[dict]) -> list[float]:
     """Per step: mean tokens per verify over the step's tree steps (NaN when no tree was verified)."""
     return [r["spec/accepted_length"] if r.get("spec/frac_tree_steps", 0) > 0 else math.nan for r in steps]
@@ -238,6 +269,10 @@ def print_table(results: dict) -> None:
                   f"{100 * entry['draft_share_of_step'].get(name, 0.0):>7.1f}%")
         print(f"     end to end off/online {entry['end_to_end_speedup']:.2f}x, rollout {entry['rollout_speedup']:.2f}x; "
               f"accuracy {json.dumps(entry['accuracy'])}")
+    for metric, row in results.get("across_seeds", {}).items():
+        print(f"final {metric}: off {row['off']}, online {row['online']}; online - off "
+              f"{row['mean_online_minus_off']:+.3f} (SE {row['standard_error_of_difference']:.3f}): "
+              f"within seed noise: {row['within_seed_noise']}")
 
 
 def plot(results: dict, quick: bool) -> None:

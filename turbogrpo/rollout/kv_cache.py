@@ -21,6 +21,22 @@ from dataclasses import dataclass
 import torch
 
 
+def write_slots(cache_BKCD: torch.Tensor, slots_Bn: torch.Tensor, new_BKnD: torch.Tensor) -> None:
+    """``cache_BKCD[b, :, slots_Bn[b, j]] = new_BKnD[b, :, j]`` in place (slots distinct within a row).
+
+    One ``index_put_`` on the slot-major view, not ``scatter_`` along the slot dim: on the CPU, scatter
+    of bfloat16 copies the whole destination to float32 and back (``[64, 3, 128, 64]``: 1,027 us per
+    write vs 32 us, 58 vs 28 us in float32; a rollout writes twice per layer and step)."""
+    rows_B1 = torch.arange(slots_Bn.shape[0], device=slots_Bn.device)[:, None]
+    cache_BKCD[:slots_Bn.shape[0]].transpose(1, 2).index_put_((rows_B1, slots_Bn), new_BKnD.transpose(1, 2))
+
+
+def read_slots(cache_BKCD: torch.Tensor, slots_Bn: torch.Tensor) -> torch.Tensor:
+    """``cache_BKCD[b, :, slots_Bn[b, j]]`` as ``[B, K, n, D]`` (a copy)."""
+    rows_B1 = torch.arange(slots_Bn.shape[0], device=slots_Bn.device)[:, None]
+    return cache_BKCD.transpose(1, 2)[rows_B1, slots_Bn].transpose(1, 2)
+
+
 @dataclass(frozen=True)
 class LiveLayout:
     """Where each live sequence sits among its group's live samples (rows sorted by group).
@@ -121,10 +137,9 @@ class GroupedKVCache:
 
     def write(self, layer: int, key_BKnD: torch.Tensor, value_BKnD: torch.Tensor, slots_Bn: torch.Tensor) -> None:
         """Put new tokens' K/V ``[B, Hkv, n, D]`` into generated slots ``slots_Bn [B, n]``."""
-        index = slots_Bn[:, None, :, None].expand_as(key_BKnD)
         keys, values = self.generated(layer, self.capacity)
-        keys.scatter_(2, index, key_BKnD)
-        values.scatter_(2, index, value_BKnD)
+        write_slots(keys, slots_Bn, key_BKnD)
+        write_slots(values, slots_Bn, value_BKnD)
 
     def commit_all(self, num_new: int) -> None:
         """Keep every one of the last forward's ``num_new`` tokens per sequence."""
@@ -148,10 +163,8 @@ class GroupedKVCache:
         for store in (self._keys, self._values):
             for layer, slots in store.items():
                 live = slots[:num_rows]
-                head_dim_shape = (num_rows, live.shape[1], k, live.shape[3])
-                picked = live.gather(2, source_Bk[:, None, :, None].expand(head_dim_shape))
                 # Targets past num_chosen get leftovers; they are beyond the new length, so unread.
-                live.scatter_(2, target_Bk[:, None, :, None].expand(head_dim_shape), picked)
+                write_slots(live, target_Bk, read_slots(live, source_Bk))
         self.lengths_B += num_chosen_B
         self.max_length += k if max_chosen is None else max_chosen
 

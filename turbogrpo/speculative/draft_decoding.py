@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from turbogrpo.rollout.kv_cache import write_slots
 from turbogrpo.rollout.plans import PrefillPlan, padded_prompts
 from turbogrpo.speculative.draft import DraftHead, shift_features
 from turbogrpo.speculative.tree import DraftLevel
@@ -122,9 +123,8 @@ class DraftStepPlan:
     def __call__(self, module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
                  scaling: float, sliding_window: int | None) -> torch.Tensor:
         keys, values = self.cache.keys[module.layer_idx], self.cache.values[module.layer_idx]
-        index = self.slots_Bn[:, None, :, None].expand_as(key)
-        keys.scatter_(2, index, key)
-        values.scatter_(2, index, value)
+        write_slots(keys, self.slots_Bn, key)
+        write_slots(values, self.slots_Bn, value)
         out = F.scaled_dot_product_attention(query, keys[:, :, :self.num_slots], values[:, :, :self.num_slots],
                                              attn_mask=self._mask(sliding_window), scale=scaling, enable_gqa=True)
         return out.transpose(1, 2)
