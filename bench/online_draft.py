@@ -85,7 +85,7 @@ def main() -> int:
         args.steps, args.draft_prompts, args.eval_every = 3, 8, 0
     if args.no_eval:
         args.eval_every = 0
-    out_root = REPO / "runs" / ("bench_online_draft_quick" if args.quick else "bench_online_draft")
+    out_root = REPO / "runs" / f"bench_{results_name(args.config)}{'_quick' if args.quick else ''}"
     results = {"machine": {**machine_info(), "note": "2-core CPU, shared with other jobs (loaded machine)"},
                "config": args.config, "steps": args.steps, "sizing": args.sizing, "seeds": {}}
     for seed in args.seeds:
@@ -250,8 +250,13 @@ def _mean_defined(values: list[float]) -> float:
     return sum(defined) / len(defined) if defined else math.nan
 
 
+def results_name(config: str) -> str:
+    """online_draft for the default config, online_draft_<config stem> for the others."""
+    return "online_draft" if config == "configs/longform.toml" else f"online_draft_{Path(config).stem}"
+
+
 def write(results: dict, quick: bool) -> None:
-    name = "online_draft" if results["config"] == "configs/longform.toml" else f"online_draft_{Path(results['config']).stem}"
+    name = results_name(results["config"])
     path = RESULTS_DIR / (f"{name}_quick.json" if quick else f"{name}.json")
     path.write_text(json.dumps(results, indent=1, default=float))
     print(f"wrote {path}", flush=True)
@@ -299,7 +304,7 @@ def plot(results: dict, quick: bool) -> None:
         ax.legend()
     fig.suptitle(f"Acceptance length per step: online-learnt, frozen at step 0, online from scratch ({results['config']})")
     fig.tight_layout()
-    name = "online_draft" if results["config"] == "configs/longform.toml" else f"online_draft_{Path(results['config']).stem}"
+    name = results_name(results["config"])
     fig.savefig(RESULTS_DIR / (f"{name}_acceptance_quick.png" if quick else f"{name}_acceptance.png"), dpi=120)
     plt.close(fig)
 

@@ -122,3 +122,21 @@ def test_sliding_window_attention_matches_full_forward():
         cache.commit_all(stop - start)
         full = [torch.cat([prompts[s // 2], ids[s, :stop]]) for s in range(4)]
         torch.testing.assert_close(hidden, reference_last_hidden(model, full, stop - start), atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_new", [1, 3])
+def test_write_and_read_slots_match_scatter_and_gather(dtype, num_new):
+    """The cache's slot writes (index_put_: CPU scatter_ of bfloat16 copies the whole cache twice) put
+    each row's new K/V exactly where scatter_ along the slot dim would, into the first rows only."""
+    from turbogrpo.rollout.kv_cache import read_slots, write_slots
+    generator = torch.Generator().manual_seed(0)
+    cache = torch.randn(6, 2, 10, 4, generator=generator).to(dtype)
+    rows = 4  # the live rows: the last two belong to retired sequences and must stay untouched
+    slots = torch.stack([torch.randperm(10, generator=generator)[:num_new] for _ in range(rows)])
+    new = torch.randn(rows, 2, num_new, 4, generator=generator).to(dtype)
+    expected = cache.clone()
+    expected[:rows].scatter_(2, slots[:, None, :, None].expand_as(new), new)
+    write_slots(cache, slots, new)
+    assert torch.equal(cache, expected)
+    assert torch.equal(read_slots(cache[:rows], slots), new)
