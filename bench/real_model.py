@@ -107,6 +107,30 @@ def weight_flops_per_token(config) -> int:
     return sum(2 * inner * out * count for inner, out, count in linear_shapes(config).values())
 
 
+def model_gemm_step_seconds(model, rows: int, *, repeats: int = 3) -> float:
+    """One decoding step's weight matmuls at ``rows`` live tokens, run in the model's order on the
+    model's own weights (``F.linear`` of every ``nn.Linear``: q, k, v, o, gate, up, down per layer, then
+    the LM head), median of ``repeats`` after a warm-up. Unlike ``step_bound_seconds``, whose matmuls
+    each reuse one weight that stays in cache, every weight here streams from memory once per step as
+    in a real step (SmolLM2: 538 MB in float32, far past the last-level cache), so this is the bound
+    for a step that does nothing but its matmuls."""
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    inputs = {m.in_features: torch.randn(rows, m.in_features, dtype=m.weight.dtype) for m in linears}
+
+    def step():
+        for m in linears:
+            torch.nn.functional.linear(inputs[m.in_features], m.weight)
+
+    with torch.no_grad():
+        step()
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
 def step_bound_seconds(config, rows: int) -> dict:
     """The roofline of one decoding step at ``rows`` live tokens: each weight matmul of the step timed
     alone at its exact shape on this machine, summed (attention, norms and sampling excluded, so a
