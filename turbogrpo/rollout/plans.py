@@ -116,7 +116,7 @@ class DecodePlan:
         keys, values = self.cache.generated(layer, self.num_slots)
         out_own, lse_own = partial(query_BKMD, keys, values, own_bias, scaling)
         out_BKMD = merge_partials(out_prompt, lse_prompt, out_own, lse_own)
-        return out_BKMD.view(num_rows, num_heads, num_new, head_dim).transpose(1, 2).to(query.dtype)
+        return out_BKMD.reshape(num_rows, num_heads, num_new, head_dim).transpose(1, 2).to(query.dtype)
 
     def _prompt_attention(self, layer: int, query_BKMD: torch.Tensor, bias: torch.Tensor | None, partial,
                           scale: float) -> tuple[torch.Tensor, torch.Tensor]:
