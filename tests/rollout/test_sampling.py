@@ -124,3 +124,30 @@ def test_the_rollout_section_builds_the_sampling_and_shares_its_rules():
             SamplingConfig(**{"max_new_tokens": 4, key: value})
     with pytest.raises(ConfigError, match="config key 'rollout.stop_strings'.*non-empty strings"):
         load_config(None, ['rollout.stop_strings=[""]'])
+
+
+def test_large_vocabulary_draws_search_in_blocks_and_match_one_cumsum():
+    """Vocabularies of 4096+ entries are searched block by block (49,152 = 48 x 1024): the draws equal
+    one cumsum's, never land on a zero-probability entry (a sparse top-k row, uniforms at 0 and just
+    below 1, a block whose tail is zero), and follow the distribution."""
+    from turbogrpo.rollout.sampling import _cdf_block, _invert_cdf
+    assert _cdf_block(49_152) == 1024 and _cdf_block(151_936) == 128 and _cdf_block(50_257) is None
+    generator = torch.Generator().manual_seed(0)
+    probs = torch.randn(64, 49_152, generator=generator).mul(3).softmax(-1)
+    uniform = torch.rand(64, generator=generator)
+    one_cumsum = _invert_cdf(probs, uniform=uniform.unsqueeze(-1)).squeeze(-1)
+    assert torch.equal(draw_from_probs(probs, uniform=uniform), one_cumsum)
+    # A top-k-like row: mass on a few entries, each the last positive one of its block or followed by zeros.
+    sparse = torch.zeros(49_152)
+    support = torch.tensor([5, 1023, 1024, 30_000, 49_151])
+    sparse[support] = torch.tensor([0.1, 0.3, 0.2, 0.25, 0.15])
+    edges = torch.tensor([0.0, 1 - 2 ** -24, 0.1, 0.1 + 1e-7, 0.4, 0.4 - 1e-7, 0.6, 0.85, 0.85 + 1e-7])
+    uniforms = torch.cat([edges, torch.rand(20_000, generator=generator)])
+    draws = draw_from_probs(sparse.expand(len(uniforms), -1), uniform=uniforms)
+    assert set(draws.tolist()) <= set(support.tolist())
+    frequencies = torch.bincount(draws, minlength=49_152)[support].double() / len(uniforms)
+    expected = sparse[support].double()
+    assert ((frequencies - expected).abs() <= 5 * (expected * (1 - expected) / len(uniforms)).sqrt()).all()
+    # Leading dims are kept ([B, n, V], as trees ask), and NaN rows still give an id in the vocabulary.
+    assert draw_from_probs(probs.view(8, 8, -1), uniform=uniform.view(8, 8)).shape == (8, 8)
+    assert 0 <= int(draw_from_probs(torch.full((1, 49_152), float("nan")), uniform=torch.rand(1))) < 49_152
