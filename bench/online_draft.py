@@ -85,7 +85,7 @@ def main() -> int:
         args.steps, args.draft_prompts, args.eval_every = 3, 8, 0
     if args.no_eval:
         args.eval_every = 0
-    out_root = REPO / "runs" / f"bench_{results_name(args.config)}{'_quick' if args.quick else ''}"
+    out_root = REPO / "runs" / f"bench_{results_name(args.config, args.sizing)}{'_quick' if args.quick else ''}"
     results = {"machine": {**machine_info(), "note": "2-core CPU, shared with other jobs (loaded machine)"},
                "config": args.config, "steps": args.steps, "sizing": args.sizing, "seeds": {}}
     for seed in args.seeds:
@@ -250,13 +250,15 @@ def _mean_defined(values: list[float]) -> float:
     return sum(defined) / len(defined) if defined else math.nan
 
 
-def results_name(config: str) -> str:
-    """online_draft for the default config, online_draft_<config stem> for the others."""
-    return "online_draft" if config == "configs/longform.toml" else f"online_draft_{Path(config).stem}"
+def results_name(config: str, sizing: str = "cost") -> str:
+    """online_draft for the default config, online_draft_<config stem> for the others; _<sizing> unless
+    the sizing is the default (cost)."""
+    name = "online_draft" if config == "configs/longform.toml" else f"online_draft_{Path(config).stem}"
+    return name if sizing == "cost" else f"{name}_{sizing}"
 
 
 def write(results: dict, quick: bool) -> None:
-    name = results_name(results["config"])
+    name = results_name(results["config"], results["sizing"])
     path = RESULTS_DIR / (f"{name}_quick.json" if quick else f"{name}.json")
     path.write_text(json.dumps(results, indent=1, default=float))
     print(f"wrote {path}", flush=True)
@@ -304,7 +306,7 @@ def plot(results: dict, quick: bool) -> None:
         ax.legend()
     fig.suptitle(f"Acceptance length per step: online-learnt, frozen at step 0, online from scratch ({results['config']})")
     fig.tight_layout()
-    name = results_name(results["config"])
+    name = results_name(results["config"], results["sizing"])
     fig.savefig(RESULTS_DIR / (f"{name}_acceptance_quick.png" if quick else f"{name}_acceptance.png"), dpi=120)
     plt.close(fig)
 
