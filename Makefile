@@ -41,6 +41,7 @@ bench: $(STAMP)
 bench-smollm2: $(STAMP)
 	$(PY) bench/prefix.py --model smollm2
 	$(PY) bench/update.py
+	$(PY) bench/decode_ops.py --threads 1
 	$(PY) bench/rollout.py --model smollm2 --profile
 	$(PY) bench/e2e.py --shapes smollm2-zero-shot,smollm2-few-shot
 	# SmolLM2's neural draft, built once into the cache (~48 min on 2 shared cores), then the speculative bench

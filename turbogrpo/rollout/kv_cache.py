@@ -25,8 +25,9 @@ def write_slots(cache_BKCD: torch.Tensor, slots_Bn: torch.Tensor, new_BKnD: torc
     """``cache_BKCD[b, :, slots_Bn[b, j]] = new_BKnD[b, :, j]`` in place (slots distinct within a row).
 
     One ``index_put_`` on the slot-major view, not ``scatter_`` along the slot dim: on the CPU, scatter
-    of bfloat16 copies the whole destination to float32 and back (``[64, 3, 128, 64]``: 1,027 us per
-    write vs 32 us, 58 vs 28 us in float32; a rollout writes twice per layer and step)."""
+    of bfloat16 copies the whole destination to float32 and back (``[64, 3, 128, 64]``: 14-27x slower,
+    about 1 ms per write; float32 about the same either way; ``bench/decode_ops.py``). A rollout writes
+    twice per layer and step."""
     rows_B1 = torch.arange(slots_Bn.shape[0], device=slots_Bn.device)[:, None]
     cache_BKCD[:slots_Bn.shape[0]].transpose(1, 2).index_put_((rows_B1, slots_Bn), new_BKnD.transpose(1, 2))
 

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from turbogrpo.rollout.stopping import NO_TOKEN, StopCriteria
 from turbogrpo.batch import Groups
+from turbogrpo.rollout.stopping import NO_TOKEN, StopCriteria
 from turbogrpo.rollout.types import Rollout, RolloutStats
 
 

@@ -156,7 +156,9 @@ def draw_from_probs(probs: torch.Tensor, generator: torch.Generator | None = Non
     if uniform is None:
         uniform = torch.rand(probs.shape[:-1], generator=generator, device=probs.device, dtype=probs.dtype)
     block = _cdf_block(probs.shape[-1])
-    if block is None:
+    # Below 16 rows the two-level search's extra ops cost more than the short cumsums save
+    # (bench/decode_ops.py, 4 rows x 49,152: 0.73x with 2 threads, 1.6x with one).
+    if block is None or probs.numel() < 16 * probs.shape[-1]:
         return _invert_cdf(probs, uniform=uniform.to(probs.dtype).unsqueeze(-1)).squeeze(-1)
     return _invert_blocked_cdf(probs, uniform.to(probs.dtype), block)
 
@@ -189,7 +191,7 @@ def _invert_blocked_cdf(probs: torch.Tensor, uniform: torch.Tensor, block: int) 
     """``_invert_cdf`` in two levels: the block whose running total first passes the point, then the
     entry inside it. A cumsum over 49,152 entries runs one row element by element (4.5 ms for 64 rows,
     one CPU thread, about 1/25 of a SmolLM2 decoding step); block sums vectorise, and the two short
-    cumsums that remain are 1,024 and 48 long (1.2 ms). Sums are grouped differently, so a draw can
+    cumsums that remain are 1,024 and 48 long (1.2 ms; ``bench/decode_ops.py``: 2.6-2.9x at 64 rows). Sums are grouped differently, so a draw can
     differ from one cumsum's only where two entries' running totals tie to float rounding."""
     lead, vocab = probs.shape[:-1], probs.shape[-1]
     blocks_RNK = probs.reshape(-1, vocab // block, block)

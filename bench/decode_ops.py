@@ -1,0 +1,92 @@
+"""Two per-step operations of decoding, each against the version it replaced, at SmolLM2's decode shapes.
+
+* KV-cache write (``rollout.kv_cache.write_slots``: one ``index_put_`` on the slot-major view) against
+  ``scatter_`` along the slot dim, in float32 and bfloat16: CPU ``scatter_`` of bfloat16 converts the
+  whole destination to float32 and back. Cache ``[64, 3, 128, 64]`` (64 sequences, 3 KV heads, 128
+  slots, head dim 64), one new token per sequence; a rollout makes two such writes per layer and step.
+* The sampler's draw (``rollout.sampling.draw_from_probs``: a two-level search over 1,024-entry blocks
+  for vocabularies like SmolLM2's 49,152) against one cumsum over the whole row, at 64, 32 and 4 rows.
+
+Both run interleaved in one process, median of ``--repeats`` timings of ``--calls`` calls each.
+
+    python bench/decode_ops.py --threads 1     # bench/results/decode_ops.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from harness import print_table, write_results  # noqa: E402
+from turbogrpo.rollout.kv_cache import write_slots  # noqa: E402
+from turbogrpo.rollout.sampling import _invert_cdf, draw_from_probs  # noqa: E402
+
+
+def per_call_us(contenders: dict, calls: int, repeats: int) -> dict[str, float]:
+    """Median microseconds per call of each contender, the contenders alternating repeat by repeat."""
+    times = {name: [] for name in contenders}
+    for fn in contenders.values():
+        fn()
+    for _ in range(repeats):
+        for name, fn in contenders.items():
+            start = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            times[name].append((time.perf_counter() - start) / calls * 1e6)
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
+def cache_writes(calls: int, repeats: int) -> list[dict]:
+    rows = []
+    for dtype in (torch.float32, torch.bfloat16):
+        cache = torch.zeros(64, 3, 128, 64, dtype=dtype)
+        new = torch.randn(64, 3, 1, 64).to(dtype)
+        slots = torch.randint(0, 128, (64, 1))
+        # As the replaced code did: the index expanded (a view) at every write, then scatter_.
+        us = per_call_us({"scatter_": lambda: cache.scatter_(2, slots[:, None, :, None].expand_as(new), new),
+                          "write_slots": lambda: write_slots(cache, slots, new)}, calls, repeats)
+        rows.append({"dtype": str(dtype).removeprefix("torch."), "cache_shape": [64, 3, 128, 64], **us,
+                     "speedup": us["scatter_"] / us["write_slots"]})
+    return rows
+
+
+def draws(calls: int, repeats: int) -> list[dict]:
+    rows = []
+    for num_rows in (64, 32, 4):
+        probs = torch.randn(num_rows, 49_152).mul(3).softmax(-1)
+        uniform = torch.rand(num_rows)
+        us = per_call_us({"one_cumsum": lambda: _invert_cdf(probs, uniform=uniform.unsqueeze(-1)),
+                          "two_level": lambda: draw_from_probs(probs, uniform=uniform)}, calls, repeats)
+        rows.append({"rows": num_rows, "vocab": 49_152, **us, "speedup": us["one_cumsum"] / us["two_level"]})
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    parser.add_argument("--calls", type=int, default=50)
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    load_before = os.getloadavg()
+    writes, sampled = cache_writes(args.calls, args.repeats), draws(args.calls, args.repeats)
+    print_table("KV-cache write, one token per sequence (us per write)", ["dtype", "scatter_", "write_slots", "speedup"],
+                [[r["dtype"], r["scatter_"], r["write_slots"], r["speedup"]] for r in writes])
+    print_table("Draw from [rows, 49152] probabilities (us per draw)", ["rows", "one_cumsum", "two_level", "speedup"],
+                [[r["rows"], r["one_cumsum"], r["two_level"], r["speedup"]] for r in sampled])
+    write_results("decode_ops", {"calls": args.calls, "repeats": args.repeats, "cache_writes": writes,
+                                 "draws": sampled, "load_average": {"before": load_before, "after": os.getloadavg()}})
+
+
+if __name__ == "__main__":
+    main()
