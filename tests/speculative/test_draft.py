@@ -177,3 +177,54 @@ def test_prompt_features_share_a_common_prefix_exactly():
     for prompt, features in zip(prompts, shared):
         alone = prompt_features(policy, [prompt, torch.tensor([5, 6])])[0]   # no common prefix: padded path
         torch.testing.assert_close(features, alone, atol=2e-5, rtol=0)
+
+
+def test_draft_vocabulary_loss_is_the_policys_distribution_renormalised_over_it():
+    """With a draft vocabulary the loss reads only its head rows: the target is the policy's distribution
+    renormalised over those tokens, and the draft's log-probs are drafting's own (``draft_logprobs``)."""
+    policy = tiny_policy()
+    draft = DraftHead(policy, num_draft_tokens=8)
+    draft.set_draft_tokens(torch.tensor([0, 3, 5, 9, 17, 30, 41, 63]))
+    features = torch.randn(5, 32)
+    full_probs = draft.logits(features).softmax(-1)[:, draft.draft_token_ids]
+    torch.testing.assert_close(draft.vocabulary_logits(features).softmax(-1), full_probs / full_probs.sum(-1, keepdim=True))
+    torch.testing.assert_close(draft.vocabulary_logits(features).log_softmax(-1),
+                               draft.draft_logprobs(features)[:, draft.draft_token_ids])
+
+
+def test_build_keeps_its_samples_and_holds_prompts_out(tmp_path, monkeypatch):
+    """train_on_own_completions samples once into its samples file and reads it back on a rebuild (same
+    completions, no sampling); the held-out groups are measured every epoch and never trained on."""
+    from turbogrpo.speculative import build
+    from turbogrpo.speculative.built_drafts import DraftRecipe
+
+    policy = tiny_policy()
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(64, (5,), generator=g) for _ in range(4)]
+    recipe = DraftRecipe(num_prompts=4, num_samples=2, max_new_tokens=6, epochs=2, batch_size=2,
+                         num_draft_tokens=16, validation_prompts=1)
+    samples = tmp_path / "samples" / "s.safetensors"
+    trained_on = []
+    from turbogrpo.speculative import draft_training
+
+    real_train = draft_training.train_draft
+
+    def spy(draft, groups, config, **kwargs):
+        trained_on.append([p.tolist() for p in groups.prompts])
+        return real_train(draft, groups, config, **kwargs)
+
+    monkeypatch.setattr(draft_training, "train_draft", spy)
+    record = build.train_on_own_completions(policy, DraftHead(policy, num_draft_tokens=16), prompts, [], recipe,
+                                            samples=samples, log=lambda _: None)
+    assert samples.is_file()
+    assert record["num_held_out_prompts"] == 1 and len(record["per_epoch"]) == 2
+    assert all(0 <= e["held_out_top1_agreement"] <= 1 and e["held_out_loss"] > 0 for e in record["per_epoch"])
+    assert all(prompts[-1].tolist() not in seen for seen in trained_on) and len(trained_on) == 2
+    first = build.read_samples(samples, prompts)
+    assert [len(cs) for cs in first] == [2] * 4
+    monkeypatch.setattr(build, "sample_completions", lambda *a, **k: pytest.fail("sampled again"))
+    build.train_on_own_completions(policy, DraftHead(policy, num_draft_tokens=16), prompts, [], recipe,
+                                   samples=samples, log=lambda _: None)
+    assert build.read_samples(samples, prompts[::-1]) is None  # other prompts: not these samples
+    samples.write_bytes(b"damaged")
+    assert build.read_samples(samples, prompts) is None

@@ -8,14 +8,16 @@ and ``turbogrpo draft build``, and the building of a draft into the cache.
 The built drafts' recipes and cache folders are in ``built_drafts.py`` (``BUILT_DRAFTS``). A draft
 holds only its own layers: the policy's embeddings and 49k-row LM head are shared, not copied (see
 ``draft.py``), so SmolLM2's is 17 MB (one decoder layer and the fusion), not the 113 MB more a copied
-head would add. Built on this project's shared 2-core CPU (load average 5-7): 26 min sampling 512
-completions (128k tokens), 8 min of features, 14 min of training; top-1 agreement with the policy 0.31
-in the last epoch (0.17 in the first: more epochs would still help).
+head would add. The sampled completions are kept beside the drafts (``built_drafts.samples_file``), so
+changing how a draft trains (epochs, learning rate, vocabulary) retrains it without sampling again;
+the figures of the last build are in its folder's ``turbogrpo_draft_build.json``.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
+import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
@@ -25,13 +27,14 @@ import torch
 from torch import nn
 
 from turbogrpo.speculative.built_drafts import (BUILD_RECORD, BuiltDraft, DraftRecipe, built_draft_folder,
-                                                checkout_path, is_built)
+                                                checkout_path, is_built, samples_file)
 from turbogrpo.speculative.draft import DraftHead
 
 
 def build_draft(built: BuiltDraft, *, refresh: bool = False, device: torch.device | None = None,
                 log: Callable[[str], None] = print) -> Path:
-    """The folder of ``built``, training it first unless it is already built (``refresh``: train anew)."""
+    """The folder of ``built``, training it first unless it is already built (``refresh``: train anew,
+    on the kept completions when its sampling fields have not changed)."""
     from turbogrpo.config import load_config
     from turbogrpo.files import write_folder_atomically
     from turbogrpo.models import load_model_and_tokenizer, resolve_model_path
@@ -49,7 +52,7 @@ def build_draft(built: BuiltDraft, *, refresh: bool = False, device: torch.devic
     def write(tmp: Path) -> None:
         draft = DraftHead(model, num_layers=built.recipe.num_layers, num_draft_tokens=built.recipe.num_draft_tokens)
         record = train_on_own_completions(model, draft, prompts, stop_token_ids(model, tokenizer), built.recipe,
-                                          log=log)
+                                          samples=samples_file(built), log=log)
         draft.save(tmp)
         (tmp / BUILD_RECORD).write_text(json.dumps({"name": built.name, "model": built.model, "config": built.config,
                                                     "recipe": asdict(built.recipe), **record}, indent=1))
@@ -59,29 +62,32 @@ def build_draft(built: BuiltDraft, *, refresh: bool = False, device: torch.devic
 
 
 def train_on_own_completions(model: nn.Module, draft: DraftHead, prompts: Sequence[torch.Tensor],
-                             stop_token_ids: Sequence[int], recipe: DraftRecipe, *,
+                             stop_token_ids: Sequence[int], recipe: DraftRecipe, *, samples: Path | None = None,
                              log: Callable[[str], None] = print) -> dict:
     """Sample ``recipe.num_samples`` completions of each prompt (token ids ``[P]``) from ``model``, then
-    train ``draft`` on the model's features of them. Returns what was done: counts, seconds per phase,
-    and the final loss and top-1 agreement with the policy (mean over the last epoch's steps)."""
+    train ``draft`` on the model's features of them. ``samples``: a file keeping the completions, read
+    instead of sampling when it holds these prompts' (``built_drafts.samples_file``), written otherwise.
+
+    The last ``recipe.validation_prompts`` groups are held out: each epoch ends with the draft's loss and
+    top-1 agreement on them. Returns what was done: counts, seconds per phase, the last epoch's mean
+    training loss and top-1 agreement with the policy, and the held-out figures per epoch.
+    """
     from tqdm import tqdm
 
     from turbogrpo.config import DraftLearningConfig
-    from turbogrpo.rollout import SamplingConfig, generate
-    from turbogrpo.speculative.draft_training import draft_groups, train_draft
+    from turbogrpo.speculative.draft_training import draft_groups, make_optimizer, train_draft
 
     recipe.check()
     if not prompts:
         raise ValueError("no usable prompts (all empty or too long)")
-    sampling = SamplingConfig(max_new_tokens=recipe.max_new_tokens, temperature=recipe.temperature,
-                              stop_token_ids=tuple(stop_token_ids))
     start = time.perf_counter()
-    completions: list[list[torch.Tensor]] = []
-    chunk = max(1, 64 // recipe.num_samples)  # ~64 sequences per rollout keeps memory flat
-    for first in tqdm(range(0, len(prompts), chunk), desc="sampling completions", unit="rollout"):
-        rollout = generate(model, list(prompts[first:first + chunk]), num_samples=recipe.num_samples,
-                           sampling=sampling, seed=recipe.seed + first)
-        completions.extend(rollout.tokens_per_group())
+    completions = read_samples(samples, prompts) if samples is not None else None
+    if completions is None:
+        completions = sample_completions(model, prompts, stop_token_ids, recipe)
+        if samples is not None:
+            write_samples(samples, prompts, completions)
+    else:
+        log(f"completions read from {samples}")
     sampled = time.perf_counter()
     groups = draft_groups(model, prompts, completions)
     featured = time.perf_counter()
@@ -90,34 +96,115 @@ def train_on_own_completions(model: nn.Module, draft: DraftHead, prompts: Sequen
     log(f"{num_completions} completions ({num_tokens} tokens) sampled in {sampled - start:.0f}s, "
         f"features in {featured - sampled:.0f}s")
     coverage = None
+    num_train = groups.num_groups - recipe.validation_prompts
+    train, held_out = groups.select(range(num_train)), groups.select(range(num_train, groups.num_groups))
     if draft.config.num_draft_tokens:
-        tokens = torch.cat(list(groups.completions)).cpu()
+        # From the trained completions only, so the held-out figures include the vocabulary's misses.
+        tokens = torch.cat(list(train.completions)).cpu()
         coverage = choose_draft_tokens(draft, tokens)
         log(f"draft vocabulary: the {draft.config.num_draft_tokens} most frequent tokens cover {coverage:.1%} of "
             "the completions' tokens")
     config = DraftLearningConfig(lr=recipe.lr)
-    num_steps = recipe.epochs * -(-num_completions // recipe.batch_size)  # about: batches hold whole groups
-    with tqdm(total=num_steps, desc="training draft", unit="step") as bar:
+    optimizer = make_optimizer(draft, config)
+    history, per_epoch = [], []
+    steps_per_epoch = -(-train.num_completions // recipe.batch_size)  # about: batches hold whole groups
+    with tqdm(total=recipe.epochs * steps_per_epoch, desc="training draft", unit="step") as bar:
         def on_step(step, metrics):
             bar.update(1)
             bar.set_postfix(loss=f"{metrics['loss']:.3f}", top1=f"{metrics['top1_agreement']:.2f}")
-        history = train_draft(draft, groups, config, num_epochs=recipe.epochs, batch_size=recipe.batch_size,
-                              seed=recipe.seed, on_step=on_step)
+        for epoch in range(recipe.epochs):
+            steps = train_draft(draft, train, config, batch_size=recipe.batch_size, optimizer=optimizer,
+                                seed=recipe.seed + epoch, on_step=on_step)
+            history.extend(steps)
+            per_epoch.append({"train_top1_agreement": _mean(steps, "top1_agreement"),
+                              "train_loss": _mean(steps, "loss"),
+                              **({f"held_out_{k}": v for k, v in held_out_metrics(draft, held_out, config).items()}
+                                 if held_out.num_groups else {})})
+            log(f"epoch {epoch + 1}: " + ", ".join(f"{k} {v:.3f}" for k, v in per_epoch[-1].items()))
     trained = time.perf_counter()
-    last_epoch = history[-max(1, len(history) // recipe.epochs):]
+    last_epoch = history[-len(steps):]
     record = {"num_prompts": groups.num_groups, "num_completions": num_completions, "num_tokens": num_tokens,
+              "num_held_out_prompts": held_out.num_groups,
               "num_draft_tokens": draft.config.num_draft_tokens, "draft_token_coverage": coverage,
               "sampling_s": round(sampled - start, 1), "features_s": round(featured - sampled, 1),
               "training_s": round(trained - featured, 1), "num_steps": len(history),
-              "final_loss": sum(m["loss"] for m in last_epoch) / len(last_epoch),
-              "final_top1_agreement": sum(m["top1_agreement"] for m in last_epoch) / len(last_epoch),
-              "top1_agreement_per_epoch": [
-                  sum(m["top1_agreement"] for m in history[e * len(history) // recipe.epochs:
-                                                            (e + 1) * len(history) // recipe.epochs])
-                  / max(1, len(history) // recipe.epochs) for e in range(recipe.epochs)]}
+              "final_loss": _mean(last_epoch, "loss"), "final_top1_agreement": _mean(last_epoch, "top1_agreement"),
+              "per_epoch": per_epoch}
     log(f"draft trained in {record['training_s']:.0f}s: loss {record['final_loss']:.3f}, top-1 agreement with the "
         f"policy {record['final_top1_agreement']:.2f} (last epoch)")
     return record
+
+
+def _mean(history: list[dict], key: str) -> float:
+    return sum(m[key] for m in history) / max(1, len(history))
+
+
+@torch.no_grad()
+def held_out_metrics(draft: DraftHead, groups, config, *, batch_size: int = 8) -> dict[str, float]:
+    """The draft's loss and top-1 agreement on ``groups`` (never trained on), weighted by trained tokens."""
+    from turbogrpo.speculative.draft_training import batches_of, draft_loss, num_trained
+
+    totals, count = {"loss": 0.0, "top1_agreement": 0.0}, 0
+    for batch in batches_of(groups, batch_size, torch.Generator().manual_seed(0)):
+        metrics, weight = draft_loss(draft, batch, config)[1], num_trained(batch)
+        for key in totals:
+            totals[key] += float(metrics[key]) * weight
+        count += weight
+    return {key: value / max(1, count) for key, value in totals.items()}
+
+
+def sample_completions(model: nn.Module, prompts: Sequence[torch.Tensor], stop_token_ids: Sequence[int],
+                       recipe: DraftRecipe) -> list[list[torch.Tensor]]:
+    """``recipe.num_samples`` completions ``[S]`` of each prompt, sampled by ``model`` as the recipe says."""
+    from tqdm import tqdm
+
+    from turbogrpo.rollout import SamplingConfig, generate
+
+    sampling = SamplingConfig(max_new_tokens=recipe.max_new_tokens, temperature=recipe.temperature,
+                              stop_token_ids=tuple(stop_token_ids))
+    completions: list[list[torch.Tensor]] = []
+    chunk = max(1, 64 // recipe.num_samples)  # ~64 sequences per rollout keeps memory flat
+    for first in tqdm(range(0, len(prompts), chunk), desc="sampling completions", unit="rollout"):
+        rollout = generate(model, list(prompts[first:first + chunk]), num_samples=recipe.num_samples,
+                           sampling=sampling, seed=recipe.seed + first)
+        completions.extend(rollout.tokens_per_group())
+    return completions
+
+
+def write_samples(path: Path, prompts: Sequence[torch.Tensor], completions: Sequence[Sequence[torch.Tensor]]) -> None:
+    """Keep ``completions`` (a list per prompt) with their ``prompts`` in one safetensors file, atomically."""
+    from turbogrpo.files import save_tensors
+
+    flat = [c.cpu() for cs in completions for c in cs]
+    tensors = {"prompt_tokens": torch.cat([p.cpu() for p in prompts]),
+               "prompt_lengths": torch.tensor([len(p) for p in prompts]),
+               "completion_tokens": torch.cat(flat) if flat else torch.zeros(0, dtype=torch.long),
+               "completion_lengths": torch.tensor([len(c) for c in flat], dtype=torch.long),
+               "group_sizes": torch.tensor([len(cs) for cs in completions], dtype=torch.long)}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    save_tensors(tensors, tmp)
+    os.replace(tmp, path)
+
+
+def read_samples(path: Path, prompts: Sequence[torch.Tensor]) -> list[list[torch.Tensor]] | None:
+    """The completions kept in ``path`` for exactly these ``prompts``; None when the file is absent,
+    unreadable or holds other prompts (then they are sampled anew and the file rewritten)."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        kept = load_file(str(path))
+        prompt_tokens = list(kept["prompt_tokens"].split(kept["prompt_lengths"].tolist()))
+        flat = list(kept["completion_tokens"].split(kept["completion_lengths"].tolist()))
+        sizes = kept["group_sizes"].tolist()
+    except (OSError, SafetensorError, KeyError, RuntimeError):
+        return None
+    if sum(sizes) != len(flat) or len(prompt_tokens) != len(prompts) or not all(
+            torch.equal(a, b.cpu()) for a, b in zip(prompt_tokens, prompts)):
+        return None
+    offsets = [0, *itertools.accumulate(sizes)]
+    return [flat[offsets[k]:offsets[k + 1]] for k in range(len(sizes))]
 
 
 def choose_draft_tokens(draft: DraftHead, tokens: torch.Tensor) -> float:

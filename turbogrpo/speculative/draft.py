@@ -19,7 +19,9 @@ draft saw most in training (``set_draft_tokens``), as FR-Spec and EAGLE-3 do. On
 large vocabulary (SmolLM2: 49k rows x 576) reading the whole head at every tree level costs about a
 third of a policy step; 4096 rows cost a twelfth of that. Tokens outside the subset get log-prob -inf
 and are never proposed; verification is unchanged, so sampling stays exactly the policy's. Training
-uses the whole head.
+reads the same rows (``vocabulary_logits``): its target is the policy's distribution renormalised over
+the draft vocabulary, which is the best a draft limited to it can propose (acceptance is then the
+policy's mass on the vocabulary), at a twelfth of the whole head's cost per trained token.
 
 Legend: B sequences, n tokens per sequence, Hd hidden size, V vocabulary.
 """
@@ -125,16 +127,22 @@ class DraftHead(nn.Module):
         bias = None if head.bias is None else head.bias.detach()
         return F.linear(features, head.weight.detach(), bias)
 
+    def vocabulary_logits(self, features: torch.Tensor) -> torch.Tensor:
+        """Logits over the tokens drafting may propose: ``[..., Vd]`` in ``draft_token_ids`` order when there
+        is a draft vocabulary, else ``[..., V]`` (``logits``). Gradients reach the features only."""
+        if not self.config.num_draft_tokens:
+            return self.logits(features)
+        weight, bias = self._draft_head_rows()
+        return F.linear(features, weight, bias)
+
     def draft_logprobs(self, features: torch.Tensor) -> torch.Tensor:
         """Drafting's log-probs ``[..., V]`` (float32) of the next token from predicted features ``[..., Hd]``:
         over the draft vocabulary when there is one (other tokens -inf), else over all of it."""
+        subset = self.vocabulary_logits(features).float().log_softmax(-1)               # [..., Vd]
         if not self.config.num_draft_tokens:
-            return self.logits(features).float().log_softmax(-1)
-        ids_Vd = self.draft_token_ids
-        weight, bias = self._draft_head_rows()
-        subset = F.linear(features, weight, bias).float().log_softmax(-1)               # [..., Vd]
+            return subset
         full = subset.new_full((*subset.shape[:-1], self.policy.lm_head.weight.shape[0]), float("-inf"))
-        return full.scatter_(-1, ids_Vd.expand(subset.shape), subset)
+        return full.scatter_(-1, self.draft_token_ids.expand(subset.shape), subset)
 
     def _draft_head_rows(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The LM head's rows of the draft vocabulary, weight ``[Vd, Hd]`` and bias ``[Vd]`` or None.

@@ -13,9 +13,12 @@ are f[P-1+j], the feature that predicted ``c[j]``; so token ``c[j]`` is fed with
 feature is known is trained. A rollout's hidden states (``return_hidden``) give S features for S
 tokens (S - 1 trained positions); a full policy forward gives S + 1 (all S trained).
 
-Loss: ``w_v * SmoothL1(g, f) + w_p * CE(draft logits, policy distribution)`` (EAGLE), AdamW.
+Loss: ``w_v * SmoothL1(g, f) + w_p * CE(draft logits, policy distribution)`` (EAGLE), AdamW. Both
+distributions are over the draft vocabulary when the draft has one (``DraftHead.vocabulary_logits``):
+on SmolLM2 the whole 49k-row head was most of a training step.
 
-Legend: T packed tokens, Np prompt tokens, M trained positions, Hd hidden size, V vocabulary.
+Legend: T packed tokens, Np prompt tokens, M trained positions, Hd hidden size, V the draft's vocabulary
+(Vd rows of the head, or all of it).
 """
 
 from __future__ import annotations
@@ -164,8 +167,8 @@ def draft_loss(draft: DraftHead, groups: Groups,
     """``w_v * SmoothL1(g, f) + w_p * CE(draft logits, policy distribution)`` over the trained positions
     (``config``: the [draft] section, its feature_weight and logit_weight).
 
-    Returns the loss and metrics (both terms and the draft's top-1 agreement with the policy), as
-    device tensors.
+    Returns the loss and metrics (both terms and the draft's top-1 agreement with the policy, both
+    argmaxes taken over the draft vocabulary), as device tensors.
     """
     batch = pack_draft_batch(groups, requires_grad=torch.is_grad_enabled())
     dtype = next(draft.parameters()).dtype
@@ -174,8 +177,8 @@ def draft_loss(draft: DraftHead, groups: Groups,
     target_MH = batch.targets_MH.to(predicted_MH.dtype)
     feature_loss = F.smooth_l1_loss(predicted_MH.float(), target_MH.float())
     with torch.no_grad():
-        target_probs_MV = draft.logits(target_MH).float().softmax(-1)
-    draft_logprobs_MV = draft.logits(predicted_MH).float().log_softmax(-1)
+        target_probs_MV = draft.vocabulary_logits(target_MH).float().softmax(-1)
+    draft_logprobs_MV = draft.vocabulary_logits(predicted_MH).float().log_softmax(-1)
     logit_loss = -(target_probs_MV * draft_logprobs_MV).sum(-1).mean()
     loss = config.feature_weight * feature_loss + config.logit_weight * logit_loss
     top1 = (draft_logprobs_MV.argmax(-1) == target_probs_MV.argmax(-1)).float().mean()
