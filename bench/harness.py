@@ -18,6 +18,12 @@ from pathlib import Path
 
 import torch
 
+from turbogrpo.host_memory import keep_freed_host_memory, release_freed_host_memory
+
+# Every benchmark runs on the heap turbogrpo's commands use (freed blocks kept, not unmapped:
+# turbogrpo/host_memory.py), baseline and ours alike, since they share the process.
+keep_freed_host_memory()
+
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
 
@@ -47,6 +53,8 @@ def machine_info() -> dict:
         # PASSIVE makes every small parallel op wake sleeping threads (~0.1 ms each on this machine):
         # it changes decoding speed by up to 1.5x, so results say which policy they ran under.
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "default"),
+        # Both contenders of a benchmark share the process, so both run on the kept heap (see below).
+        "host_malloc": "keep" if keep_freed_host_memory() else "system",
     }
     if torch.cuda.is_available():
         info["device"] = torch.cuda.get_device_name()
@@ -98,7 +106,11 @@ def _proc_status_mb(field: str) -> float:
 
 
 def reset_peak_rss() -> float:
-    """Reset the process's peak resident set (Linux clear_refs) and return the current RSS in MB."""
+    """Reset the process's peak resident set (Linux clear_refs) and return the current RSS in MB.
+
+    Freed heap blocks are returned to the OS first: the process keeps them otherwise
+    (``turbogrpo.host_memory``), and a step reusing them would not raise the peak."""
+    release_freed_host_memory()
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
     return _proc_status_mb("VmRSS")

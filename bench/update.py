@@ -14,15 +14,22 @@ against the choice turbogrpo makes, alternated in one process:
   ``model.dtype = "bfloat16"`` trains), beside the large-matmul rate of each dtype. CPU seconds, one
   thread (on a shared machine one thread keeps other jobs' threads out of the ratio).
 * profile: self CPU time by operator of one group's forward + backward, float32, one thread.
+* allocator: forward + backward of 8 groups as one pack (float32 and bf16 autocast) on glibc's
+  default heap against the kept heap of ``turbogrpo.host_memory``. The malloc setting is per
+  process, so each run is a fresh child process, alternating the two. Wall s, 2 threads; its own
+  results file.
 
-    python bench/update.py                     # all parts; bench/results/update_smollm2.json
+    python bench/update.py                     # lm_head,packs,dtype,profile; bench/results/update_smollm2.json
     python bench/update.py --parts lm_head,dtype
+    python bench/update.py --parts allocator   # bench/results/update_allocator_smollm2.json
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import statistics
 import sys
 import time
 from contextlib import nullcontext
@@ -35,6 +42,7 @@ from harness import interleaved_medians, print_table, write_results  # noqa: E40
 from real_model import chat_prompts, large_matmul_gflops, load_real_model  # noqa: E402
 
 import turbogrpo  # noqa: E402
+from turbogrpo.host_memory import ENV, keep_freed_host_memory  # noqa: E402
 from turbogrpo.prefix.cost import ModelDims, layout_flops  # noqa: E402
 from turbogrpo.prefix.lm_head import logprobs_forward  # noqa: E402
 
@@ -160,12 +168,58 @@ def part_profile(model, tokenizer) -> dict:
             "matmul_fraction_of_large": matmul_rate / large_rate}
 
 
+def allocator_child(dtype: str) -> None:
+    """One child run of the allocator part: load, one warm-up, two timed 8-group forward+backwards;
+    prints the times as the last line (JSON)."""
+    model, tokenizer = load_real_model()
+    model.train()
+    prompts, completions = group_batch(tokenizer, model.config.vocab_size, 8)
+    autocast = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if dtype == "bfloat16" else (lambda: None)
+    times = []
+    for _ in range(3):
+        start = time.perf_counter()
+        forward_backward(model, prompts, completions, 8, autocast())
+        times.append(time.perf_counter() - start)
+    print(json.dumps({"times_s": times[1:], "heap": "keep" if keep_freed_host_memory() else "system"}))
+
+
+def part_allocator(repeats: int) -> dict:
+    import subprocess
+    out: dict = {}
+    for dtype in ("float32", "bfloat16"):
+        runs = {"system": [], "keep": []}
+        for _ in range(repeats):
+            for heap in runs:
+                child = subprocess.run([sys.executable, __file__, "--allocator-child", dtype], check=True,
+                                       capture_output=True, text=True, env={**os.environ, ENV: heap})
+                record = json.loads(child.stdout.strip().splitlines()[-1])
+                assert record["heap"] == heap, record
+                runs[heap] += record["times_s"]
+        medians = {heap: statistics.median(t) for heap, t in runs.items()}
+        out[dtype] = {"times_s": runs, "median_s": medians, "speedup_of_keep": medians["system"] / medians["keep"]}
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--parts", default="lm_head,packs,dtype,profile")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--allocator-child", choices=["float32", "bfloat16"], help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.allocator_child:
+        return allocator_child(args.allocator_child)
     parts = args.parts.split(",")
+    if "allocator" in parts:
+        r = part_allocator(args.repeats)
+        print_table("8 zero-shot groups as one pack, forward+backward wall s (2 threads), a fresh process per run",
+                    ["dtype", "glibc default heap", "kept heap", "speedup"],
+                    [[d, v["median_s"]["system"], v["median_s"]["keep"], v["speedup_of_keep"]] for d, v in r.items()])
+        write_results("update_allocator_smollm2", {"model": "smollm2-135m-instruct", "completion_len": COMPLETION_LEN,
+                                                   "group_size": GROUP, "num_groups": 8, "allocator": r,
+                                                   "load_average": os.getloadavg()})
+        parts.remove("allocator")
+        if not parts:
+            return
     model, tokenizer = load_real_model()
     model.train()
     results: dict = {"model": "smollm2-135m-instruct", "completion_len": COMPLETION_LEN, "group_size": GROUP}

@@ -20,6 +20,7 @@ import threading
 import time
 
 from turbogrpo.config import Config, ConfigError, load_config
+from turbogrpo.host_memory import keep_freed_host_memory
 from turbogrpo.speculative.cli import add_commands as add_speculative_commands
 
 # The demo: GRPO on the built-in arithmetic task with the shipped demo model. configs/demo.toml holds
@@ -115,6 +116,7 @@ def demo_config(overrides: list[str] = (), *, longform: bool = False, model: str
 
 
 def main(argv: list[str] | None = None) -> int:
+    keep_freed_host_memory()  # every command samples or trains on large, short-lived host tensors
     parser = argparse.ArgumentParser(prog="turbogrpo", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)

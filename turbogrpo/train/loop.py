@@ -31,6 +31,7 @@ from turbogrpo.algo import LossNormalizer, group_advantages, statistics_are_fini
 from turbogrpo.batch import Groups, pad_to_count
 from turbogrpo.config import Config
 from turbogrpo.data import PromptExample
+from turbogrpo.host_memory import keep_freed_host_memory
 from turbogrpo.rewards import RewardResult, build_rewards, score_completions
 from turbogrpo.rollout import Rollout, generate
 from turbogrpo.train import distributed
@@ -72,6 +73,7 @@ def train(config: Config, *, resume: bool = False, overwrite: bool = False) -> R
     TrainingInterrupted naming the last complete checkpoint.
     """
     rewards = build_rewards(config.rewards)  # import errors surface before any model loads
+    keep_freed_host_memory()
     if config.train.num_threads:
         torch.set_num_threads(config.train.num_threads)
     dist = distributed.setup(config.model.device, config.distributed.backend)
