@@ -155,6 +155,42 @@ def test_cost_policy_learns_slow_tree_steps_from_their_measured_time():
     assert policy.describe()["num_timed"] == {"plain": 1, "tree": policy.REFRESH_STEPS}
 
 
+def chain_counts(policy: CostSizing, num_live: int, depth: int, top1: float) -> list[float]:
+    """(matches, trials) of ``num_live`` sequences walking a tree's top-1 children to ``depth``,
+    each accepted with probability ``top1`` (in expectation)."""
+    matches, trials = torch.zeros(policy.l_max, policy.k_max), torch.zeros(policy.l_max, policy.k_max)
+    for d in range(min(depth, policy.l_max)):
+        trials[d, 0], matches[d, 0] = num_live * top1 ** d, num_live * top1 ** (d + 1)
+    return matches.flatten().tolist() + trials.flatten().tolist()
+
+
+def test_trees_that_lose_at_one_live_batch_are_vetoed_there_only():
+    """One time scale cannot fit every B: here tree steps run as profiled at B=1 but 3x slower at B=16.
+    The realised gain per live-batch bucket vetoes trees at B=16 (and 17-31) and keeps them at B=1."""
+    policy = timed_cost_policy()
+    policy.observe(TOP1_90_PERCENT)
+    policy.refresh()
+    shapes = {1: policy.choose(1), 16: policy.choose(16)}
+    assert None not in shapes.values()
+    for _ in range(3):
+        for num_live, slowdown in ((16, 3.0), (1, 1.0)):
+            shape = shapes[num_live]
+            predicted = float(policy._tree_time(num_live, *(torch.tensor([[float(v)]]) for v in shape), 0.0, num_live))
+            policy.observe_time(num_live, shape, slowdown * predicted / policy.tree_scale, catch_up_tokens=num_live)
+            policy.observe(chain_counts(policy, num_live, shape.depth, 0.9))  # as accepted as before
+    realised = policy.describe()["realised_gain_by_bucket"]
+    assert realised[16]["gain"] < 1 < realised[1]["gain"] and realised[16]["tree_steps"] == 3
+    assert policy.loses(16) and policy.loses(20) and not policy.loses(1) and not policy.loses(8)
+    policy.refresh()
+    assert policy._best_shape(16)[1] > 1 + policy.margin   # the time model alone would still speculate
+    assert policy.choose(1) is not None and policy.choose(16) is None
+    # Exploration goes on at the vetoed batch, so the veto can lift.
+    assert any(policy.choose(16) is not None for _ in range(policy.EXPLORE_EVERY))
+    restored = CostSizing(profile())
+    restored.load_state_dict(policy.state_dict())
+    assert restored.loses(16) and not restored.loses(1)
+
+
 def test_policies_drive_a_rollout_and_record_tree_sizes():
     policy, draft, prompts = trained_pair()
     sampling = SamplingConfig(max_new_tokens=16, temperature=0.0)

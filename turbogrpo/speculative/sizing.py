@@ -23,7 +23,12 @@ Every policy is a small class in ``SIZING_POLICIES``; ``make_sizing(name, ...)``
   only where the expected saving over the rollout's expected remaining steps (read off the completion
   lengths of earlier rollouts) repays that measured cost. What the curves miss (Python and
   bookkeeping around the forwards, a machine busier than when profiled) is learnt from the measured
-  time of every step, as one scale factor for plain and one for tree steps.
+  time of every step, as one scale factor for plain and one for tree steps. One factor cannot fit
+  every live batch and shape, so the policy also keeps the *realised* gain of its trees per live-batch
+  bucket (powers of two): the tokens a tree step emitted per second over what plain steps give at
+  that B. Where that has fallen below 1, trees are vetoed there whatever the model predicts (still
+  explored every ``EXPLORE_EVERY``-th step, so the veto lifts if the draft gets better): the guard
+  behind "never slower than off".
 
 Policies see verification results through ``feedback`` (device tensors, returned in the step's one
 host transfer) and ``observe`` (the same numbers on the host).
@@ -179,6 +184,9 @@ class CostSizing(SizingPolicy):
         self.startup_seconds = 0.0   # the draft's prompt pass, as last measured
         self.past_lengths: deque[int] = deque(maxlen=self.LENGTH_HISTORY)
         self._lengths = torch.zeros(0, dtype=torch.float64)  # past_lengths as a tensor, for the quantile
+        # Live-batch bucket -> [realised gain of its tree steps (an exponential average), tree steps seen]
+        self.realised: dict[int, list[float]] = {}
+        self._timed_tree: tuple[int, float] | None = None   # (B, seconds) of the tree step awaiting its counts
 
     def bounds(self) -> tuple[int, int]:
         return self.n_max, (self.l_max - 1) * self.k_max
@@ -211,7 +219,8 @@ class CostSizing(SizingPolicy):
         if num_live not in self._choices:
             self._choices[num_live] = self._best_shape(num_live)
         tree, gain = self._choices[num_live]
-        if gain > 1 + self.margin and (draft_ready or self._repays_startup(num_live, position, gain)):
+        if (gain > 1 + self.margin and not self.loses(num_live)
+                and (draft_ready or self._repays_startup(num_live, position, gain))):
             self._plain_streak = 0
             return tree
         self._plain_streak += 1
@@ -221,6 +230,19 @@ class CostSizing(SizingPolicy):
             self._plain_streak = 0
             return tree
         return None
+
+    MIN_REALISED = 2  # tree steps of a bucket before its realised gain can veto trees
+
+    @staticmethod
+    def bucket(num_live: int) -> int:
+        """The live-batch bucket of ``num_live``: the power of two at or below it."""
+        return 1 << (max(num_live, 1).bit_length() - 1)
+
+    def loses(self, num_live: int) -> bool:
+        """Whether measured tree steps at about this live batch emitted fewer tokens per second than
+        plain steps do (realised gain below 1 over at least ``MIN_REALISED`` of them)."""
+        gain, count = self.realised.get(self.bucket(num_live), (1.0, 0))
+        return count >= self.MIN_REALISED and gain < 1.0
 
     def _repays_startup(self, num_live: int, position: int, gain: float) -> bool:
         """Whether speculating from here on saves more time than the draft's prompt pass costs: the
@@ -281,6 +303,7 @@ class CostSizing(SizingPolicy):
 
     def observe_time(self, num_live: int, shape: TreeShape | None, seconds: float, catch_up_tokens: int = 0) -> None:
         kind = "plain" if shape is None else "tree"
+        self._timed_tree = None if shape is None else (num_live, seconds)
         if shape is None:
             ratio = seconds / max(self.profile.verify(num_live), 1e-9)
         else:
@@ -300,7 +323,9 @@ class CostSizing(SizingPolicy):
     def describe(self) -> dict:
         """What the policy has learnt (for logs and benchmarks)."""
         return {"plain_scale": self.plain_scale, "tree_scale": self.tree_scale, "num_timed": dict(self.num_timed),
-                "top1_acceptance_by_depth": self.acceptance()[:, 0].tolist()}
+                "top1_acceptance_by_depth": self.acceptance()[:, 0].tolist(),
+                "realised_gain_by_bucket": {b: {"gain": g, "tree_steps": int(n)} for b, (g, n) in
+                                            sorted(self.realised.items())}}
 
     def feedback(self, tree: DraftTree, verdict: TreeVerdict) -> torch.Tensor:
         return acceptance_counts(tree, verdict, self.l_max, self.k_max)
@@ -314,7 +339,7 @@ class CostSizing(SizingPolicy):
         return {"matches": self.matches.clone(), "trials": self.trials.clone(), "plain_scale": self.plain_scale,
                 "tree_scale": self.tree_scale, "num_timed": dict(self.num_timed),
                 "startup_seconds": self.startup_seconds, "past_lengths": list(self.past_lengths),
-                "plain_streak": self._plain_streak}
+                "plain_streak": self._plain_streak, "realised": {str(b): v for b, v in self.realised.items()}}
 
     def load_state_dict(self, state: dict) -> None:
         self.matches, self.trials = state["matches"].to(torch.float64), state["trials"].to(torch.float64)
@@ -323,6 +348,8 @@ class CostSizing(SizingPolicy):
         self.past_lengths.clear()
         self.observe_lengths(list(state["past_lengths"]))
         self._plain_streak = state["plain_streak"]
+        # Checkpoints from before the realised-gain guard have none: it starts empty.
+        self.realised = {int(b): list(v) for b, v in state.get("realised", {}).items()}
         self._expected = None
 
     def observe(self, values: list[float]) -> None:
@@ -330,6 +357,19 @@ class CostSizing(SizingPolicy):
         self.matches += counts[0]
         self.trials += counts[1]
         self._new_observations += 1
+        if self._timed_tree is not None:
+            num_live, seconds = self._timed_tree
+            self._timed_tree = None
+            # Tokens per second of this step (every sequence's root plus the accepted draft tokens:
+            # each match is one) over plain decoding's at this B.
+            emitted = num_live + float(counts[0].sum())
+            self._record_gain(num_live, emitted * self._plain_time(num_live) / (num_live * max(seconds, 1e-9)))
+
+    def _record_gain(self, num_live: int, gain: float) -> None:
+        entry = self.realised.setdefault(self.bucket(num_live), [gain, 0])
+        weight = 1.0 if entry[1] == 0 else self.TIME_WEIGHT
+        entry[0] += weight * (gain - entry[0])
+        entry[1] += 1
 
 
 def expected_accepted_table(acceptance: torch.Tensor, menu: list[tuple[int, int]], n_max: int) -> torch.Tensor:
