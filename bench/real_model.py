@@ -131,11 +131,11 @@ def model_gemm_step_seconds(model, rows: int, *, repeats: int = 3) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def step_bound_seconds(config, rows: int) -> dict:
+def step_bound_seconds(config, rows: int, dtype: torch.dtype = torch.float32) -> dict:
     """The roofline of one decoding step at ``rows`` live tokens: each weight matmul of the step timed
     alone at its exact shape on this machine, summed (attention, norms and sampling excluded, so a
     real step cannot beat it)."""
-    parts = {name: count * matmul_seconds(rows, inner, out)
+    parts = {name: count * matmul_seconds(rows, inner, out, dtype=dtype)
              for name, (inner, out, count) in linear_shapes(config).items()}
     total = sum(parts.values())
     flops = rows * weight_flops_per_token(config)

@@ -194,19 +194,23 @@ def profile_real_step(model, prompts, num_samples: int, new_tokens: int, top: in
     return table
 
 
-def real_model_main(repeats: int, profile_ops: bool = False) -> None:
+def real_model_main(repeats: int, profile_ops: bool = False, dtype: str = "float32") -> None:
     from real_model import REAL_MODEL, chat_prompts, large_matmul_gflops, load_real_model, model_gemm_step_seconds, \
         step_bound_seconds, weight_flops_per_token
 
     model, tokenizer = load_real_model()
+    # bfloat16: the weights themselves in bf16 on both sides (how HF generate serves a bf16 model).
+    torch_dtype = getattr(torch, dtype)
+    model = model.to(torch_dtype)
+    name = "rollout_smollm2" + ("" if dtype == "float32" else "_bf16")
     config = model.config
-    large_rate = large_matmul_gflops()
+    large_rate = large_matmul_gflops(torch_dtype)
     run_turbogrpo(model, chat_prompts(tokenizer, 1, few_shot=False), 2, 4)  # warm-up
     rows, records = [], []
     for num_prompts, num_samples, new_tokens in REAL_SHAPES:
         prompts = chat_prompts(tokenizer, num_prompts, few_shot=False)
         batch = num_prompts * num_samples
-        bound = step_bound_seconds(config, batch)
+        bound = step_bound_seconds(config, batch, torch_dtype)
         prefill_s = sum(p.numel() for p in prompts) * weight_flops_per_token(config) / (large_rate * 1e9)
         roofline_s = new_tokens * bound["bound_s"] + prefill_s
         # The same step's matmuls on the model's own weights in order: the weights stream from memory.
@@ -236,17 +240,17 @@ def real_model_main(repeats: int, profile_ops: bool = False) -> None:
         rows.append([f"{num_prompts}x{num_samples}", new_tokens, hf_s, ours_s, hf_s / ours_s, roofline_s,
                      hf_s / roofline_s, ours_s / roofline_s, streaming_roofline_s, ours_s / streaming_roofline_s,
                      record["ours_gflops"]])
-        write_results("rollout_smollm2", {"model": REAL_MODEL, "dtype": "float32", "repeats": repeats,
+        write_results(name, {"model": REAL_MODEL, "dtype": dtype, "repeats": repeats,
                                           "large_matmul_gflops": large_rate, "load_average": os.getloadavg(),
                                           "baseline": "transformers generate, left-padded prompts repeated G times, "
                                                       "do_sample, temperature 1, EOS ignored on both sides",
                                           "shapes": records})
     if profile_ops:
         profile = profile_real_step(model, chat_prompts(tokenizer, 4, few_shot=False), 8, 32)
-        write_results("rollout_smollm2", {"model": REAL_MODEL, "dtype": "float32", "repeats": repeats,
+        write_results(name, {"model": REAL_MODEL, "dtype": dtype, "repeats": repeats,
                                           "large_matmul_gflops": large_rate, "load_average": os.getloadavg(),
                                           "shapes": records, "profile_top_ops_4x8x32": profile})
-    print_table(f"Rollout on {REAL_MODEL} (GSM8K test prompts, chat template, float32, median of {repeats}); "
+    print_table(f"Rollout on {REAL_MODEL} (GSM8K test prompts, chat template, {dtype}, median of {repeats}); "
                 f"large-matmul rate {large_rate:.0f} GFLOP/s",
                 ["prompts x G", "new", "hf_s", "ours_s", "speedup", "roofline_s", "hf x bound", "ours x bound",
                  "streaming bound_s", "ours x streaming", "ours GFLOP/s"], rows)
@@ -260,10 +264,12 @@ def main() -> None:
     parser.add_argument("--model", choices=["bench", "smollm2"], default="bench",
                         help="bench: the random bench model (default); smollm2: the real instruct model")
     parser.add_argument("--profile", action="store_true", help="with --model smollm2: also the top operators")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                        help="with --model smollm2: the weights' dtype on both sides")
     args = parser.parse_args()
     repeats = 1 if args.quick else args.repeats
     if args.model == "smollm2":
-        return real_model_main(repeats, args.profile)
+        return real_model_main(repeats, args.profile, args.dtype)
 
     model = bench_model().eval()
     # Warm both paths up on a small shape so that one-time setup is not timed.
