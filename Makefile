@@ -44,7 +44,7 @@ bench-smollm2: $(STAMP)
 	$(PY) bench/decode_ops.py --threads 1
 	$(PY) bench/rollout.py --model smollm2 --profile
 	$(PY) bench/e2e.py --shapes smollm2-zero-shot,smollm2-few-shot
-	# SmolLM2's neural draft, built once into the cache (~48 min on 2 shared cores), then the speculative bench
+	# SmolLM2's neural draft, built once into the cache (~55 min on 2 cores), then the speculative bench
 	OMP_WAIT_POLICY=PASSIVE $(VENV)/bin/turbogrpo draft build --model smollm2
 	$(PY) bench/speculative.py --model smollm2-135m-instruct --threads 1 --kinds history,neural,both
 	$(PY) bench/speculative.py --model smollm2-135m-instruct --threads 1 --batches 1,4,8,16 --new-tokens 64

@@ -1,7 +1,7 @@
 """Drafts trained on the policy's own completions: the one training routine of ``turbogrpo draft train``
 and ``turbogrpo draft build``, and the building of a draft into the cache.
 
-    turbogrpo draft build --model smollm2      trains the SmolLM2 draft once (~48 min on 2 CPU cores) into
+    turbogrpo draft build --model smollm2      trains the SmolLM2 draft once (~55 min on 2 CPU cores) into
                                                <cache>/drafts/, beside the model cache; later calls reuse it
     [draft] path = "smollm2-gsm8k"             a training config names a built draft by its name
 

@@ -154,5 +154,5 @@ def resolve_draft_path(path: str) -> str:
     folder = built_draft_folder(built)
     if not is_built(folder):
         raise ValueError(f"draft {path!r} is not built yet; build it once with `turbogrpo draft build --model "
-                         f"{built.model}` (about 45 minutes on 2 CPU cores)")
+                         f"{built.model}` (about 55 minutes on 2 CPU cores)")
     return str(folder)
