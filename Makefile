@@ -37,17 +37,21 @@ bench: $(STAMP)
 	$(PY) bench/online_draft.py --config demo
 	$(PY) bench/gpu.py   # every GPU part, when a GPU is present (prints a notice and exits otherwise)
 
-# The real model (SmolLM2-135M-Instruct) on GSM8K prompts: about 40 minutes on 2 cores.
+# The real model (SmolLM2-135M-Instruct) on GSM8K prompts: about 2.5 hours on 2 cores (the draft build 55 min of it).
 bench-smollm2: $(STAMP)
 	$(PY) bench/prefix.py --model smollm2
 	$(PY) bench/update.py
+	$(PY) bench/update.py --parts allocator
 	$(PY) bench/decode_ops.py --threads 1
 	$(PY) bench/rollout.py --model smollm2 --profile
+	$(PY) bench/rollout.py --model smollm2 --dtype bfloat16
 	$(PY) bench/e2e.py --shapes smollm2-zero-shot,smollm2-few-shot
+	$(PY) bench/e2e.py --shapes smollm2-zero-shot --dtype bfloat16
 	# SmolLM2's neural draft, built once into the cache (~55 min on 2 cores), then the speculative bench
-	OMP_WAIT_POLICY=PASSIVE $(VENV)/bin/turbogrpo draft build --model smollm2
-	$(PY) bench/speculative.py --model smollm2-135m-instruct --threads 1 --kinds history,neural,both
-	$(PY) bench/speculative.py --model smollm2-135m-instruct --threads 1 --batches 1,4,8,16 --new-tokens 64
+	$(VENV)/bin/turbogrpo draft build --model smollm2
+	$(PY) bench/speculative.py --model smollm2-135m-instruct --batches 1,4,8,32 --new-tokens 64 --kinds history,neural,both --tail-kinds ''
+	$(PY) bench/speculative.py --model smollm2-135m-instruct --batches 1,4 --new-tokens 64 --temperature 0 --tail-kinds ''
+	$(PY) bench/speculative.py --model smollm2-135m-instruct --batches '' --kinds '' --tail-kinds neural+siblings --out speculative_smollm2_neural_tail
 	$(PY) scripts/smollm2_task_rates.py
 
 clean:
