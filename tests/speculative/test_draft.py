@@ -190,6 +190,17 @@ def test_draft_vocabulary_loss_is_the_policys_distribution_renormalised_over_it(
     torch.testing.assert_close(draft.vocabulary_logits(features).softmax(-1), full_probs / full_probs.sum(-1, keepdim=True))
     torch.testing.assert_close(draft.vocabulary_logits(features).log_softmax(-1),
                                draft.draft_logprobs(features)[:, draft.draft_token_ids])
+    # draft_loss reads those rows only: head rows outside the vocabulary do not move it.
+    g = torch.Generator().manual_seed(2)
+    groups = draft_groups(policy, [torch.randint(64, (5,), generator=g)], [[torch.randint(64, (7,), generator=g)]])
+    config = DraftLearningConfig()
+    with torch.no_grad():
+        before = draft_loss(draft, groups, config)[1]["logit_loss"]
+        outside = torch.ones(64, dtype=torch.bool)
+        outside[draft.draft_token_ids] = False
+        policy.lm_head.weight[outside] += 5.0
+        after = draft_loss(draft, groups, config)[1]["logit_loss"]
+    torch.testing.assert_close(after, before, rtol=0, atol=0)
 
 
 def test_build_keeps_its_samples_and_holds_prompts_out(tmp_path, monkeypatch):

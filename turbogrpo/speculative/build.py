@@ -106,7 +106,7 @@ def train_on_own_completions(model: nn.Module, draft: DraftHead, prompts: Sequen
             "the completions' tokens")
     config = DraftLearningConfig(lr=recipe.lr)
     optimizer = make_optimizer(draft, config)
-    history, per_epoch = [], []
+    num_steps, per_epoch = 0, []
     steps_per_epoch = -(-train.num_completions // recipe.batch_size)  # about: batches hold whole groups
     with tqdm(total=recipe.epochs * steps_per_epoch, desc="training draft", unit="step") as bar:
         def on_step(step, metrics):
@@ -115,20 +115,19 @@ def train_on_own_completions(model: nn.Module, draft: DraftHead, prompts: Sequen
         for epoch in range(recipe.epochs):
             steps = train_draft(draft, train, config, batch_size=recipe.batch_size, optimizer=optimizer,
                                 seed=recipe.seed + epoch, on_step=on_step)
-            history.extend(steps)
+            num_steps += len(steps)
             per_epoch.append({"train_top1_agreement": _mean(steps, "top1_agreement"),
                               "train_loss": _mean(steps, "loss"),
                               **({f"held_out_{k}": v for k, v in held_out_metrics(draft, held_out, config).items()}
                                  if held_out.num_groups else {})})
             log(f"epoch {epoch + 1}: " + ", ".join(f"{k} {v:.3f}" for k, v in per_epoch[-1].items()))
     trained = time.perf_counter()
-    last_epoch = history[-len(steps):]
     record = {"num_prompts": groups.num_groups, "num_completions": num_completions, "num_tokens": num_tokens,
               "num_held_out_prompts": held_out.num_groups,
               "num_draft_tokens": draft.config.num_draft_tokens, "draft_token_coverage": coverage,
               "sampling_s": round(sampled - start, 1), "features_s": round(featured - sampled, 1),
-              "training_s": round(trained - featured, 1), "num_steps": len(history),
-              "final_loss": _mean(last_epoch, "loss"), "final_top1_agreement": _mean(last_epoch, "top1_agreement"),
+              "training_s": round(trained - featured, 1), "num_steps": num_steps,
+              "final_loss": per_epoch[-1]["train_loss"], "final_top1_agreement": per_epoch[-1]["train_top1_agreement"],
               "per_epoch": per_epoch}
     log(f"draft trained in {record['training_s']:.0f}s: loss {record['final_loss']:.3f}, top-1 agreement with the "
         f"policy {record['final_top1_agreement']:.2f} (last epoch)")
