@@ -109,11 +109,15 @@ def test_cuda_graph_replay_gives_the_eager_tokens_across_buckets_and_rollouts():
 
 def test_the_inductor_compiled_step_gives_the_eager_tokens_with_grouped_query_heads():
     """Inductor may lay the merged attention output out with other strides than eager does (SmolLM2's
-    9 query / 3 KV heads failed on a ``view``): the compiled runner must still give the eager tokens."""
+    9 query / 3 KV heads failed on a ``view``): the compiled runner must still give the eager tokens.
+    The second rollout's other prompt lengths recompile the step with a dynamic prompt width, where
+    inductor once failed to bind that size (``NameError: s65``) when the prompt mask was built from a
+    host int inside the graph."""
     torch._dynamo.reset()
     _compiled.cache_clear()
     model = build_model("llama", num_hidden_layers=1, num_attention_heads=6, num_key_value_heads=2, hidden_size=48)
     kwargs = dict(num_samples=4, sampling=SamplingConfig(max_new_tokens=4), seed=3)
-    eager = generate(model, random_prompts([5, 7]), schedule=DecodeSchedule(1, "pow2"), **kwargs)
-    compiled = generate(model, random_prompts([5, 7]), schedule=DecodeSchedule(1, "pow2", "compiled"), **kwargs)
-    assert [t.tolist() for t in compiled.tokens] == [t.tolist() for t in eager.tokens]
+    for lengths in ([5, 7], [9, 4]):
+        eager = generate(model, random_prompts(lengths), schedule=DecodeSchedule(1, "pow2"), **kwargs)
+        compiled = generate(model, random_prompts(lengths), schedule=DecodeSchedule(1, "pow2", "compiled"), **kwargs)
+        assert [t.tolist() for t in compiled.tokens] == [t.tolist() for t in eager.tokens]

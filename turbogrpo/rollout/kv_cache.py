@@ -195,3 +195,7 @@ class GroupedKVCache:
                                              dtype=torch.long, device=self.device)
         self.prompt_lengths_B = self.prompt_lengths_G[self.layout.group_B] if group_rows else \
             torch.zeros(0, dtype=torch.long, device=self.device)
+        # Built here, not by each forward: a compiled step then reads the prompt width off this tensor's
+        # shape (inductor fails to bind a size that enters a dynamic graph only as a host int).
+        self.prompt_visible_GP = torch.arange(self.prompt_width, device=self.device) < self.prompt_lengths_G[:, None]
+        """[G, P] bool: which prompt K/V slots of each live group hold a real token."""

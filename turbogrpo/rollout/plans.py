@@ -151,16 +151,16 @@ class DecodePlan:
         cache, layout = self.cache, self.cache.layout
         num_rows, num_new = self.positions_Bn.shape
         device = self.positions_Bn.device
-        key_positions_P = torch.arange(cache.prompt_width, device=device)
         prompt_visible = None
         if not cache.prompts_fill_width:
-            prompt_visible = (key_positions_P < cache.prompt_lengths_G[:, None])[:, None, None, :]  # [G,1,1,P]
+            prompt_visible = cache.prompt_visible_GP[:, None, None, :]  # [G, 1, 1, P]
         own_visible = self.own_visible_BnL
         if sliding_window is not None:
             stacked_positions = torch.zeros(layout.num_groups, layout.max_per_group, num_new, dtype=torch.long,
                                             device=device)
             stacked_positions[layout.group_B, layout.slot_B] = self.positions_Bn
             query_positions = stacked_positions[:, :, None, :, None].expand(-1, -1, group_size, -1, -1)
+            key_positions_P = torch.arange(cache.prompt_visible_GP.shape[1], device=device)
             in_window = query_positions.flatten(1, 3) - key_positions_P < sliding_window  # [G, S*r*n, P]
             prompt_visible = in_window.unsqueeze(1) if prompt_visible is None else \
                 prompt_visible & in_window.unsqueeze(1)
