@@ -78,6 +78,7 @@ def main() -> int:
     parser.add_argument("--probe-tokens", type=int, default=48, help="new tokens per probe completion (0: no probe)")
     parser.add_argument("--set", nargs="*", default=[], help="extra config overrides for every run")
     parser.add_argument("--quick", action="store_true", help="3 steps, a small draft pretraining; *_quick files")
+    parser.add_argument("--out", help="results file stem under bench/results (default: online_draft[_<config>][_<sizing>])")
     args = parser.parse_args()
     if not {"off", "online"} <= set(args.variants):
         parser.error("--variants must include off and online (the speedups compare them)")
@@ -85,9 +86,10 @@ def main() -> int:
         args.steps, args.draft_prompts, args.eval_every = 3, 8, 0
     if args.no_eval:
         args.eval_every = 0
-    out_root = REPO / "runs" / f"bench_{results_name(args.config, args.sizing)}{'_quick' if args.quick else ''}"
+    out_root = REPO / "runs" / f"bench_{args.out or results_name(args.config, args.sizing)}{'_quick' if args.quick else ''}"
     results = {"machine": {**machine_info(), "note": "2-core CPU, shared with other jobs (loaded machine)"},
-               "config": args.config, "steps": args.steps, "sizing": args.sizing, "seeds": {}}
+               "config": args.config, "steps": args.steps, "sizing": args.sizing, "seeds": {},
+               "name": args.out or results_name(args.config, args.sizing), "variants": args.variants}
     for seed in args.seeds:
         results["seeds"][str(seed)] = run_seed(args, seed, out_root / f"seed{seed}")
         write(results, args.quick)
@@ -258,7 +260,7 @@ def results_name(config: str, sizing: str = "cost") -> str:
 
 
 def write(results: dict, quick: bool) -> None:
-    name = results_name(results["config"], results["sizing"])
+    name = results["name"]
     path = RESULTS_DIR / (f"{name}_quick.json" if quick else f"{name}.json")
     path.write_text(json.dumps(results, indent=1, default=float))
     print(f"wrote {path}", flush=True)
@@ -306,7 +308,7 @@ def plot(results: dict, quick: bool) -> None:
         ax.legend()
     fig.suptitle(f"Acceptance length per step: online-learnt, frozen at step 0, online from scratch ({results['config']})")
     fig.tight_layout()
-    name = results_name(results["config"], results["sizing"])
+    name = results["name"]
     fig.savefig(RESULTS_DIR / (f"{name}_acceptance_quick.png" if quick else f"{name}_acceptance.png"), dpi=120)
     plt.close(fig)
 
