@@ -296,6 +296,15 @@ def _median_rate(runner: Runner, timing: dict) -> float:
     return statistics.median(r.stats.num_generated_tokens / t for r, t in zip(timed, timing["times_s"]))
 
 
+def paired_speedups(plain: Runner, plain_timing: dict, ours: Runner, ours_timing: dict) -> list[float]:
+    """Per repeat k, the k-th timed rollout's token rate over the k-th plain one's: the two ran back to
+    back, so the ratios' spread shows how far the machine's drift alone moves a speedup."""
+    def rates(runner, timing):
+        timed = runner.rollouts[-len(timing["times_s"]):]
+        return [r.stats.num_generated_tokens / t for r, t in zip(timed, timing["times_s"])]
+    return [o / p for o, p in zip(rates(ours, ours_timing), rates(plain, plain_timing))]
+
+
 def _sizes_text(sizes: list[int]) -> str:
     spec = [n for n in sizes if n > 1]
     if not spec:
@@ -345,8 +354,9 @@ def plot_tree_sizes(traces: dict, path: Path) -> None:
     print(f"wrote {path}")
 
 
-REAL_KINDS = ("siblings", "history", "neural", "both", "neural+siblings")
-"""Draft kinds on the real model: history drafts alone (the group's siblings; siblings plus a store of
+REAL_KINDS = ("off", "siblings", "history", "neural", "both", "neural+siblings")
+"""Draft kinds on the real model: ``off`` (the speculative loop with sizing "off": its plain path,
+against the plain engine), history drafts alone (the group's siblings; siblings plus a store of
 earlier rollouts' completions of the same prompts, as when prompts recur across epochs), the neural
 draft alone, and the neural draft merged with history (with the store, or siblings only)."""
 
@@ -354,6 +364,8 @@ draft alone, and the neural draft merged with history (with the store, or siblin
 def real_model_speculation(kind: str, draft, profiles) -> Speculation:
     """A fresh ``Speculation`` of ``kind`` (``REAL_KINDS``) with its own cost sizing, which learns over
     its runs (acceptance and step times) as a trainer's does over steps."""
+    if kind == "off":
+        return Speculation(draft, "off")
     if kind in ("siblings", "history"):
         sizing = make_sizing("cost", profile=history_profile(profiles["none"]), **history_sizing_options("cost"))
         return Speculation(None, sizing, history=HistoryDrafts(store=HistoryStore() if kind == "history" else None))
@@ -379,8 +391,11 @@ def race_kinds(rollout, kinds, draft, profiles, *, repeats: int, warmup: int) ->
         rate = _median_rate(runners[kind], timings[kind])
         stats = runners[kind].rollouts[-1].stats
         sizes = [n for n in stats.tree_sizes if n > 1]
+        paired = paired_speedups(runners["plain"], timings["plain"], runners[kind], timings[kind])
         results.append({"kind": kind, "plain_tokens_per_s": plain_rate, "tokens_per_s": rate,
-                        "speedup": rate / plain_rate, "accept_length": stats.mean_accepted_length,
+                        "speedup": rate / plain_rate, "paired_speedups": paired,
+                        "paired_speedup_quartiles": statistics.quantiles(paired, n=4) if len(paired) > 1 else paired,
+                        "accept_length": stats.mean_accepted_length,
                         "times_s": timings[kind]["times_s"], "plain_times_s": timings["plain"]["times_s"],
                         "tokens": [r.stats.num_generated_tokens for r in runners[kind].rollouts],
                         "tree_sizes": stats.tree_sizes, "live_batch": stats.live_batch_sizes,
@@ -439,13 +454,14 @@ def main_real_model(args) -> None:
             results.append({"batch": batch, "prompts": len(group), "num_samples": samples, "load_average": load,
                             **result})
             rows.append([batch, f"{len(group)}x{samples}", result["kind"], result["plain_tokens_per_s"],
-                         result["tokens_per_s"], result["speedup"], result["accept_length"],
+                         result["tokens_per_s"], result["speedup"],
+                         "-".join(f"{q:.2f}" for q in result["paired_speedup_quartiles"][::2]), result["accept_length"],
                          _sizes_text(result["tree_sizes"]), f"{load:.1f}"])
         print(f"B={batch} done, load average {load:.2f}", flush=True)
     if rows:
         print_table(f"SmolLM2-135M-Instruct, GSM8K test prompts (chat template), {args.new_tokens} new tokens, "
                     f"temperature {args.temperature:g}, EOS ignored; cost sizing; median of {repeats} (after 1 "
-                    "warm-up)", ["B", "prompts x G", "draft", "plain tok/s", "spec tok/s", "speedup", "accept len",
+                    "warm-up)", ["B", "prompts x G", "draft", "plain tok/s", "spec tok/s", "speedup", "paired IQR", "accept len",
                                  "tree sizes", "load"], rows)
 
     tail = None
