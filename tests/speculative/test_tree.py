@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tests.speculative.speculative_helpers import TableDraft
-from turbogrpo.speculative.tree import DraftLevel, TreeShape, ancestors_from_parents, build_tree
+from turbogrpo.speculative.tree import DraftLevel, Proposals, TreeShape, ancestors_from_parents, build_tree
 
 ROOT_PROBS = torch.tensor([0.5, 0.3, 0.1, 0.05, 0.03, 0.02])
 CHILD_PROBS = {0: {2: 0.9, 3: 0.1}, 1: {4: 0.6, 5: 0.4}}  # children of tokens 0 and 1
@@ -85,3 +85,28 @@ def test_frontier_attention_covers_ancestors_only():
 def test_bad_shapes_are_value_errors(shape, match):
     with pytest.raises(ValueError, match=match):
         build_tree(torch.tensor([9]), ROOT_PROBS.log()[None], hand_draft, shape)
+
+
+def test_a_draft_vocabulary_gives_the_tree_of_its_minus_inf_padded_logprobs():
+    """Proposals over a draft vocabulary (top-K read off its Vd entries) build the same tree as the
+    same log-probs padded to the whole vocabulary with -inf (what drafting built before)."""
+    g = torch.Generator().manual_seed(1)
+    V, Vd, B = 64, 12, 8
+    token_ids = torch.randperm(V, generator=g)[:Vd]
+    table = 3 * torch.randn(V, Vd, generator=g)  # a draft that depends on the frontier token only
+
+    def padded(subset):
+        full = subset.new_full((*subset.shape[:-1], V), float("-inf"))
+        return full.scatter_(-1, token_ids.expand(subset.shape), subset)
+
+    def subset_of(tokens):
+        return table[tokens].log_softmax(-1)
+
+    root = torch.randint(V, (B,), generator=g)
+    shape = TreeShape(3, 3, 10)
+    sparse = build_tree(root, Proposals(subset_of(root), token_ids),
+                        lambda level: Proposals(subset_of(level.tokens), token_ids), shape)
+    dense = build_tree(root, padded(subset_of(root)), lambda level: padded(subset_of(level.tokens)), shape)
+    for ours, theirs in zip(sparse, dense):
+        assert ours == theirs if isinstance(ours, int) else torch.equal(ours, theirs)
+    assert bool(torch.isin(sparse.tokens[:, 1:], token_ids).all())

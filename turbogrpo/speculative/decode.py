@@ -311,8 +311,8 @@ def draft_tree(state: DecodeState, draft: DraftHead, draft_cache: DraftKVCache, 
     """The draft's part of a tree step (device only): feed it the ``pending_width`` (host int, the
     longest backlog) pairs each row committed since it last ran, then grow every row's tree of ``shape``."""
     root_features_BH = _catch_up_draft(draft, draft_cache, state, pending_width, state.sampling.max_new_tokens)
-    root_logprobs_BV = draft.draft_logprobs(root_features_BH)
-    return build_tree(state.next_B, root_logprobs_BV, TreeDrafter(draft, draft_cache, root_features_BH), shape)
+    return build_tree(state.next_B, draft.proposals(root_features_BH), TreeDrafter(draft, draft_cache, root_features_BH),
+                      shape)
 
 
 def verify_step(state: DecodeState, tree: DraftTree, uniform_BN: torch.Tensor | None) -> TreeVerdict:

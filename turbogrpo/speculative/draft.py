@@ -45,6 +45,7 @@ from torch import nn
 from turbogrpo.files import save_tensors, write_text_atomically
 from turbogrpo.hook import ATTENTION_NAME, PLAN_KWARG, check_supported, decoder_of, lm_head_of
 from turbogrpo.rollout.plans import causal_attention
+from turbogrpo.speculative.tree import Proposals
 
 CONFIG_FILE = "draft_config.json"
 WEIGHTS_FILE = "draft.safetensors"
@@ -135,14 +136,21 @@ class DraftHead(nn.Module):
         weight, bias = self._draft_head_rows()
         return F.linear(features, weight, bias)
 
+    def proposals(self, features: torch.Tensor) -> torch.Tensor | Proposals:
+        """What drafting proposes from predicted features ``[..., Hd]``: log-probs (float32) of the next
+        token over the draft vocabulary (``Proposals``) when there is one, else ``[..., V]`` over all of it."""
+        logprobs = self.vocabulary_logits(features).float().log_softmax(-1)             # [..., Vd]
+        return Proposals(logprobs, self.draft_token_ids) if self.config.num_draft_tokens else logprobs
+
     def draft_logprobs(self, features: torch.Tensor) -> torch.Tensor:
         """Drafting's log-probs ``[..., V]`` (float32) of the next token from predicted features ``[..., Hd]``:
         over the draft vocabulary when there is one (other tokens -inf), else over all of it."""
-        subset = self.vocabulary_logits(features).float().log_softmax(-1)               # [..., Vd]
-        if not self.config.num_draft_tokens:
-            return subset
+        proposals = self.proposals(features)
+        if not isinstance(proposals, Proposals):
+            return proposals
+        subset = proposals.logprobs
         full = subset.new_full((*subset.shape[:-1], self.policy.lm_head.weight.shape[0]), float("-inf"))
-        return full.scatter_(-1, self.draft_token_ids.expand(subset.shape), subset)
+        return full.scatter_(-1, proposals.token_ids.expand(subset.shape), subset)
 
     def _draft_head_rows(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The LM head's rows of the draft vocabulary, weight ``[Vd, Hd]`` and bias ``[Vd]`` or None.

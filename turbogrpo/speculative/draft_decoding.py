@@ -169,4 +169,4 @@ class TreeDrafter:
         positions_BK = self.cache.next_positions(torch.full_like(level.tokens, level.depth - 1))
         plan = DraftStepPlan(self.cache, positions_BK, level.attend)
         self.level_features_BKH = self.draft(parent_features, level.tokens, positions_BK, plan)
-        return self.draft.draft_logprobs(self.level_features_BKH)
+        return self.draft.proposals(self.level_features_BKH)

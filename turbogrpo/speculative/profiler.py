@@ -33,11 +33,11 @@ from turbogrpo.rollout.engine import first_draw
 from turbogrpo.rollout.sampling import SamplingConfig
 from turbogrpo.rollout.step import PlainStep
 from turbogrpo.speculative.draft_decoding import DraftKVCache, TreeDrafter, prefill_draft
-from turbogrpo.speculative.tree import DraftLevel
+from turbogrpo.speculative.tree import DraftLevel, top_proposals
 
 CACHE_ENV = "TURBOGRPO_CACHE_DIR"
 CACHE_FILE = "latency_profiles.json"
-PROFILE_VERSION = 6  # bump when what is timed changes, so stale entries are not reused
+PROFILE_VERSION = 7  # bump when what is timed changes, so stale entries are not reused
 
 
 @dataclass(frozen=True)
@@ -208,7 +208,7 @@ def profile_latency(model: nn.Module, *, context_length: int, draft: nn.Module |
                                torch.ones(n, 1, 1, dtype=torch.bool, device=device), 1)
             features = prompt_hidden[:, -1].expand(n, -1)
             # One tree level as decoding runs it: the plan, the draft layer, LM head, log-softmax, top-k.
-            return lambda: TreeDrafter(draft, draft_cache, features)(level).topk(min(8, vocab_size), dim=-1)
+            return lambda: top_proposals(TreeDrafter(draft, draft_cache, features)(level), min(8, vocab_size))
 
         draft_curve = _measure(draft_level, grid, repeats, device)
     return LatencyProfile(profile_key(model, context_length=context_length, draft=draft), verify_curve, draft_curve)

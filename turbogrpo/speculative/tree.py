@@ -75,24 +75,49 @@ class DraftLevel(NamedTuple):
     depth: int                  # d, 1-based
 
 
-# The draft model's step: frontier -> draft log-probs [B, K, V] of each frontier node's children.
-DraftStep = Callable[[DraftLevel], torch.Tensor]
+class Proposals(NamedTuple):
+    """A draft's log-probs of the next token over a draft vocabulary: ``logprobs [..., Vd]`` of the tokens
+    ``token_ids [Vd]`` (every other token has probability 0). The tree reads its top-K off these Vd
+    entries: padding them to ``[..., V]`` with -inf and taking the top-K there cost 14x as much (16 rows,
+    SmolLM2's 49,152-token vocabulary, a 4,096-token draft vocabulary, 2 CPU threads: 1.7 ms against
+    0.13 ms a tree level; 64 rows 7.4 against 0.5 ms)."""
+
+    logprobs: torch.Tensor
+    token_ids: torch.Tensor
 
 
-def build_tree(root_tokens: torch.Tensor, root_logprobs: torch.Tensor, draft_step: DraftStep,
+# The draft model's step: frontier -> draft log-probs of each frontier node's children, [B, K, V] over
+# the whole vocabulary or ``Proposals`` over a draft vocabulary.
+DraftStep = Callable[[DraftLevel], "torch.Tensor | Proposals"]
+
+
+def top_proposals(logprobs: torch.Tensor | Proposals, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``k`` most likely next tokens and their log-probs (float32), ``[..., k]`` each, from log-probs
+    over the whole vocabulary ``[..., V]`` or ``Proposals``."""
+    if isinstance(logprobs, Proposals):
+        scores, index = logprobs.logprobs.float().topk(k, dim=-1)
+        return scores, logprobs.token_ids[index]
+    return logprobs.float().topk(k, dim=-1)
+
+
+def _num_proposable(logprobs: torch.Tensor | Proposals) -> int:
+    return (logprobs.logprobs if isinstance(logprobs, Proposals) else logprobs).shape[-1]
+
+
+def build_tree(root_tokens: torch.Tensor, root_logprobs: torch.Tensor | Proposals, draft_step: DraftStep,
                shape: TreeShape) -> DraftTree:
     """Grow the EAGLE-2 tree of ``shape`` for every sequence.
 
-    ``root_tokens`` [B]: the last committed token; ``root_logprobs`` [B, V]: the draft's log-probs of
-    the token after it. ``draft_step`` is called ``L - 1`` times (the last level's candidates need no
-    expansion).
+    ``root_tokens`` [B]: the last committed token; ``root_logprobs`` [B, V] (or ``Proposals``): the
+    draft's log-probs of the token after it. ``draft_step`` is called ``L - 1`` times (the last level's
+    candidates need no expansion).
     """
-    K, L, N = shape.validate(root_logprobs.shape[-1])
+    K, L, N = shape.validate(_num_proposable(root_logprobs))
     B = root_tokens.shape[0]
     device = root_tokens.device
     slots = torch.arange(K, device=device)
 
-    frontier_scores, frontier_tokens = root_logprobs.float().topk(K, dim=-1)            # [B, K]
+    frontier_scores, frontier_tokens = top_proposals(root_logprobs, K)                   # [B, K]
     frontier_scores = frontier_scores.clamp(max=_MIN_STEP_LOGPROB)
     frontier_pool = slots.expand(B, K)
     parent_slots = torch.zeros(B, K, dtype=torch.long, device=device)
@@ -103,8 +128,8 @@ def build_tree(root_tokens: torch.Tensor, root_logprobs: torch.Tensor, draft_ste
     pool_size = K
 
     for depth in range(1, L):
-        child_logprobs, child_tokens = draft_step(
-            DraftLevel(frontier_tokens, parent_slots, attend, depth)).float().topk(K, dim=-1)  # [B, K, K]
+        child_logprobs, child_tokens = top_proposals(
+            draft_step(DraftLevel(frontier_tokens, parent_slots, attend, depth)), K)             # [B, K, K]
         child_scores = (frontier_scores[:, :, None] + child_logprobs.clamp(max=_MIN_STEP_LOGPROB)).flatten(1)
         child_tokens = child_tokens.flatten(1)                                               # [B, K*K]
         pool_scores.append(child_scores)
