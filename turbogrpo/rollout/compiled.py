@@ -8,7 +8,7 @@ batch is retired to a smaller bucket (and, after one such change, with dynamic s
 functions are built once per process and reused by every rollout.
 
 * ``eager``: the default. On the CPU compiling does not pay for itself: SmolLM2-135M, 4 GSM8K
-  prompts x 8 samples x 128 tokens, 2-core Xeon, float32 (``runs``-style one-off, kept heap): eager
+  prompts x 8 samples x 128 tokens, 2-core Xeon, float32, kept heap, a one-off script: eager
   16-22 s per rollout; compiled with static shapes 16.7-17.2 s after a 18 s compile, with the dynamic
   shapes that other prompt lengths and live batches bring 22.6 s after 60-190 s of compiling per
   new shape family. The step's matrix products are 70% of its time either way.
