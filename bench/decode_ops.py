@@ -4,12 +4,16 @@
   ``scatter_`` along the slot dim, in float32 and bfloat16: CPU ``scatter_`` of bfloat16 converts the
   whole destination to float32 and back. Cache ``[64, 3, 128, 64]`` (64 sequences, 3 KV heads, 128
   slots, head dim 64), one new token per sequence; a rollout makes two such writes per layer and step.
+* A draft-tree level's top-K (``speculative.tree.top_proposals`` over ``Proposals``: the 4,096-token
+  draft vocabulary) against padding those log-probs to SmolLM2's 49,152 tokens with -inf and taking
+  the top-K there (what drafting did before), K = 4, at 16, 64 and 128 rows (B x K frontier nodes).
 * The sampler's draw (``rollout.sampling.draw_from_probs``: a two-level search over 1,024-entry blocks
   for vocabularies like SmolLM2's 49,152) against one cumsum over the whole row, at 64, 32 and 4 rows.
 
 Both run interleaved in one process, median of ``--repeats`` timings of ``--calls`` calls each.
 
     python bench/decode_ops.py --threads 1     # bench/results/decode_ops.json
+    python bench/decode_ops.py --threads 2 --parts tree_levels --out decode_ops_tree_levels
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from harness import print_table, write_results  # noqa: E402
 from turbogrpo.rollout.kv_cache import write_slots  # noqa: E402
 from turbogrpo.rollout.sampling import _invert_cdf, draw_from_probs  # noqa: E402
+from turbogrpo.speculative.tree import Proposals, top_proposals  # noqa: E402
 
 
 def per_call_us(contenders: dict, calls: int, repeats: int) -> dict[str, float]:
@@ -70,22 +75,48 @@ def draws(calls: int, repeats: int) -> list[dict]:
     return rows
 
 
+def tree_levels(calls: int, repeats: int) -> list[dict]:
+    rows = []
+    vocab, draft_vocab, top_k = 49_152, 4_096, 4
+    token_ids = torch.randperm(vocab, generator=torch.Generator().manual_seed(0))[:draft_vocab]
+    for num_rows in (16, 64, 128):
+        subset = torch.randn(num_rows, draft_vocab).log_softmax(-1)
+
+        def padded():
+            full = subset.new_full((num_rows, vocab), float("-inf"))
+            return top_proposals(full.scatter_(-1, token_ids.expand(subset.shape), subset), top_k)
+
+        us = per_call_us({"padded": padded, "proposals": lambda: top_proposals(Proposals(subset, token_ids), top_k)},
+                         calls, repeats)
+        rows.append({"rows": num_rows, "vocab": vocab, "draft_vocab": draft_vocab, "top_k": top_k, **us,
+                     "speedup": us["padded"] / us["proposals"]})
+    return rows
+
+
+PARTS = {"cache_writes": cache_writes, "draws": draws, "tree_levels": tree_levels}
+TITLES = {"cache_writes": ("KV-cache write, one token per sequence (us per write)", ["dtype", "scatter_", "write_slots"]),
+          "draws": ("Draw from [rows, 49152] probabilities (us per draw)", ["rows", "one_cumsum", "two_level"]),
+          "tree_levels": ("A tree level's top-4: padded to 49152 vs the 4096-token draft vocabulary (us)",
+                          ["rows", "padded", "proposals"])}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     parser.add_argument("--calls", type=int, default=50)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--parts", nargs="+", choices=list(PARTS), default=["cache_writes", "draws"])
+    parser.add_argument("--out", default="decode_ops", help="results name under bench/results")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     load_before = os.getloadavg()
-    writes, sampled = cache_writes(args.calls, args.repeats), draws(args.calls, args.repeats)
-    print_table("KV-cache write, one token per sequence (us per write)", ["dtype", "scatter_", "write_slots", "speedup"],
-                [[r["dtype"], r["scatter_"], r["write_slots"], r["speedup"]] for r in writes])
-    print_table("Draw from [rows, 49152] probabilities (us per draw)", ["rows", "one_cumsum", "two_level", "speedup"],
-                [[r["rows"], r["one_cumsum"], r["two_level"], r["speedup"]] for r in sampled])
-    write_results("decode_ops", {"calls": args.calls, "repeats": args.repeats, "cache_writes": writes,
-                                 "draws": sampled, "load_average": {"before": load_before, "after": os.getloadavg()}})
+    results = {part: PARTS[part](args.calls, args.repeats) for part in args.parts}
+    for part, rows in results.items():
+        title, columns = TITLES[part]
+        print_table(title, [*columns, "speedup"], [[r[c] for c in [*columns, "speedup"]] for r in rows])
+    write_results(args.out, {"calls": args.calls, "repeats": args.repeats, "threads": torch.get_num_threads(),
+                             **results, "load_average": {"before": load_before, "after": os.getloadavg()}})
 
 
 if __name__ == "__main__":

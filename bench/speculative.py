@@ -290,19 +290,20 @@ def _learnt(sizing) -> dict | None:
     return sizing.describe() if hasattr(sizing, "describe") else None
 
 
-def _median_rate(runner: Runner, timing: dict) -> float:
-    """Median tokens/s over the timed calls (the last ``len(times)`` rollouts; earlier ones warmed up)."""
+def _rates(runner: Runner, timing: dict) -> list[float]:
+    """Tokens/s of each timed call (the last ``len(times)`` rollouts; earlier ones warmed up)."""
     timed = runner.rollouts[-len(timing["times_s"]):]
-    return statistics.median(r.stats.num_generated_tokens / t for r, t in zip(timed, timing["times_s"]))
+    return [r.stats.num_generated_tokens / t for r, t in zip(timed, timing["times_s"])]
+
+
+def _median_rate(runner: Runner, timing: dict) -> float:
+    return statistics.median(_rates(runner, timing))
 
 
 def paired_speedups(plain: Runner, plain_timing: dict, ours: Runner, ours_timing: dict) -> list[float]:
     """Per repeat k, the k-th timed rollout's token rate over the k-th plain one's: the two ran back to
     back, so the ratios' spread shows how far the machine's drift alone moves a speedup."""
-    def rates(runner, timing):
-        timed = runner.rollouts[-len(timing["times_s"]):]
-        return [r.stats.num_generated_tokens / t for r, t in zip(timed, timing["times_s"])]
-    return [o / p for o, p in zip(rates(ours, ours_timing), rates(plain, plain_timing))]
+    return [o / p for o, p in zip(_rates(ours, ours_timing), _rates(plain, plain_timing))]
 
 
 def _sizes_text(sizes: list[int]) -> str:

@@ -78,9 +78,10 @@ class DraftLevel(NamedTuple):
 class Proposals(NamedTuple):
     """A draft's log-probs of the next token over a draft vocabulary: ``logprobs [..., Vd]`` of the tokens
     ``token_ids [Vd]`` (every other token has probability 0). The tree reads its top-K off these Vd
-    entries: padding them to ``[..., V]`` with -inf and taking the top-K there cost 14x as much (16 rows,
-    SmolLM2's 49,152-token vocabulary, a 4,096-token draft vocabulary, 2 CPU threads: 1.7 ms against
-    0.13 ms a tree level; 64 rows 7.4 against 0.5 ms)."""
+    entries: padding them to ``[..., V]`` with -inf and taking the top-K there cost 15-16x as much
+    (SmolLM2's 49,152-token vocabulary, a 4,096-token draft vocabulary, K = 4, 2 CPU threads: 1.9 ms
+    against 0.12 ms a level at 16 rows, 7.1 against 0.49 ms at 64; ``bench/decode_ops.py --parts
+    tree_levels``)."""
 
     logprobs: torch.Tensor
     token_ids: torch.Tensor
@@ -88,7 +89,7 @@ class Proposals(NamedTuple):
 
 # The draft model's step: frontier -> draft log-probs of each frontier node's children, [B, K, V] over
 # the whole vocabulary or ``Proposals`` over a draft vocabulary.
-DraftStep = Callable[[DraftLevel], "torch.Tensor | Proposals"]
+DraftStep = Callable[[DraftLevel], torch.Tensor | Proposals]
 
 
 def top_proposals(logprobs: torch.Tensor | Proposals, k: int) -> tuple[torch.Tensor, torch.Tensor]:
