@@ -1,4 +1,4 @@
-"""Two per-step operations of decoding, each against the version it replaced, at SmolLM2's decode shapes.
+"""Per-step operations of decoding, each against the version it replaced, at SmolLM2's decode shapes.
 
 * KV-cache write (``rollout.kv_cache.write_slots``: one ``index_put_`` on the slot-major view) against
   ``scatter_`` along the slot dim, in float32 and bfloat16: CPU ``scatter_`` of bfloat16 converts the
@@ -9,11 +9,17 @@
   the top-K there (what drafting did before), K = 4, at 16, 64 and 128 rows (B x K frontier nodes).
 * The sampler's draw (``rollout.sampling.draw_from_probs``: a two-level search over 1,024-entry blocks
   for vocabularies like SmolLM2's 49,152) against one cumsum over the whole row, at 64, 32 and 4 rows.
+* The weight matmuls (``rollout.linears``: oneDNN on weights packed once per rollout) against
+  ``F.linear`` (MKL's sgemm in torch's CPU build), float32: all 211 of SmolLM2-135M's weights (30 x q, k, v,
+  o, gate, up, down and the 49,152-row LM head; random values, 538 MB, so they stream from memory as in
+  a real step) at 1-64 rows (a decoding step's live batch or tree) and 512-2,048 rows (a prefill), and
+  a 2048^3 product (the large-matmul rate); milliseconds per pass over all weights.
 
-Both run interleaved in one process, median of ``--repeats`` timings of ``--calls`` calls each.
+Each part's contenders run interleaved in one process, median of ``--repeats`` timings of ``--calls`` calls each.
 
     python bench/decode_ops.py --threads 1     # bench/results/decode_ops.json
     python bench/decode_ops.py --threads 2 --parts tree_levels --out decode_ops_tree_levels
+    python bench/decode_ops.py --threads 2 --parts linears --calls 1 --out decode_ops_linears
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from harness import print_table, write_results  # noqa: E402
 from turbogrpo.rollout.kv_cache import write_slots  # noqa: E402
+from turbogrpo.rollout.linears import pack_weight, packed_linear  # noqa: E402
 from turbogrpo.rollout.sampling import _invert_cdf, draw_from_probs  # noqa: E402
 from turbogrpo.speculative.tree import Proposals, top_proposals  # noqa: E402
 
@@ -93,11 +100,44 @@ def tree_levels(calls: int, repeats: int) -> list[dict]:
     return rows
 
 
-PARTS = {"cache_writes": cache_writes, "draws": draws, "tree_levels": tree_levels}
+def smollm2_weights() -> list[torch.Tensor]:
+    """Random float32 weights ``[out, in]`` of SmolLM2-135M's 211 linear layers, in a step's order."""
+    hidden, kv, mlp, layers, vocab = 576, 192, 1536, 30, 49_152
+    layer = [(hidden, hidden), (kv, hidden), (kv, hidden), (hidden, hidden), (mlp, hidden), (mlp, hidden),
+             (hidden, mlp)]
+    generator = torch.Generator().manual_seed(0)
+    return [torch.randn(*shape, generator=generator) * 0.02 for shape in layer * layers + [(vocab, hidden)]]
+
+
+def linears(calls: int, repeats: int) -> list[dict]:
+    weights = smollm2_weights()
+    packed = [pack_weight(w) for w in weights]
+    rows = []
+    with torch.no_grad():
+        for num_rows in (1, 4, 16, 32, 64, 512, 2048):
+            inputs = {n: torch.randn(num_rows, n) for n in {w.shape[1] for w in weights}}
+            us = per_call_us({"f_linear": lambda: [torch.nn.functional.linear(inputs[w.shape[1]], w) for w in weights],
+                              "onednn_packed": lambda: [packed_linear(p, None, inputs[w.shape[1]])
+                                                        for w, p in zip(weights, packed)]}, calls, repeats)
+            ms = {name: value / 1e3 for name, value in us.items()}
+            rows.append({"rows": num_rows, "weights": len(weights), **ms, "speedup": ms["f_linear"] / ms["onednn_packed"]})
+        n = 2048
+        a, b = torch.randn(n, n), torch.randn(n, n)
+        packed_b = pack_weight(b.t().contiguous())
+        us = per_call_us({"f_linear": lambda: torch.mm(a, b), "onednn_packed": lambda: packed_linear(packed_b, None, a)},
+                         calls, repeats)
+        rows.append({"rows": f"{n}^3 GFLOP/s", **{name: 2 * n ** 3 / (value * 1e3) for name, value in us.items()},
+                     "speedup": us["f_linear"] / us["onednn_packed"]})
+    return rows
+
+
+PARTS = {"cache_writes": cache_writes, "draws": draws, "tree_levels": tree_levels, "linears": linears}
 TITLES = {"cache_writes": ("KV-cache write, one token per sequence (us per write)", ["dtype", "scatter_", "write_slots"]),
           "draws": ("Draw from [rows, 49152] probabilities (us per draw)", ["rows", "one_cumsum", "two_level"]),
           "tree_levels": ("A tree level's top-4: padded to 49152 vs the 4096-token draft vocabulary (us)",
-                          ["rows", "padded", "proposals"])}
+                          ["rows", "padded", "proposals"]),
+          "linears": ("SmolLM2's 211 weight matmuls, float32: F.linear vs oneDNN packed (ms per pass; last row "
+                      "GFLOP/s)", ["rows", "f_linear", "onednn_packed"])}
 
 
 def main() -> None:

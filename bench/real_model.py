@@ -71,24 +71,44 @@ def chat_prompts(tokenizer, num: int, *, few_shot: bool, split: str = "test") ->
 # --- the yardstick ---------------------------------------------------------------------------------------
 
 
-def matmul_seconds(rows: int, inner: int, cols: int, *, repeats: int = 5, dtype: torch.dtype = torch.float32) -> float:
-    """Median seconds of one ``[rows, inner] @ [inner, cols]`` in ``dtype`` on the CPU (after a warm-up)."""
-    a, b = torch.randn(rows, inner, dtype=dtype), torch.randn(inner, cols, dtype=dtype)
-    out = torch.empty(rows, cols, dtype=dtype)
-    torch.mm(a, b, out=out)
+GEMM_KERNELS = ("mm", "onednn")
+"""The two float32/bf16 GEMMs of torch's CPU build: ``torch.mm``/``F.linear`` (MKL's sgemm for float32), and
+oneDNN on a packed weight (what turbogrpo's rollouts use where it is faster: ``turbogrpo.rollout.linears``).
+Which is faster depends on the CPU (on an AMD EPYC, MKL's float32 path runs at well under half of
+oneDNN's), so every yardstick here takes the faster of the two, measured in the benchmark's process."""
+
+
+def matmul_seconds(rows: int, inner: int, cols: int, *, repeats: int = 5, dtype: torch.dtype = torch.float32,
+                   kernel: str = "mm") -> float:
+    """Median seconds of one ``[rows, inner] @ [inner, cols]`` in ``dtype`` on the CPU by ``kernel``
+    (``GEMM_KERNELS``), after a warm-up."""
+    from turbogrpo.rollout.linears import pack_weight, packed_linear
+    a, weight = torch.randn(rows, inner, dtype=dtype), torch.randn(cols, inner, dtype=dtype)
+    if kernel == "mm":
+        b, out = weight.t(), torch.empty(rows, cols, dtype=dtype)
+        run = lambda: torch.mm(a, b, out=out)  # noqa: E731
+    else:
+        packed = pack_weight(weight)
+        run = lambda: packed_linear(packed, None, a)  # noqa: E731
+    run()
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        torch.mm(a, b, out=out)
+        run()
         times.append(time.perf_counter() - start)
     return sorted(times)[len(times) // 2]
 
 
-def large_matmul_gflops(dtype: torch.dtype = torch.float32) -> float:
-    """This machine's GEMM rate in ``dtype`` on a large square product (the ceiling of dense compute;
-    bfloat16 runs on the AMX tiles of a recent Xeon, about 5x float32's rate there)."""
+def large_matmul_rates(dtype: torch.dtype = torch.float32) -> dict[str, float]:
+    """GFLOP/s of a large square product (2048^3) in ``dtype`` by each of ``GEMM_KERNELS``."""
     n = 2048
-    return 2 * n ** 3 / matmul_seconds(n, n, n, dtype=dtype) / 1e9
+    return {kernel: 2 * n ** 3 / matmul_seconds(n, n, n, dtype=dtype, kernel=kernel) / 1e9 for kernel in GEMM_KERNELS}
+
+
+def large_matmul_gflops(dtype: torch.dtype = torch.float32) -> float:
+    """This machine's GEMM rate in ``dtype``: the faster kernel's on a large square product (the ceiling of
+    dense compute; bfloat16 runs on the AMX tiles of a recent Xeon, about 5x float32's rate there)."""
+    return max(large_matmul_rates(dtype).values())
 
 
 def linear_shapes(config) -> dict[str, tuple[int, int, int]]:
@@ -107,19 +127,26 @@ def weight_flops_per_token(config) -> int:
     return sum(2 * inner * out * count for inner, out, count in linear_shapes(config).values())
 
 
-def model_gemm_step_seconds(model, rows: int, *, repeats: int = 3) -> float:
+def model_gemm_step_seconds(model, rows: int, *, repeats: int = 3, kernel: str = "mm") -> float:
     """One decoding step's weight matmuls at ``rows`` live tokens, run in the model's order on the
-    model's own weights (``F.linear`` of every ``nn.Linear``: q, k, v, o, gate, up, down per layer, then
-    the LM head), median of ``repeats`` after a warm-up. Unlike ``step_bound_seconds``, whose matmuls
-    each reuse one weight that stays in cache, every weight here streams from memory once per step as
-    in a real step (SmolLM2: 538 MB in float32, far past the last-level cache), so this is the bound
-    for a step that does nothing but its matmuls."""
+    model's own weights (every ``nn.Linear``: q, k, v, o, gate, up, down per layer, then the LM head) by
+    ``kernel`` (``GEMM_KERNELS``; "onednn" packs the weights first, untimed), median of ``repeats``
+    after a warm-up. Unlike ``step_bound_seconds``, whose matmuls each reuse one weight that stays in
+    cache, every weight here streams from memory once per step as in a real step (SmolLM2: 538 MB in
+    float32, far past the last-level cache), so this is the bound for a step that does nothing but its
+    matmuls."""
+    from turbogrpo.rollout.linears import pack_weight, packed_linear
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     inputs = {m.in_features: torch.randn(rows, m.in_features, dtype=m.weight.dtype) for m in linears}
+    packed = [pack_weight(m.weight) for m in linears] if kernel == "onednn" else None
 
     def step():
-        for m in linears:
-            torch.nn.functional.linear(inputs[m.in_features], m.weight)
+        if packed is None:
+            for m in linears:
+                torch.nn.functional.linear(inputs[m.in_features], m.weight)
+        else:
+            for m, weight in zip(linears, packed):
+                packed_linear(weight, None, inputs[m.in_features])
 
     with torch.no_grad():
         step()
@@ -133,9 +160,9 @@ def model_gemm_step_seconds(model, rows: int, *, repeats: int = 3) -> float:
 
 def step_bound_seconds(config, rows: int, dtype: torch.dtype = torch.float32) -> dict:
     """The roofline of one decoding step at ``rows`` live tokens: each weight matmul of the step timed
-    alone at its exact shape on this machine, summed (attention, norms and sampling excluded, so a
-    real step cannot beat it)."""
-    parts = {name: count * matmul_seconds(rows, inner, out, dtype=dtype)
+    alone at its exact shape on this machine by the faster of ``GEMM_KERNELS``, summed (attention, norms
+    and sampling excluded, so a real step cannot beat it)."""
+    parts = {name: count * min(matmul_seconds(rows, inner, out, dtype=dtype, kernel=kernel) for kernel in GEMM_KERNELS)
              for name, (inner, out, count) in linear_shapes(config).items()}
     total = sum(parts.values())
     flops = rows * weight_flops_per_token(config)

@@ -15,7 +15,9 @@ machine's roofline for the rollout: every weight matmul of every decoding step t
 shape in the same process (bench/real_model.py: step_bound_seconds), plus the prompts' prefill at the
 large-matmul rate. Each of those matmuls reuses one weight that stays in cache, so the report also
 gives a streaming bound: the step's matmuls run in the model's order on its own weights
-(model_gemm_step_seconds), which stream from memory once per step as in a real step.
+(model_gemm_step_seconds), which stream from memory once per step as in a real step. Every bound takes
+the faster of torch's two CPU GEMMs (MKL's sgemm behind F.linear, and oneDNN on packed weights, which
+turbogrpo's rollouts use where it is faster; HF generate runs F.linear).
 
 Also draws the live batch size per decoding step of a long-tail rollout (8 prompts x G=8, up to 256
 new tokens, stopping on any of 256 token ids, so lengths spread out as in real GRPO rollouts) next
@@ -214,7 +216,9 @@ def real_model_main(repeats: int, profile_ops: bool = False, dtype: str = "float
         prefill_s = sum(p.numel() for p in prompts) * weight_flops_per_token(config) / (large_rate * 1e9)
         roofline_s = new_tokens * bound["bound_s"] + prefill_s
         # The same step's matmuls on the model's own weights in order: the weights stream from memory.
-        streaming_step_s = model_gemm_step_seconds(model, batch)
+        streaming_by_kernel = {kernel: model_gemm_step_seconds(model, batch, kernel=kernel)
+                               for kernel in ("mm", "onednn")}
+        streaming_step_s = min(streaming_by_kernel.values())
         streaming_roofline_s = new_tokens * streaming_step_s + prefill_s
         counts: dict[str, int] = {}
         contenders = {
@@ -232,7 +236,8 @@ def real_model_main(repeats: int, profile_ops: bool = False, dtype: str = "float
                   "prompt_tokens": [p.numel() for p in prompts], "timings": timings, "speedup": hf_s / ours_s,
                   "roofline_s": roofline_s, "step_bound": bound, "prefill_bound_s": prefill_s,
                   "hf_vs_roofline": hf_s / roofline_s, "ours_vs_roofline": ours_s / roofline_s,
-                  "streaming_step_s": streaming_step_s, "streaming_roofline_s": streaming_roofline_s,
+                  "streaming_step_s": streaming_step_s, "streaming_step_s_by_kernel": streaming_by_kernel,
+                  "streaming_roofline_s": streaming_roofline_s,
                   "hf_vs_streaming_roofline": hf_s / streaming_roofline_s,
                   "ours_vs_streaming_roofline": ours_s / streaming_roofline_s,
                   "ours_gflops": flops / ours_s / 1e9, "ours_fraction_of_large_matmul": flops / ours_s / 1e9 / large_rate}

@@ -31,6 +31,7 @@ from torch import nn
 from turbogrpo.hook import check_materialized, lm_head_of
 from turbogrpo.rollout.compiled import PLAIN_RUNNERS
 from turbogrpo.rollout.kv_cache import GroupedKVCache
+from turbogrpo.rollout.linears import LINEAR_KERNELS
 from turbogrpo.rollout.outputs import LiveRows, OutputBuffers, collect_rollout, emit
 from turbogrpo.rollout.plans import prefill_all_positions
 from turbogrpo.rollout.sampling import SamplingConfig
@@ -65,6 +66,10 @@ class DecodeSchedule:
     runner: str = "eager"
     """Key of ``compiled.PLAIN_RUNNERS``: how the plain step runs (eager, compiled by ``torch.compile``, or
     replayed from CUDA graphs: opt-in, CUDA only, not yet measured; see ``turbogrpo.rollout.compiled``)."""
+    linears: str = "auto"
+    """Key of ``linears.LINEAR_KERNELS``: how the weight matmuls run (the modules as they are, or on
+    oneDNN-packed copies of the weights on the CPU; "auto" measures which is faster, and keeps the
+    modules under a compiled or graph runner)."""
 
     def __post_init__(self):
         if isinstance(self.host_check_every, bool) or not isinstance(self.host_check_every, int) \
@@ -75,6 +80,11 @@ class DecodeSchedule:
             raise ValueError(f"DecodeSchedule.buckets must be one of {sorted(BUCKETS)}, got {self.buckets!r}")
         if self.runner not in PLAIN_RUNNERS:
             raise ValueError(f"DecodeSchedule.runner must be one of {sorted(PLAIN_RUNNERS)}, got {self.runner!r}")
+        if self.linears not in LINEAR_KERNELS:
+            raise ValueError(f"DecodeSchedule.linears must be one of {sorted(LINEAR_KERNELS)}, got {self.linears!r}")
+        if self.linears == "onednn" and self.runner != "eager":
+            raise ValueError(f"DecodeSchedule.linears='onednn' runs with runner='eager' only (got runner="
+                             f"{self.runner!r}: compiled and graph runners trace the modules as they are)")
 
     @property
     def static_slots(self) -> bool:
@@ -113,7 +123,8 @@ def generate(model: nn.Module, prompts: list[torch.Tensor], *, num_samples: int,
     ``max_new_tokens_per_completion``: a length limit for each completion (group by group, as in the
     output), each at most ``sampling.max_new_tokens``; None gives every completion that limit.
     ``schedule``: when the host checks the batch (None: the device's default, ``DEFAULT_SCHEDULES``);
-    it changes speed only, never the tokens.
+    it changes speed only (its ``linears`` kernel rounds the weight matmuls' sums in another order,
+    about 1e-6 relative in float32, as any two GEMM kernels do).
     """
     _check_inputs(model, prompts, num_samples, sampling)
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63):
@@ -135,7 +146,16 @@ def generate(model: nn.Module, prompts: list[torch.Tensor], *, num_samples: int,
         schedule = schedule or default_schedule(device)
         step: DecodeStep = (PlainStep(PLAIN_RUNNERS[schedule.runner](plain_step)) if draft is None
                             else draft.make_step(model, prompts, sampling))
-        return _rollout(model, prompts, num_samples, sampling, generator, return_hidden, limits, step, schedule)
+        with _linear_kernel(schedule, draft)([model, *getattr(draft, "rollout_modules", list)()]):
+            return _rollout(model, prompts, num_samples, sampling, generator, return_hidden, limits, step,
+                            schedule)
+
+
+def _linear_kernel(schedule: DecodeSchedule, draft: object | None):
+    """The ``LINEAR_KERNELS`` entry to run the rollout's modules under: "auto" keeps the modules as they
+    are where a step is compiled or replayed (they trace the modules themselves)."""
+    eager = schedule.runner == "eager" and getattr(draft, "runner", "eager") == "eager"
+    return LINEAR_KERNELS[schedule.linears if eager or schedule.linears != "auto" else "module"]
 
 
 def _length_limits(limits: Sequence[int] | None, num_completions: int, sampling: SamplingConfig) -> list[int]:

@@ -85,6 +85,11 @@ class Speculation:
     into the neural draft's trees, or alone when ``draft`` is None. Keep one object across rollouts so
     that its store remembers earlier completions of recurring prompts."""
 
+    def rollout_modules(self) -> list[nn.Module]:
+        """Modules the rollout runs besides the policy (their weight matmuls follow
+        ``DecodeSchedule.linears`` like the policy's)."""
+        return [] if self.draft is None else [self.draft]
+
     def make_step(self, model: nn.Module, prompts: list[torch.Tensor], sampling: SamplingConfig) -> TreeStep:
         """The engine's ``DecodeStep`` for one rollout (see ``turbogrpo.rollout.step``)."""
         if self.draft is not None or self.history is None:

@@ -1,0 +1,114 @@
+"""The rollout's weight-matmul kernels: oneDNN-packed weights give F.linear's products in IEEE float32,
+the same completions as the modules as they are, and leave the modules untouched after the rollout."""
+
+import pytest
+import torch
+from torch import nn
+
+from tests.rollout.conftest import build_model, random_prompts
+from turbogrpo.rollout import SamplingConfig, generate
+from turbogrpo.rollout.engine import DecodeSchedule
+from turbogrpo.rollout.linears import LINEAR_KERNELS, onednn_available, onednn_is_faster, onednn_linears, \
+    pack_weight, packed_linear
+
+pytestmark = pytest.mark.skipif(not onednn_available(), reason="this torch build has no oneDNN")
+
+ONEDNN = DecodeSchedule(linears="onednn")
+MODULES = DecodeSchedule(linears="module")
+
+
+@pytest.mark.parametrize("rows", [(1,), (3,), (33,), (2, 5)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_a_packed_product_is_f_linear_within_float32_rounding(rows, with_bias):
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(96, 40, generator=generator)
+    bias = torch.randn(96, generator=generator) if with_bias else None
+    x = torch.randn(*rows, 40, generator=generator)
+    truth = torch.nn.functional.linear(x.double(), weight.double(), None if bias is None else bias.double())
+    ours = packed_linear(pack_weight(weight), bias, x)
+    assert ours.shape == (*rows, 96) and ours.dtype == torch.float32
+    torch.testing.assert_close(ours.double(), truth, atol=2e-5, rtol=1e-5)
+
+
+def test_the_packed_product_is_ieee_float32_not_a_bf16_or_tf32_shortcut():
+    # 1 + 2^-9 + 2^-18 + 2^-23 needs all 24 bits of a float32 significand: bf16x3 or TF32 products drop
+    # the low bits (an error of 2^-18 or more), IEEE float32 keeps the product by 1.0 exact.
+    value = 1 + 2 ** -9 + 2 ** -18 + 2 ** -23
+    x = torch.zeros(32, 64)
+    x[:, 0] = value
+    weight = torch.zeros(128, 64)
+    weight[:, 0] = 1.0
+    assert (packed_linear(pack_weight(weight), None, x)[:, 0] == value).all()
+
+
+def test_a_rollout_on_packed_weights_gives_the_modules_completions():
+    model = build_model("llama", seed=3)
+    kwargs = dict(num_samples=4, sampling=SamplingConfig(max_new_tokens=12, stop_token_ids=(0, 1, 2)), seed=7)
+    ours = generate(model, random_prompts([5, 9]), schedule=ONEDNN, **kwargs)
+    reference = generate(model, random_prompts([5, 9]), schedule=MODULES, **kwargs)
+    assert [t.tolist() for t in ours.tokens] == [t.tolist() for t in reference.tokens]
+    for a, b in zip(ours.logprobs, reference.logprobs):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_under_bf16_autocast_the_packed_weights_are_what_autocast_computes_with():
+    model = build_model("llama", seed=6)
+    kwargs = dict(num_samples=4, sampling=SamplingConfig(max_new_tokens=10, stop_token_ids=(0, 1)), seed=2)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ours = generate(model, random_prompts([7, 4]), schedule=ONEDNN, **kwargs)
+        reference = generate(model, random_prompts([7, 4]), schedule=MODULES, **kwargs)
+    assert [t.tolist() for t in ours.tokens] == [t.tolist() for t in reference.tokens]
+    for a, b in zip(ours.logprobs, reference.logprobs):
+        torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)
+
+
+def test_the_modules_are_restored_and_the_next_rollout_sees_the_optimizer_step():
+    model = build_model("qwen2", seed=4)
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    kwargs = dict(num_samples=2, sampling=SamplingConfig(max_new_tokens=6, temperature=0.0), seed=0)
+    generate(model, random_prompts([6]), schedule=ONEDNN, **kwargs)
+    assert not any("forward" in m.__dict__ for m in linears)
+    # Training runs the modules as they are, with gradients.
+    model.train()
+    loss = model(input_ids=random_prompts([6])[0][None]).logits.square().mean()
+    loss.backward()
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(torch.randn_like(parameter) * 0.3)  # an "optimizer step", in place
+    model.eval()
+    after = generate(model, random_prompts([6]), schedule=ONEDNN, **kwargs)
+    reference = generate(model, random_prompts([6]), schedule=MODULES, **kwargs)
+    assert [t.tolist() for t in after.tokens] == [t.tolist() for t in reference.tokens]
+
+
+def test_modules_it_cannot_run_exactly_are_left_as_they_are():
+    class Scaled(nn.Linear):
+        def forward(self, input):
+            return 2 * super().forward(input)
+
+    hooked = nn.Linear(4, 4)
+    hooked.forward = lambda input: input  # as accelerate's hooks do
+    root = nn.Sequential(nn.Linear(4, 4), Scaled(4, 4), nn.Linear(4, 4).double(), hooked)
+    with onednn_linears([root, root]) as num_packed:
+        assert num_packed == 1
+        assert "forward" in root[0].__dict__ and "forward" not in root[1].__dict__
+        assert "forward" not in root[2].__dict__ and root[3].forward(torch.ones(4)).sum() == 4
+    assert "forward" not in root[0].__dict__ and "forward" in root[3].__dict__
+
+
+def test_a_failing_rollout_still_restores_the_modules():
+    model = build_model("qwen2", seed=5)
+    with pytest.raises(RuntimeError, match="boom"):
+        with onednn_linears([model]):
+            raise RuntimeError("boom")
+    assert not any("forward" in m.__dict__ for m in model.modules())
+
+
+def test_the_schedule_names_a_registered_kernel_and_packs_only_eager_steps():
+    assert set(LINEAR_KERNELS) == {"auto", "module", "onednn"}
+    assert isinstance(onednn_is_faster(torch.float32, torch.get_num_threads()), bool)
+    assert onednn_is_faster(torch.float64, 1) is False
+    with pytest.raises(ValueError, match="linears must be one of"):
+        DecodeSchedule(linears="mkl")
+    with pytest.raises(ValueError, match="runner='eager' only"):
+        DecodeSchedule(linears="onednn", runner="dynamo")
