@@ -9,7 +9,7 @@
   the top-K there (what drafting did before), K = 4, at 16, 64 and 128 rows (B x K frontier nodes).
 * The sampler's draw (``rollout.sampling.draw_from_probs``: a two-level search over 1,024-entry blocks
   for vocabularies like SmolLM2's 49,152) against one cumsum over the whole row, at 64, 32 and 4 rows.
-* The weight matmuls (``rollout.linears``: oneDNN on weights packed once per rollout) against
+* The weight matmuls (``turbogrpo.linears``: oneDNN on weights packed once per rollout) against
   ``F.linear`` (MKL's sgemm in torch's CPU build), float32: all 211 of SmolLM2-135M's weights (30 x q, k, v,
   o, gate, up, down and the 49,152-row LM head; random values, 538 MB, so they stream from memory as in
   a real step) at 1-64 rows (a decoding step's live batch or tree) and 512-2,048 rows (a prefill), and
@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from harness import print_table, write_results  # noqa: E402
 from turbogrpo.rollout.kv_cache import write_slots  # noqa: E402
-from turbogrpo.rollout.linears import pack_weight, packed_linear  # noqa: E402
+from turbogrpo.linears import pack_weight, packed_linear  # noqa: E402
 from turbogrpo.rollout.sampling import _invert_cdf, draw_from_probs  # noqa: E402
 from turbogrpo.speculative.tree import Proposals, top_proposals  # noqa: E402
 

@@ -73,7 +73,7 @@ def chat_prompts(tokenizer, num: int, *, few_shot: bool, split: str = "test") ->
 
 GEMM_KERNELS = ("mm", "onednn")
 """The two float32/bf16 GEMMs of torch's CPU build: ``torch.mm``/``F.linear`` (MKL's sgemm for float32), and
-oneDNN on a packed weight (what turbogrpo's rollouts use where it is faster: ``turbogrpo.rollout.linears``).
+oneDNN on a packed weight (what turbogrpo's rollouts use where it is faster: ``turbogrpo.linears``).
 Which is faster depends on the CPU (on an AMD EPYC, MKL's float32 path runs at well under half of
 oneDNN's), so every yardstick here takes the faster of the two, measured in the benchmark's process."""
 
@@ -82,7 +82,7 @@ def matmul_seconds(rows: int, inner: int, cols: int, *, repeats: int = 5, dtype:
                    kernel: str = "mm") -> float:
     """Median seconds of one ``[rows, inner] @ [inner, cols]`` in ``dtype`` on the CPU by ``kernel``
     (``GEMM_KERNELS``), after a warm-up."""
-    from turbogrpo.rollout.linears import pack_weight, packed_linear
+    from turbogrpo.linears import pack_weight, packed_linear
     a, weight = torch.randn(rows, inner, dtype=dtype), torch.randn(cols, inner, dtype=dtype)
     if kernel == "mm":
         b, out = weight.t(), torch.empty(rows, cols, dtype=dtype)
@@ -135,7 +135,7 @@ def model_gemm_step_seconds(model, rows: int, *, repeats: int = 3, kernel: str =
     cache, every weight here streams from memory once per step as in a real step (SmolLM2: 538 MB in
     float32, far past the last-level cache), so this is the bound for a step that does nothing but its
     matmuls."""
-    from turbogrpo.rollout.linears import pack_weight, packed_linear
+    from turbogrpo.linears import pack_weight, packed_linear
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     inputs = {m.in_features: torch.randn(rows, m.in_features, dtype=m.weight.dtype) for m in linears}
     packed = [pack_weight(m.weight) for m in linears] if kernel == "onednn" else None

@@ -31,7 +31,7 @@ from torch import nn
 from turbogrpo.hook import check_materialized, lm_head_of
 from turbogrpo.rollout.compiled import PLAIN_RUNNERS
 from turbogrpo.rollout.kv_cache import GroupedKVCache
-from turbogrpo.rollout.linears import LINEAR_KERNELS
+from turbogrpo.linears import LINEAR_KERNELS
 from turbogrpo.rollout.outputs import LiveRows, OutputBuffers, collect_rollout, emit
 from turbogrpo.rollout.plans import prefill_all_positions
 from turbogrpo.rollout.sampling import SamplingConfig
@@ -67,7 +67,7 @@ class DecodeSchedule:
     """Key of ``compiled.PLAIN_RUNNERS``: how the plain step runs (eager, compiled by ``torch.compile``, or
     replayed from CUDA graphs: opt-in, CUDA only, not yet measured; see ``turbogrpo.rollout.compiled``)."""
     linears: str = "auto"
-    """Key of ``linears.LINEAR_KERNELS``: how the weight matmuls run (the modules as they are, or on
+    """Key of ``turbogrpo.linears.LINEAR_KERNELS``: how the weight matmuls run (the modules as they are, or on
     oneDNN-packed copies of the weights on the CPU; "auto" measures which is faster, and keeps the
     modules under a compiled or graph runner)."""
 

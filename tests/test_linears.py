@@ -8,7 +8,7 @@ from torch import nn
 from tests.rollout.conftest import build_model, random_prompts
 from turbogrpo.rollout import SamplingConfig, generate
 from turbogrpo.rollout.engine import DecodeSchedule
-from turbogrpo.rollout.linears import LINEAR_KERNELS, onednn_available, onednn_is_faster, onednn_linears, \
+from turbogrpo.linears import LINEAR_KERNELS, onednn_available, onednn_is_faster, onednn_linears, \
     pack_weight, packed_linear
 
 pytestmark = pytest.mark.skipif(not onednn_available(), reason="this torch build has no oneDNN")
