@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from harness import print_table, write_results  # noqa: E402
 from turbogrpo.rollout.kv_cache import write_slots  # noqa: E402
-from turbogrpo.linears import pack_weight, packed_linear  # noqa: E402
+from turbogrpo.linears import onednn_product, pack_weight  # noqa: E402
 from turbogrpo.rollout.sampling import _invert_cdf, draw_from_probs  # noqa: E402
 from turbogrpo.speculative.tree import Proposals, top_proposals  # noqa: E402
 
@@ -117,14 +117,14 @@ def linears(calls: int, repeats: int) -> list[dict]:
         for num_rows in (1, 4, 16, 32, 64, 512, 2048):
             inputs = {n: torch.randn(num_rows, n) for n in {w.shape[1] for w in weights}}
             us = per_call_us({"f_linear": lambda: [torch.nn.functional.linear(inputs[w.shape[1]], w) for w in weights],
-                              "onednn_packed": lambda: [packed_linear(p, None, inputs[w.shape[1]])
+                              "onednn_packed": lambda: [onednn_product(inputs[w.shape[1]], p)
                                                         for w, p in zip(weights, packed)]}, calls, repeats)
             ms = {name: value / 1e3 for name, value in us.items()}
             rows.append({"rows": num_rows, "weights": len(weights), **ms, "speedup": ms["f_linear"] / ms["onednn_packed"]})
         n = 2048
         a, b = torch.randn(n, n), torch.randn(n, n)
         packed_b = pack_weight(b.t().contiguous())
-        us = per_call_us({"f_linear": lambda: torch.mm(a, b), "onednn_packed": lambda: packed_linear(packed_b, None, a)},
+        us = per_call_us({"f_linear": lambda: torch.mm(a, b), "onednn_packed": lambda: onednn_product(a, packed_b)},
                          calls, repeats)
         rows.append({"rows": f"{n}^3 GFLOP/s", **{name: 2 * n ** 3 / (value * 1e3) for name, value in us.items()},
                      "speedup": us["f_linear"] / us["onednn_packed"]})

@@ -82,14 +82,14 @@ def matmul_seconds(rows: int, inner: int, cols: int, *, repeats: int = 5, dtype:
                    kernel: str = "mm") -> float:
     """Median seconds of one ``[rows, inner] @ [inner, cols]`` in ``dtype`` on the CPU by ``kernel``
     (``GEMM_KERNELS``), after a warm-up."""
-    from turbogrpo.linears import pack_weight, packed_linear
+    from turbogrpo.linears import onednn_product, pack_weight
     a, weight = torch.randn(rows, inner, dtype=dtype), torch.randn(cols, inner, dtype=dtype)
     if kernel == "mm":
         b, out = weight.t(), torch.empty(rows, cols, dtype=dtype)
         run = lambda: torch.mm(a, b, out=out)  # noqa: E731
     else:
         packed = pack_weight(weight)
-        run = lambda: packed_linear(packed, None, a)  # noqa: E731
+        run = lambda: onednn_product(a, packed)  # noqa: E731
     run()
     times = []
     for _ in range(repeats):
@@ -135,7 +135,7 @@ def model_gemm_step_seconds(model, rows: int, *, repeats: int = 3, kernel: str =
     cache, every weight here streams from memory once per step as in a real step (SmolLM2: 538 MB in
     float32, far past the last-level cache), so this is the bound for a step that does nothing but its
     matmuls."""
-    from turbogrpo.linears import pack_weight, packed_linear
+    from turbogrpo.linears import onednn_product, pack_weight
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     inputs = {m.in_features: torch.randn(rows, m.in_features, dtype=m.weight.dtype) for m in linears}
     packed = [pack_weight(m.weight) for m in linears] if kernel == "onednn" else None
@@ -146,7 +146,7 @@ def model_gemm_step_seconds(model, rows: int, *, repeats: int = 3, kernel: str =
                 torch.nn.functional.linear(inputs[m.in_features], m.weight)
         else:
             for m, weight in zip(linears, packed):
-                packed_linear(weight, None, inputs[m.in_features])
+                onednn_product(inputs[m.in_features], weight)
 
     with torch.no_grad():
         step()

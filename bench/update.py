@@ -14,6 +14,10 @@ against the choice turbogrpo makes, alternated in one process:
   ``model.dtype = "bfloat16"`` trains), beside the large-matmul rate of each dtype. CPU seconds, one
   thread (on a shared machine one thread keeps other jobs' threads out of the ratio).
 * profile: self CPU time by operator of one group's forward + backward, float32, one thread.
+* kernels: forward + backward of 8 groups in packs of 2 (``train.micro_batch_tokens = 2048``) with the
+  weight matmuls as torch runs them (``F.linear``: MKL's sgemm) against oneDNN (``model.linear_kernel``,
+  ``turbogrpo.linears.OneDnnLinear``), float32, with the rate of each against the same process's
+  large-matmul rate (the faster of MKL and oneDNN on 2048^3). Wall seconds, the process's threads.
 * allocator: forward + backward of 8 groups as one pack (float32 and bf16 autocast) on glibc's
   default heap against the kept heap of ``turbogrpo.host_memory``. The malloc setting is per
   process, so each run is a fresh child process, alternating the two. Wall s, 2 threads; its own
@@ -22,6 +26,7 @@ against the choice turbogrpo makes, alternated in one process:
     python bench/update.py                     # lm_head,packs,dtype,profile; bench/results/update_smollm2.json
     python bench/update.py --parts lm_head,dtype
     python bench/update.py --parts allocator   # bench/results/update_allocator_smollm2.json
+    python bench/update.py --parts kernels --repeats 3   # bench/results/update_kernels_smollm2.json
 """
 
 from __future__ import annotations
@@ -121,6 +126,26 @@ def part_packs(model, tokenizer, repeats: int) -> dict:
                                    for k in (8, 2)}, repeats=repeats, warmup=1)
     one, two = timings["8_groups_per_pack"]["median_s"], timings["2_groups_per_pack"]["median_s"]
     return {"num_groups": 8, "tokens": tokens, "timings": timings, "speedup_of_2_per_pack": one / two}
+
+
+def part_kernels(model, tokenizer, repeats: int) -> dict:
+    from turbogrpo.linears import TRAINING_LINEAR_KERNELS
+    from turbogrpo.prefix.cost import ModelDims, layout_flops
+    prompts, completions = group_batch(tokenizer, model.config.vocab_size, 8)
+
+    def run(kernel: str):
+        with TRAINING_LINEAR_KERNELS[kernel]([model]):
+            forward_backward(model, prompts, completions, 2)
+
+    timings = interleaved_medians({kernel: (lambda k=kernel: run(k)) for kernel in ("module", "onednn")},
+                                  repeats=repeats, warmup=1)
+    dims = ModelDims.of(model)
+    flops = 3 * layout_flops(dims, [p.numel() for p in prompts], [[COMPLETION_LEN] * GROUP] * len(prompts)).shared
+    large = large_matmul_gflops(torch.float32)
+    rates = {k: flops / t["median_s"] / 1e9 for k, t in timings.items()}
+    return {"num_groups": 8, "groups_per_pack": 2, "timings": timings, "flops": flops, "gflops": rates,
+            "large_matmul_gflops": large, "fraction_of_large_matmul": {k: r / large for k, r in rates.items()},
+            "speedup_of_onednn": timings["module"]["median_s"] / timings["onednn"]["median_s"]}
 
 
 def part_dtype(model, tokenizer, repeats: int) -> dict:
@@ -234,6 +259,19 @@ def main() -> None:
                     ["1 pack of 8", "4 packs of 2", "speedup"],
                     [[r["timings"]["8_groups_per_pack"]["median_s"], r["timings"]["2_groups_per_pack"]["median_s"],
                       r["speedup_of_2_per_pack"]]])
+    if "kernels" in parts:
+        r = part_kernels(model, tokenizer, args.repeats)
+        print_table(f"8 zero-shot groups in packs of 2, forward+backward wall s ({torch.get_num_threads()} threads, "
+                    f"float32; large-matmul rate {r['large_matmul_gflops']:.0f} GFLOP/s)",
+                    ["kernel", "s", "GFLOP/s", "of large matmul"],
+                    [[k, r["timings"][k]["median_s"], r["gflops"][k], r["fraction_of_large_matmul"][k]]
+                     for k in ("module", "onednn")])
+        print(f"speedup of oneDNN: {r['speedup_of_onednn']:.2f}x")
+        write_results("update_kernels_smollm2", {"model": "smollm2-135m-instruct", "completion_len": COMPLETION_LEN,
+                                                 "group_size": GROUP, "kernels": r, "load_average": os.getloadavg()})
+        parts.remove("kernels")
+        if not parts:
+            return
     if "dtype" in parts:
         r = results["dtype"] = part_dtype(model, tokenizer, args.repeats)
         rates = r["large_matmul_gflops_one_thread"]

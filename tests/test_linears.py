@@ -8,8 +8,8 @@ from torch import nn
 from tests.rollout.conftest import build_model, random_prompts
 from turbogrpo.rollout import SamplingConfig, generate
 from turbogrpo.rollout.engine import DecodeSchedule
-from turbogrpo.linears import LINEAR_KERNELS, onednn_available, onednn_is_faster, onednn_linears, \
-    pack_weight, packed_linear
+from turbogrpo.linears import LINEAR_KERNELS, TRAINING_LINEAR_KERNELS, OneDnnLinear, onednn_available, onednn_is_faster, onednn_linears, \
+    onednn_product, pack_weight
 
 pytestmark = pytest.mark.skipif(not onednn_available(), reason="this torch build has no oneDNN")
 
@@ -25,7 +25,7 @@ def test_a_packed_product_is_f_linear_within_float32_rounding(rows, with_bias):
     bias = torch.randn(96, generator=generator) if with_bias else None
     x = torch.randn(*rows, 40, generator=generator)
     truth = torch.nn.functional.linear(x.double(), weight.double(), None if bias is None else bias.double())
-    ours = packed_linear(pack_weight(weight), bias, x)
+    ours = onednn_product(x, pack_weight(weight), bias)
     assert ours.shape == (*rows, 96) and ours.dtype == torch.float32
     torch.testing.assert_close(ours.double(), truth, atol=2e-5, rtol=1e-5)
 
@@ -38,7 +38,7 @@ def test_the_packed_product_is_ieee_float32_not_a_bf16_or_tf32_shortcut():
     x[:, 0] = value
     weight = torch.zeros(128, 64)
     weight[:, 0] = 1.0
-    assert (packed_linear(pack_weight(weight), None, x)[:, 0] == value).all()
+    assert (onednn_product(x, pack_weight(weight))[:, 0] == value).all()
 
 
 def test_a_rollout_on_packed_weights_gives_the_modules_completions():
@@ -112,3 +112,39 @@ def test_the_schedule_names_a_registered_kernel_and_packs_only_eager_steps():
         DecodeSchedule(linears="mkl")
     with pytest.raises(ValueError, match="runner='eager' only"):
         DecodeSchedule(linears="onednn", runner="dynamo")
+
+
+def test_the_onednn_training_linear_gives_f_linears_values_and_gradients():
+    generator = torch.Generator().manual_seed(1)
+    weight = torch.randn(24, 16, generator=generator, requires_grad=True)
+    bias = torch.randn(24, generator=generator, requires_grad=True)
+    x = torch.randn(3, 5, 16, generator=generator, requires_grad=True)
+    grad = torch.randn(3, 5, 24, generator=generator)
+    ours = OneDnnLinear.apply(x, weight, bias)
+    ours_grads = torch.autograd.grad(ours, (x, weight, bias), grad)
+    x64, w64, b64 = (t.detach().double().requires_grad_() for t in (x, weight, bias))
+    truth = torch.nn.functional.linear(x64, w64, b64)
+    truth_grads = torch.autograd.grad(truth, (x64, w64, b64), grad.double())
+    torch.testing.assert_close(ours.double(), truth, atol=1e-5, rtol=1e-5)
+    for a, b in zip(ours_grads, truth_grads):
+        torch.testing.assert_close(a.double(), b, atol=1e-5, rtol=1e-5)
+
+
+def test_a_model_trains_to_the_same_gradients_under_the_onednn_training_kernel():
+    model = build_model("qwen2", seed=8).train()
+    ids = random_prompts([9])[0][None]
+
+    def gradients():
+        model.zero_grad()
+        model(input_ids=ids).logits.log_softmax(-1).mean().backward()
+        return {name: p.grad.clone() for name, p in model.named_parameters()}
+
+    reference = gradients()
+    with TRAINING_LINEAR_KERNELS["onednn"]([model]) as num_changed:
+        assert num_changed == sum(isinstance(m, nn.Linear) for m in model.modules())
+        ours = gradients()
+        with torch.autocast("cpu", dtype=torch.bfloat16):  # autocast runs F.linear as is
+            model(input_ids=ids)
+    assert not any("forward" in m.__dict__ for m in model.modules())
+    for name in reference:
+        torch.testing.assert_close(ours[name], reference[name], atol=1e-5, rtol=1e-4, msg=name)

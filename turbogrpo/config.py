@@ -53,12 +53,19 @@ class ModelConfig:
     """Recompute activations in backward: less memory for long completions, about 30% more time."""
     logprob_backend: str = "auto"
     """Attention backend of the shared-prefix forward ("auto" picks the fastest exact one)."""
+    linear_kernel: str = "auto"
+    """How the weight matmuls run on the CPU, in rollouts and in the training forward and backward
+    (``turbogrpo.linears``): "module" (each nn.Linear as it is: MKL for float32), "onednn" (oneDNN; rollouts
+    on weights packed once per rollout), "auto" (oneDNN where it measures faster on this CPU)."""
 
     def check(self, key: str) -> None:
         from turbogrpo.prefix.backends import BACKENDS  # the backend registry is the one source of names
         _require(self.path != "", f"{key}.path", "a model folder, a Hub name or \"demo\"", self.path)
         _require(self.logprob_backend == "auto" or self.logprob_backend in BACKENDS, f"{key}.logprob_backend",
                  f"one of {', '.join(['auto', *sorted(BACKENDS)])}", self.logprob_backend)
+        from turbogrpo.linears import LINEAR_KERNELS
+        _require(self.linear_kernel in LINEAR_KERNELS, f"{key}.linear_kernel", f"one of {', '.join(LINEAR_KERNELS)}",
+                 self.linear_kernel)
         _require(self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda"),
                  f"{key}.device", "\"auto\", \"cpu\", \"cuda\" or \"cuda:N\"", self.device)
         _require(not self.pure_bf16 or self.dtype == "bfloat16", f"{key}.pure_bf16",

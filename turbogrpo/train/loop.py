@@ -32,8 +32,10 @@ from turbogrpo.batch import Groups, pad_to_count
 from turbogrpo.config import Config
 from turbogrpo.data import PromptExample
 from turbogrpo.host_memory import keep_freed_host_memory
+from turbogrpo.linears import TRAINING_LINEAR_KERNELS
 from turbogrpo.rewards import RewardResult, build_rewards, score_completions
 from turbogrpo.rollout import Rollout, generate
+from turbogrpo.rollout.engine import default_schedule
 from turbogrpo.train import distributed
 from turbogrpo.train.distributed import DistInfo
 from turbogrpo.train.draft_learning import frozen, speculation_metrics
@@ -180,8 +182,9 @@ def sample(run: Run, data: StepData) -> StepData:
     # The rollout samples under the training forward's precision: the same bf16 weights and kernels' dtypes.
     with data.timer("rollout"), distributed.full_parameters(run.trainer), run.precision.autocast():
         run.policy.eval()
+        schedule = replace(default_schedule(run.dist.device), linears=run.config.model.linear_kernel)
         data.rollout = generate(run.policy, data.prompts, num_samples=run.config.rollout.num_generations,
-                                sampling=run.sampling, seed=data.seed,
+                                sampling=run.sampling, seed=data.seed, schedule=schedule,
                                 draft=draft.speculation() if draft is not None else None, return_hidden=learns)
     data.batch = data.rollout.groups
     if learns:
@@ -218,7 +221,7 @@ def prepare(run: Run, data: StepData) -> StepData:
     trained = replace(batch, hidden=None, sampler_logps=batch.sampler_logps if config.algo.tis_cap else None)
     data.trained_batch = trained = trained.select(data.trained)
     data.micro_batches = plan(trained, config, run.dist)
-    with data.timer("logprobs"):
+    with data.timer("logprobs"), training_linears(run):
         if config.algo.num_iterations > 1:
             trained.old_logps = logprobs_of(run.trainer, data.micro_batches, "old_logps")
         if run.reference is not None:
@@ -229,7 +232,7 @@ def prepare(run: Run, data: StepData) -> StepData:
 def update(run: Run, data: StepData) -> StepData:
     """algo.num_iterations optimizer steps on the batch (the draft frozen), NaN/inf steps skipped."""
     config = run.config
-    with data.timer("update"), frozen(run.draft.draft if run.draft is not None else None):
+    with data.timer("update"), frozen(run.draft.draft if run.draft is not None else None), training_linears(run):
         run.policy.train()
         for iteration in range(config.algo.num_iterations):
             optimizer_step = data.index * config.algo.num_iterations + iteration
@@ -239,6 +242,12 @@ def update(run: Run, data: StepData) -> StepData:
                                               run.optimizer, max_grad_norm=config.optim.max_grad_norm, dist=run.dist))
             guard_nonfinite(run, data.updates[-1], data.index)
     return data
+
+
+def training_linears(run: Run):
+    """The training forwards' weight-matmul kernel (``model.linear_kernel``) over the policy and reference."""
+    roots = [run.policy] + ([run.reference] if run.reference is not None else [])
+    return TRAINING_LINEAR_KERNELS[run.config.model.linear_kernel](roots)
 
 
 def learn_draft(run: Run, data: StepData) -> StepData:
