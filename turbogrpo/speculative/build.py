@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from turbogrpo.linears import TRAINING_LINEAR_KERNELS
 from turbogrpo.speculative.built_drafts import (BUILD_RECORD, BuiltDraft, DraftRecipe, built_draft_folder,
                                                 checkout_path, is_built, samples_file)
 from turbogrpo.speculative.draft import DraftHead
@@ -72,11 +73,6 @@ def train_on_own_completions(model: nn.Module, draft: DraftHead, prompts: Sequen
     top-1 agreement on them. Returns what was done: counts, seconds per phase, the last epoch's mean
     training loss and top-1 agreement with the policy, and the held-out figures per epoch.
     """
-    from tqdm import tqdm
-
-    from turbogrpo.config import DraftLearningConfig
-    from turbogrpo.speculative.draft_training import draft_groups, make_optimizer, train_draft
-
     recipe.check()
     if not prompts:
         raise ValueError("no usable prompts (all empty or too long)")
@@ -89,6 +85,20 @@ def train_on_own_completions(model: nn.Module, draft: DraftHead, prompts: Sequen
     else:
         log(f"completions read from {samples}")
     sampled = time.perf_counter()
+    # The features pass and the draft's training run their weight matmuls by the faster kernel here.
+    with TRAINING_LINEAR_KERNELS["auto"]([model, draft]):
+        return _featurize_and_train(model, draft, prompts, completions, recipe, start, sampled, log)
+
+
+def _featurize_and_train(model: nn.Module, draft: DraftHead, prompts: Sequence[torch.Tensor],
+                         completions: list[list[torch.Tensor]], recipe: DraftRecipe, start: float, sampled: float,
+                         log: Callable[[str], None]) -> dict:
+    """The second half of ``train_on_own_completions``: features, vocabulary, epochs, the record."""
+    from tqdm import tqdm
+
+    from turbogrpo.config import DraftLearningConfig
+    from turbogrpo.speculative.draft_training import draft_groups, make_optimizer, train_draft
+
     groups = draft_groups(model, prompts, completions)
     featured = time.perf_counter()
     num_completions = groups.num_completions

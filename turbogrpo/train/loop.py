@@ -188,7 +188,7 @@ def sample(run: Run, data: StepData) -> StepData:
                                 draft=draft.speculation() if draft is not None else None, return_hidden=learns)
     data.batch = data.rollout.groups
     if learns:
-        with data.timer("draft"):
+        with data.timer("draft"), training_linears(run):
             data.draft_data = draft.collect(run.policy, data.rollout, data.seed)
     return data
 
@@ -245,15 +245,17 @@ def update(run: Run, data: StepData) -> StepData:
 
 
 def training_linears(run: Run):
-    """The training forwards' weight-matmul kernel (``model.linear_kernel``) over the policy and reference."""
-    roots = [run.policy] + ([run.reference] if run.reference is not None else [])
+    """The training forwards' weight-matmul kernel (``model.linear_kernel``) over the policy, the reference
+    and the draft head."""
+    roots = [run.policy] + [m for m in (run.reference, run.draft.draft if run.draft is not None else None)
+                            if m is not None]
     return TRAINING_LINEAR_KERNELS[run.config.model.linear_kernel](roots)
 
 
 def learn_draft(run: Run, data: StepData) -> StepData:
     """The draft's update on the features collected at sampling (the policy frozen)."""
     if data.draft_data is not None:
-        with data.timer("draft"):
+        with data.timer("draft"), training_linears(run):
             data.metrics.update(run.draft.learn(run.policy, data.draft_data, data.seed))
     return data
 
