@@ -144,9 +144,10 @@ def generate(model: nn.Module, prompts: list[torch.Tensor], *, num_samples: int,
     prompts = [p.to(device=device, dtype=torch.long) for p in prompts]
     with torch.no_grad():
         schedule = schedule or default_schedule(device)
-        step: DecodeStep = (PlainStep(PLAIN_RUNNERS[schedule.runner](plain_step)) if draft is None
-                            else draft.make_step(model, prompts, sampling))
+        # The step is made inside: a speculative step may time the model (its latency profile) as it runs.
         with _linear_kernel(schedule, draft)([model, *getattr(draft, "rollout_modules", list)()]):
+            step: DecodeStep = (PlainStep(PLAIN_RUNNERS[schedule.runner](plain_step)) if draft is None
+                                else draft.make_step(model, prompts, sampling))
             return _rollout(model, prompts, num_samples, sampling, generator, return_hidden, limits, step,
                             schedule)
 
