@@ -41,25 +41,25 @@ def test_the_packed_product_is_ieee_float32_not_a_bf16_or_tf32_shortcut():
     assert (onednn_product(x, pack_weight(weight))[:, 0] == value).all()
 
 
-def test_a_rollout_on_packed_weights_gives_the_modules_completions():
-    model = build_model("llama", seed=3)
-    kwargs = dict(num_samples=4, sampling=SamplingConfig(max_new_tokens=12, stop_token_ids=(0, 1, 2)), seed=7)
-    ours = generate(model, random_prompts([5, 9]), schedule=ONEDNN, **kwargs)
-    reference = generate(model, random_prompts([5, 9]), schedule=MODULES, **kwargs)
+def assert_packed_rollout_matches_modules(model, lengths, sampling, tolerance: float) -> None:
+    """The same completions (and sampler log-probs within ``tolerance``) on packed weights as on the modules."""
+    kwargs = dict(num_samples=4, sampling=sampling, seed=7)
+    ours = generate(model, random_prompts(lengths), schedule=ONEDNN, **kwargs)
+    reference = generate(model, random_prompts(lengths), schedule=MODULES, **kwargs)
     assert [t.tolist() for t in ours.tokens] == [t.tolist() for t in reference.tokens]
     for a, b in zip(ours.logprobs, reference.logprobs):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(a, b, atol=tolerance, rtol=tolerance)
+
+
+def test_a_rollout_on_packed_weights_gives_the_modules_completions():
+    assert_packed_rollout_matches_modules(build_model("llama", seed=3), [5, 9],
+                                          SamplingConfig(max_new_tokens=12, stop_token_ids=(0, 1, 2)), 1e-5)
 
 
 def test_under_bf16_autocast_the_packed_weights_are_what_autocast_computes_with():
-    model = build_model("llama", seed=6)
-    kwargs = dict(num_samples=4, sampling=SamplingConfig(max_new_tokens=10, stop_token_ids=(0, 1)), seed=2)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        ours = generate(model, random_prompts([7, 4]), schedule=ONEDNN, **kwargs)
-        reference = generate(model, random_prompts([7, 4]), schedule=MODULES, **kwargs)
-    assert [t.tolist() for t in ours.tokens] == [t.tolist() for t in reference.tokens]
-    for a, b in zip(ours.logprobs, reference.logprobs):
-        torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)
+        assert_packed_rollout_matches_modules(build_model("llama", seed=6), [7, 4],
+                                              SamplingConfig(max_new_tokens=10, stop_token_ids=(0, 1)), 2e-2)
 
 
 def test_the_modules_are_restored_and_the_next_rollout_sees_the_optimizer_step():
