@@ -14,12 +14,17 @@
   o, gate, up, down and the 49,152-row LM head; random values, 538 MB, so they stream from memory as in
   a real step) at 1-64 rows (a decoding step's live batch or tree) and 512-2,048 rows (a prefill), and
   a 2048^3 product (the large-matmul rate); milliseconds per pass over all weights.
+* A partial attention (``rollout.attention``) by CPU flash attention against batched matmuls, at
+  decoding's shapes: the own-completion part of a plain step (X rows x 3 KV heads x 3 queries over L
+  generated keys) and of a tree (48 queries), microseconds per call; ``partial_attention_for`` picks
+  between them from these.
 
 Each part's contenders run interleaved in one process, median of ``--repeats`` timings of ``--calls`` calls each.
 
     python bench/decode_ops.py --threads 1     # bench/results/decode_ops.json
     python bench/decode_ops.py --threads 2 --parts tree_levels --out decode_ops_tree_levels
     python bench/decode_ops.py --threads 2 --parts linears --calls 1 --out decode_ops_linears
+    python bench/decode_ops.py --threads 2 --parts own_attention --out decode_ops_own_attention
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from harness import print_table, write_results  # noqa: E402
+from turbogrpo.rollout.attention import fused_partial_attention, partial_attention  # noqa: E402
 from turbogrpo.rollout.kv_cache import write_slots  # noqa: E402
 from turbogrpo.linears import onednn_product, pack_weight  # noqa: E402
 from turbogrpo.rollout.sampling import _invert_cdf, draw_from_probs  # noqa: E402
@@ -131,13 +137,29 @@ def linears(calls: int, repeats: int) -> list[dict]:
     return rows
 
 
-PARTS = {"cache_writes": cache_writes, "draws": draws, "tree_levels": tree_levels, "linears": linears}
+def own_attention(calls: int, repeats: int) -> list[dict]:
+    rows = []
+    for num_x, num_queries, num_keys in [(32, 3, 16), (32, 3, 64), (32, 3, 128), (16, 3, 128), (8, 3, 128),
+                                         (4, 3, 128), (1, 3, 128), (4, 48, 64), (1, 48, 64)]:
+        query, key, value = (torch.randn(num_x, 3, n, 64) for n in (num_queries, num_keys, num_keys))
+        bias = torch.zeros(num_x, 1, num_queries, num_keys)
+        us = per_call_us({"flash": lambda: fused_partial_attention(query, key, value, bias, 0.125),
+                          "matmuls": lambda: partial_attention(query, key, value, bias, 0.125)}, calls, repeats)
+        rows.append({"rows_heads_queries_keys": f"{num_x}x3x{num_queries}x{num_keys}", **us,
+                     "speedup": us["flash"] / us["matmuls"]})
+    return rows
+
+
+PARTS = {"cache_writes": cache_writes, "draws": draws, "tree_levels": tree_levels, "linears": linears,
+         "own_attention": own_attention}
 TITLES = {"cache_writes": ("KV-cache write, one token per sequence (us per write)", ["dtype", "scatter_", "write_slots"]),
           "draws": ("Draw from [rows, 49152] probabilities (us per draw)", ["rows", "one_cumsum", "two_level"]),
           "tree_levels": ("A tree level's top-4: padded to 49152 vs the 4096-token draft vocabulary (us)",
                           ["rows", "padded", "proposals"]),
           "linears": ("SmolLM2's 211 weight matmuls, float32: F.linear vs oneDNN packed (ms per pass; last row "
-                      "GFLOP/s)", ["rows", "f_linear", "onednn_packed"])}
+                      "GFLOP/s)", ["rows", "f_linear", "onednn_packed"]),
+          "own_attention": ("Partial attention, flash vs matmuls (us per call; speedup = flash / matmuls)",
+                            ["rows_heads_queries_keys", "flash", "matmuls"])}
 
 
 def main() -> None:

@@ -140,3 +140,22 @@ def test_write_and_read_slots_match_scatter_and_gather(dtype, num_new):
     write_slots(cache, slots, new)
     assert torch.equal(cache, expected)
     assert torch.equal(read_slots(cache[:rows], slots), new)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_own_part_gives_the_same_hidden_states_by_flash_or_by_matmuls(monkeypatch, dtype):
+    from turbogrpo.rollout import attention
+    model = build_model("llama", seed=2).to(dtype)
+    prompts, num_samples = random_prompts([6, 3, 8]), 4
+    ids = torch.randint(0, VOCAB, (len(prompts) * num_samples, 1), generator=torch.Generator().manual_seed(1))
+    hidden = []
+    for many_items in (1, 10 ** 9):  # the matmuls for every plain step's own part, then never
+        monkeypatch.setattr(attention, "MANY_ITEMS", many_items)
+        cache = GroupedKVCache([len(p) for p in prompts], num_samples, capacity=4, device=torch.device("cpu"))
+        with torch.no_grad():
+            prefill(model, cache, prompts)
+            forward_new_tokens(model, cache, ids)
+            cache.commit_all(1)
+            hidden.append(forward_new_tokens(model, cache, ids).float())
+    tolerance = 1e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(hidden[0], hidden[1], atol=tolerance, rtol=tolerance)

@@ -59,9 +59,27 @@ PARTIAL_ATTENTION = {"cpu": fused_partial_attention}
 a row (sliding windows), use ``partial_attention``."""
 
 
-def partial_attention_for(device: torch.device, may_hide_all: bool):
-    """The partial attention to use on ``device``."""
-    return partial_attention if may_hide_all else PARTIAL_ATTENTION.get(device.type, partial_attention)
+def partial_attention_for(device: torch.device, may_hide_all: bool, num_batch_heads: int | None = None,
+                          queries_per_head: int | None = None):
+    """The partial attention to use on ``device`` for ``num_batch_heads`` (X * K) products of
+    ``queries_per_head`` (M) queries each (None: unknown, as for the prompt part).
+
+    CPU flash attention has a fixed cost per (batch, head) item, so for many items of few queries (the
+    own-completion part of a wide plain decoding step) the batched matmuls win. ``python bench/decode_ops.py
+    --threads 2 --parts own_attention`` (2-core AMD EPYC): 32 rows x 3 KV heads x 3 queries over 16-128
+    keys 205-392 us a call by flash against 90-298 us by matmuls (1.3-2.3x), 16 rows 1.21x, 8 rows 1.14x,
+    4 rows 0.70x, 1 row 0.56x; 48 queries (a tree) 0.61-1.09x."""
+    if may_hide_all:
+        return partial_attention
+    fused = PARTIAL_ATTENTION.get(device.type, partial_attention)
+    if num_batch_heads is not None and num_batch_heads >= MANY_ITEMS and queries_per_head <= FEW_QUERIES:
+        return partial_attention
+    return fused
+
+
+MANY_ITEMS, FEW_QUERIES = 24, 8
+"""Where ``partial_attention_for`` prefers the matmuls to a fused kernel: at least this many (batch, head)
+products of at most this many queries each."""
 
 
 def merge_partials(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,

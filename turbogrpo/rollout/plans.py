@@ -108,13 +108,15 @@ class DecodePlan:
         self.cache.write(layer, key, value, self.slots_Bn)
         # A sliding window can hide a query's whole prompt part: only the matmul partial handles that.
         partial = partial_attention_for(query.device, may_hide_all=sliding_window is not None)
-        bias_dtype = torch.float32 if partial is partial_attention else query.dtype
+        own_partial = partial_attention_for(query.device, sliding_window is not None, num_rows * num_kv_heads,
+                                            group_size * num_new)
         # Query head h reads key/value head h // r (as in HF's repeat_kv): rows of one KV head are (r, n).
         query_BKMD = query.reshape(num_rows, num_kv_heads, group_size * num_new, head_dim)
-        prompt_bias, own_bias = self._attention_biases(sliding_window, group_size, bias_dtype)
+        prompt_bias, _ = self._attention_biases(sliding_window, group_size, _bias_dtype(partial, query))
+        _, own_bias = self._attention_biases(sliding_window, group_size, _bias_dtype(own_partial, query))
         out_prompt, lse_prompt = self._prompt_attention(layer, query_BKMD, prompt_bias, partial, scaling)
         keys, values = self.cache.generated(layer, self.num_slots)
-        out_own, lse_own = partial(query_BKMD, keys, values, own_bias, scaling)
+        out_own, lse_own = own_partial(query_BKMD, keys, values, own_bias, scaling)
         out_BKMD = merge_partials(out_prompt, lse_prompt, out_own, lse_own)
         return out_BKMD.reshape(num_rows, num_heads, num_new, head_dim).transpose(1, 2).to(query.dtype)
 
@@ -173,6 +175,11 @@ class DecodePlan:
         biases = (None if prompt_visible is None else _additive(prompt_visible, dtype), _additive(own_visible, dtype))
         self._biases[(sliding_window, group_size, dtype)] = biases
         return biases
+
+
+def _bias_dtype(partial, query: torch.Tensor) -> torch.dtype:
+    """The matmul partial adds float32 biases to float32 scores; a fused kernel takes the query's dtype."""
+    return torch.float32 if partial is partial_attention else query.dtype
 
 
 def _additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
