@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from tests.rollout.conftest import build_model, random_prompts
+from turbogrpo import linears
 from turbogrpo.rollout import SamplingConfig, generate
 from turbogrpo.rollout.engine import DecodeSchedule
 from turbogrpo.linears import LINEAR_KERNELS, TRAINING_LINEAR_KERNELS, OneDnnLinear, onednn_available, onednn_is_faster, onednn_linears, \
@@ -41,24 +42,29 @@ def test_the_packed_product_is_ieee_float32_not_a_bf16_or_tf32_shortcut():
     assert (onednn_product(x, pack_weight(weight))[:, 0] == value).all()
 
 
-def assert_packed_rollout_matches_modules(model, lengths, sampling, tolerance: float) -> None:
-    """The same completions (and sampler log-probs within ``tolerance``) on packed weights as on the modules."""
+def assert_packed_rollout_matches_modules(monkeypatch, model, lengths, sampling, tolerance: float) -> None:
+    """The same completions (and sampler log-probs within ``tolerance``) on packed weights as on the
+    modules, with every weight matmul of the packed rollout run by oneDNN."""
     kwargs = dict(num_samples=4, sampling=sampling, seed=7)
+    calls = []
+    monkeypatch.setattr(linears, "onednn_product", lambda *args: calls.append(1) or onednn_product(*args))
     ours = generate(model, random_prompts(lengths), schedule=ONEDNN, **kwargs)
+    assert len(calls) % sum(isinstance(m, nn.Linear) for m in model.modules()) == 0 and calls
+    monkeypatch.undo()
     reference = generate(model, random_prompts(lengths), schedule=MODULES, **kwargs)
     assert [t.tolist() for t in ours.tokens] == [t.tolist() for t in reference.tokens]
     for a, b in zip(ours.logprobs, reference.logprobs):
         torch.testing.assert_close(a, b, atol=tolerance, rtol=tolerance)
 
 
-def test_a_rollout_on_packed_weights_gives_the_modules_completions():
-    assert_packed_rollout_matches_modules(build_model("llama", seed=3), [5, 9],
+def test_a_rollout_on_packed_weights_gives_the_modules_completions(monkeypatch):
+    assert_packed_rollout_matches_modules(monkeypatch, build_model("llama", seed=3), [5, 9],
                                           SamplingConfig(max_new_tokens=12, stop_token_ids=(0, 1, 2)), 1e-5)
 
 
-def test_under_bf16_autocast_the_packed_weights_are_what_autocast_computes_with():
+def test_under_bf16_autocast_the_packed_weights_are_what_autocast_computes_with(monkeypatch):
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        assert_packed_rollout_matches_modules(build_model("llama", seed=6), [7, 4],
+        assert_packed_rollout_matches_modules(monkeypatch, build_model("llama", seed=6), [7, 4],
                                               SamplingConfig(max_new_tokens=10, stop_token_ids=(0, 1)), 2e-2)
 
 

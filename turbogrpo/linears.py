@@ -4,11 +4,11 @@ copies of the weights; the training forward and backward on the weights themselv
 A rollout multiplies few rows (the live batch, a tree's nodes, a prefill's prompt tokens) by every
 weight of the model, with weights that stay fixed for the whole rollout. On the CPU, torch's float32
 ``F.linear`` runs MKL's sgemm, whose speed depends on the CPU: on this project's 2-core AMD EPYC
-(AVX-512, no AMX) it took 86-100 ms for SmolLM2-135M's 211 weight matmuls at 32 rows, against 33 ms
-through oneDNN with each weight reordered once into oneDNN's blocked layout (1 row: 38 against 17 ms;
-2,048 rows: 3.2 against 1.3 s; a 2048^3 product 175 against 417 GFLOP/s; ``python bench/decode_ops.py
---parts linears``). oneDNN computes in IEEE float32 here too (no bf16 or TF32 shortcut:
-``tests/rollout/test_linears.py`` checks it); its sums round in another order, as any two GEMM kernels
+(AVX-512, no AMX) it took 96 ms for SmolLM2-135M's 211 weight matmuls at 32 rows, against 34 ms
+through oneDNN with each weight reordered once into oneDNN's blocked layout (1 row: 36 against 19 ms;
+2,048 rows: 3.2 against 1.3 s; a 2048^3 product 195 against 442 GFLOP/s; ``python bench/decode_ops.py
+--threads 2 --parts linears --calls 1``). oneDNN computes in IEEE float32 here too (no bf16 or TF32
+shortcut: ``tests/test_linears.py`` checks it); its sums round in another order, as any two GEMM kernels
 do (about 1e-6 relative).
 
 Kernels (``LINEAR_KERNELS``, chosen by ``DecodeSchedule.linears``):
@@ -30,9 +30,9 @@ Kernels (``LINEAR_KERNELS``, chosen by ``DecodeSchedule.linears``):
 Training (``TRAINING_LINEAR_KERNELS``, chosen by ``model.linear_kernel``) has the same three names. Its
 ``onednn`` runs each plain float32 ``nn.Linear``'s forward and both backward products (``grad_input =
 grad_output @ W``, ``grad_W = grad_output^T @ input``) through oneDNN on the tensors as they are, no
-packing (the weights change at every optimizer step): at SmolLM2's shapes and 2,048 tokens each of the
-three ran about 2x faster than MKL's on this machine (one-off, 2 threads: forward of the 576 -> 1536
-projection 25.9 -> 8.8 ms, grad_input 19.7 -> 9.8 ms, grad_W 20.7 -> 11.6 ms). Gradients flow to the
+packing (the weights change at every optimizer step): SmolLM2's forward + backward of 8 zero-shot
+groups took 44.3 s by MKL and 26.7 s by oneDNN on this machine (``python bench/update.py --parts
+kernels``). Gradients flow to the
 parameters as ``F.linear``'s do (DDP's hooks, gradient accumulation, checkpointed recomputation); under
 autocast or for other dtypes a call runs ``F.linear`` as is.
 """
@@ -55,7 +55,7 @@ def onednn_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
 
 
-def _packable(module: nn.Module) -> bool:
+def _plain_linear(module: nn.Module) -> bool:
     """A plain ``nn.Linear`` whose forward is ``F.linear`` of a plain float32/bf16 CPU weight."""
     weight = getattr(module, "weight", None)
     return (isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward
@@ -142,8 +142,7 @@ class _TrainingForward:
 
     def __call__(self, input: torch.Tensor) -> torch.Tensor:
         weight, bias = self.module.weight, self.module.bias
-        if (input.dtype != torch.float32 or weight.dtype != torch.float32 or input.device.type != "cpu"
-                or torch.is_autocast_enabled("cpu")):
+        if input.dtype != torch.float32 or weight.dtype != torch.float32 or torch.is_autocast_enabled("cpu"):
             return torch.nn.functional.linear(input, weight, bias)
         return OneDnnLinear.apply(input, weight, bias)
 
@@ -159,7 +158,7 @@ def _replaced_forwards(roots: Iterable[nn.Module], make_forward: Callable[[nn.Li
     try:
         for root in roots:
             for module in root.modules():
-                if id(module) in seen or not _packable(module) or not accepts(module):
+                if id(module) in seen or not _plain_linear(module) or not accepts(module):
                     continue
                 seen.add(id(module))
                 module.forward = make_forward(module)

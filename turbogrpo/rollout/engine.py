@@ -156,7 +156,9 @@ def _linear_kernel(schedule: DecodeSchedule, draft: object | None):
     """The ``LINEAR_KERNELS`` entry to run the rollout's modules under: "auto" keeps the modules as they
     are where a step is compiled or replayed (they trace the modules themselves)."""
     eager = schedule.runner == "eager" and getattr(draft, "runner", "eager") == "eager"
-    return LINEAR_KERNELS[schedule.linears if eager or schedule.linears != "auto" else "module"]
+    if schedule.linears == "auto" and not eager:
+        return LINEAR_KERNELS["module"]
+    return LINEAR_KERNELS[schedule.linears]
 
 
 def _length_limits(limits: Sequence[int] | None, num_completions: int, sampling: SamplingConfig) -> list[int]:

@@ -196,13 +196,6 @@ def profile_latency(model: nn.Module, *, context_length: int, draft: nn.Module |
     num_steps = len(grid) * (repeats + 1) + 1
     state = first_draw(model, [prompt], grid[-1], SamplingConfig(max_new_tokens=num_steps + 1), generator,
                        False, [num_steps + 1] * grid[-1], 0)
-    with LINEAR_KERNELS["auto"]([model] + ([draft] if draft is not None else [])):  # as a rollout runs them
-        return _profile_curves(model, draft, context_length, state, prompt, grid, repeats, generator)
-
-
-def _profile_curves(model, draft, context_length, state, prompt, grid, repeats, generator) -> LatencyProfile:
-    """The timing half of ``profile_latency``: the verify curve, then the draft's."""
-    device, vocab_size = prompt.device, model.get_input_embeddings().num_embeddings
     prompt_hidden = state.prompt_hidden_GPH
     step = PlainStep()
 
@@ -210,22 +203,23 @@ def _profile_curves(model, draft, context_length, state, prompt, grid, repeats, 
         state.keep(list(range(n)))
         return lambda: step(state)
 
-    verify_curve = _measure(verify, grid, repeats, device)
-    draft_curve = None
+    draft_cache = None
     if draft is not None:
         draft_cache = DraftKVCache([context_length], grid[-1], capacity=1, device=device)
         prefill_draft(draft, draft_cache, [prompt], prompt_hidden)
 
-        def draft_level(n: int) -> Callable[[], object]:
-            draft_cache.keep(list(range(n)))
-            level = DraftLevel(torch.randint(vocab_size, (n, 1), device=device, generator=generator),
-                               torch.zeros(n, 1, dtype=torch.long, device=device),
-                               torch.ones(n, 1, 1, dtype=torch.bool, device=device), 1)
-            features = prompt_hidden[:, -1].expand(n, -1)
-            # One tree level as decoding runs it: the plan, the draft layer, LM head, log-softmax, top-k.
-            return lambda: top_proposals(TreeDrafter(draft, draft_cache, features)(level), min(8, vocab_size))
+    def draft_level(n: int) -> Callable[[], object]:
+        draft_cache.keep(list(range(n)))
+        level = DraftLevel(torch.randint(vocab_size, (n, 1), device=device, generator=generator),
+                           torch.zeros(n, 1, dtype=torch.long, device=device),
+                           torch.ones(n, 1, 1, dtype=torch.bool, device=device), 1)
+        features = prompt_hidden[:, -1].expand(n, -1)
+        # One tree level as decoding runs it: the plan, the draft layer, LM head, log-softmax, top-k.
+        return lambda: top_proposals(TreeDrafter(draft, draft_cache, features)(level), min(8, vocab_size))
 
-        draft_curve = _measure(draft_level, grid, repeats, device)
+    with LINEAR_KERNELS["auto"]([model] + ([draft] if draft is not None else [])):  # timed as a rollout runs
+        verify_curve = _measure(verify, grid, repeats, device)
+        draft_curve = None if draft is None else _measure(draft_level, grid, repeats, device)
     return LatencyProfile(profile_key(model, context_length=context_length, draft=draft), verify_curve, draft_curve)
 
 
