@@ -61,9 +61,7 @@ from turbogrpo.speculative.decode import Speculation  # noqa: E402
 from turbogrpo.speculative.draft import DraftHead  # noqa: E402
 from turbogrpo.config import DraftLearningConfig  # noqa: E402
 from turbogrpo.speculative.draft_training import draft_groups, train_draft  # noqa: E402
-from turbogrpo.speculative.history import (HistoryDrafts, HistoryStore, history_profile,  # noqa: E402
-                                           history_sizing_options)
-from turbogrpo.speculative.sizing import FixedSizing, OffSizing, make_sizing  # noqa: E402
+from turbogrpo.speculative.history import HistoryDrafts, HistoryStore, speculation_sizing  # noqa: E402
 from turbogrpo.speculative.profiler import cached_profile  # noqa: E402
 from turbogrpo.speculative.sizing import FixedSizing, OffSizing, make_sizing  # noqa: E402
 from turbogrpo.speculative.tree import TreeShape  # noqa: E402
@@ -368,14 +366,16 @@ def real_model_speculation(kind: str, draft, profiles) -> Speculation:
     if kind == "off":
         return Speculation(draft, "off")
     if kind in ("siblings", "history"):
-        sizing = make_sizing("cost", profile=history_profile(profiles["none"]), **history_sizing_options("cost"))
+        sizing = speculation_sizing("cost", profiles["none"], neural=False, history=True)
         return Speculation(None, sizing, history=HistoryDrafts(store=HistoryStore() if kind == "history" else None))
     if draft is None:
         raise SystemExit(f"draft kind {kind!r} needs a neural draft: build it with `turbogrpo draft build "
                          f"--model smollm2` or pass --draft DIR")
     history = {"neural": None, "both": HistoryDrafts(store=HistoryStore()),
                "neural+siblings": HistoryDrafts(store=None)}[kind]
-    return Speculation(draft, make_sizing("cost", profile=profiles["draft"]), history=history)
+    # Merged kinds size with MergedSizing: each step the neural tree (chains merged in) or chains alone.
+    sizing = speculation_sizing("cost", profiles["draft"], neural=True, history=history is not None)
+    return Speculation(draft, sizing, history=history)
 
 
 def race_kinds(rollout, kinds, draft, profiles, *, repeats: int, warmup: int) -> tuple[list[dict], dict]:

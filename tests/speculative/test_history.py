@@ -16,7 +16,7 @@ from turbogrpo.speculative.draft import DraftHead
 from turbogrpo.speculative.history import (DEAD_TOKEN, HistoryCorpus, HistoryDrafts, HistoryStore, chain_geometry,
                                            continuations, corpus_rows, history_profile, history_sizing_options,
                                            history_tree, row_queries, suffix_matches, tree_from_paths)
-from turbogrpo.speculative.sizing import FixedSizing, make_sizing
+from turbogrpo.speculative.sizing import FixedSizing, MergedSizing, make_sizing
 from turbogrpo.speculative.profiler import LatencyCurve, LatencyProfile
 from turbogrpo.speculative.tree import TreeShape, chain_tree
 from turbogrpo.speculative.verify import accept_paths
@@ -194,6 +194,73 @@ def test_history_alone_sizes_chains_with_the_cost_policy():
     assert_same_completions(generate(policy, prompts, num_samples=3, sampling=GREEDY), spec)
     with pytest.raises(ValueError, match="draft curve"):
         make_sizing("cost", profile=profile)
+
+
+class Alternating(FixedSizing):
+    """A fixed shape whose predicted gain alternates high and low from step to step."""
+
+    def __init__(self, shape):
+        super().__init__(shape)
+        self.calls = 0
+
+    def predicted_gain(self, num_live):
+        self.calls += 1
+        return 3.0 if self.calls % 3 else 0.5
+
+
+def mixed_speculation(draft, history):
+    """Merged speculation whose steps mix chains alone (no draft forward: the draft lags behind) and
+    neural trees with chains merged in."""
+    return Speculation(draft, MergedSizing(FixedSizing(TreeShape(2, 3, 7)), Alternating(TreeShape(1, 5, 6))),
+                       history=history)
+
+
+def test_merged_steps_of_both_kinds_equal_greedy_plain():
+    policy, trained, prompts = trained_pair()
+    plain = generate(policy, prompts, num_samples=3, sampling=GREEDY)
+    history = HistoryDrafts(min_match=1)
+    for _round in range(2):
+        spec = generate(policy, prompts, num_samples=3, sampling=GREEDY, draft=mixed_speculation(trained, history))
+        assert_same_completions(plain, spec)
+    assert {6, 1 + 6 + 3}.issubset(set(spec.stats.tree_sizes))  # chains alone, and neural trees + one chain
+
+
+@pytest.mark.parametrize("case", ["T1", "T0.7-top_p0.9"])
+def test_distribution_of_merged_steps_of_both_kinds_is_the_policys(case):
+    policy, trained, _ = trained_pair(V, sharpness=1.5)
+    prompt = torch.tensor([1, 5, 2, 7])
+    sampling = CASES[case]
+    history = HistoryDrafts(min_match=1)
+    generate(policy, [prompt] * 1000, num_samples=8, sampling=sampling, seed=2, draft=mixed_speculation(trained, history))
+    spec = generate(policy, [prompt] * 1000, num_samples=8, sampling=sampling, seed=1,
+                    draft=mixed_speculation(trained, history))
+    samples = torch.stack([t[:3] for t in spec.tokens])
+    pvalue = chi_square_pvalue(joint_counts(samples, V), exact_first_three(policy, prompt, sampling))
+    assert pvalue > 1e-3, f"merged speculative rollouts differ from the policy (p={pvalue:.2e})"
+    assert spec.stats.mean_accepted_length > 1.15
+
+
+def test_merged_cost_sizing_runs_the_chains_alone_where_they_beat_the_neural_trees():
+    """A random draft with history at greedy on recurring prompts (the store holds an earlier rollout's
+    text): the history's policy learns its chains are accepted whole, predicts more from them than
+    the neural policy from its trees, and the merged speculation runs chains alone."""
+    policy, _unused, prompts = trained_pair()
+    history = HistoryDrafts()
+    generate(policy, prompts, num_samples=3, sampling=GREEDY, draft=Speculation(None, FixedSizing(TreeShape(1, 1, 2)),
+                                                                                history=history))
+    curve = LatencyCurve((1, 128), (1e-4, 1.2e-4))
+    profile = LatencyProfile("test", curve, LatencyCurve((1, 128), (2e-5, 3e-5)))
+    speculation = Speculation(DraftHead(policy), "cost", profile=profile, history=history)
+    sizing = decode.resolve_sizing(speculation, policy, prompts, GREEDY)
+    assert isinstance(sizing, MergedSizing)
+    speculation.sizing = sizing  # one policy object across rollouts, as a trainer keeps it
+    plain = generate(policy, prompts, num_samples=3, sampling=GREEDY)
+    for _round in range(3):
+        spec = generate(policy, prompts, num_samples=3, sampling=GREEDY, draft=speculation)
+        assert_same_completions(plain, spec)
+    assert sizing.history.acceptance()[0, 0] > 0.8
+    assert sizing.history.predicted_gain(12) > sizing.neural.predicted_gain(12)
+    assert spec.stats.num_forwards < 0.5 * plain.stats.num_forwards and spec.stats.num_draft_forwards == 0
 
 
 def test_a_speculation_without_draft_or_history_is_refused():

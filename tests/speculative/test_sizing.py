@@ -217,3 +217,72 @@ def test_the_old_module_name_still_imports_with_a_warning():
     with pytest.warns(DeprecationWarning, match="turbogrpo.speculative.sizing"):
         old = importlib.import_module("turbogrpo.speculative.policy")
     assert old.make_sizing is make_sizing and old.SIZING_POLICIES is SIZING_POLICIES
+
+
+class Scripted(FixedSizing):
+    """A fixed shape (or None) with a scripted predicted gain, recording what it is taught."""
+
+    def __init__(self, shape, gain):
+        self.shape, self.gain, self.taught = shape, gain, []
+
+    def choose(self, num_live, *, draft_ready=True, position=0):
+        return self.shape
+
+    def predicted_gain(self, num_live):
+        return self.gain
+
+    def feedback(self, tree, verdict):
+        return torch.tensor([float(self.gain)])
+
+    def observe(self, values):
+        self.taught.append(("counts", values))
+
+    def observe_time(self, num_live, shape, seconds, catch_up_tokens=0):
+        self.taught.append(("time", shape))
+
+    def forget(self, keep):
+        self.taught.append(("forget", keep))
+
+    def state_dict(self):
+        return {"gain": self.gain}
+
+    def load_state_dict(self, state):
+        self.gain = state["gain"]
+
+
+def test_merged_sizing_takes_the_better_kind_and_teaches_the_one_that_ran():
+    from turbogrpo.speculative.sizing import MergedSizing
+    neural, history = Scripted(TreeShape(4, 3, 10), 1.3), Scripted(TreeShape(1, 8, 9), 2.0)
+    merged = MergedSizing(neural, history)
+    assert merged.bounds() == (10, 8)     # the larger tree; only the neural tree writes draft slots
+    assert merged.choose(4) == TreeShape(1, 8, 9) and merged.history_alone   # the larger predicted gain
+    assert merged.feedback(None, None).item() == 2.0
+    merged.observe([1.0])
+    merged.observe_time(4, TreeShape(1, 8, 9), 0.1)
+    assert history.taught == [("counts", [1.0]), ("time", TreeShape(1, 8, 9))] and neural.taught == []
+    history.gain = 1.1
+    assert merged.choose(4) == TreeShape(4, 3, 10) and not merged.history_alone
+    merged.observe_time(4, TreeShape(4, 3, 10), 0.1)
+    assert neural.taught == [("time", TreeShape(4, 3, 10))]
+    merged.observe_time(4, None, 0.05)   # a plain step's time anchors both
+    assert neural.taught[-1] == history.taught[-1] == ("time", None)
+    merged.forget(0.5)                    # the draft changed: the history's chains did not
+    assert neural.taught[-1] == ("forget", 0.5) and history.taught[-1] == ("time", None)
+    neural.shape = None                   # the neural draft plays plain: the chains alone still run
+    assert merged.choose(4) == TreeShape(1, 8, 9) and merged.history_alone
+    history.shape = None
+    assert merged.choose(4) is None
+    state = merged.state_dict()
+    assert state == {"neural.gain": 1.3, "history.gain": 1.1}
+    neural.gain = history.gain = 0.0
+    merged.load_state_dict(state)
+    assert (neural.gain, history.gain) == (1.3, 1.1)
+    merged.load_state_dict({"gain": 1.7})  # a checkpoint of the neural policy alone, from before merging
+    assert (neural.gain, history.gain) == (1.7, 1.1)
+
+
+def test_cost_sizing_predicts_the_gain_it_chooses_by():
+    policy = timed_cost_policy()
+    shape = policy.choose(1)
+    assert shape is not None and policy.predicted_gain(1) > 1 + policy.margin
+    assert policy.predicted_gain(10_000) == 0.0  # no tree fits the profiled range: no prediction of a gain

@@ -57,10 +57,9 @@ from turbogrpo.rollout.step import DecodeState, PlainStep
 from turbogrpo.rollout.types import Rollout, RolloutStats
 from turbogrpo.speculative.draft import DraftHead
 from turbogrpo.speculative.draft_decoding import DraftKVCache, TreeDrafter, catch_up, prefill_draft
-from turbogrpo.speculative.history import (HistoryDrafts, chain_geometry, history_profile, history_sizing_options,
-                                           propose_history)
+from turbogrpo.speculative.history import HistoryDrafts, chain_geometry, propose_history, speculation_sizing
 from turbogrpo.speculative.profiler import DeviceStopwatch, LatencyProfile, cached_profile
-from turbogrpo.speculative.sizing import SizingPolicy, make_sizing
+from turbogrpo.speculative.sizing import MergedSizing, SizingPolicy
 from turbogrpo.speculative.tree import DraftTree, TreeShape, build_tree
 from turbogrpo.speculative.verify import TreeVerdict, verify_tree
 
@@ -73,7 +72,9 @@ class Speculation:
     """The neural draft; None speculates with ``history`` alone (no draft forward)."""
     sizing: SizingPolicy | str = "cost"
     """A sizing policy object (it keeps its acceptance statistics across rollouts) or a registered
-    name (``off``, ``fixed``, ``fastgrpo``, ``cost``), built afresh for each rollout."""
+    name (``off``, ``fixed``, ``fastgrpo``, ``cost``), built afresh for each rollout. With both a neural
+    draft and ``history``, an adaptive name builds a ``MergedSizing``: each step the better of the neural
+    tree (history chains merged in) and the history's chains alone (``history.speculation_sizing``)."""
     profile: LatencyProfile | None = None
     """Latency curves for ``fastgrpo``/``cost``; None reads the profile cache or measures on first use."""
     runner: str = "eager"
@@ -143,10 +144,8 @@ def resolve_sizing(speculation: Speculation, model: nn.Module, prompts: list[tor
         # The context a typical step attends to: the longest prompt plus half the generation.
         context = max(len(p) for p in prompts) + sampling.max_new_tokens // 2
         profile = cached_profile(model, context_length=context, draft=speculation.draft)
-    if speculation.draft is None:  # history alone: chains, and no draft forward to pay for
-        return make_sizing(speculation.sizing, profile=profile and history_profile(profile),
-                           **history_sizing_options(speculation.sizing))
-    return make_sizing(speculation.sizing, profile=profile)
+    return speculation_sizing(speculation.sizing, profile, neural=speculation.draft is not None,
+                              history=speculation.history is not None)
 
 
 @dataclass
@@ -213,8 +212,8 @@ class TreeStep:
             PlainStep()(state)
             self.pending = _VerifiedStep(None, None, None)
             return
-        if self.draft is None:
-            self._history_tree_step(state, shape)
+        if self.draft is None or (isinstance(self.sizing, MergedSizing) and self.sizing.history_alone):
+            self._history_tree_step(state, shape)  # the draft catches up on these tokens when it next runs
             return
         if not self.draft_prefilled:
             # The draft's prompt pass waits for the first tree, so rollouts that never speculate

@@ -41,6 +41,7 @@ import torch
 
 from turbogrpo.rollout.step import DecodeState
 from turbogrpo.speculative.profiler import LatencyCurve, LatencyProfile
+from turbogrpo.speculative.sizing import MergedSizing, SizingPolicy, make_sizing
 from turbogrpo.speculative.tree import DraftTree, TreeShape, ancestors_from_parents
 
 DEAD_TOKEN = -1
@@ -303,6 +304,20 @@ def history_sizing_options(name: str) -> dict:
 def history_profile(profile: LatencyProfile) -> LatencyProfile:
     """``profile`` with a draft curve of zero seconds: history drafts run no draft forward."""
     return replace(profile, draft=LatencyCurve((1, 2), (0.0, 0.0)))  # two points: a curve needs a segment
+
+
+def speculation_sizing(name: str, profile: LatencyProfile | None, *, neural: bool, history: bool) -> SizingPolicy:
+    """The registered sizing policy ``name`` for speculation with a neural draft (``neural``) and/or
+    history drafts (``history``): history alone sizes chains that cost no draft forward; a neural
+    draft merged with history gets, for the adaptive policies, a ``MergedSizing`` that each step takes
+    the better of the neural tree (history chains merged in) and the history's chains alone."""
+    def history_alone() -> SizingPolicy:
+        return make_sizing(name, profile=profile and history_profile(profile), **history_sizing_options(name))
+
+    if not neural:
+        return history_alone()
+    policy = make_sizing(name, profile=profile)
+    return MergedSizing(policy, history_alone()) if history and name in ("fastgrpo", "cost") else policy
 
 
 def propose_history(state: DecodeState, corpus: HistoryCorpus, drafts: HistoryDrafts, num_chains: int, depth: int,

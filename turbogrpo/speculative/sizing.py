@@ -66,6 +66,11 @@ class SizingPolicy:
         tokens generated so far by the furthest live sequence."""
         raise NotImplementedError
 
+    def predicted_gain(self, num_live: int) -> float:
+        """Predicted token rate of this policy's tree at ``num_live`` over plain decoding's (1.0: no
+        prediction)."""
+        return 1.0
+
     def feedback(self, tree: DraftTree, verdict: TreeVerdict) -> torch.Tensor | None:
         """Device statistics of a verified step, sent to the host with the step's other results."""
         return None
@@ -231,6 +236,13 @@ class CostSizing(SizingPolicy):
             return tree
         return None
 
+    def predicted_gain(self, num_live: int) -> float:
+        if self._expected is None:
+            self.refresh()
+        if num_live not in self._choices:
+            self._choices[num_live] = self._best_shape(num_live)
+        return self._choices[num_live][1]
+
     MIN_REALISED = 2  # tree steps of a bucket before its realised gain can veto trees
 
     @staticmethod
@@ -299,7 +311,12 @@ class CostSizing(SizingPolicy):
             catch_up_tokens = num_live * (expected + 1)
         seconds = (draft.at(torch.as_tensor(catch_up_tokens, dtype=torch.float64))
                    + (depth - 1) * draft.at(num_live * top_k) + verify.at(num_live * nodes))
-        return (seconds * self.tree_scale).clamp(min=1e-9)
+        return (seconds * self._current_tree_scale()).clamp(min=1e-9)
+
+    def _current_tree_scale(self) -> float:
+        # Until a tree step is timed, trees are assumed to miss the curves as plain steps do (an
+        # untimed neutral 1.0 against a measured plain scale would price trees by a different clock).
+        return self.tree_scale if self.num_timed["tree"] else self.plain_scale
 
     def observe_time(self, num_live: int, shape: TreeShape | None, seconds: float, catch_up_tokens: int = 0) -> None:
         kind = "plain" if shape is None else "tree"
@@ -308,7 +325,7 @@ class CostSizing(SizingPolicy):
             ratio = seconds / max(self.profile.verify(num_live), 1e-9)
         else:
             k, l, n = (torch.tensor([[float(v)]], dtype=torch.float64) for v in shape)
-            ratio = seconds * self.tree_scale / float(self._tree_time(num_live, k, l, n, 0.0, catch_up_tokens))
+            ratio = seconds * self._current_tree_scale() / float(self._tree_time(num_live, k, l, n, 0.0, catch_up_tokens))
         # The first measurement replaces the neutral start; later ones move an exponential average.
         weight = 1.0 if self.num_timed[kind] == 0 else self.TIME_WEIGHT
         scale = self.plain_scale if shape is None else self.tree_scale
@@ -370,6 +387,78 @@ class CostSizing(SizingPolicy):
         weight = 1.0 if entry[1] == 0 else self.TIME_WEIGHT
         entry[0] += weight * (gain - entry[0])
         entry[1] += 1
+
+
+class MergedSizing(SizingPolicy):
+    """Sizing for a neural draft merged with history drafts: two policies, one per kind of tree.
+
+    ``neural`` sizes the neural draft's trees (with the history's chains merged in); ``history`` sizes
+    trees of history chains alone, which run no draft forward. Each step takes the tree of the policy
+    predicting the larger gain over plain decoding (``predicted_gain``; a policy without predictions
+    counts as 1), and plays plain where neither speculates. What a tree step teaches (its time and
+    acceptance counts) goes to the policy that chose it; plain steps' times and completion lengths go
+    to both; the draft's changes (``forget``, ``observe_startup``) concern ``neural`` only. So at
+    greedy decoding of a recurring prompt the history's long chains run where the neural draft's
+    trees do not pay, and the other way round.
+    """
+
+    name = "merged"
+
+    def __init__(self, neural: SizingPolicy, history: SizingPolicy):
+        self.neural, self.history = neural, history
+        self.history_alone = False
+        """Whether the last tree chosen is the history's chains alone (host state, per step)."""
+
+    @property
+    def _chosen(self) -> SizingPolicy:
+        return self.history if self.history_alone else self.neural
+
+    def bounds(self) -> tuple[int, int]:
+        (neural_nodes, slots), (history_nodes, _) = self.neural.bounds(), self.history.bounds()
+        return max(neural_nodes, history_nodes), slots  # history chains write no draft slot
+
+    def choose(self, num_live: int, *, draft_ready: bool = True, position: int = 0) -> TreeShape | None:
+        neural = self.neural.choose(num_live, draft_ready=draft_ready, position=position)
+        history = self.history.choose(num_live, position=position)
+        self.history_alone = history is not None and (
+            neural is None or self.history.predicted_gain(num_live) > self.neural.predicted_gain(num_live))
+        return history if self.history_alone else neural
+
+    def feedback(self, tree: DraftTree, verdict: TreeVerdict) -> torch.Tensor | None:
+        return self._chosen.feedback(tree, verdict)
+
+    def observe(self, values: list[float]) -> None:
+        self._chosen.observe(values)
+
+    def observe_time(self, num_live: int, shape: TreeShape | None, seconds: float, catch_up_tokens: int = 0) -> None:
+        for policy in ((self.neural, self.history) if shape is None else (self._chosen,)):
+            policy.observe_time(num_live, shape, seconds, catch_up_tokens)
+
+    def observe_startup(self, seconds: float) -> None:
+        self.neural.observe_startup(seconds)
+
+    def observe_lengths(self, lengths: list[int]) -> None:
+        self.neural.observe_lengths(lengths)
+        self.history.observe_lengths(lengths)
+
+    def forget(self, keep: float) -> None:
+        self.neural.forget(keep)  # the history's chains do not depend on the draft
+
+    def describe(self) -> dict:
+        return {kind: policy.describe() if hasattr(policy, "describe") else None
+                for kind, policy in (("neural", self.neural), ("history", self.history))}
+
+    def state_dict(self) -> dict:
+        return {f"{kind}.{key}": value for kind, policy in (("neural", self.neural), ("history", self.history))
+                for key, value in policy.state_dict().items()}
+
+    def load_state_dict(self, state: dict) -> None:
+        if not any(key.startswith(("neural.", "history.")) for key in state):
+            self.neural.load_state_dict(state)  # a checkpoint from before merged sizing: the neural policy's
+            return
+        for kind, policy in (("neural", self.neural), ("history", self.history)):
+            prefix = f"{kind}."
+            policy.load_state_dict({k.removeprefix(prefix): v for k, v in state.items() if k.startswith(prefix)})
 
 
 def expected_accepted_table(acceptance: torch.Tensor, menu: list[tuple[int, int]], n_max: int) -> torch.Tensor:

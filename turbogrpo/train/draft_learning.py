@@ -40,10 +40,10 @@ from turbogrpo.rollout import Rollout
 from turbogrpo.speculative.decode import Speculation, SpeculativeStats
 from turbogrpo.speculative.draft import DraftHead
 from turbogrpo.speculative.built_drafts import resolve_draft_path
-from turbogrpo.speculative.history import HistoryDrafts
+from turbogrpo.speculative.history import HistoryDrafts, speculation_sizing
 from turbogrpo.speculative.draft_training import make_optimizer, num_trained, prompt_features, train_draft
 from turbogrpo.speculative.profiler import cached_profile
-from turbogrpo.speculative.sizing import SizingPolicy, make_sizing
+from turbogrpo.speculative.sizing import SizingPolicy
 
 FORGET = 0.5
 """Weight of the acceptance counts seen before a draft update: about the last two rollouts count."""
@@ -181,9 +181,9 @@ def build_online_draft(config: Config, policy: nn.Module, context_length: int) -
     if config.rollout.speculation in ("fastgrpo", "cost"):
         # Measured once per (model, device, context) and cached on disk: a few seconds the first time.
         profile = cached_profile(policy, context_length=context_length, draft=draft)
-    sizing = make_sizing(config.rollout.speculation, profile=profile)
-    optimizer = make_optimizer(draft, settings) if settings.learn else None
     history = HistoryDrafts() if settings.history else None  # one store for the run: prompts recur
+    sizing = speculation_sizing(config.rollout.speculation, profile, neural=True, history=history is not None)
+    optimizer = make_optimizer(draft, settings) if settings.learn else None
     return OnlineDraft(draft, sizing, optimizer, settings, history)
 
 
