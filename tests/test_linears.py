@@ -114,6 +114,7 @@ def test_the_schedule_names_a_registered_kernel_and_packs_only_eager_steps():
     assert set(LINEAR_KERNELS) == {"auto", "module", "onednn"}
     assert isinstance(onednn_is_faster(torch.float32, torch.get_num_threads()), bool)
     assert onednn_is_faster(torch.float64, 1) is False
+    assert linears.onednn_min_rows(torch.float32, torch.get_num_threads()) in (None, *linears.ROW_GRID)
     with pytest.raises(ValueError, match="linears must be one of"):
         DecodeSchedule(linears="mkl")
     with pytest.raises(ValueError, match="runner='eager' only"):
@@ -154,3 +155,44 @@ def test_a_model_trains_to_the_same_gradients_under_the_onednn_training_kernel()
     assert not any("forward" in m.__dict__ for m in model.modules())
     for name in reference:
         torch.testing.assert_close(ours[name], reference[name], atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_below_the_row_threshold_the_modules_own_product_runs_and_nothing_is_packed(monkeypatch):
+    model = build_model("llama", seed=2)
+    num_linears = sum(isinstance(m, nn.Linear) for m in model.modules())
+    products, packs = [], []
+    monkeypatch.setattr(linears, "onednn_product", lambda *args: products.append(args[0].shape) or onednn_product(*args))
+    monkeypatch.setattr(linears, "pack_weight", lambda *args: packs.append(1) or pack_weight(*args))
+    x = torch.randn(3, model.config.hidden_size)
+    layer = model.model.layers[0].mlp.up_proj
+    with onednn_linears([model], min_rows=4) as num_packed:
+        assert num_packed == num_linears
+        torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.weight))   # 3 rows: F.linear
+        assert products == [] and packs == []
+        wide = torch.randn(2, 2, model.config.hidden_size)                                   # 4 rows: oneDNN
+        torch.testing.assert_close(layer(wide), torch.nn.functional.linear(wide, layer.weight), atol=1e-5, rtol=1e-5)
+        layer(wide)
+        assert products == [(2, 2, model.config.hidden_size)] * 2 and packs == [1]           # packed once, lazily
+    # A rollout of 4 samples decodes 4 rows: every product by oneDNN from the first decoding step.
+    sampling = SamplingConfig(max_new_tokens=5, temperature=0.0)
+    products.clear()
+    with onednn_linears([model], min_rows=4):
+        ours = generate(model, random_prompts([6]), num_samples=4, sampling=sampling, seed=0, schedule=MODULES)
+    assert products and all(shape[0] * (shape[1] if len(shape) == 3 else 1) >= 4 for shape in products)
+    reference = generate(model, random_prompts([6]), num_samples=4, sampling=sampling, seed=0, schedule=MODULES)
+    assert [t.tolist() for t in ours.tokens] == [t.tolist() for t in reference.tokens]
+
+
+def test_the_training_kernel_leaves_few_row_products_to_f_linear(monkeypatch):
+    layer = nn.Linear(8, 6)
+    calls = []
+    monkeypatch.setattr(linears, "onednn_product", lambda *args: calls.append(1) or onednn_product(*args))
+    with TRAINING_LINEAR_KERNELS["onednn"]([layer]):
+        layer(torch.randn(2, 8)).sum().backward()
+    assert calls  # min_rows 1: every product
+    calls.clear()
+    with linears.onednn_training_linears([layer], min_rows=3):
+        layer(torch.randn(2, 8)).sum().backward()
+        assert not calls
+        layer(torch.randn(3, 8, requires_grad=True)).sum().backward()
+        assert len(calls) == 3  # the forward and both backward products

@@ -17,14 +17,17 @@ Kernels (``LINEAR_KERNELS``, chosen by ``DecodeSchedule.linears``):
 * ``onednn``: for the rollout's duration, every plain ``nn.Linear`` with a float32 or bfloat16 CPU
   weight multiplies by a packed copy of its weight (``torch.ops.mkldnn``), in the dtype ``F.linear``
   computes in there (under bf16 autocast, as the trainer's bf16 mode runs rollouts: the bf16 weight
-  that autocast would cast at every call, cast once). The copies are made when the
-  rollout starts (about 0.2 s for SmolLM2's 538 MB, like one copy of the weights) and freed when it
-  ends, so the weights an optimizer step just wrote are the ones used, and nothing is held between
-  rollouts. Modules it does not know how to run exactly are left as they are: subclasses that override
+  that autocast would cast at every call, cast once). Each copy is made at its module's first packed
+  call of the rollout (about 0.2 s for SmolLM2's 538 MB in all, like one copy of the weights) and freed
+  when the rollout ends, so the weights an optimizer step just wrote are the ones used, and nothing is
+  held between rollouts. Modules it does not know how to run exactly are left as they are: subclasses that override
   ``forward`` (quantized layers), modules with their own ``forward`` attribute (accelerate's offload
   hooks), weights that are not plain CPU tensors (FSDP's DTensors, meta), float64.
-* ``auto`` (the default): ``onednn`` where it is faster on this machine, measured once per process and
-  dtype (``onednn_is_faster``), else ``module``. Only for the eager plain and tree steps; compiled and
+* ``auto`` (the default): ``onednn`` from the row count where it is faster on this machine, with
+  ``F.linear`` below it, measured once per process and dtype with weights streamed from memory
+  (``onednn_min_rows``); ``module`` where oneDNN is not faster at 32 rows. On the 2-core Xeon (AMX)
+  MKL was 1.33x faster at 1-2 rows and oneDNN no faster at 32 (a SmolLM2 decoding step at B=1: 48.5 ms by MKL,
+  61.2 ms by oneDNN with its packing), so "auto" runs ``module`` there; on the AMD EPYC oneDNN. Only for the eager plain and tree steps; compiled and
   graph runners trace the modules as they are.
 
 Training (``TRAINING_LINEAR_KERNELS``, chosen by ``model.linear_kernel``) has the same three names. Its
@@ -81,17 +84,30 @@ def _compute_dtype(weight: torch.Tensor) -> torch.dtype:
     return torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else weight.dtype
 
 
+def _rows(input: torch.Tensor) -> int:
+    return input.numel() // max(input.shape[-1], 1)  # from the shape: no host sync
+
+
 class _PackedForward:
     """A module's forward for the rollout: ``F.linear`` on a packed copy of its weight in the dtype
     ``F.linear`` would compute in (under bf16 autocast: the bf16 weight autocast would cast at every call,
-    cast once). Inputs arrive in any dtype and are cast as autocast would."""
+    cast once). Inputs arrive in any dtype and are cast as autocast would. Inputs of fewer than
+    ``min_rows`` rows run the module's own ``F.linear`` (where that is faster here), unless that would
+    cast the weight at every call; the packed copy is made at the first call that uses it, so a
+    rollout that never multiplies ``min_rows`` rows packs nothing."""
 
-    def __init__(self, module: nn.Linear):
+    def __init__(self, module: nn.Linear, min_rows: int = 1):
+        self.module, self.min_rows = module, min_rows
         self.dtype = _compute_dtype(module.weight)
-        self.packed = pack_weight(module.weight, self.dtype)
+        self.own_dtype = self.dtype == module.weight.dtype
+        self.packed: torch.Tensor | None = None
         self.bias = None if module.bias is None else module.bias.detach().to(self.dtype)
 
     def __call__(self, input: torch.Tensor) -> torch.Tensor:
+        if self.own_dtype and _rows(input) < self.min_rows:
+            return torch.nn.functional.linear(input, self.module.weight, self.module.bias)
+        if self.packed is None:
+            self.packed = pack_weight(self.module.weight, self.dtype)
         return onednn_product(input.to(self.dtype), self.packed, self.bias)
 
 
@@ -101,12 +117,12 @@ def module_linears(roots: Iterable[nn.Module]) -> Iterator[int]:
     yield 0
 
 
-def onednn_linears(roots: Iterable[nn.Module]) -> contextlib.AbstractContextManager[int]:
+def onednn_linears(roots: Iterable[nn.Module], min_rows: int = 1) -> contextlib.AbstractContextManager[int]:
     """For the ``with`` block, every packable ``nn.Linear`` under ``roots`` runs ``onednn_product`` on a
-    packed copy of its weight as it is now, in the dtype it would compute in (yields how many modules run
-    so). The block must not change the weights, need gradients through them, or change autocast (a
-    rollout runs under ``no_grad`` and one autocast state)."""
-    return _replaced_forwards(roots, _PackedForward,
+    packed copy of its weight as it is now, in the dtype it would compute in, for inputs of at least
+    ``min_rows`` rows (yields how many modules run so). The block must not change the weights, need
+    gradients through them, or change autocast (a rollout runs under ``no_grad`` and one autocast state)."""
+    return _replaced_forwards(roots, functools.partial(_PackedForward, min_rows=min_rows),
                               lambda module: _compute_dtype(module.weight) in PACKABLE_DTYPES)
 
 
@@ -137,12 +153,13 @@ class _TrainingForward:
     """A module's forward while training: ``OneDnnLinear`` on its current weight (read at each call, so
     it follows the optimizer and any parameter swap), ``F.linear`` for what oneDNN is not used for here."""
 
-    def __init__(self, module: nn.Linear):
-        self.module = module
+    def __init__(self, module: nn.Linear, min_rows: int = 1):
+        self.module, self.min_rows = module, min_rows
 
     def __call__(self, input: torch.Tensor) -> torch.Tensor:
         weight, bias = self.module.weight, self.module.bias
-        if input.dtype != torch.float32 or weight.dtype != torch.float32 or torch.is_autocast_enabled("cpu"):
+        if (input.dtype != torch.float32 or weight.dtype != torch.float32 or torch.is_autocast_enabled("cpu")
+                or _rows(input) < self.min_rows):
             return torch.nn.functional.linear(input, weight, bias)
         return OneDnnLinear.apply(input, weight, bias)
 
@@ -169,9 +186,11 @@ def _replaced_forwards(roots: Iterable[nn.Module], make_forward: Callable[[nn.Li
             del module.forward
 
 
-def onednn_training_linears(roots: Iterable[nn.Module]) -> contextlib.AbstractContextManager[int]:
-    """For the ``with`` block, every plain float32 ``nn.Linear`` under ``roots`` runs ``OneDnnLinear``."""
-    return _replaced_forwards(roots, _TrainingForward, lambda module: module.weight.dtype == torch.float32)
+def onednn_training_linears(roots: Iterable[nn.Module], min_rows: int = 1) -> contextlib.AbstractContextManager[int]:
+    """For the ``with`` block, every plain float32 ``nn.Linear`` under ``roots`` runs ``OneDnnLinear`` for
+    inputs of at least ``min_rows`` rows."""
+    return _replaced_forwards(roots, functools.partial(_TrainingForward, min_rows=min_rows),
+                              lambda module: module.weight.dtype == torch.float32)
 
 
 def _median_seconds(function: Callable[[], object], repeats: int) -> float:
@@ -184,31 +203,59 @@ def _median_seconds(function: Callable[[], object], repeats: int) -> float:
     return statistics.median(times)
 
 
+ROW_GRID = (1, 2, 4, 8, 16, 32)
+"""Rows at which ``onednn_min_rows`` times both kernels."""
+NUM_TIMED_LAYERS = 12
+"""MLP weight pairs the timing cycles through (84 MB in float32): more than the caches hold, so that
+the weights stream from memory as a decoding step's do (with one pair, cache-resident weights favour
+MKL at few rows by up to 2x, which a real step does not see)."""
+
+
 @functools.cache
-def onednn_is_faster(dtype: torch.dtype, num_threads: int, margin: float = 1.1) -> bool:
-    """Whether oneDNN's packed product beats ``F.linear`` by ``margin`` on this CPU in ``dtype``, timed
-    once per process, dtype and thread count at a decoding step's shape (32 rows of a 576 x 1536 weight
-    and back, SmolLM2's MLP; about 30 ms)."""
+def onednn_min_rows(dtype: torch.dtype, num_threads: int, margin: float = 1.1) -> int | None:
+    """The fewest rows from which oneDNN's packed product beats ``F.linear`` here, or None where it
+    does not beat it by ``margin`` at 32 rows (then ``F.linear`` runs everywhere). Timed once per
+    process, dtype and thread count, at SmolLM2's MLP shape (576 x 1536 and back) for every row count
+    of ``ROW_GRID`` (about half a second): the smallest count at which oneDNN is faster there and at
+    every larger one. On the 2-core Xeon (AMX) MKL wins below a handful of rows; on the AMD EPYC oneDNN
+    wins at every count."""
     if not onednn_available() or dtype not in PACKABLE_DTYPES:
-        return False
+        return None
     generator = torch.Generator().manual_seed(0)
-    weights = [torch.randn(1536, 576, generator=generator).to(dtype), torch.randn(576, 1536, generator=generator).to(dtype)]
-    inputs = [torch.randn(32, 576, generator=generator).to(dtype), torch.randn(32, 1536, generator=generator).to(dtype)]
+    weights = [torch.randn(out, inner, generator=generator).to(dtype)
+               for _ in range(NUM_TIMED_LAYERS) for out, inner in ((1536, 576), (576, 1536))]
     packed = [pack_weight(w) for w in weights]
+    faster = {}
     with torch.no_grad():
-        dense_s = _median_seconds(lambda: [torch.nn.functional.linear(x, w) for x, w in zip(inputs, weights)], 15)
-        packed_s = _median_seconds(lambda: [onednn_product(x, p) for x, p in zip(inputs, packed)], 15)
-    return dense_s > margin * packed_s
+        for rows in ROW_GRID:
+            inputs = [torch.randn(rows, w.shape[1], generator=generator).to(dtype) for w in weights]
+            dense_s = _median_seconds(lambda: [torch.nn.functional.linear(x, w) for x, w in zip(inputs, weights)], 5)
+            packed_s = _median_seconds(lambda: [onednn_product(x, p) for x, p in zip(inputs, packed)], 5)
+            faster[rows] = dense_s > packed_s
+        if not dense_s > margin * packed_s:  # at the grid's largest count
+            return None
+    min_rows = ROW_GRID[-1]
+    for rows in reversed(ROW_GRID):
+        if not faster[rows]:
+            break
+        min_rows = rows
+    return min_rows
+
+
+def onednn_is_faster(dtype: torch.dtype, num_threads: int) -> bool:
+    """Whether "auto" runs oneDNN at all here (at some row count; ``onednn_min_rows``)."""
+    return onednn_min_rows(dtype, num_threads) is not None
 
 
 def _auto(kernel: Callable[[Iterable[nn.Module]], contextlib.AbstractContextManager[int]]):
-    """``kernel`` where the roots' weights are on the CPU in a dtype oneDNN runs faster here, else ``module_linears``."""
+    """``kernel`` from the row count where oneDNN runs faster here (``onednn_min_rows``) for the roots'
+    weights' dtype on the CPU, else ``module_linears``."""
     def choose(roots: Iterable[nn.Module]) -> contextlib.AbstractContextManager[int]:
         roots = list(roots)
         weight = next((p for root in roots for p in root.parameters()), None)
-        if weight is None or weight.device.type != "cpu" or not onednn_is_faster(weight.dtype, torch.get_num_threads()):
-            return module_linears(roots)
-        return kernel(roots)
+        min_rows = None if weight is None or weight.device.type != "cpu" else onednn_min_rows(
+            weight.dtype, torch.get_num_threads())
+        return module_linears(roots) if min_rows is None else kernel(roots, min_rows=min_rows)
     return choose
 
 

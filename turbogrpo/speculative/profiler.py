@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from turbogrpo.files import write_text_atomically
-from turbogrpo.linears import LINEAR_KERNELS, onednn_is_faster
+from turbogrpo.linears import LINEAR_KERNELS, onednn_min_rows
 from turbogrpo.rollout.engine import first_draw
 from turbogrpo.rollout.sampling import SamplingConfig
 from turbogrpo.rollout.step import PlainStep
@@ -132,8 +132,8 @@ def profile_key(model: nn.Module, *, context_length: int, draft: nn.Module | Non
 def default_linear_kernel(parameter: torch.Tensor) -> str:
     """The kernel a rollout's "auto" linears run with these weights (``turbogrpo.linears``): the profile
     is timed under it, and it moves the curve (on an AMD EPYC, oneDNN's 32-row step is a third of MKL's)."""
-    faster = parameter.device.type == "cpu" and onednn_is_faster(parameter.dtype, torch.get_num_threads())
-    return "onednn" if faster else "module"
+    min_rows = onednn_min_rows(parameter.dtype, torch.get_num_threads()) if parameter.device.type == "cpu" else None
+    return "module" if min_rows is None else "onednn" if min_rows == 1 else f"onednn-from{min_rows}rows"
 
 
 def device_name(device: torch.device) -> str:
