@@ -191,6 +191,26 @@ def test_trees_that_lose_at_one_live_batch_are_vetoed_there_only():
     assert restored.loses(16) and not restored.loses(1)
 
 
+def test_the_realised_gain_leaves_out_the_backlog_of_the_plain_steps_before_a_tree():
+    """An exploratory tree after a plain streak catches the draft up on the whole streak's tokens: a
+    cost of switching trees on, which must not veto trees that pay step by step."""
+    gains = {}
+    for backlog in (None, 32 * 4):
+        policy = timed_cost_policy(profile=profile(draft_ms_per_token=0.2))
+        policy.observe(TOP1_90_PERCENT)
+        policy.refresh()
+        shape = policy.choose(4)
+        counts = chain_counts(policy, 4, shape.depth, 0.9)
+        emitted = 4 + sum(counts[:len(counts) // 2])
+        catch_up = backlog or round(emitted)
+        predicted = float(policy._tree_time(4, *(torch.tensor([[float(v)]]) for v in shape), 0.0, catch_up))
+        policy.observe_time(4, shape, predicted, catch_up_tokens=catch_up)  # as slow as the curves say
+        policy.observe(counts)
+        gains[backlog] = policy.realised[policy.bucket(4)][0]
+    assert gains[None] > 1.5
+    assert gains[32 * 4] == pytest.approx(gains[None], rel=0.02)
+
+
 def test_policies_drive_a_rollout_and_record_tree_sizes():
     policy, draft, prompts = trained_pair()
     sampling = SamplingConfig(max_new_tokens=16, temperature=0.0)

@@ -26,9 +26,14 @@ Every policy is a small class in ``SIZING_POLICIES``; ``make_sizing(name, ...)``
   time of every step, as one scale factor for plain and one for tree steps. One factor cannot fit
   every live batch and shape, so the policy also keeps the *realised* gain of its trees per live-batch
   bucket (powers of two): the tokens a tree step emitted per second over what plain steps give at
-  that B. Where that has fallen below 1, trees are vetoed there whatever the model predicts (still
+  that B (leaving out the draft's catch-up on the backlog that plain steps before it left: an
+  exploratory tree pays for the whole plain streak, a cost of switching on, not of a tree step). Where that has fallen below 1, trees are vetoed there whatever the model predicts (still
   explored every ``EXPLORE_EVERY``-th step, so the veto lifts if the draft gets better): the guard
   behind "never slower than off".
+
+``MergedSizing`` (not a registered name: ``history.speculation_sizing`` builds it for a neural draft
+merged with history drafts) holds one policy per kind of tree and takes, each step, the one predicting
+the larger gain (``predicted_gain``).
 
 Policies see verification results through ``feedback`` (device tensors, returned in the step's one
 host transfer) and ``observe`` (the same numbers on the host).
@@ -320,7 +325,7 @@ class CostSizing(SizingPolicy):
 
     def observe_time(self, num_live: int, shape: TreeShape | None, seconds: float, catch_up_tokens: int = 0) -> None:
         kind = "plain" if shape is None else "tree"
-        self._timed_tree = None if shape is None else (num_live, seconds)
+        self._timed_tree = None if shape is None else (num_live, seconds, catch_up_tokens)
         if shape is None:
             ratio = seconds / max(self.profile.verify(num_live), 1e-9)
         else:
@@ -375,12 +380,24 @@ class CostSizing(SizingPolicy):
         self.trials += counts[1]
         self._new_observations += 1
         if self._timed_tree is not None:
-            num_live, seconds = self._timed_tree
+            num_live, seconds, catch_up_tokens = self._timed_tree
             self._timed_tree = None
             # Tokens per second of this step (every sequence's root plus the accepted draft tokens:
-            # each match is one) over plain decoding's at this B.
+            # each match is one) over plain decoding's at this B, as the step would run among tree
+            # steps: without the catch-up on a backlog that plain steps before it left.
             emitted = num_live + float(counts[0].sum())
+            seconds = max(seconds - self._backlog_seconds(catch_up_tokens, emitted), 0.5 * seconds)
             self._record_gain(num_live, emitted * self._plain_time(num_live) / (num_live * max(seconds, 1e-9)))
+
+    def _backlog_seconds(self, catch_up_tokens: int, steady_tokens: float) -> float:
+        """The part of a catch-up pass over ``catch_up_tokens`` pairs beyond the ``steady_tokens`` a run of
+        tree steps leaves (the tokens the last step emitted): the cost of switching trees on after plain
+        steps (an exploratory tree pays the whole streak's backlog), not of a tree step. From the draft
+        curve, at the tree steps' measured scale."""
+        if catch_up_tokens <= steady_tokens:
+            return 0.0
+        draft = self.profile.draft
+        return self._current_tree_scale() * max(draft(catch_up_tokens) - draft(steady_tokens), 0.0)
 
     def _record_gain(self, num_live: int, gain: float) -> None:
         entry = self.realised.setdefault(self.bucket(num_live), [gain, 0])
