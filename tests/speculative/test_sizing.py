@@ -172,14 +172,14 @@ def test_trees_that_lose_at_one_live_batch_are_vetoed_there_only():
     policy.refresh()
     shapes = {1: policy.choose(1), 16: policy.choose(16)}
     assert None not in shapes.values()
-    for _ in range(3):
+    for _ in range(policy.MIN_REALISED):
         for num_live, slowdown in ((16, 3.0), (1, 1.0)):
             shape = shapes[num_live]
             predicted = float(policy._tree_time(num_live, *(torch.tensor([[float(v)]]) for v in shape), 0.0, num_live))
             policy.observe_time(num_live, shape, slowdown * predicted / policy.tree_scale, catch_up_tokens=num_live)
             policy.observe(chain_counts(policy, num_live, shape.depth, 0.9))  # as accepted as before
     realised = policy.describe()["realised_gain_by_bucket"]
-    assert realised[16]["gain"] < 1 < realised[1]["gain"] and realised[16]["tree_steps"] == 3
+    assert realised[16]["gain"] < 1 < realised[1]["gain"] and realised[16]["tree_steps"] == policy.MIN_REALISED
     assert policy.loses(16) and policy.loses(20) and not policy.loses(1) and not policy.loses(8)
     policy.refresh()
     assert policy._best_shape(16)[1] > 1 + policy.margin   # the time model alone would still speculate
@@ -206,9 +206,27 @@ def test_the_realised_gain_leaves_out_the_backlog_of_the_plain_steps_before_a_tr
         predicted = float(policy._tree_time(4, *(torch.tensor([[float(v)]]) for v in shape), 0.0, catch_up))
         policy.observe_time(4, shape, predicted, catch_up_tokens=catch_up)  # as slow as the curves say
         policy.observe(counts)
-        gains[backlog] = policy.realised[policy.bucket(4)][0]
+        gains[backlog] = policy.describe()["realised_gain_by_bucket"][policy.bucket(4)]["gain"]
     assert gains[None] > 1.5
     assert gains[32 * 4] == pytest.approx(gains[None], rel=0.02)
+
+
+def test_the_realised_gain_of_one_token_or_two_is_their_ratio_of_sums_not_the_last_few():
+    """At B=1 a tree step emits 1 or 2 tokens: a run of misses must not veto trees that pay on average."""
+    policy = timed_cost_policy()
+    plain = policy._plain_time(1)
+    for emitted in [2, 2, 2, 1, 1, 1, 1, 2, 1, 2]:          # 1.5 tokens for 1.2 plain steps' time: 1.25x
+        policy._record_gain(1, emitted * plain, 1.2 * plain)
+        if policy.realised[1][2] >= policy.MIN_REALISED:
+            assert not policy.loses(1)
+    assert policy.describe()["realised_gain_by_bucket"][1]["gain"] == pytest.approx(1.25, abs=0.1)
+    for _ in range(12):
+        policy._record_gain(1, 1 * plain, 1.2 * plain)       # a draft that stopped matching: 0.83x
+    assert policy.loses(1)
+    old = policy.state_dict()
+    old["realised"] = {"1": [0.9, 5]}                        # a checkpoint from before the ratio of sums
+    policy.load_state_dict(old)
+    assert policy.loses(1) and policy.describe()["realised_gain_by_bucket"][1] == {"gain": 0.9, "tree_steps": 5}
 
 
 def test_policies_drive_a_rollout_and_record_tree_sizes():

@@ -25,9 +25,11 @@ Every policy is a small class in ``SIZING_POLICIES``; ``make_sizing(name, ...)``
   bookkeeping around the forwards, a machine busier than when profiled) is learnt from the measured
   time of every step, as one scale factor for plain and one for tree steps. One factor cannot fit
   every live batch and shape, so the policy also keeps the *realised* gain of its trees per live-batch
-  bucket (powers of two): the tokens a tree step emitted per second over what plain steps give at
-  that B (leaving out the draft's catch-up on the backlog that plain steps before it left: an
-  exploratory tree pays for the whole plain streak, a cost of switching on, not of a tree step). Where that has fallen below 1, trees are vetoed there whatever the model predicts (still
+  bucket (powers of two): the tokens its tree steps emitted per second over what plain steps give at
+  that B, as a ratio of decayed sums over the bucket's recent tree steps (leaving out the draft's
+  catch-up on the backlog that plain steps before a tree left: an exploratory tree pays for the whole
+  plain streak, a cost of switching on, not of a tree step). Where that has fallen below 1 over at
+  least ``MIN_REALISED`` tree steps, trees are vetoed there whatever the model predicts (still
   explored every ``EXPLORE_EVERY``-th step, so the veto lifts if the draft gets better): the guard
   behind "never slower than off".
 
@@ -194,7 +196,8 @@ class CostSizing(SizingPolicy):
         self.startup_seconds = 0.0   # the draft's prompt pass, as last measured
         self.past_lengths: deque[int] = deque(maxlen=self.LENGTH_HISTORY)
         self._lengths = torch.zeros(0, dtype=torch.float64)  # past_lengths as a tensor, for the quantile
-        # Live-batch bucket -> [realised gain of its tree steps (an exponential average), tree steps seen]
+        # Live-batch bucket -> [decayed sums of its tree steps' tokens x plain seconds per token and of
+        # their sequences x seconds (the realised gain is their ratio), tree steps seen]
         self.realised: dict[int, list[float]] = {}
         self._timed_tree: tuple[int, float] | None = None   # (B, seconds) of the tree step awaiting its counts
 
@@ -248,7 +251,8 @@ class CostSizing(SizingPolicy):
             self._choices[num_live] = self._best_shape(num_live)
         return self._choices[num_live][1]
 
-    MIN_REALISED = 2  # tree steps of a bucket before its realised gain can veto trees
+    MIN_REALISED = 4  # tree steps of a bucket before its realised gain can veto trees
+    REALISED_DECAY = 0.9  # weight of earlier tree steps in the realised gain, per tree step of the bucket
 
     @staticmethod
     def bucket(num_live: int) -> int:
@@ -258,8 +262,8 @@ class CostSizing(SizingPolicy):
     def loses(self, num_live: int) -> bool:
         """Whether measured tree steps at about this live batch emitted fewer tokens per second than
         plain steps do (realised gain below 1 over at least ``MIN_REALISED`` of them)."""
-        gain, count = self.realised.get(self.bucket(num_live), (1.0, 0))
-        return count >= self.MIN_REALISED and gain < 1.0
+        entry = self.realised.get(self.bucket(num_live))
+        return entry is not None and entry[2] >= self.MIN_REALISED and entry[0] < entry[1]
 
     def _repays_startup(self, num_live: int, position: int, gain: float) -> bool:
         """Whether speculating from here on saves more time than the draft's prompt pass costs: the
@@ -346,8 +350,8 @@ class CostSizing(SizingPolicy):
         """What the policy has learnt (for logs and benchmarks)."""
         return {"plain_scale": self.plain_scale, "tree_scale": self.tree_scale, "num_timed": dict(self.num_timed),
                 "top1_acceptance_by_depth": self.acceptance()[:, 0].tolist(),
-                "realised_gain_by_bucket": {b: {"gain": g, "tree_steps": int(n)} for b, (g, n) in
-                                            sorted(self.realised.items())}}
+                "realised_gain_by_bucket": {b: {"gain": saved / max(spent, 1e-12), "tree_steps": int(n)}
+                                            for b, (saved, spent, n) in sorted(self.realised.items())}}
 
     def feedback(self, tree: DraftTree, verdict: TreeVerdict) -> torch.Tensor:
         return acceptance_counts(tree, verdict, self.l_max, self.k_max)
@@ -370,8 +374,10 @@ class CostSizing(SizingPolicy):
         self.past_lengths.clear()
         self.observe_lengths(list(state["past_lengths"]))
         self._plain_streak = state["plain_streak"]
-        # Checkpoints from before the realised-gain guard have none: it starts empty.
-        self.realised = {int(b): list(v) for b, v in state.get("realised", {}).items()}
+        # Checkpoints from before the realised-gain guard have none: it starts empty. Those from before
+        # the ratio of sums hold [gain, count]: a gain over one unit of time.
+        self.realised = {int(b): list(v) if len(v) == 3 else [v[0], 1.0, v[1]]
+                         for b, v in state.get("realised", {}).items()}
         self._expected = None
 
     def observe(self, values: list[float]) -> None:
@@ -387,7 +393,7 @@ class CostSizing(SizingPolicy):
             # steps: without the catch-up on a backlog that plain steps before it left.
             emitted = num_live + float(counts[0].sum())
             seconds = max(seconds - self._backlog_seconds(catch_up_tokens, emitted), 0.5 * seconds)
-            self._record_gain(num_live, emitted * self._plain_time(num_live) / (num_live * max(seconds, 1e-9)))
+            self._record_gain(num_live, emitted * self._plain_time(num_live), num_live * max(seconds, 1e-9))
 
     def _backlog_seconds(self, catch_up_tokens: int, steady_tokens: float) -> float:
         """The part of a catch-up pass over ``catch_up_tokens`` pairs beyond the ``steady_tokens`` a run of
@@ -399,11 +405,17 @@ class CostSizing(SizingPolicy):
         draft = self.profile.draft
         return self._current_tree_scale() * max(draft(catch_up_tokens) - draft(steady_tokens), 0.0)
 
-    def _record_gain(self, num_live: int, gain: float) -> None:
-        entry = self.realised.setdefault(self.bucket(num_live), [gain, 0])
-        weight = 1.0 if entry[1] == 0 else self.TIME_WEIGHT
-        entry[0] += weight * (gain - entry[0])
-        entry[1] += 1
+    def _record_gain(self, num_live: int, plain_seconds: float, seconds: float) -> None:
+        """Add a tree step to its bucket's realised gain: ``plain_seconds``, what plain steps would have
+        taken for the tokens it emitted (times B), against the ``seconds`` it took (times B). A ratio
+        of decayed sums, not an average of per-step ratios: at B=1 a step emits 1 or 2 tokens, so
+        single ratios swing by 2x, and an average that followed the last few swung below 1 (a veto)
+        often enough to keep paying trees off (SmolLM2 greedy at B=1: 0.96 realised from trees that
+        ran 1.23x)."""
+        entry = self.realised.setdefault(self.bucket(num_live), [0.0, 0.0, 0])
+        entry[0] = self.REALISED_DECAY * entry[0] + plain_seconds
+        entry[1] = self.REALISED_DECAY * entry[1] + seconds
+        entry[2] += 1
 
 
 class MergedSizing(SizingPolicy):
