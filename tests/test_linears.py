@@ -115,6 +115,8 @@ def test_the_schedule_names_a_registered_kernel_and_packs_only_eager_steps():
     assert isinstance(onednn_is_faster(torch.float32, torch.get_num_threads()), bool)
     assert onednn_is_faster(torch.float64, 1) is False
     assert linears.onednn_min_rows(torch.float32, torch.get_num_threads()) in (None, *linears.ROW_GRID)
+    assert linears.onednn_trains_faster(torch.float32, torch.get_num_threads()) in (None, 1)
+    assert linears.onednn_trains_faster(torch.bfloat16, 1) is None  # bf16 training runs autocast's F.linear
     with pytest.raises(ValueError, match="linears must be one of"):
         DecodeSchedule(linears="mkl")
     with pytest.raises(ValueError, match="runner='eager' only"):

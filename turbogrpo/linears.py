@@ -30,7 +30,8 @@ Kernels (``LINEAR_KERNELS``, chosen by ``DecodeSchedule.linears``):
   61.2 ms by oneDNN with its packing), so "auto" runs ``module`` there; on the AMD EPYC oneDNN. Only for the eager plain and tree steps; compiled and
   graph runners trace the modules as they are.
 
-Training (``TRAINING_LINEAR_KERNELS``, chosen by ``model.linear_kernel``) has the same three names. Its
+Training (``TRAINING_LINEAR_KERNELS``, chosen by ``model.linear_kernel``) has the same three names
+("auto" decides by timing a training-sized forward and backward, ``onednn_trains_faster``). Its
 ``onednn`` runs each plain float32 ``nn.Linear``'s forward and both backward products (``grad_input =
 grad_output @ W``, ``grad_W = grad_output^T @ input``) through oneDNN on the tensors as they are, no
 packing (the weights change at every optimizer step): SmolLM2's forward + backward of 8 zero-shot
@@ -247,27 +248,49 @@ def onednn_is_faster(dtype: torch.dtype, num_threads: int) -> bool:
     return onednn_min_rows(dtype, num_threads) is not None
 
 
-def _auto(kernel: Callable[[Iterable[nn.Module]], contextlib.AbstractContextManager[int]]):
-    """``kernel`` from the row count where oneDNN runs faster here (``onednn_min_rows``) for the roots'
-    weights' dtype on the CPU, else ``module_linears``."""
+def _auto(kernel: Callable[..., contextlib.AbstractContextManager[int]],
+          min_rows_for: Callable[[torch.dtype, int], int | None]):
+    """``kernel`` from the row count ``min_rows_for(dtype, threads)`` gives for the roots' weights on the
+    CPU (where oneDNN runs faster here), else ``module_linears`` (None: nowhere)."""
     def choose(roots: Iterable[nn.Module]) -> contextlib.AbstractContextManager[int]:
         roots = list(roots)
         weight = next((p for root in roots for p in root.parameters()), None)
-        min_rows = None if weight is None or weight.device.type != "cpu" else onednn_min_rows(
+        min_rows = None if weight is None or weight.device.type != "cpu" else min_rows_for(
             weight.dtype, torch.get_num_threads())
         return module_linears(roots) if min_rows is None else kernel(roots, min_rows=min_rows)
     return choose
 
 
+@functools.cache
+def onednn_trains_faster(dtype: torch.dtype, num_threads: int, margin: float = 1.1) -> int | None:
+    """1 where ``OneDnnLinear``'s forward and backward beat ``F.linear``'s by ``margin`` here, else None
+    (the ``min_rows`` of "auto" training). Timed once per process and thread count at a training
+    shape, 512 rows through SmolLM2's 576 x 1536 MLP weight (about half a second): a decoding step's
+    few rows say nothing about it."""
+    if not onednn_available() or dtype != torch.float32:
+        return None
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(1536, 576, generator=generator, requires_grad=True)
+    input = torch.randn(512, 576, generator=generator, requires_grad=True)
+    grad = torch.randn(512, 1536, generator=generator)
+
+    def step(product) -> None:
+        torch.autograd.grad(product(input, weight, None), (input, weight), grad)
+
+    dense_s = _median_seconds(lambda: step(torch.nn.functional.linear), 5)
+    onednn_s = _median_seconds(lambda: step(OneDnnLinear.apply), 5)
+    return 1 if dense_s > margin * onednn_s else None
+
+
 LINEAR_KERNELS: dict[str, Callable[[Iterable[nn.Module]], contextlib.AbstractContextManager[int]]] = {
-    "auto": _auto(onednn_linears),
+    "auto": _auto(onednn_linears, onednn_min_rows),
     "module": module_linears,
     "onednn": onednn_linears,
 }
 """Name -> a context manager over the rollout's modules (see the module docstring)."""
 
 TRAINING_LINEAR_KERNELS: dict[str, Callable[[Iterable[nn.Module]], contextlib.AbstractContextManager[int]]] = {
-    "auto": _auto(onednn_training_linears),
+    "auto": _auto(onednn_training_linears, onednn_trains_faster),
     "module": module_linears,
     "onednn": onednn_training_linears,
 }

@@ -293,11 +293,15 @@ def test_merged_sizing_takes_the_better_kind_and_teaches_the_one_that_ran():
     neural, history = Scripted(TreeShape(4, 3, 10), 1.3), Scripted(TreeShape(1, 8, 9), 2.0)
     merged = MergedSizing(neural, history)
     assert merged.bounds() == (10, 8)     # the larger tree; only the neural tree writes draft slots
+    tried = [merged.choose(4) for _ in range(2 * merged.MIN_TRIES)]   # each kind a few times first
+    assert tried.count(TreeShape(1, 8, 9)) == tried.count(TreeShape(4, 3, 10)) == merged.MIN_TRIES
     assert merged.choose(4) == TreeShape(1, 8, 9) and merged.history_alone   # the larger predicted gain
     assert merged.feedback(None, None).item() == 2.0
     merged.observe([1.0])
     merged.observe_time(4, TreeShape(1, 8, 9), 0.1)
     assert history.taught == [("counts", [1.0]), ("time", TreeShape(1, 8, 9))] and neural.taught == []
+    picks = [merged.choose(4) for _ in range(2 * merged.EXPLORE_EVERY)]   # the other kind now and then
+    assert picks.count(TreeShape(4, 3, 10)) == 2 and merged.tries["neural"] == merged.MIN_TRIES + 2
     history.gain = 1.1
     assert merged.choose(4) == TreeShape(4, 3, 10) and not merged.history_alone
     merged.observe_time(4, TreeShape(4, 3, 10), 0.1)
@@ -306,6 +310,10 @@ def test_merged_sizing_takes_the_better_kind_and_teaches_the_one_that_ran():
     assert neural.taught[-1] == history.taught[-1] == ("time", None)
     merged.forget(0.5)                    # the draft changed: the history's chains did not
     assert neural.taught[-1] == ("forget", 0.5) and history.taught[-1] == ("time", None)
+    merged.observe_lengths([5, 7])        # a rollout ended: the store changed, each kind is tried again
+    assert history.taught[-1] == ("forget", merged.HISTORY_KEEP) and neural.taught[-1] == ("forget", 0.5)
+    assert merged.tries == {"neural": 0, "history": 0}
+    merged.tries = {"neural": merged.MIN_TRIES, "history": merged.MIN_TRIES}
     neural.shape = None                   # the neural draft plays plain: the chains alone still run
     assert merged.choose(4) == TreeShape(1, 8, 9) and merged.history_alone
     history.shape = None

@@ -432,11 +432,22 @@ class MergedSizing(SizingPolicy):
     """
 
     name = "merged"
+    MIN_TRIES = 2
+    """Tree steps each kind runs first in a rollout, where both would speculate, before predictions decide: a
+    policy learns its acceptance only from its own trees (merged trees teach the neural policy what
+    the chains in them accepted too, so without a few tries of its own the history's policy would
+    stay at its prior and lose to them)."""
+    EXPLORE_EVERY = 16
+    """Where both would speculate, one tree step in this many runs the kind predictions do not
+    favour, so that its statistics follow the text (the history's chains find nothing in the first
+    rollout of a prompt, and much once its store holds that rollout)."""
 
     def __init__(self, neural: SizingPolicy, history: SizingPolicy):
         self.neural, self.history = neural, history
         self.history_alone = False
         """Whether the last tree chosen is the history's chains alone (host state, per step)."""
+        self.tries = {"neural": 0, "history": 0}
+        self._favoured_streak = 0
 
     @property
     def _chosen(self) -> SizingPolicy:
@@ -449,9 +460,20 @@ class MergedSizing(SizingPolicy):
     def choose(self, num_live: int, *, draft_ready: bool = True, position: int = 0) -> TreeShape | None:
         neural = self.neural.choose(num_live, draft_ready=draft_ready, position=position)
         history = self.history.choose(num_live, position=position)
-        self.history_alone = history is not None and (
-            neural is None or self.history.predicted_gain(num_live) > self.neural.predicted_gain(num_live))
-        return history if self.history_alone else neural
+        if history is None or neural is None:
+            self.history_alone = history is not None
+        elif min(self.tries.values()) < self.MIN_TRIES:
+            self.history_alone = self.tries["history"] <= self.tries["neural"]
+        else:
+            favoured = self.history.predicted_gain(num_live) > self.neural.predicted_gain(num_live)
+            self._favoured_streak += 1
+            explore = self._favoured_streak >= self.EXPLORE_EVERY
+            self._favoured_streak = 0 if explore else self._favoured_streak
+            self.history_alone = favoured != explore
+        chosen = history if self.history_alone else neural
+        if chosen is not None:
+            self.tries["history" if self.history_alone else "neural"] += 1
+        return chosen
 
     def feedback(self, tree: DraftTree, verdict: TreeVerdict) -> torch.Tensor | None:
         return self._chosen.feedback(tree, verdict)
@@ -466,9 +488,17 @@ class MergedSizing(SizingPolicy):
     def observe_startup(self, seconds: float) -> None:
         self.neural.observe_startup(seconds)
 
+    HISTORY_KEEP = 0.5
+    """Weight of the history's acceptance counts after each rollout: its candidates change with its
+    store (a prompt's first rollout finds little, the next one its whole text)."""
+
     def observe_lengths(self, lengths: list[int]) -> None:
+        """A rollout ended: the history's store has changed, so its counts are discounted and each
+        kind is tried again first in the next rollout."""
         self.neural.observe_lengths(lengths)
         self.history.observe_lengths(lengths)
+        self.history.forget(self.HISTORY_KEEP)
+        self.tries = dict.fromkeys(self.tries, 0)
 
     def forget(self, keep: float) -> None:
         self.neural.forget(keep)  # the history's chains do not depend on the draft
