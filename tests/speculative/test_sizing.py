@@ -229,6 +229,27 @@ def test_the_realised_gain_of_one_token_or_two_is_their_ratio_of_sums_not_the_la
     assert policy.loses(1) and policy.describe()["realised_gain_by_bucket"][1] == {"gain": 0.9, "tree_steps": 5}
 
 
+def test_the_realised_gain_compares_a_tree_with_plain_steps_at_its_own_live_batch():
+    """Plain steps run 2x the curve at B=1 (overhead) and as profiled at B=64: a tree step at B=64 that
+    emits 1.3 tokens for 1.55x a plain step's time loses (0.84x), though the global plain scale (pulled
+    up by B=1) would call it a gain."""
+    policy = timed_cost_policy()
+    for _ in range(20):
+        policy.observe_time(1, None, 2.0 * policy.profile.verify(1))
+        policy.observe_time(64, None, policy.profile.verify(64))
+    policy.observe_time(1, None, 2.0 * policy.profile.verify(1))
+    assert policy.plain_scale > 1.5 and policy.plain_scale_by_bucket[64] == pytest.approx(1.0)
+    counts = chain_counts(policy, 64, 1, 0.3)
+    for _ in range(policy.MIN_REALISED):
+        policy.observe_time(64, TreeShape(1, 1, 2), 1.55 * policy.profile.verify(64), catch_up_tokens=83)
+        policy.observe(counts)
+    assert policy.describe()["realised_gain_by_bucket"][64]["gain"] == pytest.approx(1.3 / 1.55, rel=0.02)
+    assert policy.loses(64)
+    restored = CostSizing(profile())
+    restored.load_state_dict(policy.state_dict())
+    assert restored.plain_scale_by_bucket == policy.plain_scale_by_bucket
+
+
 def test_policies_drive_a_rollout_and_record_tree_sizes():
     policy, draft, prompts = trained_pair()
     sampling = SamplingConfig(max_new_tokens=16, temperature=0.0)

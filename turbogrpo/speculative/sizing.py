@@ -26,7 +26,7 @@ Every policy is a small class in ``SIZING_POLICIES``; ``make_sizing(name, ...)``
   time of every step, as one scale factor for plain and one for tree steps. One factor cannot fit
   every live batch and shape, so the policy also keeps the *realised* gain of its trees per live-batch
   bucket (powers of two): the tokens its tree steps emitted per second over what plain steps give at
-  that B, as a ratio of decayed sums over the bucket's recent tree steps (leaving out the draft's
+  that B (the curve at B times the plain steps' measured scale in that bucket), as a ratio of decayed sums over the bucket's recent tree steps (leaving out the draft's
   catch-up on the backlog that plain steps before a tree left: an exploratory tree pays for the whole
   plain streak, a cost of switching on, not of a tree step). Where that has fallen below 1 over at
   least ``MIN_REALISED`` tree steps, trees are vetoed there whatever the model predicts (still
@@ -188,6 +188,10 @@ class CostSizing(SizingPolicy):
         self.plain_scale = 1.0
         self.tree_scale = 1.0
         self.num_timed = {"plain": 0, "tree": 0}
+        # Live-batch bucket -> plain_scale measured there alone: the realised gain compares a tree step
+        # with plain steps at its own B (the overhead the curves miss is a different share at B=1 and
+        # B=64, so one scale overstated plain steps at B=64 and made losing trees look like gains there).
+        self.plain_scale_by_bucket: dict[int, float] = {}
         self._expected: torch.Tensor | None = None  # [menu, n_max]: E[accepted] with N = 1 + index
         # B -> (best tree, its predicted token rate over plain decoding's)
         self._choices: dict[int, tuple[TreeShape | None, float]] = {}
@@ -199,7 +203,8 @@ class CostSizing(SizingPolicy):
         # Live-batch bucket -> [decayed sums of its tree steps' tokens x plain seconds per token and of
         # their sequences x seconds (the realised gain is their ratio), tree steps seen]
         self.realised: dict[int, list[float]] = {}
-        self._timed_tree: tuple[int, float] | None = None   # (B, seconds) of the tree step awaiting its counts
+        # (B, seconds, catch-up pairs) of the tree step awaiting its counts
+        self._timed_tree: tuple[int, float, int] | None = None
 
     def bounds(self) -> tuple[int, int]:
         return self.n_max, (self.l_max - 1) * self.k_max
@@ -341,6 +346,10 @@ class CostSizing(SizingPolicy):
         scale += weight * (ratio - scale)
         if shape is None:
             self.plain_scale = scale
+            bucket = self.bucket(num_live)
+            previous = self.plain_scale_by_bucket.get(bucket)
+            self.plain_scale_by_bucket[bucket] = ratio if previous is None else previous + self.TIME_WEIGHT * (
+                ratio - previous)
         else:
             self.tree_scale = scale
         self.num_timed[kind] += 1
@@ -349,6 +358,7 @@ class CostSizing(SizingPolicy):
     def describe(self) -> dict:
         """What the policy has learnt (for logs and benchmarks)."""
         return {"plain_scale": self.plain_scale, "tree_scale": self.tree_scale, "num_timed": dict(self.num_timed),
+                "plain_scale_by_bucket": dict(sorted(self.plain_scale_by_bucket.items())),
                 "top1_acceptance_by_depth": self.acceptance()[:, 0].tolist(),
                 "realised_gain_by_bucket": {b: {"gain": saved / max(spent, 1e-12), "tree_steps": int(n)}
                                             for b, (saved, spent, n) in sorted(self.realised.items())}}
@@ -365,7 +375,8 @@ class CostSizing(SizingPolicy):
         return {"matches": self.matches.clone(), "trials": self.trials.clone(), "plain_scale": self.plain_scale,
                 "tree_scale": self.tree_scale, "num_timed": dict(self.num_timed),
                 "startup_seconds": self.startup_seconds, "past_lengths": list(self.past_lengths),
-                "plain_streak": self._plain_streak, "realised": {str(b): v for b, v in self.realised.items()}}
+                "plain_streak": self._plain_streak, "realised": {str(b): v for b, v in self.realised.items()},
+                "plain_scale_by_bucket": {str(b): v for b, v in self.plain_scale_by_bucket.items()}}
 
     def load_state_dict(self, state: dict) -> None:
         self.matches, self.trials = state["matches"].to(torch.float64), state["trials"].to(torch.float64)
@@ -378,6 +389,7 @@ class CostSizing(SizingPolicy):
         # the ratio of sums hold [gain, count]: a gain over one unit of time.
         self.realised = {int(b): list(v) if len(v) == 3 else [v[0], 1.0, v[1]]
                          for b, v in state.get("realised", {}).items()}
+        self.plain_scale_by_bucket = {int(b): v for b, v in state.get("plain_scale_by_bucket", {}).items()}
         self._expected = None
 
     def observe(self, values: list[float]) -> None:
@@ -392,8 +404,11 @@ class CostSizing(SizingPolicy):
             # each match is one) over plain decoding's at this B, as the step would run among tree
             # steps: without the catch-up on a backlog that plain steps before it left.
             emitted = num_live + float(counts[0].sum())
+            # The backlog's share comes from a curve, a model: it never takes more than half the step.
             seconds = max(seconds - self._backlog_seconds(catch_up_tokens, emitted), 0.5 * seconds)
-            self._record_gain(num_live, emitted * self._plain_time(num_live), num_live * max(seconds, 1e-9))
+            plain_seconds = self.profile.verify(num_live) * self.plain_scale_by_bucket.get(
+                self.bucket(num_live), self.plain_scale)
+            self._record_gain(num_live, emitted * plain_seconds, num_live * max(seconds, 1e-9))
 
     def _backlog_seconds(self, catch_up_tokens: int, steady_tokens: float) -> float:
         """The part of a catch-up pass over ``catch_up_tokens`` pairs beyond the ``steady_tokens`` a run of
@@ -433,10 +448,10 @@ class MergedSizing(SizingPolicy):
 
     name = "merged"
     MIN_TRIES = 2
-    """Tree steps each kind runs first in a rollout, where both would speculate, before predictions decide: a
-    policy learns its acceptance only from its own trees (merged trees teach the neural policy what
-    the chains in them accepted too, so without a few tries of its own the history's policy would
-    stay at its prior and lose to them)."""
+    """Tree steps each kind runs first in a rollout, where both would speculate, before predictions
+    decide: a policy learns its acceptance only from its own trees (merged trees teach the neural
+    policy what the chains in them accepted too, so without a few tries of its own the history's
+    policy would stay at its prior and lose to them)."""
     EXPLORE_EVERY = 16
     """Where both would speculate, one tree step in this many runs the kind predictions do not
     favour, so that its statistics follow the text (the history's chains find nothing in the first
