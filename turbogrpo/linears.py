@@ -20,15 +20,16 @@ Kernels (``LINEAR_KERNELS``, chosen by ``DecodeSchedule.linears``):
   that autocast would cast at every call, cast once). Each copy is made at its module's first packed
   call of the rollout (about 0.2 s for SmolLM2's 538 MB in all, like one copy of the weights) and freed
   when the rollout ends, so the weights an optimizer step just wrote are the ones used, and nothing is
-  held between rollouts. Modules it does not know how to run exactly are left as they are: subclasses that override
-  ``forward`` (quantized layers), modules with their own ``forward`` attribute (accelerate's offload
-  hooks), weights that are not plain CPU tensors (FSDP's DTensors, meta), float64.
+  held between rollouts. Modules it does not know how to run exactly are left as they are: subclasses
+  that override ``forward`` (quantized layers), modules with their own ``forward`` attribute
+  (accelerate's offload hooks), weights that are not plain CPU tensors (FSDP's DTensors, meta), float64.
 * ``auto`` (the default): ``onednn`` from the row count where it is faster on this machine, with
   ``F.linear`` below it, measured once per process and dtype with weights streamed from memory
-  (``onednn_min_rows``); ``module`` where oneDNN is not faster at 32 rows. On the 2-core Xeon (AMX)
-  MKL was 1.33x faster at 1-2 rows and oneDNN no faster at 32 (a SmolLM2 decoding step at B=1: 48.5 ms by MKL,
-  61.2 ms by oneDNN with its packing), so "auto" runs ``module`` there; on the AMD EPYC oneDNN. Only for the eager plain and tree steps; compiled and
-  graph runners trace the modules as they are.
+  (``onednn_min_rows``); ``module`` where oneDNN is not 1.1x faster at 32 rows. On the 2-core Xeon
+  (AMX) it is not (all 211 weights at 1 / 4 / 32 rows: oneDNN 0.77x / 1.23x / 1.05x MKL's speed, ``python
+  bench/decode_ops.py --threads 2 --parts linears --calls 1 --out decode_ops_linears_xeon``), so "auto"
+  runs ``module`` there; on the AMD EPYC oneDNN (2.87x at 32 rows). Only for the eager plain and tree
+  steps; compiled and graph runners trace the modules as they are.
 
 Training (``TRAINING_LINEAR_KERNELS``, chosen by ``model.linear_kernel``) has the same three names
 ("auto" decides by timing a training-sized forward and backward, ``onednn_trains_faster``). Its
@@ -226,18 +227,18 @@ def onednn_min_rows(dtype: torch.dtype, num_threads: int, margin: float = 1.1) -
     weights = [torch.randn(out, inner, generator=generator).to(dtype)
                for _ in range(NUM_TIMED_LAYERS) for out, inner in ((1536, 576), (576, 1536))]
     packed = [pack_weight(w) for w in weights]
-    faster = {}
+    speedup = {}  # rows -> F.linear's time over oneDNN's
     with torch.no_grad():
         for rows in ROW_GRID:
             inputs = [torch.randn(rows, w.shape[1], generator=generator).to(dtype) for w in weights]
             dense_s = _median_seconds(lambda: [torch.nn.functional.linear(x, w) for x, w in zip(inputs, weights)], 5)
             packed_s = _median_seconds(lambda: [onednn_product(x, p) for x, p in zip(inputs, packed)], 5)
-            faster[rows] = dense_s > packed_s
-        if not dense_s > margin * packed_s:  # at the grid's largest count
-            return None
+            speedup[rows] = dense_s / packed_s
+    if speedup[ROW_GRID[-1]] <= margin:
+        return None
     min_rows = ROW_GRID[-1]
     for rows in reversed(ROW_GRID):
-        if not faster[rows]:
+        if speedup[rows] <= 1.0:
             break
         min_rows = rows
     return min_rows

@@ -26,9 +26,10 @@ Every policy is a small class in ``SIZING_POLICIES``; ``make_sizing(name, ...)``
   time of every step, as one scale factor for plain and one for tree steps. One factor cannot fit
   every live batch and shape, so the policy also keeps the *realised* gain of its trees per live-batch
   bucket (powers of two): the tokens its tree steps emitted per second over what plain steps give at
-  that B (the curve at B times the plain steps' measured scale in that bucket), as a ratio of decayed sums over the bucket's recent tree steps (leaving out the draft's
-  catch-up on the backlog that plain steps before a tree left: an exploratory tree pays for the whole
-  plain streak, a cost of switching on, not of a tree step). Where that has fallen below 1 over at
+  that B (the curve at B times the plain steps' measured scale in that bucket), as a ratio of
+  decayed sums over the bucket's recent tree steps (leaving out the draft's catch-up on the backlog
+  that plain steps before a tree left: an exploratory tree pays for the whole plain streak, a cost
+  of switching on, not of a tree step). Where that has fallen below 1 over at
   least ``MIN_REALISED`` tree steps, trees are vetoed there whatever the model predicts (still
   explored every ``EXPLORE_EVERY``-th step, so the veto lifts if the draft gets better): the guard
   behind "never slower than off".
@@ -229,14 +230,18 @@ class CostSizing(SizingPolicy):
         self._choices.clear()
         self._new_observations = 0
 
-    def choose(self, num_live: int, *, draft_ready: bool = True, position: int = 0) -> TreeShape | None:
+    def _choice(self, num_live: int) -> tuple[TreeShape | None, float]:
+        """The best tree at ``num_live`` and its predicted gain, from the current tables (cached)."""
         if self._expected is None or self._new_observations >= self.REFRESH_STEPS:
             self.refresh()
-        if self.num_timed["plain"] == 0:
-            return None  # one measured plain step anchors the comparison before any tree is tried
         if num_live not in self._choices:
             self._choices[num_live] = self._best_shape(num_live)
-        tree, gain = self._choices[num_live]
+        return self._choices[num_live]
+
+    def choose(self, num_live: int, *, draft_ready: bool = True, position: int = 0) -> TreeShape | None:
+        if self.num_timed["plain"] == 0:
+            return None  # one measured plain step anchors the comparison before any tree is tried
+        tree, gain = self._choice(num_live)
         if (gain > 1 + self.margin and not self.loses(num_live)
                 and (draft_ready or self._repays_startup(num_live, position, gain))):
             self._plain_streak = 0
@@ -250,11 +255,7 @@ class CostSizing(SizingPolicy):
         return None
 
     def predicted_gain(self, num_live: int) -> float:
-        if self._expected is None:
-            self.refresh()
-        if num_live not in self._choices:
-            self._choices[num_live] = self._best_shape(num_live)
-        return self._choices[num_live][1]
+        return self._choice(num_live)[1]
 
     MIN_REALISED = 4  # tree steps of a bucket before its realised gain can veto trees
     REALISED_DECAY = 0.9  # weight of earlier tree steps in the realised gain, per tree step of the bucket
@@ -339,7 +340,8 @@ class CostSizing(SizingPolicy):
             ratio = seconds / max(self.profile.verify(num_live), 1e-9)
         else:
             k, l, n = (torch.tensor([[float(v)]], dtype=torch.float64) for v in shape)
-            ratio = seconds * self._current_tree_scale() / float(self._tree_time(num_live, k, l, n, 0.0, catch_up_tokens))
+            predicted = float(self._tree_time(num_live, k, l, n, 0.0, catch_up_tokens))
+            ratio = seconds * self._current_tree_scale() / predicted
         # The first measurement replaces the neutral start; later ones move an exponential average.
         weight = 1.0 if self.num_timed[kind] == 0 else self.TIME_WEIGHT
         scale = self.plain_scale if shape is None else self.tree_scale
