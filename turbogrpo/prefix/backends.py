@@ -29,6 +29,7 @@ from typing import ClassVar, NamedTuple
 import torch
 import torch.nn.functional as F
 
+from turbogrpo.hook import causal_band
 from turbogrpo.prefix.compile import eager_plan
 from turbogrpo.prefix.kernels import (attention_backward, attention_forward, flash_varlen_available, merge_partials,
                                       varlen_backward, varlen_forward)
@@ -65,10 +66,16 @@ def select_backend(name: str, device: torch.device, requires_grad: bool) -> Pref
 
 
 class PrefixAttention:
-    """Base class of a backend: ``plan(layout)`` gives the attention plan of one pack."""
+    """Base class of a backend: ``plan(layout)`` gives the attention plan of one pack.
+
+    ``attend(plan, q, k, v, scaling, sliding_window)``: ``sliding_window`` is None unless the layer's
+    window is shorter than the pack's longest sequence; backends with ``supports_sliding_window``
+    apply it (``0 <= q_pos - k_pos < window``, as transformers does), the others are never called with one.
+    """
 
     name: ClassVar[str]
     unavailable_hint: ClassVar[str] = ""
+    supports_sliding_window: ClassVar[bool] = False
 
     def available(self, device: torch.device, requires_grad: bool) -> bool:
         return True
@@ -76,50 +83,68 @@ class PrefixAttention:
     def plan(self, layout: PackedGroups) -> PackPlan:
         return PackPlan(self, layout)
 
-    def attend(self, plan: PackPlan, query, key, value, scaling):
+    def attend(self, plan: PackPlan, query, key, value, scaling, sliding_window):
         raise NotImplementedError
 
 
 class PackPlan:
     """A backend bound to one pack: what ``hook.run_decoder`` calls in every attention layer.
-    ``block_mask``: a per-pack mask a backend builds once and every layer shares (flex)."""
+    ``cached(key, build)``: per-pack masks a backend builds once and every layer shares."""
 
-    def __init__(self, backend: PrefixAttention, layout: PackedGroups, block_mask=None):
-        self.backend, self.layout, self.block_mask = backend, layout, block_mask
+    def __init__(self, backend: PrefixAttention, layout: PackedGroups):
+        self.backend, self.layout = backend, layout
+        self._cache: dict = {}
+
+    def cached(self, key, build: Callable):
+        if key not in self._cache:
+            self._cache[key] = build()
+        return self._cache[key]
 
     @eager_plan
     def __call__(self, module, query, key, value, *, scaling: float, sliding_window: int | None):
-        if sliding_window is not None and self.layout.max_sequence_length > sliding_window:
+        if sliding_window is not None and self.layout.max_sequence_length <= sliding_window:
+            sliding_window = None   # the window hides nothing in this pack
+        if sliding_window is not None and not self.backend.supports_sliding_window:
+            windowed = [name for name, backend in BACKENDS.items() if backend.supports_sliding_window]
             raise ValueError(
                 f"layer {module.layer_idx} uses a sliding window of {sliding_window} tokens but a sequence "
-                f"in this pack is {self.layout.max_sequence_length} tokens long; the shared-prefix layout "
-                "implements full causal attention only. Shorten the sequences or disable the sliding window.")
-        return self.backend.attend(self, query, key, value, scaling)
+                f"in this pack is {self.layout.max_sequence_length} tokens long, and attention backend "
+                f"{self.backend.name!r} implements full causal attention only; use one of {windowed} "
+                "(or backend='auto', which picks one).")
+        return self.backend.attend(self, query, key, value, scaling, sliding_window)
 
 
 @register_backend("reference")
 class ReferenceAttention(PrefixAttention):
-    def attend(self, plan, query, key, value, scaling):
-        out = F.scaled_dot_product_attention(query, key, value, attn_mask=plan.layout.dense_mask(),
+    supports_sliding_window = True
+
+    def attend(self, plan, query, key, value, scaling, sliding_window):
+        mask = plan.cached(("dense", sliding_window), lambda: plan.layout.dense_mask(sliding_window))
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask,
                                              scale=scaling, enable_gqa=query.shape[1] != key.shape[1])
         return out.transpose(1, 2)
 
 
 @register_backend("cascade")
 class CascadeAttention(PrefixAttention):
-    def attend(self, plan, query, key, value, scaling):
+    supports_sliding_window = True
+
+    def attend(self, plan, query, key, value, scaling, sliding_window):
         layout = plan.layout
         (q_prompt, q_completion), (k_prompt, k_completion), (v_prompt, v_completion) = (
             _split_prompt_completion(layout, x) for x in (query, key, value))
 
         prompts = layout.prompt_padded
-        # Padding sits at the end of each row, so plain causal masking never lets a real query see it.
+        # Padding sits at the end of each row, so causal masking (banded under a sliding window) never
+        # lets a real query see it.
+        band = causal_band(prompts.width, sliding_window, query.device)
         out_prompt = F.scaled_dot_product_attention(
-            _rows(prompts, q_prompt), _rows(prompts, k_prompt), _rows(prompts, v_prompt),
-            is_causal=True, scale=scaling, enable_gqa=query.shape[1] != key.shape[1])
+            _rows(prompts, q_prompt), _rows(prompts, k_prompt), _rows(prompts, v_prompt), attn_mask=band,
+            is_causal=band is None, scale=scaling, enable_gqa=query.shape[1] != key.shape[1])
+        parts = plan.cached(("parts", sliding_window, query.dtype),
+                            lambda: _padded_completion_parts(layout, query.dtype, sliding_window))
         out_completion = MergedPartsAttention.apply(
-            _padded_completion_parts(layout, query.dtype), scaling,
-            q_completion, k_prompt, v_prompt, k_completion, v_completion)
+            parts, scaling, q_completion, k_prompt, v_prompt, k_completion, v_completion)
         return torch.cat([_unrows(prompts, out_prompt), out_completion]).unsqueeze(0)
 
 
@@ -140,7 +165,7 @@ class VarlenAttention(PrefixAttention):
         # Off CUDA the segment-loop reference runs anywhere (slow, but exact: the tests use it).
         return device.type != "cuda" or flash_varlen_available()
 
-    def attend(self, plan, query, key, value, scaling):
+    def attend(self, plan, query, key, value, scaling, sliding_window):
         layout = plan.layout
         (q_prompt, q_completion), (k_prompt, k_completion), (v_prompt, v_completion) = (
             _split_prompt_completion(layout, x) for x in (query, key, value))
@@ -166,14 +191,9 @@ class PaddedCausalAttention:
 
     @eager_plan
     def __call__(self, module, query, key, value, *, scaling: float, sliding_window: int | None):
-        gqa = query.shape[1] != key.shape[1]
-        if sliding_window is None or self.length <= sliding_window:
-            out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=gqa)
-        else:
-            offsets = torch.arange(self.length, device=query.device)
-            distance = offsets[:, None] - offsets[None, :]
-            band = (distance >= 0) & (distance < sliding_window)
-            out = F.scaled_dot_product_attention(query, key, value, attn_mask=band, scale=scaling, enable_gqa=gqa)
+        band = causal_band(self.length, sliding_window, query.device)
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=band, is_causal=band is None,
+                                             scale=scaling, enable_gqa=query.shape[1] != key.shape[1])
         return out.transpose(1, 2)
 
 
@@ -204,12 +224,16 @@ class _PaddedPart(NamedTuple):
 
     queries: PaddedIndex
     keys: PaddedIndex
-    key_bias: torch.Tensor | None   # additive [R, 1, 1, W_keys] mask for padded keys
+    key_bias: torch.Tensor | None   # additive mask: [R, 1, 1, W_keys] for padded keys, [R, 1, W_q, W_keys] windowed
     causal: bool
+    hidden_rows: torch.Tensor | None = None   # [R, 1, W_q] queries that see no key of this part (a window)
 
     def forward(self, q, k, v, scale):
         out, lse = attention_forward(_rows(self.queries, q), _rows(self.keys, k), _rows(self.keys, v),
                                      self.key_bias, causal=self.causal, scale=scale)
+        if self.hidden_rows is not None:
+            # Such a row's output is 0; its log-sum-exp is -inf (CPU flash reports 0), so merging ignores it.
+            lse = lse.masked_fill(self.hidden_rows, float("-inf"))
         return _unrows(self.queries, out), _unrows(self.queries, lse[..., None])[..., 0], lse
 
     def backward(self, grad_out, q, k, v, out, lse, part_lse_rows, scale):
@@ -253,17 +277,30 @@ class _VarlenPart(NamedTuple):
         return dict(lengths_q=self.queries.lengths, lengths_k=self.keys.lengths)
 
 
-def _padded_completion_parts(layout: PackedGroups, dtype: torch.dtype) -> tuple[_PaddedPart, _PaddedPart]:
+def _padded_completion_parts(layout: PackedGroups, dtype: torch.dtype,
+                             sliding_window: int | None = None) -> tuple[_PaddedPart, _PaddedPart]:
     """shared: a group's completion tokens (all G completions in one row) against its prompt;
-    own: each completion's tokens against themselves, causally."""
-    prompts = layout.prompt_padded
-    bias = None
-    if not prompts.is_dense:
-        bias = torch.zeros(prompts.valid.shape, dtype=dtype, device=prompts.valid.device)
-        bias = bias.masked_fill(~prompts.valid, float("-inf"))[:, None, None, :]
-    shared = _PaddedPart(layout.group_queries_padded, prompts, bias, causal=False)
-    own = _PaddedPart(layout.completions_padded, layout.completions_padded, None, causal=True)
+    own: each completion's tokens against themselves, causally. Under a sliding window both parts
+    also hide keys ``window`` or more positions behind the query."""
+    prompts, completions = layout.prompt_padded, layout.completions_padded
+    if sliding_window is None:
+        bias = None if prompts.is_dense else _additive(prompts.valid, dtype)[:, None, None, :]
+        shared = _PaddedPart(layout.group_queries_padded, prompts, bias, causal=False)
+        own = _PaddedPart(completions, completions, None, causal=True)
+        return shared, own
+    key_positions = torch.arange(prompts.width, device=layout.device)
+    query_positions = layout.group_query_positions_padded                      # [Ng, Q_max]
+    visible = prompts.valid[:, None, :] & (query_positions[:, :, None] - key_positions < sliding_window)
+    shared = _PaddedPart(layout.group_queries_padded, prompts, _additive(visible, dtype)[:, None], causal=False,
+                         hidden_rows=~visible.any(-1)[:, None])                 # bias [Ng, 1, Q_max, P_max]
+    band = causal_band(completions.width, sliding_window, layout.device)
+    own = _PaddedPart(completions, completions, None if band is None else _additive(band, dtype), causal=True)
     return shared, own
+
+
+def _additive(keep: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Boolean keep-mask -> additive float mask (0 kept, -inf hidden)."""
+    return torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill(~keep, float("-inf"))
 
 
 def _varlen_completion_parts(layout: PackedGroups) -> tuple[_VarlenPart, _VarlenPart]:
@@ -348,20 +385,30 @@ class FlexAttention(PrefixAttention):
             self._kernels[device.type] = (flex_attention, create_block_mask)
         return self._kernels[device.type]
 
-    def plan(self, layout):
-        _, create_block_mask = self.kernels(layout.device)
-        length = layout.num_prompt_tokens + layout.num_completion_tokens
-        return PackPlan(self, layout, create_block_mask(attention_rule(layout), None, None, length, length,
-                                                        device=layout.device))
+    supports_sliding_window = True
 
-    def attend(self, plan, query, key, value, scaling):
+    def plan(self, layout):
+        plan = PackPlan(self, layout)
+        self.block_mask(plan, None)   # built with the pack, before the first layer runs
+        return plan
+
+    def block_mask(self, plan: PackPlan, sliding_window: int | None):
+        """The pack's block mask under ``sliding_window`` (None: full causal), built once per pack."""
+        def build():
+            _, create_block_mask = self.kernels(plan.layout.device)
+            length = plan.layout.num_prompt_tokens + plan.layout.num_completion_tokens
+            return create_block_mask(attention_rule(plan.layout, sliding_window), None, None, length, length,
+                                     device=plan.layout.device)
+        return plan.cached(("block_mask", sliding_window), build)
+
+    def attend(self, plan, query, key, value, scaling, sliding_window):
         flex_attention, _ = self.kernels(query.device)
-        out = flex_attention(query, key, value, block_mask=plan.block_mask, scale=scaling,
+        out = flex_attention(query, key, value, block_mask=self.block_mask(plan, sliding_window), scale=scaling,
                              enable_gqa=query.shape[1] != key.shape[1])
         return out.transpose(1, 2)
 
 
-def attention_rule(layout: PackedGroups) -> Callable:
+def attention_rule(layout: PackedGroups, sliding_window: int | None = None) -> Callable:
     """The layout's attention rule as a FlexAttention ``mask_mod(b, h, q_idx, kv_idx) -> bool``."""
     group, completion = layout.segment_ids
     pos = layout.position_ids
@@ -369,4 +416,10 @@ def attention_rule(layout: PackedGroups) -> Callable:
     def rule(b, h, q_idx, kv_idx):
         return ((group[q_idx] == group[kv_idx]) & (pos[kv_idx] <= pos[q_idx])
                 & ((completion[kv_idx] == -1) | (completion[kv_idx] == completion[q_idx])))
-    return rule
+
+    if sliding_window is None:
+        return rule
+
+    def windowed_rule(b, h, q_idx, kv_idx):
+        return rule(b, h, q_idx, kv_idx) & (pos[q_idx] - pos[kv_idx] < sliding_window)
+    return windowed_rule

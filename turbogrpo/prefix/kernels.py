@@ -42,7 +42,9 @@ def attention_forward(q, k, v, bias, *, causal: bool, scale: float):
     k, v = k.repeat_interleave(num_rep, 1), v.repeat_interleave(num_rep, 1)
     scores = _scores(q, k, bias, causal, scale)
     lse = torch.logsumexp(scores, dim=-1)
-    out = torch.matmul(torch.exp(scores - lse[..., None]).to(v.dtype), v)
+    # A row whose keys are all masked (a sliding window) gets output 0 and log-sum-exp -inf, not NaN.
+    finite_lse = lse.masked_fill(lse == float("-inf"), 0.0)
+    out = torch.matmul(torch.exp(scores - finite_lse[..., None]).to(v.dtype), v)
     return out, lse
 
 

@@ -120,14 +120,30 @@ class PackedGroups:
         completion = torch.cat([torch.full((self.num_prompt_tokens,), -1), completion_of_completion])
         return upload(group, self.device), upload(completion, self.device)
 
-    def dense_mask(self) -> torch.Tensor:
-        """The attention rule as a dense boolean ``[T, T]`` mask (query, key): the reference."""
+    @cached_property
+    def group_query_positions_padded(self) -> torch.Tensor:
+        """Position id of each slot of :attr:`group_queries_padded`, ``[Ng, Q_max]`` long; pad slots
+        take their group's last prompt position (so a windowed pad query still sees a key)."""
+        width = self.group_queries_padded.width
+        rows = []
+        for p_len, s_lens in zip(self.prompt_lengths, self.completion_lengths):
+            row = torch.full((width,), p_len - 1)
+            row[:sum(s_lens)] = torch.cat([torch.arange(p_len, p_len + s) for s in s_lens])
+            rows.append(row)
+        return upload(torch.stack(rows), self.device)
+
+    def dense_mask(self, sliding_window: int | None = None) -> torch.Tensor:
+        """The attention rule as a dense boolean ``[T, T]`` mask (query, key): the reference. Under a
+        sliding window a query also skips keys ``window`` or more positions behind it."""
         group, completion = self.segment_ids
         pos = self.position_ids
         same_group = group[:, None] == group[None, :]
         key_is_prompt = (completion == -1)[None, :]
         same_completion = completion[:, None] == completion[None, :]
-        causal = pos[None, :] <= pos[:, None]
+        distance = pos[:, None] - pos[None, :]
+        causal = distance >= 0
+        if sliding_window is not None:
+            causal = causal & (distance < sliding_window)
         return same_group & causal & (key_is_prompt | same_completion)
 
 

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from turbogrpo.hook import run_decoder
+from turbogrpo.hook import causal_band, run_decoder
 from turbogrpo.rollout.attention import merge_partials, partial_attention, partial_attention_for
 from turbogrpo.rollout.kv_cache import GroupedKVCache
 
@@ -29,11 +29,7 @@ def causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
                      sliding_window: int | None) -> torch.Tensor:
     """Causal (optionally sliding-window) attention over right-padded rows: ``[B, H, T, D]`` queries,
     ``[B, Hkv, T, D]`` keys/values -> ``[B, T, H, D]``. Padding sits after every real query."""
-    mask = None
-    if sliding_window is not None:
-        positions = torch.arange(query.shape[2], device=query.device)
-        distance = positions[:, None] - positions[None, :]
-        mask = (distance >= 0) & (distance < sliding_window)
+    mask = causal_band(query.shape[2], sliding_window, query.device)
     out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, is_causal=mask is None,
                                          scale=scaling, enable_gqa=True)
     return out.transpose(1, 2)
