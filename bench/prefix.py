@@ -9,6 +9,8 @@ Forward + backward of a loss on the completion log-probs, for GRPO-shaped batche
     python bench/prefix.py --shapes 1024x128x8   # some shapes (writes results/prefix_partial.json)
     python bench/prefix.py --model smollm2       # the real model on GSM8K prompts (results/prefix_smollm2.json)
     python bench/prefix.py --model smollm2 --dtype bfloat16   # the same under CPU autocast (..._bf16.json)
+    python bench/prefix.py --model gemma3        # Gemma 3 270M (results/prefix_gemma3.json): the few-shot
+                                                 # shape exceeds its 512-token sliding window
 
 On the real model (bench/real_model.py) the batch is one GSM8K test prompt under the chat template, with
 and without 4 worked train solutions in the system prompt, and G=8 completions of 128 token ids drawn
@@ -160,13 +162,22 @@ def check_agreement(model, prompts, completions) -> float:
     return (a - b).abs().max().item()
 
 
-def real_model_main(repeats: int, warmup: int, dtype: str = "float32", completion_len: int = 128,
-                    group: int = 8) -> None:
-    """``dtype`` "bfloat16": every contender runs under CPU autocast (float32 weights, bfloat16 matmuls),
-    as turbogrpo's ``model.dtype = "bfloat16"`` trains, against the bfloat16 large-matmul rate."""
-    from real_model import REAL_MODEL, chat_prompts, large_matmul_gflops, load_real_model
+def _applied_window(config) -> int | None:
+    """The model's sliding window if some layer has one (else None)."""
+    window = getattr(config, "sliding_window", None)
+    return window if window and "sliding_attention" in (getattr(config, "layer_types", None) or ()) else None
 
-    model, tokenizer = load_real_model()
+
+def real_model_main(repeats: int, warmup: int, dtype: str = "float32", completion_len: int = 128,
+                    group: int = 8, model_key: str = "smollm2") -> None:
+    """``dtype`` "bfloat16": every contender runs under CPU autocast (float32 weights, bfloat16 matmuls),
+    as turbogrpo's ``model.dtype = "bfloat16"`` trains, against the bfloat16 large-matmul rate.
+    ``model_key``: a key of ``real_model.REAL_MODELS``."""
+    from real_model import REAL_MODELS, chat_prompts, large_matmul_gflops, load_real_model
+
+    model_name = REAL_MODELS[model_key]
+    model, tokenizer = load_real_model(model_name)
+    window = _applied_window(model.config)
     model.train()
     compute_dtype = getattr(torch, dtype)
     large_rate = large_matmul_gflops(compute_dtype)
@@ -198,14 +209,17 @@ def real_model_main(repeats: int, warmup: int, dtype: str = "float32", completio
                   "speedup_vs_prefix_grouper": pg / ours, "flop_ratio": flops.ratio,
                   "speedup_over_flop_ratio": (std / ours) / flops.ratio, "gflops": gflops,
                   "fraction_of_large_matmul": {n: g / large_rate for n, g in gflops.items()},
-                  "max_abs_logprob_gap": max_gap}
+                  "max_abs_logprob_gap": max_gap,
+                  # prefix_grouper's attention is full causal: under a window that applies it does the
+                  # same work but computes other values (timed only); ours and standard apply the window.
+                  "sliding_window_applies": window is not None and P + completion_len > window}
         records.append(record)
         rows.append([record["prompt"], P, std, pg, ours, std / ours, flops.ratio, pg / ours, gflops["turbogrpo"],
                      gflops["turbogrpo"] / large_rate, f"{max_gap:.1e}"])
-        write_results("prefix_smollm2" + ("" if dtype == "float32" else "_bf16"), {
-            "model": REAL_MODEL, "dtype": dtype, "repeats": repeats, "warmup": warmup,
+        write_results(f"prefix_{model_key}" + ("" if dtype == "float32" else "_bf16"), {
+            "model": model_name, "dtype": dtype, "repeats": repeats, "warmup": warmup,
             "large_matmul_gflops": large_rate, "load_average": os.getloadavg(), "shapes": records})
-    print_table(f"fwd+bwd seconds on {REAL_MODEL} ({dtype}, median of {repeats}), GSM8K prompt + {group} x {completion_len}; "
+    print_table(f"fwd+bwd seconds on {model_name} ({dtype}, median of {repeats}), GSM8K prompt + {group} x {completion_len}; "
                 f"large-matmul rate {large_rate:.0f} GFLOP/s",
                 ["prompt", "P", "standard", "prefix_grouper", "turbogrpo", "x std", "FLOP ratio", "x pg",
                  "ours GFLOP/s", "of matmul", "max |dlogp|"], rows)
@@ -214,8 +228,9 @@ def real_model_main(repeats: int, warmup: int, dtype: str = "float32", completio
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", choices=["bench", "smollm2"], default="bench",
-                        help="bench: the random bench model (default); smollm2: the real instruct model")
+    parser.add_argument("--model", choices=["bench", "smollm2", "gemma3"], default="bench",
+                        help="bench: the random bench model (default); smollm2: the real instruct model; "
+                             "gemma3: Gemma 3 270M (sliding-window layers, 262k vocabulary)")
     parser.add_argument("--quick", action="store_true", help="1 repeat, no warm-up, no memory probes")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--shapes", default=None, help="e.g. 1024x128x8,256x256x4")
@@ -227,8 +242,9 @@ def main() -> None:
         name, *dims = args.memory_probe
         return memory_probe(name, *map(int, dims))
 
-    if args.model == "smollm2":
-        return real_model_main(*((1, 0) if args.quick else (args.repeats, 1)), dtype=args.dtype)
+    if args.model != "bench":
+        return real_model_main(*((1, 0) if args.quick else (args.repeats, 1)), dtype=args.dtype,
+                               model_key=args.model)
     shapes = SHAPES if not args.shapes else [tuple(map(int, s.split("x"))) for s in args.shapes.split(",")]
     repeats, warmup = (1, 0) if args.quick else (args.repeats, 1)
     # Only a full run replaces the committed results; a partial one is written beside them.

