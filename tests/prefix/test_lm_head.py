@@ -13,8 +13,10 @@ def test_cpu_chunks_hold_the_tuned_budget_by_hand():
     cpu = torch.device("cpu")
     # 192 MiB / (16384 * (4 + 8) bytes) = 1024 rows: 2**24 float32 logits, the CPU bench's tuned size.
     assert lm_head.logit_chunk_rows(10_000, 16384, torch.float32, cpu) == 1024
-    # bf16 at Qwen2's vocabulary: 201326592 // (151936 * 10) = 132 rows.
-    assert lm_head.logit_chunk_rows(10_000, 151936, torch.bfloat16, cpu) == 132
+    # bf16 at Qwen2's vocabulary the budget gives 201326592 // (151936 * 10) = 132 rows; CPU chunks keep
+    # at least 256 rows (skinny GEMMs run far below the matmul rate), as at Gemma 3's 262k vocabulary.
+    assert lm_head.logit_chunk_rows(10_000, 151936, torch.bfloat16, cpu) == 256
+    assert lm_head.logit_chunk_rows(10_000, 262144, torch.float32, cpu) == 256
     assert lm_head.logit_chunk_rows(7, 16384, torch.float32, cpu) == 7          # never more than there are
     assert lm_head.logit_chunk_rows(10, 2 ** 40, torch.float32, cpu) == 1      # never fewer than one
 

@@ -33,6 +33,12 @@ _EXTRA_BYTES_PER_LOGIT = 8
 # CPU benchmark was tuned at; larger chunks only leave the caches sooner there.
 _CPU_CHUNK_BYTES = 2 ** 24 * (4 + _EXTRA_BYTES_PER_LOGIT)
 _CUDA_MEMORY_FRACTION = 1 / 64
+# CPU GEMMs of a few dozen rows run far below the machine's matmul rate, and a large vocabulary shrinks
+# the budget's chunks to that: at Gemma 3's 262k it gave 64 rows. Measured on a 2-core AMD EPYC (N=1024
+# rows, Hd=640, V=262144, float32 forward + backward, 3 runs each): 64-row chunks 16.6-20.9 s, 256-row
+# 11.1-14.1 s, one 1024-row chunk 9.5-11.8 s. So a CPU chunk has at least this many rows, while they
+# fit the saved-logits budget below.
+_CPU_MIN_CHUNK_ROWS = 256
 
 # Memory all of a call's logits may hold between forward and backward (instead of recomputing them):
 # 1/16 of the device's memory (1.5 GiB of the 24 GiB CPU machine, about 7,600 float32 rows at vocab
@@ -43,9 +49,14 @@ _SAVED_LOGITS_FRACTION = 1 / 16
 
 def logit_chunk_rows(num_rows: int, vocab: int, dtype: torch.dtype, device: torch.device) -> int:
     """Rows of ``[rows, V]`` logits to materialise at once: the device's chunk budget divided by a
-    row's transient bytes, at least 1 and at most ``num_rows``."""
+    row's transient bytes (on the CPU at least ``_CPU_MIN_CHUNK_ROWS`` while they fit the saved-logits
+    budget), at least 1 and at most ``num_rows``."""
     row_bytes = vocab * (torch.finfo(dtype).bits // 8 + _EXTRA_BYTES_PER_LOGIT)
-    return max(1, min(num_rows, _chunk_budget_bytes(device) // row_bytes))
+    rows = _chunk_budget_bytes(device) // row_bytes
+    if device.type == "cpu":
+        fitting = int(_device_memory_bytes(device) * _SAVED_LOGITS_FRACTION) // row_bytes
+        rows = max(rows, min(_CPU_MIN_CHUNK_ROWS, fitting))
+    return max(1, min(num_rows, rows))
 
 
 def recomputes_logits(num_rows: int, vocab: int, dtype: torch.dtype, device: torch.device) -> bool:
