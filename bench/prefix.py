@@ -43,6 +43,7 @@ from harness import (interleaved_medians, peak_rss_delta_mb, peak_rss_mb, print_
 
 import turbogrpo  # noqa: E402
 from turbogrpo.hook import lm_head_of, run_decoder  # noqa: E402
+from turbogrpo.prefix.auto import sliding_window_applies  # noqa: E402
 from turbogrpo.prefix.cost import ModelDims, layout_flops  # noqa: E402
 
 SHAPES = [(1024, 128, 8), (2048, 256, 16), (256, 256, 4), (128, 512, 8)]
@@ -162,12 +163,6 @@ def check_agreement(model, prompts, completions) -> float:
     return (a - b).abs().max().item()
 
 
-def _applied_window(config) -> int | None:
-    """The model's sliding window if some layer has one (else None)."""
-    window = getattr(config, "sliding_window", None)
-    return window if window and "sliding_attention" in (getattr(config, "layer_types", None) or ()) else None
-
-
 def real_model_main(repeats: int, warmup: int, dtype: str = "float32", completion_len: int = 128,
                     group: int = 8, model_key: str = "smollm2") -> None:
     """``dtype`` "bfloat16": every contender runs under CPU autocast (float32 weights, bfloat16 matmuls),
@@ -177,7 +172,6 @@ def real_model_main(repeats: int, warmup: int, dtype: str = "float32", completio
 
     model_name = REAL_MODELS[model_key]
     model, tokenizer = load_real_model(model_name)
-    window = _applied_window(model.config)
     model.train()
     compute_dtype = getattr(torch, dtype)
     large_rate = large_matmul_gflops(compute_dtype)
@@ -212,7 +206,7 @@ def real_model_main(repeats: int, warmup: int, dtype: str = "float32", completio
                   "max_abs_logprob_gap": max_gap,
                   # prefix_grouper's attention is full causal: under a window that applies it does the
                   # same work but computes other values (timed only); ours and standard apply the window.
-                  "sliding_window_applies": window is not None and P + completion_len > window}
+                  "sliding_window_applies": sliding_window_applies(model.config, P + completion_len)}
         records.append(record)
         rows.append([record["prompt"], P, std, pg, ours, std / ours, flops.ratio, pg / ours, gflops["turbogrpo"],
                      gflops["turbogrpo"] / large_rate, f"{max_gap:.1e}"])

@@ -15,6 +15,7 @@ used.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import json
@@ -149,11 +150,20 @@ def gguf_model_folder(source: str | os.PathLike, *, cache: Path | None = None) -
 
 def _fingerprint(gguf_path: Path) -> dict:
     """Name, size and SHA-256 of a GGUF file (hashing 100 MB takes a fraction of a second)."""
+    stat = gguf_path.stat()
+    return {"file": gguf_path.name, "size": stat.st_size,
+            "sha256": _sha256(str(gguf_path.resolve()), stat.st_size, stat.st_mtime_ns)}
+
+
+@functools.lru_cache(maxsize=8)
+def _sha256(path: str, size: int, mtime_ns: int) -> str:
+    """SHA-256 of a file, read once per (path, size, mtime): a joined chunk file is checked and then
+    fingerprinted for its conversion, and a changed file gets a new key."""
     digest = hashlib.sha256()
-    with gguf_path.open("rb") as file:
+    with open(path, "rb") as file:
         for block in iter(lambda: file.read(1 << 24), b""):
             digest.update(block)
-    return {"file": gguf_path.name, "size": gguf_path.stat().st_size, "sha256": digest.hexdigest()}
+    return digest.hexdigest()
 
 
 def _intact(folder: Path, fingerprint: dict) -> bool:

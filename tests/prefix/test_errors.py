@@ -68,7 +68,8 @@ def test_auto_shares_the_prefix_under_a_short_sliding_window():
     prompt, completions = torch.arange(20), [torch.arange(3), torch.arange(5)]   # sharing would pay
     lengths = ([20], [[3, 5]])
     assert choose_auto(model, *lengths, torch.device("cpu"), torch.float64, requires_grad=True) == "cascade"
-    assert fastest_shared_backend(torch.device("cuda"), torch.bfloat16, True, sliding_window=True) != "varlen"
+    assert fastest_shared_backend(torch.device("cuda"), torch.bfloat16, True) == "varlen"
+    assert fastest_shared_backend(torch.device("cuda"), torch.bfloat16, True, sliding_window=True) == "flex"
     got = turbogrpo.completion_logprobs(model, [prompt], [completions])
     expected = turbogrpo.completion_logprobs(model, [prompt], [completions], share_prefix=False)
     for g, e in zip(got[0], expected[0]):

@@ -57,7 +57,7 @@ def choose_auto(model, prompt_lengths, completion_lengths, device: torch.device,
     if layout_flops(ModelDims.of(model), prompt_lengths, completion_lengths).ratio < rule.min_flop_ratio:
         return STANDARD
     return fastest_shared_backend(device, dtype, requires_grad,
-                                  sliding_window=_sliding_window_applies(model.config, longest))
+                                  sliding_window=sliding_window_applies(model.config, longest))
 
 
 def fastest_shared_backend(device: torch.device, dtype: torch.dtype, requires_grad: bool, *,
@@ -76,7 +76,7 @@ def fastest_shared_backend(device: torch.device, dtype: torch.dtype, requires_gr
     return "cascade"
 
 
-def _sliding_window_applies(config, longest: int) -> bool:
+def sliding_window_applies(config, longest: int) -> bool:
     """Whether some layer of the model restricts attention to a window shorter than ``longest``."""
     window = getattr(config, "sliding_window", None)
     layer_types = getattr(config, "layer_types", None)
