@@ -14,6 +14,9 @@
   o, gate, up, down and the 49,152-row LM head; random values, 538 MB, so they stream from memory as in
   a real step) at 1-64 rows (a decoding step's live batch or tree) and 512-2,048 rows (a prefill), and
   a 2048^3 product (the large-matmul rate); milliseconds per pass over all weights.
+* Sibling linears (``linears.FUSED_SIBLINGS``): each layer's q/k/v and its gate/up as one product on
+  their stacked packed weight against one packed product per weight, over SmolLM2's 30 layers (random
+  weights, streamed from memory), at 1-64 rows; milliseconds per pass.
 * A partial attention (``rollout.attention``) by CPU flash attention against batched matmuls, at
   decoding's shapes: the own-completion part of a plain step (X rows x 3 KV heads x 3 queries over L
   generated keys) and of a tree (48 queries), microseconds per call; ``partial_attention_for`` picks
@@ -25,6 +28,7 @@ Each part's contenders run interleaved in one process, median of ``--repeats`` t
     python bench/decode_ops.py --threads 2 --parts tree_levels --out decode_ops_tree_levels
     python bench/decode_ops.py --threads 2 --parts linears --calls 1 --out decode_ops_linears
     python bench/decode_ops.py --threads 2 --parts own_attention --out decode_ops_own_attention
+    python bench/decode_ops.py --threads 2 --parts sibling_linears --calls 3 --out decode_ops_sibling_linears
 """
 
 from __future__ import annotations
@@ -137,6 +141,28 @@ def linears(calls: int, repeats: int) -> list[dict]:
     return rows
 
 
+def sibling_linears(calls: int, repeats: int) -> list[dict]:
+    weights = smollm2_weights()[:-1]
+    layers = [weights[i:i + 7] for i in range(0, len(weights), 7)]
+    sets = {"qkv": (0, 1, 2), "gate_up": (4, 5)}
+    one_by_one = {name: [[pack_weight(layer[i]) for i in members] for layer in layers] for name, members in sets.items()}
+    stacked = {name: [pack_weight(torch.cat([layer[i] for i in members])) for layer in layers]
+               for name, members in sets.items()}
+    rows = []
+    with torch.no_grad():
+        for num_rows in (1, 4, 8, 16, 32, 64):
+            x = torch.randn(num_rows, layers[0][0].shape[1])
+            row = {"rows": num_rows}
+            for name in sets:
+                us = per_call_us({"one_by_one": lambda: [onednn_product(x, w) for ws in one_by_one[name] for w in ws],
+                                  "stacked": lambda: [onednn_product(x, w) for w in stacked[name]]}, calls, repeats)
+                row.update({f"{name}_one_by_one": us["one_by_one"] / 1e3, f"{name}_stacked": us["stacked"] / 1e3,
+                            f"{name}_speedup": us["one_by_one"] / us["stacked"]})
+            row["speedup"] = (row["qkv_one_by_one"] + row["gate_up_one_by_one"]) / (row["qkv_stacked"] + row["gate_up_stacked"])
+            rows.append(row)
+    return rows
+
+
 def own_attention(calls: int, repeats: int) -> list[dict]:
     rows = []
     for num_x, num_queries, num_keys in [(32, 3, 16), (32, 3, 64), (32, 3, 128), (16, 3, 128), (8, 3, 128),
@@ -151,13 +177,17 @@ def own_attention(calls: int, repeats: int) -> list[dict]:
 
 
 PARTS = {"cache_writes": cache_writes, "draws": draws, "tree_levels": tree_levels, "linears": linears,
-         "own_attention": own_attention}
+         "own_attention": own_attention, "sibling_linears": sibling_linears}
 TITLES = {"cache_writes": ("KV-cache write, one token per sequence (us per write)", ["dtype", "scatter_", "write_slots"]),
           "draws": ("Draw from [rows, 49152] probabilities (us per draw)", ["rows", "one_cumsum", "two_level"]),
           "tree_levels": ("A tree level's top-4: padded to 49152 vs the 4096-token draft vocabulary (us)",
                           ["rows", "padded", "proposals"]),
           "linears": ("SmolLM2's 211 weight matmuls, float32: F.linear vs oneDNN packed (ms per pass; last row "
                       "GFLOP/s)", ["rows", "f_linear", "onednn_packed"]),
+          "sibling_linears": ("30 layers' q/k/v and gate/up, one packed product per weight vs one per stacked set "
+                              "(ms per pass; speedup of both sets)",
+                              ["rows", "qkv_one_by_one", "qkv_stacked", "qkv_speedup", "gate_up_one_by_one",
+                               "gate_up_stacked", "gate_up_speedup"]),
           "own_attention": ("Partial attention, flash vs matmuls (us per call; speedup = flash / matmuls)",
                             ["rows_heads_queries_keys", "flash", "matmuls"])}
 

@@ -44,12 +44,14 @@ def test_the_packed_product_is_ieee_float32_not_a_bf16_or_tf32_shortcut():
 
 def assert_packed_rollout_matches_modules(monkeypatch, model, lengths, sampling, tolerance: float) -> None:
     """The same completions (and sampler log-probs within ``tolerance``) on packed weights as on the
-    modules, with every weight matmul of the packed rollout run by oneDNN."""
+    modules, with every weight matmul of the packed rollout run by oneDNN: one product per forward for each
+    layer's q/k/v and one for its gate/up, one for each other linear."""
     kwargs = dict(num_samples=4, sampling=sampling, seed=7)
     calls = []
     monkeypatch.setattr(linears, "onednn_product", lambda *args: calls.append(1) or onednn_product(*args))
     ours = generate(model, random_prompts(lengths), schedule=ONEDNN, **kwargs)
-    assert len(calls) % sum(isinstance(m, nn.Linear) for m in model.modules()) == 0 and calls
+    products_per_forward = sum(isinstance(m, nn.Linear) for m in model.modules()) - 3 * model.config.num_hidden_layers
+    assert len(calls) % products_per_forward == 0 and calls
     monkeypatch.undo()
     reference = generate(model, random_prompts(lengths), schedule=MODULES, **kwargs)
     assert [t.tolist() for t in ours.tokens] == [t.tolist() for t in reference.tokens]
@@ -198,3 +200,60 @@ def test_the_training_kernel_leaves_few_row_products_to_f_linear(monkeypatch):
         assert not calls
         layer(torch.randn(3, 8, requires_grad=True)).sum().backward()
         assert len(calls) == 3  # the forward and both backward products
+
+
+def sibling_root(bias: bool = True) -> nn.Module:
+    root = nn.Module()
+    generator = torch.Generator().manual_seed(3)
+    for name, width in (("q_proj", 12), ("k_proj", 4), ("v_proj", 4), ("o_proj", 8)):
+        setattr(root, name, nn.Linear(8, width, bias=bias))
+        with torch.no_grad():
+            for p in getattr(root, name).parameters():
+                p.copy_(torch.randn(p.shape, generator=generator))
+    return root
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_sibling_linears_share_one_packed_product_and_each_gets_its_own_output(monkeypatch, bias):
+    root = sibling_root(bias)
+    x = torch.randn(5, 8)
+    truth = {name: getattr(root, name)(x) for name in ("q_proj", "k_proj", "v_proj", "o_proj")}
+    products, packs = [], []
+    monkeypatch.setattr(linears, "onednn_product", lambda *args: products.append(args[1].shape) or onednn_product(*args))
+    monkeypatch.setattr(linears, "pack_weight", lambda *args: packs.append(args[0].shape) or pack_weight(*args))
+    with torch.no_grad(), onednn_linears([root]) as num_packed:
+        assert num_packed == 4
+        ours = {name: getattr(root, name)(x) for name in ("v_proj", "q_proj", "k_proj", "o_proj")}  # any order
+        assert len(products) == 2 and sorted(packs) == [(8, 8), (20, 8)]  # q/k/v stacked, o_proj alone
+        for name, value in truth.items():
+            torch.testing.assert_close(ours[name], value, atol=1e-5, rtol=1e-5, msg=name)
+        # Every slice taken: a new call computes afresh, as does a call on another tensor or the same
+        # tensor changed in place.
+        root.k_proj(x)
+        y = torch.randn(5, 8)
+        torch.testing.assert_close(root.q_proj(y), nn.functional.linear(y, root.q_proj.weight, root.q_proj.bias),
+                                   atol=1e-5, rtol=1e-5)
+        y.mul_(2)
+        torch.testing.assert_close(root.k_proj(y), nn.functional.linear(y, root.k_proj.weight, root.k_proj.bias),
+                                   atol=1e-5, rtol=1e-5)
+        assert len(products) == 5
+    assert not any("forward" in m.__dict__ for m in root.modules())
+
+
+def test_siblings_that_differ_in_shape_bias_or_kind_are_packed_one_by_one(monkeypatch):
+    packs = []
+    monkeypatch.setattr(linears, "pack_weight", lambda *args: packs.append(args[0].shape) or pack_weight(*args))
+    mixed_bias = sibling_root()
+    mixed_bias.k_proj = nn.Linear(8, 4, bias=False)
+    other_width = nn.Module()
+    other_width.gate_proj, other_width.up_proj = nn.Linear(8, 6), nn.Linear(7, 6)
+    double = nn.Module()
+    double.gate_proj, double.up_proj = nn.Linear(8, 6).double(), nn.Linear(8, 6)
+    with torch.no_grad(), onednn_linears([mixed_bias, other_width, double]) as num_packed:
+        assert num_packed == 7  # all but the float64 one
+        for root, width in ((mixed_bias, 8), (other_width, 8), (double, 8)):
+            for name in ("q_proj", "k_proj", "v_proj", "gate_proj"):
+                if hasattr(root, name):
+                    getattr(root, name)(torch.randn(3, width).to(getattr(root, name).weight.dtype))
+        other_width.up_proj(torch.randn(3, 7))
+    assert sorted(packs) == sorted([(12, 8), (4, 8), (4, 8), (6, 8), (6, 7)])
