@@ -141,25 +141,24 @@ def weight_flops_per_token(config) -> int:
 def model_gemm_step_seconds(model, rows: int, *, repeats: int = 3, kernel: str = "mm") -> float:
     """One decoding step's weight matmuls at ``rows`` live tokens, run in the model's order on the
     model's own weights (every ``nn.Linear``: q, k, v, o, gate, up, down per layer, then the LM head) by
-    ``kernel`` (``GEMM_KERNELS``; "onednn" packs the weights first, untimed), median of ``repeats``
-    after a warm-up. Unlike ``step_bound_seconds``, whose matmuls each reuse one weight that stays in
-    cache, every weight here streams from memory once per step as in a real step (SmolLM2: 538 MB in
-    float32, far past the last-level cache), so this is the bound for a step that does nothing but its
-    matmuls."""
-    from turbogrpo.linears import onednn_product, pack_weight
+    ``kernel`` (``GEMM_KERNELS``; "onednn" runs the modules as the rollout does, under
+    ``turbogrpo.linears.onednn_linears``: packed weights, q/k/v and gate/up as one product each, packing
+    untimed), median of ``repeats`` after a warm-up. Unlike ``step_bound_seconds``, whose matmuls each
+    reuse one weight that stays in cache, every weight here streams from memory once per step as in a
+    real step (SmolLM2: 538 MB in float32, far past the last-level cache), so this is the bound for a
+    step that does nothing but its matmuls."""
+    import contextlib
+
+    from turbogrpo.linears import onednn_linears
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    # One input per width, the same tensor for every module that reads that width, as siblings get it.
     inputs = {m.in_features: torch.randn(rows, m.in_features, dtype=m.weight.dtype) for m in linears}
-    packed = [pack_weight(m.weight) for m in linears] if kernel == "onednn" else None
 
     def step():
-        if packed is None:
-            for m in linears:
-                torch.nn.functional.linear(inputs[m.in_features], m.weight)
-        else:
-            for m, weight in zip(linears, packed):
-                onednn_product(inputs[m.in_features], weight)
+        for m in linears:
+            m(inputs[m.in_features])
 
-    with torch.no_grad():
+    with torch.no_grad(), onednn_linears([model]) if kernel == "onednn" else contextlib.nullcontext():
         step()
         times = []
         for _ in range(repeats):
@@ -167,6 +166,32 @@ def model_gemm_step_seconds(model, rows: int, *, repeats: int = 3, kernel: str =
             step()
             times.append(time.perf_counter() - start)
     return sorted(times)[len(times) // 2]
+
+
+def memory_read_gbps(num_bytes: int = 1 << 30, repeats: int = 5) -> float:
+    """This machine's memory read bandwidth (GB/s): the median of ``repeats`` sums over a float32 tensor
+    of ``num_bytes``, far past the last-level cache, in this process's threads."""
+    data = torch.ones(num_bytes // 4)
+    data.sum()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        data.sum()
+        times.append(time.perf_counter() - start)
+    return num_bytes / sorted(times)[len(times) // 2] / 1e9
+
+
+def kv_read_bytes(config, prompt_lengths: list[int], num_samples: int, new_tokens: int,
+                  dtype: torch.dtype = torch.float32) -> int:
+    """Bytes of K/V that the decoding steps of a fixed-length rollout (EOS ignored) must read: at step s
+    every sequence's s + 1 slots (its committed tokens and the new one) and each group's padded prompt once, K and V, in every layer
+    (the rollout engine's grouped cache; a layout that stored each prompt per sequence would read G times
+    more)."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    per_slot = 2 * config.num_key_value_heads * head_dim * torch.finfo(dtype).bits // 8 * config.num_hidden_layers
+    generated_slots = len(prompt_lengths) * num_samples * new_tokens * (new_tokens + 1) // 2  # step s reads s + 1
+    prompt_slots = len(prompt_lengths) * max(prompt_lengths) * new_tokens
+    return per_slot * (generated_slots + prompt_slots)
 
 
 def step_bound_seconds(config, rows: int, dtype: torch.dtype = torch.float32) -> dict:

@@ -16,9 +16,12 @@ machine's roofline for the rollout: every weight matmul of every decoding step t
 shape in the same process (bench/real_model.py: step_bound_seconds), plus the prompts' prefill at the
 large-matmul rate. Each of those matmuls reuses one weight that stays in cache, so the report also
 gives a streaming bound: the step's matmuls run in the model's order on its own weights
-(model_gemm_step_seconds), which stream from memory once per step as in a real step. Every bound takes
-the faster of torch's two CPU GEMMs (MKL's sgemm behind F.linear, and oneDNN on packed weights, which
-turbogrpo's rollouts use where it is faster; HF generate runs F.linear).
+(model_gemm_step_seconds), which stream from memory once per step as in a real step, plus the K/V the
+steps must read from the cache (kv_read_bytes: each sequence's own tokens and each group's prompt once
+per step and layer) at this machine's memory read bandwidth, measured in the same process. Every bound
+takes the faster of torch's two CPU GEMMs (MKL's sgemm behind F.linear, and oneDNN on packed weights,
+which turbogrpo's rollouts use where it is faster; HF generate runs F.linear). The JSON keeps the
+weights-only streaming bound as well (``streaming_weights_roofline_s``).
 
 Also draws the live batch size per decoding step of a long-tail rollout (8 prompts x G=8, up to 256
 new tokens, stopping on any of 256 token ids, so lengths spread out as in real GRPO rollouts) next
@@ -198,8 +201,8 @@ def profile_real_step(model, prompts, num_samples: int, new_tokens: int, top: in
 
 
 def real_model_main(repeats: int, profile_ops: bool = False, dtype: str = "float32", model_key: str = "smollm2") -> None:
-    from real_model import REAL_MODELS, chat_prompts, large_matmul_gflops, load_real_model, model_gemm_step_seconds, \
-        step_bound_seconds, weight_flops_per_token
+    from real_model import REAL_MODELS, chat_prompts, kv_read_bytes, large_matmul_gflops, load_real_model, \
+        memory_read_gbps, model_gemm_step_seconds, step_bound_seconds, weight_flops_per_token
 
     model_name = REAL_MODELS[model_key]
     model, tokenizer = load_real_model(model_name)
@@ -209,6 +212,7 @@ def real_model_main(repeats: int, profile_ops: bool = False, dtype: str = "float
     name = f"rollout_{model_key}" + ("" if dtype == "float32" else "_bf16")
     config = model.config
     large_rate = large_matmul_gflops(torch_dtype)
+    read_gbps = memory_read_gbps()
     run_turbogrpo(model, chat_prompts(tokenizer, 1, few_shot=False), 2, 4)  # warm-up
     rows, records = [], []
     for num_prompts, num_samples, new_tokens in REAL_SHAPES:
@@ -221,7 +225,10 @@ def real_model_main(repeats: int, profile_ops: bool = False, dtype: str = "float
         streaming_by_kernel = {kernel: model_gemm_step_seconds(model, batch, kernel=kernel)
                                for kernel in ("mm", "onednn")}
         streaming_step_s = min(streaming_by_kernel.values())
-        streaming_roofline_s = new_tokens * streaming_step_s + prefill_s
+        kv_bytes = kv_read_bytes(config, [p.numel() for p in prompts], num_samples, new_tokens, torch_dtype)
+        kv_read_s = kv_bytes / (read_gbps * 1e9)
+        streaming_weights_roofline_s = new_tokens * streaming_step_s + prefill_s
+        streaming_roofline_s = streaming_weights_roofline_s + kv_read_s
         counts: dict[str, int] = {}
         contenders = {
             "hf_generate": lambda: counts.__setitem__("hf_generate", run_hf_generate_ragged(
@@ -239,16 +246,20 @@ def real_model_main(repeats: int, profile_ops: bool = False, dtype: str = "float
                   "roofline_s": roofline_s, "step_bound": bound, "prefill_bound_s": prefill_s,
                   "hf_vs_roofline": hf_s / roofline_s, "ours_vs_roofline": ours_s / roofline_s,
                   "streaming_step_s": streaming_step_s, "streaming_step_s_by_kernel": streaming_by_kernel,
+                  "kv_read_bytes": kv_bytes, "kv_read_s": kv_read_s,
+                  "streaming_weights_roofline_s": streaming_weights_roofline_s,
                   "streaming_roofline_s": streaming_roofline_s,
                   "hf_vs_streaming_roofline": hf_s / streaming_roofline_s,
                   "ours_vs_streaming_roofline": ours_s / streaming_roofline_s,
                   "ours_gflops": flops / ours_s / 1e9, "ours_fraction_of_large_matmul": flops / ours_s / 1e9 / large_rate}
         records.append(record)
         rows.append([f"{num_prompts}x{num_samples}", new_tokens, hf_s, ours_s, hf_s / ours_s, roofline_s,
-                     hf_s / roofline_s, ours_s / roofline_s, streaming_roofline_s, ours_s / streaming_roofline_s,
+                     hf_s / roofline_s, ours_s / roofline_s, kv_read_s, streaming_roofline_s,
+                     ours_s / streaming_roofline_s,
                      record["ours_gflops"]])
         write_results(name, {"model": model_name, "dtype": dtype, "repeats": repeats,
-                                          "large_matmul_gflops": large_rate, "load_average": os.getloadavg(),
+                                          "large_matmul_gflops": large_rate, "memory_read_gbps": read_gbps,
+                                          "load_average": os.getloadavg(),
                                           "baseline": "transformers generate, left-padded prompts repeated G times, "
                                                       "do_sample, temperature 1, EOS ignored on both sides",
                                           "shapes": records})
@@ -258,9 +269,9 @@ def real_model_main(repeats: int, profile_ops: bool = False, dtype: str = "float
                                           "large_matmul_gflops": large_rate, "load_average": os.getloadavg(),
                                           "shapes": records, "profile_top_ops_4x8x32": profile})
     print_table(f"Rollout on {model_name} (GSM8K test prompts, {dtype}, median of {repeats}); "
-                f"large-matmul rate {large_rate:.0f} GFLOP/s",
+                f"large-matmul rate {large_rate:.0f} GFLOP/s, memory read {read_gbps:.1f} GB/s",
                 ["prompts x G", "new", "hf_s", "ours_s", "speedup", "roofline_s", "hf x bound", "ours x bound",
-                 "streaming bound_s", "ours x streaming", "ours GFLOP/s"], rows)
+                 "kv read_s", "streaming bound_s", "ours x streaming", "ours GFLOP/s"], rows)
     print(f"load average {os.getloadavg()}")
 
 
