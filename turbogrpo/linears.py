@@ -196,8 +196,10 @@ def onednn_linears(roots: Iterable[nn.Module], min_rows: int = 1) -> Iterator[in
     for members in _sibling_sets(roots, _packable):
         product = _PackedProduct(members, min_rows)
         forwards.update((module, product.forward_of(index)) for index, module in enumerate(members))
-    with _replaced_forwards(roots, lambda module: forwards.get(module) or _PackedProduct([module], min_rows).forward_of(0),
-                            _packable) as num_changed:
+    def forward_for(module: nn.Module) -> Callable:
+        return forwards.get(module) or _PackedProduct([module], min_rows).forward_of(0)
+
+    with _replaced_forwards(roots, forward_for, _packable) as num_changed:
         yield num_changed
 
 
