@@ -184,9 +184,9 @@ def memory_read_gbps(num_bytes: int = 1 << 30, repeats: int = 5) -> float:
 def kv_read_bytes(config, prompt_lengths: list[int], num_samples: int, new_tokens: int,
                   dtype: torch.dtype = torch.float32) -> int:
     """Bytes of K/V that the decoding steps of a fixed-length rollout (EOS ignored) must read: at step s
-    every sequence's s + 1 slots (its committed tokens and the new one) and each group's padded prompt once, K and V, in every layer
-    (the rollout engine's grouped cache; a layout that stored each prompt per sequence would read G times
-    more)."""
+    every sequence's s + 1 slots (its committed tokens and the new one) and each group's padded prompt
+    once, K and V, in every layer (the rollout engine's grouped cache; a layout that stored each prompt
+    per sequence would read G times more)."""
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     per_slot = 2 * config.num_key_value_heads * head_dim * torch.finfo(dtype).bits // 8 * config.num_hidden_layers
     generated_slots = len(prompt_lengths) * num_samples * new_tokens * (new_tokens + 1) // 2  # step s reads s + 1

@@ -8,6 +8,7 @@ every completion runs the full number of new tokens and both generate the same t
     python bench/rollout.py           # 2 interleaved repeats per shape
     python bench/rollout.py --quick   # 1 repeat
     python bench/rollout.py --model smollm2   # the real model (bench/real_model.py), with a roofline
+    python bench/rollout.py --model smollm2 --repeats 2 --out rollout_smollm2_amd_kv   # another name
     python bench/rollout.py --model gemma3    # Gemma 3 270M (its 262k-row LM head is 63% of a token's FLOPs)
 
 The real-model run samples GSM8K test prompts under SmolLM2-135M-Instruct's chat template (EOS ignored on
@@ -200,7 +201,8 @@ def profile_real_step(model, prompts, num_samples: int, new_tokens: int, top: in
     return table
 
 
-def real_model_main(repeats: int, profile_ops: bool = False, dtype: str = "float32", model_key: str = "smollm2") -> None:
+def real_model_main(repeats: int, profile_ops: bool = False, dtype: str = "float32", model_key: str = "smollm2",
+                    out: str | None = None) -> None:
     from real_model import REAL_MODELS, chat_prompts, kv_read_bytes, large_matmul_gflops, load_real_model, \
         memory_read_gbps, model_gemm_step_seconds, step_bound_seconds, weight_flops_per_token
 
@@ -209,7 +211,7 @@ def real_model_main(repeats: int, profile_ops: bool = False, dtype: str = "float
     # bfloat16: the weights themselves in bf16 on both sides (how HF generate serves a bf16 model).
     torch_dtype = getattr(torch, dtype)
     model = model.to(torch_dtype)
-    name = f"rollout_{model_key}" + ("" if dtype == "float32" else "_bf16")
+    name = out or f"rollout_{model_key}" + ("" if dtype == "float32" else "_bf16")
     config = model.config
     large_rate = large_matmul_gflops(torch_dtype)
     read_gbps = memory_read_gbps()
@@ -285,10 +287,12 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="with --model smollm2: also the top operators")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                         help="with --model smollm2: the weights' dtype on both sides")
+    parser.add_argument("--out", help="with a real model: results name under bench/results "
+                                      "(default rollout_<model>[_bf16])")
     args = parser.parse_args()
     repeats = 1 if args.quick else args.repeats
     if args.model != "bench":
-        return real_model_main(repeats, args.profile, args.dtype, model_key=args.model)
+        return real_model_main(repeats, args.profile, args.dtype, model_key=args.model, out=args.out)
 
     model = bench_model().eval()
     # Warm both paths up on a small shape so that one-time setup is not timed.

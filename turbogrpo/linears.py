@@ -97,7 +97,7 @@ FUSED_SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 Gemma): the packed rollout multiplies each set by its weights stacked, one oneDNN call where there were
 three (or two), which saves the fixed cost per call that a decoding step's few rows do not hide. SmolLM2's
 30 layers, 2-core AMD EPYC (``python bench/decode_ops.py --threads 2 --parts sibling_linears``): q/k/v
-1.47x at 1 row, 1.34x at 32, 1.17x at 64; gate/up 1.03-1.15x; both together 2.9 of 8.9 ms saved at 1 row,
+1.47x at 1 row, 1.34x at 32, 1.17x at 64; gate/up 1.03-1.15x; both together 1.5 of 8.9 ms saved at 1 row,
 2.3 of 18.0 ms at 32 rows."""
 
 
