@@ -18,6 +18,13 @@ against the choice turbogrpo makes, alternated in one process:
   weight matmuls as torch runs them (``F.linear``: MKL's sgemm) against oneDNN (``model.linear_kernel``,
   ``turbogrpo.linears.OneDnnLinear``), float32, with the rate of each against the same process's
   large-matmul rate (the faster of MKL and oneDNN on 2048^3). Wall seconds, the process's threads.
+* gemm_bound: the ceiling of the kernels part. Every weight product of that forward + backward (the
+  three per linear: forward, input gradient, weight gradient; LM-head chunks included) is recorded
+  with its shapes and operand layouts, then replayed alone, by MKL (``F.linear``) and by oneDNN, with
+  nothing else between them. The step's FLOPs over that time is the rate the step would reach if
+  attention, the log-softmax over the vocabulary, norms, activations and the optimizer's bookkeeping
+  were free: no kernel choice can lift the whole step above it. Wall seconds, the process's threads;
+  written with the kernels part.
 * allocator: forward + backward of 8 groups as one pack (float32 and bf16 autocast) on glibc's
   default heap against the kept heap of ``turbogrpo.host_memory``. The malloc setting is per
   process, so each run is a fresh child process, alternating the two. Wall s, 2 threads; its own
@@ -27,6 +34,7 @@ against the choice turbogrpo makes, alternated in one process:
     python bench/update.py --parts lm_head,dtype
     python bench/update.py --parts allocator   # bench/results/update_allocator_smollm2.json
     python bench/update.py --parts kernels --repeats 3   # bench/results/update_kernels_smollm2.json
+    python bench/update.py --parts kernels,gemm_bound --repeats 3 --out update_kernels_smollm2_amd_bound
 """
 
 from __future__ import annotations
@@ -148,6 +156,64 @@ def part_kernels(model, tokenizer, repeats: int) -> dict:
             "speedup_of_onednn": timings["module"]["median_s"] / timings["onednn"]["median_s"]}
 
 
+def _operand_layout(tensor: torch.Tensor) -> tuple[tuple[int, ...], bool]:
+    """(shape, transposed): a 2-D operand given as the transpose of a contiguous tensor, or a contiguous
+    one (the two layouts the training products pass; anything else is replayed contiguous)."""
+    transposed = tensor.dim() == 2 and not tensor.is_contiguous() and tensor.t().is_contiguous()
+    return tuple(tensor.shape), transposed
+
+
+def recorded_products(model, prompts, completions) -> list[tuple]:
+    """The weight products of one forward + backward in packs of 2 under the oneDNN training kernel,
+    in order: ``(input layout, weight layout, bias length or 0)`` per ``F.linear``-shaped product."""
+    from turbogrpo import linears
+    from turbogrpo.linears import TRAINING_LINEAR_KERNELS
+    calls, product = [], linears.onednn_product
+
+    def spy(input, weight, bias=None):
+        calls.append((_operand_layout(input), _operand_layout(weight), 0 if bias is None else bias.numel()))
+        return product(input, weight, bias)
+    linears.onednn_product = spy
+    try:
+        with TRAINING_LINEAR_KERNELS["onednn"]([model]):
+            forward_backward(model, prompts, completions, 2)
+    finally:
+        linears.onednn_product = product
+    return calls
+
+
+def part_gemm_bound(model, tokenizer, repeats: int, step_flops: float, large: float) -> dict:
+    """Time the recorded products alone (one operand tensor per distinct layout, reused: cache-warm, so
+    the bound is if anything optimistic) by each kernel; the step's FLOPs over the faster time."""
+    from turbogrpo.linears import onednn_product
+    prompts, completions = group_batch(tokenizer, model.config.vocab_size, 8)
+    calls = recorded_products(model, prompts, completions)
+    generator = torch.Generator().manual_seed(0)
+    operands: dict = {}
+
+    def operand(layout):
+        if layout not in operands:
+            shape, transposed = layout
+            dims = shape[::-1] if transposed else shape
+            tensor = torch.randn(dims, generator=generator)
+            operands[layout] = tensor.t() if transposed else tensor
+        return operands[layout]
+    products = [(operand(x), operand(w), torch.zeros(b) if b else None) for x, w, b in calls]
+    gemm_flops = sum(2 * x.numel() * w.shape[0] for x, w, _ in products)
+    kernels = {"module": torch.nn.functional.linear, "onednn": onednn_product}
+
+    def replay(kernel):
+        for x, w, b in products:
+            kernel(x, w, b)
+    timings = interleaved_medians({name: (lambda k=k: replay(k)) for name, k in kernels.items()},
+                                  repeats=repeats, warmup=1)
+    best = min(t["median_s"] for t in timings.values())
+    return {"num_products": len(products), "gemm_gflop": gemm_flops / 1e9, "timings": timings,
+            "gemm_gflops": {k: gemm_flops / t["median_s"] / 1e9 for k, t in timings.items()},
+            "gemm_fraction_of_large_matmul": {k: gemm_flops / t["median_s"] / 1e9 / large for k, t in timings.items()},
+            "step_ceiling_fraction_of_large_matmul": step_flops / best / 1e9 / large}
+
+
 def part_dtype(model, tokenizer, repeats: int) -> dict:
     prompts, completions = group_batch(tokenizer, model.config.vocab_size, 1)
     bf16 = torch.autocast("cpu", dtype=torch.bfloat16)
@@ -229,6 +295,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--parts", default="lm_head,packs,dtype,profile")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", default="update_kernels_smollm2",
+                        help="results name of the kernels part (bench/results/<out>.json)")
     parser.add_argument("--allocator-child", choices=["float32", "bfloat16"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.allocator_child:
@@ -261,13 +329,23 @@ def main() -> None:
                       r["speedup_of_2_per_pack"]]])
     if "kernels" in parts:
         r = part_kernels(model, tokenizer, args.repeats)
+        if "gemm_bound" in parts:
+            bound = r["gemm_bound"] = part_gemm_bound(model, tokenizer, args.repeats, r["flops"],
+                                                      r["large_matmul_gflops"])
+            print_table(f"the same step's {bound['num_products']} weight products alone ({bound['gemm_gflop']:.0f} "
+                        "GFLOP), replayed with nothing between them", ["kernel", "s", "GFLOP/s", "of large matmul"],
+                        [[k, t["median_s"], bound["gemm_gflops"][k], bound["gemm_fraction_of_large_matmul"][k]]
+                         for k, t in bound["timings"].items()])
+            print(f"ceiling of the whole step if everything but the weight products were free: "
+                  f"{bound['step_ceiling_fraction_of_large_matmul']:.0%} of the large-matmul rate")
+            parts.remove("gemm_bound")
         print_table(f"8 zero-shot groups in packs of 2, forward+backward wall s ({torch.get_num_threads()} threads, "
                     f"float32; large-matmul rate {r['large_matmul_gflops']:.0f} GFLOP/s)",
                     ["kernel", "s", "GFLOP/s", "of large matmul"],
                     [[k, r["timings"][k]["median_s"], r["gflops"][k], r["fraction_of_large_matmul"][k]]
                      for k in ("module", "onednn")])
         print(f"speedup of oneDNN: {r['speedup_of_onednn']:.2f}x")
-        write_results("update_kernels_smollm2", {"model": "smollm2-135m-instruct", "completion_len": COMPLETION_LEN,
+        write_results(args.out, {"model": "smollm2-135m-instruct", "completion_len": COMPLETION_LEN,
                                                  "group_size": GROUP, "kernels": r, "load_average": os.getloadavg()})
         parts.remove("kernels")
         if not parts:
