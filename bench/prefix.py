@@ -9,6 +9,9 @@ Forward + backward of a loss on the completion log-probs, for GRPO-shaped batche
     python bench/prefix.py --shapes 1024x128x8   # some shapes (writes results/prefix_partial.json)
     python bench/prefix.py --model smollm2       # the real model on GSM8K prompts (results/prefix_smollm2.json)
     python bench/prefix.py --model smollm2 --dtype bfloat16   # the same under CPU autocast (..._bf16.json)
+    python bench/prefix.py --model smollm2 --linear-kernel onednn --out prefix_smollm2_amd_onednn
+                                                 # every contender's weight matmuls by oneDNN (the trainer's
+                                                 # "auto" picks it where it is 1.1x faster; default: as torch)
     python bench/prefix.py --model gemma3        # Gemma 3 270M (results/prefix_gemma3.json): the few-shot
                                                  # shape exceeds its 512-token sliding window
 
@@ -164,11 +167,16 @@ def check_agreement(model, prompts, completions) -> float:
 
 
 def real_model_main(repeats: int, warmup: int, dtype: str = "float32", completion_len: int = 128,
-                    group: int = 8, model_key: str = "smollm2") -> None:
+                    group: int = 8, model_key: str = "smollm2", linear_kernel: str = "module",
+                    out: str | None = None) -> None:
     """``dtype`` "bfloat16": every contender runs under CPU autocast (float32 weights, bfloat16 matmuls),
     as turbogrpo's ``model.dtype = "bfloat16"`` trains, against the bfloat16 large-matmul rate.
-    ``model_key``: a key of ``real_model.REAL_MODELS``."""
+    ``model_key``: a key of ``real_model.REAL_MODELS``. ``linear_kernel``: a training kernel of
+    ``turbogrpo.linears`` that every contender's weight matmuls run under (the same for all three: the
+    contest is the attention layout). ``out``: the results name (default ``prefix_<model_key>``)."""
     from real_model import REAL_MODELS, chat_prompts, large_matmul_gflops, load_real_model
+
+    from turbogrpo.linears import TRAINING_LINEAR_KERNELS
 
     model_name = REAL_MODELS[model_key]
     model, tokenizer = load_real_model(model_name)
@@ -188,7 +196,7 @@ def real_model_main(repeats: int, warmup: int, dtype: str = "float32", completio
         def timed(fn):
             def step():
                 model.zero_grad(set_to_none=True)
-                with autocast:
+                with autocast, TRAINING_LINEAR_KERNELS[linear_kernel]([model]):
                     fn(model, prompts, completions)
             return step
         times = interleaved_medians({name: timed(fn) for name, fn in CONTENDERS.items()}, repeats=repeats,
@@ -210,10 +218,11 @@ def real_model_main(repeats: int, warmup: int, dtype: str = "float32", completio
         records.append(record)
         rows.append([record["prompt"], P, std, pg, ours, std / ours, flops.ratio, pg / ours, gflops["turbogrpo"],
                      gflops["turbogrpo"] / large_rate, f"{max_gap:.1e}"])
-        write_results(f"prefix_{model_key}" + ("" if dtype == "float32" else "_bf16"), {
-            "model": model_name, "dtype": dtype, "repeats": repeats, "warmup": warmup,
+        write_results(out or f"prefix_{model_key}" + ("" if dtype == "float32" else "_bf16"), {
+            "model": model_name, "dtype": dtype, "linear_kernel": linear_kernel, "repeats": repeats, "warmup": warmup,
             "large_matmul_gflops": large_rate, "load_average": os.getloadavg(), "shapes": records})
-    print_table(f"fwd+bwd seconds on {model_name} ({dtype}, median of {repeats}), GSM8K prompt + {group} x {completion_len}; "
+    print_table(f"fwd+bwd seconds on {model_name} ({dtype}, linears {linear_kernel}, median of {repeats}), GSM8K prompt + "
+                f"{group} x {completion_len}; "
                 f"large-matmul rate {large_rate:.0f} GFLOP/s",
                 ["prompt", "P", "standard", "prefix_grouper", "turbogrpo", "x std", "FLOP ratio", "x pg",
                  "ours GFLOP/s", "of matmul", "max |dlogp|"], rows)
@@ -230,6 +239,9 @@ def main() -> None:
     parser.add_argument("--shapes", default=None, help="e.g. 1024x128x8,256x256x4")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                         help="smollm2: compute dtype (bfloat16: CPU autocast over float32 weights)")
+    parser.add_argument("--linear-kernel", choices=["module", "onednn", "auto"], default="module",
+                        help="real models: the weight-matmul kernel of every contender (turbogrpo.linears)")
+    parser.add_argument("--out", default=None, help="real models: results name (bench/results/<out>.json)")
     parser.add_argument("--memory-probe", nargs=4, metavar=("NAME", "P", "S", "G"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.memory_probe:
@@ -238,7 +250,7 @@ def main() -> None:
 
     if args.model != "bench":
         return real_model_main(*((1, 0) if args.quick else (args.repeats, 1)), dtype=args.dtype,
-                               model_key=args.model)
+                               model_key=args.model, linear_kernel=args.linear_kernel, out=args.out)
     shapes = SHAPES if not args.shapes else [tuple(map(int, s.split("x"))) for s in args.shapes.split(",")]
     repeats, warmup = (1, 0) if args.quick else (args.repeats, 1)
     # Only a full run replaces the committed results; a partial one is written beside them.

@@ -4,6 +4,8 @@ completions.
     .venv/bin/python bench/speculative.py [--quick] [--model demo] [--draft DIR] [--threads N]
     .venv/bin/python bench/speculative.py --model smollm2-135m-instruct [--batches 1,4,8,32] [--new-tokens 64]
         [--kinds history,neural,both] [--tail-kinds neural+siblings] [--draft smollm2-gsm8k|DIR]
+    .venv/bin/python bench/speculative.py --model smollm2-135m-instruct --batches 1,4 --tail-kinds '' \
+        --kinds tree1x1x2,tree1x2x3,tree2x2x5,tree4x2x9,tree4x3x13 --out speculative_smollm2_fixed_trees
 
 With ``--model smollm2-135m-instruct`` (the real model) it runs GSM8K test prompts with the chat
 template instead (``main_real_model``): per live batch B (prompts x G samples, EOS ignored so all B
@@ -89,7 +91,8 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64, help="real model: new tokens per completion")
     parser.add_argument("--temperature", type=float, default=1.0, help="real model: sampling temperature (0: greedy)")
     parser.add_argument("--kinds", default="history,neural,both",
-                        help=f"real model: draft kinds at fixed B ({', '.join(REAL_KINDS)})")
+                        help=f"real model: draft kinds at fixed B ({', '.join(REAL_KINDS)}; or "
+                             f"{FIXED_TREE_KIND}<top_k>x<depth>x<nodes>: the neural draft with one fixed tree)")
     parser.add_argument("--tail-kinds", default="neural+siblings",
                         help="real model: draft kinds on the natural-tail GSM8K rollout ('' to skip it)")
     parser.add_argument("--tail-repeats", type=int, default=2, help="real model: timed natural-tail rollouts")
@@ -358,6 +361,21 @@ REAL_KINDS = ("off", "siblings", "history", "neural", "both", "neural+siblings")
 against the plain engine), history drafts alone (the group's siblings; siblings plus a store of
 earlier rollouts' completions of the same prompts, as when prompts recur across epochs), the neural
 draft alone, and the neural draft merged with history (with the store, or siblings only)."""
+FIXED_TREE_KIND = "tree"
+"""``tree<K>x<L>x<N>``: the neural draft with one fixed tree shape on every step (``FixedSizing``,
+``TreeShape(top_k=K, depth=L, num_nodes=N)``), no cost policy. A sweep of these measures what the best
+tree can reach on this machine, with the policy out of the way (``--kinds tree1x1x2,tree2x2x5,...``)."""
+
+
+def fixed_tree_shape(kind: str) -> TreeShape | None:
+    """The tree shape of a ``tree<K>x<L>x<N>`` kind (validated), or None for any other kind."""
+    if not kind.startswith(FIXED_TREE_KIND):
+        return None
+    try:
+        return TreeShape(*(int(n) for n in kind[len(FIXED_TREE_KIND):].split("x"))).validate()
+    except (TypeError, ValueError) as error:
+        raise SystemExit(f"draft kind {kind!r}: expected tree<top_k>x<depth>x<nodes> ({error})") from None
+
 
 
 def real_model_speculation(kind: str, draft, profiles) -> Speculation:
@@ -371,6 +389,9 @@ def real_model_speculation(kind: str, draft, profiles) -> Speculation:
     if draft is None:
         raise SystemExit(f"draft kind {kind!r} needs a neural draft: build it with `turbogrpo draft build "
                          f"--model smollm2` or pass --draft DIR")
+    shape = fixed_tree_shape(kind)
+    if shape is not None:
+        return Speculation(draft, FixedSizing(shape))
     history = {"neural": None, "both": HistoryDrafts(store=HistoryStore()),
                "neural+siblings": HistoryDrafts(store=None)}[kind]
     # Merged kinds size with MergedSizing: each step the neural tree (chains merged in) or chains alone.
@@ -419,8 +440,9 @@ def main_real_model(args) -> None:
     kinds = [k for k in args.kinds.split(",") if k]
     tail_kinds = [k for k in args.tail_kinds.split(",") if k]
     for kind in kinds + tail_kinds:
-        if kind not in REAL_KINDS:
-            raise SystemExit(f"unknown draft kind {kind!r}; choose from {', '.join(REAL_KINDS)}")
+        if kind not in REAL_KINDS and fixed_tree_shape(kind) is None:
+            raise SystemExit(f"unknown draft kind {kind!r}; choose from {', '.join(REAL_KINDS)} or "
+                             f"{FIXED_TREE_KIND}<top_k>x<depth>x<nodes>")
     repeats = 1 if args.quick else args.repeats
     prompts = chat_prompts(tokenizer, max([8] + [-(-b // min(b, 8)) for b in batches]), few_shot=False)
     sampling = SamplingConfig(max_new_tokens=args.new_tokens, temperature=args.temperature)  # EOS ignored: fixed B
