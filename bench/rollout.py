@@ -9,6 +9,7 @@ every completion runs the full number of new tokens and both generate the same t
     python bench/rollout.py --quick   # 1 repeat
     python bench/rollout.py --model smollm2   # the real model (bench/real_model.py), with a roofline
     python bench/rollout.py --model smollm2 --repeats 2 --out rollout_smollm2_amd_kv   # another name
+    python bench/rollout.py --model smollm2 --profile-only --out rollout_smollm2_amd_anatomy   # step anatomy
     python bench/rollout.py --model gemma3    # Gemma 3 270M (its 262k-row LM head is 63% of a token's FLOPs)
 
 The real-model run samples GSM8K test prompts under SmolLM2-135M-Instruct's chat template (EOS ignored on
@@ -36,6 +37,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -187,8 +189,14 @@ def run_hf_generate_ragged(model, prompts: list[torch.Tensor], num_samples: int,
     return (out.shape[1] - width) * out.shape[0]
 
 
-def profile_real_step(model, prompts, num_samples: int, new_tokens: int, top: int = 15) -> list[dict]:
-    """torch.profiler over one rollout of the real model: the top operators by self CPU time."""
+WEIGHT_PRODUCT_OPS = ("mkldnn::_linear_pointwise", "aten::mm", "aten::addmm", "aten::bmm")
+"""Operators that run a decoding step's weight matmuls (oneDNN on packed weights, or MKL's)."""
+
+
+def profile_real_step(model, prompts, num_samples: int, new_tokens: int, top: int = 15) -> dict:
+    """torch.profiler over one rollout of the real model: the top operators by self CPU time, and the
+    step's anatomy: per decoding step, the weight products, attention and everything else (time and
+    operator calls), beside this machine's eager floor per operator call (``eager_call_floor_us``)."""
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         run_turbogrpo(model, prompts, num_samples, new_tokens)
@@ -198,7 +206,74 @@ def profile_real_step(model, prompts, num_samples: int, new_tokens: int, top: in
               "calls": e.count} for e in events[:top]]
     print_table(f"Top {top} operators by self time, one rollout ({len(prompts)} x G={num_samples}, {new_tokens} new)",
                 ["op", "self_s", "share", "calls"], [[r["op"], r["self_s"], r["share"], r["calls"]] for r in table])
-    return table
+
+    def part_of(key: str) -> str:
+        if key in WEIGHT_PRODUCT_OPS:
+            return "weight products"
+        if "attention" in key:
+            return "attention"
+        return "views" if key in VIEW_OPS else "other operators"
+    # Top-level operator calls (those Python dispatches; an operator's inner calls, such as aten::to's
+    # copy_, are part of its time), each with its total time. The prefill's calls are in the totals
+    # too, spread over the steps (one prefill against ``new_tokens`` steps).
+    anatomy = {name: {"ms_per_step": 0.0, "calls_per_step": 0.0}
+               for name in ("weight products", "attention", "other operators", "views")}
+    for event in prof.events():
+        parent = event.cpu_parent
+        if event.name.startswith(OPERATOR_PREFIXES) and not (parent and parent.name.startswith(OPERATOR_PREFIXES)):
+            part = anatomy[part_of(event.name)]
+            part["ms_per_step"] += event.cpu_time_total / 1e3 / new_tokens
+            part["calls_per_step"] += 1 / new_tokens
+    floors = eager_call_floors_us(len(prompts) * num_samples, model.config.hidden_size)
+    for name, part in anatomy.items():
+        floor = floors["view"] if name == "views" else floors["add"]
+        part["eager_floor_ms_per_step"] = part["calls_per_step"] * floor / 1e3
+    print_table(f"Per decoding step at B={len(prompts) * num_samples}, profiled (the profiler adds its own cost per "
+                f"call); eager floor a call: {floors['add']:.1f} us an add, {floors['view']:.1f} us a view",
+                ["part", "ms/step", "op calls/step", "eager floor ms/step"],
+                [[name, p["ms_per_step"], p["calls_per_step"], p["eager_floor_ms_per_step"]]
+                 for name, p in anatomy.items()])
+    return {"top_ops": table, "anatomy_per_step": anatomy, "eager_call_floor_us": floors,
+            "batch": len(prompts) * num_samples, "steps": new_tokens}
+
+
+OPERATOR_PREFIXES = ("aten::", "mkldnn::")
+VIEW_OPS = frozenset(f"aten::{name}" for name in (
+    "view", "_unsafe_view", "reshape", "as_strided", "slice", "select", "transpose", "t", "unsqueeze",
+    "squeeze", "expand", "permute", "alias", "detach", "unflatten", "flatten", "split", "chunk", "narrow",
+    "empty", "empty_strided", "lift_fresh", "unbind", "_reshape_alias", "view_as_real", "resolve_conj"))
+"""Operators that only make tensor metadata (views, empty buffers): a dispatch with no data pass."""
+
+
+def eager_call_floors_us(rows: int, hidden: int, calls: int = 2000) -> dict[str, float]:
+    """Microseconds of the cheapest calls a step makes many of, the fastest of 5 runs of ``calls`` each:
+    ``add``, an out-of-place add of two ``[rows, hidden]`` float32 tensors (dispatch, allocation, the
+    thread pool's fork/join, a tiny data pass); ``view``, a transpose (dispatch and metadata only)."""
+    a, b = torch.randn(rows, hidden), torch.randn(rows, hidden)
+
+    def fastest(call) -> float:
+        best = float("inf")
+        for _ in range(5):
+            start = time.perf_counter()
+            for _ in range(calls):
+                call()
+            best = min(best, (time.perf_counter() - start) / calls)
+        return best * 1e6
+    return {"add": fastest(lambda: torch.add(a, b)), "view": fastest(lambda: a.transpose(0, 1))}
+
+
+def real_model_profile_main(dtype: str = "float32", model_key: str = "smollm2", out: str | None = None) -> None:
+    """The profile and step anatomy of ``--profile`` alone, after a warm-up rollout of the same shape."""
+    from real_model import REAL_MODELS, chat_prompts, load_real_model
+    model_name = REAL_MODELS[model_key]
+    model, tokenizer = load_real_model(model_name)
+    model = model.to(getattr(torch, dtype))
+    prompts = chat_prompts(tokenizer, 4, few_shot=False)
+    run_turbogrpo(model, prompts, 8, 32)  # warm-up: packing, the linears' timing, allocator
+    profile = profile_real_step(model, prompts, 8, 32)
+    write_results(out or f"rollout_{model_key}_profile" + ("" if dtype == "float32" else "_bf16"),
+                  {"model": model_name, "dtype": dtype, "load_average": os.getloadavg(),
+                   "step_anatomy_4x8x32": profile})
 
 
 def real_model_main(repeats: int, profile_ops: bool = False, dtype: str = "float32", model_key: str = "smollm2",
@@ -269,7 +344,8 @@ def real_model_main(repeats: int, profile_ops: bool = False, dtype: str = "float
         profile = profile_real_step(model, chat_prompts(tokenizer, 4, few_shot=False), 8, 32)
         write_results(name, {"model": model_name, "dtype": dtype, "repeats": repeats,
                                           "large_matmul_gflops": large_rate, "load_average": os.getloadavg(),
-                                          "shapes": records, "profile_top_ops_4x8x32": profile})
+                                          "shapes": records, "profile_top_ops_4x8x32": profile["top_ops"],
+                                          "step_anatomy_4x8x32": profile})
     print_table(f"Rollout on {model_name} (GSM8K test prompts, {dtype}, median of {repeats}); "
                 f"large-matmul rate {large_rate:.0f} GFLOP/s, memory read {read_gbps:.1f} GB/s",
                 ["prompts x G", "new", "hf_s", "ours_s", "speedup", "roofline_s", "hf x bound", "ours x bound",
@@ -284,13 +360,18 @@ def main() -> None:
     parser.add_argument("--model", choices=["bench", "smollm2", "gemma3"], default="bench",
                         help="bench: the random bench model (default); smollm2: the real instruct model; "
                              "gemma3: Gemma 3 270M (sliding-window layers, 262k vocabulary)")
-    parser.add_argument("--profile", action="store_true", help="with --model smollm2: also the top operators")
+    parser.add_argument("--profile", action="store_true", help="with --model smollm2: also the top operators "
+                                                                  "and the step's anatomy (4 x G=8, 32 new tokens)")
+    parser.add_argument("--profile-only", action="store_true",
+                        help="with a real model: only the profile and anatomy (bench/results/<out>.json)")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                         help="with --model smollm2: the weights' dtype on both sides")
     parser.add_argument("--out", help="with a real model: results name under bench/results "
                                       "(default rollout_<model>[_bf16])")
     args = parser.parse_args()
     repeats = 1 if args.quick else args.repeats
+    if args.model != "bench" and args.profile_only:
+        return real_model_profile_main(args.dtype, model_key=args.model, out=args.out)
     if args.model != "bench":
         return real_model_main(repeats, args.profile, args.dtype, model_key=args.model, out=args.out)
 
