@@ -46,6 +46,7 @@ bench-smollm2: $(STAMP)
 	$(PY) bench/prefix.py --model smollm2
 	$(PY) bench/update.py
 	$(PY) bench/update.py --parts allocator
+	$(PY) bench/update.py --parts kernels,gemm_bound --out update_kernels_smollm2_bound
 	$(PY) bench/decode_ops.py --threads 1
 	$(PY) bench/rollout.py --model smollm2 --profile
 	$(PY) bench/rollout.py --model smollm2 --dtype bfloat16
@@ -56,6 +57,8 @@ bench-smollm2: $(STAMP)
 	$(PY) bench/speculative.py --model smollm2-135m-instruct --batches 1,4,8,32 --new-tokens 64 --kinds history,neural,both --tail-kinds ''
 	$(PY) bench/speculative.py --model smollm2-135m-instruct --batches 1,4 --new-tokens 64 --temperature 0 --tail-kinds ''
 	$(PY) bench/speculative.py --model smollm2-135m-instruct --batches '' --kinds '' --tail-kinds neural+siblings --out speculative_smollm2_neural_tail
+	$(PY) bench/speculative.py --model smollm2-135m-instruct --batches 1,4 --new-tokens 64 --tail-kinds '' \
+		--kinds tree1x1x2,tree1x2x3,tree1x3x4,tree4x1x5,tree2x2x5,tree4x2x9,tree4x3x13 --out speculative_smollm2_fixed_trees
 	$(PY) scripts/smollm2_task_rates.py
 
 clean:

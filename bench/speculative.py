@@ -5,7 +5,7 @@ completions.
     .venv/bin/python bench/speculative.py --model smollm2-135m-instruct [--batches 1,4,8,32] [--new-tokens 64]
         [--kinds history,neural,both] [--tail-kinds neural+siblings] [--draft smollm2-gsm8k|DIR]
     .venv/bin/python bench/speculative.py --model smollm2-135m-instruct --batches 1,4 --tail-kinds '' \
-        --kinds tree1x1x2,tree1x2x3,tree2x2x5,tree4x2x9,tree4x3x13 --out speculative_smollm2_fixed_trees
+        --kinds tree1x1x2,tree1x2x3,tree1x3x4,tree4x1x5,tree2x2x5,tree4x2x9,tree4x3x13 --out speculative_smollm2_fixed_trees
 
 With ``--model smollm2-135m-instruct`` (the real model) it runs GSM8K test prompts with the chat
 template instead (``main_real_model``): per live batch B (prompts x G samples, EOS ignored so all B
