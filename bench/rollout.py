@@ -189,41 +189,34 @@ def run_hf_generate_ragged(model, prompts: list[torch.Tensor], num_samples: int,
     return (out.shape[1] - width) * out.shape[0]
 
 
-WEIGHT_PRODUCT_OPS = ("mkldnn::_linear_pointwise", "aten::mm", "aten::addmm", "aten::bmm")
+WEIGHT_PRODUCT_OPS = ("mkldnn::_linear_pointwise", "aten::mm", "aten::addmm", "aten::linear")
 """Operators that run a decoding step's weight matmuls (oneDNN on packed weights, or MKL's)."""
+ATTENTION_OPS = ("aten::bmm",)
+"""Besides the flash-attention operators: the batched matmuls of ``rollout.attention``'s own-completion part."""
 
 
 def profile_real_step(model, prompts, num_samples: int, new_tokens: int, top: int = 15) -> dict:
-    """torch.profiler over one rollout of the real model: the top operators by self CPU time, and the
-    step's anatomy: per decoding step, the weight products, attention and everything else (time and
-    operator calls), beside this machine's eager floor per operator call (``eager_call_floor_us``)."""
+    """torch.profiler over rollouts of the real model: the top operators by self CPU time (one rollout of
+    ``new_tokens``), and the decoding step's anatomy: the weight products, attention, other operators and
+    views, as top-level calls and time per step, beside this machine's eager floor per call
+    (``eager_call_floors_us``). The anatomy is the difference of rollouts of ``new_tokens`` and twice as
+    many, over ``new_tokens`` steps: the prefill and the per-rollout setup (weight packing) cancel."""
     from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        run_turbogrpo(model, prompts, num_samples, new_tokens)
-    events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
+    profiles = []
+    for tokens in (new_tokens, 2 * new_tokens):
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            run_turbogrpo(model, prompts, num_samples, tokens)
+        profiles.append(prof)
+    events = sorted(profiles[0].key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
     total = sum(e.self_cpu_time_total for e in events)
     table = [{"op": e.key, "self_s": e.self_cpu_time_total / 1e6, "share": e.self_cpu_time_total / total,
               "calls": e.count} for e in events[:top]]
     print_table(f"Top {top} operators by self time, one rollout ({len(prompts)} x G={num_samples}, {new_tokens} new)",
                 ["op", "self_s", "share", "calls"], [[r["op"], r["self_s"], r["share"], r["calls"]] for r in table])
-
-    def part_of(key: str) -> str:
-        if key in WEIGHT_PRODUCT_OPS:
-            return "weight products"
-        if "attention" in key:
-            return "attention"
-        return "views" if key in VIEW_OPS else "other operators"
-    # Top-level operator calls (those Python dispatches; an operator's inner calls, such as aten::to's
-    # copy_, are part of its time), each with its total time. The prefill's calls are in the totals
-    # too, spread over the steps (one prefill against ``new_tokens`` steps).
-    anatomy = {name: {"ms_per_step": 0.0, "calls_per_step": 0.0}
-               for name in ("weight products", "attention", "other operators", "views")}
-    for event in prof.events():
-        parent = event.cpu_parent
-        if event.name.startswith(OPERATOR_PREFIXES) and not (parent and parent.name.startswith(OPERATOR_PREFIXES)):
-            part = anatomy[part_of(event.name)]
-            part["ms_per_step"] += event.cpu_time_total / 1e3 / new_tokens
-            part["calls_per_step"] += 1 / new_tokens
+    short, long = (_top_level_parts(prof) for prof in profiles)
+    anatomy = {name: {"ms_per_step": (long[name]["ms"] - short[name]["ms"]) / new_tokens,
+                      "calls_per_step": (long[name]["calls"] - short[name]["calls"]) / new_tokens}
+               for name in long}
     floors = eager_call_floors_us(len(prompts) * num_samples, model.config.hidden_size)
     for name, part in anatomy.items():
         floor = floors["view"] if name == "views" else floors["add"]
@@ -235,6 +228,21 @@ def profile_real_step(model, prompts, num_samples: int, new_tokens: int, top: in
                  for name, p in anatomy.items()])
     return {"top_ops": table, "anatomy_per_step": anatomy, "eager_call_floor_us": floors,
             "batch": len(prompts) * num_samples, "steps": new_tokens}
+
+
+def _top_level_parts(prof) -> dict[str, dict[str, float]]:
+    """Milliseconds and count of the top-level operator calls of a profile, by part of a step. Top level:
+    the calls Python dispatches (an operator's inner calls, such as aten::to's copy_, are in its time)."""
+    parts = {name: {"ms": 0.0, "calls": 0} for name in ("weight products", "attention", "other operators", "views")}
+    for event in prof.events():
+        parent = event.cpu_parent
+        if event.name.startswith(OPERATOR_PREFIXES) and not (parent and parent.name.startswith(OPERATOR_PREFIXES)):
+            name = ("weight products" if event.name in WEIGHT_PRODUCT_OPS
+                    else "attention" if event.name in ATTENTION_OPS or "attention" in event.name
+                    else "views" if event.name in VIEW_OPS else "other operators")
+            parts[name]["ms"] += event.cpu_time_total / 1e3
+            parts[name]["calls"] += 1
+    return parts
 
 
 OPERATOR_PREFIXES = ("aten::", "mkldnn::")
@@ -271,9 +279,33 @@ def real_model_profile_main(dtype: str = "float32", model_key: str = "smollm2", 
     prompts = chat_prompts(tokenizer, 4, few_shot=False)
     run_turbogrpo(model, prompts, 8, 32)  # warm-up: packing, the linears' timing, allocator
     profile = profile_real_step(model, prompts, 8, 32)
+    timed = unprofiled_step(model, prompts, 8, 32)
     write_results(out or f"rollout_{model_key}_profile" + ("" if dtype == "float32" else "_bf16"),
                   {"model": model_name, "dtype": dtype, "load_average": os.getloadavg(),
-                   "step_anatomy_4x8x32": profile})
+                   "step_anatomy_4x8x32": profile, "unprofiled_step_4x8": timed})
+
+
+def unprofiled_step(model, prompts, num_samples: int, new_tokens: int, repeats: int = 3) -> dict:
+    """The plain step without the profiler (which inflates small operators: the sampler's softmax read
+    12.8 ms profiled and 1.6 ms timed): seconds per decoding step at B = prompts x ``num_samples``, from
+    the difference of rollouts of ``new_tokens`` and twice as many (median of ``repeats`` pairs), beside
+    the step's weight products alone, streamed from memory in the model's order by the faster kernel
+    (``real_model.model_gemm_step_seconds``), and the eager floor of its operator calls."""
+    from real_model import model_gemm_step_seconds
+    differences = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run_turbogrpo(model, prompts, num_samples, new_tokens)
+        middle = time.perf_counter()
+        run_turbogrpo(model, prompts, num_samples, 2 * new_tokens)
+        differences.append((time.perf_counter() - middle - (middle - start)) / new_tokens)
+    step_s = sorted(differences)[len(differences) // 2]
+    batch = len(prompts) * num_samples
+    weights_s = min(model_gemm_step_seconds(model, batch, kernel=kernel) for kernel in ("mm", "onednn"))
+    print(f"unprofiled step at B={batch}: {1e3 * step_s:.1f} ms; its weight products alone, streamed: "
+          f"{1e3 * weights_s:.1f} ms; the rest: {1e3 * (step_s - weights_s):.1f} ms")
+    return {"batch": batch, "step_s": step_s, "step_s_samples": differences, "weight_products_streamed_s": weights_s,
+            "rest_s": step_s - weights_s}
 
 
 def real_model_main(repeats: int, profile_ops: bool = False, dtype: str = "float32", model_key: str = "smollm2",
