@@ -193,6 +193,12 @@ WEIGHT_PRODUCT_OPS = ("mkldnn::_linear_pointwise", "aten::mm", "aten::addmm", "a
 """Operators that run a decoding step's weight matmuls (oneDNN on packed weights, or MKL's)."""
 ATTENTION_OPS = ("aten::bmm",)
 """Besides the flash-attention operators: the batched matmuls of ``rollout.attention``'s own-completion part."""
+OPERATOR_PREFIXES = ("aten::", "mkldnn::")
+VIEW_OPS = frozenset(f"aten::{name}" for name in (
+    "view", "_unsafe_view", "reshape", "as_strided", "slice", "select", "transpose", "t", "unsqueeze",
+    "squeeze", "expand", "permute", "alias", "detach", "unflatten", "flatten", "split", "chunk", "narrow",
+    "empty", "empty_strided", "lift_fresh", "unbind", "_reshape_alias", "view_as_real", "resolve_conj"))
+"""Operators that only make tensor metadata (views, empty buffers): a dispatch with no data pass."""
 
 
 def profile_real_step(model, prompts, num_samples: int, new_tokens: int, top: int = 15) -> dict:
@@ -243,14 +249,6 @@ def _top_level_parts(prof) -> dict[str, dict[str, float]]:
             parts[name]["ms"] += event.cpu_time_total / 1e3
             parts[name]["calls"] += 1
     return parts
-
-
-OPERATOR_PREFIXES = ("aten::", "mkldnn::")
-VIEW_OPS = frozenset(f"aten::{name}" for name in (
-    "view", "_unsafe_view", "reshape", "as_strided", "slice", "select", "transpose", "t", "unsqueeze",
-    "squeeze", "expand", "permute", "alias", "detach", "unflatten", "flatten", "split", "chunk", "narrow",
-    "empty", "empty_strided", "lift_fresh", "unbind", "_reshape_alias", "view_as_real", "resolve_conj"))
-"""Operators that only make tensor metadata (views, empty buffers): a dispatch with no data pass."""
 
 
 def eager_call_floors_us(rows: int, hidden: int, calls: int = 2000) -> dict[str, float]:

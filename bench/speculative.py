@@ -361,6 +361,7 @@ REAL_KINDS = ("off", "siblings", "history", "neural", "both", "neural+siblings")
 against the plain engine), history drafts alone (the group's siblings; siblings plus a store of
 earlier rollouts' completions of the same prompts, as when prompts recur across epochs), the neural
 draft alone, and the neural draft merged with history (with the store, or siblings only)."""
+
 FIXED_TREE_KIND = "tree"
 """``tree<K>x<L>x<N>``: the neural draft with one fixed tree shape on every step (``FixedSizing``,
 ``TreeShape(top_k=K, depth=L, num_nodes=N)``), no cost policy. A sweep of these measures what the best
@@ -375,7 +376,6 @@ def fixed_tree_shape(kind: str) -> TreeShape | None:
         return TreeShape(*(int(n) for n in kind[len(FIXED_TREE_KIND):].split("x"))).validate()
     except (TypeError, ValueError) as error:
         raise SystemExit(f"draft kind {kind!r}: expected tree<top_k>x<depth>x<nodes> ({error})") from None
-
 
 
 def real_model_speculation(kind: str, draft, profiles) -> Speculation:

@@ -302,6 +302,8 @@ def main() -> None:
     if args.allocator_child:
         return allocator_child(args.allocator_child)
     parts = args.parts.split(",")
+    if "gemm_bound" in parts and "kernels" not in parts:
+        raise SystemExit("--parts gemm_bound replays the kernels part's products: pass --parts kernels,gemm_bound")
     if "allocator" in parts:
         r = part_allocator(args.repeats)
         print_table("8 zero-shot groups as one pack, forward+backward wall s (2 threads), a fresh process per run",
