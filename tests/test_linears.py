@@ -7,6 +7,7 @@ from torch import nn
 
 from tests.rollout.conftest import build_model, random_prompts
 from turbogrpo import linears
+from turbogrpo.cpu_capability import cpu_capability
 from turbogrpo.rollout import SamplingConfig, generate
 from turbogrpo.rollout.engine import DecodeSchedule
 from turbogrpo.linears import LINEAR_KERNELS, TRAINING_LINEAR_KERNELS, OneDnnLinear, onednn_available, onednn_is_faster, onednn_linears, \
@@ -64,6 +65,8 @@ def test_a_rollout_on_packed_weights_gives_the_modules_completions(monkeypatch):
                                           SamplingConfig(max_new_tokens=12, stop_token_ids=(0, 1, 2)), 1e-5)
 
 
+@pytest.mark.skipif(not cpu_capability().packs(torch.bfloat16),
+                    reason="this CPU has no oneDNN bf16 kernels (tests/test_cpu_capability.py checks the refusal)")
 def test_under_bf16_autocast_the_packed_weights_are_what_autocast_computes_with(monkeypatch):
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert_packed_rollout_matches_modules(monkeypatch, build_model("llama", seed=6), [7, 4],
@@ -257,3 +260,41 @@ def test_siblings_that_differ_in_shape_bias_or_kind_are_packed_one_by_one(monkey
                     getattr(root, name)(torch.randn(3, width).to(getattr(root, name).weight.dtype))
         other_width.up_proj(torch.randn(3, 7))
     assert sorted(packs) == sorted([(12, 8), (4, 8), (4, 8), (6, 8), (6, 7)])
+
+
+GRAD_MODES = {"inference_mode": torch.inference_mode, "no_grad": torch.no_grad, "grad": torch.enable_grad}
+
+
+@pytest.mark.parametrize("kernel", ["module", "onednn", "auto"])
+def test_generate_gives_the_same_rollout_under_inference_mode_no_grad_and_grad(kernel):
+    # 8 layers of q/k/v and gate/up siblings: the packed kernel's shared products run at every layer.
+    model = build_model("qwen2", seed=8, num_hidden_layers=8)
+    kwargs = dict(num_samples=3, sampling=SamplingConfig(max_new_tokens=8, stop_token_ids=(0,)), seed=2,
+                  schedule=DecodeSchedule(linears=kernel))
+    rollouts = {}
+    for name, mode in GRAD_MODES.items():
+        with mode():
+            rollouts[name] = generate(model, random_prompts([9, 4]), **kwargs)
+    reference = rollouts.pop("no_grad")
+    for name, rollout in rollouts.items():
+        assert [t.tolist() for t in rollout.tokens] == [t.tolist() for t in reference.tokens], name
+        assert all(torch.equal(a, b) for a, b in zip(rollout.logprobs, reference.logprobs)), name
+        assert not any(t.is_inference() or t.requires_grad for t in rollout.logprobs), name
+    # a caller may train on what a rollout under inference_mode returned
+    logprob = rollouts["inference_mode"].logprobs[0].clone().requires_grad_()
+    logprob.sum().backward()
+
+
+def test_siblings_given_an_inference_tensor_each_compute_exactly():
+    root = sibling_root()
+    with torch.inference_mode():
+        x = torch.randn(5, 8)
+        truth_q = root.q_proj(x)
+        with onednn_linears([root]):
+            q = root.q_proj(x)
+            x.mul_(3)  # an in-place change that an inference tensor's (missing) version cannot show
+            k, v = root.k_proj(x), root.v_proj(x)
+        truth_k, truth_v = root.k_proj(x), root.v_proj(x)  # the modules as they are, on the changed input
+    torch.testing.assert_close(q, truth_q, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(k, truth_k, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(v, truth_v, atol=1e-5, rtol=1e-5)

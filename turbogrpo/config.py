@@ -40,10 +40,11 @@ class ModelConfig:
     path: str = "demo"
     """Local folder or Hub name of a Hugging Face causal LM; "demo" and "longform" are the shipped models
     of the two built-in tasks."""
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"
     """Compute dtype. bfloat16/float16: float32 master weights and AdamW state, forwards (rollout and
     training) under torch.autocast; the fast choice on GPU (float16 has no loss scaling: prefer bfloat16).
-    float32: the exact choice on CPU, where bf16 matmuls without native support run several times slower."""
+    float32: the exact choice on CPU, where bf16 matmuls without native support run several times slower.
+    "auto": float32 on a CPU, bfloat16 on a GPU that has it (``turbogrpo.train.precision.AUTO_DTYPES``)."""
     pure_bf16: bool = False
     """Store the parameters and AdamW state in bfloat16 too (needs dtype = "bfloat16"): 8 bytes less per
     parameter, but updates under half of bf16's spacing round away (GRPO's small lr barely trains); warns."""
@@ -58,14 +59,25 @@ class ModelConfig:
     (``turbogrpo.linears``): "module" (each nn.Linear as it is: MKL for float32), "onednn" (oneDNN; rollouts
     on weights packed once per rollout), "auto" (oneDNN where it measures faster on this CPU)."""
 
+    def _runs_on_cpu(self) -> bool:
+        import torch
+        return self.device == "cpu" or (self.device == "auto" and not torch.cuda.is_available())
+
     def check(self, key: str) -> None:
         from turbogrpo.prefix.backends import BACKENDS  # the backend registry is the one source of names
         _require(self.path != "", f"{key}.path", "a model folder, a Hub name or \"demo\"", self.path)
         _require(self.logprob_backend == "auto" or self.logprob_backend in BACKENDS, f"{key}.logprob_backend",
                  f"one of {', '.join(['auto', *sorted(BACKENDS)])}", self.logprob_backend)
-        from turbogrpo.linears import LINEAR_KERNELS
+        from turbogrpo.linears import LINEAR_KERNELS, require_onednn
         _require(self.linear_kernel in LINEAR_KERNELS, f"{key}.linear_kernel", f"one of {', '.join(LINEAR_KERNELS)}",
                  self.linear_kernel)
+        if self.linear_kernel == "onednn" and self._runs_on_cpu():
+            import torch
+            # "auto" computes in float32 on a CPU; refused here, in one line, not by oneDNN in the first rollout
+            try:
+                require_onednn(torch.bfloat16 if self.dtype == "bfloat16" else torch.float32)
+            except ValueError as err:
+                raise ConfigError(f"config key '{key}.linear_kernel': {err}") from None
         _require(self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda"),
                  f"{key}.device", "\"auto\", \"cpu\", \"cuda\" or \"cuda:N\"", self.device)
         _require(not self.pure_bf16 or self.dtype == "bfloat16", f"{key}.pure_bf16",

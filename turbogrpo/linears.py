@@ -55,11 +55,35 @@ from collections.abc import Callable, Iterable, Iterator
 import torch
 from torch import nn
 
+from turbogrpo.cpu_capability import cpu_capability
+
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
+"""Dtypes oneDNN's packed product can compute in, on a CPU that runs them (``CpuCapability.packs``)."""
 
 
 def onednn_available() -> bool:
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+    """oneDNN's linear ops run on this CPU (``turbogrpo.cpu_capability``)."""
+    return cpu_capability().onednn
+
+
+class KernelUnavailable(ValueError):
+    """An explicit "onednn" kernel asked for on a CPU (or in a dtype) where oneDNN cannot run it."""
+
+
+def require_onednn(dtype: torch.dtype, *, training: bool = False) -> None:
+    """Refuse, in one line naming the CPU and the setting to change, a oneDNN kernel this CPU cannot run
+    in ``dtype`` (the dtype the products compute in)."""
+    capability = cpu_capability()
+    runs = capability.trains(dtype) if training else capability.packs(dtype)
+    if runs:
+        return
+    why = ("oneDNN's linear ops do not run here" if not capability.onednn else
+           "oneDNN's bf16 kernels need AVX-512 BW/VL/DQ or AVX-NE-CONVERT" if dtype == torch.bfloat16 else
+           f"oneDNN's packed product runs {', '.join(str(d).removeprefix('torch.') for d in PACKABLE_DTYPES)} only")
+    raise KernelUnavailable(
+        f"linear kernel \"onednn\" cannot run {str(dtype).removeprefix('torch.')} products on this CPU "
+        f"({capability.describe()}): {why}; set model.linear_kernel (DecodeSchedule.linears) to \"auto\" or "
+        f"\"module\"")
 
 
 def _plain_linear(module: nn.Module) -> bool:
@@ -88,6 +112,12 @@ def _compute_dtype(weight: torch.Tensor) -> torch.dtype:
     return torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else weight.dtype
 
 
+def _version(input: torch.Tensor) -> int | None:
+    """``input``'s version counter, which moves at every in-place change; None for an inference tensor
+    (made under ``torch.inference_mode``), which has none: its siblings then each compute afresh, exact."""
+    return None if input.is_inference() else input._version
+
+
 def _rows(input: torch.Tensor) -> int:
     return input.numel() // max(input.shape[-1], 1)  # from the shape: no host sync
 
@@ -113,7 +143,9 @@ class _PackedProduct:
     Siblings: the first one called with an input computes every sibling's output at once; each other
     sibling called with that very tensor, unchanged since (same object and version), takes its slice. A
     call with any other input, or a second call of the same sibling, computes afresh, so a model that
-    feeds the siblings different tensors still gets exact products, only slower."""
+    feeds the siblings different tensors still gets exact products, only slower. So does an inference
+    tensor (``torch.inference_mode``), which has no version to check; ``generate`` runs outside inference
+    mode for that reason, so its siblings share."""
 
     def __init__(self, modules: list[nn.Linear], min_rows: int = 1):
         self.modules, self.min_rows = modules, min_rows
@@ -135,7 +167,7 @@ class _PackedProduct:
         module = self.modules[index]
         if self.own_dtype and _rows(input) < self.min_rows:
             return torch.nn.functional.linear(input, module.weight, module.bias)
-        if index in self._untaken and input is self._input and input._version == self._version:
+        if index in self._untaken and input is self._input and _version(input) == self._version:
             self._untaken.discard(index)
             output = self._outputs[index]
             if not self._untaken:
@@ -147,10 +179,11 @@ class _PackedProduct:
         output = onednn_product(input.to(self.dtype), self.packed, self.bias)
         if len(self.modules) == 1:
             return output
-        self._outputs = output.split(self.widths, dim=-1)
-        self._input, self._version = input, input._version
-        self._untaken = set(range(len(self.modules))) - {index}
-        return self._outputs[index]
+        outputs = output.split(self.widths, dim=-1)
+        if _version(input) is not None:
+            self._outputs, self._input, self._version = outputs, input, _version(input)
+            self._untaken = set(range(len(self.modules))) - {index}
+        return outputs[index]
 
 
 def _sibling_sets(roots: Iterable[nn.Module], accepts: Callable[[nn.Module], bool]) -> Iterator[list[nn.Linear]]:
@@ -190,8 +223,12 @@ def onednn_linears(roots: Iterable[nn.Module], min_rows: int = 1) -> Iterator[in
     packed copy of its weight as it is now, in the dtype it would compute in, for inputs of at least
     ``min_rows`` rows (yields how many modules run so); each set of ``FUSED_SIBLINGS`` shares one packed
     product. The block must not change the weights, need gradients through them, or change autocast (a
-    rollout runs under ``no_grad`` and one autocast state)."""
+    rollout runs under ``no_grad`` and one autocast state). Refused (``require_onednn``) where a packable
+    module's dtype cannot run on this CPU; "auto" asks the CPU first and keeps the modules instead."""
     roots = list(roots)
+    for dtype in {_compute_dtype(m.weight) for root in roots for m in root.modules() if _plain_linear(m)}:
+        if dtype in PACKABLE_DTYPES:
+            require_onednn(dtype)
     forwards: dict[nn.Module, Callable] = {}
     for members in _sibling_sets(roots, _packable):
         product = _PackedProduct(members, min_rows)
@@ -265,7 +302,8 @@ def _replaced_forwards(roots: Iterable[nn.Module], make_forward: Callable[[nn.Li
 
 def onednn_training_linears(roots: Iterable[nn.Module], min_rows: int = 1) -> contextlib.AbstractContextManager[int]:
     """For the ``with`` block, every plain float32 ``nn.Linear`` under ``roots`` runs ``OneDnnLinear`` for
-    inputs of at least ``min_rows`` rows."""
+    inputs of at least ``min_rows`` rows (refused where oneDNN does not run here: ``require_onednn``)."""
+    require_onednn(torch.float32, training=True)
     return _replaced_forwards(roots, functools.partial(_TrainingForward, min_rows=min_rows),
                               lambda module: module.weight.dtype == torch.float32)
 
@@ -288,16 +326,20 @@ the weights stream from memory as a decoding step's do (with one pair, cache-res
 MKL at few rows by up to 2x, which a real step does not see)."""
 
 
-@functools.cache
 def onednn_min_rows(dtype: torch.dtype, num_threads: int, margin: float = 1.1) -> int | None:
     """The fewest rows from which oneDNN's packed product beats ``F.linear`` here, or None where it
-    does not beat it by ``margin`` at 32 rows (then ``F.linear`` runs everywhere). Timed once per
-    process, dtype and thread count, at SmolLM2's MLP shape (576 x 1536 and back) for every row count
-    of ``ROW_GRID`` (about half a second): the smallest count at which oneDNN is faster there and at
-    every larger one. On the 2-core Xeon (AMX) MKL wins below a handful of rows; on the AMD EPYC oneDNN
-    wins at every count."""
-    if not onednn_available() or dtype not in PACKABLE_DTYPES:
+    does not beat it by ``margin`` at 32 rows, or cannot run in ``dtype`` on this CPU (then ``F.linear``
+    runs everywhere). Timed once per process, dtype and thread count, at SmolLM2's MLP shape (576 x 1536
+    and back) for every row count of ``ROW_GRID`` (about half a second): the smallest count at which
+    oneDNN is faster there and at every larger one. On the 2-core Xeon (AMX) MKL wins below a handful of
+    rows; on the AMD EPYC oneDNN wins at every count."""
+    if not cpu_capability().packs(dtype):
         return None
+    return _timed_min_rows(dtype, num_threads, margin)
+
+
+@functools.cache
+def _timed_min_rows(dtype: torch.dtype, num_threads: int, margin: float) -> int | None:
     generator = torch.Generator().manual_seed(0)
     weights = [torch.randn(out, inner, generator=generator).to(dtype)
                for _ in range(NUM_TIMED_LAYERS) for out, inner in ((1536, 576), (576, 1536))]
@@ -326,25 +368,31 @@ def onednn_is_faster(dtype: torch.dtype, num_threads: int) -> bool:
 
 def _auto(kernel: Callable[..., contextlib.AbstractContextManager[int]],
           min_rows_for: Callable[[torch.dtype, int], int | None]):
-    """``kernel`` from the row count ``min_rows_for(dtype, threads)`` gives for the roots' weights on the
-    CPU (where oneDNN runs faster here), else ``module_linears`` (None: nowhere)."""
+    """``kernel`` from the row count ``min_rows_for(dtype, threads)`` gives for the dtype the roots'
+    weights compute in on the CPU (autocast's, where it is on: a bf16 run's float32 masters multiply in
+    bf16), where oneDNN runs faster here, else ``module_linears`` (None: nowhere, or oneDNN cannot run
+    that dtype on this CPU)."""
     def choose(roots: Iterable[nn.Module]) -> contextlib.AbstractContextManager[int]:
         roots = list(roots)
         weight = next((p for root in roots for p in root.parameters()), None)
         min_rows = None if weight is None or weight.device.type != "cpu" else min_rows_for(
-            weight.dtype, torch.get_num_threads())
+            _compute_dtype(weight), torch.get_num_threads())
         return module_linears(roots) if min_rows is None else kernel(roots, min_rows=min_rows)
     return choose
 
 
-@functools.cache
 def onednn_trains_faster(dtype: torch.dtype, num_threads: int, margin: float = 1.1) -> int | None:
     """1 where ``OneDnnLinear``'s forward and backward beat ``F.linear``'s by ``margin`` here, else None
-    (the ``min_rows`` of "auto" training). Timed once per process and thread count at a training
-    shape, 512 rows through SmolLM2's 576 x 1536 MLP weight (about half a second): a decoding step's
-    few rows say nothing about it."""
-    if not onednn_available() or dtype != torch.float32:
+    (the ``min_rows`` of "auto" training; None too where oneDNN cannot train in ``dtype`` on this CPU).
+    Timed once per process and thread count at a training shape, 512 rows through SmolLM2's 576 x 1536
+    MLP weight (about half a second): a decoding step's few rows say nothing about it."""
+    if not cpu_capability().trains(dtype):
         return None
+    return _timed_trains_faster(num_threads, margin)
+
+
+@functools.cache
+def _timed_trains_faster(num_threads: int, margin: float) -> int | None:
     generator = torch.Generator().manual_seed(0)
     weight = torch.randn(1536, 576, generator=generator, requires_grad=True)
     input = torch.randn(512, 576, generator=generator, requires_grad=True)

@@ -261,3 +261,16 @@ def test_the_draft_vocabularys_head_rows_follow_the_policys_updates():
     draft.set_draft_tokens(torch.arange(1, 64, 2))             # new ids: the rows are gathered again
     torch.testing.assert_close(draft.draft_logprobs(features)[:, 1::2],
                                (features @ policy.get_output_embeddings().weight[1::2].T).log_softmax(-1))
+
+
+@pytest.mark.parametrize("mode", [torch.inference_mode, torch.enable_grad])
+def test_a_speculative_rollout_under_inference_mode_or_grad_equals_one_under_no_grad(mode):
+    policy, draft = models_and_drafts()["qwen2-trained-draft"]
+    prompts = trained_pair()[2][:2]
+    sampling = SamplingConfig(max_new_tokens=12, temperature=1.0)
+    with torch.no_grad():
+        reference = speculate(policy, draft, prompts, sampling, seed=4)
+    with mode():
+        ours = speculate(policy, draft, prompts, sampling, seed=4)
+    assert [t.tolist() for t in ours.tokens] == [t.tolist() for t in reference.tokens]
+    assert all(torch.equal(a, b) and not a.is_inference() for a, b in zip(ours.logprobs, reference.logprobs))

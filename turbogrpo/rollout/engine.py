@@ -142,7 +142,10 @@ def generate(model: nn.Module, prompts: list[torch.Tensor], *, num_samples: int,
         generator = torch.Generator(device=device)
         generator.manual_seed(seed)
     prompts = [p.to(device=device, dtype=torch.long) for p in prompts]
-    with torch.no_grad():
+    # Outside inference mode even when the caller is in it: an inference tensor has no version counter,
+    # which the packed kernel's sibling products check, and cannot be saved for a later backward (a
+    # caller that trains on the rollout's tensors would fail there). no_grad keeps the rollout free.
+    with torch.inference_mode(False), torch.no_grad():
         schedule = schedule or default_schedule(device)
         # The step is made inside: a speculative step may time the model (its latency profile) as it runs.
         with _linear_kernel(schedule, draft)([model, *getattr(draft, "rollout_modules", list)()]):

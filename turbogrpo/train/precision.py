@@ -10,6 +10,13 @@ Mixed precision, as the field does it: float32 master weights and optimizer stat
                                                  an update smaller than half of bf16's spacing at a
                                                  weight (about 1.5e-4 at 0.02) rounds away, so GRPO's
                                                  usual learning rates barely move the model.
+    model.dtype = "auto"                        the fastest of the above that this machine runs
+                                                 natively (``AUTO_DTYPES``): float32 on every CPU kind,
+                                                 bfloat16 on a GPU that has it.
+
+On a CPU without native bf16 (``turbogrpo.cpu_capability``: an AVX2-only EPYC, most laptops) a bf16
+or fp16 run still works, every weight product by ``F.linear`` (oneDNN's packed bf16 product is not
+used there), but it is emulated and slower than float32, so such a run warns once.
 
 Why autocast over a bfloat16 compute copy refreshed after each step: both hold float32 masters, and
 bench/gpu_precision.py (``--device cpu`` too) measures them side by side. On the CPU (results/
@@ -30,6 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
+from turbogrpo.cpu_capability import cpu_capability
 from turbogrpo.models import resolve_dtype
 
 PURE_BF16_WARNING = (
@@ -68,10 +76,41 @@ class Precision:
         return under_autocast
 
 
+AUTO_DTYPES = {
+    # float32 on every CPU kind: it is exact, and bf16 was slower wherever measured
+    # (bench/results/precision_cpu*.json: one GRPO step of a 0.9M model per mode).
+    "cpu": lambda: "float32",
+    # bf16 where the GPU has it (Ampere and later); float16 has no loss scaling here, so not that.
+    "cuda": lambda: "bfloat16" if torch.cuda.is_bf16_supported() else "float32",
+}
+"""Device type -> the compute dtype that ``model.dtype = "auto"`` picks there (float32 elsewhere)."""
+
+
+def resolved_dtype_name(dtype: str, device: torch.device | str = "cpu") -> str:
+    """``model.dtype`` with "auto" resolved for ``device`` (``AUTO_DTYPES``)."""
+    if dtype != "auto":
+        return dtype
+    return AUTO_DTYPES.get(torch.device(device).type, lambda: "float32")()
+
+
+def emulated_precision_warning(compute: torch.dtype, device_type: str) -> str | None:
+    """The warning for low-precision compute on a CPU that emulates it (None where it is native)."""
+    capability = cpu_capability()
+    if device_type != "cpu" or capability.native(compute):
+        return None
+    name = str(compute).removeprefix("torch.")
+    return (f"model.dtype = \"{name}\" on this CPU ({capability.describe()}): {name} products are emulated "
+            f"here and run slower than float32; \"float32\" (or \"auto\") is faster and exact on this machine")
+
+
 def run_precision(dtype: str, pure_bf16: bool = False, device: torch.device | str = "cpu") -> Precision:
-    """The precision of ``model.dtype`` (+ ``model.pure_bf16``) on ``device``."""
-    compute = resolve_dtype(dtype)
+    """The precision of ``model.dtype`` (+ ``model.pure_bf16``) on ``device``; warns once where the CPU
+    emulates the compute dtype (``emulated_precision_warning``)."""
+    compute = resolve_dtype(resolved_dtype_name(dtype, device))
     device_type = torch.device(device).type
+    warning = emulated_precision_warning(compute, device_type)
+    if warning is not None:
+        warnings.warn(warning, UserWarning, stacklevel=2)
     if pure_bf16:
         return Precision(compute, compute, device_type)
     return Precision(torch.float32 if compute.itemsize < 4 else compute, compute, device_type)

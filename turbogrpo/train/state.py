@@ -169,7 +169,8 @@ def export(run: Run) -> Path | None:
     state_dict = checkpoint.full_model_state(run.policy)  # collective under FSDP2: every rank calls it
     error = None
     if run.dist.is_main:
-        name = run.config.model.dtype if run.config.train.final_dtype == "auto" else run.config.train.final_dtype
+        name = (str(run.precision.compute_dtype).removeprefix("torch.") if run.config.train.final_dtype == "auto"
+                else run.config.train.final_dtype)
         state_dict = {key: t.to(resolve_dtype(name)) if t.is_floating_point() else t
                       for key, t in (state_dict or run.policy.state_dict()).items()}
 
