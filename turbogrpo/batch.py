@@ -113,6 +113,14 @@ class Groups:
         return [c.numel() for c in self.completions]
 
     @property
+    def trained_lengths(self) -> list[int]:
+        """``[N]`` host ints: each completion's tokens that reach the loss (its sampled ones; all of them
+        without ``model_mask``). Reads the masks' values: they are host tensors from the rollout."""
+        if self.model_mask is None:
+            return self.lengths
+        return [int(m.sum()) for m in self.model_mask]
+
+    @property
     def prompt_lengths(self) -> list[int]:
         """``[K]`` host ints: each prompt's length."""
         return [p.numel() for p in self.prompts]
