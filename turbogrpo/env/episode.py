@@ -56,30 +56,38 @@ class Episode:
         content, calls = self.parser(text) if self.tools else (text, [])
         self.messages.append({"role": "assistant", "content": content,
                               **({"tool_calls": [c.as_message_call() for c in calls]} if calls else {})})
-        if self.error is not None or self.num_turns >= self.max_turns:
-            self.hit_max_turns = self.error is None
+        if self.error is not None:
             return None
-        if calls:
-            replies = []
-            for call in calls:
-                result, failed = call_tool(self.tools, call)
-                self.num_tool_calls += 1
-                self.num_tool_failures += failed
-                replies.append({"role": "tool", "name": call.name, "content": result})
-            self.messages.extend(replies)
-            return self.renderer.reply_ids(replies, [c.as_message_call() for c in calls])
+        # The environment sees every turn, the last one too (it may hold the answer it scores).
+        reply = self._tool_replies(calls) if calls else self._feedback(text)
+        if reply is None:
+            return None
+        if self.num_turns >= self.max_turns:  # an episode that would go on is cut here; the reply is unsent
+            self.hit_max_turns = True
+            return None
+        self.messages.extend(reply)
+        return self.renderer.reply_ids(reply, [c.as_message_call() for c in calls])
+
+    def _tool_replies(self, calls: list) -> list[dict]:
+        replies = []
+        for call in calls:
+            result, failed = call_tool(self.tools, call)
+            self.num_tool_calls += 1
+            self.num_tool_failures += failed
+            replies.append({"role": "tool", "name": call.name, "content": result})
+        return replies
+
+    def _feedback(self, text: str) -> list[dict] | None:
+        """The environment's answer to a turn without tool calls as a user message, or None (episode over;
+        a tool environment's episode ends on such a turn)."""
         if not callable(getattr(self.env, "reply", None)):
-            return None  # a tool environment's episode ends on a turn without tool calls
+            return None
         try:
             answer = environment_reply(self.env, text)
         except Exception as err:
-            self.error = f"reply() raised {type(err).__name__}: {err}" if not isinstance(err, ValueError) else str(err)
+            self.error = str(err) if isinstance(err, ValueError) else f"reply() raised {type(err).__name__}: {err}"
             return None
-        if answer is None:
-            return None
-        message = {"role": "user", "content": answer}
-        self.messages.append(message)
-        return self.renderer.reply_ids([message])
+        return None if answer is None else [{"role": "user", "content": answer}]
 
     def reward(self) -> float | None:
         """The environment's ``get_reward()`` as a float, None where it has none, failed or gave no number."""

@@ -138,7 +138,7 @@ DEMO_CHAT_TEMPLATE = (
     "{%- elif message.role == 'assistant' -%}{{ message.content }}"
     "{%- for call in message.tool_calls or [] -%}<tool_call>{{ call.function | tojson }}</tool_call>{%- endfor -%}"
     "<|endoftext|>"
-    "{%- elif message.role == 'tool' -%}\nResult: {{ message.content }}\nAnswer:"
+    "{%- elif message.role == 'tool' -%}{{ '\nResult: ' ~ message.content ~ '\nAnswer:' }}"
     "{%- endif -%}{%- endfor -%}")
 """Chat template for the shipped demo model (its tokenizer has none); the user's first message is the demo
 prompt up to the question (``turbogrpo.data.arithmetic``), ``Answer:`` opens every model turn."""
