@@ -445,6 +445,9 @@ class EnvConfig:
         from turbogrpo.env.tool_calls import TOOL_CALL_PARSERS  # the registry is the one source of names
         _require(self.factory == "" or ":" in self.factory, f"{key}.factory",
                  "\"\" or an import path 'package.module:callable'", self.factory)
+        # Until the trainer runs episodes, a set factory would silently train single-turn: refuse it.
+        _require(self.factory == "", f"{key}.factory", "\"\" for now (multi-turn training is not yet wired into "
+                 "`turbogrpo train`; run episodes from Python with turbogrpo.env.run_episodes)", self.factory)
         _require(self.tool_parser in TOOL_CALL_PARSERS, f"{key}.tool_parser",
                  f"one of {', '.join(TOOL_CALL_PARSERS)}", self.tool_parser)
         for name in ("max_turns", "max_turn_tokens", "max_conversation_tokens"):

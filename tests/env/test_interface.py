@@ -148,3 +148,15 @@ def test_retry_arithmetic_episode():
     assert env.reply(" 14+7=21 21-6=15\n#### 15") == "Wrong. Try again."
     assert env.reply(" 21-5=16\n#### 16") is None and env.get_reward() == 1.0
     assert final_answer("#### 3 then #### -4") == -4 and final_answer("none") is None
+
+
+def test_env_config_section_is_checked_in_one_line():
+    from turbogrpo.config import EnvConfig, config_from_dict
+    assert config_from_dict({"env": {"max_turns": 3}}).env == EnvConfig(max_turns=3)
+    for raw, message in [({"tool_parser": "xml"}, "'env.tool_parser': 'xml' is not allowed; expected one of hermes"),
+                         ({"max_turns": 0}, "'env.max_turns': 0 is not allowed"),
+                         ({"max_turn_tokens": 600}, "at most max_conversation_tokens=512"),
+                         ({"factory": "pkg"}, "import path 'package.module:callable'"),
+                         ({"factory": "pkg.mod:Env"}, "not yet wired into `turbogrpo train`")]:
+        with pytest.raises(ValueError, match=message.replace("(", "\\(").replace(")", "\\)")):
+            config_from_dict({"env": raw})
