@@ -34,9 +34,10 @@ from torch.nn.utils.rnn import pad_sequence
 
 T = TypeVar("T")
 
-PER_COMPLETION = ("advantages", "rewards", "finish_reasons", "sampler_logps", "old_logps", "ref_logps", "hidden")
+PER_COMPLETION = ("advantages", "rewards", "finish_reasons", "sampler_logps", "old_logps", "ref_logps", "hidden",
+                  "model_mask")
 """The optional fields with one entry per completion (flat, group-major)."""
-PER_TOKEN = ("sampler_logps", "old_logps", "ref_logps", "hidden")
+PER_TOKEN = ("sampler_logps", "old_logps", "ref_logps", "hidden", "model_mask")
 """Those whose entry is one ``[S_i, ...]`` tensor per completion (what :meth:`Groups.padded` pads)."""
 
 
@@ -69,6 +70,10 @@ class Groups:
     hidden: list[Tensor] | None = None
     """N ``[S_i, Hd]``: the policy's final hidden state that predicted each token (draft training's
     offline data also has the one after the last token: ``[S_i + 1, Hd]``)."""
+    model_mask: list[Tensor] | None = None
+    """N ``[S_i]`` bool: True on the ids the policy sampled, False on ids an environment added (tool
+    replies, feedback) between its turns; None: every completion id was sampled. Only sampled ids reach
+    the loss, the KL, the entropy and the token counts (:meth:`mask`)."""
     prompt_hidden: list[Tensor] | None = None
     """K ``[P_k, Hd]``: the policy's final hidden state at every prompt position (draft training)."""
     weight: float = 1.0
@@ -106,6 +111,14 @@ class Groups:
     def lengths(self) -> list[int]:
         """``[N]`` host ints: each completion's length (from its shape)."""
         return [c.numel() for c in self.completions]
+
+    @property
+    def trained_lengths(self) -> list[int]:
+        """``[N]`` host ints: each completion's tokens that reach the loss (its sampled ones; all of them
+        without ``model_mask``). Reads the masks' values: they are host tensors from the rollout."""
+        if self.model_mask is None:
+            return self.lengths
+        return [int(m.sum()) for m in self.model_mask]
 
     @property
     def prompt_lengths(self) -> list[int]:
@@ -186,8 +199,12 @@ class Groups:
         return None if rows is None else pad_ragged(rows)
 
     def mask(self, device: torch.device) -> Tensor:
-        """``[B, L]`` float mask on ``device``: 1 on each completion's tokens, 0 on the padding."""
-        return length_mask(self.lengths, device)
+        """``[B, L]`` float mask on ``device``: 1 on each completion's sampled tokens, 0 on the padding and
+        on environment tokens (``model_mask``)."""
+        lengths = length_mask(self.lengths, device)
+        if self.model_mask is None:
+            return lengths
+        return lengths * pad_ragged([m.to(device=device, dtype=lengths.dtype) for m in self.model_mask])
 
     def _take(self, groups: list[int], sizes: list[int], index: list[int]) -> Groups:
         """A batch of the prompts of ``groups`` with the completions at flat positions ``index``

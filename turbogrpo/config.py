@@ -434,6 +434,41 @@ class DistributedConfig:
 
 
 @dataclass
+class EnvConfig:
+    """Multi-turn episodes with an environment (``turbogrpo.env``); off while ``factory`` is empty."""
+
+    factory: str = ""
+    """``package.module:callable`` returning one environment per conversation (TRL's environment_factory);
+    "" runs single-turn completions."""
+    max_turns: int = 4
+    """Most model turns per conversation; an environment that never ends the episode is cut here."""
+    tool_parser: str = "hermes"
+    """Key of ``turbogrpo.env.TOOL_CALL_PARSERS``: how tool calls are read from a turn."""
+    max_turn_tokens: int = 128
+    """Most model tokens in one turn; a turn cut here ends its conversation as truncated."""
+    max_conversation_tokens: int = 512
+    """Most ids after the prompt (model and environment together); a reply that would pass it is dropped."""
+    end_of_turn: str = ""
+    """The text of the token that ends an assistant turn; "" reads the tokenizer's eos token."""
+    chat_template: str = ""
+    """A Jinja chat template to use instead of the tokenizer's (e.g. one that renders tools); "" keeps it."""
+
+    def check(self, key: str) -> None:
+        from turbogrpo.env.tool_calls import TOOL_CALL_PARSERS  # the registry is the one source of names
+        _require(self.factory == "" or ":" in self.factory, f"{key}.factory",
+                 "\"\" or an import path 'package.module:callable'", self.factory)
+        # Until the trainer runs episodes, a set factory would silently train single-turn: refuse it.
+        _require(self.factory == "", f"{key}.factory", "\"\" for now (multi-turn training is not yet wired into "
+                 "`turbogrpo train`; run episodes from Python with turbogrpo.env.run_episodes)", self.factory)
+        _require(self.tool_parser in TOOL_CALL_PARSERS, f"{key}.tool_parser",
+                 f"one of {', '.join(TOOL_CALL_PARSERS)}", self.tool_parser)
+        for name in ("max_turns", "max_turn_tokens", "max_conversation_tokens"):
+            _require(getattr(self, name) >= 1, f"{key}.{name}", "an integer >= 1", getattr(self, name))
+        _require(self.max_turn_tokens <= self.max_conversation_tokens, f"{key}.max_turn_tokens",
+                 f"at most max_conversation_tokens={self.max_conversation_tokens}", self.max_turn_tokens)
+
+
+@dataclass
 class Config:
     """A whole run."""
 
@@ -448,6 +483,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     log: LogConfig = field(default_factory=LogConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
 
     def check(self, key: str) -> None:
         from turbogrpo.rewards import BUILTIN_REWARDS

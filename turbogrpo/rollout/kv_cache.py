@@ -152,6 +152,13 @@ class GroupedKVCache:
         caller advances the host bound ``max_length``, so a compiled step reads no changing host int)."""
         self.lengths_B += active_B.long()
 
+    def commit_first(self, num_kept_B: torch.Tensor, max_kept: int) -> None:
+        """Keep the first ``num_kept_B[b]`` of the last forward's new tokens of each sequence (``[B]`` int64;
+        the rest, padding of a ragged forward, lie past the new length and are never read). ``max_kept``:
+        host bound on ``num_kept_B``."""
+        self.lengths_B += num_kept_B
+        self.max_length += max_kept
+
     def commit(self, chosen_Bk: torch.Tensor, num_chosen_B: torch.Tensor, max_chosen: int | None = None) -> None:
         """Keep a subset of the last forward's new tokens: for sequence b, the new tokens
         ``chosen_Bk[b, :num_chosen_B[b]]`` (indices among the n new ones, in the order they become

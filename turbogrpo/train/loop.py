@@ -315,7 +315,7 @@ def step_normalizer(batch: Groups, config: Config, dist: DistInfo) -> LossNormal
     loss is its share of the global-batch loss, so the averaged gradient is the global batch's
     gradient, exactly as one process on the whole batch would compute it, for every loss variant.
     """
-    lengths = batch.lengths
+    lengths = batch.trained_lengths  # environment ids (multi-turn) are not completion tokens of the loss
     totals = torch.tensor([len(lengths), sum(lengths)], dtype=torch.float32, device=dist.device)
     totals = distributed.all_reduce_sum(totals, dist) / dist.world_size
     num_sequences, num_tokens = totals[0], totals[1]

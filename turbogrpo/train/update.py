@@ -57,7 +57,8 @@ def update_policy(module: nn.Module, micro_batches: Sequence[Groups], loss_fn: C
             loss, metrics = loss_fn(pad_ragged(logps), mb.padded("old_logps"), mb.padded("ref_logps"), mb.advantages,
                                     mask_BL, normalizer, rollout_logps=mb.padded("sampler_logps"))
             (loss * mb.weight).backward()
-        metrics["entropy_sum"] = result.entropy.sum()
+        # Over the sampled tokens only: environment ids (model_mask 0) were never drawn from the policy.
+        metrics["entropy_sum"] = (pad_ragged(mb.per_completion(result.entropy)) * mask_BL).sum()
         metrics["num_tokens"] = mask_BL.sum()
         for name, value in {"loss": loss.detach(), **metrics}.items():
             totals[name] = totals.get(name, 0.0) + value * mb.weight

@@ -1,0 +1,105 @@
+"""Environments, as TRL's ``environment_factory`` defines them, plus a plain feedback protocol.
+
+An environment is any object with
+
+* ``reset(**row) -> str | None``: start an episode for a dataset row; a string is appended to the
+  prompt's last user message (TRL's rule);
+* public methods with type hints and a docstring: its tools. Their JSON schemas come from
+  ``transformers.utils.get_json_schema`` and go to the chat template's ``tools=``; a tool's return value,
+  as ``str``, is the tool message the model reads next;
+* optionally ``get_reward() -> float``: the episode's reward, read when it ends;
+* optionally ``reply(message: str) -> str | None`` (ours, for environments that are not tools): called with
+  each assistant turn that makes no tool call; a string is the next user message, None ends the episode.
+
+An environment written for TRL therefore runs here unchanged. ``reset``, ``get_reward`` and ``reply`` are
+never offered as tools.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+from turbogrpo.env.tool_calls import ToolCall
+
+RESERVED = ("reset", "get_reward", "reply")
+"""Method names with a meaning of their own, never tools."""
+
+
+def load_factory(spec: str | Callable[[], Any]) -> Callable[[], Any]:
+    """The environment factory named ``spec`` (``"package.module:callable"``, like reward functions), or
+    ``spec`` itself when it is callable; ValueError in one line when it cannot be imported."""
+    if callable(spec):
+        return spec
+    module_name, colon, attribute = str(spec).partition(":")
+    if not colon or not module_name or not attribute:
+        raise ValueError(f"[env] factory {spec!r} must be an import path of the form 'package.module:callable'")
+    try:
+        module = importlib.import_module(module_name)
+    except (Exception, SystemExit) as err:  # any failure of the import is the config's error
+        raise ValueError(f"[env] factory {spec!r}: cannot import module {module_name!r} "
+                         f"({type(err).__name__}: {err})") from None
+    factory = getattr(module, attribute, None)
+    if not callable(factory):
+        raise ValueError(f"[env] factory {spec!r}: module {module_name!r} has no callable {attribute!r}")
+    return factory
+
+
+def environment_tools(env: Any) -> dict[str, Callable]:
+    """The environment's tools by name: its public functions (looked up on the class, so properties are
+    not evaluated), bound to ``env``."""
+    return {name: getattr(env, name) for name, _ in inspect.getmembers(type(env), predicate=inspect.isfunction)
+            if not name.startswith("_") and name not in RESERVED}
+
+
+def tool_schemas(tools: dict[str, Callable]) -> list[dict]:
+    """JSON schemas of ``tools`` (``transformers.utils.get_json_schema``); ValueError naming a tool whose
+    signature or docstring cannot be read (it needs type hints and a Google-style docstring)."""
+    from transformers.utils import get_json_schema
+
+    schemas = []
+    for name, method in tools.items():
+        try:
+            schemas.append(get_json_schema(method))
+        except Exception as err:
+            raise ValueError(f"environment tool {name!r} has no readable schema ({type(err).__name__}: {err}); give "
+                             "it type hints and a docstring with an Args: section, or make it private (_name)") from None
+    return schemas
+
+
+def check_environment(env: Any, spec: object) -> None:
+    """ValueError unless ``env`` (what the factory returned) has a callable ``reset``."""
+    if not callable(getattr(env, "reset", None)):
+        raise ValueError(f"[env] factory {spec!r} returned a {type(env).__name__} without a reset(**row) method")
+
+
+def call_tool(tools: dict[str, Callable], call: ToolCall) -> tuple[str, bool]:
+    """Run one tool call; returns (the tool message's text, whether it failed). A malformed call, an unknown
+    tool, wrong arguments or a raising tool all give an error text (as TRL does) so the model can react."""
+    if call.error is not None:
+        return str({"error": call.error}), True
+    tool = tools.get(call.name)
+    if tool is None:
+        return str({"error": f"Tool {call.name} not found. Available tools: {sorted(tools)}"}), True
+    try:
+        return str(tool(**call.arguments)), False
+    except Exception as err:  # the model's bad call is its tool reply, not the run's end
+        return str({"error": f"{type(err).__name__}: {err}"}), True
+
+
+def reset_environment(env: Any, row: dict) -> str | None:
+    """``env.reset(**row)``, checked: it must return a string or None."""
+    observation = env.reset(**row)
+    if observation is not None and not isinstance(observation, str):
+        raise ValueError(f"reset() returned a {type(observation).__name__}, not a str or None")
+    return observation
+
+
+def environment_reply(env: Any, message: str) -> str | None:
+    """``env.reply(message)``, checked: it must return a string or None."""
+    answer = env.reply(message)
+    if answer is not None and not isinstance(answer, str):
+        raise ValueError(f"reply() returned a {type(answer).__name__}, not a str or None")
+    return answer

@@ -1,0 +1,203 @@
+"""Episodes: one environment per conversation, answering the model's turns inside a multi-turn rollout.
+
+``Episode`` is the engine's ``TurnHandler`` for one conversation: it reads the turn's text, runs the tool
+calls it makes (or hands the text to the environment's ``reply``), and returns the ids of the answer as
+the chat template renders it. ``run_episodes`` is the whole rollout: make and reset the environments,
+render each group's prompt once, run ``rollout.multiturn.generate_multiturn``, then check each finished
+conversation's recorded ids against the template's rendering of it (drift: warned once, counted; the
+recorded ids are what is trained on).
+
+Failures are per conversation (``Episode.error``): a ``reset`` that raises or returns a non-string, a
+``reply`` that does, an exception inside the handler. A tool that raises, an unknown tool or malformed
+arguments are not failures: the model reads the error as its tool reply (``environment.call_tool``).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from turbogrpo.env.chat import ChatRenderer
+from turbogrpo.env.environment import (call_tool, check_environment, environment_reply, environment_tools,
+                                       load_factory, reset_environment, tool_schemas)
+from turbogrpo.env.tool_calls import ToolCallParser, get_tool_call_parser
+from turbogrpo.rollout.multiturn import MultiTurnRollout, TurnLimits, generate_multiturn
+from turbogrpo.rollout.sampling import SamplingConfig
+
+
+@dataclass
+class Episode:
+    """One conversation's environment and what happened in it (a ``TurnHandler``)."""
+
+    env: Any
+    tools: dict[str, Callable]
+    renderer: ChatRenderer
+    parser: ToolCallParser
+    decode: Callable[[list[int]], str]
+    max_turns: int
+    messages: list[dict] = field(default_factory=list)
+    """The conversation as chat messages (prompt, then each turn and reply), for the drift check and logs."""
+    num_turns: int = 0
+    num_tool_calls: int = 0
+    num_tool_failures: int = 0
+    hit_max_turns: bool = False
+    error: str | None = None
+    """Why this conversation failed (its reward is then a failure too), or None."""
+
+    def __call__(self, turn_ids: list[int]) -> list[int] | None:
+        self.num_turns += 1
+        text = self.decode(turn_ids[:-1])  # the last id is the end-of-turn token
+        content, calls = self.parser(text) if self.tools else (text, [])
+        self.messages.append({"role": "assistant", "content": content,
+                              **({"tool_calls": [c.as_message_call() for c in calls]} if calls else {})})
+        if self.error is not None:
+            return None
+        # The environment sees every turn, the last one too (it may hold the answer it scores).
+        reply = self._tool_replies(calls) if calls else self._feedback(text)
+        if reply is None:
+            return None
+        if self.num_turns >= self.max_turns:  # an episode that would go on is cut here; the reply is unsent
+            self.hit_max_turns = True
+            return None
+        self.messages.extend(reply)
+        return self.renderer.reply_ids(reply, [c.as_message_call() for c in calls])
+
+    def _tool_replies(self, calls: list) -> list[dict]:
+        replies = []
+        for call in calls:
+            result, failed = call_tool(self.tools, call)
+            self.num_tool_calls += 1
+            self.num_tool_failures += failed
+            replies.append({"role": "tool", "name": call.name, "content": result})
+        return replies
+
+    def _feedback(self, text: str) -> list[dict] | None:
+        """The environment's answer to a turn without tool calls as a user message, or None (episode over;
+        a tool environment's episode ends on such a turn)."""
+        if not callable(getattr(self.env, "reply", None)):
+            return None
+        try:
+            answer = environment_reply(self.env, text)
+        except Exception as err:
+            self.error = str(err) if isinstance(err, ValueError) else f"reply() raised {type(err).__name__}: {err}"
+            return None
+        return None if answer is None else [{"role": "user", "content": answer}]
+
+    def reward(self) -> float | None:
+        """The environment's ``get_reward()`` as a float, None where it has none, failed or gave no number."""
+        get_reward = getattr(self.env, "get_reward", None)
+        if self.error is not None or not callable(get_reward):
+            return None
+        try:
+            value = float(get_reward())
+        except Exception:  # counted as a failed reward item by the reward machinery
+            return None
+        return value if math.isfinite(value) else None
+
+
+@dataclass
+class EnvRollout:
+    """A multi-turn rollout and its episodes (``episodes[i]`` is conversation i, group-major)."""
+
+    rollout: MultiTurnRollout
+    episodes: list[Episode]
+    prompt_texts: list[str]
+    """K rendered prompts."""
+    metrics: dict[str, float]
+    """env/turns, env/tool_calls, env/tool_failures, env/failures, env/max_turns_hit, env/template_drift
+    (shares or means per conversation), env/env_tokens (per conversation)."""
+
+
+_DRIFT_WARNED = False
+
+
+def run_episodes(model: nn.Module, tokenizer: Any, rows: Sequence[dict], prompt_messages: Sequence[Sequence[dict]],
+                 factory: str | Callable[[], Any], *, num_samples: int, sampling: SamplingConfig, max_turns: int,
+                 limits: TurnLimits, tool_parser: str = "hermes", end_of_turn: str = "",
+                 chat_template: str | None = None, seed: int | None = None, draft: object | None = None) -> EnvRollout:
+    """G = ``num_samples`` episodes for each of the K dataset ``rows``, whose prompts are ``prompt_messages``
+    (chat messages, ending on a user message); see the module docstring."""
+    global _DRIFT_WARNED
+    if len(rows) != len(prompt_messages):
+        raise ValueError(f"got {len(rows)} rows for {len(prompt_messages)} prompts")
+    parser = get_tool_call_parser(tool_parser)
+    make = load_factory(factory)
+    envs = []
+    for _ in range(len(rows) * num_samples):
+        try:
+            env = make()
+        except Exception as err:
+            raise ValueError(f"[env] factory {factory!r} raised {type(err).__name__}: {err}") from None
+        check_environment(env, factory)
+        envs.append(env)
+    tools = environment_tools(envs[0])
+    end_of_turn = end_of_turn or tokenizer.eos_token
+    renderer = ChatRenderer(tokenizer, tool_schemas(tools) or None, end_of_turn, chat_template or None)
+    end_ids = tokenizer(end_of_turn, add_special_tokens=False)["input_ids"]
+    if len(end_ids) != 1:
+        raise ValueError(f"[env] end_of_turn {end_of_turn!r} must be one token of the tokenizer, got ids {end_ids}")
+
+    def decode(ids: list[int]) -> str:
+        return tokenizer.decode(ids, skip_special_tokens=False)
+
+    episodes = [Episode(env, environment_tools(env), renderer, parser, decode, max_turns) for env in envs]
+    prompts, prompt_texts = [], []
+    for k, (row, messages) in enumerate(zip(rows, prompt_messages)):
+        members = episodes[k * num_samples:(k + 1) * num_samples]
+        observations = []
+        for episode in members:
+            try:
+                observations.append(reset_environment(episode.env, dict(row)))
+            except Exception as err:  # this conversation fails; its siblings still run
+                episode.error = str(err) if isinstance(err, ValueError) else f"reset() raised {type(err).__name__}: {err}"
+        if len(set(observations)) > 1:
+            raise ValueError(f"reset() gave {len(set(observations))} different observations for the {num_samples} "
+                             f"conversations of row {k}; a GRPO group needs one prompt (seed the environment from the row)")
+        messages = [dict(m) for m in messages]
+        if observations and observations[0] is not None:
+            messages[-1] = {**messages[-1], "content": messages[-1]["content"] + observations[0]}
+        for episode in members:
+            episode.messages = [dict(m) for m in messages]
+        text = renderer.render(messages, generation_prompt=True)
+        prompt_texts.append(text)
+        prompts.append(torch.tensor(renderer.encode(text), dtype=torch.long))
+    sampling = SamplingConfig(**{**{f: getattr(sampling, f) for f in ("max_new_tokens", "temperature", "top_p",
+                                                                          "top_k")},
+                                 "stop_token_ids": tuple(dict.fromkeys((*sampling.stop_token_ids, end_ids[0])))})
+    rollout = generate_multiturn(model, prompts, episodes, num_samples=num_samples, sampling=sampling, limits=limits,
+                                 seed=seed, draft=draft)
+    drifted = 0
+    for i, episode in enumerate(episodes):
+        if rollout.errors[i] is not None and episode.error is None:
+            episode.error = rollout.errors[i]
+        if rollout.groups.finish_reasons[i] == "stop" and episode.error is None:
+            recorded = torch.cat([rollout.groups.prompts[i // num_samples].cpu(), rollout.groups.completions[i]])
+            drifted += renderer.drifts(episode.messages, recorded.tolist())
+    if drifted and not _DRIFT_WARNED:
+        _DRIFT_WARNED = True
+        warnings.warn(f"{drifted} of {len(episodes)} conversations render differently under the chat template than "
+                      "the ids the rollout recorded (tool-call formatting or whitespace); training uses the recorded "
+                      "ids (metric env/template_drift)", stacklevel=2)
+    n = len(episodes)
+    metrics = {"env/turns": sum(e.num_turns for e in episodes) / n,
+               "env/tool_calls": sum(e.num_tool_calls for e in episodes) / n,
+               "env/tool_failures": sum(e.num_tool_failures for e in episodes) / n,
+               "env/failures": sum(e.error is not None for e in episodes) / n,
+               "env/max_turns_hit": sum(e.hit_max_turns for e in episodes) / n,
+               "env/template_drift": drifted / n,
+               "env/env_tokens": rollout.stats.num_env_tokens / n}
+    return EnvRollout(rollout, episodes, prompt_texts, metrics)
+
+
+def environment_reward(prompts, completions, environments: Sequence[Episode] | None = None, **columns) -> list:
+    """A reward function (``turbogrpo.rewards`` form) reading each episode's ``get_reward()``; None, a
+    non-number or NaN counts as that item's failure there, never the batch's."""
+    if environments is None:
+        raise ValueError("environment_reward needs the 'environments' column (the rollout's episodes)")
+    return [episode.reward() for episode in environments]

@@ -1,0 +1,78 @@
+"""Reading tool calls out of an assistant turn's text: one small parser per format, in one table.
+
+A parser takes the turn's text (end-of-turn token already removed) and returns the text around the calls
+and the calls. A call whose arguments cannot be read is kept as a ``ToolCall`` with ``error`` set, so that
+the model is told what was wrong in its tool reply (as TRL does) and the rollout goes on.
+
+    content, calls = TOOL_CALL_PARSERS["hermes"]('Let me add.<tool_call>{"name": "add", "arguments": {"a": 1}}'
+                                                 '</tool_call>')
+    calls[0].name, calls[0].arguments         # "add", {"a": 1}
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """One call the model wrote: the tool's name and its keyword arguments, or why they could not be read."""
+
+    name: str
+    arguments: dict[str, Any] = field(default_factory=dict)
+    error: str | None = None
+    """Set when the call is malformed (not JSON, no name, arguments not an object)."""
+
+    def as_message_call(self) -> dict:
+        """The call as a chat message's ``tool_calls`` entry (the form chat templates render)."""
+        return {"type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+
+
+ToolCallParser = Callable[[str], tuple[str, list[ToolCall]]]
+
+_HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+
+
+def parse_hermes(text: str) -> tuple[str, list[ToolCall]]:
+    """``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks (Hermes; the Qwen2/2.5/3 and
+    SmolLM3 templates): the text before the first block is the content (as written: templates render it back verbatim); an unclosed block is no call."""
+    calls = [_hermes_call(body) for body in _HERMES_CALL.findall(text)]
+    first = text.find("<tool_call>") if calls else -1
+    return text if first < 0 else text[:first], calls
+
+
+def _hermes_call(body: str) -> ToolCall:
+    try:
+        payload = json.loads(body)
+    except json.JSONDecodeError as err:
+        return ToolCall("unknown", error=f"the tool call is not valid JSON ({err.msg} at character {err.pos})")
+    if not isinstance(payload, dict) or not isinstance(payload.get("name"), str):
+        return ToolCall("unknown", error='the tool call needs a JSON object with a string "name"')
+    arguments = payload.get("arguments", payload.get("parameters", {}))
+    if isinstance(arguments, str):  # some models write the arguments as a JSON string
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError:
+            pass
+    if not isinstance(arguments, dict):
+        return ToolCall(payload["name"], error=f'"arguments" must be a JSON object, got {type(arguments).__name__}')
+    return ToolCall(payload["name"], arguments)
+
+
+def parse_none(text: str) -> tuple[str, list[ToolCall]]:
+    """No tool calls (feedback environments): the whole turn is content."""
+    return text, []
+
+
+TOOL_CALL_PARSERS: dict[str, ToolCallParser] = {"hermes": parse_hermes, "none": parse_none}
+"""Tool-call formats by the name ``[env] tool_parser`` uses."""
+
+
+def get_tool_call_parser(name: str) -> ToolCallParser:
+    if name not in TOOL_CALL_PARSERS:
+        raise ValueError(f"[env] tool_parser {name!r} is unknown; allowed: {sorted(TOOL_CALL_PARSERS)}")
+    return TOOL_CALL_PARSERS[name]

@@ -1,0 +1,304 @@
+"""Multi-turn rollouts: conversations whose turns alternate between the policy and an environment, each
+conversation keeping its KV cache from turn to turn.
+
+    prefill every distinct prompt once -> each conversation draws its own first token
+      -> loop, one forward per step over every conversation that has tokens to feed:
+           a decoding conversation feeds its newest sampled token (1 token),
+           a conversation whose environment has answered feeds its turn-end token and the reply's ids
+             (a chunk of at most ``prefill_chunk`` of them per step; a long reply takes a few steps),
+           both in the same batch, padded to the step's widest row (padding is written past each row's
+             committed slots and never read);
+         rows whose feed ended this step draw their next token (one host read per step: the tokens);
+         a token in ``stop_token_ids`` ends the turn: the turn's ids go to that conversation's
+           ``TurnHandler`` in a thread pool, and the row waits (masked, in the batch) while the others
+           decode; the handler returns the reply's ids to prefill, or None to end the conversation.
+
+Environments run in a ``ThreadPoolExecutor`` (one worker per conversation up to ``max_env_workers``): the
+model's forward releases the GIL in its kernels, so Python environment code runs while others decode, and
+an environment that blocks (I/O, a subprocess) holds up only its own conversation.
+
+What comes back is the training data, nothing re-tokenised: each conversation's completion is every id
+after the prompt in the order the model saw it, sampled ids (``model_mask`` 1, with the sampler's log-prob)
+and prefilled environment ids (``model_mask`` 0, log-prob 0) interleaved.
+
+Limits: ``max_turn_tokens`` model tokens per turn and ``max_conversation_tokens`` ids after the prompt in
+all; a conversation that would pass either stops, finish reason "length". An environment reply that does
+not fit is dropped whole (never cut mid-reply or mid-token) and the conversation stops there.
+
+The host reads the drawn tokens once per step (a turn's end is a host decision, since its text goes to
+Python code); on the CPU that read is free (the work already ran when the op returned), on a GPU it is the
+cost of this engine over the windowed plain one. Speculative decoding is not yet wired in: ``draft`` with
+an environment is refused (see ``generate_multiturn``).
+
+Legend: ``K`` prompts, ``N`` conversations (K x G, group-major), ``B`` rows of the decoding batch, ``n``
+ids fed per row in a step, ``V`` vocabulary, ``Hd`` hidden size.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from turbogrpo.batch import Groups
+from turbogrpo.hook import check_materialized, lm_head_of
+from turbogrpo.rollout.kv_cache import GroupedKVCache
+from turbogrpo.rollout.plans import forward_new_tokens, prefill
+from turbogrpo.rollout.sampling import SamplingConfig, sample_with_logprobs
+from turbogrpo.rollout.types import RolloutStats
+
+
+class TurnHandler(Protocol):
+    """A conversation's other side, called (in a worker thread) when the model's turn ends on a stop token.
+
+    ``turn_ids``: the model's ids of the turn that just ended, its stop token last. Returns the ids of the
+    reply to prefill (the chat template's rendering of the environment's message and of the next
+    assistant header), or None when the conversation is over. An exception ends the conversation and is
+    recorded as its failure (``MultiTurnRollout.errors``); other conversations go on."""
+
+    def __call__(self, turn_ids: list[int]) -> list[int] | None: ...
+
+
+@dataclass(frozen=True)
+class TurnLimits:
+    """How long a multi-turn conversation may grow (``sampling.max_new_tokens`` is not read here)."""
+
+    max_turn_tokens: int
+    """Most model tokens in one turn; a turn cut here ends the conversation ("length")."""
+    max_conversation_tokens: int
+    """Most ids after the prompt, model and environment together ("length" when reached)."""
+    prefill_chunk: int = 64
+    """Most reply ids one row feeds per step (bounds a step's width, and the KV slots kept spare)."""
+
+    def __post_init__(self):
+        for name in ("max_turn_tokens", "max_conversation_tokens", "prefill_chunk"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"TurnLimits.{name} must be an integer >= 1, got {value!r}")
+
+
+@dataclass
+class MultiTurnStats(RolloutStats):
+    """Cost of one multi-turn rollout (``num_generated_tokens`` counts model tokens only)."""
+
+    num_env_tokens: int = 0
+    """Environment ids prefilled into the conversations' caches."""
+    num_turns: int = 0
+    """Model turns over all conversations."""
+    env_wait_s: float = 0.0
+    """Time the loop sat idle because every live conversation was waiting for its environment."""
+
+
+@dataclass
+class MultiTurnRollout:
+    """``groups``: K groups of G conversations (``Groups``; completions are the ids after the prompt, with
+    ``model_mask`` [S_i] (1 sampled, 0 environment), ``sampler_logps`` [S_i] (0 at environment ids) and
+    ``finish_reasons``)."""
+
+    groups: Groups
+    stats: MultiTurnStats
+    num_turns: list[int]
+    """[N] model turns of each conversation."""
+    errors: list[str | None]
+    """[N] the handler's failure that ended a conversation, or None."""
+
+
+_FEED, _WAIT, _DONE = "feed", "wait", "done"
+
+
+@dataclass
+class _Conversation:
+    """Host bookkeeping of one conversation (its ids, mask and log-probs grow as it runs)."""
+
+    handler: TurnHandler
+    ids: list[int] = field(default_factory=list)
+    model_mask: list[int] = field(default_factory=list)
+    logps: list[float] = field(default_factory=list)
+    pending: list[int] = field(default_factory=list)
+    """Ids to feed next: the newest sampled token, or the turn-end token and the reply's ids."""
+    phase: str = _FEED
+    turn_start: int = 0
+    num_turns: int = 0
+    finish: str = "stop"
+    error: str | None = None
+    future: Future | None = None
+
+
+def generate_multiturn(model: nn.Module, prompts: list[torch.Tensor], handlers: Sequence[TurnHandler], *,
+                       num_samples: int, sampling: SamplingConfig, limits: TurnLimits, seed: int | None = None,
+                       draft: object | None = None, max_env_workers: int = 16) -> MultiTurnRollout:
+    """Run ``len(prompts) x num_samples`` conversations (``handlers[i]`` answers conversation i, group-major)
+    with ``model``'s current weights; see the module docstring.
+
+    ``prompts``: K 1-D int64 tensors, each rendered up to the first assistant turn's header.
+    ``sampling.stop_token_ids`` end a turn (the chat template's end-of-turn ids); stop strings are refused.
+    """
+    if draft is not None:
+        raise ValueError("speculative decoding (draft) is not yet supported with an environment: its tree step "
+                         "does not prefill environment replies; turn one of them off")
+    if sampling.stop_strings:
+        raise ValueError(f"multi-turn rollouts end turns on stop_token_ids only; got stop_strings "
+                         f"{list(sampling.stop_strings)} (use the chat template's end-of-turn token id)")
+    if not sampling.stop_token_ids:
+        raise ValueError("multi-turn rollouts need sampling.stop_token_ids (the end-of-turn token ids)")
+    if not isinstance(limits, TurnLimits):
+        raise ValueError(f"limits must be a TurnLimits, got {type(limits).__name__}")
+    check_materialized(model)
+    if len(handlers) != len(prompts) * num_samples:
+        raise ValueError(f"got {len(handlers)} handlers for {len(prompts)} prompts x {num_samples} samples")
+    max_positions = getattr(model.config, "max_position_embeddings", None)
+    longest = max(p.numel() for p in prompts) + limits.max_conversation_tokens
+    if max_positions is not None and longest > max_positions:
+        raise ValueError(f"the longest prompt plus max_conversation_tokens={limits.max_conversation_tokens} needs "
+                         f"{longest} positions, more than the model's max_position_embeddings={max_positions}")
+    device = next(model.parameters()).device
+    generator = None
+    if seed is not None:
+        generator = torch.Generator(device=device).manual_seed(seed)
+    prompts = [p.to(device=device, dtype=torch.long) for p in prompts]
+    conversations = [_Conversation(handler) for handler in handlers]
+    with torch.no_grad(), ThreadPoolExecutor(max_workers=max(1, min(max_env_workers, len(handlers)))) as pool:
+        stats = _run(model, prompts, num_samples, conversations, sampling, limits, generator, pool)
+    groups = Groups(prompts, [torch.tensor(c.ids, dtype=torch.long) for c in conversations],
+                    [num_samples] * len(prompts), finish_reasons=[c.finish for c in conversations],
+                    sampler_logps=[torch.tensor(c.logps, dtype=torch.float32) for c in conversations],
+                    model_mask=[torch.tensor(c.model_mask, dtype=torch.bool) for c in conversations])
+    return MultiTurnRollout(groups, stats, [c.num_turns for c in conversations], [c.error for c in conversations])
+
+
+def _run(model: nn.Module, prompts: list[torch.Tensor], num_samples: int, conversations: list[_Conversation],
+         sampling: SamplingConfig, limits: TurnLimits, generator: torch.Generator | None,
+         pool: ThreadPoolExecutor) -> MultiTurnStats:
+    """The loop of the module docstring; fills ``conversations`` in place."""
+    start = time.perf_counter()
+    device = prompts[0].device
+    stats = MultiTurnStats()
+    stop_ids = frozenset(sampling.stop_token_ids)
+    # Committed ids stay below max_conversation_tokens; a step writes at most prefill_chunk past them.
+    cache = GroupedKVCache([len(p) for p in prompts], num_samples,
+                           capacity=limits.max_conversation_tokens + limits.prefill_chunk, device=device)
+    lm_head = lm_head_of(model)
+    last_GH = prefill(model, cache, prompts)
+    stats.num_forwards += 1
+    # One row per conversation, so that each draws its own first token from its prompt's logits.
+    rows = list(range(len(conversations)))  # cache row -> conversation
+    _draw(lm_head(last_GH).repeat_interleave(num_samples, dim=0), rows, conversations, sampling, generator,
+          stop_ids, limits, pool, stats)
+    while True:
+        _collect_replies(conversations, rows, limits, stats)
+        keep = [b for b, i in enumerate(rows) if conversations[i].phase != _DONE]
+        if len(keep) < len(rows):
+            if not keep:
+                break
+            cache.keep(keep)
+            rows = [rows[b] for b in keep]
+        feeding = [b for b, i in enumerate(rows) if conversations[i].phase == _FEED]
+        if not feeding:  # every live conversation waits for its environment
+            waited = time.perf_counter()
+            wait([conversations[i].future for i in rows], return_when=FIRST_COMPLETED)
+            stats.env_wait_s += time.perf_counter() - waited
+            continue
+        drawn_rows, hidden_BH = _feed(model, cache, rows, feeding, conversations, limits.prefill_chunk)
+        stats.num_forwards += 1
+        stats.live_batch_sizes.append(len(feeding))
+        _draw(lm_head(hidden_BH[drawn_rows]), [rows[b] for b in drawn_rows], conversations, sampling, generator,
+              stop_ids, limits, pool, stats)
+    stats.num_generated_tokens = sum(sum(c.model_mask) for c in conversations)
+    stats.wall_time_s = time.perf_counter() - start
+    return stats
+
+
+def _feed(model: nn.Module, cache: GroupedKVCache, rows: list[int], feeding: list[int],
+          conversations: list[_Conversation], chunk: int) -> tuple[list[int], torch.Tensor]:
+    """One forward of every feeding row's next ids (at most ``chunk``), committed in the cache. Returns the
+    rows whose feed is complete (they draw next) and the hidden state ``[B, Hd]`` at each row's last fed id."""
+    counts = [0] * len(rows)
+    for b in feeding:
+        counts[b] = min(len(conversations[rows[b]].pending), chunk)
+    width = max(counts)
+    ids_Bn = torch.zeros(len(rows), width, dtype=torch.long)
+    for b in feeding:
+        conversation = conversations[rows[b]]
+        ids_Bn[b, :counts[b]] = torch.tensor(conversation.pending[:counts[b]])
+        del conversation.pending[:counts[b]]
+    hidden_BnH = forward_new_tokens(model, cache, ids_Bn.to(cache.device))
+    counts_B = torch.tensor(counts, device=cache.device)
+    cache.commit_first(counts_B, width)
+    last_BH = hidden_BnH[torch.arange(len(rows), device=cache.device), (counts_B - 1).clamp(min=0)]
+    drawn = [b for b in feeding if not conversations[rows[b]].pending]
+    return drawn, last_BH
+
+
+def _draw(logits_BV: torch.Tensor, members: list[int], conversations: list[_Conversation],
+          sampling: SamplingConfig, generator: torch.Generator | None, stop_ids: frozenset[int],
+          limits: TurnLimits, pool: ThreadPoolExecutor, stats: MultiTurnStats) -> None:
+    """Draw one token for each of ``members`` (conversation indices, one per logits row) and act on it."""
+    if not members:
+        return
+    tokens_B, logps_B = sample_with_logprobs(logits_BV, sampling, generator)
+    host = torch.stack([tokens_B.double(), logps_B.double()]).tolist()  # host sync: one per step
+    for i, token, logp in zip(members, host[0], host[1]):
+        if not math.isfinite(logp):
+            raise ValueError("the model's logits are not finite (NaN or inf) for some sequence: check the model's "
+                             "weights (a diverged update, a bad checkpoint or a dtype overflow)")
+        conversation = conversations[i]
+        token = int(token)
+        conversation.ids.append(token)
+        conversation.model_mask.append(1)
+        conversation.logps.append(logp)
+        conversation.pending = [token]
+        turn_length = len(conversation.ids) - conversation.turn_start
+        if token in stop_ids:
+            conversation.num_turns += 1
+            stats.num_turns += 1
+            conversation.phase = _WAIT
+            conversation.future = pool.submit(_call_handler, conversation.handler,
+                                              conversation.ids[conversation.turn_start:])
+        elif turn_length >= limits.max_turn_tokens or len(conversation.ids) >= limits.max_conversation_tokens:
+            conversation.num_turns += 1
+            stats.num_turns += 1
+            conversation.phase, conversation.finish = _DONE, "length"
+
+
+def _call_handler(handler: TurnHandler, turn_ids: list[int]) -> list[int] | None:
+    reply = handler(turn_ids)
+    if reply is not None and (not isinstance(reply, (list, tuple)) or
+                              not all(isinstance(t, int) and not isinstance(t, bool) for t in reply)):
+        raise ValueError(f"a TurnHandler must return a list of token ids or None, got {type(reply).__name__}")
+    return None if reply is None else list(reply)
+
+
+def _collect_replies(conversations: list[_Conversation], rows: list[int], limits: TurnLimits,
+                     stats: MultiTurnStats) -> None:
+    """Move every waiting conversation whose environment has answered back to feeding (or to done)."""
+    for i in rows:
+        conversation = conversations[i]
+        if conversation.phase != _WAIT or not conversation.future.done():
+            continue
+        try:
+            reply = conversation.future.result()
+        except Exception as err:  # an environment's failure ends its own conversation only
+            conversation.phase, conversation.finish = _DONE, "stop"
+            conversation.error = f"{type(err).__name__}: {err}"
+            continue
+        conversation.future = None
+        if reply is None:
+            conversation.phase = _DONE
+        elif not reply or len(conversation.ids) + len(reply) + 1 > limits.max_conversation_tokens:
+            # An empty reply would make the model answer itself; one that does not fit (with room for one
+            # more model token) is dropped whole: the conversation ends truncated.
+            conversation.phase, conversation.finish = _DONE, "stop" if not reply else "length"
+        else:
+            conversation.ids.extend(reply)
+            conversation.model_mask.extend([0] * len(reply))
+            conversation.logps.extend([0.0] * len(reply))
+            conversation.pending.extend(reply)
+            conversation.turn_start = len(conversation.ids)
+            conversation.phase = _FEED
+            stats.num_env_tokens += len(reply)
