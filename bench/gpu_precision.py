@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import os
 import sys
 import time
 from pathlib import Path
@@ -177,6 +178,7 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--budget", type=float, default=300.0, help="seconds for the timed rounds")
+    parser.add_argument("--out", default=None, help="results name (default precision_<device>)")
     args = parser.parse_args()
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -189,7 +191,9 @@ def main() -> None:
         result["note"] = ("CPU timings: compare the modes' ratios; bf16 runs at native speed only on CPUs with "
                           "AVX512-BF16/AMX (others emulate it)")
     result["table"] = table(result)
-    write_results(f"precision_{device.type}", result)
+    result["command"] = "python " + " ".join(sys.argv)
+    result["load_average_1min_at_end"] = os.getloadavg()[0]
+    write_results(args.out or f"precision_{device.type}", result)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from turbogrpo.cpu_capability import cpu_capability
 from turbogrpo.host_memory import keep_freed_host_memory, release_freed_host_memory
 
 # Every benchmark runs on the heap turbogrpo's commands use (freed blocks kept, not unmapped:
@@ -45,6 +46,9 @@ def machine_info() -> dict:
         # The project's machines differ from session to session (AMD EPYC, Intel Xeon with AMX): bf16
         # matmuls run ~5x float32's rate on AMX tiles and slower than float32 without native bf16.
         "cpu_matmul_extensions": sorted(flags & {"avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile"}),
+        # What turbogrpo's kernel choices saw (level, native bf16, AMX; forced or not): the same record a run
+        # writes, so a result can be told apart by what ran, not only by the CPU's name.
+        "cpu_capability": cpu_capability().record(),
         "num_cores": os.cpu_count(),
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),

@@ -163,7 +163,8 @@ def generate_multiturn(model: nn.Module, prompts: list[torch.Tensor], handlers: 
         generator = torch.Generator(device=device).manual_seed(seed)
     prompts = [p.to(device=device, dtype=torch.long) for p in prompts]
     conversations = [_Conversation(handler) for handler in handlers]
-    with torch.no_grad(), ThreadPoolExecutor(max_workers=max(1, min(max_env_workers, len(handlers)))) as pool:
+    # Outside inference mode even when the caller is in it, as generate() runs (engine.py says why).
+    with torch.inference_mode(False), torch.no_grad(), ThreadPoolExecutor(max_workers=max(1, min(max_env_workers, len(handlers)))) as pool:
         stats = _run(model, prompts, num_samples, conversations, sampling, limits, generator, pool)
     groups = Groups(prompts, [torch.tensor(c.ids, dtype=torch.long) for c in conversations],
                     [num_samples] * len(prompts), finish_reasons=[c.finish for c in conversations],
