@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup demo test bench bench-smollm2 clean
+.PHONY: setup demo test docs docs-pages bench-docs bench bench-smollm2 clean
 
 setup: $(STAMP)
 
@@ -31,6 +31,18 @@ demo: $(STAMP)
 test: $(STAMP)
 	# Idle OpenMP threads must not spin: on a busy 2-core machine spinning makes small ops 5-20x slower.
 	OMP_WAIT_POLICY=PASSIVE $(PY) -m pytest -q
+
+# The documentation site, built strictly (a dead link or a page missing from the nav fails) into site/.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
+
+# docs/guide/settings.md from the typed config (turbogrpo/config.py).
+docs-pages: $(STAMP)
+	$(PY) scripts/config_docs.py
+
+# docs/benchmarks.md, its archive, docs/bench-plots/ and README.md's headline table from bench/results/*.json.
+bench-docs: $(STAMP)
+	$(PY) scripts/bench_docs.py
 
 bench: $(STAMP)
 	$(PY) bench/prefix.py
@@ -62,4 +74,4 @@ bench-smollm2: $(STAMP)
 	$(PY) scripts/smollm2_task_rates.py
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) runs .pytest_cache site
