@@ -16,6 +16,7 @@ import ast
 import dataclasses
 import inspect
 import sys
+import textwrap
 import typing
 from pathlib import Path
 
@@ -42,7 +43,7 @@ key (`--set rewards.0.weight=2` indexes the reward list). How files, overrides a
 
 def field_docs(cls: type) -> dict[str, str]:
     """{field name: its attribute docstring} of a dataclass, read from its source."""
-    tree = ast.parse(inspect.getsource(cls))
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
     (body,) = [node.body for node in tree.body if isinstance(node, ast.ClassDef)]
     docs = {}
     for statement, following in zip(body, body[1:]):
