@@ -81,6 +81,7 @@ FORMATS: dict[str, Callable[[Any], str]] = {
     "int": lambda v: f"{v:,}" if isinstance(v, int) else str(v),
     "text": str,
     "mb_gb": lambda v: f"{v / 1024:.2f}",
+    "mb": lambda v: f"{v:,.0f}",
     "quartiles": lambda v: f"{v[0]:.2f}-{v[2]:.2f}" if v else "-",
     "pair": lambda v: f"{v[0]} -> {v[1]}",
     "list": lambda v: ", ".join(str(x) for x in v),
@@ -136,14 +137,14 @@ class Table:
             items = [(None, data)]
         if not items:
             raise BenchDocError(f"{where}: field {self.rows!r} is empty; the benchmarks page needs its rows")
+        rows = [[cell(item, c, f"{where} ({self.rows}.{item[0]})" if self.rows else where) for c in self.columns]
+                for item in items if self.keep(item)]
+        # An optional column that no row of this file has (an older run) is left out, not shown empty.
+        shown = [i for i, c in enumerate(self.columns) if not (c.optional and all(r[i] == "-" for r in rows))]
         lines = [f"*{self.title}*", ""] if self.title else []
-        lines += ["| " + " | ".join(c.header for c in self.columns) + " |",
-                  "| " + " | ".join("---" for _ in self.columns) + " |"]
-        for item in items:
-            if not self.keep(item):
-                continue
-            here = f"{where} ({self.rows}.{item[0]})" if self.rows else where
-            lines.append("| " + " | ".join(cell(item, c, here) for c in self.columns) + " |")
+        lines += ["| " + " | ".join(self.columns[i].header for i in shown) + " |",
+                  "| " + " | ".join("---" for _ in shown) + " |"]
+        lines += ["| " + " | ".join(r[i] for i in shown) + " |" for r in rows]
         return [*lines, ""]
 
 
@@ -209,7 +210,7 @@ PREFIX = tables(Table([
     col("x standard", "speedup_vs_standard", "x"), opt("x prefix_grouper", "speedup_vs_prefix_grouper", "x"),
     col("FLOP ratio", "flop_ratio|flops.ratio", "f2"),
     opt("ours, of the large-matmul rate", "fraction_of_large_matmul.turbogrpo", "%"),
-    opt("peak MB standard", "peak_memory_mb.standard", "g"), opt("peak MB ours", "peak_memory_mb.turbogrpo", "g"),
+    opt("peak MB standard", "peak_memory_mb.standard", "mb"), opt("peak MB ours", "peak_memory_mb.turbogrpo", "mb"),
     col("max log-prob gap", "max_abs_logprob_gap", "g")], rows="shapes"))
 
 ROLLOUT = tables(Table([
@@ -410,8 +411,12 @@ class Result:
     title: str
     command: str = ""          # "" = not recorded
     archived_by: str = ""
-    section: str = "Other records"
+    section: str = ""            # current results only: one of SECTIONS
 
+
+# The benchmarks page's sections, in order.
+SECTIONS = ["Shared-prefix training forward", "Rollouts", "One whole GRPO step", "TRL drop-in", "Speculative rollouts",
+            "Online draft learning in GRPO", "Precision", "Kernels and parts of a step", "Ceilings", "Learning"]
 
 SPEC = "python bench/speculative.py --model smollm2-135m-instruct"
 RESULTS: list[Result] = [
@@ -610,8 +615,8 @@ def machine_of(data: dict) -> tuple[str, str]:
         return machine, NOT_RECORDED
     if not isinstance(machine, dict):
         return data.get("hardware", NOT_RECORDED), NOT_RECORDED
-    words = [f"{machine['num_cores']}-core {machine['cpu']}" if "cpu" in machine and "num_cores" in machine
-             else machine.get("cpu", NOT_RECORDED)]
+    cpu = machine.get("cpu", NOT_RECORDED).replace("(R)", "").replace(" Processor", "")  # "Intel Xeon"
+    words = [f"{machine['num_cores']}-core {cpu}" if "num_cores" in machine else cpu]
     words += [f"torch {machine['torch']}"] if "torch" in machine else []
     words += [f"{machine['torch_threads']} threads"] if "torch_threads" in machine else []
     words += [f"OMP_WAIT_POLICY {machine['omp_wait_policy']}"] if "omp_wait_policy" in machine else []
@@ -621,9 +626,14 @@ def machine_of(data: dict) -> tuple[str, str]:
 
 
 def load_of(data: dict) -> str:
-    load = data.get("load_average", data.get("load"))
-    if isinstance(load, dict):
-        load = [x for value in load.values() for x in (value if isinstance(value, list) else [value])]
+    found = [data[k] for k in ("load_average", "load", "load_average_before", "load_average_after") if k in data]
+    if not found:
+        return NOT_RECORDED
+    if isinstance(found[0], str):
+        return found[0]
+    flat = lambda v: [x for item in (v.values() if isinstance(v, dict) else v if isinstance(v, list) else [v])
+                      for x in (flat(item) if isinstance(item, (dict, list)) else [item])]
+    load = [x for value in found for x in flat(value)]
     if isinstance(load, list) and load and all(isinstance(x, (int, float)) for x in load):
         return f"{min(load):.1f}-{max(load):.1f}"
     return str(load) if isinstance(load, str) else NOT_RECORDED
@@ -712,7 +722,10 @@ def render_pages() -> dict[str, str]:
     check_registry()
     stems = [r.stem for r in RESULTS]
     current = [r for r in RESULTS if not r.archived_by]
-    sections = list(dict.fromkeys(r.section for r in current))
+    sections = [s for s in SECTIONS if any(r.section == s for r in current)]
+    unplaced = sorted({r.section for r in current} - set(SECTIONS))
+    if unplaced:
+        raise BenchDocError(f"scripts/bench_docs.py: section {unplaced[0]!r} is not in SECTIONS")
     page = [PAGE_INTRO]
     page += [f"- [{s}](#{s.lower().replace(' ', '-').replace('+', '')})" for s in sections] + [""]
     for section in sections:
