@@ -643,10 +643,15 @@ def anchor(stem: str) -> str:
     return stem.replace("_", "-").lower()
 
 
+def committed_plots() -> list[Path]:
+    """The PNGs of bench/results, without smoke runs (`--quick`, ignored by git)."""
+    return [png for png in sorted(RESULTS_DIR.glob("*.png")) if "_quick" not in png.stem]
+
+
 def plots_of(stem: str, stems: Sequence[str]) -> list[str]:
     """The PNGs whose name starts with this result's stem and with no longer stem (each plot sits once)."""
     found = []
-    for png in sorted(RESULTS_DIR.glob("*.png")):
+    for png in committed_plots():
         owners = [s for s in stems if png.stem.startswith(s)]
         if owners and max(owners, key=len) == stem:
             found.append(png.name)
@@ -765,7 +770,7 @@ def expected_files() -> dict[str, bytes]:
     """Every file the generator owns, path relative to the repository -> its content."""
     files = {path: text.encode() for path, text in render_pages().items()}
     files["README.md"] = with_headline(README.read_text(encoding="utf-8")).encode()
-    for png in sorted(RESULTS_DIR.glob("*.png")):
+    for png in committed_plots():
         files[f"docs/bench-plots/{png.name}"] = png.read_bytes()
     return files
 

@@ -16,9 +16,9 @@ from tests.docs.markdown import Block
 # prompts, a few held-out problems, a tiny draft, a short latency curve. Later --set values win, so these
 # override what the block sets. Keyed by the command's words before its options.
 SHORTER = {
-    ("demo",): ["--set", "train.num_steps=1", "train.prompts_per_step=4", "data.num_eval_problems=4",
+    ("demo",): ["--set", "train.num_steps=1", "train.prompts_per_step=2", "rollout.max_new_tokens=16", "data.num_eval_problems=4",
                 "data.num_eval_samples=1"],
-    ("train",): ["--set", "train.num_steps=1", "train.prompts_per_step=4", "data.num_eval_problems=4",
+    ("train",): ["--set", "train.num_steps=1", "train.prompts_per_step=2", "rollout.max_new_tokens=16", "data.num_eval_problems=4",
                  "data.num_eval_samples=1"],
     ("eval",): ["--set", "data.num_eval_problems=4", "data.num_eval_samples=1"],
     ("draft", "train"): ["--num-prompts", "2", "--num-samples", "2", "--max-new-tokens", "8", "--epochs", "1"],
