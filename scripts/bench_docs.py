@@ -164,8 +164,9 @@ def online_draft(data: dict, where: str) -> list[str]:
         for variant, run in need(record, "runs", f"{where} (seeds.{seed})").items():
             evals = need(run, "evals", f"{where} (seeds.{seed}.runs.{variant})")
             if evals:
-                greedy = f"{FORMATS['%'](need(evals[0], 'accuracy', where))} -> {FORMATS['%'](need(evals[-1], 'accuracy', where))}"
-                sampled = (f"{FORMATS['%'](evals[0]['sampled_accuracy'])} -> {FORMATS['%'](evals[-1]['sampled_accuracy'])}"
+                percent = FORMATS["%"]
+                greedy = f"{percent(need(evals[0], 'accuracy', where))} -> {percent(need(evals[-1], 'accuracy', where))}"
+                sampled = (f"{percent(evals[0]['sampled_accuracy'])} -> {percent(evals[-1]['sampled_accuracy'])}"
                            if "sampled_accuracy" in evals[0] and "sampled_accuracy" in evals[-1] else "-")
             else:
                 greedy = sampled = "not evaluated"
@@ -308,7 +309,8 @@ UPDATE_PARTS: dict[str, Table] = {
 
 
 def update(data: dict, where: str) -> list[str]:
-    parts = [name for name in UPDATE_PARTS if lookup(data, name if name != "gemm_bound" else "kernels.gemm_bound") is not MISSING]
+    where_part = {"gemm_bound": "kernels.gemm_bound"}  # the ceiling is recorded inside the kernels part
+    parts = [name for name in UPDATE_PARTS if lookup(data, where_part.get(name, name)) is not MISSING]
     if not parts:
         raise BenchDocError(f"{where}: no update part ({', '.join(UPDATE_PARTS)}) found")
     return [line for name in parts for line in UPDATE_PARTS[name].render(data, where)]
@@ -320,12 +322,14 @@ def anatomy(data: dict, where: str) -> list[str]:
                  col("calls", "calls", "int")], rows="top_ops", title="Top operators of a profiled 4 x 8 x 32 rollout")
     lines = top.render(step, where + " (step_anatomy_4x8x32)")
     rest = {k: v for k, v in need(data, "unprofiled_step_4x8", where).items() if not isinstance(v, (dict, list))}
-    lines += ["*Unprofiled step, 4 x 8 (difference of 64- and 32-token rollouts)*", "", "| field | value |", "| --- | --- |"]
+    lines += ["*Unprofiled step, 4 x 8 (difference of 64- and 32-token rollouts)*", "",
+              "| field | value |", "| --- | --- |"]
     lines += [f"| `{k}` | {FORMATS['g'](v) if isinstance(v, float) else v} |" for k, v in rest.items()]
     return [*lines, ""]
 
 
-def scalar_fields(data: dict, where: str, skip: Sequence[str] = ("machine", "date", "benchmark", "command")) -> list[str]:
+def scalar_fields(data: dict, where: str,
+                  skip: Sequence[str] = ("machine", "date", "benchmark", "command")) -> list[str]:
     """A research record with no fixed schema: its top-level numbers and strings, as they are."""
     lines = ["| field | value |", "| --- | --- |"]
     for key, value in data.items():
@@ -345,7 +349,8 @@ def task_rates(data: dict, where: str) -> list[str]:
         by_temperature = [rates.get(f"temperature_{t}", {}).get("success", MISSING) for t in ("0.0", "0.7", "1.0")]
         if MISSING in by_temperature:  # (the keys hold a dot, so they are read directly, not by a dotted path)
             raise BenchDocError(f"{here}: field 'temperature_T.success' is missing for T = 0.0, 0.7 or 1.0")
-        lines.append(f"| {name} | {need(rates, 'example', here)} | " + " | ".join(FORMATS["%"](v) for v in by_temperature) + " |")
+        rates_shown = " | ".join(FORMATS["%"](v) for v in by_temperature)
+        lines.append(f"| {name} | {need(rates, 'example', here)} | {rates_shown} |")
     return [*lines, "", f"Chosen: {need(data, 'chosen', where)}.", ""]
 
 
@@ -356,7 +361,8 @@ def learning_run(data: dict, where: str) -> list[str]:
     for name in ("greedy", "sampled"):
         values = need(data, f"{name}.accuracy|{name}", where)
         values = values if isinstance(values, list) else [values]
-        lines.append(f"| {name} | " + " | ".join(FORMATS["%"](v) if isinstance(v, float) else str(v) for v in values) + " |")
+        shown = " | ".join(FORMATS["%"](v) if isinstance(v, float) else str(v) for v in values)
+        lines.append(f"| {name} | {shown} |")
     lines += ["", f"Mean training reward, first 5 steps {FORMATS['f2'](need(data, 'first_5_mean_reward', where))}, "
               f"last 5 steps {FORMATS['f2'](need(data, 'last_5_mean_reward', where))}.", ""]
     return lines
@@ -718,6 +724,10 @@ def check_registry() -> None:
     gone = sorted(set(named) - on_disk)
     if gone:
         raise BenchDocError(f"bench/results/{gone[0]}.json is named in scripts/bench_docs.py RESULTS but does not exist")
+    orphans = [png.name for png in committed_plots() if not any(png.stem.startswith(s) for s in named)]
+    if orphans:
+        raise BenchDocError(f"bench/results/{orphans[0]}: no result's name starts its name, so no table shows it; "
+                            "name the plot after its result")
     for result in RESULTS:
         if result.archived_by and result.archived_by not in named:
             raise BenchDocError(f"scripts/bench_docs.py: {result.stem} is archived_by unknown result {result.archived_by!r}")
