@@ -52,6 +52,7 @@ bench: $(STAMP)
 	$(PY) bench/trl_dropin.py
 	$(PY) bench/online_draft.py --config demo
 	$(PY) bench/gpu.py   # every GPU part, when a GPU is present (prints a notice and exits otherwise)
+	$(PY) scripts/bench_docs.py   # the benchmark pages and README's headline from the new results
 
 # The real model (SmolLM2-135M-Instruct) on GSM8K prompts: about 2.5 hours on 2 cores (the draft build 55 min of it).
 bench-smollm2: $(STAMP)
@@ -72,6 +73,7 @@ bench-smollm2: $(STAMP)
 	$(PY) bench/speculative.py --model smollm2-135m-instruct --batches 1,4 --new-tokens 64 --tail-kinds '' \
 		--kinds tree1x1x2,tree1x2x3,tree1x3x4,tree4x1x5,tree2x2x5,tree4x2x9,tree4x3x13 --out speculative_smollm2_fixed_trees
 	$(PY) scripts/smollm2_task_rates.py
+	$(PY) scripts/bench_docs.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache site

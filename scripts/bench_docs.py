@@ -368,6 +368,18 @@ def learning_run(data: dict, where: str) -> list[str]:
     return lines
 
 
+def greedy_split(data: dict, where: str) -> list[str]:
+    """Held-out accuracy of each model, split by the problem's start (one or two digits)."""
+    lines = ["| model | split | problems | greedy | sampled |", "| --- | --- | --- | --- | --- |"]
+    for model, splits in need(data, "models", where).items():
+        for split in ("one_digit_start", "two_digit_start", "all"):
+            here = f"{where} (models.{model})"
+            lines.append(f"| {model} | {split.replace('_', ' ')} | {need(splits, f'{split}.n', here)} | "
+                         f"{FORMATS['%'](need(splits, f'{split}.greedy', here))} | "
+                         f"{FORMATS['%'](need(splits, f'{split}.sampled', here))} |")
+    return [*lines, ""] + scalar_fields(data, where)
+
+
 RENDERERS: dict[str, Renderer] = {
     "prefix": PREFIX,
     "rollout": ROLLOUT,
@@ -401,6 +413,7 @@ RENDERERS: dict[str, Renderer] = {
                                  col("final top-1", "final_top1_agreement", "f2")])),
     "task_rates": task_rates,
     "learning_run": learning_run,
+    "greedy_split": greedy_split,
     "record": scalar_fields,
 }
 
@@ -589,7 +602,7 @@ RESULTS: list[Result] = [
            "python scripts/smollm2_lossless_check.py 4", section="Learning"),
     Result("draft_build_smollm2", "draft_build", "SmolLM2's built draft (smollm2-gsm8k)", "turbogrpo draft build --model smollm2",
            section="Learning"),
-    Result("demo_greedy_investigation", "record", "Why the demo's greedy accuracy does not rise",
+    Result("demo_greedy_investigation", "greedy_split", "Why the demo's greedy accuracy does not rise",
            "python scripts/demo_greedy_split.py MODEL", section="Learning"),
     Result("longform_build_attempt", "record", "Long-form model: build attempt", "python scripts/build_longform_model.py",
            section="Learning"),
