@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup demo test bench bench-smollm2 clean
+.PHONY: setup demo test docs docs-pages bench-docs bench bench-smollm2 clean
 
 setup: $(STAMP)
 
@@ -32,6 +32,18 @@ test: $(STAMP)
 	# Idle OpenMP threads must not spin: on a busy 2-core machine spinning makes small ops 5-20x slower.
 	OMP_WAIT_POLICY=PASSIVE $(PY) -m pytest -q
 
+# The documentation site, built strictly (a dead link or a page missing from the nav fails) into site/.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
+
+# docs/guide/settings.md from the typed config (turbogrpo/config.py).
+docs-pages: $(STAMP)
+	$(PY) scripts/config_docs.py
+
+# docs/benchmarks.md, its archive, docs/bench-plots/ and README.md's headline table from bench/results/*.json.
+bench-docs: $(STAMP)
+	$(PY) scripts/bench_docs.py
+
 bench: $(STAMP)
 	$(PY) bench/prefix.py
 	$(PY) bench/rollout.py
@@ -40,6 +52,7 @@ bench: $(STAMP)
 	$(PY) bench/trl_dropin.py
 	$(PY) bench/online_draft.py --config demo
 	$(PY) bench/gpu.py   # every GPU part, when a GPU is present (prints a notice and exits otherwise)
+	$(PY) scripts/bench_docs.py   # the benchmark pages and README's headline from the new results
 
 # The real model (SmolLM2-135M-Instruct) on GSM8K prompts: about 2.5 hours on 2 cores (the draft build 55 min of it).
 bench-smollm2: $(STAMP)
@@ -60,6 +73,7 @@ bench-smollm2: $(STAMP)
 	$(PY) bench/speculative.py --model smollm2-135m-instruct --batches 1,4 --new-tokens 64 --tail-kinds '' \
 		--kinds tree1x1x2,tree1x2x3,tree1x3x4,tree4x1x5,tree2x2x5,tree4x2x9,tree4x3x13 --out speculative_smollm2_fixed_trees
 	$(PY) scripts/smollm2_task_rates.py
+	$(PY) scripts/bench_docs.py
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) runs .pytest_cache site

@@ -1,0 +1,106 @@
+"""The generated pages equal what their scripts make now from the committed code and results, and a
+result file the benchmarks page cannot render stops the generator naming the file and the field."""
+
+import importlib.util
+import json
+import shutil
+import sys
+
+import pytest
+
+from tests.docs.markdown import REPO
+
+
+def script(name: str):
+    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # (dataclasses look their module up while the class is made)
+    spec.loader.exec_module(module)
+    return module
+
+
+bench_docs = script("bench_docs")
+config_docs = script("config_docs")
+
+
+def test_settings_page_is_current():
+    committed = (REPO / "docs" / "guide" / "settings.md").read_text(encoding="utf-8")
+    assert committed == config_docs.render(), "docs/guide/settings.md is out of date: run `make docs-pages`"
+
+
+def test_settings_page_lists_every_field_of_every_section():
+    import dataclasses
+    import typing
+
+    from turbogrpo.config import Config
+    page = config_docs.render()
+    for section in dataclasses.fields(Config):
+        hint = typing.get_type_hints(Config)[section.name]
+        cls, prefix = (typing.get_args(hint)[0], "rewards.N") if typing.get_origin(hint) is list else (hint, section.name)
+        for f in dataclasses.fields(cls):
+            assert f"| `{prefix}.{f.name}` |" in page
+
+
+def test_a_field_without_docstring_is_refused():
+    from dataclasses import dataclass
+
+    @dataclass
+    class Undocumented:
+        """A section."""
+        documented: int = 1
+        """Has a docstring."""
+        bare: int = 2
+
+    with pytest.raises(ValueError, match="Undocumented field\\(s\\) bare have no docstring"):
+        config_docs.section_table(Undocumented, "undocumented", "[undocumented]")
+
+
+def test_benchmark_pages_plots_and_readme_headline_are_current():
+    assert bench_docs.stale_files() == [], "run `make bench-docs`"
+
+
+def test_benchmark_page_has_one_table_per_current_result():
+    page = bench_docs.render_pages()["docs/benchmarks.md"]
+    archive = bench_docs.render_pages()["docs/benchmarks-archive.md"]
+    for result in bench_docs.RESULTS:
+        home = archive if result.archived_by else page
+        assert f'<a id="{bench_docs.anchor(result.stem)}"></a>' in home
+        assert f"`bench/results/{result.stem}.json`" in home
+
+
+def test_the_readme_figures_are_the_generated_headline():
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    table = readme[readme.index(bench_docs.HEADLINE_START):readme.index(bench_docs.HEADLINE_END)]
+    data = json.loads((REPO / "bench/results/e2e_smollm2-zero-shot.json").read_text())
+    assert f"**{data['shapes'][0]['speedup']:.2f}x**" in table  # read from the JSON, not typed in
+
+
+@pytest.fixture
+def results_copy(tmp_path, monkeypatch):
+    folder = tmp_path / "results"
+    shutil.copytree(REPO / "bench" / "results", folder)
+    monkeypatch.setattr(bench_docs, "RESULTS_DIR", folder)
+    return folder
+
+
+def test_a_result_missing_a_field_fails_naming_file_and_field(results_copy):
+    path = results_copy / "prefix_smollm2.json"
+    data = json.loads(path.read_text())
+    del data["shapes"][1]["speedup_vs_standard"]
+    path.write_text(json.dumps(data))
+    with pytest.raises(bench_docs.BenchDocError,
+                       match=r"^bench/results/prefix_smollm2\.json \(shapes\.1\): field 'speedup_vs_standard' is missing"):
+        bench_docs.render_pages()
+
+
+def test_a_result_nobody_registered_fails_naming_it(results_copy):
+    shutil.copy(results_copy / "prefix.json", results_copy / "prefix_new_run.json")
+    with pytest.raises(bench_docs.BenchDocError, match=r"bench/results/prefix_new_run\.json is not in .*RESULTS"):
+        bench_docs.render_pages()
+
+
+def test_missing_date_and_capability_read_not_recorded(results_copy):
+    page = bench_docs.render_pages()["docs/benchmarks.md"]
+    section = page[page.index('<a id="smollm2-lossless-check">'):]
+    assert "- date: not recorded" in section.split("<a id=")[1]
+    assert "- CPU matmul extensions: not recorded" in section.split("<a id=")[1]
