@@ -192,7 +192,7 @@ def main() -> None:
                           "AVX512-BF16/AMX (others emulate it)")
     result["table"] = table(result)
     result["command"] = "python " + " ".join(sys.argv)
-    result["load_average_1min_at_end"] = os.getloadavg()[0]
+    result["load_average"] = os.getloadavg()[0]  # 1-minute, at the end
     write_results(args.out or f"precision_{device.type}", result)
 
 

@@ -593,6 +593,12 @@ RESULTS: list[Result] = [
     Result("precision_cpu", "precision", "One GRPO step per precision mode, tiny model", "python bench/gpu_precision.py --device cpu",
            section="Precision"),
     Result("precision_demo_cpu", "precision_demo", "The demo in float32 and bf16 autocast", section="Precision"),
+    Result("precision_cpu_avx512_bf16", "precision", "One GRPO step per precision mode, tiny model, AVX-512 with native bf16",
+           "python bench/gpu_precision.py --device cpu --budget 120 --out precision_cpu_avx512_bf16", section="Precision"),
+    Result("precision_cpu_avx2_emulated", "precision", "One GRPO step per precision mode, tiny model, the same CPU as an "
+           "AVX2-only one (ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2)",
+           "ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 python bench/gpu_precision.py "
+           "--device cpu --budget 120 --out precision_cpu_avx2_emulated", section="Precision"),
     # Learning and records
     Result("smollm2_arithmetic_run", "learning_run", "SmolLM2-135M learns small sums (configs/smollm2_arithmetic.toml)",
            "python scripts/learning_record.py runs/smollm2_arithmetic smollm2_arithmetic_run", section="Learning"),
@@ -641,6 +647,9 @@ def machine_of(data: dict) -> tuple[str, str]:
     words += [f"OMP_WAIT_POLICY {machine['omp_wait_policy']}"] if "omp_wait_policy" in machine else []
     words += [f"host heap {machine['host_malloc']}"] if "host_malloc" in machine else []
     extensions = machine.get("cpu_matmul_extensions")
+    capability = machine.get("cpu_capability", {}).get("description")  # turbogrpo.cpu_capability's record
+    if capability:
+        return ", ".join(words), capability + (f" ({', '.join(extensions)})" if extensions else "")
     return ", ".join(words), ", ".join(extensions) if extensions else NOT_RECORDED
 
 

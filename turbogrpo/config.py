@@ -44,7 +44,8 @@ class ModelConfig:
     """Compute dtype. bfloat16/float16: float32 master weights and AdamW state, forwards (rollout and
     training) under torch.autocast; the fast choice on GPU (float16 has no loss scaling: prefer bfloat16).
     float32: the exact choice on CPU, where bf16 matmuls without native support run several times slower.
-    "auto": float32 on a CPU, bfloat16 on a GPU that has it (``turbogrpo.train.precision.AUTO_DTYPES``)."""
+    "auto": float32 on a CPU without AMX (exact; bf16 is emulated or no faster there), bfloat16 on AMX and on a
+    GPU that has it (``turbogrpo.train.precision.AUTO_DTYPES``)."""
     pure_bf16: bool = False
     """Store the parameters and AdamW state in bfloat16 too (needs dtype = "bfloat16"): 8 bytes less per
     parameter, but updates under half of bf16's spacing round away (GRPO's small lr barely trains); warns."""
@@ -73,7 +74,7 @@ class ModelConfig:
                  self.linear_kernel)
         if self.linear_kernel == "onednn" and self._runs_on_cpu():
             import torch
-            # "auto" computes in float32 on a CPU; refused here, in one line, not by oneDNN in the first rollout
+            # (bf16 under "auto" only where AMX packs it); refused here, in one line, not by oneDNN in a rollout
             try:
                 require_onednn(torch.bfloat16 if self.dtype == "bfloat16" else torch.float32)
             except ValueError as err:

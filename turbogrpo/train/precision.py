@@ -11,8 +11,8 @@ Mixed precision, as the field does it: float32 master weights and optimizer stat
                                                  weight (about 1.5e-4 at 0.02) rounds away, so GRPO's
                                                  usual learning rates barely move the model.
     model.dtype = "auto"                        the fastest of the above that this machine runs
-                                                 natively (``AUTO_DTYPES``): float32 on every CPU kind,
-                                                 bfloat16 on a GPU that has it.
+                                                 natively and fast (``AUTO_DTYPES``): float32 on CPUs
+                                                 without AMX, bfloat16 on AMX and on GPUs that have it.
 
 On a CPU without native bf16 (``turbogrpo.cpu_capability``: an AVX2-only EPYC, most laptops) a bf16
 or fp16 run still works, every weight product by ``F.linear`` (oneDNN's packed bf16 product is not
@@ -76,10 +76,21 @@ class Precision:
         return under_autocast
 
 
+CPU_AUTO_DTYPES = {
+    # No native bf16: emulated, slower than float32 (bench/results/precision_cpu.json, a real AVX2-only EPYC,
+    # and precision_cpu_avx2_emulated.json: the update about 4x float32's time, the rollout 1.5x).
+    "none": "float32",
+    "avx2": "float32",
+    # Native bf16 without AMX: the update faster, the rollout (most of a GRPO step) no faster, on the tiny
+    # model of precision_cpu_avx512_bf16.json; float32 is exact, so it stays.
+    "avx512": "float32",
+    # AMX tiles multiply bf16 at several times float32's rate (not measured by a whole step here yet).
+    "amx": "bfloat16",
+}
+"""CPU capability level (``turbogrpo.cpu_capability``) -> the compute dtype of ``model.dtype = "auto"``."""
+
 AUTO_DTYPES = {
-    # float32 on every CPU kind: it is exact, and bf16 was slower wherever measured
-    # (bench/results/precision_cpu*.json: one GRPO step of a 0.9M model per mode).
-    "cpu": lambda: "float32",
+    "cpu": lambda: CPU_AUTO_DTYPES[cpu_capability().level],
     # bf16 where the GPU has it (Ampere and later); float16 has no loss scaling here, so not that.
     "cuda": lambda: "bfloat16" if torch.cuda.is_bf16_supported() else "float32",
 }
