@@ -248,7 +248,7 @@ def training_linears(run: Run):
     and the draft head."""
     roots = [run.policy] + [m for m in (run.reference, run.draft.draft if run.draft is not None else None)
                             if m is not None]
-    return run.training_linears(roots)
+    return run.training_kernels(roots)
 
 
 def learn_draft(run: Run, data: StepData) -> StepData:

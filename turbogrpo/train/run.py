@@ -107,8 +107,8 @@ class Run:
     decode_schedule: DecodeSchedule
     """When the rollout engine looks at the host, on this device, with the weight-matmul kernel of
     model.linear_kernel."""
-    training_linears: Callable
-    """``training_linears(modules)``: a context manager running their weight matmuls with the training
+    training_kernels: Callable
+    """``training_kernels(modules)``: a context manager running their weight matmuls with the training
     kernel of model.linear_kernel (``linears.TRAINING_LINEAR_KERNELS``)."""
     held_out: HeldOut
     """Held-out evaluation: prompts, the accuracy reward, greedy and sampled settings."""
@@ -170,7 +170,7 @@ def build_run(config: Config, dist: DistInfo, rewards: list[Reward]) -> Run:
                reference=reference, optimizer=optimizer, batches=batches, rewards=rewards, sampling=parts.sampling,
                num_generations=config.rollout.num_generations,
                decode_schedule=replace(default_schedule(dist.device), linears=config.model.linear_kernel),
-               training_linears=TRAINING_LINEAR_KERNELS[config.model.linear_kernel], held_out=held_out,
+               training_kernels=TRAINING_LINEAR_KERNELS[config.model.linear_kernel], held_out=held_out,
                loss=build_loss(config.algo), algo=config.algo, optim=config.optim, train=config.train,
                log=config.log, export_dtype=config.model.dtype if config.train.final_dtype == "auto"
                else config.train.final_dtype, record=run_record(config), draft=draft)
