@@ -113,10 +113,12 @@ def base_config(args, seed: int, output_dir: Path, overrides: list[str]):
 def pretrain_draft(args, seed: int, out: Path) -> tuple[Path, dict]:
     """A draft trained offline on the step-0 policy's own completions (as `turbogrpo draft train`)."""
     config = base_config(args, seed, out / "pretrain", [])
-    policy, tokenizer = setup.load_policy(config, torch.device("cpu"), setup.precision(config, torch.device("cpu")))
-    examples = setup.load_train_prompts(config, tokenizer).examples
+    cpu = torch.device("cpu")
+    policy, tokenizer = setup.load_policy(config.model, config.lora, cpu, setup.precision(config.model, cpu))
+    examples = setup.load_train_prompts(config.data, tokenizer, seed=config.train.seed,
+                                        max_new_tokens=config.rollout.max_new_tokens).examples
     prompts = [e.token_ids for e in examples[-args.draft_prompts:]]  # the end of the shuffled-later list
-    sampling = setup.rollout_sampling(config, policy, tokenizer)
+    sampling = setup.rollout_sampling(config.rollout, policy, tokenizer)
     start = time.perf_counter()
     completions = []
     for first in range(0, len(prompts), 8):

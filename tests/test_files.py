@@ -49,15 +49,14 @@ def test_a_safetensors_write_failure_is_an_os_error_naming_the_file(tmp_path, mo
 
 
 def test_an_export_that_fails_midway_leaves_no_final_folder(tmp_path):
-    config = types.SimpleNamespace(train=types.SimpleNamespace(save_final_model=True, output_dir=str(tmp_path),
-                                                               final_dtype="float32"),
-                                   model=types.SimpleNamespace(dtype="float32"))
+    train = types.SimpleNamespace(save_final_model=True, output_dir=str(tmp_path), final_dtype="float32")
 
     class FullDiskTokenizer:  # the model's files are written first, then the disk fills up
         def save_pretrained(self, folder):
             raise DISK_FULL
     dist = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
-    run = types.SimpleNamespace(config=config, policy=tiny_model(), tokenizer=FullDiskTokenizer(), dist=dist)
+    run = types.SimpleNamespace(train=train, export_dtype="float32", policy=tiny_model(), tokenizer=FullDiskTokenizer(),
+                                dist=dist)
     with pytest.raises(WriteError, match=r"could not write the final model .*final \(No space left on device\)"):
         export(run)
     assert list(tmp_path.iterdir()) == []

@@ -1,9 +1,15 @@
-"""The package's import graph has no circles, deferred imports included.
+"""The package's import graph has no circles, and the whole ``Config`` stops at the build.
 
-A circle closed by an import inside a function works only because of the order in which things are
-called; it hides which module builds on which. Imports under ``if TYPE_CHECKING:`` are left out (they
-never run), and importing ``a.b.c`` counts as importing the packages ``a`` and ``a.b`` too (Python runs
-their ``__init__`` first).
+Import circles: every ``import`` statement in a module counts, wherever it stands: at module level, inside
+a function (a deferred import), and under ``if TYPE_CHECKING:``. A circle closed by a deferred import
+works only because of the order in which things are called, and one closed by a type-only import works
+only because annotations are not evaluated; either way it hides which module builds on which, and neither
+module can be read (or type-checked) without the other. Importing ``a.b.c`` counts as importing the
+packages ``a`` and ``a.b`` too (Python runs their ``__init__`` first).
+
+The whole ``Config``: a function that takes it could depend on any setting, so only the few that turn a
+config into a run's parts may (the CLI, ``train``, the build, the output folder's record of the inputs,
+and config.py's own writer); every other function takes the settings or the section it reads.
 """
 
 import ast
@@ -23,14 +29,8 @@ def module_files() -> dict[str, Path]:
 
 
 def _runs(tree: ast.AST):
-    """The import statements that can run: all but those under ``if TYPE_CHECKING:``."""
-    for node in ast.iter_child_nodes(tree):
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            yield from (n for child in node.orelse for n in [child, *_runs(child)])
-            continue
-        if isinstance(node, (ast.Import, ast.ImportFrom)):
-            yield node
-        yield from _runs(node)
+    """Every import statement of a module: module-level, in functions and under ``if TYPE_CHECKING:``."""
+    return (node for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom)))
 
 
 def _with_parents(name: str, modules) -> set[str]:
@@ -91,3 +91,74 @@ def test_the_package_has_no_import_circles():
 
 def test_the_circle_finder_finds_a_deferred_circle():
     assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_a_type_only_import_closes_a_circle_too():
+    """The run.py <-> state.py circle was closed by an import under ``if TYPE_CHECKING:``: it counts."""
+    source = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from turbogrpo.train.run import Run\n"
+    assert [node.module for node in _runs(ast.parse(source))] == ["typing", "turbogrpo.train.run"]
+    deferred = "def f():\n    from turbogrpo.algo import LOSSES\n"
+    assert [node.module for node in _runs(ast.parse(deferred))] == ["turbogrpo.algo"]
+
+
+# --- the whole Config ----------------------------------------------------------------------------------
+
+# The functions that may take the whole Config, each with its reason.
+TAKES_THE_WHOLE_CONFIG = {
+    "turbogrpo.cli._train",                  # the CLI: `turbogrpo train | demo` hands a loaded config to train
+    "turbogrpo.train.loop.train",            # the public entry point: runs the loop around the built parts
+    "turbogrpo.train.run.build_run",         # the build: each part from its own section, once
+    "turbogrpo.train.output_dir.run_record",  # the output folder's record of the inputs (config.json, inputs.json)
+    "turbogrpo.config.dump_config",          # config.py's own writer of a whole config (public API)
+}
+
+
+def _is_config(annotation: ast.expr | None) -> bool:
+    """An annotation naming the whole ``Config`` (``Config``, ``config.Config``, ``"Config"``, ``Config | None``)."""
+    if annotation is None:
+        return False
+    if isinstance(annotation, ast.Constant) and isinstance(annotation.value, str):
+        return _is_config(ast.parse(annotation.value, mode="eval").body)
+    if isinstance(annotation, ast.BinOp):
+        return _is_config(annotation.left) or _is_config(annotation.right)
+    return (isinstance(annotation, ast.Name) and annotation.id == "Config"
+            or isinstance(annotation, ast.Attribute) and annotation.attr == "Config")
+
+
+def takers_of_the_whole_config(files: dict[str, Path]) -> set[str]:
+    """Qualified names of the functions with a parameter annotated ``Config``, and of the classes with a
+    field annotated ``Config`` (a part that carries the whole config hands it to everything it reaches)."""
+    found = set()
+
+    def visit(node: ast.AST, prefix: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                arguments = child.args
+                every = [*arguments.posonlyargs, *arguments.args, *arguments.kwonlyargs,
+                         *filter(None, [arguments.vararg, arguments.kwarg])]
+                if any(_is_config(a.annotation) for a in every):
+                    found.add(f"{prefix}.{child.name}")
+                visit(child, f"{prefix}.{child.name}")
+            elif isinstance(child, ast.ClassDef):
+                if any(isinstance(item, ast.AnnAssign) and _is_config(item.annotation) for item in child.body):
+                    found.add(f"{prefix}.{child.name}")
+                visit(child, f"{prefix}.{child.name}")
+
+    for name, path in files.items():
+        visit(ast.parse(path.read_text()), name)
+    return found
+
+
+def test_only_the_build_and_its_callers_take_the_whole_config():
+    assert len(TAKES_THE_WHOLE_CONFIG) <= 5
+    assert takers_of_the_whole_config(module_files()) == TAKES_THE_WHOLE_CONFIG
+
+
+def test_the_config_finder_finds_parameters_and_fields(tmp_path):
+    module = tmp_path / "m.py"
+    module.write_text("def a(config: Config): ...\n"
+                      "def b(*, settings: 'Config | None' = None): ...\n"
+                      "def c(section: AlgoConfig, n: int): ...\n"
+                      "class Run:\n    config: config.Config\n    def step(self, algo: AlgoConfig): ...\n"
+                      "class Parts:\n    algo: AlgoConfig\n    def load(self, whole: Config): ...\n")
+    assert takers_of_the_whole_config({"m": module}) == {"m.a", "m.b", "m.Run", "m.Parts.load"}

@@ -166,7 +166,7 @@ def _run_command(args: argparse.Namespace, overrides: list[str]) -> int:
         return args.run(args)
     if args.command == "train":
         config = load_config(args.config, overrides)
-        _keep_apart_from_the_config_file(config, args.config)
+        _keep_apart_from_the_config_file(config.train.output_dir, args.config)
         return _train(config, args, f"turbogrpo train {args.config}")
     if args.command == "demo":
         model = "longform" if args.longform else args.model
@@ -175,13 +175,13 @@ def _run_command(args: argparse.Namespace, overrides: list[str]) -> int:
     return _eval(args, overrides)
 
 
-def _keep_apart_from_the_config_file(config: Config, config_file: str) -> None:
-    """An output folder that holds the config file is refused like one that holds the data (``--overwrite``
-    would move the file aside, and a resume needs it)."""
+def _keep_apart_from_the_config_file(output_dir: str, config_file: str) -> None:
+    """An output folder (train.output_dir) that holds the config file is refused like one that holds the
+    data (``--overwrite`` would move the file aside, and a resume needs it)."""
     from pathlib import Path
 
     from turbogrpo.train.output_dir import check_apart_from_inputs
-    check_apart_from_inputs(Path(config.train.output_dir).resolve(), "train.output_dir",
+    check_apart_from_inputs(Path(output_dir).resolve(), "train.output_dir",
                             {"the config file": Path(config_file)})
 
 
@@ -264,13 +264,14 @@ def _sigterm_as_interrupt():
 
 
 def _eval(args: argparse.Namespace, overrides: list[str]) -> int:
-    """Held-out accuracy of a model, measured with the parts a training run builds (``run.build_policy``)."""
+    """Held-out accuracy of a model, measured with the parts a training run builds (``run.build_policy``,
+    ``run.build_policy_held_out``)."""
     import torch
 
     from turbogrpo.rewards import build_rewards
     from turbogrpo.train import distributed
     from turbogrpo.train.evaluate import describe_accuracies, measure_held_out
-    from turbogrpo.train.run import build_policy
+    from turbogrpo.train.run import build_policy, build_policy_held_out
 
     _quiet_transformers()
     if args.model:
@@ -279,7 +280,9 @@ def _eval(args: argparse.Namespace, overrides: list[str]) -> int:
     rewards = build_rewards(config.rewards)
     dist = distributed.setup(config.model.device, config.distributed.backend)
     try:
-        precision, model, tokenizer, _, held_out = build_policy(config, dist, rewards)
+        parts = build_policy(config.model, config.lora, config.rollout, dist, seed=config.train.seed)
+        precision, model, tokenizer = parts.precision, parts.policy, parts.tokenizer
+        held_out = build_policy_held_out(config.data, config.train, parts, rewards)
         if not held_out.enabled:
             raise ValueError("nothing to evaluate: set data.eval_path (or use data.kind = \"arithmetic\") and "
                              "train.accuracy_reward")

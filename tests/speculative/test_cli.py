@@ -115,5 +115,7 @@ def test_draft_train_with_a_config_renders_its_prompts_as_training_does(model_di
     assert main(["draft", "train", "--config", str(config_file), "--out", str(tmp_path / "d"), "--num-prompts", "2",
                  "--draft-tokens", "8"]) == 0  # the model is the config's
     _, tokenizer = load_model_and_tokenizer(model_dir)
-    expected = load_train_prompts(load_config(config_file), tokenizer).examples[:2]
+    config = load_config(config_file)
+    expected = load_train_prompts(config.data, tokenizer, seed=config.train.seed,
+                                  max_new_tokens=config.rollout.max_new_tokens).examples[:2]
     assert seen == {"prompts": [ex.token_ids.tolist() for ex in expected], "num_draft_tokens": 8}

@@ -43,8 +43,8 @@ def two_updates(loss_name: str, strategy: str, dist: DistInfo) -> tuple[dict[str
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
     batch = shard(global_batch(), dist)
     config = load_config(None, [f"train.micro_batch_tokens={BUDGET}", "rollout.max_new_tokens=8"])
-    micro_batches = loop.plan(batch, config, dist)
-    normalizer = loop.step_normalizer(batch, config, dist)
+    micro_batches = loop.plan(batch, config.train.micro_batch_tokens, dist)
+    normalizer = loop.step_normalizer(batch, config.rollout.max_new_tokens, dist)
     metrics = []
     for _ in range(2):
         loss = build_loss(AlgoConfig(loss=loss_name, beta=0.05))

@@ -13,7 +13,7 @@ import torch
 from turbogrpo.config import dump_config, load_config
 from turbogrpo.train.distributed import DistInfo
 from turbogrpo.train.metrics import MetricsLog, read_metrics
-from turbogrpo.train.output_dir import changed_training_keys, claim_output_dir
+from turbogrpo.train.output_dir import changed_training_keys, claim_output_dir, run_record
 from turbogrpo.train.state import find_resume_checkpoint
 
 SINGLE = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
@@ -24,7 +24,7 @@ def config_for(out, *sets):
 
 
 def claim(out, *sets, resume=False, overwrite=False):
-    return claim_output_dir(config_for(out, *sets), SINGLE, resume=resume, overwrite=overwrite)
+    return claim_output_dir(run_record(config_for(out, *sets)), SINGLE, resume=resume, overwrite=overwrite)
 
 
 def earlier_run(out: Path) -> dict[str, str]:
@@ -192,7 +192,7 @@ def test_resume_refuses_training_data_or_a_model_rewritten_since_the_run_started
     model = write_model(tmp_path / "model")
     sets = ("data.kind=rows", f'data.path="{rows}"', f'model.path="{model}"')
     claim(tmp_path / "out", *sets).release()
-    output_dir.record_inputs(tmp_path / "out", config_for(tmp_path / "out", *sets))
+    output_dir.record_inputs(tmp_path / "out", output_dir.run_record(config_for(tmp_path / "out", *sets)))
     claim(tmp_path / "out", *sets, resume=True).release()  # the same inputs resume
     rows.write_text('{"prompt": "b"}\n')  # same row count, other content
     with pytest.raises(ValueError, match=rf"--resume: data.path '{rows}' changed since .*out started \(the content "
@@ -200,7 +200,7 @@ def test_resume_refuses_training_data_or_a_model_rewritten_since_the_run_started
         claim(tmp_path / "out", *sets, resume=True)
     rows.write_text('{"prompt": "a"}\n')
     monkeypatch.setattr(output_dir, "SAMPLED_ABOVE_BYTES", 1000)  # the weights are sampled, not read whole
-    output_dir.record_inputs(tmp_path / "out", config_for(tmp_path / "out", *sets))
+    output_dir.record_inputs(tmp_path / "out", output_dir.run_record(config_for(tmp_path / "out", *sets)))
     write_model(model, seed=1)  # retrained: same files and sizes, other weights
     with pytest.raises(ValueError, match=rf"--resume: model.path '{model}' changed since"):
         claim(tmp_path / "out", *sets, resume=True)

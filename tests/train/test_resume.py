@@ -126,11 +126,11 @@ def long_run_after_its_first_checkpoint(tmp_path):
 def test_ctrl_c_or_sigterm_prints_one_line_naming_the_checkpoint_and_the_lock_keeps_other_runs_out(
         tmp_path, stop, code, how):
     from turbogrpo.train.distributed import DistInfo
-    from turbogrpo.train.output_dir import claim_output_dir
+    from turbogrpo.train.output_dir import claim_output_dir, run_record
 
     child, config, sets, out = long_run_after_its_first_checkpoint(tmp_path)
     with pytest.raises(ValueError, match="is in use by another run"):  # a second run into the folder
-        claim_output_dir(load_config(None, sets), DistInfo(0, 1, 0, torch.device("cpu")), resume=True,
+        claim_output_dir(run_record(load_config(None, sets)), DistInfo(0, 1, 0, torch.device("cpu")), resume=True,
                          overwrite=False)
     child.send_signal(stop)
     stdout, stderr = child.communicate(timeout=120)

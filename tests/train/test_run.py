@@ -19,17 +19,17 @@ def test_more_prompts_per_step_than_usable_prompts_names_the_key_and_the_data():
     with pytest.raises(ValueError, match=r"config key 'train.prompts_per_step': 16 is more than the 10 usable prompts "
                                          r"of data.path 'rows.jsonl' \(3 skipped as too long for "
                                          r"data.max_prompt_tokens=1024 or the model, 0 as empty\); use at most 10"):
-        check_prompt_count(config, prompt_set(10, num_too_long=3))
-    check_prompt_count(config, prompt_set(16))
+        check_prompt_count(config.data, config.train.prompts_per_step, prompt_set(10, num_too_long=3))
+    check_prompt_count(config.data, config.train.prompts_per_step, prompt_set(16))
 
 
 def test_no_usable_prompt_names_the_data():
     config = load_config(None, ["data.kind=rows", 'data.path="rows.jsonl"'])
     with pytest.raises(ValueError, match=r"data.path 'rows.jsonl' has no usable prompts \(0 skipped as too long .*, "
                                          r"4 as empty\)"):
-        check_prompt_count(config, prompt_set(0, num_empty=4))
+        check_prompt_count(config.data, config.train.prompts_per_step, prompt_set(0, num_empty=4))
     with pytest.raises(ValueError, match=r"the built-in arithmetic task has no usable prompts"):
-        check_prompt_count(load_config(None, []), prompt_set(0))
+        check_prompt_count(load_config(None, []).data, 8, prompt_set(0))
 
 
 def test_a_bad_row_is_named_with_the_data_file_it_is_in(tmp_path):
@@ -40,9 +40,10 @@ def test_a_bad_row_is_named_with_the_data_file_it_is_in(tmp_path):
     bad.write_text('{"prompt": "1+1", "answer": "2"}\n{"prompt": 5, "answer": "2"}\n')
     config = load_config(None, ["data.kind=rows", f'data.path="{good}"', f'data.eval_path="{bad}"'])
     tokenizer = load_demo_model()[1]
-    assert len(setup.load_train_prompts(config, tokenizer).examples) == 1
+    max_new_tokens = config.rollout.max_new_tokens
+    assert len(setup.load_train_prompts(config.data, tokenizer, seed=0, max_new_tokens=max_new_tokens).examples) == 1
     with pytest.raises(ValueError, match=rf"^data.eval_path '{bad}' row 1: prompt column 'prompt' must be"):
-        setup.load_eval_prompts(config, tokenizer)
+        setup.load_eval_prompts(config.data, tokenizer, max_new_tokens=max_new_tokens)
     config = load_config(None, ["data.kind=rows", f'data.path="{bad}"'])
     with pytest.raises(ValueError, match=rf"^data.path '{bad}' row 1:"):
-        setup.load_train_prompts(config, tokenizer)
+        setup.load_train_prompts(config.data, tokenizer, seed=0, max_new_tokens=max_new_tokens)

@@ -11,6 +11,12 @@ from turbogrpo.train import setup
 from .tiny_run import char_tokenizer
 
 
+def train_prompts(config, tokenizer, max_positions=None):
+    """The run's training prompts, as ``build_run`` loads them from the config's sections."""
+    return setup.load_train_prompts(config.data, tokenizer, seed=config.train.seed,
+                                    max_new_tokens=config.rollout.max_new_tokens, max_positions=max_positions)
+
+
 def test_prompts_are_checked_against_the_models_positions_at_load(tmp_path):
     rows = tmp_path / "rows.jsonl"
     rows.write_text("".join(json.dumps({"prompt": "x" * n}) + "\n" for n in (4, 10, 20)))
@@ -19,13 +25,13 @@ def test_prompts_are_checked_against_the_models_positions_at_load(tmp_path):
     model = tiny_model("qwen2", vocab_size=len(tokenizer), hidden=16, layers=1, heads=2, kv_heads=1)
     assert setup.position_limit(model) == model.config.max_position_embeddings
 
-    prompts = setup.load_train_prompts(config, tokenizer, max_positions=16)  # 4 + 6 and 10 + 6 fit, 20 + 6 not
+    prompts = train_prompts(config, tokenizer, max_positions=16)  # 4 + 6 and 10 + 6 fit, 20 + 6 not
     assert [e.token_ids.numel() for e in prompts.examples] == [4, 10] and prompts.num_too_long == 1
     strict = load_config(None, ["data.kind=rows", f"data.path=\"{rows}\"", "rollout.max_new_tokens=6",
                                 "data.on_overlong=error"])
     with pytest.raises(ValueError, match=r"row 2: prompt has 20 tokens, which with max_new_tokens=6 is more than the "
                                          r"model's 16 positions"):
-        setup.load_train_prompts(strict, tokenizer, max_positions=16)
+        train_prompts(strict, tokenizer, max_positions=16)
     with pytest.raises(ConfigError, match=r"config key 'rollout.max_new_tokens': 6 leaves no room for a prompt within "
                                           r"the model's 6 positions"):
-        setup.load_train_prompts(config, tokenizer, max_positions=6)
+        train_prompts(config, tokenizer, max_positions=6)

@@ -30,13 +30,25 @@ import dataclasses
 import functools
 import warnings
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 from torch import Tensor
 
-if TYPE_CHECKING:
-    from turbogrpo.config import AlgoConfig
+
+class ObjectiveSettings(Protocol):
+    """The [algo] settings a policy loss reads. ``turbogrpo.config.AlgoConfig`` (the section itself) has
+    them; the losses name only what they read, so that algo/ builds on nothing of config.py (which
+    imports ``LOSSES`` to check ``algo.loss``)."""
+
+    loss: str
+    beta: float
+    epsilon_low: float
+    epsilon_high: float
+    tis_cap: float
+    kl_bias_correction: bool
+
+    def check(self, key: str) -> None: ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,7 +189,7 @@ class PolicyLoss:
         advantages: Tensor,
         mask: Tensor,
         normalizer: LossNormalizer,
-        settings: AlgoConfig,
+        settings: ObjectiveSettings,
         rollout_logps: Tensor | None = None,
     ) -> tuple[Tensor, dict[str, Tensor]]:
         """Loss of one micro-batch, already divided by the whole step batch's denominator.
@@ -264,7 +276,7 @@ def get_loss(name: str) -> PolicyLoss:
     return LOSSES[name]
 
 
-def build_loss(algo: AlgoConfig) -> Callable[..., tuple[Tensor, dict[str, Tensor]]]:
+def build_loss(algo: ObjectiveSettings) -> Callable[..., tuple[Tensor, dict[str, Tensor]]]:
     """The policy loss ``algo.loss`` with the [algo] section's settings bound (checked first, so a
     section built in Python is validated as one read from a config file):
     ``loss(logps, old_logps, ref_logps, advantages, mask, normalizer, rollout_logps=None)``."""

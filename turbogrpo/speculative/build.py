@@ -47,7 +47,9 @@ def build_draft(built: BuiltDraft, *, refresh: bool = False, device: torch.devic
         return folder
     config = load_config(checkout_path(built.config))
     model, tokenizer = load_model_and_tokenizer(resolve_model_path(built.model), device=device or "cpu")
-    examples = load_train_prompts(config, tokenizer, position_limit(model)).examples
+    examples = load_train_prompts(config.data, tokenizer, seed=config.train.seed,
+                                  max_new_tokens=config.rollout.max_new_tokens,
+                                  max_positions=position_limit(model)).examples
     prompts = [ex.token_ids for ex in examples[:built.recipe.num_prompts]]
 
     def write(tmp: Path) -> None:

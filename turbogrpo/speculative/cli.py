@@ -140,7 +140,9 @@ def _prompts(args: argparse.Namespace, tokenizer, model, config) -> list[torch.T
     from turbogrpo.train.setup import load_train_prompts, position_limit
 
     if config is not None:
-        examples = load_train_prompts(config, tokenizer, position_limit(model)).examples
+        examples = load_train_prompts(config.data, tokenizer, seed=config.train.seed,
+                                      max_new_tokens=config.rollout.max_new_tokens,
+                                      max_positions=position_limit(model)).examples
     else:
         rows = read_records(args.prompts) if args.prompts else demo_records("train", args.num_prompts, seed=args.seed)
         examples = build_prompts(rows[:args.num_prompts], tokenizer).examples

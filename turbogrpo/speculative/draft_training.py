@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 import warnings
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -40,8 +40,19 @@ from turbogrpo.prefix.layout import pack_groups
 from turbogrpo.rollout.plans import padded_prompts
 from turbogrpo.speculative.draft import CausalPlan, DraftHead, shift_features
 
-if TYPE_CHECKING:
-    from turbogrpo.config import DraftLearningConfig
+
+class DraftTrainingSettings(Protocol):
+    """The [draft] settings draft training reads: ``turbogrpo.config.DraftLearningConfig`` (the section)
+    has them. Named here rather than imported, so that speculative/ builds on nothing of config.py
+    (which imports the drafts' registries to check the [draft] section)."""
+
+    lr: float
+    weight_decay: float
+    feature_weight: float
+    logit_weight: float
+    max_grad_norm: float
+
+    def check(self, key: str) -> None: ...
 
 
 def DraftGroup(prompt: torch.Tensor, prompt_features: torch.Tensor, completions: list[torch.Tensor],
@@ -163,7 +174,7 @@ def pack_draft_batch(groups: Groups, *, requires_grad: bool) -> PackedDraftBatch
 
 
 def draft_loss(draft: DraftHead, groups: Groups,
-               config: DraftLearningConfig) -> tuple[torch.Tensor, dict]:
+               config: DraftTrainingSettings) -> tuple[torch.Tensor, dict]:
     """``w_v * SmoothL1(g, f) + w_p * CE(draft logits, policy distribution)`` over the trained positions
     (``config``: the [draft] section, its feature_weight and logit_weight).
 
@@ -186,7 +197,7 @@ def draft_loss(draft: DraftHead, groups: Groups,
                   "top1_agreement": top1}
 
 
-def make_optimizer(draft: DraftHead, config: DraftLearningConfig) -> torch.optim.Optimizer:
+def make_optimizer(draft: DraftHead, config: DraftTrainingSettings) -> torch.optim.Optimizer:
     return torch.optim.AdamW(draft.parameters(), lr=config.lr, weight_decay=config.weight_decay)
 
 
@@ -204,7 +215,7 @@ def batches_of(groups: Groups, batch_size: int, generator: torch.Generator) -> l
     return batches
 
 
-def train_draft(draft: DraftHead, groups: Groups | Sequence[Groups], config: DraftLearningConfig, *,
+def train_draft(draft: DraftHead, groups: Groups | Sequence[Groups], config: DraftTrainingSettings, *,
                 num_epochs: int = 1, batch_size: int = 8, optimizer: torch.optim.Optimizer | None = None,
                 seed: int = 0, on_step: Callable[[int, dict], None] | None = None) -> list[dict]:
     """Train ``draft`` on ``groups`` (the policy's parts get no gradient) for ``num_epochs`` passes, in
@@ -236,7 +247,7 @@ def train_draft(draft: DraftHead, groups: Groups | Sequence[Groups], config: Dra
 
 
 def draft_train_step(draft: DraftHead, batch: Groups, optimizer: torch.optim.Optimizer,
-                     config: DraftLearningConfig) -> dict[str, float]:
+                     config: DraftTrainingSettings) -> dict[str, float]:
     """One AdamW step of the draft on ``batch``; returns its metrics as floats."""
     loss, metrics = draft_loss(draft, batch, config)
     optimizer.zero_grad(set_to_none=True)

@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from turbogrpo.batch import Groups
-from turbogrpo.config import Config, DraftLearningConfig
+from turbogrpo.config import DraftLearningConfig
 from turbogrpo.rollout import Rollout
 from turbogrpo.speculative.decode import Speculation, SpeculativeStats
 from turbogrpo.speculative.draft import DraftHead
@@ -169,20 +169,21 @@ def within_budget(prompt_lengths: list[int], trainable: list[list[int]], max_tok
     return chosen
 
 
-def build_online_draft(config: Config, policy: nn.Module, context_length: int) -> OnlineDraft | None:
-    """The run's draft (None when rollout.speculation is "off"). ``context_length``: the tokens a
-    typical decoding step attends to (longest prompt + half the completion limit), for the profile."""
-    if config.rollout.speculation == "off":
+def build_online_draft(speculation: str, settings: DraftLearningConfig, policy: nn.Module,
+                       context_length: int) -> OnlineDraft | None:
+    """The run's draft from the [draft] section, sized by the tree-sizing policy ``speculation``
+    (rollout.speculation; None when "off"). ``context_length``: the tokens a typical decoding step
+    attends to (longest prompt + half the completion limit), for the profile."""
+    if speculation == "off":
         return None
-    settings = config.draft
     draft = (DraftHead(policy, num_layers=settings.num_layers) if settings.path == "scratch"
              else DraftHead.load(resolve_draft_path(settings.path), policy))
     profile = None
-    if config.rollout.speculation in ("fastgrpo", "cost"):
+    if speculation in ("fastgrpo", "cost"):
         # Measured once per (model, device, context) and cached on disk: a few seconds the first time.
         profile = cached_profile(policy, context_length=context_length, draft=draft)
     history = HistoryDrafts() if settings.history else None  # one store for the run: prompts recur
-    sizing = speculation_sizing(config.rollout.speculation, profile, neural=True, history=history is not None)
+    sizing = speculation_sizing(speculation, profile, neural=True, history=history is not None)
     optimizer = make_optimizer(draft, settings) if settings.learn else None
     return OnlineDraft(draft, sizing, optimizer, settings, history)
 

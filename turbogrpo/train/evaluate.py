@@ -14,6 +14,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from turbogrpo.config import DataConfig
 from turbogrpo.data import PromptExample
 from turbogrpo.rewards import Reward, score_completions
 from turbogrpo.rollout import SamplingConfig, generate
@@ -96,13 +97,16 @@ class HeldOut:
         return bool(self.examples) and self.accuracy is not None
 
 
-def build_held_out(config, policy: nn.Module, tokenizer, rewards: Sequence[Reward],
-                   sampling: SamplingConfig) -> HeldOut:
-    """The config's held-out evaluation of ``policy`` (``sampling``: the run's, ``setup.rollout_sampling``)."""
-    examples = setup.load_eval_prompts(config, tokenizer, setup.position_limit(policy))
-    return HeldOut(examples, setup.accuracy_function(config, list(rewards)),
-                   dataclasses.replace(sampling, temperature=0.0), sampling, config.data.num_eval_samples,
-                   config.train.seed + SAMPLED_SEED_OFFSET)
+def build_held_out(data: DataConfig, accuracy_reward: str, seed: int, policy: nn.Module, tokenizer,
+                   rewards: Sequence[Reward], sampling: SamplingConfig) -> HeldOut:
+    """The held-out evaluation of ``policy``: the [data] section's held-out prompts, scored by
+    ``accuracy_reward`` (train.accuracy_reward), sampled with ``sampling`` (the run's,
+    ``setup.rollout_sampling``) from ``seed`` (train.seed) + SAMPLED_SEED_OFFSET."""
+    examples = setup.load_eval_prompts(data, tokenizer, max_new_tokens=sampling.max_new_tokens,
+                                       max_positions=setup.position_limit(policy))
+    return HeldOut(examples, setup.accuracy_function(accuracy_reward, list(rewards)),
+                   dataclasses.replace(sampling, temperature=0.0), sampling, data.num_eval_samples,
+                   seed + SAMPLED_SEED_OFFSET)
 
 
 def measure_held_out(held_out: HeldOut, model: nn.Module, tokenizer, dist: DistInfo) -> dict[str, HeldOutAccuracy]:

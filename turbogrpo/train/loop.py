@@ -13,9 +13,11 @@ of each inside it:
     draft    the draft's update on the collected features (draft_learning.py; policy frozen)
     record   the step's metrics over the global batch, sample completions           [gather, all-reduce]
 
-One owner per lifetime: what is built once lives in run.py and setup.py (``build_run``), the run's state
-between steps (resume, checkpoints, export, interrupt) in state.py and checkpoint.py, held-out evaluation
-in evaluate.py, and the step here.
+One owner per lifetime: what is built once lives in run.py and setup.py (``build_run``, the one reader of
+the whole config: each part from its own section), the run's state between steps (resume, checkpoints,
+export, interrupt) in state.py and checkpoint.py, held-out evaluation in evaluate.py, and the step here.
+The step sees the run's parts and the few sections it reads (``run.algo``, ``run.optim``, ``run.train``,
+``run.log``), never the whole config.
 """
 
 from __future__ import annotations
@@ -32,10 +34,8 @@ from turbogrpo.batch import Groups, pad_to_count
 from turbogrpo.config import Config
 from turbogrpo.data import PromptExample
 from turbogrpo.host_memory import keep_freed_host_memory
-from turbogrpo.linears import TRAINING_LINEAR_KERNELS
 from turbogrpo.rewards import RewardResult, build_rewards, score_completions
 from turbogrpo.rollout import Rollout, generate
-from turbogrpo.rollout.engine import default_schedule
 from turbogrpo.train import distributed
 from turbogrpo.train.distributed import DistInfo
 from turbogrpo.train.draft_learning import frozen, speculation_metrics
@@ -43,7 +43,7 @@ from turbogrpo.train.metrics import PhaseTimer
 from turbogrpo.train.optim import learning_rate, set_learning_rate
 from turbogrpo.train.metrics import read_metrics
 from turbogrpo.train.report import speculation_summary, write_report
-from turbogrpo.train.output_dir import claim_output_dir, mark_complete
+from turbogrpo.train.output_dir import claim_output_dir, mark_complete, run_record
 from turbogrpo.train.run import Run, build_run
 from turbogrpo.train.state import RewardFailure, RunComplete, evaluate, export, interrupted, save, start
 from turbogrpo.train.step_metrics import completion_samples, step_metrics
@@ -82,7 +82,7 @@ def train(config: Config, *, resume: bool = False, overwrite: bool = False) -> R
     started = time.perf_counter()
     output, run = None, None
     try:
-        output = claim_output_dir(config, dist, resume=resume, overwrite=overwrite)
+        output = claim_output_dir(run_record(config), dist, resume=resume, overwrite=overwrite)
         run = build_run(config, dist, rewards)
         state = start(run, resume)
         total = config.train.num_steps
@@ -169,8 +169,8 @@ def grpo_step(run: Run, step: int) -> dict[str, float]:
 
 def begin_step(run: Run, step: int) -> StepData:
     """The step's prompts (this rank's share of the next batch) and sampling seed."""
-    examples = next(run.batches)[distributed.local_slice(run.config.train.prompts_per_step, run.dist)]
-    return StepData(step, rollout_seed(run.config.train.seed, step, run.dist.rank), examples,
+    examples = next(run.batches)[distributed.local_slice(run.train.prompts_per_step, run.dist)]
+    return StepData(step, rollout_seed(run.train.seed, step, run.dist.rank), examples,
                     [e.token_ids.to(run.dist.device) for e in examples], PhaseTimer(run.dist.device))
 
 
@@ -182,9 +182,8 @@ def sample(run: Run, data: StepData) -> StepData:
     # The rollout samples under the training forward's precision: the same bf16 weights and kernels' dtypes.
     with data.timer("rollout"), distributed.full_parameters(run.trainer), run.precision.autocast():
         run.policy.eval()
-        schedule = replace(default_schedule(run.dist.device), linears=run.config.model.linear_kernel)
-        data.rollout = generate(run.policy, data.prompts, num_samples=run.config.rollout.num_generations,
-                                sampling=run.sampling, seed=data.seed, schedule=schedule,
+        data.rollout = generate(run.policy, data.prompts, num_samples=run.num_generations,
+                                sampling=run.sampling, seed=data.seed, schedule=run.decode_schedule,
                                 draft=draft.speculation() if draft is not None else None, return_hidden=learns)
     data.batch = data.rollout.groups
     if learns:
@@ -195,17 +194,16 @@ def sample(run: Run, data: StepData) -> StepData:
 
 def score(run: Run, data: StepData) -> StepData:
     """Rewards, checked, and group advantages over the whole batch (one gather, one all-reduce)."""
-    config, dist, batch = run.config, run.dist, data.batch
-    num_samples = config.rollout.num_generations
+    dist, batch, scale_rewards = run.dist, data.batch, run.algo.scale_rewards
+    num_samples = run.num_generations
     with data.timer("rewards"):
         data.texts = run.tokenizer.batch_decode(batch.completions, skip_special_tokens=True)
         data.rewards = score_completions(run.rewards, data.examples, data.texts, batch.lengths, num_samples)
         # Advantages need every group's rewards only for batch-level std; gathering is cheap either way.
         all_rewards = distributed.all_gather_cat(data.rewards.total.to(dist.device), dist)
         group_sizes = [num_samples] * (all_rewards.numel() // num_samples)
-        advantages = group_advantages(all_rewards, group_sizes, config.algo.scale_rewards)
-        check_rewards(run, data.rewards, data.index,
-                      statistics_are_finite(all_rewards, group_sizes, config.algo.scale_rewards))
+        advantages = group_advantages(all_rewards, group_sizes, scale_rewards)
+        check_rewards(run, data.rewards, data.index, statistics_are_finite(all_rewards, group_sizes, scale_rewards))
         batch.rewards = data.rewards.total
         batch.advantages = advantages[distributed.local_slice(all_rewards.numel(), dist)]
     return data
@@ -214,15 +212,16 @@ def score(run: Run, data: StepData) -> StepData:
 def prepare(run: Run, data: StepData) -> StepData:
     """The update's batch: loss totals of the whole batch, the trained groups, the micro-batch plan
     (both agreed over ranks) and old-policy / reference log-probs where the loss needs them."""
-    config, batch = run.config, data.batch
-    data.normalizer = step_normalizer(batch, config, run.dist)  # totals of the whole batch, skipped groups included
-    data.trained = trainable_groups(batch.advantages, config.rollout.num_generations, config.algo.beta)
+    algo, batch = run.algo, data.batch
+    # Totals of the whole batch, skipped groups included.
+    data.normalizer = step_normalizer(batch, run.sampling.max_new_tokens, run.dist)
+    data.trained = trainable_groups(batch.advantages, run.num_generations, algo.beta)
     # The loss reads the sampler's log-probs only for the TIS correction; hidden states stay behind.
-    trained = replace(batch, hidden=None, sampler_logps=batch.sampler_logps if config.algo.tis_cap else None)
+    trained = replace(batch, hidden=None, sampler_logps=batch.sampler_logps if algo.tis_cap else None)
     data.trained_batch = trained = trained.select(data.trained)
-    data.micro_batches = plan(trained, config, run.dist)
+    data.micro_batches = plan(trained, run.train.micro_batch_tokens, run.dist)
     with data.timer("logprobs"), training_linears(run):
-        if config.algo.num_iterations > 1:
+        if algo.num_iterations > 1:
             trained.old_logps = logprobs_of(run.trainer, data.micro_batches, "old_logps")
         if run.reference is not None:
             trained.ref_logps = logprobs_of(run.reference, data.micro_batches, "ref_logps")
@@ -231,15 +230,15 @@ def prepare(run: Run, data: StepData) -> StepData:
 
 def update(run: Run, data: StepData) -> StepData:
     """algo.num_iterations optimizer steps on the batch (the draft frozen), NaN/inf steps skipped."""
-    config = run.config
+    num_iterations = run.algo.num_iterations
     with data.timer("update"), frozen(run.draft.draft if run.draft is not None else None), training_linears(run):
         run.policy.train()
-        for iteration in range(config.algo.num_iterations):
-            optimizer_step = data.index * config.algo.num_iterations + iteration
-            set_learning_rate(run.optimizer, learning_rate(
-                optimizer_step, config.train.num_steps * config.algo.num_iterations, config.optim))
+        for iteration in range(num_iterations):
+            optimizer_step = data.index * num_iterations + iteration
+            set_learning_rate(run.optimizer, learning_rate(optimizer_step, run.train.num_steps * num_iterations,
+                                                           run.optim))
             data.updates.append(update_policy(run.trainer, data.micro_batches, run.loss, data.normalizer,
-                                              run.optimizer, max_grad_norm=config.optim.max_grad_norm, dist=run.dist))
+                                              run.optimizer, max_grad_norm=run.optim.max_grad_norm, dist=run.dist))
             guard_nonfinite(run, data.updates[-1], data.index)
     return data
 
@@ -249,7 +248,7 @@ def training_linears(run: Run):
     and the draft head."""
     roots = [run.policy] + [m for m in (run.reference, run.draft.draft if run.draft is not None else None)
                             if m is not None]
-    return TRAINING_LINEAR_KERNELS[run.config.model.linear_kernel](roots)
+    return run.training_kernels(roots)
 
 
 def learn_draft(run: Run, data: StepData) -> StepData:
@@ -262,7 +261,7 @@ def learn_draft(run: Run, data: StepData) -> StepData:
 
 def record(run: Run, data: StepData) -> StepData:
     """The step's metrics over the global batch (one gather, one host sync) and sample completions."""
-    config, rollout, trained = run.config, data.rollout, data.trained_batch
+    log, rollout, trained = run.log, data.rollout, data.trained_batch
     trainer_logps = trained.old_logps if trained.old_logps is not None else data.updates[0].logps
     sampler_logps = data.batch.select(data.trained).sampler_logps
     draft_metrics, data.metrics = data.metrics, step_metrics(rollout, data.rewards, sampler_logps, trainer_logps,
@@ -270,9 +269,9 @@ def record(run: Run, data: StepData) -> StepData:
     data.metrics["frac_groups_trained"] = len(data.trained) / len(data.examples)
     data.metrics.update(speculation_metrics(rollout.stats), **draft_metrics)
     step = data.index + 1
-    if run.dist.is_main and config.log.completions_every and step % config.log.completions_every == 0:
+    if run.dist.is_main and log.completions_every and step % log.completions_every == 0:
         run.state.log.log_completions(step, completion_samples(data.examples, data.texts, data.rewards,
-                                                         config.rollout.num_generations, config.log.num_completions))
+                                                               run.num_generations, log.num_completions))
     return data
 
 
@@ -301,15 +300,17 @@ def trainable_groups(advantages: torch.Tensor, num_samples: int, beta: float) ->
     return [g for g, m in enumerate(moving) if m] or [0]
 
 
-def plan(batch: Groups, config: Config, dist: DistInfo) -> list[Groups]:
-    """Micro-batches by token budget; every rank runs as many (fillers of weight 0 where short)."""
-    micro_batches = batch.micro_batches(config.train.micro_batch_tokens)
+def plan(batch: Groups, micro_batch_tokens: int, dist: DistInfo) -> list[Groups]:
+    """Micro-batches by token budget (train.micro_batch_tokens); every rank runs as many (fillers of
+    weight 0 where short)."""
+    micro_batches = batch.micro_batches(micro_batch_tokens)
     count = distributed.all_reduce_max_int(len(micro_batches), dist, dist.device)
     return pad_to_count(micro_batches, count)
 
 
-def step_normalizer(batch: Groups, config: Config, dist: DistInfo) -> LossNormalizer:
-    """Whole-batch totals over all ranks, divided by the world size.
+def step_normalizer(batch: Groups, max_new_tokens: int, dist: DistInfo) -> LossNormalizer:
+    """Whole-batch totals over all ranks, divided by the world size; ``max_new_tokens`` (the rollout's
+    length limit) is dr_grpo's constant.
 
     DDP averages gradients over ranks; with totals of the global batch / world size each rank's
     loss is its share of the global-batch loss, so the averaged gradient is the global batch's
@@ -320,7 +321,7 @@ def step_normalizer(batch: Groups, config: Config, dist: DistInfo) -> LossNormal
     totals = distributed.all_reduce_sum(totals, dist) / dist.world_size
     num_sequences, num_tokens = totals[0], totals[1]
     return LossNormalizer(num_sequences=num_sequences, num_tokens=num_tokens,
-                          max_completion_length=config.rollout.max_new_tokens,
+                          max_completion_length=max_new_tokens,
                           generation_tokens_per_step=num_tokens)
 
 
@@ -334,7 +335,7 @@ def check_rewards(run: Run, rewards: RewardResult, step: int, statistics_finite:
                           dtype=torch.float64, device=run.dist.device)
     counts = torch.cat([counts, (~statistics_finite).to(counts)[None]])
     *failed, total, overflowed = distributed.all_reduce_sum(counts, run.dist).tolist()  # host sync: the run goes on?
-    limit = run.config.train.reward_failure_limit
+    limit = run.train.reward_failure_limit
     for name, num_failed in zip(names, failed):
         if not num_failed:
             continue
@@ -366,7 +367,7 @@ def guard_nonfinite(run: Run, update: UpdateResult, step: int) -> None:
         return
     state.nonfinite_in_a_row += 1
     state.nonfinite_total += 1
-    limit = run.config.train.max_nonfinite_steps
+    limit = run.train.max_nonfinite_steps
     if state.nonfinite_in_a_row >= limit:
         state.step = step + 1  # this step's data and RNG are consumed; its updates were not applied
         path = save(run)

@@ -25,6 +25,7 @@ import os
 import socket
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
@@ -65,21 +66,51 @@ class OutputDir:
             self._lock = None
 
 
-def claim_output_dir(config: Config, dist: DistInfo, *, resume: bool, overwrite: bool) -> OutputDir:
-    """Create and lock ``train.output_dir`` and check that this run may write there (ValueError if not).
+@dataclass(frozen=True)
+class RunRecord:
+    """What a run's output folder records of the run's inputs, taken from its config once
+    (:func:`run_record`): checked when the folder is claimed, written by ``state.start``, compared by
+    ``--resume``."""
+
+    output_dir: str
+    """train.output_dir as configured (normalised, not yet resolved)."""
+    config: dict
+    """The whole config as plain data (``Config.to_dict``): config.json, and the keys a resume compares."""
+    inputs: dict[str, Path]
+    """The local files and folders the run reads, by config key (:func:`run_inputs`)."""
+    fingerprinted: dict[str, tuple[str, int | None]]
+    """By config key, the local input a resumed run reads again and trains on, and the size above which
+    its files are fingerprinted by samples (:func:`input_fingerprints`)."""
+
+
+def run_record(config: Config) -> RunRecord:
+    """The output folder's record of ``config``'s inputs: the one function here that reads the whole
+    config; the rest of this module works on the record. data.path (its rows) and model.path (LoRA's
+    frozen base and the reference are reloaded from it) are fingerprinted."""
+    from turbogrpo.models import model_source
+    inputs = run_inputs(model_path=config.model.path, data_path=config.data.path, eval_path=config.data.eval_path,
+                        draft_path=config.draft.path, reward_functions=[r.function for r in config.rewards])
+    return RunRecord(config.train.output_dir, config.to_dict(), inputs,
+                     {"data.path": (config.data.path, None),
+                      "model.path": (str(model_source(config.model.path)), SAMPLED_ABOVE_BYTES)})
+
+
+def claim_output_dir(record: RunRecord, dist: DistInfo, *, resume: bool, overwrite: bool) -> OutputDir:
+    """Create and lock train.output_dir (``record.output_dir``) and check that this run may write there
+    (ValueError if not).
 
     The path is resolved first (``.``, ``a/..`` and symlinks name the folder they lead to), and a folder
     that is, holds or sits inside the model, the data or the draft is refused before anything moves.
     Rank 0 does the work; every rank learns whether it failed, so none is left waiting in a collective.
     """
-    path = Path(config.train.output_dir).expanduser().resolve()
+    path = Path(record.output_dir).expanduser().resolve()
     lock, error = None, None
     if dist.is_main:
         try:
-            lock = claim_folder(path, OUTPUT_KEY, run_inputs(config), resume=resume, overwrite=overwrite)
+            lock = claim_folder(path, OUTPUT_KEY, record.inputs, resume=resume, overwrite=overwrite)
             if resume:
-                _check_same_training(path, config)
-                _check_same_inputs(path, config)
+                _check_same_training(path, record.config)
+                _check_same_inputs(path, record)
         except ValueError as err:
             if lock is not None:
                 lock.close()
@@ -108,18 +139,18 @@ def claim_folder(path: Path, key: str, inputs: dict[str, Path], *, resume: bool,
     return lock
 
 
-def run_inputs(config: Config) -> dict[str, Path]:
+def run_inputs(*, model_path: str, data_path: str, eval_path: str, draft_path: str,
+               reward_functions: list[str]) -> dict[str, Path]:
     """The local files and folders a run reads, by config key: the model, its data, the draft, and the
     files of reward modules already imported (``train`` imports them before it claims the folder)."""
     from turbogrpo.models import model_source
     from turbogrpo.speculative.built_drafts import resolve_draft_path
-    inputs = {"model.path": model_source(config.model.path),
-              "data.path": Path(config.data.path), "data.eval_path": Path(config.data.eval_path)}
-    if config.draft.path != "scratch":
-        inputs["draft.path"] = Path(resolve_draft_path(config.draft.path))
-    for number, reward in enumerate(config.rewards):
-        module_file = getattr(sys.modules.get(reward.function.partition(":")[0]), "__file__", None)
-        if ":" in reward.function and module_file:
+    inputs = {"model.path": model_source(model_path), "data.path": Path(data_path), "data.eval_path": Path(eval_path)}
+    if draft_path != "scratch":
+        inputs["draft.path"] = Path(resolve_draft_path(draft_path))
+    for number, function in enumerate(reward_functions):
+        module_file = getattr(sys.modules.get(function.partition(":")[0]), "__file__", None)
+        if ":" in function and module_file:
             inputs[f"rewards.{number}.function"] = Path(module_file)
     return {key: path for key, path in inputs.items() if str(path) not in ("", ".") or key == "model.path"}
 
@@ -232,7 +263,7 @@ def move_aside(entries: list[Path], path: Path) -> Path:
     return aside
 
 
-def _check_same_training(path: Path, config: Config) -> None:
+def _check_same_training(path: Path, config: dict) -> None:
     stored_file = path / CONFIG_FILE
     if not stored_file.is_file():
         return
@@ -241,7 +272,7 @@ def _check_same_training(path: Path, config: Config) -> None:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
         raise ValueError(f"--resume: cannot read {stored_file} ({err}); it should hold the config the run was "
                          "trained with") from None
-    changed = changed_training_keys(stored, config.to_dict())
+    changed = changed_training_keys(stored, config)
     if changed:
         shown = ", ".join(f"{key} ({before!r} -> {after!r})" for key, before, after in changed)
         raise ValueError(f"--resume: the config differs from the one {path} was trained with in keys that change "
@@ -249,19 +280,19 @@ def _check_same_training(path: Path, config: Config) -> None:
                          "train.output_dir, or --overwrite)")
 
 
-def record_inputs(path: Path, config: Config) -> None:
-    """Write ``inputs.json``: fingerprints of what the run reads from disk (:func:`input_fingerprints`),
-    which ``--resume`` checks."""
-    write_text_atomically(path / INPUTS_FILE, json.dumps(input_fingerprints(config)))
+def record_inputs(path: Path, record: RunRecord) -> None:
+    """Write the run's ``config.json`` (the whole config, as ``config.dump_config`` writes it) and
+    ``inputs.json``: fingerprints of what the run reads from disk (:func:`input_fingerprints`), which
+    ``--resume`` checks."""
+    write_text_atomically(path / CONFIG_FILE, json.dumps(record.config, indent=2, sort_keys=True))
+    write_text_atomically(path / INPUTS_FILE, json.dumps(input_fingerprints(record)))
 
 
-def input_fingerprints(config: Config) -> dict[str, str | None]:
-    """By config key, a fingerprint of each local input a resumed run reads again and trains on:
-    data.path (its rows) and model.path (LoRA's frozen base and the reference are reloaded from it).
-    None for what is not a local file (a built-in task, a Hub id)."""
-    from turbogrpo.models import model_source
-    return {"data.path": fingerprint(config.data.path),
-            "model.path": fingerprint(str(model_source(config.model.path)), whole_up_to=SAMPLED_ABOVE_BYTES)}
+def input_fingerprints(record: RunRecord) -> dict[str, str | None]:
+    """By config key, a fingerprint of each local input a resumed run reads again and trains on
+    (``record.fingerprinted``); None for what is not a local file (a built-in task, a Hub id)."""
+    return {key: fingerprint(path, whole_up_to=whole_up_to)
+            for key, (path, whole_up_to) in record.fingerprinted.items()}
 
 
 # Files above this size are fingerprinted by their size and three 1 MiB samples (start, middle, end):
@@ -292,17 +323,18 @@ def fingerprint(path_text: str, *, whole_up_to: int | None = None) -> str | None
     return digest.hexdigest()
 
 
-def _check_same_inputs(path: Path, config: Config) -> None:
+def _check_same_inputs(path: Path, record: RunRecord) -> None:
     stored_file = path / INPUTS_FILE
     try:
         stored = json.loads(stored_file.read_text())
     except (OSError, ValueError):
         return  # a run from before inputs.json, or one that never got past loading its model
-    current = input_fingerprints(config)
+    current = input_fingerprints(record)
     changed = [key for key, value in current.items() if isinstance(stored, dict) and key in stored
                and stored[key] != value]
     if changed:
-        shown = ", ".join(f"{key} {getattr(config, key.split('.')[0]).path!r}" for key in changed)
+        configured = _flatten(record.config)
+        shown = ", ".join(f"{key} {configured[key]!r}" for key in changed)
         raise ValueError(f"--resume: {shown} changed since {path} started (the content differs from the "
                          f"fingerprint in {stored_file}); resuming would train on other rows or weights. Restore "
                          "it, or start a new run (another train.output_dir, or --overwrite)")

@@ -1,13 +1,14 @@
-"""A training run's components, built once from its config (``build_run``); the part that measures a
-model (``build_policy``: precision, policy, tokenizer, sampling, held-out evaluation) is shared with
-``turbogrpo eval``. The run's state between steps (resume, checkpoints, export, interrupt) is state.py's;
-the step is loop.py's.
+"""A training run's parts, built once from its config (``build_run``), each from its own section; the
+part that samples from a model (``build_policy``: precision, policy, tokenizer, sampling) is shared with
+``turbogrpo eval``. ``build_run`` is the one place that reads the whole ``Config``: the step and the
+run's state see the parts and the few sections they read. The run's state between steps (resume,
+checkpoints, export, interrupt) is state.py's; the step is loop.py's.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 import torch
@@ -15,21 +16,42 @@ from torch import nn
 from tqdm import tqdm
 
 from turbogrpo.algo import build_loss
-from turbogrpo.config import Config
+from turbogrpo.config import (AlgoConfig, Config, DataConfig, LogConfig, LoraConfig, ModelConfig, OptimConfig,
+                              RolloutConfig, TrainConfig)
 from turbogrpo.data import PromptBatches
+from turbogrpo.linears import TRAINING_LINEAR_KERNELS
 from turbogrpo.rewards import Reward
 from turbogrpo.rollout import SamplingConfig
+from turbogrpo.rollout.engine import DecodeSchedule, default_schedule
 from turbogrpo.train import distributed, setup
 from turbogrpo.train.distributed import DistInfo
 from turbogrpo.train.draft_learning import OnlineDraft, build_online_draft
 from turbogrpo.train.evaluate import HeldOut, build_held_out
+from turbogrpo.train.metrics import MetricsLog
 from turbogrpo.train.optim import build_optimizer
+from turbogrpo.train.output_dir import RunRecord, run_record
 from turbogrpo.train.precision import Precision, warn_if_pure
-from turbogrpo.train.state import RunState
+
+
+@dataclass
+class RunState:
+    """What changes from step to step besides weights and optimizer (the counters and evaluations are
+    saved in checkpoints); state.py starts, saves and restores it."""
+
+    step: int = 0
+    """GRPO steps completed."""
+    nonfinite_in_a_row: int = 0
+    nonfinite_total: int = 0
+    evals: list[dict] = field(default_factory=list)
+    """Held-out accuracy measurements: {"step": s, "accuracy": a}."""
+    log: MetricsLog | None = None
+    """The run's metrics.jsonl (and TensorBoard) log, opened by ``state.start`` (not saved)."""
+    reported_reward_failures: set[str] = field(default_factory=set)
+    """Reward functions whose first failure has been printed (each is printed once per process; not saved)."""
 
 
 class PolicyParts(NamedTuple):
-    """What sampling from and measuring the config's policy needs (a run and ``turbogrpo eval`` alike)."""
+    """What sampling from the config's policy needs (a run and ``turbogrpo eval`` alike)."""
 
     precision: Precision
     """Storage and compute dtypes; rollouts and evaluation run under ``precision.autocast()`` like training."""
@@ -38,27 +60,31 @@ class PolicyParts(NamedTuple):
     tokenizer: object
     sampling: SamplingConfig
     """How rollouts sample (the [rollout] section with the model's stop ids)."""
-    held_out: HeldOut
-    """Held-out evaluation: prompts, the accuracy reward, greedy and sampled settings."""
 
 
-def build_policy(config: Config, dist: DistInfo, rewards: list[Reward]) -> PolicyParts:
-    """The config's policy on this rank's device with its precision (built once), sampling and held-out
-    evaluation."""
-    torch.manual_seed(config.train.seed)  # LoRA initialisation; resumed runs load their adapters
-    precision = setup.precision(config, dist.device)
-    policy, tokenizer = setup.load_policy(config, dist.device, precision)
-    sampling = setup.rollout_sampling(config, policy, tokenizer)
-    return PolicyParts(precision, policy, tokenizer, sampling,
-                       build_held_out(config, policy, tokenizer, rewards, sampling))
+def build_policy(model: ModelConfig, lora: LoraConfig, rollout: RolloutConfig, dist: DistInfo, *,
+                 seed: int) -> PolicyParts:
+    """The [model] section's policy (with [lora]'s adapters, initialised from ``seed``, train.seed) on
+    this rank's device with its precision, built once, and the [rollout] section's sampling."""
+    torch.manual_seed(seed)  # LoRA initialisation; resumed runs load their adapters
+    precision = setup.precision(model, dist.device)
+    policy, tokenizer = setup.load_policy(model, lora, dist.device, precision)
+    return PolicyParts(precision, policy, tokenizer, setup.rollout_sampling(rollout, policy, tokenizer))
+
+
+def build_policy_held_out(data: DataConfig, train: TrainConfig, parts: PolicyParts, rewards: list[Reward]) -> HeldOut:
+    """Held-out evaluation of the policy ``parts``: [data]'s held-out prompts, scored by train.accuracy_reward,
+    sampled with the run's sampling from train.seed (a run's and ``turbogrpo eval``'s alike)."""
+    return build_held_out(data, train.accuracy_reward, train.seed, parts.policy, parts.tokenizer, rewards,
+                          parts.sampling)
 
 
 @dataclass
 class Run:
-    """The components one run's steps use, built once from the config, and the run's state (``state``,
-    kept by state.py: resumed, saved, exported)."""
+    """The parts one run's steps use, each built once from its own config section, the few sections the
+    step and the run's state read, and the run's state (``state``, kept by state.py: resumed, saved,
+    exported)."""
 
-    config: Config
     dist: DistInfo
     policy: nn.Module
     """The Hugging Face model (or PEFT model) being trained; rollouts sample with its weights."""
@@ -72,13 +98,34 @@ class Run:
     """The same for the reference policy; None when algo.beta == 0."""
     optimizer: torch.optim.Optimizer
     batches: PromptBatches
+    """The training prompts, train.prompts_per_step at a time, in a seeded order (in the checkpoint)."""
     rewards: list[Reward]
     sampling: SamplingConfig
     """How rollouts sample (the [rollout] section with the model's stop ids)."""
+    num_generations: int
+    """G: completions per prompt (rollout.num_generations)."""
+    decode_schedule: DecodeSchedule
+    """When the rollout engine looks at the host, on this device, with the weight-matmul kernel of
+    model.linear_kernel."""
+    training_kernels: Callable
+    """``training_kernels(modules)``: a context manager running their weight matmuls with the training
+    kernel of model.linear_kernel (``linears.TRAINING_LINEAR_KERNELS``)."""
     held_out: HeldOut
     """Held-out evaluation: prompts, the accuracy reward, greedy and sampled settings."""
     loss: Callable
     """The policy loss with the [algo] settings bound (``algo.build_loss``)."""
+    algo: AlgoConfig
+    """The [algo] section: the step reads scale_rewards, beta, tis_cap and num_iterations from it."""
+    optim: OptimConfig
+    """The [optim] section: the learning-rate schedule and grad-norm clipping of each optimizer step."""
+    train: TrainConfig
+    """The [train] section: steps, seed, micro-batch budget, failure limits, the output folder."""
+    log: LogConfig
+    """The [log] section: what the step and the run record besides metrics.jsonl."""
+    export_dtype: str
+    """dtype of the exported final model: train.final_dtype, or model.dtype for "auto"."""
+    record: RunRecord
+    """The output folder's record of the run's inputs (config.json, inputs.json)."""
     draft: OnlineDraft | None = None
     """The speculative rollouts' draft head and its online learning; None when rollout.speculation is "off"."""
     state: RunState = field(default_factory=RunState)
@@ -86,52 +133,60 @@ class Run:
 
 
 def build_run(config: Config, dist: DistInfo, rewards: list[Reward]) -> Run:
-    """The run's components, built once from ``config``, with a fresh state (``state.start`` resumes it
-    and opens its output folder)."""
+    """The run's parts, each built once from its own section of ``config``, with a fresh state
+    (``state.start`` resumes it and opens its output folder)."""
     if dist.is_main:
         warn_if_pure(config.model.pure_bf16)
-    parts = build_policy(config, dist, rewards)
+    parts = build_policy(config.model, config.lora, config.rollout, dist, seed=config.train.seed)
     precision, policy = parts.precision, parts.policy
-    if dist.enabled and config.distributed.strategy == "fsdp2" and config.lora.enabled and config.algo.beta > 0:
+    held_out = build_policy_held_out(config.data, config.train, parts, rewards)
+    fsdp2 = dist.enabled and config.distributed.strategy == "fsdp2"
+    if fsdp2 and config.lora.enabled and config.algo.beta > 0:
         raise ValueError("config key 'algo.beta': with distributed.strategy = \"fsdp2\" and LoRA the reference "
                          "(the base model without adapters) cannot be scored; use beta = 0 or strategy \"ddp\"")
-    fn = setup.logprob_fn(config, precision)
+    fn = setup.logprob_fn(config.model.logprob_backend, config.rollout.temperature, precision)
     trainer = distributed.wrap_for_training(policy, fn, dist, config.distributed.strategy, precision)
-    reference = setup.build_reference(config, policy, dist.device, precision, fn)
+    reference = setup.build_reference(config.algo.beta, config.model.path, config.lora.enabled, policy, dist.device,
+                                      precision, fn)
     optimizer = build_optimizer(policy, config.optim)
     max_positions = setup.position_limit(policy)
-    prompt_set = setup.load_train_prompts(config, parts.tokenizer, max_positions)
+    prompt_set = setup.load_train_prompts(config.data, parts.tokenizer, seed=config.train.seed,
+                                          max_new_tokens=config.rollout.max_new_tokens, max_positions=max_positions)
     if dist.is_main and (prompt_set.num_too_long or prompt_set.num_empty):
         model_limit = (f" (or, with rollout.max_new_tokens={config.rollout.max_new_tokens}, over the model's "
                        f"{max_positions} positions)" if max_positions else "")
         tqdm.write(f"skipped {prompt_set.num_too_long} prompts over data.max_prompt_tokens="
                    f"{config.data.max_prompt_tokens}{model_limit} and {prompt_set.num_empty} empty prompts")
-    check_prompt_count(config, prompt_set)
+    check_prompt_count(config.data, config.train.prompts_per_step, prompt_set)
     batches = PromptBatches(prompt_set.examples, config.train.prompts_per_step, seed=config.train.seed,
                             shuffle=config.data.shuffle)
-    if dist.enabled and config.distributed.strategy == "fsdp2" and config.rollout.speculation != "off":
+    if fsdp2 and config.rollout.speculation != "off":
         raise ValueError("config key 'rollout.speculation': the draft head shares the policy's embeddings and LM "
                          "head, which FSDP2 shards; use rollout.speculation = \"off\" or strategy \"ddp\"")
     longest_prompt = max(e.token_ids.numel() for e in prompt_set.examples)
-    draft = build_online_draft(config, policy, longest_prompt + config.rollout.max_new_tokens // 2)
-    return Run(config=config, dist=dist, policy=policy, tokenizer=parts.tokenizer, precision=precision,
-               trainer=trainer, reference=reference, optimizer=optimizer, batches=batches, rewards=rewards,
-               sampling=parts.sampling, held_out=parts.held_out, loss=build_loss(config.algo), draft=draft)
+    draft = build_online_draft(config.rollout.speculation, config.draft, policy,
+                               longest_prompt + config.rollout.max_new_tokens // 2)
+    return Run(dist=dist, policy=policy, tokenizer=parts.tokenizer, precision=precision, trainer=trainer,
+               reference=reference, optimizer=optimizer, batches=batches, rewards=rewards, sampling=parts.sampling,
+               num_generations=config.rollout.num_generations,
+               decode_schedule=replace(default_schedule(dist.device), linears=config.model.linear_kernel),
+               training_kernels=TRAINING_LINEAR_KERNELS[config.model.linear_kernel], held_out=held_out,
+               loss=build_loss(config.algo), algo=config.algo, optim=config.optim, train=config.train,
+               log=config.log, export_dtype=str(parts.precision.compute_dtype).removeprefix("torch.")
+               if config.train.final_dtype == "auto" else config.train.final_dtype, record=run_record(config), draft=draft)
 
 
-def check_prompt_count(config: Config, prompt_set) -> None:
-    """ValueError naming the data and train.prompts_per_step when a step cannot be filled with distinct
-    usable prompts (``prompt_set``: a PromptSet, its skipped rows counted)."""
-    source = f"data.path {config.data.path!r}" if config.data.path else f"the built-in {config.data.kind} task"
+def check_prompt_count(data: DataConfig, prompts_per_step: int, prompt_set) -> None:
+    """ValueError naming the [data] section's source and train.prompts_per_step when a step cannot be
+    filled with distinct usable prompts (``prompt_set``: a PromptSet, its skipped rows counted)."""
+    source = f"data.path {data.path!r}" if data.path else f"the built-in {data.kind} task"
     usable = len(prompt_set.examples)
     skipped = (f" ({prompt_set.num_too_long} skipped as too long for data.max_prompt_tokens="
-               f"{config.data.max_prompt_tokens} or the model, {prompt_set.num_empty} as empty)"
+               f"{data.max_prompt_tokens} or the model, {prompt_set.num_empty} as empty)"
                if prompt_set.num_too_long or prompt_set.num_empty else "")
     if not usable:
         raise ValueError(f"{source} has no usable prompts{skipped}; raise data.max_prompt_tokens, shorten the "
                          "prompts, or check data.prompt_column")
-    if config.train.prompts_per_step > usable:
-        raise ValueError(f"config key 'train.prompts_per_step': {config.train.prompts_per_step} is more than the "
+    if prompts_per_step > usable:
+        raise ValueError(f"config key 'train.prompts_per_step': {prompts_per_step} is more than the "
                          f"{usable} usable prompts of {source}{skipped}; use at most {usable} or add rows")
-
-

@@ -1,9 +1,9 @@
-"""Building a run's components once from its config: precision, policy, reference, prompts, the accuracy
-reward, sampling.
+"""Building a run's components once, each from its own config section (or the few settings it reads):
+precision, policy, reference, prompts, the accuracy reward, sampling.
 
 Each builder does one thing and is called by ``run.build_policy`` (a run's and ``turbogrpo eval``'s
-precision, policy, sampling and held-out evaluation) or ``run.build_run`` (the rest of a run); none knows
-about the others.
+precision, policy and sampling), ``evaluate.build_held_out`` or ``run.build_run`` (the rest of a run);
+none knows about the others, and none sees the whole ``Config``.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from functools import partial
 import torch
 from torch import nn
 
-from turbogrpo.config import Config, ConfigError
+from turbogrpo.config import ConfigError, DataConfig, LoraConfig, ModelConfig, RolloutConfig
 from turbogrpo.data import PromptExample, build_prompts
 from turbogrpo.data.kinds import BUILTIN_TASKS, ROW_READERS, eval_rows, train_rows  # noqa: F401 (re-exported)
 from turbogrpo.models import enable_activation_checkpointing, load_model_and_tokenizer, resolve_model_path
@@ -23,36 +23,35 @@ from turbogrpo.rollout import SamplingConfig
 from turbogrpo.train.precision import Precision, run_precision
 
 
-def precision(config: Config, device: torch.device) -> Precision:
+def precision(model: ModelConfig, device: torch.device) -> Precision:
     """The run's storage and compute dtypes (model.dtype, model.pure_bf16) on ``device``; built once per
     run (or ``turbogrpo eval``) and passed to the builders below."""
-    return run_precision(config.model.dtype, config.model.pure_bf16, device)
+    return run_precision(model.dtype, model.pure_bf16, device)
 
 
-def load_policy(config: Config, device: torch.device, precision: Precision):
+def load_policy(model: ModelConfig, lora: LoraConfig, device: torch.device, precision: Precision):
     """The trainable policy (full model, or base + LoRA adapters) and its tokenizer, on ``device``, its
     parameters in the run's storage dtype (float32 masters unless model.pure_bf16)."""
-    path = resolve_model_path(config.model.path)
-    model, tokenizer = load_model_and_tokenizer(path, dtype=precision.param_dtype, device=device)
-    if config.lora.enabled:
-        from peft import LoraConfig, get_peft_model
-        model = get_peft_model(model, LoraConfig(
-            r=config.lora.r, lora_alpha=config.lora.alpha, lora_dropout=config.lora.dropout,
-            target_modules=list(config.lora.target_modules), task_type="CAUSAL_LM"))
-    if config.model.gradient_checkpointing:
-        enable_activation_checkpointing(model)
-        if config.lora.enabled:
-            model.enable_input_require_grads()
-    return model, tokenizer
+    path = resolve_model_path(model.path)
+    policy, tokenizer = load_model_and_tokenizer(path, dtype=precision.param_dtype, device=device)
+    if lora.enabled:
+        from peft import LoraConfig as PeftLoraConfig, get_peft_model
+        policy = get_peft_model(policy, PeftLoraConfig(
+            r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+            target_modules=list(lora.target_modules), task_type="CAUSAL_LM"))
+    if model.gradient_checkpointing:
+        enable_activation_checkpointing(policy)
+        if lora.enabled:
+            policy.enable_input_require_grads()
+    return policy, tokenizer
 
 
-def logprob_fn(config: Config, precision: Precision):
-    """``fn(model, prompts, completions) -> CompletionLogprobs``: the shared-prefix forward at the
-    sampling temperature (the loss uses the distribution the completions were sampled from), under the
-    run's compute precision (the rollout's too)."""
-    return precision.computing(partial(
-        compute_logprobs, share_prefix=True, backend=config.model.logprob_backend,
-        temperature=config.rollout.temperature))
+def logprob_fn(backend: str, temperature: float, precision: Precision):
+    """``fn(model, prompts, completions) -> CompletionLogprobs``: the shared-prefix forward with attention
+    ``backend`` (model.logprob_backend) at the sampling ``temperature`` (the loss uses the distribution the
+    completions were sampled from), under the run's compute precision (the rollout's too)."""
+    return precision.computing(partial(compute_logprobs, share_prefix=True, backend=backend,
+                                       temperature=temperature))
 
 
 class AdapterlessScorer(nn.Module):
@@ -80,16 +79,17 @@ class FrozenScorer(nn.Module):
         return self.fn(self.model, prompts, completions, **options)
 
 
-def build_reference(config: Config, policy: nn.Module, device: torch.device, precision: Precision,
-                    fn) -> nn.Module | None:
+def build_reference(beta: float, model_path: str, lora: bool, policy: nn.Module, device: torch.device,
+                    precision: Precision, fn) -> nn.Module | None:
     """``scorer(prompts, completions) -> CompletionLogprobs`` under the reference policy, with the
-    policy's log-prob ``fn``; None when beta == 0 (the KL term is dropped, so no reference model is
-    loaded at all)."""
-    if config.algo.beta == 0:
+    policy's log-prob ``fn``; None when ``beta`` (algo.beta) is 0: the KL term is dropped, so no
+    reference model is loaded at all. With ``lora`` the reference is the policy without its adapters,
+    else a frozen copy of ``model_path`` (model.path)."""
+    if beta == 0:
         return None
-    if config.lora.enabled:
+    if lora:
         return AdapterlessScorer(policy, fn)
-    path = resolve_model_path(config.model.path)
+    path = resolve_model_path(model_path)
     # Stored like the policy, so that at step 0 it computes exactly the policy's log-probs.
     reference, _ = load_model_and_tokenizer(path, dtype=precision.param_dtype, device=device)
     return FrozenScorer(reference, fn)
@@ -106,64 +106,68 @@ def position_limit(model: nn.Module) -> int | None:
     return getattr(getattr(model, "config", None), "max_position_embeddings", None)
 
 
-def _prompts(rows: list[dict], tokenizer, config: Config, max_positions: int | None, source_key: str):
+def _prompts(rows: list[dict], tokenizer, data: DataConfig, max_new_tokens: int, max_positions: int | None,
+             source_key: str):
     """``rows`` as a PromptSet; a row's ValueError ("row 3: ...") names the data file (``source_key``'s
     value) it is in, so training and held-out rows are told apart."""
     try:
-        return _build_prompts(rows, tokenizer, config, max_positions)
+        return _build_prompts(rows, tokenizer, data, max_new_tokens, max_positions)
     except ValueError as err:
-        path = getattr(config.data, source_key.partition(".")[2])
+        path = getattr(data, source_key.partition(".")[2])
         if not path or not str(err).startswith("row "):
             raise
         raise ValueError(f"{source_key} {path!r} {err}") from None
 
 
-def _build_prompts(rows: list[dict], tokenizer, config: Config, max_positions: int | None):
-    data = config.data
-    if max_positions is not None and config.rollout.max_new_tokens >= max_positions:
-        raise ConfigError(f"config key 'rollout.max_new_tokens': {config.rollout.max_new_tokens} leaves no room for "
+def _build_prompts(rows: list[dict], tokenizer, data: DataConfig, max_new_tokens: int, max_positions: int | None):
+    if max_positions is not None and max_new_tokens >= max_positions:
+        raise ConfigError(f"config key 'rollout.max_new_tokens': {max_new_tokens} leaves no room for "
                           f"a prompt within the model's {max_positions} positions (max_position_embeddings); "
                           "lower it")
     return build_prompts(rows, tokenizer, prompt_column=data.prompt_column, max_prompt_tokens=data.max_prompt_tokens,
                          on_too_long=data.on_overlong, on_empty=data.on_empty,
                          chat_template=_CHAT_TEMPLATE[data.chat_template], system_prompt=data.system_prompt or None,
-                         max_positions=max_positions, max_new_tokens=config.rollout.max_new_tokens)
+                         max_positions=max_positions, max_new_tokens=max_new_tokens)
 
 
-def load_train_prompts(config: Config, tokenizer, max_positions: int | None = None):
-    """The training PromptSet (examples plus skipped counts); prompts too long for ``max_positions`` with
-    rollout.max_new_tokens are skipped or refused as data.on_overlong says."""
-    return _prompts(train_rows(config.data, config.train.seed), tokenizer, config, max_positions, "data.path")
+def load_train_prompts(data: DataConfig, tokenizer, *, seed: int, max_new_tokens: int,
+                       max_positions: int | None = None):
+    """The training PromptSet of the [data] section (examples plus skipped counts; a built-in task's
+    problems drawn with ``seed``, train.seed); prompts too long for ``max_positions`` with
+    ``max_new_tokens`` (rollout.max_new_tokens) are skipped or refused as data.on_overlong says."""
+    return _prompts(train_rows(data, seed), tokenizer, data, max_new_tokens, max_positions, "data.path")
 
 
-def load_eval_prompts(config: Config, tokenizer, max_positions: int | None = None) -> list[PromptExample]:
+def load_eval_prompts(data: DataConfig, tokenizer, *, max_new_tokens: int,
+                      max_positions: int | None = None) -> list[PromptExample]:
     """Held-out prompts: a built-in task's eval split, or ``data.eval_path`` rows ([] if none)."""
-    rows = eval_rows(config.data)
+    rows = eval_rows(data)
     if rows is None:
         return []
-    return _prompts(rows[:config.data.num_eval_problems], tokenizer, config, max_positions,
+    return _prompts(rows[:data.num_eval_problems], tokenizer, data, max_new_tokens, max_positions,
                     "data.eval_path").examples
 
 
 # --- rewards ---------------------------------------------------------------------------------------
 
 
-def accuracy_function(config: Config, rewards: list[Reward]) -> Reward | None:
-    """The reward that defines "accuracy": a [[rewards]] entry of that name, else the built-in."""
+def accuracy_function(name: str, rewards: list[Reward]) -> Reward | None:
+    """The reward that defines "accuracy" (train.accuracy_reward): a [[rewards]] entry of that ``name``,
+    else the built-in ("": none)."""
     for reward in rewards:
-        if reward.name == config.train.accuracy_reward:
+        if reward.name == name:
             return reward
-    if config.train.accuracy_reward in BUILTIN_REWARDS:
-        return Reward(config.train.accuracy_reward, resolve_reward(config.train.accuracy_reward), 0.0, 0.0)
+    if name in BUILTIN_REWARDS:
+        return Reward(name, resolve_reward(name), 0.0, 0.0)
     return None
 
 
 # --- sampling ---------------------------------------------------------------------------------------
 
 
-def rollout_sampling(config: Config, model: nn.Module, tokenizer) -> SamplingConfig:
+def rollout_sampling(rollout: RolloutConfig, model: nn.Module, tokenizer) -> SamplingConfig:
     """How the run samples: the [rollout] section with the model's stop ids and its tokenizer."""
-    return SamplingConfig.from_rollout(config.rollout, stop_token_ids(model, tokenizer), tokenizer)
+    return SamplingConfig.from_rollout(rollout, stop_token_ids(model, tokenizer), tokenizer)
 
 
 def stop_token_ids(model: nn.Module, tokenizer) -> tuple[int, ...]:

@@ -1,18 +1,16 @@
 """A run's state between steps, and its one owner: start (fresh or resumed from the newest checkpoint, the
 output folder's records, the metrics log), held-out evaluation, checkpoints, export of the final model,
-and what Ctrl-C reports. The components it works on are built once by run.py (``build_run``).
+and what Ctrl-C reports. The parts it works on (and ``RunState`` itself) are built once by run.py
+(``build_run``); this module builds on run.py, never the other way.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from tqdm import tqdm
 
-from turbogrpo.config import dump_config
 from turbogrpo.files import WriteError, write_folder_atomically
 from turbogrpo.models import resolve_dtype
 from turbogrpo.train import checkpoint, distributed
@@ -20,35 +18,19 @@ from turbogrpo.train import output_dir as output_dir_state
 from turbogrpo.train.distributed import DistInfo
 from turbogrpo.train.evaluate import describe_accuracies, measure_held_out
 from turbogrpo.train.metrics import METRICS_FILE, MetricsLog
+from turbogrpo.train.run import Run, RunState
 
-if TYPE_CHECKING:
-    from turbogrpo.train.run import Run
-
-
-@dataclass
-class RunState:
-    """What changes from step to step besides weights and optimizer (the counters and evaluations are
-    saved in checkpoints)."""
-
-    step: int = 0
-    """GRPO steps completed."""
-    nonfinite_in_a_row: int = 0
-    nonfinite_total: int = 0
-    evals: list[dict] = field(default_factory=list)
-    """Held-out accuracy measurements: {"step": s, "accuracy": a}."""
-    log: MetricsLog | None = None
-    """The run's metrics.jsonl (and TensorBoard) log, opened by :func:`start` (not saved)."""
-    reported_reward_failures: set[str] = field(default_factory=set)
-    """Reward functions whose first failure has been printed (each is printed once per process; not saved)."""
+__all__ = ["RewardFailure", "RunComplete", "RunState", "TrainingInterrupted", "evaluate", "export",
+           "find_resume_checkpoint", "interrupted", "save", "start"]
 
 
 def start(run: Run, resume: bool) -> RunState:
     """The run's state: fresh, or (``resume``) the newest verified checkpoint's, loaded into the policy,
     optimizer, data order and draft; RunComplete when that run had finished. Records the config and
     inputs in the output folder and opens the metrics log. Sets and returns ``run.state``."""
-    config, dist = run.config, run.dist
+    dist = run.dist
     state = RunState()
-    output_dir = Path(config.train.output_dir)
+    output_dir = Path(run.train.output_dir)
     latest = find_resume_checkpoint(output_dir, dist) if resume else None
     if latest is not None:
         resumed = checkpoint.load_checkpoint(latest, run.policy, run.optimizer, dist)
@@ -58,15 +40,14 @@ def start(run: Run, resume: bool) -> RunState:
         if run.draft is not None and resumed.rank_state is not None:
             run.draft.load_state_dict(*resumed.rank_state)
         done = output_dir_state.completed_step(output_dir)
-        if done is not None and resumed.step >= config.train.num_steps and done >= resumed.step:
+        if done is not None and resumed.step >= run.train.num_steps and done >= resumed.step:
             raise RunComplete(resumed.step, state.evals)
         if dist.is_main:
             tqdm.write(f"resumed from {latest} (step {resumed.step})")
     if dist.is_main:
         output_dir.mkdir(parents=True, exist_ok=True)
-        dump_config(config, output_dir / "config.json")
-        output_dir_state.record_inputs(output_dir, config)
-    state.log = MetricsLog(output_dir, tensorboard=config.log.tensorboard, enabled=dist.is_main,
+        output_dir_state.record_inputs(output_dir, run.record)  # config.json and inputs.json
+    state.log = MetricsLog(output_dir, tensorboard=run.log.tensorboard, enabled=dist.is_main,
                            resume_step=state.step if latest is not None else None)
     run.state = state
     return state
@@ -151,8 +132,8 @@ def save(run: Run) -> Path:
     and each rank's draft."""
     extra = {"data": run.batches.state_dict(), "nonfinite_in_a_row": run.state.nonfinite_in_a_row,
              "nonfinite_total": run.state.nonfinite_total, "evals": run.state.evals}
-    path = checkpoint.save_checkpoint(run.config.train.output_dir, run.state.step, run.policy, run.optimizer,
-                                      extra, run.dist, keep=run.config.train.keep_checkpoints,
+    path = checkpoint.save_checkpoint(run.train.output_dir, run.state.step, run.policy, run.optimizer,
+                                      extra, run.dist, keep=run.train.keep_checkpoints,
                                       rank_state=run.draft.state_dict() if run.draft is not None else None)
     if run.dist.is_main:
         tqdm.write(f"checkpoint saved: {path}")
@@ -163,14 +144,13 @@ def export(run: Run) -> Path | None:
     """The trained model (LoRA: its adapters) and tokenizer, with save_pretrained, to output_dir/final
     (written whole or not at all), in train.final_dtype ("auto": model.dtype, so a bf16 run exports bf16
     casts of its float32 masters). A failed write raises WriteError on every rank."""
-    if not run.config.train.save_final_model:
+    if not run.train.save_final_model:
         return None
-    path = Path(run.config.train.output_dir) / "final"
+    path = Path(run.train.output_dir) / "final"
     state_dict = checkpoint.full_model_state(run.policy)  # collective under FSDP2: every rank calls it
     error = None
     if run.dist.is_main:
-        name = (str(run.precision.compute_dtype).removeprefix("torch.") if run.config.train.final_dtype == "auto"
-                else run.config.train.final_dtype)
+        name = run.export_dtype
         state_dict = {key: t.to(resolve_dtype(name)) if t.is_floating_point() else t
                       for key, t in (state_dict or run.policy.state_dict()).items()}
 
