@@ -49,6 +49,14 @@ def test_bad_arguments_exit_with_a_message(model_dir, tmp_path, capsys):
     assert "--epochs must be >= 1" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flag, value", [("--lr", "inf"), ("--lr", "nan"), ("--temperature", "inf")])
+def test_draft_train_refuses_numbers_that_are_not_finite(model_dir, tmp_path, capsys, flag, value):
+    # An inf learning rate used to train, turn every weight to inf/NaN and say "draft saved".
+    assert main(["draft", "train", "--model", str(model_dir), "--out", str(tmp_path / "d"), flag, value]) == 2
+    assert f"{flag} must be a finite number" in capsys.readouterr().err
+    assert not (tmp_path / "d" / "draft.safetensors").exists()
+
+
 def draft_train(model_dir, prompts, out, *flags):
     return main(["draft", "train", "--model", str(model_dir), "--prompts", str(prompts), "--out", str(out),
                  "--num-prompts", "2", "--num-samples", "2", "--max-new-tokens", "4", "--epochs", "1",

@@ -28,6 +28,7 @@ Distributed: every rank trains its own draft on its own rollouts and saves it wi
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
@@ -173,6 +174,10 @@ def build_online_draft(config: Config, policy: nn.Module, context_length: int) -
     """The run's draft (None when rollout.speculation is "off"). ``context_length``: the tokens a
     typical decoding step attends to (longest prompt + half the completion limit), for the profile."""
     if config.rollout.speculation == "off":
+        if config.draft.path != "scratch":  # a [draft] section set for nothing is a mistake worth a line
+            warnings.warn(f"draft.path = {config.draft.path!r} is not used: rollout.speculation is \"off\", so "
+                          "rollouts decode without a draft; set rollout.speculation (e.g. \"cost\") to use it",
+                          UserWarning, stacklevel=2)
         return None
     settings = config.draft
     draft = (DraftHead(policy, num_layers=settings.num_layers) if settings.path == "scratch"
