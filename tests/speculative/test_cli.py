@@ -36,7 +36,8 @@ def test_draft_train_then_profile(model_dir, tmp_path, monkeypatch, capsys):
     policy, _ = load_model_and_tokenizer(model_dir)
     DraftHead.load(out, policy)
 
-    monkeypatch.setenv("TURBOGRPO_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("TURBOGRPO_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("TURBOGRPO_CACHE_DIR", raising=False)
     assert main(["profile", "--model", str(model_dir), "--draft", str(out), "--context-length", "8",
                  "--max-tokens", "4"]) == 0
     printed = capsys.readouterr().out
@@ -125,3 +126,20 @@ def test_draft_train_with_a_config_renders_its_prompts_as_training_does(model_di
     _, tokenizer = load_model_and_tokenizer(model_dir)
     expected = load_train_prompts(load_config(config_file), tokenizer).examples[:2]
     assert seen == {"prompts": [ex.token_ids.tolist() for ex in expected], "num_draft_tokens": 8}
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--max-tokens", "1000000"], r"--max-tokens = 1000000 with --context-length = 8 needs about .* GiB free; use "
+                                  r"--max-tokens \d+ or less"),
+    (["--context-length", "100000"], r"--context-length = 100000 is past this model's positions"),
+])
+def test_profile_sizes_past_the_model_or_the_machine_are_one_line(model_dir, tmp_path, monkeypatch, capsys, flags,
+                                                                  message):
+    import re
+    from turbogrpo.speculative import profiler
+    monkeypatch.setenv("TURBOGRPO_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(profiler, "free_memory_bytes", lambda model: 1 << 30)  # a 1 GiB machine, whatever runs this
+    assert main(["profile", "--model", str(model_dir), "--context-length", "8", *flags]) == 2
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("turbogrpo: error")]
+    assert len(errors) == 1 and re.search(message, errors[0]) and not (tmp_path / "cache").exists()

@@ -198,7 +198,7 @@ def _read(path: Path, *, quiet: bool = False) -> dict[str, LatencyProfile]:
     is named in a warning and left out, so it is measured again and rewritten."""
     try:
         text = path.read_text()
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
         return {}
     except OSError as err:
         if not quiet:
