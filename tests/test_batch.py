@@ -117,3 +117,60 @@ def test_a_wrong_count_is_refused():
         Groups([torch.tensor([0]), torch.tensor([1])], [torch.tensor([0])] * 3, [1, 2]).split([0, 1])
     with pytest.raises(ValueError, match=r"need 2 prompts and 3 completions, got 1 and 3"):
         Groups([torch.tensor([0])], [torch.tensor([0])] * 3, [1, 2])
+
+
+# -- bad arguments: a ValueError at the call, naming the argument and what is allowed -----------------
+
+
+@pytest.mark.parametrize("budget", [0, -5, 2.5, True, "6"])
+def test_micro_batches_refuses_a_budget_that_is_no_positive_integer(budget):
+    with pytest.raises(ValueError, match=r"token_budget must be an integer >= 1.*got"):
+        batch_of().micro_batches(budget)
+
+
+def test_negative_indices_count_from_the_end_as_in_python():
+    batch = batch_of(advantages=torch.arange(10.0))
+    assert values(batch.select([-1]).completions) == [30, 31, 32, 33]
+    assert values(batch.select([-4, 1]).prompts) == [0, 1]
+    assert values(batch.group(-2).completions) == [20, 21]
+    picked = batch.pick([[-1], [], [-2, 1], []])
+    assert values(picked.completions) == [2, 20, 21] and picked.advantages.tolist() == [2.0, 4.0, 5.0]
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda b: b.select([7]), r"select: keep: index 7 is out of range; a group index is one of -4\.\.3"),
+    (lambda b: b.select([-5]), r"select: keep: index -5 is out of range"),
+    (lambda b: b.group(4), r"index 4 is out of range"),
+    (lambda b: b.select([0.5]), r"select: keep must hold integer indices"),
+    (lambda b: b.pick([[5], [0], [], []]), r"pick: chosen\[0\]: index 5 is out of range; a completion of group 0 "
+                                          r"index is one of -3\.\.2"),
+    (lambda b: b.pick([[0], [1], [], []]), r"pick: chosen\[1\]: index 1 is out of range"),
+    (lambda b: b.pick([[5], [0]]), r"pick: chosen must hold one list of completion indices per group \(4\), got 2"),
+])
+def test_indices_outside_the_batch_are_named(call, message):
+    with pytest.raises(ValueError, match=message):
+        call(batch_of())
+
+
+def test_concat_refuses_no_batches_and_non_batches():
+    with pytest.raises(ValueError, match=r"concat: batches must be a non-empty sequence of Groups.*Groups\(\[\], \[\], \[\]\)"):
+        Groups.concat([])
+    with pytest.raises(ValueError, match="concat: batches must be a non-empty sequence of Groups"):
+        Groups.concat([batch_of(), [1, 2]])
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"advantages": torch.zeros(9)}, r"advantages must hold 10 entries \(one per completion.*got 9"),
+    ({"rewards": torch.tensor(1.0)}, r"rewards must hold 10 entries.*0-d tensor"),
+    ({"finish_reasons": ["stop"] * 11}, r"finish_reasons must hold 10 entries.*got 11"),
+    ({"prompt_hidden": [torch.zeros(1, 2)] * 3}, r"prompt_hidden must hold 4 entries \(one \[P_k, Hd\] per group\)"),
+])
+def test_fields_of_the_wrong_length_are_refused_when_built(fields, message):
+    completions = flatten(nested())
+    with pytest.raises(ValueError, match=message):
+        Groups([torch.tensor([g]) for g in range(4)], completions, SIZES, **fields)
+
+
+def test_negative_sizes_are_refused():
+    with pytest.raises(ValueError, match=r"sizes must be integers >= 0"):
+        Groups([torch.tensor([0]), torch.tensor([1])], [torch.tensor([1])], [2, -1])

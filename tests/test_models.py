@@ -172,3 +172,55 @@ def test_a_cuda_device_without_cuda_is_one_line():
         load_model_and_tokenizer(demo_model_path(), device="cuda")
     with pytest.raises(ValueError, match=r"^device: 'gpu0' is not a device"):
         load_model_and_tokenizer(demo_model_path(), device="gpu0")
+
+
+def test_a_model_that_is_no_causal_lm_is_refused(tmp_path):
+    # BERT loads through AutoModelForCausalLM (BertLMHeadModel) and "measured" greedy 0.0%.
+    from transformers import BertConfig, BertForMaskedLM
+    BertForMaskedLM(BertConfig(vocab_size=258, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                               intermediate_size=32)).save_pretrained(tmp_path)
+    _byte_tokenizer().save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"holds a 'bert' model \(BertForMaskedLM\), not a causal language model"):
+        load_model_and_tokenizer(tmp_path)
+
+
+def _a_run_folder(root, *, final: bool):
+    """A training run's layout: config.json (the run's), inputs.json, latest, step-000001/ (and final/)."""
+    (root / "step-000001").mkdir(parents=True)
+    (root / "step-000001" / "state.json").write_text("{}")
+    (root / "step-000001" / "model.safetensors").write_bytes(b"")
+    (root / "latest").write_text("step-000001")
+    (root / "config.json").write_text("{}")
+    (root / "inputs.json").write_text("{}")
+    if final:
+        tiny_model("qwen2", vocab_size=258).save_pretrained(root / "final")
+        _byte_tokenizer().save_pretrained(root / "final")
+
+
+def test_a_run_or_checkpoint_folder_names_the_final_model_to_pass(tmp_path):
+    run = tmp_path / "runs" / "x"
+    _a_run_folder(run, final=True)
+    with pytest.raises(ValueError, match=rf"model path '{run}' is a training run's folder, not a model folder; pass "
+                                         rf"its final model, '{run / 'final'}'"):
+        load_model_and_tokenizer(run)
+    with pytest.raises(ValueError, match=rf"is a checkpoint folder of the run in '{run}', not a model folder; pass its "
+                                         rf"final model, '{run / 'final'}'"):
+        load_model_and_tokenizer(run / "step-000001")
+    load_model_and_tokenizer(run / "final")
+    unfinished = tmp_path / "runs" / "y"
+    _a_run_folder(unfinished, final=False)
+    with pytest.raises(ValueError, match=r"the run has no final model yet .* resume it to finish"):
+        load_model_and_tokenizer(unfinished / "step-000001")
+
+
+def test_a_folder_of_another_user_is_not_readable_not_incomplete(tmp_path, monkeypatch):
+    import os
+    tiny_model("qwen2", vocab_size=258).save_pretrained(tmp_path)
+    _byte_tokenizer().save_pretrained(tmp_path)
+    real_access = os.access
+    # Files of mode 600 owned by someone else (simulated: this test may run as root, who reads anything).
+    monkeypatch.setattr(os, "access", lambda path, mode: False if str(path).endswith(".safetensors")
+                        else real_access(path, mode))
+    with pytest.raises(ValueError, match=r"is not readable: model.safetensors is not readable by this user") as err:
+        load_model_and_tokenizer(tmp_path)
+    assert "not a complete save_pretrained folder" not in str(err.value)

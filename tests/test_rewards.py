@@ -6,7 +6,7 @@ import torch
 
 from turbogrpo.algo import statistics_are_finite
 from turbogrpo.data import PromptExample
-from turbogrpo.rewards import (Reward, answer_format, answers_match, build_rewards, compute_rewards, math_accuracy,
+from turbogrpo.rewards import (MAX_ERROR_CHARS, Reward, answer_format, answers_match, build_rewards, compute_rewards, math_accuracy,
                                resolve_reward, reward_columns, score_completions)
 
 DEMO = " 14+7=21 21-5=16\n#### 16"
@@ -179,8 +179,33 @@ def test_a_reward_beyond_float32_is_a_failure(value):
     result = compute_rewards([huge], ["p"] * 2, ["a", "b"], fallback=-1.0)
     assert result.per_function["huge"].tolist() == [0.5, -1.0] and result.num_failed["huge"] == 1
     assert result.failed["huge"].tolist() == [False, True]
-    assert result.first_error["huge"].startswith(f"item 1: returned {value!r}")
+    shown = "an integer of 401 digits (100000000000...)" if isinstance(value, int) else repr(value)
+    assert result.first_error["huge"] == f"item 1: returned {shown}, beyond float32's range (largest 3.4e+38)"
     assert torch.isfinite(result.total).all()
+
+
+@pytest.mark.parametrize("value", [-(10 ** 400), 2 ** 1024, 10 ** 39])
+def test_an_integer_beyond_float_range_is_a_failure_that_says_so(value):
+    # float(2 ** 1024) raises OverflowError: such an int is past float64's range, not a non-number.
+    result = compute_rewards([lambda prompts, completions, **columns: [value, 1]], ["p"] * 2, ["a", "b"])
+    assert result.failed["<lambda>"].tolist() == [True, False] and result.per_function["<lambda>"].tolist() == [0.0, 1.0]
+    assert "beyond float32's range" in result.first_error["<lambda>"] and len(result.first_error["<lambda>"]) < 120
+
+
+def test_a_megabyte_exception_message_is_cut_for_the_console_and_kept_whole():
+    text = "x" * 1_000_000
+
+    def chatty(prompts, completions, **columns):
+        raise RuntimeError(text)
+
+    result = compute_rewards([chatty], ["p"], ["a"])
+    shown = result.first_error["chatty"]
+    assert shown.startswith("RuntimeError: xxx") and len(shown) < MAX_ERROR_CHARS + 100
+    assert "1,000,014 characters in all" in shown
+    assert result.full_error["chatty"] == f"RuntimeError: {text}"
+    assert compute_rewards([chatty], ["p"], ["a"]).num_failed["chatty"] == 1
+    short = compute_rewards([lambda p, c, **k: 1 / 0], ["p"], ["a"])
+    assert short.first_error["<lambda>"] == short.full_error["<lambda>"] == "ZeroDivisionError: division by zero"
 
 
 def test_rewards_that_overflow_the_advantage_statistics_are_detected():

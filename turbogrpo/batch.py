@@ -18,11 +18,16 @@ B completions of one micro-batch, L the longest of them, Hd hidden size.
     batch.select([1])                   # group 1 alone, with every field (group(1) too)
     batch.pick([[0, 2], [1]])           # some completions of each group
     batch.micro_batches(token_budget)   # whole groups (or runs of one group) within the budget
+
+Indices (``select``, ``group``, ``pick``) count as Python's do: ``-1`` is the last group (or the last
+completion of a group); an index outside ``-K..K-1`` is a ValueError naming the argument, as is every
+other bad argument, at the call that takes it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import accumulate
@@ -82,11 +87,17 @@ class Groups:
 
     def __post_init__(self):
         self.sizes = tuple(int(s) for s in self.sizes)
+        if any(size < 0 for size in self.sizes):
+            raise ValueError(f"Groups sizes must be integers >= 0 (completions per group), got {list(self.sizes)}")
         self.offsets: tuple[int, ...] = (0, *accumulate(self.sizes))
         """``[K + 1]`` host ints: group k's completions are ``offsets[k]:offsets[k + 1]``."""
         if len(self.sizes) != len(self.prompts) or self.offsets[-1] != len(self.completions):
             raise ValueError(f"Groups of sizes {list(self.sizes)} need {len(self.sizes)} prompts and "
                              f"{self.offsets[-1]} completions, got {len(self.prompts)} and {len(self.completions)}")
+        # Checked here, not where a wrong length would first index past the end (a later select or loss).
+        for name in PER_COMPLETION:
+            _check_length(getattr(self, name), name, self.num_completions, "one per completion, flat and group-major")
+        _check_length(self.prompt_hidden, "prompt_hidden", self.num_groups, "one [P_k, Hd] per group")
 
     @classmethod
     def from_nested(cls, prompts: Sequence[Tensor], completions: Sequence[Sequence[Tensor]],
@@ -150,20 +161,32 @@ class Groups:
         return self.select([g])
 
     def select(self, keep: Sequence[int]) -> Groups:
-        """The batch restricted to groups ``keep``, in that order, with every field."""
-        keep = list(keep)
+        """The batch restricted to groups ``keep`` (indices as Python's: -1 is the last group), in that
+        order, with every field."""
+        keep = [_index(g, self.num_groups, "select: keep", "group") for g in keep]
         return self._take(keep, [self.sizes[g] for g in keep], [i for g in keep for i in self.positions(g)])
 
     def pick(self, chosen: Sequence[Sequence[int]]) -> Groups:
-        """Per group, the completions ``chosen[g]`` (indices within the group, in order); groups with
-        none chosen are left out."""
+        """Per group, the completions ``chosen[g]`` (indices within the group, as Python's: -1 is its
+        last completion; in order); ``chosen`` has one list per group, and groups with none chosen are
+        left out."""
+        if len(chosen) != self.num_groups:
+            raise ValueError(f"pick: chosen must hold one list of completion indices per group ({self.num_groups}), "
+                             f"got {len(chosen)}")
+        chosen = [[_index(i, self.sizes[g], f"pick: chosen[{g}]", f"completion of group {g}") for i in members]
+                  for g, members in enumerate(chosen)]
         keep = [g for g, members in enumerate(chosen) if members]
         return self._take(keep, [len(chosen[g]) for g in keep],
                           [self.offsets[g] + i for g in keep for i in chosen[g]])
 
     @classmethod
     def concat(cls, batches: Sequence[Groups]) -> Groups:
-        """The groups of ``batches`` one after the other (each field kept only where every batch has it)."""
+        """The groups of ``batches`` (at least one) one after the other (each field kept only where every
+        batch has it)."""
+        batches = list(batches)
+        if not batches or not all(isinstance(b, Groups) for b in batches):
+            raise ValueError(f"concat: batches must be a non-empty sequence of Groups, got "
+                             f"{[type(b).__name__ for b in batches] or 'none'}; an empty batch is Groups([], [], [])")
         fields = {}
         for name in (*PER_COMPLETION, "prompt_hidden"):
             values = [getattr(b, name) for b in batches]
@@ -187,6 +210,9 @@ class Groups:
         results concatenated are the whole batch's, and their losses (each divided by whole-batch
         totals) sum exactly to the whole batch's loss.
         """
+        if isinstance(token_budget, bool) or not isinstance(token_budget, int) or token_budget < 1:
+            raise ValueError(f"micro_batches: token_budget must be an integer >= 1 (tokens per micro-batch), "
+                             f"got {token_budget!r}")
         return [self._take([g for g, _, _ in runs], [stop - start for _, start, stop in runs],
                            [self.offsets[g] + i for g, start, stop in runs for i in range(start, stop)])
                 for runs in _plan(self.prompt_lengths, self.split(self.lengths), token_budget)]
@@ -224,6 +250,31 @@ class Groups:
     def __repr__(self) -> str:
         present = [name for name in (*PER_COMPLETION, "prompt_hidden") if getattr(self, name) is not None]
         return f"Groups(sizes={list(self.sizes)}, fields={present})"
+
+
+def _index(index: int, length: int, argument: str, what: str) -> int:
+    """``index`` into ``length`` items as Python counts it (negative from the end), as a non-negative int;
+    a ValueError naming ``argument`` when it is no integer or outside ``-length..length-1``."""
+    try:
+        if isinstance(index, bool):
+            raise TypeError
+        index = operator.index(index)  # ints, numpy ints, one-element integer tensors
+    except TypeError:
+        raise ValueError(f"{argument} must hold integer indices, got {index!r}") from None
+    if not -length <= index < length:
+        allowed = f"-{length}..{length - 1}" if length else "none (it is empty)"
+        raise ValueError(f"{argument}: index {index} is out of range; a {what} index is one of {allowed}")
+    return index % length
+
+
+def _check_length(value, name: str, expected: int, what: str) -> None:
+    """ValueError naming field ``name`` unless it is None or holds ``expected`` entries."""
+    if value is None:
+        return
+    if isinstance(value, Tensor) and value.dim() == 0:
+        raise ValueError(f"Groups field {name} must hold {expected} entries ({what}), got a 0-d tensor")
+    if len(value) != expected:
+        raise ValueError(f"Groups field {name} must hold {expected} entries ({what}), got {len(value)}")
 
 
 def flatten(nested: Sequence[Sequence[T]]) -> list[T]:

@@ -6,27 +6,28 @@ and dequantizes it into an ordinary float32 model, which takes seconds and canno
 into a plain ``save_pretrained`` folder under a cache directory, and every later load (the policy, the
 reference, ``turbogrpo eval``) reads safetensors from there like any Hugging Face model.
 
-Cache: ``$TURBOGRPO_CACHE`` when set, else ``~/.cache/turbogrpo``; models go to ``<cache>/models/``.
-A folder is built under a temporary name and renamed into place when complete, and it carries a
-``turbogrpo_source.json`` recording the GGUF file it came from (size and SHA-256) and its own files'
-sizes. A folder whose record does not match its source or its files is damaged: it is rebuilt, never
-used.
+Cache: ``turbogrpo.cache`` (``$TURBOGRPO_CACHE``, else ``~/.cache/turbogrpo``); models go to
+``<cache>/models/``. A converted folder is a verified cache entry: its record holds the GGUF file it
+came from (size and SHA-256) and the size and SHA-256 of each of its own files, checked at every load;
+one that does not match is rebuilt, never used, and concurrent first uses convert once (a lock, a
+temporary folder and a rename). Before converting, the file's tensors and metadata are checked against
+the architecture it declares (``check_gguf_architecture``), and after it, that the declared
+architecture's model found every weight it needs in the file.
 """
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import importlib.util
-import json
 import os
-import shutil
+import re
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-CACHE_ENV = "TURBOGRPO_CACHE"
-SOURCE_RECORD = "turbogrpo_source.json"
+from turbogrpo.cache import CACHE_ENV, ENTRY_RECORD, cache_root, sha256_of, verified_entry
+
+SOURCE_RECORD = ENTRY_RECORD
 GGUF_SUFFIX = ".gguf"
 
 
@@ -61,11 +62,6 @@ PACKAGED_MODELS: dict[str, PackagedModel] = {
         sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"),
 }
 PACKAGED_MODEL_ALIASES = {"smollm2": "smollm2-135m-instruct", "gemma3": "gemma3-270m"}
-
-
-def cache_root() -> Path:
-    """The cache directory (``$TURBOGRPO_CACHE``, else ``~/.cache/turbogrpo``)."""
-    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "turbogrpo").expanduser()
 
 
 def is_gguf_source(path: str | os.PathLike) -> bool:
@@ -133,118 +129,103 @@ def gguf_source_file(source: str | os.PathLike, *, cache: Path | None = None) ->
 
 def gguf_model_folder(source: str | os.PathLike, *, cache: Path | None = None) -> Path:
     """A ``save_pretrained`` folder holding GGUF model ``source`` (a ``.gguf`` path or a packaged name),
-    converted on first use and reused while its record matches the source."""
+    converted on first use and reused while it verifies (``turbogrpo.cache.verified_entry``)."""
     text = str(source)
     gguf_path = gguf_source_file(text, cache=cache)
     if not gguf_path.is_file():
         raise ValueError(f"model path {text!r} is not an existing .gguf file")
     gguf_path = gguf_path.resolve()
     fingerprint = _fingerprint(gguf_path)
-    models_dir = (cache or cache_root()) / "models"
-    folder = models_dir / f"{gguf_path.stem}-{fingerprint['sha256'][:12]}"
-    if _intact(folder, fingerprint):
-        return folder
-    _ensure_writable(models_dir)
-    return _convert(gguf_path, fingerprint, folder)
+    folder = (cache or cache_root()) / "models" / f"{gguf_path.stem}-{fingerprint['sha256'][:12]}"
+
+    def convert(staging: Path) -> None:
+        check_gguf_architecture(gguf_path)
+        print(f"turbogrpo: converting {gguf_path.name} once into {folder} (later loads read safetensors)",
+              flush=True)
+        model, tokenizer = _read_gguf(gguf_path)
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+
+    return verified_entry(folder, fingerprint, convert, what=f"the converted model of {gguf_path.name}")
 
 
 def _fingerprint(gguf_path: Path) -> dict:
     """Name, size and SHA-256 of a GGUF file (hashing 100 MB takes a fraction of a second)."""
-    stat = gguf_path.stat()
-    return {"file": gguf_path.name, "size": stat.st_size,
-            "sha256": _sha256(str(gguf_path.resolve()), stat.st_size, stat.st_mtime_ns)}
+    return {"file": gguf_path.name, "size": gguf_path.stat().st_size, "sha256": sha256_of(gguf_path)}
 
 
-@functools.lru_cache(maxsize=8)
-def _sha256(path: str, size: int, mtime_ns: int) -> str:
-    """SHA-256 of a file, read once per (path, size, mtime): a joined chunk file is checked and then
-    fingerprinted for its conversion, and a changed file gets a new key."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as file:
-        for block in iter(lambda: file.read(1 << 24), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def _intact(folder: Path, fingerprint: dict) -> bool:
-    """Whether ``folder`` is a complete conversion of the GGUF file with ``fingerprint``."""
-    record_path = folder / SOURCE_RECORD
+def _ensure_writable(folder: Path) -> None:
     try:
-        record = json.loads(record_path.read_text())
-    except (OSError, ValueError):
-        return False
-    if record.get("source") != fingerprint:
-        return False
-    files = record.get("files", {})
-    if not files:
-        return False
-    for name, size in files.items():
-        path = folder / name
-        if not path.is_file() or path.stat().st_size != size:
-            return False
-    return all(_readable_safetensors(folder / name) for name in files if name.endswith(".safetensors"))
-
-
-def _readable_safetensors(path: Path) -> bool:
-    from safetensors import SafetensorError, safe_open
-    try:
-        with safe_open(str(path), framework="pt"):
-            return True
-    except (SafetensorError, OSError):
-        return False
-
-
-def _ensure_writable(models_dir: Path) -> None:
-    try:
-        models_dir.mkdir(parents=True, exist_ok=True)
-        probe = tempfile.NamedTemporaryFile(dir=models_dir, prefix=".probe-")
-        probe.close()
+        folder.mkdir(parents=True, exist_ok=True)
+        tempfile.NamedTemporaryFile(dir=folder, prefix=".probe-").close()
     except OSError as err:
-        raise ValueError(f"cannot write the model cache {models_dir} ({err.strerror or err}); set "
+        raise ValueError(f"cannot write the model cache {folder} ({err.strerror or err}); set "
                          f"{CACHE_ENV} to a writable directory") from None
 
 
-def _convert(gguf_path: Path, fingerprint: dict, folder: Path) -> Path:
-    """Dequantize ``gguf_path`` into ``folder`` atomically: built under a temporary name, renamed when
-    complete, so an interrupted conversion leaves nothing that looks like a model."""
-    check_gguf_architecture(gguf_path)
-    print(f"turbogrpo: converting {gguf_path.name} once into {folder} (later loads read safetensors)",
-          flush=True)
-    staging = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".tmp-{folder.name}-"))
-    staging.chmod(0o755)  # mkdtemp makes it private; the cache is readable like a normal model folder
-    try:
-        model, tokenizer = _read_gguf(gguf_path)
-        model.save_pretrained(staging)
-        tokenizer.save_pretrained(staging)
-        files = {p.name: p.stat().st_size for p in sorted(staging.iterdir()) if p.is_file()}
-        (staging / SOURCE_RECORD).write_text(json.dumps({"source": fingerprint, "files": files}, indent=1))
-        if folder.exists():  # a damaged earlier conversion: replaced, never used
-            shutil.rmtree(folder)
-        os.replace(staging, folder)
-    except OSError as err:
-        raise ValueError(f"could not write the converted model to {folder.parent} ({err.strerror or err}); "
-                         f"free space or set {CACHE_ENV} to another directory") from None
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return folder
-
-
 def check_gguf_architecture(gguf_path: Path) -> str:
-    """The architecture a GGUF file declares (``general.architecture``); ValueError in one line when the
-    gguf package is missing, the file cannot be read as GGUF, or transformers cannot load that architecture."""
+    """The architecture a GGUF file declares (``general.architecture``), checked against the file itself.
+
+    ValueError in one line when the gguf package is missing, the file cannot be read as GGUF,
+    transformers cannot load that architecture, or the file does not fit it (``_architecture_mismatch``:
+    its metadata keys are another architecture's, or it has tensors the declared one has not, which a
+    load would drop without a word).
+    """
     if importlib.util.find_spec("gguf") is None:
         raise ValueError(f"reading {gguf_path.name} needs the gguf package; install it with `pip install gguf`")
     from gguf import GGUFReader
     from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
     try:
-        field = GGUFReader(gguf_path).fields["general.architecture"]
+        reader = GGUFReader(gguf_path)
+        field = reader.fields["general.architecture"]
         architecture = bytes(field.parts[field.data[0]]).decode()
     except Exception as err:  # noqa: BLE001 - the reader raises many types for a damaged file
         raise ValueError(f"could not read {gguf_path}: {_gguf_problem(err)}") from None
     if architecture not in GGUF_SUPPORTED_ARCHITECTURES:
         raise ValueError(f"could not read {gguf_path}: its architecture {architecture!r} is not one transformers "
                          f"can load from GGUF ({', '.join(sorted(set(GGUF_SUPPORTED_ARCHITECTURES) - {'general', 'tokenizer'}))})")
+    problem = _architecture_mismatch(reader, architecture)
+    if problem:
+        raise ValueError(f"{gguf_path} declares general.architecture = {architecture!r}, but {problem}; the label "
+                         "is wrong or the file is damaged: get the model from its original source")
     return architecture
+
+
+_BLOCK = re.compile(r"^blk\.(\d+)\.")
+
+
+def _architecture_mismatch(reader, architecture: str) -> str | None:
+    """Why the file's metadata and tensors are not those of ``architecture`` (None: they fit), from gguf's
+    own tables of each architecture's tensors (``gguf.MODEL_TENSORS``)."""
+    from gguf.constants import MODEL_ARCH_NAMES, MODEL_TENSORS, TENSOR_NAMES
+    keys = list(reader.fields)
+    prefixes = {k.partition(".")[0] for k in keys if k.endswith(".block_count")}
+    if f"{architecture}.block_count" not in keys and prefixes:
+        return f"its metadata is for {', '.join(sorted(prefixes))} ({sorted(prefixes)[0]}.block_count, no " \
+               f"{architecture}.block_count)"
+    arch = next((a for a, name in MODEL_ARCH_NAMES.items() if name == architecture), None)
+    if arch is None:  # gguf does not know it: nothing to check the tensors against
+        return None
+    allowed = {TENSOR_NAMES[t] for t in MODEL_TENSORS[arch]}
+    names = [t.name for t in reader.tensors]
+    foreign = sorted({_BLOCK.sub("blk.{bid}.", n.rsplit(".", 1)[0]) for n in names} - allowed)
+    if foreign:
+        return (f"it has {len(foreign)} kind(s) of tensor that {architecture!r} has not "
+                f"({', '.join(foreign[:4])}{', ...' if len(foreign) > 4 else ''}), which a load would drop")
+    block_count = reader.fields.get(f"{architecture}.block_count")
+    if block_count is not None:
+        declared = int(block_count.parts[block_count.data[0]][0])
+        blocks = [int(m.group(1)) for m in map(_BLOCK.match, names) if m]
+        if blocks and max(blocks) >= declared:
+            return f"it has tensors of block {max(blocks)} while {architecture}.block_count is {declared}"
+    width = reader.fields.get(f"{architecture}.embedding_length")
+    embedding = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+    if width is not None and embedding is not None:
+        declared = int(width.parts[width.data[0]][0])
+        if declared not in [int(d) for d in embedding.shape]:
+            return (f"token_embd.weight has shape {[int(d) for d in embedding.shape]} while "
+                    f"{architecture}.embedding_length is {declared}")
+    return None
 
 
 def _read_gguf(gguf_path: Path):
@@ -255,9 +236,16 @@ def _read_gguf(gguf_path: Path):
     options = {"gguf_file": gguf_path.name}
     try:
         tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, **options)
-        loaded = AutoModelForCausalLM.from_pretrained(gguf_path.parent, dtype=torch.float32, **options)
+        loaded, loading = AutoModelForCausalLM.from_pretrained(gguf_path.parent, dtype=torch.float32,
+                                                               output_loading_info=True, **options)
     except Exception as err:  # noqa: BLE001 - gguf and transformers raise many types for a bad file
         raise ValueError(f"could not read {gguf_path}: {_gguf_problem(err)}") from None
+    tied = {"lm_head.weight"} if loaded.config.get_text_config().tie_word_embeddings else set()
+    missing = sorted(set(loading.get("missing_keys", ())) - tied)
+    if missing:  # transformers would start these at random: the file is not of the declared architecture
+        raise ValueError(f"{gguf_path} does not hold every weight its declared architecture "
+                         f"{loaded.config.model_type!r} needs ({len(missing)} missing, e.g. {missing[0]}); the "
+                         "architecture label is wrong or the file is damaged: get the model from its original source")
     config = AutoConfig.for_model(**{k: v for k, v in loaded.config.to_dict().items()
                                      if k not in ("quantization_config", "model_type", "_name_or_path")},
                                   model_type=loaded.config.model_type)

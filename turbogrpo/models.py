@@ -155,7 +155,13 @@ ADAPTER_CONFIG = "adapter_config.json"  # PEFT's: a folder of adapters (turbogrp
 
 def _check_model_folder(folder: Path, source: str) -> None:
     """ValueError naming what a model folder lacks (config.json, tokenizer files) or the model type
-    turbogrpo cannot run, before transformers makes something of it."""
+    turbogrpo cannot run, before transformers makes something of it: a run or checkpoint folder is
+    named as such (with the final/ to pass), files of another user as not readable, and a model that
+    is no causal LM (a BERT) as such."""
+    run_folder = _run_folder_problem(folder, source)
+    if run_folder:
+        raise ValueError(run_folder)
+    _check_readable(folder, source)
     if not (folder / "config.json").is_file():
         raise ValueError(f"model folder {source!r} has no config.json; pass a folder written by "
                          "save_pretrained (config.json, weights and tokenizer files)")
@@ -164,10 +170,66 @@ def _check_model_folder(folder: Path, source: str) -> None:
                          "them from the model it was trained from, or save them with tokenizer.save_pretrained")
     from turbogrpo.hook import NON_ATTENTION_MODEL_TYPES
     model_type = _model_type(str(folder))
+    not_causal = _not_a_causal_lm(folder, model_type)
+    if not_causal:
+        raise ValueError(f"model folder {source!r} holds {not_causal}, not a causal language model; turbogrpo "
+                         "trains and evaluates decoders that generate text (Qwen2, Qwen3, Llama, Mistral, GPT-2)")
     if model_type in NON_ATTENTION_MODEL_TYPES:
         raise ValueError(f"model folder {source!r} holds a {model_type!r} model, whose layers mix tokens by "
                          "recurrence or convolution rather than softmax attention; turbogrpo trains pure-attention "
                          "decoders (Qwen2, Qwen3, Llama, Mistral, GPT-2)")
+
+
+# What a training run writes (turbogrpo.train): a run folder holds these, a checkpoint folder STATE_FILE.
+RUN_FOLDER_MARKERS = ("latest", "complete.json", "inputs.json", "metrics.jsonl")
+CHECKPOINT_STATE_FILE = "state.json"
+
+
+def _run_folder_problem(folder: Path, source: str) -> str | None:
+    """The message for a training run's folder or one of its checkpoints passed as a model (None: neither)."""
+    if folder.name.startswith("step-") and (folder / CHECKPOINT_STATE_FILE).is_file():
+        run, kind = folder.parent, f"a checkpoint folder of the run in {str(folder.parent)!r}"
+    elif any((folder / marker).is_file() for marker in RUN_FOLDER_MARKERS) or any(folder.glob("step-*/state.json")):
+        run, kind = folder, "a training run's folder"
+    else:
+        return None
+    final = run / "final"
+    use = (f"pass its final model, {str(final)!r}" if (final / "config.json").is_file() or
+           (final / ADAPTER_CONFIG).is_file() else
+           f"the run has no final model yet ({str(final)!r} is written when it completes; resume it to finish)")
+    return f"model path {source!r} is {kind}, not a model folder; {use}"
+
+
+def _check_readable(folder: Path, source: str) -> None:
+    """ValueError naming a file of the folder that this user may not read (a folder of another user)."""
+    try:
+        entries = sorted(p for p in folder.iterdir() if p.is_file())
+    except PermissionError as err:
+        raise ValueError(f"model folder {source!r} is not readable ({err.strerror}); it belongs to another user: "
+                         "ask them to make it readable (chmod -R a+rX) or copy it") from None
+    for path in entries:
+        if not os.access(path, os.R_OK):
+            raise ValueError(f"model folder {source!r} is not readable: {path.name} is not readable by this user "
+                             "(it belongs to another user); ask them to make it readable (chmod -R a+rX) or copy it")
+
+
+def _not_a_causal_lm(folder: Path, model_type: str) -> str | None:
+    """What a folder's config.json describes when it is no causal LM ("a 'bert' model (BertForMaskedLM)"),
+    else None. The architectures it was saved with decide; without them, its model type must have a
+    causal-LM class and not be an encoder-decoder."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return None  # transformers names a damaged config.json itself
+    architectures = config.get("architectures") or []
+    causal_classes = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
+    if architectures and not any(a in causal_classes or a.endswith(("ForCausalLM", "LMHeadModel"))
+                                 for a in architectures):
+        return f"a {model_type!r} model ({', '.join(architectures)})"
+    if config.get("is_encoder_decoder") or (not architectures and model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES):
+        return f"a {model_type!r} model"
+    return None
 
 
 def _model_type(source: str) -> str:

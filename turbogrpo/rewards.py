@@ -16,6 +16,7 @@ Built-ins (``BUILTIN_REWARDS``, made by factories so that a config can set their
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 import importlib.util
@@ -196,7 +197,7 @@ def _import_reward_module(spec: str, module_name: str):
                          f"{err.lineno}: {err.msg}") from None
     except (Exception, SystemExit) as err:
         raised = (f"called sys.exit({err.code!r})" if isinstance(err, SystemExit)
-                  else f"raised {type(err).__name__}: {err}")
+                  else f"raised {type(err).__name__}: {cut_message(str(err))}")
         raise ValueError(f"reward {spec!r}: importing module {module_name!r} ({_module_file(module_name)}) "
                          f"{raised}") from None
 
@@ -230,8 +231,9 @@ class RewardResult:
     per_function: name -> float32 [N], each function's own values (fallback where it failed).
     total: float32 [N], the weighted sum over functions.
     num_failed: name -> how many of the N items got the fallback.
-    first_error: name -> the first failure's message, or None.
+    first_error: name -> the first failure's message cut to ``MAX_ERROR_CHARS`` (for the console), or None.
     failed: name -> bool [N], the items that got the fallback.
+    full_error: name -> the first failure's whole message, or None (what a run's metrics.jsonl keeps).
     """
 
     per_function: dict[str, torch.Tensor]
@@ -239,6 +241,7 @@ class RewardResult:
     num_failed: dict[str, int]
     first_error: dict[str, str | None]
     failed: dict[str, torch.Tensor]
+    full_error: dict[str, str | None] = dataclasses.field(default_factory=dict)
 
 
 def _reward_name(func: Callable) -> str:
@@ -303,11 +306,37 @@ def _not_a_list(result: Any, n: int) -> str | None:
     return None
 
 
+# A reward's message is printed in one warning line; a megabyte exception text is cut to this many
+# characters there (the whole text goes to the run's metrics.jsonl, ``RewardResult.full_error``).
+MAX_ERROR_CHARS = 500
+
+
+def cut_message(text: str, limit: int = MAX_ERROR_CHARS) -> str:
+    """``text`` whole when it is at most ``limit`` characters, else its start and a note of its length."""
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]} [... cut: {len(text):,} characters in all; a training run's metrics.jsonl keeps them]"
+
+
 def _as_number(value: Any) -> float:
-    try:
-        return float(value) if value is not None else math.nan
-    except (TypeError, ValueError, OverflowError):
+    """``value`` as a float; NaN for None or a non-number, +-inf for a number beyond float's range (a
+    Python int of 400 digits), so that both fail like inf."""
+    if value is None:
         return math.nan
+    try:
+        return float(value)
+    except OverflowError:
+        return math.inf if value > 0 else -math.inf
+    except (TypeError, ValueError):
+        return math.nan
+
+
+def _describe_value(value: Any) -> str:
+    """A returned value for a message: its repr, shortened for a number with hundreds of digits."""
+    text = repr(value)
+    if isinstance(value, int) and len(text) > 40:
+        return f"an integer of {len(text.lstrip('-'))} digits ({text[:12]}...)"
+    return cut_message(text, 200)
 
 
 def _run_one(func: RewardFn, prompts, completions, columns, fallback: float):
@@ -337,9 +366,11 @@ def _run_one(func: RewardFn, prompts, completions, columns, fallback: float):
     first_error = None
     if failed.any():
         i = int(failed.nonzero()[0])
-        beyond = (f", beyond float32's range (largest {torch.finfo(torch.float32).max:.3g})"
-                  if math.isfinite(numbers[i]) else "")
-        first_error = f"item {i}: returned {raw[i]!r}{beyond}"
+        # A finite Python float past float32's range, or a Python int past float64's: not the same inf
+        # the function returned itself.
+        past_range = math.isfinite(numbers[i]) or (math.isinf(numbers[i]) and isinstance(raw[i], int))
+        beyond = f", beyond float32's range (largest {torch.finfo(torch.float32).max:.3g})" if past_range else ""
+        first_error = f"item {i}: returned {_describe_value(raw[i])}{beyond}"
     return values.masked_fill(failed, fallback), failed, first_error
 
 
@@ -359,14 +390,15 @@ def compute_rewards(rewards: Sequence[Reward | tuple[RewardFn, float] | RewardFn
         if len(values) != n:
             raise ValueError(f"column {name!r} has {len(values)} values for {n} completions")
     total = torch.zeros(n, dtype=torch.float32)
-    per_function, num_failed, first_error, failed_items = {}, {}, {}, {}
+    per_function, num_failed, first_error, failed_items, full_error = {}, {}, {}, {}, {}
     for reward in as_rewards(rewards):
         own_fallback = fallback if reward.fallback is None else reward.fallback
         values, failed, error = _run_one(reward.func, list(prompts), list(completions), columns, own_fallback)
         per_function[reward.name], failed_items[reward.name] = values, failed
         total += reward.weight * values
-        num_failed[reward.name], first_error[reward.name] = int(failed.sum()), error
-    return RewardResult(per_function, total, num_failed, first_error, failed_items)
+        num_failed[reward.name], full_error[reward.name] = int(failed.sum()), error
+        first_error[reward.name] = None if error is None else cut_message(error)
+    return RewardResult(per_function, total, num_failed, first_error, failed_items, full_error)
 
 
 def reward_columns(rows: Sequence[Mapping[str, Any]], completion_lengths: Sequence[int]) -> dict[str, list]:

@@ -39,8 +39,25 @@ def test_saved_dataset_and_dataset_dict(tmp_path):
         str(tmp_path / "dict"))
     assert read_records(tmp_path / "dict") == ROWS
     assert read_records(tmp_path / "dict", split="test") == ROWS[:1]
-    with pytest.raises(ValueError, match="splits"):
+    with pytest.raises(ValueError, match=r"holds splits \['test', 'train'\]; split 'validation' is not one of "
+                                         r"them: set data.split to one of"):
         read_records(tmp_path / "dict", split="validation")
+
+
+def test_a_dataset_saved_without_splits_is_read_whole_by_the_default_split(tmp_path):
+    # data.split defaults to "train", which a user of an unsplit folder never chose: it reads every row.
+    from datasets import Dataset
+
+    from turbogrpo.config import DataConfig
+    from turbogrpo.data.kinds import file_rows
+
+    Dataset.from_list(ROWS).save_to_disk(str(tmp_path / "single"))
+    assert file_rows(DataConfig(kind="rows", path=str(tmp_path / "single")), str(tmp_path / "single")) == ROWS
+    assert read_records(tmp_path / "single", split="train") == ROWS
+    with pytest.raises(ValueError, match=r"holds a single dataset saved without splits \(2 rows, columns \['prompt', "
+                                         r"'answer'\]\), so split 'test' cannot be read from it; set data.split to "
+                                         r"'train' to read all its rows"):
+        read_records(tmp_path / "single", split="test")
 
 
 def test_bad_paths(tmp_path):

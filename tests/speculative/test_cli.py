@@ -36,7 +36,8 @@ def test_draft_train_then_profile(model_dir, tmp_path, monkeypatch, capsys):
     policy, _ = load_model_and_tokenizer(model_dir)
     DraftHead.load(out, policy)
 
-    monkeypatch.setenv("TURBOGRPO_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("TURBOGRPO_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("TURBOGRPO_CACHE_DIR", raising=False)
     assert main(["profile", "--model", str(model_dir), "--draft", str(out), "--context-length", "8",
                  "--max-tokens", "4"]) == 0
     printed = capsys.readouterr().out
@@ -47,6 +48,14 @@ def test_draft_train_then_profile(model_dir, tmp_path, monkeypatch, capsys):
 def test_bad_arguments_exit_with_a_message(model_dir, tmp_path, capsys):
     assert main(["draft", "train", "--model", str(model_dir), "--out", str(tmp_path / "d"), "--epochs", "0"]) == 2
     assert "--epochs must be >= 1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag, value", [("--lr", "inf"), ("--lr", "nan"), ("--temperature", "inf")])
+def test_draft_train_refuses_numbers_that_are_not_finite(model_dir, tmp_path, capsys, flag, value):
+    # An inf learning rate used to train, turn every weight to inf/NaN and say "draft saved".
+    assert main(["draft", "train", "--model", str(model_dir), "--out", str(tmp_path / "d"), flag, value]) == 2
+    assert f"{flag} must be a finite number" in capsys.readouterr().err
+    assert not (tmp_path / "d" / "draft.safetensors").exists()
 
 
 def draft_train(model_dir, prompts, out, *flags):
@@ -119,3 +128,20 @@ def test_draft_train_with_a_config_renders_its_prompts_as_training_does(model_di
     expected = load_train_prompts(config.data, tokenizer, seed=config.train.seed,
                                   max_new_tokens=config.rollout.max_new_tokens).examples[:2]
     assert seen == {"prompts": [ex.token_ids.tolist() for ex in expected], "num_draft_tokens": 8}
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--max-tokens", "1000000"], r"--max-tokens = 1000000 with --context-length = 8 needs about .* GiB free; use "
+                                  r"--max-tokens \d+ or less"),
+    (["--context-length", "100000"], r"--context-length = 100000 is past this model's positions"),
+])
+def test_profile_sizes_past_the_model_or_the_machine_are_one_line(model_dir, tmp_path, monkeypatch, capsys, flags,
+                                                                  message):
+    import re
+    from turbogrpo.speculative import profiler
+    monkeypatch.setenv("TURBOGRPO_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(profiler, "free_memory_bytes", lambda model: 1 << 30)  # a 1 GiB machine, whatever runs this
+    assert main(["profile", "--model", str(model_dir), "--context-length", "8", *flags]) == 2
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("turbogrpo: error")]
+    assert len(errors) == 1 and re.search(message, errors[0]) and not (tmp_path / "cache").exists()

@@ -239,3 +239,12 @@ def test_build_keeps_its_samples_and_holds_prompts_out(tmp_path, monkeypatch):
     assert build.read_samples(samples, prompts[::-1]) is None  # other prompts: not these samples
     samples.write_bytes(b"damaged")
     assert build.read_samples(samples, prompts) is None
+
+
+def test_a_draft_with_weights_that_are_not_finite_is_never_saved(tmp_path):
+    draft = DraftHead(tiny_policy())
+    with torch.no_grad():
+        next(p for p in draft.parameters() if p.requires_grad).view(-1)[3] = float("nan")
+    with pytest.raises(ValueError, match=r"not saving the draft to .*: its weights are not finite \(inf/NaN in "):
+        draft.save(tmp_path / "d")
+    assert not (tmp_path / "d").exists()

@@ -64,3 +64,75 @@ def test_cache_is_keyed_and_reused(tmp_path, monkeypatch):
 def test_bad_arguments_are_value_errors():
     with pytest.raises(ValueError, match="context_length"):
         profile_latency(tiny_policy(), context_length=0)
+
+
+@pytest.mark.parametrize("content, found", [
+    ("[]", "a JSON list"), ("{not json", "not JSON"), ('"text"', "a JSON str"), ("", "not JSON")])
+def test_a_damaged_profile_file_is_named_and_rebuilt(tmp_path, content, found):
+    path = tmp_path / "profiles.json"
+    path.write_text(content)
+    with pytest.warns(UserWarning, match=rf"latency profile file {path} is damaged \({found}"):
+        profile = cached_profile(tiny_policy(), context_length=12, path=path, max_tokens=2, repeats=1)
+    assert list(json.loads(path.read_text())) == [profile.key]  # rewritten whole
+
+
+@pytest.mark.parametrize("entry", [[], {"key": "k"}, {"key": "k", "verify": {"num_tokens": [1, 2], "seconds": [1]}},
+                                   {"key": "k", "verify": {"num_tokens": [2, 1], "seconds": [0.1, 0.2]}},
+                                   {"key": "k", "verify": {"num_tokens": [1], "seconds": ["fast"]}}])
+def test_a_damaged_profile_entry_is_measured_again(tmp_path, entry):
+    model = tiny_policy()
+    path = tmp_path / "profiles.json"
+    key = profiler.profile_key(model, context_length=12)
+    path.write_text(json.dumps({key: entry, "other": entry}))
+    with pytest.warns(UserWarning, match=r"2 damaged entries .* measured again and rewritten"):
+        profile = cached_profile(model, context_length=12, path=path, max_tokens=2, repeats=1)
+    assert profile.key == key and list(json.loads(path.read_text())) == [key]
+
+
+def test_an_unwritable_profile_cache_costs_only_measuring_again(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    with pytest.warns(UserWarning, match=r"could not store the latency profile in .*; it is measured again next time"):
+        profile = cached_profile(tiny_policy(), context_length=12, path=blocker / "profiles.json", max_tokens=2,
+                                 repeats=1)
+    assert profile.verify.num_tokens == (1, 2)
+
+
+def test_profile_sizes_are_bounded_by_the_models_positions_and_the_memory(monkeypatch):
+    model = tiny_policy()
+    positions = model.config.max_position_embeddings
+    with pytest.raises(ValueError, match=rf"--context-length = {positions} is past this model's positions: it attends "
+                                         rf"over at most {positions}, and profiling adds \d+ tokens; use at most"):
+        profiler.check_profile_size(model, context_length=positions, max_tokens=4,
+                                    keys=("--context-length", "--max-tokens"))
+    monkeypatch.setattr(profiler, "free_memory_bytes", lambda model: 64 << 20)  # a 64 MiB machine
+    with pytest.raises(ValueError, match=r"--max-tokens = 1000000 with --context-length = 16 needs about [\d.]+ GiB on "
+                                         r"cpu, which has 0.1 GiB free; use --max-tokens \d+ or less"):
+        profiler.check_profile_size(model, context_length=16, max_tokens=1_000_000,
+                                    keys=("--context-length", "--max-tokens"))
+    profiler.check_profile_size(model, context_length=16, max_tokens=512)  # the default fits
+    with pytest.raises(ValueError, match="max_tokens must be an integer >= 1"):
+        profiler.check_profile_size(model, context_length=16, max_tokens=0)
+
+
+def test_the_memory_estimate_covers_what_a_profile_allocates():
+    """The estimate is an upper bound: the peak of the tensors a real profile holds stays below it."""
+    model = tiny_policy()
+    from turbogrpo.rollout import engine
+    sizes = []
+    real = engine.GroupedKVCache
+
+    def spy(*args, **kwargs):
+        cache = real(*args, **kwargs)
+        sizes.append(cache)
+        return cache
+
+    import unittest.mock
+    with unittest.mock.patch.object(engine, "GroupedKVCache", spy):
+        profile_latency(model, context_length=16, max_tokens=64, repeats=1)
+    cache = sizes[0]
+    held = sum(t.numel() * t.element_size() for t in vars(cache).values() if isinstance(t, torch.Tensor))
+    held += sum(t.numel() * t.element_size() for v in vars(cache).values() if isinstance(v, list)
+                for t in v if isinstance(t, torch.Tensor))
+    num_steps = len(profiler._grid(64)) * 2 + 2
+    assert 0 < held <= profiler.profile_memory_bytes(model, 16, 64, num_steps)

@@ -227,3 +227,20 @@ def test_speculative_training_rollouts_sample_the_plain_distribution(tmp_path, m
         dof = int(seen.sum()) - 1
         bound = dof * (1 - 2 / (9 * dof) + 3.09 * (2 / (9 * dof)) ** 0.5) ** 3
         assert statistic < bound, (position, statistic, bound)
+
+
+def test_a_draft_path_without_speculation_is_a_warning_not_silence(tmp_path):
+    DraftHead(tiny_policy()).save(tmp_path / "d")
+    config = load_config(None, [f'draft.path="{tmp_path / "d"}"'])  # rollout.speculation stays "off"
+    with pytest.warns(UserWarning, match=r"draft.path = .* is not used: rollout.speculation is \"off\""):
+        assert draft_learning.build_online_draft(config, tiny_policy(), 16) is None
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the default scratch draft without speculation says nothing
+        assert draft_learning.build_online_draft(load_config(None, []), tiny_policy(), 16) is None
+
+
+@pytest.mark.parametrize("lr", [float("inf"), float("nan"), -1.0])
+def test_a_draft_optimizer_refuses_a_learning_rate_that_is_not_finite(lr):
+    with pytest.raises(ValueError, match=r"draft.lr must be a finite number > 0"):
+        make_optimizer(DraftHead(tiny_policy()), DraftLearningConfig(lr=lr))

@@ -73,6 +73,15 @@ def test_failing_reward_is_counted_and_its_first_failure_printed(assets, tmp_pat
     assert steps[0]["rewards/flaky/mean"] == -1.0
 
 
+def test_a_megabyte_reward_error_is_printed_cut_and_logged_whole(assets, tmp_path, capsys):
+    run(assets, tmp_path, **{"rewards.1.function": "tests.train.tiny_run:chatty", "train.num_steps": 1,
+                             "train.checkpoint_every": 0, "train.reward_failure_limit": 0})
+    printed = [line for line in capsys.readouterr().out.splitlines() if "reward 'chatty'" in line]
+    assert len(printed) == 1 and len(printed[0]) < 1_000 and "1,400,014 characters in all" in printed[0]
+    logged = [r for r in read_metrics(tmp_path) if "reward" in r][0]["rewards/chatty/first_error"]
+    assert logged == "RuntimeError: " + "detail " * 200_000
+
+
 def test_nonfinite_steps_are_skipped_then_the_run_stops_with_a_good_checkpoint(assets, tmp_path, monkeypatch):
     real_loss, real_step = LOSSES["dapo"], loop.grpo_step
     current = {}

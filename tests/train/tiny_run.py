@@ -55,6 +55,11 @@ def flaky(prompts, completions, **columns):
     return [None] + [1.0] * (len(completions) - 1)
 
 
+def chatty(prompts, completions, **columns):
+    """Raises with a message of 1.4 MB (a reward service that returns its whole response as the error)."""
+    raise RuntimeError("detail " * 200_000)
+
+
 def overflowing(prompts, completions, **columns):
     """+-3e38 in turn: finite in float32, but a group's std of them is inf."""
     return [3e38 if i % 2 else -3e38 for i in range(len(completions))]

@@ -42,19 +42,32 @@ def _read_parquet(path: Path, split: str | None) -> list[Row]:
     return pq.read_table(path).to_pylist()
 
 
+DEFAULT_SPLIT = "train"
+"""The split read from a saved DatasetDict when none is named (data.split's default)."""
+
+
 def _read_saved_dataset(path: Path, split: str | None) -> list[Row]:
-    """A ``Dataset`` or ``DatasetDict`` written by ``save_to_disk`` (a DatasetDict needs ``split``,
-    default "train")."""
+    """A ``Dataset`` or ``DatasetDict`` written by ``save_to_disk``. A DatasetDict is read at ``split``
+    (default "train"); a single Dataset, saved without splits, is its own one split: read whole for no
+    split or the default "train" (data.split's default, which a user never chose), refused for any other
+    split, which it cannot hold."""
     from datasets import DatasetDict, load_from_disk
 
     dataset = load_from_disk(str(path))
     if isinstance(dataset, DatasetDict):
-        split = split or "train"
+        split = split or DEFAULT_SPLIT
+        if not dataset:
+            raise ValueError(f"{path} is a DatasetDict with no splits; save one with splits (e.g. "
+                             "DatasetDict({'train': rows}).save_to_disk(folder))")
         if split not in dataset:
-            raise ValueError(f"{path} holds splits {sorted(dataset)}; split {split!r} is not one of them")
+            raise ValueError(f"{path} holds splits {sorted(dataset)}; split {split!r} is not one of them: set "
+                             f"data.split to one of {sorted(dataset)}")
         dataset = dataset[split]
-    elif split is not None:
-        raise ValueError(f"{path} is a single dataset without splits; do not pass split={split!r}")
+    elif split not in (None, DEFAULT_SPLIT):
+        raise ValueError(f"{path} holds a single dataset saved without splits ({dataset.num_rows} rows, columns "
+                         f"{dataset.column_names}), so split {split!r} cannot be read from it; set data.split to "
+                         f"{DEFAULT_SPLIT!r} to read all its rows, or point the path at a folder saved from a "
+                         f"DatasetDict that has a {split!r} split")
     return dataset.to_list()
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -62,10 +63,10 @@ class DraftRecipe:
             raise ValueError(f"--validation-prompts must be in [0, --num-prompts), got {self.validation_prompts}")
         if self.num_draft_tokens < 0:
             raise ValueError(f"--draft-tokens must be >= 0, got {self.num_draft_tokens}")
-        if not self.lr > 0:
-            raise ValueError(f"--lr must be > 0, got {self.lr}")
-        if not self.temperature >= 0:
-            raise ValueError(f"--temperature must be >= 0, got {self.temperature}")
+        if not (math.isfinite(self.lr) and self.lr > 0):  # inf > 0: an inf lr saved a draft of inf weights
+            raise ValueError(f"--lr must be a finite number > 0, got {self.lr}")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ValueError(f"--temperature must be a finite number >= 0, got {self.temperature}")
 
 
 @dataclass(frozen=True)

@@ -8,8 +8,9 @@
     turbogrpo draft build --model smollm2 [--refresh]
         train the model's draft once by its recipe (``speculative/build.py``) into the cache beside the
         model; configs then name it (draft.path = "smollm2-gsm8k")
-    turbogrpo profile [--model demo|PATH] [--draft DIR] [--context-length N] [--refresh]
-        measure (or read from the cache) forward latency vs. tokens and print the knee C_peak
+    turbogrpo profile [--model demo|PATH] [--draft DIR] [--context-length N] [--max-tokens N] [--refresh]
+        measure (or read from the cache) forward latency vs. tokens and print the knee C_peak; both sizes
+        are bounded by the model's positions and the device's free memory
 
 ``python -m turbogrpo.speculative.cli ...`` runs the same commands on their own.
 """
@@ -187,9 +188,13 @@ def _draft_to_train(args: argparse.Namespace, model, out: Path):
 
 def run_profile(args: argparse.Namespace) -> int:
     from turbogrpo.speculative.draft import DraftHead
-    from turbogrpo.speculative.profiler import cache_path, cached_profile
+    from turbogrpo.speculative.profiler import cache_path, cached_profile, check_profile_size
 
     model, _ = _load(args)
+    # Before any allocation: past the model's positions or the free memory, one line instead of an
+    # allocator crash or a run that never ends.
+    check_profile_size(model, context_length=args.context_length, max_tokens=args.max_tokens,
+                       keys=("--context-length", "--max-tokens"))
     draft = DraftHead.load(args.draft, model) if args.draft else None
     profile = cached_profile(model, context_length=args.context_length, draft=draft, refresh=args.refresh,
                              max_tokens=args.max_tokens)

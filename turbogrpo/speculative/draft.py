@@ -182,6 +182,12 @@ class DraftHead(nn.Module):
         """Write ``draft.safetensors`` and ``draft_config.json`` into ``directory``, each whole or not at all
         (temporary files renamed into place; the config, which makes the folder a draft, goes last)."""
         directory = Path(directory)
+        not_finite = [name for name, tensor in self.state_dict().items()
+                      if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all())]  # host sync
+        if not_finite:
+            raise ValueError(f"not saving the draft to {directory}: its weights are not finite (inf/NaN in "
+                             f"{', '.join(not_finite[:3])}{' ...' if len(not_finite) > 3 else ''}); training "
+                             "diverged: lower the learning rate and train it again")
         directory.mkdir(parents=True, exist_ok=True)
         weights_tmp = directory / f".{WEIGHTS_FILE}.tmp"
         save_tensors(self.state_dict(), weights_tmp)

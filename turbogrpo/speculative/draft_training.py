@@ -23,6 +23,7 @@ Legend: T packed tokens, Np prompt tokens, M trained positions, Hd hidden size, 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 import warnings
 from dataclasses import dataclass
@@ -198,6 +199,12 @@ def draft_loss(draft: DraftHead, groups: Groups,
 
 
 def make_optimizer(draft: DraftHead, config: DraftTrainingSettings) -> torch.optim.Optimizer:
+    """AdamW over the draft's own parameters; a ValueError for a learning rate or weight decay that is not
+    a finite number (an inf lr turns every weight into inf or NaN at the first step)."""
+    for name in ("lr", "weight_decay"):
+        value = getattr(config, name)
+        if not math.isfinite(value) or value < 0 or (name == "lr" and value == 0):
+            raise ValueError(f"draft.{name} must be a finite number {'> 0' if name == 'lr' else '>= 0'}, got {value!r}")
     return torch.optim.AdamW(draft.parameters(), lr=config.lr, weight_decay=config.weight_decay)
 
 

@@ -5,7 +5,10 @@ bound by reading the weights, above it by arithmetic. Speculation spends the fla
 sequences there are about ``C_peak / B`` tokens per sequence to verify for free. The knee depends on
 the model, device, dtype and (through attention) the context length, so it is measured, not set:
 ``cached_profile`` returns the stored curve for this key or measures it (a few seconds) and stores
-it in ``$TURBOGRPO_CACHE_DIR/latency_profiles.json`` (default ``~/.cache/turbogrpo``).
+it in ``<cache>/latency_profiles.json``, the cache being turbogrpo's one cache folder
+(``turbogrpo.cache.cache_root``: ``$TURBOGRPO_CACHE``, else ``~/.cache/turbogrpo``). A damaged file
+(not JSON, not an object, an entry of the wrong shape) is named, its bad entries measured again and
+the file rewritten; a cache that cannot be written only costs measuring again next time.
 
 The verify curve times the engine's own plain step (``turbogrpo.rollout.step.PlainStep``) with n
 live sequences, as a rollout runs it: the forward of one new token each over the shared context, the
@@ -18,9 +21,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import platform
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -28,7 +33,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from turbogrpo.files import write_text_atomically
+from turbogrpo.cache import CACHE_ENV, cache_root
+from turbogrpo.files import describe_os_error, write_text_atomically
 from turbogrpo.linears import LINEAR_KERNELS, onednn_min_rows
 from turbogrpo.rollout.engine import first_draw
 from turbogrpo.rollout.sampling import SamplingConfig
@@ -36,7 +42,7 @@ from turbogrpo.rollout.step import PlainStep
 from turbogrpo.speculative.draft_decoding import DraftKVCache, TreeDrafter, prefill_draft
 from turbogrpo.speculative.tree import DraftLevel, top_proposals
 
-CACHE_ENV = "TURBOGRPO_CACHE_DIR"
+LEGACY_CACHE_ENV = "TURBOGRPO_CACHE_DIR"  # this file's own variable before TURBOGRPO_CACHE; still honoured
 CACHE_FILE = "latency_profiles.json"
 PROFILE_VERSION = 8  # bump when what is timed changes, so stale entries are not reused
 
@@ -106,11 +112,25 @@ class LatencyProfile:
 
     @staticmethod
     def from_json(data: dict) -> LatencyProfile:
+        """The profile ``to_json`` wrote; ValueError/KeyError/TypeError for anything of another shape."""
+        if not isinstance(data, dict) or not isinstance(data["key"], str):
+            raise TypeError("a profile is an object with a string key")
         draft = data.get("draft")
-        return LatencyProfile(
-            key=data["key"],
-            verify=LatencyCurve(tuple(data["verify"]["num_tokens"]), tuple(data["verify"]["seconds"])),
-            draft=None if draft is None else LatencyCurve(tuple(draft["num_tokens"]), tuple(draft["seconds"])))
+        return LatencyProfile(key=data["key"], verify=_curve_from_json(data["verify"]),
+                              draft=None if draft is None else _curve_from_json(draft))
+
+
+def _curve_from_json(data: dict) -> LatencyCurve:
+    """A stored curve, checked: at least one point, increasing positive token counts, finite seconds >= 0."""
+    num_tokens, seconds = tuple(data["num_tokens"]), tuple(data["seconds"])
+    if not num_tokens or len(num_tokens) != len(seconds):
+        raise ValueError("a curve needs as many seconds as token counts, at least one")
+    if any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in num_tokens) or \
+            any(b <= a for a, b in zip(num_tokens, num_tokens[1:])):
+        raise ValueError("token counts must be increasing integers >= 1")
+    if any(isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0 for t in seconds):
+        raise ValueError("seconds must be finite numbers >= 0")
+    return LatencyCurve(num_tokens, tuple(float(t) for t in seconds))
 
 
 def profile_key(model: nn.Module, *, context_length: int, draft: nn.Module | None = None) -> str:
@@ -147,7 +167,9 @@ def device_name(device: torch.device) -> str:
 
 
 def cache_path() -> Path:
-    return Path(os.environ.get(CACHE_ENV, Path.home() / ".cache" / "turbogrpo")) / CACHE_FILE
+    """``<cache>/latency_profiles.json`` (``$TURBOGRPO_CACHE_DIR`` still names the folder where set)."""
+    legacy = os.environ.get(LEGACY_CACHE_ENV)
+    return (Path(legacy).expanduser() if legacy else cache_root()) / CACHE_FILE
 
 
 def cached_profile(model: nn.Module, *, context_length: int, draft: nn.Module | None = None,
@@ -157,20 +179,53 @@ def cached_profile(model: nn.Module, *, context_length: int, draft: nn.Module | 
     key = profile_key(model, context_length=context_length, draft=draft)
     stored = _read(path)
     if not refresh and key in stored:
-        return LatencyProfile.from_json(stored[key])
+        return stored[key]
     profile = profile_latency(model, context_length=context_length, draft=draft, **profile_options)
-    stored = _read(path)  # re-read: another process may have added entries meanwhile
-    stored[key] = profile.to_json()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_text_atomically(path, json.dumps(stored, indent=1))  # concurrent readers never see half a file
+    stored = _read(path, quiet=True)  # re-read: another process may have added entries meanwhile
+    stored[key] = profile
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        # Concurrent readers never see half a file.
+        write_text_atomically(path, json.dumps({k: v.to_json() for k, v in stored.items()}, indent=1))
+    except OSError as err:  # a read-only cache: the profile is used, only not kept
+        warnings.warn(f"could not store the latency profile in {path} ({describe_os_error(err)}); it is "
+                      f"measured again next time (set {CACHE_ENV} to a writable folder)", UserWarning, stacklevel=2)
     return profile
 
 
-def _read(path: Path) -> dict:
+def _read(path: Path, *, quiet: bool = False) -> dict[str, LatencyProfile]:
+    """The profiles stored in ``path`` by key ({} when there is no file); a file or entry that is damaged
+    is named in a warning and left out, so it is measured again and rewritten."""
     try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
+        text = path.read_text()
+    except (FileNotFoundError, NotADirectoryError):
         return {}
+    except OSError as err:
+        if not quiet:
+            warnings.warn(f"latency profile file {path} is not readable ({describe_os_error(err)}); measuring "
+                          "anew", UserWarning, stacklevel=3)
+        return {}
+    try:
+        data = json.loads(text)
+    except ValueError as err:
+        data = err
+    if not isinstance(data, dict):
+        if not quiet:
+            found = f"not JSON ({data})" if isinstance(data, ValueError) else f"a JSON {type(data).__name__}"
+            warnings.warn(f"latency profile file {path} is damaged ({found}, not an object of profiles); its "
+                          "profiles are measured again and the file rewritten", UserWarning, stacklevel=3)
+        return {}
+    profiles, damaged = {}, []
+    for key, entry in data.items():
+        try:
+            profiles[key] = LatencyProfile.from_json(entry)
+        except (KeyError, TypeError, ValueError):
+            damaged.append(key)
+    if damaged and not quiet:
+        warnings.warn(f"latency profile file {path}: {len(damaged)} damaged entr{'y' if len(damaged) == 1 else 'ies'} "
+                      f"({damaged[0]!r}{', ...' if len(damaged) > 1 else ''}) measured again and rewritten",
+                      UserWarning, stacklevel=3)
+    return profiles
 
 
 @torch.no_grad()
@@ -183,12 +238,11 @@ def profile_latency(model: nn.Module, *, context_length: int, draft: nn.Module |
     which costs the linear layers the same rows). Counts are visited from the largest down, so one
     prefill serves them all (the cache drops rows as n shrinks).
     """
-    if context_length < 1 or max_tokens < 1:
-        raise ValueError(f"context_length and max_tokens must be >= 1, got {context_length}, {max_tokens}")
+    check_profile_size(model, context_length=context_length, max_tokens=max_tokens, repeats=repeats)
     device = next(model.parameters()).device
     vocab_size = model.get_input_embeddings().num_embeddings
     generator = torch.Generator(device=device).manual_seed(seed)
-    grid = [1 << i for i in range(max(1, int(max_tokens)).bit_length()) if 1 << i <= max_tokens]
+    grid = _grid(max_tokens)
     prompt = torch.randint(vocab_size, (context_length,), device=device, generator=generator)
     # The engine's own state and step (the plain step, as a rollout runs it: forward, LM head, draw,
     # emit): one prompt shared by grid[-1] rows, cut to n rows per point. Every timed step commits
@@ -221,6 +275,70 @@ def profile_latency(model: nn.Module, *, context_length: int, draft: nn.Module |
         verify_curve = _measure(verify, grid, repeats, device)
         draft_curve = None if draft is None else _measure(draft_level, grid, repeats, device)
     return LatencyProfile(profile_key(model, context_length=context_length, draft=draft), verify_curve, draft_curve)
+
+
+def _grid(max_tokens: int) -> list[int]:
+    """The measured token counts: the powers of two up to ``max_tokens``."""
+    return [1 << i for i in range(max(1, int(max_tokens)).bit_length()) if 1 << i <= max_tokens]
+
+
+def check_profile_size(model: nn.Module, *, context_length: int, max_tokens: int, repeats: int = 5,
+                       keys: tuple[str, str] = ("context_length", "max_tokens")) -> None:
+    """ValueError in one line, naming ``keys`` (the caller's names for the two sizes), when a profile
+    cannot run: a size below 1, a context (plus the tokens the timed steps add) past the model's
+    positions, or more memory than this device has free (estimated from the model's shapes)."""
+    context_key, tokens_key = keys
+    for key, value in ((context_key, context_length), (tokens_key, max_tokens)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{key} must be an integer >= 1, got {value!r}")
+    num_steps = len(_grid(max_tokens)) * (repeats + 1) + 2  # as profile_latency commits them
+    positions = getattr(model.config, "max_position_embeddings", None)
+    if positions is not None and context_length + num_steps > positions:
+        raise ValueError(f"{context_key} = {context_length} is past this model's positions: it attends over at most "
+                         f"{positions}, and profiling adds {num_steps} tokens; use at most {positions - num_steps}")
+    needed, free = profile_memory_bytes(model, context_length, max_tokens, num_steps), free_memory_bytes(model)
+    if free is not None and needed > free:
+        fits = max((n for n in _grid(max_tokens) if profile_memory_bytes(model, context_length, n, num_steps) <= free),
+                   default=None)
+        raise ValueError(f"{tokens_key} = {max_tokens} with {context_key} = {context_length} needs about "
+                         f"{needed / 2**30:.1f} GiB on {next(model.parameters()).device}, which has {free / 2**30:.1f} "
+                         "GiB free; " + (f"use {tokens_key} {fits} or less" if fits else f"lower {context_key}"))
+
+
+def profile_memory_bytes(model: nn.Module, context_length: int, max_tokens: int, num_steps: int) -> int:
+    """An upper estimate of what ``profile_latency`` allocates besides the weights: the KV cache (one shared
+    prompt, ``num_steps`` generated slots for each of the largest count's rows), each step's float32 logits
+    and probabilities and MLP activations, and the prefill's attention scores (materialised by the CPU's
+    SDPA)."""
+    config, rows = model.config, _grid(max_tokens)[-1]
+    element = next(model.parameters()).element_size()
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    kv_per_token = 2 * config.num_hidden_layers * getattr(config, "num_key_value_heads", heads) * head_dim * element
+    kv = (context_length + rows * (num_steps + 1)) * kv_per_token
+    per_row_step = (3 * 4 * config.vocab_size + 4 * element * getattr(config, "intermediate_size", 4 * config.hidden_size)
+                    + 4 * heads * (context_length + num_steps))
+    prefill_scores = 4 * heads * context_length * context_length
+    return int(kv + rows * per_row_step + prefill_scores)
+
+
+def free_memory_bytes(model: nn.Module) -> int | None:
+    """Memory free for new tensors on the model's device: the GPU's free memory, or the host's available
+    memory (``MemAvailable``); None where it cannot be read."""
+    device = next(model.parameters()).device
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
 
 
 def _measure(make: Callable[[int], Callable[[], object]], grid: list[int], repeats: int,

@@ -28,6 +28,7 @@ Distributed: every rank trains its own draft on its own rollouts and saves it wi
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
@@ -175,6 +176,10 @@ def build_online_draft(speculation: str, settings: DraftLearningConfig, policy: 
     (rollout.speculation; None when "off"). ``context_length``: the tokens a typical decoding step
     attends to (longest prompt + half the completion limit), for the profile."""
     if speculation == "off":
+        if settings.path != "scratch":  # a [draft] section set for nothing is a mistake worth a line
+            warnings.warn(f"draft.path = {settings.path!r} is not used: rollout.speculation is \"off\", so "
+                          "rollouts decode without a draft; set rollout.speculation (e.g. \"cost\") to use it",
+                          UserWarning, stacklevel=2)
         return None
     draft = (DraftHead(policy, num_layers=settings.num_layers) if settings.path == "scratch"
              else DraftHead.load(resolve_draft_path(settings.path), policy))

@@ -42,8 +42,8 @@ def step_metrics(rollout: Rollout, rewards: RewardResult, sampler_logps: list[to
         metrics[f"rewards/{name}/mean"] = mean[1 + i]
         metrics[f"rewards/{name}/std"] = std[1 + i]
         metrics[f"rewards/{name}/num_failed"] = sums[2 + i]
-        if rewards.first_error[name] and dist.is_main:
-            metrics[f"rewards/{name}/first_error"] = rewards.first_error[name]
+        if rewards.first_error[name] and dist.is_main:  # the whole message: the console shows it cut
+            metrics[f"rewards/{name}/first_error"] = rewards.full_error.get(name) or rewards.first_error[name]
     accuracy = run.held_out.accuracy
     if accuracy is not None and accuracy.name in names:
         metrics["accuracy"] = mean[1 + names.index(accuracy.name)]
