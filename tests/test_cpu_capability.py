@@ -4,8 +4,12 @@ and gives the ``module`` kernel's numbers exactly; an explicit "onednn" that can
 line. oneDNN's kernels are replaced by ``F.linear`` stand-ins in the choice tests, so that every answer
 is checked on any machine (the real kernels under an AVX2 CPU's oneDNN: test_portable_cpu.py)."""
 
+import os
 import re
+import subprocess
+import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -22,6 +26,7 @@ from turbogrpo.rollout import SamplingConfig, generate
 from turbogrpo.rollout.engine import DecodeSchedule
 from turbogrpo.train.precision import run_precision
 
+ROOT = Path(__file__).resolve().parents[1]
 SAMPLING = SamplingConfig(max_new_tokens=6, stop_token_ids=(0,))
 
 
@@ -175,3 +180,18 @@ def test_the_real_probe_agrees_with_torch():
 def test_every_answer_is_a_distinct_kind():
     assert len({(a.level, a.native_bf16, a.amx, a.onednn) for a in ANSWERS.values()}) == len(ANSWERS)
     assert set(LINEAR_KERNELS) == set(TRAINING_LINEAR_KERNELS) == {"auto", "module", "onednn"}
+
+
+def test_a_run_with_a_capability_this_cpu_lacks_stops_in_one_line_before_loading(tmp_path):
+    real = capability_module._probe()
+    above = capability_module.LEVELS[capability_module.LEVELS.index(real.level) + 1:]
+    if not above:
+        pytest.skip("this CPU has every level")
+    env = {**os.environ, CAPABILITY_ENV: above[0]}
+    result = subprocess.run([sys.executable, "-m", "turbogrpo", "train", str(ROOT / "configs" / "demo.toml"), "--set",
+                             f"train.output_dir={tmp_path / 'run'}"], env=env, capture_output=True, text=True,
+                            timeout=300)
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.returncode != 0 and len(lines) == 1, result.stderr[-2000:]
+    assert CAPABILITY_ENV in lines[0] and "asks for more than this CPU has" in lines[0]
+    assert not (tmp_path / "run" / "machine.jsonl").exists()

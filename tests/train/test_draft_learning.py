@@ -233,11 +233,12 @@ def test_a_draft_path_without_speculation_is_a_warning_not_silence(tmp_path):
     DraftHead(tiny_policy()).save(tmp_path / "d")
     config = load_config(None, [f'draft.path="{tmp_path / "d"}"'])  # rollout.speculation stays "off"
     with pytest.warns(UserWarning, match=r"draft.path = .* is not used: rollout.speculation is \"off\""):
-        assert draft_learning.build_online_draft(config, tiny_policy(), 16) is None
+        assert draft_learning.build_online_draft(config.rollout.speculation, config.draft, tiny_policy(), 16) is None
     import warnings
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the default scratch draft without speculation says nothing
-        assert draft_learning.build_online_draft(load_config(None, []), tiny_policy(), 16) is None
+        default = load_config(None, [])
+        assert draft_learning.build_online_draft(default.rollout.speculation, default.draft, tiny_policy(), 16) is None
 
 
 @pytest.mark.parametrize("lr", [float("inf"), float("nan"), -1.0])

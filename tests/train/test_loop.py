@@ -11,6 +11,8 @@ from turbogrpo.algo import LOSSES
 from turbogrpo.config import load_config
 from turbogrpo.train import loop
 from turbogrpo.train.loop import TrainingDiverged, train
+from turbogrpo.cpu_capability import cpu_capability
+from turbogrpo.train.machine_record import read_machine_records
 from turbogrpo.train.metrics import read_metrics
 from turbogrpo.train.state import RewardFailure
 
@@ -51,6 +53,8 @@ def test_short_training_writes_metrics_checkpoints_report_and_final_model(assets
     assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
     samples = [json.loads(line) for line in (tmp_path / "completions.jsonl").read_text().splitlines()]
     assert {s["step"] for s in samples} == {2, 4} and {"prompt", "completion", "reward", "rewards"} <= samples[0].keys()
+    machines = read_machine_records(tmp_path)  # the CPU capability every kernel choice saw, per start
+    assert [m["step"] for m in machines] == [0] and machines[0]["cpu_capability"] == cpu_capability().record()
     final = AutoModelForCausalLM.from_pretrained(tmp_path / "final")
     trained = load_file(tmp_path / "step-000004" / "model.safetensors")
     for name, param in final.named_parameters():

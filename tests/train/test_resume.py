@@ -13,6 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from turbogrpo.config import load_config
+from turbogrpo.train.machine_record import read_machine_records
 from turbogrpo.train import checkpoint as ckpt
 from turbogrpo.train.loop import train
 from turbogrpo.train.metrics import read_metrics
@@ -69,6 +70,7 @@ def test_sigkill_then_resume_equals_uninterrupted_run(tmp_path, extra):
     resumed = subprocess.run(command(config, sets, "--resume"), cwd=REPO, env=env, capture_output=True, text=True)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"resumed from {killed_dir / 'step-'}" in resumed.stdout
+    assert [m["step"] for m in read_machine_records(killed_dir)] == [0, interrupted_at]  # one line per start
 
     straight_dir = tmp_path / "straight"
     train(load_config(None, overrides(model_dir, rows, straight_dir, **extra)))  # in-process, one thread too

@@ -32,6 +32,7 @@ from tqdm import tqdm
 from turbogrpo.algo import LossNormalizer, group_advantages, statistics_are_finite
 from turbogrpo.batch import Groups, pad_to_count
 from turbogrpo.config import Config
+from turbogrpo.cpu_capability import cpu_capability
 from turbogrpo.data import PromptExample
 from turbogrpo.host_memory import keep_freed_host_memory
 from turbogrpo.rewards import RewardResult, build_rewards, score_completions
@@ -41,6 +42,7 @@ from turbogrpo.train.distributed import DistInfo
 from turbogrpo.train.draft_learning import frozen, speculation_metrics
 from turbogrpo.train.metrics import PhaseTimer
 from turbogrpo.train.optim import learning_rate, set_learning_rate
+from turbogrpo.train.machine_record import record_machine
 from turbogrpo.train.metrics import read_metrics
 from turbogrpo.train.report import speculation_summary, write_report
 from turbogrpo.train.output_dir import claim_output_dir, mark_complete, run_record
@@ -74,6 +76,7 @@ def train(config: Config, *, resume: bool = False, overwrite: bool = False) -> R
     A fresh run needs an empty output_dir (``overwrite`` moves what is there aside); Ctrl-C raises
     TrainingInterrupted naming the last complete checkpoint.
     """
+    cpu_capability()  # a TURBOGRPO_CPU_CAPABILITY above this CPU's is refused before anything loads
     rewards = build_rewards(config.rewards)  # import errors surface before any model loads
     keep_freed_host_memory()
     if config.train.num_threads:
@@ -85,6 +88,10 @@ def train(config: Config, *, resume: bool = False, overwrite: bool = False) -> R
         output = claim_output_dir(run_record(config), dist, resume=resume, overwrite=overwrite)
         run = build_run(config, dist, rewards)
         state = start(run, resume)
+        if dist.is_main:
+            machine = record_machine(output.path, dist.device, state.step)
+            tqdm.write(f"CPU: {machine['cpu_capability']['description']} (torch {machine['torch']}, "
+                       f"{machine['torch_threads']} threads, device {machine['device']})")
         total = config.train.num_steps
         if state.step == 0:
             evaluate(run)
