@@ -78,7 +78,7 @@ def verified_entry(folder: Path, source: dict, build: Callable[[Path], None], *,
     if entry_problem(folder, source) is None:
         return folder
     parent = folder.parent
-    _ensure_writable(parent, what)
+    ensure_writable(parent, what)
     with _locked(parent, what):
         if entry_problem(folder, source) is None:  # another process built it while this one waited
             return folder
@@ -157,7 +157,8 @@ def _remedy(err: BaseException) -> str:
     return f"free space, fix the folder's permissions, or set {CACHE_ENV} to another directory"
 
 
-def _ensure_writable(folder: Path, what: str) -> None:
+def ensure_writable(folder: Path, what: str) -> None:
+    """A ValueError naming ``folder`` and ``CACHE_ENV`` where ``what`` cannot be written into it."""
     try:
         folder.mkdir(parents=True, exist_ok=True)
         tempfile.NamedTemporaryFile(dir=folder, prefix=".probe-").close()

