@@ -283,8 +283,9 @@ class _Run(NamedTuple):
     depth: int
 
 
-def trie_runs(trie: TokenTrie, max_run: int = MAX_RUN) -> list[_Run]:
-    """The trie's nodes cut into chains of runs of at most ``max_run`` tokens."""
+def trie_runs(trie: TokenTrie, max_run: int | None = None) -> list[_Run]:
+    """The trie's nodes cut into chains of runs of at most ``max_run`` tokens (default :data:`MAX_RUN`)."""
+    max_run = max_run or MAX_RUN
     runs, last_level = [], {}
     for n, (start, length, parent) in enumerate(zip(trie.node_start, trie.node_length, trie.node_parent)):
         level = last_level[parent] + 1 if parent >= 0 else 0
@@ -298,7 +299,7 @@ def trie_runs(trie: TokenTrie, max_run: int = MAX_RUN) -> list[_Run]:
 
 
 def cascade_parts(trie: TokenTrie, device: torch.device, dtype: torch.dtype,
-                  sliding_window: int | None = None, max_run: int = MAX_RUN) -> tuple[_BlocksPart, ...]:
+                  sliding_window: int | None = None, max_run: int | None = None) -> tuple[_BlocksPart, ...]:
     """The cascade's parts for one trie: "own" first (every query), then one part per run level."""
     runs = trie_runs(trie, max_run)
     positions = trie.position_ids

@@ -238,6 +238,38 @@ def _layout(sequences, roots: list[_Node], loss_masks, weights) -> TokenTrie:
                      tuple(subtree_ends), tuple(sequence_tokens), masks, token_weights)
 
 
+def micro_batches(sequences: list[torch.Tensor], max_tokens: int) -> list[list[int]]:
+    """Split a group's sequences into micro-batches whose tries hold at most ``max_tokens`` tokens each.
+
+    Splits fall between whole sequences (at node boundaries), never inside a path: a micro-batch
+    holds complete root-to-end paths, and an ancestor shared across micro-batches is repeated in
+    each. Sequences are taken in sorted order, where neighbours share the most, so a sequence adds
+    only its tokens past the common prefix with the one before it. Returns the sequence indices of
+    each micro-batch; a sequence longer than the budget is a ValueError.
+    """
+    validate_sequences(sequences, None, None)
+    if not isinstance(max_tokens, int) or max_tokens < 2:
+        raise ValueError(f"max_tokens must be an int >= 2 (a scored sequence has at least 2 tokens), got {max_tokens!r}")
+    lists = [s.tolist() for s in sequences]   # host sync when the ids live on a GPU
+    order = sorted(range(len(lists)), key=lambda i: lists[i])
+    lcps = _sorted_common_prefix_lengths([lists[i] for i in order])
+    batches, current, used = [], [], 0
+    for index, lcp in zip(order, lcps):
+        length = len(lists[index])
+        if length > max_tokens:
+            raise ValueError(f"sequence {index} has {length} tokens, over the micro-batch token budget of "
+                             f"{max_tokens}; a path cannot be split (each token attends to every token before "
+                             "it), so raise the budget to at least the longest sequence")
+        added = length - lcp if current else length
+        if current and used + added > max_tokens:
+            batches.append(current)
+            current, used, added = [], 0, length
+        current.append(index)
+        used += added
+    batches.append(current)
+    return batches
+
+
 def _default_loss_mask(length: int) -> torch.Tensor:
     mask = torch.ones(length, dtype=torch.bool)
     mask[0] = False
