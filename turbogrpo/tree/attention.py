@@ -19,7 +19,15 @@ positions above it (the window is measured along the path, not in the flat order
 * ``flex``: FlexAttention with the rule as a ``mask_mod`` over per-token vectors (``k <= q <
   subtree_end[k]``; no dense mask is built), compiled on CUDA, where it has a backward.
 
-Chosen for the CPU by measurement (bench/tree.py, ``--kernels``): see :data:`AUTO_TREE_BACKENDS`.
+Chosen for the CPU by measurement (``bench/tree.py --kernels``, results/tree_kernels.json; 2-core
+AMD EPYC shared with other jobs, load average 3.4-4.2, one thread, medians of 5 alternated runs):
+one attention layer (8 heads / 2 KV heads, head dim 64) forward + backward took 0.086 s in the
+cascade against 0.207 s with the dense mask at 1,152 trie tokens, and 0.45 s against 2.09 s at
+3,840 (the dense mask's work and memory grow as N^2, the cascade's as the ancestor pairs). In the
+whole bench model at 1,152 tokens, where the linear layers dominate, the cascade's forward +
+backward took 5.7 s against 7.8 s, and forward only 1.7 s (cascade), 1.9 s (dense), 3.5 s (flex,
+uncompiled on the CPU). A depth-first walk keeping one path's K/V live (AReaL-DTA) was not built:
+it trades the cascade's batched calls for a call per node. GPU speeds are unmeasured.
 
 Shape legend: N trie tokens, H query heads, Hkv key/value heads, D head dim, R rows of a padded
 call, Wq / Wk their query / key width.
@@ -60,7 +68,8 @@ def tree_backend_names() -> tuple[str, ...]:
     return (AUTO, *TREE_BACKENDS)
 
 
-# Fastest first, per device type; the first that can run here is used by backend="auto".
+# Fastest first, per device type; the first that can run here is used by backend="auto". CUDA's order
+# is the natural choice (one fused kernel, no dense mask), not a measurement: no GPU measured it yet.
 AUTO_TREE_BACKENDS = {"cuda": ("flex", "cascade"), "cpu": ("cascade",)}
 
 
