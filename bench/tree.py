@@ -34,7 +34,8 @@ import torch
 from transformers import Qwen2Config
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import interleaved_medians, peak_rss_delta_mb, peak_rss_mb, print_table, reset_peak_rss, write_results  # noqa: E402
+from harness import (interleaved_medians, peak_rss_delta_mb, peak_rss_mb, print_table, reset_peak_rss,  # noqa: E402
+                     write_results)
 from prefix import BENCH_MODEL, bench_model, run_prefix_grouper  # noqa: E402
 
 import turbogrpo  # noqa: E402
@@ -63,7 +64,8 @@ class Case:
         self.prompt = torch.randint(0, vocab, (prompt_len,), generator=g)
         paths = [self.prompt]
         for fanout in branching:
-            paths = [torch.cat([p, torch.randint(0, vocab, (turn,), generator=g)]) for p in paths for _ in range(fanout)]
+            paths = [torch.cat([p, torch.randint(0, vocab, (turn,), generator=g)])
+                     for p in paths for _ in range(fanout)]
         masks = [torch.arange(p.numel()) >= prompt_len for p in paths]   # every token after the prompt is scored
         self.trie = build_trie(paths, masks)
         self.completions = [p[prompt_len:] for p in paths]
@@ -100,7 +102,8 @@ def memory_probe(name: str, shape: str) -> None:
 
 def max_logprob_gap(model, case: Case) -> float:
     with torch.no_grad():
-        return (tree_logprobs(model, case.trie).logps - per_sequence_logprobs(model, case.trie).logps).abs().max().item()
+        tree, rows = tree_logprobs(model, case.trie).logps, per_sequence_logprobs(model, case.trie).logps
+        return (tree - rows).abs().max().item()
 
 
 def kernels_main(repeats: int, warmup: int) -> None:
@@ -185,7 +188,8 @@ def main() -> None:
                   "speedup_vs_rows": median["rows"] / median["tree"],
                   "speedup_vs_prefix_grouper": median["prefix_grouper"] / median["tree"],
                   "speedup_vs_one_level": median["one_level"] / median["tree"],
-                  "flop_ratio_vs_rows": flops.ratio_vs_rows, "flop_ratio_vs_shared_prompt": flops.ratio_vs_shared_prompt,
+                  "flop_ratio_vs_rows": flops.ratio_vs_rows,
+                  "flop_ratio_vs_shared_prompt": flops.ratio_vs_shared_prompt,
                   "speedup_over_flop_ratio_vs_rows": median["rows"] / median["tree"] / flops.ratio_vs_rows,
                   "peak_memory_mb": memory, "max_abs_logprob_gap": gap}
         records.append(record)

@@ -1,16 +1,18 @@
 """Tree forward vs. one row per sequence: log-probs and every parameter gradient must agree, and
 known-wrong tree implementations must fail the same check."""
 
+import copy
 import dataclasses
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.prefix.conftest import PACKS, arch, build_model, random_groups  # noqa: F401 (fixture)
+from tests.prefix.conftest import PACKS, arch, build_gpt2, build_model, random_groups  # noqa: F401 (fixture)
 from tests.tree.conftest import TRIE_SHAPES, per_sequence_truth, random_masks_and_weights, random_sequences
 from turbogrpo.prefix import compute_logprobs, kernels
-from turbogrpo.tree import TREE_BACKENDS, build_trie, tree_logprobs, trie_of_groups
+from turbogrpo.models import enable_activation_checkpointing
+from turbogrpo.tree import TREE_BACKENDS, build_trie, per_sequence_logprobs, tree_logprobs, trie_of_groups
 from turbogrpo.tree import attention
 from turbogrpo.tree.attention import TreeAttention
 
@@ -34,6 +36,7 @@ def tree_errors(model, sequences, masks, weights, dtype, **kwargs):
     flat_weights = torch.cat([w[m] for w, m in zip(weights, masks)])
     truth_grads = weighted_loss_grads(model, truth, flat_weights)
     result = tree_logprobs(model, build_trie(sequences, masks, weights), **kwargs)
+    assert result.layout == ("per_sequence" if kwargs.get("backend") == "per_sequence" else "tree")
     assert result.logps.shape == truth.shape and result.logps.isfinite().all()
     grads = weighted_loss_grads(model, result.logps, flat_weights)
     relative = TOLERANCES[dtype]["relative"]
@@ -167,3 +170,48 @@ def test_known_wrong_tree_implementations_fail_the_parity_check(monkeypatch, wro
         monkeypatch.setattr(trie_module, "_layout", packed_positions)
     logp_error, grad_error = tree_errors(model, *inputs, dtype, backend=backend)
     assert logp_error > 1e-4 and grad_error > 1e-4
+
+
+def test_duplicate_and_prefix_sequences():
+    """The same conversation twice and one that stops inside another: each is scored on its own."""
+    model = build_model("qwen2", torch.float64)
+    sequences, masks, weights = trie_inputs("wide", seed=6)
+    a = sequences[0]
+    sequences = [*sequences, a.clone(), a[:a.numel() - 2].clone()]
+    masks = [*masks, masks[0].clone(), torch.cat([masks[0][:a.numel() - 3], torch.tensor([True])])]
+    weights = [*weights, weights[0] * 2, weights[0][:a.numel() - 2]]
+    assert_exact(tree_errors(model, sequences, masks, weights, torch.float64, backend="cascade"), torch.float64)
+
+
+def test_absolute_position_model_runs_exactly():
+    """GPT-2 adds a learnt embedding of the position: the depth is the position it saw in training."""
+    model = build_gpt2(torch.float64)
+    assert_exact(tree_errors(model, *trie_inputs("deep-narrow", seed=7), torch.float64), torch.float64)
+
+
+def test_gradient_checkpointing():
+    model = build_model("gemma3", torch.float64, sliding_window=4, **WINDOWED["gemma3"])
+    enable_activation_checkpointing(model)
+    model.train()
+    assert_exact(tree_errors(model, *trie_inputs("deep-narrow", seed=8), torch.float64), torch.float64)
+
+
+def test_bfloat16_error_within_ratio_of_one_row_per_sequence():
+    """Half precision against a float32 truth (as tests/prefix/test_precision.py): the tree path's error
+    may be at most 1.5x the one-row-per-sequence path's error at the same precision."""
+    low = build_model("qwen2", torch.bfloat16)
+    truth_model = copy.deepcopy(low).float()
+    sequences, masks, weights = trie_inputs("deep-narrow", seed=9)
+    trie = build_trie(sequences, masks, weights)
+    truth = per_sequence_truth(truth_model, sequences, masks).double()
+    truth_grads = {n: g.double() for n, g in weighted_loss_grads(truth_model, truth.float(), trie.loss_weights).items()}
+
+    def errors(logps):
+        grads = weighted_loss_grads(low, logps, trie.loss_weights)
+        return ((logps.double() - truth).abs().max().item(),
+                max(((grads[n].double() - ref).abs().max() / ref.abs().max()).item() for n, ref in truth_grads.items()))
+    rows = errors(per_sequence_logprobs(low, trie).logps)
+    tree = errors(tree_logprobs(low, trie).logps)
+    assert rows[0] > 0 and rows[1] > 0
+    print(f"bf16 errors (logp, grad): tree {tree}, rows {rows}")
+    assert tree[0] <= 1.5 * rows[0] and tree[1] <= 1.5 * rows[1], (tree, rows)

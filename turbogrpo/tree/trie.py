@@ -249,7 +249,8 @@ def micro_batches(sequences: list[torch.Tensor], max_tokens: int) -> list[list[i
     """
     validate_sequences(sequences, None, None)
     if not isinstance(max_tokens, int) or max_tokens < 2:
-        raise ValueError(f"max_tokens must be an int >= 2 (a scored sequence has at least 2 tokens), got {max_tokens!r}")
+        raise ValueError(f"max_tokens must be an int >= 2 (a scored sequence has at least 2 tokens), "
+                         f"got {max_tokens!r}")
     lists = [s.tolist() for s in sequences]   # host sync when the ids live on a GPU
     order = sorted(range(len(lists)), key=lambda i: lists[i])
     lcps = _sorted_common_prefix_lengths([lists[i] for i in order])
