@@ -10,7 +10,7 @@ TRIE_SHAPES = {
     "deep-narrow": dict(levels=5, fanout=(1, 2), runs=[(2, 9)] * 6),
     "wide": dict(levels=1, fanout=(4, 4), runs=[(3, 12), (1, 20)]),
     "one-token-runs": dict(levels=4, fanout=(1, 3), runs=[(1, 1)] * 5),
-    "long-shared": dict(levels=2, fanout=(2, 4), runs=[(150, 150), (5, 40), (1, 30)]),
+    "long-shared": dict(levels=2, fanout=(2, 4), runs=[(200, 200), (5, 30), (1, 20)]),
 }
 
 
