@@ -89,12 +89,11 @@ class TokenTrie:
     def predictor_of_token(self) -> torch.Tensor:
         """``[N]`` flat index of the token one step up the path, whose hidden state predicts this one
         (-1 at depth 0, which nothing predicts)."""
+        # Inside a node the predictor is the flat token before; a node's first token is predicted by its
+        # parent's last token, a root's by nothing.
         predictor = torch.arange(self.num_tokens) - 1
-        starts = torch.tensor(self.node_start)
-        parents = torch.tensor(self.node_parent)
-        parent_last = torch.where(parents >= 0, starts[parents.clamp_min(0)] + torch.tensor(self.node_length)[
-            parents.clamp_min(0)] - 1, torch.full_like(parents, -1))
-        predictor[starts] = parent_last
+        parent_last = [self.node_start[p] + self.node_length[p] - 1 if p >= 0 else -1 for p in self.node_parent]
+        predictor[torch.tensor(self.node_start)] = torch.tensor(parent_last)
         return predictor
 
     @cached_property
