@@ -14,6 +14,9 @@ positions above it (the window is measured along the path, not in the flat order
   bucketed by length (powers of two) so that padding at most doubles a row. Memory is linear in
   the tokens: the largest mask is a window's ``[rows, queries, min(run, window)]`` band, and a
   query far below a run's window is not given that run's keys at all.
+  (On the CPU each call is the flash kernel, which never holds a call's full score matrix; on CUDA
+  the calls run ``prefix.kernels``' matmul path, which does, ``[R, H, Wq, Wk]`` per call: use
+  ``flex`` there for big tries.)
 * ``reference``: one SDPA call with the dense ``[N, N]`` boolean mask. Obviously right, quadratic
   memory; for tests and small tries.
 * ``flex``: FlexAttention with the rule as a ``mask_mod`` over per-token vectors (``k <= q <
