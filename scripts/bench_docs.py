@@ -393,6 +393,11 @@ RENDERERS: dict[str, Renderer] = {
     "update": update,
     "precision": tables(Table([col("mode", "$key"), col("rollout s", "rollout_s", "s"), col("update s", "update_s", "s"),
                                col("bytes per parameter", "state_bytes_per_param", "f2")], rows="modes")),
+    "tree_kernels": tables(Table([col("contender", "$key"), col("median", "median_s", "s"), col("min", "min_s", "s")],
+                                 rows="times", title="whole bench model"),
+                           Table([col("trie shape", "$key"), col("cascade", "cascade.median_s", "s"),
+                                  col("dense ancestor mask", "reference.median_s", "s")],
+                                 rows="attention_only", title="one attention layer, forward + backward (medians)")),
     "precision_demo": tables(Table([col("dtype", "$key"), col("steps done", "steps_done", "int"),
                                     col("mean log-prob gap", "logprob_gap_mean", "g"),
                                     col("max log-prob gap", "logprob_gap_max", "g"),
@@ -434,7 +439,7 @@ class Result:
 
 
 # The benchmarks page's sections, in order.
-SECTIONS = ["Shared-prefix training forward", "Rollouts", "One whole GRPO step", "TRL drop-in", "Speculative rollouts",
+SECTIONS = ["Shared-prefix training forward", "Tree-shared training forward", "Rollouts", "One whole GRPO step", "TRL drop-in", "Speculative rollouts",
             "Online draft learning in GRPO", "Precision", "Kernels and parts of a step", "Ceilings", "Learning"]
 
 SPEC = "python bench/speculative.py --model smollm2-135m-instruct"
@@ -589,6 +594,9 @@ RESULTS: list[Result] = [
            "python bench/update.py --parts allocator", section="Kernels and parts of a step"),
     Result("update_smollm2", "update", "Training step parts: LM-head math, pack size, bf16 autocast",
            "python bench/update.py", section="Kernels and parts of a step"),
+    # Tree-shared training forward
+    Result("tree_kernels", "tree_kernels", "Tree forward kernels on a synthetic trie (cascade, dense mask, flex)",
+           "python bench/tree.py --kernels --repeats 5", section="Tree-shared training forward"),
     # Precision
     Result("precision_cpu", "precision", "One GRPO step per precision mode, tiny model", "python bench/gpu_precision.py --device cpu",
            section="Precision"),
