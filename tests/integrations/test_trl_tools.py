@@ -12,6 +12,7 @@ tokenizer is the demo model's byte-level BPE with TRL's Qwen2.5 chat template (w
 ``<|im_end|>`` ending each turn.
 """
 
+import itertools
 import json
 
 import pytest
@@ -63,6 +64,41 @@ ENV_SCRIPTS = [
     [call("add_to_total", amount=3) + call("add_to_total", amount=4) + END, "Done." + END],
 ]
 
+# Rows of a feedback game played in a rollout_func (TRL's hook for custom multi-turn rollouts, whose
+# ``env_mask`` TRL takes as ``tool_mask``): FEEDBACK follows every turn but the last.
+FEEDBACK_SCRIPTS = [
+    ["#### 6" + END, "#### 7" + END],
+    ["#### 7" + END],
+    ["#### 5" + END, "#### 8" + END, "#### 7" + END],
+    ["#### 60" + END],
+    ["#### 50" + END, "#### 60" + END],
+    ["#### 6" + END, "#### 16" + END, "#### 26" + END],
+    ["#### 34" + END],
+    ["#### 17" + END, "#### 34" + END],
+    ["#### 35" + END, "#### 34" + END],
+]
+FEEDBACK = "\n<|im_start|>user\nNot yet, try again.<|im_end|>\n<|im_start|>assistant\n"
+
+
+def feedback_rollout(prompts, trainer):
+    """Row i plays FEEDBACK_SCRIPTS[i % 9]: the model's turns with FEEDBACK between them, masked in env_mask."""
+    tokenizer = trainer.processing_class
+    encode = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    prompt_ids = [tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=True, return_dict=False)
+                  for p in prompts]
+    completion_ids, env_mask = [], []
+    for i in range(len(prompts)):
+        ids, mask = [], []
+        for turn, text in enumerate(FEEDBACK_SCRIPTS[i % len(FEEDBACK_SCRIPTS)]):
+            if turn:
+                ids += encode(FEEDBACK)
+                mask += [0] * len(encode(FEEDBACK))
+            ids += encode(text)
+            mask += [1] * len(encode(text))
+        completion_ids.append(ids)
+        env_mask.append(mask)
+    return {"prompt_ids": prompt_ids, "completion_ids": completion_ids, "logprobs": None, "env_mask": env_mask}
+
 
 def add(a: int, b: int) -> int:
     """Add two integers.
@@ -105,15 +141,38 @@ class RunningTotal:
         return -abs(self.total - self.target)
 
 
+class NumberedEpisode(RunningTotal):
+    """A RunningTotal whose ``reset`` also names its instance, so that no two rollouts have the same prompt."""
+
+    def __init__(self, number: int):
+        self.number = number
+
+    def reset(self, **row) -> str:
+        return super().reset(**row) + f" Episode {self.number}."
+
+
+def numbered_episodes():
+    """A factory numbering the instances it makes (one per trainer, so both trainers see the same prompts)."""
+    numbers = itertools.count()
+    return lambda: NumberedEpisode(next(numbers))
+
+
 def fixed_rewards(completions, **_):
     return [TOOL_REWARDS[i % len(TOOL_REWARDS)] for i in range(len(completions))]
 
 
-# How each variant is built: the trainer's tool arguments, its scripts, its dataset columns besides the prompt.
+ENV_COLUMNS = {"start": [1, 5, 0], "target": [4, 2, 10]}
+# How each variant is built: the trainer's tool arguments (made per trainer), its scripts, its dataset columns
+# besides the prompt, GRPOConfig settings, and a text that its masked replies hold.
 VARIANTS = {
-    "tools": dict(kwargs=dict(tools=[add, multiply], reward_funcs=[fixed_rewards]), scripts=TOOL_SCRIPTS, columns={}),
-    "environment": dict(kwargs=dict(environment_factory=RunningTotal), scripts=ENV_SCRIPTS,
-                        columns={"start": [1, 5, 0], "target": [4, 2, 10]}, config={"mask_truncated_completions": True}),
+    "tools": dict(kwargs=lambda: dict(tools=[add, multiply], reward_funcs=[fixed_rewards]), scripts=TOOL_SCRIPTS,
+                  columns={}, reply="<tool_response>"),
+    "environment": dict(kwargs=lambda: dict(environment_factory=RunningTotal), scripts=ENV_SCRIPTS,
+                        columns=ENV_COLUMNS, config={"mask_truncated_completions": True}, reply="<tool_response>"),
+    "rollout-env-mask": dict(kwargs=lambda: dict(rollout_func=feedback_rollout, reward_funcs=[fixed_rewards]),
+                             scripts=FEEDBACK_SCRIPTS, columns={}, reply="try again"),
+    "numbered-episodes": dict(kwargs=lambda: dict(environment_factory=numbered_episodes()), scripts=ENV_SCRIPTS,
+                              columns=ENV_COLUMNS),
 }
 
 
@@ -160,7 +219,7 @@ def build_trainer(chat, tmp_path, trainer_class, variant):
         **spec.get("config", {}))  # fmt: skip
     dataset = Dataset.from_dict({"prompt": [[{"role": "user", "content": q}] for q in QUESTIONS], **spec["columns"]})
     trainer = trainer_class(model=model_dir, processing_class=tokenizer, args=args, train_dataset=dataset,
-                            **spec["kwargs"])
+                            **spec["kwargs"]())
     trainer._generate_single_turn = ScriptedTurns(tokenizer, spec["scripts"])
     # Move the policy off the reference, the same way in both trainers (a KL term not at its optimum).
     gen = torch.Generator().manual_seed(1)
@@ -194,7 +253,7 @@ def model_token_texts(tokenizer, batch):
     return texts
 
 
-@pytest.mark.parametrize("variant", sorted(VARIANTS))
+@pytest.mark.parametrize("variant", ["tools", "environment", "rollout-env-mask"])
 def test_tool_rows_train_as_trl(chat, tmp_path, variant):
     """Same masks, old/reference log-probs, advantages, loss, gradients and logged metrics as TRL's
     GRPOTrainer on multi-turn rows, with every call sharing its prompts. Float32 only, as the single-turn
@@ -202,12 +261,12 @@ def test_tool_rows_train_as_trl(chat, tmp_path, variant):
     trl_trainer = build_trainer(chat, tmp_path / "trl", trl.GRPOTrainer, variant)
     ours = build_trainer(chat, tmp_path / "ours", SharedPrefixGRPOTrainer, variant)
     trl_batch, our_batch = generation_batch(trl_trainer), generation_batch(ours)
-    # The rows are multi-turn: TRL masked tool replies between the model's turns of most rows.
-    scripts = VARIANTS[variant]["scripts"]
+    # The rows are multi-turn: TRL masked the replies between the model's turns of most rows.
+    scripts, reply = VARIANTS[variant]["scripts"], VARIANTS[variant]["reply"]
     masked_rows = [i for i, s in enumerate(scripts) if s[-1].endswith(END)]
     for i, (in_loss, tool_text) in enumerate(model_token_texts(chat[1], our_batch)):
         assert in_loss == ("".join(scripts[i]) if i in masked_rows else ""), i
-        assert ("<tool_response>" in tool_text) == (len(scripts[i]) > 1 and i in masked_rows), i
+        assert (reply in tool_text) == (len(scripts[i]) > 1 and i in masked_rows), i
     for key in ("completion_mask", "tool_mask", "advantages", "old_per_token_logps", "ref_per_token_logps"):
         torch.testing.assert_close(our_batch[key], trl_batch[key], rtol=1e-5, atol=1e-5, msg=key)
     assert trl_batch["advantages"].abs().min() > 0
@@ -218,14 +277,34 @@ def test_tool_rows_train_as_trl(chat, tmp_path, variant):
     for name, grad in trl_grads.items():
         assert grad.abs().max() > 0, name  # every parameter gets a real gradient to compare
         torch.testing.assert_close(our_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
-    for key in ("entropy", "kl", "clip_ratio/region_mean", "tools/call_frequency", "tools/failure_frequency"):
+    tool_metrics = ("tools/call_frequency", "tools/failure_frequency") if reply == "<tool_response>" else ()
+    for key in ("entropy", "kl", "clip_ratio/region_mean", *tool_metrics):
         trl_values, our_values = trl_trainer._metrics["train"].get(key), ours._metrics["train"].get(key)
         assert trl_values is not None and our_values == pytest.approx(trl_values, rel=1e-5, abs=1e-6), key
-    assert trl_trainer._metrics["train"]["tools/failure_frequency"][-1] > 0  # the bad calls were answered
+    if tool_metrics:
+        assert trl_trainer._metrics["train"]["tools/failure_frequency"][-1] > 0  # the bad calls were answered
     stats = ours.shared_prefix_stats
     # old policy, reference, policy: every call shared, one prompt forward per question
     assert stats.num_fallback_calls == 0 and stats.num_shared_calls == 3
     assert stats.num_prompt_forwards == len(QUESTIONS) * 3
+
+
+def test_environments_that_make_every_prompt_different_run_trl(chat, tmp_path):
+    """TRL appends each rollout's ``reset`` observation to its prompt; when every one differs, no two rows
+    share a prompt, and TRL's own forward runs (same loss and gradients, one notice)."""
+    trl_trainer = build_trainer(chat, tmp_path / "trl", trl.GRPOTrainer, "numbered-episodes")
+    ours = build_trainer(chat, tmp_path / "ours", SharedPrefixGRPOTrainer, "numbered-episodes")
+    trl_batch, our_batch = generation_batch(trl_trainer), generation_batch(ours)
+    assert len({tuple(row.tolist()) for row in our_batch["prompt_ids"]}) == G * len(QUESTIONS)
+    torch.testing.assert_close(our_batch["old_per_token_logps"], trl_batch["old_per_token_logps"])
+    (trl_loss, trl_grads), (our_loss, our_grads) = loss_and_grads(trl_trainer, trl_batch), loss_and_grads(ours, our_batch)
+    torch.testing.assert_close(our_loss, trl_loss)
+    for name, grad in trl_grads.items():
+        torch.testing.assert_close(our_grads[name], grad, msg=name)
+    stats = ours.shared_prefix_stats
+    assert stats.num_shared_calls == 0 and stats.num_fallback_calls == 3
+    (reason,) = stats.fallback_reasons
+    assert reason.startswith("no two rows of the batch share a prompt") and "environment observations" in reason
 
 
 def test_tool_reply_tokens_stay_out_of_our_loss(chat, tmp_path):
