@@ -83,18 +83,19 @@ FEEDBACK = "\n<|im_start|>user\nNot yet, try again.<|im_end|>\n<|im_start|>assis
 def feedback_rollout(prompts, trainer):
     """Row i plays FEEDBACK_SCRIPTS[i % 9]: the model's turns with FEEDBACK between them, masked in env_mask."""
     tokenizer = trainer.processing_class
-    encode = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+
+    def encode(text):
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
     prompt_ids = [tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=True, return_dict=False)
                   for p in prompts]
     completion_ids, env_mask = [], []
     for i in range(len(prompts)):
         ids, mask = [], []
         for turn, text in enumerate(FEEDBACK_SCRIPTS[i % len(FEEDBACK_SCRIPTS)]):
-            if turn:
-                ids += encode(FEEDBACK)
-                mask += [0] * len(encode(FEEDBACK))
-            ids += encode(text)
-            mask += [1] * len(encode(text))
+            for segment, in_loss in ([(FEEDBACK, 0)] if turn else []) + [(text, 1)]:
+                ids += encode(segment)
+                mask += [in_loss] * len(encode(segment))
         completion_ids.append(ids)
         env_mask.append(mask)
     return {"prompt_ids": prompt_ids, "completion_ids": completion_ids, "logprobs": None, "env_mask": env_mask}
