@@ -1,4 +1,5 @@
-"""TRL's tool and environment rollouts (``tools=``, ``environment_factory=``) train the same with the drop-in.
+"""TRL's multi-turn rollouts (``tools=``, ``environment_factory=``, a ``rollout_func`` with ``env_mask``)
+train the same with the drop-in.
 
 TRL 1.16 builds a multi-turn row as the prompt, then one completion holding every turn: the model's tokens,
 each tool reply as the chat template renders it, the model's next turn, and so on, with ``tool_mask`` (1 on
@@ -292,7 +293,7 @@ def test_tool_rows_train_as_trl(chat, tmp_path, variant):
 
 def test_environments_that_make_every_prompt_different_run_trl(chat, tmp_path):
     """TRL appends each rollout's ``reset`` observation to its prompt; when every one differs, no two rows
-    share a prompt, and TRL's own forward runs (same loss and gradients, one notice)."""
+    share a prompt, and TRL's own forward runs (same loss and gradients), for a reason that says so."""
     trl_trainer = build_trainer(chat, tmp_path / "trl", trl.GRPOTrainer, "numbered-episodes")
     ours = build_trainer(chat, tmp_path / "ours", SharedPrefixGRPOTrainer, "numbered-episodes")
     trl_batch, our_batch = generation_batch(trl_trainer), generation_batch(ours)
@@ -310,8 +311,8 @@ def test_environments_that_make_every_prompt_different_run_trl(chat, tmp_path):
 
 def test_tool_reply_tokens_stay_out_of_our_loss(chat, tmp_path):
     """The loss's gradient with respect to the drop-in's per-token log-probs is zero exactly on tool-reply
-    tokens (and padding), and not zero on the model's tokens: a tool token that leaked into the loss, the
-    entropy term or the KL would get a gradient."""
+    tokens (and padding), and not zero on the model's tokens: a tool token that leaked into the policy loss
+    or its KL term would get a gradient."""
     ours = build_trainer(chat, tmp_path, SharedPrefixGRPOTrainer, "tools")
     batch = generation_batch(ours)
     scored = {}
