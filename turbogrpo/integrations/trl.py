@@ -23,6 +23,16 @@ logs each reason once (``trainer.shared_prefix_stats`` counts both kinds of call
 model with absolute position embeddings (GPT-2) and left-padded prompts: TRL counts the padding in
 the positions, so only TRL's own forward reproduces TRL's log-probs.
 
+Multi-turn rows (``tools=``, ``environment_factory=``, a ``rollout_func`` returning ``env_mask``) need
+nothing of their own. TRL puts a row's every turn in its completion: the model's tokens and the tool or
+environment replies between them, the replies marked 0 in ``tool_mask``. The attention mask TRL passes
+covers the whole completion, so the shared forward sees the replies as context and scores every completion
+token, as TRL's forward does; TRL's loss, entropy and KL then multiply in ``tool_mask``, so reply tokens
+never reach them (tested in ``tests/integrations/test_trl_tools.py``). The rows of a group share only
+their prompt: an ``environment_factory`` whose ``reset`` observation differs per rollout makes every prompt
+differ (then TRL's own forward runs), and members whose first turns coincide share more than the prompt,
+which only tree sharing could use.
+
 Shape legend: B rows (one completion each), P prompt columns (left-padded), C completion columns
 (right-padded), L = P + C.
 """
@@ -120,8 +130,9 @@ def group_rows(prompt_ids_BP: torch.Tensor, prompt_mask_BP: torch.Tensor, comple
     if not members:
         raise NotShareable("no row has a completion token")
     if all(len(rows) == 1 for rows in members.values()):
-        raise NotShareable("no two rows of the batch share a prompt (groups split across micro-batches), "
-                           "so there is nothing to share")
+        raise NotShareable("no two rows of the batch share a prompt (groups split across micro-batches, or "
+                           "prompts that differ within a group, e.g. per-rollout environment observations), so "
+                           "there is nothing to share")
     groups = list(members.values())
     rows = [r for g in groups for r in g]
     batch = Groups([prompt_ids_BP[g[0], num_columns - per_row[g[0]][1]:] for g in groups],
