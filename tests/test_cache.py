@@ -66,7 +66,7 @@ def test_a_complete_entry_is_read_without_writing_anything(tmp_path, cache, stan
         raise PermissionError(errno.EACCES, "Permission denied", str(folder.parent))
 
     # The cache of another user: nothing may be created, locked or renamed there.
-    for name in ("_ensure_writable", "_build", "_locked"):
+    for name in ("ensure_writable", "_build", "_locked"):
         monkeypatch.setattr(cache_module, name, no_write)
     monkeypatch.setattr(cache_module.tempfile, "mkdtemp", no_write)
     assert gguf_model_folder(source) == folder
