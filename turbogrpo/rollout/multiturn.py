@@ -46,11 +46,10 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Sequence
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ALL_COMPLETED, FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field, replace
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 from torch import nn
@@ -150,8 +149,17 @@ def _one_step_later(conversation: _Conversation, num_forwards: int) -> bool:
     return num_forwards >= conversation.due_after
 
 
-REPLY_TIMINGS: dict[str, Callable[[_Conversation, int], bool]] = {"arrival": _arrived, "next_step": _one_step_later}
-"""When a waiting conversation's reply is taken (module docstring): ``due(conversation, forwards run)``."""
+class ReplyTiming(NamedTuple):
+    """When a waiting conversation's reply is taken (module docstring)."""
+
+    due: Callable[[_Conversation, int], bool]
+    """``due(conversation, forwards run so far)``: take its reply now (waiting for it if it is late)."""
+    idle_wait: str
+    """What to wait for when no conversation has ids to feed (``concurrent.futures.wait``'s return_when)."""
+
+
+REPLY_TIMINGS: dict[str, ReplyTiming] = {"arrival": ReplyTiming(_arrived, FIRST_COMPLETED),
+                                         "next_step": ReplyTiming(_one_step_later, ALL_COMPLETED)}
 
 
 def generate_multiturn(model: nn.Module, prompts: list[torch.Tensor], handlers: Sequence[TurnHandler], *,
@@ -210,7 +218,7 @@ def generate_multiturn(model: nn.Module, prompts: list[torch.Tensor], handlers: 
 
 def _run(model: nn.Module, prompts: list[torch.Tensor], num_samples: int, conversations: list[_Conversation],
          sampling: SamplingConfig, limits: TurnLimits, generator: torch.Generator | None,
-         pool: ThreadPoolExecutor, due: Callable[[_Conversation, int], bool]) -> MultiTurnStats:
+         pool: ThreadPoolExecutor, timing: ReplyTiming) -> MultiTurnStats:
     """The loop of the module docstring; fills ``conversations`` in place."""
     start = time.perf_counter()
     device = prompts[0].device
@@ -227,7 +235,7 @@ def _run(model: nn.Module, prompts: list[torch.Tensor], num_samples: int, conver
     _draw(lm_head(last_GH).repeat_interleave(num_samples, dim=0), rows, conversations, sampling, generator,
           stop_ids, limits, pool, stats)
     while True:
-        _collect_replies(conversations, rows, limits, stats, due)
+        _collect_replies(conversations, rows, limits, stats, timing.due)
         keep = [b for b, i in enumerate(rows) if conversations[i].phase != _DONE]
         if len(keep) < len(rows):
             if not keep:
@@ -237,12 +245,9 @@ def _run(model: nn.Module, prompts: list[torch.Tensor], num_samples: int, conver
         feeding = [b for b, i in enumerate(rows) if conversations[i].phase == _FEED]
         if not feeding:  # every live conversation waits for its environment
             waited = time.perf_counter()
-            if due is _arrived:
-                wait([conversations[i].future for i in rows], return_when=FIRST_COMPLETED)
-            else:  # no forward to overlap with: every reply is due now (whatever the threads' timing)
-                wait([conversations[i].future for i in rows], return_when=ALL_COMPLETED)
-                for i in rows:
-                    conversations[i].due_after = 0
+            wait([conversations[i].future for i in rows], return_when=timing.idle_wait)
+            for i in rows:  # no forward to overlap with: the replies waited for are due now
+                conversations[i].due_after = 0
             stats.env_wait_s += time.perf_counter() - waited
             continue
         drawn_rows, hidden_BH = _feed(model, cache, rows, feeding, conversations, limits.prefill_chunk)
