@@ -94,7 +94,7 @@ def test_overrides_apply_on_top_of_the_file(tmp_path):
     ("optim.lr=nan", "config key 'optim.lr': nan is not allowed; expected a finite number"),
     ("rewards.0.weight=-inf", "config key 'rewards.0.weight': -inf is not allowed; expected a finite number"),
     ("train.accuracy_reward=math_acuracy", "config key 'train.accuracy_reward': 'math_acuracy' is not allowed; "
-                                           "expected a reward's name (answer_format, math_accuracy, overlong_penalty)"),
+                                           "expected a reward's name (answer_format, environment, math_accuracy, overlong_penalty)"),
     ("model.logprob_backend=flash", "config key 'model.logprob_backend': 'flash' is not allowed; expected one of "
                                     "auto, cascade,"),
     ("train.reward_failure_limit=1.5", "config key 'train.reward_failure_limit': 1.5 is not allowed"),
@@ -144,7 +144,7 @@ def test_shipped_configs_are_valid():
 
 def test_unknown_reward_function_is_named():
     with pytest.raises(ConfigError, match="config key 'rewards.0.function': 'acuracy' is not allowed; expected a "
-                                          "built-in reward \\(answer_format, math_accuracy, overlong_penalty\\)"):
+                                          "built-in reward \\(answer_format, environment, math_accuracy, overlong_penalty\\)"):
         load_config(None, ["rewards.0.function=acuracy"])
 
 

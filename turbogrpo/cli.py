@@ -270,6 +270,7 @@ def _eval(args: argparse.Namespace, overrides: list[str]) -> int:
 
     from turbogrpo.rewards import build_rewards
     from turbogrpo.train import distributed
+    from turbogrpo.train.episodes import build_episode_sampler
     from turbogrpo.train.evaluate import describe_accuracies, measure_held_out
     from turbogrpo.train.run import build_policy, build_policy_held_out
 
@@ -282,7 +283,8 @@ def _eval(args: argparse.Namespace, overrides: list[str]) -> int:
     try:
         parts = build_policy(config.model, config.lora, config.rollout, dist, seed=config.train.seed)
         precision, model, tokenizer = parts.precision, parts.policy, parts.tokenizer
-        held_out = build_policy_held_out(config.data, config.train, parts, rewards)
+        episodes = build_episode_sampler(config.env, tokenizer)  # [env]: the answers are conversations
+        held_out = build_policy_held_out(config.data, config.train, parts, rewards, episodes)
         if not held_out.enabled:
             raise ValueError("nothing to evaluate: set data.eval_path (or use data.kind = \"arithmetic\") and "
                              "train.accuracy_reward")

@@ -113,8 +113,9 @@ class LoraConfig:
 class DataConfig:
     """Where prompts come from."""
 
-    kind: Literal["arithmetic", "longform", "small_arithmetic", "rows", "gsm8k"] = "arithmetic"
-    """"arithmetic": the built-in demo task; "longform": built-in multi-step problems with long solutions;
+    kind: Literal["arithmetic", "arithmetic_chat", "longform", "small_arithmetic", "rows", "gsm8k"] = "arithmetic"
+    """"arithmetic": the built-in demo task; "arithmetic_chat": the same problems as chat messages (for [env]
+    with turbogrpo.env.tasks.DEMO_CHAT_TEMPLATE); "longform": built-in multi-step problems with long solutions;
     "small_arithmetic": built-in one-operation chat questions with small numbers (the SmolLM2 task); "rows": a jsonl/parquet/`datasets` folder with a prompt column;
     "gsm8k": GSM8K-format rows (question + worked answer; the gold number goes to column "gold")."""
     path: str = ""
@@ -452,15 +453,19 @@ class EnvConfig:
     end_of_turn: str = ""
     """The text of the token that ends an assistant turn; "" reads the tokenizer's eos token."""
     chat_template: str = ""
-    """A Jinja chat template to use instead of the tokenizer's (e.g. one that renders tools); "" keeps it."""
+    """A Jinja chat template to use instead of the tokenizer's (e.g. one that renders tools); "" keeps it.
+    The name of a template in ``turbogrpo.env.tasks.CHAT_TEMPLATES`` ("demo") stands for that template."""
+    reply_timing: str = "next_step"
+    """Key of ``turbogrpo.rollout.multiturn.REPLY_TIMINGS``: "next_step" makes every rollout follow from its
+    seed (exact resume); "arrival" lets slow environments overlap more, but draws then depend on timing."""
 
     def check(self, key: str) -> None:
         from turbogrpo.env.tool_calls import TOOL_CALL_PARSERS  # the registry is the one source of names
+        from turbogrpo.rollout.multiturn import REPLY_TIMINGS
         _require(self.factory == "" or ":" in self.factory, f"{key}.factory",
                  "\"\" or an import path 'package.module:callable'", self.factory)
-        # Until the trainer runs episodes, a set factory would silently train single-turn: refuse it.
-        _require(self.factory == "", f"{key}.factory", "\"\" for now (multi-turn training is not yet wired into "
-                 "`turbogrpo train`; run episodes from Python with turbogrpo.env.run_episodes)", self.factory)
+        _require(self.reply_timing in REPLY_TIMINGS, f"{key}.reply_timing", f"one of {', '.join(REPLY_TIMINGS)}",
+                 self.reply_timing)
         _require(self.tool_parser in TOOL_CALL_PARSERS, f"{key}.tool_parser",
                  f"one of {', '.join(TOOL_CALL_PARSERS)}", self.tool_parser)
         for name in ("max_turns", "max_turn_tokens", "max_conversation_tokens"):
@@ -494,6 +499,12 @@ class Config:
         _require(self.train.accuracy_reward in ("", *known), "train.accuracy_reward",
                  f"a reward's name ({', '.join(known)}) or \"\" for no held-out evaluation",
                  self.train.accuracy_reward)
+        _require(not self.env.factory or self.rollout.speculation == "off", "rollout.speculation",
+                 "\"off\" with an [env] factory (speculative rollouts do not yet prefill environment replies; "
+                 "turn one of them off)", self.rollout.speculation)
+        _require(not self.env.factory or self.data.chat_template != "never", "data.chat_template",
+                 "\"auto\" or \"always\" with an [env] factory (multi-turn prompts are chat messages)",
+                 self.data.chat_template)
         _require(not self.draft.history or self.rollout.speculation != "off", "draft.history",
                  "false while rollout.speculation = \"off\" (history drafts are candidates of speculative "
                  "rollouts: set rollout.speculation, e.g. \"cost\")", self.draft.history)

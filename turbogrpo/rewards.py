@@ -151,10 +151,18 @@ def overlong_penalty_reward(max_length: int, buffer: int) -> RewardFn:
     return overlong_penalty
 
 
+def environment_reward_function() -> RewardFn:
+    """Each conversation's environment reward (its ``get_reward()``), read from the ``environments`` column
+    that multi-turn rollouts add (``turbogrpo.env.environment_reward``)."""
+    from turbogrpo.env.episode import environment_reward
+    return environment_reward
+
+
 BUILTIN_REWARDS: dict[str, Callable[..., RewardFn]] = {
     "math_accuracy": math_accuracy_reward,
     "answer_format": answer_format_reward,
     "overlong_penalty": overlong_penalty_reward,
+    "environment": environment_reward_function,
 }
 
 math_accuracy = math_accuracy_reward()
@@ -415,16 +423,18 @@ def reward_columns(rows: Sequence[Mapping[str, Any]], completion_lengths: Sequen
 
 
 def score_completions(rewards: Sequence[Reward], examples: Sequence, completions: Sequence[str],
-                      completion_lengths: Sequence[int], num_samples: int = 1) -> RewardResult:
+                      completion_lengths: Sequence[int], num_samples: int = 1,
+                      per_completion: Mapping[str, Sequence[Any]] | None = None) -> RewardResult:
     """Rewards of ``num_samples`` completions per example (completions group-major: example 0's first),
     the one place training and evaluation call the reward functions from.
 
     examples: prompts with ``.text`` and ``.columns`` (``data.PromptExample``).
     completion_lengths: tokens per completion, for the ``completion_lengths`` column.
+    per_completion: more columns, one value per completion (``environments``: multi-turn episodes).
     """
     repeated = [e for e in examples for _ in range(num_samples)]
-    return compute_rewards(rewards, [e.text for e in repeated], completions,
-                           reward_columns([e.columns for e in repeated], completion_lengths))
+    columns = reward_columns([e.columns for e in repeated], completion_lengths)
+    return compute_rewards(rewards, [e.text for e in repeated], completions, {**columns, **(per_completion or {})})
 
 
 def __getattr__(name: str):

@@ -157,6 +157,8 @@ def test_env_config_section_is_checked_in_one_line():
                          ({"max_turns": 0}, "'env.max_turns': 0 is not allowed"),
                          ({"max_turn_tokens": 600}, "at most max_conversation_tokens=512"),
                          ({"factory": "pkg"}, "import path 'package.module:callable'"),
-                         ({"factory": "pkg.mod:Env"}, "not yet wired into `turbogrpo train`")]:
+                         ({"reply_timing": "soon"}, "'env.reply_timing': 'soon' is not allowed; expected one of "
+                                                    "arrival, next_step")]:
         with pytest.raises(ValueError, match=message.replace("(", "\\(").replace(")", "\\)")):
             config_from_dict({"env": raw})
+    assert config_from_dict({"env": {"factory": "turbogrpo.env.tasks:RetryArithmetic"}}).env.reply_timing == "next_step"

@@ -149,3 +149,58 @@ def test_bad_settings_are_refused_in_one_line(qwen2):
         generate_multiturn(qwen2, prompts, [None] * 2, num_samples=2, sampling=sampling, limits=TurnLimits(4, 500))
     with pytest.raises(ValueError, match="TurnLimits.prefill_chunk"):
         TurnLimits(4, 8, prefill_chunk=0)
+
+
+def test_the_rollout_runs_under_the_schedules_linear_kernel(qwen2, monkeypatch):
+    """The weight matmuls run inside the schedule's LINEAR_KERNELS entry, entered once over the model (as
+    generate() runs them), whatever the schedule's runner."""
+    import contextlib
+
+    from turbogrpo.linears import LINEAR_KERNELS
+    from turbogrpo.rollout.engine import DecodeSchedule
+
+    entered, calls_inside, inside = [], [], [False]
+
+    @contextlib.contextmanager
+    def recording(roots):
+        entered.append(list(roots))
+        inside[0] = True
+        try:
+            yield 0
+        finally:
+            inside[0] = False
+
+    hooks = [m.register_forward_hook(lambda *_: calls_inside.append(inside[0]))
+             for m in qwen2.modules() if isinstance(m, torch.nn.Linear)]
+    monkeypatch.setitem(LINEAR_KERNELS, "recording", recording)
+    try:
+        run(qwen2, random_prompts([5, 3]), [Scripted([[9, 9, 9]]) for _ in range(4)], 2,
+            schedule=DecodeSchedule(linears="recording", runner="compiled"))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert len(entered) == 1 and entered[0] == [qwen2]
+    assert calls_inside and all(calls_inside)
+
+
+def test_next_step_replies_make_the_rollout_follow_from_the_seed(qwen2):
+    """Environments that answer after random delays: with reply_timing "next_step" every reply rejoins one
+    forward after its turn, so two runs draw the same ids whatever the threads' timing."""
+    import random
+    import time
+
+    def delayed(seed):
+        rng = random.Random(seed)
+
+        def handler(ids):
+            time.sleep(rng.random() * 0.004)
+            return [9, 10] if len(ids) < 6 else None
+        return handler
+
+    outs = [run(qwen2, random_prompts([5, 3]), [delayed(i * 10 + r) for i in range(6)], 3, reply_timing="next_step")
+            for r in range(2)]
+    assert outs[0].stats.num_env_tokens > 0
+    for a, b in zip(outs[0].groups.completions, outs[1].groups.completions):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="reply_timing must be one of"):
+        run(qwen2, random_prompts([5]), [delayed(0)] * 2, 2, reply_timing="soon")

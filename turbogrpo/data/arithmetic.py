@@ -206,6 +206,15 @@ def demo_records(split: str, num: int, seed: int = 0,
     return problem_records(generate_problems(split, num, seed, config))
 
 
+def demo_chat_records(split: str, num: int, seed: int = 0,
+                      config: ArithmeticConfig = ArithmeticConfig()) -> list[dict[str, str]]:
+    """``demo_records`` with each prompt as the user's message: the demo prompt up to its question, without
+    the closing ``\\nAnswer:`` that a chat template writes as the assistant turn's header (the demo model's
+    ``turbogrpo.env.tasks.DEMO_CHAT_TEMPLATE`` does), so that a multi-turn rollout sees the demo prompt."""
+    header = question_block("").removeprefix("Question: ")  # "\nAnswer:"
+    return [{**row, "prompt": row["prompt"].removesuffix(header)} for row in demo_records(split, num, seed, config)]
+
+
 def _few_shot_block() -> str:
     rng = random.Random("turbogrpo-arithmetic:few-shot")
     shots = [(23, (8, -5)), (14, (-9, 6)), (17, (-9, -4))]

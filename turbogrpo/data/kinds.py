@@ -7,14 +7,14 @@ Each registry is a dict, so a new kind is one entry in each: ``BUILTIN_TASKS`` f
 
 from __future__ import annotations
 
-from turbogrpo.data.arithmetic import demo_records
+from turbogrpo.data.arithmetic import demo_chat_records, demo_records
 from turbogrpo.data.gsm8k import gsm8k_records
 from turbogrpo.data.longform import longform_records
 from turbogrpo.data.small_arithmetic import small_arithmetic_records
 from turbogrpo.data.sources import read_records, source_kind
 
 # The built-in tasks' generators, by data.kind: records(split, num, seed) -> rows.
-BUILTIN_TASKS = {"arithmetic": demo_records, "longform": longform_records,
+BUILTIN_TASKS = {"arithmetic": demo_records, "arithmetic_chat": demo_chat_records, "longform": longform_records,
                  "small_arithmetic": small_arithmetic_records}
 
 
@@ -31,6 +31,7 @@ def file_rows(data, path: str) -> list[dict]:
 # Readers of training rows, by data.kind: reader(data, seed) -> rows.
 ROW_READERS = {
     "arithmetic": lambda data, seed: builtin_rows(data, "train", seed),
+    "arithmetic_chat": lambda data, seed: builtin_rows(data, "train", seed),
     "longform": lambda data, seed: builtin_rows(data, "train", seed),
     "small_arithmetic": lambda data, seed: builtin_rows(data, "train", seed),
     "rows": lambda data, seed: file_rows(data, data.path),

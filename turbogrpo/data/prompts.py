@@ -26,12 +26,15 @@ class PromptExample:
     token_ids: LongTensor [P] on the CPU.
     columns: the row's other columns (everything but the prompt column), for rewards.
     index: the row's position in the source, for logs.
+    messages: the prompt as chat messages (system prompt first) where the chat template formats it, else
+        None; multi-turn rollouts render them again, with the environment's tools and first observation.
     """
 
     text: str
     token_ids: torch.Tensor
     columns: dict[str, Any] = field(default_factory=dict)
     index: int = 0
+    messages: tuple[dict[str, str], ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -56,19 +59,22 @@ def uses_chat_template(tokenizer, chat_template: bool | None) -> bool:
 def format_prompt(prompt: str | list[dict[str, str]], tokenizer, *, use_template: bool,
                   system_prompt: str | None = None) -> str:
     """The prompt text the model sees."""
-    if isinstance(prompt, str):
-        if not use_template:
-            return prompt if system_prompt is None else f"{system_prompt}\n\n{prompt}"
-        messages = [{"role": "user", "content": prompt}]
-    else:
-        if not use_template:
-            raise ValueError("a prompt given as chat messages needs the tokenizer's chat template, which is off "
-                             "or missing; set the config key data.chat_template = \"auto\" with a tokenizer that "
-                             "has one, or give prompts as plain strings (build_prompts: chat_template=None)")
-        messages = list(prompt)
+    if isinstance(prompt, str) and not use_template:
+        return prompt if system_prompt is None else f"{system_prompt}\n\n{prompt}"
+    if not use_template:
+        raise ValueError("a prompt given as chat messages needs the tokenizer's chat template, which is off "
+                         "or missing; set the config key data.chat_template = \"auto\" with a tokenizer that "
+                         "has one, or give prompts as plain strings (build_prompts: chat_template=None)")
+    return tokenizer.apply_chat_template(prompt_messages(prompt, system_prompt), tokenize=False,
+                                         add_generation_prompt=True)
+
+
+def prompt_messages(prompt: str | list[dict[str, str]], system_prompt: str | None = None) -> list[dict[str, str]]:
+    """The prompt as chat messages: a string is the user's message; the system prompt goes first."""
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else [dict(m) for m in prompt]
     if system_prompt is not None and messages[0].get("role") != "system":
         messages = [{"role": "system", "content": system_prompt}, *messages]
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return messages
 
 
 def _is_empty(prompt: Any) -> bool:
@@ -167,5 +173,6 @@ def build_prompts(rows: Sequence[dict[str, Any]], tokenizer, *, prompt_column: s
             num_too_long += 1
             continue
         columns = {k: v for k, v in row.items() if k != prompt_column}
-        examples.append(PromptExample(text, torch.tensor(token_ids, dtype=torch.long), columns, index))
+        messages = tuple(prompt_messages(prompt, system_prompt)) if use_template else None
+        examples.append(PromptExample(text, torch.tensor(token_ids, dtype=torch.long), columns, index, messages))
     return PromptSet(examples, num_too_long, num_empty)

@@ -27,6 +27,7 @@ from turbogrpo.env.chat import ChatRenderer
 from turbogrpo.env.environment import (call_tool, check_environment, environment_reply, environment_tools,
                                        load_factory, reset_environment, tool_schemas)
 from turbogrpo.env.tool_calls import ToolCallParser, get_tool_call_parser
+from turbogrpo.rollout.engine import DecodeSchedule
 from turbogrpo.rollout.multiturn import MultiTurnRollout, TurnLimits, generate_multiturn
 from turbogrpo.rollout.sampling import SamplingConfig
 
@@ -120,9 +121,11 @@ _DRIFT_WARNED = False
 def run_episodes(model: nn.Module, tokenizer: Any, rows: Sequence[dict], prompt_messages: Sequence[Sequence[dict]],
                  factory: str | Callable[[], Any], *, num_samples: int, sampling: SamplingConfig, max_turns: int,
                  limits: TurnLimits, tool_parser: str = "hermes", end_of_turn: str = "",
-                 chat_template: str | None = None, seed: int | None = None, draft: object | None = None) -> EnvRollout:
+                 chat_template: str | None = None, seed: int | None = None, draft: object | None = None,
+                 schedule: DecodeSchedule | None = None, reply_timing: str = "arrival") -> EnvRollout:
     """G = ``num_samples`` episodes for each of the K dataset ``rows``, whose prompts are ``prompt_messages``
-    (chat messages, ending on a user message); see the module docstring."""
+    (chat messages, ending on a user message); see the module docstring. ``schedule`` (its linear kernel)
+    and ``reply_timing`` go to ``generate_multiturn``."""
     global _DRIFT_WARNED
     if len(rows) != len(prompt_messages):
         raise ValueError(f"got {len(rows)} rows for {len(prompt_messages)} prompts")
@@ -171,7 +174,7 @@ def run_episodes(model: nn.Module, tokenizer: Any, rows: Sequence[dict], prompt_
                                                                           "top_k")},
                                  "stop_token_ids": tuple(dict.fromkeys((*sampling.stop_token_ids, end_ids[0])))})
     rollout = generate_multiturn(model, prompts, episodes, num_samples=num_samples, sampling=sampling, limits=limits,
-                                 seed=seed, draft=draft)
+                                 seed=seed, draft=draft, schedule=schedule, reply_timing=reply_timing)
     drifted = 0
     for i, episode in enumerate(episodes):
         if rollout.errors[i] is not None and episode.error is None:

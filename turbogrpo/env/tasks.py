@@ -142,3 +142,6 @@ DEMO_CHAT_TEMPLATE = (
     "{%- endif -%}{%- endfor -%}")
 """Chat template for the shipped demo model (its tokenizer has none); the user's first message is the demo
 prompt up to the question (``turbogrpo.data.arithmetic``), ``Answer:`` opens every model turn."""
+
+CHAT_TEMPLATES = {"demo": DEMO_CHAT_TEMPLATE}
+"""Built-in chat templates by the name an ``[env] chat_template`` setting may give instead of Jinja text."""

@@ -148,16 +148,17 @@ def generate(model: nn.Module, prompts: list[torch.Tensor], *, num_samples: int,
     with torch.inference_mode(False), torch.no_grad():
         schedule = schedule or default_schedule(device)
         # The step is made inside: a speculative step may time the model (its latency profile) as it runs.
-        with _linear_kernel(schedule, draft)([model, *getattr(draft, "rollout_modules", list)()]):
+        with rollout_linear_kernel(schedule, draft)([model, *getattr(draft, "rollout_modules", list)()]):
             step: DecodeStep = (PlainStep(PLAIN_RUNNERS[schedule.runner](plain_step)) if draft is None
                                 else draft.make_step(model, prompts, sampling))
             return _rollout(model, prompts, num_samples, sampling, generator, return_hidden, limits, step,
                             schedule)
 
 
-def _linear_kernel(schedule: DecodeSchedule, draft: object | None):
-    """The ``LINEAR_KERNELS`` entry to run the rollout's modules under: "auto" keeps the modules as they
-    are where a step is compiled or replayed (they trace the modules themselves)."""
+def rollout_linear_kernel(schedule: DecodeSchedule, draft: object | None = None):
+    """The ``LINEAR_KERNELS`` entry to run the rollout's modules under (plain, speculative and multi-turn
+    rollouts alike): "auto" keeps the modules as they are where a step is compiled or replayed (they trace
+    the modules themselves)."""
     eager = schedule.runner == "eager" and getattr(draft, "runner", "eager") == "eager"
     if schedule.linears == "auto" and not eager:
         return LINEAR_KERNELS["module"]

@@ -14,8 +14,15 @@ conversation keeping its KV cache from turn to turn.
            decode; the handler returns the reply's ids to prefill, or None to end the conversation.
 
 Environments run in a ``ThreadPoolExecutor`` (one worker per conversation up to ``max_env_workers``): the
-model's forward releases the GIL in its kernels, so Python environment code runs while others decode, and
-an environment that blocks (I/O, a subprocess) holds up only its own conversation.
+model's forward releases the GIL in its kernels, so Python environment code runs while others decode.
+When a reply rejoins the batch is ``reply_timing`` (``REPLY_TIMINGS``):
+
+* "arrival": at the first step after it arrived; an environment that blocks (I/O, a subprocess) holds up
+  only its own conversation, but which step a conversation resumes in depends on the threads' timing, so
+  the seeded draws are not reproducible;
+* "next_step": after exactly one forward of the other conversations (waited for if it is late), or at once
+  when no conversation has ids to feed: every step's batch, and so every draw, follows from the seed alone
+  (what a training run needs to resume exactly), at the cost of waiting for a slow environment.
 
 What comes back is the training data, nothing re-tokenised: each conversation's completion is every id
 after the prompt in the order the model saw it, sampled ids (``model_mask`` 1, with the sampler's log-prob)
@@ -27,8 +34,9 @@ not fit is dropped whole (never cut mid-reply or mid-token) and the conversation
 
 The host reads the drawn tokens once per step (a turn's end is a host decision, since its text goes to
 Python code); on the CPU that read is free (the work already ran when the op returned), on a GPU it is the
-cost of this engine over the windowed plain one. Speculative decoding is not yet wired in: ``draft`` with
-an environment is refused (see ``generate_multiturn``).
+cost of this engine over the windowed plain one. The weight matmuls run under the schedule's linear kernel
+(``engine.rollout_linear_kernel``), as ``generate`` runs them. Speculative decoding is not yet wired in:
+``draft`` with an environment is refused (see ``generate_multiturn``).
 
 Legend: ``K`` prompts, ``N`` conversations (K x G, group-major), ``B`` rows of the decoding batch, ``n``
 ids fed per row in a step, ``V`` vocabulary, ``Hd`` hidden size.
@@ -38,16 +46,17 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Sequence
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass, field
-from typing import Protocol
+from collections.abc import Callable, Sequence
+from concurrent.futures import ALL_COMPLETED, FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field, replace
+from typing import NamedTuple, Protocol
 
 import torch
 from torch import nn
 
 from turbogrpo.batch import Groups
 from turbogrpo.hook import check_materialized, lm_head_of
+from turbogrpo.rollout.engine import DecodeSchedule, default_schedule, rollout_linear_kernel
 from turbogrpo.rollout.kv_cache import GroupedKVCache
 from turbogrpo.rollout.plans import forward_new_tokens, prefill
 from turbogrpo.rollout.sampling import SamplingConfig, sample_with_logprobs
@@ -128,16 +137,42 @@ class _Conversation:
     finish: str = "stop"
     error: str | None = None
     future: Future | None = None
+    due_after: int = 0
+    """Under "next_step" timing: the reply is taken once this many forwards have run."""
+
+
+def _arrived(conversation: _Conversation, num_forwards: int) -> bool:
+    return conversation.future.done()
+
+
+def _one_step_later(conversation: _Conversation, num_forwards: int) -> bool:
+    return num_forwards >= conversation.due_after
+
+
+class ReplyTiming(NamedTuple):
+    """When a waiting conversation's reply is taken (module docstring)."""
+
+    due: Callable[[_Conversation, int], bool]
+    """``due(conversation, forwards run so far)``: take its reply now (waiting for it if it is late)."""
+    idle_wait: str
+    """What to wait for when no conversation has ids to feed (``concurrent.futures.wait``'s return_when)."""
+
+
+REPLY_TIMINGS: dict[str, ReplyTiming] = {"arrival": ReplyTiming(_arrived, FIRST_COMPLETED),
+                                         "next_step": ReplyTiming(_one_step_later, ALL_COMPLETED)}
 
 
 def generate_multiturn(model: nn.Module, prompts: list[torch.Tensor], handlers: Sequence[TurnHandler], *,
                        num_samples: int, sampling: SamplingConfig, limits: TurnLimits, seed: int | None = None,
-                       draft: object | None = None, max_env_workers: int = 16) -> MultiTurnRollout:
+                       draft: object | None = None, max_env_workers: int = 16, schedule: DecodeSchedule | None = None,
+                       reply_timing: str = "arrival") -> MultiTurnRollout:
     """Run ``len(prompts) x num_samples`` conversations (``handlers[i]`` answers conversation i, group-major)
     with ``model``'s current weights; see the module docstring.
 
     ``prompts``: K 1-D int64 tensors, each rendered up to the first assistant turn's header.
     ``sampling.stop_token_ids`` end a turn (the chat template's end-of-turn ids); stop strings are refused.
+    ``schedule``: its ``linears`` kernel runs the weight matmuls (None: the device's default schedule); the
+    loop itself is always eager and reads the host every step. ``reply_timing``: a ``REPLY_TIMINGS`` key.
     """
     if draft is not None:
         raise ValueError("speculative decoding (draft) is not yet supported with an environment: its tree step "
@@ -149,6 +184,10 @@ def generate_multiturn(model: nn.Module, prompts: list[torch.Tensor], handlers: 
         raise ValueError("multi-turn rollouts need sampling.stop_token_ids (the end-of-turn token ids)")
     if not isinstance(limits, TurnLimits):
         raise ValueError(f"limits must be a TurnLimits, got {type(limits).__name__}")
+    if reply_timing not in REPLY_TIMINGS:
+        raise ValueError(f"reply_timing must be one of {sorted(REPLY_TIMINGS)}, got {reply_timing!r}")
+    if schedule is not None and not isinstance(schedule, DecodeSchedule):
+        raise ValueError(f"schedule must be a DecodeSchedule or None, got {type(schedule).__name__}")
     check_materialized(model)
     if len(handlers) != len(prompts) * num_samples:
         raise ValueError(f"got {len(handlers)} handlers for {len(prompts)} prompts x {num_samples} samples")
@@ -163,9 +202,13 @@ def generate_multiturn(model: nn.Module, prompts: list[torch.Tensor], handlers: 
         generator = torch.Generator(device=device).manual_seed(seed)
     prompts = [p.to(device=device, dtype=torch.long) for p in prompts]
     conversations = [_Conversation(handler) for handler in handlers]
+    # The loop is eager whatever the schedule's runner, so "auto" may pick the packed kernel here.
+    linears = rollout_linear_kernel(replace(schedule or default_schedule(device), runner="eager"))
+    workers = max(1, min(max_env_workers, len(handlers)))
     # Outside inference mode even when the caller is in it, as generate() runs (engine.py says why).
-    with torch.inference_mode(False), torch.no_grad(), ThreadPoolExecutor(max_workers=max(1, min(max_env_workers, len(handlers)))) as pool:
-        stats = _run(model, prompts, num_samples, conversations, sampling, limits, generator, pool)
+    with torch.inference_mode(False), torch.no_grad(), linears([model]), ThreadPoolExecutor(workers) as pool:
+        stats = _run(model, prompts, num_samples, conversations, sampling, limits, generator, pool,
+                     REPLY_TIMINGS[reply_timing])
     groups = Groups(prompts, [torch.tensor(c.ids, dtype=torch.long) for c in conversations],
                     [num_samples] * len(prompts), finish_reasons=[c.finish for c in conversations],
                     sampler_logps=[torch.tensor(c.logps, dtype=torch.float32) for c in conversations],
@@ -175,7 +218,7 @@ def generate_multiturn(model: nn.Module, prompts: list[torch.Tensor], handlers: 
 
 def _run(model: nn.Module, prompts: list[torch.Tensor], num_samples: int, conversations: list[_Conversation],
          sampling: SamplingConfig, limits: TurnLimits, generator: torch.Generator | None,
-         pool: ThreadPoolExecutor) -> MultiTurnStats:
+         pool: ThreadPoolExecutor, timing: ReplyTiming) -> MultiTurnStats:
     """The loop of the module docstring; fills ``conversations`` in place."""
     start = time.perf_counter()
     device = prompts[0].device
@@ -192,7 +235,7 @@ def _run(model: nn.Module, prompts: list[torch.Tensor], num_samples: int, conver
     _draw(lm_head(last_GH).repeat_interleave(num_samples, dim=0), rows, conversations, sampling, generator,
           stop_ids, limits, pool, stats)
     while True:
-        _collect_replies(conversations, rows, limits, stats)
+        _collect_replies(conversations, rows, limits, stats, timing.due)
         keep = [b for b, i in enumerate(rows) if conversations[i].phase != _DONE]
         if len(keep) < len(rows):
             if not keep:
@@ -202,7 +245,9 @@ def _run(model: nn.Module, prompts: list[torch.Tensor], num_samples: int, conver
         feeding = [b for b, i in enumerate(rows) if conversations[i].phase == _FEED]
         if not feeding:  # every live conversation waits for its environment
             waited = time.perf_counter()
-            wait([conversations[i].future for i in rows], return_when=FIRST_COMPLETED)
+            wait([conversations[i].future for i in rows], return_when=timing.idle_wait)
+            for i in rows:  # no forward to overlap with: the replies waited for are due now
+                conversations[i].due_after = 0
             stats.env_wait_s += time.perf_counter() - waited
             continue
         drawn_rows, hidden_BH = _feed(model, cache, rows, feeding, conversations, limits.prefill_chunk)
@@ -261,6 +306,7 @@ def _draw(logits_BV: torch.Tensor, members: list[int], conversations: list[_Conv
             conversation.phase = _WAIT
             conversation.future = pool.submit(_call_handler, conversation.handler,
                                               conversation.ids[conversation.turn_start:])
+            conversation.due_after = stats.num_forwards + 1
         elif turn_length >= limits.max_turn_tokens or len(conversation.ids) >= limits.max_conversation_tokens:
             conversation.num_turns += 1
             stats.num_turns += 1
@@ -276,11 +322,12 @@ def _call_handler(handler: TurnHandler, turn_ids: list[int]) -> list[int] | None
 
 
 def _collect_replies(conversations: list[_Conversation], rows: list[int], limits: TurnLimits,
-                     stats: MultiTurnStats) -> None:
-    """Move every waiting conversation whose environment has answered back to feeding (or to done)."""
+                     stats: MultiTurnStats, due: Callable[[_Conversation, int], bool]) -> None:
+    """Move every waiting conversation whose reply is ``due`` back to feeding (or to done), waiting for a
+    reply that is due but not yet there."""
     for i in rows:
         conversation = conversations[i]
-        if conversation.phase != _WAIT or not conversation.future.done():
+        if conversation.phase != _WAIT or not due(conversation, stats.num_forwards):
             continue
         try:
             reply = conversation.future.result()

@@ -1,7 +1,8 @@
 """Held-out accuracy: greedy (and sampled) answers to fixed prompts, scored by the accuracy reward.
 
 Built once (``build_held_out``) and measured the same way by a training run, between its steps, and by
-``turbogrpo eval``.
+``turbogrpo eval``. With an environment (``[env]``) every answer is a whole conversation, scored by the
+accuracy reward with the episodes (the built-in "environment" reward: the environment's own score).
 """
 
 from __future__ import annotations
@@ -17,8 +18,9 @@ from torch import nn
 from turbogrpo.config import DataConfig
 from turbogrpo.data import PromptExample
 from turbogrpo.rewards import Reward, score_completions
-from turbogrpo.rollout import SamplingConfig, generate
+from turbogrpo.rollout import Rollout, SamplingConfig, generate
 from turbogrpo.train import setup
+from turbogrpo.train.episodes import EpisodeSampler
 from turbogrpo.train.distributed import DistInfo, all_reduce_sum
 
 
@@ -39,13 +41,14 @@ class HeldOutAccuracy(NamedTuple):
 
 def evaluate_accuracy(model: nn.Module, tokenizer, examples: Sequence[PromptExample], accuracy: Reward,
                       sampling: SamplingConfig, dist: DistInfo, *, num_samples: int = 1, seed: int | None = None,
-                      prompts_per_batch: int = 64) -> HeldOutAccuracy:
+                      prompts_per_batch: int = 64, episodes: EpisodeSampler | None = None) -> HeldOutAccuracy:
     """Mean accuracy of ``num_samples`` answers per example (each rank answers a share of the examples).
 
     Greedy ``sampling`` with one sample gives greedy accuracy; temperature sampling with a fixed
     ``seed`` gives the sampled (pass@1) accuracy, comparable from one evaluation to the next.
     An answer the reward fails on (it raised, or returned None/NaN) is not scored as wrong: it is
     left out of the accuracy and counted, so a broken reward never shows up as a low accuracy.
+    ``episodes``: answer in conversations with the run's environment (None: single completions).
     """
     mine = list(examples[dist.rank::dist.world_size])
     device = dist.device
@@ -55,10 +58,11 @@ def evaluate_accuracy(model: nn.Module, tokenizer, examples: Sequence[PromptExam
     model.eval()
     for start in range(0, len(mine), prompts_per_batch):
         batch = mine[start:start + prompts_per_batch]
-        rollout = generate(model, [e.token_ids.to(device) for e in batch], num_samples=num_samples,
-                           sampling=sampling, seed=None if seed is None else seed + dist.rank + start)
+        batch_seed = None if seed is None else seed + dist.rank + start
+        rollout, columns = _answers(model, tokenizer, batch, sampling, num_samples, batch_seed, episodes, device)
         completions = tokenizer.batch_decode(rollout.tokens, skip_special_tokens=True)
-        scored = score_completions([accuracy], batch, completions, [t.numel() for t in rollout.tokens], num_samples)
+        scored = score_completions([accuracy], batch, completions, [t.numel() for t in rollout.tokens], num_samples,
+                                   columns)
         failed = scored.failed[accuracy.name]
         first_error = first_error or scored.first_error[accuracy.name]
         # The reward's own values, not the weighted total: the built-in accuracy reward has weight 0.
@@ -70,6 +74,15 @@ def evaluate_accuracy(model: nn.Module, tokenizer, examples: Sequence[PromptExam
     return HeldOutAccuracy(correct / num_scored if num_scored else None, int(num_scored), int(num_failed),
                            first_error)
 
+
+def _answers(model: nn.Module, tokenizer, batch: Sequence[PromptExample], sampling: SamplingConfig, num_samples: int,
+             seed: int | None, episodes: EpisodeSampler | None, device: torch.device) -> tuple[Rollout, dict | None]:
+    """The answers to ``batch`` and the reward columns they add (the episodes, with an environment)."""
+    if episodes is None:
+        return generate(model, [e.token_ids.to(device) for e in batch],
+                        num_samples=num_samples, sampling=sampling, seed=seed), None
+    sampled = episodes.sample(model, tokenizer, batch, num_samples=num_samples, sampling=sampling, seed=seed)
+    return Rollout(sampled.rollout.groups, sampled.rollout.stats), {"environments": sampled.episodes}
 
 
 # The sampled accuracy's seed is train.seed + this: fixed from one evaluation to the next, and apart from
@@ -91,6 +104,8 @@ class HeldOut:
     num_samples: int
     """data.num_eval_samples: sampled answers per problem (0: greedy only)."""
     seed: int
+    episodes: EpisodeSampler | None = None
+    """The run's environment: answers are conversations (None: single completions)."""
 
     @property
     def enabled(self) -> bool:
@@ -98,25 +113,29 @@ class HeldOut:
 
 
 def build_held_out(data: DataConfig, accuracy_reward: str, seed: int, policy: nn.Module, tokenizer,
-                   rewards: Sequence[Reward], sampling: SamplingConfig) -> HeldOut:
+                   rewards: Sequence[Reward], sampling: SamplingConfig,
+                   episodes: EpisodeSampler | None = None) -> HeldOut:
     """The held-out evaluation of ``policy``: the [data] section's held-out prompts, scored by
     ``accuracy_reward`` (train.accuracy_reward), sampled with ``sampling`` (the run's,
-    ``setup.rollout_sampling``) from ``seed`` (train.seed) + SAMPLED_SEED_OFFSET."""
-    examples = setup.load_eval_prompts(data, tokenizer, max_new_tokens=sampling.max_new_tokens,
+    ``setup.rollout_sampling``) from ``seed`` (train.seed) + SAMPLED_SEED_OFFSET, in conversations with
+    ``episodes``' environment when given."""
+    max_new_tokens = sampling.max_new_tokens if episodes is None else episodes.max_completion_tokens
+    examples = setup.load_eval_prompts(data, tokenizer, max_new_tokens=max_new_tokens,
                                        max_positions=setup.position_limit(policy))
     return HeldOut(examples, setup.accuracy_function(accuracy_reward, list(rewards)),
                    dataclasses.replace(sampling, temperature=0.0), sampling, data.num_eval_samples,
-                   seed + SAMPLED_SEED_OFFSET)
+                   seed + SAMPLED_SEED_OFFSET, episodes)
 
 
 def measure_held_out(held_out: HeldOut, model: nn.Module, tokenizer, dist: DistInfo) -> dict[str, HeldOutAccuracy]:
     """"accuracy" (greedy) and, with num_samples, "sampled_accuracy" of ``model`` now (call under the
     run's precision, with full parameters)."""
     args = (model, tokenizer, held_out.examples, held_out.accuracy)
-    measured = {"accuracy": evaluate_accuracy(*args, held_out.greedy, dist)}
+    measured = {"accuracy": evaluate_accuracy(*args, held_out.greedy, dist, episodes=held_out.episodes)}
     if held_out.num_samples:
         measured["sampled_accuracy"] = evaluate_accuracy(*args, held_out.sampling, dist,
-                                                         num_samples=held_out.num_samples, seed=held_out.seed)
+                                                         num_samples=held_out.num_samples, seed=held_out.seed,
+                                                         episodes=held_out.episodes)
     return measured
 
 

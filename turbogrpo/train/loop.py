@@ -3,7 +3,8 @@
 One step is six phases, each taking and returning the step's data (``StepData``), with the collectives
 of each inside it:
 
-    sample   G completions per prompt with the policy's own weights (speculative with the run's draft);
+    sample   G completions per prompt with the policy's own weights (speculative with the run's draft), or
+             G conversations per prompt with an environment each ([env]: ``episodes.py``);
              the draft's training features of every group, before the policy moves
     score    rewards (checked: failures, float32 overflow) -> group advantages      [gather, all-reduce]
     prepare  loss totals, the trained groups, the micro-batch plan, old-policy / reference log-probs
@@ -36,6 +37,7 @@ from turbogrpo.cpu_capability import cpu_capability
 from turbogrpo.data import PromptExample
 from turbogrpo.host_memory import keep_freed_host_memory
 from turbogrpo.rewards import RewardResult, build_rewards, score_completions
+from turbogrpo.env import EnvRollout
 from turbogrpo.rollout import Rollout, generate
 from turbogrpo.train import distributed
 from turbogrpo.train.distributed import DistInfo
@@ -146,6 +148,8 @@ class StepData:
     timer: PhaseTimer
     rollout: Rollout | None = None
     """The rollout (its stats); its completions are ``batch``."""
+    episodes: EnvRollout | None = None
+    """With an environment: the conversations' episodes (rewards read them) and env/* metrics."""
     batch: Groups | None = None
     """This rank's groups, flat and group-major: the rollout's completions with the sampler's log-probs,
     then their total rewards and advantages ``[N]`` (score)."""
@@ -184,14 +188,20 @@ def begin_step(run: Run, step: int) -> StepData:
 def sample(run: Run, data: StepData) -> StepData:
     """G completions per prompt with the policy's weights (speculative with the run's draft), and the
     draft's training data from every group, before the policy moves."""
-    draft = run.draft  # None: speculation off
+    draft = run.draft  # None: speculation off (always so with an environment)
     learns = draft is not None and draft.learns
     # The rollout samples under the training forward's precision: the same bf16 weights and kernels' dtypes.
     with data.timer("rollout"), distributed.full_parameters(run.trainer), run.precision.autocast():
         run.policy.eval()
-        data.rollout = generate(run.policy, data.prompts, num_samples=run.num_generations,
-                                sampling=run.sampling, seed=data.seed, schedule=run.decode_schedule,
-                                draft=draft.speculation() if draft is not None else None, return_hidden=learns)
+        if run.episodes is not None:
+            data.episodes = run.episodes.sample(run.policy, run.tokenizer, data.examples,
+                                                num_samples=run.num_generations, sampling=run.sampling,
+                                                seed=data.seed, schedule=run.decode_schedule)
+            data.rollout = Rollout(data.episodes.rollout.groups, data.episodes.rollout.stats)
+        else:
+            data.rollout = generate(run.policy, data.prompts, num_samples=run.num_generations,
+                                    sampling=run.sampling, seed=data.seed, schedule=run.decode_schedule,
+                                    draft=draft.speculation() if draft is not None else None, return_hidden=learns)
     data.batch = data.rollout.groups
     if learns:
         with data.timer("draft"), training_linears(run):
@@ -205,7 +215,8 @@ def score(run: Run, data: StepData) -> StepData:
     num_samples = run.num_generations
     with data.timer("rewards"):
         data.texts = run.tokenizer.batch_decode(batch.completions, skip_special_tokens=True)
-        data.rewards = score_completions(run.rewards, data.examples, data.texts, batch.lengths, num_samples)
+        episodes = {"environments": data.episodes.episodes} if data.episodes is not None else None
+        data.rewards = score_completions(run.rewards, data.examples, data.texts, batch.lengths, num_samples, episodes)
         # Advantages need every group's rewards only for batch-level std; gathering is cheap either way.
         all_rewards = distributed.all_gather_cat(data.rewards.total.to(dist.device), dist)
         group_sizes = [num_samples] * (all_rewards.numel() // num_samples)
@@ -221,7 +232,7 @@ def prepare(run: Run, data: StepData) -> StepData:
     (both agreed over ranks) and old-policy / reference log-probs where the loss needs them."""
     algo, batch = run.algo, data.batch
     # Totals of the whole batch, skipped groups included.
-    data.normalizer = step_normalizer(batch, run.sampling.max_new_tokens, run.dist)
+    data.normalizer = step_normalizer(batch, run.max_completion_tokens, run.dist)
     data.trained = trainable_groups(batch.advantages, run.num_generations, algo.beta)
     # The loss reads the sampler's log-probs only for the TIS correction; hidden states stay behind.
     trained = replace(batch, hidden=None, sampler_logps=batch.sampler_logps if algo.tis_cap else None)
@@ -271,10 +282,15 @@ def record(run: Run, data: StepData) -> StepData:
     log, rollout, trained = run.log, data.rollout, data.trained_batch
     trainer_logps = trained.old_logps if trained.old_logps is not None else data.updates[0].logps
     sampler_logps = data.batch.select(data.trained).sampler_logps
+    if trained.model_mask is not None:  # the gap over the sampled tokens (environment ids have no sampler log-prob)
+        sampler_logps, trainer_logps = ([t[m.to(t.device)] for t, m in zip(logps, trained.model_mask)]
+                                        for logps in (sampler_logps, trainer_logps))
     draft_metrics, data.metrics = data.metrics, step_metrics(rollout, data.rewards, sampler_logps, trainer_logps,
                                                              data.updates, data.timer.seconds, run, run.dist)
     data.metrics["frac_groups_trained"] = len(data.trained) / len(data.examples)
     data.metrics.update(speculation_metrics(rollout.stats), **draft_metrics)
+    if data.episodes is not None:
+        data.metrics.update(environment_metrics(data.episodes.metrics, run.dist))
     step = data.index + 1
     if run.dist.is_main and log.completions_every and step % log.completions_every == 0:
         run.state.log.log_completions(step, completion_samples(data.examples, data.texts, data.rewards,
@@ -283,6 +299,15 @@ def record(run: Run, data: StepData) -> StepData:
 
 
 # --- pieces of a step -------------------------------------------------------------------------------
+
+
+def environment_metrics(metrics: dict[str, float], dist: DistInfo) -> dict[str, float]:
+    """The episodes' env/* figures (means per conversation on each rank) averaged over ranks (one all-reduce;
+    every rank has as many conversations)."""
+    names = sorted(metrics)
+    values = torch.tensor([metrics[n] for n in names], dtype=torch.float64, device=dist.device)
+    means = (distributed.all_reduce_sum(values, dist) / dist.world_size).tolist()  # host sync: logged numbers
+    return dict(zip(names, means))
 
 
 def rollout_seed(seed: int, step: int, rank: int) -> int:

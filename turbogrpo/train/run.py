@@ -26,6 +26,7 @@ from turbogrpo.rollout.engine import DecodeSchedule, default_schedule
 from turbogrpo.train import distributed, setup
 from turbogrpo.train.distributed import DistInfo
 from turbogrpo.train.draft_learning import OnlineDraft, build_online_draft
+from turbogrpo.train.episodes import EpisodeSampler, build_episode_sampler
 from turbogrpo.train.evaluate import HeldOut, build_held_out
 from turbogrpo.train.metrics import MetricsLog
 from turbogrpo.train.optim import build_optimizer
@@ -72,11 +73,13 @@ def build_policy(model: ModelConfig, lora: LoraConfig, rollout: RolloutConfig, d
     return PolicyParts(precision, policy, tokenizer, setup.rollout_sampling(rollout, policy, tokenizer))
 
 
-def build_policy_held_out(data: DataConfig, train: TrainConfig, parts: PolicyParts, rewards: list[Reward]) -> HeldOut:
+def build_policy_held_out(data: DataConfig, train: TrainConfig, parts: PolicyParts, rewards: list[Reward],
+                          episodes: EpisodeSampler | None = None) -> HeldOut:
     """Held-out evaluation of the policy ``parts``: [data]'s held-out prompts, scored by train.accuracy_reward,
-    sampled with the run's sampling from train.seed (a run's and ``turbogrpo eval``'s alike)."""
+    sampled with the run's sampling from train.seed (a run's and ``turbogrpo eval``'s alike), in conversations
+    with the [env] section's ``episodes`` when given."""
     return build_held_out(data, train.accuracy_reward, train.seed, parts.policy, parts.tokenizer, rewards,
-                          parts.sampling)
+                          parts.sampling, episodes)
 
 
 @dataclass
@@ -128,8 +131,16 @@ class Run:
     """The output folder's record of the run's inputs (config.json, inputs.json)."""
     draft: OnlineDraft | None = None
     """The speculative rollouts' draft head and its online learning; None when rollout.speculation is "off"."""
+    episodes: EpisodeSampler | None = None
+    """The [env] section: each step samples conversations with an environment each; None: single completions."""
     state: RunState = field(default_factory=RunState)
     """Steps done, skipped-step counters, evaluations, the metrics log (``state.start`` resumes it)."""
+
+    @property
+    def max_completion_tokens(self) -> int:
+        """The most ids a completion holds: rollout.max_new_tokens, or a whole conversation's after its
+        prompt ([env] max_conversation_tokens); dr_grpo's constant."""
+        return self.sampling.max_new_tokens if self.episodes is None else self.episodes.max_completion_tokens
 
 
 def build_run(config: Config, dist: DistInfo, rewards: list[Reward]) -> Run:
@@ -139,7 +150,8 @@ def build_run(config: Config, dist: DistInfo, rewards: list[Reward]) -> Run:
         warn_if_pure(config.model.pure_bf16)
     parts = build_policy(config.model, config.lora, config.rollout, dist, seed=config.train.seed)
     precision, policy = parts.precision, parts.policy
-    held_out = build_policy_held_out(config.data, config.train, parts, rewards)
+    episodes = build_episode_sampler(config.env, parts.tokenizer)  # before the prompts: it may set the template
+    held_out = build_policy_held_out(config.data, config.train, parts, rewards, episodes)
     fsdp2 = dist.enabled and config.distributed.strategy == "fsdp2"
     if fsdp2 and config.lora.enabled and config.algo.beta > 0:
         raise ValueError("config key 'algo.beta': with distributed.strategy = \"fsdp2\" and LoRA the reference "
@@ -150,11 +162,13 @@ def build_run(config: Config, dist: DistInfo, rewards: list[Reward]) -> Run:
                                       precision, fn)
     optimizer = build_optimizer(policy, config.optim)
     max_positions = setup.position_limit(policy)
+    max_new_tokens = config.rollout.max_new_tokens if episodes is None else episodes.max_completion_tokens
     prompt_set = setup.load_train_prompts(config.data, parts.tokenizer, seed=config.train.seed,
-                                          max_new_tokens=config.rollout.max_new_tokens, max_positions=max_positions)
+                                          max_new_tokens=max_new_tokens, max_positions=max_positions)
     if dist.is_main and (prompt_set.num_too_long or prompt_set.num_empty):
-        model_limit = (f" (or, with rollout.max_new_tokens={config.rollout.max_new_tokens}, over the model's "
-                       f"{max_positions} positions)" if max_positions else "")
+        limit = "rollout.max_new_tokens" if episodes is None else "env.max_conversation_tokens"
+        model_limit = (f" (or, with {limit}={max_new_tokens}, over the model's {max_positions} positions)"
+                       if max_positions else "")
         tqdm.write(f"skipped {prompt_set.num_too_long} prompts over data.max_prompt_tokens="
                    f"{config.data.max_prompt_tokens}{model_limit} and {prompt_set.num_empty} empty prompts")
     check_prompt_count(config.data, config.train.prompts_per_step, prompt_set)
@@ -173,7 +187,8 @@ def build_run(config: Config, dist: DistInfo, rewards: list[Reward]) -> Run:
                training_kernels=TRAINING_LINEAR_KERNELS[config.model.linear_kernel], held_out=held_out,
                loss=build_loss(config.algo), algo=config.algo, optim=config.optim, train=config.train,
                log=config.log, export_dtype=str(parts.precision.compute_dtype).removeprefix("torch.")
-               if config.train.final_dtype == "auto" else config.train.final_dtype, record=run_record(config), draft=draft)
+               if config.train.final_dtype == "auto" else config.train.final_dtype, record=run_record(config), draft=draft,
+               episodes=episodes)
 
 
 def check_prompt_count(data: DataConfig, prompts_per_step: int, prompt_set) -> None:

@@ -18,9 +18,10 @@ def step_metrics(rollout: Rollout, rewards: RewardResult, sampler_logps: list[to
     """Reward mean/std (total and per function), accuracy, completion lengths, loss metrics (KL, clip
     fractions, entropy), grad norm, learning rate, phase times, tokens/s and the sampler-vs-trainer
     log-prob gap (over the completions the update ran: ``sampler_logps`` and ``trainer_logps`` align,
-    per completion, flat). One gather and one host sync for the batch statistics."""
+    per completion, flat; model tokens only in multi-turn batches). One gather and one host sync for the batch statistics."""
     names = list(rewards.per_function)
-    lengths = torch.tensor([t.numel() for t in rollout.tokens], dtype=torch.float32)
+    # Completion lengths count sampled tokens (a multi-turn conversation's environment ids are not generated).
+    lengths = torch.tensor(rollout.groups.trained_lengths, dtype=torch.float32)
     truncated = torch.tensor([reason == "length" for reason in rollout.finish_reasons], dtype=torch.float32)
     columns_NC = torch.stack([rewards.total, *(rewards.per_function[n] for n in names), lengths, truncated], dim=1)
     all_NC = distributed.all_gather_cat(columns_NC.to(dist.device), dist)
