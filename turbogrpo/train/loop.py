@@ -45,7 +45,8 @@ from turbogrpo.train.metrics import read_metrics
 from turbogrpo.train.report import speculation_summary, write_report
 from turbogrpo.train.output_dir import claim_output_dir, mark_complete, run_record
 from turbogrpo.train.run import Run, build_run
-from turbogrpo.train.state import RewardFailure, RunComplete, evaluate, export, interrupted, save, start
+from turbogrpo.train.state import (RewardFailure, RunComplete, evaluate, evaluate_and_save_final, export, interrupted,
+                                   save, start)
 from turbogrpo.train.step_metrics import completion_samples, step_metrics
 from turbogrpo.train.update import UpdateResult, update_policy
 from turbogrpo.train.update import score as logprobs_of
@@ -99,11 +100,10 @@ def train(config: Config, *, resume: bool = False, overwrite: bool = False) -> R
                 bar.set_postfix({k: f"{metrics[k]:.3f}" for k in ("reward", "accuracy") if k in metrics},
                                 refresh=False)
                 bar.update()
-                if config.train.checkpoint_every and state.step % config.train.checkpoint_every == 0:
+                if (config.train.checkpoint_every and state.step % config.train.checkpoint_every == 0
+                        and state.step < total):
                     save(run)
-        evaluate(run)
-        if not (config.train.checkpoint_every and total % config.train.checkpoint_every == 0):
-            save(run)  # (otherwise the loop has just saved this step)
+        evaluate_and_save_final(run)
         final_model = export(run)
         state.log.close()
         if dist.is_main and config.log.report:
