@@ -44,6 +44,7 @@ from turbogrpo.train.optim import learning_rate, set_learning_rate
 from turbogrpo.train.metrics import read_metrics
 from turbogrpo.train.report import speculation_summary, write_report
 from turbogrpo.train.output_dir import claim_output_dir, mark_complete, run_record
+from turbogrpo.train.rank_agreement import check_ranks_agree
 from turbogrpo.train.run import Run, build_run
 from turbogrpo.train.state import (RewardFailure, RunComplete, evaluate, evaluate_and_save_final, export, interrupted,
                                    save, start)
@@ -83,7 +84,9 @@ def train(config: Config, *, resume: bool = False, overwrite: bool = False) -> R
     started = time.perf_counter()
     output, run = None, None
     try:
-        output = claim_output_dir(run_record(config), dist, resume=resume, overwrite=overwrite)
+        record = run_record(config)
+        check_ranks_agree(record, dist)  # under torchrun: one config and the same inputs on every rank
+        output = claim_output_dir(record, dist, resume=resume, overwrite=overwrite)
         run = build_run(config, dist, rewards)
         state = start(run, resume)
         total = config.train.num_steps
