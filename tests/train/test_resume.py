@@ -55,7 +55,7 @@ def test_sigkill_then_resume_equals_uninterrupted_run(tmp_path, extra):
 
     killed_dir = tmp_path / "killed"
     sets = overrides(model_dir, rows, killed_dir, **extra)
-    child = subprocess.Popen(command(config, sets), cwd=REPO, env=env, stdout=subprocess.PIPE,
+    child = subprocess.Popen(command(config, sets, *flags), cwd=REPO, env=env, stdout=subprocess.PIPE,
                              stderr=subprocess.DEVNULL, text=True)
     for line in child.stdout:
         if line.startswith("checkpoint saved:"):
@@ -105,17 +105,17 @@ def comparable(records):
 LONG_RUN_STEPS = 1_000_000
 
 
-def long_run_after_its_first_checkpoint(tmp_path):
-    """A ``turbogrpo train`` child far too long to finish by itself (so only the test's signal ends it, on
-    however fast a machine), returned once it printed its first checkpoint; and its config file, set
-    options and output folder."""
+def long_run_after_its_first_checkpoint(tmp_path, *flags: str):
+    """A ``turbogrpo train`` child (with ``flags``) far too long to finish by itself (so only the test's
+    signal ends it, on however fast a machine), returned once it printed its first checkpoint; and its
+    config file, set options and output folder."""
     model_dir, rows, config, env = subprocess_run_setup(tmp_path)
     out = tmp_path / "out"
     sets = overrides(model_dir, rows, out, **{"train.num_steps": LONG_RUN_STEPS, "train.checkpoint_every": 1,
                                               "data.eval_path": '""'})
     # SIGINT's default action restored in the child: a shell without job control starts background jobs
     # with SIGINT ignored (CI run as `cmd &`), which Python then keeps, and the Ctrl-C case could not be tested.
-    child = subprocess.Popen(command(config, sets), cwd=REPO, env=env, stdout=subprocess.PIPE,
+    child = subprocess.Popen(command(config, sets, *flags), cwd=REPO, env=env, stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True,
                              preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     for line in child.stdout:
@@ -146,6 +146,41 @@ def test_ctrl_c_or_sigterm_prints_one_line_naming_the_checkpoint_and_the_lock_ke
     step, saved = map(int, re.fullmatch(r".* at step (\d+);.*step-(\d+)\)", last).groups())
     assert 1 <= saved <= step < LONG_RUN_STEPS
     assert ckpt.checkpoint_problem(out / f"step-{saved:06d}") is None
+
+
+def children(pid: int) -> list[int]:
+    return [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+
+def assert_stopped_by_sigterm_naming_one_checkpoint(child, config, out, flags: str) -> None:
+    stdout, stderr = child.communicate(timeout=120)
+    assert child.returncode == 143, stderr[-3000:]
+    assert "Traceback" not in stderr and "Connection reset" not in stderr, stderr[-3000:]
+    said = [line for line in stderr.splitlines() if line.startswith("turbogrpo: ")]
+    assert len(said) == 1, said  # rank 0 speaks for both
+    assert said[0] == stderr.strip().splitlines()[-1] or "exitcode" in stderr  # (the launcher logs a rank's exit)
+    found = re.fullmatch(rf"turbogrpo: terminated \(SIGTERM\) at step (\d+); continue with `turbogrpo train {config} "
+                         rf"{flags} --resume` \(with the same --set options\) \(from {out}/step-(\d+)\)", said[0])
+    assert found, said[0]
+    step, saved = map(int, found.groups())
+    assert 1 <= saved <= step < LONG_RUN_STEPS
+    assert ckpt.checkpoint_problem(out / f"step-{saved:06d}") is None
+    assert ckpt.checkpoint_problem(out / f"step-{step:06d}") is None  # the ranks stopped at a step's end
+
+
+def test_sigterm_to_the_launcher_of_two_ranks_ends_like_one_process(tmp_path):
+    child, config, _, out = long_run_after_its_first_checkpoint(tmp_path, "--nproc-per-node", "2")
+    child.send_signal(signal.SIGTERM)
+    assert_stopped_by_sigterm_naming_one_checkpoint(child, config, out, "--nproc-per-node 2")
+
+
+@pytest.mark.slow
+def test_sigterm_to_one_rank_stops_both_at_the_same_step_end(tmp_path):
+    child, config, _, out = long_run_after_its_first_checkpoint(tmp_path, "--nproc-per-node", "2")
+    ranks = children(child.pid)
+    assert len(ranks) == 2, ranks
+    os.kill(max(ranks), signal.SIGTERM)  # rank 1 (started second) alone: rank 0 must not be left in a collective
+    assert_stopped_by_sigterm_naming_one_checkpoint(child, config, out, "--nproc-per-node 2")
 
 
 # --- the end of a run, stopped anywhere and resumed: every record once, complete.json never rewritten ---

@@ -48,6 +48,7 @@ from turbogrpo.train.rank_agreement import check_ranks_agree
 from turbogrpo.train.run import Run, build_run
 from turbogrpo.train.state import (RewardFailure, RunComplete, evaluate, evaluate_and_save_final, export, interrupted,
                                    save, start)
+from turbogrpo.train.stops import stops_at_step_ends
 from turbogrpo.train.step_metrics import completion_samples, step_metrics
 from turbogrpo.train.update import UpdateResult, update_policy
 from turbogrpo.train.update import score as logprobs_of
@@ -92,8 +93,10 @@ def train(config: Config, *, resume: bool = False, overwrite: bool = False) -> R
         total = config.train.num_steps
         if state.step == 0:
             evaluate(run)
-        with tqdm(total=total, initial=state.step, desc="GRPO", unit="step", dynamic_ncols=True,
-                  disable=not (dist.is_main and config.log.progress_bar)) as bar:
+        # Under torchrun, SIGTERM and Ctrl-C stop every rank together at a step's end (stops.py).
+        with stops_at_step_ends(dist) as stop, tqdm(total=total, initial=state.step, desc="GRPO", unit="step",
+                                                    dynamic_ncols=True,
+                                                    disable=not (dist.is_main and config.log.progress_bar)) as bar:
             while state.step < total:
                 metrics = grpo_step(run, state.step)
                 state.step += 1
@@ -106,6 +109,7 @@ def train(config: Config, *, resume: bool = False, overwrite: bool = False) -> R
                 if (config.train.checkpoint_every and state.step % config.train.checkpoint_every == 0
                         and state.step < total):
                     save(run)
+                stop.check()
         evaluate_and_save_final(run)
         final_model = export(run)
         state.log.close()
@@ -120,7 +124,7 @@ def train(config: Config, *, resume: bool = False, overwrite: bool = False) -> R
     except RunComplete as done:
         return RunSummary(done.step, done.evals, time.perf_counter() - started, output.path, None, already_complete=True)
     except KeyboardInterrupt:
-        raise interrupted(run, Path(config.train.output_dir)) from None
+        raise interrupted(run, Path(config.train.output_dir), report=dist.is_main) from None
     finally:
         if output is not None:
             output.release()

@@ -85,11 +85,12 @@ class RunComplete(Exception):
 
 
 class TrainingInterrupted(Exception):
-    """Ctrl-C: ``step`` steps were done; ``checkpoint`` is the last complete checkpoint (None: none yet)."""
+    """Ctrl-C: ``step`` steps were done; ``checkpoint`` is the last complete checkpoint (None: none yet);
+    ``report``: this process says so (rank 0; every rank of a torchrun job stops with the same)."""
 
-    def __init__(self, step: int, checkpoint: Path | None):
+    def __init__(self, step: int, checkpoint: Path | None, report: bool = True):
         super().__init__(f"interrupted at step {step}")
-        self.step, self.checkpoint = step, checkpoint
+        self.step, self.checkpoint, self.report = step, checkpoint, report
 
 
 def find_resume_checkpoint(output_dir: Path, dist: DistInfo) -> Path | None:
@@ -111,10 +112,12 @@ def find_resume_checkpoint(output_dir: Path, dist: DistInfo) -> Path | None:
     return latest
 
 
-def interrupted(run: Run | None, output_dir: Path) -> TrainingInterrupted:
-    """What to report after Ctrl-C: the steps done and the newest checkpoint verified complete."""
-    latest = checkpoint.latest_checkpoint(output_dir, notice=tqdm.write) if output_dir.is_dir() else None
-    return TrainingInterrupted(run.state.step if run is not None else 0, latest)
+def interrupted(run: Run | None, output_dir: Path, *, report: bool = True) -> TrainingInterrupted:
+    """What to report after Ctrl-C: the steps done and the newest checkpoint verified complete (``report``:
+    this process reports it, and names the damaged checkpoints it passes over)."""
+    notice = tqdm.write if report else (lambda _: None)
+    latest = checkpoint.latest_checkpoint(output_dir, notice=notice) if output_dir.is_dir() else None
+    return TrainingInterrupted(run.state.step if run is not None else 0, latest, report)
 
 
 def evaluate(run: Run) -> dict | None:
