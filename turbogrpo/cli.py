@@ -152,7 +152,8 @@ def main(argv: list[str] | None = None) -> int:
         with _sigterm_as_interrupt():
             return _run_command(args, overrides)
     except (ConfigError, ValueError) as err:
-        print(f"turbogrpo: error: {err}", file=sys.stderr)
+        if getattr(err, "report", True):  # (False: another rank of a torchrun job says the same)
+            print(f"turbogrpo: error: {err}", file=sys.stderr)
         return 2
     except OSError as err:  # the machine's, not the config's: a full disk, a vanished folder ...
         where = f" ({err.filename})" if err.filename else ""

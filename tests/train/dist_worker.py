@@ -114,4 +114,5 @@ def disagreeing(rank: int, world_size: int, ports: list[int], out_dir: str, mode
             outcome = "started"
         except ValueError as err:
             outcome = str(err)
+            (out / f"{case}-rank{rank}-reports.txt").write_text(str(getattr(err, "report", None)))
         (out / f"{case}-rank{rank}.txt").write_text(outcome)

@@ -104,6 +104,8 @@ def test_ranks_that_disagree_refuse_to_start_naming_the_first_differing_key(tmp_
     for case, difference in shown.items():
         messages = [(tmp_path / f"{case}-rank{rank}.txt").read_text() for rank in (0, 1)]
         assert messages[0] == messages[1], case  # both ranks stop, with the same line
+        reports = [(tmp_path / f"{case}-rank{rank}-reports.txt").read_text() for rank in (0, 1)]
+        assert reports == ["True", "False"], case  # which rank 0 alone prints
         assert messages[0].startswith(f"the 2 ranks do not train with the same settings: {difference}"), messages[0]
         assert "\n" not in messages[0]
         assert not (tmp_path / case).exists() or not any((tmp_path / case).iterdir())  # refused before any output

@@ -27,6 +27,15 @@ CONTENT = "the content of "
 """Prefix of an input's fingerprint among the training keys (``the content of data.path``)."""
 
 
+class RanksDisagree(ValueError):
+    """The ranks do not train with the same settings; every rank raises the same line, and ``report`` is
+    True on rank 0 alone, the one that prints it."""
+
+    def __init__(self, message: str, report: bool):
+        super().__init__(message)
+        self.report = report
+
+
 def training_keys(record: RunRecord) -> dict[str, Any]:
     """What this rank trains with, in config order: every config key but ``RANK_LOCAL_KEYS`` (lists and
     tables flattened too: ``rewards.0.weight``), then a fingerprint of each local input it reads and
@@ -38,7 +47,7 @@ def training_keys(record: RunRecord) -> dict[str, Any]:
 
 
 def check_ranks_agree(record: RunRecord, dist: DistInfo) -> None:
-    """ValueError on every rank, naming the first training key whose value differs between ranks (with each
+    """RanksDisagree (a ValueError) on every rank, naming the first training key whose value differs between ranks (with each
     rank's value), when they do not all train with the same config and inputs. Every rank must call it."""
     if not dist.enabled:
         return
@@ -49,7 +58,7 @@ def check_ranks_agree(record: RunRecord, dist: DistInfo) -> None:
         return
     every_rank: list[dict[str, Any] | None] = [None] * dist.world_size
     torch_dist.all_gather_object(every_rank, keys)
-    raise ValueError(describe_first_difference(every_rank))
+    raise RanksDisagree(describe_first_difference(every_rank), report=dist.is_main)
 
 
 def describe_first_difference(every_rank: list[dict[str, Any]]) -> str:
