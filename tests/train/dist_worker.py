@@ -88,8 +88,8 @@ def run(rank: int, world_size: int, ports: list[int], out_dir: str, model_dir: s
 # Ranks that disagree: rank 1 trains with these settings changed (rank 0 with the shared ones). "rows" is a
 # relative data.path that each rank reads in its own working folder: the same setting, other rows on rank 1.
 DISAGREEMENTS = {"optim.lr": {"optim.lr": 1e-3}, "data.num_train_problems": {"data.num_train_problems": 100},
-                 "rewards.0.weight": {"rewards.0.weight": 2.0}, "rollout.num_generations": {"rollout.num_generations": 2},
-                 "rows": {}}
+                 "rewards.0.weight": {"rewards.0.weight": 2.0},
+                 "rollout.num_generations": {"rollout.num_generations": 2}, "rows": {}}
 
 
 def disagreeing(rank: int, world_size: int, ports: list[int], out_dir: str, model_dir: str, rows: str) -> None:

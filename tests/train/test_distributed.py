@@ -119,6 +119,7 @@ def test_rank_local_keys_do_not_count_and_every_training_key_is_named_by_its_set
     keys_a, keys_b = training_keys(run_record(base)), training_keys(run_record(changed))
     assert [k for k in keys_a if keys_a[k] != keys_b[k]] == ["rewards.0.weight", "algo.epsilon_high"]  # config order
     assert describe_first_difference([keys_a, keys_b]).startswith(
-        "the 2 ranks do not train with the same settings: config key 'rewards.0.weight' differs (rank 0 1.0, rank 1 0.5)")
+        "the 2 ranks do not train with the same settings: config key 'rewards.0.weight' differs "
+        "(rank 0 1.0, rank 1 0.5)")
     assert describe_first_difference([keys_a, {**keys_a, "extra.key": 1}]).startswith(
         "the 2 ranks do not train with the same settings: config key 'extra.key' differs (rank 0 has none, rank 1 1)")

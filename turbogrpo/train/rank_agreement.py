@@ -47,8 +47,9 @@ def training_keys(record: RunRecord) -> dict[str, Any]:
 
 
 def check_ranks_agree(record: RunRecord, dist: DistInfo) -> None:
-    """RanksDisagree (a ValueError) on every rank, naming the first training key whose value differs between ranks (with each
-    rank's value), when they do not all train with the same config and inputs. Every rank must call it."""
+    """RanksDisagree (a ValueError) on every rank, naming the first training key whose value differs
+    between ranks (with each rank's value), when they do not all train with the same config and inputs.
+    Every rank must call it."""
     if not dist.enabled:
         return
     keys = training_keys(record)
