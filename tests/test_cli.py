@@ -56,6 +56,20 @@ def test_bad_input_exits_2_with_one_clear_line(argv, message, capsys):
     assert err.startswith(message), err
 
 
+@pytest.mark.parametrize("world_size, argv, message", [
+    (None, ["demo", "--nproc-per-node", "0"], "turbogrpo: error: --nproc-per-node: 0 is not a number of processes; "
+                                              "use an integer >= 1\n"),
+    ("4", ["demo", "--nproc-per-node", "2"], "turbogrpo: error: --nproc-per-node: 2 processes asked for inside a "
+                                             "torchrun job of 4; drop the flag under torchrun, or start the command "
+                                             "without torchrun\n"),
+])
+def test_a_bad_number_of_processes_is_one_line_before_any_launch(world_size, argv, message, capsys, monkeypatch):
+    if world_size:
+        monkeypatch.setenv("WORLD_SIZE", world_size)
+    assert main(argv) == 2
+    assert capsys.readouterr().err == message
+
+
 def test_train_then_eval_the_exported_model(tmp_path, capsys):
     model_dir, rows = write_model(tmp_path / "model"), write_rows(tmp_path / "rows.jsonl")
     config = tmp_path / "run.yaml"

@@ -1,6 +1,6 @@
 """Command line: ``turbogrpo train | demo | eval``.
 
-    turbogrpo train CONFIG [--set key.sub=value ...] [--resume | --overwrite]
+    turbogrpo train CONFIG [--set key.sub=value ...] [--resume | --overwrite] [--nproc-per-node N]
     turbogrpo demo [--set key.sub=value ...] [--resume | --overwrite]   GRPO on the built-in arithmetic task,
                                                       ~5 min on 2 CPU cores
     turbogrpo demo --longform [...]                   the long-form task, speculative rollouts + online draft
@@ -21,7 +21,9 @@ import time
 
 from turbogrpo.config import Config, ConfigError, load_config
 from turbogrpo.host_memory import keep_freed_host_memory
+from turbogrpo.launch import check_launch, launch
 from turbogrpo.speculative.cli import add_commands as add_speculative_commands
+from turbogrpo.train.stops import Terminated  # SIGTERM as a KeyboardInterrupt (exit status 143)
 
 # The demo: GRPO on the built-in arithmetic task with the shipped demo model. configs/demo.toml holds
 # the same settings (a test keeps them equal); each value's reason is written there.
@@ -145,10 +147,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     overrides = [item for group in getattr(args, "set", None) or [] for item in group]
     try:
+        if check_launch(getattr(args, "nproc_per_node", 1)):
+            return launch(args.nproc_per_node, list(sys.argv[1:] if argv is None else argv))
         with _sigterm_as_interrupt():
             return _run_command(args, overrides)
     except (ConfigError, ValueError) as err:
-        print(f"turbogrpo: error: {err}", file=sys.stderr)
+        if getattr(err, "report", True):  # (False: another rank of a torchrun job says the same)
+            print(f"turbogrpo: error: {err}", file=sys.stderr)
         return 2
     except OSError as err:  # the machine's, not the config's: a full disk, a vanished folder ...
         where = f" ({err.filename})" if err.filename else ""
@@ -186,6 +191,9 @@ def _keep_apart_from_the_config_file(output_dir: str, config_file: str) -> None:
 
 
 def _add_run_flags(cmd: argparse.ArgumentParser, resume_help: str) -> None:
+    cmd.add_argument("--nproc-per-node", type=int, default=1, metavar="N",
+                     help="train on N processes of this machine (torchrun's launcher, standalone; one per GPU); "
+                          "SIGTERM or Ctrl-C stops every rank at a step's end and names the checkpoint")
     flags = cmd.add_mutually_exclusive_group()
     flags.add_argument("--resume", action="store_true", help=resume_help)
     flags.add_argument("--overwrite", action="store_true",
@@ -203,6 +211,8 @@ def _train(config: Config, args: argparse.Namespace, command: str, demo: bool = 
 
     _quiet_transformers()
     same_options = " (with the same --set options)" if getattr(args, "set", None) else ""
+    if args.nproc_per_node > 1:
+        command += f" --nproc-per-node {args.nproc_per_node}"
     try:
         summary = train(config, resume=args.resume, overwrite=args.overwrite)
     except TrainingDiverged as err:
@@ -210,7 +220,9 @@ def _train(config: Config, args: argparse.Namespace, command: str, demo: bool = 
         return 1
     except TrainingInterrupted as stop:
         how, code = _stopped_by(stop.__context__)  # the KeyboardInterrupt (or SIGTERM) it was raised from
-        if stop.checkpoint is None:
+        if not stop.report:  # another rank of a torchrun job: rank 0 says it for all
+            pass
+        elif stop.checkpoint is None:
             print(f"turbogrpo: {how} at step {stop.step}, before the first checkpoint; start again with "
                   f"`{command} --overwrite`{same_options}", file=sys.stderr)
         else:
@@ -235,11 +247,6 @@ def _train(config: Config, args: argparse.Namespace, command: str, demo: bool = 
     if demo:
         print(f"The demo trained its model with GRPO; plots and numbers in {summary.output_dir / 'report'}.")
     return 0
-
-
-class Terminated(KeyboardInterrupt):
-    """SIGTERM (``kill``, a scheduler ending a job), handled like Ctrl-C: the run stops where it is, its
-    lock and processes are released, and the last complete checkpoint is named (exit status 143)."""
 
 
 def _stopped_by(interrupt: BaseException | None) -> tuple[str, int]:

@@ -83,3 +83,36 @@ def run(rank: int, world_size: int, ports: list[int], out_dir: str, model_dir: s
                                              **{"distributed.strategy": strategy, "train.num_steps": num_steps,
                                                 "algo.beta": 0.05, **extra}))
         loop.train(config, resume=resume)
+
+
+# Ranks that disagree: rank 1 trains with these settings changed (rank 0 with the shared ones). "rows" is a
+# relative data.path that each rank reads in its own working folder: the same setting, other rows on rank 1.
+DISAGREEMENTS = {"optim.lr": {"optim.lr": 1e-3}, "data.num_train_problems": {"data.num_train_problems": 100},
+                 "rewards.0.weight": {"rewards.0.weight": 2.0},
+                 "rollout.num_generations": {"rollout.num_generations": 2}, "rows": {}}
+
+
+def disagreeing(rank: int, world_size: int, ports: list[int], out_dir: str, model_dir: str, rows: str) -> None:
+    """Each case of DISAGREEMENTS started on both ranks; writes what each rank raised (or "started") to
+    ``<out_dir>/<case>-rank<r>.txt``."""
+    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
+                       "MASTER_ADDR": "127.0.0.1"})
+    torch.set_num_threads(1)
+    out = Path(out_dir)
+    own = out / f"rank{rank}"
+    own.mkdir()
+    lines = Path(rows).read_text().splitlines(keepends=True)
+    (own / "rows.jsonl").write_text("".join(lines[::-1] if rank else lines))  # the same rows, another order
+    os.chdir(own)
+    for port, (case, changed) in zip(ports, DISAGREEMENTS.items()):
+        os.environ["MASTER_PORT"] = str(port)
+        data = {"data.path": '"rows.jsonl"', "data.eval_path": '""'} if case == "rows" else {}
+        sets = {**data, **(changed if rank else {})}
+        config = load_config(None, overrides(Path(model_dir), Path(rows), out / case, **sets))
+        try:
+            loop.train(config)
+            outcome = "started"
+        except ValueError as err:
+            outcome = str(err)
+            (out / f"{case}-rank{rank}-reports.txt").write_text(str(getattr(err, "report", None)))
+        (out / f"{case}-rank{rank}.txt").write_text(outcome)

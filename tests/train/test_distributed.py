@@ -2,6 +2,7 @@
 
 import json
 import socket
+import time
 
 import pytest
 import torch
@@ -10,8 +11,11 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from turbogrpo.algo import LOSSES
+from turbogrpo.config import load_config
 from turbogrpo.train.distributed import DistInfo
 from turbogrpo.train.metrics import read_metrics
+from turbogrpo.train.output_dir import run_record
+from turbogrpo.train.rank_agreement import describe_first_difference, training_keys
 
 from . import dist_worker
 from .tiny_run import write_model, write_rows
@@ -73,3 +77,49 @@ def test_fsdp2_bf16_mixed_keeps_float32_shards_and_logs_the_gap_and_tis(two_rank
         assert 0.9 < r["tis/weight_mean"] < 1.1 and 0 <= r["tis/frac_capped"] <= 1
     assert {t.dtype for t in load_file(out / "step-000002" / "model.safetensors").values()} == {torch.float32}
     assert AutoModelForCausalLM.from_pretrained(out / "final", dtype="auto").dtype == torch.bfloat16
+
+
+def spawn_bounded(fn, args, nprocs: int, timeout_s: float) -> None:
+    """``mp.spawn(fn, args, nprocs)``, failing (its processes ended) when it is not done in ``timeout_s``: a
+    rank left waiting in a collective must fail the test, not hang the suite."""
+    context = mp.spawn(fn, args=args, nprocs=nprocs, join=False)
+    deadline = time.monotonic() + timeout_s
+    while not context.join(timeout=max(0.1, deadline - time.monotonic())):
+        if time.monotonic() >= deadline:
+            for process in context.processes:
+                process.kill()
+            pytest.fail(f"{nprocs} ranks not done after {timeout_s:.0f} s (one waits in a collective?)")
+
+
+def test_ranks_that_disagree_refuse_to_start_naming_the_first_differing_key(tmp_path):
+    model_dir, rows = write_model(tmp_path / "model"), write_rows(tmp_path / "rows.jsonl")
+    cases = dist_worker.DISAGREEMENTS
+    spawn_bounded(dist_worker.disagreeing, (2, free_ports(len(cases)), str(tmp_path), str(model_dir), str(rows)),
+                  nprocs=2, timeout_s=120)
+    shown = {"optim.lr": "config key 'optim.lr' differs (rank 0 0.003, rank 1 0.001)",
+             "data.num_train_problems": "config key 'data.num_train_problems' differs (rank 0 2000, rank 1 100)",
+             "rewards.0.weight": "config key 'rewards.0.weight' differs (rank 0 1.0, rank 1 2.0)",
+             "rollout.num_generations": "config key 'rollout.num_generations' differs (rank 0 4, rank 1 2)",
+             "rows": "the content of data.path (its fingerprint) differs (rank 0 '"}
+    for case, difference in shown.items():
+        messages = [(tmp_path / f"{case}-rank{rank}.txt").read_text() for rank in (0, 1)]
+        assert messages[0] == messages[1], case  # both ranks stop, with the same line
+        reports = [(tmp_path / f"{case}-rank{rank}-reports.txt").read_text() for rank in (0, 1)]
+        assert reports == ["True", "False"], case  # which rank 0 alone prints
+        assert messages[0].startswith(f"the 2 ranks do not train with the same settings: {difference}"), messages[0]
+        assert "\n" not in messages[0]
+        assert not (tmp_path / case).exists() or not any((tmp_path / case).iterdir())  # refused before any output
+
+
+def test_rank_local_keys_do_not_count_and_every_training_key_is_named_by_its_set_name(tmp_path):
+    base = load_config(None, ["train.num_threads=1", "log.progress_bar=true"])
+    local = load_config(None, ["train.num_threads=2", "log.progress_bar=false", "log.tensorboard=false"])
+    assert training_keys(run_record(base)) == training_keys(run_record(local))
+    changed = load_config(None, ["rewards.0.weight=0.5", "algo.epsilon_high=0.3"])
+    keys_a, keys_b = training_keys(run_record(base)), training_keys(run_record(changed))
+    assert [k for k in keys_a if keys_a[k] != keys_b[k]] == ["rewards.0.weight", "algo.epsilon_high"]  # config order
+    assert describe_first_difference([keys_a, keys_b]).startswith(
+        "the 2 ranks do not train with the same settings: config key 'rewards.0.weight' differs "
+        "(rank 0 1.0, rank 1 0.5)")
+    assert describe_first_difference([keys_a, {**keys_a, "extra.key": 1}]).startswith(
+        "the 2 ranks do not train with the same settings: config key 'extra.key' differs (rank 0 has none, rank 1 1)")

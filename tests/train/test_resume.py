@@ -1,8 +1,10 @@
 """Exact resume: a run SIGKILLed after a checkpoint and resumed ends bit for bit where an
 uninterrupted run ends (CPU, real subprocesses)."""
 
+import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -91,29 +93,31 @@ def test_sigkill_then_resume_equals_uninterrupted_run(tmp_path, extra):
         for name in draft_straight:
             assert torch.equal(draft_killed[name], draft_straight[name]), name
 
-    def comparable(records):
-        return [{k: v for k, v in r.items() if not k.startswith("time/") and "per_s" not in k} for r in records]
-
     killed, straight = comparable(read_metrics(killed_dir)), comparable(read_metrics(straight_dir))
     assert [r["step"] for r in killed] == [r["step"] for r in straight]
     for a, b in zip(killed, straight):
         assert a == b, {k: (a.get(k), b.get(k)) for k in a.keys() | b.keys() if a.get(k) != b.get(k)}
 
 
+def comparable(records):
+    """Metrics records without their timings (which differ between any two runs)."""
+    return [{k: v for k, v in r.items() if not k.startswith("time/") and "per_s" not in k} for r in records]
+
+
 LONG_RUN_STEPS = 1_000_000
 
 
-def long_run_after_its_first_checkpoint(tmp_path):
-    """A ``turbogrpo train`` child far too long to finish by itself (so only the test's signal ends it, on
-    however fast a machine), returned once it printed its first checkpoint; and its config file, set
-    options and output folder."""
+def long_run_after_its_first_checkpoint(tmp_path, *flags: str):
+    """A ``turbogrpo train`` child (with ``flags``) far too long to finish by itself (so only the test's
+    signal ends it, on however fast a machine), returned once it printed its first checkpoint; and its
+    config file, set options and output folder."""
     model_dir, rows, config, env = subprocess_run_setup(tmp_path)
     out = tmp_path / "out"
     sets = overrides(model_dir, rows, out, **{"train.num_steps": LONG_RUN_STEPS, "train.checkpoint_every": 1,
                                               "data.eval_path": '""'})
     # SIGINT's default action restored in the child: a shell without job control starts background jobs
     # with SIGINT ignored (CI run as `cmd &`), which Python then keeps, and the Ctrl-C case could not be tested.
-    child = subprocess.Popen(command(config, sets), cwd=REPO, env=env, stdout=subprocess.PIPE,
+    child = subprocess.Popen(command(config, sets, *flags), cwd=REPO, env=env, stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True,
                              preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     for line in child.stdout:
@@ -144,3 +148,144 @@ def test_ctrl_c_or_sigterm_prints_one_line_naming_the_checkpoint_and_the_lock_ke
     step, saved = map(int, re.fullmatch(r".* at step (\d+);.*step-(\d+)\)", last).groups())
     assert 1 <= saved <= step < LONG_RUN_STEPS
     assert ckpt.checkpoint_problem(out / f"step-{saved:06d}") is None
+
+
+def children(pid: int) -> list[int]:
+    return [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+
+def assert_stopped_by_sigterm_naming_one_checkpoint(child, config, out, flags: str) -> None:
+    stdout, stderr = child.communicate(timeout=120)
+    assert child.returncode == 143, stderr[-3000:]
+    assert "Traceback" not in stderr and "Connection reset" not in stderr, stderr[-3000:]
+    said = [line for line in stderr.splitlines() if line.startswith("turbogrpo: ")]
+    assert len(said) == 1, said  # rank 0 speaks for both
+    after = stderr.strip().splitlines()[stderr.strip().splitlines().index(said[0]) + 1:]
+    # Only torchrun's launcher may log after it (the ranks' exit, when a rank was stopped and not the launcher).
+    assert all(re.match(r"[WEI]\d{4} .* torch/distributed/elastic/", line) for line in after), after
+    found = re.fullmatch(rf"turbogrpo: terminated \(SIGTERM\) at step (\d+); continue with `turbogrpo train {config} "
+                         rf"{flags} --resume` \(with the same --set options\) \(from {out}/step-(\d+)\)", said[0])
+    assert found, said[0]
+    step, saved = map(int, found.groups())
+    assert 1 <= saved <= step < LONG_RUN_STEPS
+    assert ckpt.checkpoint_problem(out / f"step-{saved:06d}") is None
+    assert ckpt.checkpoint_problem(out / f"step-{step:06d}") is None  # the ranks stopped at a step's end
+
+
+def test_sigterm_to_the_launcher_of_two_ranks_ends_like_one_process(tmp_path):
+    child, config, _, out = long_run_after_its_first_checkpoint(tmp_path, "--nproc-per-node", "2")
+    child.send_signal(signal.SIGTERM)
+    assert_stopped_by_sigterm_naming_one_checkpoint(child, config, out, "--nproc-per-node 2")
+
+
+@pytest.mark.slow
+def test_sigterm_to_one_rank_stops_both_at_the_same_step_end(tmp_path):
+    child, config, _, out = long_run_after_its_first_checkpoint(tmp_path, "--nproc-per-node", "2")
+    ranks = children(child.pid)
+    assert len(ranks) == 2, ranks
+    os.kill(max(ranks), signal.SIGTERM)  # rank 1 (started second) alone: rank 0 must not be left in a collective
+    assert_stopped_by_sigterm_naming_one_checkpoint(child, config, out, "--nproc-per-node 2")
+
+
+# --- the end of a run, stopped anywhere and resumed: every record once, complete.json never rewritten ---
+
+END = {"train.num_steps": 2, "train.checkpoint_every": 1, "log.completions_every": 0}
+
+
+class Killed(BaseException):
+    """Stands for a kill at a chosen point of a run's end: nothing after it runs and the files stay as they
+    are (no handler of the run catches a BaseException; metrics.jsonl is written line by line)."""
+
+
+def killed(*args, **kwargs):
+    raise Killed()
+
+
+# Where a run's end can be stopped (module, function replaced by a kill), in the order they come.
+KILL_POINTS = {
+    "after_the_final_evaluation": ("turbogrpo.train.state", "save"),  # logged; its checkpoint not written
+    "during_the_export": ("turbogrpo.train.loop", "export"),  # the final checkpoint written
+    "during_the_report": ("turbogrpo.train.loop", "write_report"),
+    "before_complete_json": ("turbogrpo.train.loop", "mark_complete"),
+}
+
+
+@pytest.fixture(scope="module")
+def end_inputs(tmp_path_factory):
+    """A tiny model and rows, and the metrics of the uninterrupted run of END (evaluations at steps 0 and 2)."""
+    folder = tmp_path_factory.mktemp("end")
+    model_dir, rows = write_model(folder / "model"), write_rows(folder / "rows.jsonl")
+    train(load_config(None, overrides(model_dir, rows, folder / "straight", **END)))
+    return model_dir, rows, comparable(read_metrics(folder / "straight"))
+
+
+def stopped_at(point: str, sets: list[str], monkeypatch) -> None:
+    with monkeypatch.context() as patched:
+        patched.setattr(".".join(KILL_POINTS[point]), killed)
+        with pytest.raises(Killed):
+            train(load_config(None, sets))
+
+
+@pytest.mark.parametrize("point", KILL_POINTS)
+def test_a_run_stopped_anywhere_in_its_end_and_resumed_logs_every_record_once(tmp_path, monkeypatch, end_inputs,
+                                                                               point):
+    model_dir, rows, straight = end_inputs
+    out = tmp_path / "out"
+    sets = overrides(model_dir, rows, out, **END)
+    stopped_at(point, sets, monkeypatch)
+    assert not (out / "complete.json").exists()
+    summary = train(load_config(None, sets), resume=True)
+    assert not summary.already_complete and summary.steps == 2
+    assert [e["step"] for e in summary.evals] == [0, 2]
+    got = comparable(read_metrics(out))
+    assert [(r["step"], "eval/accuracy" in r) for r in got] == [(0, True), (1, False), (2, False), (2, True)]
+    assert got == straight
+    assert json.loads((out / "complete.json").read_text()) == {"step": 2} and (out / "final" / "config.json").is_file()
+
+
+def test_resume_with_fewer_steps_than_done_is_refused_or_reports_the_run_complete_at_its_step(
+        tmp_path, monkeypatch, end_inputs):
+    model_dir, rows, _ = end_inputs
+    out = tmp_path / "out"
+    sets = overrides(model_dir, rows, out, **END)
+    stopped_at("during_the_export", sets, monkeypatch)  # checkpoint step-000002, not complete
+    fewer = overrides(model_dir, rows, out, **{**END, "train.num_steps": 1})
+    with pytest.raises(ValueError, match=rf"^config key 'train.num_steps': 1 is fewer than the 2 steps of checkpoint "
+                                         rf"{out}/step-000002, and a run cannot go back; resume with "
+                                         r"train.num_steps = 2 to finish the run"):
+        train(load_config(None, fewer), resume=True)
+    assert not (out / "complete.json").exists() and not (out / "final").exists()
+
+    train(load_config(None, sets), resume=True)  # finished
+    metrics = (out / "metrics.jsonl").read_text()
+    summary = train(load_config(None, fewer), resume=True)
+    assert summary.already_complete and summary.steps == 2 and [e["step"] for e in summary.evals] == [0, 2]
+    assert json.loads((out / "complete.json").read_text()) == {"step": 2}  # the record stands
+    assert (out / "metrics.jsonl").read_text() == metrics and (out / "latest").read_text() == "step-000002"
+
+
+def test_resume_from_another_runs_checkpoint_of_the_same_shapes_names_the_keys_that_differ(tmp_path, monkeypatch,
+                                                                                              end_inputs):
+    model_dir, rows, _ = end_inputs
+    other, out = tmp_path / "other", tmp_path / "out"
+    train(load_config(None, overrides(model_dir, rows, other, **{**END, "optim.lr": 1e-3, "data.eval_path": '""'})))
+    sets = overrides(model_dir, rows, out, **END)
+    stopped_at("during_the_export", sets, monkeypatch)
+    shutil.rmtree(out / "step-000002")
+    shutil.copytree(other / "step-000002", out / "step-000002")  # this run's config.json, the other run's weights
+    with pytest.raises(ValueError, match=rf"^--resume: the config differs from the one checkpoint {out}/step-000002 "
+                                         r"was trained with in keys that change training: optim.lr \(0.001 -> 0.003\)"
+                                         r"\. Resume with the stored values"):
+        train(load_config(None, sets), resume=True)
+
+
+def test_resume_where_every_checkpoint_is_damaged_says_so(tmp_path, monkeypatch, end_inputs):
+    model_dir, rows, _ = end_inputs
+    out = tmp_path / "out"
+    sets = overrides(model_dir, rows, out, **END)
+    stopped_at("during_the_export", sets, monkeypatch)
+    for folder in out.glob("step-*"):
+        (folder / "model.safetensors").write_bytes(b"damaged")
+    with pytest.raises(ValueError, match=rf"^--resume: none of the 2 checkpoints in {out} can be resumed from "
+                                         r"\(step-000001, step-000002: each is unfinished or damaged"):
+        train(load_config(None, sets), resume=True)

@@ -199,6 +199,12 @@ def latest_checkpoint(root: str | Path, notice: Callable[[str], None] | None = N
     return None
 
 
+def checkpoint_record(path: str | Path) -> dict[str, Any]:
+    """``state.json`` of a verified checkpoint (step, world size, the ``extra`` given to
+    :func:`save_checkpoint`), read without loading any tensor."""
+    return json.loads((Path(path) / STATE_FILE).read_text())
+
+
 def load_checkpoint(path: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                     dist: DistInfo) -> Resumed:
     """Restore model, optimizer and this rank's RNG states from ``path``; return step and extra state."""

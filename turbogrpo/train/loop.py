@@ -48,8 +48,11 @@ from turbogrpo.train.machine_record import record_machine
 from turbogrpo.train.metrics import read_metrics
 from turbogrpo.train.report import speculation_summary, write_report
 from turbogrpo.train.output_dir import claim_output_dir, mark_complete, run_record
+from turbogrpo.train.rank_agreement import check_ranks_agree
 from turbogrpo.train.run import Run, build_run
-from turbogrpo.train.state import RewardFailure, RunComplete, evaluate, export, interrupted, save, start
+from turbogrpo.train.state import (RewardFailure, RunComplete, evaluate, evaluate_and_save_final, export, interrupted,
+                                   save, start)
+from turbogrpo.train.stops import stops_at_step_ends
 from turbogrpo.train.step_metrics import completion_samples, step_metrics
 from turbogrpo.train.update import UpdateResult, update_policy
 from turbogrpo.train.update import score as logprobs_of
@@ -87,7 +90,9 @@ def train(config: Config, *, resume: bool = False, overwrite: bool = False) -> R
     started = time.perf_counter()
     output, run = None, None
     try:
-        output = claim_output_dir(run_record(config), dist, resume=resume, overwrite=overwrite)
+        record = run_record(config)
+        check_ranks_agree(record, dist)  # under torchrun: one config and the same inputs on every rank
+        output = claim_output_dir(record, dist, resume=resume, overwrite=overwrite)
         run = build_run(config, dist, rewards)
         state = start(run, resume)
         if dist.is_main:
@@ -97,8 +102,10 @@ def train(config: Config, *, resume: bool = False, overwrite: bool = False) -> R
         total = config.train.num_steps
         if state.step == 0:
             evaluate(run)
-        with tqdm(total=total, initial=state.step, desc="GRPO", unit="step", dynamic_ncols=True,
-                  disable=not (dist.is_main and config.log.progress_bar)) as bar:
+        # Under torchrun, SIGTERM and Ctrl-C stop every rank together at a step's end (stops.py).
+        with stops_at_step_ends(dist) as stop, tqdm(total=total, initial=state.step, desc="GRPO", unit="step",
+                                                    dynamic_ncols=True,
+                                                    disable=not (dist.is_main and config.log.progress_bar)) as bar:
             while state.step < total:
                 metrics = grpo_step(run, state.step)
                 state.step += 1
@@ -108,11 +115,11 @@ def train(config: Config, *, resume: bool = False, overwrite: bool = False) -> R
                 bar.set_postfix({k: f"{metrics[k]:.3f}" for k in ("reward", "accuracy") if k in metrics},
                                 refresh=False)
                 bar.update()
-                if config.train.checkpoint_every and state.step % config.train.checkpoint_every == 0:
+                if (config.train.checkpoint_every and state.step % config.train.checkpoint_every == 0
+                        and state.step < total):
                     save(run)
-        evaluate(run)
-        if not (config.train.checkpoint_every and total % config.train.checkpoint_every == 0):
-            save(run)  # (otherwise the loop has just saved this step)
+                stop.check()
+        evaluate_and_save_final(run)
         final_model = export(run)
         state.log.close()
         if dist.is_main and config.log.report:
@@ -126,7 +133,7 @@ def train(config: Config, *, resume: bool = False, overwrite: bool = False) -> R
     except RunComplete as done:
         return RunSummary(done.step, done.evals, time.perf_counter() - started, output.path, None, already_complete=True)
     except KeyboardInterrupt:
-        raise interrupted(run, Path(config.train.output_dir)) from None
+        raise interrupted(run, Path(config.train.output_dir), report=dist.is_main) from None
     finally:
         if output is not None:
             output.release()

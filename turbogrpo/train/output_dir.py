@@ -272,10 +272,16 @@ def _check_same_training(path: Path, config: dict) -> None:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
         raise ValueError(f"--resume: cannot read {stored_file} ({err}); it should hold the config the run was "
                          "trained with") from None
+    check_same_training(str(path), stored, config)
+
+
+def check_same_training(trained: str, stored: dict, config: dict) -> None:
+    """ValueError naming every key that changes training whose value in ``config`` differs from ``stored``,
+    the config that ``trained`` (a run folder, a checkpoint) was trained with."""
     changed = changed_training_keys(stored, config)
     if changed:
         shown = ", ".join(f"{key} ({before!r} -> {after!r})" for key, before, after in changed)
-        raise ValueError(f"--resume: the config differs from the one {path} was trained with in keys that change "
+        raise ValueError(f"--resume: the config differs from the one {trained} was trained with in keys that change "
                          f"training: {shown}. Resume with the stored values, or start a new run (another "
                          "train.output_dir, or --overwrite)")
 

@@ -20,8 +20,8 @@ from turbogrpo.train.evaluate import describe_accuracies, measure_held_out
 from turbogrpo.train.metrics import METRICS_FILE, MetricsLog
 from turbogrpo.train.run import Run, RunState
 
-__all__ = ["RewardFailure", "RunComplete", "RunState", "TrainingInterrupted", "evaluate", "export",
-           "find_resume_checkpoint", "interrupted", "save", "start"]
+__all__ = ["RewardFailure", "RunComplete", "RunState", "TrainingInterrupted", "check_resume_point", "evaluate",
+           "evaluate_and_save_final", "export", "find_resume_checkpoint", "interrupted", "save", "start"]
 
 
 def start(run: Run, resume: bool) -> RunState:
@@ -33,15 +33,14 @@ def start(run: Run, resume: bool) -> RunState:
     output_dir = Path(run.train.output_dir)
     latest = find_resume_checkpoint(output_dir, dist) if resume else None
     if latest is not None:
+        check_resume_point(latest, output_dir, run.train.num_steps, run.record.config)
         resumed = checkpoint.load_checkpoint(latest, run.policy, run.optimizer, dist)
         run.batches.load_state_dict(resumed.state["data"])
         state = RunState(step=resumed.step, nonfinite_in_a_row=resumed.state["nonfinite_in_a_row"],
-                         nonfinite_total=resumed.state["nonfinite_total"], evals=resumed.state["evals"])
+                         nonfinite_total=resumed.state["nonfinite_total"], evals=resumed.state["evals"],
+                         checkpointed_step=resumed.step)
         if run.draft is not None and resumed.rank_state is not None:
             run.draft.load_state_dict(*resumed.rank_state)
-        done = output_dir_state.completed_step(output_dir)
-        if done is not None and resumed.step >= run.train.num_steps and done >= resumed.step:
-            raise RunComplete(resumed.step, state.evals)
         if dist.is_main:
             tqdm.write(f"resumed from {latest} (step {resumed.step})")
     if dist.is_main:
@@ -51,6 +50,25 @@ def start(run: Run, resume: bool) -> RunState:
                            resume_step=state.step if latest is not None else None)
     run.state = state
     return state
+
+
+def check_resume_point(latest: Path, output_dir: Path, num_steps: int, config: dict) -> None:
+    """Whether checkpoint ``latest`` (verified) is this run's to continue to ``num_steps`` (train.num_steps),
+    read from its state.json before any weight loads: RunComplete when the run finished at or past it (so
+    complete.json's record stands); ValueError when it was trained with other training keys than
+    ``config`` (another run's checkpoint), or is past ``num_steps`` (a run cannot go back)."""
+    saved = checkpoint.checkpoint_record(latest)
+    step, extra = saved["step"], saved["extra"]
+    if "config" in extra:  # (checkpoints from before the config was recorded in them have only config.json)
+        output_dir_state.check_same_training(f"checkpoint {latest}", extra["config"], config)
+    done = output_dir_state.completed_step(output_dir)
+    if done is not None and done >= step >= num_steps:
+        raise RunComplete(step, extra["evals"])
+    if step > num_steps:
+        raise ValueError(f"config key 'train.num_steps': {num_steps} is fewer than the {step} steps of checkpoint "
+                         f"{latest}, and a run cannot go back; resume with train.num_steps = {step} to finish the "
+                         "run (or more, to train longer), or start a new run (another train.output_dir, or "
+                         "--overwrite)")
 
 
 class RewardFailure(ValueError):
@@ -67,17 +85,24 @@ class RunComplete(Exception):
 
 
 class TrainingInterrupted(Exception):
-    """Ctrl-C: ``step`` steps were done; ``checkpoint`` is the last complete checkpoint (None: none yet)."""
+    """Ctrl-C: ``step`` steps were done; ``checkpoint`` is the last complete checkpoint (None: none yet);
+    ``report``: this process says so (rank 0; every rank of a torchrun job stops with the same)."""
 
-    def __init__(self, step: int, checkpoint: Path | None):
+    def __init__(self, step: int, checkpoint: Path | None, report: bool = True):
         super().__init__(f"interrupted at step {step}")
-        self.step, self.checkpoint = step, checkpoint
+        self.step, self.checkpoint, self.report = step, checkpoint, report
 
 
 def find_resume_checkpoint(output_dir: Path, dist: DistInfo) -> Path | None:
     """The newest verified checkpoint to resume from (damaged ones are named and passed over); None in an
     empty folder. Metrics without any usable checkpoint are refused, not deleted."""
     latest = checkpoint.latest_checkpoint(output_dir, notice=tqdm.write if dist.is_main else lambda _: None)
+    unusable = sorted(output_dir.glob("step-*"))
+    if latest is None and unusable:
+        raise ValueError(f"--resume: none of the {len(unusable)} checkpoints in {output_dir} can be resumed from "
+                         f"({', '.join(p.name for p in unusable[:3])}{', ...' if len(unusable) > 3 else ''}: each is "
+                         "unfinished or damaged, as named above); start the run again with --overwrite (which moves "
+                         "the old files aside) or use another train.output_dir")
     if latest is None and (output_dir / METRICS_FILE).is_file():
         raise ValueError(f"--resume: {output_dir} has {METRICS_FILE} but no complete checkpoint to continue from; "
                          "start the run again with --overwrite (which moves the old files aside) or use another "
@@ -87,10 +112,12 @@ def find_resume_checkpoint(output_dir: Path, dist: DistInfo) -> Path | None:
     return latest
 
 
-def interrupted(run: Run | None, output_dir: Path) -> TrainingInterrupted:
-    """What to report after Ctrl-C: the steps done and the newest checkpoint verified complete."""
-    latest = checkpoint.latest_checkpoint(output_dir, notice=tqdm.write) if output_dir.is_dir() else None
-    return TrainingInterrupted(run.state.step if run is not None else 0, latest)
+def interrupted(run: Run | None, output_dir: Path, *, report: bool = True) -> TrainingInterrupted:
+    """What to report after Ctrl-C: the steps done and the newest checkpoint verified complete (``report``:
+    this process reports it, and names the damaged checkpoints it passes over)."""
+    notice = tqdm.write if report else (lambda _: None)
+    latest = checkpoint.latest_checkpoint(output_dir, notice=notice) if output_dir.is_dir() else None
+    return TrainingInterrupted(run.state.step if run is not None else 0, latest, report)
 
 
 def evaluate(run: Run) -> dict | None:
@@ -129,15 +156,28 @@ def evaluate(run: Run) -> dict | None:
 
 def save(run: Run) -> Path:
     """A checkpoint of the run now: weights, optimizer, data order, the state's counters and evaluations,
-    and each rank's draft."""
+    each rank's draft, and the run's config (``--resume`` tells another run's checkpoint by it)."""
     extra = {"data": run.batches.state_dict(), "nonfinite_in_a_row": run.state.nonfinite_in_a_row,
-             "nonfinite_total": run.state.nonfinite_total, "evals": run.state.evals}
+             "nonfinite_total": run.state.nonfinite_total, "evals": run.state.evals, "config": run.record.config}
     path = checkpoint.save_checkpoint(run.train.output_dir, run.state.step, run.policy, run.optimizer,
                                       extra, run.dist, keep=run.train.keep_checkpoints,
                                       rank_state=run.draft.state_dict() if run.draft is not None else None)
+    run.state.checkpointed_step = run.state.step
     if run.dist.is_main:
         tqdm.write(f"checkpoint saved: {path}")
     return path
+
+
+def evaluate_and_save_final(run: Run) -> None:
+    """The final evaluation, then the final checkpoint that holds it, each once: a run resumed from its
+    final checkpoint (stopped while exporting) has both, so metrics.jsonl keeps one record of each
+    (the loop never checkpoints the last step itself: a checkpoint taken before the final evaluation
+    would resume into evaluating again)."""
+    state = run.state
+    if not any(e["step"] == state.step for e in state.evals):
+        evaluate(run)
+    if state.checkpointed_step != state.step:
+        save(run)
 
 
 def export(run: Run) -> Path | None:
