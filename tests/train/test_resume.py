@@ -162,7 +162,7 @@ def assert_stopped_by_sigterm_naming_one_checkpoint(child, config, out, flags: s
     assert len(said) == 1, said  # rank 0 speaks for both
     after = stderr.strip().splitlines()[stderr.strip().splitlines().index(said[0]) + 1:]
     # Only torchrun's launcher may log after it (the ranks' exit, when a rank was stopped and not the launcher).
-    assert all(re.match(r"[WEI]\d{4} .* torch/distributed/elastic/", line) for line in after), after
+    assert all(re.match(r"[WEI]\d{4} .*torch/distributed/elastic/", line) for line in after), after
     found = re.fullmatch(rf"turbogrpo: terminated \(SIGTERM\) at step (\d+); continue with `turbogrpo train {config} "
                          rf"{flags} --resume` \(with the same --set options\) \(from {out}/step-(\d+)\)", said[0])
     assert found, said[0]
