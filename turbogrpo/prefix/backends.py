@@ -39,13 +39,20 @@ BACKENDS: dict[str, PrefixAttention] = {}
 AUTO = "auto"
 
 
-def register_backend(name: str) -> Callable[[type], type]:
-    """Class decorator: register one instance of the class under ``name``."""
-    def decorate(cls: type) -> type:
-        cls.name = name
-        BACKENDS[name] = cls()
-        return cls
-    return decorate
+def registrar(table: dict) -> Callable[[str], Callable[[type], type]]:
+    """``register(name)``: a class decorator that puts one instance of the class into ``table`` under
+    ``name`` (and names the class so)."""
+    def register(name: str) -> Callable[[type], type]:
+        def decorate(cls: type) -> type:
+            cls.name = name
+            table[name] = cls()
+            return cls
+        return decorate
+    return register
+
+
+register_backend = registrar(BACKENDS)
+"""Class decorator: register one instance of the class in ``BACKENDS`` under ``name``."""
 
 
 def backend_names() -> tuple[str, ...]:
@@ -87,18 +94,26 @@ class PrefixAttention:
         raise NotImplementedError
 
 
-class PackPlan:
-    """A backend bound to one pack: what ``hook.run_decoder`` calls in every attention layer.
-    ``cached(key, build)``: per-pack masks a backend builds once and every layer shares."""
+class PlanCache:
+    """What a backend builds once per pack (or trie) and every attention layer shares: ``cached(key,
+    build)`` returns ``build()``'s value, built at the first call with ``key``."""
 
-    def __init__(self, backend: PrefixAttention, layout: PackedGroups):
-        self.backend, self.layout = backend, layout
+    def __init__(self):
         self._cache: dict = {}
 
     def cached(self, key, build: Callable):
         if key not in self._cache:
             self._cache[key] = build()
         return self._cache[key]
+
+
+class PackPlan(PlanCache):
+    """A backend bound to one pack: what ``hook.run_decoder`` calls in every attention layer; its masks
+    are built once per pack (``PlanCache``)."""
+
+    def __init__(self, backend: PrefixAttention, layout: PackedGroups):
+        super().__init__()
+        self.backend, self.layout = backend, layout
 
     @eager_plan
     def __call__(self, module, query, key, value, *, scaling: float, sliding_window: int | None):

@@ -46,7 +46,7 @@ import torch.nn.functional as F
 
 from turbogrpo.hook import causal_band
 from turbogrpo.prefix.backends import BACKENDS as PREFIX_BACKENDS
-from turbogrpo.prefix.backends import MergedPartsAttention, _additive
+from turbogrpo.prefix.backends import MergedPartsAttention, PlanCache, _additive, registrar
 from turbogrpo.prefix.compile import eager_plan
 from turbogrpo.prefix.kernels import attention_backward, attention_forward
 from turbogrpo.prefix.layout import upload
@@ -59,12 +59,8 @@ AUTO = "auto"
 MAX_RUN = 512
 
 
-def register_tree_backend(name: str) -> Callable[[type], type]:
-    def decorate(cls: type) -> type:
-        cls.name = name
-        TREE_BACKENDS[name] = cls()
-        return cls
-    return decorate
+register_tree_backend = registrar(TREE_BACKENDS)
+"""Class decorator: register one instance of the class in ``TREE_BACKENDS`` under ``name``."""
 
 
 def tree_backend_names() -> tuple[str, ...]:
@@ -107,18 +103,13 @@ class TreeAttention:
         raise NotImplementedError
 
 
-class TreePlan:
-    """A backend bound to one trie: what ``hook.run_decoder`` calls in every attention layer.
-    ``cached(key, build)``: per-trie index tensors and masks, built once and shared by every layer."""
+class TreePlan(PlanCache):
+    """A backend bound to one trie: what ``hook.run_decoder`` calls in every attention layer; its index
+    tensors and masks are built once per trie (``PlanCache``)."""
 
     def __init__(self, backend: TreeAttention, trie: TokenTrie, device: torch.device):
+        super().__init__()
         self.backend, self.trie, self.device = backend, trie, device
-        self._cache: dict = {}
-
-    def cached(self, key, build: Callable):
-        if key not in self._cache:
-            self._cache[key] = build()
-        return self._cache[key]
 
     @eager_plan
     def __call__(self, module, query, key, value, *, scaling: float, sliding_window: int | None):
