@@ -63,11 +63,17 @@ def backend_names() -> tuple[str, ...]:
 def select_backend(name: str, device: torch.device, requires_grad: bool) -> PrefixAttention:
     """Resolve a registered backend name, checking it can run here ("auto" is resolved before this,
     by ``turbogrpo.prefix.auto``)."""
-    if name not in BACKENDS:
-        raise ValueError(f"unknown attention backend {name!r}; choose one of {list(backend_names())}")
-    backend = BACKENDS[name]
+    return registered_backend(BACKENDS, name, device, requires_grad, "attention backend")
+
+
+def registered_backend(table: dict, name: str, device: torch.device, requires_grad: bool, what: str):
+    """``table[name]`` where it can run on ``device`` (with gradients, if ``requires_grad``); a ValueError
+    naming ``what`` and the choices otherwise."""
+    if name not in table:
+        raise ValueError(f"unknown {what} {name!r}; choose one of {[AUTO, *table]}")
+    backend = table[name]
     if not backend.available(device, requires_grad):
-        raise ValueError(f"attention backend {name!r} is not available on {device.type}"
+        raise ValueError(f"{what} {name!r} is not available on {device.type}"
                          f"{' with gradients' if requires_grad else ''}; {backend.unavailable_hint}")
     return backend
 

@@ -46,7 +46,7 @@ import torch.nn.functional as F
 
 from turbogrpo.hook import causal_band
 from turbogrpo.prefix.backends import BACKENDS as PREFIX_BACKENDS
-from turbogrpo.prefix.backends import MergedPartsAttention, PlanCache, _additive, registrar
+from turbogrpo.prefix.backends import MergedPartsAttention, PlanCache, _additive, registered_backend, registrar
 from turbogrpo.prefix.compile import eager_plan
 from turbogrpo.prefix.kernels import attention_backward, attention_forward
 from turbogrpo.prefix.layout import upload
@@ -78,13 +78,7 @@ def select_tree_backend(name: str, device: torch.device, requires_grad: bool) ->
             if TREE_BACKENDS[candidate].available(device, requires_grad):
                 return TREE_BACKENDS[candidate]
         return TREE_BACKENDS["cascade"]
-    if name not in TREE_BACKENDS:
-        raise ValueError(f"unknown tree attention backend {name!r}; choose one of {list(tree_backend_names())}")
-    backend = TREE_BACKENDS[name]
-    if not backend.available(device, requires_grad):
-        raise ValueError(f"tree attention backend {name!r} is not available on {device.type}"
-                         f"{' with gradients' if requires_grad else ''}; {backend.unavailable_hint}")
-    return backend
+    return registered_backend(TREE_BACKENDS, name, device, requires_grad, "tree attention backend")
 
 
 class TreeAttention:
