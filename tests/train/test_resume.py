@@ -216,7 +216,14 @@ def end_inputs(tmp_path_factory):
     folder = tmp_path_factory.mktemp("end")
     model_dir, rows = write_model(folder / "model"), write_rows(folder / "rows.jsonl")
     train(load_config(None, overrides(model_dir, rows, folder / "straight", **END)))
-    return model_dir, rows, comparable(read_metrics(folder / "straight"))
+    return model_dir, rows, end_records(read_metrics(folder / "straight"))
+
+
+def end_records(records):
+    """``comparable`` records less ``logprob_gap``, the sampler-vs-trainer diagnostic: the first run of a
+    test process and a later one differ there by about 5e-9 (measured: every other metric, grad_norm included,
+    equal bit for bit), which is not what this test is about."""
+    return [{k: v for k, v in r.items() if k != "logprob_gap"} for r in comparable(records)]
 
 
 def stopped_at(point: str, sets: list[str], monkeypatch) -> None:
@@ -237,7 +244,7 @@ def test_a_run_stopped_anywhere_in_its_end_and_resumed_logs_every_record_once(tm
     summary = train(load_config(None, sets), resume=True)
     assert not summary.already_complete and summary.steps == 2
     assert [e["step"] for e in summary.evals] == [0, 2]
-    got = comparable(read_metrics(out))
+    got = end_records(read_metrics(out))
     assert [(r["step"], "eval/accuracy" in r) for r in got] == [(0, True), (1, False), (2, False), (2, True)]
     assert got == straight
     assert json.loads((out / "complete.json").read_text()) == {"step": 2} and (out / "final" / "config.json").is_file()
