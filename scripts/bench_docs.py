@@ -602,11 +602,11 @@ RESULTS: list[Result] = [
            section="Precision"),
     Result("precision_demo_cpu", "precision_demo", "The demo in float32 and bf16 autocast", section="Precision"),
     Result("precision_cpu_avx512_bf16", "precision", "One GRPO step per precision mode, tiny model, AVX-512 with native bf16",
-           "python bench/gpu_precision.py --device cpu --budget 120 --out precision_cpu_avx512_bf16", section="Precision"),
+           "python bench/gpu_precision.py --device cpu --budget 60 --out precision_cpu_avx512_bf16", section="Precision"),
     Result("precision_cpu_avx2_emulated", "precision", "One GRPO step per precision mode, tiny model, the same CPU as an "
            "AVX2-only one (ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2)",
            "ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 python bench/gpu_precision.py "
-           "--device cpu --budget 120 --out precision_cpu_avx2_emulated", section="Precision"),
+           "--device cpu --budget 60 --out precision_cpu_avx2_emulated", section="Precision"),
     # Learning and records
     Result("smollm2_arithmetic_run", "learning_run", "SmolLM2-135M learns small sums (configs/smollm2_arithmetic.toml)",
            "python scripts/learning_record.py runs/smollm2_arithmetic smollm2_arithmetic_run", section="Learning"),

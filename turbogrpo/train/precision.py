@@ -78,11 +78,11 @@ class Precision:
 
 CPU_AUTO_DTYPES = {
     # No native bf16: emulated, slower than float32 (bench/results/precision_cpu.json, a real AVX2-only EPYC,
-    # and precision_cpu_avx2_emulated.json: the update about 4x float32's time, the rollout 1.5x).
+    # and precision_cpu_avx2_emulated.json: the update 4-5x float32's time, the rollout about 1.5x).
     "none": "float32",
     "avx2": "float32",
-    # Native bf16 without AMX: the update faster, the rollout (most of a GRPO step) no faster, on the tiny
-    # model of precision_cpu_avx512_bf16.json; float32 is exact, so it stays.
+    # Native bf16 without AMX: neither the update nor the rollout faster than float32 on the tiny model of
+    # precision_cpu_avx512_bf16.json; float32 is exact, so it stays.
     "avx512": "float32",
     # AMX tiles multiply bf16 at several times float32's rate (not measured by a whole step here yet).
     "amx": "bfloat16",
