@@ -113,10 +113,13 @@ class LoraConfig:
 class DataConfig:
     """Where prompts come from."""
 
-    kind: Literal["arithmetic", "arithmetic_chat", "longform", "small_arithmetic", "rows", "gsm8k"] = "arithmetic"
+    kind: Literal["arithmetic", "arithmetic_chat", "longform", "small_arithmetic", "calculator", "guess_number", "rows",
+                  "gsm8k"] = "arithmetic"
     """"arithmetic": the built-in demo task; "arithmetic_chat": the same problems as chat messages (for [env]
     with turbogrpo.env.tasks.DEMO_CHAT_TEMPLATE); "longform": built-in multi-step problems with long solutions;
-    "small_arithmetic": built-in one-operation chat questions with small numbers (the SmolLM2 task); "rows": a jsonl/parquet/`datasets` folder with a prompt column;
+    "small_arithmetic": built-in one-operation chat questions with small numbers (the SmolLM2 task);
+    "calculator" / "guess_number": the built-in multi-turn SmolLM2 tasks (turbogrpo.data.tool_tasks; with [env]
+    factory turbogrpo.env.tasks:Calculator / GuessNumber and chat_template "smollm2_tools"); "rows": a jsonl/parquet/`datasets` folder with a prompt column;
     "gsm8k": GSM8K-format rows (question + worked answer; the gold number goes to column "gold")."""
     path: str = ""
     """Training rows for kind "rows"/"gsm8k": a .jsonl or .parquet file or a folder saved by `datasets`."""

@@ -12,10 +12,12 @@ from turbogrpo.data.gsm8k import gsm8k_records
 from turbogrpo.data.longform import longform_records
 from turbogrpo.data.small_arithmetic import small_arithmetic_records
 from turbogrpo.data.sources import read_records, source_kind
+from turbogrpo.data.tool_tasks import calculator_records, guess_number_records
 
 # The built-in tasks' generators, by data.kind: records(split, num, seed) -> rows.
 BUILTIN_TASKS = {"arithmetic": demo_records, "arithmetic_chat": demo_chat_records, "longform": longform_records,
-                 "small_arithmetic": small_arithmetic_records}
+                 "small_arithmetic": small_arithmetic_records, "calculator": calculator_records,
+                 "guess_number": guess_number_records}
 
 
 def builtin_rows(data, split: str, seed: int) -> list[dict]:
@@ -34,6 +36,8 @@ ROW_READERS = {
     "arithmetic_chat": lambda data, seed: builtin_rows(data, "train", seed),
     "longform": lambda data, seed: builtin_rows(data, "train", seed),
     "small_arithmetic": lambda data, seed: builtin_rows(data, "train", seed),
+    "calculator": lambda data, seed: builtin_rows(data, "train", seed),
+    "guess_number": lambda data, seed: builtin_rows(data, "train", seed),
     "rows": lambda data, seed: file_rows(data, data.path),
     "gsm8k": lambda data, seed: gsm8k_records(data.path),
 }

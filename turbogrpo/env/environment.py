@@ -17,6 +17,7 @@ never offered as tools.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import inspect
 from collections.abc import Callable
@@ -73,6 +74,19 @@ def check_environment(env: Any, spec: object) -> None:
     """ValueError unless ``env`` (what the factory returned) has a callable ``reset``."""
     if not callable(getattr(env, "reset", None)):
         raise ValueError(f"[env] factory {spec!r} returned a {type(env).__name__} without a reset(**row) method")
+
+
+def bind_positional(tools: dict[str, Callable], call: ToolCall) -> ToolCall:
+    """``call`` with its positional arguments named by the tool's signature (chat messages and templates name
+    every argument), or with ``error`` set when they do not fit it."""
+    tool = tools.get(call.name)
+    if not call.positional or call.error is not None or tool is None:
+        return call
+    try:
+        bound = inspect.signature(tool).bind(*call.positional, **call.arguments)
+    except TypeError as err:
+        return dataclasses.replace(call, positional=(), error=f"wrong arguments for {call.name}: {err}")
+    return dataclasses.replace(call, arguments=dict(bound.arguments), positional=())
 
 
 def call_tool(tools: dict[str, Callable], call: ToolCall) -> tuple[str, bool]:

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from turbogrpo.env.chat import ChatRenderer
-from turbogrpo.env.environment import (call_tool, check_environment, environment_reply, environment_tools,
+from turbogrpo.env.environment import (bind_positional, call_tool, check_environment, environment_reply, environment_tools,
                                        load_factory, reset_environment, tool_schemas)
 from turbogrpo.env.tool_calls import ToolCallParser, get_tool_call_parser
 from turbogrpo.rollout.engine import DecodeSchedule
@@ -55,6 +55,7 @@ class Episode:
         self.num_turns += 1
         text = self.decode(turn_ids[:-1])  # the last id is the end-of-turn token
         content, calls = self.parser(text) if self.tools else (text, [])
+        calls = [bind_positional(self.tools, call) for call in calls]
         self.messages.append({"role": "assistant", "content": content,
                               **({"tool_calls": [c.as_message_call() for c in calls]} if calls else {})})
         if self.error is not None:

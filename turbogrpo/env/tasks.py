@@ -4,7 +4,7 @@ Each is an environment in ``turbogrpo.env.environment``'s sense (TRL's interface
 that make no tool call), made by calling its class with no arguments (``turbogrpo.env.tasks:Calculator``
 as an ``[env] factory``). Their rewards are 1.0 for a solved episode and 0.0 otherwise.
 
-``DEMO_CHAT_TEMPLATE`` is a chat template for the shipped demo model (which has none): the demo prompt
+``SMOLLM2_TOOLS_CHAT_TEMPLATE`` gives SmolLM2-Instruct's template tool support. ``DEMO_CHAT_TEMPLATE`` is a chat template for the shipped demo model (which has none): the demo prompt
 format (``Question: ...\\nAnswer:``) with the model's end-of-sequence token closing its turns, tools listed
 up front and Hermes ``<tool_call>`` blocks.
 """
@@ -22,6 +22,12 @@ _LAST_INTEGER = re.compile(r"-?\d+")
 def final_answer(text: str) -> int | None:
     """The integer after the last ``####`` in ``text``, or None."""
     found = _ANSWER.findall(text)
+    return int(found[-1]) if found else None
+
+
+def last_integer(text: str) -> int | None:
+    """The last integer in ``text`` (thousands separators dropped), or None."""
+    found = _LAST_INTEGER.findall(text.replace(",", ""))
     return int(found[-1]) if found else None
 
 
@@ -49,7 +55,7 @@ def evaluate_arithmetic(expression: str) -> int | float:
 
 class Calculator:
     """Arithmetic with a calculator tool: the row's ``answer`` is the gold number; the episode ends on the
-    first turn without a tool call, whose ``#### N`` is the answer."""
+    first turn without a tool call, whose last integer (``#### N`` or a bare number) is the answer."""
 
     def __init__(self):
         self.answer: int | None = None
@@ -70,7 +76,7 @@ class Calculator:
         return str(int(result) if float(result).is_integer() else round(result, 6))
 
     def reply(self, message: str) -> None:
-        self.given = final_answer(message)
+        self.given = last_integer(message)
         return None
 
     def get_reward(self) -> float:
@@ -94,10 +100,9 @@ class GuessNumber:
         return None
 
     def reply(self, message: str) -> str | None:
-        found = _LAST_INTEGER.findall(message)
-        if not found:
+        guess = last_integer(message)
+        if guess is None:
             return f"Please answer with a number from {self.low} to {self.high}."
-        guess = int(found[-1])
         self.guesses.append(guess)
         if guess == self.secret:
             self.solved = True
@@ -143,5 +148,26 @@ DEMO_CHAT_TEMPLATE = (
 """Chat template for the shipped demo model (its tokenizer has none); the user's first message is the demo
 prompt up to the question (``turbogrpo.data.arithmetic``), ``Answer:`` opens every model turn."""
 
-CHAT_TEMPLATES = {"demo": DEMO_CHAT_TEMPLATE}
+SMOLLM2_TOOLS_CHAT_TEMPLATE = (
+    "{%- set system = messages[0].content if messages[0].role == 'system' else "
+    "'You are a helpful AI assistant named SmolLM, trained by Hugging Face' -%}"
+    "{{ '<|im_start|>system\\n' ~ system }}"
+    "{%- if tools -%}{{ '\\n\\nTools:' }}"
+    "{%- for tool in tools -%}{%- set f = tool.function if tool.function is defined else tool -%}"
+    "{{ '\\n- ' ~ f.name ~ '(' ~ (f.parameters.properties | list | join(', ')) ~ '): ' ~ f.description }}"
+    "{%- endfor -%}{{ '\\nTo use a tool, write <tool_call>name(\"argument\")</tool_call>' }}"
+    "{%- endif -%}{{ '<|im_end|>\\n' }}"
+    "{%- for message in messages -%}"
+    "{%- if message.role == 'user' -%}{{ '<|im_start|>user\\n' ~ message.content ~ '<|im_end|>\\n' }}"
+    "{%- elif message.role == 'assistant' -%}{{ '<|im_start|>assistant\\n' ~ message.content }}"
+    "{%- for call in message.tool_calls or [] -%}{{ '<tool_call>' ~ call.function.name ~ '(' }}{%- for value in call.function.arguments.values() -%}{{ (', ' if not loop.first) ~ (value | tojson) }}{%- endfor -%}{{ ')</tool_call>' }}{%- endfor -%}"
+    "{{ '<|im_end|>\\n' }}"
+    "{%- elif message.role == 'tool' -%}{{ '<|im_start|>tool\\n' ~ message.content ~ '<|im_end|>\\n' }}"
+    "{%- endif -%}{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}{%- endif -%}")
+"""SmolLM2-Instruct's ChatML template (its own has no tools) with tools: their signatures and descriptions in the
+system message, calls in the pythonic format inside Hermes tags (``tool_calls.parse_pythonic``: the 135M model
+writes ``calculate("37 * 52 - 18")`` reliably, JSON calls it garbles), and tool results as ``tool`` turns."""
+
+CHAT_TEMPLATES = {"demo": DEMO_CHAT_TEMPLATE, "smollm2_tools": SMOLLM2_TOOLS_CHAT_TEMPLATE}
 """Built-in chat templates by the name an ``[env] chat_template`` setting may give instead of Jinja text."""
