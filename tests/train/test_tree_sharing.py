@@ -186,3 +186,34 @@ def test_auto_takes_the_tree_only_where_its_trie_saves_enough(monkeypatch):
     for batch in (shares, distinct):
         compute_auto_logprobs(model, batch.prompts, batch.nested())
     assert taken == ["tree", "prompt"]
+
+
+@pytest.mark.slow
+def test_a_multiturn_run_with_tree_sharing_logs_the_prompt_runs_first_step(tmp_path, monkeypatch):
+    """`turbogrpo train` on the multi-turn demo config (cut small): with train.sharing = "tree" the first
+    step's rollout, loss and gradient norm are the prompt path's (float32), and the run finishes."""
+    from tests.train.test_multiturn_run import CONFIG, small
+    from turbogrpo.config import load_config
+    from turbogrpo.train import loop
+    from turbogrpo.train.metrics import read_metrics
+
+    from turbogrpo.tree import completions
+    tries, trie_logprobs = [], completions.trie_logprobs
+    monkeypatch.setattr(completions, "trie_logprobs", lambda model, trie, *a: tries.append(trie) or trie_logprobs(
+        model, trie, *a))
+    threads = torch.get_num_threads()
+    try:
+        first = {}
+        for sharing in ("prompt", "tree"):
+            run_dir = tmp_path / sharing
+            loop.train(load_config(CONFIG, small(run_dir, **{"train.sharing": f'"{sharing}"'})))
+            first[sharing] = next(r for r in read_metrics(run_dir) if "reward" in r)
+    finally:
+        torch.set_num_threads(threads)  # the config's train.num_threads = 1
+    plain, tree = first["prompt"], first["tree"]
+    assert plain["step"] == tree["step"] == 1 and plain["reward"] == tree["reward"]
+    assert plain["env/env_tokens"] == tree["env/env_tokens"] > 0   # the same conversations, with replies
+    for name in ("loss", "grad_norm", "entropy"):
+        assert tree[name] == pytest.approx(plain[name], rel=1e-5, abs=1e-6), name
+    assert tree["logprob_gap"] < 1e-4
+    assert tries and all(t.num_tokens <= 16384 for t in tries)   # the tree forward ran the trainer's steps
