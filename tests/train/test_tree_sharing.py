@@ -217,3 +217,11 @@ def test_a_multiturn_run_with_tree_sharing_logs_the_prompt_runs_first_step(tmp_p
         assert tree[name] == pytest.approx(plain[name], rel=1e-5, abs=1e-6), name
     assert tree["logprob_gap"] < 1e-4
     assert tries and all(t.num_tokens <= 16384 for t in tries)   # the tree forward ran the trainer's steps
+
+
+def test_an_unknown_sharing_is_refused_in_one_line():
+    from turbogrpo.config import ConfigError, load_config
+    from tests.train.test_multiturn_run import CONFIG
+    with pytest.raises(ConfigError, match="config key 'train.sharing': 'trie' is not allowed; expected one of "
+                                          "prompt, tree, auto"):
+        load_config(CONFIG, ['train.sharing="trie"'])
