@@ -206,7 +206,8 @@ def test_a_multiturn_run_with_tree_sharing_logs_the_prompt_runs_first_step(tmp_p
         first = {}
         for sharing in ("prompt", "tree"):
             run_dir = tmp_path / sharing
-            loop.train(load_config(CONFIG, small(run_dir, **{"train.sharing": f'"{sharing}"'})))
+            loop.train(load_config(CONFIG, small(run_dir, **{"train.sharing": f'"{sharing}"', "train.num_steps": 1,
+                                                             "train.save_final_model": "false"})))
             first[sharing] = next(r for r in read_metrics(run_dir) if "reward" in r)
     finally:
         torch.set_num_threads(threads)  # the config's train.num_threads = 1
