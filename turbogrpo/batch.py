@@ -199,10 +199,15 @@ class Groups:
         return cls(flatten([b.prompts for b in batches]), flatten([b.completions for b in batches]),
                    flatten([b.sizes for b in batches]), **fields)
 
-    def micro_batches(self, token_budget: int) -> list[Groups]:
+    def micro_batches(self, token_budget: int, common_prefixes: Sequence[Sequence[Sequence[int]]] | None = None
+                      ) -> list[Groups]:
         """The batch cut into micro-batches of at most ``token_budget`` tokens, each a ``Groups``.
 
-        With the shared-prefix forward a group costs ``P + sum(S_i)`` tokens. Groups are packed greedily
+        With the shared-prefix forward a group costs ``P + sum(S_i)`` tokens. With ``common_prefixes`` (per
+        group ``[G_k][G_k]`` host ints: the leading tokens completions i and j have in common,
+        ``tree.trie.common_prefix_lengths``) the count is the tree forward's trie tokens instead: a
+        completion costs only its tokens past its longest common start with an earlier completion of its
+        run (sharing across groups is not counted, so a micro-batch's trie is at most the count). Groups are packed greedily
         in order while they fit; a group larger than the budget is cut into runs of completions that
         fit with the prompt, each carrying the prompt again (the gradient is a sum over completions,
         so any cut gives the same total); a prompt plus one completion over the budget runs alone.
@@ -213,9 +218,12 @@ class Groups:
         if isinstance(token_budget, bool) or not isinstance(token_budget, int) or token_budget < 1:
             raise ValueError(f"micro_batches: token_budget must be an integer >= 1 (tokens per micro-batch), "
                              f"got {token_budget!r}")
+        if common_prefixes is not None and [len(c) for c in common_prefixes] != list(self.sizes):
+            raise ValueError(f"micro_batches: common_prefixes must hold one [G_k][G_k] table per group (sizes "
+                             f"{list(self.sizes)}), got {[len(c) for c in common_prefixes]} rows")
         return [self._take([g for g, _, _ in runs], [stop - start for _, start, stop in runs],
                            [self.offsets[g] + i for g, start, stop in runs for i in range(start, stop)])
-                for runs in _plan(self.prompt_lengths, self.split(self.lengths), token_budget)]
+                for runs in _plan(self.prompt_lengths, self.split(self.lengths), token_budget, common_prefixes)]
 
     def padded(self, name: str) -> Tensor | None:
         """``[B, L]``: per-token field ``name`` right-padded with 0 (None when the batch lacks it)."""
@@ -302,7 +310,7 @@ def length_mask(lengths: Sequence[int], device: torch.device) -> Tensor:
 
 
 def _plan(prompt_lengths: Sequence[int], completion_lengths: Sequence[Sequence[int]],
-          token_budget: int) -> list[list[tuple[int, int, int]]]:
+          token_budget: int, common_prefixes=None) -> list[list[tuple[int, int, int]]]:
     """Per micro-batch, its runs ``(group, start, stop)``: completions ``start..stop-1`` of ``group``
     (see :meth:`Groups.micro_batches`)."""
     batches: list[list[tuple[int, int, int]]] = []
@@ -316,7 +324,8 @@ def _plan(prompt_lengths: Sequence[int], completion_lengths: Sequence[Sequence[i
         current, used = [], 0
 
     for group, (prompt_len, lengths) in enumerate(zip(prompt_lengths, completion_lengths)):
-        whole = prompt_len + sum(lengths)
+        common = None if common_prefixes is None else common_prefixes[group]
+        whole = prompt_len + sum(_added(lengths, common, i, 0) for i in range(len(lengths)))
         if used + whole > token_budget:
             close()
         if whole <= token_budget:
@@ -326,8 +335,8 @@ def _plan(prompt_lengths: Sequence[int], completion_lengths: Sequence[Sequence[i
         start = 0
         while start < len(lengths):
             stop, cost = start, prompt_len
-            while stop < len(lengths) and cost + lengths[stop] <= token_budget:
-                cost += lengths[stop]
+            while stop < len(lengths) and cost + _added(lengths, common, stop, start) <= token_budget:
+                cost += _added(lengths, common, stop, start)
                 stop += 1
             if stop == start:  # one completion alone is over budget: it still has to run
                 cost += lengths[stop]
@@ -338,3 +347,9 @@ def _plan(prompt_lengths: Sequence[int], completion_lengths: Sequence[Sequence[i
             start = stop
     close()
     return batches
+
+
+def _added(lengths: Sequence[int], common: Sequence[Sequence[int]] | None, i: int, start: int) -> int:
+    """Tokens completion ``i`` adds to a run of its group's completions ``start..i-1``: all of them, or
+    (``common``: the group's common-prefix table) those past its longest common start with one of them."""
+    return lengths[i] - (max(common[i][start:i]) if common is not None and i > start else 0)

@@ -357,6 +357,11 @@ class TrainConfig:
     """Prompts per step, across all ranks; each yields rollout.num_generations completions."""
     micro_batch_tokens: int = 8192
     """Token budget of one forward/backward (prompt once + its completions); gradients accumulate over them."""
+    sharing: str = "prompt"
+    """What the training forward runs once per micro-batch (``turbogrpo.train.sharing``): "prompt" (each
+    group's prompt), "tree" (one trie: completions that begin alike, e.g. multi-turn conversations sharing
+    turns, share those tokens too; the budget counts trie tokens), "auto" (the tree where its trie saves
+    enough tokens, else the prompt path). Exact either way; "prompt" is the measured default."""
     seed: int = 0
     """Seeds data order, sampling and initialisation; the same seed gives the same run on CPU."""
     output_dir: str = "runs/grpo"
@@ -393,6 +398,8 @@ class TrainConfig:
         _require(self.prompts_per_step >= 1, f"{key}.prompts_per_step", "an integer >= 1", self.prompts_per_step)
         _require(self.micro_batch_tokens >= 1, f"{key}.micro_batch_tokens", "an integer >= 1",
                  self.micro_batch_tokens)
+        from turbogrpo.train.sharing import SHARINGS  # the registry is the one source of names
+        _require(self.sharing in SHARINGS, f"{key}.sharing", f"one of {', '.join(SHARINGS)}", self.sharing)
         _require(self.seed >= 0, f"{key}.seed", "an integer >= 0", self.seed)
         _require(self.output_dir != "", f"{key}.output_dir", "a folder path", self.output_dir)
         _require(self.checkpoint_every >= 0, f"{key}.checkpoint_every", "an integer >= 0 (0: only at the end)",

@@ -50,6 +50,7 @@ from turbogrpo.train.report import speculation_summary, write_report
 from turbogrpo.train.output_dir import claim_output_dir, mark_complete, run_record
 from turbogrpo.train.rank_agreement import check_ranks_agree
 from turbogrpo.train.run import Run, build_run
+from turbogrpo.train.sharing import micro_batches as sharing_micro_batches
 from turbogrpo.train.state import (RewardFailure, RunComplete, evaluate, evaluate_and_save_final, export, interrupted,
                                    save, start)
 from turbogrpo.train.stops import stops_at_step_ends
@@ -244,7 +245,7 @@ def prepare(run: Run, data: StepData) -> StepData:
     # The loss reads the sampler's log-probs only for the TIS correction; hidden states stay behind.
     trained = replace(batch, hidden=None, sampler_logps=batch.sampler_logps if algo.tis_cap else None)
     data.trained_batch = trained = trained.select(data.trained)
-    data.micro_batches = plan(trained, run.train.micro_batch_tokens, run.dist)
+    data.micro_batches = plan(trained, run.train.micro_batch_tokens, run.dist, run.train.sharing)
     with data.timer("logprobs"), training_linears(run):
         if algo.num_iterations > 1:
             trained.old_logps = logprobs_of(run.trainer, data.micro_batches, "old_logps")
@@ -339,10 +340,10 @@ def trainable_groups(advantages: torch.Tensor, num_samples: int, beta: float) ->
     return [g for g, m in enumerate(moving) if m] or [0]
 
 
-def plan(batch: Groups, micro_batch_tokens: int, dist: DistInfo) -> list[Groups]:
-    """Micro-batches by token budget (train.micro_batch_tokens); every rank runs as many (fillers of
-    weight 0 where short)."""
-    micro_batches = batch.micro_batches(micro_batch_tokens)
+def plan(batch: Groups, micro_batch_tokens: int, dist: DistInfo, sharing: str = "prompt") -> list[Groups]:
+    """Micro-batches by token budget (train.micro_batch_tokens, tokens counted as the train.sharing forward
+    runs them); every rank runs as many (fillers of weight 0 where short)."""
+    micro_batches = sharing_micro_batches(batch, micro_batch_tokens, sharing)
     count = distributed.all_reduce_max_int(len(micro_batches), dist, dist.device)
     return pad_to_count(micro_batches, count)
 

@@ -47,9 +47,9 @@ INPUTS_FILE = "inputs.json"
 RESUMABLE_KEYS = (
     "train.num_steps", "train.output_dir", "train.checkpoint_every", "train.keep_checkpoints", "train.eval_every",
     "train.save_final_model", "train.num_threads", "train.max_nonfinite_steps", "train.accuracy_reward",
-    "train.reward_failure_limit", "train.micro_batch_tokens", "model.device", "model.gradient_checkpointing",
-    "model.logprob_backend", "data.eval_path", "data.num_eval_problems", "data.num_eval_samples", "log",
-    "distributed.backend",
+    "train.reward_failure_limit", "train.micro_batch_tokens", "train.sharing", "model.device",
+    "model.gradient_checkpointing", "model.logprob_backend", "data.eval_path", "data.num_eval_problems",
+    "data.num_eval_samples", "log", "distributed.backend",
 )
 
 

@@ -98,8 +98,8 @@ class Run:
     precision: Precision
     """Storage and compute dtypes; rollouts and evaluation run under ``precision.autocast()`` like training."""
     trainer: nn.Module
-    """``trainer(prompts, completions) -> CompletionLogprobs``: the policy's shared-prefix forward,
-    wrapped for DDP/FSDP2 when distributed."""
+    """``trainer(prompts, completions) -> CompletionLogprobs``: the policy's training forward (sharing tokens
+    as train.sharing says), wrapped for DDP/FSDP2 when distributed."""
     reference: nn.Module | None
     """The same for the reference policy; None when algo.beta == 0."""
     optimizer: torch.optim.Optimizer
@@ -159,7 +159,7 @@ def build_run(config: Config, dist: DistInfo, rewards: list[Reward]) -> Run:
     if fsdp2 and config.lora.enabled and config.algo.beta > 0:
         raise ValueError("config key 'algo.beta': with distributed.strategy = \"fsdp2\" and LoRA the reference "
                          "(the base model without adapters) cannot be scored; use beta = 0 or strategy \"ddp\"")
-    fn = setup.logprob_fn(config.model.logprob_backend, config.rollout.temperature, precision)
+    fn = setup.logprob_fn(config.model.logprob_backend, config.rollout.temperature, precision, config.train.sharing)
     trainer = distributed.wrap_for_training(policy, fn, dist, config.distributed.strategy, precision)
     reference = setup.build_reference(config.algo.beta, config.model.path, config.lora.enabled, policy, dist.device,
                                       precision, fn)

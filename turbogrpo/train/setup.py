@@ -17,10 +17,10 @@ from turbogrpo.config import ConfigError, DataConfig, LoraConfig, ModelConfig, R
 from turbogrpo.data import PromptExample, build_prompts
 from turbogrpo.data.kinds import BUILTIN_TASKS, ROW_READERS, eval_rows, train_rows  # noqa: F401 (re-exported)
 from turbogrpo.models import enable_activation_checkpointing, load_model_and_tokenizer, resolve_model_path
-from turbogrpo.prefix import compute_logprobs
 from turbogrpo.rewards import BUILTIN_REWARDS, Reward, resolve_reward
 from turbogrpo.rollout import SamplingConfig
 from turbogrpo.train.precision import Precision, run_precision
+from turbogrpo.train.sharing import sharing_of
 
 
 def precision(model: ModelConfig, device: torch.device) -> Precision:
@@ -46,12 +46,12 @@ def load_policy(model: ModelConfig, lora: LoraConfig, device: torch.device, prec
     return policy, tokenizer
 
 
-def logprob_fn(backend: str, temperature: float, precision: Precision):
-    """``fn(model, prompts, completions) -> CompletionLogprobs``: the shared-prefix forward with attention
-    ``backend`` (model.logprob_backend) at the sampling ``temperature`` (the loss uses the distribution the
+def logprob_fn(backend: str, temperature: float, precision: Precision, sharing: str = "prompt"):
+    """``fn(model, prompts, completions) -> CompletionLogprobs``: the training forward sharing tokens as
+    ``sharing`` (train.sharing, ``train.sharing.SHARINGS``) says, with attention ``backend``
+    (model.logprob_backend) at the sampling ``temperature`` (the loss uses the distribution the
     completions were sampled from), under the run's compute precision (the rollout's too)."""
-    return precision.computing(partial(compute_logprobs, share_prefix=True, backend=backend,
-                                       temperature=temperature))
+    return precision.computing(partial(sharing_of(sharing).forward, backend=backend, temperature=temperature))
 
 
 class AdapterlessScorer(nn.Module):

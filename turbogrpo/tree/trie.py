@@ -186,14 +186,38 @@ def build_trie(sequences: list[torch.Tensor], loss_masks: list[torch.Tensor] | N
 
 def _sorted_common_prefix_lengths(sorted_lists: list[list[int]]) -> list[int]:
     """Common-prefix length of each sequence with the one before it in sorted order (0 for the first)."""
-    width = max(len(s) for s in sorted_lists)
-    padded = torch.full((len(sorted_lists), width), -1, dtype=torch.long)
-    for row, s in enumerate(sorted_lists):
-        padded[row, :len(s)] = torch.tensor(s, dtype=torch.long)
+    padded = _padded(sorted_lists)
     # -1 padding never equals a token id, so a shorter sequence's end stops the common prefix.
     same = (padded[1:] == padded[:-1]) & (padded[1:] >= 0)
     lcps = torch.cumprod(same.long(), dim=1).sum(1)
     return [0, *lcps.tolist()]
+
+
+def common_prefix_lengths(sequences: list[torch.Tensor]) -> list[list[int]]:
+    """``[S][S]`` host ints: how many leading tokens sequences ``i`` and ``j`` have in common.
+
+    A trie of some of the sequences holds, over them in any order, each one's length less its longest
+    common prefix with one before it: what the trie micro-batch planner counts
+    (``turbogrpo.batch.Groups.micro_batches``). One ``[S, L]`` comparison per sequence, no token loop.
+    """
+    lists = [s.tolist() for s in sequences]   # host sync when the ids live on a GPU
+    padded = _padded(lists)
+    # A True column past the end stops every comparison, so argmax finds the first mismatch.
+    sentinel = torch.ones(len(lists), 1, dtype=torch.bool)
+    lengths = torch.tensor([len(s) for s in lists])
+    rows = []
+    for i in range(len(lists)):
+        first_mismatch = torch.cat([padded != padded[i], sentinel], dim=1).int().argmax(1)
+        rows.append(torch.minimum(first_mismatch, torch.minimum(lengths, lengths[i])))   # -1 pads match -1 pads
+    return torch.stack(rows).tolist()
+
+
+def _padded(lists: list[list[int]]) -> torch.Tensor:
+    """``[S, max L_s]`` long: the sequences right-padded with -1 (never a token id)."""
+    padded = torch.full((len(lists), max(len(s) for s in lists)), -1, dtype=torch.long)
+    for row, s in enumerate(lists):
+        padded[row, :len(s)] = torch.tensor(s, dtype=torch.long)
+    return padded
 
 
 def _layout(sequences, roots: list[_Node], loss_masks, weights) -> TokenTrie:
