@@ -171,7 +171,8 @@ class ForkError(ValueError):
 
 def fork_copy(obj: object, role: str) -> object:
     """An independent copy of ``obj`` (a conversation's handler or environment) for a branch: ``obj.fork()``
-    where it defines one, else ``copy.deepcopy``; ``ForkError`` in one line naming its class otherwise."""
+    where it defines one, else ``copy.deepcopy``; ``ForkError`` in one line naming its class otherwise. A plain
+    function is its own copy (``deepcopy`` keeps functions): a handler with state should be an object."""
     fork = getattr(obj, "fork", None)
     try:
         return fork() if callable(fork) else copy.deepcopy(obj)
