@@ -22,7 +22,7 @@ as many unbranched conversations (same prompts, same limits), median over seeds:
 sampled, environment tokens prefilled, forwards.
 
     python bench/tree_real.py                    # both parts (results/tree_real.json)
-    python bench/tree_real.py --quick            # 1 prompt, short turns, 1 repeat, no memory (results/tree_real_smoke.json)
+    python bench/tree_real.py --quick            # 1 prompt, short turns, 1 repeat, no memory (results/tree_real_quick.json)
 """
 
 from __future__ import annotations
@@ -177,7 +177,7 @@ def main() -> None:
         records[-1]["env_turns_per_conversation"] = rollout.metrics["env/turns"]
         print(f"done part {part}", flush=True)
     rollouts = compare_rollouts(args.task, num_prompts, branching, args.turns, turn_tokens, list(range(repeats)))
-    write_results("tree_real_smoke" if args.quick else "tree_real",
+    write_results("tree_real_quick" if args.quick else "tree_real",
                   {"load_average": os.getloadavg(), "settings": settings, "parts": records, "rollouts": rollouts})
     names = list(REAL_CONTENDERS)
     print_table(f"fwd+bwd seconds (median of {repeats}), {MODEL} float32, {args.task}, {num_prompts} prompts x G="
