@@ -38,6 +38,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -84,10 +85,11 @@ def run_prefix_grouper(model, prompts, completions, attention_cls=None) -> None:
     """``attention_cls``: the adapter of its attention calls (default: the CPU one below)."""
     from prefix_grouper import PrefixGrouper
 
-    prompt_ids = torch.stack(prompts)                                  # [b1, P] (equal lengths here)
-    completion_ids = torch.stack([c for cs in completions for c in cs])  # [b2, S]
-    prompt_mask = torch.ones_like(prompt_ids, dtype=torch.bool)
-    completion_mask = torch.ones_like(completion_ids, dtype=torch.bool)
+    flat = [c for cs in completions for c in cs]
+    prompt_ids = nn.utils.rnn.pad_sequence(prompts, batch_first=True)   # [b1, P], right-padded
+    completion_ids = nn.utils.rnn.pad_sequence(flat, batch_first=True)  # [b2, S]
+    prompt_mask = torch.arange(prompt_ids.shape[1]) < torch.tensor([len(p) for p in prompts])[:, None]
+    completion_mask = torch.arange(completion_ids.shape[1]) < torch.tensor([len(c) for c in flat])[:, None]
     grouper = PrefixGrouper.from_ungrouped_masks(prompt_mask, completion_mask,
                                                  group_sizes=[len(cs) for cs in completions],
                                                  padding_mode="right")

@@ -4,7 +4,8 @@ Forward + backward of the mean log-prob of every token after the prompt, on the 
 bench/prefix.py (Qwen2-style, hidden 512, 8 layers, vocab 16384, float32). A shape ``P/b1xb2x.../T``
 is one prompt of P tokens, branching b1 ways into turns of T tokens, each of those b2 ways, and so
 on: ``prod(b)`` sequences of ``P + len(b) * T`` tokens, all of them leaves. This is part (c) of
-issue 34's benchmark; the real conversations and branching rollouts are other parts.
+issue 34's benchmark; parts (a) real SmolLM2 conversations and (b) branching rollouts are
+``bench/tree_real.py``, which reuses ``Case`` and the contenders below.
 
 Contenders, alternated run by run in one process:
 * ``rows``: one row per sequence (the model's own forward of each sequence, LM head on loss tokens);
@@ -28,6 +29,7 @@ import argparse
 import math
 import os
 import sys
+from functools import cached_property
 from pathlib import Path
 
 import torch
@@ -40,7 +42,7 @@ from prefix import BENCH_MODEL, bench_model, run_prefix_grouper  # noqa: E402
 
 import turbogrpo  # noqa: E402
 from turbogrpo.prefix.cost import ModelDims  # noqa: E402
-from turbogrpo.tree import build_trie, per_sequence_logprobs, tree_logprobs  # noqa: E402
+from turbogrpo.tree import TokenTrie, build_trie, per_sequence_logprobs, tree_logprobs  # noqa: E402
 from turbogrpo.tree.cost import tree_flops  # noqa: E402
 
 SHAPES = ["512/4x2x2/64", "256/2x2x2x2/32", "1024/8x2/128", "128/4x4/256"]
@@ -55,20 +57,57 @@ def parse_shape(shape: str) -> tuple[int, list[int], int]:
 
 
 class Case:
-    """One shape's inputs in every layout: the trie, and the prompt + completions of prompt-only sharing."""
+    """One batch's inputs in every layout: K prompts with their groups' completions (prompt-only sharing), and
+    the trie of the whole sequences, scored where ``loss_masks`` (per group, per completion ``[S]`` bool: the
+    model's tokens of a conversation) is set; None scores every completion token."""
 
-    def __init__(self, shape: str, seed: int = 0):
+    def __init__(self, prompts: list[torch.Tensor], completions: list[list[torch.Tensor]],
+                 loss_masks: list[list[torch.Tensor]] | None = None):
+        self.prompts, self.completions = prompts, completions
+        self.loss_masks = loss_masks or [[torch.ones(len(c), dtype=torch.bool) for c in group] for group in completions]
+        paths, masks = [], []
+        for prompt, group, group_masks in zip(prompts, completions, self.loss_masks):
+            for completion, mask in zip(group, group_masks):
+                paths.append(torch.cat([prompt, completion]))
+                masks.append(torch.cat([torch.zeros(len(prompt), dtype=torch.bool), mask]))
+        self.trie = build_trie(paths, masks)
+
+    @staticmethod
+    def synthetic(shape: str, seed: int = 0) -> Case:
+        """The deep trie of ``shape`` (module docstring), random ids; every token after the prompt is scored."""
         prompt_len, branching, turn = parse_shape(shape)
         g = torch.Generator().manual_seed(seed)
         vocab = BENCH_MODEL["vocab_size"]
-        self.prompt = torch.randint(0, vocab, (prompt_len,), generator=g)
-        paths = [self.prompt]
+        prompt = torch.randint(0, vocab, (prompt_len,), generator=g)
+        paths = [prompt]
         for fanout in branching:
             paths = [torch.cat([p, torch.randint(0, vocab, (turn,), generator=g)])
                      for p in paths for _ in range(fanout)]
-        masks = [torch.arange(p.numel()) >= prompt_len for p in paths]   # every token after the prompt is scored
-        self.trie = build_trie(paths, masks)
-        self.completions = [p[prompt_len:] for p in paths]
+        return Case([prompt], [[p[prompt_len:] for p in paths]])
+
+    @cached_property
+    def per_turn(self) -> TokenTrie:
+        """One sequence per scored run of tokens (a conversation's model turn): the prompt and everything
+        before the turn, then the turn, scored alone (step-wise samples, each with its whole history)."""
+        paths, masks = [], []
+        for prompt, group, group_masks in zip(self.prompts, self.completions, self.loss_masks):
+            for completion, mask in zip(group, group_masks):
+                flags = mask.tolist()
+                starts = [t for t, f in enumerate(flags) if f and (t == 0 or not flags[t - 1])]
+                ends = [t + 1 for t, f in enumerate(flags) if f and (t + 1 == len(flags) or not flags[t + 1])]
+                for start, end in zip(starts, ends):
+                    scored = torch.zeros(len(prompt) + end, dtype=torch.bool)
+                    scored[len(prompt) + start:] = True
+                    paths.append(torch.cat([prompt, completion[:end]]))
+                    masks.append(scored)
+        return build_trie(paths, masks)
+
+    def save(self, path: Path) -> None:
+        torch.save({"prompts": self.prompts, "completions": self.completions, "loss_masks": self.loss_masks}, path)
+
+    @staticmethod
+    def load(path: Path) -> Case:
+        return Case(**torch.load(path))
 
 
 def run_rows(model, case: Case) -> None:
@@ -76,12 +115,12 @@ def run_rows(model, case: Case) -> None:
 
 
 def run_prefix_grouper_case(model, case: Case) -> None:
-    run_prefix_grouper(model, [case.prompt], [case.completions])
+    run_prefix_grouper(model, case.prompts, case.completions)
 
 
 def run_one_level(model, case: Case) -> None:
-    per_group = turbogrpo.completion_logprobs(model, [case.prompt], [case.completions], backend="cascade")
-    torch.cat(per_group[0]).mean().backward()
+    per_group = turbogrpo.completion_logprobs(model, case.prompts, case.completions, backend="cascade")
+    torch.cat([t for group in per_group for t in group]).mean().backward()
 
 
 def run_tree(model, case: Case, backend: str = "cascade") -> None:
@@ -94,9 +133,13 @@ CONTENDERS = {"rows": run_rows, "prefix_grouper": run_prefix_grouper_case, "one_
 
 def memory_probe(name: str, shape: str) -> None:
     """Child process entry: one forward+backward, print peak RSS growth over the set-up state."""
-    model, case = bench_model(), Case(shape)
+    if shape.endswith(".pt"):  # a saved case of real conversations (bench/tree_real.py)
+        from tree_real import REAL_CONTENDERS, real_model
+        model, case, contenders = real_model()[0], Case.load(Path(shape)), REAL_CONTENDERS
+    else:
+        model, case, contenders = bench_model(), Case.synthetic(shape), CONTENDERS
     before = reset_peak_rss()
-    CONTENDERS[name](model, case)
+    contenders[name](model, case)
     print(f"PEAK_MB {peak_rss_mb() - before:.1f}")
 
 
@@ -109,7 +152,7 @@ def max_logprob_gap(model, case: Case) -> float:
 def kernels_main(repeats: int, warmup: int) -> None:
     """The tree attention backends against each other on one small trie: forward + backward (cascade,
     reference) and forward only (those plus flex, which has no CPU backward), alternated."""
-    model, case = bench_model(), Case(KERNEL_SHAPE)
+    model, case = bench_model(), Case.synthetic(KERNEL_SHAPE)
 
     def forward_only(backend):
         def run():
@@ -140,7 +183,7 @@ def kernels_main(repeats: int, warmup: int) -> None:
 def attention_only_times(shape: str, repeats: int, warmup: int) -> dict:
     """One attention layer's plan, forward + backward, per backend (the plan built once, as for a trie)."""
     from turbogrpo.tree import TREE_BACKENDS
-    trie = Case(shape).trie
+    trie = Case.synthetic(shape).trie
     g = torch.Generator().manual_seed(0)
     q = torch.randn(1, 8, trie.num_tokens, 64, generator=g)
     k, v = (torch.randn(1, 2, trie.num_tokens, 64, generator=g) for _ in range(2))
@@ -175,7 +218,7 @@ def main() -> None:
     model, dims = bench_model(), ModelDims.of(Qwen2Config(**BENCH_MODEL))
     rows, records = [], []
     for shape in shapes:
-        case = Case(shape)
+        case = Case.synthetic(shape)
         gap = max_logprob_gap(model, case)
         times = interleaved_medians({name: (lambda fn=fn: (model.zero_grad(set_to_none=True), fn(model, case)))
                                      for name, fn in CONTENDERS.items()}, repeats=repeats, warmup=warmup)

@@ -204,6 +204,9 @@ class RolloutConfig:
     speculation: str = "off"
     """Speculative rollouts with a draft head ([draft]): "off", or the tree-sizing policy "fixed",
     "fastgrpo" or "cost" (ours: trees only where they pay). Lossless: the samples' distribution is unchanged."""
+    branching: list[int] = field(default_factory=list)
+    """Multi-turn branching ([env]): [4, 2] starts 4 conversations per prompt and forks each 2 ways after its
+    first environment reply (product = num_generations); shared turns are sampled once. [] does not branch."""
 
     def check(self, key: str) -> None:
         from turbogrpo.rollout.sampling import sampling_problem
@@ -216,6 +219,10 @@ class RolloutConfig:
         _require(self.temperature > 0, f"{key}.temperature",
                  "a number > 0 (training samples; greedy decoding would give G identical completions)",
                  self.temperature)
+        _require(not self.branching or (all(b >= 1 for b in self.branching) and
+                                        math.prod(self.branching) == self.num_generations),
+                 f"{key}.branching", f"[] or integers >= 1 whose product is num_generations={self.num_generations} "
+                 "(e.g. [4, 2] for 8)", self.branching)
         problem = sampling_problem(max_new_tokens=self.max_new_tokens, top_p=self.top_p, top_k=self.top_k,
                                    stop_strings=self.stop_strings)  # the sampler's own rules
         if problem is not None:
@@ -512,6 +519,8 @@ class Config:
         _require(not self.env.factory or self.rollout.speculation == "off", "rollout.speculation",
                  "\"off\" with an [env] factory (speculative rollouts do not yet prefill environment replies; "
                  "turn one of them off)", self.rollout.speculation)
+        _require(not self.rollout.branching or self.env.factory, "rollout.branching",
+                 "[] without an [env] factory (conversations fork at environment replies)", self.rollout.branching)
         _require(not self.env.factory or self.data.chat_template != "never", "data.chat_template",
                  "\"auto\" or \"always\" with an [env] factory (multi-turn prompts are chat messages)",
                  self.data.chat_template)

@@ -31,11 +31,11 @@ def rows_and_messages(num: int):
     return [{"answer": r["answer"]} for r in records], messages
 
 
-def episodes(demo, factory, num_rows=2, num_samples=2, max_turns=3, template=DEMO_CHAT_TEMPLATE, seed=0):
+def episodes(demo, factory, num_rows=2, num_samples=2, max_turns=3, template=DEMO_CHAT_TEMPLATE, seed=0, **options):
     model, tokenizer = demo
     rows, messages = rows_and_messages(num_rows)
     return run_episodes(model, tokenizer, rows, messages, factory, num_samples=num_samples, sampling=SAMPLING,
-                        max_turns=max_turns, limits=LIMITS, chat_template=template, seed=seed)
+                        max_turns=max_turns, limits=LIMITS, chat_template=template, seed=seed, **options)
 
 
 def test_feedback_episodes_mask_the_replies_and_score_each_conversation(demo):
@@ -173,3 +173,54 @@ def test_a_group_needs_one_observation(demo):
             return f" ({Random.count})"
     with pytest.raises(ValueError, match="different observations for the 2 conversations of row 0"):
         episodes(demo, Random, num_rows=1)
+
+
+class Noted(RetryArithmetic):
+    """A feedback environment with state that a fork must copy, not share."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def reply(self, message):
+        self.seen.append(message)
+        return super().reply(message)
+
+
+def test_branching_episodes_share_their_first_turn_and_fork_their_environments(demo):
+    model, tokenizer = demo
+    result = episodes(demo, Noted, num_rows=2, num_samples=4, seed=0, reply_timing="next_step", branching=[2, 2])
+    forks = result.episodes
+    assert len(forks) == 8 and len({id(e.env) for e in forks}) == 8
+    assert len({id(e.messages) for e in forks}) == 8
+    forked = 0
+    for left, right in zip(forks[0::2], forks[1::2]):
+        if max(left.num_turns, right.num_turns) >= 2:  # the first reply was taken: they forked after it
+            assert left.messages[:3] == right.messages[:3] and left.env.seen[0] == right.env.seen[0]
+            forked += 1
+        before = list(left.env.seen)
+        right.env.seen.append("later")
+        assert left.env.seen == before
+    assert forked >= 1  # the case under test happened
+    assert result.metrics["env/template_drift"] == 0.0  # each episode's history renders to its own ids
+    for i, episode in enumerate(forks):
+        text = tokenizer.decode(result.rollout.groups.completions[i])
+        assert text.count("Wrong. Try again.") == sum(m["content"] == "Wrong. Try again." for m in episode.messages)
+
+
+class Unforkable(RetryArithmetic):
+    def __deepcopy__(self, memo):
+        raise TypeError("holds a socket")
+
+
+def test_an_environment_that_cannot_fork_is_refused_before_the_rollout(demo, monkeypatch):
+    from turbogrpo.rollout import multiturn
+
+    def no_rollout(*args, **kwargs):
+        raise AssertionError("the rollout ran")
+
+    monkeypatch.setattr(multiturn, "_run", no_rollout)
+    with pytest.raises(ValueError, match=r"environment, but Unforkable cannot be forked \(TypeError: holds a socket\)"):
+        episodes(demo, Unforkable, num_rows=1, num_samples=4, branching=[2, 2])
+    with pytest.raises(ValueError, match="branching"):
+        episodes(demo, RetryArithmetic, num_rows=1, num_samples=4, branching=[3])

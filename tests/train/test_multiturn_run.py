@@ -156,3 +156,19 @@ def test_held_out_accuracy_with_an_env_is_the_share_of_solved_conversations():
     solved = [e.env.solved for e in episodes]
     assert measured.num_scored == 6 and measured.accuracy == sum(solved) / 6
     assert any(e.num_turns == 2 for e in episodes)  # some answers took the second chance
+
+
+def test_a_branching_run_trains_on_its_forked_conversations(tmp_path):
+    """rollout.branching = [2, 2]: 2 first conversations per prompt, each forked 2 ways after its first reply;
+    the G = 4 leaves train as conversations of their own (sampler log-probs still the trainer's)."""
+    summary = loop.train(load_config(CONFIG, small(tmp_path / "run", **{"rollout.branching": "[2, 2]"})))
+    steps = [r for r in read_metrics(tmp_path / "run") if "reward" in r]
+    assert summary.steps == 2 and len(steps) == 2
+    for record in steps:
+        assert record["env/env_tokens"] > 0 and record["env/failures"] == 0 and record["env/template_drift"] == 0
+        assert record["logprob_gap"] < 1e-4
+    with pytest.raises(ConfigError, match=r"config key 'rollout.branching': \[2, 3\] is not allowed; expected \[\] or "
+                                          "integers >= 1 whose product is num_generations=4"):
+        load_config(CONFIG, small(tmp_path / "x", **{"rollout.branching": "[2, 3]"}))
+    with pytest.raises(ConfigError, match="'rollout.branching'.*without an \\[env\\] factory"):
+        load_config(CONFIG, small(tmp_path / "x", **{"rollout.branching": "[2, 2]", "env.factory": '""'}))

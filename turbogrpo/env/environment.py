@@ -9,10 +9,12 @@ An environment is any object with
   as ``str``, is the tool message the model reads next;
 * optionally ``get_reward() -> float``: the episode's reward, read when it ends;
 * optionally ``reply(message: str) -> str | None`` (ours, for environments that are not tools): called with
-  each assistant turn that makes no tool call; a string is the next user message, None ends the episode.
+  each assistant turn that makes no tool call; a string is the next user message, None ends the episode;
+* optionally ``fork() -> env``: an independent copy in the same state, for branching rollouts
+  (``rollout.branching``); without it the environment is forked by ``copy.deepcopy``.
 
-An environment written for TRL therefore runs here unchanged. ``reset``, ``get_reward`` and ``reply`` are
-never offered as tools.
+An environment written for TRL therefore runs here unchanged. ``reset``, ``get_reward``, ``reply`` and
+``fork`` are never offered as tools.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from typing import Any
 
 from turbogrpo.env.tool_calls import ToolCall
 
-RESERVED = ("reset", "get_reward", "reply")
+RESERVED = ("reset", "get_reward", "reply", "fork")
 """Method names with a meaning of their own, never tools."""
 
 

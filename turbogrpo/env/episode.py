@@ -14,10 +14,11 @@ arguments are not failures: the model reads the error as its tool reply (``envir
 
 from __future__ import annotations
 
+import copy
 import math
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -28,7 +29,7 @@ from turbogrpo.env.environment import (bind_positional, call_tool, check_environ
                                        load_factory, reset_environment, tool_schemas)
 from turbogrpo.env.tool_calls import ToolCallParser, get_tool_call_parser
 from turbogrpo.rollout.engine import DecodeSchedule
-from turbogrpo.rollout.multiturn import MultiTurnRollout, TurnLimits, generate_multiturn
+from turbogrpo.rollout.multiturn import MultiTurnRollout, TurnLimits, check_branching, fork_copy, generate_multiturn
 from turbogrpo.rollout.sampling import SamplingConfig
 
 
@@ -69,6 +70,12 @@ class Episode:
             return None
         self.messages.extend(reply)
         return self.renderer.reply_ids(reply, [c.as_message_call() for c in calls])
+
+    def fork(self) -> Episode:
+        """A branch of this episode (rollout branching): the environment forked (its ``fork()``, else a deep
+        copy), the message history and counters copied; renderer, parser and decoder shared (stateless)."""
+        env = fork_copy(self.env, "environment")
+        return replace(self, env=env, tools=environment_tools(env), messages=copy.deepcopy(self.messages))
 
     def _tool_replies(self, calls: list) -> list[dict]:
         replies = []
@@ -123,17 +130,21 @@ def run_episodes(model: nn.Module, tokenizer: Any, rows: Sequence[dict], prompt_
                  factory: str | Callable[[], Any], *, num_samples: int, sampling: SamplingConfig, max_turns: int,
                  limits: TurnLimits, tool_parser: str = "hermes", end_of_turn: str = "",
                  chat_template: str | None = None, seed: int | None = None, draft: object | None = None,
-                 schedule: DecodeSchedule | None = None, reply_timing: str = "arrival") -> EnvRollout:
+                 schedule: DecodeSchedule | None = None, reply_timing: str = "arrival",
+                 branching: Sequence[int] = ()) -> EnvRollout:
     """G = ``num_samples`` episodes for each of the K dataset ``rows``, whose prompts are ``prompt_messages``
-    (chat messages, ending on a user message); see the module docstring. ``schedule`` (its linear kernel)
-    and ``reply_timing`` go to ``generate_multiturn``."""
+    (chat messages, ending on a user message); see the module docstring. ``schedule`` (its linear kernel),
+    ``reply_timing`` and ``branching`` go to ``generate_multiturn``: under branching, ``branching[0]``
+    environments are made per row and the others are forks of them (``Episode.fork``), probed right after
+    ``reset`` so that one that cannot fork is refused before the rollout."""
     global _DRIFT_WARNED
     if len(rows) != len(prompt_messages):
         raise ValueError(f"got {len(rows)} rows for {len(prompt_messages)} prompts")
+    first = check_branching(branching, num_samples)[0]  # conversations started per row
     parser = get_tool_call_parser(tool_parser)
     make = load_factory(factory)
     envs = []
-    for _ in range(len(rows) * num_samples):
+    for _ in range(len(rows) * first):
         try:
             env = make()
         except Exception as err:
@@ -153,7 +164,7 @@ def run_episodes(model: nn.Module, tokenizer: Any, rows: Sequence[dict], prompt_
     episodes = [Episode(env, environment_tools(env), renderer, parser, decode, max_turns) for env in envs]
     prompts, prompt_texts = [], []
     for k, (row, messages) in enumerate(zip(rows, prompt_messages)):
-        members = episodes[k * num_samples:(k + 1) * num_samples]
+        members = episodes[k * first:(k + 1) * first]
         observations = []
         for episode in members:
             try:
@@ -161,7 +172,7 @@ def run_episodes(model: nn.Module, tokenizer: Any, rows: Sequence[dict], prompt_
             except Exception as err:  # this conversation fails; its siblings still run
                 episode.error = str(err) if isinstance(err, ValueError) else f"reset() raised {type(err).__name__}: {err}"
         if len(set(observations)) > 1:
-            raise ValueError(f"reset() gave {len(set(observations))} different observations for the {num_samples} "
+            raise ValueError(f"reset() gave {len(set(observations))} different observations for the {first} "
                              f"conversations of row {k}; a GRPO group needs one prompt (seed the environment from the row)")
         messages = [dict(m) for m in messages]
         if observations and observations[0] is not None:
@@ -175,7 +186,9 @@ def run_episodes(model: nn.Module, tokenizer: Any, rows: Sequence[dict], prompt_
                                                                           "top_k")},
                                  "stop_token_ids": tuple(dict.fromkeys((*sampling.stop_token_ids, end_ids[0])))})
     rollout = generate_multiturn(model, prompts, episodes, num_samples=num_samples, sampling=sampling, limits=limits,
-                                 seed=seed, draft=draft, schedule=schedule, reply_timing=reply_timing)
+                                 seed=seed, draft=draft, schedule=schedule, reply_timing=reply_timing,
+                                 branching=branching)
+    episodes = rollout.handlers  # under branching, the forks; otherwise the same episodes
     drifted = 0
     for i, episode in enumerate(episodes):
         if rollout.errors[i] is not None and episode.error is None:

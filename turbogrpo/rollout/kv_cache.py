@@ -11,7 +11,9 @@ Shapes (per attention layer): ``G`` live groups (prompts with a live sample), ``
   keep all of them, those of live rows, or a subset (speculative verification's accepted path).
 
 Live sequences stay sorted by group, and finished ones are dropped by ``keep`` (rows move up in
-place, so the storage is never reallocated and step cost follows the decoding batch).
+place, so the storage is never reallocated and step cost follows the decoding batch). ``fork`` copies a
+row into consecutive rows (a branching multi-turn rollout's conversation splitting at a turn boundary);
+the storage is allocated up front for ``row_capacity`` rows so that forks never reallocate either.
 """
 
 from __future__ import annotations
@@ -75,11 +77,13 @@ class GroupedKVCache:
     """K/V of one rollout for every attention layer; see the module docstring for the layout."""
 
     def __init__(self, prompt_lengths: list[int], num_samples: int, capacity: int, device: torch.device,
-                 static_slots: bool = False):
+                 static_slots: bool = False, row_capacity: int | None = None):
         """Sequence ``i`` belongs to group ``i // num_samples``; ``capacity`` generated slots each.
         ``static_slots``: decoding attends over all ``capacity`` slots (masked by ``lengths_B``) rather
         than the ``max_length + n`` in use, so that a step's shapes stay the same from step to step
-        (compiled or captured steps); eager decoding reads only the slots in use."""
+        (compiled or captured steps); eager decoding reads only the slots in use. ``row_capacity``: rows
+        of generated slots to allocate (None: the initial ``len(prompt_lengths) * num_samples``; more
+        leaves room for ``fork``)."""
         self.capacity = capacity
         self.static_slots = static_slots
         self.prompt_width = max(prompt_lengths)
@@ -93,6 +97,7 @@ class GroupedKVCache:
         self._keys: dict[int, torch.Tensor] = {}
         self._values: dict[int, torch.Tensor] = {}
         self.lengths_B = torch.zeros(len(self._sequence_groups), dtype=torch.long, device=device)
+        self.row_capacity = max(len(self._sequence_groups), row_capacity or 0)
         self.max_length = 0
         """Host-side upper bound on ``lengths_B``: attention reads slots ``< max_length + n`` only."""
         self._refresh_layout()
@@ -130,7 +135,7 @@ class GroupedKVCache:
         """Keep the prefill's K/V ``[G, Hkv, P, D]`` and allocate this layer's generated slots."""
         self._prompt_keys[layer] = key.contiguous()
         self._prompt_values[layer] = value.contiguous()
-        slots_shape = (self.num_live, key.shape[1], self.capacity, key.shape[3])
+        slots_shape = (self.row_capacity, key.shape[1], self.capacity, key.shape[3])
         # Zeros, not empty: unused slots are masked out, but a masked weight of 0 times a NaN from
         # uninitialised memory would still be NaN.
         self._keys[layer] = key.new_zeros(slots_shape)
@@ -192,6 +197,25 @@ class GroupedKVCache:
                 for prompt in store.values():
                     prompt[:len(still_live)] = prompt[prompt_rows]
             self._live_groups = still_live
+        self._refresh_layout()
+
+    def fork(self, copies: list[int]) -> None:
+        """Live row b becomes ``copies[b]`` consecutive rows holding the same committed K/V (host list of
+        ints >= 1, one per live row; rows stay sorted by group). The copies are exact: each is a row of its
+        own from here on, so later tokens never touch its siblings'."""
+        if len(copies) != self.num_live or min(copies, default=1) < 1:
+            raise ValueError(f"fork needs one count >= 1 per live row ({self.num_live}), got {copies}")
+        total = sum(copies)
+        if total > self.row_capacity:
+            raise ValueError(f"fork to {total} rows passes the cache's row_capacity={self.row_capacity}")
+        source = torch.repeat_interleave(torch.arange(self.num_live, device=self.device),
+                                         torch.tensor(copies, device=self.device))
+        used = min(self.max_length, self.capacity)
+        for store in (self._keys, self._values):
+            for slots in store.values():
+                slots[:total, :, :used] = slots[source, :, :used]  # the gather copies before the write
+        self.lengths_B = self.lengths_B[source]
+        self._sequence_groups = [g for g, n in zip(self._sequence_groups, copies) for _ in range(n)]
         self._refresh_layout()
 
     def _refresh_layout(self) -> None:

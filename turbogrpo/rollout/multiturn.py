@@ -38,12 +38,30 @@ cost of this engine over the windowed plain one. The weight matmuls run under th
 (``engine.rollout_linear_kernel``), as ``generate`` runs them. Speculative decoding is not yet wired in:
 ``draft`` with an environment is refused (see ``generate_multiturn``).
 
+Branching (``branching=(b_0, b_1, ...)``, G = their product): each prompt starts ``b_0`` conversations; when
+the environment's reply to turn t (t = 1, 2, ...) of a conversation has been decided and prefilled once, the
+conversation forks into ``b_t`` branches, which share everything so far (ids, masks, log-probs, and a copy of
+the handler: ``fork_copy``) and each draw their own next token, as the G samples of a prompt draw their own
+first token. The prompt's K/V is held once per group, as always; the KV rows of a fork are copied
+(``GroupedKVCache.fork``): exact, and the shared turn is computed once, but its K/V is stored once per branch
+(holding it once per fork would need a cache of nested prefixes). The cache is allocated for all G rows up
+front, as an unbranched rollout of G conversations is. A conversation that ends before a fork (a ``None``
+reply, a limit, a failure) is copied into each of its would-be branches at the end, so the output always has G
+conversations per prompt, in branch order: conversation ``k * G + sum_t c_t * prod(b_{t+1:})`` of group k took
+branch ``c_t`` at level t (lexicographic; ``branching=()`` is the unbranched rollout, ``(G,)``).
+
+Training each leaf as its own conversation (per-conversation advantages) is then unchanged; a token of turn 1
+appears in ``prod(b_1:)`` leaves. The Tree Training paper's weighting keeps the tree's loss equal to training
+the leaves: the mean over branches is the per-token loss weighted by the share of branches through each token,
+so a tree forward (``turbogrpo.tree``) that holds each shared token once weights it by its leaf count over G.
+
 Legend: ``K`` prompts, ``N`` conversations (K x G, group-major), ``B`` rows of the decoding batch, ``n``
 ids fed per row in a step, ``V`` vocabulary, ``Hd`` hidden size.
 """
 
 from __future__ import annotations
 
+import copy
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -116,6 +134,8 @@ class MultiTurnRollout:
     """[N] model turns of each conversation."""
     errors: list[str | None]
     """[N] the handler's failure that ended a conversation, or None."""
+    handlers: list = field(default_factory=list)
+    """[N] each conversation's handler (under branching, the forks: a branch's environment state)."""
 
 
 _FEED, _WAIT, _DONE = "feed", "wait", "done"
@@ -139,6 +159,41 @@ class _Conversation:
     future: Future | None = None
     due_after: int = 0
     """Under "next_step" timing: the reply is taken once this many forwards have run."""
+    depth: int = 0
+    """Forks this conversation has been through (branching): it forks next after turn ``depth + 1``."""
+    inherited_model_tokens: int = 0
+    """Model tokens copied from the conversation it forked from (sampled once, counted there)."""
+
+
+class ForkError(ValueError):
+    """A handler or environment that rollout branching cannot fork."""
+
+
+def fork_copy(obj: object, role: str) -> object:
+    """An independent copy of ``obj`` (a conversation's handler or environment) for a branch: ``obj.fork()``
+    where it defines one, else ``copy.deepcopy``; ``ForkError`` in one line naming its class otherwise. A plain
+    function is its own copy (``deepcopy`` keeps functions): a handler with state should be an object."""
+    fork = getattr(obj, "fork", None)
+    try:
+        return fork() if callable(fork) else copy.deepcopy(obj)
+    except ForkError:
+        raise
+    except Exception as err:
+        name = type(obj).__name__
+        raise ForkError(f"rollout.branching forks each conversation's {role}, but {name} cannot be forked "
+                        f"({type(err).__name__}: {err}); give {name} a fork() method returning an independent "
+                        "copy") from None
+
+
+def check_branching(branching: Sequence[int], num_samples: int) -> tuple[int, ...]:
+    """``branching`` as a tuple, ``(num_samples,)`` when empty; ValueError unless its factors are integers
+    >= 1 whose product is ``num_samples``."""
+    factors = tuple(branching) or (num_samples,)
+    if any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in factors) or \
+            math.prod(factors) != num_samples:
+        raise ValueError(f"branching {list(branching)} must be integers >= 1 whose product is num_samples="
+                         f"{num_samples} (e.g. [4, 2] for 8: 4 first turns, each continued 2 ways)")
+    return factors
 
 
 def _arrived(conversation: _Conversation, num_forwards: int) -> bool:
@@ -165,9 +220,13 @@ REPLY_TIMINGS: dict[str, ReplyTiming] = {"arrival": ReplyTiming(_arrived, FIRST_
 def generate_multiturn(model: nn.Module, prompts: list[torch.Tensor], handlers: Sequence[TurnHandler], *,
                        num_samples: int, sampling: SamplingConfig, limits: TurnLimits, seed: int | None = None,
                        draft: object | None = None, max_env_workers: int = 16, schedule: DecodeSchedule | None = None,
-                       reply_timing: str = "arrival") -> MultiTurnRollout:
+                       reply_timing: str = "arrival", branching: Sequence[int] = ()) -> MultiTurnRollout:
     """Run ``len(prompts) x num_samples`` conversations (``handlers[i]`` answers conversation i, group-major)
     with ``model``'s current weights; see the module docstring.
+
+    ``branching``: fork factors whose product is ``num_samples`` (module docstring); then ``handlers`` are the
+    ``len(prompts) x branching[0]`` first conversations' (group-major), each probed with ``fork_copy`` before
+    the rollout (``ForkError`` if it cannot be forked), and ``MultiTurnRollout.handlers`` holds the forks.
 
     ``prompts``: K 1-D int64 tensors, each rendered up to the first assistant turn's header.
     ``sampling.stop_token_ids`` end a turn (the chat template's end-of-turn ids); stop strings are refused.
@@ -189,8 +248,13 @@ def generate_multiturn(model: nn.Module, prompts: list[torch.Tensor], handlers: 
     if schedule is not None and not isinstance(schedule, DecodeSchedule):
         raise ValueError(f"schedule must be a DecodeSchedule or None, got {type(schedule).__name__}")
     check_materialized(model)
-    if len(handlers) != len(prompts) * num_samples:
-        raise ValueError(f"got {len(handlers)} handlers for {len(prompts)} prompts x {num_samples} samples")
+    factors = check_branching(branching, num_samples)
+    if len(handlers) != len(prompts) * factors[0]:
+        raise ValueError(f"got {len(handlers)} handlers for {len(prompts)} prompts x {factors[0]} "
+                         f"{'first conversations' if branching else 'samples'}")
+    if len(factors) > 1:
+        for handler in handlers:  # refuse a handler that cannot fork now, not at its first fork
+            fork_copy(handler, "handler")
     max_positions = getattr(model.config, "max_position_embeddings", None)
     longest = max(p.numel() for p in prompts) + limits.max_conversation_tokens
     if max_positions is not None and longest > max_positions:
@@ -201,38 +265,46 @@ def generate_multiturn(model: nn.Module, prompts: list[torch.Tensor], handlers: 
     if seed is not None:
         generator = torch.Generator(device=device).manual_seed(seed)
     prompts = [p.to(device=device, dtype=torch.long) for p in prompts]
-    conversations = [_Conversation(handler) for handler in handlers]
+    # One slot per output conversation; each first conversation takes the first slot of its subtree.
+    stride = num_samples // factors[0]
+    conversations: list[_Conversation | None] = [None] * (len(prompts) * num_samples)
+    for j, handler in enumerate(handlers):
+        conversations[j * stride] = _Conversation(handler)
     # The loop is eager whatever the schedule's runner, so "auto" may pick the packed kernel here.
     linears = rollout_linear_kernel(replace(schedule or default_schedule(device), runner="eager"))
-    workers = max(1, min(max_env_workers, len(handlers)))
+    workers = max(1, min(max_env_workers, len(conversations)))
     # Outside inference mode even when the caller is in it, as generate() runs (engine.py says why).
     with torch.inference_mode(False), torch.no_grad(), linears([model]), ThreadPoolExecutor(workers) as pool:
         stats = _run(model, prompts, num_samples, conversations, sampling, limits, generator, pool,
-                     REPLY_TIMINGS[reply_timing])
+                     REPLY_TIMINGS[reply_timing], factors)
     groups = Groups(prompts, [torch.tensor(c.ids, dtype=torch.long) for c in conversations],
                     [num_samples] * len(prompts), finish_reasons=[c.finish for c in conversations],
                     sampler_logps=[torch.tensor(c.logps, dtype=torch.float32) for c in conversations],
                     model_mask=[torch.tensor(c.model_mask, dtype=torch.bool) for c in conversations])
-    return MultiTurnRollout(groups, stats, [c.num_turns for c in conversations], [c.error for c in conversations])
+    return MultiTurnRollout(groups, stats, [c.num_turns for c in conversations], [c.error for c in conversations],
+                            [c.handler for c in conversations])
 
 
 def _run(model: nn.Module, prompts: list[torch.Tensor], num_samples: int, conversations: list[_Conversation],
          sampling: SamplingConfig, limits: TurnLimits, generator: torch.Generator | None,
-         pool: ThreadPoolExecutor, timing: ReplyTiming) -> MultiTurnStats:
-    """The loop of the module docstring; fills ``conversations`` in place."""
+         pool: ThreadPoolExecutor, timing: ReplyTiming, branching: tuple[int, ...] = ()) -> MultiTurnStats:
+    """The loop of the module docstring; fills ``conversations`` in place (``[K * num_samples]``; under
+    ``branching``, the slots of the first conversations are set and the forks fill the others)."""
     start = time.perf_counter()
+    branching = branching or (num_samples,)
     device = prompts[0].device
     stats = MultiTurnStats()
     stop_ids = frozenset(sampling.stop_token_ids)
     # Committed ids stay below max_conversation_tokens; a step writes at most prefill_chunk past them.
-    cache = GroupedKVCache([len(p) for p in prompts], num_samples,
-                           capacity=limits.max_conversation_tokens + limits.prefill_chunk, device=device)
+    cache = GroupedKVCache([len(p) for p in prompts], branching[0],
+                           capacity=limits.max_conversation_tokens + limits.prefill_chunk, device=device,
+                           row_capacity=len(conversations))
     lm_head = lm_head_of(model)
     last_GH = prefill(model, cache, prompts)
     stats.num_forwards += 1
     # One row per conversation, so that each draws its own first token from its prompt's logits.
-    rows = list(range(len(conversations)))  # cache row -> conversation
-    _draw(lm_head(last_GH).repeat_interleave(num_samples, dim=0), rows, conversations, sampling, generator,
+    rows = [i for i, c in enumerate(conversations) if c is not None]  # cache row -> conversation
+    _draw(lm_head(last_GH).repeat_interleave(branching[0], dim=0), rows, conversations, sampling, generator,
           stop_ids, limits, pool, stats)
     while True:
         _collect_replies(conversations, rows, limits, stats, timing.due)
@@ -253,9 +325,12 @@ def _run(model: nn.Module, prompts: list[torch.Tensor], num_samples: int, conver
         drawn_rows, hidden_BH = _feed(model, cache, rows, feeding, conversations, limits.prefill_chunk)
         stats.num_forwards += 1
         stats.live_batch_sizes.append(len(feeding))
+        if len(branching) > 1:
+            rows, drawn_rows, hidden_BH = _fork(cache, rows, drawn_rows, hidden_BH, conversations, branching)
         _draw(lm_head(hidden_BH[drawn_rows]), [rows[b] for b in drawn_rows], conversations, sampling, generator,
               stop_ids, limits, pool, stats)
-    stats.num_generated_tokens = sum(sum(c.model_mask) for c in conversations)
+    _fill_unforked(conversations)
+    stats.num_generated_tokens = sum(sum(c.model_mask) - c.inherited_model_tokens for c in conversations)
     stats.wall_time_s = time.perf_counter() - start
     return stats
 
@@ -279,6 +354,55 @@ def _feed(model: nn.Module, cache: GroupedKVCache, rows: list[int], feeding: lis
     last_BH = hidden_BnH[torch.arange(len(rows), device=cache.device), (counts_B - 1).clamp(min=0)]
     drawn = [b for b in feeding if not conversations[rows[b]].pending]
     return drawn, last_BH
+
+
+def _fork(cache: GroupedKVCache, rows: list[int], drawn: list[int], hidden_BH: torch.Tensor,
+          conversations: list[_Conversation | None], branching: tuple[int, ...]
+          ) -> tuple[list[int], list[int], torch.Tensor]:
+    """Fork every row of ``drawn`` whose conversation has just prefilled its reply to turn ``depth + 1`` (and
+    has a fork left) into ``branching[depth + 1]`` rows: the conversation keeps its slot, each new branch
+    (handler forked) takes its own ``conversations`` slot, the cache copies the row. Returns the new rows,
+    drawn rows and hidden states ``[B', Hd]``; each branch draws its own next token from them."""
+    copies = [1] * len(rows)
+    for b in drawn:
+        parent = conversations[rows[b]]
+        level = parent.depth + 1
+        if parent.num_turns == level and level < len(branching):
+            copies[b] = branching[level]
+    if max(copies) == 1:
+        return rows, drawn, hidden_BH
+    new_rows, new_drawn, drawn_set = [], [], set(drawn)
+    for b, (i, count) in enumerate(zip(rows, copies)):
+        slots = [i]
+        if count > 1:
+            parent = conversations[i]
+            parent.depth += 1
+            stride = math.prod(branching[parent.depth + 1:])  # leaves under each of the new branches
+            slots = [i + c * stride for c in range(count)]
+            for slot in slots[1:]:
+                conversations[slot] = _branch(parent)
+        if b in drawn_set:
+            new_drawn.extend(range(len(new_rows), len(new_rows) + count))
+        new_rows.extend(slots)
+    cache.fork(copies)
+    source = torch.repeat_interleave(torch.arange(len(rows), device=hidden_BH.device),
+                                     torch.tensor(copies, device=hidden_BH.device))
+    return new_rows, new_drawn, hidden_BH[source]
+
+
+def _branch(parent: _Conversation) -> _Conversation:
+    """A copy of ``parent`` that shares its history and goes on independently (its handler forked)."""
+    return replace(parent, handler=fork_copy(parent.handler, "handler"), ids=list(parent.ids),
+                   model_mask=list(parent.model_mask), logps=list(parent.logps), pending=list(parent.pending),
+                   future=None, inherited_model_tokens=sum(parent.model_mask))
+
+
+def _fill_unforked(conversations: list[_Conversation | None]) -> None:
+    """Give each slot a conversation that ended before reaching it a copy of that conversation: the nearest
+    set slot before it (its subtree's root; slots between them belong to forks that never happened)."""
+    for i, conversation in enumerate(conversations):
+        if conversation is None:
+            conversations[i] = _branch(conversations[i - 1])
 
 
 def _draw(logits_BV: torch.Tensor, members: list[int], conversations: list[_Conversation],

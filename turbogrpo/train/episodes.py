@@ -36,6 +36,8 @@ class EpisodeSampler:
     """The end-of-turn token's text ("" reads the tokenizer's eos token)."""
     reply_timing: str
     """``rollout.multiturn.REPLY_TIMINGS`` key; "next_step" keeps a seeded rollout reproducible."""
+    branching: tuple[int, ...] = ()
+    """rollout.branching: the training rollouts' fork factors (() unbranched)."""
 
     @property
     def max_completion_tokens(self) -> int:
@@ -43,9 +45,11 @@ class EpisodeSampler:
         return self.limits.max_conversation_tokens
 
     def sample(self, model: nn.Module, tokenizer, examples: Sequence[PromptExample], *, num_samples: int,
-               sampling: SamplingConfig, seed: int | None, schedule: DecodeSchedule | None = None) -> EnvRollout:
+               sampling: SamplingConfig, seed: int | None, schedule: DecodeSchedule | None = None,
+               branched: bool = False) -> EnvRollout:
         """``num_samples`` conversations for each of ``examples`` (group-major) with ``model``'s weights, the
-        rows' other columns going to the environments' ``reset(**row)``."""
+        rows' other columns going to the environments' ``reset(**row)``. ``branched``: fork them by
+        ``branching`` (training rollouts; held-out evaluation samples its own G unbranched)."""
         missing = [e.index for e in examples if e.messages is None]
         if missing:
             raise ValueError(f"rows {missing[:3]} have no chat messages; multi-turn prompts need the chat template "
@@ -53,14 +57,15 @@ class EpisodeSampler:
         return run_episodes(model, tokenizer, [dict(e.columns) for e in examples], [list(e.messages) for e in examples],
                             self.factory, num_samples=num_samples, sampling=sampling, max_turns=self.max_turns,
                             limits=self.limits, tool_parser=self.tool_parser, end_of_turn=self.end_of_turn,
-                            seed=seed, schedule=schedule, reply_timing=self.reply_timing)
+                            seed=seed, schedule=schedule, reply_timing=self.reply_timing,
+                            branching=self.branching if branched else ())
 
 
-def build_episode_sampler(env: EnvConfig, tokenizer) -> EpisodeSampler | None:
+def build_episode_sampler(env: EnvConfig, tokenizer, branching: Sequence[int] = ()) -> EpisodeSampler | None:
     """The [env] section's sampler, None while ``env.factory`` is "" (single-turn completions). The factory is
     imported here, so a bad one is named before any step; ``env.chat_template`` (Jinja text, or the name of
     one in ``env.tasks.CHAT_TEMPLATES``) becomes the tokenizer's chat template, so that prompts, rollouts and
-    the exported model all use the template the run trained with."""
+    the exported model all use the template the run trained with. ``branching``: rollout.branching."""
     if not env.factory:
         return None
     load_factory(env.factory)
@@ -68,4 +73,4 @@ def build_episode_sampler(env: EnvConfig, tokenizer) -> EpisodeSampler | None:
         tokenizer.chat_template = CHAT_TEMPLATES.get(env.chat_template, env.chat_template)
     return EpisodeSampler(env.factory, env.max_turns, env.tool_parser,
                           TurnLimits(env.max_turn_tokens, env.max_conversation_tokens), env.end_of_turn,
-                          env.reply_timing)
+                          env.reply_timing, tuple(branching))

@@ -204,7 +204,7 @@ def sample(run: Run, data: StepData) -> StepData:
         if run.episodes is not None:
             data.episodes = run.episodes.sample(run.policy, run.tokenizer, data.examples,
                                                 num_samples=run.num_generations, sampling=run.sampling,
-                                                seed=data.seed, schedule=run.decode_schedule)
+                                                seed=data.seed, schedule=run.decode_schedule, branched=True)
             data.rollout = Rollout(data.episodes.rollout.groups, data.episodes.rollout.stats)
         else:
             data.rollout = generate(run.policy, data.prompts, num_samples=run.num_generations,

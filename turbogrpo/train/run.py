@@ -153,7 +153,8 @@ def build_run(config: Config, dist: DistInfo, rewards: list[Reward]) -> Run:
         warn_if_pure(config.model.pure_bf16)
     parts = build_policy(config.model, config.lora, config.rollout, dist, seed=config.train.seed)
     precision, policy = parts.precision, parts.policy
-    episodes = build_episode_sampler(config.env, parts.tokenizer)  # before the prompts: it may set the template
+    # Before the prompts: it may set the chat template.
+    episodes = build_episode_sampler(config.env, parts.tokenizer, config.rollout.branching)
     held_out = build_policy_held_out(config.data, config.train, parts, rewards, episodes)
     fsdp2 = dist.enabled and config.distributed.strategy == "fsdp2"
     if fsdp2 and config.lora.enabled and config.algo.beta > 0:
