@@ -35,8 +35,9 @@ not fit is dropped whole (never cut mid-reply or mid-token) and the conversation
 The host reads the drawn tokens once per step (a turn's end is a host decision, since its text goes to
 Python code); on the CPU that read is free (the work already ran when the op returned), on a GPU it is the
 cost of this engine over the windowed plain one. The weight matmuls run under the schedule's linear kernel
-(``engine.rollout_linear_kernel``), as ``generate`` runs them. Speculative decoding is not yet wired in:
-``draft`` with an environment is refused (see ``generate_multiturn``).
+(``engine.rollout_linear_kernel``), as ``generate`` runs them. With ``draft`` (a
+``turbogrpo.speculative.Speculation``) the loop is ``turbogrpo.speculative.multiturn``'s: decoding rows
+verify draft trees, replies are prefilled the same way, and the same conversations come back.
 
 Legend: ``K`` prompts, ``N`` conversations (K x G, group-major), ``B`` rows of the decoding batch, ``n``
 ids fed per row in a step, ``V`` vocabulary, ``Hd`` hidden size.
@@ -173,10 +174,11 @@ def generate_multiturn(model: nn.Module, prompts: list[torch.Tensor], handlers: 
     ``sampling.stop_token_ids`` end a turn (the chat template's end-of-turn ids); stop strings are refused.
     ``schedule``: its ``linears`` kernel runs the weight matmuls (None: the device's default schedule); the
     loop itself is always eager and reads the host every step. ``reply_timing``: a ``REPLY_TIMINGS`` key.
+    ``draft``: a ``turbogrpo.speculative.Speculation`` for lossless speculative decoding of the model's turns.
     """
-    if draft is not None:
-        raise ValueError("speculative decoding (draft) is not yet supported with an environment: its tree step "
-                         "does not prefill environment replies; turn one of them off")
+    if draft is not None and not callable(getattr(draft, "run_multiturn", None)):
+        raise ValueError(f"draft must be a turbogrpo.speculative.Speculation (or None for plain sampling), got "
+                         f"{type(draft).__name__}; wrap a DraftHead as Speculation(draft_head)")
     if sampling.stop_strings:
         raise ValueError(f"multi-turn rollouts end turns on stop_token_ids only; got stop_strings "
                          f"{list(sampling.stop_strings)} (use the chat template's end-of-turn token id)")
@@ -203,12 +205,15 @@ def generate_multiturn(model: nn.Module, prompts: list[torch.Tensor], handlers: 
     prompts = [p.to(device=device, dtype=torch.long) for p in prompts]
     conversations = [_Conversation(handler) for handler in handlers]
     # The loop is eager whatever the schedule's runner, so "auto" may pick the packed kernel here.
-    linears = rollout_linear_kernel(replace(schedule or default_schedule(device), runner="eager"))
+    linears = rollout_linear_kernel(replace(schedule or default_schedule(device), runner="eager"), draft)
     workers = max(1, min(max_env_workers, len(handlers)))
+    # The speculative loop (turbogrpo.speculative.multiturn) comes with the draft: this package never imports it.
+    run = _run if draft is None else draft.run_multiturn
     # Outside inference mode even when the caller is in it, as generate() runs (engine.py says why).
-    with torch.inference_mode(False), torch.no_grad(), linears([model]), ThreadPoolExecutor(workers) as pool:
-        stats = _run(model, prompts, num_samples, conversations, sampling, limits, generator, pool,
-                     REPLY_TIMINGS[reply_timing])
+    with torch.inference_mode(False), torch.no_grad(), linears([model, *getattr(draft, "rollout_modules", list)()]), \
+            ThreadPoolExecutor(workers) as pool:
+        stats = run(model, prompts, num_samples, conversations, sampling, limits, generator, pool,
+                    REPLY_TIMINGS[reply_timing])
     groups = Groups(prompts, [torch.tensor(c.ids, dtype=torch.long) for c in conversations],
                     [num_samples] * len(prompts), finish_reasons=[c.finish for c in conversations],
                     sampler_logps=[torch.tensor(c.logps, dtype=torch.float32) for c in conversations],
