@@ -43,9 +43,11 @@ class EpisodeSampler:
         return self.limits.max_conversation_tokens
 
     def sample(self, model: nn.Module, tokenizer, examples: Sequence[PromptExample], *, num_samples: int,
-               sampling: SamplingConfig, seed: int | None, schedule: DecodeSchedule | None = None) -> EnvRollout:
+               sampling: SamplingConfig, seed: int | None, schedule: DecodeSchedule | None = None,
+               draft: object | None = None) -> EnvRollout:
         """``num_samples`` conversations for each of ``examples`` (group-major) with ``model``'s weights, the
-        rows' other columns going to the environments' ``reset(**row)``."""
+        rows' other columns going to the environments' ``reset(**row)``; ``draft``: a
+        ``turbogrpo.speculative.Speculation`` decodes the model's turns speculatively (None: plain)."""
         missing = [e.index for e in examples if e.messages is None]
         if missing:
             raise ValueError(f"rows {missing[:3]} have no chat messages; multi-turn prompts need the chat template "
@@ -53,7 +55,7 @@ class EpisodeSampler:
         return run_episodes(model, tokenizer, [dict(e.columns) for e in examples], [list(e.messages) for e in examples],
                             self.factory, num_samples=num_samples, sampling=sampling, max_turns=self.max_turns,
                             limits=self.limits, tool_parser=self.tool_parser, end_of_turn=self.end_of_turn,
-                            seed=seed, schedule=schedule, reply_timing=self.reply_timing)
+                            seed=seed, schedule=schedule, reply_timing=self.reply_timing, draft=draft)
 
 
 def build_episode_sampler(env: EnvConfig, tokenizer) -> EpisodeSampler | None:
