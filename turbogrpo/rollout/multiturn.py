@@ -249,11 +249,7 @@ def _run(model: nn.Module, prompts: list[torch.Tensor], num_samples: int, conver
             rows = [rows[b] for b in keep]
         feeding = [b for b, i in enumerate(rows) if conversations[i].phase == _FEED]
         if not feeding:  # every live conversation waits for its environment
-            waited = time.perf_counter()
-            wait([conversations[i].future for i in rows], return_when=timing.idle_wait)
-            for i in rows:  # no forward to overlap with: the replies waited for are due now
-                conversations[i].due_after = 0
-            stats.env_wait_s += time.perf_counter() - waited
+            wait_for_replies(conversations, rows, timing, stats)
             continue
         drawn_rows, hidden_BH = _feed(model, cache, rows, feeding, conversations, limits.prefill_chunk)
         stats.num_forwards += 1
@@ -263,6 +259,16 @@ def _run(model: nn.Module, prompts: list[torch.Tensor], num_samples: int, conver
     stats.num_generated_tokens = sum(sum(c.model_mask) for c in conversations)
     stats.wall_time_s = time.perf_counter() - start
     return stats
+
+
+def wait_for_replies(conversations: list[_Conversation], rows: list[int], timing: ReplyTiming,
+                     stats: MultiTurnStats) -> None:
+    """Block while every live conversation (``rows``) waits for its environment, as ``timing`` says."""
+    waited = time.perf_counter()
+    wait([conversations[i].future for i in rows], return_when=timing.idle_wait)
+    for i in rows:  # no forward to overlap with: the replies waited for are due now
+        conversations[i].due_after = 0
+    stats.env_wait_s += time.perf_counter() - waited
 
 
 def _feed(model: nn.Module, cache: GroupedKVCache, rows: list[int], feeding: list[int],

@@ -342,7 +342,7 @@ def verify_step(state: DecodeState, tree: DraftTree, uniform_BN: torch.Tensor | 
     hidden_BNH = forward_new_tokens(state.model, state.cache, tree.tokens.clamp(min=0), tree.depths, tree.ancestors)
     logits_BNV = state.lm_head(hidden_BNH).float()
     verdict = verify_tree(tree, logits_BNV, state.sampling, uniform_BN=uniform_BN)
-    emitted_BD, logprobs_BD, hidden_BDH = _path_outputs(tree, verdict, logits_BNV, hidden_BNH, state.sampling)
+    emitted_BD, logprobs_BD, hidden_BDH = path_outputs(tree, verdict, logits_BNV, hidden_BNH, state.sampling)
     emit(state.outputs, state.live, emitted_BD, logprobs_BD, hidden_BDH, verdict.num_accepted + 1,
          state.criteria)
     state.next_B.copy_(verdict.next_token)
@@ -350,7 +350,7 @@ def verify_step(state: DecodeState, tree: DraftTree, uniform_BN: torch.Tensor | 
     return verdict
 
 
-def _path_outputs(tree: DraftTree, verdict: TreeVerdict, logits_BNV: torch.Tensor, hidden_BNH: torch.Tensor,
+def path_outputs(tree: DraftTree, verdict: TreeVerdict, logits_BNV: torch.Tensor, hidden_BNH: torch.Tensor,
                   sampling: SamplingConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Tokens ``[B, D]`` a step emits (accepted draft tokens, then the bonus token at slot
     num_accepted; later slots are unused), their sampler log-probs and the hidden states that

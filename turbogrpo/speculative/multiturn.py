@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import math
 import time
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import NamedTuple
 
@@ -51,13 +51,13 @@ from torch import nn
 from turbogrpo.batch import Groups
 from turbogrpo.rollout.engine import first_draw
 from turbogrpo.rollout.multiturn import (_DONE, _FEED, _WAIT, MultiTurnStats, ReplyTiming, TurnLimits, _call_handler,
-                                         _collect_replies, _Conversation)
+                                         _collect_replies, _Conversation, wait_for_replies)
 from turbogrpo.rollout.outputs import LiveRows, emit
 from turbogrpo.rollout.plans import forward_new_tokens
 from turbogrpo.rollout.sampling import SamplingConfig
 from turbogrpo.rollout.step import DecodeState
 from turbogrpo.rollout.types import Rollout
-from turbogrpo.speculative.decode import Speculation, SpeculativeStats, TreeStep, _path_outputs
+from turbogrpo.speculative.decode import Speculation, SpeculativeStats, TreeStep, path_outputs
 from turbogrpo.speculative.tree import DraftTree, TreeShape, chain_tree
 from turbogrpo.speculative.verify import TreeVerdict, verify_tree
 
@@ -113,11 +113,7 @@ def run_multiturn(model: nn.Module, prompts: list[torch.Tensor], num_samples: in
         chunks = {b: conversations[i].pending[:limits.prefill_chunk] for b, i in enumerate(rows)
                   if conversations[i].phase == _FEED and conversations[i].pending}
         if not decoding and not chunks:  # every live conversation waits for its environment
-            waited = time.perf_counter()
-            wait([conversations[i].future for i in rows], return_when=timing.idle_wait)
-            for i in rows:  # no forward to overlap with: the replies waited for are due now
-                conversations[i].due_after = 0
-            stats.env_wait_s += time.perf_counter() - waited
+            wait_for_replies(conversations, rows, timing, stats)
             continue
         verified = _step(state, step, decoding, chunks, stats)
         for b, chunk in chunks.items():
@@ -210,8 +206,9 @@ def _verify_decoding(state: DecodeState, step: TreeStep, tree: DraftTree, hidden
     own = DraftTree(*(f[rows_Bd] if isinstance(f, torch.Tensor) else f for f in tree))
     hidden_BdNH = hidden_BnH[rows_Bd, :tree.tokens.shape[1]]
     logits_BdNV = state.lm_head(hidden_BdNH).float()
-    verdict = verify_tree(own, logits_BdNV, state.sampling, uniform_BN=None if uniform_BN is None else uniform_BN[rows_Bd])
-    emitted_BdD, logprobs_BdD, hidden_BdDH = _path_outputs(own, verdict, logits_BdNV, hidden_BdNH, state.sampling)
+    uniform_BdN = None if uniform_BN is None else uniform_BN[rows_Bd]
+    verdict = verify_tree(own, logits_BdNV, state.sampling, uniform_BN=uniform_BdN)
+    emitted_BdD, logprobs_BdD, hidden_BdDH = path_outputs(own, verdict, logits_BdNV, hidden_BdNH, state.sampling)
     live = state.live
     rows = LiveRows(live.completion_B[rows_Bd], live.emitted_B[rows_Bd], live.limit_B[rows_Bd], live.done_B[rows_Bd])
     before_Bd = rows.emitted_B.clone()
