@@ -4,8 +4,8 @@ One step is six phases, each taking and returning the step's data (``StepData``)
 of each inside it:
 
     sample   G completions per prompt with the policy's own weights (speculative with the run's draft), or
-             G conversations per prompt with an environment each ([env]: ``episodes.py``);
-             the draft's training features of every group, before the policy moves
+             G conversations per prompt with an environment each ([env]: ``episodes.py``; speculative
+             too, the draft frozen); the draft's training features of every group, before the policy moves
     score    rewards (checked: failures, float32 overflow) -> group advantages      [gather, all-reduce]
     prepare  loss totals, the trained groups, the micro-batch plan, old-policy / reference log-probs
              (shared-prefix forward, forward only, when the loss needs them)          [all-reduce x 2]
