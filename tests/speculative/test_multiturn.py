@@ -151,3 +151,28 @@ def test_a_bare_draft_head_is_refused_in_one_line():
     policy, draft, prompts = trained_pair()
     with pytest.raises(ValueError, match="wrap a DraftHead as Speculation"):
         run(policy, prompts, 1, draft=DraftHead(policy))
+
+
+def test_the_draft_reads_the_policys_features_of_the_replies(monkeypatch):
+    """The output buffers the neural draft catches up from hold every conversation's ids, replies included,
+    each with the policy's final hidden state at the id before it (a plain forward's, no cache)."""
+    from turbogrpo.speculative import multiturn as speculative_multiturn
+
+    policy, draft, prompts = trained_pair()
+    states = []
+    real = speculative_multiturn.first_draw
+
+    def watched(*args, **kwargs):
+        states.append(real(*args, **kwargs))
+        return states[-1]
+
+    monkeypatch.setattr(speculative_multiturn, "first_draw", watched)
+    out = run(policy, prompts, 2, draft=Speculation(draft, sizing="fixed"), temperature=0.7, seed=1)
+    outputs = states[0].outputs
+    assert out.stats.num_env_tokens > 0
+    for i, ids in enumerate(out.groups.completions):
+        prompt = prompts[i // 2]
+        assert outputs.tokens_NT[i, :len(ids)].tolist() == ids.tolist()
+        with torch.no_grad():
+            features = policy.model(torch.cat([prompt, ids])[None]).last_hidden_state[0, len(prompt) - 1:-1]
+        torch.testing.assert_close(outputs.hidden_NTH[i, :len(ids)], features, rtol=0, atol=1e-4)
