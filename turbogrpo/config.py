@@ -516,11 +516,15 @@ class Config:
         _require(self.train.accuracy_reward in ("", *known), "train.accuracy_reward",
                  f"a reward's name ({', '.join(known)}) or \"\" for no held-out evaluation",
                  self.train.accuracy_reward)
-        _require(not self.env.factory or self.rollout.speculation == "off", "rollout.speculation",
-                 "\"off\" with an [env] factory (speculative rollouts do not yet prefill environment replies; "
-                 "turn one of them off)", self.rollout.speculation)
+        _require(not self.env.factory or self.rollout.speculation == "off" or not self.draft.learn, "draft.learn",
+                 "false with an [env] factory and rollout.speculation on (the draft does not yet learn online from "
+                 "conversations: give a trained draft.path, or draft.history = true, and draft.learn = false)",
+                 self.draft.learn)
         _require(not self.rollout.branching or self.env.factory, "rollout.branching",
                  "[] without an [env] factory (conversations fork at environment replies)", self.rollout.branching)
+        _require(not self.rollout.branching or self.rollout.speculation == "off", "rollout.branching",
+                 "[] with rollout.speculation on (speculative multi-turn rollouts do not fork conversations yet)",
+                 self.rollout.branching)
         _require(not self.env.factory or self.data.chat_template != "never", "data.chat_template",
                  "\"auto\" or \"always\" with an [env] factory (multi-turn prompts are chat messages)",
                  self.data.chat_template)

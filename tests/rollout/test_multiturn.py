@@ -139,7 +139,7 @@ def test_environments_run_while_other_conversations_decode(qwen2):
 
 def test_bad_settings_are_refused_in_one_line(qwen2):
     prompts, sampling = random_prompts([4]), SamplingConfig(max_new_tokens=4, stop_token_ids=STOPS)
-    with pytest.raises(ValueError, match="speculative decoding"):
+    with pytest.raises(ValueError, match="draft must be a turbogrpo.speculative.Speculation"):
         generate_multiturn(qwen2, prompts, [None] * 2, num_samples=2, sampling=sampling, limits=TurnLimits(4, 8),
                            draft=object())
     with pytest.raises(ValueError, match="stop_token_ids"):

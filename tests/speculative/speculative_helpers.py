@@ -35,6 +35,24 @@ def chi_square_pvalue(counts: torch.Tensor, probs: torch.Tensor, min_expected: f
     return torch.special.gammaincc(dof / 2, stat / 2).item()
 
 
+def homogeneity_pvalue(counts_a: torch.Tensor, counts_b: torch.Tensor, min_expected: float = 5.0) -> float:
+    """Two-sample chi-square p-value: were ``counts_a`` and ``counts_b`` (same cells) drawn from one
+    distribution? Each is tested against the pooled one; cells rare in either are pooled into one bin."""
+    counts = torch.stack([counts_a.flatten(), counts_b.flatten()]).double()
+    expected = counts.sum(1, keepdim=True) * counts.sum(0) / counts.sum()
+    seen = counts.sum(0) > 0
+    rare = (expected < min_expected).any(0) & seen
+    common = seen & ~rare
+    observed = torch.cat([counts[:, common], counts[:, rare].sum(1, keepdim=True)], 1)
+    expected = torch.cat([expected[:, common], expected[:, rare].sum(1, keepdim=True)], 1)
+    keep = expected[0] > 0
+    observed, expected = observed[:, keep], expected[:, keep]
+    assert observed.shape[1] >= 5, "too few populated cells for a meaningful test"
+    stat = ((observed - expected) ** 2 / expected).sum()
+    dof = torch.tensor(observed.shape[1] - 1, dtype=torch.float64)
+    return torch.special.gammaincc(dof / 2, stat / 2).item()
+
+
 def exact_joint(table: torch.Tensor, sampling, num_tokens: int = 3) -> torch.Tensor:
     """``[V] * num_tokens`` exact probabilities of the first generated tokens under plain sampling."""
     V = table.shape[0]

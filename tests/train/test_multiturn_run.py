@@ -1,6 +1,7 @@
 """`turbogrpo train` with an [env] section, end to end on the shipped demo model (configs/demo_multiturn.toml,
 cut to a few small steps): each step trains on conversations, environment ids never reach the loss, a
-resumed run equals an uninterrupted one, and [env] with speculation is refused in one line."""
+resumed run equals an uninterrupted one, speculative rollouts decode the conversations, and [env] with online
+draft learning is refused in one line."""
 
 import subprocess
 import sys
@@ -119,9 +120,22 @@ def test_an_interrupted_multiturn_run_resumes_to_the_uninterrupted_one(tmp_path,
     assert all(torch.equal(weights_straight[k], weights_resumed[k]) for k in weights_straight)
 
 
-def test_env_with_speculation_is_refused_in_one_line(tmp_path):
-    with pytest.raises(ConfigError, match="config key 'rollout.speculation': 'cost' is not allowed; expected \"off\" "
-                                          "with an \\[env\\] factory"):
+def test_a_speculative_multiturn_run_trains_on_the_same_kind_of_conversations(tmp_path):
+    """rollout.speculation with history drafts and a frozen draft: the conversations are decoded speculatively
+    (spec/* metrics), replies are prefilled and masked, and the sampler's log-probs are the trainer's."""
+    extra = {"rollout.speculation": '"fixed"', "draft.history": "true", "draft.learn": "false", "train.num_steps": 1}
+    loop.train(load_config(CONFIG, small(tmp_path / "run", **extra)))
+    steps = [r for r in read_metrics(tmp_path / "run") if "reward" in r]
+    assert len(steps) == 1
+    record = steps[0]
+    assert record["spec/accepted_length"] >= 1.0 and record["spec/draft_forwards"] > 0
+    assert record["env/env_tokens"] > 0 and record["env/failures"] == 0
+    assert record["logprob_gap"] < 1e-4
+
+
+def test_env_with_online_draft_learning_is_refused_in_one_line(tmp_path):
+    with pytest.raises(ConfigError, match="config key 'draft.learn': True is not allowed; expected false with an "
+                                          "\\[env\\] factory and rollout.speculation on"):
         load_config(CONFIG, small(tmp_path / "x", **{"rollout.speculation": '"cost"'}))
     with pytest.raises(ConfigError, match="config key 'data.chat_template': 'never'"):
         load_config(CONFIG, small(tmp_path / "x", **{"data.chat_template": '"never"'}))
@@ -129,7 +143,7 @@ def test_env_with_speculation_is_refused_in_one_line(tmp_path):
                           'rollout.speculation="cost"'], cwd=REPO, capture_output=True, text=True,
                          env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"})
     assert cli.returncode != 0 and cli.stdout == ""
-    assert cli.stderr.strip().count("\n") == 0 and "'rollout.speculation'" in cli.stderr, cli.stderr
+    assert cli.stderr.strip().count("\n") == 0 and "'draft.learn'" in cli.stderr, cli.stderr
 
 
 def test_held_out_accuracy_with_an_env_is_the_share_of_solved_conversations():

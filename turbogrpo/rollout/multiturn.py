@@ -35,8 +35,9 @@ not fit is dropped whole (never cut mid-reply or mid-token) and the conversation
 The host reads the drawn tokens once per step (a turn's end is a host decision, since its text goes to
 Python code); on the CPU that read is free (the work already ran when the op returned), on a GPU it is the
 cost of this engine over the windowed plain one. The weight matmuls run under the schedule's linear kernel
-(``engine.rollout_linear_kernel``), as ``generate`` runs them. Speculative decoding is not yet wired in:
-``draft`` with an environment is refused (see ``generate_multiturn``).
+(``engine.rollout_linear_kernel``), as ``generate`` runs them. With ``draft`` (a
+``turbogrpo.speculative.Speculation``) the loop is ``turbogrpo.speculative.multiturn``'s: decoding rows
+verify draft trees, replies are prefilled the same way, and the same conversations come back.
 
 Branching (``branching=(b_0, b_1, ...)``, G = their product): each prompt starts ``b_0`` conversations; when
 the environment's reply to turn t (t = 1, 2, ...) of a conversation has been decided and prefilled once, the
@@ -232,10 +233,11 @@ def generate_multiturn(model: nn.Module, prompts: list[torch.Tensor], handlers: 
     ``sampling.stop_token_ids`` end a turn (the chat template's end-of-turn ids); stop strings are refused.
     ``schedule``: its ``linears`` kernel runs the weight matmuls (None: the device's default schedule); the
     loop itself is always eager and reads the host every step. ``reply_timing``: a ``REPLY_TIMINGS`` key.
+    ``draft``: a ``turbogrpo.speculative.Speculation`` for lossless speculative decoding of the model's turns.
     """
-    if draft is not None:
-        raise ValueError("speculative decoding (draft) is not yet supported with an environment: its tree step "
-                         "does not prefill environment replies; turn one of them off")
+    if draft is not None and not callable(getattr(draft, "run_multiturn", None)):
+        raise ValueError(f"draft must be a turbogrpo.speculative.Speculation (or None for plain sampling), got "
+                         f"{type(draft).__name__}; wrap a DraftHead as Speculation(draft_head)")
     if sampling.stop_strings:
         raise ValueError(f"multi-turn rollouts end turns on stop_token_ids only; got stop_strings "
                          f"{list(sampling.stop_strings)} (use the chat template's end-of-turn token id)")
@@ -249,6 +251,9 @@ def generate_multiturn(model: nn.Module, prompts: list[torch.Tensor], handlers: 
         raise ValueError(f"schedule must be a DecodeSchedule or None, got {type(schedule).__name__}")
     check_materialized(model)
     factors = check_branching(branching, num_samples)
+    if draft is not None and len(factors) > 1:
+        raise ValueError(f"branching {list(branching)} with a draft: speculative multi-turn rollouts do not fork "
+                         "conversations yet (branch with plain sampling, or speculate without branching)")
     if len(handlers) != len(prompts) * factors[0]:
         raise ValueError(f"got {len(handlers)} handlers for {len(prompts)} prompts x {factors[0]} "
                          f"{'first conversations' if branching else 'samples'}")
@@ -271,12 +276,17 @@ def generate_multiturn(model: nn.Module, prompts: list[torch.Tensor], handlers: 
     for j, handler in enumerate(handlers):
         conversations[j * stride] = _Conversation(handler)
     # The loop is eager whatever the schedule's runner, so "auto" may pick the packed kernel here.
-    linears = rollout_linear_kernel(replace(schedule or default_schedule(device), runner="eager"))
+    linears = rollout_linear_kernel(replace(schedule or default_schedule(device), runner="eager"), draft)
     workers = max(1, min(max_env_workers, len(conversations)))
     # Outside inference mode even when the caller is in it, as generate() runs (engine.py says why).
-    with torch.inference_mode(False), torch.no_grad(), linears([model]), ThreadPoolExecutor(workers) as pool:
-        stats = _run(model, prompts, num_samples, conversations, sampling, limits, generator, pool,
-                     REPLY_TIMINGS[reply_timing], factors)
+    with torch.inference_mode(False), torch.no_grad(), linears([model, *getattr(draft, "rollout_modules", list)()]), \
+            ThreadPoolExecutor(workers) as pool:
+        if draft is None:
+            stats = _run(model, prompts, num_samples, conversations, sampling, limits, generator, pool,
+                         REPLY_TIMINGS[reply_timing], factors)
+        else:  # the speculative loop (turbogrpo.speculative.multiturn) comes with the draft: never imported here
+            stats = draft.run_multiturn(model, prompts, num_samples, conversations, sampling, limits, generator,
+                                        pool, REPLY_TIMINGS[reply_timing])
     groups = Groups(prompts, [torch.tensor(c.ids, dtype=torch.long) for c in conversations],
                     [num_samples] * len(prompts), finish_reasons=[c.finish for c in conversations],
                     sampler_logps=[torch.tensor(c.logps, dtype=torch.float32) for c in conversations],
@@ -316,11 +326,7 @@ def _run(model: nn.Module, prompts: list[torch.Tensor], num_samples: int, conver
             rows = [rows[b] for b in keep]
         feeding = [b for b, i in enumerate(rows) if conversations[i].phase == _FEED]
         if not feeding:  # every live conversation waits for its environment
-            waited = time.perf_counter()
-            wait([conversations[i].future for i in rows], return_when=timing.idle_wait)
-            for i in rows:  # no forward to overlap with: the replies waited for are due now
-                conversations[i].due_after = 0
-            stats.env_wait_s += time.perf_counter() - waited
+            wait_for_replies(conversations, rows, timing, stats)
             continue
         drawn_rows, hidden_BH = _feed(model, cache, rows, feeding, conversations, limits.prefill_chunk)
         stats.num_forwards += 1
@@ -333,6 +339,16 @@ def _run(model: nn.Module, prompts: list[torch.Tensor], num_samples: int, conver
     stats.num_generated_tokens = sum(sum(c.model_mask) - c.inherited_model_tokens for c in conversations)
     stats.wall_time_s = time.perf_counter() - start
     return stats
+
+
+def wait_for_replies(conversations: list[_Conversation], rows: list[int], timing: ReplyTiming,
+                     stats: MultiTurnStats) -> None:
+    """Block while every live conversation (``rows``) waits for its environment, as ``timing`` says."""
+    waited = time.perf_counter()
+    wait([conversations[i].future for i in rows], return_when=timing.idle_wait)
+    for i in rows:  # no forward to overlap with: the replies waited for are due now
+        conversations[i].due_after = 0
+    stats.env_wait_s += time.perf_counter() - waited
 
 
 def _feed(model: nn.Module, cache: GroupedKVCache, rows: list[int], feeding: list[int],

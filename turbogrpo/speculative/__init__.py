@@ -8,8 +8,9 @@
 ``verify`` (lossless acceptance), ``tree`` (EAGLE-2 dynamic trees), ``draft`` (the draft head),
 ``draft_training`` (its training, offline and online), ``history`` (suffix-match drafts from siblings
 and earlier rollouts, no neural forward), ``draft_decoding`` (the draft's cache and forwards while
-decoding), ``sizing``/``profiler`` (concurrency-aware tree sizing) and ``decode`` (the tree step that
-the rollout engine's loop runs).
+decoding), ``sizing``/``profiler`` (concurrency-aware tree sizing), ``decode`` (the tree step that
+the rollout engine's loop runs) and ``multiturn`` (speculation inside multi-turn rollouts, through
+``generate_multiturn(..., draft=Speculation(...))``).
 """
 
 from turbogrpo.speculative.decode import Speculation, SpeculativeStats, TreeStep, generate_speculative

@@ -101,6 +101,14 @@ class Speculation:
             raise ValueError(f"Speculation.runner must be one of {sorted(RUNNERS)}, got {self.runner!r}")
         return TreeStep(self.draft, resolve_sizing(self, model, prompts, sampling), self.runner, self.history)
 
+    def run_multiturn(self, model: nn.Module, prompts: list[torch.Tensor], num_samples: int, conversations: list,
+                      sampling: SamplingConfig, limits, generator: torch.Generator | None, pool, timing):
+        """The multi-turn rollout's loop with this speculation (``generate_multiturn(draft=...)`` calls it;
+        ``turbogrpo.speculative.multiturn``)."""
+        from turbogrpo.speculative.multiturn import run_multiturn  # that module imports this one
+        return run_multiturn(model, prompts, num_samples, conversations, sampling, limits, generator, pool, timing,
+                             self)
+
 
 @dataclass
 class SpeculativeStats(RolloutStats):
@@ -212,9 +220,22 @@ class TreeStep:
             PlainStep()(state)
             self.pending = _VerifiedStep(None, None, None)
             return
+        tree, uniform_BN, catch_up_tokens = self.propose(state, shape)
+        self._verify(state, tree, uniform_BN, shape, catch_up_tokens)
+
+    def propose(self, state: DecodeState, shape: TreeShape) -> tuple[DraftTree, torch.Tensor | None, int]:
+        """Every row's tree for a step of ``shape`` (the sizing policy's choice), the uniform numbers of its
+        verification ``[B, N]`` (None when greedy) and the pairs the draft caught up on first. History chains
+        alone when there is no neural draft or the merged sizing chose them (no draft forward, nothing to
+        catch up: the draft catches up on these tokens when it next runs); otherwise the neural tree, its
+        prompt pass first at the first tree, the history's chains merged in."""
+        cache, draft_cache = state.cache, self.draft_cache
         if self.draft is None or (isinstance(self.sizing, MergedSizing) and self.sizing.history_alone):
-            self._history_tree_step(state, shape)  # the draft catches up on these tokens when it next runs
-            return
+            num_chains, depth = chain_geometry(shape)
+            uniform_BN = self.draw_uniforms(state, 1 + num_chains * depth)
+            with self.stopwatch:
+                tree = propose_history(state, self.corpus, self.history, num_chains, depth, max(self.emitted_host))
+            return tree, uniform_BN, 0
         if not self.draft_prefilled:
             # The draft's prompt pass waits for the first tree, so rollouts that never speculate
             # (high B throughout) cost the plain engine's time. It is timed on its own (two device
@@ -228,7 +249,7 @@ class TreeStep:
         pending_width = max(e - s for e, s in zip(self.emitted_host, self.draft_seen_host))
         catch_up_tokens = pending_width * cache.num_live
         num_chains = 0 if self.history is None else self.history.num_chains
-        uniform_BN = self._uniforms(state, shape.num_nodes + num_chains * shape.depth)
+        uniform_BN = self.draw_uniforms(state, shape.num_nodes + num_chains * shape.depth)
         with self.stopwatch:
             tree = self.draft_tree(state, self.draft, draft_cache, shape, pending_width)
             if self.history is not None:  # merged: the neural tree plus the history's chains
@@ -237,18 +258,11 @@ class TreeStep:
         self.draft_seen_host = list(self.emitted_host)
         draft_cache.max_length = max(self.draft_seen_host)
         self.stats.num_draft_forwards += shape.depth
-        self._verify(state, tree, uniform_BN, shape, catch_up_tokens)
-
-    def _history_tree_step(self, state: DecodeState, shape: TreeShape) -> None:
-        """A tree step of history chains alone: no draft forward, nothing to catch up."""
-        num_chains, depth = chain_geometry(shape)
-        uniform_BN = self._uniforms(state, 1 + num_chains * depth)
-        with self.stopwatch:
-            tree = propose_history(state, self.corpus, self.history, num_chains, depth, max(self.emitted_host))
-        self._verify(state, tree, uniform_BN, shape, 0)
+        return tree, uniform_BN, catch_up_tokens
 
     @staticmethod
-    def _uniforms(state: DecodeState, num_nodes: int) -> torch.Tensor | None:
+    def draw_uniforms(state: DecodeState, num_nodes: int) -> torch.Tensor | None:
+        """``[B, num_nodes]`` uniform numbers of a verification's draws (None when greedy)."""
         # Drawn before the step: a torch.Generator cannot be traced. The same numbers, in the same
         # order, as drawing them at the acceptance (the draft draws none).
         return None if state.sampling.greedy else torch.rand(
@@ -328,7 +342,7 @@ def verify_step(state: DecodeState, tree: DraftTree, uniform_BN: torch.Tensor | 
     hidden_BNH = forward_new_tokens(state.model, state.cache, tree.tokens.clamp(min=0), tree.depths, tree.ancestors)
     logits_BNV = state.lm_head(hidden_BNH).float()
     verdict = verify_tree(tree, logits_BNV, state.sampling, uniform_BN=uniform_BN)
-    emitted_BD, logprobs_BD, hidden_BDH = _path_outputs(tree, verdict, logits_BNV, hidden_BNH, state.sampling)
+    emitted_BD, logprobs_BD, hidden_BDH = path_outputs(tree, verdict, logits_BNV, hidden_BNH, state.sampling)
     emit(state.outputs, state.live, emitted_BD, logprobs_BD, hidden_BDH, verdict.num_accepted + 1,
          state.criteria)
     state.next_B.copy_(verdict.next_token)
@@ -336,7 +350,7 @@ def verify_step(state: DecodeState, tree: DraftTree, uniform_BN: torch.Tensor | 
     return verdict
 
 
-def _path_outputs(tree: DraftTree, verdict: TreeVerdict, logits_BNV: torch.Tensor, hidden_BNH: torch.Tensor,
+def path_outputs(tree: DraftTree, verdict: TreeVerdict, logits_BNV: torch.Tensor, hidden_BNH: torch.Tensor,
                   sampling: SamplingConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Tokens ``[B, D]`` a step emits (accepted draft tokens, then the bonus token at slot
     num_accepted; later slots are unused), their sampler log-probs and the hidden states that

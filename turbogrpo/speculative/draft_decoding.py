@@ -138,9 +138,11 @@ def prefill_draft(draft: DraftHead, cache: DraftKVCache, prompts: list[torch.Ten
 
 def catch_up(draft: DraftHead, cache: DraftKVCache, features_BmH: torch.Tensor, tokens_Bm: torch.Tensor,
              counts_B: torch.Tensor) -> torch.Tensor:
-    """Feed each sequence its first ``counts_B[b]`` (>= 1) pending pairs and commit them.
+    """Feed each sequence its first ``counts_B[b]`` pending pairs and commit them.
 
-    Returns the draft's predicted feature at each sequence's last pair ``[B, Hd]`` (the tree root's).
+    Returns the draft's predicted feature at each sequence's last pair ``[B, Hd]`` (the tree root's). A
+    row with no pending pair (a multi-turn conversation waiting for its environment) commits nothing and
+    gets its first padding column's feature, which no accepted token depends on.
     """
     num_rows, width = tokens_Bm.shape
     device = tokens_Bm.device
@@ -149,7 +151,8 @@ def catch_up(draft: DraftHead, cache: DraftKVCache, features_BmH: torch.Tensor, 
     # Padding pairs sit after each row's real ones, so the causal mask keeps them out of sight.
     predicted_BmH = draft(features_BmH, tokens_Bm, positions_Bm, DraftStepPlan(cache, positions_Bm, causal))
     cache.commit(counts_B, width)
-    return predicted_BmH.gather(1, (counts_B - 1)[:, None, None].expand(-1, 1, predicted_BmH.shape[-1])).squeeze(1)
+    last_B = (counts_B - 1).clamp(min=0)
+    return predicted_BmH.gather(1, last_B[:, None, None].expand(-1, 1, predicted_BmH.shape[-1])).squeeze(1)
 
 
 class TreeDrafter:

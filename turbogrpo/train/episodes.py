@@ -46,10 +46,11 @@ class EpisodeSampler:
 
     def sample(self, model: nn.Module, tokenizer, examples: Sequence[PromptExample], *, num_samples: int,
                sampling: SamplingConfig, seed: int | None, schedule: DecodeSchedule | None = None,
-               branched: bool = False) -> EnvRollout:
+               branched: bool = False, draft: object | None = None) -> EnvRollout:
         """``num_samples`` conversations for each of ``examples`` (group-major) with ``model``'s weights, the
         rows' other columns going to the environments' ``reset(**row)``. ``branched``: fork them by
-        ``branching`` (training rollouts; held-out evaluation samples its own G unbranched)."""
+        ``branching`` (training rollouts; held-out evaluation samples its own G unbranched). ``draft``: a
+        ``turbogrpo.speculative.Speculation`` decodes the model's turns speculatively (None: plain)."""
         missing = [e.index for e in examples if e.messages is None]
         if missing:
             raise ValueError(f"rows {missing[:3]} have no chat messages; multi-turn prompts need the chat template "
@@ -58,7 +59,7 @@ class EpisodeSampler:
                             self.factory, num_samples=num_samples, sampling=sampling, max_turns=self.max_turns,
                             limits=self.limits, tool_parser=self.tool_parser, end_of_turn=self.end_of_turn,
                             seed=seed, schedule=schedule, reply_timing=self.reply_timing,
-                            branching=self.branching if branched else ())
+                            branching=self.branching if branched else (), draft=draft)
 
 
 def build_episode_sampler(env: EnvConfig, tokenizer, branching: Sequence[int] = ()) -> EpisodeSampler | None:

@@ -4,8 +4,8 @@ One step is six phases, each taking and returning the step's data (``StepData``)
 of each inside it:
 
     sample   G completions per prompt with the policy's own weights (speculative with the run's draft), or
-             G conversations per prompt with an environment each ([env]: ``episodes.py``);
-             the draft's training features of every group, before the policy moves
+             G conversations per prompt with an environment each ([env]: ``episodes.py``; speculative
+             too, the draft frozen); the draft's training features of every group, before the policy moves
     score    rewards (checked: failures, float32 overflow) -> group advantages      [gather, all-reduce]
     prepare  loss totals, the trained groups, the micro-batch plan, old-policy / reference log-probs
              (shared-prefix forward, forward only, when the loss needs them)          [all-reduce x 2]
@@ -196,15 +196,16 @@ def begin_step(run: Run, step: int) -> StepData:
 def sample(run: Run, data: StepData) -> StepData:
     """G completions per prompt with the policy's weights (speculative with the run's draft), and the
     draft's training data from every group, before the policy moves."""
-    draft = run.draft  # None: speculation off (always so with an environment)
-    learns = draft is not None and draft.learns
+    draft = run.draft  # None: speculation off
+    learns = draft is not None and draft.learns  # never with an environment (the config refuses it)
     # The rollout samples under the training forward's precision: the same bf16 weights and kernels' dtypes.
     with data.timer("rollout"), distributed.full_parameters(run.trainer), run.precision.autocast():
         run.policy.eval()
         if run.episodes is not None:
             data.episodes = run.episodes.sample(run.policy, run.tokenizer, data.examples,
                                                 num_samples=run.num_generations, sampling=run.sampling,
-                                                seed=data.seed, schedule=run.decode_schedule, branched=True)
+                                                seed=data.seed, schedule=run.decode_schedule, branched=True,
+                                                draft=draft.speculation() if draft is not None else None)
             data.rollout = Rollout(data.episodes.rollout.groups, data.episodes.rollout.stats)
         else:
             data.rollout = generate(run.policy, data.prompts, num_samples=run.num_generations,
