@@ -144,6 +144,7 @@ def test_training_step_matches_trl(tiny, tmp_path, config):
     assert stats.num_shared_calls == 2 + (config["beta"] > 0)
     assert stats.num_prompt_forwards == len(PROMPTS) * stats.num_shared_calls
     assert stats.num_rows == G * len(PROMPTS) * stats.num_shared_calls
+    assert stats.num_tree_calls == 0  # "auto": prompts and completions part at their first token, no trie to gain
 
 
 def test_groups_split_across_micro_batches(tiny, tmp_path, caplog):
