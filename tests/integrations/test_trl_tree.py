@@ -91,6 +91,29 @@ def test_rows_that_share_turns_train_as_trl_through_one_trie(chat, chat_pad_is_e
     assert stats.num_tokens_run < 3 * prompt_shared_tokens(groups) < stats.num_row_tokens
 
 
+def test_tree_logprobs_and_entropies_equal_trl_row_by_row_in_chunks(chat_pad_is_eos, tmp_path):
+    """The drop-in's ``[B, C]`` log-probs and entropies through tries cut into ``batch_size`` chunks of whole
+    groups (batch_size=2: each group a chunk, so a trie, of its own) equal TRL's own method's on the same call,
+    0 at the padding; pad == eos."""
+    ours = build_trainer(chat_pad_is_eos, tmp_path, SharedPrefixGRPOTrainer, TREE_VARIANTS["environment"],
+                         sharing="tree")
+    batch = generation_batch(ours)
+    input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
+    attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
+    call = dict(logits_to_keep=batch["completion_ids"].shape[1], batch_size=2, compute_entropy=True)
+    before = ours.shared_prefix_stats.num_tree_calls
+    logps, entropies, _ = ours._get_per_token_logps_and_entropies(ours.model, input_ids, attention_mask, **call)
+    assert ours.shared_prefix_stats.num_tree_calls - before == 3   # the 3 groups, one trie each
+    trl_logps, trl_entropies, _ = trl.GRPOTrainer._get_per_token_logps_and_entropies(ours, ours.model, input_ids,
+                                                                                     attention_mask, **call)
+    mask = batch["completion_mask"].bool()
+    assert logps.shape == trl_logps.shape and entropies.shape == trl_entropies.shape
+    torch.testing.assert_close(logps[mask], trl_logps[mask], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(entropies[mask], trl_entropies[mask], rtol=1e-5, atol=1e-5)
+    assert (logps[~mask] == 0).all() and (entropies[~mask] == 0).all() and (~mask).sum() > 0
+    assert logps.requires_grad and not entropies.requires_grad
+
+
 def shared_groups(trainer, batch):
     """The groups the drop-in reads off a generation batch, in one chunk."""
     from turbogrpo.integrations.trl import group_rows
