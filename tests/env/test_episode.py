@@ -74,14 +74,17 @@ def test_a_never_ending_environment_is_capped_by_max_turns(demo):
     assert result.metrics["env/max_turns_hit"] > 0
 
 
-class FlakyReset(RetryArithmetic):
+class Numbered(RetryArithmetic):
+    """A RetryArithmetic that knows its place (1, 2, ...) among the instances its class made."""
     made = 0
 
     def __init__(self):
         super().__init__()
-        FlakyReset.made += 1
-        self.number = FlakyReset.made
+        type(self).made += 1
+        self.number = type(self).made
 
+
+class FlakyReset(Numbered):
     def reset(self, **row):
         if self.number == 2:
             raise RuntimeError("no sandbox")
@@ -132,9 +135,9 @@ def test_recorded_ids_win_over_a_template_that_renders_them_differently(demo, mo
         episodes(demo, RetryArithmetic, num_rows=1, max_turns=1, template=stripping)
 
 
-def test_tool_calls_are_run_and_their_replies_rendered(demo):
-    _, tokenizer = demo
-    env = Calculator()
+def tool_episode(tokenizer, env):
+    """An Episode of ``env``'s tools (hermes calls, the demo template), its renderer, and ``turn(text)``: the
+    episode's answer (reply ids or None) to a model turn of ``text``."""
     tools = environment_tools(env)
     renderer = ChatRenderer(tokenizer, tool_schemas(tools), "<|endoftext|>", DEMO_CHAT_TEMPLATE)
     episode = Episode(env, tools, renderer, get_tool_call_parser("hermes"),
@@ -142,6 +145,13 @@ def test_tool_calls_are_run_and_their_replies_rendered(demo):
 
     def turn(text):
         return episode(tokenizer(text + "<|endoftext|>", add_special_tokens=False)["input_ids"])
+    return episode, renderer, turn
+
+
+def test_tool_calls_are_run_and_their_replies_rendered(demo):
+    _, tokenizer = demo
+    env = Calculator()
+    episode, renderer, turn = tool_episode(tokenizer, env)
 
     reply = turn(' <tool_call>{"name": "calculate", "arguments": {"expression": "19 * 3"}}</tool_call>')
     assert tokenizer.decode(reply) == "\nResult: 57\nAnswer:"
@@ -154,14 +164,8 @@ def test_tool_calls_are_run_and_their_replies_rendered(demo):
     assert renderer.render(episode.messages[:0] + [{"role": "user", "content": "q"}]).startswith("Tools: calculate")
 
 
-class FlakyReply(RetryArithmetic):
+class FlakyReply(Numbered):
     """Conversation 2's reply() raises, conversation 3's returns a number; the others play RetryArithmetic."""
-    made = 0
-
-    def __init__(self):
-        super().__init__()
-        FlakyReply.made += 1
-        self.number = FlakyReply.made
 
     def reply(self, message):
         if self.number == 2:
@@ -209,13 +213,7 @@ class BrokenCalculator(Calculator):
 def test_a_raising_tool_or_wrong_arguments_are_the_models_tool_reply_and_the_episode_goes_on(demo):
     _, tokenizer = demo
     env = BrokenCalculator()
-    tools = environment_tools(env)
-    renderer = ChatRenderer(tokenizer, tool_schemas(tools), "<|endoftext|>", DEMO_CHAT_TEMPLATE)
-    episode = Episode(env, tools, renderer, get_tool_call_parser("hermes"),
-                      lambda ids: tokenizer.decode(ids, skip_special_tokens=False), max_turns=4)
-
-    def turn(text):
-        return episode(tokenizer(text + "<|endoftext|>", add_special_tokens=False)["input_ids"])
+    episode, renderer, turn = tool_episode(tokenizer, env)
 
     call = '<tool_call>{"name": "calculate", "arguments": %s}</tool_call>'
     assert tokenizer.decode(turn(call % '{"expression": "19 * 3"}')) == \
