@@ -28,8 +28,8 @@ nothing of their own. TRL puts a row's every turn in its completion: the model's
 environment replies between them, the replies marked 0 in ``tool_mask``. The attention mask TRL passes
 covers the whole completion, so the shared forward sees the replies as context and scores every completion
 token, as TRL's forward does; TRL's loss, entropy and KL then multiply in ``tool_mask``, so reply tokens
-never reach them (tested in ``tests/integrations/test_trl_tools.py``). The rows of a group share only
-their prompt: an ``environment_factory`` whose ``reset`` observation differs per rollout makes every prompt
+never reach them (tested in ``tests/integrations/test_trl_tools.py``). Prompt sharing shares only the
+prompt: an ``environment_factory`` whose ``reset`` observation differs per rollout makes every prompt
 differ (then TRL's own forward runs), and members whose first turns coincide share more than the prompt.
 
 Tree sharing uses that too. With ``sharing="tree"`` (or ``"auto"``, the default, when it saves tokens) a
@@ -259,7 +259,8 @@ def row_tokens(chunk: Groups) -> int:
 SHARING = {
     "prompt": lambda chunk, trie: False,
     "tree": lambda chunk, trie: True,
-    # the trie when it runs fewer tokens than prompt sharing, i.e. some completions begin alike
+    # the trie when it runs fewer tokens than prompt sharing: some completions of a group begin alike, or
+    # the prompts of different groups do (a common system turn)
     "auto": lambda chunk, trie: trie().num_tokens < prompt_shared_tokens(chunk),
 }
 
@@ -355,9 +356,9 @@ class SharedPrefixMixin:
 class SharedPrefixGRPOTrainer(SharedPrefixMixin, GRPOTrainer):
     """``trl.GRPOTrainer`` whose per-token log-probs run each distinct prompt once (same arguments).
 
-    ``sharing``: ``"auto"`` (default) runs a call's rows as one trie when some completions begin alike
-    (multi-turn rows with the same first turn), else shares the prompts; ``"tree"`` always runs the trie;
-    ``"prompt"`` shares the prompts only.
+    ``sharing``: ``"auto"`` (default) runs a call's rows as one trie when that runs fewer tokens than
+    sharing the prompts (multi-turn rows with the same first turn, prompts with a common system turn), else
+    shares the prompts; ``"tree"`` always runs the trie; ``"prompt"`` shares the prompts only.
     """
 
     def __init__(self, *args, sharing: str = "auto", **kwargs):
