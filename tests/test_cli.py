@@ -144,3 +144,18 @@ def test_eval_measures_a_model_exactly_as_a_run_does_at_step_0(tmp_path, capsys)
     assert main(["eval", "--set", *sets]) == 0
     measured = capsys.readouterr().out.strip().splitlines()[-1]
     assert measured.startswith(f"demo: {step_0.removeprefix('step 0: ')} (")
+
+
+def test_an_env_factory_that_cannot_be_imported_is_one_line_before_any_step(tmp_path, capsys):
+    """`turbogrpo train` with an [env] whose factory cannot be imported exits 2 with one line naming it,
+    before any step: no metrics, no checkpoint, no model export (the other load_factory errors:
+    tests/env/test_interface.py)."""
+    factory, message = "no_such_module_xyz:Env", "cannot import module 'no_such_module_xyz'"
+    out = tmp_path / "run"
+    argv = ["train", str(REPO / "configs" / "demo_multiturn.toml"), "--set", f'env.factory="{factory}"',
+            f'train.output_dir="{out}"', "log.progress_bar=false", "log.tensorboard=false"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("turbogrpo: error: ") and message in err and factory.split(":")[0] in err, err
+    assert err.count("\n") == 1
+    assert not (out / "metrics.jsonl").exists() and not list(out.glob("step-*")) and not (out / "final").exists()

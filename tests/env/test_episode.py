@@ -74,14 +74,17 @@ def test_a_never_ending_environment_is_capped_by_max_turns(demo):
     assert result.metrics["env/max_turns_hit"] > 0
 
 
-class FlakyReset(RetryArithmetic):
+class Numbered(RetryArithmetic):
+    """A RetryArithmetic that knows its place (1, 2, ...) among the instances its class made."""
     made = 0
 
     def __init__(self):
         super().__init__()
-        FlakyReset.made += 1
-        self.number = FlakyReset.made
+        type(self).made += 1
+        self.number = type(self).made
 
+
+class FlakyReset(Numbered):
     def reset(self, **row):
         if self.number == 2:
             raise RuntimeError("no sandbox")
@@ -132,9 +135,9 @@ def test_recorded_ids_win_over_a_template_that_renders_them_differently(demo, mo
         episodes(demo, RetryArithmetic, num_rows=1, max_turns=1, template=stripping)
 
 
-def test_tool_calls_are_run_and_their_replies_rendered(demo):
-    _, tokenizer = demo
-    env = Calculator()
+def tool_episode(tokenizer, env):
+    """An Episode of ``env``'s tools (hermes calls, the demo template), its renderer, and ``turn(text)``: the
+    episode's answer (reply ids or None) to a model turn of ``text``."""
     tools = environment_tools(env)
     renderer = ChatRenderer(tokenizer, tool_schemas(tools), "<|endoftext|>", DEMO_CHAT_TEMPLATE)
     episode = Episode(env, tools, renderer, get_tool_call_parser("hermes"),
@@ -142,6 +145,13 @@ def test_tool_calls_are_run_and_their_replies_rendered(demo):
 
     def turn(text):
         return episode(tokenizer(text + "<|endoftext|>", add_special_tokens=False)["input_ids"])
+    return episode, renderer, turn
+
+
+def test_tool_calls_are_run_and_their_replies_rendered(demo):
+    _, tokenizer = demo
+    env = Calculator()
+    episode, renderer, turn = tool_episode(tokenizer, env)
 
     reply = turn(' <tool_call>{"name": "calculate", "arguments": {"expression": "19 * 3"}}</tool_call>')
     assert tokenizer.decode(reply) == "\nResult: 57\nAnswer:"
@@ -152,6 +162,68 @@ def test_tool_calls_are_run_and_their_replies_rendered(demo):
     env.reset(answer=57)
     assert turn(" #### 57") is None and env.get_reward() == 1.0  # no tool call: the answer ends the episode
     assert renderer.render(episode.messages[:0] + [{"role": "user", "content": "q"}]).startswith("Tools: calculate")
+
+
+class FlakyReply(Numbered):
+    """Conversation 2's reply() raises, conversation 3's returns a number; the others play RetryArithmetic."""
+
+    def reply(self, message):
+        if self.number == 2:
+            raise ConnectionError("judge unreachable")
+        if self.number == 3:
+            return 7
+        return super().reply(message)
+
+
+def test_failing_replies_fail_their_conversation_only(demo):
+    """reply() that raises or returns a non-string: that conversation stops with its error recorded (its turn
+    kept, its reward None, a failed item), the others are played on as without it."""
+    FlakyReply.made = 0
+    result = episodes(demo, FlakyReply, num_rows=2, max_turns=3, seed=1)
+    FlakyReply.made = 4   # every instance plain RetryArithmetic: the same seed, the same first turns
+    plain = episodes(demo, FlakyReply, num_rows=2, max_turns=3, seed=1)
+    errors = [e.error for e in result.episodes]
+    assert errors == [None, "reply() raised ConnectionError: judge unreachable",
+                      "reply() returned a int, not a str or None", None]
+    assert result.metrics["env/failures"] == 0.5
+    assert [result.episodes[i].reward() for i in (1, 2)] == [None, None]
+    groups, plain_groups = result.rollout.groups, plain.rollout.groups
+    for i in (1, 2):   # the failed ones keep their first turn (all model tokens), and stop there
+        assert result.episodes[i].num_turns == 1 and groups.model_mask[i].all()
+        first_turn = plain_groups.completions[i][:len(groups.completions[i])]
+        assert torch.equal(groups.completions[i], first_turn)
+    rewards = compute_rewards([Reward("env", environment_reward)], ["p"] * 4, ["c"] * 4,
+                              {"environments": result.episodes})
+    assert rewards.failed["env"].tolist() == [False, True, True, False]
+    assert rewards.total[[0, 3]].tolist() == [float(result.episodes[i].env.solved) for i in (0, 3)]
+
+
+class BrokenCalculator(Calculator):
+    def calculate(self, expression: str) -> str:
+        """Evaluate an arithmetic expression.
+
+        Args:
+            expression: Numbers joined by +, -, *, / and parentheses, for example "(12 + 7) * 3".
+        """
+        if "9" in expression:
+            raise TimeoutError("sandbox timed out")
+        return super().calculate(expression)
+
+
+def test_a_raising_tool_or_wrong_arguments_are_the_models_tool_reply_and_the_episode_goes_on(demo):
+    _, tokenizer = demo
+    env = BrokenCalculator()
+    episode, renderer, turn = tool_episode(tokenizer, env)
+
+    call = '<tool_call>{"name": "calculate", "arguments": %s}</tool_call>'
+    assert tokenizer.decode(turn(call % '{"expression": "19 * 3"}')) == \
+        "\nResult: {'error': 'TimeoutError: sandbox timed out'}\nAnswer:"
+    wrong = tokenizer.decode(turn(call % '{"expr": "2 * 3"}'))
+    assert wrong.startswith("\nResult: {'error': \"TypeError: ") and "'expr'" in wrong
+    assert tokenizer.decode(turn(call % '{"expression": "2 * 3"}')) == "\nResult: 6\nAnswer:"  # still playing
+    assert episode.error is None and episode.num_tool_calls == 3 and episode.num_tool_failures == 2
+    env.reset(answer=6)
+    assert turn(" #### 6") is None and env.get_reward() == 1.0
 
 
 def test_templates_without_tool_support_are_refused(demo):

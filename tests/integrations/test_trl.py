@@ -53,7 +53,8 @@ def fixed_rewards(completions, **_):
     return [REWARDS[i % len(REWARDS)] for i in range(len(completions))]
 
 
-def build_trainer(tiny, tmp_path, trainer_class, *, peft=False, **config):
+def build_trainer(tiny, tmp_path, trainer_class, *, peft=False, sharing=None, **config):
+    """``sharing``: the drop-in's (for SharedPrefixGRPOTrainer; None: its default)."""
     model_dir, tokenizer = tiny
     args = trl.GRPOConfig(
         output_dir=str(tmp_path), report_to="none", use_cpu=True, save_strategy="no", seed=0,
@@ -67,7 +68,7 @@ def build_trainer(tiny, tmp_path, trainer_class, *, peft=False, **config):
         from peft import LoraConfig
         peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj"])
     trainer = trainer_class(model=model_dir, processing_class=tokenizer, reward_funcs=[fixed_rewards], args=args,
-                            peft_config=peft_config,
+                            peft_config=peft_config, **({} if sharing is None else {"sharing": sharing}),
                             train_dataset=Dataset.from_dict({"prompt": PROMPTS}), rollout_func=fixed_rollout)
     # Move the policy off the reference (and LoRA off zero), the same way in both trainers, so that the
     # KL term and the ratios are not trivially at their optimum.
@@ -81,11 +82,11 @@ def build_trainer(tiny, tmp_path, trainer_class, *, peft=False, **config):
     return trainer
 
 
-def build_pair(tiny, tmp_path, patch_existing=False, **config):
+def build_pair(tiny, tmp_path, patch_existing=False, sharing=None, **config):
     ours = build_trainer(tiny, tmp_path / "ours", trl.GRPOTrainer if patch_existing else SharedPrefixGRPOTrainer,
-                         **config)
+                         sharing=None if patch_existing else sharing, **config)
     if patch_existing:
-        ours = enable_shared_prefix(ours)
+        ours = enable_shared_prefix(ours, **({} if sharing is None else {"sharing": sharing}))
     return build_trainer(tiny, tmp_path / "trl", trl.GRPOTrainer, **config), ours
 
 
@@ -134,7 +135,8 @@ def assert_same_step(trl_trainer, ours, split=None):
     {"loss_type": "dapo", "beta": 0.0},
     {"loss_type": "grpo", "beta": 0.04},
     {"loss_type": "dapo", "beta": 0.04, "peft": True, "patch_existing": True},
-], ids=["dapo-beta0", "grpo-beta0.04", "lora-dapo-beta0.04-patched"])
+    {"loss_type": "dapo", "beta": 0.04, "peft": True, "patch_existing": True, "sharing": "tree"},
+], ids=["dapo-beta0", "grpo-beta0.04", "lora-dapo-beta0.04-patched", "lora-dapo-beta0.04-patched-tree"])
 def test_training_step_matches_trl(tiny, tmp_path, config):
     trl_trainer, ours = build_pair(tiny, tmp_path, **config)
     assert_same_step(trl_trainer, ours)
@@ -144,6 +146,8 @@ def test_training_step_matches_trl(tiny, tmp_path, config):
     assert stats.num_shared_calls == 2 + (config["beta"] > 0)
     assert stats.num_prompt_forwards == len(PROMPTS) * stats.num_shared_calls
     assert stats.num_rows == G * len(PROMPTS) * stats.num_shared_calls
+    # "auto": prompts and completions part at their first token, no trie to gain; "tree": a trie all the same
+    assert stats.num_tree_calls == (stats.num_shared_calls if config.get("sharing") == "tree" else 0)
 
 
 def test_groups_split_across_micro_batches(tiny, tmp_path, caplog):

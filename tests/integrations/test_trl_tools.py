@@ -211,9 +211,10 @@ def chat(tmp_path_factory):
     return str(path), tokenizer
 
 
-def build_trainer(chat, tmp_path, trainer_class, variant):
+def build_trainer(chat, tmp_path, trainer_class, variant, **trainer_kwargs):
+    """``variant``: a VARIANTS name or a spec of that form; ``trainer_kwargs`` go to ``trainer_class``."""
     model_dir, tokenizer = chat
-    spec = VARIANTS[variant]
+    spec = VARIANTS[variant] if isinstance(variant, str) else variant
     args = trl.GRPOConfig(
         output_dir=str(tmp_path), report_to="none", use_cpu=True, save_strategy="no", seed=0, bf16=False,
         num_generations=G, per_device_train_batch_size=G * len(QUESTIONS), max_completion_length=512,
@@ -221,7 +222,7 @@ def build_trainer(chat, tmp_path, trainer_class, variant):
         **spec.get("config", {}))  # fmt: skip
     dataset = Dataset.from_dict({"prompt": [[{"role": "user", "content": q}] for q in QUESTIONS], **spec["columns"]})
     trainer = trainer_class(model=model_dir, processing_class=tokenizer, args=args, train_dataset=dataset,
-                            **spec["kwargs"]())
+                            **spec["kwargs"](), **trainer_kwargs)
     trainer._generate_single_turn = ScriptedTurns(tokenizer, spec["scripts"])
     # Move the policy off the reference, the same way in both trainers (a KL term not at its optimum).
     gen = torch.Generator().manual_seed(1)
@@ -261,7 +262,7 @@ def test_tool_rows_train_as_trl(chat, tmp_path, variant):
     GRPOTrainer on multi-turn rows, with every call sharing its prompts. Float32 only, as the single-turn
     parity: TRL's fused LM head returns float32 log-probs whatever the model's dtype."""
     trl_trainer = build_trainer(chat, tmp_path / "trl", trl.GRPOTrainer, variant)
-    ours = build_trainer(chat, tmp_path / "ours", SharedPrefixGRPOTrainer, variant)
+    ours = build_trainer(chat, tmp_path / "ours", SharedPrefixGRPOTrainer, variant, sharing="prompt")
     trl_batch, our_batch = generation_batch(trl_trainer), generation_batch(ours)
     # The rows are multi-turn: TRL masked the replies between the model's turns of most rows.
     scripts, reply = VARIANTS[variant]["scripts"], VARIANTS[variant]["reply"]
@@ -269,9 +270,22 @@ def test_tool_rows_train_as_trl(chat, tmp_path, variant):
     for i, (in_loss, tool_text) in enumerate(model_token_texts(chat[1], our_batch)):
         assert in_loss == ("".join(scripts[i]) if i in masked_rows else ""), i
         assert (reply in tool_text) == (len(scripts[i]) > 1 and i in masked_rows), i
+    assert trl_batch["advantages"].abs().min() > 0
+    tool_metrics = ("tools/call_frequency", "tools/failure_frequency") if reply == "<tool_response>" else ()
+    assert_trains_as_trl(trl_trainer, ours, trl_batch, our_batch, tool_metrics)
+    if tool_metrics:
+        assert trl_trainer._metrics["train"]["tools/failure_frequency"][-1] > 0  # the bad calls were answered
+    stats = ours.shared_prefix_stats
+    # old policy, reference, policy: every call shared, one prompt forward per question
+    assert stats.num_fallback_calls == 0 and stats.num_shared_calls == 3
+    assert stats.num_prompt_forwards == len(QUESTIONS) * 3
+
+
+def assert_trains_as_trl(trl_trainer, ours, trl_batch, our_batch, metrics=()):
+    """Same masks, old/reference log-probs, loss, gradients and logged ``metrics`` (with entropy, KL, clip
+    ratio) as TRL, within the single-turn parity's tolerances."""
     for key in ("completion_mask", "tool_mask", "advantages", "old_per_token_logps", "ref_per_token_logps"):
         torch.testing.assert_close(our_batch[key], trl_batch[key], rtol=1e-5, atol=1e-5, msg=key)
-    assert trl_batch["advantages"].abs().min() > 0
     trl_loss, trl_grads = loss_and_grads(trl_trainer, trl_batch)
     our_loss, our_grads = loss_and_grads(ours, our_batch)
     torch.testing.assert_close(our_loss, trl_loss, rtol=1e-5, atol=1e-6)
@@ -279,16 +293,9 @@ def test_tool_rows_train_as_trl(chat, tmp_path, variant):
     for name, grad in trl_grads.items():
         assert grad.abs().max() > 0, name  # every parameter gets a real gradient to compare
         torch.testing.assert_close(our_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
-    tool_metrics = ("tools/call_frequency", "tools/failure_frequency") if reply == "<tool_response>" else ()
-    for key in ("entropy", "kl", "clip_ratio/region_mean", *tool_metrics):
+    for key in ("entropy", "kl", "clip_ratio/region_mean", *metrics):
         trl_values, our_values = trl_trainer._metrics["train"].get(key), ours._metrics["train"].get(key)
         assert trl_values is not None and our_values == pytest.approx(trl_values, rel=1e-5, abs=1e-6), key
-    if tool_metrics:
-        assert trl_trainer._metrics["train"]["tools/failure_frequency"][-1] > 0  # the bad calls were answered
-    stats = ours.shared_prefix_stats
-    # old policy, reference, policy: every call shared, one prompt forward per question
-    assert stats.num_fallback_calls == 0 and stats.num_shared_calls == 3
-    assert stats.num_prompt_forwards == len(QUESTIONS) * 3
 
 
 def test_environments_that_make_every_prompt_different_run_trl(chat, tmp_path):

@@ -36,12 +36,14 @@ def shard(batch: Groups, dist: DistInfo) -> Groups:
     return batch.select(range(groups.start, groups.stop))
 
 
-def two_updates(loss_name: str, strategy: str, dist: DistInfo) -> tuple[dict[str, torch.Tensor], dict]:
-    """Parameters after two AdamW steps on this rank's share of the global batch (all of it on one process)."""
+def two_updates(loss_name: str, strategy: str, dist: DistInfo,
+                batch: Groups | None = None) -> tuple[dict[str, torch.Tensor], dict]:
+    """Parameters after two AdamW steps on this rank's share of the global batch (all of it on one process);
+    ``batch``: the global batch (default :func:`global_batch`)."""
     model = exact_tiny_model(seed=5)
     trainer = distributed.wrap_for_training(model, compute_logprobs, dist, strategy)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
-    batch = shard(global_batch(), dist)
+    batch = shard(global_batch() if batch is None else batch, dist)
     config = load_config(None, [f"train.micro_batch_tokens={BUDGET}", "rollout.max_new_tokens=8"])
     micro_batches = loop.plan(batch, config.train.micro_batch_tokens, dist)
     normalizer = loop.step_normalizer(batch, config.rollout.max_new_tokens, dist)
@@ -116,3 +118,44 @@ def disagreeing(rank: int, world_size: int, ports: list[int], out_dir: str, mode
             outcome = str(err)
             (out / f"{case}-rank{rank}-reports.txt").write_text(str(getattr(err, "report", None)))
         (out / f"{case}-rank{rank}.txt").write_text(outcome)
+
+
+def multiturn(rank: int, world_size: int, ports: list[int], out_dir: str) -> None:
+    """Multi-turn on 2 ranks: DDP updates on a global batch of conversations (environment ids masked), then
+    the shipped multi-turn config (an [env] environment per conversation, on each rank) trained for a step.
+    Writes the update's parameters, and per rank and step the parameters after the step and the prompts and
+    completions the rank's rollout made."""
+    from tests.train.test_multiturn_run import CONFIG, small
+    from tests.train.test_multiturn_training import multiturn_batch
+
+    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(ports[0])})
+    torch.set_num_threads(1)
+    out = Path(out_dir)
+    dist = distributed.setup("cpu", "gloo")
+    params, metrics = two_updates("dapo", "ddp", dist, multiturn_batch())
+    if dist.is_main:
+        save_file({k: v.contiguous() for k, v in params.items()}, out / "multiturn-update.safetensors")
+        (out / "multiturn-update.json").write_text(json.dumps(metrics))
+    distributed.teardown(dist)
+
+    sample, grpo_step = loop.sample, loop.grpo_step
+
+    def recording_sample(run, data):
+        data = sample(run, data)
+        rollout = {"prompts": [p.tolist() for p in data.batch.prompts],
+                   "completions": [c.tolist() for c in data.batch.completions],
+                   "env_tokens": sum(int((~m).sum()) for m in data.batch.model_mask)}
+        (out / f"rollout-step{data.index}-rank{rank}.json").write_text(json.dumps(rollout))
+        return data
+
+    def recording_step(run, step):
+        metrics = grpo_step(run, step)
+        weights = {k: v.detach().clone().contiguous() for k, v in run.policy.state_dict().items()}
+        save_file(weights, out / f"params-step{step + 1}-rank{rank}.safetensors")
+        return metrics
+
+    loop.sample, loop.grpo_step = recording_sample, recording_step
+    os.environ["MASTER_PORT"] = str(ports[1])
+    loop.train(load_config(CONFIG, small(out / "run", **{"distributed.strategy": "ddp", "train.prompts_per_step": 4,
+                                                         "train.num_steps": 1})))

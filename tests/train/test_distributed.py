@@ -3,6 +3,7 @@
 import json
 import socket
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,6 +21,7 @@ from turbogrpo.train.rank_agreement import describe_first_difference, training_k
 from . import dist_worker
 from .tiny_run import write_model, write_rows
 
+REPO = Path(__file__).resolve().parents[2]
 SINGLE = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
 
 
@@ -77,6 +79,38 @@ def test_fsdp2_bf16_mixed_keeps_float32_shards_and_logs_the_gap_and_tis(two_rank
         assert 0.9 < r["tis/weight_mean"] < 1.1 and 0 <= r["tis/frac_capped"] <= 1
     assert {t.dtype for t in load_file(out / "step-000002" / "model.safetensors").values()} == {torch.float32}
     assert AutoModelForCausalLM.from_pretrained(out / "final", dtype="auto").dtype == torch.bfloat16
+
+
+@pytest.mark.slow  # ~25 s on a quiet 2-core machine: 2 spawned ranks import, roll out and train one step
+def test_multiturn_with_an_environment_on_two_processes(tmp_path):
+    """DDP with an [env]: an update on a global batch of conversations equals one process's (environment ids
+    masked on both), and the shipped multi-turn config trains a step on 2 ranks, each rolling out its own
+    prompts' conversations with its own environments, both ranks holding the same (moved) parameters after it."""
+    from .test_multiturn_training import multiturn_batch
+    spawn_bounded(dist_worker.multiturn, (2, free_ports(2), str(tmp_path)), nprocs=2, timeout_s=180)
+    expected_params, expected_metrics = dist_worker.two_updates("dapo", "ddp", SINGLE, multiturn_batch())
+    got_params = load_file(tmp_path / "multiturn-update.safetensors")
+    for name, value in expected_params.items():
+        torch.testing.assert_close(got_params[name], value, rtol=1e-10, atol=1e-12, msg=name)
+    for got, expected in zip(json.loads((tmp_path / "multiturn-update.json").read_text()), expected_metrics):
+        for key in ("grad_norm", "num_tokens", "entropy"):
+            if key in expected:
+                assert got[key] == pytest.approx(expected[key], rel=1e-6, abs=1e-12), key
+
+    initial = AutoModelForCausalLM.from_pretrained(REPO / "turbogrpo" / "assets" / "demo_model").state_dict()
+    rollouts = [json.loads((tmp_path / f"rollout-step0-rank{r}.json").read_text()) for r in (0, 1)]
+    assert [len(r["prompts"]) for r in rollouts] == [2, 2] and [len(r["completions"]) for r in rollouts] == [8, 8]
+    assert not set(map(tuple, rollouts[0]["prompts"])) & set(map(tuple, rollouts[1]["prompts"]))  # own halves
+    assert all(r["env_tokens"] > 0 for r in rollouts)  # each rank's environments replied (retries prefilled)
+    ranks = [load_file(tmp_path / f"params-step1-rank{r}.safetensors") for r in (0, 1)]
+    assert ranks[0].keys() == ranks[1].keys()
+    for name, value in ranks[0].items():
+        assert torch.equal(value, ranks[1][name]), name   # DDP: one update on both ranks
+    assert any(not torch.equal(ranks[0][name], value) for name, value in initial.items() if name in ranks[0])
+    steps = [r for r in read_metrics(tmp_path / "run") if "reward" in r]
+    assert [r["step"] for r in steps] == [1]
+    for record in steps:
+        assert record["env/failures"] == 0 and record["env/env_tokens"] > 0 and record["logprob_gap"] < 1e-4
 
 
 def spawn_bounded(fn, args, nprocs: int, timeout_s: float) -> None:

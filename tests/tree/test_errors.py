@@ -9,7 +9,7 @@ from transformers import Gemma2Config, Gemma2ForCausalLM, MambaConfig, MambaForC
 from tests.prefix.conftest import VOCAB, build_model
 from tests.tree.conftest import TRIE_SHAPES, per_sequence_truth, random_masks_and_weights, random_sequences
 from tests.tree.test_parity import weighted_loss_grads
-from turbogrpo.tree import build_trie, micro_batches, per_sequence_logprobs, tree_logprobs
+from turbogrpo.tree import build_trie, micro_batches, per_sequence_logprobs, tree_logprobs, trie_of_groups
 from turbogrpo.tree.attention import cascade_parts, select_tree_backend
 
 
@@ -88,6 +88,20 @@ def test_flex_forward_matches_on_cpu(inputs):
 def test_bad_model_input(trie_kwargs, message):
     with pytest.raises(ValueError, match=message):
         tree_logprobs(build_model("qwen2"), build_trie(**trie_kwargs))
+
+
+def test_a_sequence_with_no_loss_token_is_named_before_the_forward():
+    """An empty completion (nothing to score) among others: one line naming it, from the trie the tree forward
+    would take; without it the others' log-probs are what they are in a trie of their own."""
+    prompts, completions = [torch.tensor([5, 6, 7])], [[torch.tensor([8, 9]), torch.tensor([], dtype=torch.long)]]
+    with pytest.raises(ValueError, match=r"^sequence 1 has no loss token \(its loss mask is all False\); drop it "
+                                         r"from the batch or mark the tokens to train on$"):
+        trie_of_groups(prompts, completions)
+    model = build_model("qwen2")
+    alone = tree_logprobs(model, trie_of_groups(prompts, [completions[0][:1]])).logps
+    torch.testing.assert_close(alone, per_sequence_truth(model, [torch.tensor([5, 6, 7, 8, 9])],
+                                                         [torch.tensor([False] * 3 + [True] * 2)]).detach(),
+                               rtol=0, atol=1e-5)  # a float32 model
 
 
 def test_bad_temperature_and_trie():

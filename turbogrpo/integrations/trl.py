@@ -28,10 +28,17 @@ nothing of their own. TRL puts a row's every turn in its completion: the model's
 environment replies between them, the replies marked 0 in ``tool_mask``. The attention mask TRL passes
 covers the whole completion, so the shared forward sees the replies as context and scores every completion
 token, as TRL's forward does; TRL's loss, entropy and KL then multiply in ``tool_mask``, so reply tokens
-never reach them (tested in ``tests/integrations/test_trl_tools.py``). The rows of a group share only
-their prompt: an ``environment_factory`` whose ``reset`` observation differs per rollout makes every prompt
-differ (then TRL's own forward runs), and members whose first turns coincide share more than the prompt,
-which only tree sharing could use.
+never reach them (tested in ``tests/integrations/test_trl_tools.py``). Prompt sharing shares only the
+prompt: an ``environment_factory`` whose ``reset`` observation differs per rollout makes every prompt
+differ (then TRL's own forward runs), and members whose first turns coincide share more than the prompt.
+
+Tree sharing uses that too. With ``sharing="tree"`` (or ``"auto"``, the default, when it saves tokens) a
+call's rows become one trie (``turbogrpo.tree``): each row is its real prompt tokens then its real completion
+tokens, cut by TRL's attention mask (never by token values: with pad == eos, TRL #4974, a completion's
+closing EOS is a pad id too) and never re-tokenised, so rows whose completions begin alike (the same first
+turn, the same tool reply) run their common tokens once. Every completion token is scored, tool replies
+included, as TRL's forward does; ``tool_mask`` still does the masking in TRL's loss. ``sharing="prompt"``
+shares the prompt only. The choice is the constructor's ``sharing`` argument (or ``enable_shared_prefix``'s).
 
 Shape legend: B rows (one completion each), P prompt columns (left-padded), C completion columns
 (right-padded), L = P + C.
@@ -52,6 +59,7 @@ from torch import nn
 from turbogrpo.batch import Groups
 from turbogrpo.hook import check_supported, has_absolute_positions, lm_head_of
 from turbogrpo.prefix import compute_logprobs
+from turbogrpo.tree import tree_logprobs, trie_of_groups
 
 try:
     import trl
@@ -95,6 +103,9 @@ class SharedPrefixStats:
     num_rows: int = 0                # completions scored by shared calls
     num_prompt_forwards: int = 0     # prompts those calls ran (one per group found)
     num_partial_groups: int = 0      # groups with fewer than num_generations members in their batch
+    num_tree_calls: int = 0          # shared calls (or chunks of one) whose rows ran as one trie
+    num_tokens_run: int = 0          # tokens the shared forwards ran
+    num_row_tokens: int = 0          # tokens TRL's forward would have run for the same rows (real tokens only)
     fallback_reasons: dict[str, int] = field(default_factory=dict)  # reason -> number of calls
 
 
@@ -231,6 +242,53 @@ def shareable_groups(trainer, model, input_ids_BL: torch.Tensor, attention_mask_
                       input_ids_BL[:, num_prompt_columns:], attention_mask_BL[:, num_prompt_columns:])
 
 
+# ---------------------------------------------------------------- how a chunk of groups is laid out
+
+def prompt_shared_tokens(chunk: Groups) -> int:
+    """Tokens the prompt-shared forward runs: each prompt once, then every completion."""
+    return sum(chunk.prompt_lengths) + sum(chunk.lengths)
+
+
+def row_tokens(chunk: Groups) -> int:
+    """Tokens TRL's own forward runs for the chunk's rows (real tokens only): each row its prompt and completion."""
+    return sum(p * size for p, size in zip(chunk.prompt_lengths, chunk.sizes)) + sum(chunk.lengths)
+
+
+# ``sharing`` -> whether a chunk runs as one trie, given the chunk and a thunk building its trie (built only
+# when asked: the trie reads every id on the host).
+SHARING = {
+    "prompt": lambda chunk, trie: False,
+    "tree": lambda chunk, trie: True,
+    # the trie when it runs fewer tokens than prompt sharing: some completions of a group begin alike, or
+    # the prompts of different groups do (a common system turn)
+    "auto": lambda chunk, trie: trie().num_tokens < prompt_shared_tokens(chunk),
+}
+
+
+def check_sharing(sharing: str) -> str:
+    """``sharing`` itself, or ValueError naming the allowed values."""
+    if sharing not in SHARING:
+        raise ValueError(f"sharing must be one of {sorted(SHARING)}, got {sharing!r}")
+    return sharing
+
+
+def chunk_logprobs(model, chunk: Groups, sharing: str, temperature: float,
+                   with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None, int, bool]:
+    """Log-probs ``[Nq]`` and entropies ``[Nq]`` (or None) of every completion token of ``chunk``, in Groups
+    order, the tokens the forward ran, and whether it ran as a trie.
+
+    The trie's sequences are the chunk's rows in Groups order, each scoring its completion tokens
+    (``trie_of_groups``), so :func:`tree_logprobs` returns them in the same order as ``compute_logprobs``.
+    """
+    trie = functools.cache(lambda: trie_of_groups(chunk.prompts, chunk.nested()))
+    if SHARING[sharing](chunk, trie):
+        result = tree_logprobs(model, trie(), temperature=temperature, with_entropy=with_entropy)
+        return result.logps, result.entropy, trie().num_tokens, True
+    result = compute_logprobs(model, chunk.prompts, chunk.nested(), temperature=temperature,
+                              with_entropy=with_entropy)
+    return result.logps, result.entropy, prompt_shared_tokens(chunk), False
+
+
 class SharedPrefixMixin:
     """Replaces GRPOTrainer's per-token log-probs with the shared-prefix forward (see the module doc)."""
 
@@ -254,10 +312,11 @@ class SharedPrefixMixin:
         logps, entropies, indices = [], [], []
         for chunk, chunk_rows in split_groups(groups, rows, batch_size):
             with self.accelerator.autocast():
-                result = compute_logprobs(model, chunk.prompts, chunk.nested(), temperature=self.temperature,
-                                          with_entropy=compute_entropy)
-            logps.append(result.logps)
-            entropies.append(result.entropy)
+                chunk_logps, chunk_entropy, num_tokens, as_tree = chunk_logprobs(
+                    model, chunk, self.shared_prefix_sharing, self.temperature, compute_entropy)
+            self._note_layout(chunk, num_tokens, as_tree)
+            logps.append(chunk_logps)
+            entropies.append(chunk_entropy)
             indices.append(scatter_index(chunk, chunk_rows, logits_to_keep))
         index = torch.cat(indices).to(input_ids.device)
         num_cells = input_ids.shape[0] * logits_to_keep
@@ -276,6 +335,12 @@ class SharedPrefixMixin:
                            "Logged once per reason; see trainer.shared_prefix_stats.", reason)
         stats.fallback_reasons[reason] = stats.fallback_reasons.get(reason, 0) + 1
 
+    def _note_layout(self, chunk: Groups, num_tokens: int, as_tree: bool) -> None:
+        stats = self.shared_prefix_stats
+        stats.num_tree_calls += as_tree
+        stats.num_tokens_run += num_tokens
+        stats.num_row_tokens += row_tokens(chunk)
+
     def _note_shared(self, groups: Groups) -> None:
         stats = self.shared_prefix_stats
         partial = sum(size < self.num_generations for size in groups.sizes)
@@ -289,23 +354,31 @@ class SharedPrefixMixin:
 
 
 class SharedPrefixGRPOTrainer(SharedPrefixMixin, GRPOTrainer):
-    """``trl.GRPOTrainer`` whose per-token log-probs run each distinct prompt once (same arguments)."""
+    """``trl.GRPOTrainer`` whose per-token log-probs run each distinct prompt once (same arguments).
 
-    def __init__(self, *args, **kwargs):
+    ``sharing``: ``"auto"`` (default) runs a call's rows as one trie when that runs fewer tokens than
+    sharing the prompts (multi-turn rows with the same first turn, prompts with a common system turn), else
+    shares the prompts; ``"tree"`` always runs the trie; ``"prompt"`` shares the prompts only.
+    """
+
+    def __init__(self, *args, sharing: str = "auto", **kwargs):
         check_trl_version()
+        self.shared_prefix_sharing = check_sharing(sharing)
         self.shared_prefix_stats = SharedPrefixStats()
         super().__init__(*args, **kwargs)
 
 
-def enable_shared_prefix(trainer: GRPOTrainer) -> GRPOTrainer:
+def enable_shared_prefix(trainer: GRPOTrainer, sharing: str = "auto") -> GRPOTrainer:
     """Give an existing ``GRPOTrainer`` (or subclass) instance the shared-prefix forward; returns it.
 
     The instance's class becomes a subclass of its own class with :class:`SharedPrefixMixin` first,
-    so the instance keeps every override it had and still passes ``isinstance`` checks.
+    so the instance keeps every override it had and still passes ``isinstance`` checks. ``sharing`` as
+    :class:`SharedPrefixGRPOTrainer`'s.
     """
     check_trl_version()
     if not isinstance(trainer, GRPOTrainer):
         raise ValueError(f"enable_shared_prefix takes a trl.GRPOTrainer, got {type(trainer).__name__}")
+    trainer.shared_prefix_sharing = check_sharing(sharing)
     if not isinstance(trainer, SharedPrefixMixin):
         trainer.__class__ = _shared_prefix_class(type(trainer))
         trainer.shared_prefix_stats = SharedPrefixStats()
