@@ -5,7 +5,7 @@ import types
 
 import pytest
 
-from turbogrpo.env import TOOL_CALL_PARSERS, ToolCall, call_tool, environment_tools, get_tool_call_parser, \
+from turbogrpo.env import TOOL_CALL_PARSERS, ToolCall, bind_positional, call_tool, environment_tools, get_tool_call_parser, \
     load_factory, tool_schemas
 from turbogrpo.env.tasks import Calculator, GuessNumber, RetryArithmetic, evaluate_arithmetic, final_answer
 
@@ -28,8 +28,29 @@ def test_malformed_calls_are_kept_with_their_error(body, error):
 
 def test_text_without_a_closed_call_has_no_calls():
     assert TOOL_CALL_PARSERS["hermes"]("#### 4 <tool_call>{") == ("#### 4 <tool_call>{", [])
-    with pytest.raises(ValueError, match="tool_parser 'xml' is unknown; allowed: \\['hermes', 'none'\\]"):
+    with pytest.raises(ValueError, match="tool_parser 'xml' is unknown; allowed: \\['hermes', 'none', 'pythonic'\\]"):
         get_tool_call_parser("xml")
+
+
+def test_pythonic_reads_literal_calls_and_names_positional_arguments_by_signature():
+    content, calls = TOOL_CALL_PARSERS["pythonic"]('Sure. <tool_call>add(1, b=2)</tool_call><tool_call>neg("3")</tool_call>')
+    assert content == "Sure. "
+    assert calls == [ToolCall("add", {"b": 2}, positional=(1,)), ToolCall("neg", {}, positional=("3",))]
+    tools = environment_tools(Tools())
+    assert bind_positional(tools, calls[0]) == ToolCall("add", {"a": 1, "b": 2})
+    assert call_tool(tools, bind_positional(tools, calls[0])) == ("3", False)
+    wrong = bind_positional(tools, ToolCall("add", {}, positional=(1, 2, 3)))
+    assert "wrong arguments for add" in wrong.error and call_tool(tools, wrong)[1]
+    unknown = ToolCall("mul", {}, positional=(1,))
+    assert bind_positional(tools, unknown) is unknown  # call_tool names the unknown tool
+
+
+@pytest.mark.parametrize("body, error", [("add(1", "not a Python call"), ("x.add(1)", 'look like name("argument")'),
+                                         ("add(a)", "must be literals"), ("add(*xs)", "not unpacked"),
+                                         ("add(**kw)", "not unpacked"), ("1 + 2", 'look like name("argument")')])
+def test_malformed_pythonic_calls_are_kept_with_their_error(body, error):
+    _, calls = TOOL_CALL_PARSERS["pythonic"](f"<tool_call>{body}</tool_call>")
+    assert len(calls) == 1 and error in calls[0].error
 
 
 class Tools:

@@ -4,7 +4,9 @@ Each is an environment in ``turbogrpo.env.environment``'s sense (TRL's interface
 that make no tool call), made by calling its class with no arguments (``turbogrpo.env.tasks:Calculator``
 as an ``[env] factory``). Their rewards are 1.0 for a solved episode and 0.0 otherwise.
 
-``SMOLLM2_TOOLS_CHAT_TEMPLATE`` gives SmolLM2-Instruct's template tool support. ``DEMO_CHAT_TEMPLATE`` is a chat template for the shipped demo model (which has none): the demo prompt
+``SMOLLM2_TOOLS_CHAT_TEMPLATE`` is SmolLM2-Instruct's ChatML with tool support (its own template has none):
+tools listed in the system message, calls in the pythonic format, tool replies as ``tool`` turns.
+``DEMO_CHAT_TEMPLATE`` is a chat template for the shipped demo model (which has none): the demo prompt
 format (``Question: ...\\nAnswer:``) with the model's end-of-sequence token closing its turns, tools listed
 up front and Hermes ``<tool_call>`` blocks.
 """

@@ -82,10 +82,12 @@ def _pythonic_call(body: str) -> ToolCall:
         return ToolCall("unknown", error=f"the tool call is not a Python call ({err.msg})")
     if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name):
         return ToolCall("unknown", error='the tool call must look like name("argument")')
+    if any(isinstance(a, ast.Starred) for a in node.args) or any(k.arg is None for k in node.keywords):
+        return ToolCall(node.func.id, error="tool arguments must be written out, not unpacked with * or **")
     try:
         positional = tuple(ast.literal_eval(a) for a in node.args)
-        keywords = {k.arg: ast.literal_eval(k.value) for k in node.keywords if k.arg is not None}
-    except ValueError:
+        keywords = {k.arg: ast.literal_eval(k.value) for k in node.keywords}
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
         return ToolCall(node.func.id, error='tool arguments must be literals, for example name("12 * 3")')
     return ToolCall(node.func.id, keywords, positional=positional)
 
