@@ -48,7 +48,7 @@ from turbogrpo.cli import demo_config  # noqa: E402
 from turbogrpo.config import load_config  # noqa: E402
 from turbogrpo.rewards import build_rewards  # noqa: E402
 from turbogrpo.rollout import generate  # noqa: E402
-from turbogrpo.speculative.decode import Speculation  # noqa: E402
+from turbogrpo.speculative.speculation import Speculation  # noqa: E402
 from turbogrpo.speculative.draft import DraftHead  # noqa: E402
 from turbogrpo.speculative.sizing import FixedSizing  # noqa: E402
 from turbogrpo.config import DraftLearningConfig  # noqa: E402

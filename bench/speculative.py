@@ -59,7 +59,7 @@ from real_model import REAL_MODEL, chat_prompts, load_real_model  # noqa: E402
 from turbogrpo.data import build_prompts, demo_records  # noqa: E402
 from turbogrpo.models import load_demo_model, load_model_and_tokenizer  # noqa: E402
 from turbogrpo.rollout import SamplingConfig, generate  # noqa: E402
-from turbogrpo.speculative.decode import Speculation  # noqa: E402
+from turbogrpo.speculative.speculation import Speculation  # noqa: E402
 from turbogrpo.speculative.draft import DraftHead  # noqa: E402
 from turbogrpo.config import DraftLearningConfig  # noqa: E402
 from turbogrpo.speculative.draft_training import draft_groups, train_draft  # noqa: E402

@@ -12,7 +12,7 @@ from tests.speculative.speculative_helpers import tiny_policy, trained_pair
 from turbogrpo.rollout import SamplingConfig
 from turbogrpo.rollout.compiled import _compiled
 from turbogrpo.speculative import decode
-from turbogrpo.speculative.decode import Speculation, generate_speculative
+from turbogrpo.speculative.speculation import Speculation, generate_speculative
 from turbogrpo.speculative.draft import DraftHead
 from turbogrpo.speculative.sizing import FixedSizing
 from turbogrpo.speculative.tree import TreeShape

@@ -9,7 +9,8 @@ import torch
 from tests.speculative.speculative_helpers import chi_square_pvalue, joint_counts, tiny_policy, trained_pair
 from turbogrpo.prefix.logprobs import completion_logprobs
 from turbogrpo.rollout import SamplingConfig, generate
-from turbogrpo.speculative.decode import Speculation, SpeculativeStats, generate_speculative
+from turbogrpo.speculative.decode import SpeculativeStats
+from turbogrpo.speculative.speculation import Speculation, generate_speculative
 from turbogrpo.speculative.draft import DraftHead
 from turbogrpo.speculative.sizing import FixedSizing
 from turbogrpo.speculative.tree import TreeShape

@@ -11,7 +11,8 @@ from tests.speculative.speculative_helpers import chi_square_pvalue, joint_count
 from tests.speculative.test_decode import CASES, V, assert_same_completions, exact_first_three
 from turbogrpo.rollout import SamplingConfig, generate
 from turbogrpo.speculative import decode
-from turbogrpo.speculative.decode import Speculation
+from turbogrpo.speculative import speculation as speculation_module
+from turbogrpo.speculative.speculation import Speculation
 from turbogrpo.speculative.draft import DraftHead
 from turbogrpo.speculative.history import (DEAD_TOKEN, HistoryCorpus, HistoryDrafts, HistoryStore, chain_geometry,
                                            continuations, corpus_rows, history_profile, history_sizing_options,
@@ -251,7 +252,7 @@ def test_merged_cost_sizing_runs_the_chains_alone_where_they_beat_the_neural_tre
     curve = LatencyCurve((1, 128), (1e-4, 1.2e-4))
     profile = LatencyProfile("test", curve, LatencyCurve((1, 128), (2e-5, 3e-5)))
     speculation = Speculation(DraftHead(policy), "cost", profile=profile, history=history)
-    sizing = decode.resolve_sizing(speculation, policy, prompts, GREEDY)
+    sizing = speculation_module.resolve_sizing(speculation, policy, prompts, GREEDY)
     assert isinstance(sizing, MergedSizing)
     speculation.sizing = sizing  # one policy object across rollouts, as a trainer keeps it
     plain = generate(policy, prompts, num_samples=3, sampling=GREEDY)

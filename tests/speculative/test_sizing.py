@@ -5,7 +5,7 @@ import torch
 
 from tests.speculative.speculative_helpers import trained_pair
 from turbogrpo.rollout import SamplingConfig
-from turbogrpo.speculative.decode import Speculation, generate_speculative
+from turbogrpo.speculative.speculation import Speculation, generate_speculative
 from turbogrpo.speculative.profiler import LatencyCurve, LatencyProfile
 from turbogrpo.speculative.sizing import (SIZING_POLICIES, CostSizing, FastGRPOSizing, FixedSizing, acceptance_counts,
                                           expected_accepted_table, make_sizing)

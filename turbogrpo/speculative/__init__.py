@@ -8,12 +8,14 @@
 ``verify`` (lossless acceptance), ``tree`` (EAGLE-2 dynamic trees), ``draft`` (the draft head),
 ``draft_training`` (its training, offline and online), ``history`` (suffix-match drafts from siblings
 and earlier rollouts, no neural forward), ``draft_decoding`` (the draft's cache and forwards while
-decoding), ``sizing``/``profiler`` (concurrency-aware tree sizing), ``decode`` (the tree step that
-the rollout engine's loop runs) and ``multiturn`` (speculation inside multi-turn rollouts, through
+decoding), ``sizing``/``profiler`` (concurrency-aware tree sizing), ``speculation`` (the
+``Speculation`` a rollout is given), ``decode`` (the tree step that the rollout engine's loop runs) and
+``multiturn`` (speculation inside multi-turn rollouts, through
 ``generate_multiturn(..., draft=Speculation(...))``).
 """
 
-from turbogrpo.speculative.decode import Speculation, SpeculativeStats, TreeStep, generate_speculative
+from turbogrpo.speculative.decode import SpeculativeStats, TreeStep
+from turbogrpo.speculative.speculation import Speculation, generate_speculative
 from turbogrpo.speculative.draft import DraftConfig, DraftHead
 from turbogrpo.speculative.draft_training import DraftGroup, DraftTrainConfig, draft_groups, train_draft
 from turbogrpo.speculative.history import HistoryDrafts, HistoryStore

@@ -41,7 +41,6 @@ vocabulary, Hd hidden size.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -49,7 +48,6 @@ from torch import nn
 
 from turbogrpo.hook import lm_head_of
 from turbogrpo.rollout.compiled import RUNNERS
-from turbogrpo.rollout.engine import generate
 from turbogrpo.rollout.outputs import emit
 from turbogrpo.rollout.plans import forward_new_tokens
 from turbogrpo.rollout.sampling import SamplingConfig, token_logprobs
@@ -57,58 +55,11 @@ from turbogrpo.rollout.step import DecodeState, PlainStep
 from turbogrpo.rollout.types import Rollout, RolloutStats
 from turbogrpo.speculative.draft import DraftHead
 from turbogrpo.speculative.draft_decoding import DraftKVCache, TreeDrafter, catch_up, prefill_draft
-from turbogrpo.speculative.history import HistoryDrafts, chain_geometry, propose_history, speculation_sizing
-from turbogrpo.speculative.profiler import DeviceStopwatch, LatencyProfile, cached_profile
+from turbogrpo.speculative.history import HistoryDrafts, chain_geometry, propose_history
+from turbogrpo.speculative.profiler import DeviceStopwatch
 from turbogrpo.speculative.sizing import MergedSizing, SizingPolicy
 from turbogrpo.speculative.tree import DraftTree, TreeShape, build_tree
 from turbogrpo.speculative.verify import TreeVerdict, verify_tree
-
-
-@dataclass
-class Speculation:
-    """How ``generate(draft=...)`` speculates: the draft head, its tree sizing and runner."""
-
-    draft: DraftHead | None
-    """The neural draft; None speculates with ``history`` alone (no draft forward)."""
-    sizing: SizingPolicy | str = "cost"
-    """A sizing policy object (it keeps its acceptance statistics across rollouts) or a registered
-    name (``off``, ``fixed``, ``fastgrpo``, ``cost``), built afresh for each rollout. With both a neural
-    draft and ``history``, an adaptive name builds a ``MergedSizing``: each step the better of the neural
-    tree (history chains merged in) and the history's chains alone (``history.speculation_sizing``)."""
-    profile: LatencyProfile | None = None
-    """Latency curves for ``fastgrpo``/``cost``; None reads the profile cache or measures on first use."""
-    runner: str = "eager"
-    """Key of ``turbogrpo.rollout.compiled.RUNNERS``: how the tree step's device parts run (eager, or
-    compiled whole by ``torch.compile``). Each tree shape, catch-up width and cache bound is its own
-    graph (the host picks them), so compiling pays only where shapes repeat; the default stays eager."""
-    history: HistoryDrafts | None = None
-    """Suffix-match candidates from the group's siblings and earlier rollouts (``history.py``), merged
-    into the neural draft's trees, or alone when ``draft`` is None. Keep one object across rollouts so
-    that its store remembers earlier completions of recurring prompts."""
-
-    def rollout_modules(self) -> list[nn.Module]:
-        """Modules the rollout runs besides the policy (their weight matmuls follow
-        ``DecodeSchedule.linears`` like the policy's)."""
-        return [] if self.draft is None else [self.draft]
-
-    def make_step(self, model: nn.Module, prompts: list[torch.Tensor], sampling: SamplingConfig) -> TreeStep:
-        """The engine's ``DecodeStep`` for one rollout (see ``turbogrpo.rollout.step``)."""
-        if self.draft is not None or self.history is None:
-            _check_draft(self.draft, model)
-        if self.history is not None and not isinstance(self.history, HistoryDrafts):
-            raise ValueError(f"Speculation.history must be a HistoryDrafts or None, got {type(self.history).__name__}")
-        if self.runner not in RUNNERS:
-            raise ValueError(f"Speculation.runner must be one of {sorted(RUNNERS)}, got {self.runner!r}")
-        return TreeStep(self.draft, resolve_sizing(self, model, prompts, sampling), self.runner, self.history)
-
-    def run_multiturn(self, model: nn.Module, prompts: list[torch.Tensor], num_samples: int, conversations: list,
-                      sampling: SamplingConfig, limits, generator: torch.Generator | None, pool, timing):
-        """The multi-turn rollout's loop with this speculation (``generate_multiturn(draft=...)`` calls it;
-        ``turbogrpo.speculative.multiturn``)."""
-        from turbogrpo.speculative.multiturn import run_multiturn  # that module imports this one
-        return run_multiturn(model, prompts, num_samples, conversations, sampling, limits, generator, pool, timing,
-                             self)
-
 
 @dataclass
 class SpeculativeStats(RolloutStats):
@@ -130,32 +81,6 @@ class SpeculativeStats(RolloutStats):
         total = sum(b for b, _ in pairs)
         return sum(b * a for b, a in pairs) / total if total else 1.0
 
-
-def generate_speculative(model: nn.Module, prompts: list[torch.Tensor], *, num_samples: int,
-                         sampling: SamplingConfig, draft: DraftHead | Speculation, seed: int | None = None,
-                         return_hidden: bool = False,
-                         max_new_tokens_per_completion: Sequence[int] | None = None) -> Rollout:
-    """``turbogrpo.rollout.generate(..., draft=Speculation(draft))``: the same inputs, checks and outputs;
-    a bare ``DraftHead`` is wrapped as ``Speculation(draft)`` (the default sizing)."""
-    speculation = Speculation(draft) if isinstance(draft, DraftHead) else draft
-    return generate(model, prompts, num_samples=num_samples, sampling=sampling, seed=seed,
-                    return_hidden=return_hidden, draft=speculation,
-                    max_new_tokens_per_completion=max_new_tokens_per_completion)
-
-
-def resolve_sizing(speculation: Speculation, model: nn.Module, prompts: list[torch.Tensor],
-                   sampling: SamplingConfig) -> SizingPolicy:
-    if isinstance(speculation.sizing, SizingPolicy):
-        return speculation.sizing
-    profile = speculation.profile
-    if profile is None and speculation.sizing in ("fastgrpo", "cost"):
-        # The context a typical step attends to: the longest prompt plus half the generation.
-        context = max(len(p) for p in prompts) + sampling.max_new_tokens // 2
-        profile = cached_profile(model, context_length=context, draft=speculation.draft)
-    return speculation_sizing(speculation.sizing, profile, neural=speculation.draft is not None,
-                              history=speculation.history is not None)
-
-
 @dataclass
 class _VerifiedStep:
     """A decoding step whose accepted counts and statistics wait for the step's host transfer."""
@@ -166,7 +91,6 @@ class _VerifiedStep:
     feedback: torch.Tensor | None
     catch_up_tokens: int = 0
     num_nodes: int = 1
-
 
 class TreeStep:
     """The speculative ``DecodeStep`` (protocol in ``turbogrpo.rollout.step``)."""
@@ -315,14 +239,12 @@ class TreeStep:
         if self.history is not None:
             self.history.record(rollout.prompts, rollout.tokens_per_group())
 
-
-def _check_draft(draft: object, model: nn.Module) -> None:
+def check_draft(draft: object, model: nn.Module) -> None:
     if not isinstance(draft, DraftHead):
         raise ValueError(f"draft must be a DraftHead or a Speculation holding one, got {type(draft).__name__}")
     if draft.policy.lm_head is not lm_head_of(model):
         raise ValueError("draft was built for another model object: it reuses its policy's embeddings and LM "
                          "head, so build or load it with this model (DraftHead(model) / DraftHead.load(path, model))")
-
 
 def draft_tree(state: DecodeState, draft: DraftHead, draft_cache: DraftKVCache, shape: TreeShape,
                pending_width: int) -> DraftTree:
@@ -331,7 +253,6 @@ def draft_tree(state: DecodeState, draft: DraftHead, draft_cache: DraftKVCache, 
     root_features_BH = _catch_up_draft(draft, draft_cache, state, pending_width, state.sampling.max_new_tokens)
     return build_tree(state.next_B, draft.proposals(root_features_BH), TreeDrafter(draft, draft_cache, root_features_BH),
                       shape)
-
 
 def verify_step(state: DecodeState, tree: DraftTree, uniform_BN: torch.Tensor | None) -> TreeVerdict:
     """The policy's part of a tree step (device only): one forward over every row's tree ``[B, N]``,
@@ -349,7 +270,6 @@ def verify_step(state: DecodeState, tree: DraftTree, uniform_BN: torch.Tensor | 
     state.cache.commit(verdict.path_nodes, verdict.num_accepted + 1)
     return verdict
 
-
 def path_outputs(tree: DraftTree, verdict: TreeVerdict, logits_BNV: torch.Tensor, hidden_BNH: torch.Tensor,
                   sampling: SamplingConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Tokens ``[B, D]`` a step emits (accepted draft tokens, then the bonus token at slot
@@ -361,7 +281,6 @@ def path_outputs(tree: DraftTree, verdict: TreeVerdict, logits_BNV: torch.Tensor
     path_logits = logits_BNV.gather(1, path_BD[:, :, None].expand(-1, -1, logits_BNV.shape[-1]))
     path_hidden = hidden_BNH.gather(1, path_BD[:, :, None].expand(-1, -1, hidden_BNH.shape[-1]))
     return emitted_BD, token_logprobs(path_logits, emitted_BD, sampling), path_hidden
-
 
 def _catch_up_draft(draft: DraftHead, draft_cache: DraftKVCache, state: DecodeState, pending_width: int,
                     max_new: int) -> torch.Tensor:

@@ -43,6 +43,7 @@ import math
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -57,7 +58,7 @@ from turbogrpo.rollout.plans import forward_new_tokens
 from turbogrpo.rollout.sampling import SamplingConfig
 from turbogrpo.rollout.step import DecodeState
 from turbogrpo.rollout.types import Rollout
-from turbogrpo.speculative.decode import Speculation, SpeculativeStats, TreeStep, path_outputs
+from turbogrpo.speculative.decode import SpeculativeStats, TreeStep, path_outputs
 from turbogrpo.speculative.tree import DraftTree, TreeShape, chain_tree
 from turbogrpo.speculative.verify import TreeVerdict, verify_tree
 
@@ -87,14 +88,15 @@ class _Verified(NamedTuple):
 def run_multiturn(model: nn.Module, prompts: list[torch.Tensor], num_samples: int,
                   conversations: list[_Conversation], sampling: SamplingConfig, limits: TurnLimits,
                   generator: torch.Generator | None, pool: ThreadPoolExecutor, timing: ReplyTiming,
-                  speculation: Speculation) -> MultiTurnSpeculativeStats:
+                  make_step: Callable[[nn.Module, list[torch.Tensor], SamplingConfig], TreeStep]
+                  ) -> MultiTurnSpeculativeStats:
     """The loop of the module docstring; fills ``conversations`` in place (``rollout.multiturn._run``'s
-    contract, with ``speculation``'s draft, history and sizing)."""
+    contract; ``make_step`` is ``Speculation.make_step``: its draft, history and sizing)."""
     start = time.perf_counter()
     # A conversation's ids play a completion's part: the engine's buffers and the draft's cache hold all of
     # them, so the pieces borrowed from the single-turn engine see max_conversation_tokens as max_new_tokens.
     sampling = replace(sampling, max_new_tokens=limits.max_conversation_tokens)
-    step = speculation.make_step(model, prompts, sampling)
+    step = make_step(model, prompts, sampling)
     turn_limit = min(limits.max_turn_tokens, limits.max_conversation_tokens)
     state = first_draw(model, prompts, num_samples, sampling, generator, step.keeps_hidden,
                        [turn_limit] * len(conversations), max(step.extra_slots, limits.prefill_chunk))

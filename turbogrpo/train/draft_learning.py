@@ -38,7 +38,8 @@ from torch import nn
 from turbogrpo.batch import Groups
 from turbogrpo.config import DraftLearningConfig
 from turbogrpo.rollout import Rollout
-from turbogrpo.speculative.decode import Speculation, SpeculativeStats
+from turbogrpo.speculative.decode import SpeculativeStats
+from turbogrpo.speculative.speculation import Speculation
 from turbogrpo.speculative.draft import DraftHead
 from turbogrpo.speculative.built_drafts import resolve_draft_path
 from turbogrpo.speculative.history import HistoryDrafts, speculation_sizing
