@@ -164,7 +164,11 @@ class TurboStepper:
 class TrlStepper:
     """One call = one optimizer step of TRL's GRPOTrainer, whose own ``train()`` loop runs in a thread."""
 
-    def __init__(self, shape: dict, workdir: Path, num_steps: int):
+    def __init__(self, shape: dict, workdir: Path, num_steps: int, *, tokenizer=None, trainer_kwargs: dict | None = None,
+                 config_overrides: dict | None = None):
+        """``tokenizer`` (default: the model folder's, as turbogrpo loads it), ``trainer_kwargs`` (more
+        ``GRPOTrainer`` arguments, e.g. ``environment_factory``) and ``config_overrides`` (``GRPOConfig`` fields)
+        adapt it to other tasks (bench/multiturn.py)."""
         from datasets import Dataset
         from transformers import AutoTokenizer, TrainerCallback
         from trl import GRPOConfig, GRPOTrainer
@@ -197,12 +201,13 @@ class TrlStepper:
             steps_per_generation=accumulation,  # one rollout of all completions per optimizer step, as ours
             gradient_checkpointing=False,  # TRL's default recomputes activations; turbogrpo's run does not
             num_generations=shape["num_generations"], max_completion_length=shape["max_new_tokens"],
-            temperature=1.0, top_p=1.0, top_k=0, num_iterations=1,
+            temperature=shape.get("temperature", 1.0), top_p=1.0, top_k=0, num_iterations=1,
             loss_type=SETTINGS["loss"], beta=SETTINGS["beta"], epsilon=SETTINGS["epsilon_low"],
             epsilon_high=SETTINGS["epsilon_high"], learning_rate=SETTINGS["lr"], lr_scheduler_type="constant",
             warmup_steps=0, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.99, max_grad_norm=SETTINGS["max_grad_norm"],
             disable_tqdm=True, seed=0, dataloader_num_workers=0,
-            bf16=shape.get("dtype") == "bfloat16")  # accelerate's autocast, as ours: float32 masters, bf16 compute
+            bf16=shape.get("dtype") == "bfloat16",  # accelerate's autocast, as ours: float32 masters, bf16 compute
+            **(config_overrides or {}))
         reward = shape["reward"]
 
         def reward_fn(prompts, completions, **kwargs):
@@ -211,11 +216,12 @@ class TrlStepper:
         reward_fn.__name__ = "reward"
         # The tokenizer exactly as turbogrpo loads it (TRL's default AutoProcessor would pick the model
         # type's tokenizer class, Qwen2Tokenizer, which mis-reads a custom tokenizer.json).
-        tokenizer = declared_tokenizer(Path(shape["model"]), AutoTokenizer.from_pretrained(shape["model"]))
+        if tokenizer is None:
+            tokenizer = declared_tokenizer(Path(shape["model"]), AutoTokenizer.from_pretrained(shape["model"]))
         tokenizer.padding_side = "left"
         self.trainer = GRPOTrainer(model=shape["model"], reward_funcs=[reward_fn], args=args,
                                    train_dataset=Dataset.from_list(shape["rows"]), processing_class=tokenizer,
-                                   callbacks=[Gate()])
+                                   callbacks=[Gate()], **(trainer_kwargs or {}))
         self._time_method("_generate", "rollout")
         self._time_method("_calculate_rewards", "rewards")
         self._time_method("_generate_and_score_completions", "prepare")
