@@ -354,6 +354,38 @@ def task_rates(data: dict, where: str) -> list[str]:
     return [*lines, "", f"Chosen: {need(data, 'chosen', where)}.", ""]
 
 
+def tool_task_rates(data: dict, where: str) -> list[str]:
+    """Base rates of the multi-turn tasks: success greedy and sampled, with how often the model called a tool."""
+    lines = ["| task | greedy | T=0.7 | scored (greedy, T=0.7) | tool calls per conversation (T=0.7) |",
+             "| --- | --- | --- | --- | --- |"]
+    for name, rates in need(data, "tasks", where).items():
+        here = f"{where} (tasks.{name})"
+        greedy, sampled = (rates.get(f"temperature_{t}", MISSING) for t in ("0.0", "0.7"))
+        if MISSING in (greedy, sampled):  # (the keys hold a dot, so they are read directly, not by a dotted path)
+            raise BenchDocError(f"{here}: field 'temperature_T' is missing for T = 0.0 or 0.7")
+        calls = sampled.get("env/tool_calls")
+        lines.append(f"| {name} | {FORMATS['%'](need(greedy, 'success', here))} | "
+                     f"{FORMATS['%'](need(sampled, 'success', here))} | {need(greedy, 'num_scored', here)}, "
+                     f"{need(sampled, 'num_scored', here)} | {'-' if calls is None else FORMATS['f2'](calls)} |")
+    return [*lines, ""]
+
+
+MULTITURN = tables(
+    Table([col("engine", "$key"), col("median", "median_s", "s"), col("min", "min_s", "s")], rows="rollout.timings",
+          title="multi-turn rollout: K x G conversations"),
+    Table([col("speedup", "rollout.speedup", "x"),
+           col("our prefilled ids per later turn (the reply)",
+               "rollout.prefilled_ids_per_later_turn.turbogrpo_env_reply_ids", "f2"),
+           col("HF's prefilled ids per later turn (the conversation)",
+               "rollout.prefilled_ids_per_later_turn.hf_generate_reprefill_conversation_ids", "f2")]),
+    Table([col("trainer", "$key"), col("median", "median_s", "s"), col("min", "min_s", "s")], rows="step.timings",
+          title="whole multi-turn GRPO step"),
+    Table([col("trainer", "$key"), col("rollout", "rollout", "s"), col("rewards", "rewards", "s"),
+           col("log-probs", "logprobs", "s"), col("update", "update", "s")], rows="step.phases_s",
+          title="step phases (medians)"),
+    Table([col("speedup", "step.speedup", "x")]))
+
+
 def learning_run(data: dict, where: str) -> list[str]:
     steps = need(data, "eval_steps", where)
     lines = ["| held-out accuracy | " + " | ".join(f"step {s}" for s in steps) + " |",
@@ -418,6 +450,8 @@ RENDERERS: dict[str, Renderer] = {
                                  col("final top-1", "final_top1_agreement", "f2")])),
     "task_rates": task_rates,
     "learning_run": learning_run,
+    "tool_task_rates": tool_task_rates,
+    "multiturn": MULTITURN,
     "greedy_split": greedy_split,
     "record": scalar_fields,
 }
@@ -610,6 +644,12 @@ RESULTS: list[Result] = [
     # Learning and records
     Result("smollm2_arithmetic_run", "learning_run", "SmolLM2-135M learns small sums (configs/smollm2_arithmetic.toml)",
            "python scripts/learning_record.py runs/smollm2_arithmetic smollm2_arithmetic_run", section="Learning"),
+    Result("smollm2_calculator_run", "learning_run", "SmolLM2-135M learns to use a calculator tool "
+           "(configs/smollm2_calculator.toml)",
+           "python scripts/learning_record.py runs/smollm2_calculator smollm2_calculator_run", section="Learning"),
+    Result("smollm2_guess_number_run", "learning_run", "SmolLM2-135M learns a higher/lower guessing game "
+           "(configs/smollm2_guess_number.toml)",
+           "python scripts/learning_record.py runs/smollm2_guess_number smollm2_guess_number_run", section="Learning"),
     Result("smollm2_task_rates", "task_rates", "SmolLM2-135M base rates of candidate tasks",
            "python scripts/smollm2_task_rates.py", section="Learning"),
     Result("smollm2_lossless_check", "lossless", "Speculation is lossless on SmolLM2-135M: completion lengths",
