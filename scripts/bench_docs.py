@@ -650,6 +650,8 @@ RESULTS: list[Result] = [
     Result("smollm2_guess_number_run", "learning_run", "SmolLM2-135M learns a higher/lower guessing game "
            "(configs/smollm2_guess_number.toml)",
            "python scripts/learning_record.py runs/smollm2_guess_number smollm2_guess_number_run", section="Learning"),
+    Result("smollm2_tool_task_rates", "tool_task_rates", "SmolLM2-135M base rates of the multi-turn tasks (shipped configs)",
+           "python scripts/smollm2_tool_task_rates.py", section="Learning"),
     Result("smollm2_task_rates", "task_rates", "SmolLM2-135M base rates of candidate tasks",
            "python scripts/smollm2_task_rates.py", section="Learning"),
     Result("smollm2_lossless_check", "lossless", "Speculation is lossless on SmolLM2-135M: completion lengths",
