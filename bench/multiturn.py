@@ -330,7 +330,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    payload = {}
+    payload = {"load_average_before": os.getloadavg()}
     parts = args.parts.split(",")
     if "rollout" in parts:
         record = bench_rollout(1 if args.quick else 3, 0 if args.quick else 1, args.prompts, args.generations)
@@ -349,6 +349,7 @@ def main() -> None:
         print_table("multi-turn GRPO step (s)", ["trainer", "median", "min", *record["phases_s"]["trl"]],
                     [[name, t[name]["median_s"], t[name]["min_s"], *record["phases_s"][name].values()] for name in t])
         print(f"speedup {record['speedup']:.2f}x")
+    payload["load_average"] = os.getloadavg()
     write_results(args.name + ("_quick" if args.quick else ""), payload)
 
 

@@ -386,6 +386,41 @@ MULTITURN = tables(
     Table([col("speedup", "step.speedup", "x")]))
 
 
+TREE_SYNTHETIC = tables(Table([
+    col("trie shape P/branching/T", "shape"), col("row tokens", "row_tokens", "int"), col("trie tokens", "trie_tokens", "int"),
+    col("rows", "times.rows.median_s", "s"), col("prefix_grouper", "times.prefix_grouper.median_s", "s"),
+    col("one level", "times.one_level.median_s", "s"), col("tree", "times.tree.median_s", "s"),
+    col("x rows", "speedup_vs_rows", "x"), col("FLOP x rows", "flop_ratio_vs_rows", "f2"),
+    col("x prefix_grouper", "speedup_vs_prefix_grouper", "x"), col("FLOP x prompt only", "flop_ratio_vs_shared_prompt", "f2"),
+    opt("peak MB rows", "peak_memory_mb.rows", "mb"), opt("peak MB prefix_grouper", "peak_memory_mb.prefix_grouper", "int"),
+    opt("peak MB tree", "peak_memory_mb.tree", "mb"), col("max log-prob gap", "max_abs_logprob_gap", "g")],
+    rows="shapes"))
+
+TREE_REAL = tables(
+    Table([col("part", "part"), col("conversations", "sequences", "int"), col("row tokens", "row_tokens", "int"),
+           col("trie tokens", "trie_tokens", "int"), col("rows", "times.rows.median_s", "s"),
+           col("per turn", "times.per_turn.median_s", "s"), col("prefix_grouper", "times.prefix_grouper.median_s", "s"),
+           col("tree", "times.tree.median_s", "s"), col("x rows", "speedup.rows", "x"),
+           col("FLOP x rows", "flop_ratio.rows", "f2"), col("x prefix_grouper", "speedup.prefix_grouper", "x"),
+           col("FLOP x prefix_grouper", "flop_ratio.prefix_grouper", "f2"), col("x per turn", "speedup.per_turn", "x"),
+           opt("peak MB rows", "peak_memory_mb.rows", "mb"), opt("peak MB tree", "peak_memory_mb.tree", "int"),
+           col("max log-prob gap", "max_abs_logprob_gap_tree_vs_rows", "g")], rows="parts",
+          title="forward + backward, SmolLM2-135M float32 (medians; x = contender time / tree time)"),
+    Table([col("rollout", "$key"), col("wall", "wall_s", "s"), col("model tokens", "model_tokens", "int"),
+           col("env tokens", "env_tokens", "int"), col("forwards", "forwards", "int")], rows="rollouts.median",
+          title="branching rollout against as many unbranched conversations (medians over seeds)"))
+
+TREE_SIBLINGS = tables(
+    Table([col("rows tokens", "batch.rows_tokens", "int"), col("prompt-layout tokens", "batch.prompt_layout_tokens", "int"),
+           col("trie tokens", "batch.trie_tokens", "int"), col("trie / prompt layout", "batch.trie_over_prompt_layout", "f2"),
+           col("median share of completions shared", "median_shared_fraction_of_completions", "%")],
+          title="tokens of GSM8K sibling completions"),
+    Table([col("path", "$key"), col("median", "median_s", "s"), col("min", "min_s", "s")], rows="timings",
+          title="forward + backward of the whole batch"),
+    Table([col("tree / prompt time", "tree_over_prompt_time", "f2"), col("auto's threshold", "auto_min_saved", "g"),
+           col("auto runs", "auto_would_run", "text")]))
+
+
 def learning_run(data: dict, where: str) -> list[str]:
     steps = need(data, "eval_steps", where)
     lines = ["| held-out accuracy | " + " | ".join(f"step {s}" for s in steps) + " |",
@@ -451,6 +486,9 @@ RENDERERS: dict[str, Renderer] = {
     "task_rates": task_rates,
     "learning_run": learning_run,
     "tool_task_rates": tool_task_rates,
+    "tree_synthetic": TREE_SYNTHETIC,
+    "tree_real": TREE_REAL,
+    "tree_siblings": TREE_SIBLINGS,
     "multiturn": MULTITURN,
     "greedy_split": greedy_split,
     "record": scalar_fields,
@@ -473,7 +511,8 @@ class Result:
 
 
 # The benchmarks page's sections, in order.
-SECTIONS = ["Shared-prefix training forward", "Tree-shared training forward", "Rollouts", "One whole GRPO step", "TRL drop-in", "Speculative rollouts",
+SECTIONS = ["Shared-prefix training forward", "Tree-shared training forward", "Rollouts", "One whole GRPO step", "TRL drop-in", "Multi-turn and tools",
+            "Speculative rollouts",
             "Online draft learning in GRPO", "Precision", "Kernels and parts of a step", "Ceilings", "Learning"]
 
 SPEC = "python bench/speculative.py --model smollm2-135m-instruct"
@@ -641,6 +680,10 @@ RESULTS: list[Result] = [
            "AVX2-only one (ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2)",
            "ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 python bench/gpu_precision.py "
            "--device cpu --budget 60 --out precision_cpu_avx2_emulated", section="Precision"),
+    # Multi-turn
+    Result("multiturn_smollm2_calculator", "multiturn", "Multi-turn tool GRPO, SmolLM2-135M calculator, 8 prompts x 8 "
+           "conversations: rollout vs HF generate re-prefilling each turn, whole step vs TRL GRPOTrainer(environment_factory)",
+           "python bench/multiturn.py --threads 2", section="Multi-turn and tools"),
     # Learning and records
     Result("smollm2_arithmetic_run", "learning_run", "SmolLM2-135M learns small sums (configs/smollm2_arithmetic.toml)",
            "python scripts/learning_record.py runs/smollm2_arithmetic smollm2_arithmetic_run", section="Learning"),
@@ -675,6 +718,10 @@ HEADLINE: list[tuple[str, str, str, str]] = [
     ("Whole GRPO step, SmolLM2-135M few-shot, bf16 autocast", "TRL `GRPOTrainer`", "e2e_smollm2-few-shot_bf16",
      "shapes.0.speedup"),
     ("Training forward + backward inside TRL (drop-in)", "TRL `GRPOTrainer`", "trl_dropin", "forward_backward.speedup"),
+    ("Multi-turn tool rollout, SmolLM2-135M calculator, 8 x 8 conversations", "HF `generate` re-prefilling each turn",
+     "multiturn_smollm2_calculator", "rollout.speedup"),
+    ("Whole multi-turn GRPO step, SmolLM2-135M calculator tool", "TRL `GRPOTrainer(environment_factory=...)`",
+     "multiturn_smollm2_calculator", "step.speedup"),
 ]
 
 
