@@ -387,12 +387,12 @@ MULTITURN = tables(
 
 
 TREE_SYNTHETIC = tables(Table([
-    col("trie shape P/branching/T", "shape"), col("row tokens", "row_tokens", "int"), col("trie tokens", "trie_tokens", "int"),
+    col("trie shape P/branching/T", "shape", "text"), col("row tokens", "row_tokens", "int"), col("trie tokens", "trie_tokens", "int"),
     col("rows", "times.rows.median_s", "s"), col("prefix_grouper", "times.prefix_grouper.median_s", "s"),
     col("one level", "times.one_level.median_s", "s"), col("tree", "times.tree.median_s", "s"),
     col("x rows", "speedup_vs_rows", "x"), col("FLOP x rows", "flop_ratio_vs_rows", "f2"),
     col("x prefix_grouper", "speedup_vs_prefix_grouper", "x"), col("FLOP x prompt only", "flop_ratio_vs_shared_prompt", "f2"),
-    opt("peak MB rows", "peak_memory_mb.rows", "mb"), opt("peak MB prefix_grouper", "peak_memory_mb.prefix_grouper", "int"),
+    opt("peak MB rows", "peak_memory_mb.rows", "mb"), opt("peak MB prefix_grouper", "peak_memory_mb.prefix_grouper", "mb"),
     opt("peak MB tree", "peak_memory_mb.tree", "mb"), col("max log-prob gap", "max_abs_logprob_gap", "g")],
     rows="shapes"))
 
@@ -403,7 +403,7 @@ TREE_REAL = tables(
            col("tree", "times.tree.median_s", "s"), col("x rows", "speedup.rows", "x"),
            col("FLOP x rows", "flop_ratio.rows", "f2"), col("x prefix_grouper", "speedup.prefix_grouper", "x"),
            col("FLOP x prefix_grouper", "flop_ratio.prefix_grouper", "f2"), col("x per turn", "speedup.per_turn", "x"),
-           opt("peak MB rows", "peak_memory_mb.rows", "mb"), opt("peak MB tree", "peak_memory_mb.tree", "int"),
+           opt("peak MB rows", "peak_memory_mb.rows", "mb"), opt("peak MB tree", "peak_memory_mb.tree", "mb"),
            col("max log-prob gap", "max_abs_logprob_gap_tree_vs_rows", "g")], rows="parts",
           title="forward + backward, SmolLM2-135M float32 (medians; x = contender time / tree time)"),
     Table([col("rollout", "$key"), col("wall", "wall_s", "s"), col("model tokens", "model_tokens", "int"),
@@ -668,6 +668,11 @@ RESULTS: list[Result] = [
     Result("update_smollm2", "update", "Training step parts: LM-head math, pack size, bf16 autocast",
            "python bench/update.py", section="Kernels and parts of a step"),
     # Tree-shared training forward
+    Result("tree", "tree_synthetic", "Tree-shared forward + backward on synthetic deep tries: against one row per "
+           "sequence, prefix_grouper and the prompt-only shared forward", "python bench/tree.py",
+           section="Tree-shared training forward"),
+    Result("tree_siblings", "tree_siblings", "Sibling prefix sharing in single-turn GSM8K groups, SmolLM2-135M, "
+           "8 prompts x 8 x 256 tokens", "python bench/tree_siblings.py", section="Tree-shared training forward"),
     Result("tree_kernels", "tree_kernels", "Tree forward kernels on a synthetic trie (cascade, dense mask, flex)",
            "python bench/tree.py --kernels --repeats 5", section="Tree-shared training forward"),
     # Precision

@@ -16,6 +16,7 @@ BLOCKS = [block for path in doc_files() for block in code_blocks(path)]
 NOT_RUN = {
     ("README.md", "make demo   # creates .venv, installs, trains GRPO on the built-in arithmetic task (minutes on 2 CPU cores)"),
     ("README.md", "turbogrpo demo --model smollm2     # = turbogrpo train configs/smollm2_arithmetic.toml"),
+    ("README.md", "turbogrpo train configs/smollm2_calculator.toml     # SmolLM2 learns to call a calculator tool"),
     ("docs/guide/demo.md", "turbogrpo demo --longform          # long-form task, speculative rollouts, draft learnt online"),
     ("docs/guide/distributed.md", "torchrun --nproc_per_node 4 -m turbogrpo train configs/gsm8k_lora_ddp.yaml"),
     ("docs/guide/gguf.md", "turbogrpo demo --model smollm2                                   # = turbogrpo train configs/smollm2_arithmetic.toml"),

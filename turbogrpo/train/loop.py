@@ -23,6 +23,7 @@ The step sees the run's parts and the few sections it reads (``run.algo``, ``run
 
 from __future__ import annotations
 
+import gc
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -138,6 +139,11 @@ def train(config: Config, *, resume: bool = False, overwrite: bool = False) -> R
     finally:
         if output is not None:
             output.release()
+        # Free the run's DDP/FSDP wrappers while the process group is still registered: freed after it, they
+        # hold its last reference, destroy it in C++ with the GIL held and deadlock against gloo's worker
+        # thread, which needs the GIL to free a finished all-reduce's tensors (pytorch#56297).
+        run = None
+        gc.collect()
         distributed.teardown(dist)
 
 
