@@ -128,8 +128,11 @@ class Table:
     rows: str = ""              # path of the list or table of rows; "" for one row of top-level fields
     title: str = ""
     keep: Callable[[Any], bool] = lambda row: True
+    part: str = ""              # a benchmark part run on its own (`--parts`): the table is left out where it was not run
 
     def render(self, data: dict, where: str) -> list[str]:
+        if self.part and lookup(data, self.part) is MISSING:
+            return []
         if self.rows:
             items = need(data, self.rows, where)
             items = list(items.items()) if isinstance(items, dict) else list(enumerate(items))
@@ -379,11 +382,11 @@ MULTITURN = tables(
            col("HF's prefilled ids per later turn (the conversation)",
                "rollout.prefilled_ids_per_later_turn.hf_generate_reprefill_conversation_ids", "f2")]),
     Table([col("trainer", "$key"), col("median", "median_s", "s"), col("min", "min_s", "s")], rows="step.timings",
-          title="whole multi-turn GRPO step"),
+          title="whole multi-turn GRPO step", part="step"),
     Table([col("trainer", "$key"), col("rollout", "rollout", "s"), col("rewards", "rewards", "s"),
            col("log-probs", "logprobs", "s"), col("update", "update", "s")], rows="step.phases_s",
-          title="step phases (medians)"),
-    Table([col("speedup", "step.speedup", "x")]))
+          title="step phases (medians)", part="step"),
+    Table([col("speedup", "step.speedup", "x")], part="step"))
 
 
 TREE_SYNTHETIC = tables(Table([
@@ -397,7 +400,7 @@ TREE_SYNTHETIC = tables(Table([
     rows="shapes"))
 
 TREE_REAL = tables(
-    Table([col("part", "part"), col("conversations", "sequences", "int"), col("row tokens", "row_tokens", "int"),
+    Table([col("part", "part", "text"), col("conversations", "sequences", "int"), col("row tokens", "row_tokens", "int"),
            col("trie tokens", "trie_tokens", "int"), col("rows", "times.rows.median_s", "s"),
            col("per turn", "times.per_turn.median_s", "s"), col("prefix_grouper", "times.prefix_grouper.median_s", "s"),
            col("tree", "times.tree.median_s", "s"), col("x rows", "speedup.rows", "x"),
@@ -671,6 +674,9 @@ RESULTS: list[Result] = [
     Result("tree", "tree_synthetic", "Tree-shared forward + backward on synthetic deep tries: against one row per "
            "sequence, prefix_grouper and the prompt-only shared forward", "python bench/tree.py",
            section="Tree-shared training forward"),
+    Result("tree_real", "tree_real", "Tree-shared forward + backward on SmolLM2-135M's real guess-the-number conversations: "
+           "(a) 2 prompts x 8 unbranched, (b) branching [4, 2] over 3 turns", "python bench/tree_real.py --prompts 2 "
+           "--repeats 3", section="Tree-shared training forward"),
     Result("tree_siblings", "tree_siblings", "Sibling prefix sharing in single-turn GSM8K groups, SmolLM2-135M, "
            "8 prompts x 8 x 256 tokens", "python bench/tree_siblings.py", section="Tree-shared training forward"),
     Result("tree_kernels", "tree_kernels", "Tree forward kernels on a synthetic trie (cascade, dense mask, flex)",
@@ -689,6 +695,10 @@ RESULTS: list[Result] = [
     Result("multiturn_smollm2_calculator", "multiturn", "Multi-turn tool GRPO, SmolLM2-135M calculator, 8 prompts x 8 "
            "conversations: rollout vs HF generate re-prefilling each turn, whole step vs TRL GRPOTrainer(environment_factory)",
            "python bench/multiturn.py --threads 2", section="Multi-turn and tools"),
+    Result("multiturn_smollm2_calculator_rollout", "multiturn", "Multi-turn tool rollout, SmolLM2-135M calculator, 8 prompts x 8 "
+           "conversations, after the bounded feed width (rollout.feed_width): rollout vs HF generate re-prefilling each turn",
+           "python bench/multiturn.py --parts rollout --threads 2 --name multiturn_smollm2_calculator_rollout",
+           section="Multi-turn and tools"),
     # Learning and records
     Result("smollm2_arithmetic_run", "learning_run", "SmolLM2-135M learns small sums (configs/smollm2_arithmetic.toml)",
            "python scripts/learning_record.py runs/smollm2_arithmetic smollm2_arithmetic_run", section="Learning"),
@@ -724,7 +734,7 @@ HEADLINE: list[tuple[str, str, str, str]] = [
      "shapes.0.speedup"),
     ("Training forward + backward inside TRL (drop-in)", "TRL `GRPOTrainer`", "trl_dropin", "forward_backward.speedup"),
     ("Multi-turn tool rollout, SmolLM2-135M calculator, 8 x 8 conversations", "HF `generate` re-prefilling each turn",
-     "multiturn_smollm2_calculator", "rollout.speedup"),
+     "multiturn_smollm2_calculator_rollout", "rollout.speedup"),
     ("Whole multi-turn GRPO step, SmolLM2-135M calculator tool", "TRL `GRPOTrainer(environment_factory=...)`",
      "multiturn_smollm2_calculator", "step.speedup"),
 ]

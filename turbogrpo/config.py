@@ -475,14 +475,21 @@ class EnvConfig:
     reply_timing: str = "next_step"
     """Key of ``turbogrpo.rollout.multiturn.REPLY_TIMINGS``: "next_step" makes every rollout follow from its
     seed (exact resume); "arrival" lets slow environments overlap more, but draws then depend on timing."""
+    feed_width: str = "bounded"
+    """Key of ``turbogrpo.rollout.multiturn.FEED_WIDTHS``: how wide a decode step is while some rows prefill an
+    environment's reply. "bounded" keeps padding to at most half the step (a long reply goes in over a few
+    steps; 3.22x HF generate on the calculator task against 1.99x for "widest"); each draw is from the same distribution, only which step it falls in changes.
+    Speculative rollouts feed whole chunks: their steps are a draft tree wide for every row already."""
 
     def check(self, key: str) -> None:
         from turbogrpo.env.tool_calls import TOOL_CALL_PARSERS  # the registry is the one source of names
-        from turbogrpo.rollout.multiturn import REPLY_TIMINGS
+        from turbogrpo.rollout.multiturn import FEED_WIDTHS, REPLY_TIMINGS
         _require(self.factory == "" or ":" in self.factory, f"{key}.factory",
                  "\"\" or an import path 'package.module:callable'", self.factory)
         _require(self.reply_timing in REPLY_TIMINGS, f"{key}.reply_timing", f"one of {', '.join(REPLY_TIMINGS)}",
                  self.reply_timing)
+        _require(self.feed_width in FEED_WIDTHS, f"{key}.feed_width", f"one of {', '.join(FEED_WIDTHS)}",
+                 self.feed_width)
         _require(self.tool_parser in TOOL_CALL_PARSERS, f"{key}.tool_parser",
                  f"one of {', '.join(TOOL_CALL_PARSERS)}", self.tool_parser)
         for name in ("max_turns", "max_turn_tokens", "max_conversation_tokens"):

@@ -179,7 +179,9 @@ def test_env_config_section_is_checked_in_one_line():
                          ({"max_turn_tokens": 600}, "at most max_conversation_tokens=512"),
                          ({"factory": "pkg"}, "import path 'package.module:callable'"),
                          ({"reply_timing": "soon"}, "'env.reply_timing': 'soon' is not allowed; expected one of "
-                                                    "arrival, next_step")]:
+                                                    "arrival, next_step"),
+                         ({"feed_width": "narrow"}, "'env.feed_width': 'narrow' is not allowed; expected one of "
+                                                    "widest, bounded")]:
         with pytest.raises(ValueError, match=message.replace("(", "\\(").replace(")", "\\)")):
             config_from_dict({"env": raw})
     assert config_from_dict({"env": {"factory": "turbogrpo.env.tasks:RetryArithmetic"}}).env.reply_timing == "next_step"

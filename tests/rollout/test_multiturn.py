@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from turbogrpo.rollout import SamplingConfig
-from turbogrpo.rollout.multiturn import TurnLimits, generate_multiturn
+from turbogrpo.rollout.multiturn import FEED_WIDTHS, TurnLimits, bounded_feed, generate_multiturn
 
 from .conftest import build_model, random_prompts
 
@@ -37,14 +37,16 @@ def run(model, prompts, handlers, num_samples, limits=TurnLimits(12, 60, prefill
                               seed=0, **kwargs)
 
 
-def test_replies_are_recorded_masked_and_the_model_tokens_match_a_plain_forward(qwen2):
+@pytest.mark.parametrize("feed_width", sorted(FEED_WIDTHS))
+def test_replies_are_recorded_masked_and_the_model_tokens_match_a_plain_forward(qwen2, feed_width):
     """Env ids sit between model turns with mask 0; every model token's sampler log-prob equals a plain
     forward of the whole conversation, so the cache after a reply (chunked prefill, batched with rows that
-    decode) is exactly that conversation's."""
+    decode, at either width policy) is exactly that conversation's."""
     prompts = random_prompts([5, 9])
     replies = [[[30 + i, 31, 32, 33, 34][:1 + i % 5], [40 + i] * (1 + i % 3)] for i in range(6)]
     handlers = [Scripted(r) for r in replies]
-    out = run(qwen2, prompts, handlers, num_samples=3)
+    out = run(qwen2, prompts, handlers, num_samples=3,
+              limits=TurnLimits(12, 60, prefill_chunk=3, feed_width=feed_width))
     groups = out.groups
     assert out.stats.num_env_tokens == sum(int((~m).sum()) for m in groups.model_mask) > 0
     for i, (handler, ids, mask, logps) in enumerate(zip(handlers, groups.completions, groups.model_mask,
@@ -64,6 +66,17 @@ def test_replies_are_recorded_masked_and_the_model_tokens_match_a_plain_forward(
         reference = plain_logprobs(qwen2, prompts[i // 3], ids)
         torch.testing.assert_close(logps[mask], reference[mask], rtol=0, atol=1e-5)
     assert sum(out.num_turns) == out.stats.num_turns
+
+
+def test_bounded_feed_width_keeps_padding_at_most_half_of_a_step():
+    assert bounded_feed([1] * 63 + [9]) == 2         # 64 rows: 128 slots for 65 ids, not 576 for 72
+    assert bounded_feed([1] * 8 + [9] * 8) == 9      # half the rows feed replies: they go in at once
+    assert bounded_feed([0] * 7 + [5]) == 1          # one row feeds among waiting ones: no width pays
+    assert bounded_feed([4, 4, 0]) == 4 and bounded_feed([1]) == 1
+    for counts in ([1] * 63 + [9], [3, 0, 0, 7, 1], [2] * 5):
+        width = bounded_feed(counts)
+        assert width == 1 or len(counts) * width <= 2 * sum(min(c, width) for c in counts)
+        assert width == max(counts) or len(counts) * (width + 1) > 2 * sum(min(c, width + 1) for c in counts)
 
 
 def test_handler_failures_end_only_their_conversation(qwen2):
@@ -149,6 +162,8 @@ def test_bad_settings_are_refused_in_one_line(qwen2):
         generate_multiturn(qwen2, prompts, [None] * 2, num_samples=2, sampling=sampling, limits=TurnLimits(4, 500))
     with pytest.raises(ValueError, match="TurnLimits.prefill_chunk"):
         TurnLimits(4, 8, prefill_chunk=0)
+    with pytest.raises(ValueError, match="TurnLimits.feed_width must be one of \\['bounded', 'widest'\\]"):
+        TurnLimits(4, 8, feed_width="narrow")
 
 
 def test_the_rollout_runs_under_the_schedules_linear_kernel(qwen2, monkeypatch):
@@ -204,3 +219,4 @@ def test_next_step_replies_make_the_rollout_follow_from_the_seed(qwen2):
         assert torch.equal(a, b)
     with pytest.raises(ValueError, match="reply_timing must be one of"):
         run(qwen2, random_prompts([5]), [delayed(0)] * 2, 2, reply_timing="soon")
+

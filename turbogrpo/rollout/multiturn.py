@@ -6,8 +6,10 @@ conversation keeping its KV cache from turn to turn.
            a decoding conversation feeds its newest sampled token (1 token),
            a conversation whose environment has answered feeds its turn-end token and the reply's ids
              (a chunk of at most ``prefill_chunk`` of them per step; a long reply takes a few steps),
-           both in the same batch, padded to the step's widest row (padding is written past each row's
-             committed slots and never read);
+           both in the same batch, padded to the step's width (padding is written past each row's
+             committed slots and never read); the width is ``feed_width``'s (``FEED_WIDTHS``): on a CPU
+             every row costs the width, so "bounded" narrows it while padding would be most of the batch
+             and a reply longer than the width goes in over a few steps;
          rows whose feed ended this step draw their next token (one host read per step: the tokens);
          a token in ``stop_token_ids`` ends the turn: the turn's ids go to that conversation's
            ``TurnHandler`` in a thread pool, and the row waits (masked, in the batch) while the others
@@ -103,12 +105,37 @@ class TurnLimits:
     """Most ids after the prompt, model and environment together ("length" when reached)."""
     prefill_chunk: int = 64
     """Most reply ids one row feeds per step (bounds a step's width, and the KV slots kept spare)."""
+    feed_width: str = "bounded"
+    """How a step's width follows the rows' feeds: a name in ``FEED_WIDTHS``."""
 
     def __post_init__(self):
         for name in ("max_turn_tokens", "max_conversation_tokens", "prefill_chunk"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"TurnLimits.{name} must be an integer >= 1, got {value!r}")
+        if self.feed_width not in FEED_WIDTHS:
+            raise ValueError(f"TurnLimits.feed_width must be one of {sorted(FEED_WIDTHS)}, got {self.feed_width!r}")
+
+
+def widest_feed(counts: list[int]) -> int:
+    """The width of the widest feed: every reply goes in at once, whatever the other rows pay (a GPU's
+    forward costs about the same at width 1 and at a few dozen)."""
+    return max(counts)
+
+
+def bounded_feed(counts: list[int]) -> int:
+    """The widest width at which padding is at most half of the step's slots (at least 1). ``counts``: [B]
+    the ids each row has to feed (1 for a decoding row, 0 for a waiting one). A 9-id reply among 63
+    decoding rows goes in 2 ids a step rather than making all 64 rows compute 9 wide, which on a CPU costs
+    each of those steps about 9 decode steps."""
+    for width in range(max(counts), 1, -1):
+        if len(counts) * width <= 2 * sum(min(c, width) for c in counts):
+            return width
+    return 1
+
+
+FEED_WIDTHS: dict[str, Callable[[list[int]], int]] = {"widest": widest_feed, "bounded": bounded_feed}
+"""Feed width policies: ``counts`` [B] (ids each row has to feed, at most ``prefill_chunk``) -> the step's width."""
 
 
 @dataclass
@@ -328,7 +355,7 @@ def _run(model: nn.Module, prompts: list[torch.Tensor], num_samples: int, conver
         if not feeding:  # every live conversation waits for its environment
             wait_for_replies(conversations, rows, timing, stats)
             continue
-        drawn_rows, hidden_BH = _feed(model, cache, rows, feeding, conversations, limits.prefill_chunk)
+        drawn_rows, hidden_BH = _feed(model, cache, rows, feeding, conversations, limits)
         stats.num_forwards += 1
         stats.live_batch_sizes.append(len(feeding))
         if len(branching) > 1:
@@ -352,13 +379,15 @@ def wait_for_replies(conversations: list[_Conversation], rows: list[int], timing
 
 
 def _feed(model: nn.Module, cache: GroupedKVCache, rows: list[int], feeding: list[int],
-          conversations: list[_Conversation], chunk: int) -> tuple[list[int], torch.Tensor]:
-    """One forward of every feeding row's next ids (at most ``chunk``), committed in the cache. Returns the
-    rows whose feed is complete (they draw next) and the hidden state ``[B, Hd]`` at each row's last fed id."""
+          conversations: list[_Conversation], limits: TurnLimits) -> tuple[list[int], torch.Tensor]:
+    """One forward of every feeding row's next ids (at most ``limits.prefill_chunk``, and the step's width),
+    committed in the cache. Returns the rows whose feed is complete (they draw next) and the hidden state
+    ``[B, Hd]`` at each row's last fed id."""
     counts = [0] * len(rows)
     for b in feeding:
-        counts[b] = min(len(conversations[rows[b]].pending), chunk)
-    width = max(counts)
+        counts[b] = min(len(conversations[rows[b]].pending), limits.prefill_chunk)
+    width = FEED_WIDTHS[limits.feed_width](counts)
+    counts = [min(c, width) for c in counts]
     ids_Bn = torch.zeros(len(rows), width, dtype=torch.long)
     for b in feeding:
         conversation = conversations[rows[b]]

@@ -73,5 +73,5 @@ def build_episode_sampler(env: EnvConfig, tokenizer, branching: Sequence[int] = 
     if env.chat_template:
         tokenizer.chat_template = CHAT_TEMPLATES.get(env.chat_template, env.chat_template)
     return EpisodeSampler(env.factory, env.max_turns, env.tool_parser,
-                          TurnLimits(env.max_turn_tokens, env.max_conversation_tokens), env.end_of_turn,
+                          TurnLimits(env.max_turn_tokens, env.max_conversation_tokens, feed_width=env.feed_width), env.end_of_turn,
                           env.reply_timing, tuple(branching))
