@@ -1,7 +1,7 @@
 """Every GPU measurement of the project in one script: one call on one GPU, at most about 5 minutes.
 
     python bench/gpu.py                  # all parts, writes bench/results/gpu.json
-    python bench/gpu.py --only prefix    # one part (rollout, prefix, precision, trl)
+    python bench/gpu.py --only prefix    # one part (rollout, prefix, precision, trl, tree)
     python bench/gpu.py --budget 300     # total seconds the parts share
 
 Each part is a module ``bench/gpu_<name>.py`` with ``run(results: dict, budget_s: float)``: it builds
@@ -28,10 +28,11 @@ from harness import write_results  # noqa: E402
 
 PARTS: dict[str, float] = {
     # name -> share of the time budget
-    "rollout": 0.35,
-    "prefix": 0.30,
-    "precision": 0.15,
-    "trl": 0.20,
+    "rollout": 0.30,
+    "prefix": 0.25,
+    "precision": 0.10,
+    "trl": 0.15,
+    "tree": 0.20,
 }
 
 
@@ -42,7 +43,7 @@ def main() -> None:
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("bench/gpu.py: no CUDA device; nothing to measure (the CPU benches are bench/prefix.py, "
-              "bench/rollout.py, bench/speculative.py, bench/e2e.py)")
+              "bench/rollout.py, bench/speculative.py, bench/e2e.py, bench/tree.py)")
         return
     parts = args.only or list(PARTS)
     share = sum(PARTS[p] for p in parts)

@@ -91,23 +91,28 @@ def contenders() -> dict:
 
 
 def measure(fn, model, prompts, completions) -> dict:
-    """Peak memory of the first warm-up call, then the median of ``REPEATS`` timed calls."""
+    """Peak memory of the first warm-up call, then the median of ``REPEATS`` timed calls. Off CUDA (a
+    part's CPU smoke run) the peak is None."""
+    cuda = torch.cuda.is_available()
+    sync = torch.cuda.synchronize if cuda else lambda: None
+
     def call():
         model.zero_grad(set_to_none=True)
         fn(model, prompts, completions)
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
+    sync()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
     call()
-    torch.cuda.synchronize()
-    peak_gb = torch.cuda.max_memory_allocated() / 1e9
+    sync()
+    peak_gb = torch.cuda.max_memory_allocated() / 1e9 if cuda else None
     for _ in range(WARMUPS - 1):
         call()
     times = []
     for _ in range(REPEATS):
-        torch.cuda.synchronize()
+        sync()
         start = time.perf_counter()
         call()
-        torch.cuda.synchronize()
+        sync()
         times.append(time.perf_counter() - start)
     model.zero_grad(set_to_none=True)
     return {"median_s": statistics.median(times), "times_s": times, "peak_gb": peak_gb}

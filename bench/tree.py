@@ -20,6 +20,7 @@ each, RSS growth over the set-up state).
     python bench/tree.py              # all shapes, 3 interleaved repeats, memory probes (results/tree.json)
     python bench/tree.py --quick      # a tiny shape, 1 repeat, no memory probes (results/tree_quick.json)
     python bench/tree.py --shapes 512/4x2x2/64
+    python bench/tree.py --model smollm2   # SmolLM2-135M's weights, two shapes (results/tree_smollm2.json)
     python bench/tree.py --kernels    # the tree attention backends against each other (results/tree_kernels.json)
 """
 
@@ -33,7 +34,6 @@ from functools import cached_property
 from pathlib import Path
 
 import torch
-from transformers import Qwen2Config
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import (interleaved_medians, peak_rss_delta_mb, peak_rss_mb, print_table, reset_peak_rss,  # noqa: E402
@@ -46,6 +46,7 @@ from turbogrpo.tree import TokenTrie, build_trie, per_sequence_logprobs, tree_lo
 from turbogrpo.tree.cost import tree_flops  # noqa: E402
 
 SHAPES = ["512/4x2x2/64", "256/2x2x2x2/32", "1024/8x2/128", "128/4x4/256"]
+SMOLLM2_SHAPES = SHAPES[:2]   # SmolLM2 (30 layers) costs ~5x the bench model a token: the two deepest tries
 QUICK_SHAPES = ["32/2x2/8"]
 KERNEL_SHAPE = "256/4x2x2/32"   # small: the dense reference's [N, N] mask must fit
 ATTENTION_SHAPES = [KERNEL_SHAPE, "512/4x4x2/64"]   # attention alone: 1152 and 3840 trie tokens
@@ -73,11 +74,11 @@ class Case:
         self.trie = build_trie(paths, masks)
 
     @staticmethod
-    def synthetic(shape: str, seed: int = 0) -> Case:
-        """The deep trie of ``shape`` (module docstring), random ids; every token after the prompt is scored."""
+    def synthetic(shape: str, seed: int = 0, vocab: int = BENCH_MODEL["vocab_size"]) -> Case:
+        """The deep trie of ``shape`` (module docstring), random ids below ``vocab``; every token after the
+        prompt is scored."""
         prompt_len, branching, turn = parse_shape(shape)
         g = torch.Generator().manual_seed(seed)
-        vocab = BENCH_MODEL["vocab_size"]
         prompt = torch.randint(0, vocab, (prompt_len,), generator=g)
         paths = [prompt]
         for fanout in branching:
@@ -131,13 +132,23 @@ CONTENDERS = {"rows": run_rows, "prefix_grouper": run_prefix_grouper_case, "one_
               "tree": run_tree}
 
 
-def memory_probe(name: str, shape: str) -> None:
+def smollm2_model():
+    from tree_real import real_model  # imported here: tree_real imports this module
+    return real_model()[0]
+
+
+MODELS = {"bench": bench_model, "smollm2": smollm2_model}
+"""--model: the random-init bench model of bench/prefix.py, or SmolLM2-135M-Instruct's weights (float32)."""
+
+
+def memory_probe(name: str, shape: str, model_name: str) -> None:
     """Child process entry: one forward+backward, print peak RSS growth over the set-up state."""
     if shape.endswith(".pt"):  # a saved case of real conversations (bench/tree_real.py)
         from tree_real import REAL_CONTENDERS, real_model
         model, case, contenders = real_model()[0], Case.load(Path(shape)), REAL_CONTENDERS
     else:
-        model, case, contenders = bench_model(), Case.synthetic(shape), CONTENDERS
+        model = MODELS[model_name]()
+        case, contenders = Case.synthetic(shape, vocab=model.config.vocab_size), CONTENDERS
     before = reset_peak_rss()
     contenders[name](model, case)
     print(f"PEAK_MB {peak_rss_mb() - before:.1f}")
@@ -205,25 +216,31 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--shapes", default=None, help="comma-separated P/b1xb2/T, e.g. 512/4x2x2/64")
     parser.add_argument("--kernels", action="store_true", help="time the tree attention backends instead")
+    parser.add_argument("--model", choices=sorted(MODELS), default="bench",
+                        help="bench: random-init Qwen2-style bench model; smollm2: SmolLM2-135M-Instruct's weights")
     parser.add_argument("--memory-probe", nargs=2, metavar=("NAME", "SHAPE"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.memory_probe:
-        return memory_probe(*args.memory_probe)
+        return memory_probe(*args.memory_probe, args.model)
     repeats, warmup = (1, 0) if args.quick else (args.repeats, 1)
     if args.kernels:
         return kernels_main(repeats, warmup)
-    shapes = args.shapes.split(",") if args.shapes else QUICK_SHAPES if args.quick else SHAPES
+    full = SHAPES if args.model == "bench" else SMOLLM2_SHAPES
+    shapes = args.shapes.split(",") if args.shapes else QUICK_SHAPES if args.quick else full
     # Only a full run replaces the committed results; a partial one is written beside them.
-    results_name = "tree_quick" if args.quick else "tree" if shapes == SHAPES else "tree_partial"
-    model, dims = bench_model(), ModelDims.of(Qwen2Config(**BENCH_MODEL))
+    suffix = "" if args.model == "bench" else f"_{args.model}"
+    results_name = f"tree{suffix}_quick" if args.quick else f"tree{suffix}" if shapes == full else f"tree{suffix}_partial"
+    model = MODELS[args.model]()
+    dims = ModelDims.of(model.config)
     rows, records = [], []
     for shape in shapes:
-        case = Case.synthetic(shape)
+        case = Case.synthetic(shape, vocab=model.config.vocab_size)
         gap = max_logprob_gap(model, case)
         times = interleaved_medians({name: (lambda fn=fn: (model.zero_grad(set_to_none=True), fn(model, case)))
                                      for name, fn in CONTENDERS.items()}, repeats=repeats, warmup=warmup)
         flops = tree_flops(dims, case.trie)
-        memory = {} if args.quick else {name: peak_rss_delta_mb([__file__, "--memory-probe", name, shape])
+        memory = {} if args.quick else {name: peak_rss_delta_mb([__file__, "--memory-probe", name, shape,
+                                                                 "--model", args.model])
                                          for name in CONTENDERS}
         median = {name: t["median_s"] for name, t in times.items()}
         record = {"shape": shape, "sequences": case.trie.num_sequences, "trie_tokens": case.trie.num_tokens,
@@ -244,9 +261,10 @@ def main() -> None:
         print(f"done {shape}", flush=True)
         # Written after every shape, so an interrupted run keeps what it measured. Load averages: a shared
         # machine slows every contender, so compare ratios.
-        write_results(results_name, {"load_average": os.getloadavg(), "model": BENCH_MODEL, "dtype": "float32",
+        write_results(results_name, {"load_average": os.getloadavg(),
+                                     "model": BENCH_MODEL if args.model == "bench" else args.model, "dtype": "float32",
                                      "repeats": repeats, "warmup": warmup, "shapes": records})
-    print_table(f"fwd+bwd seconds (median of {repeats}), bench model float32, synthetic deep tries P/branching/T",
+    print_table(f"fwd+bwd seconds (median of {repeats}), {args.model} model float32, synthetic deep tries P/branching/T",
                 ["shape", "row tok", "tree tok", "rows", "prefix_grouper", "one_level", "tree", "x rows",
                  "FLOP x rows", "x pg", "x one_level", "FLOP x prompt", "peak MB rows/pg/1lvl/tree", "max |dlogp|"],
                 rows)
