@@ -674,6 +674,9 @@ RESULTS: list[Result] = [
     Result("tree", "tree_synthetic", "Tree-shared forward + backward on synthetic deep tries: against one row per "
            "sequence, prefix_grouper and the prompt-only shared forward", "python bench/tree.py",
            section="Tree-shared training forward"),
+    Result("tree_smollm2", "tree_synthetic", "Tree-shared forward + backward on a synthetic deep trie with SmolLM2-135M's "
+           "weights (16 paths, 4 levels of branching)", "python bench/tree.py --model smollm2",
+           section="Tree-shared training forward"),
     Result("tree_real", "tree_real", "Tree-shared forward + backward on SmolLM2-135M's real guess-the-number conversations: "
            "(a) 2 prompts x 8 unbranched, (b) branching [4, 2] over 3 turns", "python bench/tree_real.py --prompts 2 "
            "--repeats 3", section="Tree-shared training forward"),
