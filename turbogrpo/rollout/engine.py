@@ -28,7 +28,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from turbogrpo.hook import check_materialized, lm_head_of
+from turbogrpo.hook import check_materialized
+from turbogrpo.output_head import check_logits_head, logits_head
 from turbogrpo.rollout.compiled import PLAIN_RUNNERS
 from turbogrpo.rollout.kv_cache import GroupedKVCache
 from turbogrpo.linears import LINEAR_KERNELS
@@ -231,7 +232,7 @@ def first_draw(model: nn.Module, prompts: list[torch.Tensor], num_samples: int, 
     prompt_hidden_GPH = prefill_all_positions(model, cache, prompts)
     last_GH = prompt_hidden_GPH[torch.arange(len(prompts), device=device),
                                 torch.tensor([len(p) for p in prompts], device=device) - 1]
-    lm_head = lm_head_of(model)
+    lm_head = logits_head(model)
     # Columns: max_new, plus the most tokens a step emits (extra_slots + 1), written as leftovers.
     outputs = OutputBuffers.allocate(num_completions, max_new + extra_slots + 1, device,
                                      last_GH if keep_hidden else None)
@@ -315,3 +316,4 @@ def _check_inputs(model: nn.Module, prompts: list[torch.Tensor], num_samples: in
     bad_stops = [t for t in sampling.stop_token_ids if t >= vocab_size]
     if bad_stops:
         raise ValueError(f"sampling.stop_token_ids {bad_stops} are outside the vocabulary [0, {vocab_size})")
+    check_logits_head(model)
