@@ -63,12 +63,14 @@ def register_logit_transform(field: str, *, model_types: frozenset[str] | set[st
     return register
 
 
-# The operations are written as the families' modeling files write them, so that the values are bit-identical.
-GRANITE_TYPES = {"granite", "granitemoe", "granitemoeshared", "granite_swa", "granitemoe_swa", "granitemoehybrid",
-                 "granite4_vision_text", "granite_docling_text"}
+# The operations are written as the families' modeling files write them, so that the values are bit-identical
+# (MiniCPM3 divides the hidden states before its bias-free LM head instead: the same up to rounding).
+DIVIDED_BY_LOGITS_SCALING = {"granite", "granitemoe", "granitemoeshared", "granite_swa", "granitemoe_swa",
+                             "granitemoehybrid", "granite4_vision_text", "granite_docling_text", "minicpm3"}
 
 
-@register_logit_transform("logits_scaling", model_types=GRANITE_TYPES, description="divided by `logits_scaling`")
+@register_logit_transform("logits_scaling", model_types=DIVIDED_BY_LOGITS_SCALING,
+                          description="divided by `logits_scaling`")
 def _divide(logits: torch.Tensor, value: float) -> torch.Tensor:
     return logits / value
 
@@ -136,7 +138,7 @@ _CHECKED: weakref.WeakKeyDictionary[nn.Module, bool] = weakref.WeakKeyDictionary
 def check_logits_head(model: nn.Module) -> None:
     """ValueError when ``model``'s own ``forward(input_ids).logits`` differs from its logits head applied to its
     decoder's last hidden state on a few probe tokens (a logits transform turbogrpo does not know). Runs once per
-    model object (no grad, eval mode, autocast off), then remembers the model."""
+    model object (no grad, eval mode), then remembers the model."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     if base in _CHECKED:
         return
@@ -152,20 +154,32 @@ def check_logits_head(model: nn.Module) -> None:
 
 
 def probe_difference(model: nn.Module) -> tuple[float, float]:
-    """``(max |own logits - head logits|, allowed)`` on :data:`PROBE_TOKENS` tokens; host sync (once per model)."""
+    """``(max |own logits - head logits|, allowed)`` on :data:`PROBE_TOKENS` tokens; host sync (once per model).
+
+    One forward of the model itself; the head's logits are computed from its decoder's output inside that
+    forward (a hook), so that both see the same context: a forward wrapped in autocast (accelerate's mixed
+    precision, TRL's bf16) rounds both alike."""
     embeddings = model.get_input_embeddings()
     ids = (torch.arange(PROBE_TOKENS, device=embeddings.weight.device) * 7 + 3) % embeddings.num_embeddings
+    head, ours = unchecked_logits_head(model), []
+
+    def score(module, args, output):
+        ours.append(head(output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0]))
+
     modes = [(module, module.training) for module in model.modules()]
     model.eval()
+    handle = decoder_of(model).register_forward_hook(score)
     try:
-        with torch.no_grad(), torch.autocast(ids.device.type, enabled=False):
+        with torch.no_grad():
             own = model(input_ids=ids[None], use_cache=False).logits
-            hidden = decoder_of(model)(input_ids=ids[None], use_cache=False).last_hidden_state
-            ours = unchecked_logits_head(model)(hidden)
     finally:
+        handle.remove()
         for module, training in modes:
             module.training = training
-    own64, ours64 = own.double(), ours.double()
-    eps = max(torch.finfo(own.dtype).eps, torch.finfo(ours.dtype).eps)   # a forward may upcast its logits
+    if len(ours) != 1:
+        raise ValueError(f"model type '{model.config.model_type}' ran its decoder {len(ours)} times in one forward; "
+                         "turbogrpo cannot check that its logits come from its LM head")
+    own64, ours64 = own.double(), ours[0].double()
+    eps = max(torch.finfo(own.dtype).eps, torch.finfo(ours[0].dtype).eps)   # a forward may upcast its logits
     allowed = PROBE_ULPS * eps * max(1.0, own64.abs().max().item())
     return (own64 - ours64).abs().max().item(), allowed

@@ -43,7 +43,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from turbogrpo.files import save_tensors, write_text_atomically
-from turbogrpo.hook import ATTENTION_NAME, PLAN_KWARG, check_supported, decoder_of, lm_head_of
+from turbogrpo.hook import ATTENTION_NAME, PLAN_KWARG, check_supported, decoder_of, lm_head_of, plan_mask
 from turbogrpo.output_head import LogitsHead, logits_head
 from turbogrpo.rollout.plans import causal_attention
 from turbogrpo.speculative.tree import Proposals
@@ -117,8 +117,8 @@ class DraftHead(nn.Module):
         hidden = self.fuse(torch.cat([embedded, features_BnH.to(embedded.dtype)], dim=-1))
         rotary = self.rotary(hidden, positions_Bn)
         for layer in self.layers:
-            hidden = layer(hidden, attention_mask=None, position_ids=positions_Bn, position_embeddings=rotary,
-                           **{PLAN_KWARG: plan})
+            hidden = layer(hidden, attention_mask=plan_mask(plan, hidden.device), position_ids=positions_Bn,
+                           position_embeddings=rotary, **{PLAN_KWARG: plan})
         return hidden
 
     def logits(self, features: torch.Tensor) -> torch.Tensor:

@@ -80,9 +80,6 @@ def tree_unsupported_reason(model: nn.Module) -> str | None:
         check_supported(model)
     except ValueError as error:
         return str(error).split(";")[0]
-    if getattr(model.config, "attn_logit_softcapping", None) is not None:
-        return (f"model type '{model.config.model_type}' soft-caps its attention logits, which the tree "
-                "attention backends do not implement")
     return None
 
 
