@@ -7,7 +7,6 @@ generated from the tables the checks themselves read (turbogrpo/architectures.py
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -73,19 +72,8 @@ def render() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--check", action="store_true", help="only check that the committed page is current")
-    args = parser.parse_args(argv)
-    text = render()
-    if args.check:
-        current = PAGE.read_text(encoding="utf-8") if PAGE.is_file() else ""
-        if current != text:
-            print(f"{PAGE.relative_to(REPO)} is out of date: run `make docs-pages`", file=sys.stderr)
-            return 1
-        return 0
-    PAGE.write_text(text, encoding="utf-8")
-    print(f"wrote {PAGE.relative_to(REPO)}")
-    return 0
+    from config_docs import write_or_check   # scripts/ is on the path of a script run and of the docs tests
+    return write_or_check(PAGE, render, __doc__, argv)
 
 
 if __name__ == "__main__":
