@@ -249,3 +249,16 @@ def test_the_trl_drop_in_refuses_an_unknown_transform(tokenizer, tmp_path):
     trainer = trl_trainer(tripled(), tokenizer, tmp_path / "patched", trainer_class=trl.GRPOTrainer)
     with pytest.raises(ValueError, match=UNKNOWN):
         enable_shared_prefix(trainer)
+
+
+def test_the_transforms_run_inside_the_captured_decoding_step():
+    """On CUDA the plain step runs as one torch.compile(fullgraph=True) graph (CUDA graphs); the "dynamo" runner
+    captures the same graph on the CPU: the logits head's transforms must trace into it and give the eager draws."""
+    from turbogrpo.rollout import DecodeSchedule
+    model, prompts = build(TRANSFORMED["granite"], dtype=torch.float32), groups()[0]
+    sampling = SamplingConfig(max_new_tokens=4)
+    eager = generate(model, prompts, num_samples=2, sampling=sampling, seed=0)
+    captured = generate(model, prompts, num_samples=2, sampling=sampling, seed=0,
+                        schedule=DecodeSchedule(2, "pow2", "dynamo"))
+    assert [t.tolist() for t in captured.tokens] == [t.tolist() for t in eager.tokens]
+    assert_sampler_logprobs_are_the_models(model, captured, prompts, 2)
