@@ -299,7 +299,7 @@ def learn_draft(run: Run, data: StepData) -> StepData:
 
 
 def record(run: Run, data: StepData) -> StepData:
-    """The step's metrics over the global batch (one gather, one host sync) and sample completions."""
+    """The step's metrics over the global batch (two gathers, two host syncs) and sample completions."""
     log, rollout, trained = run.log, data.rollout, data.trained_batch
     trainer_logps = trained.old_logps if trained.old_logps is not None else data.updates[0].logps
     sampler_logps, versions = data.batch.select(data.trained).sampler_logps, trained.versions
