@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from turbogrpo.hook import check_materialized
+from turbogrpo.host_memory import keep_freed_host_memory
 from turbogrpo.output_head import check_logits_head, logits_head
 from turbogrpo.rollout.compiled import PLAIN_RUNNERS
 from turbogrpo.rollout.kv_cache import GroupedKVCache
@@ -136,6 +137,9 @@ def generate(model: nn.Module, prompts: list[torch.Tensor], *, num_samples: int,
         raise ValueError(f"draft must be a turbogrpo.speculative.Speculation (or None for plain sampling), got "
                          f"{type(draft).__name__}; wrap a DraftHead as Speculation(draft_head), or call "
                          "turbogrpo.speculative.generate_speculative, which takes either")
+    # As in the trainer: called directly (the Python API), a rollout's large short-lived host tensors must
+    # not page-fault in afresh at every step (host_memory.py; on by default, TURBOGRPO_HOST_MALLOC=system).
+    keep_freed_host_memory()
     device = next(model.parameters()).device
     limits = _length_limits(max_new_tokens_per_completion, len(prompts) * num_samples, sampling)
     generator = None
