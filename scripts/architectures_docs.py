@@ -48,8 +48,8 @@ def render() -> str:
     from turbogrpo.output_head import LOGIT_TRANSFORMS
 
     lines = [HEADER, "## Shared", "",
-             "Verified by the test suite against each model's own forward in float64 (prefix and tree, log-probs "
-             "and gradients; the rollout's sampler log-probs in float32). Other softmax-attention models run too "
+             "Verified by the test suite against each model's own forward in float64 (shared-prefix and tree "
+             "log-probs; gradients and the rollout's float32 sampler log-probs for several of them). Other softmax-attention models run too "
              "when the checks at first use pass.", ""]
     lines += table(["model type", "particular"], [[f"`{t}`", note or "-"] for t, note in VERIFIED_SHARED.items()])
     lines += ["## Logits transformed after the LM head", "",
