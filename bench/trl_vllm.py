@@ -30,7 +30,8 @@ only and recorded in the JSON:
     python bench/trl_vllm.py --shape smollm2-zero-shot          # 2 timed steps after 1 warm-up
     python bench/trl_vllm.py --shape calculator
     python bench/trl_vllm.py --shape demo --quick                 # smoke: 1 step, demo model
-    python bench/trl_vllm.py --shape calculator --quick           # smoke: 1 prompt x 2 conversations
+    python bench/trl_vllm.py --shape calculator --quick           # smoke: 1 step, 2 prompts x 2 conversations
+    python bench/trl_vllm.py --shape smollm2-zero-shot --check-push   # a push reaches vLLM's samples?
 """
 
 from __future__ import annotations
@@ -50,6 +51,8 @@ from e2e import PHASES, bench, demo_shape, smollm2_shape  # noqa: E402
 from harness import print_table, write_results  # noqa: E402
 from multiturn import bench_step  # noqa: E402
 
+MAX_MODEL_LENGTH = 2048
+"""vLLM's context limit here (TRL's ``vllm_max_model_length``; prompts + completions stay under 1k tokens)."""
 ENGINES = {"native": (), "vllm": ('rollout.engine="vllm"',)}
 """``--engine`` -> turbogrpo's config settings for its sampler."""
 
@@ -123,28 +126,83 @@ def reload_into_cpu_engine(llm, named_weights) -> None:
             module.quant_method.process_weights_after_loading(module)
 
 
+def check_push(model: str, dtype: str, memory_fraction: float) -> bool:
+    """Does a push reach the samples? An engine built as TRL builds it, then the policy's weights moved (seeded
+    noise on every parameter) and pushed with :func:`reload_into_cpu_engine`: vLLM's greedy tokens and top-5
+    first-token log-probs must equal the moved HF model's (before the push they equal the original's)."""
+    from transformers import AutoModelForCausalLM
+    from trl.import_utils import is_vllm_available  # noqa: F401  (TRL's vLLM version notice, as in training)
+    from trl.trainer.utils import ensure_master_addr_port
+    from vllm import LLM, SamplingParams
+
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
+    ensure_master_addr_port()
+    llm = LLM(model=model, gpu_memory_utilization=memory_fraction, max_model_len=MAX_MODEL_LENGTH,
+              distributed_executor_backend="external_launcher",
+              seed=0, max_num_batched_tokens=4096, logprobs_mode="processed_logprobs", dtype=dtype)
+    policy = AutoModelForCausalLM.from_pretrained(model, dtype=getattr(torch, dtype)).eval()
+    generator = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(10, policy.config.vocab_size, (n,), generator=generator).tolist() for n in (6, 11)]
+    tolerance = 1e-3 if dtype == "float32" else 0.1
+
+    def agree(label: str) -> bool:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                            SamplingParams(temperature=0.0, max_tokens=8, logprobs=5), use_tqdm=False)
+        ok = True
+        for prompt, out in zip(prompts, outs):
+            with torch.no_grad():
+                ids = policy.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, eos_token_id=None,
+                                      pad_token_id=0)[0, len(prompt):].tolist()
+                first = policy(torch.tensor([prompt])).logits[0, -1].float().log_softmax(-1)
+            ours = out.outputs[0]
+            gap = max(abs(lp.logprob - float(first[t])) for t, lp in ours.logprobs[0].items())
+            same = list(ours.token_ids) == ids[:len(ours.token_ids)]
+            ok &= same and gap < tolerance
+            print(f"{label}: greedy {'equal' if same else 'DIFFERENT'} ({list(ours.token_ids)} vs HF {ids}), "
+                  f"top-5 first-token log-prob gap {gap:.2e}", flush=True)
+        return ok
+
+    before = agree("before the push")
+    with torch.no_grad():
+        for param in policy.parameters():
+            param.add_(torch.randn(param.shape, generator=generator).to(param.dtype) * param.float().std() * 0.5)
+    start = time.perf_counter()
+    reload_into_cpu_engine(llm, policy.named_parameters())
+    llm.reset_prefix_cache()
+    print(f"push: {time.perf_counter() - start:.3f} s", flush=True)
+    after = agree("after the push")
+    print("PASS" if before and after else "FAIL", flush=True)
+    return before and after
+
+
 def vllm_overrides(memory_fraction: float) -> dict:
     """``GRPOConfig`` fields of TRL's colocated vLLM path; everything else stays the reused benchmark's."""
     return {"use_vllm": True, "vllm_mode": "colocate",
-            # On the CPU this is the share of host memory vLLM reserves for its KV cache (TRL's default
-            # 0.3 is 7 GB on 24 GB, next to two trainers); 0.1 still holds every sequence of these shapes.
-            "vllm_gpu_memory_utilization": memory_fraction}
+            # On the CPU this is the share of host memory vLLM reserves for its weights and KV cache (TRL's
+            # default 0.3 is 7 GB on 24 GB, next to two trainers in the process).
+            "vllm_gpu_memory_utilization": memory_fraction,
+            # The engine must hold one sequence of the model's whole context (8192 on SmolLM2) in that share;
+            # these shapes' sequences stay under 1k tokens.
+            "vllm_max_model_length": MAX_MODEL_LENGTH}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shape", choices=["smollm2-zero-shot", "calculator", "demo"], required=True,
                         help="one shape per process (each TRL trainer builds its own vLLM engine)")
+    parser.add_argument("--check-push", action="store_true",
+                        help="only check that a weight push reaches vLLM's samples (the shape's model), then exit")
     parser.add_argument("--engine", choices=list(ENGINES), default="native", help="turbogrpo's rollout.engine")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                         help="compute dtype of both trainers (single-turn shapes; the calculator runs its config's)")
     parser.add_argument("--vllm-dtype", choices=["match", "auto"], default="match",
                         help="TRL's vLLM dtype: match (--dtype) or auto (TRL's call: vLLM samples float32 models in bf16)")
-    parser.add_argument("--memory-fraction", type=float, default=0.1, help="TRL's vllm_gpu_memory_utilization")
+    parser.add_argument("--memory-fraction", type=float, default=0.2, help="TRL's vllm_gpu_memory_utilization")
     parser.add_argument("--steps", type=int, help="timed steps (default 2; --quick 1)")
     parser.add_argument("--warmup", type=int, help="warm-up steps (default 1; --quick 0)")
-    parser.add_argument("--prompts", type=int, help="calculator: K prompts per step (default 8; --quick 1)")
-    parser.add_argument("--generations", type=int, help="calculator: G conversations per prompt (default 8; --quick 2)")
+    parser.add_argument("--prompts", type=int, help="K prompts per step (default: the shape's; --quick 2, demo 16)")
+    parser.add_argument("--generations", type=int, help="G completions per prompt (default: the shape's; --quick 2, demo 8)")
+    parser.add_argument("--max-new-tokens", type=int, help="single-turn: new tokens per completion (default: the shape's)")
     parser.add_argument("--quick", action="store_true", help="a smoke run: 1 step, no warm-up, tiny calculator shape")
     args = parser.parse_args()
     steps = args.steps or (1 if args.quick else 2)
@@ -155,17 +213,28 @@ def main() -> None:
 
     calculator = args.shape == "calculator"
     dtype = "float32" if calculator else args.dtype  # the calculator config's dtype
+    if args.check_push:
+        from real_model import real_model_folder
+        from turbogrpo.models import demo_model_path
+        model = str(demo_model_path()) if args.shape == "demo" else real_model_folder()
+        raise SystemExit(0 if check_push(model, dtype, args.memory_fraction) else 1)
+    quick_size = 2 if args.quick and args.shape != "demo" else None  # a smoke run on SmolLM2: 2 x 2
     patch = CpuColocatePatch(dtype if args.vllm_dtype == "match" else None)
     trl_overrides, turbo_overrides = vllm_overrides(args.memory_fraction), ENGINES[args.engine]
     load_before = os.getloadavg()
     if calculator:
-        num_prompts = args.prompts or (1 if args.quick else 8)
-        num_generations = args.generations or (2 if args.quick else 8)
+        num_prompts = args.prompts or quick_size or 8
+        num_generations = args.generations or quick_size or 8
         record = bench_step(steps, warmup, num_prompts, num_generations, trl_overrides=trl_overrides,
                             turbo_overrides=turbo_overrides)
         record["shape"]["name"] = "SmolLM2-135M calculator tool"
     else:
         shape = {**(smollm2_shape(False) if args.shape == "smollm2-zero-shot" else demo_shape()), "dtype": dtype}
+        sizes = {"num_prompts": args.prompts or quick_size, "num_generations": args.generations or quick_size,
+                 "max_new_tokens": args.max_new_tokens}
+        if any(sizes.values()):  # TRL then runs one group per micro-batch, as on the SmolLM2 shape
+            shape.update({key: value for key, value in sizes.items() if value})
+            shape["trl_micro_batch"] = shape["num_generations"]
         with tempfile.TemporaryDirectory() as tmp:
             record = bench(shape, Path(tmp), steps, warmup, trl_overrides=trl_overrides,
                            turbo_overrides=turbo_overrides)
