@@ -50,9 +50,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from e2e import PHASES, bench, demo_shape, smollm2_shape  # noqa: E402
 from harness import print_table, write_results  # noqa: E402
 from multiturn import bench_step  # noqa: E402
+from real_model import real_model_folder  # noqa: E402
+
+from turbogrpo.models import demo_model_path  # noqa: E402
 
 MAX_MODEL_LENGTH = 2048
-"""vLLM's context limit here (TRL's ``vllm_max_model_length``; prompts + completions stay under 1k tokens)."""
+"""vLLM's context limit here, or the model's if shorter (TRL's ``vllm_max_model_length``; prompts + completions
+stay under 1k tokens)."""
 ENGINES = {"native": (), "vllm": ('rollout.engine="vllm"',)}
 """``--engine`` -> turbogrpo's config settings for its sampler."""
 
@@ -137,7 +141,7 @@ def check_push(model: str, dtype: str, memory_fraction: float) -> bool:
 
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
     ensure_master_addr_port()
-    llm = LLM(model=model, gpu_memory_utilization=memory_fraction, max_model_len=MAX_MODEL_LENGTH,
+    llm = LLM(model=model, gpu_memory_utilization=memory_fraction, max_model_len=max_model_length(model),
               distributed_executor_backend="external_launcher",
               seed=0, max_num_batched_tokens=4096, logprobs_mode="processed_logprobs", dtype=dtype)
     policy = AutoModelForCausalLM.from_pretrained(model, dtype=getattr(torch, dtype)).eval()
@@ -175,15 +179,21 @@ def check_push(model: str, dtype: str, memory_fraction: float) -> bool:
     return before and after
 
 
-def vllm_overrides(memory_fraction: float) -> dict:
-    """``GRPOConfig`` fields of TRL's colocated vLLM path; everything else stays the reused benchmark's."""
+def max_model_length(model: str) -> int:
+    from transformers import AutoConfig
+    return min(MAX_MODEL_LENGTH, AutoConfig.from_pretrained(model).max_position_embeddings)
+
+
+def vllm_overrides(model: str, memory_fraction: float) -> dict:
+    """``GRPOConfig`` fields of TRL's colocated vLLM path for ``model``; everything else stays the reused
+    benchmark's."""
     return {"use_vllm": True, "vllm_mode": "colocate",
             # On the CPU this is the share of host memory vLLM reserves for its weights and KV cache (TRL's
             # default 0.3 is 7 GB on 24 GB, next to two trainers in the process).
             "vllm_gpu_memory_utilization": memory_fraction,
             # The engine must hold one sequence of the model's whole context (8192 on SmolLM2) in that share;
             # these shapes' sequences stay under 1k tokens.
-            "vllm_max_model_length": MAX_MODEL_LENGTH}
+            "vllm_max_model_length": max_model_length(model)}
 
 
 def main() -> None:
@@ -213,14 +223,12 @@ def main() -> None:
 
     calculator = args.shape == "calculator"
     dtype = "float32" if calculator else args.dtype  # the calculator config's dtype
+    model = str(demo_model_path()) if args.shape == "demo" else real_model_folder()
     if args.check_push:
-        from real_model import real_model_folder
-        from turbogrpo.models import demo_model_path
-        model = str(demo_model_path()) if args.shape == "demo" else real_model_folder()
         raise SystemExit(0 if check_push(model, dtype, args.memory_fraction) else 1)
     quick_size = 2 if args.quick and args.shape != "demo" else None  # a smoke run on SmolLM2: 2 x 2
     patch = CpuColocatePatch(dtype if args.vllm_dtype == "match" else None)
-    trl_overrides, turbo_overrides = vllm_overrides(args.memory_fraction), ENGINES[args.engine]
+    trl_overrides, turbo_overrides = vllm_overrides(model, args.memory_fraction), ENGINES[args.engine]
     load_before = os.getloadavg()
     if calculator:
         num_prompts = args.prompts or quick_size or 8
