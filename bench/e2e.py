@@ -130,7 +130,8 @@ def demo_shape(model: str | None = None) -> dict:
 class TurboStepper:
     """One call = one ``grpo_step`` of turbogrpo's loop, built from a config like a user's."""
 
-    def __init__(self, shape: dict, workdir: Path):
+    def __init__(self, shape: dict, workdir: Path, overrides: tuple[str, ...] = ()):
+        """``overrides``: more config settings (``key=value``, after the shape's), e.g. ``rollout.engine="vllm"``."""
         import json
         rows_path = workdir / "rows.jsonl"
         rows_path.write_text("".join(json.dumps(r) + "\n" for r in shape["rows"]))
@@ -145,7 +146,7 @@ class TurboStepper:
             f"algo.epsilon_low={SETTINGS['epsilon_low']}", f"algo.epsilon_high={SETTINGS['epsilon_high']}",
             f"optim.lr={SETTINGS['lr']}", f"optim.max_grad_norm={SETTINGS['max_grad_norm']}",
             "train.num_steps=1000", f'train.output_dir="{workdir / "turbogrpo"}"', "log.tensorboard=false",
-            "log.completions_every=0", "log.progress_bar=false"])
+            "log.completions_every=0", "log.progress_bar=false", *overrides])
         reward = Reward("reward", shape["reward"], 1.0, 0.0)
         self.run = build_run(config, distributed.setup("cpu"), [reward])
         start(self.run, resume=False)
@@ -262,6 +263,11 @@ class TrlStepper:
                 "logprobs": record["prepare"] - record["rollout"] - record["rewards"],
                 "update": record["total"] - record["prepare"]}
 
+    @staticmethod
+    def median_phases(records: list[dict]) -> dict[str, float]:
+        """Median seconds per phase (:meth:`phases`) over ``records``."""
+        return {p: statistics.median(TrlStepper.phases(r)[p] for r in records) for p in PHASES}
+
 
 # --- the benchmark -------------------------------------------------------------------------------------
 
@@ -307,16 +313,19 @@ def update_gflops(ours: TurboStepper, records: list[dict], shape: dict, prompt_t
     return 3 * flops * groups / update_s / 1e9
 
 
-def bench(shape: dict, workdir: Path, repeats: int, warmup: int) -> dict:
+def bench(shape: dict, workdir: Path, repeats: int, warmup: int, *, trl_overrides: dict | None = None,
+          turbo_overrides: tuple[str, ...] = ()) -> dict:
+    """One shape, both trainers' steps interleaved. ``trl_overrides`` (``GRPOConfig`` fields) and
+    ``turbo_overrides`` (config settings) adapt the two sides (bench/trl_vllm.py: TRL sampling with vLLM)."""
     print(f"\n{shape['name']}: {shape['num_prompts']} prompts x G={shape['num_generations']}, "
           f"up to {shape['max_new_tokens']} new tokens ...", flush=True)
-    ours = TurboStepper(shape, workdir)
-    trl = TrlStepper(shape, workdir, num_steps=warmup + repeats)
+    ours = TurboStepper(shape, workdir, turbo_overrides)
+    trl = TrlStepper(shape, workdir, num_steps=warmup + repeats, config_overrides=trl_overrides)
     memory = {"trl": StepMemory(trl), "turbogrpo": StepMemory(ours)}
     timings = interleaved_medians(memory, repeats=repeats, warmup=warmup)
     trl.thread.join(timeout=60)
     ours_phases = {p: statistics.median(r.get(f"time/{p}", 0.0) for r in ours.records[warmup:]) for p in PHASES}
-    trl_phases = {p: statistics.median(TrlStepper.phases(r)[p] for r in trl.records[warmup:]) for p in PHASES}
+    trl_phases = TrlStepper.median_phases(trl.records[warmup:])
     prompt_tokens = statistics.mean(len(e.token_ids) for e in ours.run.batches.examples)
     update_rate = update_gflops(ours, ours.records[warmup:], shape, prompt_tokens, ours_phases["update"])
     large_rate = large_matmul_gflops(getattr(torch, shape.get("dtype", "float32")))

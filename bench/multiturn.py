@@ -55,12 +55,13 @@ CONFIG = Path(__file__).resolve().parents[1] / "configs" / "smollm2_calculator.t
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
 
-def calculator_run(workdir: Path, num_prompts: int, num_generations: int):
-    """turbogrpo's run of the shipped calculator config, as ``turbogrpo train`` builds it (no held-out pass)."""
+def calculator_run(workdir: Path, num_prompts: int, num_generations: int, overrides: tuple[str, ...] = ()):
+    """turbogrpo's run of the shipped calculator config, as ``turbogrpo train`` builds it (no held-out pass);
+    ``overrides``: more config settings (``key=value``), e.g. ``rollout.engine="vllm"``."""
     config = load_config(CONFIG, [
         f"train.prompts_per_step={num_prompts}", f"rollout.num_generations={num_generations}",
         f'train.output_dir="{workdir / "turbogrpo"}"', "train.num_steps=1000", "log.tensorboard=false",
-        "log.progress_bar=false", "log.completions_every=0"])
+        "log.progress_bar=false", "log.completions_every=0", *overrides])
     run = build_run(config, distributed.setup("cpu"), build_rewards(config.rewards))
     start(run, resume=False)
     return run, config
@@ -262,7 +263,7 @@ def pythonic_tokenizer(tokenizer):
 class TrlToolStepper(TrlStepper):
     """``e2e.TrlStepper`` (TRL's own loop in a thread, released one optimizer step at a time) with the tool."""
 
-    def __init__(self, shape: dict, workdir: Path, num_steps: int, max_turns: int):
+    def __init__(self, shape: dict, workdir: Path, num_steps: int, max_turns: int, config_overrides: dict | None = None):
         import trl.trainer.grpo_trainer as grpo_trainer
         from transformers import AutoTokenizer
 
@@ -272,21 +273,24 @@ class TrlToolStepper(TrlStepper):
                          tokenizer=pythonic_tokenizer(declared_tokenizer(
                              Path(shape["model"]), AutoTokenizer.from_pretrained(shape["model"]))),
                          trainer_kwargs={"environment_factory": CalculatorTool},
-                         config_overrides={"max_tool_calling_iterations": max_turns - 1})
+                         config_overrides={"max_tool_calling_iterations": max_turns - 1, **(config_overrides or {})})
 
 
-def bench_step(repeats: int, warmup: int, num_prompts: int, num_generations: int) -> dict:
+def bench_step(repeats: int, warmup: int, num_prompts: int, num_generations: int, *,
+               trl_overrides: dict | None = None, turbo_overrides: tuple[str, ...] = ()) -> dict:
+    """The whole step, both trainers interleaved. ``trl_overrides`` (``GRPOConfig`` fields) and ``turbo_overrides``
+    (config settings) adapt the two sides (bench/trl_vllm.py: TRL sampling with vLLM)."""
     from real_model import real_model_folder
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
-        run, config = calculator_run(workdir, num_prompts, num_generations)
+        run, config = calculator_run(workdir, num_prompts, num_generations, turbo_overrides)
         ours = OursStepper(run)
         shape = {"name": "SmolLM2-135M calculator tool", "model": real_model_folder(),
                  "rows": calculator_records("train", num_prompts * (warmup + repeats + 1), seed=1),
                  "reward": calculator_accuracy, "num_prompts": num_prompts, "num_generations": num_generations,
                  "max_new_tokens": config.env.max_conversation_tokens, "temperature": config.rollout.temperature,
                  "trl_micro_batch": num_generations}
-        trl = TrlToolStepper(shape, workdir, warmup + repeats, config.env.max_turns)
+        trl = TrlToolStepper(shape, workdir, warmup + repeats, config.env.max_turns, trl_overrides)
         memory = {"trl": StepMemory(trl), "turbogrpo": StepMemory(ours)}
         timings = interleaved_medians(memory, repeats=repeats, warmup=warmup)
         trl.thread.join(timeout=60)
@@ -300,7 +304,7 @@ def bench_step(repeats: int, warmup: int, num_prompts: int, num_generations: int
         "warmup": warmup, "repeats": repeats, "timings": timings,
         "speedup": timings["trl"]["median_s"] / timings["turbogrpo"]["median_s"],
         "phases_s": {"turbogrpo": {p: statistics.median(r.get(f"time/{p}", 0.0) for r in ours_records) for p in phases},
-                     "trl": {p: statistics.median(TrlStepper.phases(r)[p] for r in trl.records[warmup:]) for p in phases}},
+                     "trl": TrlStepper.median_phases(trl.records[warmup:])},
         "turbogrpo_env": {k: statistics.mean(r[k] for r in ours_records) for k in ours_records[0] if k.startswith("env/")},
         "turbogrpo_completion_length": statistics.mean(r["completion_length/mean"] for r in ours_records),
         "settings": {"loss": config.algo.loss, "beta": config.algo.beta, "lr": config.optim.lr,
