@@ -480,6 +480,13 @@ class EnvConfig:
     environment's reply. "bounded" keeps padding to at most half the step (a long reply goes in over a few
     steps; 3.22x HF generate on the calculator task against 1.99x for "widest"); each draw is from the same distribution, only which step it falls in changes.
     Speculative rollouts feed whole chunks: their steps are a draft tree wide for every row already."""
+    call_timeout_s: float = 300.0
+    """Seconds one environment call (the factory, reset, a turn's tools or reply, get_reward) may run; past it
+    that conversation fails with the method named, and the stuck thread is abandoned (0: no limit). Long
+    enough for a sandboxed program, short enough that a hung environment cannot hang the run."""
+    max_workers: int = 16
+    """Most environment calls running at once, on their own threads; 1 runs environment code serially (for
+    environments that share state without locks)."""
 
     def check(self, key: str) -> None:
         from turbogrpo.env.tool_calls import TOOL_CALL_PARSERS  # the registry is the one source of names
@@ -492,8 +499,10 @@ class EnvConfig:
                  self.feed_width)
         _require(self.tool_parser in TOOL_CALL_PARSERS, f"{key}.tool_parser",
                  f"one of {', '.join(TOOL_CALL_PARSERS)}", self.tool_parser)
-        for name in ("max_turns", "max_turn_tokens", "max_conversation_tokens"):
+        for name in ("max_turns", "max_turn_tokens", "max_conversation_tokens", "max_workers"):
             _require(getattr(self, name) >= 1, f"{key}.{name}", "an integer >= 1", getattr(self, name))
+        _require(math.isfinite(self.call_timeout_s) and self.call_timeout_s >= 0, f"{key}.call_timeout_s",
+                 "a number of seconds >= 0 (0: no limit)", self.call_timeout_s)
         _require(self.max_turn_tokens <= self.max_conversation_tokens, f"{key}.max_turn_tokens",
                  f"at most max_conversation_tokens={self.max_conversation_tokens}", self.max_turn_tokens)
 

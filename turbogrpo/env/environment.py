@@ -22,10 +22,13 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import inspect
+import math
+import numbers
 from collections.abc import Callable
 from typing import Any
 
 from turbogrpo.env.tool_calls import ToolCall
+from turbogrpo.rollout.env_calls import run_awaited
 
 RESERVED = ("reset", "get_reward", "reply", "fork")
 """Method names with a meaning of their own, never tools."""
@@ -100,22 +103,49 @@ def call_tool(tools: dict[str, Callable], call: ToolCall) -> tuple[str, bool]:
     if tool is None:
         return str({"error": f"Tool {call.name} not found. Available tools: {sorted(tools)}"}), True
     try:
-        return str(tool(**call.arguments)), False
+        return str(run_awaited(tool, **call.arguments)), False
     except Exception as err:  # the model's bad call is its tool reply, not the run's end
         return str({"error": f"{type(err).__name__}: {err}"}), True
 
 
+class EnvironmentFault(ValueError):
+    """An environment method that raised or returned the wrong kind of value; the message names the method."""
+
+
+def checked_call(env: Any, method: str, *args: Any, **kwargs: Any) -> Any:
+    """``env.<method>(...)``, awaited when it returns an awaitable (TRL's async environments); what it raises
+    becomes an ``EnvironmentFault`` naming the method (``reply() raised ConnectionError: ...``)."""
+    try:
+        return run_awaited(getattr(env, method), *args, **kwargs)
+    except Exception as err:
+        raise EnvironmentFault(f"{method}() raised {type(err).__name__}: {err}") from err
+
+
 def reset_environment(env: Any, row: dict) -> str | None:
     """``env.reset(**row)``, checked: it must return a string or None."""
-    observation = env.reset(**row)
+    observation = checked_call(env, "reset", **row)
     if observation is not None and not isinstance(observation, str):
-        raise ValueError(f"reset() returned a {type(observation).__name__}, not a str or None")
+        raise EnvironmentFault(f"reset() returned a {type(observation).__name__}, not a str or None")
     return observation
 
 
 def environment_reply(env: Any, message: str) -> str | None:
     """``env.reply(message)``, checked: it must return a string or None."""
-    answer = env.reply(message)
+    answer = checked_call(env, "reply", message)
     if answer is not None and not isinstance(answer, str):
-        raise ValueError(f"reply() returned a {type(answer).__name__}, not a str or None")
+        raise EnvironmentFault(f"reply() returned a {type(answer).__name__}, not a str or None")
     return answer
+
+
+def environment_reward_value(env: Any) -> float:
+    """``env.get_reward()`` as a float; ``EnvironmentFault`` naming what it raised or returned unless that is a
+    finite real number (an int, a float, a 0-d tensor or array; a string such as "0.5" is not one)."""
+    value = checked_call(env, "get_reward")
+    if getattr(value, "shape", None) == () and hasattr(value, "item"):  # a 0-d tensor or NumPy value
+        value = value.item()
+    if not isinstance(value, numbers.Real):
+        shown = repr(value) if len(repr(value)) <= 80 else f"a {type(value).__name__}"
+        raise EnvironmentFault(f"get_reward() returned {shown}, not a number")
+    if not math.isfinite(float(value)):
+        raise EnvironmentFault(f"get_reward() returned {value!r}, not a finite number")
+    return float(value)

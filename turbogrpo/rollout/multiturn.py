@@ -15,8 +15,10 @@ conversation keeping its KV cache from turn to turn.
            ``TurnHandler`` in a thread pool, and the row waits (masked, in the batch) while the others
            decode; the handler returns the reply's ids to prefill, or None to end the conversation.
 
-Environments run in a ``ThreadPoolExecutor`` (one worker per conversation up to ``max_env_workers``): the
-model's forward releases the GIL in its kernels, so Python environment code runs while others decode.
+Environments run on daemon threads (``env_calls.EnvCalls``: at most ``max_env_workers`` at once, each call
+limited to ``call_timeout_s``, a stuck one abandoned and never waited for at exit, an exit or interrupt raised
+by environment code its conversation's failure): the model's forward releases the GIL in its kernels, so
+Python environment code runs while others decode.
 When a reply rejoins the batch is ``reply_timing`` (``REPLY_TIMINGS``):
 
 * "arrival": at the first step after it arrived; an environment that blocks (I/O, a subprocess) holds up
@@ -68,7 +70,7 @@ import copy
 import math
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ALL_COMPLETED, FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from concurrent.futures import ALL_COMPLETED, FIRST_COMPLETED, Future
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple, Protocol
 
@@ -78,6 +80,7 @@ from torch import nn
 from turbogrpo.batch import Groups
 from turbogrpo.hook import check_materialized, lm_head_of
 from turbogrpo.rollout.engine import DecodeSchedule, default_schedule, rollout_linear_kernel
+from turbogrpo.rollout.env_calls import EnvCalls
 from turbogrpo.rollout.kv_cache import GroupedKVCache
 from turbogrpo.rollout.plans import forward_new_tokens, prefill
 from turbogrpo.rollout.sampling import SamplingConfig, sample_with_logprobs
@@ -248,7 +251,8 @@ REPLY_TIMINGS: dict[str, ReplyTiming] = {"arrival": ReplyTiming(_arrived, FIRST_
 def generate_multiturn(model: nn.Module, prompts: list[torch.Tensor], handlers: Sequence[TurnHandler], *,
                        num_samples: int, sampling: SamplingConfig, limits: TurnLimits, seed: int | None = None,
                        draft: object | None = None, max_env_workers: int = 16, schedule: DecodeSchedule | None = None,
-                       reply_timing: str = "arrival", branching: Sequence[int] = ()) -> MultiTurnRollout:
+                       reply_timing: str = "arrival", branching: Sequence[int] = (), call_timeout_s: float | None = None,
+                       env_calls: EnvCalls | None = None) -> MultiTurnRollout:
     """Run ``len(prompts) x num_samples`` conversations (``handlers[i]`` answers conversation i, group-major)
     with ``model``'s current weights; see the module docstring.
 
@@ -261,6 +265,9 @@ def generate_multiturn(model: nn.Module, prompts: list[torch.Tensor], handlers: 
     ``schedule``: its ``linears`` kernel runs the weight matmuls (None: the device's default schedule); the
     loop itself is always eager and reads the host every step. ``reply_timing``: a ``REPLY_TIMINGS`` key.
     ``draft``: a ``turbogrpo.speculative.Speculation`` for lossless speculative decoding of the model's turns.
+    ``max_env_workers``: most handler calls at once (1: one at a time); ``call_timeout_s``: each call's time
+    limit in seconds (None: none), past which its conversation fails; ``env_calls``: an ``EnvCalls`` to run the
+    handlers on instead (its own workers and limit).
     """
     if draft is not None and not callable(getattr(draft, "run_multiturn", None)):
         raise ValueError(f"draft must be a turbogrpo.speculative.Speculation (or None for plain sampling), got "
@@ -304,10 +311,10 @@ def generate_multiturn(model: nn.Module, prompts: list[torch.Tensor], handlers: 
         conversations[j * stride] = _Conversation(handler)
     # The loop is eager whatever the schedule's runner, so "auto" may pick the packed kernel here.
     linears = rollout_linear_kernel(replace(schedule or default_schedule(device), runner="eager"), draft)
-    workers = max(1, min(max_env_workers, len(conversations)))
+    pool = env_calls if env_calls is not None else EnvCalls(max_env_workers, call_timeout_s)
     # Outside inference mode even when the caller is in it, as generate() runs (engine.py says why).
-    with torch.inference_mode(False), torch.no_grad(), linears([model, *getattr(draft, "rollout_modules", list)()]), \
-            ThreadPoolExecutor(workers) as pool:
+    # The pool is never joined: a stuck environment call must not keep the run from ending.
+    with torch.inference_mode(False), torch.no_grad(), linears([model, *getattr(draft, "rollout_modules", list)()]):
         if draft is None:
             stats = _run(model, prompts, num_samples, conversations, sampling, limits, generator, pool,
                          REPLY_TIMINGS[reply_timing], factors)
@@ -324,7 +331,7 @@ def generate_multiturn(model: nn.Module, prompts: list[torch.Tensor], handlers: 
 
 def _run(model: nn.Module, prompts: list[torch.Tensor], num_samples: int, conversations: list[_Conversation],
          sampling: SamplingConfig, limits: TurnLimits, generator: torch.Generator | None,
-         pool: ThreadPoolExecutor, timing: ReplyTiming, branching: tuple[int, ...] = ()) -> MultiTurnStats:
+         pool: EnvCalls, timing: ReplyTiming, branching: tuple[int, ...] = ()) -> MultiTurnStats:
     """The loop of the module docstring; fills ``conversations`` in place (``[K * num_samples]``; under
     ``branching``, the slots of the first conversations are set and the forks fill the others)."""
     start = time.perf_counter()
@@ -344,7 +351,7 @@ def _run(model: nn.Module, prompts: list[torch.Tensor], num_samples: int, conver
     _draw(lm_head(last_GH).repeat_interleave(branching[0], dim=0), rows, conversations, sampling, generator,
           stop_ids, limits, pool, stats)
     while True:
-        _collect_replies(conversations, rows, limits, stats, timing.due)
+        _collect_replies(conversations, rows, limits, stats, timing.due, pool)
         keep = [b for b, i in enumerate(rows) if conversations[i].phase != _DONE]
         if len(keep) < len(rows):
             if not keep:
@@ -353,7 +360,7 @@ def _run(model: nn.Module, prompts: list[torch.Tensor], num_samples: int, conver
             rows = [rows[b] for b in keep]
         feeding = [b for b, i in enumerate(rows) if conversations[i].phase == _FEED]
         if not feeding:  # every live conversation waits for its environment
-            wait_for_replies(conversations, rows, timing, stats)
+            wait_for_replies(conversations, rows, timing, stats, pool)
             continue
         drawn_rows, hidden_BH = _feed(model, cache, rows, feeding, conversations, limits)
         stats.num_forwards += 1
@@ -369,10 +376,11 @@ def _run(model: nn.Module, prompts: list[torch.Tensor], num_samples: int, conver
 
 
 def wait_for_replies(conversations: list[_Conversation], rows: list[int], timing: ReplyTiming,
-                     stats: MultiTurnStats) -> None:
-    """Block while every live conversation (``rows``) waits for its environment, as ``timing`` says."""
+                     stats: MultiTurnStats, pool: EnvCalls) -> None:
+    """Block while every live conversation (``rows``) waits for its environment, as ``timing`` says (a call
+    past ``pool``'s time limit counts as answered: it failed)."""
     waited = time.perf_counter()
-    wait([conversations[i].future for i in rows], return_when=timing.idle_wait)
+    pool.wait([conversations[i].future for i in rows], timing.idle_wait)
     for i in rows:  # no forward to overlap with: the replies waited for are due now
         conversations[i].due_after = 0
     stats.env_wait_s += time.perf_counter() - waited
@@ -452,7 +460,7 @@ def _fill_unforked(conversations: list[_Conversation | None]) -> None:
 
 def _draw(logits_BV: torch.Tensor, members: list[int], conversations: list[_Conversation],
           sampling: SamplingConfig, generator: torch.Generator | None, stop_ids: frozenset[int],
-          limits: TurnLimits, pool: ThreadPoolExecutor, stats: MultiTurnStats) -> None:
+          limits: TurnLimits, pool: EnvCalls, stats: MultiTurnStats) -> None:
     """Draw one token for each of ``members`` (conversation indices, one per logits row) and act on it."""
     if not members:
         return
@@ -491,15 +499,16 @@ def _call_handler(handler: TurnHandler, turn_ids: list[int]) -> list[int] | None
 
 
 def _collect_replies(conversations: list[_Conversation], rows: list[int], limits: TurnLimits,
-                     stats: MultiTurnStats, due: Callable[[_Conversation, int], bool]) -> None:
-    """Move every waiting conversation whose reply is ``due`` back to feeding (or to done), waiting for a
-    reply that is due but not yet there."""
+                     stats: MultiTurnStats, due: Callable[[_Conversation, int], bool], pool: EnvCalls) -> None:
+    """Move every waiting conversation whose reply is ``due`` back to feeding (or to done), waiting (within
+    ``pool``'s time limit) for a reply that is due but not yet there."""
+    pool.expire()  # a call past its time limit is done (failed), so "arrival" timing takes it now
     for i in rows:
         conversation = conversations[i]
         if conversation.phase != _WAIT or not due(conversation, stats.num_forwards):
             continue
         try:
-            reply = conversation.future.result()
+            reply = pool.result(conversation.future)
         except Exception as err:  # an environment's failure ends its own conversation only
             conversation.phase, conversation.finish = _DONE, "stop"
             conversation.error = f"{type(err).__name__}: {err}"

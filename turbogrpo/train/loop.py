@@ -308,8 +308,9 @@ def record(run: Run, data: StepData) -> StepData:
         data.metrics.update(environment_metrics(data.episodes.metrics, run.dist))
     step = data.index + 1
     if run.dist.is_main and log.completions_every and step % log.completions_every == 0:
+        env_errors = [e.failure for e in data.episodes.episodes] if data.episodes is not None else None
         run.state.log.log_completions(step, completion_samples(data.examples, data.texts, data.rewards,
-                                                               run.num_generations, log.num_completions))
+                                                               run.num_generations, log.num_completions, env_errors))
     return data
 
 
