@@ -18,6 +18,7 @@ the error as its tool reply (``environment.call_tool``).
 from __future__ import annotations
 
 import copy
+import json
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -193,9 +194,16 @@ def run_episodes(model: nn.Module, tokenizer: Any, rows: Sequence[dict], prompt_
             raise ValueError(f"[env] factory {factory!r} {_failure(err)}") from None
         check_environment(env, factory)
         envs.append(env)
-    tools = environment_tools(envs[0])
     end_of_turn = end_of_turn or tokenizer.eos_token
-    renderer = ChatRenderer(tokenizer, tool_schemas(tools) or None, end_of_turn, chat_template or None)
+    renderers: dict[str, ChatRenderer] = {}  # one per distinct tool list (a factory's environments may differ)
+
+    def renderer_of(tools: dict[str, Callable]) -> ChatRenderer:
+        schemas = tool_schemas(tools)
+        key = json.dumps(schemas, sort_keys=True, default=str)
+        if key not in renderers:
+            renderers[key] = ChatRenderer(tokenizer, schemas or None, end_of_turn, chat_template or None)
+        return renderers[key]
+
     end_ids = tokenizer(end_of_turn, add_special_tokens=False)["input_ids"]
     if len(end_ids) != 1:
         raise ValueError(f"[env] end_of_turn {end_of_turn!r} must be one token of the tokenizer, got ids {end_ids}")
@@ -203,7 +211,10 @@ def run_episodes(model: nn.Module, tokenizer: Any, rows: Sequence[dict], prompt_
     def decode(ids: list[int]) -> str:
         return tokenizer.decode(ids, skip_special_tokens=False)
 
-    episodes = [Episode(env, environment_tools(env), renderer, parser, decode, max_turns, calls=calls) for env in envs]
+    episodes = []
+    for env in envs:
+        tools = environment_tools(env)
+        episodes.append(Episode(env, tools, renderer_of(tools), parser, decode, max_turns, calls=calls))
     prompts, prompt_texts = [], []
     for k, (row, messages) in enumerate(zip(rows, prompt_messages)):
         members = episodes[k * first:(k + 1) * first]
@@ -219,6 +230,11 @@ def run_episodes(model: nn.Module, tokenizer: Any, rows: Sequence[dict], prompt_
         if len(set(observations)) > 1:
             raise ValueError(f"reset() gave {len(set(observations))} different observations for the {first} "
                              f"conversations of row {k}; a GRPO group needs one prompt (seed the environment from the row)")
+        renderer = members[0].renderer
+        if any(episode.renderer is not renderer for episode in members):
+            names = sorted({", ".join(episode.tools) or "none" for episode in members})
+            raise ValueError(f"the {first} environments of row {k} offer different tools ({' / '.join(names)}); a GRPO "
+                             "group needs one prompt, so the environments of one row must offer the same tools")
         messages = [dict(m) for m in messages]
         if observations and observations[0] is not None:
             messages[-1] = {**messages[-1], "content": messages[-1]["content"] + observations[0]}
