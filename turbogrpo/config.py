@@ -541,6 +541,9 @@ class Config:
         _require(not self.rollout.branching or self.rollout.speculation == "off", "rollout.branching",
                  "[] with rollout.speculation on (speculative multi-turn rollouts do not fork conversations yet)",
                  self.rollout.branching)
+        _require(not self.env.factory or not self.rollout.stop_strings, "rollout.stop_strings",
+                 "[] with an [env] factory (a model turn ends on env.end_of_turn's token, the chat template's end of "
+                 "turn; stop strings would end turns the template cannot render)", self.rollout.stop_strings)
         _require(not self.env.factory or self.data.chat_template != "never", "data.chat_template",
                  "\"auto\" or \"always\" with an [env] factory (multi-turn prompts are chat messages)",
                  self.data.chat_template)

@@ -182,6 +182,9 @@ def run_episodes(model: nn.Module, tokenizer: Any, rows: Sequence[dict], prompt_
     global _DRIFT_WARNED
     if len(rows) != len(prompt_messages):
         raise ValueError(f"got {len(rows)} rows for {len(prompt_messages)} prompts")
+    if sampling.stop_strings:  # run_episodes ends turns on end_of_turn's token alone: never drop them silently
+        raise ValueError(f"multi-turn rollouts end turns on the end-of-turn token; got stop_strings "
+                         f"{list(sampling.stop_strings)} (remove them: rollout.stop_strings = [] with [env])")
     first = check_branching(branching, num_samples)[0]  # conversations started per row
     parser = get_tool_call_parser(tool_parser)
     make = load_factory(factory)

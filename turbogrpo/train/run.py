@@ -167,10 +167,10 @@ def build_run(config: Config, dist: DistInfo, rewards: list[Reward]) -> Run:
     optimizer = build_optimizer(policy, config.optim)
     max_positions = setup.position_limit(policy)
     max_new_tokens = config.rollout.max_new_tokens if episodes is None else episodes.max_completion_tokens
+    limit = "rollout.max_new_tokens" if episodes is None else "env.max_conversation_tokens"
     prompt_set = setup.load_train_prompts(config.data, parts.tokenizer, seed=config.train.seed,
-                                          max_new_tokens=max_new_tokens, max_positions=max_positions)
+                                          max_new_tokens=max_new_tokens, max_positions=max_positions, limit_key=limit)
     if dist.is_main and (prompt_set.num_too_long or prompt_set.num_empty):
-        limit = "rollout.max_new_tokens" if episodes is None else "env.max_conversation_tokens"
         model_limit = (f" (or, with {limit}={max_new_tokens}, over the model's {max_positions} positions)"
                        if max_positions else "")
         tqdm.write(f"skipped {prompt_set.num_too_long} prompts over data.max_prompt_tokens="
