@@ -196,6 +196,9 @@ def run_episodes(model: nn.Module, tokenizer: Any, rows: Sequence[dict], prompt_
         except Exception as err:
             raise ValueError(f"[env] factory {factory!r} {_failure(err)}") from None
         check_environment(env, factory)
+        if any(env is other for other in envs):  # conversations would share (and garble) one environment's state
+            raise ValueError(f"[env] factory {factory!r} returned the same {type(env).__name__} object twice; each "
+                             "conversation needs its own environment (make a new one on every call)")
         envs.append(env)
     end_of_turn = end_of_turn or tokenizer.eos_token
     renderers: dict[str, ChatRenderer] = {}  # one per distinct tool list (a factory's environments may differ)

@@ -205,15 +205,20 @@ def fork_copy(obj: object, role: str) -> object:
     where it defines one, else ``copy.deepcopy``; ``ForkError`` in one line naming its class otherwise. A plain
     function is its own copy (``deepcopy`` keeps functions): a handler with state should be an object."""
     fork = getattr(obj, "fork", None)
+    name = type(obj).__name__
     try:
-        return fork() if callable(fork) else copy.deepcopy(obj)
+        copied = fork() if callable(fork) else copy.deepcopy(obj)
     except ForkError:
         raise
-    except Exception as err:
-        name = type(obj).__name__
+    except (Exception, SystemExit) as err:  # (sys.exit in a fork() is its failure; a real Ctrl-C goes on up)
         raise ForkError(f"rollout.branching forks each conversation's {role}, but {name} cannot be forked "
                         f"({type(err).__name__}: {err}); give {name} a fork() method returning an independent "
                         "copy") from None
+    if callable(fork) and (copied is None or copied is obj):  # branches would share one environment, or have none
+        raise ForkError(f"rollout.branching forks each conversation's {role}, but {name}.fork() returned "
+                        f"{'None' if copied is None else 'the same object'}; it must return an independent copy "
+                        "(a new object in the same state)")
+    return copied
 
 
 def check_branching(branching: Sequence[int], num_samples: int) -> tuple[int, ...]:
