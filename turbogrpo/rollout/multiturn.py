@@ -356,7 +356,7 @@ def _run(model: nn.Module, prompts: list[torch.Tensor], num_samples: int, conver
     _draw(lm_head(last_GH).repeat_interleave(branching[0], dim=0), rows, conversations, sampling, generator,
           stop_ids, limits, pool, stats)
     while True:
-        _collect_replies(conversations, rows, limits, stats, timing.due, pool)
+        _collect_replies(conversations, rows, limits, stats, timing.due, pool, vocabulary_size(model))
         keep = [b for b, i in enumerate(rows) if conversations[i].phase != _DONE]
         if len(keep) < len(rows):
             if not keep:
@@ -503,10 +503,18 @@ def _call_handler(handler: TurnHandler, turn_ids: list[int]) -> list[int] | None
     return None if reply is None else list(reply)
 
 
+def vocabulary_size(model: nn.Module) -> int | None:
+    """How many token ids ``model``'s input embedding takes (None if it does not say)."""
+    embedding = model.get_input_embeddings() if callable(getattr(model, "get_input_embeddings", None)) else None
+    return getattr(embedding, "num_embeddings", None)
+
+
 def _collect_replies(conversations: list[_Conversation], rows: list[int], limits: TurnLimits,
-                     stats: MultiTurnStats, due: Callable[[_Conversation, int], bool], pool: EnvCalls) -> None:
+                     stats: MultiTurnStats, due: Callable[[_Conversation, int], bool], pool: EnvCalls,
+                     vocab_size: int | None = None) -> None:
     """Move every waiting conversation whose reply is ``due`` back to feeding (or to done), waiting (within
-    ``pool``'s time limit) for a reply that is due but not yet there."""
+    ``pool``'s time limit) for a reply that is due but not yet there. A reply with an id outside
+    ``[0, vocab_size)`` fails its conversation (the embedding lookup would abort the whole rollout)."""
     pool.expire()  # a call past its time limit is done (failed), so "arrival" timing takes it now
     for i in rows:
         conversation = conversations[i]
@@ -519,6 +527,12 @@ def _collect_replies(conversations: list[_Conversation], rows: list[int], limits
             conversation.error = f"{type(err).__name__}: {err}"
             continue
         conversation.future = None
+        outside = [t for t in reply or () if t < 0 or (vocab_size is not None and t >= vocab_size)]
+        if outside:
+            conversation.phase, conversation.finish = _DONE, "stop"
+            conversation.error = (f"ValueError: the TurnHandler returned token id {outside[0]}, outside the model's "
+                                  f"vocabulary [0, {vocab_size})")
+            continue
         if reply is None:
             conversation.phase = _DONE
         elif not reply or len(conversation.ids) + len(reply) + 1 > limits.max_conversation_tokens:

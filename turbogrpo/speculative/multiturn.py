@@ -52,7 +52,7 @@ from turbogrpo.batch import Groups
 from turbogrpo.rollout.engine import first_draw
 from turbogrpo.rollout.env_calls import EnvCalls
 from turbogrpo.rollout.multiturn import (_DONE, _FEED, _WAIT, MultiTurnStats, ReplyTiming, TurnLimits, _call_handler,
-                                         _collect_replies, _Conversation, wait_for_replies)
+                                         _collect_replies, _Conversation, vocabulary_size, wait_for_replies)
 from turbogrpo.rollout.outputs import LiveRows, emit
 from turbogrpo.rollout.plans import forward_new_tokens
 from turbogrpo.rollout.sampling import SamplingConfig
@@ -107,7 +107,7 @@ def run_multiturn(model: nn.Module, prompts: list[torch.Tensor], num_samples: in
     rows = list(range(len(conversations)))  # cache row -> conversation
     _read_host(state, step, rows, list(range(len(rows))), None, conversations, stop_ids, pool, stats, False)
     while True:
-        _collect_replies(conversations, rows, limits, stats, timing.due, pool)
+        _collect_replies(conversations, rows, limits, stats, timing.due, pool, vocabulary_size(model))
         rows = _retire(state, step, rows, conversations)
         if not rows:
             break
