@@ -97,4 +97,6 @@ def test_environment_failures_reach_the_log_and_completions_jsonl(tmp_path, caps
     record = next(r for r in read_metrics(tmp_path / "run") if "reward" in r)
     assert record["env/failures"] > 0
     assert "DictReply: reply() returned a dict, not a str or None" in record["rewards/environment/first_error"]
-    assert "DictReply: reply() returned a dict" in capsys.readouterr().out  # the console warning (tqdm.write)
+    console = capsys.readouterr().out  # the console warnings (tqdm.write)
+    assert "DictReply: reply() returned a dict" in console
+    assert "conversations failed at step 1 (first: reply() returned a dict, not a str or None)" in console

@@ -48,7 +48,8 @@ class RunState:
     log: MetricsLog | None = None
     """The run's metrics.jsonl (and TensorBoard) log, opened by ``state.start`` (not saved)."""
     reported_reward_failures: set[str] = field(default_factory=set)
-    """Reward functions whose first failure has been printed (each is printed once per process; not saved)."""
+    """Reward functions (and "[env]", the environments) whose first failure has been printed (each once per
+    process; not saved)."""
     checkpointed_step: int | None = None
     """The step of the newest checkpoint holding this state (the one resumed from, or the last saved);
     None: none yet."""
