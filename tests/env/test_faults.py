@@ -35,12 +35,12 @@ class HangingReply(Numbered):
 @pytest.mark.parametrize("timing", ["next_step", "arrival"])
 def test_an_environment_call_past_the_time_limit_fails_its_conversation_only(demo, timing):
     HangingReply.made = 0
-    result = episodes(demo, HangingReply, num_rows=2, max_turns=2, call_timeout_s=0.3, reply_timing=timing)
+    result = episodes(demo, HangingReply, num_rows=2, max_turns=2, call_timeout_s=1.0, reply_timing=timing)
     errors = [e.error for e in result.episodes]
-    assert errors == [None, "reply() did not return within 0.3 s (env.call_timeout_s)", None, None]
+    assert errors == [None, "reply() did not return within 1 s (env.call_timeout_s)", None, None]
     rewards = env_rewards(result)
     assert rewards.failed["environment"].tolist() == [False, True, False, False]
-    assert rewards.full_error["environment"] == ("item 1: HangingReply: reply() did not return within 0.3 s "
+    assert rewards.full_error["environment"] == ("item 1: HangingReply: reply() did not return within 1 s "
                                                  "(env.call_timeout_s)")
 
 
@@ -73,11 +73,11 @@ class HangingReward(RetryArithmetic):
 
 
 def test_a_get_reward_that_never_returns_is_a_failed_item(demo):
-    result = episodes(demo, HangingReward, num_rows=1, max_turns=1, call_timeout_s=0.2)
+    result = episodes(demo, HangingReward, num_rows=1, max_turns=1, call_timeout_s=1.0)
     rewards = env_rewards(result)
     assert rewards.num_failed["environment"] == 2
     assert rewards.full_error["environment"] == ("item 0: HangingReward: get_reward() did not return within "
-                                                 "0.2 s (env.call_timeout_s)")
+                                                 "1 s (env.call_timeout_s)")
 
 
 class ExitingFactory(RetryArithmetic):

@@ -5,7 +5,7 @@ with an environment are refused; the conversation limit is named by its own sett
 import pytest
 
 from tests.env.test_episode import LIMITS, demo, episodes, rows_and_messages  # noqa: F401 (fixture)
-from tests.train.test_multiturn_run import CONFIG, small
+from tests.train.test_multiturn_run import CONFIG, one_thread, small  # noqa: F401 (autouse fixture: restores torch threads)
 from turbogrpo.config import ConfigError, load_config
 from turbogrpo.env import run_episodes
 from turbogrpo.env.tasks import DEMO_CHAT_TEMPLATE, Calculator, RetryArithmetic

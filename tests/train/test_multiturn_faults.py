@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from tests.train.test_multiturn_run import CONFIG, REPO, small
+from tests.train.test_multiturn_run import CONFIG, REPO, one_thread, small  # noqa: F401 (autouse fixture: restores torch threads)
 from turbogrpo.config import load_config
 from turbogrpo.env.tasks import RetryArithmetic
 from turbogrpo.train import loop
