@@ -35,12 +35,12 @@ class HangingReply(Numbered):
 @pytest.mark.parametrize("timing", ["next_step", "arrival"])
 def test_an_environment_call_past_the_time_limit_fails_its_conversation_only(demo, timing):
     HangingReply.made = 0
-    result = episodes(demo, HangingReply, num_rows=2, max_turns=2, call_timeout_s=1.0, reply_timing=timing)
+    result = episodes(demo, HangingReply, num_rows=2, max_turns=2, call_timeout_s=2.0, reply_timing=timing)
     errors = [e.error for e in result.episodes]
-    assert errors == [None, "reply() did not return within 1 s (env.call_timeout_s)", None, None]
+    assert errors == [None, "reply() did not return within 2 s (env.call_timeout_s)", None, None]
     rewards = env_rewards(result)
     assert rewards.failed["environment"].tolist() == [False, True, False, False]
-    assert rewards.full_error["environment"] == ("item 1: HangingReply: reply() did not return within 1 s "
+    assert rewards.full_error["environment"] == ("item 1: HangingReply: reply() did not return within 2 s "
                                                  "(env.call_timeout_s)")
 
 
