@@ -194,3 +194,30 @@ def test_async_tools_replies_and_rewards_are_awaited(demo, monkeypatch):
     replies = [tokenizer.decode(ids[~mask]) for ids, mask in zip(result.rollout.groups.completions,
                                                                    result.rollout.groups.model_mask)]
     assert "\nWrong. Try again.\nAnswer:" in replies and [e.error for e in result.episodes] == [None, None]
+
+
+class StuckTools(Numbered):
+    """Conversation 1's calculate() exits the process, conversation 2's never returns; the others answer."""
+
+    def calculate(self, expression: str) -> str:
+        """Evaluate an arithmetic expression.
+
+        Args:
+            expression: Numbers joined by +, -, *, / and parentheses.
+        """
+        if self.number == 1:
+            sys.exit(0)
+        if self.number == 2:
+            NEVER.wait()
+        return str(evaluate_arithmetic(expression))
+
+
+@pytest.mark.filterwarnings("ignore:.*render differently")  # the fixed call is not the turn's text
+def test_a_tool_that_exits_or_never_returns_fails_its_conversation_naming_the_tool(demo, monkeypatch):
+    monkeypatch.setitem(TOOL_CALL_PARSERS, "always_calculates", always_calculates)
+    StuckTools.made = 0
+    result = episodes(demo, StuckTools, num_rows=2, max_turns=2, tool_parser="always_calculates",
+                      call_timeout_s=2.0)
+    assert [e.error for e in result.episodes] == [
+        "tool calculate() raised SystemExit(0) (environment code cannot end the run)",
+        "tool calculate() did not return within 2 s (env.call_timeout_s)", None, None]
