@@ -495,6 +495,13 @@ class EnvConfig:
     environment's reply. "bounded" keeps padding to at most half the step (a long reply goes in over a few
     steps; 3.22x HF generate on the calculator task against 1.99x for "widest"); each draw is from the same distribution, only which step it falls in changes.
     Speculative rollouts feed whole chunks: their steps are a draft tree wide for every row already."""
+    call_timeout_s: float = 300.0
+    """Seconds one environment call (the factory, reset, a turn's tools or reply, get_reward) may run; past it
+    that conversation fails with the method named, and the stuck thread is abandoned (0: no limit). Long
+    enough for a sandboxed program, short enough that a hung environment cannot hang the run."""
+    max_workers: int = 16
+    """Most environment calls running at once, on their own threads; 1 runs environment code serially (for
+    environments that share state without locks)."""
 
     def check(self, key: str) -> None:
         from turbogrpo.env.tool_calls import TOOL_CALL_PARSERS  # the registry is the one source of names
@@ -507,8 +514,10 @@ class EnvConfig:
                  self.feed_width)
         _require(self.tool_parser in TOOL_CALL_PARSERS, f"{key}.tool_parser",
                  f"one of {', '.join(TOOL_CALL_PARSERS)}", self.tool_parser)
-        for name in ("max_turns", "max_turn_tokens", "max_conversation_tokens"):
+        for name in ("max_turns", "max_turn_tokens", "max_conversation_tokens", "max_workers"):
             _require(getattr(self, name) >= 1, f"{key}.{name}", "an integer >= 1", getattr(self, name))
+        _require(math.isfinite(self.call_timeout_s) and self.call_timeout_s >= 0, f"{key}.call_timeout_s",
+                 "a number of seconds >= 0 (0: no limit)", self.call_timeout_s)
         _require(self.max_turn_tokens <= self.max_conversation_tokens, f"{key}.max_turn_tokens",
                  f"at most max_conversation_tokens={self.max_conversation_tokens}", self.max_turn_tokens)
 
@@ -547,6 +556,9 @@ class Config:
         _require(not self.rollout.branching or self.rollout.speculation == "off", "rollout.branching",
                  "[] with rollout.speculation on (speculative multi-turn rollouts do not fork conversations yet)",
                  self.rollout.branching)
+        _require(not self.env.factory or not self.rollout.stop_strings, "rollout.stop_strings",
+                 "[] with an [env] factory (a model turn ends on env.end_of_turn's token, the chat template's end of "
+                 "turn; stop strings would end turns the template cannot render)", self.rollout.stop_strings)
         _require(not self.env.factory or self.data.chat_template != "never", "data.chat_template",
                  "\"auto\" or \"always\" with an [env] factory (multi-turn prompts are chat messages)",
                  self.data.chat_template)

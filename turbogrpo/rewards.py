@@ -7,7 +7,9 @@ Functions should accept ``**columns`` and ignore what they do not use.
 
 ``compute_rewards`` runs several weighted functions so that none can stop a run: a function that
 raises or returns the wrong number of values gives every item the fallback; a None, NaN or inf
-item gives that item the fallback. Failures are counted per function with the first error message.
+item gives that item the fallback. Failures are counted per function with the first error message; an
+``ItemFailure("why")`` item fails that item with its own message (the environment reward says which
+environment method failed and how).
 
 Built-ins (``BUILTIN_REWARDS``, made by factories so that a config can set their options):
 ``math_accuracy`` (final answer checked with math-verify), ``answer_format`` (ends with
@@ -32,6 +34,7 @@ from typing import Any
 import torch
 
 from turbogrpo.data.gsm8k import extract_hash_answer
+from turbogrpo.reward_items import ItemFailure
 
 RewardFn = Callable[..., Sequence[float | None]]
 
@@ -378,7 +381,8 @@ def _run_one(func: RewardFn, prompts, completions, columns, fallback: float):
         # the function returned itself.
         past_range = math.isfinite(numbers[i]) or (math.isinf(numbers[i]) and isinstance(raw[i], int))
         beyond = f", beyond float32's range (largest {torch.finfo(torch.float32).max:.3g})" if past_range else ""
-        first_error = f"item {i}: returned {_describe_value(raw[i])}{beyond}"
+        first_error = (f"item {i}: {raw[i].reason}" if isinstance(raw[i], ItemFailure) else
+                       f"item {i}: returned {_describe_value(raw[i])}{beyond}")
     return values.masked_fill(failed, fallback), failed, first_error
 
 

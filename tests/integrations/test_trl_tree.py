@@ -145,7 +145,9 @@ def test_sharing_prompt_runs_no_trie_and_auto_takes_it_for_a_common_system_promp
 
 
 def test_bad_sharing_is_one_clear_line(chat, tmp_path):
-    with pytest.raises(ValueError, match=r"sharing must be one of \['auto', 'prompt', 'tree'\], got 'trie'"):
+    with pytest.raises(ValueError, match=r"sharing must be one of \['auto', 'prompt', 'tree'\] \(a string\), got 'trie'"):
         SharedPrefixGRPOTrainer(model="unused", sharing="trie")
+    with pytest.raises(ValueError, match=r"sharing must be one of .* \(a string\), got \['tree'\]"):  # not unhashable
+        SharedPrefixGRPOTrainer(model="unused", sharing=["tree"])
     with pytest.raises(ValueError, match="sharing must be one of"):
         enable_shared_prefix(build_trainer(chat, tmp_path, trl.GRPOTrainer, TREE_VARIANTS["tools"]), sharing=None)

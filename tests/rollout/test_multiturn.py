@@ -96,6 +96,18 @@ def test_handler_failures_end_only_their_conversation(qwen2):
     assert out.groups.model_mask[3].tolist() == [True, False, True]
 
 
+@pytest.mark.parametrize("bad_id", [64, 10_000, -1])
+def test_a_reply_id_outside_the_vocabulary_fails_its_conversation_in_one_line(qwen2, bad_id):
+    """(The embedding lookup would otherwise abort the whole rollout with a bare IndexError.)"""
+    handlers = [Scripted([[20, 21]]), Scripted([[20, bad_id]]), Scripted([[22]]), Scripted([[23]])]
+    out = generate_multiturn(qwen2, random_prompts([6, 7]), handlers, num_samples=2,
+                             sampling=SamplingConfig(max_new_tokens=4, stop_token_ids=tuple(range(64))),
+                             limits=TurnLimits(4, 20), seed=0)
+    assert out.errors == [None, f"ValueError: the TurnHandler returned token id {bad_id}, outside the model's "
+                                "vocabulary [0, 64)", None, None]
+    assert len(out.groups.completions[1]) == 1 and out.groups.model_mask[0].tolist() == [True, False, False, True]
+
+
 def test_a_never_ending_environment_is_stopped_by_the_conversation_limit(qwen2):
     limits = TurnLimits(max_turn_tokens=12, max_conversation_tokens=40, prefill_chunk=4)
     out = run(qwen2, random_prompts([4]), [lambda ids: [50, 51, 52]] * 4, num_samples=4, limits=limits)

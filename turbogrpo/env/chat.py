@@ -17,6 +17,8 @@ from collections.abc import Sequence
 from typing import Any
 
 _PROBE = [{"role": "user", "content": "hi"}]
+_PROBE_ANSWER = "probe answer"
+_PROBE_REPLY = "probe reply"
 
 
 class ChatRenderer:
@@ -35,6 +37,37 @@ class ChatRenderer:
         if self.tools and self.render(_PROBE, tools=self.tools) == self.render(_PROBE, tools=None):
             raise ValueError(f"the chat template ignores tools= (the {len(self.tools)} environment tools would never "
                              "reach the model); set [env] chat_template to a template that renders tools")
+        self.check_round_trip()
+
+    def check_round_trip(self) -> None:
+        """ValueError in one line unless the template ends an assistant turn with ``end_of_turn`` right after
+        its text, and an environment's reply (a user message; a tool result when there are tools) comes back
+        out of ``reply_ids`` (checked once, before any rollout: a wrong end-of-turn token would otherwise put
+        the template's own text into every reply, or fail every conversation)."""
+        turn = self.render([{"role": "user", "content": "x"}, {"role": "assistant", "content": _PROBE_ANSWER}])
+        cut = turn.rfind(self.end_of_turn)
+        if cut < 0 or not turn[:cut].rstrip().endswith(_PROBE_ANSWER):
+            where = "does not contain it" if cut < 0 else f"has it elsewhere ({turn[-60:]!r})"
+            raise ValueError(f"env.end_of_turn {self.end_of_turn!r} must be the token the chat template puts right "
+                             f"after an assistant's text, but its rendering of an assistant turn {where}; set env."
+                             "end_of_turn to the template's end-of-turn token (or env.chat_template to a template "
+                             "with one)")
+        replies = [([{"role": "user", "content": _PROBE_REPLY}], ())]
+        if self.tools:
+            name = self.tools[0].get("function", self.tools[0]).get("name", "tool")
+            replies.append(([{"role": "tool", "name": name, "content": _PROBE_REPLY}],
+                            ({"type": "function", "function": {"name": name, "arguments": {}}},)))
+        for reply, calls in replies:
+            role = reply[0]["role"]
+            try:
+                text = self.tokenizer.decode(self.reply_ids(reply, calls))
+            except Exception as err:
+                raise ValueError(f"the chat template cannot render a {role} message after an assistant turn "
+                                 f"({type(err).__name__}: {err}); set env.chat_template to one that does") from None
+            if _PROBE_REPLY not in text:
+                raise ValueError(f"the chat template drops {role} messages (an environment's {role} reply would never "
+                                 f"reach the model: rendered {text!r}); set env.chat_template to one that renders "
+                                 f"role {role!r}")
 
     def render(self, messages: Sequence[dict], *, generation_prompt: bool = False, tools: Any = "default") -> str:
         return self.tokenizer.apply_chat_template(

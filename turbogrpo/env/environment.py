@@ -13,8 +13,11 @@ An environment is any object with
 * optionally ``fork() -> env``: an independent copy in the same state, for branching rollouts
   (``rollout.branching``); without it the environment is forked by ``copy.deepcopy``.
 
-An environment written for TRL therefore runs here unchanged. ``reset``, ``get_reward``, ``reply`` and
-``fork`` are never offered as tools.
+An environment written for TRL therefore runs here unchanged, with one exception: TRL reserves only ``reset``
+and ``get_reward``, while ``reply`` and ``fork`` are hooks here, never tools. A ``reply`` or ``fork`` that
+does not fit its hook's signature (a TRL tool of that name) is refused in one line (``check_hooks``): rename
+the tool. Methods may be ``async def`` (awaited, as TRL awaits async tools and ``get_reward``). A tool is
+listed under the attribute name it is called by, which must be a Python identifier and not a keyword.
 """
 
 from __future__ import annotations
@@ -22,10 +25,14 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import inspect
+import keyword
+import math
+import numbers
 from collections.abc import Callable
 from typing import Any
 
 from turbogrpo.env.tool_calls import ToolCall
+from turbogrpo.rollout.env_calls import run_awaited
 
 RESERVED = ("reset", "get_reward", "reply", "fork")
 """Method names with a meaning of their own, never tools."""
@@ -50,11 +57,44 @@ def load_factory(spec: str | Callable[[], Any]) -> Callable[[], Any]:
     return factory
 
 
+HOOK_PARAMETERS = {"reply": 1, "fork": 0}
+"""Our hooks (not TRL's) and how many arguments each takes besides ``self``."""
+
+
 def environment_tools(env: Any) -> dict[str, Callable]:
     """The environment's tools by name: its public functions (looked up on the class, so properties are
-    not evaluated), bound to ``env``."""
-    return {name: getattr(env, name) for name, _ in inspect.getmembers(type(env), predicate=inspect.isfunction)
-            if not name.startswith("_") and name not in RESERVED}
+    not evaluated), bound to ``env``. ValueError in one line for a tool whose name cannot be called (not an
+    identifier, or a Python keyword) and for a ``reply``/``fork`` that is not our hook (``check_hooks``)."""
+    check_hooks(env)
+    tools = {}
+    for name, _ in inspect.getmembers(type(env), predicate=inspect.isfunction):
+        if name.startswith("_") or name in RESERVED:
+            continue
+        if not name.isidentifier() or keyword.iskeyword(name):
+            raise ValueError(f"{type(env).__name__} has a tool named {name!r}, which a tool call cannot name (not a "
+                             "Python identifier, or a keyword); rename it, or make it private (_name)")
+        tools[name] = getattr(env, name)
+    return tools
+
+
+def check_hooks(env: Any) -> None:
+    """ValueError in one line when ``env``'s ``reply`` or ``fork`` cannot be called as the hook (a TRL tool of
+    that name, which would otherwise be taken for the hook)."""
+    for name, count in HOOK_PARAMETERS.items():
+        method = getattr(env, name, None)
+        if not callable(method):
+            continue
+        try:
+            signature = inspect.signature(method)
+        except (TypeError, ValueError):  # a builtin without a signature: taken as the hook
+            continue
+        try:
+            signature.bind(*["message"] * count)
+        except TypeError:
+            hook = "reply(message) -> str | None" if name == "reply" else "fork() -> an independent copy"
+            raise ValueError(f"{type(env).__name__}.{name}{signature} is not turbogrpo's {name} hook ({hook}); TRL "
+                             f"reserves only reset and get_reward, but {name} is a hook here, never a tool: rename "
+                             "the tool") from None
 
 
 def tool_schemas(tools: dict[str, Callable]) -> list[dict]:
@@ -65,7 +105,9 @@ def tool_schemas(tools: dict[str, Callable]) -> list[dict]:
     schemas = []
     for name, method in tools.items():
         try:
-            schemas.append(get_json_schema(method))
+            schema = get_json_schema(method)
+            schema["function"]["name"] = name  # the name a call must use, whatever the function's __name__
+            schemas.append(schema)
         except Exception as err:
             raise ValueError(f"environment tool {name!r} has no readable schema ({type(err).__name__}: {err}); give "
                              "it type hints and a docstring with an Args: section, or make it private (_name)") from None
@@ -100,22 +142,70 @@ def call_tool(tools: dict[str, Callable], call: ToolCall) -> tuple[str, bool]:
     if tool is None:
         return str({"error": f"Tool {call.name} not found. Available tools: {sorted(tools)}"}), True
     try:
-        return str(tool(**call.arguments)), False
+        result = str(run_awaited(tool, **call.arguments))
     except Exception as err:  # the model's bad call is its tool reply, not the run's end
         return str({"error": f"{type(err).__name__}: {err}"}), True
+    problem = text_problem(result)
+    if problem is not None:
+        return str({"error": f"the tool {call.name} returned text that cannot be tokenised ({problem})"}), True
+    return result, False
+
+
+def text_problem(text: str) -> str | None:
+    """Why ``text`` cannot be tokenised (a lone surrogate, which no UTF-8 tokenizer takes), or None."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        return f"a lone surrogate {text[err.start]!r} at character {err.start}"
+    return None
+
+
+class EnvironmentFault(ValueError):
+    """An environment method that raised or returned the wrong kind of value; the message names the method."""
+
+
+def checked_call(env: Any, method: str, *args: Any, **kwargs: Any) -> Any:
+    """``env.<method>(...)``, awaited when it returns an awaitable (TRL's async environments); what it raises
+    becomes an ``EnvironmentFault`` naming the method (``reply() raised ConnectionError: ...``)."""
+    try:
+        return run_awaited(getattr(env, method), *args, **kwargs)
+    except Exception as err:
+        raise EnvironmentFault(f"{method}() raised {type(err).__name__}: {err}") from err
 
 
 def reset_environment(env: Any, row: dict) -> str | None:
     """``env.reset(**row)``, checked: it must return a string or None."""
-    observation = env.reset(**row)
+    observation = checked_call(env, "reset", **row)
     if observation is not None and not isinstance(observation, str):
-        raise ValueError(f"reset() returned a {type(observation).__name__}, not a str or None")
-    return observation
+        raise EnvironmentFault(f"reset() returned a {type(observation).__name__}, not a str or None")
+    return checked_text(observation, "reset")
 
 
 def environment_reply(env: Any, message: str) -> str | None:
     """``env.reply(message)``, checked: it must return a string or None."""
-    answer = env.reply(message)
+    answer = checked_call(env, "reply", message)
     if answer is not None and not isinstance(answer, str):
-        raise ValueError(f"reply() returned a {type(answer).__name__}, not a str or None")
-    return answer
+        raise EnvironmentFault(f"reply() returned a {type(answer).__name__}, not a str or None")
+    return checked_text(answer, "reply")
+
+
+def checked_text(text: str | None, method: str) -> str | None:
+    """``text``, or ``EnvironmentFault`` when it cannot be tokenised (``text_problem``)."""
+    problem = None if text is None else text_problem(text)
+    if problem is not None:
+        raise EnvironmentFault(f"{method}() returned text that cannot be tokenised ({problem})")
+    return text
+
+
+def environment_reward_value(env: Any) -> float:
+    """``env.get_reward()`` as a float; ``EnvironmentFault`` naming what it raised or returned unless that is a
+    finite real number (an int, a float, a 0-d tensor or array; a string such as "0.5" is not one)."""
+    value = checked_call(env, "get_reward")
+    if getattr(value, "shape", None) == () and hasattr(value, "item"):  # a 0-d tensor or NumPy value
+        value = value.item()
+    if not isinstance(value, numbers.Real):
+        shown = repr(value) if len(repr(value)) <= 80 else f"a {type(value).__name__}"
+        raise EnvironmentFault(f"get_reward() returned {shown}, not a number")
+    if not math.isfinite(float(value)):
+        raise EnvironmentFault(f"get_reward() returned {value!r}, not a finite number")
+    return float(value)

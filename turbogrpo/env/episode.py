@@ -7,15 +7,18 @@ render each group's prompt once, run ``rollout.multiturn.generate_multiturn``, t
 conversation's recorded ids against the template's rendering of it (drift: warned once, counted; the
 recorded ids are what is trained on).
 
-Failures are per conversation (``Episode.error``): a ``reset`` that raises or returns a non-string, a
-``reply`` that does, an exception inside the handler. A tool that raises, an unknown tool or malformed
-arguments are not failures: the model reads the error as its tool reply (``environment.call_tool``).
+Failures are per conversation (``Episode.error``, its text in the run's log and ``completions.jsonl``): a
+``reset`` that raises or returns a non-string, a ``reply`` that does, an exception inside the handler, an
+environment call past the time limit or one that raises ``SystemExit`` (``rollout.env_calls``: environment
+code runs on daemon threads, at most ``max_workers`` at once), a ``get_reward`` that raises or returns no
+finite number. A tool that raises, an unknown tool or malformed arguments are not failures: the model reads
+the error as its tool reply (``environment.call_tool``).
 """
 
 from __future__ import annotations
 
 import copy
-import math
+import json
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -25,11 +28,14 @@ import torch
 from torch import nn
 
 from turbogrpo.env.chat import ChatRenderer
-from turbogrpo.env.environment import (bind_positional, call_tool, check_environment, environment_reply, environment_tools,
-                                       load_factory, reset_environment, tool_schemas)
+from turbogrpo.env.environment import (EnvironmentFault, bind_positional, call_tool, check_environment, environment_reply,
+                                       environment_reward_value, environment_tools, load_factory, reset_environment,
+                                       tool_schemas)
 from turbogrpo.env.tool_calls import ToolCallParser, get_tool_call_parser
 from turbogrpo.rollout.engine import DecodeSchedule
+from turbogrpo.rollout.env_calls import EnvCallFailed, EnvCalls
 from turbogrpo.rollout.multiturn import MultiTurnRollout, TurnLimits, check_branching, fork_copy, generate_multiturn
+from turbogrpo.reward_items import ItemFailure
 from turbogrpo.rollout.sampling import SamplingConfig
 
 
@@ -51,6 +57,12 @@ class Episode:
     hit_max_turns: bool = False
     error: str | None = None
     """Why this conversation failed (its reward is then a failure too), or None."""
+    calls: EnvCalls | None = None
+    """Runs ``get_reward`` (time-limited, exits caught); None: called directly."""
+    calling: str = "the environment"
+    """The environment method running now (or last), to name it when it runs past the time limit."""
+    _reward: tuple | None = None
+    """(value or None, error or None) once ``get_reward`` has been read."""
 
     def __call__(self, turn_ids: list[int]) -> list[int] | None:
         self.num_turns += 1
@@ -80,6 +92,7 @@ class Episode:
     def _tool_replies(self, calls: list) -> list[dict]:
         replies = []
         for call in calls:
+            self.calling = f"tool {call.name}()"
             result, failed = call_tool(self.tools, call)
             self.num_tool_calls += 1
             self.num_tool_failures += failed
@@ -91,23 +104,50 @@ class Episode:
         a tool environment's episode ends on such a turn)."""
         if not callable(getattr(self.env, "reply", None)):
             return None
+        self.calling = "reply()"
         try:
             answer = environment_reply(self.env, text)
-        except Exception as err:
-            self.error = str(err) if isinstance(err, ValueError) else f"reply() raised {type(err).__name__}: {err}"
+        except EnvironmentFault as err:
+            self.error = str(err)
             return None
         return None if answer is None else [{"role": "user", "content": answer}]
 
     def reward(self) -> float | None:
-        """The environment's ``get_reward()`` as a float, None where it has none, failed or gave no number."""
-        get_reward = getattr(self.env, "get_reward", None)
-        if self.error is not None or not callable(get_reward):
-            return None
+        """The environment's ``get_reward()`` as a float, None where it has none, failed or gave no finite
+        number (``reward_error`` says why). Read once; later calls give the same."""
+        if self._reward is None:
+            self._reward = self._read_reward()
+        return self._reward[0]
+
+    @property
+    def reward_error(self) -> str | None:
+        """Why this conversation has no reward (its failure, or ``get_reward``'s), or None."""
+        self.reward()
+        return self._reward[1]
+
+    @property
+    def failure(self) -> str | None:
+        """This conversation's failure, or its ``get_reward``'s where that has been read and failed (what a
+        run's ``completions.jsonl`` keeps as ``env_error``)."""
+        return self.error or (self._reward[1] if self._reward is not None else None)
+
+    def _read_reward(self) -> tuple[float | None, str | None]:
+        if self.error is not None:
+            return None, self.error
+        if not callable(getattr(self.env, "get_reward", None)):
+            return None, "no get_reward() method"
+        self.calling = "get_reward()"
         try:
-            value = float(get_reward())
-        except Exception:  # counted as a failed reward item by the reward machinery
-            return None
-        return value if math.isfinite(value) else None
+            value = (self.calls.call if self.calls is not None else _direct)(environment_reward_value, self.env)
+        except EnvironmentFault as err:
+            return None, str(err)
+        except EnvCallFailed as err:
+            return None, f"get_reward() {err}"
+        return value, None
+
+
+def _direct(fn: Callable, *args):
+    return fn(*args)
 
 
 @dataclass
@@ -131,29 +171,45 @@ def run_episodes(model: nn.Module, tokenizer: Any, rows: Sequence[dict], prompt_
                  limits: TurnLimits, tool_parser: str = "hermes", end_of_turn: str = "",
                  chat_template: str | None = None, seed: int | None = None, draft: object | None = None,
                  schedule: DecodeSchedule | None = None, reply_timing: str = "arrival",
-                 branching: Sequence[int] = ()) -> EnvRollout:
+                 branching: Sequence[int] = (), max_workers: int = 16, call_timeout_s: float | None = None) -> EnvRollout:
     """G = ``num_samples`` episodes for each of the K dataset ``rows``, whose prompts are ``prompt_messages``
     (chat messages, ending on a user message); see the module docstring. ``schedule`` (its linear kernel),
     ``reply_timing`` and ``branching`` go to ``generate_multiturn``: under branching, ``branching[0]``
     environments are made per row and the others are forks of them (``Episode.fork``), probed right after
-    ``reset`` so that one that cannot fork is refused before the rollout."""
+    ``reset`` so that one that cannot fork is refused before the rollout. Environment code (the factory,
+    ``reset``, each turn, ``get_reward``) runs on ``max_workers`` daemon threads at most (1: one call at a
+    time), each call limited to ``call_timeout_s`` seconds (None: no limit; past it, the conversation fails)."""
     global _DRIFT_WARNED
     if len(rows) != len(prompt_messages):
         raise ValueError(f"got {len(rows)} rows for {len(prompt_messages)} prompts")
+    if sampling.stop_strings:  # run_episodes ends turns on end_of_turn's token alone: never drop them silently
+        raise ValueError(f"multi-turn rollouts end turns on the end-of-turn token; got stop_strings "
+                         f"{list(sampling.stop_strings)} (remove them: rollout.stop_strings = [] with [env])")
     first = check_branching(branching, num_samples)[0]  # conversations started per row
     parser = get_tool_call_parser(tool_parser)
     make = load_factory(factory)
+    calls = EnvCalls(max_workers, call_timeout_s)
     envs = []
     for _ in range(len(rows) * first):
         try:
-            env = make()
+            env = calls.call(make)
         except Exception as err:
-            raise ValueError(f"[env] factory {factory!r} raised {type(err).__name__}: {err}") from None
+            raise ValueError(f"[env] factory {factory!r} {_failure(err)}") from None
         check_environment(env, factory)
+        if any(env is other for other in envs):  # conversations would share (and garble) one environment's state
+            raise ValueError(f"[env] factory {factory!r} returned the same {type(env).__name__} object twice; each "
+                             "conversation needs its own environment (make a new one on every call)")
         envs.append(env)
-    tools = environment_tools(envs[0])
     end_of_turn = end_of_turn or tokenizer.eos_token
-    renderer = ChatRenderer(tokenizer, tool_schemas(tools) or None, end_of_turn, chat_template or None)
+    renderers: dict[str, ChatRenderer] = {}  # one per distinct tool list (a factory's environments may differ)
+
+    def renderer_of(tools: dict[str, Callable]) -> ChatRenderer:
+        schemas = tool_schemas(tools)
+        key = json.dumps(schemas, sort_keys=True, default=str)
+        if key not in renderers:
+            renderers[key] = ChatRenderer(tokenizer, schemas or None, end_of_turn, chat_template or None)
+        return renderers[key]
+
     end_ids = tokenizer(end_of_turn, add_special_tokens=False)["input_ids"]
     if len(end_ids) != 1:
         raise ValueError(f"[env] end_of_turn {end_of_turn!r} must be one token of the tokenizer, got ids {end_ids}")
@@ -161,19 +217,30 @@ def run_episodes(model: nn.Module, tokenizer: Any, rows: Sequence[dict], prompt_
     def decode(ids: list[int]) -> str:
         return tokenizer.decode(ids, skip_special_tokens=False)
 
-    episodes = [Episode(env, environment_tools(env), renderer, parser, decode, max_turns) for env in envs]
+    episodes = []
+    for env in envs:
+        tools = environment_tools(env)
+        episodes.append(Episode(env, tools, renderer_of(tools), parser, decode, max_turns, calls=calls))
     prompts, prompt_texts = [], []
     for k, (row, messages) in enumerate(zip(rows, prompt_messages)):
         members = episodes[k * first:(k + 1) * first]
         observations = []
         for episode in members:
+            episode.calling = "reset()"
             try:
-                observations.append(reset_environment(episode.env, dict(row)))
-            except Exception as err:  # this conversation fails; its siblings still run
-                episode.error = str(err) if isinstance(err, ValueError) else f"reset() raised {type(err).__name__}: {err}"
+                observations.append(calls.call(reset_environment, episode.env, dict(row)))
+            except EnvironmentFault as err:  # this conversation fails; its siblings still run
+                episode.error = str(err)
+            except EnvCallFailed as err:
+                episode.error = f"reset() {err}"
         if len(set(observations)) > 1:
             raise ValueError(f"reset() gave {len(set(observations))} different observations for the {first} "
                              f"conversations of row {k}; a GRPO group needs one prompt (seed the environment from the row)")
+        renderer = members[0].renderer
+        if any(episode.renderer is not renderer for episode in members):
+            names = sorted({", ".join(episode.tools) or "none" for episode in members})
+            raise ValueError(f"the {first} environments of row {k} offer different tools ({' / '.join(names)}); a GRPO "
+                             "group needs one prompt, so the environments of one row must offer the same tools")
         messages = [dict(m) for m in messages]
         if observations and observations[0] is not None:
             messages[-1] = {**messages[-1], "content": messages[-1]["content"] + observations[0]}
@@ -187,12 +254,14 @@ def run_episodes(model: nn.Module, tokenizer: Any, rows: Sequence[dict], prompt_
                                  "stop_token_ids": tuple(dict.fromkeys((*sampling.stop_token_ids, end_ids[0])))})
     rollout = generate_multiturn(model, prompts, episodes, num_samples=num_samples, sampling=sampling, limits=limits,
                                  seed=seed, draft=draft, schedule=schedule, reply_timing=reply_timing,
-                                 branching=branching)
+                                 branching=branching, env_calls=calls)
     episodes = rollout.handlers  # under branching, the forks; otherwise the same episodes
     drifted = 0
     for i, episode in enumerate(episodes):
         if rollout.errors[i] is not None and episode.error is None:
             episode.error = rollout.errors[i]
+            if rollout.errors[i].startswith(("EnvCallFailed: ", "EnvCallTimeout: ")):  # name the method it was in
+                episode.error = f"{episode.calling} {rollout.errors[i].split(': ', 1)[1]}"
         if rollout.groups.finish_reasons[i] == "stop" and episode.error is None:
             recorded = torch.cat([rollout.groups.prompts[i // num_samples].cpu(), rollout.groups.completions[i]])
             drifted += renderer.drifts(episode.messages, recorded.tolist())
@@ -212,9 +281,19 @@ def run_episodes(model: nn.Module, tokenizer: Any, rows: Sequence[dict], prompt_
     return EnvRollout(rollout, episodes, prompt_texts, metrics)
 
 
+def _failure(err: Exception) -> str:
+    """What environment code did, for a message: ``raised X: ...``, or an ``EnvCallFailed``'s own text."""
+    return str(err) if isinstance(err, EnvCallFailed) else f"raised {type(err).__name__}: {err}"
+
+
 def environment_reward(prompts, completions, environments: Sequence[Episode] | None = None, **columns) -> list:
-    """A reward function (``turbogrpo.rewards`` form) reading each episode's ``get_reward()``; None, a
-    non-number or NaN counts as that item's failure there, never the batch's."""
+    """A reward function (``turbogrpo.rewards`` form) reading each episode's ``get_reward()``; a failed
+    conversation or reward is that item's ``ItemFailure`` (its reason: which method failed and how), never the
+    batch's failure."""
     if environments is None:
         raise ValueError("environment_reward needs the 'environments' column (the rollout's episodes)")
-    return [episode.reward() for episode in environments]
+    values = []
+    for episode in environments:
+        value = episode.reward()
+        values.append(value if value is not None else ItemFailure(f"{type(episode.env).__name__}: {episode.reward_error}"))
+    return values

@@ -139,7 +139,7 @@ class RetryArithmetic:
 
 DEMO_CHAT_TEMPLATE = (
     "{%- if tools -%}Tools:{%- for tool in tools %} {{ tool.function.name if tool.function is defined else tool.name }}"
-    "{%- endfor %}\n{% endif -%}"
+    "{%- endfor %}{{ '\n' }}{% endif -%}"  # an expression: trim_blocks would drop a literal newline here
     "{%- for message in messages -%}"
     "{%- if message.role == 'user' -%}{{ '\n' if not loop.first }}{{ message.content }}\nAnswer:"
     "{%- elif message.role == 'assistant' -%}{{ message.content }}"

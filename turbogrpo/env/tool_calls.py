@@ -2,7 +2,9 @@
 
 A parser takes the turn's text (end-of-turn token already removed) and returns the text around the calls
 and the calls. A call whose arguments cannot be read is kept as a ``ToolCall`` with ``error`` set, so that
-the model is told what was wrong in its tool reply (as TRL does) and the rollout goes on.
+the model is told what was wrong in its tool reply (as TRL does) and the rollout goes on. Reading is
+bounded: a call nested past ``MAX_NESTING`` levels, a number past Python's digit limit or an expression too
+deep for the parser is such an error, never an exception out of the parser.
 
     content, calls = TOOL_CALL_PARSERS["hermes"]('Let me add.<tool_call>{"name": "add", "arguments": {"a": 1}}'
                                                  '</tool_call>')
@@ -37,6 +39,28 @@ class ToolCall:
 
 ToolCallParser = Callable[[str], tuple[str, list[ToolCall]]]
 
+MAX_NESTING = 64
+"""Most levels of lists and objects in a call's arguments (a model's real call uses a few)."""
+
+
+def _nesting(text: str) -> int:
+    """The deepest bracket nesting of ``text`` (brackets inside strings counted too: an upper bound)."""
+    depth = deepest = 0
+    for char in text:
+        if char in "[{(":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif char in "]})":
+            depth = max(0, depth - 1)
+    return deepest
+
+
+def _unreadable(body: str) -> str | None:
+    """Why ``body`` is too deep to read safely (checked before any recursive parser runs), or None."""
+    if _nesting(body) > MAX_NESTING:
+        return f"the tool call nests more than {MAX_NESTING} levels of brackets"
+    return None
+
 _HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
 
@@ -49,17 +73,22 @@ def parse_hermes(text: str) -> tuple[str, list[ToolCall]]:
 
 
 def _hermes_call(body: str) -> ToolCall:
+    problem = _unreadable(body)
+    if problem is not None:
+        return ToolCall("unknown", error=problem)
     try:
         payload = json.loads(body)
     except json.JSONDecodeError as err:
         return ToolCall("unknown", error=f"the tool call is not valid JSON ({err.msg} at character {err.pos})")
+    except (ValueError, RecursionError) as err:  # a number past Python's digit limit; nesting (bounded above)
+        return ToolCall("unknown", error=f"the tool call cannot be read ({type(err).__name__}: {str(err)[:120]})")
     if not isinstance(payload, dict) or not isinstance(payload.get("name"), str):
         return ToolCall("unknown", error='the tool call needs a JSON object with a string "name"')
     arguments = payload.get("arguments", payload.get("parameters", {}))
     if isinstance(arguments, str):  # some models write the arguments as a JSON string
         try:
             arguments = json.loads(arguments)
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):  # (JSONDecodeError is a ValueError)
             pass
     if not isinstance(arguments, dict):
         return ToolCall(payload["name"], error=f'"arguments" must be a JSON object, got {type(arguments).__name__}')
@@ -76,10 +105,17 @@ def parse_pythonic(text: str) -> tuple[str, list[ToolCall]]:
 
 
 def _pythonic_call(body: str) -> ToolCall:
+    problem = _unreadable(body)
+    if problem is None and max(len(run) for run in re.split(r"[^-+~\s]", body)) > MAX_NESTING:
+        problem = f"the tool call chains more than {MAX_NESTING} unary operators"
+    if problem is not None:
+        return ToolCall("unknown", error=problem)
     try:
         node = ast.parse(body.strip(), mode="eval").body
     except SyntaxError as err:
         return ToolCall("unknown", error=f"the tool call is not a Python call ({err.msg})")
+    except (RecursionError, MemoryError, ValueError) as err:  # the parser's own limits
+        return ToolCall("unknown", error=f"the tool call cannot be read ({type(err).__name__}: {str(err)[:120]})")
     if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name):
         return ToolCall("unknown", error='the tool call must look like name("argument")')
     if any(isinstance(a, ast.Starred) for a in node.args) or any(k.arg is None for k in node.keywords):

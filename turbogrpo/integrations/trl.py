@@ -262,8 +262,8 @@ SHARING = {
 
 def check_sharing(sharing: str) -> str:
     """``sharing`` itself, or ValueError naming the allowed values."""
-    if sharing not in SHARING:
-        raise ValueError(f"sharing must be one of {sorted(SHARING)}, got {sharing!r}")
+    if not isinstance(sharing, str) or sharing not in SHARING:  # (a list is unhashable: check the type first)
+        raise ValueError(f"sharing must be one of {sorted(SHARING)} (a string), got {sharing!r}")
     return sharing
 
 

@@ -15,8 +15,10 @@ conversation keeping its KV cache from turn to turn.
            ``TurnHandler`` in a thread pool, and the row waits (masked, in the batch) while the others
            decode; the handler returns the reply's ids to prefill, or None to end the conversation.
 
-Environments run in a ``ThreadPoolExecutor`` (one worker per conversation up to ``max_env_workers``): the
-model's forward releases the GIL in its kernels, so Python environment code runs while others decode.
+Environments run on daemon threads (``env_calls.EnvCalls``: at most ``max_env_workers`` at once, each call
+limited to ``call_timeout_s``, a stuck one abandoned and never waited for at exit, an exit or interrupt raised
+by environment code its conversation's failure): the model's forward releases the GIL in its kernels, so
+Python environment code runs while others decode.
 When a reply rejoins the batch is ``reply_timing`` (``REPLY_TIMINGS``):
 
 * "arrival": at the first step after it arrived; an environment that blocks (I/O, a subprocess) holds up
@@ -68,7 +70,7 @@ import copy
 import math
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ALL_COMPLETED, FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from concurrent.futures import ALL_COMPLETED, FIRST_COMPLETED, Future
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple, Protocol
 
@@ -79,6 +81,7 @@ from turbogrpo.batch import Groups
 from turbogrpo.hook import check_materialized
 from turbogrpo.output_head import logits_head
 from turbogrpo.rollout.engine import DecodeSchedule, default_schedule, rollout_linear_kernel
+from turbogrpo.rollout.env_calls import EnvCalls
 from turbogrpo.rollout.kv_cache import GroupedKVCache
 from turbogrpo.rollout.plans import forward_new_tokens, prefill
 from turbogrpo.rollout.sampling import SamplingConfig, sample_with_logprobs
@@ -203,15 +206,20 @@ def fork_copy(obj: object, role: str) -> object:
     where it defines one, else ``copy.deepcopy``; ``ForkError`` in one line naming its class otherwise. A plain
     function is its own copy (``deepcopy`` keeps functions): a handler with state should be an object."""
     fork = getattr(obj, "fork", None)
+    name = type(obj).__name__
     try:
-        return fork() if callable(fork) else copy.deepcopy(obj)
+        copied = fork() if callable(fork) else copy.deepcopy(obj)
     except ForkError:
         raise
-    except Exception as err:
-        name = type(obj).__name__
+    except (Exception, SystemExit) as err:  # (sys.exit in a fork() is its failure; a real Ctrl-C goes on up)
         raise ForkError(f"rollout.branching forks each conversation's {role}, but {name} cannot be forked "
                         f"({type(err).__name__}: {err}); give {name} a fork() method returning an independent "
                         "copy") from None
+    if callable(fork) and (copied is None or copied is obj):  # branches would share one environment, or have none
+        raise ForkError(f"rollout.branching forks each conversation's {role}, but {name}.fork() returned "
+                        f"{'None' if copied is None else 'the same object'}; it must return an independent copy "
+                        "(a new object in the same state)")
+    return copied
 
 
 def check_branching(branching: Sequence[int], num_samples: int) -> tuple[int, ...]:
@@ -249,7 +257,8 @@ REPLY_TIMINGS: dict[str, ReplyTiming] = {"arrival": ReplyTiming(_arrived, FIRST_
 def generate_multiturn(model: nn.Module, prompts: list[torch.Tensor], handlers: Sequence[TurnHandler], *,
                        num_samples: int, sampling: SamplingConfig, limits: TurnLimits, seed: int | None = None,
                        draft: object | None = None, max_env_workers: int = 16, schedule: DecodeSchedule | None = None,
-                       reply_timing: str = "arrival", branching: Sequence[int] = ()) -> MultiTurnRollout:
+                       reply_timing: str = "arrival", branching: Sequence[int] = (), call_timeout_s: float | None = None,
+                       env_calls: EnvCalls | None = None) -> MultiTurnRollout:
     """Run ``len(prompts) x num_samples`` conversations (``handlers[i]`` answers conversation i, group-major)
     with ``model``'s current weights; see the module docstring.
 
@@ -262,6 +271,9 @@ def generate_multiturn(model: nn.Module, prompts: list[torch.Tensor], handlers: 
     ``schedule``: its ``linears`` kernel runs the weight matmuls (None: the device's default schedule); the
     loop itself is always eager and reads the host every step. ``reply_timing``: a ``REPLY_TIMINGS`` key.
     ``draft``: a ``turbogrpo.speculative.Speculation`` for lossless speculative decoding of the model's turns.
+    ``max_env_workers``: most handler calls at once (1: one at a time); ``call_timeout_s``: each call's time
+    limit in seconds (None: none), past which its conversation fails; ``env_calls``: an ``EnvCalls`` to run the
+    handlers on instead (its own workers and limit).
     """
     if draft is not None and not callable(getattr(draft, "run_multiturn", None)):
         raise ValueError(f"draft must be a turbogrpo.speculative.Speculation (or None for plain sampling), got "
@@ -305,10 +317,10 @@ def generate_multiturn(model: nn.Module, prompts: list[torch.Tensor], handlers: 
         conversations[j * stride] = _Conversation(handler)
     # The loop is eager whatever the schedule's runner, so "auto" may pick the packed kernel here.
     linears = rollout_linear_kernel(replace(schedule or default_schedule(device), runner="eager"), draft)
-    workers = max(1, min(max_env_workers, len(conversations)))
+    pool = env_calls if env_calls is not None else EnvCalls(max_env_workers, call_timeout_s)
     # Outside inference mode even when the caller is in it, as generate() runs (engine.py says why).
-    with torch.inference_mode(False), torch.no_grad(), linears([model, *getattr(draft, "rollout_modules", list)()]), \
-            ThreadPoolExecutor(workers) as pool:
+    # The pool is never joined: a stuck environment call must not keep the run from ending.
+    with torch.inference_mode(False), torch.no_grad(), linears([model, *getattr(draft, "rollout_modules", list)()]):
         if draft is None:
             stats = _run(model, prompts, num_samples, conversations, sampling, limits, generator, pool,
                          REPLY_TIMINGS[reply_timing], factors)
@@ -325,7 +337,7 @@ def generate_multiturn(model: nn.Module, prompts: list[torch.Tensor], handlers: 
 
 def _run(model: nn.Module, prompts: list[torch.Tensor], num_samples: int, conversations: list[_Conversation],
          sampling: SamplingConfig, limits: TurnLimits, generator: torch.Generator | None,
-         pool: ThreadPoolExecutor, timing: ReplyTiming, branching: tuple[int, ...] = ()) -> MultiTurnStats:
+         pool: EnvCalls, timing: ReplyTiming, branching: tuple[int, ...] = ()) -> MultiTurnStats:
     """The loop of the module docstring; fills ``conversations`` in place (``[K * num_samples]``; under
     ``branching``, the slots of the first conversations are set and the forks fill the others)."""
     start = time.perf_counter()
@@ -345,7 +357,7 @@ def _run(model: nn.Module, prompts: list[torch.Tensor], num_samples: int, conver
     _draw(lm_head(last_GH).repeat_interleave(branching[0], dim=0), rows, conversations, sampling, generator,
           stop_ids, limits, pool, stats)
     while True:
-        _collect_replies(conversations, rows, limits, stats, timing.due)
+        _collect_replies(conversations, rows, limits, stats, timing.due, pool, vocabulary_size(model))
         keep = [b for b, i in enumerate(rows) if conversations[i].phase != _DONE]
         if len(keep) < len(rows):
             if not keep:
@@ -354,7 +366,7 @@ def _run(model: nn.Module, prompts: list[torch.Tensor], num_samples: int, conver
             rows = [rows[b] for b in keep]
         feeding = [b for b, i in enumerate(rows) if conversations[i].phase == _FEED]
         if not feeding:  # every live conversation waits for its environment
-            wait_for_replies(conversations, rows, timing, stats)
+            wait_for_replies(conversations, rows, timing, stats, pool)
             continue
         drawn_rows, hidden_BH = _feed(model, cache, rows, feeding, conversations, limits)
         stats.num_forwards += 1
@@ -370,10 +382,11 @@ def _run(model: nn.Module, prompts: list[torch.Tensor], num_samples: int, conver
 
 
 def wait_for_replies(conversations: list[_Conversation], rows: list[int], timing: ReplyTiming,
-                     stats: MultiTurnStats) -> None:
-    """Block while every live conversation (``rows``) waits for its environment, as ``timing`` says."""
+                     stats: MultiTurnStats, pool: EnvCalls) -> None:
+    """Block while every live conversation (``rows``) waits for its environment, as ``timing`` says (a call
+    past ``pool``'s time limit counts as answered: it failed)."""
     waited = time.perf_counter()
-    wait([conversations[i].future for i in rows], return_when=timing.idle_wait)
+    pool.wait([conversations[i].future for i in rows], timing.idle_wait)
     for i in rows:  # no forward to overlap with: the replies waited for are due now
         conversations[i].due_after = 0
     stats.env_wait_s += time.perf_counter() - waited
@@ -453,7 +466,7 @@ def _fill_unforked(conversations: list[_Conversation | None]) -> None:
 
 def _draw(logits_BV: torch.Tensor, members: list[int], conversations: list[_Conversation],
           sampling: SamplingConfig, generator: torch.Generator | None, stop_ids: frozenset[int],
-          limits: TurnLimits, pool: ThreadPoolExecutor, stats: MultiTurnStats) -> None:
+          limits: TurnLimits, pool: EnvCalls, stats: MultiTurnStats) -> None:
     """Draw one token for each of ``members`` (conversation indices, one per logits row) and act on it."""
     if not members:
         return
@@ -491,21 +504,36 @@ def _call_handler(handler: TurnHandler, turn_ids: list[int]) -> list[int] | None
     return None if reply is None else list(reply)
 
 
+def vocabulary_size(model: nn.Module) -> int | None:
+    """How many token ids ``model``'s input embedding takes (None if it does not say)."""
+    embedding = model.get_input_embeddings() if callable(getattr(model, "get_input_embeddings", None)) else None
+    return getattr(embedding, "num_embeddings", None)
+
+
 def _collect_replies(conversations: list[_Conversation], rows: list[int], limits: TurnLimits,
-                     stats: MultiTurnStats, due: Callable[[_Conversation, int], bool]) -> None:
-    """Move every waiting conversation whose reply is ``due`` back to feeding (or to done), waiting for a
-    reply that is due but not yet there."""
+                     stats: MultiTurnStats, due: Callable[[_Conversation, int], bool], pool: EnvCalls,
+                     vocab_size: int | None = None) -> None:
+    """Move every waiting conversation whose reply is ``due`` back to feeding (or to done), waiting (within
+    ``pool``'s time limit) for a reply that is due but not yet there. A reply with an id outside
+    ``[0, vocab_size)`` fails its conversation (the embedding lookup would abort the whole rollout)."""
+    pool.expire()  # a call past its time limit is done (failed), so "arrival" timing takes it now
     for i in rows:
         conversation = conversations[i]
         if conversation.phase != _WAIT or not due(conversation, stats.num_forwards):
             continue
         try:
-            reply = conversation.future.result()
+            reply = pool.result(conversation.future)
         except Exception as err:  # an environment's failure ends its own conversation only
             conversation.phase, conversation.finish = _DONE, "stop"
             conversation.error = f"{type(err).__name__}: {err}"
             continue
         conversation.future = None
+        outside = [t for t in reply or () if t < 0 or (vocab_size is not None and t >= vocab_size)]
+        if outside:
+            conversation.phase, conversation.finish = _DONE, "stop"
+            conversation.error = (f"ValueError: the TurnHandler returned token id {outside[0]}, outside the model's "
+                                  f"vocabulary [0, {vocab_size})")
+            continue
         if reply is None:
             conversation.phase = _DONE
         elif not reply or len(conversation.ids) + len(reply) + 1 > limits.max_conversation_tokens:

@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import math
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from collections.abc import Callable
 from typing import NamedTuple
@@ -51,8 +50,9 @@ from torch import nn
 
 from turbogrpo.batch import Groups
 from turbogrpo.rollout.engine import first_draw
+from turbogrpo.rollout.env_calls import EnvCalls
 from turbogrpo.rollout.multiturn import (_DONE, _FEED, _WAIT, MultiTurnStats, ReplyTiming, TurnLimits, _call_handler,
-                                         _collect_replies, _Conversation, wait_for_replies)
+                                         _collect_replies, _Conversation, vocabulary_size, wait_for_replies)
 from turbogrpo.rollout.outputs import LiveRows, emit
 from turbogrpo.rollout.plans import forward_new_tokens
 from turbogrpo.rollout.sampling import SamplingConfig
@@ -87,7 +87,7 @@ class _Verified(NamedTuple):
 
 def run_multiturn(model: nn.Module, prompts: list[torch.Tensor], num_samples: int,
                   conversations: list[_Conversation], sampling: SamplingConfig, limits: TurnLimits,
-                  generator: torch.Generator | None, pool: ThreadPoolExecutor, timing: ReplyTiming,
+                  generator: torch.Generator | None, pool: EnvCalls, timing: ReplyTiming,
                   make_step: Callable[[nn.Module, list[torch.Tensor], SamplingConfig], TreeStep]
                   ) -> MultiTurnSpeculativeStats:
     """The loop of the module docstring; fills ``conversations`` in place (``rollout.multiturn._run``'s
@@ -107,7 +107,7 @@ def run_multiturn(model: nn.Module, prompts: list[torch.Tensor], num_samples: in
     rows = list(range(len(conversations)))  # cache row -> conversation
     _read_host(state, step, rows, list(range(len(rows))), None, conversations, stop_ids, pool, stats, False)
     while True:
-        _collect_replies(conversations, rows, limits, stats, timing.due)
+        _collect_replies(conversations, rows, limits, stats, timing.due, pool, vocabulary_size(model))
         rows = _retire(state, step, rows, conversations)
         if not rows:
             break
@@ -115,7 +115,7 @@ def run_multiturn(model: nn.Module, prompts: list[torch.Tensor], num_samples: in
         chunks = {b: conversations[i].pending[:limits.prefill_chunk] for b, i in enumerate(rows)
                   if conversations[i].phase == _FEED and conversations[i].pending}
         if not decoding and not chunks:  # every live conversation waits for its environment
-            wait_for_replies(conversations, rows, timing, stats)
+            wait_for_replies(conversations, rows, timing, stats, pool)
             continue
         verified = _step(state, step, decoding, chunks, stats)
         for b, chunk in chunks.items():
@@ -262,7 +262,7 @@ def _resume_fed(state: DecodeState, fed: list[int], rows: list[int], conversatio
 
 
 def _read_host(state: DecodeState, step: TreeStep, rows: list[int], decoding: list[int], verified: _Verified | None,
-               conversations: list[_Conversation], stop_ids: frozenset[int], pool: ThreadPoolExecutor,
+               conversations: list[_Conversation], stop_ids: frozenset[int], pool: EnvCalls,
                stats: MultiTurnSpeculativeStats, fed_replies: bool) -> None:
     """The step's host read (one transfer): every row's emitted count, the decoding rows' finished flags and
     the verification's counts and statistics; then the turns that ended go to their handlers."""
@@ -300,7 +300,7 @@ def _observe(step: TreeStep, verified: _Verified, values: list[float], num_decod
 
 
 def _end_turns(state: DecodeState, step: TreeStep, rows: list[int], ended: list[int],
-               conversations: list[_Conversation], stop_ids: frozenset[int], pool: ThreadPoolExecutor,
+               conversations: list[_Conversation], stop_ids: frozenset[int], pool: EnvCalls,
                stats: MultiTurnSpeculativeStats) -> None:
     """Record the turns of rows ``ended`` (their model ids since the last record) in their conversations; one
     that ended on a stop token goes to its handler, one cut by a limit ends its conversation ("length")."""

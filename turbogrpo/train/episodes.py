@@ -38,6 +38,10 @@ class EpisodeSampler:
     """``rollout.multiturn.REPLY_TIMINGS`` key; "next_step" keeps a seeded rollout reproducible."""
     branching: tuple[int, ...] = ()
     """rollout.branching: the training rollouts' fork factors (() unbranched)."""
+    max_workers: int = 16
+    """Most environment calls at once (1: serial)."""
+    call_timeout_s: float | None = None
+    """Each environment call's time limit in seconds (None: none)."""
 
     @property
     def max_completion_tokens(self) -> int:
@@ -59,7 +63,8 @@ class EpisodeSampler:
                             self.factory, num_samples=num_samples, sampling=sampling, max_turns=self.max_turns,
                             limits=self.limits, tool_parser=self.tool_parser, end_of_turn=self.end_of_turn,
                             seed=seed, schedule=schedule, reply_timing=self.reply_timing,
-                            branching=self.branching if branched else (), draft=draft)
+                            branching=self.branching if branched else (), draft=draft,
+                            max_workers=self.max_workers, call_timeout_s=self.call_timeout_s)
 
 
 def build_episode_sampler(env: EnvConfig, tokenizer, branching: Sequence[int] = ()) -> EpisodeSampler | None:
@@ -74,4 +79,4 @@ def build_episode_sampler(env: EnvConfig, tokenizer, branching: Sequence[int] = 
         tokenizer.chat_template = CHAT_TEMPLATES.get(env.chat_template, env.chat_template)
     return EpisodeSampler(env.factory, env.max_turns, env.tool_parser,
                           TurnLimits(env.max_turn_tokens, env.max_conversation_tokens, feed_width=env.feed_width), env.end_of_turn,
-                          env.reply_timing, tuple(branching))
+                          env.reply_timing, tuple(branching), env.max_workers, env.call_timeout_s or None)

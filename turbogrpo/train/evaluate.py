@@ -121,7 +121,9 @@ def build_held_out(data: DataConfig, accuracy_reward: str, seed: int, policy: nn
     ``episodes``' environment when given."""
     max_new_tokens = sampling.max_new_tokens if episodes is None else episodes.max_completion_tokens
     examples = setup.load_eval_prompts(data, tokenizer, max_new_tokens=max_new_tokens,
-                                       max_positions=setup.position_limit(policy))
+                                       max_positions=setup.position_limit(policy),
+                                       limit_key="rollout.max_new_tokens" if episodes is None else
+                                       "env.max_conversation_tokens")
     return HeldOut(examples, setup.accuracy_function(accuracy_reward, list(rewards)),
                    dataclasses.replace(sampling, temperature=0.0), sampling, data.num_eval_samples,
                    seed + SAMPLED_SEED_OFFSET, episodes)

@@ -313,14 +313,27 @@ def record(run: Run, data: StepData) -> StepData:
     data.metrics.update(speculation_metrics(rollout.stats), **draft_metrics)
     if data.episodes is not None:
         data.metrics.update(environment_metrics(data.episodes.metrics, run.dist))
+        report_environment_failure(run, data.episodes, data.index)
     step = data.index + 1
     if run.dist.is_main and log.completions_every and step % log.completions_every == 0:
+        env_errors = [e.failure for e in data.episodes.episodes] if data.episodes is not None else None
         run.state.log.log_completions(step, completion_samples(data.examples, data.texts, data.rewards,
-                                                               run.num_generations, log.num_completions))
+                                                               run.num_generations, log.num_completions, env_errors))
     return data
 
 
 # --- pieces of a step -------------------------------------------------------------------------------
+
+
+def report_environment_failure(run: Run, episodes: EnvRollout, step: int) -> None:
+    """Print this rank's first failed conversation's own text, once per run (whatever reward reads the
+    episodes; each step's are in completions.jsonl as ``env_error``)."""
+    failures = [e.failure for e in episodes.episodes if e.failure is not None]
+    if failures and "[env]" not in run.state.reported_reward_failures and run.dist.is_main:
+        run.state.reported_reward_failures.add("[env]")
+        tqdm.write(f"warning: {len(failures)} of {len(episodes.episodes)} conversations failed at step {step + 1} "
+                   f"(first: {failures[0]}); only the first environment failure is printed (env/failures in "
+                   "metrics.jsonl, env_error in completions.jsonl)")
 
 
 def environment_metrics(metrics: dict[str, float], dist: DistInfo) -> dict[str, float]:

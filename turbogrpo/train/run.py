@@ -48,7 +48,8 @@ class RunState:
     log: MetricsLog | None = None
     """The run's metrics.jsonl (and TensorBoard) log, opened by ``state.start`` (not saved)."""
     reported_reward_failures: set[str] = field(default_factory=set)
-    """Reward functions whose first failure has been printed (each is printed once per process; not saved)."""
+    """Reward functions (and "[env]", the environments) whose first failure has been printed (each once per
+    process; not saved)."""
     checkpointed_step: int | None = None
     """The step of the newest checkpoint holding this state (the one resumed from, or the last saved);
     None: none yet."""
@@ -167,10 +168,10 @@ def build_run(config: Config, dist: DistInfo, rewards: list[Reward]) -> Run:
     optimizer = build_optimizer(policy, config.optim)
     max_positions = setup.position_limit(policy)
     max_new_tokens = config.rollout.max_new_tokens if episodes is None else episodes.max_completion_tokens
+    limit = "rollout.max_new_tokens" if episodes is None else "env.max_conversation_tokens"
     prompt_set = setup.load_train_prompts(config.data, parts.tokenizer, seed=config.train.seed,
-                                          max_new_tokens=max_new_tokens, max_positions=max_positions)
+                                          max_new_tokens=max_new_tokens, max_positions=max_positions, limit_key=limit)
     if dist.is_main and (prompt_set.num_too_long or prompt_set.num_empty):
-        limit = "rollout.max_new_tokens" if episodes is None else "env.max_conversation_tokens"
         model_limit = (f" (or, with {limit}={max_new_tokens}, over the model's {max_positions} positions)"
                        if max_positions else "")
         tqdm.write(f"skipped {prompt_set.num_too_long} prompts over data.max_prompt_tokens="

@@ -109,11 +109,12 @@ def position_limit(model: nn.Module) -> int | None:
 
 
 def _prompts(rows: list[dict], tokenizer, data: DataConfig, max_new_tokens: int, max_positions: int | None,
-             source_key: str):
+             source_key: str, limit_key: str = "rollout.max_new_tokens"):
     """``rows`` as a PromptSet; a row's ValueError ("row 3: ...") names the data file (``source_key``'s
-    value) it is in, so training and held-out rows are told apart."""
+    value) it is in, so training and held-out rows are told apart. ``limit_key``: the setting that gave
+    ``max_new_tokens`` (env.max_conversation_tokens for conversations), named when it leaves no room."""
     try:
-        return _build_prompts(rows, tokenizer, data, max_new_tokens, max_positions)
+        return _build_prompts(rows, tokenizer, data, max_new_tokens, max_positions, limit_key)
     except ValueError as err:
         path = getattr(data, source_key.partition(".")[2])
         if not path or not str(err).startswith("row "):
@@ -121,9 +122,10 @@ def _prompts(rows: list[dict], tokenizer, data: DataConfig, max_new_tokens: int,
         raise ValueError(f"{source_key} {path!r} {err}") from None
 
 
-def _build_prompts(rows: list[dict], tokenizer, data: DataConfig, max_new_tokens: int, max_positions: int | None):
+def _build_prompts(rows: list[dict], tokenizer, data: DataConfig, max_new_tokens: int, max_positions: int | None,
+                   limit_key: str):
     if max_positions is not None and max_new_tokens >= max_positions:
-        raise ConfigError(f"config key 'rollout.max_new_tokens': {max_new_tokens} leaves no room for "
+        raise ConfigError(f"config key '{limit_key}': {max_new_tokens} leaves no room for "
                           f"a prompt within the model's {max_positions} positions (max_position_embeddings); "
                           "lower it")
     return build_prompts(rows, tokenizer, prompt_column=data.prompt_column, max_prompt_tokens=data.max_prompt_tokens,
@@ -133,21 +135,22 @@ def _build_prompts(rows: list[dict], tokenizer, data: DataConfig, max_new_tokens
 
 
 def load_train_prompts(data: DataConfig, tokenizer, *, seed: int, max_new_tokens: int,
-                       max_positions: int | None = None):
+                       max_positions: int | None = None, limit_key: str = "rollout.max_new_tokens"):
     """The training PromptSet of the [data] section (examples plus skipped counts; a built-in task's
     problems drawn with ``seed``, train.seed); prompts too long for ``max_positions`` with
-    ``max_new_tokens`` (rollout.max_new_tokens) are skipped or refused as data.on_overlong says."""
-    return _prompts(train_rows(data, seed), tokenizer, data, max_new_tokens, max_positions, "data.path")
+    ``max_new_tokens`` (the setting ``limit_key``) are skipped or refused as data.on_overlong says."""
+    return _prompts(train_rows(data, seed), tokenizer, data, max_new_tokens, max_positions, "data.path", limit_key)
 
 
 def load_eval_prompts(data: DataConfig, tokenizer, *, max_new_tokens: int,
-                      max_positions: int | None = None) -> list[PromptExample]:
+                      max_positions: int | None = None, limit_key: str = "rollout.max_new_tokens"
+                      ) -> list[PromptExample]:
     """Held-out prompts: a built-in task's eval split, or ``data.eval_path`` rows ([] if none)."""
     rows = eval_rows(data)
     if rows is None:
         return []
     return _prompts(rows[:data.num_eval_problems], tokenizer, data, max_new_tokens, max_positions,
-                    "data.eval_path").examples
+                    "data.eval_path", limit_key).examples
 
 
 # --- rewards ---------------------------------------------------------------------------------------

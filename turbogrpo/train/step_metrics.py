@@ -69,12 +69,15 @@ def step_metrics(rollout: Rollout, rewards: RewardResult, sampler_logps: list[to
 
 
 def completion_samples(examples: list[PromptExample], texts: list[str], rewards: RewardResult, num_samples: int,
-                       count: int) -> list[dict]:
-    """The first ``count`` completions of this rank with their prompt (its last 300 characters) and rewards."""
+                       count: int, env_errors: list[str | None] | None = None) -> list[dict]:
+    """The first ``count`` completions of this rank with their prompt (its last 300 characters) and rewards;
+    ``env_errors``: each conversation's environment failure (multi-turn), kept as ``env_error`` where set."""
     samples = []
     for i, text in enumerate(texts[:count]):
         prompt = examples[i // num_samples].text
         samples.append({"prompt": prompt if len(prompt) <= 300 else "..." + prompt[-300:], "completion": text,
                         "reward": float(rewards.total[i]),
                         "rewards": {n: float(v[i]) for n, v in rewards.per_function.items()}})
+        if env_errors is not None and env_errors[i] is not None:
+            samples[-1]["env_error"] = env_errors[i]
     return samples
