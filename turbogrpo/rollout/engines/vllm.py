@@ -14,7 +14,8 @@ optimizer step.
             adapted modules with their adapters merged, ``W + B A * scale``), whole fused groups at a time,
             through vLLM's in-place reload (``reload_weights``): it loads them as checkpoint tensors and
             re-runs each layer's post-processing (on the CPU, the oneDNN / packed-weight kernels that replace
-            a linear layer's weight after loading, which is why loading into the processed model fails)
+            a linear layer's weight after loading, which is why loading into the processed model fails); then
+            the prefix cache is emptied (its K/V came from the old weights)
 
 Sampling maps one to one: temperature (0 greedy), top_p, top_k (0 off), max_new_tokens, the stop ids
 (``ignore_eos``: only these stop, as in the native engine; the stop token is kept), stop strings (kept in
@@ -137,7 +138,10 @@ class VllmEngine:
             self.llm = LLM(model=folder, dtype=str(self.dtype).removeprefix("torch."), seed=0,
                            enable_prefix_caching=True, logprobs_mode="processed_logprobs",
                            max_model_len=getattr(config, "max_position_embeddings", None),
-                           kv_cache_memory_bytes=KV_CACHE_BYTES, skip_tokenizer_init=tokenizer is None)
+                           kv_cache_memory_bytes=KV_CACHE_BYTES, skip_tokenizer_init=tokenizer is None,
+                           # Whole prefills: vLLM 0.32 rewinds a seeded request's generator after a partial
+                           # prefill, which a CPU generator cannot do ("CPU Generator does not use offset").
+                           enable_chunked_prefill=False)
             bar.update()
         self.build_seconds = time.perf_counter() - start
         self.synced = True
@@ -204,6 +208,9 @@ class VllmEngine:
         with _quiet(_RELOAD_LOGGERS), torch.no_grad():
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights,
                                                               "is_checkpoint_format": True})
+        # The prefix cache holds K/V the old weights computed: a prompt seen before would reuse them.
+        if not self.llm.reset_prefix_cache():
+            raise RuntimeError("vLLM did not reset its prefix cache after a weight push (a request still running?)")
         self.push_seconds = time.perf_counter() - start
         self.synced = True
 
