@@ -132,12 +132,13 @@ def test_seeded_rollouts_repeat_and_samples_differ(demo, engine, prompts):
 
 
 def changed_greedy(model, prompts, before, scale=0.3, seed=0):
-    """Perturb ``model``'s MLP weights in place until its greedy answers differ from ``before``."""
+    """Perturb ``model``'s MLP weights and (tied) embeddings in place until its greedy answers differ from
+    ``before`` (the embedding is the LM head too: the engine must re-pack it)."""
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for _ in range(10):
             for name, param in model.named_parameters():
-                if "mlp" in name and param.requires_grad is not False:
+                if "mlp" in name or "embed" in name:
                     param.add_(torch.randn(param.shape, generator=generator) * scale)
             after = [t.tolist() for t in generate(model, prompts, num_samples=1, sampling=greedy(), seed=0).tokens]
             if after != before:

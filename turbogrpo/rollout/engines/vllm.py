@@ -15,7 +15,8 @@ optimizer step.
             through vLLM's in-place reload (``reload_weights``): it loads them as checkpoint tensors and
             re-runs each layer's post-processing (on the CPU, the oneDNN / packed-weight kernels that replace
             a linear layer's weight after loading, which is why loading into the processed model fails); then
-            the prefix cache is emptied (its K/V came from the old weights)
+            a tied LM head is re-packed from the new embedding (``_reprocess_tied_layers``) and the prefix cache
+            is emptied (its K/V came from the old weights)
 
 Sampling maps one to one: temperature (0 greedy), top_p, top_k (0 off), max_new_tokens, the stop ids
 (``ignore_eos``: only these stop, as in the native engine; the stop token is kept), stop strings (kept in
@@ -208,11 +209,28 @@ class VllmEngine:
         with _quiet(_RELOAD_LOGGERS), torch.no_grad():
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights,
                                                               "is_checkpoint_format": True})
+            self.llm.collective_rpc(_reprocess_tied_layers)
         # The prefix cache holds K/V the old weights computed: a prompt seen before would reuse them.
         if not self.llm.reset_prefix_cache():
             raise RuntimeError("vLLM did not reset its prefix cache after a weight push (a request still running?)")
         self.push_seconds = time.perf_counter() - start
         self.synced = True
+
+
+def _reprocess_tied_layers(worker) -> int:
+    """Runs in vLLM's worker after a reload: re-runs the post-processing of each layer whose weight is an
+    earlier layer's (a tied LM head). The reload refreshes the weight's owner (the embedding) only, and on the
+    CPU the LM head multiplies by its own packed copy of it, made at post-processing. Returns how many."""
+    seen, count = set(), 0
+    for module in worker.model_runner.model.modules():
+        weight = getattr(module, "weight", None)
+        if not isinstance(weight, torch.Tensor) or weight.numel() == 0:
+            continue
+        if weight.data_ptr() in seen and hasattr(getattr(module, "quant_method", None), "process_weights_after_loading"):
+            module.quant_method.process_weights_after_loading(module)
+            count += 1
+        seen.add(weight.data_ptr())
+    return count
 
 
 def _packed_modules_mapping(worker) -> dict[str, list[str]]:
