@@ -22,6 +22,7 @@ NOT_RUN = {
     ("docs/guide/gguf.md", "turbogrpo demo --model smollm2                                   # = turbogrpo train configs/smollm2_arithmetic.toml"),
     ("docs/guide/install.md", "make setup   # .venv with the CPU build of torch, turbogrpo (editable) and the dev tools"),
     ("docs/guide/install.md", 'pip install -e ".[dev]"'),
+    ("docs/guide/install.md", 'pip install vllm            # after your CUDA torch; then pip install -e ".[dev]"'),
 }
 
 

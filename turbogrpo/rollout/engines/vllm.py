@@ -32,6 +32,7 @@ import logging
 import os
 import random
 import tempfile
+import threading
 import time
 from collections.abc import Sequence
 
@@ -130,8 +131,7 @@ class VllmEngine:
         model = base_model(policy)
         config = model.config
         with tempfile.TemporaryDirectory(prefix="turbogrpo-vllm-") as folder, process_state_kept(), \
-                tqdm(total=1, desc="building the vLLM engine (about 75 s on a CPU)", unit="engine",
-                     dynamic_ncols=True, bar_format="{desc}: {elapsed}") as bar:
+                ticking("building the vLLM engine (40-100 s on a CPU)"):
             model.save_pretrained(folder, state_dict=checkpoint_weights(policy))
             tokenizer = self.tokenizer
             if tokenizer is not None:  # only stop strings need it (vLLM detokenizes to find them)
@@ -143,7 +143,6 @@ class VllmEngine:
                            # Whole prefills: vLLM 0.32 rewinds a seeded request's generator after a partial
                            # prefill, which a CPU generator cannot do ("CPU Generator does not use offset").
                            enable_chunked_prefill=False)
-            bar.update()
         self.build_seconds = time.perf_counter() - start
         self.synced = True
 
@@ -236,6 +235,23 @@ def _reprocess_tied_layers(worker) -> int:
 def _packed_modules_mapping(worker) -> dict[str, list[str]]:
     """Runs in vLLM's worker: its model's fused modules and their checkpoint parts."""
     return dict(getattr(worker.model_runner.model, "packed_modules_mapping", {}) or {})
+
+
+@contextlib.contextmanager
+def ticking(description: str, every_s: float = 1.0):
+    """A progress line showing the time spent in the block, refreshed every ``every_s`` by a thread (the
+    block is one long call that reports nothing)."""
+    done = threading.Event()
+    with tqdm(total=1, desc=description, bar_format="{desc}: {elapsed}", dynamic_ncols=True) as bar:
+        thread = threading.Thread(target=lambda: [bar.refresh() for _ in iter(lambda: done.wait(every_s), True)],
+                                  daemon=True)
+        thread.start()
+        try:
+            yield
+            bar.update()
+        finally:
+            done.set()
+            thread.join()
 
 
 @contextlib.contextmanager
