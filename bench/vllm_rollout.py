@@ -9,7 +9,9 @@ Two workloads per dtype (float32, bfloat16: the weights themselves in that dtype
     fixed   no stop token: every completion runs max_new_tokens, the same token count on every side
 
 The three contenders alternate run by run (``harness.interleaved_medians``); the vLLM engine is built once
-per dtype (its build time is recorded, with a full weight push's time: issue 44 part 7c).
+per dtype (its build time is recorded, with a full weight push's time: issue 44 part 7c), and checked
+against the native engine and the trainer first (``exactness``: greedy completions equal? the
+sampler-trainer log-prob gap).
 
     python bench/vllm_rollout.py                       # 8 prompts x 8 samples, up to 256 tokens, 3 repeats
     python bench/vllm_rollout.py --dtypes bfloat16     # one dtype
@@ -29,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import interleaved_medians, print_table, write_results  # noqa: E402
 from real_model import chat_prompts, load_real_model  # noqa: E402
 
+from turbogrpo import completion_logprobs  # noqa: E402
 from turbogrpo.rollout import SamplingConfig, generate  # noqa: E402
 from turbogrpo.rollout.engines.vllm import VllmEngine  # noqa: E402
 
@@ -61,6 +64,27 @@ def hf_generate(model, prompts: list[torch.Tensor], num_samples: int, sampling: 
     return int(ends.sum())
 
 
+def exactness(model, engine: VllmEngine, prompts: list[torch.Tensor], num_samples: int, new_tokens: int,
+              stops: tuple[int, ...]) -> dict:
+    """Greedy completions of vLLM and the native engine compared (how many equal, and where the first
+    difference falls), and the sampler-trainer log-prob gap of a T = 1 vLLM rollout (|sampler - trainer| over
+    its tokens, the trainer being ``completion_logprobs`` on the same weights)."""
+    greedy = SamplingConfig(max_new_tokens=new_tokens, temperature=0.0, stop_token_ids=stops)
+    ours = engine.sample(model, prompts, num_samples=1, sampling=greedy, seed=0).tokens
+    native = generate(model, prompts, num_samples=1, sampling=greedy, seed=0).tokens
+    first_differences = [next((i for i, (x, y) in enumerate(zip(a.tolist(), b.tolist())) if x != y),
+                              min(len(a), len(b))) for a, b in zip(ours, native) if a.tolist() != b.tolist()]
+    sampled = engine.sample(model, prompts, num_samples=num_samples, seed=1, sampling=SamplingConfig(
+        max_new_tokens=new_tokens, temperature=1.0, stop_token_ids=stops))
+    with torch.no_grad():
+        trainer = completion_logprobs(model, sampled.prompts, sampled.tokens_per_group(), temperature=1.0)
+    gaps = torch.cat([(a.float() - b.float()).abs() for ga, gb in zip(sampled.logprobs_per_group(), trainer)
+                      for a, b in zip(ga, gb)])
+    return {"greedy_equal": len(ours) - len(first_differences), "greedy_compared": len(ours),
+            "greedy_first_differences": first_differences, "gap_mean": float(gaps.mean()),
+            "gap_max": float(gaps.max()), "gap_tokens": gaps.numel()}
+
+
 def bench_dtype(dtype: torch.dtype, num_prompts: int, num_samples: int, new_tokens: int, repeats: int) -> dict:
     model, tokenizer = load_real_model()
     model = model.to(dtype)
@@ -76,6 +100,7 @@ def bench_dtype(dtype: torch.dtype, num_prompts: int, num_samples: int, new_toke
         pushes.append(time.perf_counter() - start)
     record = {"dtype": str(dtype).removeprefix("torch."), "build_s": engine.build_seconds,
               "full_push_s": sorted(pushes)[1], "workloads": {}}
+    record["exactness"] = exactness(model, engine, prompts, num_samples, new_tokens, stop_ids(tokenizer))
     for workload in WORKLOADS:
         sampling = SamplingConfig(max_new_tokens=new_tokens, temperature=1.0,
                                   stop_token_ids=stop_ids(tokenizer) if workload == "eos" else ())
@@ -134,7 +159,11 @@ def main() -> None:
                 f"(medians of {args.repeats})", ["dtype", "workload", "engine", "time s", "ms/token",
                                                  "time / native", "per token / native"], rows)
     for r in records:
-        print(f"{r['dtype']}: vLLM engine built in {r['build_s']:.1f} s, full weight push {r['full_push_s']:.3f} s")
+        e = r["exactness"]
+        print(f"{r['dtype']}: vLLM engine built in {r['build_s']:.1f} s, full weight push {r['full_push_s']:.3f} s; "
+              f"greedy equal to native {e['greedy_equal']}/{e['greedy_compared']} (first differences at "
+              f"{e['greedy_first_differences']}); sampler-trainer gap mean {e['gap_mean']:.2e}, max {e['gap_max']:.2e} "
+              f"over {e['gap_tokens']} tokens")
     write_results(args.out or ("vllm_rollout_quick" if args.quick else "vllm_rollout"),
                   {"shape": shape, "results": records})
 
