@@ -108,6 +108,7 @@ class VllmEngine:
     holds_weights = True
 
     def __init__(self, dtype: torch.dtype, device: torch.device, tokenizer=None, llm=None):
+        import_vllm()  # a missing vllm is named when the run is built, not at its first rollout
         self.dtype, self.device, self.tokenizer = dtype, device, tokenizer
         self.llm = llm
         """vLLM's ``LLM``: None until the first rollout builds it; one given is reused (its weights replaced by
@@ -124,7 +125,6 @@ class VllmEngine:
 
     def build(self, policy: nn.Module) -> None:
         """The engine from ``policy``'s current weights (see the module docstring), with a progress line."""
-        import_vllm()
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core runs in this process
         from vllm import LLM
         start = time.perf_counter()
@@ -154,6 +154,12 @@ class VllmEngine:
         if draft is not None or return_hidden:
             raise ValueError("rollout.engine = \"vllm\" samples without turbogrpo's draft (rollout.speculation = "
                              "\"off\") and keeps no hidden states; use rollout.engine = \"native\" for speculation")
+        # vLLM runs in its own dtype: the step's autocast (a bf16 run's) must not reach its kernels.
+        with torch.autocast(self.device.type, enabled=False):
+            return self._sample(policy, prompts, num_samples, sampling, seed)
+
+    def _sample(self, policy: nn.Module, prompts: list[torch.Tensor], num_samples: int, sampling: SamplingConfig,
+                seed: int | None) -> Rollout:
         if self.llm is None:
             self.build(policy)
         elif not self.synced:

@@ -57,6 +57,6 @@ def trainable_modules(policy: nn.Module, fused_groups: Mapping[str, Sequence[str
     part_of = {part: parts for parts in fused_groups.values() for part in parts}
     widened = set()
     for module in changed:
-        parent, _, leaf = module.rpartition(".")
-        widened.update(f"{parent}.{part}" for part in part_of.get(leaf, (leaf,)))
+        parent, dot, leaf = module.rpartition(".")
+        widened.update(f"{parent}{dot}{part}" for part in part_of.get(leaf, (leaf,)))  # top level: no parent
     return widened
