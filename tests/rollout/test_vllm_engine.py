@@ -198,6 +198,7 @@ def test_two_grpo_steps_on_the_vllm_engine(tmp_path, engine, monkeypatch):
                                                "train.prompts_per_step=2", "rollout.num_generations=4",
                                                "rollout.max_new_tokens=24", f"train.output_dir={tmp_path / 'run'}",
                                                "optim.lr=3e-3", "optim.warmup_steps=0", "data.num_eval_problems=4",
+                                               "train.micro_batch_tokens=400",  # a micro-batch per group
                                                "log.tensorboard=false"])
     run = build_run(config, distributed.setup("cpu", "auto"), build_rewards(config.rewards))
     start(run, resume=False)

@@ -128,11 +128,10 @@ class VllmEngine:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core runs in this process
         from vllm import LLM
         start = time.perf_counter()
-        model = base_model(policy)
-        config = model.config
+        config = base_model(policy).config
         with tempfile.TemporaryDirectory(prefix="turbogrpo-vllm-") as folder, process_state_kept(), \
                 ticking("building the vLLM engine (40-100 s on a CPU)"):
-            model.save_pretrained(folder, state_dict=checkpoint_weights(policy))
+            write_checkpoint(policy, folder)
             tokenizer = self.tokenizer
             if tokenizer is not None:  # only stop strings need it (vLLM detokenizes to find them)
                 tokenizer.save_pretrained(folder)
@@ -220,6 +219,19 @@ class VllmEngine:
             raise RuntimeError("vLLM did not reset its prefix cache after a weight push (a request still running?)")
         self.push_seconds = time.perf_counter() - start
         self.synced = True
+
+
+def write_checkpoint(policy: nn.Module, folder: str) -> None:
+    """The policy (LoRA merged) as a Hugging Face folder vLLM loads: config, generation config, one
+    safetensors file. Written here, not by ``save_pretrained``, which writes on rank 0 only under torchrun
+    (each rank builds its own engine)."""
+    from safetensors.torch import save_file
+    model = base_model(policy)
+    model.config.save_pretrained(folder)
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.save_pretrained(folder)
+    weights = {name: tensor.detach().cpu().contiguous() for name, tensor in checkpoint_weights(policy).items()}
+    save_file(weights, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
 
 
 def _reprocess_tied_layers(worker) -> int:
