@@ -7,6 +7,7 @@ import copy
 import pytest
 import torch
 
+from tests.conftest import REPO
 from tests.rollout.conftest import build_model, random_prompts
 from turbogrpo.config import ConfigError, load_config
 from turbogrpo.rollout import SamplingConfig, generate
@@ -24,7 +25,7 @@ def test_engine_names_and_refusals():
     with pytest.raises(ConfigError, match="rollout.speculation"):
         load_config(None, ["rollout.engine=vllm", "rollout.speculation=fixed"])
     with pytest.raises(ConfigError, match="rollout.engine"):
-        load_config("configs/demo_multiturn.toml", ["rollout.engine=vllm"])
+        load_config(REPO / "configs" / "demo_multiturn.toml", ["rollout.engine=vllm"])
 
 
 def test_auto_picks_by_device_and_native_is_generate():

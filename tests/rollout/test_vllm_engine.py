@@ -185,6 +185,7 @@ def test_weight_push_changes_vllms_greedy_answer(demo, engine, prompts):
 def test_two_grpo_steps_on_the_vllm_engine(tmp_path, engine, monkeypatch):
     """rollout.engine = "vllm" on the demo config: two steps through the step's seam (sample, then the weight
     push after the optimizer), after which vLLM's greedy answers are the trained policy's."""
+    from tests.conftest import REPO
     from turbogrpo.config import load_config
     from turbogrpo.rewards import build_rewards
     from turbogrpo.rollout import engines
@@ -194,7 +195,7 @@ def test_two_grpo_steps_on_the_vllm_engine(tmp_path, engine, monkeypatch):
     # The shared engine's LLM (the run's own would take another minute to build); the run's weights go in first.
     monkeypatch.setitem(engines.ENGINES, "vllm", lambda **s: VllmEngine(s["dtype"], s["device"], s["tokenizer"],
                                                                        llm=engine.llm))
-    config = load_config("configs/demo.toml", ["rollout.engine=vllm", "model.dtype=float32", "train.num_steps=2",
+    config = load_config(REPO / "configs" / "demo.toml", ["rollout.engine=vllm", "model.dtype=float32", "train.num_steps=2",
                                                "train.prompts_per_step=2", "rollout.num_generations=4",
                                                "rollout.max_new_tokens=24", f"train.output_dir={tmp_path / 'run'}",
                                                "optim.lr=3e-3", "optim.warmup_steps=0", "data.num_eval_problems=4",
