@@ -194,7 +194,7 @@ def test_two_grpo_steps_on_the_vllm_engine(tmp_path, engine, monkeypatch):
     from turbogrpo.train.state import start
     # The shared engine's LLM (the run's own would take another minute to build); the run's weights go in first.
     monkeypatch.setitem(engines.ENGINES, "vllm", lambda **s: VllmEngine(s["dtype"], s["device"], s["tokenizer"],
-                                                                       llm=engine.llm))
+                                                                       llm=engine.llm, max_model_len=s["max_length"]))
     config = load_config(REPO / "configs" / "demo.toml", ["rollout.engine=vllm", "model.dtype=float32", "train.num_steps=2",
                                                "train.prompts_per_step=2", "rollout.num_generations=4",
                                                "rollout.max_new_tokens=24", f"train.output_dir={tmp_path / 'run'}",

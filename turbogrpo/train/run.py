@@ -189,7 +189,7 @@ def build_run(config: Config, dist: DistInfo, rewards: list[Reward]) -> Run:
                                longest_prompt + config.rollout.max_new_tokens // 2)
     schedule = replace(default_schedule(dist.device), linears=config.model.linear_kernel)
     engine = build_engine(config.rollout.engine, dist.device, schedule=schedule, dtype=precision.compute_dtype,
-                          tokenizer=parts.tokenizer)
+                          tokenizer=parts.tokenizer, max_length=longest_prompt + max_new_tokens)
     return Run(dist=dist, policy=policy, tokenizer=parts.tokenizer, precision=precision, trainer=trainer,
                reference=reference, optimizer=optimizer, batches=batches, rewards=rewards, sampling=parts.sampling,
                num_generations=config.rollout.num_generations, decode_schedule=schedule, engine=engine,

@@ -53,11 +53,13 @@ def _native(**settings) -> RolloutEngine:
 
 def _vllm(**settings) -> RolloutEngine:
     from turbogrpo.rollout.engines.vllm import VllmEngine  # vllm itself is imported when the engine builds
-    return VllmEngine(settings["dtype"], settings["device"], settings.get("tokenizer"))
+    return VllmEngine(settings["dtype"], settings["device"], settings.get("tokenizer"),
+                      max_model_len=settings.get("max_length"))
 
 
 ENGINES: dict[str, Callable[..., RolloutEngine]] = {"native": _native, "vllm": _vllm}
-"""rollout.engine -> builder taking the run's settings (schedule, dtype, device, tokenizer) as keywords."""
+"""rollout.engine -> builder taking the run's settings (schedule, dtype, device, tokenizer, max_length) as
+keywords."""
 
 AUTO_ENGINES: dict[str, str] = {
     # CPU: the issue-44 measurement (2-core AMD EPYC, AVX-512, SmolLM2-135M-Instruct, 8 GSM8K prompts x 8,
@@ -78,11 +80,13 @@ def resolve_engine(name: str, device: torch.device) -> str:
     return AUTO_ENGINES.get(device.type, "native") if name == "auto" else name
 
 
-def build_engine(name: str, device: torch.device, *, schedule, dtype: torch.dtype, tokenizer=None) -> RolloutEngine:
+def build_engine(name: str, device: torch.device, *, schedule, dtype: torch.dtype, tokenizer=None,
+                 max_length: int | None = None) -> RolloutEngine:
     """The engine rollout.engine names on ``device``: ``schedule`` (the native engine's ``DecodeSchedule``),
     ``dtype`` (the rollout's compute dtype, which a separate engine samples in), ``tokenizer`` (the policy's,
-    for stop strings)."""
-    return ENGINES[resolve_engine(name, device)](schedule=schedule, dtype=dtype, device=device, tokenizer=tokenizer)
+    for stop strings), ``max_length`` (the longest prompt + completion it will serve; None: the model's limit)."""
+    return ENGINES[resolve_engine(name, device)](schedule=schedule, dtype=dtype, device=device, tokenizer=tokenizer,
+                                                 max_length=max_length)
 
 
 __all__ = ["AUTO_ENGINES", "ENGINES", "ENGINE_NAMES", "RolloutEngine", "build_engine", "resolve_engine"]

@@ -46,9 +46,14 @@ from turbogrpo.rollout.engines.weights import base_model, checkpoint_weights, tr
 from turbogrpo.rollout.sampling import SamplingConfig
 from turbogrpo.rollout.types import Rollout, RolloutStats
 
-KV_CACHE_BYTES = 2 << 30
-"""The engine's KV cache: 2 GiB holds ~45k tokens of SmolLM2-135M in float32 (46 KB a token), a step of 8 x 8
-prompts of 700 tokens; vLLM's default (a fraction of all memory) would take most of the trainer's."""
+MEMORY = {
+    # 2 GiB of KV cache holds ~45k tokens of SmolLM2-135M in float32 (46 KB a token), a step of 8 x 8 prompts
+    # of 700 tokens; vLLM's CPU default (a fraction of all memory) would take most of the trainer's.
+    "cpu": {"kv_cache_memory_bytes": 2 << 30},
+    # Beside the trainer on one GPU: TRL's colocate default (not yet measured here).
+    "cuda": {"gpu_memory_utilization": 0.3},
+}
+"""vLLM's memory settings per device type: what the colocated engine may take beside the trainer."""
 
 FINISH_REASONS = {"stop": "stop", "length": "length"}
 """vLLM's finish reasons -> ours (``rollout.types.FinishReason``); any other ("abort") is an error."""
@@ -107,9 +112,12 @@ class VllmEngine:
 
     holds_weights = True
 
-    def __init__(self, dtype: torch.dtype, device: torch.device, tokenizer=None, llm=None):
+    def __init__(self, dtype: torch.dtype, device: torch.device, tokenizer=None, llm=None,
+                 max_model_len: int | None = None):
         import_vllm()  # a missing vllm is named when the run is built, not at its first rollout
         self.dtype, self.device, self.tokenizer = dtype, device, tokenizer
+        self.max_model_len = max_model_len
+        """Longest sequence (prompt + completion) the engine serves; None: the model's position limit."""
         self.llm = llm
         """vLLM's ``LLM``: None until the first rollout builds it; one given is reused (its weights replaced by
         the policy's before the first rollout)."""
@@ -137,8 +145,8 @@ class VllmEngine:
                 tokenizer.save_pretrained(folder)
             self.llm = LLM(model=folder, dtype=str(self.dtype).removeprefix("torch."), seed=0,
                            enable_prefix_caching=True, logprobs_mode="processed_logprobs",
-                           max_model_len=getattr(config, "max_position_embeddings", None),
-                           kv_cache_memory_bytes=KV_CACHE_BYTES, skip_tokenizer_init=tokenizer is None,
+                           max_model_len=self.max_model_len or getattr(config, "max_position_embeddings", None),
+                           skip_tokenizer_init=tokenizer is None, **MEMORY.get(self.device.type, MEMORY["cuda"]),
                            # Whole prefills: vLLM 0.32 rewinds a seeded request's generator after a partial
                            # prefill, which a CPU generator cannot do ("CPU Generator does not use offset").
                            enable_chunked_prefill=False)
