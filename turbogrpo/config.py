@@ -204,6 +204,10 @@ class RolloutConfig:
     speculation: str = "off"
     """Speculative rollouts with a draft head ([draft]): "off", or the tree-sizing policy "fixed",
     "fastgrpo" or "cost" (ours: trees only where they pay). Lossless: the samples' distribution is unchanged."""
+    engine: str = "native"
+    """What samples: "native" (turbogrpo's engine: speculation, conversations, exact sampler log-probs), "vllm"
+    (a vLLM engine in the trainer's process, the policy's weights pushed after every optimizer step; needs the
+    vllm package) or "auto" (per device, by measurement: native on CPU until measured otherwise)."""
     branching: list[int] = field(default_factory=list)
     """Multi-turn branching ([env]): [4, 2] starts 4 conversations per prompt and forks each 2 ways after its
     first environment reply (product = num_generations); shared turns are sampled once. [] does not branch."""
@@ -211,7 +215,12 @@ class RolloutConfig:
     def check(self, key: str) -> None:
         from turbogrpo.rollout.sampling import sampling_problem
         from turbogrpo.speculative.sizing import SIZING_POLICIES  # the registry is the one source of names
+        from turbogrpo.rollout.engines import ENGINE_NAMES
         _require(self.speculation in SIZING_POLICIES, f"{key}.speculation", f"one of {', '.join(SIZING_POLICIES)}",
+                 self.speculation)
+        _require(self.engine in ENGINE_NAMES, f"{key}.engine", f"one of {', '.join(ENGINE_NAMES)}", self.engine)
+        _require(self.engine != "vllm" or self.speculation == "off", f"{key}.speculation",
+                 "\"off\" with rollout.engine = \"vllm\" (turbogrpo's draft runs in the native engine)",
                  self.speculation)
         _require(self.num_generations >= 2, f"{key}.num_generations",
                  "an integer >= 2 (group-relative advantages need at least two completions per prompt)",
@@ -559,6 +568,12 @@ class Config:
         _require(not self.env.factory or not self.rollout.stop_strings, "rollout.stop_strings",
                  "[] with an [env] factory (a model turn ends on env.end_of_turn's token, the chat template's end of "
                  "turn; stop strings would end turns the template cannot render)", self.rollout.stop_strings)
+        _require(not self.env.factory or self.rollout.engine != "vllm", "rollout.engine",
+                 "\"native\" or \"auto\" with an [env] factory (conversations on vLLM are not built yet)",
+                 self.rollout.engine)
+        _require(self.rollout.engine != "vllm" or self.distributed.strategy != "fsdp2", "rollout.engine",
+                 "\"native\" or \"auto\" with distributed.strategy = \"fsdp2\" (the vLLM engine is given whole "
+                 "weights, which FSDP2 shards)", self.rollout.engine)
         _require(not self.env.factory or self.data.chat_template != "never", "data.chat_template",
                  "\"auto\" or \"always\" with an [env] factory (multi-turn prompts are chat messages)",
                  self.data.chat_template)

@@ -23,6 +23,7 @@ NOT_RUN = {
     ("docs/guide/install.md", "make setup   # .venv with the CPU build of torch, turbogrpo (editable) and the dev tools"),
     ("docs/guide/install.md", 'pip install -e ".[dev]"'),
     ("docs/guide/trl.md", "python3 -m venv /work/venv-trlvllm"),
+    ("docs/guide/install.md", 'pip install vllm            # after your CUDA torch; then pip install -e ".[dev]"'),
 }
 
 

@@ -174,7 +174,9 @@ def fsdp_mixed_precision(precision: Precision):
 @contextlib.contextmanager
 def gradient_sync(module: nn.Module, enabled: bool):
     """Inside, backward reduces gradients over ranks only if ``enabled`` (the last micro-batch)."""
-    if enabled or not torch_dist.is_initialized():
+    # By the wrapper, not by torch.distributed.is_initialized(): a colocated vLLM engine initialises a
+    # process group of its own in a one-process run, whose module is not wrapped.
+    if enabled or not hasattr(module, "no_sync") and not hasattr(module, "set_requires_gradient_sync"):
         yield
     elif hasattr(module, "no_sync"):  # DDP
         with module.no_sync():

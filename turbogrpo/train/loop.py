@@ -3,7 +3,8 @@
 One step is six phases, each taking and returning the step's data (``StepData``), with the collectives
 of each inside it:
 
-    sample   G completions per prompt with the policy's own weights (speculative with the run's draft), or
+    sample   G completions per prompt with the policy's weights by the run's engine (rollout.engine; speculative
+             with the run's draft on the native one), or
              G conversations per prompt with an environment each ([env]: ``episodes.py``; speculative
              too, the draft frozen); the draft's training features of every group, before the policy moves
     score    rewards (checked: failures, float32 overflow) -> group advantages      [gather, all-reduce]
@@ -11,6 +12,7 @@ of each inside it:
              (shared-prefix forward, forward only, when the loss needs them)          [all-reduce x 2]
     update   num_iterations x [micro-batched loss and backward, clip, AdamW step (skipped if NaN/inf)]
                                                                                       [all-reduce]
+             then the new weights into the rollout engine when it holds its own (rollout.engines: vLLM)
     draft    the draft's update on the collected features (draft_learning.py; policy frozen)
     record   the step's metrics over the global batch (staleness/* too), sample completions
                                                                                       [gather x 2, all-reduce]
@@ -41,7 +43,7 @@ from turbogrpo.data import PromptExample
 from turbogrpo.host_memory import keep_freed_host_memory
 from turbogrpo.rewards import RewardResult, build_rewards, score_completions
 from turbogrpo.env import EnvRollout
-from turbogrpo.rollout import Rollout, generate
+from turbogrpo.rollout import Rollout
 from turbogrpo.train import distributed
 from turbogrpo.train.distributed import DistInfo
 from turbogrpo.train.draft_learning import frozen, speculation_metrics
@@ -210,15 +212,16 @@ def sample(run: Run, data: StepData) -> StepData:
     with data.timer("rollout"), distributed.full_parameters(run.trainer), run.precision.autocast():
         run.policy.eval()
         if run.episodes is not None:
-            data.episodes = run.episodes.sample(run.policy, run.tokenizer, data.examples,
-                                                num_samples=run.num_generations, sampling=run.sampling,
-                                                seed=data.seed, schedule=run.decode_schedule, branched=True,
-                                                draft=draft.speculation() if draft is not None else None)
+            data.episodes = run.engine.sample_conversations(run.policy, run.tokenizer, data.examples, run.episodes,
+                                                            num_samples=run.num_generations, sampling=run.sampling,
+                                                            seed=data.seed,
+                                                            draft=draft.speculation() if draft is not None else None)
             data.rollout = Rollout(data.episodes.rollout.groups, data.episodes.rollout.stats)
         else:
-            data.rollout = generate(run.policy, data.prompts, num_samples=run.num_generations,
-                                    sampling=run.sampling, seed=data.seed, schedule=run.decode_schedule,
-                                    draft=draft.speculation() if draft is not None else None, return_hidden=learns)
+            data.rollout = run.engine.sample(run.policy, data.prompts, num_samples=run.num_generations,
+                                             sampling=run.sampling, seed=data.seed,
+                                             draft=draft.speculation() if draft is not None else None,
+                                             return_hidden=learns)
     data.batch = data.rollout.groups
     if learns:
         with data.timer("draft"), training_linears(run):
@@ -279,6 +282,9 @@ def update(run: Run, data: StepData) -> StepData:
             data.updates.append(update_policy(run.trainer, data.micro_batches, run.loss, data.normalizer,
                                               run.optimizer, max_grad_norm=run.optim.max_grad_norm, dist=run.dist))
             guard_nonfinite(run, data.updates[-1], data.index)
+    if run.engine.holds_weights:  # an engine with its own copy of the weights (vLLM) gets the new ones
+        with data.timer("weight_push"):
+            run.engine.push_weights(run.policy)
     return data
 
 

@@ -23,6 +23,7 @@ from turbogrpo.linears import TRAINING_LINEAR_KERNELS
 from turbogrpo.rewards import Reward
 from turbogrpo.rollout import SamplingConfig
 from turbogrpo.rollout.engine import DecodeSchedule, default_schedule
+from turbogrpo.rollout.engines import RolloutEngine, build_engine
 from turbogrpo.train import distributed, setup
 from turbogrpo.train.distributed import DistInfo
 from turbogrpo.train.draft_learning import OnlineDraft, build_online_draft
@@ -119,6 +120,8 @@ class Run:
     kernel of model.linear_kernel (``linears.TRAINING_LINEAR_KERNELS``)."""
     held_out: HeldOut
     """Held-out evaluation: prompts, the accuracy reward, greedy and sampled settings."""
+    engine: RolloutEngine
+    """What samples the step's completions and conversations (rollout.engine, ``rollout.engines``)."""
     loss: Callable
     """The policy loss with the [algo] settings bound (``algo.build_loss``)."""
     algo: AlgoConfig
@@ -185,10 +188,12 @@ def build_run(config: Config, dist: DistInfo, rewards: list[Reward]) -> Run:
     longest_prompt = max(e.token_ids.numel() for e in prompt_set.examples)
     draft = build_online_draft(config.rollout.speculation, config.draft, policy,
                                longest_prompt + config.rollout.max_new_tokens // 2)
+    schedule = replace(default_schedule(dist.device), linears=config.model.linear_kernel)
+    engine = build_engine(config.rollout.engine, dist.device, schedule=schedule, dtype=precision.compute_dtype,
+                          tokenizer=parts.tokenizer, max_length=longest_prompt + max_new_tokens)
     return Run(dist=dist, policy=policy, tokenizer=parts.tokenizer, precision=precision, trainer=trainer,
                reference=reference, optimizer=optimizer, batches=batches, rewards=rewards, sampling=parts.sampling,
-               num_generations=config.rollout.num_generations,
-               decode_schedule=replace(default_schedule(dist.device), linears=config.model.linear_kernel),
+               num_generations=config.rollout.num_generations, decode_schedule=schedule, engine=engine,
                training_kernels=TRAINING_LINEAR_KERNELS[config.model.linear_kernel], held_out=held_out,
                loss=build_loss(config.algo), algo=config.algo, optim=config.optim, train=config.train,
                log=config.log, export_dtype=str(parts.precision.compute_dtype).removeprefix("torch.")

@@ -1,0 +1,172 @@
+"""Rollout on three engines, side by side in one process: turbogrpo's native engine, the vLLM engine
+(``rollout.engine = "vllm"``: vLLM's CPU build in this process) and Hugging Face ``generate`` with the prompts
+repeated G times (TRL without vLLM), on SmolLM2-135M-Instruct (bench/real_model.py) with GSM8K test prompts
+under its chat template, T = 1.
+
+Two workloads per dtype (float32, bfloat16: the weights themselves in that dtype on every side):
+    eos     each completion stops at the model's end of turn / EOS, or at max_new_tokens: lengths differ
+            between engines (random draws), so the table gives time per generated token too
+    fixed   no stop token: every completion runs max_new_tokens, the same token count on every side
+
+The three contenders alternate run by run (``harness.interleaved_medians``); the vLLM engine is built once
+per dtype (its build time is recorded, with a full weight push's time: issue 44 part 7c), and checked
+against the native engine and the trainer first (``exactness``: greedy completions equal? the
+sampler-trainer log-prob gap).
+
+    python bench/vllm_rollout.py                       # 8 prompts x 8 samples, up to 256 tokens, 3 repeats
+    python bench/vllm_rollout.py --dtypes bfloat16     # one dtype
+    python bench/vllm_rollout.py --quick               # smoke run: 2 x 2, 8 tokens, float32, 1 repeat
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import interleaved_medians, print_table, write_results  # noqa: E402
+from real_model import chat_prompts, load_real_model  # noqa: E402
+
+from turbogrpo import completion_logprobs  # noqa: E402
+from turbogrpo.rollout import SamplingConfig, generate  # noqa: E402
+from turbogrpo.rollout.engines.vllm import VllmEngine  # noqa: E402
+
+WORKLOADS = ("eos", "fixed")
+
+
+def stop_ids(tokenizer) -> tuple[int, ...]:
+    """The ids that end an answer: EOS and the chat template's end of turn."""
+    ids = {tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>")}
+    return tuple(sorted(i for i in ids if isinstance(i, int) and i >= 0))
+
+
+def hf_generate(model, prompts: list[torch.Tensor], num_samples: int, sampling: SamplingConfig, pad_id: int) -> int:
+    """HF generate on the prompts left-padded, each repeated G times (TRL's way); returns tokens generated
+    (up to each row's first stop token)."""
+    width = max(p.numel() for p in prompts)
+    ids = torch.stack([torch.cat([torch.full((width - p.numel(),), pad_id), p]) for p in prompts])
+    mask = torch.stack([torch.cat([torch.zeros(width - p.numel()), torch.ones(p.numel())]) for p in prompts]).long()
+    fixed = not sampling.stop_token_ids
+    out = model.generate(ids.repeat_interleave(num_samples, 0), attention_mask=mask.repeat_interleave(num_samples, 0),
+                         do_sample=True, temperature=sampling.temperature, top_k=0, top_p=1.0,
+                         max_new_tokens=sampling.max_new_tokens,
+                         min_new_tokens=sampling.max_new_tokens if fixed else None,
+                         eos_token_id=None if fixed else list(sampling.stop_token_ids), pad_token_id=pad_id)
+    new = out[:, width:]
+    if fixed:
+        return new.numel()
+    stops = torch.isin(new, torch.tensor(sampling.stop_token_ids))
+    ends = torch.where(stops.any(1), stops.int().argmax(1) + 1, torch.full((new.shape[0],), new.shape[1]))
+    return int(ends.sum())
+
+
+def exactness(model, engine: VllmEngine, prompts: list[torch.Tensor], num_samples: int, new_tokens: int,
+              stops: tuple[int, ...]) -> dict:
+    """Greedy completions of vLLM and the native engine compared (how many equal, and where the first
+    difference falls), and the sampler-trainer log-prob gap of a T = 1 vLLM rollout (|sampler - trainer| over
+    its tokens, the trainer being ``completion_logprobs`` on the same weights)."""
+    greedy = SamplingConfig(max_new_tokens=new_tokens, temperature=0.0, stop_token_ids=stops)
+    ours = engine.sample(model, prompts, num_samples=1, sampling=greedy, seed=0).tokens
+    native = generate(model, prompts, num_samples=1, sampling=greedy, seed=0).tokens
+    first_differences = [next((i for i, (x, y) in enumerate(zip(a.tolist(), b.tolist())) if x != y),
+                              min(len(a), len(b))) for a, b in zip(ours, native) if a.tolist() != b.tolist()]
+    sampled = engine.sample(model, prompts, num_samples=num_samples, seed=1, sampling=SamplingConfig(
+        max_new_tokens=new_tokens, temperature=1.0, stop_token_ids=stops))
+    with torch.no_grad():
+        trainer = completion_logprobs(model, sampled.prompts, sampled.tokens_per_group(), temperature=1.0)
+    gaps = torch.cat([(a.float() - b.float()).abs() for ga, gb in zip(sampled.logprobs_per_group(), trainer)
+                      for a, b in zip(ga, gb)])
+    return {"greedy_equal": len(ours) - len(first_differences), "greedy_compared": len(ours),
+            "greedy_first_differences": first_differences, "gap_mean": float(gaps.mean()),
+            "gap_max": float(gaps.max()), "gap_tokens": gaps.numel()}
+
+
+def bench_dtype(dtype: torch.dtype, num_prompts: int, num_samples: int, new_tokens: int, repeats: int) -> dict:
+    model, tokenizer = load_real_model()
+    model = model.to(dtype)
+    prompts = chat_prompts(tokenizer, num_prompts, few_shot=False)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    engine = VllmEngine(dtype, torch.device("cpu"), tokenizer)
+    engine.build(model)
+    pushes = []
+    for _ in range(3):  # a full push (every weight), as the first push into an engine another run built
+        engine.synced = False
+        start = time.perf_counter()
+        engine.push_weights(model)
+        pushes.append(time.perf_counter() - start)
+    record = {"dtype": str(dtype).removeprefix("torch."), "build_s": engine.build_seconds,
+              "full_push_s": sorted(pushes)[1], "workloads": {}}
+    record["exactness"] = exactness(model, engine, prompts, num_samples, new_tokens, stop_ids(tokenizer))
+    for workload in WORKLOADS:
+        sampling = SamplingConfig(max_new_tokens=new_tokens, temperature=1.0,
+                                  stop_token_ids=stop_ids(tokenizer) if workload == "eos" else ())
+        tokens: dict[str, list[int]] = {"native": [], "vllm": [], "hf_generate": []}
+        seeds = iter(range(10_000))
+
+        def native():
+            rollout = generate(model, prompts, num_samples=num_samples, sampling=sampling, seed=next(seeds))
+            tokens["native"].append(rollout.stats.num_generated_tokens)
+
+        def vllm():
+            rollout = engine.sample(model, prompts, num_samples=num_samples, sampling=sampling, seed=next(seeds))
+            tokens["vllm"].append(rollout.stats.num_generated_tokens)
+
+        def hf():
+            tokens["hf_generate"].append(hf_generate(model, prompts, num_samples, sampling, pad_id))
+
+        with torch.no_grad():
+            times = interleaved_medians({"native": native, "vllm": vllm, "hf_generate": hf}, repeats=repeats,
+                                        warmup=1)
+        for name, timing in times.items():
+            counted = tokens[name][-repeats:]  # the timed runs (after the warm-up)
+            timing["tokens"] = counted
+            timing["median_s_per_token"] = sorted(t / n for t, n in zip(timing["times_s"], counted))[len(counted) // 2]
+        record["workloads"][workload] = times
+    del engine
+    return record
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--samples", type=int, default=8)
+    parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--quick", action="store_true", help="smoke run: 2 x 2, 8 tokens, float32, 1 repeat")
+    parser.add_argument("--out", default=None, help="results name (default vllm_rollout, or vllm_rollout_quick)")
+    args = parser.parse_args()
+    if args.quick:
+        args.dtypes, args.prompts, args.samples, args.new_tokens, args.repeats = "float32", 2, 2, 8, 1
+    shape = {"num_prompts": args.prompts, "num_samples": args.samples, "max_new_tokens": args.new_tokens,
+             "repeats": args.repeats, "temperature": 1.0, "model": "smollm2-135m-instruct",
+             "prompts": "GSM8K test, zero-shot chat template"}
+    records = [bench_dtype(getattr(torch, d), args.prompts, args.samples, args.new_tokens, args.repeats)
+               for d in args.dtypes.split(",")]
+    rows = []
+    for r in records:
+        for workload, times in r["workloads"].items():
+            native = times["native"]
+            for name, t in times.items():
+                rows.append([r["dtype"], workload, name, t["median_s"], t["median_s_per_token"] * 1e3,
+                             t["median_s"] / native["median_s"],
+                             t["median_s_per_token"] / native["median_s_per_token"]])
+    print_table(f"Rollout, SmolLM2-135M, {args.prompts} x {args.samples}, up to {args.new_tokens} tokens "
+                f"(medians of {args.repeats})", ["dtype", "workload", "engine", "time s", "ms/token",
+                                                 "time / native", "per token / native"], rows)
+    for r in records:
+        e = r["exactness"]
+        print(f"{r['dtype']}: vLLM engine built in {r['build_s']:.1f} s, full weight push {r['full_push_s']:.3f} s; "
+              f"greedy equal to native {e['greedy_equal']}/{e['greedy_compared']} (first differences at "
+              f"{e['greedy_first_differences']}); sampler-trainer gap mean {e['gap_mean']:.2e}, max {e['gap_max']:.2e} "
+              f"over {e['gap_tokens']} tokens")
+    write_results(args.out or ("vllm_rollout_quick" if args.quick else "vllm_rollout"),
+                  {"shape": shape, "results": records})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,77 @@
+"""The engine seam without vLLM: rollout.engine's names and refusals, "auto", the native engine as
+``generate`` itself, the weights a separate engine is sent (LoRA merged, whole fused groups), and the
+request seeds."""
+
+import copy
+
+import pytest
+import torch
+
+from tests.conftest import REPO
+from tests.rollout.conftest import build_model, random_prompts
+from turbogrpo.config import ConfigError, load_config
+from turbogrpo.rollout import SamplingConfig, generate
+from turbogrpo.rollout.engines import AUTO_ENGINES, ENGINE_NAMES, build_engine, resolve_engine
+from turbogrpo.rollout.engines.weights import checkpoint_weights, trainable_modules
+
+FUSED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}  # vLLM's Qwen2
+
+
+def test_engine_names_and_refusals():
+    assert load_config(None, ["rollout.engine=vllm"]).rollout.engine == "vllm"
+    assert set(ENGINE_NAMES) == {"auto", "native", "vllm"}
+    with pytest.raises(ConfigError, match="rollout.engine"):
+        load_config(None, ["rollout.engine=sglang"])
+    with pytest.raises(ConfigError, match="rollout.speculation"):
+        load_config(None, ["rollout.engine=vllm", "rollout.speculation=fixed"])
+    with pytest.raises(ConfigError, match="rollout.engine"):
+        load_config(REPO / "configs" / "demo_multiturn.toml", ["rollout.engine=vllm"])
+
+
+def test_auto_picks_by_device_and_native_is_generate():
+    assert resolve_engine("auto", torch.device("cpu")) == AUTO_ENGINES["cpu"]
+    assert resolve_engine("vllm", torch.device("cpu")) == "vllm"
+    model = build_model("qwen2")
+    engine = build_engine("auto", torch.device("cpu"), schedule=None, dtype=torch.float32)
+    assert not engine.holds_weights
+    prompts = random_prompts([5, 7])
+    sampling = SamplingConfig(max_new_tokens=6, temperature=1.0)
+    ours = engine.sample(model, prompts, num_samples=3, sampling=sampling, seed=4)
+    theirs = generate(model, prompts, num_samples=3, sampling=sampling, seed=4)
+    assert [t.tolist() for t in ours.tokens] == [t.tolist() for t in theirs.tokens]
+    assert all(torch.equal(a, b) for a, b in zip(ours.logprobs, theirs.logprobs))
+
+
+def test_lora_weights_are_merged_and_sent_by_whole_fused_groups():
+    from peft import LoraConfig, get_peft_model
+    base = build_model("qwen2")
+    lora = get_peft_model(copy.deepcopy(base), LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "up_proj"]))
+    with torch.no_grad():
+        for name, param in lora.named_parameters():
+            if "lora_B" in name:
+                param.normal_()
+    modules = trainable_modules(lora, FUSED)
+    assert modules == {f"model.layers.{i}.{m}" for i in range(2) for m in
+                       ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")}
+    sent = checkpoint_weights(lora, modules)
+    merged = copy.deepcopy(lora).merge_and_unload().state_dict()
+    assert set(sent) == {f"{m}.{leaf}" for m in modules for leaf in ("weight", "bias") if f"{m}.{leaf}" in merged}
+    for name, tensor in sent.items():
+        torch.testing.assert_close(tensor, merged[name])
+    assert not torch.equal(sent["model.layers.0.self_attn.q_proj.weight"],
+                           base.state_dict()["model.layers.0.self_attn.q_proj.weight"])
+    everything = checkpoint_weights(lora)
+    assert set(everything) == set(base.state_dict()) and not any("lora" in n for n in everything)
+
+
+def test_full_fine_tune_sends_every_module():
+    model = build_model("qwen2")
+    assert checkpoint_weights(model, trainable_modules(model, FUSED)).keys() == dict(model.named_parameters()).keys()
+
+
+def test_request_seeds_are_distinct_over_steps_ranks_and_groups():
+    from turbogrpo.rollout.engines.vllm import request_seed  # the module imports without vllm
+    from turbogrpo.train.loop import rollout_seed
+    steps = [rollout_seed(0, step, rank) for step in range(5) for rank in range(2)]  # neighbours differ by 1
+    seeds = {request_seed(seed, group) + i for seed in steps for group in range(16) for i in range(8)}
+    assert len(seeds) == 10 * 16 * 8 and all(0 <= s < 2**63 for s in seeds)

