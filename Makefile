@@ -43,9 +43,12 @@ test: $(STAMP)
 docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 
-# docs/guide/settings.md from the typed config (turbogrpo/config.py).
+# docs/guide/settings.md from the typed config (turbogrpo/config.py); docs/design/async.md's cost-model table
+# from bench/results/*.json; docs/guide/architectures.md from turbogrpo/architectures.py and turbogrpo/output_head.py.
 docs-pages: $(STAMP)
 	$(PY) scripts/config_docs.py
+	$(PY) scripts/async_cost_model.py
+	$(PY) scripts/architectures_docs.py
 
 # docs/benchmarks.md, its archive, docs/bench-plots/ and README.md's headline table from bench/results/*.json.
 bench-docs: $(STAMP)

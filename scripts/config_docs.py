@@ -112,21 +112,27 @@ def render() -> str:
     return "\n".join(lines).rstrip() + "\n"
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def write_or_check(page: Path, render, description: str, argv: list[str] | None = None) -> int:
+    """The command line of a generated page: write ``render()`` to ``page``, or with ``--check`` exit 1 if the
+    committed page differs from it."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--check", action="store_true", help="only check that the committed page is current")
     args = parser.parse_args(argv)
     text = render()
     if args.check:
-        current = PAGE.read_text(encoding="utf-8") if PAGE.is_file() else ""
+        current = page.read_text(encoding="utf-8") if page.is_file() else ""
         if current != text:
-            print(f"{PAGE.relative_to(REPO)} is out of date: run `make docs-pages`", file=sys.stderr)
+            print(f"{page.relative_to(REPO)} is out of date: run `make docs-pages`", file=sys.stderr)
             return 1
         return 0
-    PAGE.parent.mkdir(parents=True, exist_ok=True)
-    PAGE.write_text(text, encoding="utf-8")
-    print(f"wrote {PAGE.relative_to(REPO)}")
+    page.parent.mkdir(parents=True, exist_ok=True)
+    page.write_text(text, encoding="utf-8")
+    print(f"wrote {page.relative_to(REPO)}")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return write_or_check(PAGE, render, __doc__, argv)
 
 
 if __name__ == "__main__":

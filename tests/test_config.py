@@ -87,6 +87,12 @@ def test_overrides_apply_on_top_of_the_file(tmp_path):
     ("model.pure_bf16=true", "config key 'model.pure_bf16': True is not allowed; expected false, or true only with "
                              "model.dtype = \"bfloat16\""),
     ("algo.tis_cap=0.5", "config key 'algo.tis_cap': 0.5 is not allowed; expected 0 (off) or a number >= 1"),
+    ("algo.off_policy_correction=decoupled", "config key 'algo.off_policy_correction': 'decoupled' is not allowed; "
+                                             "expected one of tis, mis"),
+    ("train.max_staleness=-1", "config key 'train.max_staleness': -1 is not allowed; expected an integer >= 0"),
+    ("train.max_staleness=1", "config key 'train.max_staleness': 1 is not allowed; expected 0 for now (k > 0 needs "
+                              "the asynchronous rollout loop, not built yet)"),
+    ("train.max_staleness=0.5", "config key 'train.max_staleness': expected an integer, got float 0.5"),
     ("train.final_dtype=int8", "config key 'train.final_dtype': 'int8' is not allowed; expected one of 'auto',"),
     ("optim", "override 'optim': expected the form key.sub=value"),
     ("optim.lr=inf", "config key 'optim.lr': inf is not allowed; expected a finite number"),

@@ -40,9 +40,9 @@ from torch.nn.utils.rnn import pad_sequence
 T = TypeVar("T")
 
 PER_COMPLETION = ("advantages", "rewards", "finish_reasons", "sampler_logps", "old_logps", "ref_logps", "hidden",
-                  "model_mask")
+                  "model_mask", "versions")
 """The optional fields with one entry per completion (flat, group-major)."""
-PER_TOKEN = ("sampler_logps", "old_logps", "ref_logps", "hidden", "model_mask")
+PER_TOKEN = ("sampler_logps", "old_logps", "ref_logps", "hidden", "model_mask", "versions")
 """Those whose entry is one ``[S_i, ...]`` tensor per completion (what :meth:`Groups.padded` pads)."""
 
 
@@ -79,6 +79,11 @@ class Groups:
     """N ``[S_i]`` bool: True on the ids the policy sampled, False on ids an environment added (tool
     replies, feedback) between its turns; None: every completion id was sampled. Only sampled ids reach
     the loss, the KL, the entropy and the token counts (:meth:`mask`)."""
+    versions: list[Tensor] | None = None
+    """N ``[S_i]`` int64 (host): the policy version (optimizer steps done) whose weights drew each token. A
+    rollout done with one set of weights marks every token alike (:meth:`at_version`); a generation that
+    continues across weight updates (a partial rollout) marks each token with the version that drew it.
+    None: not recorded (the trainer then takes the batch as drawn by its current weights)."""
     prompt_hidden: list[Tensor] | None = None
     """K ``[P_k, Hd]``: the policy's final hidden state at every prompt position (draft training)."""
     weight: float = 1.0
@@ -224,6 +229,13 @@ class Groups:
         return [self._take([g for g, _, _ in runs], [stop - start for _, start, stop in runs],
                            [self.offsets[g] + i for g, start, stop in runs for i in range(start, stop)])
                 for runs in _plan(self.prompt_lengths, self.split(self.lengths), token_budget, common_prefixes)]
+
+    def at_version(self, version: int) -> Groups:
+        """This batch (every field kept) with each token marked as drawn by policy version ``version``."""
+        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+            raise ValueError(f"at_version: version must be an integer >= 0 (optimizer steps done), got {version!r}")
+        versions = [torch.full((length,), version, dtype=torch.int64) for length in self.lengths]
+        return dataclasses.replace(self, versions=versions)
 
     def padded(self, name: str) -> Tensor | None:
         """``[B, L]``: per-token field ``name`` right-padded with 0 (None when the batch lacks it)."""

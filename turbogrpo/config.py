@@ -312,8 +312,13 @@ class AlgoConfig:
     num_iterations: int = 1
     """Policy updates per rollout; > 1 computes old-policy log-probs before the first update."""
     tis_cap: float = 0.0
-    """Truncated importance sampling: weight each token's policy loss by min(pi_train / pi_rollout, tis_cap),
-    correcting the sampler-vs-trainer mismatch (bf16 kernels); 0 turns it off (verl/slime use 2)."""
+    """The off-policy correction's cap: weight each token's policy loss by pi_prox / pi_behav (the trainer's
+    log-prob at the update's start over the sampler's), capped here, correcting the sampler-vs-trainer mismatch
+    (bf16 kernels, another engine) and stale rollouts (train.max_staleness); 0 turns it off (verl/slime use 2)."""
+    off_policy_correction: str = "tis"
+    """What a weight past algo.tis_cap becomes (``turbogrpo.algo.OFF_POLICY_CORRECTIONS``): "tis" truncates it to
+    the cap (verl, slime), "mis" drops the token from the policy loss (AReaL's decoupled PPO); see
+    docs/design/async.md. Either is exactly the uncorrected loss where sampler and trainer agree."""
     kl_bias_correction: bool = False
     """Multiply each token's k3 by the (differentiable) importance ratio, which makes the KL gradient the
     unbiased reverse-KL gradient (DeepSeek-V3.2), even on-policy where the ratio is 1 in value. TRL's
@@ -328,6 +333,9 @@ class AlgoConfig:
         _require(self.num_iterations >= 1, f"{key}.num_iterations", "an integer >= 1", self.num_iterations)
         _require(self.tis_cap == 0 or self.tis_cap >= 1, f"{key}.tis_cap", "0 (off) or a number >= 1, e.g. 2",
                  self.tis_cap)
+        from turbogrpo.algo import OFF_POLICY_CORRECTIONS  # the registry is the one source of names
+        _require(self.off_policy_correction in OFF_POLICY_CORRECTIONS, f"{key}.off_policy_correction",
+                 f"one of {', '.join(OFF_POLICY_CORRECTIONS)}", self.off_policy_correction)
 
 
 @dataclass
@@ -402,6 +410,10 @@ class TrainConfig:
     """dtype of the exported weights; "auto" is model.dtype (a bfloat16 run exports bfloat16)."""
     num_threads: int = 0
     """CPU threads per process for torch (0: torch's default, one per core). Tiny models run fastest on 1."""
+    max_staleness: int = 0
+    """k: the rollouts of steps t+1..t+k may be drawn while step t updates, from weights at most k steps old
+    (corrected by algo.off_policy_correction). 0 is the on-policy loop; k > 0 needs the asynchronous loop,
+    which is not built yet (docs/design/async.md)."""
 
     def __post_init__(self):
         # One spelling of the folder for every module that writes there: "~" expanded, "a/.." and "./" gone
@@ -426,6 +438,9 @@ class TrainConfig:
         _require(self.eval_every >= 0, f"{key}.eval_every", "an integer >= 0", self.eval_every)
         _require(self.num_threads >= 0, f"{key}.num_threads", "an integer >= 0 (0: torch's default)",
                  self.num_threads)
+        _require(self.max_staleness >= 0, f"{key}.max_staleness", "an integer >= 0 (0: on-policy)", self.max_staleness)
+        _require(self.max_staleness == 0, f"{key}.max_staleness",
+                 "0 for now (k > 0 needs the asynchronous rollout loop, not built yet)", self.max_staleness)
         _require(0.0 <= self.reward_failure_limit <= 1.0, f"{key}.reward_failure_limit",
                  "a fraction in [0, 1] (0: never stop)", self.reward_failure_limit)
 

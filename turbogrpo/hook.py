@@ -3,9 +3,13 @@
 transformers looks attention up by name in ``AttentionInterface``. We register one name,
 ``"turbogrpo"``, whose function does one of two things:
 
-* a call that carries an *attention plan* (keyword ``turbogrpo_plan``) hands q/k/v to the plan:
-  the shared-prefix training forward, the rollout engine's KV cache and tree verification are
-  all plans;
+* a call that carries an *attention plan* hands q/k/v to the plan: the shared-prefix training
+  forward, the rollout engine's KV cache and tree verification are all plans. The plan travels two
+  ways, so that it reaches every layer: as the keyword ``turbogrpo_plan`` (which transformers passes
+  down to attention) and on the placeholder 4-D attention mask (:func:`plan_mask`), which
+  transformers passes through unchanged. Some decoder layers drop extra keywords before their
+  attention (StableLM's); every layer passes its mask, also when activation checkpointing recomputes
+  the layer in the backward;
 * any other call (``model.generate``, a plain ``model(ids)``) goes to SDPA, so installing the
   hook changes nothing for other users of the model.
 
@@ -25,17 +29,14 @@ from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
-ATTENTION_NAME = "turbogrpo"
-PLAN_KWARG = "turbogrpo_plan"
+from turbogrpo.architectures import unsupported_token_mixing
 
-# Token mixers that are not softmax attention over the whole context: sharing a prefix's K/V (or a
-# KV cache laid out by us) would give wrong answers, so these models are refused up front.
-NON_ATTENTION_MODEL_TYPES = frozenset({
-    "mamba", "mamba2", "falcon_mamba", "rwkv", "jamba", "zamba", "zamba2", "bamba", "falcon_h1",
-    "lfm2", "qwen3_next", "recurrent_gemma", "granitemoehybrid", "nemotron_h", "minimax", "plamo2",
-    "xlstm", "gemma3n", "kimi_linear",
-})
-SUPPORTED_LAYER_TYPES = frozenset({"full_attention", "sliding_attention"})
+ATTENTION_NAME = "turbogrpo"
+PLAN_KWARG = "turbogrpo_plan"   # the keyword carrying the plan, and the attribute carrying it on the mask
+
+
+class UnsupportedAttention(ValueError):
+    """An attention call passes an argument (soft-cap, sinks) that turbogrpo's plans do not implement."""
 
 
 class AttentionPlan(Protocol):
@@ -46,10 +47,12 @@ class AttentionPlan(Protocol):
 def _turbogrpo_attention(module, query, key, value, attention_mask, **kwargs):
     plan = kwargs.pop(PLAN_KWARG, None)
     if plan is None:
+        plan = getattr(attention_mask, PLAN_KWARG, None)
+    if plan is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     for unsupported in ("softcap", "s_aux", "sinks"):
         if kwargs.get(unsupported) is not None:
-            raise ValueError(
+            raise UnsupportedAttention(
                 f"{type(module).__name__} passes `{unsupported}` to its attention; turbogrpo's attention "
                 "plans implement plain softmax attention only. Use a model without attention "
                 f"{unsupported} (Qwen2/Qwen3/Llama/Mistral work).")
@@ -83,19 +86,16 @@ def causal_band(length: int, sliding_window: int | None, device: torch.device) -
 
 
 def check_supported(model: nn.Module) -> None:
-    """Raise ValueError if ``model``'s token mixing is not plain (full-context) softmax attention."""
+    """Raise ValueError if ``model``'s token mixing is not plain (full-context or windowed) softmax attention
+    (the rules of ``turbogrpo.architectures``)."""
     config = model.config
     model_type = getattr(config, "model_type", type(model).__name__)
-    if model_type in NON_ATTENTION_MODEL_TYPES:
+    what = unsupported_token_mixing(config)
+    if what is not None:
         raise ValueError(
-            f"model type '{model_type}' mixes tokens with recurrent/convolutional/linear-attention layers; "
-            "its prompt state cannot be shared across completions. Use share_prefix=False with HF "
-            "generate, or a pure-attention model (Qwen2, Qwen3, Llama, Mistral).")
-    layer_types = set(getattr(config, "layer_types", None) or ())
-    if not layer_types <= SUPPORTED_LAYER_TYPES:
-        raise ValueError(
-            f"model type '{model_type}' has layer types {sorted(layer_types - SUPPORTED_LAYER_TYPES)}, "
-            f"which turbogrpo cannot run; supported layer types are {sorted(SUPPORTED_LAYER_TYPES)}.")
+            f"model type '{model_type}' {what}; turbogrpo's attention plans (shared prefix, rollout) cannot run it "
+            "exactly. tree_logprobs runs it one row per sequence; to train, use a model whose layers are softmax "
+            "attention (Qwen2, Qwen3, Llama, Mistral; docs/guide/architectures.md).")
 
 
 def check_materialized(model: nn.Module) -> None:
@@ -149,18 +149,33 @@ def lm_head_of(model: nn.Module) -> nn.Module:
     return base.get_output_embeddings()
 
 
+def plan_mask(plan: Callable, device: torch.device) -> torch.Tensor:
+    """The placeholder attention mask of a plan call, carrying ``plan``: transformers takes a 4-D mask as
+    prebuilt and hands the same tensor to every layer's attention, so no ``[T, T]`` mask is made."""
+    mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=device)
+    setattr(mask, PLAN_KWARG, plan)
+    return mask
+
+
 def run_decoder(model: nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor,
                 plan: Callable) -> torch.Tensor:
     """Final hidden states ``[B, T, hidden]`` of ``model`` for ``input_ids``/``position_ids`` ``[B, T]``,
     with every attention layer computed by ``plan``.
     """
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    implementation = base.config._attn_implementation
     install(model)
     decoder = decoder_of(model)
     counting = _CountingPlan(plan)
-    # A 4-D mask is taken as prebuilt by transformers, so no [T, T] mask is made for plan calls.
-    placeholder_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=input_ids.device)
-    out = decoder(input_ids=input_ids, position_ids=position_ids, attention_mask=placeholder_mask,
-                  use_cache=False, **{PLAN_KWARG: counting})
+    try:
+        out = decoder(input_ids=input_ids, position_ids=position_ids,
+                      attention_mask=plan_mask(counting, input_ids.device), use_cache=False, **{PLAN_KWARG: counting})
+    except UnsupportedAttention:
+        # Leave the model as it was, so that its own forward (and tree_logprobs' per-sequence fallback)
+        # still runs its own attention.
+        if implementation != ATTENTION_NAME:
+            base.set_attn_implementation(implementation)
+        raise
     num_layers = model.config.num_hidden_layers
     if counting.num_calls < num_layers:
         raise ValueError(

@@ -168,7 +168,7 @@ def _check_model_folder(folder: Path, source: str) -> None:
     if not any((folder / name).is_file() for name in TOKENIZER_FILES):
         raise ValueError(f"model folder {source!r} has no tokenizer files ({', '.join(TOKENIZER_FILES)}); copy "
                          "them from the model it was trained from, or save them with tokenizer.save_pretrained")
-    from turbogrpo.hook import NON_ATTENTION_MODEL_TYPES
+    from turbogrpo.architectures import NON_ATTENTION_MODEL_TYPES
     model_type = _model_type(str(folder))
     not_causal = _not_a_causal_lm(folder, model_type)
     if not_causal:

@@ -21,11 +21,26 @@ def script(name: str):
 
 bench_docs = script("bench_docs")
 config_docs = script("config_docs")
+architectures_docs = script("architectures_docs")
 
 
 def test_settings_page_is_current():
     committed = (REPO / "docs" / "guide" / "settings.md").read_text(encoding="utf-8")
     assert committed == config_docs.render(), "docs/guide/settings.md is out of date: run `make docs-pages`"
+
+
+def test_architectures_page_is_current():
+    committed = (REPO / "docs" / "guide" / "architectures.md").read_text(encoding="utf-8")
+    assert committed == architectures_docs.render(), "docs/guide/architectures.md is out of date: run `make docs-pages`"
+
+
+def test_architectures_page_names_every_table_entry():
+    from turbogrpo.architectures import TOKEN_MIXING_RULES, VERIFIED_SHARED
+    from turbogrpo.output_head import LOGIT_TRANSFORMS
+    page = architectures_docs.render()
+    for model_type in [*VERIFIED_SHARED, *(t for r in TOKEN_MIXING_RULES for t in r.known_model_types),
+                       *(t for transform in LOGIT_TRANSFORMS for t in transform.model_types or ())]:
+        assert f"`{model_type}`" in page, model_type
 
 
 def test_settings_page_lists_every_field_of_every_section():

@@ -11,7 +11,16 @@ import pytest
 import torch
 
 import turbogrpo
-from tests.prefix.conftest import PACKS, build_model, random_groups
+from tests.prefix.conftest import PACKS, build_model as build_unchecked_model, random_groups
+from turbogrpo.output_head import check_logits_head
+
+
+def build_model(*args, **kwargs):
+    """A test model whose logits head was checked already: that probe reads its result back once per model
+    (``turbogrpo.output_head``), by design; the calls below must read nothing back."""
+    model = build_unchecked_model(*args, **kwargs)
+    check_logits_head(model)
+    return model
 
 # Tensor methods that copy device values to the host (each one a host sync on a GPU).
 HOST_READS = ("item", "tolist", "cpu", "numpy", "__int__", "__float__", "__bool__", "__index__")

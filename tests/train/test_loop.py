@@ -43,6 +43,9 @@ def test_short_training_writes_metrics_checkpoints_report_and_final_model(assets
     for record in steps:
         assert STEP_KEYS <= record.keys()
         assert record["logprob_gap"] < 1e-4  # the sampler and the trainer saw the same weights
+        # On-policy: every token drawn by the weights the update starts from, so weights exp(prox - behav) ~ 1.
+        assert record["staleness/lag_mean"] == 0 and record["staleness/lag_max"] == 0
+        assert abs(record["staleness/weight_mean"] - 1) < 1e-4 and abs(record["staleness/weight_max"] - 1) < 1e-3
         assert record["kl"] >= 0 and record["skipped_steps"] == 0
     assert steps[0]["kl"] < steps[-1]["kl"]  # the policy moves away from the reference
     assert [r["step"] for r in records if "eval/accuracy" in r] == [0, 4]

@@ -2,16 +2,22 @@
 
 Every variant is the same clipped surrogate plus an optional k3 KL penalty to a reference policy:
 
-    r = exp(logp - logp_old)                        per token, or per sequence for gspo
+    r = exp(logp - logp_prox)                       per token, or per sequence for gspo
     policy = -min(r * A, clip(r, 1 - eps_low, 1 + eps_high) * A)
     kl = exp(ref - logp) - (ref - logp) - 1         per token (k3: unbiased, always >= 0), optionally x r
-    loss = reduce(tis * policy + beta * kl)
-    tis = min(exp(logp_old - logp_rollout), tis_cap)   per token, detached; 1 when tis_cap is 0 (off)
+    loss = reduce(w * policy + beta * kl)
+    w = at_cap(exp(logp_prox - logp_behav), tis_cap)   per token, detached; 1 when tis_cap is 0 (off)
 
-TIS (truncated importance sampling, as in verl and slime) corrects for the sampler and the trainer
-computing slightly different probabilities for the same weights (bf16 kernels, a different engine): the
-tokens were drawn from pi_rollout, the surrogate assumes pi_old, so each token is reweighted by their
-ratio, capped so a rare token the sampler under-weighted cannot dominate the step.
+This is decoupled PPO (Hilton et al. 2021, as AReaL trains on stale rollouts): the trust region is taken
+around the proximal policy pi_prox (the weights at the start of the update: ``old_logps`` recomputed by the
+trainer, or the update's own detached forward when it is the first), while the tokens were drawn by the
+behaviour policy pi_behav (the sampler's log-probs, ``rollout_logps``: another engine, bf16 kernels, or
+weights some versions old). The weight w moves the expectation from pi_behav to pi_prox; ``at_cap`` is
+the off-policy correction (``algo.off_policy_correction``, OFF_POLICY_CORRECTIONS): "tis" truncates the
+weight at the cap (verl, slime, TRL's token_truncate), "mis" drops tokens over the cap (AReaL's
+behav_imp_weight_cap, TRL's token_mask), so a rare token the sampler under-weighted cannot dominate the
+step. When the behaviour policy is the proximal one (the on-policy loop, the native engine) w is exp(0) = 1
+exactly and the loss is bit for bit the uncorrected one. Why and what each costs: docs/design/async.md.
 
 The variants differ only in two small units, paired by name in LOSSES: the importance ratio's level
 (token or sequence) and the reduction (what the summed token losses are divided by).
@@ -46,6 +52,7 @@ class ObjectiveSettings(Protocol):
     epsilon_low: float
     epsilon_high: float
     tis_cap: float
+    off_policy_correction: str
     kl_bias_correction: bool
 
     def check(self, key: str) -> None: ...
@@ -164,14 +171,39 @@ def k3_kl(ref_logps_BL: Tensor, logps_BL: Tensor) -> Tensor:
     return log_ratio_BL.exp() - log_ratio_BL - 1
 
 
-def truncated_importance_weights(train_logps_BL: Tensor, rollout_logps_BL: Tensor, cap: float, mask_BL: Tensor,
-                                 norm: LossNormalizer) -> tuple[Tensor, dict[str, Tensor]]:
-    """Per-token TIS weights ``min(exp(train - rollout), cap)`` [B, L] (no gradient) and their metrics
-    (mean weight and share of capped tokens over the step batch's completion tokens, additive)."""
-    raw_BL = (train_logps_BL - rollout_logps_BL).exp()
-    weights_BL = raw_BL.clamp(max=cap)
-    return weights_BL, {"tis/weight_mean": step_token_mean(weights_BL, mask_BL, norm),
-                        "tis/frac_capped": step_token_mean((raw_BL > cap).to(mask_BL.dtype), mask_BL, norm)}
+# ---- off-policy corrections: what the behaviour weight pi_prox / pi_behav becomes at the cap -------------
+
+AtCap = Callable[[Tensor, float], Tensor]
+
+
+def truncate_at_cap(raw_BL: Tensor, cap: float) -> Tensor:
+    """tis: ``min(w, cap)``. Every token keeps a say, a token over the cap a bounded one (bias toward the
+    behaviour policy on those tokens, variance bounded by cap^2)."""
+    return raw_BL.clamp(max=cap)
+
+
+def mask_over_cap(raw_BL: Tensor, cap: float) -> Tensor:
+    """mis: ``w`` where ``w <= cap``, else 0 (the token leaves the policy loss, not its denominator). A token
+    the sampler drew from a distribution far from pi_prox teaches nothing rather than a truncated something."""
+    return torch.where(raw_BL <= cap, raw_BL, torch.zeros_like(raw_BL))
+
+
+# Every off-policy correction, by the name ``algo.off_policy_correction`` takes (on when algo.tis_cap > 0).
+OFF_POLICY_CORRECTIONS: dict[str, AtCap] = {"tis": truncate_at_cap, "mis": mask_over_cap}
+
+
+def behaviour_weights(prox_logps_BL: Tensor, behav_logps_BL: Tensor, correction: str, cap: float, mask_BL: Tensor,
+                      norm: LossNormalizer) -> tuple[Tensor, dict[str, Tensor]]:
+    """Per-token weights ``at_cap(exp(prox - behav), cap)`` [B, L], detached (the weight changes which
+    distribution the tokens count as drawn from; it is no part of what the update moves), and their
+    metrics: ``<correction>/weight_mean`` (mean weight per completion token of the step batch) and
+    ``<correction>/frac_capped`` (share of tokens whose raw weight passed the cap), both additive.
+
+    The exp comes first and the cap after: the cap bounds the weight, not the log-ratio."""
+    raw_BL = (prox_logps_BL - behav_logps_BL).detach().exp()
+    weights_BL = OFF_POLICY_CORRECTIONS[correction](raw_BL, cap)
+    return weights_BL, {f"{correction}/weight_mean": step_token_mean(weights_BL, mask_BL, norm),
+                        f"{correction}/frac_capped": step_token_mean((raw_BL > cap).to(mask_BL.dtype), mask_BL, norm)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -195,11 +227,14 @@ class PolicyLoss:
         """Loss of one micro-batch, already divided by the whole step batch's denominator.
 
         logps: [B, L] float, log-prob of each completion token under the current policy (differentiable).
-        old_logps: [B, L] under the policy that sampled the batch, or None when the batch is fresh
-            (num_iterations = 1): the ratio is then exactly 1 in value, with the gradient of logps.
+        old_logps: [B, L] under the proximal policy: the weights at the start of this update (the trainer's
+            forward before the first of num_iterations optimizer steps), or None in that first step itself,
+            whose own forward is the proximal policy: the ratio is then exactly 1 in value, with the
+            gradient of logps.
         ref_logps: [B, L] under the reference policy, or None. Needed when settings.beta > 0; when given
             with beta = 0 the KL is still reported in the metrics but adds nothing to the loss.
-        rollout_logps: [B, L] as the sampler computed them while sampling; needed when settings.tis_cap > 0.
+        rollout_logps: [B, L] under the behaviour policy, as the sampler computed them while sampling (any
+            engine, any policy version); needed when settings.tis_cap > 0 (the off-policy correction).
         advantages: [B], one per sequence.
         mask: [B, L], 1 (or True) on real completion tokens, 0 on padding. Padded positions of the log-prob
             tensors must hold finite numbers (0 is fine): they are multiplied by 0, not selected away.
@@ -212,8 +247,9 @@ class PolicyLoss:
                          tokens), if ref_logps;
             clip_ratio/low, clip_ratio/high, clip_ratio/region  share of tokens (sequences for gspo) whose
                          ratio is clipped: below 1 - eps_low with A < 0, above 1 + eps_high with A > 0, either;
-            tis/weight_mean, tis/frac_capped  mean TIS weight per completion token and share of tokens whose
-                         weight hit the cap, if tis_cap > 0.
+            <c>/weight_mean, <c>/frac_capped  (c = settings.off_policy_correction, "tis" or "mis") mean
+                         behaviour weight per completion token and share of tokens whose weight passed the
+                         cap, if tis_cap > 0.
         """
         if logps.shape != mask.shape or advantages.shape != logps.shape[:1]:
             raise ValueError(
@@ -230,11 +266,12 @@ class PolicyLoss:
         advantages_B1 = advantages.unsqueeze(-1)
         clipped_ratio = ratio.clamp(1 - settings.epsilon_low, 1 + settings.epsilon_high)
         policy = -torch.minimum(ratio * advantages_B1, clipped_ratio * advantages_B1).expand_as(mask_BL)
-        tis_metrics = {}
+        correction_metrics = {}
         if settings.tis_cap:
-            tis_BL, tis_metrics = truncated_importance_weights(old_logps_BL.detach(), rollout_logps, settings.tis_cap,
+            weights_BL, correction_metrics = behaviour_weights(old_logps_BL, rollout_logps,
+                                                               settings.off_policy_correction, settings.tis_cap,
                                                                mask_BL, normalizer)
-            policy = policy * tis_BL
+            policy = policy * weights_BL
         loss = policy_loss = self.reduce(policy, mask_BL, normalizer)
 
         low = (ratio < 1 - settings.epsilon_low) & (advantages_B1 < 0)
@@ -244,7 +281,7 @@ class PolicyLoss:
             "clip_ratio/low": self.level.share(low, mask_BL, normalizer),
             "clip_ratio/high": self.level.share(high, mask_BL, normalizer),
             "clip_ratio/region": self.level.share(low | high, mask_BL, normalizer),
-            **tis_metrics,
+            **correction_metrics,
         }
         if ref_logps is not None:
             kl_BL = k3_kl(ref_logps, logps)
@@ -294,6 +331,7 @@ class LossSettings:
     beta: float = 0.0
     kl_bias_correction: bool = False
     tis_cap: float = 0.0
+    off_policy_correction: str = "tis"
 
     def __post_init__(self):
         warnings.warn("turbogrpo.algo.LossSettings is deprecated; pass turbogrpo.config.AlgoConfig (the [algo] "
@@ -301,3 +339,6 @@ class LossSettings:
         if not 0.0 <= self.epsilon_low < 1.0 or self.epsilon_high < 0.0 or self.beta < 0.0 or self.tis_cap < 0.0:
             raise ValueError(f"bad loss settings {self}: need 0 <= epsilon_low < 1 and epsilon_high, beta, "
                              "tis_cap >= 0")
+        if self.off_policy_correction not in OFF_POLICY_CORRECTIONS:
+            raise ValueError(f"off_policy_correction {self.off_policy_correction!r} is unknown; allowed: "
+                             f"{sorted(OFF_POLICY_CORRECTIONS)}")

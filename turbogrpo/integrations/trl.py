@@ -58,6 +58,7 @@ from torch import nn
 
 from turbogrpo.batch import Groups
 from turbogrpo.hook import check_supported, has_absolute_positions, lm_head_of
+from turbogrpo.output_head import check_logits_head
 from turbogrpo.prefix import compute_logprobs
 from turbogrpo.tree import tree_logprobs, trie_of_groups
 
@@ -75,9 +76,6 @@ SUPPORTED_TRL = SpecifierSet(">=1.16,<2")
 PATCHED_METHOD = "_get_per_token_logps_and_entropies"
 PATCHED_PARAMETERS = ("model", "input_ids", "attention_mask", "logits_to_keep", "batch_size", "compute_entropy",
                       "compute_aux_loss")
-# Config fields that make TRL's fused LM head rescale or soft-cap the logits; turbogrpo's does neither.
-LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "output_multiplier", "lm_head_multiplier",
-                    "logits_scaling")
 
 
 def check_trl_version(version: str | None = None) -> None:
@@ -196,9 +194,6 @@ def _not_plain_lm(trainer, model, **_) -> str | None:
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     if base.config.get_text_config() is not base.config:
         return f"{type(base).__name__} is a multimodal model"
-    transforms = [name for name in LOGIT_TRANSFORMS if getattr(base.config, name, None) not in (None, 1.0)]
-    if transforms:
-        return f"the model's config rescales or soft-caps its logits ({', '.join(transforms)})"
     if type(lm_head_of(model)) is not nn.Linear:
         return (f"the LM head is a {type(lm_head_of(model)).__name__} (an adapter on lm_head?); TRL scores "
                 "with its raw weight")
@@ -366,6 +361,7 @@ class SharedPrefixGRPOTrainer(SharedPrefixMixin, GRPOTrainer):
         self.shared_prefix_sharing = check_sharing(sharing)
         self.shared_prefix_stats = SharedPrefixStats()
         super().__init__(*args, **kwargs)
+        check_models(self)
 
 
 def enable_shared_prefix(trainer: GRPOTrainer, sharing: str = "auto") -> GRPOTrainer:
@@ -379,10 +375,24 @@ def enable_shared_prefix(trainer: GRPOTrainer, sharing: str = "auto") -> GRPOTra
     if not isinstance(trainer, GRPOTrainer):
         raise ValueError(f"enable_shared_prefix takes a trl.GRPOTrainer, got {type(trainer).__name__}")
     trainer.shared_prefix_sharing = check_sharing(sharing)
+    check_models(trainer)
     if not isinstance(trainer, SharedPrefixMixin):
         trainer.__class__ = _shared_prefix_class(type(trainer))
         trainer.shared_prefix_stats = SharedPrefixStats()
     return trainer
+
+
+def check_models(trainer: GRPOTrainer) -> None:
+    """ValueError when the policy or reference model transforms its logits in a way turbogrpo does not know
+    (``turbogrpo.output_head.check_logits_head``; TRL's fused head would score it wrongly too). Multimodal models
+    always run TRL's own code, so they are not probed."""
+    for model in (trainer.model, getattr(trainer, "ref_model", None)):
+        if model is None:
+            continue
+        base = trainer.accelerator.unwrap_model(model)
+        base = base.get_base_model() if hasattr(base, "get_base_model") else base
+        if base.config.get_text_config() is base.config:
+            check_logits_head(base)
 
 
 @functools.cache

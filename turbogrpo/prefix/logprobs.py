@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from turbogrpo.hook import check_materialized, check_supported, lm_head_of, run_decoder
+from turbogrpo.output_head import logits_head
 from turbogrpo.prefix.auto import STANDARD, choose_auto
 from turbogrpo.prefix.backends import AUTO, PaddedCausalAttention, select_backend
 from turbogrpo.batch import Groups
@@ -71,6 +72,7 @@ def compute_logprobs(model: nn.Module, prompts: list[torch.Tensor],
     """Like :func:`completion_logprobs` but returns flat tensors plus entropy (for the trainer)."""
     validate_inputs(model, prompts, completions, temperature)
     check_token_range(model, prompts, completions)
+    head = logits_head(model)
     if share_prefix and backend == AUTO:
         check_supported(model)   # before reading attention dimensions off its config
         backend = choose_auto(model, [p.numel() for p in prompts], [[c.numel() for c in cs] for cs in completions],
@@ -81,7 +83,7 @@ def compute_logprobs(model: nn.Module, prompts: list[torch.Tensor],
     else:
         hidden = _standard_hidden(model, prompts, completions)
     targets = torch.cat([c for cs in completions for c in cs])
-    logps, entropy = lm_head_logprobs(hidden, lm_head_of(model), targets, temperature, with_entropy=with_entropy)
+    logps, entropy = lm_head_logprobs(hidden, head, targets, temperature, with_entropy=with_entropy)
     return CompletionLogprobs(logps, entropy, hidden if return_hidden else None)
 
 

@@ -28,7 +28,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from turbogrpo.hook import check_materialized, lm_head_of
+from turbogrpo.hook import check_materialized
+from turbogrpo.host_memory import keep_freed_host_memory
+from turbogrpo.output_head import check_logits_head, logits_head
 from turbogrpo.rollout.compiled import PLAIN_RUNNERS
 from turbogrpo.rollout.kv_cache import GroupedKVCache
 from turbogrpo.linears import LINEAR_KERNELS
@@ -135,6 +137,9 @@ def generate(model: nn.Module, prompts: list[torch.Tensor], *, num_samples: int,
         raise ValueError(f"draft must be a turbogrpo.speculative.Speculation (or None for plain sampling), got "
                          f"{type(draft).__name__}; wrap a DraftHead as Speculation(draft_head), or call "
                          "turbogrpo.speculative.generate_speculative, which takes either")
+    # As in the trainer: called directly (the Python API), a rollout's large short-lived host tensors must
+    # not page-fault in afresh at every step (host_memory.py; on by default, TURBOGRPO_HOST_MALLOC=system).
+    keep_freed_host_memory()
     device = next(model.parameters()).device
     limits = _length_limits(max_new_tokens_per_completion, len(prompts) * num_samples, sampling)
     generator = None
@@ -231,7 +236,7 @@ def first_draw(model: nn.Module, prompts: list[torch.Tensor], num_samples: int, 
     prompt_hidden_GPH = prefill_all_positions(model, cache, prompts)
     last_GH = prompt_hidden_GPH[torch.arange(len(prompts), device=device),
                                 torch.tensor([len(p) for p in prompts], device=device) - 1]
-    lm_head = lm_head_of(model)
+    lm_head = logits_head(model)
     # Columns: max_new, plus the most tokens a step emits (extra_slots + 1), written as leftovers.
     outputs = OutputBuffers.allocate(num_completions, max_new + extra_slots + 1, device,
                                      last_GH if keep_hidden else None)
@@ -315,3 +320,4 @@ def _check_inputs(model: nn.Module, prompts: list[torch.Tensor], num_samples: in
     bad_stops = [t for t in sampling.stop_token_ids if t >= vocab_size]
     if bad_stops:
         raise ValueError(f"sampling.stop_token_ids {bad_stops} are outside the vocabulary [0, {vocab_size})")
+    check_logits_head(model)

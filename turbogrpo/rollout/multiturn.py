@@ -76,7 +76,8 @@ import torch
 from torch import nn
 
 from turbogrpo.batch import Groups
-from turbogrpo.hook import check_materialized, lm_head_of
+from turbogrpo.hook import check_materialized
+from turbogrpo.output_head import logits_head
 from turbogrpo.rollout.engine import DecodeSchedule, default_schedule, rollout_linear_kernel
 from turbogrpo.rollout.kv_cache import GroupedKVCache
 from turbogrpo.rollout.plans import forward_new_tokens, prefill
@@ -336,7 +337,7 @@ def _run(model: nn.Module, prompts: list[torch.Tensor], num_samples: int, conver
     cache = GroupedKVCache([len(p) for p in prompts], branching[0],
                            capacity=limits.max_conversation_tokens + limits.prefill_chunk, device=device,
                            row_capacity=len(conversations))
-    lm_head = lm_head_of(model)
+    lm_head = logits_head(model)
     last_GH = prefill(model, cache, prompts)
     stats.num_forwards += 1
     # One row per conversation, so that each draws its own first token from its prompt's logits.

@@ -38,6 +38,7 @@ class DecodeState:
 
     model: nn.Module
     lm_head: nn.Module
+    """The policy's logits head (``turbogrpo.output_head.logits_head``): hidden ``[B, Hd]`` -> its own logits ``[B, V]``."""
     sampling: SamplingConfig
     generator: torch.Generator | None
     criteria: StopCriteria

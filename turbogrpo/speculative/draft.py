@@ -43,7 +43,8 @@ from safetensors.torch import load_file
 from torch import nn
 
 from turbogrpo.files import save_tensors, write_text_atomically
-from turbogrpo.hook import ATTENTION_NAME, PLAN_KWARG, check_supported, decoder_of, lm_head_of
+from turbogrpo.hook import ATTENTION_NAME, PLAN_KWARG, check_supported, decoder_of, lm_head_of, plan_mask
+from turbogrpo.output_head import LogitsHead, logits_head
 from turbogrpo.rollout.plans import causal_attention
 from turbogrpo.speculative.tree import Proposals
 
@@ -79,6 +80,7 @@ class PolicyParts(NamedTuple):
 
     embed_tokens: nn.Module
     lm_head: nn.Module
+    head: LogitsHead    # lm_head and the transforms the policy's forward applies to its logits
 
 
 class DraftHead(nn.Module):
@@ -92,7 +94,7 @@ class DraftHead(nn.Module):
                                   hidden_size=policy_config.hidden_size, vocab_size=policy_config.vocab_size,
                                   num_draft_tokens=num_draft_tokens)
         decoder = decoder_of(policy)
-        self.policy = PolicyParts(decoder.get_input_embeddings(), lm_head_of(policy))
+        self.policy = PolicyParts(decoder.get_input_embeddings(), lm_head_of(policy), logits_head(policy))
         layer_config = _draft_layer_config(policy_config, num_layers)
         reference = next(decoder.parameters())
         hidden = policy_config.hidden_size
@@ -115,18 +117,20 @@ class DraftHead(nn.Module):
         hidden = self.fuse(torch.cat([embedded, features_BnH.to(embedded.dtype)], dim=-1))
         rotary = self.rotary(hidden, positions_Bn)
         for layer in self.layers:
-            hidden = layer(hidden, attention_mask=None, position_ids=positions_Bn, position_embeddings=rotary,
-                           **{PLAN_KWARG: plan})
+            hidden = layer(hidden, attention_mask=plan_mask(plan, hidden.device), position_ids=positions_Bn,
+                           position_embeddings=rotary, **{PLAN_KWARG: plan})
         return hidden
 
     def logits(self, features: torch.Tensor) -> torch.Tensor:
         """Draft logits ``[..., V]`` of the next token from predicted features ``[..., Hd]``.
 
-        Gradients reach the features but never the policy's (frozen, shared) LM head.
+        Gradients reach the features but never the policy's (frozen, shared) LM head. The policy's own
+        logit transforms apply (Granite's scaling, Gemma's soft-cap: ``turbogrpo.output_head``), so the draft
+        proposes from, and is trained towards, the distribution the policy samples from.
         """
         head = self.policy.lm_head
         bias = None if head.bias is None else head.bias.detach()
-        return F.linear(features, head.weight.detach(), bias)
+        return self.policy.head.transform(F.linear(features, head.weight.detach(), bias))
 
     def vocabulary_logits(self, features: torch.Tensor) -> torch.Tensor:
         """Logits over the tokens drafting may propose: ``[..., Vd]`` in ``draft_token_ids`` order when there
@@ -134,7 +138,7 @@ class DraftHead(nn.Module):
         if not self.config.num_draft_tokens:
             return self.logits(features)
         weight, bias = self._draft_head_rows()
-        return F.linear(features, weight, bias)
+        return self.policy.head.transform(F.linear(features, weight, bias))   # elementwise: any rows
 
     def proposals(self, features: torch.Tensor) -> torch.Tensor | Proposals:
         """What drafting proposes from predicted features ``[..., Hd]``: log-probs (float32) of the next

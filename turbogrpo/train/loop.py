@@ -14,7 +14,8 @@ of each inside it:
                                                                                       [all-reduce]
              then the new weights into the rollout engine when it holds its own (rollout.engines: vLLM)
     draft    the draft's update on the collected features (draft_learning.py; policy frozen)
-    record   the step's metrics over the global batch, sample completions           [gather, all-reduce]
+    record   the step's metrics over the global batch (staleness/* too), sample completions
+                                                                                      [gather x 2, all-reduce]
 
 One owner per lifetime: what is built once lives in run.py and setup.py (``build_run``, the one reader of
 the whole config: each part from its own section), the run's state between steps (resume, checkpoints,
@@ -34,6 +35,7 @@ import torch
 from tqdm import tqdm
 
 from turbogrpo.algo import LossNormalizer, group_advantages, statistics_are_finite
+from turbogrpo.algo.staleness import policy_version, staleness_metrics, staleness_statistics
 from turbogrpo.batch import Groups, pad_to_count
 from turbogrpo.config import Config
 from turbogrpo.cpu_capability import cpu_capability
@@ -249,10 +251,14 @@ def prepare(run: Run, data: StepData) -> StepData:
     """The update's batch: loss totals of the whole batch, the trained groups, the micro-batch plan
     (both agreed over ranks) and old-policy / reference log-probs where the loss needs them."""
     algo, batch = run.algo, data.batch
+    if batch.versions is None:  # a rollout that did not mark its versions was drawn by the current weights
+        batch = data.batch = batch.at_version(policy_version(data.index, algo.num_iterations))
     # Totals of the whole batch, skipped groups included.
     data.normalizer = step_normalizer(batch, run.max_completion_tokens, run.dist)
     data.trained = trainable_groups(batch.advantages, run.num_generations, algo.beta)
-    # The loss reads the sampler's log-probs only for the TIS correction; hidden states stay behind.
+    # The loss reads the sampler's log-probs only for the off-policy correction; hidden states stay behind.
+    # Its proximal policy is old_logps with num_iterations > 1, else the update's own first forward (no
+    # optimizer step comes between it and the start of the update, so no forward is needed for it here).
     trained = replace(batch, hidden=None, sampler_logps=batch.sampler_logps if algo.tis_cap else None)
     data.trained_batch = trained = trained.select(data.trained)
     data.micro_batches = plan(trained, run.train.micro_batch_tokens, run.dist, run.train.sharing)
@@ -299,16 +305,17 @@ def learn_draft(run: Run, data: StepData) -> StepData:
 
 
 def record(run: Run, data: StepData) -> StepData:
-    """The step's metrics over the global batch (one gather, one host sync) and sample completions."""
+    """The step's metrics over the global batch (two gathers, two host syncs) and sample completions."""
     log, rollout, trained = run.log, data.rollout, data.trained_batch
     trainer_logps = trained.old_logps if trained.old_logps is not None else data.updates[0].logps
-    sampler_logps = data.batch.select(data.trained).sampler_logps
+    sampler_logps, versions = data.batch.select(data.trained).sampler_logps, trained.versions
     if trained.model_mask is not None:  # the gap over the sampled tokens (environment ids have no sampler log-prob)
-        sampler_logps, trainer_logps = ([t[m.to(t.device)] for t, m in zip(logps, trained.model_mask)]
-                                        for logps in (sampler_logps, trainer_logps))
+        sampler_logps, trainer_logps, versions = ([t[m.to(t.device)] for t, m in zip(logps, trained.model_mask)]
+                                                  for logps in (sampler_logps, trainer_logps, versions))
     draft_metrics, data.metrics = data.metrics, step_metrics(rollout, data.rewards, sampler_logps, trainer_logps,
                                                              data.updates, data.timer.seconds, run, run.dist)
     data.metrics["frac_groups_trained"] = len(data.trained) / len(data.examples)
+    data.metrics.update(step_staleness(run, data.index, versions, trainer_logps, sampler_logps))
     data.metrics.update(speculation_metrics(rollout.stats), **draft_metrics)
     if data.episodes is not None:
         data.metrics.update(environment_metrics(data.episodes.metrics, run.dist))
@@ -329,6 +336,17 @@ def environment_metrics(metrics: dict[str, float], dist: DistInfo) -> dict[str, 
     values = torch.tensor([metrics[n] for n in names], dtype=torch.float64, device=dist.device)
     means = (distributed.all_reduce_sum(values, dist) / dist.world_size).tolist()  # host sync: logged numbers
     return dict(zip(names, means))
+
+
+def step_staleness(run: Run, step: int, versions: list[torch.Tensor], prox_logps: list[torch.Tensor],
+                   behav_logps: list[torch.Tensor]) -> dict[str, float]:
+    """staleness/* over the global batch (``algo.staleness``): one gather, one host sync."""
+    cap = run.algo.tis_cap
+    sums, maxima = staleness_statistics(versions, policy_version(step, run.algo.num_iterations), prox_logps,
+                                        behav_logps, cap)
+    ranks_R6 = distributed.all_gather_cat(torch.cat([sums, maxima]).to(run.dist.device)[None], run.dist)
+    # Host sync: logged numbers.
+    return staleness_metrics(ranks_R6[:, :4].sum(0).tolist(), ranks_R6[:, 4:].amax(0).tolist(), cap)
 
 
 def rollout_seed(seed: int, step: int, rank: int) -> int:

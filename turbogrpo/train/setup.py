@@ -17,6 +17,7 @@ from turbogrpo.config import ConfigError, DataConfig, LoraConfig, ModelConfig, R
 from turbogrpo.data import PromptExample, build_prompts
 from turbogrpo.data.kinds import BUILTIN_TASKS, ROW_READERS, eval_rows, train_rows  # noqa: F401 (re-exported)
 from turbogrpo.models import enable_activation_checkpointing, load_model_and_tokenizer, resolve_model_path
+from turbogrpo.output_head import check_logits_head
 from turbogrpo.rewards import BUILTIN_REWARDS, Reward, resolve_reward
 from turbogrpo.rollout import SamplingConfig
 from turbogrpo.train.precision import Precision, run_precision
@@ -39,6 +40,7 @@ def load_policy(model: ModelConfig, lora: LoraConfig, device: torch.device, prec
         policy = get_peft_model(policy, PeftLoraConfig(
             r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
             target_modules=list(lora.target_modules), task_type="CAUSAL_LM"))
+    check_logits_head(policy)   # a logits transform turbogrpo does not know stops the run here, not in step 1
     if model.gradient_checkpointing:
         enable_activation_checkpointing(policy)
         if lora.enabled:

@@ -21,7 +21,8 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from turbogrpo.hook import check_materialized, check_supported, decoder_of, lm_head_of, run_decoder
+from turbogrpo.hook import check_materialized, check_supported, decoder_of, run_decoder
+from turbogrpo.output_head import logits_head
 from turbogrpo.prefix.layout import upload
 from turbogrpo.prefix.lm_head import lm_head_logprobs
 from turbogrpo.tree.attention import AUTO, select_tree_backend
@@ -48,6 +49,7 @@ def tree_logprobs(model: nn.Module, trie: TokenTrie, *, backend: str = AUTO, tem
             runs here, and the per-sequence layout (with a warning) for a model the tree cannot run.
     """
     validate_model_inputs(model, trie, temperature)
+    lm_head = logits_head(model)
     device = model.get_input_embeddings().weight.device
     if backend != PER_SEQUENCE:
         reason = tree_unsupported_reason(model)
@@ -55,7 +57,6 @@ def tree_logprobs(model: nn.Module, trie: TokenTrie, *, backend: str = AUTO, tem
             warnings.warn(f"turbogrpo.tree: {reason}; falling back to one row per sequence "
                           "(the same numbers, no shared tokens)", stacklevel=2)
             backend = PER_SEQUENCE
-    lm_head = output_head(model)
     if backend == PER_SEQUENCE:
         hidden, targets = _per_sequence_hidden(model, trie, device)
         logps, entropy = lm_head_logprobs(hidden, lm_head, targets, temperature, with_entropy=with_entropy)
@@ -73,37 +74,12 @@ def tree_logprobs(model: nn.Module, trie: TokenTrie, *, backend: str = AUTO, tem
     return TreeLogprobs(scored_logps[gather], None if scored_entropy is None else scored_entropy[gather], "tree")
 
 
-class SoftCappedHead(nn.Module):
-    """The LM head followed by the final logit soft-cap some models apply in their forward (Gemma 2:
-    ``cap * tanh(logits / cap)``), so that log-probs from the head alone equal the model's own."""
-
-    def __init__(self, lm_head: nn.Module, cap: float):
-        super().__init__()
-        self.lm_head, self.cap = lm_head, cap
-
-    @property
-    def weight(self) -> torch.Tensor:   # lm_head_logprobs sizes its chunks from the head's weight
-        return self.lm_head.weight
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return torch.tanh(self.lm_head(hidden) / self.cap) * self.cap
-
-
-def output_head(model: nn.Module) -> nn.Module:
-    """What turns final hidden states into the model's logits: its LM head, soft-capped where its config says so."""
-    cap = getattr(model.config, "final_logit_softcapping", None)
-    return lm_head_of(model) if cap is None else SoftCappedHead(lm_head_of(model), cap)
-
-
 def tree_unsupported_reason(model: nn.Module) -> str | None:
     """Why the tree backends cannot run ``model`` (None: they can)."""
     try:
         check_supported(model)
     except ValueError as error:
         return str(error).split(";")[0]
-    if getattr(model.config, "attn_logit_softcapping", None) is not None:
-        return (f"model type '{model.config.model_type}' soft-caps its attention logits, which the tree "
-                "attention backends do not implement")
     return None
 
 

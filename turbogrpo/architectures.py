@@ -1,0 +1,110 @@
+"""Which model types turbogrpo runs, and how: the rules its checks apply, in one table.
+
+``hook.check_supported`` refuses a model that one of :data:`TOKEN_MIXING_RULES` applies to;
+docs/guide/architectures.md is generated from this module and ``output_head.LOGIT_TRANSFORMS`` by
+scripts/architectures_docs.py, and tests/test_architectures.py builds a tiny model of every class.
+
+Three classes:
+
+* **shared**: softmax attention through transformers' attention interface. The shared-prefix forward,
+  the trie forward and the rollout engine run it exactly. :data:`VERIFIED_SHARED` lists the model types the
+  test suite checks against the model's own forward; other attention models run when the checks at first
+  use pass (:data:`FIRST_USE_CHECKS`).
+* **tree falls back**: token mixing that turbogrpo's attention plans do not implement (a
+  :data:`TOKEN_MIXING_RULES` rule applies). ``tree_logprobs`` runs such a model one row per sequence through
+  its own forward (the same numbers, no sharing); the shared-prefix forward and the rollout engine refuse it.
+* **refused**: a model whose logits or attention fail the checks at first use.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+# Token mixers that are not softmax attention over the whole context: sharing a prefix's K/V (or a
+# KV cache laid out by us) would give wrong answers.
+NON_ATTENTION_MODEL_TYPES = frozenset({
+    "mamba", "mamba2", "falcon_mamba", "rwkv", "jamba", "zamba", "zamba2", "bamba", "falcon_h1",
+    "lfm2", "qwen3_next", "recurrent_gemma", "granitemoehybrid", "nemotron_h", "minimax", "plamo2",
+    "xlstm", "gemma3n", "kimi_linear",
+})
+SUPPORTED_LAYER_TYPES = frozenset({"full_attention", "sliding_attention"})
+
+
+@dataclass(frozen=True)
+class TokenMixingRule:
+    """A way of mixing tokens that turbogrpo's attention plans do not implement."""
+
+    does: Callable[[object], str | None]   # config -> what the model does ("soft-caps ..."), None: rule not met
+    known_model_types: tuple[str, ...]     # model types known to meet it (for the docs)
+    summary: str                           # the rule in a few words (for the docs)
+
+
+TOKEN_MIXING_RULES: list[TokenMixingRule] = []
+
+
+def register_token_mixing_rule(summary: str, known_model_types) -> Callable:
+    """Decorator: register ``does(config) -> str | None`` as a rule (see :class:`TokenMixingRule`)."""
+    def register(does: Callable[[object], str | None]) -> Callable:
+        TOKEN_MIXING_RULES.append(TokenMixingRule(does, tuple(sorted(known_model_types)), summary))
+        return does
+    return register
+
+
+@register_token_mixing_rule("recurrent, convolutional or linear-attention layers", NON_ATTENTION_MODEL_TYPES)
+def _not_attention(config) -> str | None:
+    if config.model_type in NON_ATTENTION_MODEL_TYPES:
+        return "mixes tokens with recurrent/convolutional/linear-attention layers"
+    return None
+
+
+@register_token_mixing_rule("layer types other than full or sliding-window attention", ())
+def _unknown_layer_types(config) -> str | None:
+    unknown = set(getattr(config, "layer_types", None) or ()) - SUPPORTED_LAYER_TYPES
+    return f"has layer types {sorted(unknown)}" if unknown else None
+
+
+@register_token_mixing_rule("attention logit soft-capping (`attn_logit_softcapping`)", ("gemma2", "vaultgemma"))
+def _attention_soft_cap(config) -> str | None:
+    return "soft-caps its attention logits" if getattr(config, "attn_logit_softcapping", None) is not None else None
+
+
+@register_token_mixing_rule("learnt attention sinks", ("gpt_oss",))
+def _attention_sinks(config) -> str | None:
+    return "adds learnt attention sinks to its softmax" if config.model_type == "gpt_oss" else None
+
+
+def unsupported_token_mixing(config) -> str | None:
+    """What ``config``'s model does that the attention plans cannot run (the first rule met), or None."""
+    for rule in TOKEN_MIXING_RULES:
+        what = rule.does(config)
+        if what is not None:
+            return what
+    return None
+
+
+# Model types the test suite runs shared (prefix, tree, rollout) and checks against the model's own forward
+# in float64 (tests/test_architectures.py, tests/test_output_head.py, tests/prefix, tests/tree):
+# model type -> what is particular about it.
+VERIFIED_SHARED: dict[str, str] = {
+    "llama": "",
+    "qwen2": "",
+    "qwen3": "q/k norms",
+    "mistral": "sliding window",
+    "gemma3_text": "sliding and full layers, final logit soft-cap",
+    "stablelm": "partial rotary, LayerNorm; its decoder layers drop extra keywords (the plan rides on the mask)",
+    "gpt2": "absolute position embeddings",
+    "granite": "logits divided by `logits_scaling`",
+    "cohere": "logits multiplied by `logit_scale`",
+}
+
+# What the first use of any model checks (each refuses in one line naming the model type).
+FIRST_USE_CHECKS: dict[str, str] = {
+    "logits": "its logits head (LM head and the registered transforms) applied to its last hidden state equals "
+              "its own `forward(input_ids).logits` on a few probe tokens, to the dtype's rounding "
+              "(`turbogrpo.output_head.check_logits_head`); an unknown transform is refused",
+    "attention": "every layer's attention reaches turbogrpo's attention plan (`turbogrpo.hook.run_decoder` counts "
+                 "the calls); a layer that mixes tokens some other way is refused",
+    "attention arguments": "no attention call passes `softcap`, `s_aux` or `sinks` to a plan; such a model is "
+                           "refused and keeps its own attention implementation",
+}
