@@ -163,7 +163,12 @@ class _WorkerSampler:
                                      sampling=self.sampling, seed=request.seed)
         groups = rollout.groups.at_version(request.version * self.spec.num_iterations)
         if episodes is not None:  # the episodes' groups are the rollout's
-            episodes = dataclasses.replace(episodes, rollout=dataclasses.replace(episodes.rollout, groups=groups))
+            # Rewards read each episode's environment and what happened; the turn machinery (tools, renderer,
+            # parser, decoder: closures over this process's tokenizer) stays here.
+            transported = [dataclasses.replace(e, tools={}, renderer=None, parser=None, decode=None)
+                           for e in episodes.episodes]
+            episodes = dataclasses.replace(episodes, episodes=transported, rollout=dataclasses.replace(
+                episodes.rollout, groups=groups, handlers=transported))
         return Rollout(groups, rollout.stats), episodes
 
 
