@@ -142,6 +142,7 @@ def gone(pid: int, timeout_s: float = 60.0) -> bool:
     return False
 
 
+@pytest.mark.slow
 def test_sigterm_ends_the_worker_too_and_a_resumed_run_repeats_the_uninterrupted_one(tmp_path, restore_threads):
     """k = 1, SIGTERM after the checkpoint at step 2: exit status 143, the checkpoint named, no worker left; the
     checkpoint holds the weights step 3's in-flight rollout was drawn from, and the resumed run (which draws it
