@@ -19,7 +19,7 @@ from turbogrpo.train.metrics import read_metrics
 from turbogrpo.train.rollout_worker import WorkerSpec, _worker_main, thread_split
 from turbogrpo.train.weight_ring import WeightRing, sampling_version
 
-from .test_resume import command, comparable, subprocess_run_setup
+from .test_resume import at_first_checkpoint, command, comparable, subprocess_run_setup
 from .tiny_run import overrides, write_model, write_rows
 
 REPO = Path(__file__).resolve().parents[2]
@@ -62,14 +62,18 @@ def test_the_ring_keeps_k_plus_one_versions_apart():
     assert target.tolist() == [1.0] * 3
 
 
-def test_k1_first_step_is_the_on_policy_step_then_every_token_lags_by_the_update(tmp_path, restore_threads):
+def test_k1_first_step_is_the_on_policy_step_then_every_token_lags_by_the_update(tmp_path, restore_threads,
+                                                                                 monkeypatch):
     """k = 1: step 1 is drawn from version 0 with step 1's seed, exactly as the on-policy loop draws it (the
     worker's model and engine sample like the trainer's); steps 2 and 3 sample one GRPO step behind, which is
     algo.num_iterations = 2 optimizer steps, and the correction's weights move off 1."""
     model_dir, rows = write_model(tmp_path / "model"), write_rows(tmp_path / "rows.jsonl")
     extra = {"train.num_steps": 3, "algo.num_iterations": 2, "train.checkpoint_every": 0, "algo.tis_cap": 2,
              "train.num_threads": 1}
-    train(load_config(None, overrides(model_dir, rows, tmp_path / "k0", **extra)))
+    from turbogrpo.train import loop
+    with monkeypatch.context() as patch:  # k = 0 starts no worker process
+        patch.setattr(loop, "RolloutWorker", lambda *a, **k: pytest.fail("a rollout worker at k = 0"))
+        train(load_config(None, overrides(model_dir, rows, tmp_path / "k0", **extra)))
     train(load_config(None, overrides(model_dir, rows, tmp_path / "k1", **{**extra, **ASYNC})))
     k0, k1 = stepped(tmp_path / "k0"), stepped(tmp_path / "k1")
     first = comparable([k0[0], k1[0]])
@@ -151,13 +155,9 @@ def test_sigterm_ends_the_worker_too_and_a_resumed_run_repeats_the_uninterrupted
     extra = {**ASYNC, "train.num_steps": 4, "train.checkpoint_every": 2}
     stopped_dir = tmp_path / "stopped"
     sets = overrides(model_dir, rows, stopped_dir, **extra)
-    child = subprocess.Popen(command(config, sets), cwd=REPO, env=env, stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True)
-    for line in child.stdout:
-        if line.startswith("checkpoint saved:"):
-            workers = workers_of(child.pid)
-            child.send_signal(signal.SIGTERM)
-            break
+    child = at_first_checkpoint(command(config, sets), env)
+    workers = workers_of(child.pid)
+    child.send_signal(signal.SIGTERM)
     _, err = child.communicate(timeout=300)
     assert child.returncode == 143, err[-2000:]
     assert "Traceback" not in err and "step-000002" in err.strip().splitlines()[-1]
@@ -181,14 +181,10 @@ def test_a_worker_killed_mid_run_stops_the_run_with_one_line_naming_it(tmp_path)
     model_dir, rows, config, env = subprocess_run_setup(tmp_path)
     sets = overrides(model_dir, rows, tmp_path / "out", **{**ASYNC, "train.num_steps": 1_000_000,
                                                             "train.checkpoint_every": 1, "data.eval_path": '""'})
-    child = subprocess.Popen(command(config, sets), cwd=REPO, env=env, stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True)
-    for line in child.stdout:
-        if line.startswith("checkpoint saved:"):
-            workers = workers_of(child.pid)
-            for pid in workers:
-                os.kill(pid, signal.SIGKILL)
-            break
+    child = at_first_checkpoint(command(config, sets), env)
+    workers = workers_of(child.pid)
+    for pid in workers:
+        os.kill(pid, signal.SIGKILL)
     _, err = child.communicate(timeout=300)
     assert workers and child.returncode != 0
     assert "the rollout worker (turbogrpo-rollout-rank0" in err and "died with exit code -9" in err

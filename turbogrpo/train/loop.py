@@ -104,8 +104,14 @@ def train(config: Config, *, resume: bool = False, overwrite: bool = False) -> R
         check_ranks_agree(record, dist)  # under torchrun: one config and the same inputs on every rank
         output = claim_output_dir(record, dist, resume=resume, overwrite=overwrite)
         run = build_run(config, dist, rewards)
+        total = config.train.num_steps
         if config.train.max_staleness:  # started first: the worker builds its model while the trainer resumes
-            run.rollouts = start_rollout_worker(config, run, rollout_threads)
+            spec = WorkerSpec(config.model, config.lora, config.rollout, config.env, config.train.seed, rollout_threads,
+                              config.train.max_staleness, config.algo.num_iterations)
+            run.rollouts = RolloutWorker(spec, dist, run.policy, num_steps=total,
+                                         prompts_per_step_slice=distributed.local_slice(config.train.prompts_per_step,
+                                                                                        dist),
+                                         seed_of=partial(rollout_seed, config.train.seed, rank=dist.rank))
         state = start(run, resume)
         if run.rollouts is not None:
             run.rollouts.begin(state.step, run.batches)
@@ -113,7 +119,6 @@ def train(config: Config, *, resume: bool = False, overwrite: bool = False) -> R
             machine = record_machine(output.path, dist.device, state.step)
             tqdm.write(f"CPU: {machine['cpu_capability']['description']} (torch {machine['torch']}, "
                        f"{machine['torch_threads']} threads, device {machine['device']})")
-        total = config.train.num_steps
         if state.step == 0:
             evaluate(run)
         # Under torchrun, SIGTERM and Ctrl-C stop every rank together at a step's end (stops.py).
@@ -159,16 +164,6 @@ def train(config: Config, *, resume: bool = False, overwrite: bool = False) -> R
         run = None
         gc.collect()
         distributed.teardown(dist)
-
-
-def start_rollout_worker(config: Config, run: Run, num_threads: int) -> RolloutWorker:
-    """The asynchronous loop's rollout worker process (train.max_staleness > 0), sampling as the run does."""
-    spec = WorkerSpec(config.model, config.lora, config.rollout, config.env, config.train.seed, num_threads,
-                      config.train.max_staleness, config.algo.num_iterations)
-    dist = run.dist
-    return RolloutWorker(spec, dist, run.policy, num_steps=config.train.num_steps,
-                         prompts_per_step_slice=distributed.local_slice(config.train.prompts_per_step, dist),
-                         seed_of=partial(rollout_seed, config.train.seed, rank=dist.rank))
 
 
 @dataclass
