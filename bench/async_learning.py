@@ -28,9 +28,9 @@ REPO = Path(__file__).resolve().parents[1]
 
 TASKS = {
     # GSM8K zero-shot at bench/e2e.py's rollout shape (8 prompts x 8), answers up to 256 tokens, and the learning
-    # rate of the e2e benchmark (the shipped 1e-6 moves nothing in 30 steps); 100 held-out problems.
+    # rate of the e2e benchmark (the shipped 1e-6 moves nothing in 30 steps); 100 held-out problems, 2 samples each.
     "gsm8k": ("smollm2_gsm8k.toml", ["train.prompts_per_step=8", "rollout.max_new_tokens=256", "optim.lr=1e-5",
-                                     "optim.warmup_steps=2", "data.num_eval_problems=100"]),
+                                     "optim.warmup_steps=2", "data.num_eval_problems=100", "data.num_eval_samples=2"]),
     # The multi-turn calculator as shipped (30 steps of 8 x 8 conversations, 100 held-out problems, 4 samples).
     "calculator": ("smollm2_calculator.toml", []),
     # The smoke test of this script: the shipped demo model on its arithmetic task, cut small.
