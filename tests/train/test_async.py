@@ -2,6 +2,7 @@
 updates. Real runs of the tiny and the demo model (CPU, 2-3 steps); no timing asserts (the machine is shared)."""
 
 import os
+import pickle
 import queue
 import signal
 import subprocess
@@ -109,15 +110,15 @@ def test_max_staleness_1_runs_the_shipped_demo_configs(tmp_path, restore_threads
 
 def test_a_worker_that_raises_sends_one_line_naming_its_error():
     """The worker's own loop (run in this process): a model that cannot be built comes back as one line."""
-    results = queue.Queue()
+    reader, writer = torch.multiprocessing.get_context("spawn").Pipe(duplex=False)
     spec = WorkerSpec(ModelConfig(path="/nonexistent/model"), LoraConfig(), RolloutConfig(), EnvConfig(), 0, 1, 1, 1)
     dist = DistInfo(0, 1, 0, torch.device("cpu"))
     previous = signal.getsignal(signal.SIGINT)
     try:
-        _worker_main(spec, dist, None, queue.Queue(), results, os.getppid())
+        _worker_main(spec, dist, None, queue.Queue(), writer, os.getppid())
     finally:
         signal.signal(signal.SIGINT, previous)
-    kind, _, message = results.get_nowait()
+    kind, _, message = pickle.loads(reader.recv_bytes())
     assert kind == "error" and "/nonexistent/model" in message and "\n" not in message
 
 
@@ -186,5 +187,5 @@ def test_a_worker_killed_mid_run_stops_the_run_with_one_line_naming_it(tmp_path)
     for pid in workers:
         os.kill(pid, signal.SIGKILL)
     _, err = child.communicate(timeout=300)
-    assert workers and child.returncode != 0
-    assert "the rollout worker (turbogrpo-rollout-rank0" in err and "died with exit code -9" in err
+    assert workers and child.returncode != 0, err[-3000:]
+    assert "the rollout worker (turbogrpo-rollout-rank0" in err and "died with exit code -9" in err, err[-3000:]

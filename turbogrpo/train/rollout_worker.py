@@ -9,8 +9,9 @@ that draws the rollouts of steps t+1..t+k while the trainer updates step t.
             publish(t+1), ask for step t+k+1  ──►         every token with that version (Groups.at_version)
 
 Weights travel through shared memory (``weight_ring.py``: only the trainable parameters, a version counter);
-requests and rollouts through two ``torch.multiprocessing`` queues as pickled bytes (one buffer per rollout,
-not one shared-memory file per tensor). Runs that span machines would put the worker on its own ranks and
+requests through a ``torch.multiprocessing`` queue, rollouts back through a pipe whose only writer is the
+worker (a worker that dies mid-message is an end of file, not a hang), each one pickled buffer (not one
+shared-memory file per tensor). Runs that span machines would put the worker on its own ranks and
 hand weights over ``torch.distributed`` (a broadcast from the trainer's rank 0 into the rollout ranks' group),
 not built: under torchrun each rank has its own worker on its own machine, drawing its own share of prompts.
 
@@ -30,6 +31,7 @@ import os
 import pickle
 import queue
 import signal
+import threading
 import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -95,9 +97,35 @@ class Request:
     examples: list[PromptExample]
 
 
-def _worker_main(spec: WorkerSpec, dist: DistInfo, ring: WeightRing, requests, results, parent_pid: int) -> None:
-    """The worker process: build the sampler, then draw each request until told to stop (None)."""
+class _Outbox:
+    """The worker's messages to the trainer, pickled and sent in order by a thread, so that the worker draws the
+    next rollout while the trainer is still reading the last one."""
+
+    def __init__(self, connection):
+        self.connection = connection
+        self.pending: queue.Queue = queue.Queue()
+        self.thread = threading.Thread(target=self._send, daemon=True)
+        self.thread.start()
+
+    def put(self, message: tuple) -> None:
+        self.pending.put(pickle.dumps(message))
+
+    def _send(self) -> None:
+        while (item := self.pending.get()) is not None:
+            self.connection.send_bytes(item)
+
+    def close(self) -> None:
+        """Send what is queued, then close the pipe."""
+        self.pending.put(None)
+        self.thread.join()
+        self.connection.close()
+
+
+def _worker_main(spec: WorkerSpec, dist: DistInfo, ring: WeightRing, requests, connection, parent_pid: int) -> None:
+    """The worker process: build the sampler, then draw each request until told to stop (None); messages go to
+    the trainer through ``connection`` (the write end of a pipe)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the process group: the trainer ends the worker
+    results = _Outbox(connection)
 
     def alive() -> None:
         if os.getppid() != parent_pid:
@@ -117,12 +145,14 @@ def _worker_main(spec: WorkerSpec, dist: DistInfo, ring: WeightRing, requests, r
                 return
             request = pickle.loads(request)
             sampler.load(ring, request.version, alive)
-            results.put(("rollout", request.step, pickle.dumps(sampler.draw(request))))
+            results.put(("rollout", request.step, sampler.draw(request)))
     except SystemExit:
-        return
+        pass
     except BaseException as err:  # noqa: BLE001: every failure goes back to the trainer, named
         traceback.print_exc()  # the whole story on the worker's stderr; the trainer raises its one line
         results.put(("error", None, f"{type(err).__name__}: {err}".splitlines()[0]))
+    finally:
+        results.close()
 
 
 class _WorkerSampler:
@@ -194,10 +224,12 @@ class RolloutWorker:
         self.local, self.seed_of = prompts_per_step_slice, seed_of
         self.parameters = trainable_parameters(policy)
         self.ring = WeightRing(self.parameters, spec.max_staleness + 1, context)
-        self.requests, self.results = context.Queue(), context.Queue()
+        self.requests = context.Queue()
+        self.results, writer = context.Pipe(duplex=False)
         self.process = context.Process(target=_worker_main, name=f"turbogrpo-rollout-rank{dist.rank}", daemon=True,
-                                       args=(spec, dist, self.ring, self.requests, self.results, os.getpid()))
+                                       args=(spec, dist, self.ring, self.requests, writer, os.getpid()))
         self.process.start()
+        writer.close()  # the worker holds the only write end: its death ends the pipe
         self.lookahead: PromptBatches | None = None
         self.asked = 0
         """Steps asked for so far (requests 0..asked-1 sent)."""
@@ -250,7 +282,7 @@ class RolloutWorker:
         if kind == "ready":  # the first message: the worker has built its model
             kind, got, payload = self._receive(step)
         assert kind == "rollout" and got == step, f"rollout of step {got} arrived for step {step}"
-        return pickle.loads(payload)
+        return payload
 
     def close(self) -> None:
         """End the worker (asked first, then terminated): no process outlives the run."""
@@ -266,9 +298,9 @@ class RolloutWorker:
         if self.process.is_alive():
             self.process.kill()
             self.process.join()
-        for q in (self.requests, self.results):
-            q.cancel_join_thread()
-            q.close()
+        self.requests.cancel_join_thread()  # a dead worker reads nothing: do not wait to flush it at exit
+        self.requests.close()
+        self.results.close()
 
     # --- pieces ------------------------------------------------------------------------------------
 
@@ -284,13 +316,16 @@ class RolloutWorker:
     def _receive(self, step: int):
         while True:
             try:
-                kind, got, payload = self.results.get(timeout=POLL_S)
-            except queue.Empty:
-                if not self.process.is_alive():
-                    raise RolloutWorkerError(f"the rollout worker ({self.process.name}, pid {self.process.pid}) died "
-                                             f"with exit code {self.process.exitcode} before step {step + 1}'s "
-                                             "rollout (out of memory? see the system log); the run stops") from None
-                continue
+                if not self.results.poll(POLL_S):
+                    if self.process.is_alive():
+                        continue
+                    raise EOFError
+                kind, got, payload = pickle.loads(self.results.recv_bytes())
+            except (EOFError, OSError):
+                self.process.join(timeout=POLL_S)
+                raise RolloutWorkerError(f"the rollout worker ({self.process.name}, pid {self.process.pid}) died "
+                                         f"with exit code {self.process.exitcode} before step {step + 1}'s "
+                                         "rollout (out of memory? see the system log); the run stops") from None
             if kind == "error":
                 raise RolloutWorkerError(f"the rollout worker ({self.process.name}) failed before step {step + 1}'s "
                                          f"rollout: {payload.strip().splitlines()[0]}\n{payload}")

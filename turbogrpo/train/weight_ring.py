@@ -42,7 +42,9 @@ class WeightRing:
         ``context``: the multiprocessing context the worker is spawned with (its shared counter)."""
         self.slots = [{name: torch.empty(p.shape, dtype=p.dtype).share_memory_() for name, p in parameters.items()}
                       for _ in range(num_slots)]
-        self.published = context.Value("q", -1)
+        # Lock-free: the trainer is its only writer and an aligned int64 is read and written whole. A locked
+        # Value would hang the trainer for good if the worker were killed while reading it (holding the lock).
+        self.published = context.Value("q", -1, lock=False)
         """The newest version written (-1: none yet)."""
 
     def publish(self, version: int, parameters: dict[str, torch.Tensor]) -> None:
@@ -51,8 +53,7 @@ class WeightRing:
         with torch.no_grad():
             for name, p in parameters.items():
                 slot[name].copy_(p.detach())  # host sync on a GPU: the copy must be done before the worker reads
-        with self.published.get_lock():
-            self.published.value = max(self.published.value, version)
+        self.published.value = max(self.published.value, version)  # after the copies: the worker may read it now
 
     def load_into(self, version: int, parameters: dict[str, torch.Tensor], *, alive: Callable[[], None],
                   poll_s: float = 0.01) -> None:
