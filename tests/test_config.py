@@ -90,8 +90,9 @@ def test_overrides_apply_on_top_of_the_file(tmp_path):
     ("algo.off_policy_correction=decoupled", "config key 'algo.off_policy_correction': 'decoupled' is not allowed; "
                                              "expected one of tis, mis"),
     ("train.max_staleness=-1", "config key 'train.max_staleness': -1 is not allowed; expected an integer >= 0"),
-    ("train.max_staleness=1", "config key 'train.max_staleness': 1 is not allowed; expected 0 for now (k > 0 needs "
-                              "the asynchronous rollout loop, not built yet)"),
+    ("train.max_staleness=1", "config key 'algo.tis_cap': 0.0 is not allowed; expected a number >= 1 with "
+                              "train.max_staleness > 0"),
+    ("train.rollout_threads=-1", "config key 'train.rollout_threads': -1 is not allowed; expected an integer >= 0"),
     ("train.max_staleness=0.5", "config key 'train.max_staleness': expected an integer, got float 0.5"),
     ("train.final_dtype=int8", "config key 'train.final_dtype': 'int8' is not allowed; expected one of 'auto',"),
     ("optim", "override 'optim': expected the form key.sub=value"),
@@ -210,3 +211,20 @@ def test_the_output_folder_has_one_spelling():
     import os
     assert load_config(None, ['train.output_dir="runs/a/../b/./"']).train.output_dir == "runs/b"
     assert load_config(None, ['train.output_dir="~/runs"']).train.output_dir == os.path.expanduser("~/runs")
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["train.max_staleness=1", "algo.tis_cap=2", 'rollout.speculation="fixed"'],
+     "config key 'rollout.speculation': 'fixed' is not allowed; expected \"off\" with train.max_staleness > 0"),
+    (["train.max_staleness=1", "algo.tis_cap=2", 'distributed.strategy="fsdp2"'],
+     "config key 'distributed.strategy': 'fsdp2' is not allowed; expected \"ddp\" with train.max_staleness > 0"),
+])
+def test_what_the_rollout_worker_cannot_do_is_refused_in_one_line(overrides, message):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, overrides)
+    assert str(err.value).startswith(message) and "\n" not in str(err.value)
+
+
+def test_an_asynchronous_config_with_the_correction_on_loads():
+    config = load_config(None, ["train.max_staleness=2", "algo.tis_cap=2", "train.rollout_threads=1"])
+    assert (config.train.max_staleness, config.train.rollout_threads) == (2, 1)

@@ -411,9 +411,12 @@ class TrainConfig:
     num_threads: int = 0
     """CPU threads per process for torch (0: torch's default, one per core). Tiny models run fastest on 1."""
     max_staleness: int = 0
-    """k: the rollouts of steps t+1..t+k may be drawn while step t updates, from weights at most k steps old
-    (corrected by algo.off_policy_correction). 0 is the on-policy loop; k > 0 needs the asynchronous loop,
-    which is not built yet (docs/design/async.md)."""
+    """k: the rollouts of steps t+1..t+k are drawn while step t updates, from weights k steps old (corrected by
+    algo.off_policy_correction, so k > 0 needs algo.tis_cap > 0), by a rollout worker process (docs/design/async.md).
+    0 is the on-policy loop: no worker, the rollout samples with the weights being trained."""
+    rollout_threads: int = 0
+    """With max_staleness > 0: CPU threads of the rollout worker process (0: half the cores; the trainer then
+    takes the rest unless train.num_threads says otherwise). Unused on-policy."""
 
     def __post_init__(self):
         # One spelling of the folder for every module that writes there: "~" expanded, "a/.." and "./" gone
@@ -439,8 +442,8 @@ class TrainConfig:
         _require(self.num_threads >= 0, f"{key}.num_threads", "an integer >= 0 (0: torch's default)",
                  self.num_threads)
         _require(self.max_staleness >= 0, f"{key}.max_staleness", "an integer >= 0 (0: on-policy)", self.max_staleness)
-        _require(self.max_staleness == 0, f"{key}.max_staleness",
-                 "0 for now (k > 0 needs the asynchronous rollout loop, not built yet)", self.max_staleness)
+        _require(self.rollout_threads >= 0, f"{key}.rollout_threads", "an integer >= 0 (0: half the cores)",
+                 self.rollout_threads)
         _require(0.0 <= self.reward_failure_limit <= 1.0, f"{key}.reward_failure_limit",
                  "a fraction in [0, 1] (0: never stop)", self.reward_failure_limit)
 
@@ -580,11 +583,26 @@ class Config:
         _require(not self.draft.history or self.rollout.speculation != "off", "draft.history",
                  "false while rollout.speculation = \"off\" (history drafts are candidates of speculative "
                  "rollouts: set rollout.speculation, e.g. \"cost\")", self.draft.history)
+        self._check_asynchronous()
         from turbogrpo.speculative.built_drafts import BUILT_DRAFTS, same_model
         built = BUILT_DRAFTS.get(self.draft.path)
         _require(built is None or same_model(built.model, self.model.path), "draft.path",
                  f"a draft of this run's model.path {self.model.path!r} (draft {self.draft.path!r} is "
                  f"built for {built.model if built else ''!r})", self.draft.path)
+
+    def _check_asynchronous(self) -> None:
+        """train.max_staleness > 0: what the rollout worker process cannot do (yet), refused in one line each."""
+        if self.train.max_staleness <= 0:  # (a negative k is the [train] section's to refuse)
+            return
+        # Stale tokens without the behaviour weight would be taken as the proximal policy's samples: a bias that
+        # grows with k (docs/design/async.md); the correction is exact at lag 0, so it costs nothing on-policy.
+        _require(self.algo.tis_cap > 0, "algo.tis_cap", "a number >= 1 with train.max_staleness > 0 (the off-policy "
+                 "correction of stale rollouts; verl/slime use 2)", self.algo.tis_cap)
+        _require(self.rollout.speculation == "off", "rollout.speculation", "\"off\" with train.max_staleness > 0 "
+                 "(the draft head lives and learns in the trainer; the rollout worker samples without one)",
+                 self.rollout.speculation)
+        _require(self.distributed.strategy != "fsdp2", "distributed.strategy", "\"ddp\" with train.max_staleness "
+                 "> 0 (the rollout worker copies whole weights, which FSDP2 shards)", self.distributed.strategy)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

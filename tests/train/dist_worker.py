@@ -159,3 +159,14 @@ def multiturn(rank: int, world_size: int, ports: list[int], out_dir: str) -> Non
     os.environ["MASTER_PORT"] = str(ports[1])
     loop.train(load_config(CONFIG, small(out / "run", **{"distributed.strategy": "ddp", "train.prompts_per_step": 4,
                                                          "train.num_steps": 1})))
+
+
+def asynchronous(rank: int, world_size: int, ports: list[int], out_dir: str, model_dir: str, rows: str) -> None:
+    """DDP with train.max_staleness = 1: each rank starts its own rollout worker for its own prompts."""
+    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(ports[0])})
+    config = load_config(None, overrides(Path(model_dir), Path(rows), Path(out_dir) / "run",
+                                         **{"train.num_steps": 3, "train.max_staleness": 1, "algo.tis_cap": 2,
+                                            "train.num_threads": 1, "train.rollout_threads": 1,
+                                            "train.checkpoint_every": 2}))
+    loop.train(config)

@@ -113,6 +113,20 @@ def test_multiturn_with_an_environment_on_two_processes(tmp_path):
         assert record["env/failures"] == 0 and record["env/env_tokens"] > 0 and record["logprob_gap"] < 1e-4
 
 
+@pytest.mark.slow  # 2 ranks and their 2 rollout workers on 2 cores
+def test_each_rank_has_its_own_rollout_worker_at_max_staleness_1(tmp_path):
+    """DDP, k = 1: every rank's worker draws its own prompts one update behind, and every rank's checkpoint part
+    holds the version its in-flight rollout samples with (the same weights on both ranks: one DDP update)."""
+    model_dir, rows = write_model(tmp_path / "model"), write_rows(tmp_path / "rows.jsonl")
+    spawn_bounded(dist_worker.asynchronous, (2, free_ports(1), str(tmp_path), str(model_dir), str(rows)), nprocs=2,
+                  timeout_s=300)
+    steps = [r for r in read_metrics(tmp_path / "run") if "reward" in r]
+    assert [r["staleness/lag_max"] for r in steps] == [0.0, 1.0, 1.0]
+    parts = [load_file(tmp_path / "run" / "step-000002" / f"extra-rank{r}.safetensors") for r in (0, 1)]
+    assert parts[0] and parts[0].keys() == parts[1].keys() and all(k.startswith("v1/") for k in parts[0])
+    assert all(torch.equal(parts[0][k], parts[1][k]) for k in parts[0])
+
+
 def spawn_bounded(fn, args, nprocs: int, timeout_s: float) -> None:
     """``mp.spawn(fn, args, nprocs)``, failing (its processes ended) when it is not done in ``timeout_s``: a
     rank left waiting in a collective must fail the test, not hang the suite."""

@@ -48,6 +48,15 @@ def command(config: Path, sets: list[str], *flags: str) -> list[str]:
     return [sys.executable, "-m", "turbogrpo", "train", str(config), *flags, "--set", *sets]
 
 
+def at_first_checkpoint(argv: list[str], env: dict, stderr=subprocess.PIPE, **options) -> subprocess.Popen:
+    """A ``turbogrpo`` child of ``argv``, returned once it printed its first "checkpoint saved:" line."""
+    child = subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=stderr, text=True, **options)
+    for line in child.stdout:
+        if line.startswith("checkpoint saved:"):
+            break
+    return child
+
+
 @pytest.mark.parametrize("extra", [EXTRA, BF16_MIXED, SPECULATIVE], ids=["grpo", "grpo_bf16_mixed",
                                                                "speculative_online_draft"])
 def test_sigkill_then_resume_equals_uninterrupted_run(tmp_path, extra):
@@ -56,12 +65,8 @@ def test_sigkill_then_resume_equals_uninterrupted_run(tmp_path, extra):
 
     killed_dir = tmp_path / "killed"
     sets = overrides(model_dir, rows, killed_dir, **extra)
-    child = subprocess.Popen(command(config, sets), cwd=REPO, env=env, stdout=subprocess.PIPE,
-                             stderr=subprocess.DEVNULL, text=True)
-    for line in child.stdout:
-        if line.startswith("checkpoint saved:"):
-            child.send_signal(signal.SIGKILL)  # mid-training, after the first checkpoint
-            break
+    child = at_first_checkpoint(command(config, sets), env, stderr=subprocess.DEVNULL)
+    child.send_signal(signal.SIGKILL)  # mid-training, after the first checkpoint
     child.wait()
     assert child.returncode == -signal.SIGKILL
     assert not (killed_dir / "final").exists()
@@ -117,12 +122,8 @@ def long_run_after_its_first_checkpoint(tmp_path, *flags: str):
                                               "data.eval_path": '""'})
     # SIGINT's default action restored in the child: a shell without job control starts background jobs
     # with SIGINT ignored (CI run as `cmd &`), which Python then keeps, and the Ctrl-C case could not be tested.
-    child = subprocess.Popen(command(config, sets, *flags), cwd=REPO, env=env, stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True,
-                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-    for line in child.stdout:
-        if line.startswith("checkpoint saved:"):
-            break
+    child = at_first_checkpoint(command(config, sets, *flags), env,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     return child, config, sets, out
 
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import gc
 import time
+from functools import partial
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -54,6 +55,7 @@ from turbogrpo.train.metrics import read_metrics
 from turbogrpo.train.report import speculation_summary, write_report
 from turbogrpo.train.output_dir import claim_output_dir, mark_complete, run_record
 from turbogrpo.train.rank_agreement import check_ranks_agree
+from turbogrpo.train.rollout_worker import RolloutWorker, WorkerSpec, draw, thread_split
 from turbogrpo.train.run import Run, build_run
 from turbogrpo.train.sharing import micro_batches as sharing_micro_batches
 from turbogrpo.train.state import (RewardFailure, RunComplete, evaluate, evaluate_and_save_final, export, interrupted,
@@ -90,8 +92,10 @@ def train(config: Config, *, resume: bool = False, overwrite: bool = False) -> R
     cpu_capability()  # a TURBOGRPO_CPU_CAPABILITY above this CPU's is refused before anything loads
     rewards = build_rewards(config.rewards)  # import errors surface before any model loads
     keep_freed_host_memory()
-    if config.train.num_threads:
-        torch.set_num_threads(config.train.num_threads)
+    trainer_threads, rollout_threads = (thread_split(config.train.num_threads, config.train.rollout_threads)
+                                        if config.train.max_staleness else (config.train.num_threads, 0))
+    if trainer_threads:
+        torch.set_num_threads(trainer_threads)
     dist = distributed.setup(config.model.device, config.distributed.backend)
     started = time.perf_counter()
     output, run = None, None
@@ -100,12 +104,21 @@ def train(config: Config, *, resume: bool = False, overwrite: bool = False) -> R
         check_ranks_agree(record, dist)  # under torchrun: one config and the same inputs on every rank
         output = claim_output_dir(record, dist, resume=resume, overwrite=overwrite)
         run = build_run(config, dist, rewards)
+        total = config.train.num_steps
+        if config.train.max_staleness:  # started first: the worker builds its model while the trainer resumes
+            spec = WorkerSpec(config.model, config.lora, config.rollout, config.env, config.train.seed, rollout_threads,
+                              config.train.max_staleness, config.algo.num_iterations)
+            run.rollouts = RolloutWorker(spec, dist, run.policy, num_steps=total,
+                                         prompts_per_step_slice=distributed.local_slice(config.train.prompts_per_step,
+                                                                                        dist),
+                                         seed_of=partial(rollout_seed, config.train.seed, rank=dist.rank))
         state = start(run, resume)
+        if run.rollouts is not None:
+            run.rollouts.begin(state.step, run.batches)
         if dist.is_main:
             machine = record_machine(output.path, dist.device, state.step)
             tqdm.write(f"CPU: {machine['cpu_capability']['description']} (torch {machine['torch']}, "
                        f"{machine['torch_threads']} threads, device {machine['device']})")
-        total = config.train.num_steps
         if state.step == 0:
             evaluate(run)
         # Under torchrun, SIGTERM and Ctrl-C stop every rank together at a step's end (stops.py).
@@ -141,6 +154,8 @@ def train(config: Config, *, resume: bool = False, overwrite: bool = False) -> R
     except KeyboardInterrupt:
         raise interrupted(run, Path(config.train.output_dir), report=dist.is_main) from None
     finally:
+        if run is not None and run.rollouts is not None:
+            run.rollouts.close()  # no worker outlives the run, however it ends
         if output is not None:
             output.release()
         # Free the run's DDP/FSDP wrappers while the process group is still registered: freed after it, they
@@ -206,22 +221,20 @@ def begin_step(run: Run, step: int) -> StepData:
 def sample(run: Run, data: StepData) -> StepData:
     """G completions per prompt with the policy's weights (speculative with the run's draft), and the
     draft's training data from every group, before the policy moves."""
+    if run.rollouts is not None:  # asynchronous: drawn ahead by the worker; the timer counts the wait
+        with data.timer("rollout"):
+            data.rollout, data.episodes = run.rollouts.take(data.index)
+        data.batch = data.rollout.groups
+        return data
     draft = run.draft  # None: speculation off
     learns = draft is not None and draft.learns  # never with an environment (the config refuses it)
     # The rollout samples under the training forward's precision: the same bf16 weights and kernels' dtypes.
     with data.timer("rollout"), distributed.full_parameters(run.trainer), run.precision.autocast():
         run.policy.eval()
-        if run.episodes is not None:
-            data.episodes = run.engine.sample_conversations(run.policy, run.tokenizer, data.examples, run.episodes,
-                                                            num_samples=run.num_generations, sampling=run.sampling,
-                                                            seed=data.seed,
-                                                            draft=draft.speculation() if draft is not None else None)
-            data.rollout = Rollout(data.episodes.rollout.groups, data.episodes.rollout.stats)
-        else:
-            data.rollout = run.engine.sample(run.policy, data.prompts, num_samples=run.num_generations,
-                                             sampling=run.sampling, seed=data.seed,
-                                             draft=draft.speculation() if draft is not None else None,
-                                             return_hidden=learns)
+        data.rollout, data.episodes = draw(run.engine, run.policy, run.tokenizer, run.episodes, data.examples,
+                                           data.prompts, num_samples=run.num_generations, sampling=run.sampling,
+                                           seed=data.seed, draft=draft.speculation() if draft is not None else None,
+                                           return_hidden=learns)
     data.batch = data.rollout.groups
     if learns:
         with data.timer("draft"), training_linears(run):
@@ -282,7 +295,10 @@ def update(run: Run, data: StepData) -> StepData:
             data.updates.append(update_policy(run.trainer, data.micro_batches, run.loss, data.normalizer,
                                               run.optimizer, max_grad_norm=run.optim.max_grad_norm, dist=run.dist))
             guard_nonfinite(run, data.updates[-1], data.index)
-    if run.engine.holds_weights:  # an engine with its own copy of the weights (vLLM) gets the new ones
+    if run.rollouts is not None:  # the new weights into shared memory; the worker's next rollout starts from them
+        with data.timer("weight_push"):
+            run.rollouts.publish(data.index + 1)
+    elif run.engine.holds_weights:  # an engine with its own copy of the weights (vLLM) gets the new ones
         with data.timer("weight_push"):
             run.engine.push_weights(run.policy)
     return data

@@ -140,6 +140,9 @@ class Run:
     """The speculative rollouts' draft head and its online learning; None when rollout.speculation is "off"."""
     episodes: EpisodeSampler | None = None
     """The [env] section: each step samples conversations with an environment each; None: single completions."""
+    rollouts: object | None = None
+    """train.max_staleness > 0: the rollout worker process (``rollout_worker.RolloutWorker``, started by the loop
+    after the build, closed with the run); None: the step samples itself (on-policy)."""
     state: RunState = field(default_factory=RunState)
     """Steps done, skipped-step counters, evaluations, the metrics log (``state.start`` resumes it)."""
 

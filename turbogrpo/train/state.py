@@ -41,6 +41,8 @@ def start(run: Run, resume: bool) -> RunState:
                          checkpointed_step=resumed.step)
         if run.draft is not None and resumed.rank_state is not None:
             run.draft.load_state_dict(*resumed.rank_state)
+        if run.rollouts is not None and resumed.rank_state is not None:
+            run.rollouts.load_state_dict(*resumed.rank_state)
         if dist.is_main:
             tqdm.write(f"resumed from {latest} (step {resumed.step})")
     if dist.is_main:
@@ -161,11 +163,19 @@ def save(run: Run) -> Path:
              "nonfinite_total": run.state.nonfinite_total, "evals": run.state.evals, "config": run.record.config}
     path = checkpoint.save_checkpoint(run.train.output_dir, run.state.step, run.policy, run.optimizer,
                                       extra, run.dist, keep=run.train.keep_checkpoints,
-                                      rank_state=run.draft.state_dict() if run.draft is not None else None)
+                                      rank_state=rank_state(run))
     run.state.checkpointed_step = run.state.step
     if run.dist.is_main:
         tqdm.write(f"checkpoint saved: {path}")
     return path
+
+
+def rank_state(run: Run):
+    """This rank's own part of a checkpoint: the online draft's state, or (asynchronous loop, which refuses a
+    draft) the weights its in-flight rollouts sample with; None: neither."""
+    if run.draft is not None:
+        return run.draft.state_dict()
+    return run.rollouts.state_dict(run.state.step) if run.rollouts is not None else None
 
 
 def evaluate_and_save_final(run: Run) -> None:

@@ -1,0 +1,112 @@
+"""Does k = 1 learn like k = 0? Held-out accuracy over 30 steps of asynchronous (train.max_staleness = 1) and
+on-policy GRPO on the two SmolLM2 tasks, the same seeds, in one plot.
+
+Each (task, k) is a ``turbogrpo train`` run of a shipped config (below, cut to a CPU's budget), held-out
+greedy and sampled accuracy every ``--eval-every`` steps; a finished run is kept and not run again, so the
+script can be stopped and started again. Writes bench/results/async_learning.json (the curves and each run's
+wall time) and async_learning.png (one panel per task: k = 0 solid, k = 1 dashed; greedy and sampled).
+
+    python bench/async_learning.py                     # both tasks, 30 steps (hours on 2 CPU cores)
+    python bench/async_learning.py --tasks calculator --workdir runs/async_learning
+    python bench/async_learning.py --tasks demo --steps 2 --eval-every 1 --name async_learning_smoke   # smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import RESULTS_DIR, write_results  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+
+TASKS = {
+    # GSM8K zero-shot at bench/e2e.py's rollout shape (8 prompts x 8), answers up to 256 tokens, and the learning
+    # rate of the e2e benchmark (the shipped 1e-6 moves nothing in 30 steps); 100 held-out problems, 2 samples each.
+    "gsm8k": ("smollm2_gsm8k.toml", ["train.prompts_per_step=8", "rollout.max_new_tokens=256", "optim.lr=1e-5",
+                                     "optim.warmup_steps=2", "data.num_eval_problems=100", "data.num_eval_samples=2"]),
+    # The multi-turn calculator as shipped (30 steps of 8 x 8 conversations, 100 held-out problems, 4 samples).
+    "calculator": ("smollm2_calculator.toml", []),
+    # The smoke test of this script: the shipped demo model on its arithmetic task, cut small.
+    "demo": ("demo.toml", ["train.prompts_per_step=4", "data.num_eval_problems=8", "data.num_eval_samples=1"]),
+}
+"""task -> (shipped config, overrides)."""
+
+
+def run(task: str, max_staleness: int, steps: int, eval_every: int, workdir: Path) -> Path:
+    """The (task, k) run's output folder, trained unless a finished one is there."""
+    config, cuts = TASKS[task]
+    out = workdir / f"{task}-k{max_staleness}"
+    if (out / "complete.json").exists():
+        return out
+    sets = [*cuts, f"train.num_steps={steps}", f"train.eval_every={eval_every}", f"train.max_staleness={max_staleness}",
+            "algo.tis_cap=2", "train.checkpoint_every=10", "train.save_final_model=false", "log.progress_bar=false",
+            f'train.output_dir="{out}"']
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    flag = "--resume" if out.exists() else "--overwrite"
+    started = time.perf_counter()
+    subprocess.run([sys.executable, "-m", "turbogrpo", "train", str(REPO / "configs" / config), flag, "--set", *sets],
+                   cwd=REPO, env=env, check=True)
+    (out / "wall_s.txt").write_text(f"{time.perf_counter() - started:.1f}\n")
+    return out
+
+
+def curves(out: Path) -> dict:
+    """Held-out accuracy by step (greedy, sampled) and the mean reward of the training steps."""
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    evals = [r for r in records if "eval/accuracy" in r]
+    wall = out / "wall_s.txt"
+    return {"steps": [r["step"] for r in evals], "greedy": [r["eval/accuracy"] for r in evals],
+            "sampled": [r.get("eval/sampled_accuracy") for r in evals],
+            "train_reward": [r["reward"] for r in records if "reward" in r],
+            "step_s": [r["time/step"] for r in records if "time/step" in r],
+            "wall_s": float(wall.read_text()) if wall.exists() else None}
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, len(results), figsize=(5.5 * len(results), 4), squeeze=False)
+    for ax, (task, by_k) in zip(axes[0], results.items()):
+        for k, c in by_k.items():
+            style = "-" if k == "0" else "--"
+            ax.plot(c["steps"], c["greedy"], style, color="C0", marker="o", label=f"greedy, k={k}")
+            if any(v is not None for v in c["sampled"]):
+                ax.plot(c["steps"], c["sampled"], style, color="C1", marker="s", label=f"sampled, k={k}")
+        ax.set(title=f"{task} ({TASKS[task][0]})", xlabel="GRPO step", ylabel="held-out accuracy")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle("on-policy k=0 vs async k=1 (train.max_staleness), same seeds", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tasks", default="gsm8k,calculator", help=f"comma-separated: {', '.join(TASKS)}")
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--eval-every", type=int, default=10)
+    parser.add_argument("--workdir", default="runs/async_learning", help="the runs' folders (kept for restarts)")
+    parser.add_argument("--name", default="async_learning", help="bench/results/<name>.json and .png")
+    args = parser.parse_args()
+    workdir = Path(args.workdir).resolve()
+    results = {task: {str(k): curves(run(task, k, args.steps, args.eval_every, workdir)) for k in (0, 1)}
+               for task in args.tasks.split(",")}
+    for task, by_k in results.items():
+        for k, c in by_k.items():
+            print(f"{task} k={k}: greedy {c['greedy']} sampled {c['sampled']} (steps {c['steps']}), wall {c['wall_s']} s")
+    write_results(args.name, {"tasks": {t: {"config": TASKS[t][0], "overrides": TASKS[t][1]} for t in results},
+                              "steps": args.steps, "eval_every": args.eval_every, "curves": results})
+    plot(results, RESULTS_DIR / f"{args.name}.png")
+
+
+if __name__ == "__main__":
+    main()

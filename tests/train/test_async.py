@@ -1,0 +1,191 @@
+"""The asynchronous loop (train.max_staleness = k > 0): a rollout worker process draws step t+1 while step t
+updates. Real runs of the tiny and the demo model (CPU, 2-3 steps); no timing asserts (the machine is shared)."""
+
+import os
+import pickle
+import queue
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from turbogrpo.config import EnvConfig, LoraConfig, ModelConfig, RolloutConfig, load_config
+from turbogrpo.train.distributed import DistInfo
+from turbogrpo.train.loop import train
+from turbogrpo.train.metrics import read_metrics
+from turbogrpo.train.rollout_worker import WorkerSpec, _worker_main, thread_split
+from turbogrpo.train.weight_ring import WeightRing, sampling_version
+
+from .test_resume import at_first_checkpoint, command, comparable, subprocess_run_setup
+from .tiny_run import overrides, write_model, write_rows
+
+REPO = Path(__file__).resolve().parents[2]
+ASYNC = {"train.max_staleness": 1, "algo.tis_cap": 2, "train.num_threads": 1, "train.rollout_threads": 1}
+
+
+@pytest.fixture
+def restore_threads():
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)  # the runs set train.num_threads = 1 in this process
+
+
+def stepped(run_dir: Path) -> list[dict]:
+    return [r for r in read_metrics(run_dir) if "reward" in r]
+
+
+def test_sampling_versions_lag_by_k_after_the_first_k_steps():
+    assert [sampling_version(s, 1) for s in range(4)] == [0, 0, 1, 2]
+    assert [sampling_version(s, 2) for s in range(5)] == [0, 0, 0, 1, 2]
+    assert thread_split(0, 0, cores=2) == (1, 1) and thread_split(0, 0, cores=16) == (8, 8)
+    assert thread_split(3, 0, cores=16) == (3, 8) and thread_split(0, 2, cores=16) == (14, 2)
+
+
+def test_the_ring_keeps_k_plus_one_versions_apart():
+    context = torch.multiprocessing.get_context("spawn")
+    param = torch.zeros(3)
+    ring = WeightRing({"w": param}, 2, context)
+    for version in range(3):
+        ring.publish(version, {"w": torch.full((3,), float(version))})
+    target = torch.empty(3)
+    ring.load_into(2, {"w": target}, alive=lambda: None)
+    assert target.tolist() == [2.0] * 3 and ring.published.value == 2
+    ring.load_into(1, {"w": target}, alive=lambda: None)   # the previous version is still there (k = 1)
+    assert target.tolist() == [1.0] * 3
+    saved = ring.state([1])
+    ring.publish(3, {"w": torch.full((3,), 3.0)})          # overwrites version 1's slot
+    ring.restore(saved, [1])
+    ring.load_into(1, {"w": target}, alive=lambda: None)
+    assert target.tolist() == [1.0] * 3
+
+
+def test_k1_first_step_is_the_on_policy_step_then_every_token_lags_by_the_update(tmp_path, restore_threads,
+                                                                                 monkeypatch):
+    """k = 1: step 1 is drawn from version 0 with step 1's seed, exactly as the on-policy loop draws it (the
+    worker's model and engine sample like the trainer's); steps 2 and 3 sample one GRPO step behind, which is
+    algo.num_iterations = 2 optimizer steps, and the correction's weights move off 1."""
+    model_dir, rows = write_model(tmp_path / "model"), write_rows(tmp_path / "rows.jsonl")
+    extra = {"train.num_steps": 3, "algo.num_iterations": 2, "train.checkpoint_every": 0, "algo.tis_cap": 2,
+             "train.num_threads": 1}
+    from turbogrpo.train import loop
+    with monkeypatch.context() as patch:  # k = 0 starts no worker process
+        patch.setattr(loop, "RolloutWorker", lambda *a, **k: pytest.fail("a rollout worker at k = 0"))
+        train(load_config(None, overrides(model_dir, rows, tmp_path / "k0", **extra)))
+    train(load_config(None, overrides(model_dir, rows, tmp_path / "k1", **{**extra, **ASYNC})))
+    k0, k1 = stepped(tmp_path / "k0"), stepped(tmp_path / "k1")
+    first = comparable([k0[0], k1[0]])
+    assert first[0] == first[1], {k: (first[0][k], first[1].get(k)) for k in first[0] if first[0][k] != first[1].get(k)}
+    assert [r["staleness/lag_max"] for r in k1] == [0.0, 2.0, 2.0]
+    assert [r["staleness/lag_mean"] for r in k1] == [0.0, 2.0, 2.0]
+    assert [r["staleness/lag_max"] for r in k0] == [0.0, 0.0, 0.0]
+    # On-policy the behaviour weight is 1 within the sampler-trainer gap; one update behind it is not.
+    assert all(abs(r["staleness/weight_max"] - 1) < 1e-4 for r in k0)
+    assert all(r["staleness/weight_max"] > 1 + 1e-3 for r in k1[1:])
+    assert k1[1]["reward"] != k0[1]["reward"] or k1[1]["loss"] != k0[1]["loss"]  # step 2 drew from older weights
+    assert "time/weight_push" in k1[1]
+
+
+@pytest.mark.parametrize("config, extra", [
+    ("demo.toml", {"train.prompts_per_step": 4, "data.num_eval_problems": 4, "data.num_eval_samples": 1}),
+    ("demo_multiturn.toml", {}),
+    ("demo_multiturn.toml", {"train.sharing": '"tree"', "rollout.branching": "[2, 2]"}),
+], ids=["single_turn", "multi_turn", "multi_turn_tree_sharing"])
+def test_max_staleness_1_runs_the_shipped_demo_configs(tmp_path, restore_threads, config, extra):
+    from .test_multiturn_run import small
+    sets = small(tmp_path / "run", **{**ASYNC, "train.save_final_model": "false", **extra})
+    if config == "demo.toml":  # (small() cuts the multi-turn config; these are the single-turn one's)
+        sets = [s for s in sets if not s.startswith(("env.", "data.num_train_problems"))]
+    summary = train(load_config(REPO / "configs" / config, sets))
+    records = stepped(tmp_path / "run")
+    assert summary.steps == 2 and [r["step"] for r in records] == [1, 2]
+    assert [r["staleness/lag_max"] for r in records] == [0.0, 1.0]
+    assert records[1]["staleness/weight_max"] != 1.0
+    if config != "demo.toml":
+        assert all(r["env/env_tokens"] > 0 for r in records)  # conversations with environment replies
+
+
+def test_a_worker_that_raises_sends_one_line_naming_its_error():
+    """The worker's own loop (run in this process): a model that cannot be built comes back as one line."""
+    reader, writer = torch.multiprocessing.get_context("spawn").Pipe(duplex=False)
+    spec = WorkerSpec(ModelConfig(path="/nonexistent/model"), LoraConfig(), RolloutConfig(), EnvConfig(), 0, 1, 1, 1)
+    dist = DistInfo(0, 1, 0, torch.device("cpu"))
+    previous = signal.getsignal(signal.SIGINT)
+    try:
+        _worker_main(spec, dist, None, queue.Queue(), writer, os.getppid())
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    kind, _, message = pickle.loads(reader.recv_bytes())
+    assert kind == "error" and "/nonexistent/model" in message and "\n" not in message
+
+
+def workers_of(pid: int) -> list[int]:
+    """The rollout worker processes of ``pid``: its spawned children (not multiprocessing's resource tracker)."""
+    found = []
+    for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split():
+        try:
+            if b"spawn_main" in Path(f"/proc/{child}/cmdline").read_bytes():
+                found.append(int(child))
+        except OSError:
+            continue
+    return found
+
+
+def gone(pid: int, timeout_s: float = 60.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+        except OSError:
+            return True
+        if state == "Z":  # exited, not yet reaped by its (dead) parent's reaper
+            return True
+        time.sleep(0.2)
+    return False
+
+
+@pytest.mark.slow
+def test_sigterm_ends_the_worker_too_and_a_resumed_run_repeats_the_uninterrupted_one(tmp_path, restore_threads):
+    """k = 1, SIGTERM after the checkpoint at step 2: exit status 143, the checkpoint named, no worker left; the
+    checkpoint holds the weights step 3's in-flight rollout was drawn from, and the resumed run (which draws it
+    again from them) ends bit for bit where an uninterrupted run ends."""
+    model_dir, rows, config, env = subprocess_run_setup(tmp_path)
+    extra = {**ASYNC, "train.num_steps": 4, "train.checkpoint_every": 2}
+    stopped_dir = tmp_path / "stopped"
+    sets = overrides(model_dir, rows, stopped_dir, **extra)
+    child = at_first_checkpoint(command(config, sets), env)
+    workers = workers_of(child.pid)
+    child.send_signal(signal.SIGTERM)
+    _, err = child.communicate(timeout=300)
+    assert child.returncode == 143, err[-2000:]
+    assert "Traceback" not in err and "step-000002" in err.strip().splitlines()[-1]
+    assert workers and all(gone(pid) for pid in workers)
+    saved = load_file(stopped_dir / "step-000002" / "extra-rank0.safetensors")
+    assert saved and all(name.startswith("v1/") for name in saved)  # step 3 samples with version 1
+
+    resumed = subprocess.run(command(config, sets, "--resume"), cwd=REPO, env=env, capture_output=True, text=True,
+                             timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    straight_dir = tmp_path / "straight"
+    train(load_config(None, overrides(model_dir, rows, straight_dir, **extra)))
+    final_stopped = load_file(stopped_dir / "step-000004" / "model.safetensors")
+    final_straight = load_file(straight_dir / "step-000004" / "model.safetensors")
+    for name in final_straight:
+        assert torch.equal(final_stopped[name], final_straight[name]), name
+    assert comparable(read_metrics(stopped_dir)) == comparable(read_metrics(straight_dir))
+
+
+def test_a_worker_killed_mid_run_stops_the_run_with_one_line_naming_it(tmp_path):
+    model_dir, rows, config, env = subprocess_run_setup(tmp_path)
+    sets = overrides(model_dir, rows, tmp_path / "out", **{**ASYNC, "train.num_steps": 1_000_000,
+                                                            "train.checkpoint_every": 1, "data.eval_path": '""'})
+    child = at_first_checkpoint(command(config, sets), env)
+    workers = workers_of(child.pid)
+    for pid in workers:
+        os.kill(pid, signal.SIGKILL)
+    _, err = child.communicate(timeout=300)
+    assert workers and child.returncode != 0, err[-3000:]
+    assert "the rollout worker (turbogrpo-rollout-rank0" in err and "died with exit code -9" in err, err[-3000:]

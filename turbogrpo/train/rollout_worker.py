@@ -1,0 +1,332 @@
+"""The asynchronous loop's rollout worker (train.max_staleness = k > 0): another process on the same machine
+that draws the rollouts of steps t+1..t+k while the trainer updates step t.
+
+    trainer (loop.py)                                     worker (this module, spawned)
+    begin: publish version t, ask for steps t..t+k  ──►   builds its own policy copy from model.path, the
+                                                          [env] factory and the native engine; per request:
+    step t: take(t) ◄── rollout of step t ───────────     wait for version max(0, t-k) in the WeightRing,
+            score, prepare, update                        copy it in, draw with the request's seed, mark
+            publish(t+1), ask for step t+k+1  ──►         every token with that version (Groups.at_version)
+
+Weights travel through shared memory (``weight_ring.py``: only the trainable parameters, a version counter);
+requests through a ``torch.multiprocessing`` queue, rollouts back through a pipe whose only writer is the
+worker (a worker that dies mid-message is an end of file, not a hang), each one pickled buffer (not one
+shared-memory file per tensor). Runs that span machines would put the worker on its own ranks and
+hand weights over ``torch.distributed`` (a broadcast from the trainer's rank 0 into the rollout ranks' group),
+not built: under torchrun each rank has its own worker on its own machine, drawing its own share of prompts.
+
+Exactness. A step's rollout depends only on (its prompts, its seed, the version it samples with), never on
+timing: the worker waits for exactly that version. So the k > 0 loop is reproducible, and a resumed run
+repeats an uninterrupted one by redrawing its in-flight rollouts by seed: the checkpoint at step t keeps the
+versions they sample with (max(0, t-k)..t-1, safetensors, ``RolloutWorker.state_dict``), the resumed worker
+draws them again. Failure. The worker ignores Ctrl-C (it reaches the whole process group; the trainer ends
+the worker), exits when the trainer is gone, and sends any exception back as text; the trainer checks the
+worker is alive while it waits, so a dead worker is one ``RolloutWorkerError`` line, not a hang.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pickle
+import queue
+import signal
+import threading
+import traceback
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.multiprocessing as mp
+from torch import nn
+
+from turbogrpo.config import EnvConfig, LoraConfig, ModelConfig, RolloutConfig
+from turbogrpo.data import PromptBatches, PromptExample
+from turbogrpo.env import EnvRollout
+from turbogrpo.rollout import Rollout
+from turbogrpo.train.distributed import DistInfo
+from turbogrpo.train.weight_ring import WeightRing, sampling_version, trainable_parameters
+
+POLL_S = 5.0
+"""How often a waiting side checks that the other is still there (seconds)."""
+
+
+class RolloutWorkerError(RuntimeError):
+    """The rollout worker process died or raised; the message names it and its error."""
+
+
+def draw(engine, policy: nn.Module, tokenizer, episodes, examples: Sequence[PromptExample],
+         prompts: list[torch.Tensor], *, num_samples: int, sampling, seed: int, draft=None,
+         return_hidden: bool = False) -> tuple[Rollout, EnvRollout | None]:
+    """One step's rollout by ``engine`` with ``policy``: G conversations per example with the run's
+    ``episodes`` sampler, or G completions per prompt (``[P]`` ids); returns the rollout and the episodes
+    (None without an environment). The trainer's on-policy loop and the worker both draw with it."""
+    if episodes is not None:
+        out = engine.sample_conversations(policy, tokenizer, examples, episodes, num_samples=num_samples,
+                                          sampling=sampling, seed=seed, draft=draft)
+        return Rollout(out.rollout.groups, out.rollout.stats), out
+    return engine.sample(policy, prompts, num_samples=num_samples, sampling=sampling, seed=seed, draft=draft,
+                         return_hidden=return_hidden), None
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """What the worker builds its sampler from: the run's sections that say how it samples."""
+
+    model: ModelConfig
+    lora: LoraConfig
+    rollout: RolloutConfig
+    env: EnvConfig
+    seed: int
+    """train.seed (LoRA's initial adapters: the same as the trainer's, before version 0 is copied in)."""
+    num_threads: int
+    """torch threads of the worker (train.rollout_threads, resolved)."""
+    max_staleness: int
+    num_iterations: int
+    """algo.num_iterations: a version of GRPO steps is version x num_iterations in optimizer steps."""
+
+
+@dataclass(frozen=True)
+class Request:
+    """Draw step ``step``'s rollout with ``seed`` from weights ``version`` (GRPO steps done)."""
+
+    step: int
+    seed: int
+    version: int
+    prompts: list[torch.Tensor]
+    examples: list[PromptExample]
+
+
+class _Outbox:
+    """The worker's messages to the trainer, pickled and sent in order by a thread, so that the worker draws the
+    next rollout while the trainer is still reading the last one."""
+
+    def __init__(self, connection):
+        self.connection = connection
+        self.pending: queue.Queue = queue.Queue()
+        self.thread = threading.Thread(target=self._send, daemon=True)
+        self.thread.start()
+
+    def put(self, message: tuple) -> None:
+        self.pending.put(pickle.dumps(message))
+
+    def _send(self) -> None:
+        while (item := self.pending.get()) is not None:
+            self.connection.send_bytes(item)
+
+    def close(self) -> None:
+        """Send what is queued, then close the pipe."""
+        self.pending.put(None)
+        self.thread.join()
+        self.connection.close()
+
+
+def _worker_main(spec: WorkerSpec, dist: DistInfo, ring: WeightRing, requests, connection, parent_pid: int) -> None:
+    """The worker process: build the sampler, then draw each request until told to stop (None); messages go to
+    the trainer through ``connection`` (the write end of a pipe)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the process group: the trainer ends the worker
+    results = _Outbox(connection)
+
+    def alive() -> None:
+        if os.getppid() != parent_pid:
+            raise SystemExit(0)  # the trainer is gone (killed): nothing to draw for
+
+    try:
+        torch.set_num_threads(spec.num_threads)
+        sampler = _WorkerSampler(spec, dist)
+        results.put(("ready", None, None))
+        while True:
+            try:
+                request = requests.get(timeout=POLL_S)
+            except queue.Empty:
+                alive()
+                continue
+            if request is None:
+                return
+            request = pickle.loads(request)
+            sampler.load(ring, request.version, alive)
+            results.put(("rollout", request.step, sampler.draw(request)))
+    except SystemExit:
+        pass
+    except BaseException as err:  # noqa: BLE001: every failure goes back to the trainer, named
+        traceback.print_exc()  # the whole story on the worker's stderr; the trainer raises its one line
+        results.put(("error", None, f"{type(err).__name__}: {err}".splitlines()[0]))
+    finally:
+        results.close()
+
+
+class _WorkerSampler:
+    """The worker's own policy copy, environment sampler and native engine (no draft: speculation needs the
+    trainer's draft head, so config validation refuses it with k > 0)."""
+
+    def __init__(self, spec: WorkerSpec, dist: DistInfo):
+        from turbogrpo.rollout.engine import default_schedule
+        from turbogrpo.rollout.engines import build_engine
+        from turbogrpo.train.episodes import build_episode_sampler
+        from turbogrpo.train.run import build_policy
+        self.spec, self.device = spec, dist.device
+        parts = build_policy(spec.model, spec.lora, spec.rollout, dist, seed=spec.seed)
+        self.precision, self.policy, self.tokenizer, self.sampling = parts
+        # Built like the trainer's policy, so the same parameters are trainable, under the same names.
+        self.parameters = trainable_parameters(self.policy)
+        self.version: int | None = None
+        self.episodes = build_episode_sampler(spec.env, self.tokenizer, spec.rollout.branching)
+        schedule = dataclasses.replace(default_schedule(dist.device), linears=spec.model.linear_kernel)
+        self.engine = build_engine(spec.rollout.engine, dist.device, schedule=schedule,
+                                   dtype=self.precision.compute_dtype, tokenizer=self.tokenizer)
+
+    def load(self, ring: WeightRing, version: int, alive) -> None:
+        """Weights ``version`` from the ring into the policy (and into an engine holding its own copy)."""
+        if version == self.version:
+            return
+        ring.load_into(version, self.parameters, alive=alive)
+        if self.engine.holds_weights:
+            self.engine.push_weights(self.policy)
+        self.version = version
+
+    def draw(self, request: Request) -> tuple[Rollout, EnvRollout | None]:
+        """The request's rollout, every token marked with the version that drew it (optimizer steps)."""
+        with torch.no_grad(), self.precision.autocast():
+            self.policy.eval()
+            rollout, episodes = draw(self.engine, self.policy, self.tokenizer, self.episodes, request.examples,
+                                     [p.to(self.device) for p in request.prompts], num_samples=self.spec.rollout.num_generations,
+                                     sampling=self.sampling, seed=request.seed)
+        groups = rollout.groups.at_version(request.version * self.spec.num_iterations)
+        if episodes is not None:  # the episodes' groups are the rollout's
+            # Rewards read each episode's environment and what happened; the turn machinery (tools, renderer,
+            # parser, decoder: closures over this process's tokenizer) stays here.
+            transported = [dataclasses.replace(e, tools={}, renderer=None, parser=None, decode=None)
+                           for e in episodes.episodes]
+            episodes = dataclasses.replace(episodes, episodes=transported, rollout=dataclasses.replace(
+                episodes.rollout, groups=groups, handlers=transported))
+        return Rollout(groups, rollout.stats), episodes
+
+
+def thread_split(num_threads: int, rollout_threads: int, cores: int | None = None) -> tuple[int, int]:
+    """(trainer threads, worker threads) of the asynchronous loop on ``cores`` CPU cores (this machine's): the
+    settings where given (train.num_threads, train.rollout_threads), else half the cores each (the worker at
+    least one, the trainer the rest): both sides are compute-bound, so the split is the cores, not more
+    (oversubscribed threads spin against each other). The best split is measured by bench/async_grpo.py."""
+    cores = cores or os.cpu_count() or 1
+    worker = rollout_threads or max(1, cores // 2)
+    return num_threads or max(1, cores - worker), worker
+
+
+class RolloutWorker:
+    """The trainer's side: the worker process, its queues, the weight ring and the prompts asked for ahead."""
+
+    def __init__(self, spec: WorkerSpec, dist: DistInfo, policy: nn.Module, *, num_steps: int,
+                 prompts_per_step_slice: slice, seed_of):
+        """Start the worker (it builds its model while the trainer starts). ``prompts_per_step_slice``: this
+        rank's share of a step's prompts; ``seed_of(step)``: the step's sampling seed on this rank."""
+        context = mp.get_context("spawn")
+        self.spec, self.dist, self.num_steps = spec, dist, num_steps
+        self.local, self.seed_of = prompts_per_step_slice, seed_of
+        self.parameters = trainable_parameters(policy)
+        self.ring = WeightRing(self.parameters, spec.max_staleness + 1, context)
+        self.requests = context.Queue()
+        self.results, writer = context.Pipe(duplex=False)
+        self.process = context.Process(target=_worker_main, name=f"turbogrpo-rollout-rank{dist.rank}", daemon=True,
+                                       args=(spec, dist, self.ring, self.requests, writer, os.getpid()))
+        self.process.start()
+        writer.close()  # the worker holds the only write end: its death ends the pipe
+        self.lookahead: PromptBatches | None = None
+        self.asked = 0
+        """Steps asked for so far (requests 0..asked-1 sent)."""
+        self.restored: dict = {}
+
+    # --- checkpoints -------------------------------------------------------------------------------
+
+    def in_flight_versions(self, step: int) -> list[int]:
+        """The versions that the rollouts of steps step..step+k-1 sample with, older than ``step``'s own."""
+        return sorted({sampling_version(s, self.spec.max_staleness) for s in range(step, step + self.spec.max_staleness)}
+                      - {step})
+
+    def state_dict(self, step: int) -> tuple[dict[str, torch.Tensor], dict]:
+        """A checkpoint at ``step`` (steps done): the weights its in-flight rollouts sample with (the policy's
+        own, version ``step``, is the checkpoint's model)."""
+        versions = self.in_flight_versions(step)
+        return self.ring.state(versions), {"rollout_versions": versions}
+
+    def load_state_dict(self, tensors: dict[str, torch.Tensor], scalars: dict) -> None:
+        """A checkpoint's in-flight weights, written into the ring by ``begin``."""
+        self.restored = {"tensors": tensors, "versions": scalars.get("rollout_versions", [])}
+
+    # --- the loop's side ---------------------------------------------------------------------------
+
+    def begin(self, step: int, batches: PromptBatches) -> None:
+        """Publish the policy as version ``step`` (with a resumed run's older versions) and ask for the rollouts
+        of steps step..step+k, their prompts drawn from a copy of ``batches`` (the run's own stays at ``step``
+        for checkpoints)."""
+        if step and self.in_flight_versions(step) != self.restored.get("versions", []):
+            raise RolloutWorkerError(f"the checkpoint at step {step} lacks the weights of its in-flight rollouts "
+                                     f"(versions {self.in_flight_versions(step)}); it was not written by a run with "
+                                     f"train.max_staleness = {self.spec.max_staleness}: resume with that run's setting")
+        if self.restored:
+            self.ring.restore(self.restored["tensors"], self.restored["versions"])
+        self.ring.publish(step, self.parameters)
+        self.lookahead = PromptBatches(batches.examples, batches.batch_size, seed=batches.seed, shuffle=batches.shuffle)
+        self.lookahead.load_state_dict(batches.state_dict())
+        self.asked = step
+        self._ask_up_to(step + self.spec.max_staleness)
+
+    def publish(self, version: int) -> None:
+        """After step ``version - 1``'s update: the new weights to the worker, and the next step asked for."""
+        self.ring.publish(version, self.parameters)
+        self._ask_up_to(version + self.spec.max_staleness)
+
+    def take(self, step: int) -> tuple[Rollout, EnvRollout | None]:
+        """Step ``step``'s rollout and episodes (waits for it; the worker's failure raises). Its prompts are the
+        step's own (``batches`` and its copy give the same ones)."""
+        kind, got, payload = self._receive(step)
+        if kind == "ready":  # the first message: the worker has built its model
+            kind, got, payload = self._receive(step)
+        assert kind == "rollout" and got == step, f"rollout of step {got} arrived for step {step}"
+        return payload
+
+    def close(self) -> None:
+        """End the worker (asked first, then terminated): no process outlives the run."""
+        if self.process.is_alive():
+            try:
+                self.requests.put(None)
+                self.process.join(timeout=10)
+            except (OSError, ValueError):
+                pass
+        if self.process.is_alive():
+            self.process.terminate()
+            self.process.join(timeout=10)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join()
+        self.requests.cancel_join_thread()  # a dead worker reads nothing: do not wait to flush it at exit
+        self.requests.close()
+        self.results.close()
+
+    # --- pieces ------------------------------------------------------------------------------------
+
+    def _ask_up_to(self, last: int) -> None:
+        while self.asked <= min(last, self.num_steps - 1):
+            step = self.asked
+            examples = next(self.lookahead)[self.local]
+            prompts = [e.token_ids for e in examples]
+            self.requests.put(pickle.dumps(Request(step, self.seed_of(step),
+                                                   sampling_version(step, self.spec.max_staleness), prompts, examples)))
+            self.asked += 1
+
+    def _receive(self, step: int):
+        while True:
+            try:
+                if not self.results.poll(POLL_S):
+                    if self.process.is_alive():
+                        continue
+                    raise EOFError
+                kind, got, payload = pickle.loads(self.results.recv_bytes())
+            except (EOFError, OSError):
+                self.process.join(timeout=POLL_S)
+                raise RolloutWorkerError(f"the rollout worker ({self.process.name}, pid {self.process.pid}) died "
+                                         f"with exit code {self.process.exitcode} before step {step + 1}'s "
+                                         "rollout (out of memory? see the system log); the run stops") from None
+            if kind == "error":
+                raise RolloutWorkerError(f"the rollout worker ({self.process.name}) failed before step {step + 1}'s "
+                                         f"rollout: {payload.strip().splitlines()[0]}\n{payload}")
+            return kind, got, payload
