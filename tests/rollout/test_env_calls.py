@@ -72,3 +72,15 @@ def test_bad_settings_are_refused_in_one_line():
         EnvCalls(0)
     with pytest.raises(ValueError, match="time limit must be a number of seconds >= 0"):
         EnvCalls(1, -1)
+
+
+def test_a_pool_travels_to_another_process_as_its_settings():
+    """The asynchronous loop sends episodes (each holding the pool that times its get_reward) from the rollout
+    worker to the trainer: the pool arrives as a fresh one with the same limits, and it works there."""
+    import pickle
+
+    calls = EnvCalls(max_workers=3, timeout_s=2.5)
+    calls.call(lambda: None)
+    copy = pickle.loads(pickle.dumps(calls))
+    assert (copy.max_workers, copy.timeout_s) == (3, 2.5) and copy is not calls
+    assert copy.call(lambda x: x + 1, 1) == 2

@@ -70,6 +70,11 @@ class EnvCalls:
         self._queued: collections.deque = collections.deque()   # (future, fn, args), not yet started
         self._running: dict[Future, float] = {}                 # started and not abandoned -> deadline
 
+    def __reduce__(self):
+        # Sent to another process (the asynchronous loop's episodes travel from its rollout worker to the
+        # trainer, which calls get_reward), a pool travels as its settings: calls in flight stay behind.
+        return EnvCalls, (self.max_workers, self.timeout_s)
+
     def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
         """``fn(*args)`` on a daemon thread as soon as a worker slot is free."""
         future: Future = Future()
