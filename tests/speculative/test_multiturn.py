@@ -8,6 +8,7 @@ from turbogrpo.rollout import SamplingConfig
 from turbogrpo.rollout.multiturn import TurnLimits, generate_multiturn
 from turbogrpo.speculative import history as history_module
 from turbogrpo.speculative import DraftHead, HistoryDrafts, HistoryStore, Speculation
+from turbogrpo.speculative.profiler import LatencyCurve, LatencyProfile
 
 from tests.rollout.test_multiturn import Scripted
 from tests.speculative.speculative_helpers import homogeneity_pvalue, trained_pair
@@ -29,10 +30,16 @@ def run(policy, prompts, num_samples, *, draft=None, temperature=0.0, limits=Tur
                               draft=draft, reply_timing=reply_timing)
 
 
+# The cost sizing's latency curves, fixed: measured ones make the chosen trees (and whether a stop falls inside
+# an accepted run) depend on the machine's load while the test runs.
+FIXED_PROFILE = LatencyProfile("test", LatencyCurve((1, 128), (1e-4, 1.2e-4)), LatencyCurve((1, 128), (2e-5, 3e-5)))
+
+
 def speculations(draft):
     return {"history": lambda store: Speculation(None, sizing="fixed", history=HistoryDrafts(store=store)),
             "neural": lambda store: Speculation(draft, sizing="fixed"),
-            "merged": lambda store: Speculation(draft, sizing="cost", history=HistoryDrafts(store=store))}
+            "merged": lambda store: Speculation(draft, sizing="cost", history=HistoryDrafts(store=store),
+                                                profile=FIXED_PROFILE)}
 
 
 @pytest.mark.parametrize("kind, min_accepted", [("history", 3.0), ("neural", 1.5), ("merged", 3.0)])
