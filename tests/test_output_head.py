@@ -55,12 +55,6 @@ def model(request):
     return build(TRANSFORMED[request.param])
 
 
-@pytest.fixture(params=sorted(TRANSFORMED))
-def model32(request):
-    """The rollout engine computes attention in float32 (``rollout.attention``), so it is tested in float32."""
-    return build(TRANSFORMED[request.param], dtype=torch.float32)
-
-
 def own_logprobs(model, sequence, targets_from):
     """log p(sequence[t]) for t >= targets_from, from the model's own forward."""
     with torch.no_grad():
@@ -100,23 +94,23 @@ def assert_sampler_logprobs_are_the_models(model, rollout, prompts, num_samples)
     for index, (tokens, logps) in enumerate(zip(rollout.tokens, rollout.logprobs)):
         prompt = prompts[index // num_samples]
         truth = own_logprobs(model, torch.cat([prompt, tokens]), prompt.numel())
-        torch.testing.assert_close(logps, truth, rtol=0, atol=1e-4)
+        torch.testing.assert_close(logps, truth, rtol=0, atol=1e-12 if model.dtype == torch.float64 else 1e-4)
 
 
-def test_the_samplers_logprobs_are_the_models_own(model32):
-    model = model32
+def test_the_samplers_logprobs_are_the_models_own(model):
+    """In float64: the rollout's attention and its distribution run in the model's dtype (float32 at least)."""
     prompts = groups()[0]
     rollout = generate(model, prompts, num_samples=3, sampling=SamplingConfig(max_new_tokens=6), seed=0)
     assert_sampler_logprobs_are_the_models(model, rollout, prompts, 3)
 
 
-def test_speculative_decoding_verifies_with_the_models_own_logits(model32):
+def test_speculative_decoding_verifies_with_the_models_own_logits(model):
     """Greedy speculative equals greedy plain, and at temperature 1 the verifier's log-probs (and so its
     draws) are the model's own. The draft proposes from the transformed logits too."""
     from turbogrpo.speculative import DraftHead, generate_speculative
-    model, prompts = model32, groups()[0]
-    draft = DraftHead(model)
-    hidden = torch.randn(3, model.config.hidden_size)
+    prompts = groups()[0]
+    draft = DraftHead(model).to(model.dtype)  # the draft in the policy's dtype (float64 here)
+    hidden = torch.randn(3, model.config.hidden_size, dtype=model.dtype)
     torch.testing.assert_close(draft.logits(hidden), logits_head(model)(hidden), rtol=0, atol=0)
     greedy = SamplingConfig(max_new_tokens=8, temperature=0.0)
     plain = generate(model, prompts, num_samples=2, sampling=greedy)

@@ -18,20 +18,28 @@ from __future__ import annotations
 import torch
 
 
+def merge_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype partial outputs and log-sum-exps are kept in: float32 at least (merging half-precision
+    parts in half precision would round the result a second time), float64 for a float64 model."""
+    # A plain comparison, not torch.promote_types: this runs per layer and step, outside any op count.
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 def partial_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bias: torch.Tensor | None,
                       scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention of ``query [X, K, M, D]`` over keys and values ``[X, K, L, D]``, scores
     multiplied by ``scale``, by matrix products.
 
     ``bias`` (0 or ``-inf``, broadcastable to ``[X, K, M, L]``) hides keys. Returns the output
-    ``[X, K, M, D]`` and the log-sum-exp of the scores ``[X, K, M, 1]``, both float32. A row that sees
+    ``[X, K, M, D]`` and the log-sum-exp of the scores ``[X, K, M, 1]``, both in ``merge_dtype``. A row that sees
     no key gets output 0 and a hugely negative lse, so that it drops out of a merge.
     """
     # bmm on (X*K)-batched views: torch.matmul's 4-D path costs several times more per call on small
     # shapes, and decoding makes two such calls per part, layer and step. The keys' transpose is a
     # view: BLAS reads the operand transposed, no copy.
     num_x, num_k, num_queries, _ = query.shape
-    scores = torch.bmm((query * scale).flatten(0, 1), key.flatten(0, 1).transpose(1, 2)).float()
+    dtype = merge_dtype(query.dtype)
+    scores = torch.bmm((query * scale).flatten(0, 1), key.flatten(0, 1).transpose(1, 2)).to(dtype)
     scores = scores.view(num_x, num_k, num_queries, -1)
     if bias is not None:
         scores += bias
@@ -40,7 +48,7 @@ def partial_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     row_max = scores.amax(dim=-1, keepdim=True).clamp_min_(torch.finfo(scores.dtype).min)
     weights = scores.sub_(row_max).exp_()
     total = weights.sum(dim=-1, keepdim=True).clamp_min_(torch.finfo(scores.dtype).tiny)
-    out = torch.bmm(weights.to(value.dtype).flatten(0, 1), value.flatten(0, 1)).float()
+    out = torch.bmm(weights.to(value.dtype).flatten(0, 1), value.flatten(0, 1)).to(dtype)
     return out.view(num_x, num_k, num_queries, -1) / total, row_max + total.log()
 
 
@@ -51,7 +59,8 @@ def fused_partial_attention(query: torch.Tensor, key: torch.Tensor, value: torch
     not -inf. ``bias`` must have the query's dtype."""
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         query, key, value, 0.0, False, attn_mask=bias, scale=scale)
-    return out.float(), lse.unsqueeze(-1)
+    dtype, lse = merge_dtype(query.dtype), lse.unsqueeze(-1)
+    return out.to(dtype), (lse if lse.dtype == dtype else lse.to(dtype))  # the kernel's lse is float32 below float64
 
 
 PARTIAL_ATTENTION = {"cpu": fused_partial_attention}

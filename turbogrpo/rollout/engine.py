@@ -36,7 +36,7 @@ from turbogrpo.rollout.kv_cache import GroupedKVCache
 from turbogrpo.linears import LINEAR_KERNELS
 from turbogrpo.rollout.outputs import LiveRows, OutputBuffers, collect_rollout, emit
 from turbogrpo.rollout.plans import prefill_all_positions
-from turbogrpo.rollout.sampling import SamplingConfig
+from turbogrpo.rollout.sampling import SamplingConfig, at_least_float32
 from turbogrpo.rollout.step import DecodeState, DecodeStep, PlainStep, plain_step
 from turbogrpo.rollout.stopping import StopCriteria
 from turbogrpo.rollout.types import Rollout, RolloutStats
@@ -239,7 +239,7 @@ def first_draw(model: nn.Module, prompts: list[torch.Tensor], num_samples: int, 
     lm_head = logits_head(model)
     # Columns: max_new, plus the most tokens a step emits (extra_slots + 1), written as leftovers.
     outputs = OutputBuffers.allocate(num_completions, max_new + extra_slots + 1, device,
-                                     last_GH if keep_hidden else None)
+                                     last_GH if keep_hidden else None, at_least_float32(last_GH[:0]).dtype)
     live = LiveRows.start(torch.tensor(limits, dtype=torch.long, device=device))
     state = DecodeState(model, lm_head, sampling, generator, StopCriteria(sampling, device), cache, outputs, live,
                         next_B=torch.zeros(num_completions, dtype=torch.long, device=device), prompts=prompts,
@@ -250,7 +250,7 @@ def first_draw(model: nn.Module, prompts: list[torch.Tensor], num_samples: int, 
     # One row per sample, so that every sample draws its own first token from its prompt's logits.
     hidden_BH = last_GH.repeat_interleave(num_samples, dim=0)
     state.refill_uniforms()
-    tokens_B, logprobs_B = state.draw(lm_head(last_GH).float().repeat_interleave(num_samples, dim=0))
+    tokens_B, logprobs_B = state.draw(at_least_float32(lm_head(last_GH)).repeat_interleave(num_samples, dim=0))
     emit(outputs, live, tokens_B[:, None], logprobs_B[:, None], hidden_BH[:, None], torch.ones_like(tokens_B),
          state.criteria)
     state.next_B.copy_(tokens_B)

@@ -39,16 +39,17 @@ class OutputBuffers:
 
     @staticmethod
     def allocate(num_completions: int, num_columns: int, device: torch.device,
-                 hidden_like: torch.Tensor | None) -> OutputBuffers:
+                 hidden_like: torch.Tensor | None, logprob_dtype: torch.dtype = torch.float32) -> OutputBuffers:
         """``num_columns``: max_new_tokens + (most tokens emitted per step); the last k columns take the
         leftovers that finished rows write while they wait to be retired. ``hidden_like``: a
-        hidden-state tensor to take size and dtype from, or None to keep no hidden states."""
+        hidden-state tensor to take size and dtype from, or None to keep no hidden states. ``logprob_dtype``: the
+        sampler's distribution's dtype (float32; float64 for a float64 model)."""
         hidden = None
         if hidden_like is not None:
             hidden = hidden_like.new_zeros(num_completions, num_columns, hidden_like.shape[-1])
         return OutputBuffers(
             tokens_NT=torch.full((num_completions, num_columns), NO_TOKEN, dtype=torch.long, device=device),
-            logprobs_NT=torch.zeros(num_completions, num_columns, dtype=torch.float32, device=device),
+            logprobs_NT=torch.zeros(num_completions, num_columns, dtype=logprob_dtype, device=device),
             hidden_NTH=hidden,
             lengths_N=torch.zeros(num_completions, dtype=torch.long, device=device),
             stopped_N=torch.zeros(num_completions, dtype=torch.bool, device=device),

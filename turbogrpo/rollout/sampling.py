@@ -45,6 +45,12 @@ def sampling_problem(**settings) -> tuple[str, str, Any] | None:
     return None
 
 
+
+def at_least_float32(logits: torch.Tensor) -> torch.Tensor:
+    """Logits in the dtype the sampler's distribution is computed in: float32 for half-precision and float32
+    models, float64 for a float64 one (so its sampler log-probs match its float64 forward)."""
+    return logits.to(torch.float64 if logits.dtype == torch.float64 else torch.float32)
+
 @dataclass(frozen=True)
 class SamplingConfig:
     """How completions are drawn and when they stop."""
@@ -142,7 +148,7 @@ def sample_tokens(logits: torch.Tensor, sampling: SamplingConfig,
     """
     if sampling.greedy:
         return logits.argmax(dim=-1)
-    probs = warp_logits(logits.float(), sampling).softmax(dim=-1)
+    probs = warp_logits(at_least_float32(logits), sampling).softmax(dim=-1)
     return draw_from_probs(probs, generator, uniform)
 
 
@@ -217,7 +223,7 @@ def sample_with_logprobs(logits: torch.Tensor, sampling: SamplingConfig,
     Same distribution as ``sample_tokens``, and the same draws for a given generator up to rounding.
     ``uniform [...]``: see ``draw_from_probs``.
     """
-    scaled = logits.float()
+    scaled = at_least_float32(logits)
     if sampling.logprob_temperature != 1:
         scaled = scaled / sampling.logprob_temperature
     probs_all = scaled.softmax(dim=-1)
@@ -237,5 +243,5 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, sampling: Samplin
     ``log_softmax(logits / T)`` over the full vocabulary, with ``T = 1`` when greedy, which is what
     the trainer computes for the same tokens.
     """
-    scaled = logits.float() / sampling.logprob_temperature
+    scaled = at_least_float32(logits) / sampling.logprob_temperature
     return scaled.log_softmax(dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)

@@ -27,7 +27,7 @@ from torch import nn
 from turbogrpo.rollout.kv_cache import GroupedKVCache
 from turbogrpo.rollout.outputs import LiveRows, OutputBuffers, emit
 from turbogrpo.rollout.plans import forward_new_tokens
-from turbogrpo.rollout.sampling import SamplingConfig, sample_with_logprobs
+from turbogrpo.rollout.sampling import SamplingConfig, at_least_float32, sample_with_logprobs
 from turbogrpo.rollout.stopping import StopCriteria
 from turbogrpo.rollout.types import Rollout, RolloutStats
 
@@ -130,7 +130,7 @@ def plain_step(state: DecodeState) -> None:
     active_B = ~state.live.done_B
     hidden_BH = forward_new_tokens(state.model, state.cache, state.next_B[:, None])[:, 0]
     state.cache.commit_live(active_B)
-    tokens_B, logprobs_B = state.draw(state.lm_head(hidden_BH).float())
+    tokens_B, logprobs_B = state.draw(at_least_float32(state.lm_head(hidden_BH)))
     emit(state.outputs, state.live, tokens_B[:, None], logprobs_B[:, None], hidden_BH[:, None],
          torch.ones_like(tokens_B), state.criteria)
     state.next_B.copy_(tokens_B)

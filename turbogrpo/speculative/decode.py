@@ -50,7 +50,7 @@ from turbogrpo.hook import lm_head_of
 from turbogrpo.rollout.compiled import RUNNERS
 from turbogrpo.rollout.outputs import emit
 from turbogrpo.rollout.plans import forward_new_tokens
-from turbogrpo.rollout.sampling import SamplingConfig, token_logprobs
+from turbogrpo.rollout.sampling import SamplingConfig, at_least_float32, token_logprobs
 from turbogrpo.rollout.step import DecodeState, PlainStep
 from turbogrpo.rollout.types import Rollout, RolloutStats
 from turbogrpo.speculative.draft import DraftHead
@@ -261,7 +261,7 @@ def verify_step(state: DecodeState, tree: DraftTree, uniform_BN: torch.Tensor | 
     at the next host check, so nothing reads them)."""
     # Dead nodes (history.DEAD_TOKEN, never accepted) go through the forward as token 0.
     hidden_BNH = forward_new_tokens(state.model, state.cache, tree.tokens.clamp(min=0), tree.depths, tree.ancestors)
-    logits_BNV = state.lm_head(hidden_BNH).float()
+    logits_BNV = at_least_float32(state.lm_head(hidden_BNH))
     verdict = verify_tree(tree, logits_BNV, state.sampling, uniform_BN=uniform_BN)
     emitted_BD, logprobs_BD, hidden_BDH = path_outputs(tree, verdict, logits_BNV, hidden_BNH, state.sampling)
     emit(state.outputs, state.live, emitted_BD, logprobs_BD, hidden_BDH, verdict.num_accepted + 1,

@@ -55,7 +55,7 @@ from turbogrpo.rollout.multiturn import (_DONE, _FEED, _WAIT, MultiTurnStats, Re
                                          _collect_replies, _Conversation, vocabulary_size, wait_for_replies)
 from turbogrpo.rollout.outputs import LiveRows, emit
 from turbogrpo.rollout.plans import forward_new_tokens
-from turbogrpo.rollout.sampling import SamplingConfig
+from turbogrpo.rollout.sampling import SamplingConfig, at_least_float32
 from turbogrpo.rollout.step import DecodeState
 from turbogrpo.rollout.types import Rollout
 from turbogrpo.speculative.decode import SpeculativeStats, TreeStep, path_outputs
@@ -207,7 +207,7 @@ def _verify_decoding(state: DecodeState, step: TreeStep, tree: DraftTree, hidden
     rows_Bd = torch.tensor(decoding, device=hidden_BnH.device)
     own = DraftTree(*(f[rows_Bd] if isinstance(f, torch.Tensor) else f for f in tree))
     hidden_BdNH = hidden_BnH[rows_Bd, :tree.tokens.shape[1]]
-    logits_BdNV = state.lm_head(hidden_BdNH).float()
+    logits_BdNV = at_least_float32(state.lm_head(hidden_BdNH))
     uniform_BdN = None if uniform_BN is None else uniform_BN[rows_Bd]
     verdict = verify_tree(own, logits_BdNV, state.sampling, uniform_BN=uniform_BdN)
     emitted_BdD, logprobs_BdD, hidden_BdDH = path_outputs(own, verdict, logits_BdNV, hidden_BdNH, state.sampling)
