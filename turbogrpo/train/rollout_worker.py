@@ -31,6 +31,7 @@ import os
 import pickle
 import queue
 import signal
+import sys
 import threading
 import traceback
 from collections.abc import Sequence
@@ -125,6 +126,10 @@ def _worker_main(spec: WorkerSpec, dist: DistInfo, ring: WeightRing, requests, c
     """The worker process: build the sampler, then draw each request until told to stop (None); messages go to
     the trainer through ``connection`` (the write end of a pipe)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the process group: the trainer ends the worker
+    # The trainer's terminate() (SIGTERM) becomes SystemExit, so the process's finalizers run: a semaphore made
+    # here (tqdm's multiprocessing lock, made by the model's loading bar) is unlinked instead of leaking, which
+    # made the resource tracker warn after every stopped run.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))
     results = _Outbox(connection)
 
     def alive() -> None:
