@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from turbogrpo.rollout.attention import merge_dtype
+
 
 def _integer(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
@@ -49,7 +51,7 @@ def sampling_problem(**settings) -> tuple[str, str, Any] | None:
 def at_least_float32(logits: torch.Tensor) -> torch.Tensor:
     """Logits in the dtype the sampler's distribution is computed in: float32 for half-precision and float32
     models, float64 for a float64 one (so its sampler log-probs match its float64 forward)."""
-    return logits.to(torch.float64 if logits.dtype == torch.float64 else torch.float32)
+    return logits.to(merge_dtype(logits.dtype))
 
 @dataclass(frozen=True)
 class SamplingConfig:
