@@ -1,14 +1,20 @@
-"""Does k = 1 learn like k = 0? Held-out accuracy over 30 steps of asynchronous (train.max_staleness = 1) and
-on-policy GRPO on the two SmolLM2 tasks, the same seeds, in one plot.
+"""Does a faster way of training learn what the on-policy native run learns? Held-out accuracy over 30 steps of
+variants of one run (the same config, the same seeds) on the SmolLM2 tasks, in one plot per task.
 
-Each (task, k) is a ``turbogrpo train`` run of a shipped config (below, cut to a CPU's budget), held-out
-greedy and sampled accuracy every ``--eval-every`` steps; a finished run is kept and not run again, so the
-script can be stopped and started again. Writes bench/results/async_learning.json (the curves and each run's
-wall time) and async_learning.png (one panel per task: k = 0 solid, k = 1 dashed; greedy and sampled).
+Variants (``VARIANTS``): ``k0`` the on-policy run on the native engine (the reference), ``k1`` / ``k2``
+asynchronous GRPO (train.max_staleness = 1, 2: issue 43), ``vllm`` the on-policy run sampling on the vLLM
+engine (rollout.engine = "vllm": issue 44). Every variant runs with TIS (algo.tis_cap = 2), so the loss is the
+same function of (trainer, sampler) log-probs everywhere.
 
-    python bench/async_learning.py                     # both tasks, 30 steps (hours on 2 CPU cores)
-    python bench/async_learning.py --tasks calculator --workdir runs/async_learning
-    python bench/async_learning.py --tasks demo --steps 2 --eval-every 1 --name async_learning_smoke   # smoke
+Each (task, variant) is a ``turbogrpo train`` run of a shipped config (below, cut to a CPU's budget), held-out
+greedy and sampled accuracy every ``--eval-every`` steps; a finished run is kept and not run again, and an
+interrupted one resumes from its last checkpoint, so the script can be stopped and started again. Writes
+bench/results/<name>.json (the curves and each run's wall time) and <name>.png (one panel per task: greedy
+solid, sampled dashed, a colour per variant).
+
+    python bench/learning.py --variants k0,k1 --name async_learning      # issue 43 (hours on 2 CPU cores)
+    python bench/learning.py --tasks gsm8k --variants k0,vllm --name vllm_learning    # issue 44
+    python bench/learning.py --tasks demo --steps 2 --eval-every 1 --variants k0,k1 --name learning_smoke   # smoke
 """
 
 from __future__ import annotations
@@ -38,15 +44,27 @@ TASKS = {
 }
 """task -> (shipped config, overrides)."""
 
+VARIANTS = {
+    "k0": [],
+    "k1": ["train.max_staleness=1"],
+    "k2": ["train.max_staleness=2"],
+    "vllm": ['rollout.engine="vllm"'],
+}
+"""variant -> overrides on top of the task's (the same seeds everywhere)."""
 
-def run(task: str, max_staleness: int, steps: int, eval_every: int, workdir: Path) -> Path:
-    """The (task, k) run's output folder, trained unless a finished one is there."""
+COMMON = ["algo.tis_cap=2"]
+"""Every variant's loss: TIS at cap 2, a no-op where sampler and trainer agree (k0) and the correction where they
+do not (stale weights, another engine's kernels)."""
+
+
+def run(task: str, variant: str, steps: int, eval_every: int, workdir: Path) -> Path:
+    """The (task, variant) run's output folder, trained unless a finished one is there."""
     config, cuts = TASKS[task]
-    out = workdir / f"{task}-k{max_staleness}"
+    out = workdir / f"{task}-{variant}"
     if (out / "complete.json").exists():
         return out
-    sets = [*cuts, f"train.num_steps={steps}", f"train.eval_every={eval_every}", f"train.max_staleness={max_staleness}",
-            "algo.tis_cap=2", "train.checkpoint_every=10", "train.save_final_model=false", "log.progress_bar=false",
+    sets = [*cuts, *VARIANTS[variant], f"train.num_steps={steps}", f"train.eval_every={eval_every}",
+            *COMMON, "train.checkpoint_every=10", "train.save_final_model=false", "log.progress_bar=false",
             f'train.output_dir="{out}"']
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     flag = "--resume" if out.exists() else "--overwrite"
@@ -74,16 +92,15 @@ def plot(results: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, axes = plt.subplots(1, len(results), figsize=(5.5 * len(results), 4), squeeze=False)
-    for ax, (task, by_k) in zip(axes[0], results.items()):
-        for k, c in by_k.items():
-            style = "-" if k == "0" else "--"
-            ax.plot(c["steps"], c["greedy"], style, color="C0", marker="o", label=f"greedy, k={k}")
+    for ax, (task, by_variant) in zip(axes[0], results.items()):
+        for colour, (variant, c) in enumerate(by_variant.items()):
+            ax.plot(c["steps"], c["greedy"], "-", color=f"C{colour}", marker="o", label=f"{variant}, greedy")
             if any(v is not None for v in c["sampled"]):
-                ax.plot(c["steps"], c["sampled"], style, color="C1", marker="s", label=f"sampled, k={k}")
+                ax.plot(c["steps"], c["sampled"], "--", color=f"C{colour}", marker="s", label=f"{variant}, sampled")
         ax.set(title=f"{task} ({TASKS[task][0]})", xlabel="GRPO step", ylabel="held-out accuracy")
         ax.grid(alpha=0.3)
         ax.legend()
-    fig.suptitle("on-policy k=0 vs async k=1 (train.max_staleness), same seeds", fontsize=10)
+    fig.suptitle(f"{' vs '.join(next(iter(results.values())))}: same config, same seeds", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     print(f"wrote {path}")
@@ -94,16 +111,23 @@ def main() -> None:
     parser.add_argument("--tasks", default="gsm8k,calculator", help=f"comma-separated: {', '.join(TASKS)}")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--eval-every", type=int, default=10)
-    parser.add_argument("--workdir", default="runs/async_learning", help="the runs' folders (kept for restarts)")
-    parser.add_argument("--name", default="async_learning", help="bench/results/<name>.json and .png")
+    parser.add_argument("--variants", default="k0,k1", help=f"comma-separated: {', '.join(VARIANTS)}")
+    parser.add_argument("--workdir", default="runs/learning", help="the runs' folders (kept for restarts; shared "
+                        "by the variants, so k0 runs once for every comparison)")
+    parser.add_argument("--name", default="learning", help="bench/results/<name>.json and .png")
     args = parser.parse_args()
     workdir = Path(args.workdir).resolve()
-    results = {task: {str(k): curves(run(task, k, args.steps, args.eval_every, workdir)) for k in (0, 1)}
+    variants = args.variants.split(",")
+    unknown = sorted(set(variants) - set(VARIANTS))
+    if unknown:
+        parser.error(f"unknown variants {unknown}: choose from {', '.join(VARIANTS)}")
+    results = {task: {v: curves(run(task, v, args.steps, args.eval_every, workdir)) for v in variants}
                for task in args.tasks.split(",")}
-    for task, by_k in results.items():
-        for k, c in by_k.items():
-            print(f"{task} k={k}: greedy {c['greedy']} sampled {c['sampled']} (steps {c['steps']}), wall {c['wall_s']} s")
+    for task, by_variant in results.items():
+        for variant, c in by_variant.items():
+            print(f"{task} {variant}: greedy {c['greedy']} sampled {c['sampled']} (steps {c['steps']}), wall {c['wall_s']} s")
     write_results(args.name, {"tasks": {t: {"config": TASKS[t][0], "overrides": TASKS[t][1]} for t in results},
+                              "variants": {v: VARIANTS[v] for v in variants}, "common": COMMON,
                               "steps": args.steps, "eval_every": args.eval_every, "curves": results})
     plot(results, RESULTS_DIR / f"{args.name}.png")
 
