@@ -119,7 +119,8 @@ def test_sampled_conversations_repeat_by_seed_fork_exactly_and_train_only_the_mo
         assert (logps[~mask] == 0).all() and mask.sum() > 0  # environment ids: masked, no sampler log-prob
         gaps.append((logps[mask] - plain_logprobs(model, groups.prompts[i // 4], completion)[mask]).abs())
     gaps = torch.cat(gaps)
-    print(f"vLLM conversations: sampler - trainer log-prob gap, float32: max {gaps.max():.2e} over {gaps.numel()} tokens")
+    print(f"vLLM conversations: sampler - trainer log-prob gap, float32: max {gaps.max():.2e} over {gaps.numel()} "
+          "tokens")
     assert gaps.max() < 5e-4 and gaps.mean() < 5e-5
 
 

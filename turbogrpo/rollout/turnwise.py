@@ -112,16 +112,9 @@ def _run_rounds(prompts: list[torch.Tensor], num_samples: int, conversations: li
         stats.num_forwards += 1
         stats.live_batch_sizes.append(len(ready))
         for i, request, turn in zip(ready, requests, turns):
-            conversation = conversations[i]
-            if conversation.num_turns:  # a later turn: what the engine's prefix cache did not hold
+            if conversations[i].num_turns:  # a later turn: what the engine's prefix cache did not hold
                 stats.turn_prefill_tokens.append(turn.num_prefilled)
-            taken = 0
-            while conversation.phase == _FEED and taken < len(turn.token_ids):
-                take_token(conversation, turn.token_ids[taken], turn.logprobs[taken], stop_ids, limits, pool, stats)
-                taken += 1
-            if conversation.phase == _FEED or taken < len(turn.token_ids):  # stopped early, or went on past the end
-                raise RuntimeError(f"the engine sampled {len(turn.token_ids)} tokens for conversation {i}'s turn of "
-                                   f"at most {request.max_tokens}, not ending where its stop ids and limits end it")
+            _take_turn(conversations[i], turn, request, stop_ids, limits, pool, stats)
     _fill_unforked(conversations)
     stats.num_generated_tokens = sum(sum(c.model_mask) - c.inherited_model_tokens for c in conversations)
     stats.wall_time_s = time.perf_counter() - start
@@ -132,3 +125,16 @@ def _request(prompt_ids: list[int], conversation: _Conversation, slot: int, limi
     """``conversation``'s next turn: at most the turn's tokens and what is left of the conversation's."""
     max_tokens = min(limits.max_turn_tokens, limits.max_conversation_tokens - len(conversation.ids))
     return TurnRequest(prompt_ids + conversation.ids, max_tokens, slot, conversation.num_turns)
+
+
+def _take_turn(conversation: _Conversation, turn: SampledTurn, request: TurnRequest, stop_ids: frozenset[int],
+               limits: TurnLimits, pool: EnvCalls, stats: MultiTurnStats) -> None:
+    """The engine's ``turn`` into ``conversation`` token by token (``multiturn.take_token``: its handler is called
+    at a stop id, a limit ends it), which must end the turn exactly at its last token."""
+    taken = 0
+    while conversation.phase == _FEED and taken < len(turn.token_ids):
+        take_token(conversation, turn.token_ids[taken], turn.logprobs[taken], stop_ids, limits, pool, stats)
+        taken += 1
+    if conversation.phase == _FEED or taken < len(turn.token_ids):  # stopped early, or went on past the end
+        raise RuntimeError(f"the engine sampled {len(turn.token_ids)} tokens for conversation {request.conversation}'s "
+                           f"turn of at most {request.max_tokens}, not ending where its stop ids and limits end it")

@@ -52,8 +52,8 @@ from tqdm import tqdm
 from turbogrpo.batch import Groups
 from turbogrpo.rollout.engines.weights import base_model, checkpoint_weights, trainable_modules
 from turbogrpo.rollout.multiturn import MultiTurnRollout
-from turbogrpo.rollout.turnwise import SampledTurn, TurnRequest, generate_multiturn_turnwise
 from turbogrpo.rollout.sampling import SamplingConfig
+from turbogrpo.rollout.turnwise import SampledTurn, TurnRequest, generate_multiturn_turnwise
 from turbogrpo.rollout.types import Rollout, RolloutStats
 
 MEMORY = {
@@ -70,10 +70,6 @@ FINISH_REASONS = {"stop": "stop", "length": "length"}
 
 # vLLM's layer-by-layer reload warns, per push, about every layer it was not sent (by design here).
 _RELOAD_LOGGERS = ("vllm.model_executor.model_loader.reload.layerwise", "vllm.model_executor.model_loader.reload.inplace")
-
-
-_NO_DRAFT = ("rollout.engine = \"vllm\" samples without turbogrpo's draft (rollout.speculation = \"off\") and keeps "
-             "no hidden states; use rollout.engine = \"native\" for speculation")
 
 
 def import_vllm():
@@ -173,7 +169,8 @@ class VllmEngine:
                sampling: SamplingConfig, seed: int | None, draft: object | None = None,
                return_hidden: bool = False) -> Rollout:
         if draft is not None or return_hidden:
-            raise ValueError(_NO_DRAFT)
+            raise ValueError("rollout.engine = \"vllm\" samples without turbogrpo's draft (rollout.speculation = "
+                             "\"off\") and keeps no hidden states; use rollout.engine = \"native\" for speculation")
         # vLLM runs in its own dtype: the step's autocast (a bf16 run's) must not reach its kernels.
         with torch.autocast(self.device.type, enabled=False):
             return self._sample(policy, prompts, num_samples, sampling, seed)
@@ -231,7 +228,8 @@ class VllmEngine:
         ``llm.generate`` call, each turn a request continuing its conversation's ids); ``schedule`` is the native
         engine's and not read."""
         if draft is not None:
-            raise ValueError(_NO_DRAFT)
+            raise ValueError("rollout.engine = \"vllm\" runs conversations without turbogrpo's draft "
+                             "(rollout.speculation = \"off\"); use rollout.engine = \"native\" for speculative turns")
         with torch.autocast(self.device.type, enabled=False):
             self._ready(policy)
             if seed is None:
@@ -253,7 +251,8 @@ class VllmEngine:
                 raise RuntimeError(f"vLLM finished a turn with reason {completion.finish_reason!r} (aborted)")
             # vLLM counts the prompt ids its prefix cache held (None: caching off or nothing found).
             cached = output.num_cached_tokens or 0
-            turns.append(SampledTurn(list(completion.token_ids), sampled_logprobs(completion), len(request.ids) - cached))
+            turns.append(SampledTurn(list(completion.token_ids), sampled_logprobs(completion),
+                                     len(request.ids) - cached))
         return turns
 
     # --- weights ------------------------------------------------------------------------------------
