@@ -47,7 +47,15 @@ def engine(demo):
     return engine
 
 
-def conversations(demo, generate=None, *, factory=RetryArithmetic, num_rows=4, num_samples=2, sampling=GREEDY,
+class Stubborn(RetryArithmetic):
+    """RetryArithmetic that never accepts an answer (the demo model solves most problems at its first turn)."""
+
+    def reply(self, message):
+        super().reply(message)
+        return "Wrong. Try again."
+
+
+def conversations(demo, generate=None, *, factory=Stubborn, num_rows=4, num_samples=2, sampling=GREEDY,
                   seed=0, **options):
     """run_episodes on the demo problems (their ~234-id prompts span whole cache blocks); ``generate``: an
     engine's multi-turn rollout (None: the native engine's)."""
@@ -112,7 +120,8 @@ def test_sampled_conversations_repeat_by_seed_fork_exactly_and_train_only_the_mo
         assert torch.equal(groups.sampler_logps[pair][:shared], groups.sampler_logps[pair + 1][:shared])
         diverged += left[shared:].tolist() != right[shared:].tolist()
     assert forked >= 2 and diverged >= 1
-    assert groups.completions[0][:4].tolist() != groups.completions[2][:4].tolist()  # first conversations differ
+    # The two first conversations of a prompt are samples of their own (seeded by their slot).
+    assert any(groups.completions[k].tolist() != groups.completions[k + 2].tolist() for k in range(0, 16, 4))
     gaps = []
     for i, (completion, mask, logps) in enumerate(zip(groups.completions, groups.model_mask, groups.sampler_logps)):
         assert tokenizer.decode(completion[~mask]) == REPLY * (first.rollout.num_turns[i] - 1)
@@ -125,7 +134,7 @@ def test_sampled_conversations_repeat_by_seed_fork_exactly_and_train_only_the_mo
 
 
 class Faulty(Numbered):
-    """Conversation 2's reply() raises, conversation 3's never returns; the others play RetryArithmetic."""
+    """Conversation 2's reply() raises, conversation 3's never returns; the others play Stubborn."""
 
     def reply(self, message):
         if self.number == 2:
@@ -133,7 +142,8 @@ class Faulty(Numbered):
         if self.number == 3:
             import threading
             threading.Event().wait()
-        return super().reply(message)
+        super().reply(message)
+        return "Wrong. Try again."  # (as Stubborn)
 
 
 def test_a_failing_environment_fails_its_conversation_only(demo, engine):
@@ -142,8 +152,9 @@ def test_a_failing_environment_fails_its_conversation_only(demo, engine):
     assert [e.error for e in result.episodes] == [None, "reply() raised RuntimeError: sandbox down",
                                                   "reply() did not return within 2 s (env.call_timeout_s)", None]
     assert result.rollout.num_turns[1:3] == [1, 1] and result.metrics["env/failures"] == 0.5
-    native_turns = conversations(demo, num_rows=2).rollout.num_turns  # the same greedy conversations, unfailed
-    assert [result.rollout.num_turns[i] for i in (0, 3)] == [native_turns[i] for i in (0, 3)]
+    native = conversations(demo, num_rows=2).rollout  # the same greedy conversations, none failing
+    assert [result.rollout.num_turns[i] for i in (0, 3)] == [native.num_turns[i] for i in (0, 3)] == [3, 3]
+    assert [ids(result)[i] for i in (0, 3)] == [native.groups.completions[i].tolist() for i in (0, 3)]
 
 
 def restored(engine, model):
