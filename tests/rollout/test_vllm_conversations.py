@@ -1,5 +1,6 @@
 """[env] conversations on the vLLM engine (``VllmEngine.generate_multiturn``, ``rollout.turnwise``) against the
-native engine's, on the shipped demo model in float32 with the demo_multiturn environment (RetryArithmetic):
+native engine's, on the shipped demo model in float32 with the demo_multiturn environment (RetryArithmetic, made
+to never accept an answer so that every conversation has later turns):
 greedy conversations equal (unbranched and branched), environment ids carry no sampler log-probs, the model's
 carry the policy's, seeded rollouts repeat, forks share their history exactly, later turns come from vLLM's
 prefix cache, a failing environment fails its own conversation, and `turbogrpo train` runs on it (on-policy with
