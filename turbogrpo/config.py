@@ -571,9 +571,6 @@ class Config:
         _require(not self.env.factory or not self.rollout.stop_strings, "rollout.stop_strings",
                  "[] with an [env] factory (a model turn ends on env.end_of_turn's token, the chat template's end of "
                  "turn; stop strings would end turns the template cannot render)", self.rollout.stop_strings)
-        _require(not self.env.factory or self.rollout.engine != "vllm", "rollout.engine",
-                 "\"native\" or \"auto\" with an [env] factory (conversations on vLLM are not built yet)",
-                 self.rollout.engine)
         _require(self.rollout.engine != "vllm" or self.distributed.strategy != "fsdp2", "rollout.engine",
                  "\"native\" or \"auto\" with distributed.strategy = \"fsdp2\" (the vLLM engine is given whole "
                  "weights, which FSDP2 shards)", self.rollout.engine)

@@ -24,8 +24,9 @@ def test_engine_names_and_refusals():
         load_config(None, ["rollout.engine=sglang"])
     with pytest.raises(ConfigError, match="rollout.speculation"):
         load_config(None, ["rollout.engine=vllm", "rollout.speculation=fixed"])
-    with pytest.raises(ConfigError, match="rollout.engine"):
-        load_config(REPO / "configs" / "demo_multiturn.toml", ["rollout.engine=vllm"])
+    # Conversations run on vLLM, branching too.
+    assert load_config(REPO / "configs" / "demo_multiturn.toml", ["rollout.engine=vllm", "rollout.branching=[2, 4]"]
+                       ).rollout.engine == "vllm"
 
 
 def test_auto_picks_by_device_and_native_is_generate():

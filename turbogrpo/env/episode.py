@@ -160,7 +160,9 @@ class EnvRollout:
     """K rendered prompts."""
     metrics: dict[str, float]
     """env/turns, env/tool_calls, env/tool_failures, env/failures, env/max_turns_hit, env/template_drift
-    (shares or means per conversation), env/env_tokens (per conversation)."""
+    (shares or means per conversation), env/env_tokens (per conversation), env/prefill_tokens_per_turn (ids the
+    engine computed before each later turn, mean over those turns: the turn-end token and the reply on the native
+    engine, what the prefix cache did not hold on vLLM; 0 without later turns)."""
 
 
 _DRIFT_WARNED = False
@@ -171,14 +173,17 @@ def run_episodes(model: nn.Module, tokenizer: Any, rows: Sequence[dict], prompt_
                  limits: TurnLimits, tool_parser: str = "hermes", end_of_turn: str = "",
                  chat_template: str | None = None, seed: int | None = None, draft: object | None = None,
                  schedule: DecodeSchedule | None = None, reply_timing: str = "arrival",
-                 branching: Sequence[int] = (), max_workers: int = 16, call_timeout_s: float | None = None) -> EnvRollout:
+                 branching: Sequence[int] = (), max_workers: int = 16, call_timeout_s: float | None = None,
+                 generate: Callable[..., MultiTurnRollout] = generate_multiturn) -> EnvRollout:
     """G = ``num_samples`` episodes for each of the K dataset ``rows``, whose prompts are ``prompt_messages``
     (chat messages, ending on a user message); see the module docstring. ``schedule`` (its linear kernel),
     ``reply_timing`` and ``branching`` go to ``generate_multiturn``: under branching, ``branching[0]``
     environments are made per row and the others are forks of them (``Episode.fork``), probed right after
     ``reset`` so that one that cannot fork is refused before the rollout. Environment code (the factory,
     ``reset``, each turn, ``get_reward``) runs on ``max_workers`` daemon threads at most (1: one call at a
-    time), each call limited to ``call_timeout_s`` seconds (None: no limit; past it, the conversation fails)."""
+    time), each call limited to ``call_timeout_s`` seconds (None: no limit; past it, the conversation fails).
+    ``generate``: the engine's multi-turn rollout, called as ``generate_multiturn`` (the native engine's; the vLLM
+    engine passes its ``VllmEngine.generate_multiturn``)."""
     global _DRIFT_WARNED
     if len(rows) != len(prompt_messages):
         raise ValueError(f"got {len(rows)} rows for {len(prompt_messages)} prompts")
@@ -252,9 +257,8 @@ def run_episodes(model: nn.Module, tokenizer: Any, rows: Sequence[dict], prompt_
     sampling = SamplingConfig(**{**{f: getattr(sampling, f) for f in ("max_new_tokens", "temperature", "top_p",
                                                                           "top_k")},
                                  "stop_token_ids": tuple(dict.fromkeys((*sampling.stop_token_ids, end_ids[0])))})
-    rollout = generate_multiturn(model, prompts, episodes, num_samples=num_samples, sampling=sampling, limits=limits,
-                                 seed=seed, draft=draft, schedule=schedule, reply_timing=reply_timing,
-                                 branching=branching, env_calls=calls)
+    rollout = generate(model, prompts, episodes, num_samples=num_samples, sampling=sampling, limits=limits, seed=seed,
+                       draft=draft, schedule=schedule, reply_timing=reply_timing, branching=branching, env_calls=calls)
     episodes = rollout.handlers  # under branching, the forks; otherwise the same episodes
     drifted = 0
     for i, episode in enumerate(episodes):
@@ -277,8 +281,13 @@ def run_episodes(model: nn.Module, tokenizer: Any, rows: Sequence[dict], prompt_
                "env/failures": sum(e.error is not None for e in episodes) / n,
                "env/max_turns_hit": sum(e.hit_max_turns for e in episodes) / n,
                "env/template_drift": drifted / n,
-               "env/env_tokens": rollout.stats.num_env_tokens / n}
+               "env/env_tokens": rollout.stats.num_env_tokens / n,
+               "env/prefill_tokens_per_turn": mean_or_zero(rollout.stats.turn_prefill_tokens)}
     return EnvRollout(rollout, episodes, prompt_texts, metrics)
+
+
+def mean_or_zero(values: Sequence[float]) -> float:
+    return sum(values) / len(values) if values else 0.0
 
 
 def _failure(err: Exception) -> str:

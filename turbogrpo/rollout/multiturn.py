@@ -60,6 +60,11 @@ appears in ``prod(b_1:)`` leaves. The Tree Training paper's weighting keeps the 
 the leaves: the mean over branches is the per-token loss weighted by the share of branches through each token,
 so a tree forward (``turbogrpo.tree``) that holds each shared token once weights it by its leaf count over G.
 
+An engine that samples whole turns and keeps its own KV (vLLM) runs the same conversations through
+``rollout.turnwise``, which shares this module's pieces (``check_conversations``, ``start_conversations``,
+``take_token``, ``_collect_replies``, ``fork_conversation``, ``conversations_rollout``): only the sampling of a
+turn differs.
+
 Legend: ``K`` prompts, ``N`` conversations (K x G, group-major), ``B`` rows of the decoding batch, ``n``
 ids fed per row in a step, ``V`` vocabulary, ``Hd`` hidden size.
 """
@@ -152,6 +157,10 @@ class MultiTurnStats(RolloutStats):
     """Model turns over all conversations."""
     env_wait_s: float = 0.0
     """Time the loop sat idle because every live conversation was waiting for its environment."""
+    turn_prefill_tokens: list[int] = field(default_factory=list)
+    """Ids computed before each later turn's (turn 2 on) first draw, one entry per turn started, in order: the
+    native engines feed the turn-end token and the reply (a fork's branches share that one prefill); an engine
+    with a prefix cache (``rollout.turnwise``) reports what its cache did not hold."""
 
 
 @dataclass
@@ -278,43 +287,19 @@ def generate_multiturn(model: nn.Module, prompts: list[torch.Tensor], handlers: 
     if draft is not None and not callable(getattr(draft, "run_multiturn", None)):
         raise ValueError(f"draft must be a turbogrpo.speculative.Speculation (or None for plain sampling), got "
                          f"{type(draft).__name__}; wrap a DraftHead as Speculation(draft_head)")
-    if sampling.stop_strings:
-        raise ValueError(f"multi-turn rollouts end turns on stop_token_ids only; got stop_strings "
-                         f"{list(sampling.stop_strings)} (use the chat template's end-of-turn token id)")
-    if not sampling.stop_token_ids:
-        raise ValueError("multi-turn rollouts need sampling.stop_token_ids (the end-of-turn token ids)")
-    if not isinstance(limits, TurnLimits):
-        raise ValueError(f"limits must be a TurnLimits, got {type(limits).__name__}")
-    if reply_timing not in REPLY_TIMINGS:
-        raise ValueError(f"reply_timing must be one of {sorted(REPLY_TIMINGS)}, got {reply_timing!r}")
     if schedule is not None and not isinstance(schedule, DecodeSchedule):
         raise ValueError(f"schedule must be a DecodeSchedule or None, got {type(schedule).__name__}")
-    check_materialized(model)
-    factors = check_branching(branching, num_samples)
+    factors = check_conversations(model, prompts, handlers, num_samples=num_samples, sampling=sampling, limits=limits,
+                                  reply_timing=reply_timing, branching=branching)
     if draft is not None and len(factors) > 1:
         raise ValueError(f"branching {list(branching)} with a draft: speculative multi-turn rollouts do not fork "
                          "conversations yet (branch with plain sampling, or speculate without branching)")
-    if len(handlers) != len(prompts) * factors[0]:
-        raise ValueError(f"got {len(handlers)} handlers for {len(prompts)} prompts x {factors[0]} "
-                         f"{'first conversations' if branching else 'samples'}")
-    if len(factors) > 1:
-        for handler in handlers:  # refuse a handler that cannot fork now, not at its first fork
-            fork_copy(handler, "handler")
-    max_positions = getattr(model.config, "max_position_embeddings", None)
-    longest = max(p.numel() for p in prompts) + limits.max_conversation_tokens
-    if max_positions is not None and longest > max_positions:
-        raise ValueError(f"the longest prompt plus max_conversation_tokens={limits.max_conversation_tokens} needs "
-                         f"{longest} positions, more than the model's max_position_embeddings={max_positions}")
     device = next(model.parameters()).device
     generator = None
     if seed is not None:
         generator = torch.Generator(device=device).manual_seed(seed)
     prompts = [p.to(device=device, dtype=torch.long) for p in prompts]
-    # One slot per output conversation; each first conversation takes the first slot of its subtree.
-    stride = num_samples // factors[0]
-    conversations: list[_Conversation | None] = [None] * (len(prompts) * num_samples)
-    for j, handler in enumerate(handlers):
-        conversations[j * stride] = _Conversation(handler)
+    conversations = start_conversations(handlers, len(prompts), num_samples, factors)
     # The loop is eager whatever the schedule's runner, so "auto" may pick the packed kernel here.
     linears = rollout_linear_kernel(replace(schedule or default_schedule(device), runner="eager"), draft)
     pool = env_calls if env_calls is not None else EnvCalls(max_env_workers, call_timeout_s)
@@ -327,6 +312,53 @@ def generate_multiturn(model: nn.Module, prompts: list[torch.Tensor], handlers: 
         else:  # the speculative loop (turbogrpo.speculative.multiturn) comes with the draft: never imported here
             stats = draft.run_multiturn(model, prompts, num_samples, conversations, sampling, limits, generator,
                                         pool, REPLY_TIMINGS[reply_timing])
+    return conversations_rollout(prompts, num_samples, conversations, stats)
+
+
+def check_conversations(model: nn.Module, prompts: list[torch.Tensor], handlers: Sequence[TurnHandler], *,
+                        num_samples: int, sampling: SamplingConfig, limits: TurnLimits, reply_timing: str,
+                        branching: Sequence[int]) -> tuple[int, ...]:
+    """The checks every engine's multi-turn rollout makes before it starts (``generate_multiturn``'s arguments);
+    returns the fork factors (``check_branching``)."""
+    if sampling.stop_strings:
+        raise ValueError(f"multi-turn rollouts end turns on stop_token_ids only; got stop_strings "
+                         f"{list(sampling.stop_strings)} (use the chat template's end-of-turn token id)")
+    if not sampling.stop_token_ids:
+        raise ValueError("multi-turn rollouts need sampling.stop_token_ids (the end-of-turn token ids)")
+    if not isinstance(limits, TurnLimits):
+        raise ValueError(f"limits must be a TurnLimits, got {type(limits).__name__}")
+    if reply_timing not in REPLY_TIMINGS:
+        raise ValueError(f"reply_timing must be one of {sorted(REPLY_TIMINGS)}, got {reply_timing!r}")
+    check_materialized(model)
+    factors = check_branching(branching, num_samples)
+    if len(handlers) != len(prompts) * factors[0]:
+        raise ValueError(f"got {len(handlers)} handlers for {len(prompts)} prompts x {factors[0]} "
+                         f"{'first conversations' if branching else 'samples'}")
+    if len(factors) > 1:
+        for handler in handlers:  # refuse a handler that cannot fork now, not at its first fork
+            fork_copy(handler, "handler")
+    max_positions = getattr(model.config, "max_position_embeddings", None)
+    longest = max(p.numel() for p in prompts) + limits.max_conversation_tokens
+    if max_positions is not None and longest > max_positions:
+        raise ValueError(f"the longest prompt plus max_conversation_tokens={limits.max_conversation_tokens} needs "
+                         f"{longest} positions, more than the model's max_position_embeddings={max_positions}")
+    return factors
+
+
+def start_conversations(handlers: Sequence[TurnHandler], num_prompts: int, num_samples: int,
+                        factors: tuple[int, ...]) -> list[_Conversation | None]:
+    """``[K * num_samples]`` conversation slots: one per output conversation, each first conversation (one per
+    handler, group-major) in the first slot of its subtree, the others None until a fork fills them."""
+    stride = num_samples // factors[0]
+    conversations: list[_Conversation | None] = [None] * (num_prompts * num_samples)
+    for j, handler in enumerate(handlers):
+        conversations[j * stride] = _Conversation(handler)
+    return conversations
+
+
+def conversations_rollout(prompts: list[torch.Tensor], num_samples: int, conversations: list[_Conversation],
+                          stats: MultiTurnStats) -> MultiTurnRollout:
+    """The finished ``conversations`` (``[K * num_samples]``, group-major) as a ``MultiTurnRollout``."""
     groups = Groups(prompts, [torch.tensor(c.ids, dtype=torch.long) for c in conversations],
                     [num_samples] * len(prompts), finish_reasons=[c.finish for c in conversations],
                     sampler_logps=[torch.tensor(c.logps, dtype=torch.float32) for c in conversations],
@@ -424,22 +456,12 @@ def _fork(cache: GroupedKVCache, rows: list[int], drawn: list[int], hidden_BH: t
     drawn rows and hidden states ``[B', Hd]``; each branch draws its own next token from them."""
     copies = [1] * len(rows)
     for b in drawn:
-        parent = conversations[rows[b]]
-        level = parent.depth + 1
-        if parent.num_turns == level and level < len(branching):
-            copies[b] = branching[level]
+        copies[b] = fork_count(conversations[rows[b]], branching)
     if max(copies) == 1:
         return rows, drawn, hidden_BH
     new_rows, new_drawn, drawn_set = [], [], set(drawn)
     for b, (i, count) in enumerate(zip(rows, copies)):
-        slots = [i]
-        if count > 1:
-            parent = conversations[i]
-            parent.depth += 1
-            stride = math.prod(branching[parent.depth + 1:])  # leaves under each of the new branches
-            slots = [i + c * stride for c in range(count)]
-            for slot in slots[1:]:
-                conversations[slot] = _branch(parent)
+        slots = fork_conversation(conversations, i, count, branching)
         if b in drawn_set:
             new_drawn.extend(range(len(new_rows), len(new_rows) + count))
         new_rows.extend(slots)
@@ -447,6 +469,28 @@ def _fork(cache: GroupedKVCache, rows: list[int], drawn: list[int], hidden_BH: t
     source = torch.repeat_interleave(torch.arange(len(rows), device=hidden_BH.device),
                                      torch.tensor(copies, device=hidden_BH.device))
     return new_rows, new_drawn, hidden_BH[source]
+
+
+def fork_count(conversation: _Conversation, branching: tuple[int, ...]) -> int:
+    """How many branches ``conversation`` becomes now: ``branching[t]`` once the reply to its turn t (its
+    ``depth + 1``-th) is in and it has a fork left, else 1."""
+    level = conversation.depth + 1
+    return branching[level] if conversation.num_turns == level and level < len(branching) else 1
+
+
+def fork_conversation(conversations: list[_Conversation | None], i: int, count: int,
+                      branching: tuple[int, ...]) -> list[int]:
+    """Fork conversation ``i`` into ``count`` branches (``fork_count``; 1: no fork): it keeps its slot, each new
+    branch (handler forked) takes the first slot of its own subtree. Returns the branches' slots, ``i`` first."""
+    if count == 1:
+        return [i]
+    parent = conversations[i]
+    parent.depth += 1
+    stride = math.prod(branching[parent.depth + 1:])  # leaves under each of the new branches
+    slots = [i + c * stride for c in range(count)]
+    for slot in slots[1:]:
+        conversations[slot] = _branch(parent)
+    return slots
 
 
 def _branch(parent: _Conversation) -> _Conversation:
@@ -473,27 +517,32 @@ def _draw(logits_BV: torch.Tensor, members: list[int], conversations: list[_Conv
     tokens_B, logps_B = sample_with_logprobs(logits_BV, sampling, generator)
     host = torch.stack([tokens_B.double(), logps_B.double()]).tolist()  # host sync: one per step
     for i, token, logp in zip(members, host[0], host[1]):
-        if not math.isfinite(logp):
-            raise ValueError("the model's logits are not finite (NaN or inf) for some sequence: check the model's "
-                             "weights (a diverged update, a bad checkpoint or a dtype overflow)")
-        conversation = conversations[i]
-        token = int(token)
-        conversation.ids.append(token)
-        conversation.model_mask.append(1)
-        conversation.logps.append(logp)
-        conversation.pending = [token]
-        turn_length = len(conversation.ids) - conversation.turn_start
-        if token in stop_ids:
-            conversation.num_turns += 1
-            stats.num_turns += 1
-            conversation.phase = _WAIT
-            conversation.future = pool.submit(_call_handler, conversation.handler,
-                                              conversation.ids[conversation.turn_start:])
-            conversation.due_after = stats.num_forwards + 1
-        elif turn_length >= limits.max_turn_tokens or len(conversation.ids) >= limits.max_conversation_tokens:
-            conversation.num_turns += 1
-            stats.num_turns += 1
-            conversation.phase, conversation.finish = _DONE, "length"
+        take_token(conversations[i], int(token), logp, stop_ids, limits, pool, stats)
+
+
+def take_token(conversation: _Conversation, token: int, logp: float, stop_ids: frozenset[int], limits: TurnLimits,
+               pool: EnvCalls, stats: MultiTurnStats) -> None:
+    """Append the sampled ``token`` (its sampler log-prob ``logp``) to ``conversation`` and act on it: a stop id
+    ends the turn (its handler is called on ``pool``), a limit ends the conversation ("length")."""
+    if not math.isfinite(logp):
+        raise ValueError("the model's logits are not finite (NaN or inf) for some sequence: check the model's "
+                         "weights (a diverged update, a bad checkpoint or a dtype overflow)")
+    conversation.ids.append(token)
+    conversation.model_mask.append(1)
+    conversation.logps.append(logp)
+    conversation.pending = [token]
+    turn_length = len(conversation.ids) - conversation.turn_start
+    if token in stop_ids:
+        conversation.num_turns += 1
+        stats.num_turns += 1
+        conversation.phase = _WAIT
+        conversation.future = pool.submit(_call_handler, conversation.handler,
+                                          conversation.ids[conversation.turn_start:])
+        conversation.due_after = stats.num_forwards + 1
+    elif turn_length >= limits.max_turn_tokens or len(conversation.ids) >= limits.max_conversation_tokens:
+        conversation.num_turns += 1
+        stats.num_turns += 1
+        conversation.phase, conversation.finish = _DONE, "length"
 
 
 def _call_handler(handler: TurnHandler, turn_ids: list[int]) -> list[int] | None:
@@ -512,10 +561,12 @@ def vocabulary_size(model: nn.Module) -> int | None:
 
 def _collect_replies(conversations: list[_Conversation], rows: list[int], limits: TurnLimits,
                      stats: MultiTurnStats, due: Callable[[_Conversation, int], bool], pool: EnvCalls,
-                     vocab_size: int | None = None) -> None:
+                     vocab_size: int | None = None, count_prefill: bool = True) -> None:
     """Move every waiting conversation whose reply is ``due`` back to feeding (or to done), waiting (within
     ``pool``'s time limit) for a reply that is due but not yet there. A reply with an id outside
-    ``[0, vocab_size)`` fails its conversation (the embedding lookup would abort the whole rollout)."""
+    ``[0, vocab_size)`` fails its conversation (the embedding lookup would abort the whole rollout).
+    ``count_prefill``: record the ids the next turn prefills (``pending``: the turn-end token and the reply) in
+    ``stats.turn_prefill_tokens``, as the native engines feed them (an engine that counts its own: False)."""
     pool.expire()  # a call past its time limit is done (failed), so "arrival" timing takes it now
     for i in rows:
         conversation = conversations[i]
@@ -548,3 +599,5 @@ def _collect_replies(conversations: list[_Conversation], rows: list[int], limits
             conversation.turn_start = len(conversation.ids)
             conversation.phase = _FEED
             stats.num_env_tokens += len(reply)
+            if count_prefill:
+                stats.turn_prefill_tokens.append(len(conversation.pending))

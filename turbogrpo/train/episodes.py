@@ -10,7 +10,7 @@ interleaved as the engine ran them, and each conversation's episode (``Episode``
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from torch import nn
@@ -21,6 +21,7 @@ from turbogrpo.env import EnvRollout, TurnLimits, load_factory, run_episodes
 from turbogrpo.env.tasks import CHAT_TEMPLATES
 from turbogrpo.rollout import SamplingConfig
 from turbogrpo.rollout.engine import DecodeSchedule
+from turbogrpo.rollout.multiturn import MultiTurnRollout, generate_multiturn
 
 
 @dataclass(frozen=True)
@@ -50,11 +51,13 @@ class EpisodeSampler:
 
     def sample(self, model: nn.Module, tokenizer, examples: Sequence[PromptExample], *, num_samples: int,
                sampling: SamplingConfig, seed: int | None, schedule: DecodeSchedule | None = None,
-               branched: bool = False, draft: object | None = None) -> EnvRollout:
+               branched: bool = False, draft: object | None = None,
+               generate: Callable[..., MultiTurnRollout] = generate_multiturn) -> EnvRollout:
         """``num_samples`` conversations for each of ``examples`` (group-major) with ``model``'s weights, the
         rows' other columns going to the environments' ``reset(**row)``. ``branched``: fork them by
         ``branching`` (training rollouts; held-out evaluation samples its own G unbranched). ``draft``: a
-        ``turbogrpo.speculative.Speculation`` decodes the model's turns speculatively (None: plain)."""
+        ``turbogrpo.speculative.Speculation`` decodes the model's turns speculatively (None: plain). ``generate``:
+        the engine's multi-turn rollout (``run_episodes``)."""
         missing = [e.index for e in examples if e.messages is None]
         if missing:
             raise ValueError(f"rows {missing[:3]} have no chat messages; multi-turn prompts need the chat template "
@@ -64,7 +67,7 @@ class EpisodeSampler:
                             limits=self.limits, tool_parser=self.tool_parser, end_of_turn=self.end_of_turn,
                             seed=seed, schedule=schedule, reply_timing=self.reply_timing,
                             branching=self.branching if branched else (), draft=draft,
-                            max_workers=self.max_workers, call_timeout_s=self.call_timeout_s)
+                            max_workers=self.max_workers, call_timeout_s=self.call_timeout_s, generate=generate)
 
 
 def build_episode_sampler(env: EnvConfig, tokenizer, branching: Sequence[int] = ()) -> EpisodeSampler | None:

@@ -161,8 +161,9 @@ def _worker_main(spec: WorkerSpec, dist: DistInfo, ring: WeightRing, requests, c
 
 
 class _WorkerSampler:
-    """The worker's own policy copy, environment sampler and native engine (no draft: speculation needs the
-    trainer's draft head, so config validation refuses it with k > 0)."""
+    """The worker's own policy copy, environment sampler and engine (rollout.engine: a vLLM one is built here, at
+    the first rollout; no draft: speculation needs the trainer's draft head, so config validation refuses it
+    with k > 0)."""
 
     def __init__(self, spec: WorkerSpec, dist: DistInfo):
         from turbogrpo.rollout.engine import default_schedule

@@ -4,7 +4,8 @@ rollout.engine.
     native   turbogrpo's own engine (``rollout.generate``, ``env.run_episodes``): exact sampler log-probs,
              speculative trees, multi-turn conversations, branching; the default
     vllm     a vLLM ``LLM`` in the trainer's process (``engines/vllm.py``), built once from the policy, the
-             policy's weights pushed into it after every optimizer step
+             policy's weights pushed into it after every optimizer step; conversations turn by turn
+             (``rollout.turnwise``)
     auto     one of the above per device type, by measurement (``AUTO_ENGINES``)
 
 The step (``train/loop.py``) calls ``sample`` / ``sample_conversations`` and, after the optimizer,

@@ -10,6 +10,12 @@ optimizer step.
     sample  one request per prompt with ``n = G`` (prefilled once, its samples seeded ``seed_k + i``), or G
             greedy requests (vLLM's greedy takes n = 1; the prefix cache prefills the prompt once); the
             token ids vLLM sampled are the completion (nothing is decoded and re-encoded)
+    talk    [env] conversations (``rollout.turnwise``, the native engine's turn handling, limits, failures and
+            forks): each round of turns is one ``generate`` call, each turn a request whose prompt is the
+            conversation's recorded ids (prompt, earlier turns, environment replies), seeded from (rollout seed,
+            conversation, turn); the earlier turns come from the prefix cache, and the ids it did not hold are
+            each later turn's prefill (``MultiTurnStats.turn_prefill_tokens``; on the CPU vLLM caches whole
+            128-token blocks, so a turn recomputes up to 127 ids of its context besides the reply)
     push    the weights of the modules an optimizer step changes (all, for a full fine-tune; with LoRA, the
             adapted modules with their adapters merged, ``W + B A * scale``), whole fused groups at a time,
             through vLLM's in-place reload (``reload_weights``): it loads them as checkpoint tensors and
@@ -35,6 +41,8 @@ import tempfile
 import threading
 import time
 from collections.abc import Sequence
+from dataclasses import replace
+from functools import partial
 
 import numpy as np
 import torch
@@ -43,7 +51,9 @@ from tqdm import tqdm
 
 from turbogrpo.batch import Groups
 from turbogrpo.rollout.engines.weights import base_model, checkpoint_weights, trainable_modules
+from turbogrpo.rollout.multiturn import MultiTurnRollout
 from turbogrpo.rollout.sampling import SamplingConfig
+from turbogrpo.rollout.turnwise import SampledTurn, TurnRequest, generate_multiturn_turnwise
 from turbogrpo.rollout.types import Rollout, RolloutStats
 
 MEMORY = {
@@ -165,12 +175,16 @@ class VllmEngine:
         with torch.autocast(self.device.type, enabled=False):
             return self._sample(policy, prompts, num_samples, sampling, seed)
 
-    def _sample(self, policy: nn.Module, prompts: list[torch.Tensor], num_samples: int, sampling: SamplingConfig,
-                seed: int | None) -> Rollout:
+    def _ready(self, policy: nn.Module) -> None:
+        """Build the engine from ``policy`` (first rollout), or push its weights if they changed since."""
         if self.llm is None:
             self.build(policy)
         elif not self.synced:
             self.push_weights(policy)
+
+    def _sample(self, policy: nn.Module, prompts: list[torch.Tensor], num_samples: int, sampling: SamplingConfig,
+                seed: int | None) -> Rollout:
+        self._ready(policy)
         if seed is None:
             seed = int(torch.randint(2**62, ()))  # torch's global generator, as the native engine's draws
         start = time.perf_counter()
@@ -193,8 +207,7 @@ class VllmEngine:
         if bad:
             raise RuntimeError(f"vLLM finished {len(bad)} completions with reason {bad[0]!r} (aborted)")
         tokens = [torch.tensor(list(c.token_ids), dtype=torch.long, device=device) for c in completions]
-        logps = [torch.tensor([step[token].logprob for step, token in zip(c.logprobs, c.token_ids)],
-                              dtype=torch.float32, device=device) for c in completions]
+        logps = [torch.tensor(sampled_logprobs(c), dtype=torch.float32, device=device) for c in completions]
         groups = Groups(list(prompts), tokens, [num_samples] * len(prompts),
                         finish_reasons=[FINISH_REASONS[c.finish_reason] for c in completions], sampler_logps=logps)
         stats = RolloutStats(num_generated_tokens=sum(len(t) for t in tokens),
@@ -204,8 +217,43 @@ class VllmEngine:
     def sample_conversations(self, policy: nn.Module, tokenizer, examples: Sequence, episodes, *,
                              num_samples: int, sampling: SamplingConfig, seed: int | None,
                              draft: object | None = None):
-        raise ValueError("rollout.engine = \"vllm\" does not run [env] conversations yet; use rollout.engine = "
-                         "\"native\" with an [env] factory")
+        return episodes.sample(policy, tokenizer, examples, num_samples=num_samples, sampling=sampling, seed=seed,
+                               branched=True, draft=draft, generate=self.generate_multiturn)
+
+    def generate_multiturn(self, policy: nn.Module, prompts: list[torch.Tensor], handlers: Sequence, *,
+                           num_samples: int, sampling: SamplingConfig, limits, seed: int | None = None,
+                           draft: object | None = None, schedule: object | None = None, reply_timing: str = "arrival",
+                           branching: Sequence[int] = (), env_calls=None) -> MultiTurnRollout:
+        """``rollout.multiturn.generate_multiturn`` on this engine (``rollout.turnwise``: each round of turns is one
+        ``llm.generate`` call, each turn a request continuing its conversation's ids); ``schedule`` is the native
+        engine's and not read."""
+        if draft is not None:
+            raise ValueError("rollout.engine = \"vllm\" runs conversations without turbogrpo's draft "
+                             "(rollout.speculation = \"off\"); use rollout.engine = \"native\" for speculative turns")
+        with torch.autocast(self.device.type, enabled=False):
+            self._ready(policy)
+            if seed is None:
+                seed = int(torch.randint(2**62, ()))  # torch's global generator, as the native engine's draws
+            return generate_multiturn_turnwise(policy, prompts, handlers, partial(self._sample_turns, sampling, seed),
+                                               num_samples=num_samples, sampling=sampling, limits=limits,
+                                               reply_timing=reply_timing, branching=branching, env_calls=env_calls)
+
+    def _sample_turns(self, sampling: SamplingConfig, seed: int, requests: list[TurnRequest]) -> list[SampledTurn]:
+        """One vLLM call for all ``requests`` (a ``turnwise.TurnSampler``): request r seeded from (``seed``, its
+        conversation, its turn), the prompt's and earlier turns' K/V found in the prefix cache."""
+        params = [sampling_params(replace(sampling, max_new_tokens=r.max_tokens), 1,
+                                  request_seed(request_seed(seed, r.conversation), r.turn)) for r in requests]
+        outputs = self.llm.generate([{"prompt_token_ids": r.ids} for r in requests], params, use_tqdm=False)
+        turns = []
+        for request, output in zip(requests, outputs):
+            completion = output.outputs[0]
+            if completion.finish_reason not in FINISH_REASONS:
+                raise RuntimeError(f"vLLM finished a turn with reason {completion.finish_reason!r} (aborted)")
+            # vLLM counts the prompt ids its prefix cache held (None: caching off or nothing found).
+            cached = output.num_cached_tokens or 0
+            turns.append(SampledTurn(list(completion.token_ids), sampled_logprobs(completion),
+                                     len(request.ids) - cached))
+        return turns
 
     # --- weights ------------------------------------------------------------------------------------
 
@@ -227,6 +275,11 @@ class VllmEngine:
             raise RuntimeError("vLLM did not reset its prefix cache after a weight push (a request still running?)")
         self.push_seconds = time.perf_counter() - start
         self.synced = True
+
+
+def sampled_logprobs(completion) -> list[float]:
+    """A vLLM completion output's sampler log-prob of each of its tokens (``logprobs=0``: the sampled one's)."""
+    return [step[token].logprob for step, token in zip(completion.logprobs, completion.token_ids)]
 
 
 def write_checkpoint(policy: nn.Module, folder: str) -> None:
