@@ -438,6 +438,57 @@ def learning_run(data: dict, where: str) -> list[str]:
     return lines
 
 
+def vllm_rollout(data: dict, where: str) -> list[str]:
+    """Per dtype and workload: each engine's median time and time per token, and both against native; then
+    the vLLM engine's build, push and exactness checks."""
+    lines = ["| dtype | workload | engine | median s | ms per token | time / native | per token / native |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    records = need(data, "results", where)
+    for record in records:
+        dtype = need(record, "dtype", where)
+        for workload, engines in need(record, "workloads", where).items():
+            native = need(engines, "native", where)
+            for engine, timing in engines.items():
+                here = f"{where} (results.{dtype}.{workload}.{engine})"
+                median, per_token = need(timing, "median_s", here), need(timing, "median_s_per_token", here)
+                lines.append(f"| {dtype} | {workload} | {engine} | {seconds(median)} | {FORMATS['ms'](per_token)} | "
+                             f"{FORMATS['f2'](median / native['median_s'])} | "
+                             f"{FORMATS['f2'](per_token / native['median_s_per_token'])} |")
+    lines += ["", "| dtype | vLLM build s | full weight push s | greedy equal to native | sampler-trainer gap mean | "
+                  "gap max |", "| --- | --- | --- | --- | --- | --- |"]
+    for record in records:
+        e = need(record, "exactness", where)
+        lines.append(f"| {record['dtype']} | {seconds(need(record, 'build_s', where))} | "
+                     f"{FORMATS['ms'](need(record, 'full_push_s', where))} ms | "
+                     f"{need(e, 'greedy_equal', where)}/{need(e, 'greedy_compared', where)} | "
+                     f"{need(e, 'gap_mean', where):.2e} | {need(e, 'gap_max', where):.2e} |")
+    return [*lines, ""]
+
+
+def learning_curves(data: dict, where: str) -> list[str]:
+    """Per task, one row per variant: held-out greedy / sampled accuracy at each evaluated step, the median
+    step time and the run's wall time."""
+    lines = []
+    for task, by_variant in need(data, "curves", where).items():
+        steps = next(iter(by_variant.values()))["steps"]
+        lines += [f"**{task}**", "",
+                  "| variant | overrides | " + " | ".join(f"step {s} greedy / sampled" for s in steps)
+                  + " | median step s | wall s |", "| --- | --- | " + " | ".join("---" for _ in steps) + " | --- | --- |"]
+        for variant, curve in by_variant.items():
+            here = f"{where} (curves.{task}.{variant})"
+            cells = [f"{FORMATS['%'](g)} / " + (FORMATS['%'](s) if s is not None else "-")
+                     for g, s in zip(need(curve, "greedy", here), need(curve, "sampled", here))]
+            cells += ["-"] * (len(steps) - len(cells))
+            step_s = sorted(need(curve, "step_s", here))
+            wall = curve.get("wall_s")
+            overrides = ", ".join(f"`{o}`" for o in lookup(data, f"variants.{variant}") or []) or "-"
+            lines.append(f"| {variant} | {overrides} | " + " | ".join(cells) +
+                         f" | {seconds(step_s[len(step_s) // 2]) if step_s else '-'} | "
+                         f"{seconds(wall) if wall is not None else '-'} |")
+        lines.append("")
+    return lines
+
+
 def greedy_split(data: dict, where: str) -> list[str]:
     """Held-out accuracy of each model, split by the problem's start (one or two digits)."""
     lines = ["| model | split | problems | greedy | sampled |", "| --- | --- | --- | --- | --- |"]
@@ -494,6 +545,8 @@ RENDERERS: dict[str, Renderer] = {
                                  col("final top-1", "final_top1_agreement", "f2")])),
     "task_rates": task_rates,
     "learning_run": learning_run,
+    "learning_curves": learning_curves,
+    "vllm_rollout": vllm_rollout,
     "tool_task_rates": tool_task_rates,
     "tree_synthetic": TREE_SYNTHETIC,
     "tree_real": TREE_REAL,
