@@ -114,7 +114,8 @@ def default_schedule(device: torch.device) -> DecodeSchedule:
 def generate(model: nn.Module, prompts: list[torch.Tensor], *, num_samples: int, sampling: SamplingConfig,
              seed: int | None = None, draft: object | None = None, return_hidden: bool = False,
              max_new_tokens_per_completion: Sequence[int] | None = None,
-             schedule: DecodeSchedule | None = None) -> Rollout:
+             schedule: DecodeSchedule | None = None,
+             until: Callable[[list[bool]], bool] | None = None) -> Rollout:
     """Sample ``num_samples`` completions for each prompt with ``model``'s current weights.
 
     ``prompts``: 1-D int64 token id tensors, one per group. ``seed`` makes the draws reproducible
@@ -127,6 +128,9 @@ def generate(model: nn.Module, prompts: list[torch.Tensor], *, num_samples: int,
     ``schedule``: when the host checks the batch (None: the device's default, ``DEFAULT_SCHEDULES``);
     it changes speed only (its ``linears`` kernel rounds the weight matmuls' sums in another order,
     about 1e-6 relative in float32, as any two GEMM kernels do).
+    ``until``: stop early (a partial rollout, ``train/partial_rollouts.py``): called at every host check with
+    which completions have finished (``[N]`` host bools); True ends the rollout there, and a completion still
+    running keeps what it has drawn (finish reason "length", shorter than its limit). None: run to the end.
     """
     _check_inputs(model, prompts, num_samples, sampling)
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63):
@@ -157,7 +161,7 @@ def generate(model: nn.Module, prompts: list[torch.Tensor], *, num_samples: int,
             step: DecodeStep = (PlainStep(PLAIN_RUNNERS[schedule.runner](plain_step)) if draft is None
                                 else draft.make_step(model, prompts, sampling))
             return _rollout(model, prompts, num_samples, sampling, generator, return_hidden, limits, step,
-                            schedule)
+                            schedule, until)
 
 
 def rollout_linear_kernel(schedule: DecodeSchedule, draft: object | None = None):
@@ -187,7 +191,7 @@ def _length_limits(limits: Sequence[int] | None, num_completions: int, sampling:
 
 def _rollout(model: nn.Module, prompts: list[torch.Tensor], num_samples: int, sampling: SamplingConfig,
              generator: torch.Generator | None, return_hidden: bool, limits: list[int], step: DecodeStep,
-             schedule: DecodeSchedule) -> Rollout:
+             schedule: DecodeSchedule, until: Callable[[list[bool]], bool] | None = None) -> Rollout:
     """The loop of the module docstring (inputs already checked and on the model's device)."""
     start = time.perf_counter()
     state = first_draw(model, prompts, num_samples, sampling, generator, return_hidden or step.keeps_hidden,
@@ -200,16 +204,25 @@ def _rollout(model: nn.Module, prompts: list[torch.Tensor], num_samples: int, sa
     # Every live row emits at least one token per step, so after max(limits) - 1 steps all are done.
     steps_left = max(limits) - 1
     steps_run, window = 0, 0
+    # With ``until``: the completion of each batch row and which completions have finished (host lists; a
+    # retired row's completion stays finished).
+    row_completion, finished_N = list(range(len(limits))), [False] * len(limits)
     while True:
         done = _host_check(state, step, stats, steps_run - window, window)
         num_live = done.count(False)
         if num_live == 0:
             break
+        if until is not None:
+            for completion, finished in zip(row_completion, done):
+                finished_N[completion] = finished
+            if until(finished_N):
+                break
         keep_size = bucket(num_live, len(done))
         if keep_size < len(done):
             rows = _rows_to_keep(done, keep_size)
             state.keep(rows)
             step.keep(rows)
+            row_completion = [row_completion[r] for r in rows]
         window = min(every, steps_left)
         assert window > 0, "a live row outlived its length limit"
         for _ in range(window):
