@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 
 from tests.rollout.conftest import build_model, random_prompts
 from turbogrpo import completion_logprobs
-from turbogrpo.config import ConfigError, load_config
+from turbogrpo.config import load_config
 from turbogrpo.data import PromptExample
 from turbogrpo.rollout import SamplingConfig, generate
 from turbogrpo.rollout.engines.native import NativeEngine
@@ -27,37 +27,8 @@ STOPS = list(range(8))
 """Stop ids of the random test model: about one token in eight stops, so lengths spread up to the limit."""
 
 
-@pytest.fixture(scope="module")
-def qwen2():
-    return build_model("qwen2")
-
-
 def examples(lengths, seed: int = 0) -> list[PromptExample]:
     return [PromptExample(f"p{i}", p, index=i) for i, p in enumerate(random_prompts(lengths, seed=seed))]
-
-
-def test_until_stops_at_a_host_check_and_a_continued_completion_equals_one_drawn_in_one_go(qwen2):
-    prompts = random_prompts([5, 9])
-    greedy = SamplingConfig(max_new_tokens=12, temperature=0.0)
-    whole = generate(qwen2, prompts, num_samples=2, sampling=greedy)
-    checks = []
-    cut = generate(qwen2, prompts, num_samples=2, sampling=greedy, until=lambda done: checks.append(done) or
-                   len(checks) == 4)
-    assert [len(t) for t in cut.tokens] == [4] * 4 and cut.finish_reasons == ["length"] * 4  # cut, not at its limit
-    prefixes = [torch.cat([prompts[i // 2], t]) for i, t in enumerate(cut.tokens)]
-    rest = generate(qwen2, prefixes, num_samples=1, sampling=greedy, max_new_tokens_per_completion=[8] * 4)
-    for one_go, head, tail, head_logps, tail_logps, logps in zip(whole.tokens, cut.tokens, rest.tokens, cut.logprobs,
-                                                                 rest.logprobs, whole.logprobs):
-        assert torch.cat([head, tail]).tolist() == one_go.tolist()
-        torch.testing.assert_close(torch.cat([head_logps, tail_logps]), logps, atol=1e-5, rtol=0)
-
-
-def test_an_until_that_never_fires_changes_nothing(qwen2):
-    prompts, sampling = random_prompts([5, 9]), SamplingConfig(max_new_tokens=12, stop_token_ids=STOPS)
-    plain = generate(qwen2, prompts, num_samples=3, sampling=sampling, seed=7)
-    watched = generate(qwen2, prompts, num_samples=3, sampling=sampling, seed=7, until=lambda done: False)
-    assert [t.tolist() for t in plain.tokens] == [t.tolist() for t in watched.tokens]
-    assert all(torch.equal(a, b) for a, b in zip(plain.logprobs, watched.logprobs))
 
 
 def segments(model, sampling, pool: PartialRollouts, starts: list[list[PromptExample]], num_groups: int,
@@ -162,19 +133,6 @@ def test_the_pool_round_trips_through_a_checkpoints_tensors():
             assert all(torch.equal(x, y) for x, y in zip(getattr(a, name), getattr(b, name)))
     with pytest.raises(ValueError, match="prompt row"):
         restore_pool(tensors, scalars, new[:1])
-
-
-@pytest.mark.parametrize("sets, key", [
-    (["train.partial_rollouts=1"], "train.partial_rollouts"),
-    (["train.max_staleness=1", "train.partial_rollouts=2", "algo.tis_cap=2"], "train.partial_rollouts"),
-    (["train.max_staleness=1", "train.partial_rollouts=1", "algo.tis_cap=2", 'rollout.engine="vllm"'],
-     "rollout.engine"),
-    (["train.max_staleness=1", "train.partial_rollouts=1", "algo.tis_cap=2", 'rollout.stop_strings=["x"]'],
-     "rollout.stop_strings"),
-])
-def test_partial_rollouts_are_refused_where_they_cannot_hold_their_promise(sets, key):
-    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
-        load_config(REPO / "configs" / "demo.toml", sets)
 
 
 def demo(output_dir: Path, **extra) -> list[str]:

@@ -132,7 +132,7 @@ def generate(model: nn.Module, prompts: list[torch.Tensor], *, num_samples: int,
     which completions have finished (``[N]`` host bools); True ends the rollout there, and a completion still
     running keeps what it has drawn (finish reason "length", shorter than its limit). None: run to the end.
     """
-    _check_inputs(model, prompts, num_samples, sampling)
+    _check_inputs(model, prompts, num_samples, sampling, check_positions=max_new_tokens_per_completion is None)
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63):
         raise ValueError(f"seed must be None or an integer in [0, 2**63), got {seed!r}")
     if schedule is not None and not isinstance(schedule, DecodeSchedule):
@@ -146,6 +146,9 @@ def generate(model: nn.Module, prompts: list[torch.Tensor], *, num_samples: int,
     keep_freed_host_memory()
     device = next(model.parameters()).device
     limits = _length_limits(max_new_tokens_per_completion, len(prompts) * num_samples, sampling)
+    if max_new_tokens_per_completion is not None:  # each prompt needs room for its own completions' limit only
+        _check_positions(model, prompts, [max(limits[g * num_samples:(g + 1) * num_samples])
+                                          for g in range(len(prompts))], "its completions' limit")
     generator = None
     if seed is not None:
         generator = torch.Generator(device=device)
@@ -302,8 +305,18 @@ def _rows_to_keep(done: list[bool], keep_size: int) -> list[int]:
 _TOKEN_DTYPES = (torch.int64, torch.int32, torch.int16, torch.uint8)
 
 
+def _check_positions(model: nn.Module, prompts: list[torch.Tensor], new_tokens: list[int], limit_name: str) -> None:
+    """Each prompt and its ``new_tokens`` fit the model's positions (``limit_name``: where that number comes from)."""
+    max_positions = getattr(model.config, "max_position_embeddings", None)
+    for index, (prompt, new) in enumerate(zip(prompts, new_tokens)):
+        if max_positions is not None and prompt.numel() + new > max_positions:
+            raise ValueError(
+                f"prompts[{index}] has {prompt.numel()} tokens; with {limit_name}={new} it needs "
+                f"{prompt.numel() + new} positions, more than the model's max_position_embeddings={max_positions}")
+
+
 def _check_inputs(model: nn.Module, prompts: list[torch.Tensor], num_samples: int,
-                  sampling: SamplingConfig) -> None:
+                  sampling: SamplingConfig, check_positions: bool = True) -> None:
     if not isinstance(sampling, SamplingConfig):
         raise ValueError(f"sampling must be a SamplingConfig, got {type(sampling).__name__}")
     check_materialized(model)
@@ -312,7 +325,6 @@ def _check_inputs(model: nn.Module, prompts: list[torch.Tensor], num_samples: in
     if not isinstance(prompts, (list, tuple)) or not prompts:
         raise ValueError("prompts must be a non-empty list of 1-D token id tensors")
     vocab_size = model.get_input_embeddings().num_embeddings
-    max_positions = getattr(model.config, "max_position_embeddings", None)
     for index, prompt in enumerate(prompts):
         if not isinstance(prompt, torch.Tensor):
             raise ValueError(f"prompts[{index}] must be a 1-D tensor of token ids, got {type(prompt).__name__}")
@@ -321,11 +333,8 @@ def _check_inputs(model: nn.Module, prompts: list[torch.Tensor], num_samples: in
                              f"of shape {tuple(prompt.shape)}")
         if prompt.numel() == 0:
             raise ValueError(f"prompts[{index}] is empty; every prompt needs at least one token")
-        if max_positions is not None and prompt.numel() + sampling.max_new_tokens > max_positions:
-            raise ValueError(
-                f"prompts[{index}] has {prompt.numel()} tokens; with sampling.max_new_tokens="
-                f"{sampling.max_new_tokens} it needs {prompt.numel() + sampling.max_new_tokens} positions, more "
-                f"than the model's max_position_embeddings={max_positions}")
+    if check_positions:
+        _check_positions(model, prompts, [sampling.max_new_tokens] * len(prompts), "sampling.max_new_tokens")
     all_ids = torch.cat([p.reshape(-1).long() for p in prompts])
     low, high = torch.aminmax(all_ids)
     if int(low) < 0 or int(high) >= vocab_size:  # host sync: input validation, once per rollout
