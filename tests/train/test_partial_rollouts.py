@@ -3,6 +3,7 @@ still running continue in the next step with newer weights, each token keeping t
 log-prob that drew it, and no token lags more than train.max_staleness updates."""
 
 import copy
+import json
 from pathlib import Path
 
 import pytest
@@ -137,9 +138,10 @@ def test_the_pool_round_trips_through_a_checkpoints_tensors():
 
 
 def demo(output_dir: Path, **extra) -> list[str]:
-    """The shipped demo config at k = 1 with partial rollouts, cut to 4 prompts x 8 completions per step."""
+    """The shipped demo config at k = 1 with partial rollouts, cut to 4 prompts x 8 completions per step, no
+    held-out evaluation."""
     sets = {**ASYNC, "train.partial_rollouts": 1, "train.num_steps": 3, "train.prompts_per_step": 4,
-            "data.num_eval_problems": 4, "data.num_eval_samples": 1, "train.output_dir": f'"{output_dir}"',
+            "train.accuracy_reward": '""', "train.output_dir": f'"{output_dir}"',
             "train.checkpoint_every": 0, "train.save_final_model": "false", "log.progress_bar": "false",
             "log.tensorboard": "false", "log.report": "false", **extra}
     return [f"{k}={v}" for k, v in sets.items()]
@@ -147,18 +149,21 @@ def demo(output_dir: Path, **extra) -> list[str]:
 
 def test_the_demo_config_trains_with_partial_rollouts_and_no_token_lags_past_the_limit(tmp_path, restore_threads):
     """k = 1, c = 1: the worker draws no step ahead, and every batch after the first holds groups started one step
-    earlier, continued with newer weights: tokens of lag 1 and of lag 0 in one batch, none of lag 2."""
+    earlier, some continued with newer weights: tokens of lag 1 and of lag 0 in one batch, none of lag 2."""
     summary = loop.train(load_config(REPO / "configs" / "demo.toml", demo(tmp_path / "run")))
     records = stepped(tmp_path / "run")
     assert summary.steps == 3 and [r["step"] for r in records] == [1, 2, 3]
     assert [r["staleness/lag_max"] for r in records] == [0.0, 1.0, 1.0]
-    assert all(0.0 < r["staleness/lag_mean"] < 1.0 for r in records[1:]), [r["staleness/lag_mean"] for r in records]
+    # Some batch mixes both (a group's member still running when the step before stopped; the staleness metrics
+    # count the trained groups' tokens).
+    assert any(0.0 < r["staleness/lag_mean"] < 1.0 for r in records[1:]), [r["staleness/lag_mean"] for r in records]
 
 
+@pytest.mark.slow
 def test_a_resumed_run_with_partial_rollouts_repeats_the_uninterrupted_one(tmp_path, restore_threads, monkeypatch):
     """The checkpoint at step 2 holds the generations carried into step 3 (ids, log-probs, versions); the resumed
     worker continues them, so metrics and final weights equal an uninterrupted run's bit for bit."""
-    extra = {"train.num_steps": 4, "train.checkpoint_every": 2, "train.save_final_model": "true"}
+    extra = {"train.num_steps": 4, "train.checkpoint_every": 2, "train.prompts_per_step": 2}
     loop.train(load_config(REPO / "configs" / "demo.toml", demo(tmp_path / "straight", **extra)))
     grpo_step = loop.grpo_step
 
@@ -172,6 +177,8 @@ def test_a_resumed_run_with_partial_rollouts_repeats_the_uninterrupted_one(tmp_p
     monkeypatch.setattr(loop, "grpo_step", grpo_step)
     carried = load_file(tmp_path / "resumed" / "step-000002" / "extra-rank0.safetensors")
     assert carried and all(name.startswith("carried/") for name in carried)  # k - c = 0: no older weights in flight
+    groups = json.loads((tmp_path / "resumed" / "step-000002" / "rng-rank0.json").read_text())["extra"]["carried"]
+    assert len(groups) == 2 and None in [r for g in groups for r in g["reasons"]]  # a generation still running
     loop.train(load_config(REPO / "configs" / "demo.toml", demo(tmp_path / "resumed", **extra)), resume=True)
     straight, resumed = (comparable(stepped(tmp_path / d)) for d in ("straight", "resumed"))
     assert [r["step"] for r in resumed] == [1, 2, 3, 4]
