@@ -18,10 +18,9 @@ from turbogrpo.rollout import SamplingConfig, generate
 from turbogrpo.rollout.engines.native import NativeEngine
 from turbogrpo.train import loop
 from turbogrpo.train.partial_rollouts import PartialRollouts, pool_state, restore_pool
-from turbogrpo.train.state import TrainingInterrupted
 
 from .test_async import ASYNC, restore_threads, stepped  # noqa: F401 (a fixture)
-from .test_multiturn_run import comparable, final_weights
+from .test_multiturn_run import comparable, final_weights, interrupted_at
 
 REPO = Path(__file__).resolve().parents[2]
 STOPS = list(range(8))
@@ -165,16 +164,7 @@ def test_a_resumed_run_with_partial_rollouts_repeats_the_uninterrupted_one(tmp_p
     worker continues them, so metrics and final weights equal an uninterrupted run's bit for bit."""
     extra = {"train.num_steps": 4, "train.checkpoint_every": 2, "train.prompts_per_step": 2}
     loop.train(load_config(REPO / "configs" / "demo.toml", demo(tmp_path / "straight", **extra)))
-    grpo_step = loop.grpo_step
-
-    def interrupted_at_step_3(run, step):
-        if step == 3:
-            raise KeyboardInterrupt
-        return grpo_step(run, step)
-    monkeypatch.setattr(loop, "grpo_step", interrupted_at_step_3)
-    with pytest.raises(TrainingInterrupted):
-        loop.train(load_config(REPO / "configs" / "demo.toml", demo(tmp_path / "resumed", **extra)))
-    monkeypatch.setattr(loop, "grpo_step", grpo_step)
+    interrupted_at(3, load_config(REPO / "configs" / "demo.toml", demo(tmp_path / "resumed", **extra)), monkeypatch)
     carried = load_file(tmp_path / "resumed" / "step-000002" / "extra-rank0.safetensors")
     assert carried and all(name.startswith("carried/") for name in carried)  # k - c = 0: no older weights in flight
     groups = json.loads((tmp_path / "resumed" / "step-000002" / "rng-rank0.json").read_text())["extra"]["carried"]
