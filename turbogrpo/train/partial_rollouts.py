@@ -94,8 +94,8 @@ class PartialRollouts:
         self.pool += [PendingGroup.start(e, index, self.num_members) for e in examples]
         must_go = [index - group.started >= self.max_carries for group in self.pool]
         rows = [(g, m) for g, group in enumerate(self.pool) for m, reason in enumerate(group.reasons) if reason is None]
+        device = next(policy.parameters()).device
         if rows:
-            device = next(policy.parameters()).device
             prefixes = [torch.cat([self.pool[g].example.token_ids, self.pool[g].tokens[m]]).to(device) for g, m in rows]
             limits = [self.max_new_tokens - len(self.pool[g].tokens[m]) for g, m in rows]
             until = _BatchComplete(self.pool, rows, must_go, num_groups)
@@ -108,7 +108,7 @@ class PartialRollouts:
         assert all(g in taken for g, must in enumerate(must_go) if must), "a group would lag past max_staleness"
         batch = [self.pool[g] for g in taken]
         self.pool = [group for g, group in enumerate(self.pool) if g not in taken]
-        return Rollout(_as_groups(batch), stats), [group.example for group in batch]
+        return Rollout(_as_groups(batch, device), stats), [group.example for group in batch]
 
     def _extend(self, rows: list[tuple[int, int]], drawn: Groups, limits: list[int], version: int) -> None:
         """Append each row's new tokens (drawn by ``version``) to its member; finished where it stopped or reached
@@ -181,9 +181,11 @@ def _oldest_whole(pool: list[PendingGroup], num_groups: int) -> list[int]:
     return [g for g, group in enumerate(pool) if group.whole][:num_groups]
 
 
-def _as_groups(batch: list[PendingGroup]) -> Groups:
-    """The batch's groups as the loop takes them: every member's ids, sampler log-probs and per-token versions."""
-    return Groups.from_nested([group.example.token_ids for group in batch], [group.tokens for group in batch],
-                              finish_reasons=[group.reasons for group in batch],
-                              sampler_logps=[group.logps for group in batch],
+def _as_groups(batch: list[PendingGroup], device: torch.device) -> Groups:
+    """The batch's groups as the loop takes them, on ``device`` as a rollout gives them (the pool stays on the host,
+    what a checkpoint saves): every member's ids, sampler log-probs and per-token versions (host, as ever)."""
+    on = lambda tensors: [t.to(device) for t in tensors]  # noqa: E731
+    return Groups.from_nested([group.example.token_ids.to(device) for group in batch],
+                              [on(group.tokens) for group in batch], finish_reasons=[group.reasons for group in batch],
+                              sampler_logps=[on(group.logps) for group in batch],
                               versions=[group.versions for group in batch])
