@@ -159,14 +159,18 @@ def test_the_demo_config_trains_with_partial_rollouts_and_no_token_lags_past_the
 
 
 @pytest.mark.slow
-def test_a_resumed_run_with_partial_rollouts_repeats_the_uninterrupted_one(tmp_path, restore_threads, monkeypatch):
-    """The checkpoint at step 2 holds the generations carried into step 3 (ids, log-probs, versions); the resumed
-    worker continues them, so metrics and final weights equal an uninterrupted run's bit for bit."""
-    extra = {"train.num_steps": 4, "train.checkpoint_every": 2, "train.prompts_per_step": 2}
+@pytest.mark.parametrize("max_staleness, in_flight", [(1, set()), (2, {"v1"})], ids=["k1_c1", "k2_c1"])
+def test_a_resumed_run_with_partial_rollouts_repeats_the_uninterrupted_one(tmp_path, restore_threads, monkeypatch,
+                                                                           max_staleness, in_flight):
+    """The checkpoint at step 2 holds the generations carried into step 3 (ids, log-probs, versions) and, at k = 2
+    (drawing k - c = 1 step ahead), the weights step 3's rollout samples with; the resumed worker continues from
+    them, so metrics and final weights equal an uninterrupted run's bit for bit."""
+    extra = {"train.num_steps": 4, "train.checkpoint_every": 2, "train.prompts_per_step": 2,
+             "train.max_staleness": max_staleness}
     loop.train(load_config(REPO / "configs" / "demo.toml", demo(tmp_path / "straight", **extra)))
     interrupted_at(3, load_config(REPO / "configs" / "demo.toml", demo(tmp_path / "resumed", **extra)), monkeypatch)
     carried = load_file(tmp_path / "resumed" / "step-000002" / "extra-rank0.safetensors")
-    assert carried and all(name.startswith("carried/") for name in carried)  # k - c = 0: no older weights in flight
+    assert {name.split("/")[0] for name in carried} == {"carried"} | in_flight
     groups = json.loads((tmp_path / "resumed" / "step-000002" / "rng-rank0.json").read_text())["extra"]["carried"]
     assert len(groups) == 2 and None in [r for g in groups for r in g["reasons"]]  # a generation still running
     loop.train(load_config(REPO / "configs" / "demo.toml", demo(tmp_path / "resumed", **extra)), resume=True)
