@@ -120,7 +120,8 @@ def main() -> None:
         base = results[0]["step_s_median"]
         for r in results:
             r["speedup_vs_k0"] = base / r["step_s_median"]
-            rows.append([r["max_staleness"], r["partial_rollouts"], r["trainer_threads"], r["rollout_threads"], r["step_s_median"],
+            rows.append([r["max_staleness"], r["partial_rollouts"], r["trainer_threads"], r["rollout_threads"],
+                         r["step_s_median"],
                          r.get("rollout_s_median", 0.0), r.get("update_s_median", 0.0), r["tokens_per_s"],
                          r["speedup_vs_k0"], r["lag_mean"]])
         table = print_table(f"async GRPO, {shape} ({args.steps} timed steps after {args.warmup}, {cores} cores; "

@@ -380,8 +380,8 @@ class RolloutWorker:
             step = self.asked
             examples, extra = self._starts(step)
             prompts = [e.token_ids for e in examples]
-            self.requests.put(pickle.dumps(Request(step, self.seed_of(step), sampling_version(step, self.spec.steps_ahead),
-                                                   prompts, examples, **extra)))
+            version = sampling_version(step, self.spec.steps_ahead)
+            self.requests.put(pickle.dumps(Request(step, self.seed_of(step), version, prompts, examples, **extra)))
             self.asked += 1
 
     def _starts(self, step: int) -> tuple[list[PromptExample], dict]:
