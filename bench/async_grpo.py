@@ -7,6 +7,9 @@ held-out evaluation, no checkpoints. A step's time is the loop's ``time/step`` (
 rollout phase is the wait for the worker, what the overlap did not hide); tokens per second are the timed
 steps' generated tokens over their summed time. k = 0 runs with every core in the trainer (train.num_threads =
 the core count); k > 0 splits them (``--splits``: rollout-worker threads, the trainer gets the rest).
+``--partial-rollouts c,..`` adds, for every k >= c, a variant with train.partial_rollouts = c at the default split
+(the worker then draws k - c steps ahead; docs/design/async.md, "Partial rollouts"); "tokens/s" there counts the
+tokens each step's rollout decoded (carried generations' tails included), not the tokens trained.
 
 Shapes:
   gsm8k        SmolLM2-135M-Instruct, GSM8K zero-shot (configs/smollm2_gsm8k.toml cut to bench/e2e.py's shape:
@@ -16,6 +19,7 @@ Shapes:
 
     python bench/async_grpo.py --shapes gsm8k,calculator          # the measurement (quiet machine)
     python bench/async_grpo.py --quick                            # smoke: demo, 1 warm-up + 2 timed steps
+    python bench/async_grpo.py --staleness 1,2 --partial-rollouts 1   # with partial rollouts
 """
 
 from __future__ import annotations
@@ -44,11 +48,12 @@ SHAPES = {
 
 
 def run_variant(shape: str, max_staleness: int, trainer_threads: int, rollout_threads: int, steps: int,
-                workdir: Path) -> list[dict]:
+                workdir: Path, partial_rollouts: int = 0) -> list[dict]:
     """One ``turbogrpo train`` run of ``steps`` steps; its per-step metrics records."""
     config, cuts = SHAPES[shape]
-    out = workdir / f"{shape}-k{max_staleness}-t{trainer_threads}-r{rollout_threads}"
+    out = workdir / f"{shape}-k{max_staleness}-c{partial_rollouts}-t{trainer_threads}-r{rollout_threads}"
     sets = [*cuts, f"train.num_steps={steps}", f"train.max_staleness={max_staleness}", "algo.tis_cap=2",
+            f"train.partial_rollouts={partial_rollouts}",
             f"train.num_threads={trainer_threads}", f"train.rollout_threads={rollout_threads}",
             'train.accuracy_reward=""', "train.checkpoint_every=0", "train.save_final_model=false",
             "log.report=false", "log.tensorboard=false", "log.progress_bar=false", "log.completions_every=0",
@@ -57,7 +62,7 @@ def run_variant(shape: str, max_staleness: int, trainer_threads: int, rollout_th
     done = subprocess.run([sys.executable, "-m", "turbogrpo", "train", str(REPO / "configs" / config), "--overwrite",
                            "--set", *sets], cwd=REPO, env=env, capture_output=True, text=True)
     if done.returncode:
-        raise RuntimeError(f"{shape} k={max_staleness} failed:\n{done.stderr[-3000:]}")
+        raise RuntimeError(f"{shape} k={max_staleness} c={partial_rollouts} failed:\n{done.stderr[-3000:]}")
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
     return [r for r in records if "time/step" in r]
 
@@ -74,12 +79,16 @@ def summarise(records: list[dict], warmup: int) -> dict:
             "reward_mean": statistics.mean(r["reward"] for r in timed)}
 
 
-def variants(cores: int, splits: list[int], staleness: list[int]) -> list[tuple[int, int, int]]:
-    """(k, trainer threads, rollout threads): k = 0 on every core; each k > 0 at the default split (half the
-    cores each); k = 1 also at every split of ``splits``."""
+def variants(cores: int, splits: list[int], staleness: list[int], partial: list[int] = ()
+             ) -> list[tuple[int, int, int, int]]:
+    """(k, c, trainer threads, rollout threads): k = 0 on every core; each k > 0 at the default split (half the
+    cores each); k = 1 also at every split of ``splits``; each k >= c > 0 of ``partial`` with partial rollouts c at
+    the default split."""
     half = max(1, cores // 2)
-    chosen = [(0, cores, 0)] + [(k, max(1, cores - half), half) for k in staleness if k > 0]
-    chosen += [(1, max(1, cores - r), r) for r in splits if 1 in staleness and (1, max(1, cores - r), r) not in chosen]
+    chosen = [(0, 0, cores, 0)] + [(k, 0, max(1, cores - half), half) for k in staleness if k > 0]
+    chosen += [(1, 0, max(1, cores - r), r) for r in splits
+               if 1 in staleness and (1, 0, max(1, cores - r), r) not in chosen]
+    chosen += [(k, c, max(1, cores - half), half) for k in staleness for c in partial if 0 < c <= k]
     return chosen
 
 
@@ -91,6 +100,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2, help="untimed first steps (the worker's start, caches)")
     parser.add_argument("--splits", default="", help="k=1 rollout-worker thread counts to sweep (default: 1..cores-1)")
     parser.add_argument("--quick", action="store_true", help="smoke: the demo shape, 1 warm-up + 2 timed steps")
+    parser.add_argument("--partial-rollouts", default="", help="c values: train.partial_rollouts variants (k >= c)")
     parser.add_argument("--name", default="async_grpo", help="bench/results/<name>_<shape>.json")
     args = parser.parse_args()
     if args.quick:
@@ -98,22 +108,25 @@ def main() -> None:
     cores = os.cpu_count() or 1
     staleness = sorted({0, *(int(k) for k in args.staleness.split(","))})
     splits = [int(r) for r in args.splits.split(",")] if args.splits else list(range(1, cores))
+    partial = [int(c) for c in args.partial_rollouts.split(",")] if args.partial_rollouts else []
     for shape in args.shapes.split(","):
         rows, results = [], []
         with tempfile.TemporaryDirectory() as tmp:
-            for k, trainer, rollout in variants(cores, splits, staleness):
-                summary = summarise(run_variant(shape, k, trainer, rollout, args.warmup + args.steps, Path(tmp)),
+            for k, c, trainer, rollout in variants(cores, splits, staleness, partial):
+                summary = summarise(run_variant(shape, k, trainer, rollout, args.warmup + args.steps, Path(tmp), c),
                                     args.warmup)
-                results.append({"max_staleness": k, "trainer_threads": trainer, "rollout_threads": rollout, **summary})
+                results.append({"max_staleness": k, "partial_rollouts": c, "trainer_threads": trainer,
+                                "rollout_threads": rollout, **summary})
         base = results[0]["step_s_median"]
         for r in results:
             r["speedup_vs_k0"] = base / r["step_s_median"]
-            rows.append([r["max_staleness"], r["trainer_threads"], r["rollout_threads"], r["step_s_median"],
+            rows.append([r["max_staleness"], r["partial_rollouts"], r["trainer_threads"], r["rollout_threads"],
+                         r["step_s_median"],
                          r.get("rollout_s_median", 0.0), r.get("update_s_median", 0.0), r["tokens_per_s"],
                          r["speedup_vs_k0"], r["lag_mean"]])
         table = print_table(f"async GRPO, {shape} ({args.steps} timed steps after {args.warmup}, {cores} cores; "
                             "rollout at k > 0 = the wait for the worker)",
-                            ["k", "trainer thr", "worker thr", "step s", "rollout s", "update s", "tokens/s",
+                            ["k", "c", "trainer thr", "worker thr", "step s", "rollout s", "update s", "tokens/s",
                              "vs k=0", "lag"], rows)
         write_results(f"{args.name}_{shape}", {"shape": shape, "config": SHAPES[shape][0], "overrides": SHAPES[shape][1],
                                                "warmup": args.warmup, "steps": args.steps, "variants": results,

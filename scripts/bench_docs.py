@@ -507,7 +507,8 @@ RENDERERS: dict[str, Renderer] = {
     "rollout_anatomy": anatomy,
     "e2e": E2E,
     "async_grpo": tables(Table([
-        col("k (train.max_staleness)", "max_staleness", "int"), col("trainer threads", "trainer_threads", "int"),
+        col("k (train.max_staleness)", "max_staleness", "int"), opt("c (train.partial_rollouts)", "partial_rollouts", "int"),
+        col("trainer threads", "trainer_threads", "int"),
         col("worker threads", "rollout_threads", "int"), col("step s (median)", "step_s_median", "s"),
         col("rollout / wait s", "rollout_s_median", "s"), col("update s", "update_s_median", "s"),
         opt("weight push s", "weight_push_s_median", "s"), col("tokens/s", "tokens_per_s", "g"),

@@ -218,6 +218,16 @@ def test_the_output_folder_has_one_spelling():
      "config key 'rollout.speculation': 'fixed' is not allowed; expected \"off\" with train.max_staleness > 0"),
     (["train.max_staleness=1", "algo.tis_cap=2", 'distributed.strategy="fsdp2"'],
      "config key 'distributed.strategy': 'fsdp2' is not allowed; expected \"ddp\" with train.max_staleness > 0"),
+    (["train.partial_rollouts=1"], "config key 'train.partial_rollouts': 1 is not allowed; expected an integer in [0, "
+                                   "train.max_staleness = 0]"),
+    (["train.max_staleness=1", "algo.tis_cap=2", "train.partial_rollouts=2"],
+     "config key 'train.partial_rollouts': 2 is not allowed; expected an integer in [0, train.max_staleness = 1]"),
+    (["train.max_staleness=1", "algo.tis_cap=2", "train.partial_rollouts=1", 'rollout.engine="vllm"'],
+     "config key 'rollout.engine': 'vllm' is not allowed; expected \"native\" with train.partial_rollouts > 0"),
+    (["train.max_staleness=1", "algo.tis_cap=2", "train.partial_rollouts=1", 'rollout.stop_strings=["x"]'],
+     "config key 'rollout.stop_strings': ['x'] is not allowed; expected [] with train.partial_rollouts > 0"),
+    (["train.max_staleness=1", "algo.tis_cap=2", "train.partial_rollouts=1", 'env.factory="a.b:c"'],
+     "config key 'env.factory': 'a.b:c' is not allowed; expected \"\" with train.partial_rollouts > 0"),
 ])
 def test_what_the_rollout_worker_cannot_do_is_refused_in_one_line(overrides, message):
     with pytest.raises(ConfigError) as err:
@@ -228,3 +238,5 @@ def test_what_the_rollout_worker_cannot_do_is_refused_in_one_line(overrides, mes
 def test_an_asynchronous_config_with_the_correction_on_loads():
     config = load_config(None, ["train.max_staleness=2", "algo.tis_cap=2", "train.rollout_threads=1"])
     assert (config.train.max_staleness, config.train.rollout_threads) == (2, 1)
+    config = load_config(None, ["train.max_staleness=2", "algo.tis_cap=2", "train.partial_rollouts=2"])
+    assert (config.train.max_staleness, config.train.partial_rollouts) == (2, 2)

@@ -417,6 +417,12 @@ class TrainConfig:
     rollout_threads: int = 0
     """With max_staleness > 0: CPU threads of the rollout worker process (0: half the cores; the trainer then
     takes the rest unless train.num_threads says otherwise). Unused on-policy."""
+    partial_rollouts: int = 0
+    """c: most steps a generation may continue into after the step it started for (APRIL-style partial rollouts,
+    single-turn, native engine; 0: off). A step's rollout stops once it has prompts_per_step whole groups, and the
+    generations still running continue in the next step's rollout with newer weights, their tokens keeping the
+    versions that drew them. 1 <= c <= max_staleness: the worker then draws max_staleness - c steps ahead, so no
+    token lags more than max_staleness updates (docs/design/async.md, "Partial rollouts")."""
 
     def __post_init__(self):
         # One spelling of the folder for every module that writes there: "~" expanded, "a/.." and "./" gone
@@ -444,6 +450,9 @@ class TrainConfig:
         _require(self.max_staleness >= 0, f"{key}.max_staleness", "an integer >= 0 (0: on-policy)", self.max_staleness)
         _require(self.rollout_threads >= 0, f"{key}.rollout_threads", "an integer >= 0 (0: half the cores)",
                  self.rollout_threads)
+        _require(0 <= self.partial_rollouts <= self.max_staleness, f"{key}.partial_rollouts",
+                 f"an integer in [0, train.max_staleness = {self.max_staleness}] (a carried generation's first "
+                 "tokens lag one update more per step it is carried)", self.partial_rollouts)
         _require(0.0 <= self.reward_failure_limit <= 1.0, f"{key}.reward_failure_limit",
                  "a fraction in [0, 1] (0: never stop)", self.reward_failure_limit)
 
@@ -600,6 +609,15 @@ class Config:
                  self.rollout.speculation)
         _require(self.distributed.strategy != "fsdp2", "distributed.strategy", "\"ddp\" with train.max_staleness "
                  "> 0 (the rollout worker copies whole weights, which FSDP2 shards)", self.distributed.strategy)
+        if self.train.partial_rollouts:  # what a carried generation cannot do yet
+            _require(not self.env.factory, "env.factory", "\"\" with train.partial_rollouts > 0 (partial rollouts "
+                     "carry single-turn completions only; multi-turn conversations are not carried yet)",
+                     self.env.factory)
+            _require(self.rollout.engine != "vllm", "rollout.engine", "\"native\" with train.partial_rollouts > 0 "
+                     "(a carried generation is stopped and continued by the native engine)", self.rollout.engine)
+            _require(not self.rollout.stop_strings, "rollout.stop_strings", "[] with train.partial_rollouts > 0 (a "
+                     "stop string spanning a carried generation's two parts would be missed; stop_token_ids work)",
+                     self.rollout.stop_strings)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -199,3 +199,37 @@ def test_bad_sampling_values_are_refused_before_any_rollout():
         SamplingConfig(max_new_tokens=4, temperature=-1)
     with pytest.raises(ValueError, match="top_p"):
         SamplingConfig(max_new_tokens=4, top_p=0)
+
+
+def test_until_stops_at_a_host_check_and_a_continued_completion_equals_one_drawn_in_one_go(qwen2):
+    prompts = random_prompts([5, 9])
+    greedy = SamplingConfig(max_new_tokens=12, temperature=0.0)
+    whole = generate(qwen2, prompts, num_samples=2, sampling=greedy)
+    checks = []
+    cut = generate(qwen2, prompts, num_samples=2, sampling=greedy, until=lambda done: checks.append(done) or
+                   len(checks) == 4)
+    assert [len(t) for t in cut.tokens] == [4] * 4 and cut.finish_reasons == ["length"] * 4  # cut, not at its limit
+    prefixes = [torch.cat([prompts[i // 2], t]) for i, t in enumerate(cut.tokens)]
+    rest = generate(qwen2, prefixes, num_samples=1, sampling=greedy, max_new_tokens_per_completion=[8] * 4)
+    for one_go, head, tail, head_logps, tail_logps, logps in zip(whole.tokens, cut.tokens, rest.tokens, cut.logprobs,
+                                                                 rest.logprobs, whole.logprobs):
+        assert torch.cat([head, tail]).tolist() == one_go.tolist()
+        torch.testing.assert_close(torch.cat([head_logps, tail_logps]), logps, atol=1e-5, rtol=0)
+
+
+def test_an_until_that_never_fires_changes_nothing(qwen2):
+    prompts, sampling = random_prompts([5, 9]), SamplingConfig(max_new_tokens=12, stop_token_ids=list(range(8)))
+    plain = generate(qwen2, prompts, num_samples=3, sampling=sampling, seed=7)
+    watched = generate(qwen2, prompts, num_samples=3, sampling=sampling, seed=7, until=lambda done: False)
+    assert [t.tolist() for t in plain.tokens] == [t.tolist() for t in watched.tokens]
+    assert all(torch.equal(a, b) for a, b in zip(plain.logprobs, watched.logprobs))
+
+
+def test_per_completion_limits_need_room_for_their_own_limit_only(qwen2):
+    """A carried generation continues from a longer prefix with the length it has left (partial rollouts): the
+    positions check counts that limit, not sampling.max_new_tokens."""
+    prompt, sampling = torch.arange(120) % VOCAB, SamplingConfig(max_new_tokens=12, temperature=0.0)
+    assert len(generate(qwen2, [prompt], num_samples=1, sampling=sampling, max_new_tokens_per_completion=[8])
+               .tokens[0]) == 8
+    with pytest.raises(ValueError, match="with its completions' limit=9 it needs 129 positions"):
+        generate(qwen2, [prompt], num_samples=1, sampling=sampling, max_new_tokens_per_completion=[9])

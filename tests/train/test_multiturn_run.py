@@ -39,6 +39,20 @@ def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
     return load_file(max(run_dir.glob("step-*")) / "model.safetensors")
 
 
+def interrupted_at(stop: int, config, monkeypatch) -> None:
+    """Train ``config`` until Ctrl-C arrives at the start of step ``stop`` (steps done before it)."""
+    grpo_step = loop.grpo_step
+
+    def interrupted(run, step):
+        if step == stop:
+            raise KeyboardInterrupt
+        return grpo_step(run, step)
+    with monkeypatch.context() as patched:
+        patched.setattr(loop, "grpo_step", interrupted)
+        with pytest.raises(TrainingInterrupted):
+            loop.train(config)
+
+
 @pytest.fixture(autouse=True)
 def one_thread():
     threads = torch.get_num_threads()
@@ -101,16 +115,7 @@ def test_environment_tokens_never_reach_the_loss(tmp_path, monkeypatch):
 def test_an_interrupted_multiturn_run_resumes_to_the_uninterrupted_one(tmp_path, monkeypatch):
     extra = {"train.num_steps": 4, "train.checkpoint_every": 2, "optim.schedule": "cosine"}
     loop.train(load_config(CONFIG, small(tmp_path / "straight", **extra)))
-    grpo_step = loop.grpo_step
-
-    def interrupted_at_step_3(run, step):
-        if step == 3:
-            raise KeyboardInterrupt
-        return grpo_step(run, step)
-    monkeypatch.setattr(loop, "grpo_step", interrupted_at_step_3)
-    with pytest.raises(TrainingInterrupted):
-        loop.train(load_config(CONFIG, small(tmp_path / "resumed", **extra)))
-    monkeypatch.setattr(loop, "grpo_step", grpo_step)
+    interrupted_at(3, load_config(CONFIG, small(tmp_path / "resumed", **extra)), monkeypatch)
     loop.train(load_config(CONFIG, small(tmp_path / "resumed", **extra)), resume=True)
     straight, resumed = (comparable(read_metrics(tmp_path / d)) for d in ("straight", "resumed"))
     assert [r["step"] for r in resumed] == [r["step"] for r in straight]

@@ -114,7 +114,8 @@ def default_schedule(device: torch.device) -> DecodeSchedule:
 def generate(model: nn.Module, prompts: list[torch.Tensor], *, num_samples: int, sampling: SamplingConfig,
              seed: int | None = None, draft: object | None = None, return_hidden: bool = False,
              max_new_tokens_per_completion: Sequence[int] | None = None,
-             schedule: DecodeSchedule | None = None) -> Rollout:
+             schedule: DecodeSchedule | None = None,
+             until: Callable[[list[bool]], bool] | None = None) -> Rollout:
     """Sample ``num_samples`` completions for each prompt with ``model``'s current weights.
 
     ``prompts``: 1-D int64 token id tensors, one per group. ``seed`` makes the draws reproducible
@@ -127,8 +128,11 @@ def generate(model: nn.Module, prompts: list[torch.Tensor], *, num_samples: int,
     ``schedule``: when the host checks the batch (None: the device's default, ``DEFAULT_SCHEDULES``);
     it changes speed only (its ``linears`` kernel rounds the weight matmuls' sums in another order,
     about 1e-6 relative in float32, as any two GEMM kernels do).
+    ``until``: stop early (a partial rollout, ``train/partial_rollouts.py``): called at every host check with
+    which completions have finished (``[N]`` host bools); True ends the rollout there, and a completion still
+    running keeps what it has drawn (finish reason "length", shorter than its limit). None: run to the end.
     """
-    _check_inputs(model, prompts, num_samples, sampling)
+    _check_inputs(model, prompts, num_samples, sampling, check_positions=max_new_tokens_per_completion is None)
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63):
         raise ValueError(f"seed must be None or an integer in [0, 2**63), got {seed!r}")
     if schedule is not None and not isinstance(schedule, DecodeSchedule):
@@ -142,6 +146,9 @@ def generate(model: nn.Module, prompts: list[torch.Tensor], *, num_samples: int,
     keep_freed_host_memory()
     device = next(model.parameters()).device
     limits = _length_limits(max_new_tokens_per_completion, len(prompts) * num_samples, sampling)
+    if max_new_tokens_per_completion is not None:  # each prompt needs room for its own completions' limit only
+        _check_positions(model, prompts, [max(limits[g * num_samples:(g + 1) * num_samples])
+                                          for g in range(len(prompts))], "its completions' limit")
     generator = None
     if seed is not None:
         generator = torch.Generator(device=device)
@@ -157,7 +164,7 @@ def generate(model: nn.Module, prompts: list[torch.Tensor], *, num_samples: int,
             step: DecodeStep = (PlainStep(PLAIN_RUNNERS[schedule.runner](plain_step)) if draft is None
                                 else draft.make_step(model, prompts, sampling))
             return _rollout(model, prompts, num_samples, sampling, generator, return_hidden, limits, step,
-                            schedule)
+                            schedule, until)
 
 
 def rollout_linear_kernel(schedule: DecodeSchedule, draft: object | None = None):
@@ -187,7 +194,7 @@ def _length_limits(limits: Sequence[int] | None, num_completions: int, sampling:
 
 def _rollout(model: nn.Module, prompts: list[torch.Tensor], num_samples: int, sampling: SamplingConfig,
              generator: torch.Generator | None, return_hidden: bool, limits: list[int], step: DecodeStep,
-             schedule: DecodeSchedule) -> Rollout:
+             schedule: DecodeSchedule, until: Callable[[list[bool]], bool] | None = None) -> Rollout:
     """The loop of the module docstring (inputs already checked and on the model's device)."""
     start = time.perf_counter()
     state = first_draw(model, prompts, num_samples, sampling, generator, return_hidden or step.keeps_hidden,
@@ -200,16 +207,25 @@ def _rollout(model: nn.Module, prompts: list[torch.Tensor], num_samples: int, sa
     # Every live row emits at least one token per step, so after max(limits) - 1 steps all are done.
     steps_left = max(limits) - 1
     steps_run, window = 0, 0
+    # With ``until``: the completion of each batch row and which completions have finished (host lists; a
+    # retired row's completion stays finished).
+    row_completion, finished_N = list(range(len(limits))), [False] * len(limits)
     while True:
         done = _host_check(state, step, stats, steps_run - window, window)
         num_live = done.count(False)
         if num_live == 0:
             break
+        if until is not None:
+            for completion, finished in zip(row_completion, done):
+                finished_N[completion] = finished
+            if until(finished_N):
+                break
         keep_size = bucket(num_live, len(done))
         if keep_size < len(done):
             rows = _rows_to_keep(done, keep_size)
             state.keep(rows)
             step.keep(rows)
+            row_completion = [row_completion[r] for r in rows]
         window = min(every, steps_left)
         assert window > 0, "a live row outlived its length limit"
         for _ in range(window):
@@ -289,8 +305,18 @@ def _rows_to_keep(done: list[bool], keep_size: int) -> list[int]:
 _TOKEN_DTYPES = (torch.int64, torch.int32, torch.int16, torch.uint8)
 
 
+def _check_positions(model: nn.Module, prompts: list[torch.Tensor], new_tokens: list[int], limit_name: str) -> None:
+    """Each prompt and its ``new_tokens`` fit the model's positions (``limit_name``: where that number comes from)."""
+    max_positions = getattr(model.config, "max_position_embeddings", None)
+    for index, (prompt, new) in enumerate(zip(prompts, new_tokens)):
+        if max_positions is not None and prompt.numel() + new > max_positions:
+            raise ValueError(
+                f"prompts[{index}] has {prompt.numel()} tokens; with {limit_name}={new} it needs "
+                f"{prompt.numel() + new} positions, more than the model's max_position_embeddings={max_positions}")
+
+
 def _check_inputs(model: nn.Module, prompts: list[torch.Tensor], num_samples: int,
-                  sampling: SamplingConfig) -> None:
+                  sampling: SamplingConfig, check_positions: bool = True) -> None:
     if not isinstance(sampling, SamplingConfig):
         raise ValueError(f"sampling must be a SamplingConfig, got {type(sampling).__name__}")
     check_materialized(model)
@@ -299,7 +325,6 @@ def _check_inputs(model: nn.Module, prompts: list[torch.Tensor], num_samples: in
     if not isinstance(prompts, (list, tuple)) or not prompts:
         raise ValueError("prompts must be a non-empty list of 1-D token id tensors")
     vocab_size = model.get_input_embeddings().num_embeddings
-    max_positions = getattr(model.config, "max_position_embeddings", None)
     for index, prompt in enumerate(prompts):
         if not isinstance(prompt, torch.Tensor):
             raise ValueError(f"prompts[{index}] must be a 1-D tensor of token ids, got {type(prompt).__name__}")
@@ -308,11 +333,8 @@ def _check_inputs(model: nn.Module, prompts: list[torch.Tensor], num_samples: in
                              f"of shape {tuple(prompt.shape)}")
         if prompt.numel() == 0:
             raise ValueError(f"prompts[{index}] is empty; every prompt needs at least one token")
-        if max_positions is not None and prompt.numel() + sampling.max_new_tokens > max_positions:
-            raise ValueError(
-                f"prompts[{index}] has {prompt.numel()} tokens; with sampling.max_new_tokens="
-                f"{sampling.max_new_tokens} it needs {prompt.numel() + sampling.max_new_tokens} positions, more "
-                f"than the model's max_position_embeddings={max_positions}")
+    if check_positions:
+        _check_positions(model, prompts, [sampling.max_new_tokens] * len(prompts), "sampling.max_new_tokens")
     all_ids = torch.cat([p.reshape(-1).long() for p in prompts])
     low, high = torch.aminmax(all_ids)
     if int(low) < 0 or int(high) >= vocab_size:  # host sync: input validation, once per rollout

@@ -107,7 +107,7 @@ def train(config: Config, *, resume: bool = False, overwrite: bool = False) -> R
         total = config.train.num_steps
         if config.train.max_staleness:  # started first: the worker builds its model while the trainer resumes
             spec = WorkerSpec(config.model, config.lora, config.rollout, config.env, config.train.seed, rollout_threads,
-                              config.train.max_staleness, config.algo.num_iterations)
+                              config.train.max_staleness, config.algo.num_iterations, config.train.partial_rollouts)
             run.rollouts = RolloutWorker(spec, dist, run.policy, num_steps=total,
                                          prompts_per_step_slice=distributed.local_slice(config.train.prompts_per_step,
                                                                                         dist),
@@ -223,8 +223,10 @@ def sample(run: Run, data: StepData) -> StepData:
     draft's training data from every group, before the policy moves."""
     if run.rollouts is not None:  # asynchronous: drawn ahead by the worker; the timer counts the wait
         with data.timer("rollout"):
-            data.rollout, data.episodes = run.rollouts.take(data.index)
-        data.batch = data.rollout.groups
+            drawn = run.rollouts.take(data.index)
+        data.rollout, data.episodes, data.batch = drawn.rollout, drawn.episodes, drawn.rollout.groups
+        if drawn.examples is not None:  # partial rollouts: the groups that finished, carried ones among them
+            data.examples = drawn.examples
         return data
     draft = run.draft  # None: speculation off
     learns = draft is not None and draft.learns  # never with an environment (the config refuses it)

@@ -22,6 +22,10 @@ versions they sample with (max(0, t-k)..t-1, safetensors, ``RolloutWorker.state_
 draws them again. Failure. The worker ignores Ctrl-C (it reaches the whole process group; the trainer ends
 the worker), exits when the trainer is gone, and sends any exception back as text; the trainer checks the
 worker is alive while it waits, so a dead worker is one ``RolloutWorkerError`` line, not a hang.
+
+Partial rollouts (train.partial_rollouts = c > 0, ``partial_rollouts.py``): the worker keeps a pool of groups whose
+generations continue from step to step, draws k - c steps ahead, and sends each step's batch with its examples and
+the pool after it; a checkpoint keeps that pool (it cannot be redrawn by seed without replaying the run).
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ from turbogrpo.data import PromptBatches, PromptExample
 from turbogrpo.env import EnvRollout
 from turbogrpo.rollout import Rollout
 from turbogrpo.train.distributed import DistInfo
+from turbogrpo.train.partial_rollouts import PartialRollouts, pool_state, restore_pool
 from turbogrpo.train.weight_ring import WeightRing, sampling_version, trainable_parameters
 
 POLL_S = 5.0
@@ -85,6 +90,13 @@ class WorkerSpec:
     max_staleness: int
     num_iterations: int
     """algo.num_iterations: a version of GRPO steps is version x num_iterations in optimizer steps."""
+    partial_rollouts: int = 0
+    """train.partial_rollouts: c > 0 carries unfinished generations into the next step (``partial_rollouts.py``)."""
+
+    @property
+    def steps_ahead(self) -> int:
+        """How many steps ahead the worker draws: k, less the steps a generation may be carried."""
+        return self.max_staleness - self.partial_rollouts
 
 
 @dataclass(frozen=True)
@@ -96,6 +108,22 @@ class Request:
     version: int
     prompts: list[torch.Tensor]
     examples: list[PromptExample]
+    num_groups: int = 0
+    """With partial rollouts: the groups the step trains (its ``examples`` are the groups it starts)."""
+    carried: list | None = None
+    """With partial rollouts, in a resumed run's first request: the checkpoint's pool (``PendingGroup``s)."""
+
+
+@dataclass
+class Drawn:
+    """One step's rollout as the worker sends it."""
+
+    rollout: Rollout
+    episodes: EnvRollout | None = None
+    examples: list[PromptExample] | None = None
+    """With partial rollouts: the examples of the batch's groups (not the step's own prompts); else None."""
+    carried: list | None = None
+    """With partial rollouts: the pool after this step (``PendingGroup``s), what a checkpoint keeps."""
 
 
 class _Outbox:
@@ -180,6 +208,8 @@ class _WorkerSampler:
         schedule = dataclasses.replace(default_schedule(dist.device), linears=spec.model.linear_kernel)
         self.engine = build_engine(spec.rollout.engine, dist.device, schedule=schedule,
                                    dtype=self.precision.compute_dtype, tokenizer=self.tokenizer)
+        self.partial = (PartialRollouts(spec.rollout.num_generations, spec.rollout.max_new_tokens,
+                                        spec.partial_rollouts) if spec.partial_rollouts else None)
 
     def load(self, ring: WeightRing, version: int, alive) -> None:
         """Weights ``version`` from the ring into the policy (and into an engine holding its own copy)."""
@@ -190,8 +220,10 @@ class _WorkerSampler:
             self.engine.push_weights(self.policy)
         self.version = version
 
-    def draw(self, request: Request) -> tuple[Rollout, EnvRollout | None]:
+    def draw(self, request: Request) -> Drawn:
         """The request's rollout, every token marked with the version that drew it (optimizer steps)."""
+        if self.partial is not None:
+            return self.draw_partial(request)
         with torch.no_grad(), self.precision.autocast():
             self.policy.eval()
             rollout, episodes = draw(self.engine, self.policy, self.tokenizer, self.episodes, request.examples,
@@ -205,7 +237,19 @@ class _WorkerSampler:
                            for e in episodes.episodes]
             episodes = dataclasses.replace(episodes, episodes=transported, rollout=dataclasses.replace(
                 episodes.rollout, groups=groups, handlers=transported))
-        return Rollout(groups, rollout.stats), episodes
+        return Drawn(Rollout(groups, rollout.stats), episodes)
+
+    def draw_partial(self, request: Request) -> Drawn:
+        """The request's segment of partial rollouts: its batch (carried groups among them), with the pool after it."""
+        if request.carried is not None:
+            self.partial.load_state_dict(request.carried)
+        with torch.no_grad(), self.precision.autocast():
+            self.policy.eval()
+            rollout, examples = self.partial.segment(self.engine, self.policy, self.sampling, index=request.step,
+                                                     examples=request.examples, num_groups=request.num_groups,
+                                                     seed=request.seed,
+                                                     version=request.version * self.spec.num_iterations)
+        return Drawn(rollout, None, examples, list(self.partial.pool))
 
 
 def thread_split(num_threads: int, rollout_threads: int, cores: int | None = None) -> tuple[int, int]:
@@ -240,23 +284,34 @@ class RolloutWorker:
         self.asked = 0
         """Steps asked for so far (requests 0..asked-1 sent)."""
         self.restored: dict = {}
+        self.carried: list | None = None
+        """With partial rollouts: the pool after the last step taken (a checkpoint's), or a resumed run's."""
+        self.resumed_at: int | None = None
+        """With partial rollouts: the step a resumed run starts at (its request carries the restored pool)."""
 
     # --- checkpoints -------------------------------------------------------------------------------
 
     def in_flight_versions(self, step: int) -> list[int]:
-        """The versions that the rollouts of steps step..step+k-1 sample with, older than ``step``'s own."""
-        return sorted({sampling_version(s, self.spec.max_staleness) for s in range(step, step + self.spec.max_staleness)}
-                      - {step})
+        """The versions that the rollouts of steps step..step+a-1 sample with (a = ``steps_ahead``: k, or k - c
+        with partial rollouts), older than ``step``'s own."""
+        ahead = self.spec.steps_ahead
+        return sorted({sampling_version(s, ahead) for s in range(step, step + ahead)} - {step})
 
     def state_dict(self, step: int) -> tuple[dict[str, torch.Tensor], dict]:
         """A checkpoint at ``step`` (steps done): the weights its in-flight rollouts sample with (the policy's
-        own, version ``step``, is the checkpoint's model)."""
+        own, version ``step``, is the checkpoint's model) and, with partial rollouts, the generations carried
+        into step ``step`` (``partial_rollouts.pool_state``)."""
         versions = self.in_flight_versions(step)
-        return self.ring.state(versions), {"rollout_versions": versions}
+        tensors, scalars = self.ring.state(versions), {"rollout_versions": versions}
+        if self.spec.partial_rollouts:
+            carried, scalars["carried"] = pool_state(self.carried or [])
+            tensors.update(carried)
+        return tensors, scalars
 
     def load_state_dict(self, tensors: dict[str, torch.Tensor], scalars: dict) -> None:
-        """A checkpoint's in-flight weights, written into the ring by ``begin``."""
-        self.restored = {"tensors": tensors, "versions": scalars.get("rollout_versions", [])}
+        """A checkpoint's in-flight weights, written into the ring by ``begin`` (and its carried generations)."""
+        self.restored = {"tensors": tensors, "versions": scalars.get("rollout_versions", []),
+                         "carried": scalars.get("carried")}
 
     # --- the loop's side ---------------------------------------------------------------------------
 
@@ -268,26 +323,37 @@ class RolloutWorker:
             raise RolloutWorkerError(f"the checkpoint at step {step} lacks the weights of its in-flight rollouts "
                                      f"(versions {self.in_flight_versions(step)}); it was not written by a run with "
                                      f"train.max_staleness = {self.spec.max_staleness}: resume with that run's setting")
+        if step and self.spec.partial_rollouts and self.restored.get("carried") is None:
+            raise RolloutWorkerError(f"the checkpoint at step {step} lacks the generations carried into it; it was not "
+                                     f"written by a run with train.partial_rollouts = {self.spec.partial_rollouts}: "
+                                     "resume with that run's setting")
         if self.restored:
             self.ring.restore(self.restored["tensors"], self.restored["versions"])
+        self.resumed_at = step if step and self.spec.partial_rollouts else None
+        if self.resumed_at is not None:
+            self.carried = restore_pool(self.restored["tensors"], self.restored["carried"], batches.examples)
         self.ring.publish(step, self.parameters)
         self.lookahead = PromptBatches(batches.examples, batches.batch_size, seed=batches.seed, shuffle=batches.shuffle)
         self.lookahead.load_state_dict(batches.state_dict())
+        if step and self.spec.partial_rollouts:
+            next(self.lookahead)  # step ``step``'s prompts were started by the step before it (they are carried)
         self.asked = step
-        self._ask_up_to(step + self.spec.max_staleness)
+        self._ask_up_to(step + self.spec.steps_ahead)
 
     def publish(self, version: int) -> None:
         """After step ``version - 1``'s update: the new weights to the worker, and the next step asked for."""
         self.ring.publish(version, self.parameters)
-        self._ask_up_to(version + self.spec.max_staleness)
+        self._ask_up_to(version + self.spec.steps_ahead)
 
-    def take(self, step: int) -> tuple[Rollout, EnvRollout | None]:
+    def take(self, step: int) -> Drawn:
         """Step ``step``'s rollout and episodes (waits for it; the worker's failure raises). Its prompts are the
-        step's own (``batches`` and its copy give the same ones)."""
+        step's own (``batches`` and its copy give the same ones), or with partial rollouts ``Drawn.examples``."""
         kind, got, payload = self._receive(step)
         if kind == "ready":  # the first message: the worker has built its model
             kind, got, payload = self._receive(step)
         assert kind == "rollout" and got == step, f"rollout of step {got} arrived for step {step}"
+        if self.spec.partial_rollouts:
+            self.carried = payload.carried
         return payload
 
     def close(self) -> None:
@@ -313,11 +379,23 @@ class RolloutWorker:
     def _ask_up_to(self, last: int) -> None:
         while self.asked <= min(last, self.num_steps - 1):
             step = self.asked
-            examples = next(self.lookahead)[self.local]
+            examples, extra = self._starts(step)
             prompts = [e.token_ids for e in examples]
-            self.requests.put(pickle.dumps(Request(step, self.seed_of(step),
-                                                   sampling_version(step, self.spec.max_staleness), prompts, examples)))
+            version = sampling_version(step, self.spec.steps_ahead)
+            self.requests.put(pickle.dumps(Request(step, self.seed_of(step), version, prompts, examples, **extra)))
             self.asked += 1
+
+    def _starts(self, step: int) -> tuple[list[PromptExample], dict]:
+        """The prompts step ``step``'s rollout starts: the step's own; with partial rollouts those of the next step
+        (and at step 0 both), none at the last step (``partial_rollouts.py``), the pool restored at a resume."""
+        if not self.spec.partial_rollouts:
+            return next(self.lookahead)[self.local], {}
+        starts = next(self.lookahead)[self.local] if step == 0 else []
+        if step + 1 < self.num_steps:
+            starts = starts + next(self.lookahead)[self.local]
+        num_groups = len(range(*self.local.indices(self.lookahead.batch_size)))
+        carried = self.carried if step == self.resumed_at else None
+        return starts, {"num_groups": num_groups, "carried": carried}
 
     def _receive(self, step: int):
         while True:

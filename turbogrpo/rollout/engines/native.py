@@ -3,7 +3,7 @@ sampling with the policy module itself, so there are no weights to push."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -32,6 +32,14 @@ class NativeEngine:
                              draft: object | None = None):
         return episodes.sample(policy, tokenizer, examples, num_samples=num_samples, sampling=sampling, seed=seed,
                                schedule=self.schedule, branched=True, draft=draft)
+
+    def sample_partial(self, policy: nn.Module, prefixes: list[torch.Tensor], *, limits: list[int],
+                       sampling: SamplingConfig, seed: int | None, until: Callable[[list[bool]], bool]) -> Rollout:
+        """One completion of each prefix (``[P_i]`` ids: a prompt, or a prompt and a carried generation's tokens,
+        prefilled afresh) of at most ``limits[i]`` new tokens, stopped early where ``until`` says (a partial
+        rollout: ``train/partial_rollouts.py``)."""
+        return generate(policy, prefixes, num_samples=1, sampling=sampling, seed=seed, schedule=self.schedule,
+                        max_new_tokens_per_completion=limits, until=until)
 
     def push_weights(self, policy: nn.Module) -> None:
         pass  # samples with the policy module itself
