@@ -20,8 +20,8 @@ weight and resumes it. So it needs a separate server process; here the benchmark
 and the trainer runs in this process on the other cores. turbogrpo runs at the same split: the rollout worker gets
 as many threads as the server has cores, the trainer the rest (default: one core each on 2 cores).
 
-Two things stop TRL's AsyncGRPOTrainer on a CPU-only machine; :class:`CpuAsyncPatch` fixes both through the hooks
-a user has (recorded in the JSON):
+Three things stop TRL's AsyncGRPOTrainer here; :class:`CpuAsyncPatch` fixes them through the hooks a user has
+(recorded in the JSON, with the errors each default raises on the machine: ``unpatched``):
 
 1. The weight push. The default ``WeightTransferClient`` streams the weights over NCCL only
    (trl/experimental/async_grpo/weight_transfer.py: ``vllm.distributed.weight_transfer.nccl_common.trainer_init``
@@ -37,6 +37,9 @@ a user has (recorded in the JSON):
    and a download. :class:`CpuVarlenAttention` is that one function on the CPU (each segment's queries against its
    root-to-segment keys, causal from the bottom-right corner as FlashAttention's varlen causal mask, torch's
    ``scaled_dot_product_attention``); TRL's own tree attention and packing run unchanged around it.
+3. Not the CPU: the rollout worker parses every reply with a response template it knows for a few chat templates
+   only (trl/chat_template_utils.py ``add_response_schema``), and SmolLM2's is not one of them. SmolLM2's template
+   is ChatML, so the tokenizer gets TRL's Qwen 3 (ChatML) template, as TRL's error asks.
 
 Checked in the run: TRL's first-step ``kl`` and ``ratio`` (the trainer's log-probs against the sampler's, same
 weights) are recorded; they are ~0 and ~1 only when the push and the attention are right.
@@ -138,23 +141,36 @@ class CpuWeightTransfer:
 
 
 class CpuAsyncPatch:
-    """TRL 1.16's AsyncGRPOTrainer made to run on the CPU (the module docstring's two fixes), in this process."""
+    """TRL 1.16's AsyncGRPOTrainer made to run on the CPU with SmolLM2 (the module docstring's fixes), in this
+    process: the kernel lookup here, the push by passing :class:`CpuWeightTransfer`, the template by
+    :meth:`response_template`."""
 
     def __init__(self):
         from trl.experimental.async_grpo import packing
         packing._flash_attn = lambda: CpuVarlenAttention  # the tree attention's kernel lookup
 
     @staticmethod
+    def response_template(tokenizer) -> None:
+        """SmolLM2's chat template is ChatML, which TRL knows only as Qwen's: give the tokenizer TRL's Qwen 3
+        response template (content up to ``<|im_end|>``; no tool calls here), as TRL's error asks."""
+        import copy
+
+        from trl.chat_template_utils import qwen3_template
+        tokenizer.response_template = copy.deepcopy(qwen3_template)
+
+    @staticmethod
     def record() -> str:
         return ("weights pushed through a safetensors file and vLLM's /collective_rpc into "
                 "vllm_cpu.CpuReloadExtension (vLLM's in-place reload, tied LM head packed again) instead of NCCL; "
-                "tree attention's FlashAttention-3 varlen kernel replaced by torch SDPA per segment")
+                "tree attention's FlashAttention-3 varlen kernel replaced by torch SDPA per segment; SmolLM2's "
+                "ChatML parsed with TRL's Qwen 3 response template")
 
 
-def unpatched_failures(timeout_s: float = 120.0) -> dict[str, str]:
-    """What stops TRL's AsyncGRPOTrainer here without :class:`CpuAsyncPatch`: the two default pieces called as TRL
-    calls them (the trainer's end of the NCCL push; the tree attention's kernel fetch), each one's error
-    (exception, message, the raising file:line) or what it did. Call it before the patch."""
+def unpatched_failures(model: str, timeout_s: float = 120.0) -> dict[str, str]:
+    """What stops TRL's AsyncGRPOTrainer here without :class:`CpuAsyncPatch`: the default pieces called as TRL calls
+    them (the trainer's end of the NCCL push; the tree attention's kernel fetch; the rollout worker's response
+    parser for ``model``'s chat template), each one's error (exception, message, the raising file:line) or what
+    it did. Call it before the patch."""
     import threading
     import traceback
 
@@ -167,8 +183,13 @@ def unpatched_failures(timeout_s: float = 120.0) -> dict[str, str]:
         return weight_transfer.open_trainer_endpoint({"master_address": "127.0.0.1", "master_port": port,
                                                       "world_size": 2})
 
+    def response_parsing():
+        from trl.chat_template_utils import add_response_schema
+        return add_response_schema(trl_tokenizer(model))
+
     found = {}
-    for name, call in (("weight_push", push), ("tree_attention", packing._flash_attn)):
+    for name, call in (("weight_push", push), ("tree_attention", packing._flash_attn),
+                       ("response_parsing", response_parsing)):
         outcome: list[str] = []
 
         def attempt(call=call, outcome=outcome):
@@ -250,10 +271,8 @@ def run_trl(shape: dict, sizes: dict, trainer_threads: int, server_cores: str, s
     starts; step times, TRL's own per-step figures, the server's build time and the pushes."""
     import torch
     from datasets import Dataset
-    from transformers import AutoTokenizer, TrainerCallback
+    from transformers import TrainerCallback
     from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
-
-    from turbogrpo.models import declared_tokenizer
 
     class StepClock(TrainerCallback):
         """Step ends (the first mark: train begin, before TRL's cold push and worker start) and TRL's logs."""
@@ -274,8 +293,8 @@ def run_trl(shape: dict, sizes: dict, trainer_threads: int, server_cores: str, s
     torch.set_num_threads(trainer_threads)
     CpuAsyncPatch()
     model = shape["model"]
-    tokenizer = declared_tokenizer(Path(model), AutoTokenizer.from_pretrained(model))
-    tokenizer.padding_side = "left"
+    tokenizer = trl_tokenizer(model)
+    CpuAsyncPatch.response_template(tokenizer)
     rows = [{"prompt": messages} for messages in chat_messages(**SMOLLM2_QUESTIONS, few_shot=False)]
     args = AsyncGRPOConfig(
         output_dir=str(workdir / "trl"), report_to="none", use_cpu=True, save_strategy="no", logging_steps=1,
@@ -319,6 +338,16 @@ def run_trl(shape: dict, sizes: dict, trainer_threads: int, server_cores: str, s
             "reward_mean": median("reward"), "first_step_kl": logs[0].get("kl") if logs else None,
             "first_step_ratio": logs[0].get("ratio") if logs else None,
             "server_build_s": server.build_s, "weight_push_s": transfer.push_s, "logs": clock.logs}
+
+
+def trl_tokenizer(model: str):
+    """The tokenizer of model folder ``model`` as turbogrpo loads it (bench/e2e.py's TrlStepper), padded left."""
+    from transformers import AutoTokenizer
+
+    from turbogrpo.models import declared_tokenizer
+    tokenizer = declared_tokenizer(Path(model), AutoTokenizer.from_pretrained(model))
+    tokenizer.padding_side = "left"
+    return tokenizer
 
 
 def _cores(spec: str) -> list[int]:
@@ -380,7 +409,7 @@ def main() -> None:
     sizes = ({"num_prompts": 2, "num_generations": 2, "max_new_tokens": 16} if args.quick else
              {key: shape[key] for key in ("num_prompts", "num_generations", "max_new_tokens")})
     load_before = os.getloadavg()
-    unpatched = unpatched_failures() if "trl" in args.sides else {}
+    unpatched = unpatched_failures(shape["model"]) if "trl" in args.sides else {}
     for name, outcome in unpatched.items():
         print(f"TRL AsyncGRPOTrainer without the CPU patch, {name}: {outcome}", flush=True)
     contenders = []
