@@ -20,7 +20,7 @@ weight and resumes it. So it needs a separate server process; here the benchmark
 and the trainer runs in this process on the other cores. turbogrpo runs at the same split: the rollout worker gets
 as many threads as the server has cores, the trainer the rest (default: one core each on 2 cores).
 
-Three things stop TRL's AsyncGRPOTrainer here; :class:`CpuAsyncPatch` fixes them through the hooks a user has
+Four things stop TRL's AsyncGRPOTrainer here; :class:`CpuAsyncPatch` fixes them through the hooks a user has
 (recorded in the JSON, with the errors each default raises on the machine: ``unpatched``):
 
 1. The weight push. The default ``WeightTransferClient`` streams the weights over NCCL only
@@ -37,7 +37,10 @@ Three things stop TRL's AsyncGRPOTrainer here; :class:`CpuAsyncPatch` fixes them
    and a download. :class:`CpuVarlenAttention` is that one function on the CPU (each segment's queries against its
    root-to-segment keys, causal from the bottom-right corner as FlashAttention's varlen causal mask, torch's
    ``scaled_dot_product_attention``); TRL's own tree attention and packing run unchanged around it.
-3. Not the CPU: the rollout worker parses every reply with a response template it knows for a few chat templates
+3. The trainer's constructor looks the device's peak FLOPs up for its MFU figure by
+   ``torch.cuda.get_device_name(accelerator.device)`` (trl/trainer/utils.py ``get_peak_flops_per_device``), which
+   a CPU device fails; the lookup answers ``None`` instead, TRL's own "unknown device" (MFU not logged).
+4. Not the CPU: the rollout worker parses every reply with a response template it knows for a few chat templates
    only (trl/chat_template_utils.py ``add_response_schema``), and SmolLM2's is not one of them. SmolLM2's template
    is ChatML, so the tokenizer gets TRL's Qwen 3 (ChatML) template, as TRL's error asks.
 
@@ -146,8 +149,10 @@ class CpuAsyncPatch:
     :meth:`response_template`."""
 
     def __init__(self):
-        from trl.experimental.async_grpo import packing
+        from trl.experimental.async_grpo import async_grpo_trainer, packing
         packing._flash_attn = lambda: CpuVarlenAttention  # the tree attention's kernel lookup
+        # The MFU figure's peak-FLOPs lookup asks CUDA for the device's name; None is TRL's "unknown device".
+        async_grpo_trainer.get_peak_flops_per_device = lambda accelerator, dtype: None
 
     @staticmethod
     def response_template(tokenizer) -> None:
@@ -162,14 +167,15 @@ class CpuAsyncPatch:
     def record() -> str:
         return ("weights pushed through a safetensors file and vLLM's /collective_rpc into "
                 "vllm_cpu.CpuReloadExtension (vLLM's in-place reload, tied LM head packed again) instead of NCCL; "
-                "tree attention's FlashAttention-3 varlen kernel replaced by torch SDPA per segment; SmolLM2's "
-                "ChatML parsed with TRL's Qwen 3 response template")
+                "tree attention's FlashAttention-3 varlen kernel replaced by torch SDPA per segment; peak-FLOPs "
+                "lookup (CUDA device name) answers None (MFU off); SmolLM2's ChatML parsed with TRL's Qwen 3 "
+                "response template")
 
 
 def unpatched_failures(model: str, timeout_s: float = 120.0) -> dict[str, str]:
     """What stops TRL's AsyncGRPOTrainer here without :class:`CpuAsyncPatch`: the default pieces called as TRL calls
-    them (the trainer's end of the NCCL push; the tree attention's kernel fetch; the rollout worker's response
-    parser for ``model``'s chat template), each one's error (exception, message, the raising file:line) or what
+    them (the trainer's end of the NCCL push; the tree attention's kernel fetch; the trainer's peak-FLOPs lookup;
+    the rollout worker's response parser for ``model``'s chat template), each one's error (exception, message, the raising file:line) or what
     it did. Call it before the patch."""
     import threading
     import traceback
@@ -187,9 +193,18 @@ def unpatched_failures(model: str, timeout_s: float = 120.0) -> dict[str, str]:
         from trl.chat_template_utils import add_response_schema
         return add_response_schema(trl_tokenizer(model))
 
+    def peak_flops():
+        import torch
+        from trl.trainer.utils import get_peak_flops_per_device
+
+        class OnTheCpu:  # what the trainer's accelerator answers here
+            device = torch.device("cpu")
+
+        return get_peak_flops_per_device(OnTheCpu(), "float32")
+
     found = {}
     for name, call in (("weight_push", push), ("tree_attention", packing._flash_attn),
-                       ("response_parsing", response_parsing)):
+                       ("trainer_init_peak_flops", peak_flops), ("response_parsing", response_parsing)):
         outcome: list[str] = []
 
         def attempt(call=call, outcome=outcome):

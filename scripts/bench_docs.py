@@ -473,6 +473,7 @@ RENDERERS: dict[str, Renderer] = {
                col("vLLM", "versions.vllm", "text"), col("TRL's CPU patch", "trl_patch", "text")]),
         Table([opt("without the patch: weight push", "unpatched.weight_push", "text"),
                opt("without the patch: tree attention", "unpatched.tree_attention", "text"),
+               opt("without the patch: trainer's MFU lookup", "unpatched.trainer_init_peak_flops", "text"),
                opt("without the patch: SmolLM2's replies", "unpatched.response_parsing", "text")], part="unpatched")),
     "speculative_demo": SPECULATIVE_DEMO,
     "speculative_smollm2": speculative_smollm2,
