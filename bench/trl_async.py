@@ -336,9 +336,12 @@ def run_trl(shape: dict, sizes: dict, trainer_threads: int, server_cores: str, s
         dtype="float32", bf16=False, gradient_checkpointing=True,  # configs/smollm2_gsm8k.toml's
         max_staleness=1, weight_sync_steps=1, vllm_server_timeout=SERVER_READY_S)
     clock = StepClock()
-    with VllmServer(model, server_cores, "float32", workdir / "vllm_serve.log") as server:
+    # The pushed weights' file lives in shared memory where there is some (a file on disk costs the push seconds).
+    shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    with VllmServer(model, server_cores, "float32", workdir / "vllm_serve.log") as server, \
+            tempfile.TemporaryDirectory(dir=shm) as push_folder:
         args.vllm_server_base_url = server.url
-        transfer = CpuWeightTransfer(server.url, workdir)
+        transfer = CpuWeightTransfer(server.url, Path(push_folder))
         trainer = AsyncGRPOTrainer(model=model, reward_funcs=[shape["reward"]], args=args,
                                    train_dataset=Dataset.from_list(rows), processing_class=tokenizer,
                                    callbacks=[clock], weight_transfer=transfer)
