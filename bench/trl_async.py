@@ -458,6 +458,8 @@ def main() -> None:
     parser.add_argument("--server-cores", help="cores of the vLLM server and of turbogrpo's rollout worker (its "
                                                "thread count), e.g. '1' or '2-3' (default: the upper half)")
     parser.add_argument("--sides", default="turbogrpo,trl", help="which sides run, in this order")
+    parser.add_argument("--max-new-tokens", type=int, help="new tokens per completion (default: the shape's 128; "
+                                                           "--quick 16)")
     parser.add_argument("--quick", action="store_true", help="smoke: 2 prompts x 2, 16 new tokens, 1 + 1 steps")
     args = parser.parse_args()
     require_vllm("bench/trl_async.py")
@@ -474,6 +476,8 @@ def main() -> None:
     shape = smollm2_shape(False)
     sizes = ({"num_prompts": 2, "num_generations": 2, "max_new_tokens": 16} if args.quick else
              {key: shape[key] for key in ("num_prompts", "num_generations", "max_new_tokens")})
+    if args.max_new_tokens:
+        sizes["max_new_tokens"] = args.max_new_tokens
     load_before = os.getloadavg()
     unpatched = unpatched_failures(shape["model"]) if "trl" in args.sides else {}
     for name, outcome in unpatched.items():
@@ -519,7 +523,8 @@ def main() -> None:
     import trl as trl_package
     import vllm
     sides = "" if speedup else "_" + "_".join(c["name"].split(",")[0].split()[0].lower() for c in contenders) + "_only"
-    write_results(f"trl_async_{SHAPE}{sides}" + ("_quick" if args.quick else ""), {
+    tokens = "" if args.quick or sizes["max_new_tokens"] == shape["max_new_tokens"] else f"_{sizes['max_new_tokens']}tok"
+    write_results(f"trl_async_{SHAPE}{sides}{tokens}" + ("_quick" if args.quick else ""), {
         "shape": shape["name"], "config": "configs/smollm2_gsm8k.toml (bench/async_grpo.py's gsm8k cuts)",
         **sizes, "dtype": "float32", "reward": shape["reward"].__name__, "warmup_steps": warmup, "timed_steps": steps,
         "server_cores": server_cores, "contenders": contenders, "speedup": speedup, "table": table,
