@@ -31,6 +31,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -48,17 +49,20 @@ SHAPES = {
 
 
 def run_variant(shape: str, max_staleness: int, trainer_threads: int, rollout_threads: int, steps: int,
-                workdir: Path, partial_rollouts: int = 0) -> list[dict]:
-    """One ``turbogrpo train`` run of ``steps`` steps; its per-step metrics records."""
+                workdir: Path, partial_rollouts: int = 0, *, extra: Sequence[str] = (),
+                python_path: Sequence[str] = ()) -> list[dict]:
+    """One ``turbogrpo train`` run of ``steps`` steps; its per-step metrics records. ``extra`` (settings after the
+    shape's cuts) and ``python_path`` (folders the run imports from, such as a reward's module) adapt the shape
+    (bench/trl_async.py: TRL's prompts and reward)."""
     config, cuts = SHAPES[shape]
     out = workdir / f"{shape}-k{max_staleness}-c{partial_rollouts}-t{trainer_threads}-r{rollout_threads}"
-    sets = [*cuts, f"train.num_steps={steps}", f"train.max_staleness={max_staleness}", "algo.tis_cap=2",
+    sets = [*cuts, *extra, f"train.num_steps={steps}", f"train.max_staleness={max_staleness}", "algo.tis_cap=2",
             f"train.partial_rollouts={partial_rollouts}",
             f"train.num_threads={trainer_threads}", f"train.rollout_threads={rollout_threads}",
             'train.accuracy_reward=""', "train.checkpoint_every=0", "train.save_final_model=false",
             "log.report=false", "log.tensorboard=false", "log.progress_bar=false", "log.completions_every=0",
             f'train.output_dir="{out}"']
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), *python_path, os.environ.get("PYTHONPATH", "")])}
     done = subprocess.run([sys.executable, "-m", "turbogrpo", "train", str(REPO / "configs" / config), "--overwrite",
                            "--set", *sets], cwd=REPO, env=env, capture_output=True, text=True)
     if done.returncode:

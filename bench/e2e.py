@@ -93,15 +93,21 @@ def bench_shape(folder: Path) -> dict:
 
 
 def completion_length_mod_7(prompts, completions, **columns):
-    """A dense reward with spread on any text, so no group is skipped for having no signal."""
-    return [float(len(c) % 7) for c in completions]
+    """A dense reward with spread on any text, so no group is skipped for having no signal. A completion is its
+    text, or its messages (a conversational trainer's, such as TRL's AsyncGRPOTrainer): their contents joined."""
+    texts = [c if isinstance(c, str) else "".join(m["content"] or "" for m in c) for c in completions]
+    return [float(len(t) % 7) for t in texts]
+
+
+SMOLLM2_QUESTIONS = {"num": 64, "split": "train", "offset": 100}
+"""The GSM8K questions of the SmolLM2 shapes (``real_model.chat_messages`` arguments): train questions past the
+few-shot examples, so no prompt holds its own worked solution."""
 
 
 def smollm2_shape(few_shot: bool) -> dict:
     from real_model import chat_prompt_texts, load_real_model, real_model_folder
     _, tokenizer = load_real_model()
-    rows = [{"prompt": text} for text in chat_prompt_texts(tokenizer, 64, few_shot=few_shot, split="train",
-                                                           offset=100)]
+    rows = [{"prompt": text} for text in chat_prompt_texts(tokenizer, **SMOLLM2_QUESTIONS, few_shot=few_shot)]
     return {"name": f"SmolLM2-135M GSM8K {'few-shot' if few_shot else 'zero-shot'}", "model": real_model_folder(),
             "rows": rows, "reward": completion_length_mod_7, "num_prompts": 8, "num_generations": 8,
             "max_new_tokens": 128,

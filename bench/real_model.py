@@ -58,17 +58,22 @@ def system_prompt(few_shot: bool) -> str:
     return f"{SYSTEM_PROMPT}\n\nWorked examples:\n\n{shots}"
 
 
-def chat_prompt_texts(tokenizer, num: int, *, few_shot: bool, split: str = "test", offset: int = 0) -> list[str]:
-    """``num`` GSM8K questions rendered with the model's chat template (generation prompt added), or as
-    plain text after the system prompt when the tokenizer has no template (a base model)."""
+def chat_messages(num: int, *, few_shot: bool, split: str = "test", offset: int = 0) -> list[list[dict]]:
+    """``num`` GSM8K questions as conversations: the system prompt, then the question as the user's turn (what a
+    trainer that applies the chat template itself takes, such as TRL's AsyncGRPOTrainer)."""
     system = system_prompt(few_shot)
-    rows = gsm8k_rows(split, num, offset)
+    return [[{"role": "system", "content": system}, {"role": "user", "content": row["question"]}]
+            for row in gsm8k_rows(split, num, offset)]
+
+
+def chat_prompt_texts(tokenizer, num: int, *, few_shot: bool, split: str = "test", offset: int = 0) -> list[str]:
+    """``num`` GSM8K questions (:func:`chat_messages`) rendered with the model's chat template (generation prompt
+    added), or as plain text after the system prompt when the tokenizer has no template (a base model)."""
+    conversations = chat_messages(num, few_shot=few_shot, split=split, offset=offset)
     if not getattr(tokenizer, "chat_template", None):
-        return [f"{system}\n\nQuestion: {row['question']}\nSolution:" for row in rows]
-    return [tokenizer.apply_chat_template([{"role": "system", "content": system},
-                                           {"role": "user", "content": row["question"]}],
-                                          tokenize=False, add_generation_prompt=True)
-            for row in rows]
+        return [f"{system['content']}\n\nQuestion: {user['content']}\nSolution:" for system, user in conversations]
+    return [tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            for messages in conversations]
 
 
 def chat_prompts(tokenizer, num: int, *, few_shot: bool, split: str = "test") -> list[torch.Tensor]:

@@ -52,12 +52,10 @@ from e2e import PHASES, bench, demo_shape, smollm2_shape  # noqa: E402
 from harness import print_table, write_results  # noqa: E402
 from multiturn import bench_step  # noqa: E402
 from real_model import real_model_folder  # noqa: E402
+from vllm_cpu import max_model_length, reload_into_cpu_runner, require_vllm  # noqa: E402
 
 from turbogrpo.models import demo_model_path  # noqa: E402
 
-MAX_MODEL_LENGTH = 2048
-"""vLLM's context limit here, or the model's if shorter (TRL's ``vllm_max_model_length``; prompts + completions
-stay under 1k tokens)."""
 ENGINES = {"native": (), "vllm": ('rollout.engine="vllm"',)}
 """``--engine`` -> turbogrpo's config settings for its sampler."""
 
@@ -112,23 +110,9 @@ def _with_dtype(llm_class, dtype: str):
 
 
 def reload_into_cpu_engine(llm, named_weights) -> None:
-    """Push ``named_weights`` (HF names -> tensors) into the running engine ``llm`` of vLLM's CPU build.
-
-    ``reload_weights`` restores each layer's checkpoint layout, loads the new values and runs the layer's
-    post-load processing again (the CPU build's oneDNN packing), copying the result into the tensors the
-    running model holds. A weight tied to a second layer (the LM head shares the embedding's) is processed
-    for its first layer only, so every layer that shares a weight with another is processed again here."""
-    runner = llm.llm_engine.model_executor.driver_worker.model_runner
-    runner.reload_weights(weights_iterator=named_weights, is_checkpoint_format=True)
-    model = runner.get_model()
-    owners: dict[int, list[torch.nn.Module]] = {}
-    for module in model.modules():
-        weight = module._parameters.get("weight")
-        if weight is not None and getattr(module, "quant_method", None) is not None:
-            owners.setdefault(id(weight), []).append(module)
-    for modules in owners.values():
-        for module in modules[1:] if len(modules) > 1 else ():
-            module.quant_method.process_weights_after_loading(module)
+    """Push ``named_weights`` (HF names -> tensors) into the running colocated engine ``llm`` of vLLM's CPU build
+    (vllm_cpu.reload_into_cpu_runner on its driver worker's model runner)."""
+    reload_into_cpu_runner(llm.llm_engine.model_executor.driver_worker.model_runner, named_weights)
 
 
 def check_push(model: str, dtype: str, memory_fraction: float) -> bool:
@@ -180,11 +164,6 @@ def check_push(model: str, dtype: str, memory_fraction: float) -> bool:
     return before and after
 
 
-def max_model_length(model: str) -> int:
-    from transformers import AutoConfig
-    return min(MAX_MODEL_LENGTH, AutoConfig.from_pretrained(model).max_position_embeddings)
-
-
 def vllm_overrides(model: str, memory_fraction: float) -> dict:
     """``GRPOConfig`` fields of TRL's colocated vLLM path for ``model``; everything else stays the reused
     benchmark's."""
@@ -192,8 +171,7 @@ def vllm_overrides(model: str, memory_fraction: float) -> dict:
             # On the CPU this is the share of host memory vLLM reserves for its weights and KV cache (TRL's
             # default 0.3 is 7 GB on 24 GB, next to two trainers in the process).
             "vllm_gpu_memory_utilization": memory_fraction,
-            # The engine must hold one sequence of the model's whole context (8192 on SmolLM2) in that share;
-            # these shapes' sequences stay under 1k tokens.
+            # vllm_cpu.MAX_MODEL_LENGTH: the engine must hold one sequence of the whole context in that share.
             "vllm_max_model_length": max_model_length(model)}
 
 
@@ -216,10 +194,7 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, help="single-turn: new tokens per completion (default: the shape's)")
     parser.add_argument("--quick", action="store_true", help="a smoke run: 1 step, no warm-up, tiny calculator shape")
     args = parser.parse_args()
-    import importlib.util
-    if importlib.util.find_spec("vllm") is None:
-        raise SystemExit("bench/trl_vllm.py needs vLLM's CPU build beside TRL: see the environment in "
-                         "docs/guide/trl.md (TRL with vLLM on the CPU)")
+    require_vllm("bench/trl_vllm.py")
     steps = args.steps or (1 if args.quick else 2)
     warmup = args.warmup if args.warmup is not None else (0 if args.quick else 1)
     from transformers.utils import logging as hf_logging

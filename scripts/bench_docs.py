@@ -9,7 +9,8 @@ Every result file is named once in RESULTS, with the kind of benchmark it is, th
 and whether it is current or superseded (archive page). Each kind's table is one small renderer in
 RENDERERS: a list of columns read from the JSON by path. A JSON without a field its table needs stops
 the generator with the file and the field named; a JSON that RESULTS does not name stops it too, so a
-new result cannot be left out silently. The plots (PNG) are copied into docs/bench-plots/ because mkdocs
+new result cannot be left out silently. A benchmark registered before its first run (`awaiting_run`) is
+left off the pages until its JSON exists, then rendered like the others. The plots (PNG) are copied into docs/bench-plots/ because mkdocs
 serves only files under docs/; each plot sits under the table of the result whose name it starts with.
 """
 
@@ -514,6 +515,18 @@ RENDERERS: dict[str, Renderer] = {
         opt("weight push s", "weight_push_s_median", "s"), col("tokens/s", "tokens_per_s", "g"),
         col("vs k=0", "speedup_vs_k0", "x"), col("mean lag", "lag_mean", "g")], rows="variants")),
     "trl_dropin": TRL_DROPIN,
+    "trl_async": tables(
+        Table([col("trainer", "name", "text"), col("trainer threads", "trainer_threads", "int"),
+               col("sampler threads", "sampler_threads", "int"), col("step s (median)", "step_s_median", "s"),
+               opt("rollout wait s", "wait_s_median", "s"), opt("update s", "update_s_median", "s"),
+               opt("weight push s", "weight_push_s_median", "s"), col("tokens/s", "tokens_per_s", "g"),
+               opt("mean lag", "lag_mean", "g")], rows="contenders"),
+        Table([col("speedup (TRL s / turbogrpo s)", "speedup", "x"), col("TRL", "versions.trl", "text"),
+               col("vLLM", "versions.vllm", "text"), col("TRL's CPU patch", "trl_patch", "text")]),
+        Table([opt("without the patch: weight push", "unpatched.weight_push", "text"),
+               opt("without the patch: tree attention", "unpatched.tree_attention", "text"),
+               opt("without the patch: trainer's MFU lookup", "unpatched.trainer_init_peak_flops", "text"),
+               opt("without the patch: SmolLM2's replies", "unpatched.response_parsing", "text")], part="unpatched")),
     "speculative_demo": SPECULATIVE_DEMO,
     "speculative_smollm2": speculative_smollm2,
     "online_draft": online_draft,
@@ -571,6 +584,7 @@ class Result:
     command: str = ""          # "" = not recorded
     archived_by: str = ""
     section: str = ""            # current results only: one of SECTIONS
+    awaiting_run: bool = False   # registered before its first run: left off the pages until its JSON exists
 
 
 # The benchmarks page's sections, in order.
@@ -763,6 +777,11 @@ RESULTS: list[Result] = [
            "8 prompts x 8, 128 new tokens; k > 0 samples in a rollout worker process",
            "python bench/async_grpo.py --shapes gsm8k --staleness 0,1 --steps 3 --warmup 1",
            section="Asynchronous GRPO"),
+    Result("trl_async_gsm8k", "trl_async", "Asynchronous GRPO against TRL 1.16's AsyncGRPOTrainer + vLLM 0.31 server "
+           "(CPU patch: file weight push, SDPA tree attention), both at staleness 1: SmolLM2-135M GSM8K zero-shot, "
+           "8 prompts x 8, 128 new tokens, float32",
+           "PYTHONPATH=$PWD /work/venv-trlvllm/bin/python bench/trl_async.py  # TRL's environment: docs/guide/trl.md",
+           section="Asynchronous GRPO", awaiting_run=True),
     # Multi-turn
     Result("multiturn_smollm2_calculator", "multiturn", "Multi-turn tool GRPO, SmolLM2-135M calculator, 8 prompts x 8 "
            "conversations: rollout vs HF generate re-prefilling each turn, whole step vs TRL GRPOTrainer(environment_factory)",
@@ -929,7 +948,7 @@ def check_registry() -> None:
     if unnamed:
         raise BenchDocError(f"bench/results/{unnamed[0]}.json is not in scripts/bench_docs.py RESULTS: add it "
                             "(current, or archived_by the run that replaces it)")
-    gone = sorted(set(named) - on_disk)
+    gone = sorted(set(named) - on_disk - {r.stem for r in RESULTS if r.awaiting_run})
     if gone:
         raise BenchDocError(f"bench/results/{gone[0]}.json is named in scripts/bench_docs.py RESULTS but does not exist")
     orphans = [png.name for png in committed_plots() if not any(png.stem.startswith(s) for s in named)]
@@ -941,10 +960,15 @@ def check_registry() -> None:
             raise BenchDocError(f"scripts/bench_docs.py: {result.stem} is archived_by unknown result {result.archived_by!r}")
 
 
+def rendered_results() -> list[Result]:
+    """RESULTS less those still awaiting their first run (no JSON yet)."""
+    return [r for r in RESULTS if not (r.awaiting_run and not (RESULTS_DIR / f"{r.stem}.json").is_file())]
+
+
 def render_pages() -> dict[str, str]:
     check_registry()
     stems = [r.stem for r in RESULTS]
-    current = [r for r in RESULTS if not r.archived_by]
+    current = [r for r in rendered_results() if not r.archived_by]
     sections = [s for s in SECTIONS if any(r.section == s for r in current)]
     unplaced = sorted({r.section for r in current} - set(SECTIONS))
     if unplaced:
@@ -956,7 +980,7 @@ def render_pages() -> dict[str, str]:
         for result in (r for r in current if r.section == section):
             page += render_result(result, stems)
     archive = [ARCHIVE_INTRO]
-    for result in (r for r in RESULTS if r.archived_by):
+    for result in (r for r in rendered_results() if r.archived_by):
         archive += [line.replace("](benchmarks.md#", "](benchmarks.md#") for line in render_result(result, stems)]
     return {"docs/benchmarks.md": "\n".join(page).rstrip() + "\n",
             "docs/benchmarks-archive.md": "\n".join(archive).rstrip() + "\n"}

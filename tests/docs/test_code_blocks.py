@@ -23,6 +23,8 @@ NOT_RUN = {
     ("docs/guide/install.md", "make setup   # .venv with the CPU build of torch, turbogrpo (editable) and the dev tools"),
     ("docs/guide/install.md", 'pip install -e ".[dev]"'),
     ("docs/guide/trl.md", "python3 -m venv /work/venv-trlvllm"),
+    ("docs/guide/trl.md", "PYTHONPATH=$PWD /work/venv-trlvllm/bin/python bench/trl_async.py            # 1 warm-up + 3 "
+                          "timed steps each"),
     ("docs/guide/install.md", 'pip install vllm            # after your CUDA torch; then pip install -e ".[dev]"'),
 }
 

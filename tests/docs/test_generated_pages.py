@@ -77,7 +77,7 @@ def test_benchmark_pages_plots_and_readme_headline_are_current():
 def test_benchmark_page_has_one_table_per_current_result():
     page = bench_docs.render_pages()["docs/benchmarks.md"]
     archive = bench_docs.render_pages()["docs/benchmarks-archive.md"]
-    for result in bench_docs.RESULTS:
+    for result in bench_docs.rendered_results():
         home = archive if result.archived_by else page
         assert f'<a id="{bench_docs.anchor(result.stem)}"></a>' in home
         assert f"`bench/results/{result.stem}.json`" in home
@@ -119,3 +119,31 @@ def test_missing_date_and_capability_read_not_recorded(results_copy):
     section = page[page.index('<a id="smollm2-lossless-check">'):]
     assert "- date: not recorded" in section.split("<a id=")[1]
     assert "- CPU matmul extensions: not recorded" in section.split("<a id=")[1]
+
+
+def awaiting_result(results_copy) -> str:
+    """The stem of a result registered before its first run, its JSON removed from the copy if committed since."""
+    stem = next(r.stem for r in bench_docs.RESULTS if r.awaiting_run)
+    (results_copy / f"{stem}.json").unlink(missing_ok=True)
+    return stem
+
+
+def test_a_result_awaiting_its_first_run_is_left_off_until_its_json_exists(results_copy):
+    stem = awaiting_result(results_copy)
+    assert f'<a id="{bench_docs.anchor(stem)}"></a>' not in bench_docs.render_pages()["docs/benchmarks.md"]
+    contender = {"name": "TRL AsyncGRPOTrainer, max_staleness 1", "trainer_threads": 1, "sampler_threads": 1,
+                 "step_s_median": 41.5, "tokens_per_s": 150.0}
+    (results_copy / f"{stem}.json").write_text(json.dumps({
+        "contenders": [contender, {**contender, "name": "turbogrpo, train.max_staleness = 1", "step_s_median": 27.0}],
+        "speedup": 41.5 / 27.0, "versions": {"trl": "1.16.0", "vllm": "0.31.0"}, "trl_patch": "file push"}))
+    page = bench_docs.render_pages()["docs/benchmarks.md"]
+    section = page[page.index(f'<a id="{bench_docs.anchor(stem)}"></a>'):].split("<a id=")[1]
+    assert "| TRL AsyncGRPOTrainer, max_staleness 1 | 1 | 1 | 41.5 |" in section
+    assert "| 1.54x | 1.16.0 | 0.31.0 | file push |" in section
+
+
+def test_a_result_awaiting_its_first_run_still_names_missing_fields(results_copy):
+    stem = awaiting_result(results_copy)
+    (results_copy / f"{stem}.json").write_text(json.dumps({"contenders": [{"name": "TRL"}]}))
+    with pytest.raises(bench_docs.BenchDocError, match=rf"bench/results/{stem}\.json \(contenders\.0\): field "):
+        bench_docs.render_pages()
