@@ -6,7 +6,7 @@ carry the policy's, seeded rollouts repeat, forks share their history exactly, l
 prefix cache, a failing environment fails its own conversation, and `turbogrpo train` runs on it (on-policy with
 tree sharing, and from the rollout worker at train.max_staleness = 1).
 
-The tests share ONE engine (building it takes 60-100 s on 2 CPU cores); skipped where vllm does not import.
+The tests share ONE engine with the other vLLM modules (tests/rollout/conftest.py's ``vllm_llm``); skipped where vllm does not import.
 """
 
 import pytest
@@ -41,9 +41,10 @@ def demo():
 
 
 @pytest.fixture(scope="module")
-def engine(demo):
-    engine = VllmEngine(torch.float32, torch.device("cpu"), demo[1])
-    engine.build(demo[0])
+def engine(demo, vllm_llm):
+    """The session's shared engine (tests/rollout/conftest.py), sent this module's demo weights first."""
+    engine = VllmEngine(torch.float32, torch.device("cpu"), demo[1], llm=vllm_llm)
+    engine.push_weights(demo[0])
     return engine
 
 

@@ -3,7 +3,7 @@ float32: greedy rollouts equal, first tokens drawn from the policy's distributio
 sampler log-probs equal the trainer's, seeded rollouts repeat, a weight push changes what vLLM samples
 (full and LoRA), and two GRPO steps through the step's engine seam.
 
-Every test shares ONE engine (building it takes 60-100 s on 2 CPU cores); skipped where vllm does not import.
+Every test shares ONE engine with the other vLLM modules (tests/rollout/conftest.py's ``vllm_llm``); skipped where vllm does not import.
 """
 
 import copy
@@ -34,10 +34,10 @@ def demo():
 
 
 @pytest.fixture(scope="module")
-def engine(demo):
-    model, tokenizer = demo
-    engine = VllmEngine(torch.float32, torch.device("cpu"), tokenizer)
-    engine.build(model)
+def engine(demo, vllm_llm):
+    """The session's shared engine (tests/rollout/conftest.py), sent this module's demo weights first."""
+    engine = VllmEngine(torch.float32, torch.device("cpu"), demo[1], llm=vllm_llm)
+    engine.push_weights(demo[0])
     return engine
 
 
