@@ -16,7 +16,8 @@ Items run in order while the budget lasts; one that would start with too little 
 "skipped", one that fails under "failed" (the rest still run). Without vllm the part is skipped.
 
 ``python bench/gpu_vllm.py --quick`` runs the same code on the CPU with the demo model, 2 prompts x 2, 16
-tokens, float32 (a smoke test of this script, a few minutes for two engine builds; no GPU number), and writes
+tokens, float32, greedy (vLLM's CPU build speculates exactly only greedily: ``vllm_speculation.CPU_SAMPLING_PROBLEM``),
+a smoke test of this script (a few minutes for two engine builds; no GPU number), and writes
 bench/results/gpu_vllm_quick.json (git-ignored).
 """
 
@@ -52,10 +53,11 @@ class Setting:
     new_tokens: int
     draft_seconds: float
     min_item_s: float   # an item starting with less budget than this is skipped
+    temperature: float  # the CPU build speculates exactly only greedily (vllm_speculation.CPU_SAMPLING_PROBLEM)
 
 
-FULL = Setting("cuda", torch.bfloat16, 8, 8, 256, draft_seconds=25.0, min_item_s=20.0)
-QUICK = Setting("cpu", torch.float32, 2, 2, 16, draft_seconds=2.0, min_item_s=0.0)
+FULL = Setting("cuda", torch.bfloat16, 8, 8, 256, draft_seconds=25.0, min_item_s=20.0, temperature=1.0)
+QUICK = Setting("cpu", torch.float32, 2, 2, 16, draft_seconds=2.0, min_item_s=0.0, temperature=0.0)
 
 
 def load_policy(setting: Setting, quick: bool):
@@ -149,12 +151,12 @@ def run(results: dict, budget_s: float, quick: bool = False) -> None:
     device = setting.device
     model, tokenizer, weights = load_policy(setting, quick)
     prompts = prompts_of(tokenizer, model.config.vocab_size, setting.num_prompts, 0, device)
-    sampling = SamplingConfig(max_new_tokens=setting.new_tokens, temperature=1.0)
+    sampling = SamplingConfig(max_new_tokens=setting.new_tokens, temperature=setting.temperature)
     expected_tokens = setting.num_prompts * setting.num_samples * setting.new_tokens
     results.update(device=torch.cuda.get_device_name() if device == "cuda" else "cpu (--quick: no GPU number)",
                    vllm=vllm.__version__, torch=torch.__version__, model=SMOLLM2 if not quick else "demo",
                    weights=weights, dtype=str(setting.dtype).removeprefix("torch."), num_prompts=setting.num_prompts,
-                   num_samples=setting.num_samples, new_tokens=setting.new_tokens, temperature=1.0,
+                   num_samples=setting.num_samples, new_tokens=setting.new_tokens, temperature=setting.temperature,
                    prompt_tokens=[len(p) for p in prompts], seconds={}, skipped=[], failed={})
     state: dict = {}
 

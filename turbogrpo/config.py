@@ -597,6 +597,10 @@ class Config:
         (docs/guide/vllm_speculation.md), so it must be one, in vLLM's layout."""
         if self.rollout.engine != "vllm" or self.rollout.speculation == "off":
             return
+        from turbogrpo.rollout.engines.vllm_speculation import speculation_problem
+        problem = speculation_problem("cpu" if self.model._runs_on_cpu() else "cuda", greedy=False)  # GRPO samples
+        _require(problem is None, "rollout.speculation", f"\"off\" with rollout.engine = \"vllm\" here: {problem}",
+                 self.rollout.speculation)
         _require(not self.draft.history, "draft.history", "false with rollout.engine = \"vllm\" (vLLM drafts with "
                  "its EAGLE drafter alone; history drafts run in the native engine)", self.draft.history)
         from turbogrpo.speculative.built_drafts import resolve_draft_path

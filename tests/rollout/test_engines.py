@@ -22,12 +22,16 @@ def test_engine_names_and_refusals():
     assert set(ENGINE_NAMES) == {"auto", "native", "vllm"}
     with pytest.raises(ConfigError, match="rollout.engine"):
         load_config(None, ["rollout.engine=sglang"])
-    # Speculation on vLLM runs vLLM's EAGLE drafter: a draft of layout "eagle", without history drafts.
+    # Speculation on vLLM runs vLLM's EAGLE drafter: not on the CPU build (its sampled drafts are not exact), and
+    # elsewhere with a draft of layout "eagle", without history drafts.
+    with pytest.raises(ConfigError, match=r"rollout.speculation.*_expand_kernel_impl"):
+        load_config(None, ["rollout.engine=vllm", "rollout.speculation=fixed", "model.device=cpu", "draft.layout=eagle"])
+    gpu = ["rollout.engine=vllm", "model.device=cuda"]
     with pytest.raises(ConfigError, match="draft.layout"):
-        load_config(None, ["rollout.engine=vllm", "rollout.speculation=fixed"])
-    assert load_config(None, ["rollout.engine=vllm", "rollout.speculation=fixed", "draft.layout=eagle"]).draft.layout == "eagle"
+        load_config(None, [*gpu, "rollout.speculation=fixed"])
+    assert load_config(None, [*gpu, "rollout.speculation=fixed", "draft.layout=eagle"]).draft.layout == "eagle"
     with pytest.raises(ConfigError, match="draft.history"):
-        load_config(None, ["rollout.engine=vllm", "rollout.speculation=cost", "draft.layout=eagle", "draft.history=true"])
+        load_config(None, [*gpu, "rollout.speculation=cost", "draft.layout=eagle", "draft.history=true"])
     with pytest.raises(ConfigError, match="draft.layout"):
         load_config(None, ["draft.layout=medusa"])
     with pytest.raises(ConfigError, match="rollout.engine"):
@@ -39,7 +43,7 @@ def test_a_saved_draft_runs_on_vllm_only_in_the_eagle_layout(tmp_path):
     model = build_model("qwen2")
     for layout in ("turbogrpo", "eagle"):
         DraftHead(model, layout=layout).save(tmp_path / layout)
-    overrides = ["rollout.engine=vllm", "rollout.speculation=fixed", "draft.learn=false"]
+    overrides = ["rollout.engine=vllm", "model.device=cuda", "rollout.speculation=fixed", "draft.learn=false"]
     with pytest.raises(ConfigError, match="draft.path.*this one's is 'turbogrpo'"):
         load_config(None, [*overrides, f"draft.path={tmp_path / 'turbogrpo'}"])
     assert load_config(None, [*overrides, f"draft.path={tmp_path / 'eagle'}"]).rollout.engine == "vllm"

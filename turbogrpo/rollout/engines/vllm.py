@@ -42,7 +42,7 @@ from torch import nn
 from tqdm import tqdm
 
 from turbogrpo.batch import Groups
-from turbogrpo.rollout.engines.vllm_speculation import EngineDraft
+from turbogrpo.rollout.engines.vllm_speculation import EngineDraft, speculation_problem
 from turbogrpo.rollout.engines.weights import base_model, checkpoint_weights, trainable_modules
 from turbogrpo.rollout.sampling import SamplingConfig
 from turbogrpo.rollout.types import Rollout, RolloutStats
@@ -172,6 +172,10 @@ class VllmEngine:
 
     def _sample(self, policy: nn.Module, prompts: list[torch.Tensor], num_samples: int, sampling: SamplingConfig,
                 seed: int | None, draft=None) -> Rollout:
+        speculates = draft is not None or self.speculative_config is not None
+        problem = speculation_problem(self.device.type, sampling.greedy) if speculates else None
+        if problem:
+            raise ValueError(problem)
         if draft is not None and self.drafter is None:  # turbogrpo's draft as vLLM's EAGLE drafter, for good
             self.drafter = EngineDraft(draft, len(prompts) * num_samples, built_with_it=self.llm is None)
             self.speculative_config = self.drafter.speculative_config
