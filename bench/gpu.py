@@ -1,8 +1,9 @@
-"""Every GPU measurement of the project in one script: one call on one GPU, at most about 5 minutes.
+"""Every GPU measurement of the project in one script: one call on one GPU, at most about 8 minutes.
 
     python bench/gpu.py                  # all parts, writes bench/results/gpu.json
-    python bench/gpu.py --only prefix    # one part (rollout, prefix, precision, trl, tree)
-    python bench/gpu.py --budget 300     # total seconds the parts share
+    python bench/gpu.py --only prefix    # one part (rollout, prefix, precision, trl, tree, vllm)
+    python bench/gpu.py --budget 480     # total seconds the parts share
+    python bench/gpu_vllm.py --quick     # the vllm part's CPU smoke form (no GPU number)
 
 Each part is a module ``bench/gpu_<name>.py`` with ``run(results: dict, budget_s: float)``: it builds
 random-init models directly on the device (``with torch.device("cuda")``), measures baseline and ours
@@ -33,13 +34,14 @@ PARTS: dict[str, float] = {
     "precision": 0.10,
     "trl": 0.15,
     "tree": 0.20,
+    "vllm": 0.60,   # last: its engines keep some GPU memory; 180 s of the default 480 (two vLLM builds)
 }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--only", choices=sorted(PARTS), action="append", help="run only these parts")
-    parser.add_argument("--budget", type=float, default=300.0, help="seconds for all parts together")
+    parser.add_argument("--budget", type=float, default=480.0, help="seconds for all parts together")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("bench/gpu.py: no CUDA device; nothing to measure (the CPU benches are bench/prefix.py, "

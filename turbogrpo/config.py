@@ -219,9 +219,6 @@ class RolloutConfig:
         _require(self.speculation in SIZING_POLICIES, f"{key}.speculation", f"one of {', '.join(SIZING_POLICIES)}",
                  self.speculation)
         _require(self.engine in ENGINE_NAMES, f"{key}.engine", f"one of {', '.join(ENGINE_NAMES)}", self.engine)
-        _require(self.engine != "vllm" or self.speculation == "off", f"{key}.speculation",
-                 "\"off\" with rollout.engine = \"vllm\" (turbogrpo's draft runs in the native engine)",
-                 self.speculation)
         _require(self.num_generations >= 2, f"{key}.num_generations",
                  "an integer >= 2 (group-relative advantages need at least two completions per prompt)",
                  self.num_generations)
@@ -252,6 +249,9 @@ class DraftLearningConfig:
     prompt (history drafts: no neural forward), merged into the draft's trees; verified like any tree."""
     num_layers: int = 1
     """Decoder layers of a scratch draft (EAGLE's 1: deeper drafts cost more than they gain)."""
+    layout: str = "turbogrpo"
+    """Layout of a scratch draft: "turbogrpo", or "eagle" (vLLM's EAGLE drafter exactly, so `turbogrpo draft
+    export-vllm` can hand it to vLLM); a saved draft keeps its own."""
     learn: bool = True
     """Train the draft after every rollout on the policy's features of all completions (false: frozen)."""
     lr: float = 1e-3
@@ -273,7 +273,7 @@ class DraftLearningConfig:
 
     def check(self, key: str) -> None:
         from turbogrpo.speculative.built_drafts import BUILT_DRAFTS, built_draft_folder, is_built
-        from turbogrpo.speculative.draft import CONFIG_FILE, WEIGHTS_FILE
+        from turbogrpo.speculative.draft import CONFIG_FILE, DRAFT_LAYOUTS, WEIGHTS_FILE
         if self.path in BUILT_DRAFTS:
             built = BUILT_DRAFTS[self.path]
             _require(is_built(built_draft_folder(built)), f"{key}.path", f"a built draft; build it once with "
@@ -283,6 +283,7 @@ class DraftLearningConfig:
                  f"{key}.path", f"\"scratch\", a built draft's name ({', '.join(BUILT_DRAFTS)}) or a folder holding "
                  f"{CONFIG_FILE} and {WEIGHTS_FILE} (written by `turbogrpo draft train`)", self.path)
         _require(self.num_layers >= 1, f"{key}.num_layers", "an integer >= 1", self.num_layers)
+        _require(self.layout in DRAFT_LAYOUTS, f"{key}.layout", f"one of {', '.join(DRAFT_LAYOUTS)}", self.layout)
         _require(self.lr > 0, f"{key}.lr", "a number > 0", self.lr)
         _require(self.feature_weight >= 0, f"{key}.feature_weight", "a number >= 0", self.feature_weight)
         _require(self.logit_weight >= 0, f"{key}.logit_weight", "a number >= 0", self.logit_weight)
@@ -589,12 +590,35 @@ class Config:
         _require(not self.draft.history or self.rollout.speculation != "off", "draft.history",
                  "false while rollout.speculation = \"off\" (history drafts are candidates of speculative "
                  "rollouts: set rollout.speculation, e.g. \"cost\")", self.draft.history)
+        self._check_vllm_speculation()
         self._check_asynchronous()
         from turbogrpo.speculative.built_drafts import BUILT_DRAFTS, same_model
         built = BUILT_DRAFTS.get(self.draft.path)
         _require(built is None or same_model(built.model, self.model.path), "draft.path",
                  f"a draft of this run's model.path {self.model.path!r} (draft {self.draft.path!r} is "
                  f"built for {built.model if built else ''!r})", self.draft.path)
+
+    def _check_vllm_speculation(self) -> None:
+        """rollout.engine = "vllm" with rollout.speculation on: the draft runs as vLLM's EAGLE drafter
+        (docs/guide/vllm_speculation.md), so it must be one, in vLLM's layout."""
+        if self.rollout.engine != "vllm" or self.rollout.speculation == "off":
+            return
+        from turbogrpo.rollout.engines.vllm_speculation import speculation_problem
+        problem = speculation_problem("cpu" if self.model._runs_on_cpu() else "cuda", greedy=False)  # GRPO samples
+        _require(problem is None, "rollout.speculation", f"\"off\" with rollout.engine = \"vllm\" here: {problem}",
+                 self.rollout.speculation)
+        _require(not self.draft.history, "draft.history", "false with rollout.engine = \"vllm\" (vLLM drafts with "
+                 "its EAGLE drafter alone; history drafts run in the native engine)", self.draft.history)
+        from turbogrpo.speculative.built_drafts import resolve_draft_path
+        from turbogrpo.speculative.draft import saved_layout
+        if self.draft.path == "scratch":
+            _require(self.draft.layout == "eagle", "draft.layout", "\"eagle\" with rollout.engine = \"vllm\" and "
+                     "rollout.speculation on (vLLM's EAGLE drafter runs only that layout)", self.draft.layout)
+            return
+        layout = saved_layout(resolve_draft_path(self.draft.path))
+        _require(layout == "eagle", "draft.path", "a draft of layout \"eagle\" with rollout.engine = \"vllm\" "
+                 f"(this one's is {layout!r}; vLLM's EAGLE drafter runs only that layout: `turbogrpo draft train "
+                 "--layout eagle`)", self.draft.path)
 
     def _check_asynchronous(self) -> None:
         """train.max_staleness > 0: what the rollout worker process cannot do (yet), refused in one line each."""

@@ -22,6 +22,7 @@ SHORTER = {
                  "data.num_eval_samples=1"],
     ("eval",): ["--set", "data.num_eval_problems=4", "data.num_eval_samples=1"],
     ("draft", "train"): ["--num-prompts", "2", "--num-samples", "2", "--max-new-tokens", "8", "--epochs", "1"],
+    ("draft", "export-vllm"): [],  # a file conversion: already short
     ("profile",): ["--max-tokens", "4"],
 }
 

@@ -22,11 +22,32 @@ def test_engine_names_and_refusals():
     assert set(ENGINE_NAMES) == {"auto", "native", "vllm"}
     with pytest.raises(ConfigError, match="rollout.engine"):
         load_config(None, ["rollout.engine=sglang"])
-    with pytest.raises(ConfigError, match="rollout.speculation"):
-        load_config(None, ["rollout.engine=vllm", "rollout.speculation=fixed"])
+    # Speculation on vLLM runs vLLM's EAGLE drafter: not on the CPU build (its sampled drafts are not exact), and
+    # elsewhere with a draft of layout "eagle", without history drafts.
+    with pytest.raises(ConfigError, match=r"rollout.speculation.*_expand_kernel_impl"):
+        load_config(None, ["rollout.engine=vllm", "rollout.speculation=fixed", "model.device=cpu", "draft.layout=eagle"])
+    gpu = ["rollout.engine=vllm", "model.device=cuda"]
+    with pytest.raises(ConfigError, match="draft.layout"):
+        load_config(None, [*gpu, "rollout.speculation=fixed"])
+    assert load_config(None, [*gpu, "rollout.speculation=fixed", "draft.layout=eagle"]).draft.layout == "eagle"
+    with pytest.raises(ConfigError, match="draft.history"):
+        load_config(None, [*gpu, "rollout.speculation=cost", "draft.layout=eagle", "draft.history=true"])
+    with pytest.raises(ConfigError, match="draft.layout"):
+        load_config(None, ["draft.layout=medusa"])
     # Conversations run on vLLM, branching too.
     assert load_config(REPO / "configs" / "demo_multiturn.toml", ["rollout.engine=vllm", "rollout.branching=[2, 4]"]
                        ).rollout.engine == "vllm"
+
+
+def test_a_saved_draft_runs_on_vllm_only_in_the_eagle_layout(tmp_path):
+    from turbogrpo.speculative.draft import DraftHead
+    model = build_model("qwen2")
+    for layout in ("turbogrpo", "eagle"):
+        DraftHead(model, layout=layout).save(tmp_path / layout)
+    overrides = ["rollout.engine=vllm", "model.device=cuda", "rollout.speculation=fixed", "draft.learn=false"]
+    with pytest.raises(ConfigError, match="draft.path.*this one's is 'turbogrpo'"):
+        load_config(None, [*overrides, f"draft.path={tmp_path / 'turbogrpo'}"])
+    assert load_config(None, [*overrides, f"draft.path={tmp_path / 'eagle'}"]).rollout.engine == "vllm"
 
 
 def test_auto_picks_by_device_and_native_is_generate():

@@ -4,6 +4,7 @@ import json
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
@@ -145,3 +146,23 @@ def test_profile_sizes_past_the_model_or_the_machine_are_one_line(model_dir, tmp
     err = capsys.readouterr().err
     errors = [line for line in err.splitlines() if line.startswith("turbogrpo: error")]
     assert len(errors) == 1 and re.search(message, errors[0]) and not (tmp_path / "cache").exists()
+
+
+def test_draft_train_eagle_layout_then_export_vllm(model_dir, tmp_path, capsys):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": text}) + "\n" for text in ("1234", "abc5", "zz9")))
+    drafts = {}
+    for layout in ("eagle", "turbogrpo"):
+        drafts[layout] = tmp_path / layout
+        assert main(["draft", "train", "--model", str(model_dir), "--prompts", str(prompts), "--out",
+                     str(drafts[layout]), "--num-samples", "2", "--max-new-tokens", "6", "--epochs", "1",
+                     "--layout", layout]) == 0
+    out = tmp_path / "vllm"
+    assert main(["draft", "export-vllm", "--model", str(model_dir), "--draft", str(drafts["eagle"]),
+                 "--out", str(out)]) == 0
+    assert '"method": "eagle"' in capsys.readouterr().out
+    assert json.loads((out / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+    assert "fc.weight" in load_file(out / "model.safetensors")
+    assert main(["draft", "export-vllm", "--model", str(model_dir), "--draft", str(drafts["turbogrpo"]),
+                 "--out", str(tmp_path / "refused")]) == 2
+    assert "its layout 'turbogrpo' is not vLLM's EAGLE" in capsys.readouterr().err

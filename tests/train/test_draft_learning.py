@@ -246,3 +246,23 @@ def test_a_draft_path_without_speculation_is_a_warning_not_silence(tmp_path):
 def test_a_draft_optimizer_refuses_a_learning_rate_that_is_not_finite(lr):
     with pytest.raises(ValueError, match=r"draft.lr must be a finite number > 0"):
         make_optimizer(DraftHead(tiny_policy()), DraftLearningConfig(lr=lr))
+
+
+def test_a_rollout_without_hidden_states_is_collected_by_a_forward():
+    """An engine that keeps no features (vLLM): collect() takes them from one shared-prefix forward, the same
+    features the native engine's rollout kept (float64), every completion token trained."""
+    from turbogrpo.speculative.draft_training import num_trained
+    policy = tiny_policy(sharpness=4.0).double()
+    online = _online(policy, FixedSizing((2, 2, 4)))
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(64, (n,), generator=g) for n in (5, 9)]
+    kept = generate(policy, prompts, num_samples=3, sampling=SamplingConfig(max_new_tokens=8, temperature=1.0),
+                    seed=0, return_hidden=True)
+    bare = generate(policy, prompts, num_samples=3, sampling=SamplingConfig(max_new_tokens=8, temperature=1.0), seed=0)
+    assert bare.groups.hidden is None
+    by_forward, by_rollout = online.collect(policy, bare, seed=0), online.collect(policy, kept, seed=0)
+    for a, b in zip(by_forward.hidden, by_rollout.hidden):
+        torch.testing.assert_close(a[:len(b)], b, atol=1e-10, rtol=0)   # the rollout's S features, plus one more
+    for a, b in zip(by_forward.prompt_hidden, by_rollout.prompt_hidden):
+        torch.testing.assert_close(a, b, atol=1e-10, rtol=0)
+    assert num_trained(by_forward) == sum(len(t) for t in bare.tokens) == num_trained(by_rollout) + len(bare.tokens)

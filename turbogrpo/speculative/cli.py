@@ -5,6 +5,9 @@
         sample the policy's own completions, train a draft head on them, save it to DIR (a new or empty
         folder; --overwrite moves what is there aside, --resume trains the draft saved there further);
         --config renders the prompts of a training config's [data] section as training does
+    turbogrpo draft export-vllm --draft DIR --out DIR [--model demo|PATH]
+        write a draft (layout "eagle") as the folder vLLM's EAGLE speculative decoding loads
+        (``speculative/export_vllm.py``); a draft vLLM would run differently is refused, naming why
     turbogrpo draft build --model smollm2 [--refresh]
         train the model's draft once by its recipe (``speculative/build.py``) into the cache beside the
         model; configs then name it (draft.path = "smollm2-gsm8k")
@@ -24,6 +27,7 @@ from pathlib import Path
 import torch
 
 ARITHMETIC = "arithmetic"
+DRAFT_LAYOUT_NAMES = ("turbogrpo", "eagle")  # speculative.draft.DRAFT_LAYOUTS (not imported: the CLI starts fast)
 
 
 def add_commands(commands: argparse._SubParsersAction) -> None:
@@ -46,6 +50,8 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     train.add_argument("--layers", type=int, default=1, help="decoder layers in the draft")
     train.add_argument("--draft-tokens", type=int, default=0,
                        help="draft vocabulary: the N most frequent tokens of the completions (0: all)")
+    train.add_argument("--layout", choices=sorted(DRAFT_LAYOUT_NAMES), default="turbogrpo",
+                       help="draft layout; \"eagle\" is vLLM's EAGLE drafter exactly (`draft export-vllm`)")
     train.add_argument("--epochs", type=int, default=4, help="passes over the completions")
     train.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")
     train.add_argument("--batch-size", type=int, default=16, help="sequences per optimizer step")
@@ -56,6 +62,12 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     existing.add_argument("--overwrite", action="store_true",
                           help="start anew in a used --out, moving its files aside (nothing is deleted)")
     train.set_defaults(run=run_draft_train)
+
+    export = draft_commands.add_parser("export-vllm", help="write a draft as the folder vLLM's EAGLE loads")
+    _add_model_arguments(export)
+    export.add_argument("--draft", required=True, help="a saved draft folder (layout \"eagle\")")
+    export.add_argument("--out", required=True, help="folder to write config.json + model.safetensors to")
+    export.set_defaults(run=run_draft_export_vllm)
 
     build = draft_commands.add_parser("build", help="train a model's draft once by its recipe, into the cache")
     _add_model_arguments(build, default="smollm2")
@@ -183,7 +195,18 @@ def _draft_to_train(args: argparse.Namespace, model, out: Path):
         return draft
     if args.resume:
         print(f"--resume: no draft in {out} yet; training a new one")
-    return DraftHead(model, num_layers=args.layers, num_draft_tokens=args.draft_tokens)
+    return DraftHead(model, num_layers=args.layers, num_draft_tokens=args.draft_tokens, layout=args.layout)
+
+
+def run_draft_export_vllm(args: argparse.Namespace) -> int:
+    from turbogrpo.speculative.draft import DraftHead
+    from turbogrpo.speculative.export_vllm import export_vllm_draft
+
+    model, _ = _load(args)
+    folder = export_vllm_draft(DraftHead.load(args.draft, model), Path(args.out).expanduser())
+    print(f"vLLM EAGLE draft written to {folder}\n  use it with speculative_config={{\"method\": \"eagle\", "
+          f"\"model\": \"{folder}\", \"num_speculative_tokens\": K}}")
+    return 0
 
 
 def run_profile(args: argparse.Namespace) -> int:

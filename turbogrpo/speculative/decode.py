@@ -54,7 +54,8 @@ from turbogrpo.rollout.sampling import SamplingConfig, at_least_float32, token_l
 from turbogrpo.rollout.step import DecodeState, PlainStep
 from turbogrpo.rollout.types import Rollout, RolloutStats
 from turbogrpo.speculative.draft import DraftHead
-from turbogrpo.speculative.draft_decoding import DraftKVCache, TreeDrafter, catch_up, prefill_draft
+from turbogrpo.speculative.draft_decoding import (DraftKVCache, TreeDrafter, catch_up, draft_prompt_lengths,
+                                                   prefill_draft)
 from turbogrpo.speculative.history import HistoryDrafts, chain_geometry, propose_history
 from turbogrpo.speculative.profiler import DeviceStopwatch
 from turbogrpo.speculative.sizing import MergedSizing, SizingPolicy
@@ -116,13 +117,12 @@ class TreeStep:
         return self.stats
 
     def start(self, state: DecodeState) -> None:
-        prompt_lengths = [len(p) for p in state.prompts]
         num_completions = state.num_completions
         self.max_new = state.sampling.max_new_tokens
         # A catch-up pass pads every row to the longest backlog, so rows may write up to 2 * max_new slots.
         self.draft_cache = None if self.draft is None else DraftKVCache(
-            prompt_lengths, state.num_samples, capacity=2 * self.max_new + self.max_draft_slots,
-            device=state.next_B.device)
+            draft_prompt_lengths(self.draft, state.prompts), state.num_samples,
+            capacity=2 * self.max_new + self.max_draft_slots, device=state.next_B.device)
         self.corpus = None if self.history is None else self.history.start(state.prompts, state.num_samples)
         self.draft_prefilled = self.draft is None  # nothing to prefill without a neural draft
         self.pending: _VerifiedStep | None = None

@@ -11,6 +11,13 @@ drafting, the draft feeds its own predicted features back in place of the policy
 Features are the policy's final (post-norm) hidden states, the input of its LM head. Training
 (offline and online) lives in ``draft_training.py``.
 
+Layouts (``DraftConfig.layout``, the table ``DRAFT_LAYOUTS``): "turbogrpo" (the default, as above) and
+"eagle", vLLM's EAGLE drafter (``vllm/model_executor/models/llama_eagle.py``) exactly, so that
+``export_vllm`` can hand the draft to vLLM: its fuse has no bias, its first layer no input norm (EAGLE-1's
+choice; later layers keep theirs), and it never sees the first prompt token's pair (f[-1] = 0, x[0]), which
+vLLM's drafter has no slot for. Its pairs then sit one position earlier (pair (f[s-1], x[s]) at position
+s - 1, vLLM's), which RoPE does not see (attention depends on position differences only).
+
 The policy's embeddings and LM head are referenced, never copied: they are not parameters of the
 draft and not in its saved file. The draft is saved as ``draft.safetensors`` + ``draft_config.json``.
 
@@ -53,6 +60,26 @@ WEIGHTS_FILE = "draft.safetensors"
 
 
 @dataclass(frozen=True)
+class DraftLayout:
+    """How a draft fuses its input and which prompt pairs it sees (module docstring)."""
+
+    name: str
+    fuse_bias: bool
+    """Whether the fuse (the linear layer over ``[embed(x[s]), f[s-1]]``) has a bias."""
+    first_layer_norm: bool
+    """Whether the first decoder layer normalizes its input (its ``input_layernorm``)."""
+    context_start: int
+    """The first prompt position whose pair the draft sees (1: it never sees (f[-1] = 0, x[0]))."""
+
+
+DRAFT_LAYOUTS: dict[str, DraftLayout] = {layout.name: layout for layout in (
+    DraftLayout("turbogrpo", fuse_bias=True, first_layer_norm=True, context_start=0),
+    DraftLayout("eagle", fuse_bias=False, first_layer_norm=False, context_start=1),
+)}
+"""DraftConfig.layout -> its layout."""
+
+
+@dataclass(frozen=True)
 class DraftConfig:
     """What a saved draft needs besides its weights."""
 
@@ -66,8 +93,12 @@ class DraftConfig:
     """The policy's vocabulary size."""
     num_draft_tokens: int = 0
     """Tokens drafting may propose (the LM head rows it reads; see the module docstring); 0: all."""
+    layout: str = "turbogrpo"
+    """A name in ``DRAFT_LAYOUTS`` ("eagle": vLLM's EAGLE drafter exactly, exportable to vLLM)."""
 
     def __post_init__(self):
+        if self.layout not in DRAFT_LAYOUTS:
+            raise ValueError(f"draft layout must be one of {sorted(DRAFT_LAYOUTS)}, got {self.layout!r}")
         if isinstance(self.num_layers, bool) or not isinstance(self.num_layers, int) or self.num_layers < 1:
             raise ValueError(f"draft num_layers must be an integer >= 1, got {self.num_layers!r}")
         if (isinstance(self.num_draft_tokens, bool) or not isinstance(self.num_draft_tokens, int)
@@ -86,20 +117,23 @@ class PolicyParts(NamedTuple):
 class DraftHead(nn.Module):
     """See the module docstring. Build with ``DraftHead(policy)`` or ``DraftHead.load(path, policy)``."""
 
-    def __init__(self, policy: nn.Module, num_layers: int = 1, num_draft_tokens: int = 0):
+    def __init__(self, policy: nn.Module, num_layers: int = 1, num_draft_tokens: int = 0, layout: str = "turbogrpo"):
         super().__init__()
         check_draftable(policy)
         policy_config = policy.config
         self.config = DraftConfig(num_layers=num_layers, model_type=policy_config.model_type,
                                   hidden_size=policy_config.hidden_size, vocab_size=policy_config.vocab_size,
-                                  num_draft_tokens=num_draft_tokens)
+                                  num_draft_tokens=num_draft_tokens, layout=layout)
+        self.layout = DRAFT_LAYOUTS[layout]
         decoder = decoder_of(policy)
         self.policy = PolicyParts(decoder.get_input_embeddings(), lm_head_of(policy), logits_head(policy))
         layer_config = _draft_layer_config(policy_config, num_layers)
         reference = next(decoder.parameters())
         hidden = policy_config.hidden_size
-        self.fuse = nn.Linear(2 * hidden, hidden, bias=True)
+        self.fuse = nn.Linear(2 * hidden, hidden, bias=self.layout.fuse_bias)
         self.layers = nn.ModuleList(type(decoder.layers[0])(layer_config, layer_idx=i) for i in range(num_layers))
+        if not self.layout.first_layer_norm:
+            self.layers[0].input_layernorm = nn.Identity()
         self.fuse.to(device=reference.device, dtype=reference.dtype)
         self.layers.to(device=reference.device, dtype=reference.dtype)
         # RoPE frequencies stay float32, as in the policy.
@@ -213,7 +247,8 @@ class DraftHead(nn.Module):
             raise ValueError(
                 f"draft at {str(directory)!r} was trained for (model_type, hidden_size, vocab_size) = "
                 f"{(config.model_type, config.hidden_size, config.vocab_size)}, but the policy has {expected}")
-        draft = cls(policy, num_layers=config.num_layers, num_draft_tokens=config.num_draft_tokens)
+        draft = cls(policy, num_layers=config.num_layers, num_draft_tokens=config.num_draft_tokens,
+                    layout=config.layout)
         weights_file = directory / WEIGHTS_FILE
         try:
             weights = load_file(weights_file, device=str(next(draft.parameters()).device))
@@ -227,6 +262,11 @@ class DraftHead(nn.Module):
                              "(DraftHead.save) or train the draft again")
         draft.load_state_dict(weights)
         return draft
+
+
+def saved_layout(directory: str | Path) -> str:
+    """The layout of the draft saved in ``directory`` (a ValueError naming the file when it is not a draft)."""
+    return _read_config(Path(directory) / CONFIG_FILE).layout
 
 
 def _read_config(path: Path) -> DraftConfig:
@@ -288,3 +328,18 @@ class CausalPlan:
 def shift_features(features_BTH: torch.Tensor) -> torch.Tensor:
     """Draft input features: ``f[s-1]`` at position s, zeros at s = 0."""
     return F.pad(features_BTH[:, :-1], (0, 0, 1, 0))
+
+
+def check_prompt_lengths(lengths: list[int], context_start: int) -> None:
+    """ValueError unless every prompt keeps a pair for a draft that skips its first ``context_start`` pairs."""
+    if min(lengths) <= context_start:
+        raise ValueError(f"a draft that skips the first {context_start} prompt pair(s) (layout \"eagle\") needs "
+                         f"prompts of at least {context_start + 1} tokens, got one of {min(lengths)}")
+
+
+def prompt_pairs(prompt_P: torch.Tensor, features_PH: torch.Tensor, context_start: int = 0,
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The prompt pairs a draft sees from ``context_start`` on (its layout's): tokens ``[P']`` and their input
+    features ``[P', Hd]`` (f[s-1], zeros at s = 0), P' = P - context_start."""
+    check_prompt_lengths([len(prompt_P)], context_start)
+    return prompt_P[context_start:], shift_features(features_PH[None])[0][context_start:]

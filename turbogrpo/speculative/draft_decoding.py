@@ -24,7 +24,7 @@ from torch import nn
 
 from turbogrpo.rollout.kv_cache import write_slots
 from turbogrpo.rollout.plans import PrefillPlan, padded_prompts
-from turbogrpo.speculative.draft import DraftHead, shift_features
+from turbogrpo.speculative.draft import DraftHead, check_prompt_lengths, shift_features
 from turbogrpo.speculative.tree import DraftLevel
 
 
@@ -130,10 +130,20 @@ class DraftStepPlan:
         return out.transpose(1, 2)
 
 
+def draft_prompt_lengths(draft: DraftHead, prompts: list[torch.Tensor]) -> list[int]:
+    """The number of prompt pairs the draft sees per prompt (its cache's prompt lengths): all of them, or
+    one fewer when its layout skips the first pair (``draft.py``); a ValueError for a prompt with none."""
+    lengths, start = [len(p) for p in prompts], draft.layout.context_start
+    check_prompt_lengths(lengths, start)
+    return [n - start for n in lengths]
+
+
 def prefill_draft(draft: DraftHead, cache: DraftKVCache, prompts: list[torch.Tensor],
                   features_GPH: torch.Tensor) -> None:
-    """Run the draft over each prompt's pairs once (right-padded rows, as the policy's prefill)."""
-    draft(shift_features(features_GPH), *padded_prompts(prompts), PrefillPlan(cache))
+    """Run the draft over each prompt's pairs once (right-padded rows, as the policy's prefill), from the
+    first pair its layout sees (``cache`` is sized by ``draft_prompt_lengths``)."""
+    start = draft.layout.context_start
+    draft(shift_features(features_GPH)[:, start:], *padded_prompts([p[start:] for p in prompts]), PrefillPlan(cache))
 
 
 def catch_up(draft: DraftHead, cache: DraftKVCache, features_BmH: torch.Tensor, tokens_Bm: torch.Tensor,

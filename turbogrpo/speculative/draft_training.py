@@ -39,7 +39,7 @@ from turbogrpo.prefix.auto import fastest_shared_backend
 from turbogrpo.prefix.backends import select_backend
 from turbogrpo.prefix.layout import pack_groups
 from turbogrpo.rollout.plans import padded_prompts
-from turbogrpo.speculative.draft import CausalPlan, DraftHead, shift_features
+from turbogrpo.speculative.draft import CausalPlan, DraftHead, prompt_pairs
 
 
 class DraftTrainingSettings(Protocol):
@@ -151,17 +151,20 @@ class PackedDraftBatch(NamedTuple):
     num_prompt_tokens: int
 
 
-def pack_draft_batch(groups: Groups, *, requires_grad: bool) -> PackedDraftBatch:
-    """Pack ``groups`` (completions cut to their trained tokens; completions with none are left out)."""
+def pack_draft_batch(groups: Groups, *, requires_grad: bool, context_start: int = 0) -> PackedDraftBatch:
+    """Pack ``groups`` (completions cut to their trained tokens; completions with none are left out), each
+    prompt from the pair at ``context_start`` on (the draft layout's first seen pair)."""
     prompts, completions, inputs, targets, prompt_inputs = [], [], [], [], []
     for prompt, features, group, group_features in zip(groups.prompts, groups.prompt_hidden, groups.nested(),
                                                         groups.split(groups.hidden)):
         cut = [(c[:len(f) - 1], f) for c, f in zip(group, group_features) if len(f) > 1]
         if not cut:
             continue
-        prompts.append(prompt)
+        # The prompt pairs the draft sees (its layout may skip the first); completions follow them.
+        prompt_tokens, prompt_features = prompt_pairs(prompt, features, context_start)
+        prompts.append(prompt_tokens)
         completions.append([c for c, _ in cut])
-        prompt_inputs.append(shift_features(features[None])[0])
+        prompt_inputs.append(prompt_features)
         for c, f in cut:
             inputs.append(f[:len(c)])
             targets.append(f[1:len(c) + 1])
@@ -182,7 +185,8 @@ def draft_loss(draft: DraftHead, groups: Groups,
     Returns the loss and metrics (both terms and the draft's top-1 agreement with the policy, both
     argmaxes taken over the draft vocabulary), as device tensors.
     """
-    batch = pack_draft_batch(groups, requires_grad=torch.is_grad_enabled())
+    batch = pack_draft_batch(groups, requires_grad=torch.is_grad_enabled(),
+                             context_start=draft.layout.context_start)
     dtype = next(draft.parameters()).dtype
     predicted_1TH = draft(batch.features_TH[None].to(dtype), batch.tokens_T[None], batch.positions_T[None], batch.plan)
     predicted_MH = predicted_1TH[0, batch.num_prompt_tokens:]

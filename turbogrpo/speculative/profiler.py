@@ -39,7 +39,7 @@ from turbogrpo.linears import LINEAR_KERNELS, onednn_min_rows
 from turbogrpo.rollout.engine import first_draw
 from turbogrpo.rollout.sampling import SamplingConfig
 from turbogrpo.rollout.step import PlainStep
-from turbogrpo.speculative.draft_decoding import DraftKVCache, TreeDrafter, prefill_draft
+from turbogrpo.speculative.draft_decoding import DraftKVCache, TreeDrafter, draft_prompt_lengths, prefill_draft
 from turbogrpo.speculative.tree import DraftLevel, top_proposals
 
 LEGACY_CACHE_ENV = "TURBOGRPO_CACHE_DIR"  # this file's own variable before TURBOGRPO_CACHE; still honoured
@@ -259,7 +259,7 @@ def profile_latency(model: nn.Module, *, context_length: int, draft: nn.Module |
 
     draft_cache = None
     if draft is not None:
-        draft_cache = DraftKVCache([context_length], grid[-1], capacity=1, device=device)
+        draft_cache = DraftKVCache(draft_prompt_lengths(draft, [prompt]), grid[-1], capacity=1, device=device)
         prefill_draft(draft, draft_cache, [prompt], prompt_hidden)
 
     def draft_level(n: int) -> Callable[[], object]:

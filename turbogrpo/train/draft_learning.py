@@ -43,7 +43,8 @@ from turbogrpo.speculative.speculation import Speculation
 from turbogrpo.speculative.draft import DraftHead
 from turbogrpo.speculative.built_drafts import resolve_draft_path
 from turbogrpo.speculative.history import HistoryDrafts, speculation_sizing
-from turbogrpo.speculative.draft_training import make_optimizer, num_trained, prompt_features, train_draft
+from turbogrpo.speculative.draft_training import (draft_groups, make_optimizer, num_trained, prompt_features,
+                                                  train_draft)
 from turbogrpo.speculative.profiler import cached_profile
 from turbogrpo.speculative.sizing import SizingPolicy
 
@@ -91,10 +92,15 @@ class OnlineDraft:
         Call before the policy update, so that the prompts' features come from the weights that
         generated the completions."""
         batch = rollout.groups
+        generator = torch.Generator().manual_seed(seed)
         if batch.hidden is None:
-            raise ValueError("this rollout has no hidden states; generate with return_hidden=True")
+            # An engine that keeps no features (vLLM): one shared-prefix forward of the picked groups gives
+            # them, every completion token trained.
+            picked = batch.pick(within_budget(batch.prompt_lengths, batch.split(batch.lengths),
+                                              self.settings.max_tokens, generator))
+            return draft_groups(policy, picked.prompts, picked.nested())
         chosen = within_budget(batch.prompt_lengths, batch.split([n - 1 for n in batch.lengths]),
-                               self.settings.max_tokens, torch.Generator().manual_seed(seed))
+                               self.settings.max_tokens, generator)
         picked = batch.pick(chosen)
         return replace(picked, sampler_logps=None, prompt_hidden=prompt_features(policy, picked.prompts))
 
@@ -182,7 +188,7 @@ def build_online_draft(speculation: str, settings: DraftLearningConfig, policy: 
                           "rollouts decode without a draft; set rollout.speculation (e.g. \"cost\") to use it",
                           UserWarning, stacklevel=2)
         return None
-    draft = (DraftHead(policy, num_layers=settings.num_layers) if settings.path == "scratch"
+    draft = (DraftHead(policy, num_layers=settings.num_layers, layout=settings.layout) if settings.path == "scratch"
              else DraftHead.load(resolve_draft_path(settings.path), policy))
     profile = None
     if speculation in ("fastgrpo", "cost"):

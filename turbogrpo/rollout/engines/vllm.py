@@ -50,6 +50,7 @@ from torch import nn
 from tqdm import tqdm
 
 from turbogrpo.batch import Groups
+from turbogrpo.rollout.engines.vllm_speculation import EngineDraft, speculation_problem
 from turbogrpo.rollout.engines.weights import base_model, checkpoint_weights, trainable_modules
 from turbogrpo.rollout.multiturn import MultiTurnRollout
 from turbogrpo.rollout.sampling import SamplingConfig
@@ -123,7 +124,7 @@ class VllmEngine:
     holds_weights = True
 
     def __init__(self, dtype: torch.dtype, device: torch.device, tokenizer=None, llm=None,
-                 max_model_len: int | None = None):
+                 max_model_len: int | None = None, speculative_config: dict | None = None):
         import_vllm()  # a missing vllm is named when the run is built, not at its first rollout
         self.dtype, self.device, self.tokenizer = dtype, device, tokenizer
         self.max_model_len = max_model_len
@@ -135,6 +136,11 @@ class VllmEngine:
         """Whether the engine holds the policy's current weights."""
         self.pushed: set[str] | None = None
         """Checkpoint names of the modules each push sends (found from the policy at its first push)."""
+        self.drafter: EngineDraft | None = None
+        """The run's draft as vLLM's EAGLE drafter, when the first rollout came with one."""
+        self.speculative_config = speculative_config
+        """vLLM's ``speculative_config`` (``vllm_speculation.speculative_settings``: an exported EAGLE draft);
+        None: no speculation."""
         self.build_seconds = 0.0
         self.push_seconds = 0.0
         """The last push's wall time."""
@@ -159,7 +165,8 @@ class VllmEngine:
                            skip_tokenizer_init=tokenizer is None, **MEMORY.get(self.device.type, MEMORY["cuda"]),
                            # Whole prefills: vLLM 0.32 rewinds a seeded request's generator after a partial
                            # prefill, which a CPU generator cannot do ("CPU Generator does not use offset").
-                           enable_chunked_prefill=False)
+                           enable_chunked_prefill=False, speculative_config=self.speculative_config,
+                           disable_log_stats=self.speculative_config is None)  # acceptance counts: get_metrics()
         self.build_seconds = time.perf_counter() - start
         self.synced = True
 
@@ -168,12 +175,10 @@ class VllmEngine:
     def sample(self, policy: nn.Module, prompts: list[torch.Tensor], *, num_samples: int,
                sampling: SamplingConfig, seed: int | None, draft: object | None = None,
                return_hidden: bool = False) -> Rollout:
-        if draft is not None or return_hidden:
-            raise ValueError("rollout.engine = \"vllm\" samples without turbogrpo's draft (rollout.speculation = "
-                             "\"off\") and keeps no hidden states; use rollout.engine = \"native\" for speculation")
+        # No hidden states come back (return_hidden): the draft's online learning computes them by a forward.
         # vLLM runs in its own dtype: the step's autocast (a bf16 run's) must not reach its kernels.
         with torch.autocast(self.device.type, enabled=False):
-            return self._sample(policy, prompts, num_samples, sampling, seed)
+            return self._sample(policy, prompts, num_samples, sampling, seed, draft)
 
     def _ready(self, policy: nn.Module) -> None:
         """Build the engine from ``policy`` (first rollout), or push its weights if they changed since."""
@@ -183,8 +188,19 @@ class VllmEngine:
             self.push_weights(policy)
 
     def _sample(self, policy: nn.Module, prompts: list[torch.Tensor], num_samples: int, sampling: SamplingConfig,
-                seed: int | None) -> Rollout:
+                seed: int | None, draft=None) -> Rollout:
+        speculates = draft is not None or self.speculative_config is not None
+        problem = speculation_problem(self.device.type, sampling.greedy) if speculates else None
+        if problem:
+            raise ValueError(problem)
+        if draft is not None and self.drafter is None:  # turbogrpo's draft as vLLM's EAGLE drafter, for good
+            self.drafter = EngineDraft(draft, len(prompts) * num_samples, built_with_it=self.llm is None)
+            self.speculative_config = self.drafter.speculative_config
         self._ready(policy)
+        if (draft is None) != (self.drafter is None):
+            raise ValueError("a vLLM engine speculates with the draft it was built with, or never (rollout.speculation)")
+        if draft is not None:
+            self.drafter.push_if_changed(self.llm)  # the draft learned since the last rollout
         if seed is None:
             seed = int(torch.randint(2**62, ()))  # torch's global generator, as the native engine's draws
         start = time.perf_counter()
