@@ -41,7 +41,7 @@ def test_a_stuck_environment_cannot_keep_a_signalled_run_alive(tmp_path, signum,
     sets = small(run, **{"train.num_steps": 3, "train.checkpoint_every": 1, "data.num_eval_problems": 2,
                          "env.factory": '"hanging_env:HangsAfterACheckpoint"', "env.call_timeout_s": 0})
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO)]), "HANG_RUN_DIR": str(run),
-           "OMP_WAIT_POLICY": "PASSIVE"}
+           "OMP_WAIT_POLICY": "PASSIVE", "PYTHONFAULTHANDLER": "1"}
     process = subprocess.Popen([sys.executable, "-m", "turbogrpo", "train", str(CONFIG), "--set", *sets],
                                cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -51,7 +51,11 @@ def test_a_stuck_environment_cannot_keep_a_signalled_run_alive(tmp_path, signum,
             assert time.monotonic() < deadline, "the environment never got stuck"
             time.sleep(0.2)
         process.send_signal(signum)
-        _, stderr = process.communicate(timeout=60)  # before: the pool waited for the stuck thread forever
+        try:
+            _, stderr = process.communicate(timeout=60)  # before: the pool waited for the stuck thread forever
+        except subprocess.TimeoutExpired:  # still alive: every thread's stack (faulthandler on SIGABRT) says where
+            process.send_signal(signal.SIGABRT)
+            pytest.fail(f"the run outlived {signum.name} by 60 s; its threads:\n{process.communicate(timeout=30)[1]}")
     finally:
         if process.poll() is None:
             process.kill()
