@@ -145,8 +145,12 @@ def main() -> None:
     shape = {"num_prompts": args.prompts, "num_samples": args.samples, "max_new_tokens": args.new_tokens,
              "repeats": args.repeats, "temperature": 1.0, "model": "smollm2-135m-instruct",
              "prompts": "GSM8K test, zero-shot chat template"}
-    records = [bench_dtype(getattr(torch, d), args.prompts, args.samples, args.new_tokens, args.repeats)
-               for d in args.dtypes.split(",")]
+    name = args.out or ("vllm_rollout_quick" if args.quick else "vllm_rollout")
+    records = []
+    for dtype in args.dtypes.split(","):
+        # Each dtype's record is written when it is done: a run killed during the next one keeps it.
+        records.append(bench_dtype(getattr(torch, dtype), args.prompts, args.samples, args.new_tokens, args.repeats))
+        write_results(name, {"shape": shape, "results": records})
     rows = []
     for r in records:
         for workload, times in r["workloads"].items():
@@ -164,8 +168,6 @@ def main() -> None:
               f"greedy equal to native {e['greedy_equal']}/{e['greedy_compared']} (first differences at "
               f"{e['greedy_first_differences']}); sampler-trainer gap mean {e['gap_mean']:.2e}, max {e['gap_max']:.2e} "
               f"over {e['gap_tokens']} tokens")
-    write_results(args.out or ("vllm_rollout_quick" if args.quick else "vllm_rollout"),
-                  {"shape": shape, "results": records})
 
 
 if __name__ == "__main__":

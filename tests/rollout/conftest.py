@@ -71,6 +71,14 @@ def forbid_host_syncs_inside(monkeypatch, *functions: tuple[object, str]) -> Non
         monkeypatch.setattr(owner, attribute, watched(getattr(owner, attribute)))
 
 
+@pytest.fixture(scope="module")
+def demo():
+    """The shipped demo model in float32 (eval mode) and its tokenizer, loaded once per module."""
+    from turbogrpo.models import load_demo_model
+    model, tokenizer = load_demo_model(dtype="float32")
+    return model.eval(), tokenizer
+
+
 @pytest.fixture(scope="session")
 def vllm_llm():
     """ONE vLLM ``LLM`` of the shipped demo model in float32 for every vLLM test module of the session (a build

@@ -23,7 +23,6 @@ from tests.rollout.test_multiturn import plain_logprobs
 from turbogrpo.data.arithmetic import demo_chat_records
 from turbogrpo.env import TurnLimits, run_episodes
 from turbogrpo.env.tasks import DEMO_CHAT_TEMPLATE, RetryArithmetic
-from turbogrpo.models import load_demo_model
 from turbogrpo.rollout import SamplingConfig
 from turbogrpo.rollout.engines.vllm import VllmEngine
 
@@ -32,12 +31,6 @@ SAMPLED = SamplingConfig(max_new_tokens=32, temperature=1.0)
 LIMITS = TurnLimits(max_turn_tokens=32, max_conversation_tokens=128)  # configs/demo_multiturn.toml's
 REPLY = "\nWrong. Try again.\nAnswer:"  # RetryArithmetic's reply under the demo chat template
 BLOCK = 128  # vLLM's CPU prefix-cache block: it caches whole blocks
-
-
-@pytest.fixture(scope="module")
-def demo():
-    model, tokenizer = load_demo_model(dtype="float32")
-    return model.eval(), tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -20,17 +20,10 @@ except Exception as err:  # ImportError, or OSError from a torch extension built
 
 from turbogrpo import completion_logprobs
 from turbogrpo.data.arithmetic import demo_records
-from turbogrpo.models import load_demo_model
 from turbogrpo.rollout import SamplingConfig, generate
 from turbogrpo.rollout.engines.vllm import VllmEngine
 
 EOS = 0  # the demo model's end of sequence
-
-
-@pytest.fixture(scope="module")
-def demo():
-    model, tokenizer = load_demo_model(dtype="float32")
-    return model.eval(), tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -25,7 +25,6 @@ except Exception as err:  # ImportError, or OSError from a torch extension built
                 allow_module_level=True)
 
 from turbogrpo.data.arithmetic import demo_records
-from turbogrpo.models import load_demo_model
 from turbogrpo.rollout import SamplingConfig, generate
 from turbogrpo.rollout.engines.vllm import VllmEngine
 from turbogrpo.rollout.engines.vllm_speculation import length_schedule
@@ -47,12 +46,6 @@ def random_draft(policy, seed):
         for p in draft.parameters():
             p.add_(0.1 * torch.randn_like(p))
     return draft
-
-
-@pytest.fixture(scope="module")
-def demo():
-    model, tokenizer = load_demo_model(dtype="float32")
-    return model.eval(), tokenizer
 
 
 @pytest.fixture(scope="module")
