@@ -226,7 +226,8 @@ ROLLOUT = tables(Table([
     rows="shapes"))
 
 E2E = tables(Table([
-    col("shape", "shape", "text"), opt("dtype", "dtype", "text"), col("prompts x G", "num_prompts", "int"),
+    col("shape", "shape.name|shape", "text"), opt("dtype", "dtype|shape.dtype", "text"),
+    col("prompts x G", "num_prompts|shape.num_prompts", "int"),
     col("TRL s/step", "timings.trl.median_s", "s"), col("turbogrpo s/step", "timings.turbogrpo.median_s", "s"),
     col("speedup", "speedup", "x"), col("rollout TRL / ours s", "phases_s.trl.rollout", "s"),
     col("ours", "phases_s.turbogrpo.rollout", "s"), col("update TRL s", "phases_s.trl.update", "s"),
@@ -635,6 +636,16 @@ RESULTS: list[Result] = [
            "sampling, CPU push patch), SmolLM2-135M, zero-shot, float32",
            "python bench/trl_vllm.py --shape smollm2-zero-shot  # in the baseline's environment: docs/guide/trl.md",
            section="One whole GRPO step"),
+    Result("trl_vllm_calculator", "e2e", "One multi-turn GRPO step against TRL 1.16 + vLLM 0.31 colocated "
+           "(GRPOTrainer(environment_factory=...), TRL's vLLM sampling, CPU push patch), SmolLM2-135M calculator tool, "
+           "8 prompts x 8 conversations, float32",
+           "python bench/trl_vllm.py --shape calculator  # in the baseline's environment: docs/guide/trl.md",
+           section="Multi-turn and tools"),
+    Result("trl_vllm_calculator_vllm_engine", "e2e", "One multi-turn GRPO step against TRL 1.16 + vLLM 0.31 "
+           "colocated, turbogrpo sampling its conversations on the vLLM engine (rollout.engine = \"vllm\"), SmolLM2-135M "
+           "calculator tool, 8 prompts x 8 conversations, float32",
+           "python bench/trl_vllm.py --shape calculator --engine vllm  # in the baseline's environment: docs/guide/trl.md",
+           section="Multi-turn and tools"),
     Result("e2e_smollm2-zero-shot_bf16", "e2e", "One GRPO step against TRL, SmolLM2-135M, zero-shot, bf16 autocast",
            "python bench/e2e.py --shapes smollm2-zero-shot --dtype bfloat16 --steps 1 --warmup 1",
            section="One whole GRPO step"),
@@ -830,6 +841,8 @@ HEADLINE: list[tuple[str, str, str, str]] = [
      "multiturn_smollm2_calculator_rollout", "rollout.speedup"),
     ("Whole multi-turn GRPO step, SmolLM2-135M calculator tool", "TRL `GRPOTrainer(environment_factory=...)`",
      "multiturn_smollm2_calculator", "step.speedup"),
+    ("Whole multi-turn GRPO step, SmolLM2-135M calculator tool", "TRL `GRPOTrainer(environment_factory=...)` + vLLM "
+     "(colocated)", "trl_vllm_calculator", "shapes.0.speedup"),
 ]
 
 

@@ -192,8 +192,11 @@ def build_run(config: Config, dist: DistInfo, rewards: list[Reward]) -> Run:
     draft = build_online_draft(config.rollout.speculation, config.draft, policy,
                                longest_prompt + config.rollout.max_new_tokens // 2)
     schedule = replace(default_schedule(dist.device), linears=config.model.linear_kernel)
+    # A conversation's prompt is rendered at rollout time, with its environment's tools listed: longer than the
+    # data's ids, so an [env] run's engine serves up to the model's own limit.
     engine = build_engine(config.rollout.engine, dist.device, schedule=schedule, dtype=precision.compute_dtype,
-                          tokenizer=parts.tokenizer, max_length=longest_prompt + max_new_tokens)
+                          tokenizer=parts.tokenizer,
+                          max_length=longest_prompt + max_new_tokens if episodes is None else None)
     return Run(dist=dist, policy=policy, tokenizer=parts.tokenizer, precision=precision, trainer=trainer,
                reference=reference, optimizer=optimizer, batches=batches, rewards=rewards, sampling=parts.sampling,
                num_generations=config.rollout.num_generations, decode_schedule=schedule, engine=engine,
