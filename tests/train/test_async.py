@@ -113,11 +113,12 @@ def test_a_worker_that_raises_sends_one_line_naming_its_error():
     reader, writer = torch.multiprocessing.get_context("spawn").Pipe(duplex=False)
     spec = WorkerSpec(ModelConfig(path="/nonexistent/model"), LoraConfig(), RolloutConfig(), EnvConfig(), 0, 1, 1, 1)
     dist = DistInfo(0, 1, 0, torch.device("cpu"))
-    previous = signal.getsignal(signal.SIGINT)
+    previous = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
     try:
         _worker_main(spec, dist, None, queue.Queue(), writer, os.getppid())
-    finally:
-        signal.signal(signal.SIGINT, previous)
+    finally:  # the worker's own handlers (Ctrl-C ignored, SIGTERM as SystemExit) must not stay in the suite
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
     kind, _, message = pickle.loads(reader.recv_bytes())
     assert kind == "error" and "/nonexistent/model" in message and "\n" not in message
 

@@ -17,6 +17,10 @@ from turbogrpo.train import loop
 from turbogrpo.train.metrics import read_metrics
 from turbogrpo.train.state import RewardFailure
 
+DEFAULT_SIGINT_THEN_CLI = ("import runpy, signal; signal.signal(signal.SIGINT, signal.default_int_handler); "
+                           "runpy.run_module('turbogrpo', run_name='__main__', alter_sys=True)")
+"""``python -m turbogrpo`` with Python's own SIGINT handler installed first."""
+
 HANGING_ENV = '''
 import os, pathlib, threading
 from turbogrpo.env.tasks import RetryArithmetic
@@ -42,7 +46,10 @@ def test_a_stuck_environment_cannot_keep_a_signalled_run_alive(tmp_path, signum,
                          "env.factory": '"hanging_env:HangsAfterACheckpoint"', "env.call_timeout_s": 0})
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO)]), "HANG_RUN_DIR": str(run),
            "OMP_WAIT_POLICY": "PASSIVE", "PYTHONFAULTHANDLER": "1"}
-    process = subprocess.Popen([sys.executable, "-m", "turbogrpo", "train", str(CONFIG), "--set", *sets],
+    # Ctrl-C's default handler in the child whatever the suite's process did to SIGINT: an ignored signal stays
+    # ignored across exec, and Python then installs no KeyboardInterrupt handler (after the vLLM tests the run
+    # sat in a plain lock wait that SIGINT never interrupted).
+    process = subprocess.Popen([sys.executable, "-c", DEFAULT_SIGINT_THEN_CLI, "train", str(CONFIG), "--set", *sets],
                                cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 240
