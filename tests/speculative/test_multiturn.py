@@ -50,11 +50,13 @@ def test_greedy_speculative_conversations_are_the_plain_ones(kind, min_accepted)
     neural 1.8, merged 3.9 tokens per forward)."""
     policy, draft, prompts = trained_pair()
     limits = TurnLimits(12, 80, prefill_chunk=3)
-    plain = run(policy, prompts, 2, limits=limits)
+    # Replies enter at the next step (not on arrival), so the forward counts compared below do not depend on
+    # when the environment threads answer (under load a reply arriving later made both runs take 21 forwards).
+    plain = run(policy, prompts, 2, limits=limits, reply_timing="next_step")
     assert max(plain.num_turns) >= 3 and min(plain.num_turns) >= 1
     store = HistoryStore()
     for repeat in range(2):
-        out = run(policy, prompts, 2, draft=speculations(draft)[kind](store), limits=limits)
+        out = run(policy, prompts, 2, draft=speculations(draft)[kind](store), limits=limits, reply_timing="next_step")
         for got, expected in zip(out.groups.completions, plain.groups.completions):
             assert got.tolist() == expected.tolist()
         for got, expected in zip(out.groups.model_mask, plain.groups.model_mask):
