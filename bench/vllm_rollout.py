@@ -16,11 +16,16 @@ sampler-trainer log-prob gap).
     python bench/vllm_rollout.py                       # 8 prompts x 8 samples, up to 256 tokens, 3 repeats
     python bench/vllm_rollout.py --dtypes bfloat16     # one dtype
     python bench/vllm_rollout.py --quick               # smoke run: 2 x 2, 8 tokens, float32, 1 repeat
+    python bench/vllm_rollout.py --competing-job 1 --engines native,vllm --workloads eos
+                                                       # beside another job: a 1-thread GEMM loop runs throughout
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -36,6 +41,24 @@ from turbogrpo.rollout import SamplingConfig, generate  # noqa: E402
 from turbogrpo.rollout.engines.vllm import VllmEngine  # noqa: E402
 
 WORKLOADS = ("eos", "fixed")
+ENGINES = ("native", "vllm", "hf_generate")
+
+
+@contextlib.contextmanager
+def competing_job(threads: int):
+    """Another job on the machine for as long as the block runs: a process multiplying float32 matrices
+    on ``threads`` threads without pause (a second training run, a test suite); 0: none."""
+    if threads <= 0:
+        yield
+        return
+    loop = (f"import torch; torch.set_num_threads({threads}); a = torch.randn(512, 512)\n"
+            "while True: a = torch.tanh(a @ a)")
+    job = subprocess.Popen([sys.executable, "-c", loop])
+    try:
+        yield
+    finally:
+        job.kill()
+        job.wait()
 
 
 def stop_ids(tokenizer) -> tuple[int, ...]:
@@ -85,7 +108,8 @@ def exactness(model, engine: VllmEngine, prompts: list[torch.Tensor], num_sample
             "gap_max": float(gaps.max()), "gap_tokens": gaps.numel()}
 
 
-def bench_dtype(dtype: torch.dtype, num_prompts: int, num_samples: int, new_tokens: int, repeats: int) -> dict:
+def bench_dtype(dtype: torch.dtype, num_prompts: int, num_samples: int, new_tokens: int, repeats: int,
+                engines: list[str], workloads: list[str], competing_threads: int) -> dict:
     model, tokenizer = load_real_model()
     model = model.to(dtype)
     prompts = chat_prompts(tokenizer, num_prompts, few_shot=False)
@@ -101,7 +125,7 @@ def bench_dtype(dtype: torch.dtype, num_prompts: int, num_samples: int, new_toke
     record = {"dtype": str(dtype).removeprefix("torch."), "build_s": engine.build_seconds,
               "full_push_s": sorted(pushes)[1], "workloads": {}}
     record["exactness"] = exactness(model, engine, prompts, num_samples, new_tokens, stop_ids(tokenizer))
-    for workload in WORKLOADS:
+    for workload in workloads:
         sampling = SamplingConfig(max_new_tokens=new_tokens, temperature=1.0,
                                   stop_token_ids=stop_ids(tokenizer) if workload == "eos" else ())
         tokens: dict[str, list[int]] = {"native": [], "vllm": [], "hf_generate": []}
@@ -118,9 +142,9 @@ def bench_dtype(dtype: torch.dtype, num_prompts: int, num_samples: int, new_toke
         def hf():
             tokens["hf_generate"].append(hf_generate(model, prompts, num_samples, sampling, pad_id))
 
-        with torch.no_grad():
-            times = interleaved_medians({"native": native, "vllm": vllm, "hf_generate": hf}, repeats=repeats,
-                                        warmup=1)
+        contenders = {"native": native, "vllm": vllm, "hf_generate": hf}
+        with torch.no_grad(), competing_job(competing_threads):
+            times = interleaved_medians({name: contenders[name] for name in engines}, repeats=repeats, warmup=1)
         for name, timing in times.items():
             counted = tokens[name][-repeats:]  # the timed runs (after the warm-up)
             timing["tokens"] = counted
@@ -137,20 +161,29 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=8)
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--engines", default=",".join(ENGINES), help="the contenders, native first (the ratios' base)")
+    parser.add_argument("--workloads", default=",".join(WORKLOADS))
+    parser.add_argument("--competing-job", type=int, default=0, metavar="THREADS",
+                        help="run a GEMM loop on THREADS threads in another process while timing (0: none)")
     parser.add_argument("--quick", action="store_true", help="smoke run: 2 x 2, 8 tokens, float32, 1 repeat")
-    parser.add_argument("--out", default=None, help="results name (default vllm_rollout, or vllm_rollout_quick)")
+    parser.add_argument("--out", default=None, help="results name (default vllm_rollout[_competing], or _quick)")
     args = parser.parse_args()
     if args.quick:
         args.dtypes, args.prompts, args.samples, args.new_tokens, args.repeats = "float32", 2, 2, 8, 1
+    engines, workloads = args.engines.split(","), args.workloads.split(",")
+    if engines[0] != "native" or not set(engines) <= set(ENGINES) or not set(workloads) <= set(WORKLOADS):
+        parser.error(f"--engines: native first, then any of {ENGINES}; --workloads: any of {WORKLOADS}")
     shape = {"num_prompts": args.prompts, "num_samples": args.samples, "max_new_tokens": args.new_tokens,
              "repeats": args.repeats, "temperature": 1.0, "model": "smollm2-135m-instruct",
-             "prompts": "GSM8K test, zero-shot chat template"}
-    name = args.out or ("vllm_rollout_quick" if args.quick else "vllm_rollout")
-    records = []
+             "prompts": "GSM8K test, zero-shot chat template", "competing_job_threads": args.competing_job}
+    name = args.out or ("vllm_rollout" + ("_competing" if args.competing_job else "") + ("_quick" if args.quick else ""))
+    records, load_before = [], os.getloadavg()
     for dtype in args.dtypes.split(","):
         # Each dtype's record is written when it is done: a run killed during the next one keeps it.
-        records.append(bench_dtype(getattr(torch, dtype), args.prompts, args.samples, args.new_tokens, args.repeats))
-        write_results(name, {"shape": shape, "results": records})
+        records.append(bench_dtype(getattr(torch, dtype), args.prompts, args.samples, args.new_tokens, args.repeats,
+                                   engines, workloads, args.competing_job))
+        write_results(name, {"shape": shape, "results": records,
+                             "load_average": {"before": load_before, "after": os.getloadavg()}})
     rows = []
     for r in records:
         for workload, times in r["workloads"].items():
@@ -159,8 +192,9 @@ def main() -> None:
                 rows.append([r["dtype"], workload, name, t["median_s"], t["median_s_per_token"] * 1e3,
                              t["median_s"] / native["median_s"],
                              t["median_s_per_token"] / native["median_s_per_token"]])
+    beside = f", beside a {args.competing_job}-thread GEMM job" if args.competing_job else ""
     print_table(f"Rollout, SmolLM2-135M, {args.prompts} x {args.samples}, up to {args.new_tokens} tokens "
-                f"(medians of {args.repeats})", ["dtype", "workload", "engine", "time s", "ms/token",
+                f"(medians of {args.repeats}{beside})", ["dtype", "workload", "engine", "time s", "ms/token",
                                                  "time / native", "per token / native"], rows)
     for r in records:
         e = r["exactness"]

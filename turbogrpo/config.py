@@ -207,7 +207,9 @@ class RolloutConfig:
     engine: str = "native"
     """What samples: "native" (turbogrpo's engine: speculation, conversations, exact sampler log-probs), "vllm"
     (a vLLM engine in the trainer's process, the policy's weights pushed after every optimizer step; needs the
-    vllm package) or "auto" (per device, by measurement: native on CPU until measured otherwise)."""
+    vllm package) or "auto" (per device type and workload, by measurement, rollout.engines.AUTO_ENGINES: on the
+    CPU vLLM for single-turn runs, native for [env] conversations; native wherever the run uses what only native
+    runs, i.e. speculation, train.partial_rollouts or FSDP2, or vllm is not installed)."""
     branching: list[int] = field(default_factory=list)
     """Multi-turn branching ([env]): [4, 2] starts 4 conversations per prompt and forks each 2 ways after its
     first environment reply (product = num_generations); shared turns are sampled once. [] does not branch."""
@@ -597,6 +599,15 @@ class Config:
         _require(built is None or same_model(built.model, self.model.path), "draft.path",
                  f"a draft of this run's model.path {self.model.path!r} (draft {self.draft.path!r} is "
                  f"built for {built.model if built else ''!r})", self.draft.path)
+
+    def native_only_setting(self) -> str:
+        """The first setting of this run that only the native engine runs ("" for none): where
+        rollout.engine = "auto" samples on the native engine whatever ``AUTO_ENGINES`` says. Speculation counts
+        whatever the device (vLLM needs a draft of layout "eagle", which "auto" does not assume)."""
+        only_native = {"rollout.speculation": self.rollout.speculation != "off",
+                       "train.partial_rollouts": self.train.partial_rollouts > 0,
+                       "distributed.strategy = \"fsdp2\"": self.distributed.strategy == "fsdp2"}
+        return next((setting for setting, used in only_native.items() if used), "")
 
     def _check_vllm_speculation(self) -> None:
         """rollout.engine = "vllm" with rollout.speculation on: the draft runs as vLLM's EAGLE drafter

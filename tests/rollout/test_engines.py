@@ -50,11 +50,9 @@ def test_a_saved_draft_runs_on_vllm_only_in_the_eagle_layout(tmp_path):
     assert load_config(None, [*overrides, f"draft.path={tmp_path / 'eagle'}"]).rollout.engine == "vllm"
 
 
-def test_auto_picks_by_device_and_native_is_generate():
-    assert resolve_engine("auto", torch.device("cpu")) == AUTO_ENGINES["cpu"]
-    assert resolve_engine("vllm", torch.device("cpu")) == "vllm"
+def test_native_is_generate():
     model = build_model("qwen2")
-    engine = build_engine("auto", torch.device("cpu"), schedule=None, dtype=torch.float32)
+    engine = build_engine("native", torch.device("cpu"), schedule=None, dtype=torch.float32)
     assert not engine.holds_weights
     prompts = random_prompts([5, 7])
     sampling = SamplingConfig(max_new_tokens=6, temperature=1.0)
@@ -62,6 +60,37 @@ def test_auto_picks_by_device_and_native_is_generate():
     theirs = generate(model, prompts, num_samples=3, sampling=sampling, seed=4)
     assert [t.tolist() for t in ours.tokens] == [t.tolist() for t in theirs.tokens]
     assert all(torch.equal(a, b) for a, b in zip(ours.logprobs, theirs.logprobs))
+
+
+def test_auto_follows_the_measurements_but_takes_native_where_the_run_needs_it_or_vllm_is_missing(monkeypatch):
+    """"auto" is AUTO_ENGINES's engine per (device type, workload); where that is vLLM, a run using what only the
+    native engine runs (named by the config) or a machine without the vllm package still samples on native."""
+    import importlib.util
+    cpu = torch.device("cpu")
+    real_find_spec = importlib.util.find_spec
+
+    def vllm_installed(installed: bool):
+        monkeypatch.setattr(importlib.util, "find_spec",
+                            lambda name, *a: (object() if installed else None) if name == "vllm" else real_find_spec(name, *a))
+
+    vllm_installed(True)
+    assert {(d, w) for d in ("cpu", "cuda") for w in ("completions", "conversations")} <= set(AUTO_ENGINES)
+    assert set(AUTO_ENGINES.values()) <= set(ENGINE_NAMES) - {"auto"}
+    assert resolve_engine("auto", cpu) == AUTO_ENGINES["cpu", "completions"]
+    assert resolve_engine("auto", cpu, conversations=True) == AUTO_ENGINES["cpu", "conversations"]
+    monkeypatch.setitem(AUTO_ENGINES, ("cpu", "completions"), "vllm")
+    assert resolve_engine("auto", cpu) == "vllm"
+    assert resolve_engine("auto", cpu, native_only="rollout.speculation") == "native"
+    assert resolve_engine("native", cpu) == "native" and resolve_engine("vllm", cpu, native_only="x") == "vllm"
+    vllm_installed(False)
+    assert resolve_engine("auto", cpu) == "native"
+    assert build_engine("auto", cpu, schedule=None, dtype=torch.float32).holds_weights is False  # the native one
+    # What the config names as native-only, first one wins.
+    assert load_config(None, []).native_only_setting() == ""
+    assert load_config(None, ["rollout.speculation=fixed"]).native_only_setting() == "rollout.speculation"
+    assert load_config(None, ["train.max_staleness=1", "algo.tis_cap=2", "train.partial_rollouts=1"]
+                       ).native_only_setting() == "train.partial_rollouts"
+    assert load_config(None, ["distributed.strategy=fsdp2"]).native_only_setting() == 'distributed.strategy = "fsdp2"'
 
 
 def test_lora_weights_are_merged_and_sent_by_whole_fused_groups():

@@ -8,6 +8,8 @@ Every test shares ONE engine with the other vLLM modules (tests/rollout/conftest
 
 import copy
 import math
+import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,7 +23,7 @@ except Exception as err:  # ImportError, or OSError from a torch extension built
 from turbogrpo import completion_logprobs
 from turbogrpo.data.arithmetic import demo_records
 from turbogrpo.rollout import SamplingConfig, generate
-from turbogrpo.rollout.engines.vllm import VllmEngine
+from turbogrpo.rollout.engines.vllm import CHILD_ENVIRONMENT, VllmEngine
 
 EOS = 0  # the demo model's end of sequence
 
@@ -42,6 +44,16 @@ def prompts(demo):
 
 def greedy(max_new_tokens=24):
     return SamplingConfig(max_new_tokens=max_new_tokens, temperature=0.0, stop_token_ids=(EOS,))
+
+
+def test_building_leaves_child_processes_environment_alone(engine):
+    """vLLM's CPU platform sets LD_PRELOAD (tcmalloc, libgomp) and LOCAL_WORLD_SIZE while it builds; after our
+    build (the session's engine is built by now) they are what this process started with."""
+    started_with = dict(entry.split(b"=", 1) for entry in Path("/proc/self/environ").read_bytes().split(b"\0")
+                        if b"=" in entry)
+    for name in CHILD_ENVIRONMENT:
+        before = started_with.get(name.encode())
+        assert os.environ.get(name) == (before.decode() if before is not None else None), name
 
 
 def test_greedy_rollouts_equal_the_native_engines(demo, engine, prompts):

@@ -19,7 +19,9 @@ from turbogrpo.train.state import RewardFailure
 
 DEFAULT_SIGINT_THEN_CLI = ("import runpy, signal; signal.signal(signal.SIGINT, signal.default_int_handler); "
                            "runpy.run_module('turbogrpo', run_name='__main__', alter_sys=True)")
-"""``python -m turbogrpo`` with Python's own SIGINT handler installed first."""
+"""``python -m turbogrpo`` with Python's own SIGINT handler installed first: a shell without job control starts
+a background job with SIGINT ignored (`make test &`, checked: its Python reports SIG_IGN), an ignored signal
+stays ignored across exec, and Python keeps it, so the Ctrl-C case would sit until the timeout."""
 
 HANGING_ENV = '''
 import os, pathlib, threading

@@ -207,7 +207,9 @@ class _WorkerSampler:
         self.episodes = build_episode_sampler(spec.env, self.tokenizer, spec.rollout.branching)
         schedule = dataclasses.replace(default_schedule(dist.device), linears=spec.model.linear_kernel)
         self.engine = build_engine(spec.rollout.engine, dist.device, schedule=schedule,
-                                   dtype=self.precision.compute_dtype, tokenizer=self.tokenizer)
+                                   dtype=self.precision.compute_dtype, tokenizer=self.tokenizer,
+                                   conversations=self.episodes is not None,
+                                   native_only="train.partial_rollouts" if spec.partial_rollouts else "")
         self.partial = (PartialRollouts(spec.rollout.num_generations, spec.rollout.max_new_tokens,
                                         spec.partial_rollouts) if spec.partial_rollouts else None)
 

