@@ -16,7 +16,7 @@ sampler-trainer log-prob gap).
     python bench/vllm_rollout.py                       # 8 prompts x 8 samples, up to 256 tokens, 3 repeats
     python bench/vllm_rollout.py --dtypes bfloat16     # one dtype
     python bench/vllm_rollout.py --quick               # smoke run: 2 x 2, 8 tokens, float32, 1 repeat
-    python bench/vllm_rollout.py --competing-job 1 --engines native,vllm --workloads eos
+    python bench/vllm_rollout.py --competing-job 1 --engines native,vllm,native_1_thread --workloads eos
                                                        # beside another job: a 1-thread GEMM loop runs throughout
 """
 
@@ -41,7 +41,9 @@ from turbogrpo.rollout import SamplingConfig, generate  # noqa: E402
 from turbogrpo.rollout.engines.vllm import VllmEngine  # noqa: E402
 
 WORKLOADS = ("eos", "fixed")
-ENGINES = ("native", "vllm", "hf_generate")
+ENGINES = ("native", "vllm", "hf_generate", "native_1_thread")
+"""The contenders; "native_1_thread" is the native engine with torch at one thread (``train.num_threads = 1``:
+what a user on a shared machine sets), for the runs beside another job."""
 
 
 @contextlib.contextmanager
@@ -128,7 +130,7 @@ def bench_dtype(dtype: torch.dtype, num_prompts: int, num_samples: int, new_toke
     for workload in workloads:
         sampling = SamplingConfig(max_new_tokens=new_tokens, temperature=1.0,
                                   stop_token_ids=stop_ids(tokenizer) if workload == "eos" else ())
-        tokens: dict[str, list[int]] = {"native": [], "vllm": [], "hf_generate": []}
+        tokens: dict[str, list[int]] = {name: [] for name in ENGINES}
         seeds = iter(range(10_000))
 
         def native():
@@ -139,10 +141,19 @@ def bench_dtype(dtype: torch.dtype, num_prompts: int, num_samples: int, new_toke
             rollout = engine.sample(model, prompts, num_samples=num_samples, sampling=sampling, seed=next(seeds))
             tokens["vllm"].append(rollout.stats.num_generated_tokens)
 
+        def native_1_thread():
+            threads = torch.get_num_threads()
+            torch.set_num_threads(1)
+            try:
+                rollout = generate(model, prompts, num_samples=num_samples, sampling=sampling, seed=next(seeds))
+            finally:
+                torch.set_num_threads(threads)
+            tokens["native_1_thread"].append(rollout.stats.num_generated_tokens)
+
         def hf():
             tokens["hf_generate"].append(hf_generate(model, prompts, num_samples, sampling, pad_id))
 
-        contenders = {"native": native, "vllm": vllm, "hf_generate": hf}
+        contenders = {"native": native, "vllm": vllm, "hf_generate": hf, "native_1_thread": native_1_thread}
         with torch.no_grad(), competing_job(competing_threads):
             times = interleaved_medians({name: contenders[name] for name in engines}, repeats=repeats, warmup=1)
         for name, timing in times.items():
@@ -161,7 +172,8 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=8)
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--engines", default=",".join(ENGINES), help="the contenders, native first (the ratios' base)")
+    parser.add_argument("--engines", default="native,vllm,hf_generate",
+                        help=f"the contenders, native first (the ratios' base), of {', '.join(ENGINES)}")
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
     parser.add_argument("--competing-job", type=int, default=0, metavar="THREADS",
                         help="run a GEMM loop on THREADS threads in another process while timing (0: none)")

@@ -630,7 +630,7 @@ RESULTS: list[Result] = [
     Result("vllm_rollout_competing", "vllm_rollout", "Rollout beside another job (a 1-thread float32 GEMM loop in "
            "another process throughout): native vs vLLM, SmolLM2-135M, 8 x 8, up to 256 tokens, bf16, stop at EOS",
            "python bench/vllm_rollout.py --dtypes bfloat16 --workloads eos --engines native,vllm --competing-job 1",
-           section="Rollouts", awaiting_run=True),
+           section="Rollouts"),
     Result("rollout_smollm2_amd_anatomy", "rollout_anatomy", "Anatomy of a plain decoding step at B=32, SmolLM2-135M",
            "python bench/rollout.py --model smollm2 --profile-only --out rollout_smollm2_amd_anatomy",
            section="Ceilings"),
