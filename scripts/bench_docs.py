@@ -488,7 +488,7 @@ def learning_curves(data: dict, where: str) -> list[str]:
                          f" | {seconds(step_s[len(step_s) // 2]) if step_s else '-'} | "
                          f"{seconds(wall) if wall is not None else '-'} |")
         lines.append("")
-    return lines
+    return lines + ([data["note"], ""] if data.get("note") else [])
 
 
 def greedy_split(data: dict, where: str) -> list[str]:
@@ -816,8 +816,7 @@ RESULTS: list[Result] = [
            "python scripts/learning_record.py runs/smollm2_calculator smollm2_calculator_run", section="Learning"),
     Result("vllm_learning", "learning_curves", "Learning on the vLLM engine: SmolLM2-135M calculator tool "
            "(configs/smollm2_calculator.toml, 30 steps), native (k0) vs rollout.engine = \"vllm\", same seeds, TIS cap 2",
-           "python bench/learning.py --tasks calculator --variants k0,vllm --name vllm_learning", section="Learning",
-           awaiting_run=True),
+           "python bench/learning.py --tasks calculator --variants k0,vllm --name vllm_learning", section="Learning"),
     Result("async_learning", "learning_curves", "Learning with asynchronous GRPO: SmolLM2-135M calculator tool "
            "(configs/smollm2_calculator.toml, 30 steps), on-policy (k0) vs train.max_staleness = 1 (k1), same seeds, "
            "TIS cap 2", "python bench/learning.py --tasks calculator --variants k0,k1 --name async_learning",
