@@ -515,6 +515,11 @@ RENDERERS: dict[str, Renderer] = {
         col("rollout / wait s", "rollout_s_median", "s"), col("update s", "update_s_median", "s"),
         opt("weight push s", "weight_push_s_median", "s"), col("tokens/s", "tokens_per_s", "g"),
         col("vs k=0", "speedup_vs_k0", "x"), col("mean lag", "lag_mean", "g")], rows="variants")),
+    "vllm_push": tables(Table([col("variant", "$key"), col("push s (median)", "push_s_median", "s"),
+                               col("modules sent", "modules_sent", "int"), col("parameters sent", "parameters_sent", "int"),
+                               col("engine build s", "build_s", "s"),
+                               col("greedy equal to native after the pushes", "greedy_equal_after_push", "int")],
+                              rows="variants")),
     "trl_dropin": TRL_DROPIN,
     "trl_async": tables(
         Table([col("trainer", "name", "text"), col("trainer threads", "trainer_threads", "int"),
@@ -630,6 +635,9 @@ RESULTS: list[Result] = [
     Result("vllm_rollout_competing", "vllm_rollout", "Rollout beside another job (a 1-thread float32 GEMM loop in "
            "another process throughout): native vs vLLM, SmolLM2-135M, 8 x 8, up to 256 tokens, bf16, stop at EOS",
            "python bench/vllm_rollout.py --dtypes bfloat16 --workloads eos --engines native,vllm --competing-job 1",
+           section="Rollouts"),
+    Result("vllm_push", "vllm_push", "The vLLM engine's weight push after an optimizer step, SmolLM2-135M float32: full "
+           "fine-tune vs LoRA (r = 16 on every linear, merged W + B A * scale)", "python bench/vllm_push.py",
            section="Rollouts"),
     Result("rollout_smollm2_amd_anatomy", "rollout_anatomy", "Anatomy of a plain decoding step at B=32, SmolLM2-135M",
            "python bench/rollout.py --model smollm2 --profile-only --out rollout_smollm2_amd_anatomy",
