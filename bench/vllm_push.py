@@ -53,7 +53,6 @@ def time_pushes(engine: VllmEngine, policy, repeats: int) -> list[float]:
     times = []
     for _ in range(repeats):
         nudge(policy)
-        engine.synced = True  # built from (or last pushed) this policy: a push sends the changed modules only
         start = time.perf_counter()
         engine.push_weights(policy)
         times.append(time.perf_counter() - start)
