@@ -29,6 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import RESULTS_DIR, write_results  # noqa: E402
+from turbogrpo.train.checkpoint import latest_checkpoint  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -67,7 +68,8 @@ def run(task: str, variant: str, steps: int, eval_every: int, workdir: Path) -> 
             *COMMON, "train.checkpoint_every=10", "train.save_final_model=false", "log.progress_bar=false",
             f'train.output_dir="{out}"']
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    flag = "--resume" if out.exists() else "--overwrite"
+    # Resume a run cut off after a checkpoint; one cut off before its first starts again.
+    flag = "--resume" if out.exists() and latest_checkpoint(out) is not None else "--overwrite"
     started = time.perf_counter()
     subprocess.run([sys.executable, "-m", "turbogrpo", "train", str(REPO / "configs" / config), flag, "--set", *sets],
                    cwd=REPO, env=env, check=True)

@@ -828,7 +828,7 @@ RESULTS: list[Result] = [
     Result("async_learning", "learning_curves", "Learning with asynchronous GRPO: SmolLM2-135M calculator tool "
            "(configs/smollm2_calculator.toml, 30 steps), on-policy (k0) vs train.max_staleness = 1 (k1), same seeds, "
            "TIS cap 2", "python bench/learning.py --tasks calculator --variants k0,k1 --name async_learning",
-           section="Learning", awaiting_run=True),
+           section="Learning"),
     Result("smollm2_guess_number_run", "learning_run", "SmolLM2-135M learns a higher/lower guessing game "
            "(configs/smollm2_guess_number.toml)",
            "python scripts/learning_record.py runs/smollm2_guess_number smollm2_guess_number_run", section="Learning"),

@@ -17,6 +17,7 @@ import dataclasses
 import inspect
 import sys
 import textwrap
+import types
 import typing
 from pathlib import Path
 
@@ -59,6 +60,8 @@ def type_name(hint: typing.Any) -> str:
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if origin is typing.Literal:
         return " \\| ".join(f'`"{a}"`' for a in args)
+    if origin in (typing.Union, types.UnionType):
+        return " \\| ".join(type_name(a) for a in args if a is not type(None))
     if origin is list:
         return f"list of {type_name(args[0])}"
     if origin is dict:

@@ -86,12 +86,11 @@ def test_overrides_apply_on_top_of_the_file(tmp_path):
     ("model.device=tpu", "config key 'model.device': 'tpu' is not allowed"),
     ("model.pure_bf16=true", "config key 'model.pure_bf16': True is not allowed; expected false, or true only with "
                              "model.dtype = \"bfloat16\""),
-    ("algo.tis_cap=0.5", "config key 'algo.tis_cap': 0.5 is not allowed; expected 0 (off) or a number >= 1"),
+    ("algo.tis_cap=0.5", "config key 'algo.tis_cap': 0.5 is not allowed; expected \"auto\", 0 (off) or a number >= 1"),
+    ("algo.tis_cap=often", "config key 'algo.tis_cap': 'often' is not allowed; expected a number or 'auto'"),
     ("algo.off_policy_correction=decoupled", "config key 'algo.off_policy_correction': 'decoupled' is not allowed; "
                                              "expected one of tis, mis"),
     ("train.max_staleness=-1", "config key 'train.max_staleness': -1 is not allowed; expected an integer >= 0"),
-    ("train.max_staleness=1", "config key 'algo.tis_cap': 0.0 is not allowed; expected a number >= 1 with "
-                              "train.max_staleness > 0"),
     ("train.rollout_threads=-1", "config key 'train.rollout_threads': -1 is not allowed; expected an integer >= 0"),
     ("train.max_staleness=0.5", "config key 'train.max_staleness': expected an integer, got float 0.5"),
     ("train.final_dtype=int8", "config key 'train.final_dtype': 'int8' is not allowed; expected one of 'auto',"),
@@ -228,6 +227,8 @@ def test_the_output_folder_has_one_spelling():
      "config key 'rollout.stop_strings': ['x'] is not allowed; expected [] with train.partial_rollouts > 0"),
     (["train.max_staleness=1", "algo.tis_cap=2", "train.partial_rollouts=1", 'env.factory="a.b:c"'],
      "config key 'env.factory': 'a.b:c' is not allowed; expected \"\" with train.partial_rollouts > 0"),
+    (["train.max_staleness=1", "algo.tis_cap=0"],
+     "config key 'algo.tis_cap': 0.0 is not allowed; expected \"auto\" or a number >= 1 with train.max_staleness > 0"),
 ])
 def test_what_the_rollout_worker_cannot_do_is_refused_in_one_line(overrides, message):
     with pytest.raises(ConfigError) as err:
@@ -238,5 +239,15 @@ def test_what_the_rollout_worker_cannot_do_is_refused_in_one_line(overrides, mes
 def test_an_asynchronous_config_with_the_correction_on_loads():
     config = load_config(None, ["train.max_staleness=2", "algo.tis_cap=2", "train.rollout_threads=1"])
     assert (config.train.max_staleness, config.train.rollout_threads) == (2, 1)
+    assert load_config(None, ["train.max_staleness=1"]).algo.tis_cap == "auto"  # on by default (below)
+
+
+@pytest.mark.parametrize("sets, differs, cap", [
+    ([], False, 0.0), ([], True, 2.0),                          # "auto": on only where the sampler differs
+    (["algo.tis_cap=0"], True, 0.0), (["algo.tis_cap=3"], False, 3.0),  # a number is kept
+])
+def test_tis_cap_auto_turns_the_correction_on_where_the_sampler_is_not_the_trainer(sets, differs, cap):
+    algo = load_config(None, sets).algo
+    assert algo.resolved(sampler_differs=differs).tis_cap == cap
     config = load_config(None, ["train.max_staleness=2", "algo.tis_cap=2", "train.partial_rollouts=2"])
     assert (config.train.max_staleness, config.train.partial_rollouts) == (2, 2)

@@ -314,10 +314,12 @@ class AlgoConfig:
     """Divide advantages by the reward std of the group, of the whole batch, or not at all (Dr. GRPO)."""
     num_iterations: int = 1
     """Policy updates per rollout; > 1 computes old-policy log-probs before the first update."""
-    tis_cap: float = 0.0
+    tis_cap: float | Literal["auto"] = "auto"
     """The off-policy correction's cap: weight each token's policy loss by pi_prox / pi_behav (the trainer's
     log-prob at the update's start over the sampler's), capped here, correcting the sampler-vs-trainer mismatch
-    (bf16 kernels, another engine) and stale rollouts (train.max_staleness); 0 turns it off (verl/slime use 2)."""
+    (bf16 kernels, another engine) and stale rollouts (train.max_staleness); 0 turns it off (verl/slime use 2).
+    "auto": 2 where the sampler is not the trainer's own forward (rollout.engine resolves to "vllm", or
+    train.max_staleness > 0), 0 where it is (the native engine on-policy, where the weight is 1 up to rounding)."""
     off_policy_correction: str = "tis"
     """What a weight past algo.tis_cap becomes (``turbogrpo.algo.OFF_POLICY_CORRECTIONS``): "tis" truncates it to
     the cap (verl, slime), "mis" drops the token from the policy loss (AReaL's decoupled PPO); see
@@ -327,6 +329,14 @@ class AlgoConfig:
     unbiased reverse-KL gradient (DeepSeek-V3.2), even on-policy where the ratio is 1 in value. TRL's
     use_bias_correction_kl, on by default in TRL 1.16; off here: plain k3 as in the GRPO paper."""
 
+    def resolved(self, *, sampler_differs: bool) -> AlgoConfig:
+        """This section with tis_cap a number: "auto" becomes ``turbogrpo.algo.AUTO_TIS_CAP`` if
+        ``sampler_differs`` (the rollouts come from another engine or from stale weights), else 0."""
+        if self.tis_cap != "auto":
+            return self
+        from turbogrpo.algo import AUTO_TIS_CAP
+        return dataclasses.replace(self, tis_cap=AUTO_TIS_CAP if sampler_differs else 0.0)
+
     def check(self, key: str) -> None:
         from turbogrpo.algo import LOSSES  # the loss registry is the one source of allowed names
         _require(self.loss in LOSSES, f"{key}.loss", f"one of {', '.join(sorted(LOSSES))}", self.loss)
@@ -334,8 +344,8 @@ class AlgoConfig:
         _require(0.0 <= self.epsilon_low < 1.0, f"{key}.epsilon_low", "a number in [0, 1)", self.epsilon_low)
         _require(self.epsilon_high >= 0, f"{key}.epsilon_high", "a number >= 0", self.epsilon_high)
         _require(self.num_iterations >= 1, f"{key}.num_iterations", "an integer >= 1", self.num_iterations)
-        _require(self.tis_cap == 0 or self.tis_cap >= 1, f"{key}.tis_cap", "0 (off) or a number >= 1, e.g. 2",
-                 self.tis_cap)
+        _require(self.tis_cap in ("auto", 0) or self.tis_cap >= 1, f"{key}.tis_cap",
+                 "\"auto\", 0 (off) or a number >= 1, e.g. 2", self.tis_cap)
         from turbogrpo.algo import OFF_POLICY_CORRECTIONS  # the registry is the one source of names
         _require(self.off_policy_correction in OFF_POLICY_CORRECTIONS, f"{key}.off_policy_correction",
                  f"one of {', '.join(OFF_POLICY_CORRECTIONS)}", self.off_policy_correction)
@@ -415,7 +425,7 @@ class TrainConfig:
     """CPU threads per process for torch (0: torch's default, one per core). Tiny models run fastest on 1."""
     max_staleness: int = 0
     """k: the rollouts of steps t+1..t+k are drawn while step t updates, from weights k steps old (corrected by
-    algo.off_policy_correction, so k > 0 needs algo.tis_cap > 0), by a rollout worker process (docs/design/async.md).
+    algo.off_policy_correction: algo.tis_cap "auto" is on at k > 0, and 0 is refused), by a rollout worker process (docs/design/async.md).
     0 is the on-policy loop: no worker, the rollout samples with the weights being trained."""
     rollout_threads: int = 0
     """With max_staleness > 0: CPU threads of the rollout worker process (0: half the cores; the trainer then
@@ -637,8 +647,8 @@ class Config:
             return
         # Stale tokens without the behaviour weight would be taken as the proximal policy's samples: a bias that
         # grows with k (docs/design/async.md); the correction is exact at lag 0, so it costs nothing on-policy.
-        _require(self.algo.tis_cap > 0, "algo.tis_cap", "a number >= 1 with train.max_staleness > 0 (the off-policy "
-                 "correction of stale rollouts; verl/slime use 2)", self.algo.tis_cap)
+        _require(self.algo.tis_cap != 0, "algo.tis_cap", "\"auto\" or a number >= 1 with train.max_staleness > 0 "
+                 "(the off-policy correction of stale rollouts; verl/slime use 2)", self.algo.tis_cap)
         _require(self.rollout.speculation == "off", "rollout.speculation", "\"off\" with train.max_staleness > 0 "
                  "(the draft head lives and learns in the trainer; the rollout worker samples without one)",
                  self.rollout.speculation)
@@ -810,6 +820,10 @@ def _build(cls: type, raw: Any, key: str) -> Any:
     return cls(**values)
 
 
+_EXPECTED = {float: "a number", int: "an integer", bool: "true or false", str: "a string"}
+"""What a value of each plain type is called in an error (a Literal names its values)."""
+
+
 def _coerce(value: Any, hint: Any, key: str) -> Any:
     origin = typing.get_origin(hint)
     args = typing.get_args(hint)
@@ -823,8 +837,16 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
             return None
-        (inner,) = [a for a in args if a is not type(None)]
-        return _coerce(value, inner, key)
+        inners = [a for a in args if a is not type(None)]
+        if len(inners) == 1:
+            return _coerce(value, inners[0], key)
+        for inner in inners:  # e.g. float | Literal["auto"]: the first type that takes the value
+            try:
+                return _coerce(value, inner, key)
+            except ConfigError:
+                pass
+        raise ConfigError(f"config key {key!r}: {value!r} is not allowed; expected "
+                          f"{' or '.join(_EXPECTED.get(a) or ' or '.join(map(repr, typing.get_args(a))) for a in inners)}")
     if origin is list:
         if not isinstance(value, list):
             raise ConfigError(f"config key {key!r}: expected a list, got {_describe(value)}")

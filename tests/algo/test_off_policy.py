@@ -6,12 +6,13 @@ the ratio taken against the behaviour policy, the cap applied to the log-weight 
 with a gradient, a masked token dropped from the denominator.
 """
 
+import dataclasses
 import math
 
 import pytest
 import torch
 
-from turbogrpo.algo.losses import LOSSES, OFF_POLICY_CORRECTIONS, LossNormalizer, get_loss
+from turbogrpo.algo.losses import AUTO_TIS_CAP, LOSSES, OFF_POLICY_CORRECTIONS, LossNormalizer, get_loss
 from turbogrpo.algo.staleness import policy_version, staleness_metrics, staleness_statistics
 from turbogrpo.batch import Groups
 from turbogrpo.config import AlgoConfig
@@ -135,6 +136,32 @@ def test_an_unknown_correction_is_refused_in_one_line():
         AlgoConfig(tis_cap=2.0, off_policy_correction="is").check("algo")
     with pytest.raises(ValueError, match="tis_cap=2.0 needs rollout_logps"):
         get_loss("grpo")(THETA, PROX, None, ADVANTAGES, MASK, norm, AlgoConfig(tis_cap=2.0))
+
+
+def test_tis_cap_auto_corrects_exactly_when_the_samplers_log_probs_are_given():
+    """A loss called directly with tis_cap "auto" (a run resolves it first) is the cap-2 loss when given the
+    sampler's log-probs and the uncorrected one when not."""
+    norm = LossNormalizer.for_batch(MASK, 4)
+    behav = PROX - WEIGHTS.log()
+    auto, fixed, off = (AlgoConfig(tis_cap=cap) for cap in ("auto", AUTO_TIS_CAP, 0))
+    with_logps = [get_loss("grpo")(THETA, PROX, None, ADVANTAGES, MASK, norm, s, rollout_logps=behav) for s in (auto, fixed)]
+    assert torch.equal(with_logps[0][0], with_logps[1][0]) and with_logps[0][1].keys() == with_logps[1][1].keys()
+    without = [get_loss("grpo")(THETA, PROX, None, ADVANTAGES, MASK, norm, s) for s in (auto, off)]
+    assert torch.equal(without[0][0], without[1][0]) and "tis/weight_mean" not in without[0][1]
+    assert not torch.equal(with_logps[0][0], without[0][0])
+
+
+def test_the_weight_metrics_average_over_the_tokens_the_update_scores():
+    """A step that skips groups (equal rewards) keeps their tokens in the loss's denominators but has no weight
+    for them: the mean weight is over the scored tokens (1 exactly when sampler and trainer agree), not diluted."""
+    whole = LossNormalizer.for_batch(MASK, 4)
+    skipped_half = dataclasses.replace(whole, num_tokens=2 * whole.num_tokens, trained_tokens=whole.num_tokens)
+    _, metrics = get_loss("grpo")(THETA, PROX, None, ADVANTAGES, MASK, skipped_half, AlgoConfig(tis_cap=2.0),
+                                  rollout_logps=PROX)
+    assert metrics["tis/weight_mean"].item() == 1.0 and metrics["tis/frac_capped"].item() == 0.0
+    _, diluted = get_loss("grpo")(THETA, PROX, None, ADVANTAGES, MASK, dataclasses.replace(skipped_half,
+                                  trained_tokens=None), AlgoConfig(tis_cap=2.0), rollout_logps=PROX)
+    assert diluted["tis/weight_mean"].item() == 0.5  # what dividing by every token of the batch would report
 
 
 # ---- versions and staleness -------------------------------------------------------------------------------

@@ -211,6 +211,9 @@ def test_two_grpo_steps_on_the_vllm_engine(tmp_path, engine, monkeypatch):
     try:
         metrics = [loop.grpo_step(run, step) for step in range(2)]
         assert all("time/weight_push" in m and m["time/weight_push"] > 0 for m in metrics)
+        # algo.tis_cap = "auto": another engine samples, so its tokens are weighted pi_train / pi_vllm (cap 2).
+        assert run.algo.tis_cap == 2.0 and all(abs(m["tis/weight_mean"] - 1) < 1e-3 for m in metrics), [
+            {k: v for k, v in m.items() if k.startswith(("tis", "logprob", "staleness"))} for m in metrics]
         assert all(abs(m["logprob_gap"]) < 1e-3 for m in metrics), [m["logprob_gap"] for m in metrics]
         prompts = [e.token_ids for e in run.batches.examples[:3]]
         ours = run.engine.sample(run.policy, prompts, num_samples=1, sampling=greedy(), seed=0)

@@ -47,6 +47,7 @@ def test_short_training_writes_metrics_checkpoints_report_and_final_model(assets
         assert record["staleness/lag_mean"] == 0 and record["staleness/lag_max"] == 0
         assert abs(record["staleness/weight_mean"] - 1) < 1e-4 and abs(record["staleness/weight_max"] - 1) < 1e-3
         assert record["kl"] >= 0 and record["skipped_steps"] == 0
+        assert "tis/weight_mean" not in record  # algo.tis_cap "auto": off where the native engine samples on-policy
     assert steps[0]["kl"] < steps[-1]["kl"]  # the policy moves away from the reference
     assert [r["step"] for r in records if "eval/accuracy" in r] == [0, 4]
     assert [r["step"] for r in records if "eval/sampled_accuracy" in r] == [0, 4]

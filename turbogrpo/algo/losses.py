@@ -51,7 +51,7 @@ class ObjectiveSettings(Protocol):
     beta: float
     epsilon_low: float
     epsilon_high: float
-    tis_cap: float
+    tis_cap: float | str  # a number, or "auto" (``correction_cap``)
     off_policy_correction: str
     kl_bias_correction: bool
 
@@ -78,6 +78,10 @@ class LossNormalizer:
     """Completion tokens of the whole generation batch over all processes, divided by (processes x optimizer
     steps the generation batch feeds per pass) (dapo). Equals num_tokens on one process with one optimizer
     step per rollout."""
+    trained_tokens: Tensor | float | None = None
+    """Completion tokens of the sequences the update runs, when it skips some (groups of equal rewards, which
+    add nothing to the loss but count in num_tokens): the denominator of the behaviour weights' means, which
+    exist only where the trainer scored a token. None: num_tokens (nothing skipped)."""
 
     @classmethod
     def for_batch(cls, mask: Tensor, max_completion_length: int) -> "LossNormalizer":
@@ -191,6 +195,20 @@ def mask_over_cap(raw_BL: Tensor, cap: float) -> Tensor:
 # Every off-policy correction, by the name ``algo.off_policy_correction`` takes (on when algo.tis_cap > 0).
 OFF_POLICY_CORRECTIONS: dict[str, AtCap] = {"tis": truncate_at_cap, "mis": mask_over_cap}
 
+AUTO_TIS_CAP = 2.0
+"""algo.tis_cap = "auto" where the sampler is not the trainer's own forward: verl's and slime's per-token cap
+(TRL 1.16 corrects vLLM rollouts by default too, per sequence, masking past 3)."""
+
+
+def correction_cap(tis_cap: float | str, rollout_logps: Tensor | None) -> float:
+    """The cap a loss applies: ``tis_cap`` itself, or for "auto" ``AUTO_TIS_CAP`` when the sampler's log-probs
+    are given and 0 (off) when not. A run resolves "auto" before its first step (on where the sampler is
+    another engine or stale weights: ``turbogrpo.config.AlgoConfig.resolved``); this rule serves the losses
+    called directly."""
+    if tis_cap == "auto":
+        return AUTO_TIS_CAP if rollout_logps is not None else 0.0
+    return float(tis_cap)
+
 
 def behaviour_weights(prox_logps_BL: Tensor, behav_logps_BL: Tensor, correction: str, cap: float, mask_BL: Tensor,
                       norm: LossNormalizer) -> tuple[Tensor, dict[str, Tensor]]:
@@ -202,8 +220,10 @@ def behaviour_weights(prox_logps_BL: Tensor, behav_logps_BL: Tensor, correction:
     The exp comes first and the cap after: the cap bounds the weight, not the log-ratio."""
     raw_BL = (prox_logps_BL - behav_logps_BL).detach().exp()
     weights_BL = OFF_POLICY_CORRECTIONS[correction](raw_BL, cap)
-    return weights_BL, {f"{correction}/weight_mean": step_token_mean(weights_BL, mask_BL, norm),
-                        f"{correction}/frac_capped": step_token_mean((raw_BL > cap).to(mask_BL.dtype), mask_BL, norm)}
+    # Over the tokens the update scores: a skipped group's tokens have no weight (not a weight of 0).
+    scored = norm if norm.trained_tokens is None else dataclasses.replace(norm, num_tokens=norm.trained_tokens)
+    return weights_BL, {f"{correction}/weight_mean": step_token_mean(weights_BL, mask_BL, scored),
+                        f"{correction}/frac_capped": step_token_mean((raw_BL > cap).to(mask_BL.dtype), mask_BL, scored)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -234,7 +254,8 @@ class PolicyLoss:
         ref_logps: [B, L] under the reference policy, or None. Needed when settings.beta > 0; when given
             with beta = 0 the KL is still reported in the metrics but adds nothing to the loss.
         rollout_logps: [B, L] under the behaviour policy, as the sampler computed them while sampling (any
-            engine, any policy version); needed when settings.tis_cap > 0 (the off-policy correction).
+            engine, any policy version); needed when settings.tis_cap > 0 (the off-policy correction); with
+            tis_cap "auto", giving them turns the correction on at AUTO_TIS_CAP.
         advantages: [B], one per sequence.
         mask: [B, L], 1 (or True) on real completion tokens, 0 on padding. Padded positions of the log-prob
             tensors must hold finite numbers (0 is fine): they are multiplied by 0, not selected away.
@@ -258,8 +279,9 @@ class PolicyLoss:
             )
         if settings.beta != 0.0 and ref_logps is None:
             raise ValueError(f"beta={settings.beta} needs ref_logps (the reference policy's log-probs)")
-        if settings.tis_cap and rollout_logps is None:
-            raise ValueError(f"tis_cap={settings.tis_cap} needs rollout_logps (the sampler's log-probs)")
+        cap = correction_cap(settings.tis_cap, rollout_logps)
+        if cap and rollout_logps is None:
+            raise ValueError(f"tis_cap={cap} needs rollout_logps (the sampler's log-probs)")
         mask_BL = mask.to(logps.dtype)
         old_logps_BL = logps.detach() if old_logps is None else old_logps
         ratio = self.level.log_weights(logps - old_logps_BL, mask_BL).exp()  # [B, L] or [B, 1]
@@ -267,9 +289,9 @@ class PolicyLoss:
         clipped_ratio = ratio.clamp(1 - settings.epsilon_low, 1 + settings.epsilon_high)
         policy = -torch.minimum(ratio * advantages_B1, clipped_ratio * advantages_B1).expand_as(mask_BL)
         correction_metrics = {}
-        if settings.tis_cap:
+        if cap:
             weights_BL, correction_metrics = behaviour_weights(old_logps_BL, rollout_logps,
-                                                               settings.off_policy_correction, settings.tis_cap,
+                                                               settings.off_policy_correction, cap,
                                                                mask_BL, normalizer)
             policy = policy * weights_BL
         loss = policy_loss = self.reduce(policy, mask_BL, normalizer)

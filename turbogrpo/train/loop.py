@@ -268,9 +268,9 @@ def prepare(run: Run, data: StepData) -> StepData:
     algo, batch = run.algo, data.batch
     if batch.versions is None:  # a rollout that did not mark its versions was drawn by the current weights
         batch = data.batch = batch.at_version(policy_version(data.index, algo.num_iterations))
-    # Totals of the whole batch, skipped groups included.
-    data.normalizer = step_normalizer(batch, run.max_completion_tokens, run.dist)
     data.trained = trainable_groups(batch.advantages, run.num_generations, algo.beta)
+    # Totals of the whole batch, skipped groups included.
+    data.normalizer = step_normalizer(batch, run.max_completion_tokens, run.dist, trained=data.trained)
     # The loss reads the sampler's log-probs only for the off-policy correction; hidden states stay behind.
     # Its proximal policy is old_logps with num_iterations > 1, else the update's own first forward (no
     # optimizer step comes between it and the start of the update, so no forward is needed for it here).
@@ -410,21 +410,24 @@ def plan(batch: Groups, micro_batch_tokens: int, dist: DistInfo, sharing: str = 
     return pad_to_count(micro_batches, count)
 
 
-def step_normalizer(batch: Groups, max_new_tokens: int, dist: DistInfo) -> LossNormalizer:
+def step_normalizer(batch: Groups, max_new_tokens: int, dist: DistInfo, trained: list[int] | None = None
+                    ) -> LossNormalizer:
     """Whole-batch totals over all ranks, divided by the world size; ``max_new_tokens`` (the rollout's
-    length limit) is dr_grpo's constant.
+    length limit) is dr_grpo's constant; ``trained``: the groups the update runs (None: all), whose tokens
+    are the behaviour weights' denominator.
 
     DDP averages gradients over ranks; with totals of the global batch / world size each rank's
     loss is its share of the global-batch loss, so the averaged gradient is the global batch's
     gradient, exactly as one process on the whole batch would compute it, for every loss variant.
     """
     lengths = batch.trained_lengths  # environment ids (multi-turn) are not completion tokens of the loss
-    totals = torch.tensor([len(lengths), sum(lengths)], dtype=torch.float32, device=dist.device)
+    scored = lengths if trained is None else [lengths[i] for g in trained for i in batch.positions(g)]
+    totals = torch.tensor([len(lengths), sum(lengths), sum(scored)], dtype=torch.float32, device=dist.device)
     totals = distributed.all_reduce_sum(totals, dist) / dist.world_size
-    num_sequences, num_tokens = totals[0], totals[1]
+    num_sequences, num_tokens, trained_tokens = totals[0], totals[1], totals[2]
     return LossNormalizer(num_sequences=num_sequences, num_tokens=num_tokens,
                           max_completion_length=max_new_tokens,
-                          generation_tokens_per_step=num_tokens)
+                          generation_tokens_per_step=num_tokens, trained_tokens=trained_tokens)
 
 
 def check_rewards(run: Run, rewards: RewardResult, step: int, statistics_finite: torch.Tensor) -> None:

@@ -23,7 +23,7 @@ from turbogrpo.linears import TRAINING_LINEAR_KERNELS
 from turbogrpo.rewards import Reward
 from turbogrpo.rollout import SamplingConfig
 from turbogrpo.rollout.engine import DecodeSchedule, default_schedule
-from turbogrpo.rollout.engines import RolloutEngine, build_engine
+from turbogrpo.rollout.engines import RolloutEngine, build_engine, resolve_engine
 from turbogrpo.train import distributed, setup
 from turbogrpo.train.distributed import DistInfo
 from turbogrpo.train.draft_learning import OnlineDraft, build_online_draft
@@ -194,15 +194,19 @@ def build_run(config: Config, dist: DistInfo, rewards: list[Reward]) -> Run:
     schedule = replace(default_schedule(dist.device), linears=config.model.linear_kernel)
     # A conversation's prompt is rendered at rollout time, with its environment's tools listed: longer than the
     # data's ids, so an [env] run's engine serves up to the model's own limit.
-    engine = build_engine(config.rollout.engine, dist.device, schedule=schedule, dtype=precision.compute_dtype,
+    engine_name = resolve_engine(config.rollout.engine, dist.device, conversations=episodes is not None,
+                                 native_only=config.native_only_setting())
+    engine = build_engine(engine_name, dist.device, schedule=schedule, dtype=precision.compute_dtype,
                           tokenizer=parts.tokenizer,
-                          max_length=longest_prompt + max_new_tokens if episodes is None else None,
-                          conversations=episodes is not None, native_only=config.native_only_setting())
+                          max_length=longest_prompt + max_new_tokens if episodes is None else None)
+    # Another engine's kernels, or weights some versions old, sample a distribution the trainer's forward only
+    # approximates: algo.tis_cap = "auto" corrects for it there and stays off where the sampler is that forward.
+    algo = config.algo.resolved(sampler_differs=engine_name != "native" or config.train.max_staleness > 0)
     return Run(dist=dist, policy=policy, tokenizer=parts.tokenizer, precision=precision, trainer=trainer,
                reference=reference, optimizer=optimizer, batches=batches, rewards=rewards, sampling=parts.sampling,
                num_generations=config.rollout.num_generations, decode_schedule=schedule, engine=engine,
                training_kernels=TRAINING_LINEAR_KERNELS[config.model.linear_kernel], held_out=held_out,
-               loss=build_loss(config.algo), algo=config.algo, optim=config.optim, train=config.train,
+               loss=build_loss(algo), algo=algo, optim=config.optim, train=config.train,
                log=config.log, export_dtype=str(parts.precision.compute_dtype).removeprefix("torch.")
                if config.train.final_dtype == "auto" else config.train.final_dtype, record=run_record(config), draft=draft,
                episodes=episodes)
