@@ -49,6 +49,10 @@ def test_longform_config_file_matches_the_longform_demo_command():
                                                         "'nowhere:f': cannot import module 'nowhere'"),
     (["demo", "--set", "model.path=/no/such/model"], "turbogrpo: error: model path '/no/such/model' is not an "
                                                      "existing folder"),
+    (["rollout-worker", str(REPO / "configs" / "demo.toml"), "--trainer", "127.0.0.1:29600"],
+     "turbogrpo: error: config key 'train.max_staleness': 0 is not allowed in a rollout worker's config"),
+    (["rollout-worker", str(REPO / "configs" / "demo.toml"), "--trainer", "nohost", "--set", "train.max_staleness=1"],
+     "turbogrpo: error: --trainer 'nohost': expected HOST:PORT"),
 ])
 def test_bad_input_exits_2_with_one_clear_line(argv, message, capsys):
     assert main(argv) == 2

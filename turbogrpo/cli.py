@@ -1,4 +1,4 @@
-"""Command line: ``turbogrpo train | demo | eval``.
+"""Command line: ``turbogrpo train | demo | eval | rollout-worker``.
 
     turbogrpo train CONFIG [--set key.sub=value ...] [--resume | --overwrite] [--nproc-per-node N]
     turbogrpo demo [--set key.sub=value ...] [--resume | --overwrite]   GRPO on the built-in arithmetic task,
@@ -6,6 +6,9 @@
     turbogrpo demo --longform [...]                   the long-form task, speculative rollouts + online draft
     turbogrpo demo --model smollm2 [...]              a real instruct model (SmolLM2-135M) learns small sums
     turbogrpo eval [CONFIG] [--model PATH] [--set ...]  held-out greedy accuracy of a model
+    turbogrpo rollout-worker CONFIG --trainer HOST:PORT [--rank R] [--set ...]
+                                                      draw an asynchronous run's rollouts on this machine for
+                                                      its trainer on another (train.rollout_worker = "remote")
 
 Configs are TOML or YAML (see configs/); every key is checked before any work starts.
 """
@@ -142,6 +145,17 @@ def main(argv: list[str] | None = None) -> int:
     eval_cmd.add_argument("config", nargs="?", help="config file (default: the demo's)")
     eval_cmd.add_argument("--model", help="model folder to evaluate (default: the config's model.path)")
     _add_overrides(eval_cmd)
+
+    worker_cmd = commands.add_parser("rollout-worker", help="draw an asynchronous run's rollouts on this machine for "
+                                                            "its trainer on another (train.rollout_worker = \"remote\")")
+    worker_cmd.add_argument("config", help="the run's config file (model.path, model.device and "
+                                           "train.rollout_threads may differ from the trainer's)")
+    worker_cmd.add_argument("--trainer", required=True, metavar="HOST:PORT",
+                            help="the trainer's machine and its train.rollout_port")
+    worker_cmd.add_argument("--rank", type=int, default=0,
+                            help="the trainer rank to draw for (it listens on PORT + rank): under torchrun, one "
+                                 "worker per rank")
+    _add_overrides(worker_cmd)
     add_speculative_commands(commands)  # `draft train` and `profile`
 
     args = parser.parse_args(argv)
@@ -177,6 +191,8 @@ def _run_command(args: argparse.Namespace, overrides: list[str]) -> int:
         model = "longform" if args.longform else args.model
         demo = "turbogrpo demo" + ("" if model == "demo" else f" --model {model}")
         return _train(demo_config(overrides, model=model), args, demo, demo=True)
+    if args.command == "rollout-worker":
+        return _rollout_worker(args, overrides)
     return _eval(args, overrides)
 
 
@@ -207,6 +223,7 @@ def _add_overrides(cmd: argparse.ArgumentParser) -> None:
 
 def _train(config: Config, args: argparse.Namespace, command: str, demo: bool = False) -> int:
     from turbogrpo.train.loop import TrainingDiverged, train
+    from turbogrpo.train.rollout_worker import RolloutWorkerError
     from turbogrpo.train.state import TrainingInterrupted
 
     _quiet_transformers()
@@ -215,7 +232,7 @@ def _train(config: Config, args: argparse.Namespace, command: str, demo: bool = 
         command += f" --nproc-per-node {args.nproc_per_node}"
     try:
         summary = train(config, resume=args.resume, overwrite=args.overwrite)
-    except TrainingDiverged as err:
+    except (TrainingDiverged, RolloutWorkerError) as err:
         print(f"turbogrpo: {err}", file=sys.stderr)
         return 1
     except TrainingInterrupted as stop:
@@ -247,6 +264,25 @@ def _train(config: Config, args: argparse.Namespace, command: str, demo: bool = 
     if demo:
         print(f"The demo trained its model with GRPO; plots and numbers in {summary.output_dir / 'report'}.")
     return 0
+
+
+def _rollout_worker(args: argparse.Namespace, overrides: list[str]) -> int:
+    """``turbogrpo rollout-worker``: serve trainer rank ``--rank`` at ``--trainer`` until it stops (exit 0) or is
+    gone (1)."""
+    from turbogrpo.train.rollout_worker import RolloutWorkerError, WorkerSpec, serve
+
+    _quiet_transformers()
+    config = load_config(args.config, overrides)
+    if not config.train.max_staleness:
+        raise ValueError("config key 'train.max_staleness': 0 is not allowed in a rollout worker's config; expected "
+                         "the run's k >= 1 (an on-policy run has no rollout worker)")
+    train = config.train
+    spec = WorkerSpec.of(config.model, config.lora, config.rollout, config.env, train, config.algo, train.rollout_threads)
+    try:
+        return serve(spec, args.trainer, args.rank, train.rollout_connect_timeout_s)
+    except RolloutWorkerError as err:
+        print(f"turbogrpo: error: {err}", file=sys.stderr)
+        return 1
 
 
 def _stopped_by(interrupt: BaseException | None) -> tuple[str, int]:

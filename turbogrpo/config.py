@@ -429,13 +429,24 @@ class TrainConfig:
     0 is the on-policy loop: no worker, the rollout samples with the weights being trained."""
     rollout_threads: int = 0
     """With max_staleness > 0: CPU threads of the rollout worker process (0: half the cores; the trainer then
-    takes the rest unless train.num_threads says otherwise). Unused on-policy."""
+    takes the rest unless train.num_threads says otherwise; a remote worker: 0 is torch's default on its machine).
+    Unused on-policy."""
     partial_rollouts: int = 0
     """c: most steps a generation may continue into after the step it started for (APRIL-style partial rollouts,
     single-turn, native engine; 0: off). A step's rollout stops once it has prompts_per_step whole groups, and the
     generations still running continue in the next step's rollout with newer weights, their tokens keeping the
     versions that drew them. 1 <= c <= max_staleness: the worker then draws max_staleness - c steps ahead, so no
     token lags more than max_staleness updates (docs/design/async.md, "Partial rollouts")."""
+    rollout_worker: Literal["local", "remote"] = "local"
+    """With max_staleness > 0: where the rollout worker runs (``turbogrpo.train.rollout_worker.TRANSPORTS``).
+    "local": a process this trainer starts on its machine (weights through shared memory). "remote": a worker
+    started on another machine with `turbogrpo rollout-worker CONFIG --trainer HOST:PORT --rank R`, one per trainer
+    rank, talking over torch.distributed (gloo; single-turn rollouts, no partial rollouts; docs/guide/distributed.md)."""
+    rollout_port: int = 29600
+    """With rollout_worker = "remote": trainer rank r listens for its worker on port rollout_port + r."""
+    rollout_connect_timeout_s: float = 600.0
+    """With rollout_worker = "remote": how long the trainer waits for its worker to connect (and a worker for its
+    trainer) before it stops with one error line."""
 
     def __post_init__(self):
         # One spelling of the folder for every module that writes there: "~" expanded, "a/.." and "./" gone
@@ -463,6 +474,9 @@ class TrainConfig:
         _require(self.max_staleness >= 0, f"{key}.max_staleness", "an integer >= 0 (0: on-policy)", self.max_staleness)
         _require(self.rollout_threads >= 0, f"{key}.rollout_threads", "an integer >= 0 (0: half the cores)",
                  self.rollout_threads)
+        _require(1 <= self.rollout_port <= 65535, f"{key}.rollout_port", "a TCP port (1..65535)", self.rollout_port)
+        _require(self.rollout_connect_timeout_s > 0, f"{key}.rollout_connect_timeout_s", "a number of seconds > 0",
+                 self.rollout_connect_timeout_s)
         _require(0 <= self.partial_rollouts <= self.max_staleness, f"{key}.partial_rollouts",
                  f"an integer in [0, train.max_staleness = {self.max_staleness}] (a carried generation's first "
                  "tokens lag one update more per step it is carried)", self.partial_rollouts)
@@ -643,6 +657,9 @@ class Config:
 
     def _check_asynchronous(self) -> None:
         """train.max_staleness > 0: what the rollout worker process cannot do (yet), refused in one line each."""
+        _require(self.train.rollout_worker == "local" or self.train.max_staleness > 0, "train.rollout_worker",
+                 "\"local\" with train.max_staleness = 0 (the on-policy loop has no rollout worker)",
+                 self.train.rollout_worker)
         if self.train.max_staleness <= 0:  # (a negative k is the [train] section's to refuse)
             return
         # Stale tokens without the behaviour weight would be taken as the proximal policy's samples: a bias that
@@ -654,6 +671,13 @@ class Config:
                  self.rollout.speculation)
         _require(self.distributed.strategy != "fsdp2", "distributed.strategy", "\"ddp\" with train.max_staleness "
                  "> 0 (the rollout worker copies whole weights, which FSDP2 shards)", self.distributed.strategy)
+        if self.train.rollout_worker == "remote":  # what travels between machines: tensors and JSON
+            _require(not self.env.factory, "env.factory", "\"\" with train.rollout_worker = \"remote\" (a multi-turn "
+                     "rollout's episodes hold environment objects the rewards read, which do not travel as tensors and "
+                     "JSON; use the local worker)", self.env.factory)
+            _require(not self.train.partial_rollouts, "train.partial_rollouts", "0 with train.rollout_worker = "
+                     "\"remote\" (a remote worker does not carry generations between steps yet)",
+                     self.train.partial_rollouts)
         if self.train.partial_rollouts:  # what a carried generation cannot do yet
             _require(not self.env.factory, "env.factory", "\"\" with train.partial_rollouts > 0 (partial rollouts "
                      "carry single-turn completions only; multi-turn conversations are not carried yet)",

@@ -19,6 +19,7 @@ from turbogrpo.train.loop import train
 from turbogrpo.train.metrics import read_metrics
 from turbogrpo.train.rollout_worker import WorkerSpec, _worker_main, thread_split
 from turbogrpo.train.weight_ring import WeightRing, sampling_version
+from turbogrpo.train.worker_transport import SharedMemoryLink
 
 from .test_resume import at_first_checkpoint, command, comparable, subprocess_run_setup
 from .tiny_run import overrides, write_model, write_rows
@@ -117,7 +118,7 @@ def test_a_worker_that_raises_sends_one_line_naming_its_error():
     dist = DistInfo(0, 1, 0, torch.device("cpu"))
     previous = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
     try:
-        _worker_main(spec, dist, None, queue.Queue(), writer, os.getppid())
+        _worker_main(spec, dist, SharedMemoryLink(None, queue.Queue(), writer, os.getppid()))
     finally:  # the worker's own handlers (Ctrl-C ignored, SIGTERM as SystemExit) must not stay in the suite
         for signum, handler in previous.items():
             signal.signal(signum, handler)

@@ -92,8 +92,10 @@ def train(config: Config, *, resume: bool = False, overwrite: bool = False) -> R
     cpu_capability()  # a TURBOGRPO_CPU_CAPABILITY above this CPU's is refused before anything loads
     rewards = build_rewards(config.rewards)  # import errors surface before any model loads
     keep_freed_host_memory()
+    # A local worker shares this machine's cores with the trainer; a remote one has its own machine.
+    local_worker = config.train.max_staleness and config.train.rollout_worker == "local"
     trainer_threads, rollout_threads = (thread_split(config.train.num_threads, config.train.rollout_threads)
-                                        if config.train.max_staleness else (config.train.num_threads, 0))
+                                        if local_worker else (config.train.num_threads, config.train.rollout_threads))
     if trainer_threads:
         torch.set_num_threads(trainer_threads)
     dist = distributed.setup(config.model.device, config.distributed.backend)
@@ -106,12 +108,14 @@ def train(config: Config, *, resume: bool = False, overwrite: bool = False) -> R
         run = build_run(config, dist, rewards)
         total = config.train.num_steps
         if config.train.max_staleness:  # started first: the worker builds its model while the trainer resumes
-            spec = WorkerSpec(config.model, config.lora, config.rollout, config.env, config.train.seed, rollout_threads,
-                              config.train.max_staleness, config.algo.num_iterations, config.train.partial_rollouts)
+            spec = WorkerSpec.of(config.model, config.lora, config.rollout, config.env, config.train, config.algo,
+                                 rollout_threads)
             run.rollouts = RolloutWorker(spec, dist, run.policy, num_steps=total,
                                          prompts_per_step_slice=distributed.local_slice(config.train.prompts_per_step,
                                                                                         dist),
-                                         seed_of=partial(rollout_seed, config.train.seed, rank=dist.rank))
+                                         seed_of=partial(rollout_seed, config.train.seed, rank=dist.rank),
+                                         transport=config.train.rollout_worker, port=config.train.rollout_port,
+                                         connect_timeout_s=config.train.rollout_connect_timeout_s)
         state = start(run, resume)
         if run.rollouts is not None:
             run.rollouts.begin(state.step, run.batches)

@@ -1,27 +1,25 @@
-"""The asynchronous loop's rollout worker (train.max_staleness = k > 0): another process on the same machine
-that draws the rollouts of steps t+1..t+k while the trainer updates step t.
+"""The asynchronous loop's rollout worker (train.max_staleness = k > 0): another process, on the same machine or
+on another, that draws the rollouts of steps t+1..t+k while the trainer updates step t.
 
-    trainer (loop.py)                                     worker (this module, spawned)
+    trainer (loop.py)                                     worker (``_worker_main``)
     begin: publish version t, ask for steps t..t+k  ──►   builds its own policy copy from model.path, the
                                                           [env] factory and the native engine; per request:
-    step t: take(t) ◄── rollout of step t ───────────     wait for version max(0, t-k) in the WeightRing,
-            score, prepare, update                        copy it in, draw with the request's seed, mark
-            publish(t+1), ask for step t+k+1  ──►         every token with that version (Groups.at_version)
+    step t: take(t) ◄── rollout of step t ───────────     wait for version max(0, t-k), copy it in, draw with
+            score, prepare, update                        the request's seed, mark every token with that
+            publish(t+1), ask for step t+k+1  ──►         version (Groups.at_version)
 
-Weights travel through shared memory (``weight_ring.py``: only the trainable parameters, a version counter);
-requests through a ``torch.multiprocessing`` queue, rollouts back through a pipe whose only writer is the
-worker (a worker that dies mid-message is an end of file, not a hang), each one pickled buffer (not one
-shared-memory file per tensor). Runs that span machines would put the worker on its own ranks and
-hand weights over ``torch.distributed`` (a broadcast from the trainer's rank 0 into the rollout ranks' group),
-not built: under torchrun each rank has its own worker on its own machine, drawing its own share of prompts.
+How the two talk is a transport (train.rollout_worker, ``TRANSPORTS``): "local" spawns the worker on this machine
+and hands weights over through shared memory (``worker_transport.py``, ``weight_ring.py``); "remote" waits for a
+worker the user starts on another machine (``turbogrpo rollout-worker``, ``serve`` here) and talks to it over
+torch.distributed (``remote_transport.py``, ``wire.py``). Either way only the trainable parameters travel, and
+under torchrun each rank has its own worker, drawing its own share of prompts.
 
 Exactness. A step's rollout depends only on (its prompts, its seed, the version it samples with), never on
 timing: the worker waits for exactly that version. So the k > 0 loop is reproducible, and a resumed run
 repeats an uninterrupted one by redrawing its in-flight rollouts by seed: the checkpoint at step t keeps the
 versions they sample with (max(0, t-k)..t-1, safetensors, ``RolloutWorker.state_dict``), the resumed worker
-draws them again. Failure. The worker ignores Ctrl-C (it reaches the whole process group; the trainer ends
-the worker), exits when the trainer is gone, and sends any exception back as text; the trainer checks the
-worker is alive while it waits, so a dead worker is one ``RolloutWorkerError`` line, not a hang.
+draws them again. Failure. The worker exits when the trainer is gone, and sends any exception back as text; a
+worker that dies is one ``RolloutWorkerError`` line on the trainer, not a hang.
 
 Partial rollouts (train.partial_rollouts = c > 0, ``partial_rollouts.py``): the worker keeps a pool of groups whose
 generations continue from step to step, draws k - c steps ahead, and sends each step's batch with its examples and
@@ -32,33 +30,33 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import pickle
-import queue
-import signal
 import sys
-import threading
 import traceback
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 
 import torch
-import torch.multiprocessing as mp
 from torch import nn
 
-from turbogrpo.config import EnvConfig, LoraConfig, ModelConfig, RolloutConfig
 from turbogrpo.data import PromptBatches, PromptExample
 from turbogrpo.env import EnvRollout
 from turbogrpo.rollout import Rollout
-from turbogrpo.train.distributed import DistInfo
+from turbogrpo.train.distributed import DistInfo, resolve_device
 from turbogrpo.train.partial_rollouts import PartialRollouts, pool_state, restore_pool
-from turbogrpo.train.weight_ring import WeightRing, sampling_version, trainable_parameters
+from turbogrpo.train.remote_transport import DistributedLink, DistributedTransport, connect
+from turbogrpo.train.weight_ring import sampling_version, trainable_parameters
+from turbogrpo.train.worker_transport import SharedMemoryTransport, TransportOptions
+from turbogrpo.train.worker_types import Drawn, Request, RolloutWorkerError, WorkerSpec
 
-POLL_S = 5.0
-"""How often a waiting side checks that the other is still there (seconds)."""
+__all__ = ["TRANSPORTS", "RolloutWorker", "RolloutWorkerError", "WorkerSpec", "draw", "serve", "thread_split"]
 
 
-class RolloutWorkerError(RuntimeError):
-    """The rollout worker process died or raised; the message names it and its error."""
+def _start_remote(spec: WorkerSpec, dist: DistInfo, parameters: dict[str, torch.Tensor], options: TransportOptions):
+    return DistributedTransport(spec, dist, parameters, options.port, options.connect_timeout_s)
+
+
+TRANSPORTS: dict[str, Callable] = {"local": SharedMemoryTransport, "remote": _start_remote}
+"""train.rollout_worker's values: each starts the trainer's side of its transport from ``(spec, dist, trainable
+parameters, TransportOptions)`` (``worker_transport.py`` says what a transport does)."""
 
 
 def draw(engine, policy: nn.Module, tokenizer, episodes, examples: Sequence[PromptExample],
@@ -75,117 +73,44 @@ def draw(engine, policy: nn.Module, tokenizer, episodes, examples: Sequence[Prom
                          return_hidden=return_hidden), None
 
 
-@dataclass(frozen=True)
-class WorkerSpec:
-    """What the worker builds its sampler from: the run's sections that say how it samples."""
-
-    model: ModelConfig
-    lora: LoraConfig
-    rollout: RolloutConfig
-    env: EnvConfig
-    seed: int
-    """train.seed (LoRA's initial adapters: the same as the trainer's, before version 0 is copied in)."""
-    num_threads: int
-    """torch threads of the worker (train.rollout_threads, resolved)."""
-    max_staleness: int
-    num_iterations: int
-    """algo.num_iterations: a version of GRPO steps is version x num_iterations in optimizer steps."""
-    partial_rollouts: int = 0
-    """train.partial_rollouts: c > 0 carries unfinished generations into the next step (``partial_rollouts.py``)."""
-
-    @property
-    def steps_ahead(self) -> int:
-        """How many steps ahead the worker draws: k, less the steps a generation may be carried."""
-        return self.max_staleness - self.partial_rollouts
-
-
-@dataclass(frozen=True)
-class Request:
-    """Draw step ``step``'s rollout with ``seed`` from weights ``version`` (GRPO steps done)."""
-
-    step: int
-    seed: int
-    version: int
-    prompts: list[torch.Tensor]
-    examples: list[PromptExample]
-    num_groups: int = 0
-    """With partial rollouts: the groups the step trains (its ``examples`` are the groups it starts)."""
-    carried: list | None = None
-    """With partial rollouts, in a resumed run's first request: the checkpoint's pool (``PendingGroup``s)."""
-
-
-@dataclass
-class Drawn:
-    """One step's rollout as the worker sends it."""
-
-    rollout: Rollout
-    episodes: EnvRollout | None = None
-    examples: list[PromptExample] | None = None
-    """With partial rollouts: the examples of the batch's groups (not the step's own prompts); else None."""
-    carried: list | None = None
-    """With partial rollouts: the pool after this step (``PendingGroup``s), what a checkpoint keeps."""
-
-
-class _Outbox:
-    """The worker's messages to the trainer, pickled and sent in order by a thread, so that the worker draws the
-    next rollout while the trainer is still reading the last one."""
-
-    def __init__(self, connection):
-        self.connection = connection
-        self.pending: queue.Queue = queue.Queue()
-        self.thread = threading.Thread(target=self._send, daemon=True)
-        self.thread.start()
-
-    def put(self, message: tuple) -> None:
-        self.pending.put(pickle.dumps(message))
-
-    def _send(self) -> None:
-        while (item := self.pending.get()) is not None:
-            self.connection.send_bytes(item)
-
-    def close(self) -> None:
-        """Send what is queued, then close the pipe."""
-        self.pending.put(None)
-        self.thread.join()
-        self.connection.close()
-
-
-def _worker_main(spec: WorkerSpec, dist: DistInfo, ring: WeightRing, requests, connection, parent_pid: int) -> None:
-    """The worker process: build the sampler, then draw each request until told to stop (None); messages go to
-    the trainer through ``connection`` (the write end of a pipe)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the process group: the trainer ends the worker
-    # The trainer's terminate() (SIGTERM) becomes SystemExit, so the process's finalizers run: a semaphore made
-    # here (tqdm's multiprocessing lock, made by the model's loading bar) is unlinked instead of leaking, which
-    # made the resource tracker warn after every stopped run.
-    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))
-    results = _Outbox(connection)
-
-    def alive() -> None:
-        if os.getppid() != parent_pid:
-            raise SystemExit(0)  # the trainer is gone (killed): nothing to draw for
-
+def _worker_main(spec: WorkerSpec, dist: DistInfo, link) -> None:
+    """The worker: build the sampler, then draw each request until told to stop (None); ``link`` is the worker's
+    side of the transport (``worker_transport.py``)."""
+    link.open()
     try:
-        torch.set_num_threads(spec.num_threads)
+        if spec.num_threads:
+            torch.set_num_threads(spec.num_threads)
         sampler = _WorkerSampler(spec, dist)
-        results.put(("ready", None, None))
-        while True:
-            try:
-                request = requests.get(timeout=POLL_S)
-            except queue.Empty:
-                alive()
-                continue
-            if request is None:
-                return
-            request = pickle.loads(request)
-            sampler.load(ring, request.version, alive)
-            results.put(("rollout", request.step, sampler.draw(request)))
+        link.put(("ready", None, None))
+        while (request := link.next_request()) is not None:
+            sampler.load(link, request.version)
+            link.put(("rollout", request.step, sampler.draw(request)))
     except SystemExit:
         pass
     except BaseException as err:  # noqa: BLE001: every failure goes back to the trainer, named
         traceback.print_exc()  # the whole story on the worker's stderr; the trainer raises its one line
-        results.put(("error", None, f"{type(err).__name__}: {err}".splitlines()[0]))
+        link.put(("error", None, f"{type(err).__name__}: {err}".splitlines()[0]))
     finally:
-        results.close()
+        link.close()
+
+
+def serve(spec: WorkerSpec, trainer: str, rank: int, connect_timeout_s: float) -> int:
+    """``turbogrpo rollout-worker``: connect to trainer rank ``rank`` at ``trainer`` ("HOST:PORT", PORT its
+    train.rollout_port), draw its rollouts until it stops (0) or is gone (1)."""
+    host, _, port = trainer.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"--trainer {trainer!r}: expected HOST:PORT, PORT the trainer's train.rollout_port")
+    dist = DistInfo(rank, 1, 0, resolve_device(spec.model.device))
+    print(f"turbogrpo: rollout worker of rank {rank}: connecting to the trainer at {host}:{int(port) + rank} "
+          f"(up to {connect_timeout_s:g} s, train.rollout_connect_timeout_s)", file=sys.stderr, flush=True)
+    pair = connect(host, int(port), rank, spec.sampling_settings(), connect_timeout_s)
+    print(f"turbogrpo: rollout worker of rank {rank}: connected; drawing on {dist.device}", file=sys.stderr,
+          flush=True)
+    link = DistributedLink(pair, spec.max_staleness + 1)
+    _worker_main(spec, dist, link)
+    print(f"turbogrpo: rollout worker of rank {rank}: {link.ending or 'failed'}; it stops", file=sys.stderr,
+          flush=True)
+    return 0 if link.ending == "stopped" else 1
 
 
 class _WorkerSampler:
@@ -213,11 +138,11 @@ class _WorkerSampler:
         self.partial = (PartialRollouts(spec.rollout.num_generations, spec.rollout.max_new_tokens,
                                         spec.partial_rollouts) if spec.partial_rollouts else None)
 
-    def load(self, ring: WeightRing, version: int, alive) -> None:
-        """Weights ``version`` from the ring into the policy (and into an engine holding its own copy)."""
+    def load(self, link, version: int) -> None:
+        """Weights ``version`` from the transport into the policy (and into an engine holding its own copy)."""
         if version == self.version:
             return
-        ring.load_into(version, self.parameters, alive=alive)
+        link.load(version, self.parameters)
         if self.engine.holds_weights:
             self.engine.push_weights(self.policy)
         self.version = version
@@ -265,23 +190,19 @@ def thread_split(num_threads: int, rollout_threads: int, cores: int | None = Non
 
 
 class RolloutWorker:
-    """The trainer's side: the worker process, its queues, the weight ring and the prompts asked for ahead."""
+    """The trainer's side: the worker's transport (``TRANSPORTS``) and the prompts asked for ahead."""
 
     def __init__(self, spec: WorkerSpec, dist: DistInfo, policy: nn.Module, *, num_steps: int,
-                 prompts_per_step_slice: slice, seed_of):
-        """Start the worker (it builds its model while the trainer starts). ``prompts_per_step_slice``: this
-        rank's share of a step's prompts; ``seed_of(step)``: the step's sampling seed on this rank."""
-        context = mp.get_context("spawn")
+                 prompts_per_step_slice: slice, seed_of, transport: str = "local", port: int = 0,
+                 connect_timeout_s: float = 0.0):
+        """Start the worker (a local one builds its model while the trainer starts; a remote one is waited for
+        on ``port`` + this rank, ``connect_timeout_s`` at most). ``prompts_per_step_slice``: this rank's share of
+        a step's prompts; ``seed_of(step)``: the step's sampling seed on this rank."""
         self.spec, self.dist, self.num_steps = spec, dist, num_steps
         self.local, self.seed_of = prompts_per_step_slice, seed_of
         self.parameters = trainable_parameters(policy)
-        self.ring = WeightRing(self.parameters, spec.max_staleness + 1, context)
-        self.requests = context.Queue()
-        self.results, writer = context.Pipe(duplex=False)
-        self.process = context.Process(target=_worker_main, name=f"turbogrpo-rollout-rank{dist.rank}", daemon=True,
-                                       args=(spec, dist, self.ring, self.requests, writer, os.getpid()))
-        self.process.start()
-        writer.close()  # the worker holds the only write end: its death ends the pipe
+        self.transport = TRANSPORTS[transport](spec, dist, self.parameters,
+                                               TransportOptions(_worker_main, port, connect_timeout_s))
         self.lookahead: PromptBatches | None = None
         self.asked = 0
         """Steps asked for so far (requests 0..asked-1 sent)."""
@@ -304,7 +225,7 @@ class RolloutWorker:
         own, version ``step``, is the checkpoint's model) and, with partial rollouts, the generations carried
         into step ``step`` (``partial_rollouts.pool_state``)."""
         versions = self.in_flight_versions(step)
-        tensors, scalars = self.ring.state(versions), {"rollout_versions": versions}
+        tensors, scalars = self.transport.ring.state(versions), {"rollout_versions": versions}
         if self.spec.partial_rollouts:
             carried, scalars["carried"] = pool_state(self.carried or [])
             tensors.update(carried)
@@ -330,11 +251,11 @@ class RolloutWorker:
                                      f"written by a run with train.partial_rollouts = {self.spec.partial_rollouts}: "
                                      "resume with that run's setting")
         if self.restored:
-            self.ring.restore(self.restored["tensors"], self.restored["versions"])
+            self.transport.restore(self.restored["tensors"], self.restored["versions"])
         self.resumed_at = step if step and self.spec.partial_rollouts else None
         if self.resumed_at is not None:
             self.carried = restore_pool(self.restored["tensors"], self.restored["carried"], batches.examples)
-        self.ring.publish(step, self.parameters)
+        self.transport.publish(step, self.parameters)
         self.lookahead = PromptBatches(batches.examples, batches.batch_size, seed=batches.seed, shuffle=batches.shuffle)
         self.lookahead.load_state_dict(batches.state_dict())
         if step and self.spec.partial_rollouts:
@@ -344,7 +265,7 @@ class RolloutWorker:
 
     def publish(self, version: int) -> None:
         """After step ``version - 1``'s update: the new weights to the worker, and the next step asked for."""
-        self.ring.publish(version, self.parameters)
+        self.transport.publish(version, self.parameters)
         self._ask_up_to(version + self.spec.steps_ahead)
 
     def take(self, step: int) -> Drawn:
@@ -359,22 +280,8 @@ class RolloutWorker:
         return payload
 
     def close(self) -> None:
-        """End the worker (asked first, then terminated): no process outlives the run."""
-        if self.process.is_alive():
-            try:
-                self.requests.put(None)
-                self.process.join(timeout=10)
-            except (OSError, ValueError):
-                pass
-        if self.process.is_alive():
-            self.process.terminate()
-            self.process.join(timeout=10)
-        if self.process.is_alive():
-            self.process.kill()
-            self.process.join()
-        self.requests.cancel_join_thread()  # a dead worker reads nothing: do not wait to flush it at exit
-        self.requests.close()
-        self.results.close()
+        """End the worker: no local process outlives the run, a remote one is told to stop."""
+        self.transport.close()
 
     # --- pieces ------------------------------------------------------------------------------------
 
@@ -384,7 +291,7 @@ class RolloutWorker:
             examples, extra = self._starts(step)
             prompts = [e.token_ids for e in examples]
             version = sampling_version(step, self.spec.steps_ahead)
-            self.requests.put(pickle.dumps(Request(step, self.seed_of(step), version, prompts, examples, **extra)))
+            self.transport.ask(Request(step, self.seed_of(step), version, prompts, examples, **extra))
             self.asked += 1
 
     def _starts(self, step: int) -> tuple[list[PromptExample], dict]:
@@ -400,19 +307,8 @@ class RolloutWorker:
         return starts, {"num_groups": num_groups, "carried": carried}
 
     def _receive(self, step: int):
-        while True:
-            try:
-                if not self.results.poll(POLL_S):
-                    if self.process.is_alive():
-                        continue
-                    raise EOFError
-                kind, got, payload = pickle.loads(self.results.recv_bytes())
-            except (EOFError, OSError):
-                self.process.join(timeout=POLL_S)
-                raise RolloutWorkerError(f"the rollout worker ({self.process.name}, pid {self.process.pid}) died "
-                                         f"with exit code {self.process.exitcode} before step {step + 1}'s "
-                                         "rollout (out of memory? see the system log); the run stops") from None
-            if kind == "error":
-                raise RolloutWorkerError(f"the rollout worker ({self.process.name}) failed before step {step + 1}'s "
-                                         f"rollout: {payload.strip().splitlines()[0]}\n{payload}")
-            return kind, got, payload
+        kind, got, payload = self.transport.receive(step)
+        if kind == "error":
+            raise RolloutWorkerError(f"the rollout worker ({self.transport.name}) failed before step {step + 1}'s "
+                                     f"rollout: {payload.strip().splitlines()[0]}\n{payload}")
+        return kind, got, payload

@@ -35,16 +35,18 @@ def trainable_parameters(policy: nn.Module) -> dict[str, torch.Tensor]:
 
 
 class WeightRing:
-    """``num_slots`` copies of the trainable parameters in shared host memory, and the newest version in them."""
+    """``num_slots`` copies of the trainable parameters in host memory (shared with the worker process where a
+    multiprocessing context is given), and the newest version in them."""
 
-    def __init__(self, parameters: dict[str, torch.Tensor], num_slots: int, context):
+    def __init__(self, parameters: dict[str, torch.Tensor], num_slots: int, context=None):
         """``parameters``: the policy's trainable parameters (shapes and dtypes; values are published later);
-        ``context``: the multiprocessing context the worker is spawned with (its shared counter)."""
-        self.slots = [{name: torch.empty(p.shape, dtype=p.dtype).share_memory_() for name, p in parameters.items()}
-                      for _ in range(num_slots)]
+        ``context``: the multiprocessing context the worker is spawned with (its shared counter); None: a ring of
+        one process (a remote transport's: each side keeps its own, ``remote_transport.py``)."""
+        self.slots = [{name: _host(torch.empty(p.shape, dtype=p.dtype), shared=context is not None)
+                       for name, p in parameters.items()} for _ in range(num_slots)]
         # Lock-free: the trainer is its only writer and an aligned int64 is read and written whole. A locked
         # Value would hang the trainer for good if the worker were killed while reading it (holding the lock).
-        self.published = context.Value("q", -1, lock=False)
+        self.published = context.Value("q", -1, lock=False) if context is not None else _Counter()
         """The newest version written (-1: none yet)."""
 
     def publish(self, version: int, parameters: dict[str, torch.Tensor]) -> None:

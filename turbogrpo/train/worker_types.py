@@ -1,0 +1,86 @@
+"""What the trainer and its rollout worker exchange (train.max_staleness = k > 0), whatever carries it
+(``worker_transport.py``): the worker's spec, the requests, the rollouts drawn, and the one error type."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from turbogrpo.config import AlgoConfig, EnvConfig, LoraConfig, ModelConfig, RolloutConfig, TrainConfig
+from turbogrpo.data import PromptExample
+from turbogrpo.env import EnvRollout
+from turbogrpo.rollout import Rollout
+
+POLL_S = 5.0
+"""How often a waiting side checks that the other is still there (seconds)."""
+
+
+class RolloutWorkerError(RuntimeError):
+    """The rollout worker died, raised or never came; the message names it and its error."""
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """What the worker builds its sampler from: the run's sections that say how it samples."""
+
+    model: ModelConfig
+    lora: LoraConfig
+    rollout: RolloutConfig
+    env: EnvConfig
+    seed: int
+    """train.seed (LoRA's initial adapters: the same as the trainer's, before version 0 is copied in)."""
+    num_threads: int
+    """torch threads of the worker (train.rollout_threads, resolved; 0: torch's default)."""
+    max_staleness: int
+    num_iterations: int
+    """algo.num_iterations: a version of GRPO steps is version x num_iterations in optimizer steps."""
+    partial_rollouts: int = 0
+    """train.partial_rollouts: c > 0 carries unfinished generations into the next step (``partial_rollouts.py``)."""
+
+    @classmethod
+    def of(cls, model: ModelConfig, lora: LoraConfig, rollout: RolloutConfig, env: EnvConfig, train: TrainConfig,
+           algo: AlgoConfig, num_threads: int) -> WorkerSpec:
+        """The spec of a run's sections, the worker taking ``num_threads`` torch threads."""
+        return cls(model, lora, rollout, env, train.seed, num_threads, train.max_staleness, algo.num_iterations,
+                   train.partial_rollouts)
+
+    @property
+    def steps_ahead(self) -> int:
+        """How many steps ahead the worker draws: k, less the steps a generation may be carried."""
+        return self.max_staleness - self.partial_rollouts
+
+    def sampling_settings(self) -> dict:
+        """The settings two sides must agree on to draw the same rollouts (JSON-able; not the machine's own:
+        model.path and model.device may differ between machines, and so may the worker's threads)."""
+        settings = dataclasses.asdict(self)
+        del settings["model"]["path"], settings["model"]["device"], settings["num_threads"]
+        return settings
+
+
+@dataclass(frozen=True)
+class Request:
+    """Draw step ``step``'s rollout with ``seed`` from weights ``version`` (GRPO steps done)."""
+
+    step: int
+    seed: int
+    version: int
+    prompts: list[torch.Tensor]
+    examples: list[PromptExample]
+    num_groups: int = 0
+    """With partial rollouts: the groups the step trains (its ``examples`` are the groups it starts)."""
+    carried: list | None = None
+    """With partial rollouts, in a resumed run's first request: the checkpoint's pool (``PendingGroup``s)."""
+
+
+@dataclass
+class Drawn:
+    """One step's rollout as the worker sends it."""
+
+    rollout: Rollout
+    episodes: EnvRollout | None = None
+    examples: list[PromptExample] | None = None
+    """With partial rollouts: the examples of the batch's groups (not the step's own prompts); else None."""
+    carried: list | None = None
+    """With partial rollouts: the pool after this step (``PendingGroup``s), what a checkpoint keeps."""
