@@ -146,8 +146,9 @@ def main(argv: list[str] | None = None) -> int:
     eval_cmd.add_argument("--model", help="model folder to evaluate (default: the config's model.path)")
     _add_overrides(eval_cmd)
 
-    worker_cmd = commands.add_parser("rollout-worker", help="draw an asynchronous run's rollouts on this machine for "
-                                                            "its trainer on another (train.rollout_worker = \"remote\")")
+    worker_cmd = commands.add_parser(
+        "rollout-worker", help="draw an asynchronous run's rollouts on this machine for its trainer on another "
+                               "(train.rollout_worker = \"remote\")")
     worker_cmd.add_argument("config", help="the run's config file (model.path, model.device and "
                                            "train.rollout_threads may differ from the trainer's)")
     worker_cmd.add_argument("--trainer", required=True, metavar="HOST:PORT",
@@ -277,7 +278,8 @@ def _rollout_worker(args: argparse.Namespace, overrides: list[str]) -> int:
         raise ValueError("config key 'train.max_staleness': 0 is not allowed in a rollout worker's config; expected "
                          "the run's k >= 1 (an on-policy run has no rollout worker)")
     train = config.train
-    spec = WorkerSpec.of(config.model, config.lora, config.rollout, config.env, train, config.algo, train.rollout_threads)
+    spec = WorkerSpec.of(config.model, config.lora, config.rollout, config.env, train, config.algo,
+                         train.rollout_threads)
     try:
         return serve(spec, args.trainer, args.rank, train.rollout_connect_timeout_s)
     except RolloutWorkerError as err:

@@ -441,7 +441,8 @@ class TrainConfig:
     """With max_staleness > 0: where the rollout worker runs (``turbogrpo.train.rollout_worker.TRANSPORTS``).
     "local": a process this trainer starts on its machine (weights through shared memory). "remote": a worker
     started on another machine with `turbogrpo rollout-worker CONFIG --trainer HOST:PORT --rank R`, one per trainer
-    rank, talking over torch.distributed (gloo; single-turn rollouts, no partial rollouts; docs/guide/distributed.md)."""
+    rank, talking over torch.distributed (gloo; single-turn rollouts, no partial rollouts;
+    docs/guide/distributed.md)."""
     rollout_port: int = 29600
     """With rollout_worker = "remote": trainer rank r listens for its worker on port rollout_port + r."""
     rollout_connect_timeout_s: float = 600.0

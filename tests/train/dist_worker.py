@@ -161,12 +161,24 @@ def multiturn(rank: int, world_size: int, ports: list[int], out_dir: str) -> Non
                                                          "train.num_steps": 1})))
 
 
-def asynchronous(rank: int, world_size: int, ports: list[int], out_dir: str, model_dir: str, rows: str) -> None:
-    """DDP with train.max_staleness = 1: each rank starts its own rollout worker for its own prompts."""
+ASYNCHRONOUS = {"train.num_steps": 3, "train.max_staleness": 1, "algo.tis_cap": 2, "train.num_threads": 1,
+                "train.rollout_threads": 1, "train.checkpoint_every": 2, "model.linear_kernel": '"module"'}
+"""The asynchronous runs' settings (model.linear_kernel fixed: "auto" times each process's own matmuls)."""
+
+
+def remote_workers(rollout_port: int) -> dict:
+    """The settings of a run whose ranks wait for remote rollout workers on rollout_port + rank."""
+    return {"train.rollout_worker": '"remote"', "train.rollout_port": rollout_port,
+            "train.rollout_connect_timeout_s": 120}
+
+
+def asynchronous(rank: int, world_size: int, ports: list[int], out_dir: str, model_dir: str, rows: str,
+                 rollout_port: int = 0) -> None:
+    """DDP with train.max_staleness = 1: each rank starts its own rollout worker for its own prompts (into run/);
+    with ``rollout_port``, each rank waits for the remote worker started for it (into remote/)."""
     os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(ports[0])})
-    config = load_config(None, overrides(Path(model_dir), Path(rows), Path(out_dir) / "run",
-                                         **{"train.num_steps": 3, "train.max_staleness": 1, "algo.tis_cap": 2,
-                                            "train.num_threads": 1, "train.rollout_threads": 1,
-                                            "train.checkpoint_every": 2}))
+    extra = remote_workers(rollout_port) if rollout_port else {}
+    config = load_config(None, overrides(Path(model_dir), Path(rows), Path(out_dir) / ("remote" if extra else "run"),
+                                         **ASYNCHRONOUS, **extra))
     loop.train(config)

@@ -1,7 +1,10 @@
 """Two gloo processes on CPU give what one process gives on the same global batch."""
 
 import json
+import os
 import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -19,7 +22,8 @@ from turbogrpo.train.output_dir import run_record
 from turbogrpo.train.rank_agreement import describe_first_difference, training_keys
 
 from . import dist_worker
-from .tiny_run import write_model, write_rows
+from .test_resume import comparable
+from .tiny_run import overrides, write_model, write_rows
 
 REPO = Path(__file__).resolve().parents[2]
 SINGLE = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
@@ -125,6 +129,37 @@ def test_each_rank_has_its_own_rollout_worker_at_max_staleness_1(tmp_path):
     parts = [load_file(tmp_path / "run" / "step-000002" / f"extra-rank{r}.safetensors") for r in (0, 1)]
     assert parts[0] and parts[0].keys() == parts[1].keys() and all(k.startswith("v1/") for k in parts[0])
     assert all(torch.equal(parts[0][k], parts[1][k]) for k in parts[0])
+
+
+@pytest.mark.slow  # 2 ranks and 2 rollout workers, twice, on 2 cores
+def test_each_rank_pairs_with_the_remote_worker_of_its_rank_as_with_its_local_one(tmp_path):
+    """DDP, k = 1, train.rollout_worker = "remote": rank r pairs with the worker started with `--rank r` (each pair
+    a group of its own beside the ranks' gloo group), and the run equals the one with local workers bit for bit."""
+    model_dir, rows = write_model(tmp_path / "model"), write_rows(tmp_path / "rows.jsonl")
+    spawn_bounded(dist_worker.asynchronous, (2, free_ports(1), str(tmp_path), str(model_dir), str(rows)), nprocs=2,
+                  timeout_s=300)
+    master, rollout = free_ports(2)
+    config = tmp_path / "run.toml"
+    config.write_text("# everything is set on the command line\n")
+    sets = overrides(model_dir, rows, tmp_path / "remote", **dist_worker.ASYNCHRONOUS,
+                     **dist_worker.remote_workers(rollout))
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    workers = [subprocess.Popen([sys.executable, "-m", "turbogrpo", "rollout-worker", str(config), "--trainer",
+                                 f"127.0.0.1:{rollout}", "--rank", str(rank), "--set", *sets], cwd=REPO, env=env,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
+    try:
+        spawn_bounded(dist_worker.asynchronous, (2, [master], str(tmp_path), str(model_dir), str(rows), rollout),
+                      nprocs=2, timeout_s=300)
+        for worker in workers:
+            _, err = worker.communicate(timeout=60)
+            assert worker.returncode == 0, err[-3000:]
+    finally:
+        for worker in workers:
+            worker.kill()
+    local, remote = read_metrics(tmp_path / "run"), read_metrics(tmp_path / "remote")
+    assert [r["staleness/lag_max"] for r in remote if "reward" in r] == [0.0, 1.0, 1.0]
+    assert comparable(local) == comparable(remote)
 
 
 def spawn_bounded(fn, args, nprocs: int, timeout_s: float) -> None:

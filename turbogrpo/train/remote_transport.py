@@ -242,7 +242,8 @@ class DistributedLink:
             raise SystemExit(0)  # the trainer is gone or said stop: nothing more to draw for
 
     def next_request(self) -> Request | None:
-        return self.requests.get()
+        request = self.requests.get()
+        return None if self.ending else request  # told to stop, or the trainer is gone: nobody wants the rest
 
     def load(self, version: int, parameters: dict[str, torch.Tensor]) -> None:
         while self.ring is None:
