@@ -79,3 +79,13 @@ class WeightRing:
             slot = self.slots[v % len(self.slots)]
             for name, t in slot.items():
                 t.copy_(tensors[f"v{v}/{name}"])
+
+
+class _Counter:
+    """The newest version of a ring that one process reads and writes (its threads: under the GIL, whole)."""
+
+    value: int = -1
+
+
+def _host(tensor: torch.Tensor, *, shared: bool) -> torch.Tensor:
+    return tensor.share_memory_() if shared else tensor
