@@ -31,6 +31,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import re
 import socket
 import sys
 import threading
@@ -152,7 +153,10 @@ def first_difference(theirs: dict, ours: dict, path: str = "") -> str:
 
 
 def _first_line(err: BaseException) -> str:
-    return (str(err).strip().splitlines() or [type(err).__name__])[0]
+    """What went wrong, short: gloo's "[pair.cc:537] Read error [host]:port: Connection reset by peer. This is
+    typically ..." becomes "Read error [host]:port: Connection reset by peer"."""
+    line = (str(err).strip().splitlines() or [type(err).__name__])[0]
+    return re.sub(r"^\[[^\]]*\]\s*", "", line).split(". ")[0]
 
 
 # --- the trainer's side --------------------------------------------------------------------------------------
