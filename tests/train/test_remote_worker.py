@@ -172,3 +172,36 @@ def test_a_side_killed_mid_run_ends_the_other_with_one_line(tmp_path, killed):
     else:
         assert "the trainer is gone" in last, err[-3000:]
     assert os.path.isdir(tmp_path / "out" / "step-000001")
+
+
+@pytest.mark.slow
+def test_sigterm_then_resume_with_a_new_worker_repeats_the_uninterrupted_run(tmp_path, restore_threads):
+    """k = 1, SIGTERM after the checkpoint at step 2: the trainer exits 143 and tells its worker to stop (0); the
+    resumed trainer sends a new worker the checkpoint's in-flight version before its own, and ends bit for bit
+    where an uninterrupted run (with the local worker) ends."""
+    model_dir, rows, config, env = subprocess_run_setup(tmp_path)
+    port = free_port()
+    extra = {"train.num_steps": 4, "train.checkpoint_every": 2, "model.linear_kernel": '"module"'}
+    sets = overrides(model_dir, rows, tmp_path / "stopped", **remote(port, **extra))
+    worker = start_worker(config, sets, env, port)
+    try:
+        trainer = at_first_checkpoint(command(config, sets), env)
+        trainer.send_signal(signal.SIGTERM)
+        _, err = trainer.communicate(timeout=300)
+        assert trainer.returncode == 143 and "step-000002" in said(err)[-1], err[-3000:]
+        _, worker_err = worker.communicate(timeout=60)
+        assert worker.returncode == 0, worker_err[-3000:]
+        worker = start_worker(config, sets, env, port)
+        resumed = subprocess.run(command(config, sets, "--resume"), cwd=REPO, env=env, capture_output=True, text=True,
+                                 timeout=600)
+        assert resumed.returncode == 0, resumed.stderr[-3000:]
+        _, worker_err = worker.communicate(timeout=60)
+        assert worker.returncode == 0, worker_err[-3000:]
+    finally:
+        worker.kill()
+    train(load_config(None, overrides(model_dir, rows, tmp_path / "straight", **{**ASYNC, **extra})))
+    final_stopped = load_file(tmp_path / "stopped" / "step-000004" / "model.safetensors")
+    final_straight = load_file(tmp_path / "straight" / "step-000004" / "model.safetensors")
+    for name in final_straight:
+        assert torch.equal(final_stopped[name], final_straight[name]), name
+    assert comparable(read_metrics(tmp_path / "stopped")) == comparable(read_metrics(tmp_path / "straight"))
