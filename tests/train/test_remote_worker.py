@@ -2,7 +2,6 @@
 pointed at 127.0.0.1 and a free port, standing in for another machine), over torch.distributed. Real runs of the
 tiny model (CPU, a few steps); no timing asserts."""
 
-import os
 import signal
 import socket
 import subprocess
@@ -146,10 +145,11 @@ def test_a_worker_with_other_sampling_settings_is_refused_on_both_sides(tmp_path
                                                                "worker with the run's config"), worker_err[-3000:]
 
 
-@pytest.mark.parametrize("killed", ["worker", "trainer"])
-def test_a_side_killed_mid_run_ends_the_other_with_one_line(tmp_path, killed):
-    """SIGKILL of the worker: the trainer stops with one RolloutWorkerError line, no hang. SIGKILL of the trainer:
-    the worker sees its connection close and exits by itself."""
+@pytest.mark.parametrize("killed, how", [("worker", signal.SIGKILL), ("trainer", signal.SIGKILL),
+                                         ("worker", signal.SIGTERM)], ids=["worker", "trainer", "worker_sigterm"])
+def test_a_side_killed_mid_run_ends_the_other_with_one_line(tmp_path, killed, how):
+    """SIGKILL of the worker: the trainer stops with one RolloutWorkerError line, no hang; SIGTERM (or Ctrl-C) of the
+    worker: the same, saying so. SIGKILL of the trainer: the worker sees its connection close and exits by itself."""
     model_dir, rows, config, env = subprocess_run_setup(tmp_path)
     port = free_port()
     sets = overrides(model_dir, rows, tmp_path / "out", **remote(port, **{"train.num_steps": 1_000_000,
@@ -158,7 +158,7 @@ def test_a_side_killed_mid_run_ends_the_other_with_one_line(tmp_path, killed):
     worker = start_worker(config, sets, env, port)
     trainer = at_first_checkpoint(command(config, sets), env)
     try:
-        (worker if killed == "worker" else trainer).send_signal(signal.SIGKILL)
+        (worker if killed == "worker" else trainer).send_signal(how)
         survivor = trainer if killed == "worker" else worker
         _, err = survivor.communicate(timeout=120)
     finally:
@@ -167,11 +167,14 @@ def test_a_side_killed_mid_run_ends_the_other_with_one_line(tmp_path, killed):
     assert survivor.returncode == 1, err[-3000:]
     last = said(err)[-1]
     assert "Traceback" not in err, err[-3000:]
-    if killed == "worker":
+    if how == signal.SIGTERM:
+        assert last.startswith("turbogrpo: the rollout worker (rank 0's, ") and last.endswith(
+            "'s rollout: interrupted (Ctrl-C or SIGTERM on its machine)"), err[-3000:]
+    elif killed == "worker":
         assert last.startswith("turbogrpo: the rollout worker (rank 0's, ") and " is gone " in last, err[-3000:]
     else:
         assert "the trainer is gone" in last, err[-3000:]
-    assert os.path.isdir(tmp_path / "out" / "step-000001")
+    assert list((tmp_path / "out").glob("step-*"))  # (the run had checkpointed; keep_checkpoints may have moved on)
 
 
 @pytest.mark.slow

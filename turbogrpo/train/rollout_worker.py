@@ -87,6 +87,8 @@ def _worker_main(spec: WorkerSpec, dist: DistInfo, link) -> None:
             link.put(("rollout", request.step, sampler.draw(request)))
     except SystemExit:
         pass
+    except KeyboardInterrupt:  # (a remote worker's Ctrl-C or SIGTERM; a local one ignores Ctrl-C)
+        link.put(("error", None, "interrupted (Ctrl-C or SIGTERM on its machine)"))
     except BaseException as err:  # noqa: BLE001: every failure goes back to the trainer, named
         traceback.print_exc()  # the whole story on the worker's stderr; the trainer raises its one line
         link.put(("error", None, f"{type(err).__name__}: {err}".splitlines()[0]))
@@ -310,5 +312,5 @@ class RolloutWorker:
         kind, got, payload = self.transport.receive(step)
         if kind == "error":
             raise RolloutWorkerError(f"the rollout worker ({self.transport.name}) failed before step {step + 1}'s "
-                                     f"rollout: {payload.strip().splitlines()[0]}\n{payload}")
+                                     f"rollout: {payload.strip().splitlines()[0]}")
         return kind, got, payload
