@@ -67,6 +67,7 @@ model's, ~1e-4 when the push lands).
 
 from __future__ import annotations
 
+import _thread
 import argparse
 import os
 import signal
@@ -75,6 +76,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -250,6 +252,7 @@ class VllmServer:
         self.process: subprocess.Popen | None = None
         self.log = None
         self.build_s: float | None = None
+        self.closing = False
 
     def __enter__(self) -> VllmServer:
         env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1",  # /pause, /resume, /collective_rpc, /server_info
@@ -261,6 +264,9 @@ class VllmServer:
         command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
                    "--host", "127.0.0.1", "--port", str(self.port),
                    "--dtype", self.dtype, "--max-model-len", str(max_model_length(self.model)), "--seed", "0",
+                   # Whole prefills: after a partial prefill vLLM rewinds a seeded request's generator, which a CPU
+                   # generator cannot do (the engine dies: "CPU Generator does not use offset"; 8 x 8 requests here).
+                   "--no-enable-chunked-prefill",
                    "--worker-extension-cls", "vllm_cpu.CpuReloadExtension"]
         import requests
         start = time.perf_counter()
@@ -273,6 +279,7 @@ class VllmServer:
             try:
                 if requests.get(f"{self.url}/health", timeout=5).status_code == 200:
                     self.build_s = time.perf_counter() - start
+                    threading.Thread(target=self._watch, daemon=True).start()
                     return self
             except requests.RequestException:
                 pass
@@ -280,10 +287,20 @@ class VllmServer:
         self.__exit__(None, None, None)
         raise RuntimeError(f"vllm serve was not ready after {SERVER_READY_S} s:\n{self.log_tail()}")
 
+    def _watch(self) -> None:
+        """Stop the benchmark when the server dies under it: TRL's client would retry its requests for many
+        minutes against a closed port."""
+        while self.process.poll() is None:
+            time.sleep(2)
+        if not self.closing:
+            print(f"vllm serve died ({self.process.returncode}):\n{self.log_tail()}", file=sys.stderr, flush=True)
+            _thread.interrupt_main()
+
     def log_tail(self, chars: int = 4000) -> str:
         return self.log_path.read_text(errors="replace")[-chars:]
 
     def __exit__(self, *exc) -> None:
+        self.closing = True
         if self.process is not None and self.process.poll() is None:
             os.killpg(self.process.pid, signal.SIGTERM)
             try:

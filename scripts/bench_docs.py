@@ -514,7 +514,11 @@ RENDERERS: dict[str, Renderer] = {
         col("worker threads", "rollout_threads", "int"), col("step s (median)", "step_s_median", "s"),
         col("rollout / wait s", "rollout_s_median", "s"), col("update s", "update_s_median", "s"),
         opt("weight push s", "weight_push_s_median", "s"), col("tokens/s", "tokens_per_s", "g"),
-        col("vs k=0", "speedup_vs_k0", "x"), col("mean lag", "lag_mean", "g")], rows="variants")),
+        col("vs k=0", "speedup_vs_k0", "x"), col("mean lag", "lag_mean", "g"),
+        opt("overlap bound s (reference)", "overlap_bound_s", "s")], rows="variants")),
+    "cpu_sharing": tables(Table([col("work", "work", "text"), col("variant", "variant", "text"),
+                                 col("calls/s per process", "calls_per_s_per_process", "g"),
+                                 col("vs 1 thread alone", "vs_alone", "x")], rows="results")),
     "vllm_push": tables(Table([col("variant", "$key"), col("push s (median)", "push_s_median", "s"),
                                col("modules sent", "modules_sent", "int"), col("parameters sent", "parameters_sent", "int"),
                                col("engine build s", "build_s", "s"),
@@ -799,10 +803,26 @@ RESULTS: list[Result] = [
            "ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 python bench/gpu_precision.py "
            "--device cpu --budget 60 --out precision_cpu_avx2_emulated", section="Precision"),
     # Asynchronous GRPO
-    Result("async_grpo_gsm8k", "async_grpo", "Asynchronous GRPO (train.max_staleness = k): SmolLM2-135M GSM8K zero-shot, "
-           "8 prompts x 8, 128 new tokens; k > 0 samples in a rollout worker process",
-           "python bench/async_grpo.py --shapes gsm8k --staleness 0,1 --steps 3 --warmup 1",
+    Result("async_grpo_gsm8k", "async_grpo", "Asynchronous GRPO (train.max_staleness = k, train.partial_rollouts = c): "
+           "SmolLM2-135M GSM8K zero-shot, 8 prompts x 8, 128 new tokens; k > 0 samples in a rollout worker process",
+           "python bench/async_grpo.py --shapes gsm8k --staleness 0,1,2 --partial-rollouts 1 --steps 4 --warmup 1",
            section="Asynchronous GRPO"),
+    Result("async_grpo_calculator", "async_grpo", "Asynchronous GRPO (train.max_staleness = k): SmolLM2-135M multi-turn "
+           "calculator tool, 8 prompts x 8 conversations; k > 0 samples in a rollout worker process",
+           "python bench/async_grpo.py --shapes calculator --staleness 0,1,2 --steps 4 --warmup 2",
+           section="Asynchronous GRPO"),
+    Result("async_grpo_ceiling_gsm8k", "async_grpo", "The overlap's bound on 2 cores, GSM8K (as async_grpo_gsm8k): k = 0 "
+           "at 2 threads, k = 0 at 1 thread (the reference, whose max(rollout, rest) is what perfect overlap would "
+           "reach), k = 1 at 1 + 1 threads",
+           "python bench/async_grpo.py --shapes calculator,gsm8k --staleness 0,1 --steps 4 --warmup 1 --name "
+           "async_grpo_ceiling", section="Asynchronous GRPO"),
+    Result("async_grpo_ceiling_calculator", "async_grpo", "The overlap's bound on 2 cores, calculator (as "
+           "async_grpo_calculator): k = 0 at 2 threads, at 1 thread (the reference) and k = 1 at 1 + 1 threads",
+           "python bench/async_grpo.py --shapes calculator,gsm8k --staleness 0,1 --steps 4 --warmup 1 --name "
+           "async_grpo_ceiling", section="Asynchronous GRPO"),
+    Result("cpu_sharing", "cpu_sharing", "What two processes get from the 2 cores at once: one thread's products "
+           "alone, beside an identical process, and one process on both cores (compute-bound GEMM; bandwidth-bound "
+           "decode-like products)", "python bench/cpu_sharing.py", section="Asynchronous GRPO"),
     Result("trl_async_gsm8k", "trl_async", "Asynchronous GRPO against TRL 1.16's AsyncGRPOTrainer + vLLM 0.31 server "
            "(CPU patch: file weight push, SDPA tree attention), both at staleness 1: SmolLM2-135M GSM8K zero-shot, "
            "8 prompts x 8, 128 new tokens, float32",

@@ -47,3 +47,20 @@ def test_a_bad_row_is_named_with_the_data_file_it_is_in(tmp_path):
     config = load_config(None, ["data.kind=rows", f'data.path="{bad}"'])
     with pytest.raises(ValueError, match=rf"^data.path '{bad}' row 1:"):
         setup.load_train_prompts(config.data, tokenizer, seed=0, max_new_tokens=max_new_tokens)
+
+@pytest.mark.parametrize("sets, engine, tis_cap", [
+    ([], "NativeEngine", 0.0),                                           # on-policy, native: no correction
+    (["train.max_staleness=1", 'rollout.engine="vllm"'], "NativeEngine", 2.0),  # the worker samples, stale
+    (["algo.tis_cap=3", "train.max_staleness=1"], "NativeEngine", 3.0),  # a number is kept
+])
+def test_the_run_resolves_its_engine_and_correction(tmp_path, sets, engine, tis_cap):
+    """algo.tis_cap "auto" becomes a number when the run is built; at k > 0 the trainer keeps the native engine
+    (the rollout worker samples with the configured one), so a vLLM run's trainer never imports vllm for it."""
+    from tests.conftest import REPO
+    from turbogrpo.rewards import build_rewards
+    from turbogrpo.train import distributed
+    from turbogrpo.train.run import build_run
+    config = load_config(REPO / "configs" / "demo.toml", [*sets, f'train.output_dir="{tmp_path}"',
+                                                          "data.num_eval_problems=2"])
+    run = build_run(config, distributed.setup("cpu", "auto"), build_rewards(config.rewards))
+    assert type(run.engine).__name__ == engine and run.algo.tis_cap == tis_cap

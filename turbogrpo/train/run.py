@@ -196,8 +196,10 @@ def build_run(config: Config, dist: DistInfo, rewards: list[Reward]) -> Run:
     # data's ids, so an [env] run's engine serves up to the model's own limit.
     engine_name = resolve_engine(config.rollout.engine, dist.device, conversations=episodes is not None,
                                  native_only=config.native_only_setting())
-    engine = build_engine(engine_name, dist.device, schedule=schedule, dtype=precision.compute_dtype,
-                          tokenizer=parts.tokenizer,
+    # At k > 0 the rollout worker samples with its own engine; the trainer's would never run (a vLLM one would
+    # still import vllm into the trainer), so it keeps the native one.
+    engine = build_engine("native" if config.train.max_staleness else engine_name, dist.device, schedule=schedule,
+                          dtype=precision.compute_dtype, tokenizer=parts.tokenizer,
                           max_length=longest_prompt + max_new_tokens if episodes is None else None)
     # Another engine's kernels, or weights some versions old, sample a distribution the trainer's forward only
     # approximates: algo.tis_cap = "auto" corrects for it there and stays off where the sampler is that forward.
