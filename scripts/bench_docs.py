@@ -827,7 +827,7 @@ RESULTS: list[Result] = [
            "(CPU patch: file weight push, SDPA tree attention), both at staleness 1: SmolLM2-135M GSM8K zero-shot, "
            "8 prompts x 8, 128 new tokens, float32",
            "PYTHONPATH=$PWD /work/venv-trlvllm/bin/python bench/trl_async.py  # TRL's environment: docs/guide/trl.md",
-           section="Asynchronous GRPO", awaiting_run=True),
+           section="Asynchronous GRPO"),
     # Multi-turn
     Result("multiturn_smollm2_calculator", "multiturn", "Multi-turn tool GRPO, SmolLM2-135M calculator, 8 prompts x 8 "
            "conversations: rollout vs HF generate re-prefilling each turn, whole step vs TRL GRPOTrainer(environment_factory)",

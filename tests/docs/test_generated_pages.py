@@ -121,15 +121,19 @@ def test_missing_date_and_capability_read_not_recorded(results_copy):
     assert "- CPU matmul extensions: not recorded" in section.split("<a id=")[1]
 
 
-def awaiting_result(results_copy) -> str:
-    """The stem of a result registered before its first run, its JSON removed from the copy if committed since."""
-    stem = next(r.stem for r in bench_docs.RESULTS if r.awaiting_run)
+def awaiting_result(results_copy, monkeypatch) -> str:
+    """The stem of a result registered before its first run (a trl_async table; none of the real ones may be
+    awaiting), its JSON absent from the copy."""
+    stem = "awaiting_example"
+    monkeypatch.setattr(bench_docs, "RESULTS", [*bench_docs.RESULTS, bench_docs.Result(
+        stem, "trl_async", "An example awaiting its first run", "python bench/example.py",
+        section="Asynchronous GRPO", awaiting_run=True)])
     (results_copy / f"{stem}.json").unlink(missing_ok=True)
     return stem
 
 
-def test_a_result_awaiting_its_first_run_is_left_off_until_its_json_exists(results_copy):
-    stem = awaiting_result(results_copy)
+def test_a_result_awaiting_its_first_run_is_left_off_until_its_json_exists(results_copy, monkeypatch):
+    stem = awaiting_result(results_copy, monkeypatch)
     assert f'<a id="{bench_docs.anchor(stem)}"></a>' not in bench_docs.render_pages()["docs/benchmarks.md"]
     contender = {"name": "TRL AsyncGRPOTrainer, max_staleness 1", "trainer_threads": 1, "sampler_threads": 1,
                  "step_s_median": 41.5, "tokens_per_s": 150.0}
@@ -142,8 +146,8 @@ def test_a_result_awaiting_its_first_run_is_left_off_until_its_json_exists(resul
     assert "| 1.54x | 1.16.0 | 0.31.0 | file push |" in section
 
 
-def test_a_result_awaiting_its_first_run_still_names_missing_fields(results_copy):
-    stem = awaiting_result(results_copy)
+def test_a_result_awaiting_its_first_run_still_names_missing_fields(results_copy, monkeypatch):
+    stem = awaiting_result(results_copy, monkeypatch)
     (results_copy / f"{stem}.json").write_text(json.dumps({"contenders": [{"name": "TRL"}]}))
     with pytest.raises(bench_docs.BenchDocError, match=rf"bench/results/{stem}\.json \(contenders\.0\): field "):
         bench_docs.render_pages()
