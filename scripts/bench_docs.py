@@ -603,6 +603,10 @@ SECTIONS = ["Shared-prefix training forward", "Tree-shared training forward", "R
             "Online draft learning in GRPO", "Precision", "Kernels and parts of a step", "Ceilings", "Learning"]
 
 SPEC = "python bench/speculative.py --model smollm2-135m-instruct"
+ASYNC_CEILING_COMMAND = ("python bench/async_grpo.py --shapes calculator,gsm8k --staleness 0,1 --steps 4 --warmup 1 "
+                         "--name async_grpo_ceiling")
+"""One run writes both async_grpo_ceiling results (one per shape)."""
+
 RESULTS: list[Result] = [
     # Shared-prefix training forward
     Result("prefix", "prefix", "Shared-prefix forward + backward, bench model (Qwen2-style, 8 layers)",
@@ -814,12 +818,10 @@ RESULTS: list[Result] = [
     Result("async_grpo_ceiling_gsm8k", "async_grpo", "The overlap's bound on 2 cores, GSM8K (as async_grpo_gsm8k): k = 0 "
            "at 2 threads, k = 0 at 1 thread (the reference, whose max(rollout, rest) is what perfect overlap would "
            "reach), k = 1 at 1 + 1 threads",
-           "python bench/async_grpo.py --shapes calculator,gsm8k --staleness 0,1 --steps 4 --warmup 1 --name "
-           "async_grpo_ceiling", section="Asynchronous GRPO"),
+           ASYNC_CEILING_COMMAND, section="Asynchronous GRPO"),
     Result("async_grpo_ceiling_calculator", "async_grpo", "The overlap's bound on 2 cores, calculator (as "
            "async_grpo_calculator): k = 0 at 2 threads, at 1 thread (the reference) and k = 1 at 1 + 1 threads",
-           "python bench/async_grpo.py --shapes calculator,gsm8k --staleness 0,1 --steps 4 --warmup 1 --name "
-           "async_grpo_ceiling", section="Asynchronous GRPO"),
+           ASYNC_CEILING_COMMAND, section="Asynchronous GRPO"),
     Result("cpu_sharing", "cpu_sharing", "What two processes get from the 2 cores at once: one thread's products "
            "alone, beside an identical process, and one process on both cores (compute-bound GEMM; bandwidth-bound "
            "decode-like products)", "python bench/cpu_sharing.py", section="Asynchronous GRPO"),
