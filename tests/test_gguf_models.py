@@ -202,13 +202,27 @@ def test_missing_chunk_package_names_the_install_command(cache, chunked_model):
 # --- the real models ----------------------------------------------------------------------------------
 
 
+SMOLLM2_PARSES: list[str] = []
+"""The GGUF files the conversion in ``smollm2_cache`` parsed (one entry per ``gguf.GGUFReader`` built)."""
+
+
 @pytest.fixture(scope="module")
 def smollm2_cache(tmp_path_factory):
-    """One conversion of the packaged SmolLM2 for this module's tests."""
+    """One conversion of the packaged SmolLM2 for this module's tests, counting the times it parses the file."""
+    import gguf
+
+    class CountedReader(gguf.GGUFReader):
+        def __init__(self, path, *args, **kwargs):
+            SMOLLM2_PARSES.append(str(path))
+            super().__init__(path, *args, **kwargs)
+
     root = tmp_path_factory.mktemp("smollm2-cache")
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv(gguf_models.CACHE_ENV, str(root))
-        yield gguf_model_folder("smollm2")
+        patch.setattr(gguf, "GGUFReader", CountedReader)
+        folder = gguf_model_folder("smollm2")
+        assert gguf.GGUFReader is CountedReader  # the conversion put gguf's reader back
+    yield folder
 
 
 @needs_smollm2
@@ -225,6 +239,8 @@ def test_cached_smollm2_equals_transformers_gguf_load(smollm2_cache):
     for name, value in direct_state.items():
         assert torch.equal(value, cached_state[name]), name
     assert tokenizer.chat_template and tokenizer.eos_token == "<|im_end|>"
+    # transformers opens the file for the config, the tokenizer and the weights; the conversion parses it once.
+    assert len(SMOLLM2_PARSES) == 1, SMOLLM2_PARSES
 
 
 @needs_smollm2

@@ -209,7 +209,7 @@ class RolloutConfig:
     (a vLLM engine in the trainer's process, the policy's weights pushed after every optimizer step; needs the
     vllm package) or "auto" (per device type and workload, by measurement, rollout.engines.AUTO_ENGINES: on the
     CPU vLLM for single-turn runs, native for [env] conversations; native wherever the run uses what only native
-    runs, i.e. speculation, train.partial_rollouts or FSDP2, or vllm is not installed)."""
+    runs, i.e. speculation, train.partial_rollouts or FSDP2, or vllm is not installed or fails to import)."""
     branching: list[int] = field(default_factory=list)
     """Multi-turn branching ([env]): [4, 2] starts 4 conversations per prompt and forks each 2 ways after its
     first environment reply (product = num_generations); shared turns are sampled once. [] does not branch."""

@@ -17,6 +17,7 @@ architecture's model found every weight it needs in the file.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import os
@@ -139,14 +140,39 @@ def gguf_model_folder(source: str | os.PathLike, *, cache: Path | None = None) -
     folder = (cache or cache_root()) / "models" / f"{gguf_path.stem}-{fingerprint['sha256'][:12]}"
 
     def convert(staging: Path) -> None:
-        check_gguf_architecture(gguf_path)
-        print(f"turbogrpo: converting {gguf_path.name} once into {folder} (later loads read safetensors)",
-              flush=True)
-        model, tokenizer = _read_gguf(gguf_path)
+        with _parsed_once():
+            check_gguf_architecture(gguf_path)
+            print(f"turbogrpo: converting {gguf_path.name} once into {folder} (later loads read safetensors)",
+                  flush=True)
+            model, tokenizer = _read_gguf(gguf_path)
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
 
     return verified_entry(folder, fingerprint, convert, what=f"the converted model of {gguf_path.name}")
+
+
+@contextlib.contextmanager
+def _parsed_once():
+    """Within the block, each GGUF file is parsed once. transformers opens the file anew for the config, the
+    tokenizer and the weights, and the check above opens it too; ``gguf.GGUFReader`` builds every metadata array
+    element by element in Python (about 10 s per open for Gemma 3's 262k-token vocabulary on one core), so four
+    opens cost more than the dequantization. The reader is read-only (a memory map), so one serves all four;
+    ``gguf.GGUFReader`` is the name transformers imports when it opens a file, and is restored after the block."""
+    import gguf
+    parse = gguf.GGUFReader
+    readers: dict[tuple[Path, str], object] = {}
+
+    def reader(path: str | os.PathLike, mode: str = "r"):
+        key = (Path(path).resolve(), mode)
+        if key not in readers:
+            readers[key] = parse(path, mode)
+        return readers[key]
+
+    gguf.GGUFReader = reader
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = parse
 
 
 def _fingerprint(gguf_path: Path) -> dict:

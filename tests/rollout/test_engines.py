@@ -3,6 +3,7 @@
 request seeds."""
 
 import copy
+import logging
 
 import pytest
 import torch
@@ -66,8 +67,11 @@ def test_auto_follows_the_measurements_but_takes_native_where_the_run_needs_it_o
     """"auto" is AUTO_ENGINES's engine per (device type, workload); where that is vLLM, a run using what only the
     native engine runs (named by the config) or a machine without the vllm package still samples on native."""
     import importlib.util
+
+    from turbogrpo.rollout import engines
     cpu = torch.device("cpu")
     real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(engines, "_vllm_import_error", lambda: "")   # an installed vllm imports (tried below)
 
     def vllm_installed(installed: bool):
         monkeypatch.setattr(importlib.util, "find_spec",
@@ -91,6 +95,26 @@ def test_auto_follows_the_measurements_but_takes_native_where_the_run_needs_it_o
     assert load_config(None, ["train.max_staleness=1", "algo.tis_cap=2", "train.partial_rollouts=1"]
                        ).native_only_setting() == "train.partial_rollouts"
     assert load_config(None, ["distributed.strategy=fsdp2"]).native_only_setting() == 'distributed.strategy = "fsdp2"'
+
+
+def test_auto_takes_native_with_a_warning_where_an_installed_vllm_fails_to_import(tmp_path, monkeypatch, caplog):
+    """An installed vllm whose import fails (here a package named vllm that raises like a build for another torch)
+    does not stop an "auto" run: the import is tried in a child process and the run samples on native, saying why."""
+    from turbogrpo.rollout import engines
+    (tmp_path / "vllm").mkdir()
+    (tmp_path / "vllm" / "__init__.py").write_text("raise ImportError('libcudart.so.12: cannot open shared object file')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))          # find_spec sees the broken package, as it would a real one
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))     # and the child process imports it
+    monkeypatch.setitem(AUTO_ENGINES, ("cpu", "completions"), "vllm")
+    engines._vllm_import_error.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger=engines.__name__):
+            assert resolve_engine("auto", torch.device("cpu")) == "native"
+        assert "vllm is installed but does not import (ImportError: libcudart.so.12: cannot open shared object file)" \
+            in caplog.text
+        assert resolve_engine("vllm", torch.device("cpu")) == "vllm"   # a named engine is the user's choice
+    finally:
+        engines._vllm_import_error.cache_clear()
 
 
 def test_lora_weights_are_merged_and_sent_by_whole_fused_groups():

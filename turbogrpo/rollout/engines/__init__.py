@@ -15,8 +15,11 @@ The step (``train/loop.py``) calls ``sample`` / ``sample_conversations`` and, af
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import logging
+import subprocess
+import sys
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
@@ -89,17 +92,41 @@ logger = logging.getLogger(__name__)
 def resolve_engine(name: str, device: torch.device, *, conversations: bool = False, native_only: str = "") -> str:
     """rollout.engine's engine on ``device``. "auto" is ``AUTO_ENGINES``'s choice for the run's workload
     (``conversations``: an [env] run), except "native" where the run needs it (``native_only``: the setting only
-    the native engine runs, e.g. "rollout.speculation"; "" for none) or where vllm is not installed."""
+    the native engine runs, e.g. "rollout.speculation"; "" for none) or where vllm does not import (``vllm_import_problem``)."""
     if name != "auto":
         return name
     chosen = AUTO_ENGINES.get((device.type, "conversations" if conversations else "completions"), "native")
     if chosen == "vllm" and native_only:
         logger.info("rollout.engine = \"auto\": the native engine, since %s runs only there", native_only)
         return "native"
-    if chosen == "vllm" and importlib.util.find_spec("vllm") is None:
-        logger.info("rollout.engine = \"auto\": the native engine, since vllm is not installed")
+    if chosen == "vllm" and (problem := vllm_import_problem()):
+        logger.warning("rollout.engine = \"auto\": the native engine, since %s", problem)
         return "native"
     return chosen
+
+
+def vllm_import_problem() -> str:
+    """Why vllm cannot be used here ("" if it imports): not installed, or installed but failing to import (a
+    build for another torch, a missing shared library)."""
+    if importlib.util.find_spec("vllm") is None:
+        return "vllm is not installed"
+    return _vllm_import_error()
+
+
+@functools.cache
+def _vllm_import_error() -> str:
+    """The installed vllm's import error in one line ("" if it imports). Tried in a child process: importing vllm
+    sets process-wide state (its CPU build pins the OpenMP threads), which a run that ends up not using it, or
+    uses it only in its rollout worker, must not inherit. A few seconds, once per process, and only where "auto"
+    would pick vLLM."""
+    try:
+        child = subprocess.run([sys.executable, "-c", "import vllm"], capture_output=True, text=True, timeout=300)
+    except subprocess.TimeoutExpired:
+        return "importing vllm took over 300 s"
+    if child.returncode == 0:
+        return ""
+    lines = [line.strip() for line in child.stderr.splitlines() if line.strip()]
+    return f"vllm is installed but does not import ({lines[-1] if lines else f'exit code {child.returncode}'})"
 
 
 def build_engine(name: str, device: torch.device, *, schedule, dtype: torch.dtype, tokenizer=None,
@@ -112,4 +139,5 @@ def build_engine(name: str, device: torch.device, *, schedule, dtype: torch.dtyp
         schedule=schedule, dtype=dtype, device=device, tokenizer=tokenizer, max_length=max_length)
 
 
-__all__ = ["AUTO_ENGINES", "ENGINES", "ENGINE_NAMES", "RolloutEngine", "build_engine", "resolve_engine"]
+__all__ = ["AUTO_ENGINES", "ENGINES", "ENGINE_NAMES", "RolloutEngine", "build_engine", "resolve_engine",
+           "vllm_import_problem"]
