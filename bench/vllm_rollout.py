@@ -18,6 +18,8 @@ sampler-trainer log-prob gap).
     python bench/vllm_rollout.py --quick               # smoke run: 2 x 2, 8 tokens, float32, 1 repeat
     python bench/vllm_rollout.py --competing-job 1 --engines native,vllm,native_1_thread --workloads eos
                                                        # beside another job: a 1-thread GEMM loop runs throughout
+    python bench/vllm_rollout.py --vllm-eager --engines native,vllm --dtypes float32 --workloads fixed
+                                                       # the vLLM engine built eager (rollout.vllm_enforce_eager)
 """
 
 from __future__ import annotations
@@ -111,12 +113,12 @@ def exactness(model, engine: VllmEngine, prompts: list[torch.Tensor], num_sample
 
 
 def bench_dtype(dtype: torch.dtype, num_prompts: int, num_samples: int, new_tokens: int, repeats: int,
-                engines: list[str], workloads: list[str], competing_threads: int) -> dict:
+                engines: list[str], workloads: list[str], competing_threads: int, vllm_eager: bool = False) -> dict:
     model, tokenizer = load_real_model()
     model = model.to(dtype)
     prompts = chat_prompts(tokenizer, num_prompts, few_shot=False)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    engine = VllmEngine(dtype, torch.device("cpu"), tokenizer)
+    engine = VllmEngine(dtype, torch.device("cpu"), tokenizer, enforce_eager=vllm_eager)
     engine.build(model)
     pushes = []
     for _ in range(3):  # a full push (every weight), as the first push into an engine another run built
@@ -177,6 +179,8 @@ def main() -> None:
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
     parser.add_argument("--competing-job", type=int, default=0, metavar="THREADS",
                         help="run a GEMM loop on THREADS threads in another process while timing (0: none)")
+    parser.add_argument("--vllm-eager", action="store_true", help="build the vLLM engine without compilation "
+                        "(rollout.vllm_enforce_eager); results name vllm_rollout_eager")
     parser.add_argument("--quick", action="store_true", help="smoke run: 2 x 2, 8 tokens, float32, 1 repeat")
     parser.add_argument("--out", default=None, help="results name (default vllm_rollout[_competing], or _quick)")
     args = parser.parse_args()
@@ -187,13 +191,15 @@ def main() -> None:
         parser.error(f"--engines: native first, then any of {ENGINES}; --workloads: any of {WORKLOADS}")
     shape = {"num_prompts": args.prompts, "num_samples": args.samples, "max_new_tokens": args.new_tokens,
              "repeats": args.repeats, "temperature": 1.0, "model": "smollm2-135m-instruct",
-             "prompts": "GSM8K test, zero-shot chat template", "competing_job_threads": args.competing_job}
-    name = args.out or ("vllm_rollout" + ("_competing" if args.competing_job else "") + ("_quick" if args.quick else ""))
+             "prompts": "GSM8K test, zero-shot chat template", "competing_job_threads": args.competing_job,
+             "vllm_enforce_eager": args.vllm_eager}
+    name = args.out or ("vllm_rollout" + ("_eager" if args.vllm_eager else "") +
+                        ("_competing" if args.competing_job else "") + ("_quick" if args.quick else ""))
     records, load_before = [], os.getloadavg()
     for dtype in args.dtypes.split(","):
         # Each dtype's record is written when it is done: a run killed during the next one keeps it.
         records.append(bench_dtype(getattr(torch, dtype), args.prompts, args.samples, args.new_tokens, args.repeats,
-                                   engines, workloads, args.competing_job))
+                                   engines, workloads, args.competing_job, args.vllm_eager))
         write_results(name, {"shape": shape, "results": records,
                              "load_average": {"before": load_before, "after": os.getloadavg()}})
     rows = []

@@ -210,6 +210,10 @@ class RolloutConfig:
     vllm package) or "auto" (per device type and workload, by measurement, rollout.engines.AUTO_ENGINES: on the
     CPU vLLM for single-turn runs, native for [env] conversations; native wherever the run uses what only native
     runs, i.e. speculation, train.partial_rollouts or FSDP2, or vllm is not installed or fails to import)."""
+    vllm_enforce_eager: bool = False
+    """The vLLM engine without compilation (vLLM's ``enforce_eager``, as verl's and OpenRLHF's option): it builds
+    in seconds instead of the 40-100 s its inductor compile takes on a CPU, and samples slower (docs/guide/
+    engines.md has the measurement). For short runs and debugging; no effect on the native engine."""
     branching: list[int] = field(default_factory=list)
     """Multi-turn branching ([env]): [4, 2] starts 4 conversations per prompt and forks each 2 ways after its
     first environment reply (product = num_generations); shared turns are sampled once. [] does not branch."""

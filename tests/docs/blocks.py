@@ -15,11 +15,13 @@ from tests.docs.markdown import Block
 # Options appended to a documented command so that a run of minutes takes seconds: one GRPO step of a few
 # prompts, a few held-out problems, a tiny draft, a short latency curve. Later --set values win, so these
 # override what the block sets. Keyed by the command's words before its options.
+# A run keeps its held-out evaluation (greedy only, on 2 problems) and a group of 4, so the step still trains
+# (most groups of 4 mix rewards; a group of 2 would often be skipped).
+ONE_SHORT_STEP = ["--set", "train.num_steps=1", "train.prompts_per_step=2", "rollout.num_generations=4",
+                  "rollout.max_new_tokens=16", "data.num_eval_problems=2", "data.num_eval_samples=0"]
 SHORTER = {
-    ("demo",): ["--set", "train.num_steps=1", "train.prompts_per_step=2", "rollout.max_new_tokens=16", "data.num_eval_problems=4",
-                "data.num_eval_samples=1"],
-    ("train",): ["--set", "train.num_steps=1", "train.prompts_per_step=2", "rollout.max_new_tokens=16", "data.num_eval_problems=4",
-                 "data.num_eval_samples=1"],
+    ("demo",): ONE_SHORT_STEP,
+    ("train",): ONE_SHORT_STEP,
     ("eval",): ["--set", "data.num_eval_problems=4", "data.num_eval_samples=1"],
     ("draft", "train"): ["--num-prompts", "2", "--num-samples", "2", "--max-new-tokens", "8", "--epochs", "1"],
     ("draft", "export-vllm"): [],  # a file conversion: already short

@@ -184,7 +184,8 @@ def test_a_multiturn_run_with_tree_sharing_trains_on_vllm(tmp_path, demo, engine
 
 @pytest.mark.slow
 def test_max_staleness_1_runs_conversations_on_vllm_in_the_rollout_worker(tmp_path):
-    """The worker process builds its own vLLM engine (another minute) and draws the conversations there."""
+    """The worker process builds its own vLLM engine (eager, rollout.vllm_enforce_eager: seconds, not another
+    minute) and draws the conversations there."""
     from tests.train.test_async import ASYNC
     from tests.train.test_multiturn_run import CONFIG, small
     from turbogrpo.config import load_config
@@ -193,6 +194,7 @@ def test_max_staleness_1_runs_conversations_on_vllm_in_the_rollout_worker(tmp_pa
     threads = torch.get_num_threads()
     try:
         summary = train(load_config(CONFIG, small(tmp_path / "run", **{**ASYNC, "rollout.engine": '"vllm"',
+                                                                       "rollout.vllm_enforce_eager": "true",
                                                                        "train.save_final_model": "false"})))
     finally:
         torch.set_num_threads(threads)

@@ -61,7 +61,9 @@ def speculation(demo):
 @pytest.fixture(scope="module")
 def engine(demo, speculation, prompt):
     model, tokenizer = demo
-    engine = VllmEngine(torch.float32, torch.device("cpu"), tokenizer)
+    # Eager (rollout.vllm_enforce_eager): built in seconds, not a minute; the shared compiled engine of the other
+    # vLLM modules covers pushes into compiled graphs, and the drafter's kernels are the same either way.
+    engine = VllmEngine(torch.float32, torch.device("cpu"), tokenizer, enforce_eager=True)
     engine.sample(model, [prompt] * 2, num_samples=32, seed=0, draft=speculation,  # built for 64 live sequences
                   sampling=SamplingConfig(max_new_tokens=2, temperature=0.0))
     engine.llm.collective_rpc(_record_draft_logits)

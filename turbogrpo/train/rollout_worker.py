@@ -136,7 +136,8 @@ class _WorkerSampler:
         self.engine = build_engine(spec.rollout.engine, dist.device, schedule=schedule,
                                    dtype=self.precision.compute_dtype, tokenizer=self.tokenizer,
                                    conversations=self.episodes is not None,
-                                   native_only="train.partial_rollouts" if spec.partial_rollouts else "")
+                                   native_only="train.partial_rollouts" if spec.partial_rollouts else "",
+                                   enforce_eager=spec.rollout.vllm_enforce_eager)
         self.partial = (PartialRollouts(spec.rollout.num_generations, spec.rollout.max_new_tokens,
                                         spec.partial_rollouts) if spec.partial_rollouts else None)
 

@@ -200,7 +200,8 @@ def build_run(config: Config, dist: DistInfo, rewards: list[Reward]) -> Run:
     # still import vllm into the trainer), so it keeps the native one.
     engine = build_engine("native" if config.train.max_staleness else engine_name, dist.device, schedule=schedule,
                           dtype=precision.compute_dtype, tokenizer=parts.tokenizer,
-                          max_length=longest_prompt + max_new_tokens if episodes is None else None)
+                          max_length=longest_prompt + max_new_tokens if episodes is None else None,
+                          enforce_eager=config.rollout.vllm_enforce_eager)
     # Another engine's kernels, or weights some versions old, sample a distribution the trainer's forward only
     # approximates: algo.tis_cap = "auto" corrects for it there and stays off where the sampler is that forward.
     algo = config.algo.resolved(sampler_differs=engine_name != "native" or config.train.max_staleness > 0)

@@ -61,12 +61,12 @@ def _native(**settings) -> RolloutEngine:
 def _vllm(**settings) -> RolloutEngine:
     from turbogrpo.rollout.engines.vllm import VllmEngine  # vllm itself is imported when the engine builds
     return VllmEngine(settings["dtype"], settings["device"], settings.get("tokenizer"),
-                      max_model_len=settings.get("max_length"))
+                      max_model_len=settings.get("max_length"), enforce_eager=settings.get("enforce_eager", False))
 
 
 ENGINES: dict[str, Callable[..., RolloutEngine]] = {"native": _native, "vllm": _vllm}
-"""rollout.engine -> builder taking the run's settings (schedule, dtype, device, tokenizer, max_length) as
-keywords."""
+"""rollout.engine -> builder taking the run's settings (schedule, dtype, device, tokenizer, max_length,
+enforce_eager) as keywords."""
 
 AUTO_ENGINES: dict[tuple[str, str], str] = {
     # CPU, single-turn: bench/vllm_rollout.py (2-core Intel Xeon with AMX, SmolLM2-135M-Instruct, 8 GSM8K prompts
@@ -130,13 +130,15 @@ def _vllm_import_error() -> str:
 
 
 def build_engine(name: str, device: torch.device, *, schedule, dtype: torch.dtype, tokenizer=None,
-                 max_length: int | None = None, conversations: bool = False, native_only: str = "") -> RolloutEngine:
+                 max_length: int | None = None, conversations: bool = False, native_only: str = "",
+                 enforce_eager: bool = False) -> RolloutEngine:
     """The engine rollout.engine names on ``device``: ``schedule`` (the native engine's ``DecodeSchedule``),
     ``dtype`` (the rollout's compute dtype, which a separate engine samples in), ``tokenizer`` (the policy's,
     for stop strings), ``max_length`` (the longest prompt + completion it will serve; None: the model's limit),
-    ``conversations`` and ``native_only`` (``resolve_engine``)."""
+    ``conversations`` and ``native_only`` (``resolve_engine``), ``enforce_eager`` (rollout.vllm_enforce_eager)."""
     return ENGINES[resolve_engine(name, device, conversations=conversations, native_only=native_only)](
-        schedule=schedule, dtype=dtype, device=device, tokenizer=tokenizer, max_length=max_length)
+        schedule=schedule, dtype=dtype, device=device, tokenizer=tokenizer, max_length=max_length,
+        enforce_eager=enforce_eager)
 
 
 __all__ = ["AUTO_ENGINES", "ENGINES", "ENGINE_NAMES", "RolloutEngine", "build_engine", "resolve_engine",

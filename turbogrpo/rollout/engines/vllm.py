@@ -139,7 +139,8 @@ class VllmEngine:
     holds_weights = True
 
     def __init__(self, dtype: torch.dtype, device: torch.device, tokenizer=None, llm=None,
-                 max_model_len: int | None = None, speculative_config: dict | None = None):
+                 max_model_len: int | None = None, speculative_config: dict | None = None,
+                 enforce_eager: bool = False):
         import_vllm()  # a missing vllm is named when the run is built, not at its first rollout
         self.dtype, self.device, self.tokenizer = dtype, device, tokenizer
         self.max_model_len = max_model_len
@@ -156,6 +157,8 @@ class VllmEngine:
         self.speculative_config = speculative_config
         """vLLM's ``speculative_config`` (``vllm_speculation.speculative_settings``: an exported EAGLE draft);
         None: no speculation."""
+        self.enforce_eager = enforce_eager
+        """Build without vLLM's compilation (rollout.vllm_enforce_eager): seconds instead of a minute or more."""
         self.build_seconds = 0.0
         self.push_seconds = 0.0
         """The last push's wall time."""
@@ -169,7 +172,7 @@ class VllmEngine:
         start = time.perf_counter()
         config = base_model(policy).config
         with tempfile.TemporaryDirectory(prefix="turbogrpo-vllm-") as folder, process_state_kept(), \
-                ticking("building the vLLM engine (40-100 s on a CPU)"):
+                ticking("building the vLLM engine" + ("" if self.enforce_eager else " (40-100 s on a CPU)")):
             write_checkpoint(policy, folder)
             tokenizer = self.tokenizer
             if tokenizer is not None:  # only stop strings need it (vLLM detokenizes to find them)
@@ -181,6 +184,7 @@ class VllmEngine:
                            # Whole prefills: vLLM 0.32 rewinds a seeded request's generator after a partial
                            # prefill, which a CPU generator cannot do ("CPU Generator does not use offset").
                            enable_chunked_prefill=False, speculative_config=self.speculative_config,
+                           enforce_eager=self.enforce_eager,
                            disable_log_stats=self.speculative_config is None)  # acceptance counts: get_metrics()
         self.build_seconds = time.perf_counter() - start
         self.synced = True
