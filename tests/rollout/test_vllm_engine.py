@@ -21,6 +21,7 @@ except Exception as err:  # ImportError, or OSError from a torch extension built
                 allow_module_level=True)
 
 from turbogrpo import completion_logprobs
+from turbogrpo.config import load_config
 from turbogrpo.data.arithmetic import demo_records
 from turbogrpo.rollout import SamplingConfig, generate
 from turbogrpo.rollout.engines.vllm import CHILD_ENVIRONMENT, VllmEngine
@@ -44,6 +45,13 @@ def prompts(demo):
 
 def greedy(max_new_tokens=24):
     return SamplingConfig(max_new_tokens=max_new_tokens, temperature=0.0, stop_token_ids=(EOS,))
+
+
+def test_the_shared_engine_is_compiled_as_runs_build_it(engine):
+    """rollout.vllm_enforce_eager is off by default: the engine the other tests push into is vLLM's compiled one
+    (test_vllm_speculation.py's is built eager)."""
+    assert not engine.llm.llm_engine.vllm_config.model_config.enforce_eager
+    assert not load_config(None, []).rollout.vllm_enforce_eager
 
 
 def test_building_leaves_child_processes_environment_alone(engine):
@@ -191,7 +199,6 @@ def test_two_grpo_steps_on_the_vllm_engine(tmp_path, engine, monkeypatch):
     """rollout.engine = "vllm" on the demo config: two steps through the step's seam (sample, then the weight
     push after the optimizer), after which vLLM's greedy answers are the trained policy's."""
     from tests.conftest import REPO
-    from turbogrpo.config import load_config
     from turbogrpo.rewards import build_rewards
     from turbogrpo.rollout import engines
     from turbogrpo.train import distributed, loop

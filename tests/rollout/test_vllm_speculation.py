@@ -127,6 +127,7 @@ def assert_vllm_drafts_as_ours(engine, policy, speculation, prompt, max_new_toke
 
 
 def test_the_engine_was_built_with_our_schedule(engine):
+    assert engine.llm.llm_engine.vllm_config.model_config.enforce_eager  # VllmEngine(enforce_eager=True) reached vLLM
     config = engine.speculative_config
     assert config["method"] == "eagle" and config["num_speculative_tokens"] == NUM_DRAFTED
     assert config["num_speculative_tokens_per_batch_size"] == [list(e) for e in length_schedule(LENGTHS)]
