@@ -644,6 +644,14 @@ RESULTS: list[Result] = [
            "another process throughout): native vs vLLM, SmolLM2-135M, 8 x 8, up to 256 tokens, bf16, stop at EOS",
            "python bench/vllm_rollout.py --dtypes bfloat16 --workloads eos --engines native,vllm --competing-job 1",
            section="Rollouts"),
+    Result("vllm_rollout_compiled_128", "vllm_rollout", "The vLLM engine as runs build it (compiled) beside native: "
+           "SmolLM2-135M, 8 x 8, a fixed 128 tokens, float32 (the reference for vllm_rollout_eager)",
+           "python bench/vllm_rollout.py --engines native,vllm --dtypes float32 --workloads fixed --new-tokens 128 "
+           "--out vllm_rollout_compiled_128", section="Rollouts"),
+    Result("vllm_rollout_eager", "vllm_rollout", "The vLLM engine built eager (rollout.vllm_enforce_eager = true) "
+           "beside native: SmolLM2-135M, 8 x 8, a fixed 128 tokens, float32",
+           "python bench/vllm_rollout.py --vllm-eager --engines native,vllm --dtypes float32 --workloads fixed "
+           "--new-tokens 128", section="Rollouts"),
     Result("vllm_push", "vllm_push", "The vLLM engine's weight push after an optimizer step, SmolLM2-135M float32: full "
            "fine-tune vs LoRA (r = 16 on every linear, merged W + B A * scale)", "python bench/vllm_push.py",
            section="Rollouts"),
