@@ -6,6 +6,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 import typing
 
 import pytest
@@ -175,6 +176,28 @@ def test_a_side_killed_mid_run_ends_the_other_with_one_line(tmp_path, killed, ho
     else:
         assert "the trainer is gone" in last, err[-3000:]
     assert list((tmp_path / "out").glob("step-*"))  # (the run had checkpointed; keep_checkpoints may have moved on)
+
+
+def test_sigterm_reaches_a_trainer_waiting_for_a_worker_that_hangs(tmp_path):
+    """The worker stopped (SIGSTOP: a hung machine) while the trainer waits for its rollout: SIGTERM still stops the
+    trainer at once (exit 143, naming its checkpoint), as it stops one waiting for a local worker."""
+    model_dir, rows, config, env = subprocess_run_setup(tmp_path)
+    port = free_port()
+    sets = overrides(model_dir, rows, tmp_path / "out", **remote(port, **{"train.num_steps": 1_000_000,
+                                                                          "train.checkpoint_every": 1,
+                                                                          "data.eval_path": '""'}))
+    worker = start_worker(config, sets, env, port)
+    trainer = at_first_checkpoint(command(config, sets), env)
+    try:
+        worker.send_signal(signal.SIGSTOP)
+        time.sleep(3)  # a tiny step takes well under a second: the trainer now waits for the next rollout
+        trainer.send_signal(signal.SIGTERM)
+        _, err = trainer.communicate(timeout=60)
+    finally:
+        for child in (worker, trainer):
+            child.kill()
+    assert trainer.returncode == 143, err[-3000:]
+    assert "terminated (SIGTERM)" in said(err)[-1] and "step-" in said(err)[-1], err[-3000:]
 
 
 @pytest.mark.slow

@@ -12,6 +12,7 @@ over a ``PrefixStore``), so they never touch torch.distributed's global state: u
 group stays the trainer ranks' alone, and rank r pairs with the worker started with ``--rank r``. One group per
 direction, so that each is used by one thread on each side: the worker receives weights and requests on a thread
 while its main thread draws and its outbox sends rollouts; the trainer sends from its loop and receives in ``take``.
+Every wait polls (``wire.finish``), so Ctrl-C and SIGTERM stop a side whose peer hangs.
 
 Weights. Each side keeps a ``WeightRing`` of k + 1 versions in its own memory. After each update the trainer
 writes version v into its ring (the versions a checkpoint keeps) and sends it, the trainable parameters as one
@@ -171,6 +172,8 @@ class DistributedTransport:
         self.device = dist.device
         self.pair = listen(port, dist.rank, spec.sampling_settings(), connect_timeout_s)
         self.name = f"rank {dist.rank}'s, {self.pair.peer}"
+        self.sending = ""
+        """What the trainer is sending ("" between sends; left set by a send that an interrupt cut short)."""
 
     def publish(self, version: int, parameters: dict[str, torch.Tensor]) -> None:
         self.ring.publish(version, parameters)
@@ -200,21 +203,27 @@ class DistributedTransport:
         rollout nobody takes stops too)."""
         if self.pair is None:
             return
-        try:
-            self._send(Message({"kind": "stop"}), "the stop")
-        except RolloutWorkerError:
-            pass  # gone already
+        # Not after a send that Ctrl-C or SIGTERM cut short: its frame is half sent, and the worker could not read
+        # what followed (it sees the connection close when this process ends). Within POLL_S: a hung worker takes
+        # nothing, and the run is ending.
+        if not self.sending:
+            try:
+                self._send(Message({"kind": "stop"}), "the stop", timeout_s=POLL_S)
+            except (RolloutWorkerError, TimeoutError):
+                pass  # gone already, or hung
         self.pair = None
 
     def _send_version(self, version: int) -> None:
         slot = self.ring.slots[version % len(self.ring.slots)]
         self._send(Message({"kind": "weights", "version": version}, dict(slot)), f"weights version {version}")
 
-    def _send(self, message: Message, what: str) -> None:
+    def _send(self, message: Message, what: str, timeout_s: float | None = None) -> None:
+        self.sending = what
         try:
-            wire.send(self.pair.to_worker, WORKER, wire.encode(message))
+            wire.send(self.pair.to_worker, WORKER, wire.encode(message), timeout_s)
         except RuntimeError as err:
             raise self._gone(f"while the trainer sent {what}", err) from None
+        self.sending = ""
 
     def _gone(self, when: str, err: BaseException) -> RolloutWorkerError:
         return RolloutWorkerError(f"the rollout worker ({self.name}) is gone {when} ({_first_line(err)}); "

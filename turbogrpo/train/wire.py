@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import threading
+import time
 
 import torch
 from torch import Tensor
@@ -79,24 +81,50 @@ def decode(header: Tensor, payload: Tensor, device: torch.device) -> Message:
     return Message(fields, tensors)
 
 
-def send(group, peer: int, frame: Frame) -> None:
-    """``frame`` to rank ``peer`` of ``group`` (blocks until it is sent)."""
+def send(group, peer: int, frame: Frame, timeout_s: float | None = None) -> None:
+    """``frame`` to rank ``peer`` of ``group`` (blocks until it is sent; past ``timeout_s``, TimeoutError: a peer
+    that takes nothing, e.g. a hung machine, leaves a large frame unsent)."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
     for part in (frame.sizes, frame.header, frame.payload):
         if part.numel():
-            group.send([part], peer, 0).wait()
+            finish(group.send([part], peer, 0), deadline)
 
 
 def receive(group, peer: int, device: torch.device) -> Message:
     """The next message from rank ``peer`` of ``group`` (blocks; raises when the peer is gone)."""
     sizes = torch.empty(2, dtype=torch.int64)
-    group.recv([sizes], peer, 0).wait()
+    finish(group.recv([sizes], peer, 0))
     header_bytes, payload_bytes = sizes.tolist()
     header = torch.empty(header_bytes, dtype=torch.uint8)
-    group.recv([header], peer, 0).wait()
+    finish(group.recv([header], peer, 0))
     payload = torch.empty(payload_bytes, dtype=torch.uint8)
     if payload_bytes:
-        group.recv([payload], peer, 0).wait()
+        finish(group.recv([payload], peer, 0))
     return decode(header, payload, device)
+
+
+def finish(work, deadline: float | None = None) -> None:
+    """Wait for a send or receive so that Ctrl-C and SIGTERM still reach this thread: ``Work.wait()`` blocks in C++,
+    where Python runs no signal handler until it returns, which a peer that hangs never lets happen (and gloo's
+    point-to-point work cannot be polled: it completes inside ``wait``). So ``wait`` runs on a helper thread while
+    this one waits on an event, which a signal interrupts. Raises the operation's error (the peer gone), or
+    TimeoutError past ``deadline`` (``time.monotonic()``; the helper is left to the operation)."""
+    done, failed = threading.Event(), []
+
+    def wait() -> None:
+        try:
+            work.wait()
+        except BaseException as err:  # noqa: BLE001 - handed to the waiting thread, which raises it
+            failed.append(err)
+        finally:
+            done.set()
+
+    threading.Thread(target=wait, name="turbogrpo-wire", daemon=True).start()
+    while not done.wait(None if deadline is None else max(0.0, deadline - time.monotonic())):
+        if deadline is not None and time.monotonic() >= deadline:
+            raise TimeoutError("the other side took nothing")
+    if failed:
+        raise failed[0]
 
 
 # --- what the messages hold ------------------------------------------------------------------------------
