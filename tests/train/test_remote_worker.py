@@ -146,18 +146,24 @@ def test_a_worker_with_other_sampling_settings_is_refused_on_both_sides(tmp_path
                                                                "worker with the run's config"), worker_err[-3000:]
 
 
-@pytest.mark.parametrize("killed, how", [("worker", signal.SIGKILL), ("trainer", signal.SIGKILL),
-                                         ("worker", signal.SIGTERM)], ids=["worker", "trainer", "worker_sigterm"])
-def test_a_side_killed_mid_run_ends_the_other_with_one_line(tmp_path, killed, how):
-    """SIGKILL of the worker: the trainer stops with one RolloutWorkerError line, no hang; SIGTERM (or Ctrl-C) of the
-    worker: the same, saying so. SIGKILL of the trainer: the worker sees its connection close and exits by itself."""
+def endless_remote_run(tmp_path) -> tuple[subprocess.Popen, subprocess.Popen]:
+    """A worker and its trainer (each its own process) in a run of endless tiny steps, after its first checkpoint
+    (in tmp_path/out)."""
     model_dir, rows, config, env = subprocess_run_setup(tmp_path)
     port = free_port()
     sets = overrides(model_dir, rows, tmp_path / "out", **remote(port, **{"train.num_steps": 1_000_000,
                                                                           "train.checkpoint_every": 1,
                                                                           "data.eval_path": '""'}))
     worker = start_worker(config, sets, env, port)
-    trainer = at_first_checkpoint(command(config, sets), env)
+    return worker, at_first_checkpoint(command(config, sets), env)
+
+
+@pytest.mark.parametrize("killed, how", [("worker", signal.SIGKILL), ("trainer", signal.SIGKILL),
+                                         ("worker", signal.SIGTERM)], ids=["worker", "trainer", "worker_sigterm"])
+def test_a_side_killed_mid_run_ends_the_other_with_one_line(tmp_path, killed, how):
+    """SIGKILL of the worker: the trainer stops with one RolloutWorkerError line, no hang; SIGTERM (or Ctrl-C) of the
+    worker: the same, saying so. SIGKILL of the trainer: the worker sees its connection close and exits by itself."""
+    worker, trainer = endless_remote_run(tmp_path)
     try:
         (worker if killed == "worker" else trainer).send_signal(how)
         survivor = trainer if killed == "worker" else worker
@@ -181,13 +187,7 @@ def test_a_side_killed_mid_run_ends_the_other_with_one_line(tmp_path, killed, ho
 def test_sigterm_reaches_a_trainer_waiting_for_a_worker_that_hangs(tmp_path):
     """The worker stopped (SIGSTOP: a hung machine) while the trainer waits for its rollout: SIGTERM still stops the
     trainer at once (exit 143, naming its checkpoint), as it stops one waiting for a local worker."""
-    model_dir, rows, config, env = subprocess_run_setup(tmp_path)
-    port = free_port()
-    sets = overrides(model_dir, rows, tmp_path / "out", **remote(port, **{"train.num_steps": 1_000_000,
-                                                                          "train.checkpoint_every": 1,
-                                                                          "data.eval_path": '""'}))
-    worker = start_worker(config, sets, env, port)
-    trainer = at_first_checkpoint(command(config, sets), env)
+    worker, trainer = endless_remote_run(tmp_path)
     try:
         worker.send_signal(signal.SIGSTOP)
         time.sleep(3)  # a tiny step takes well under a second: the trainer now waits for the next rollout
