@@ -117,6 +117,8 @@ def main() -> None:
     parser.add_argument("--workdir", default="runs/learning", help="the runs' folders (kept for restarts; shared "
                         "by the variants, so k0 runs once for every comparison)")
     parser.add_argument("--name", default="learning", help="bench/results/<name>.json and .png")
+    parser.add_argument("--note", default="", help="what the reader should know about how the runs ran (shown "
+                        "under the table), e.g. that they shared the cores")
     args = parser.parse_args()
     workdir = Path(args.workdir).resolve()
     variants = args.variants.split(",")
@@ -130,7 +132,8 @@ def main() -> None:
             print(f"{task} {variant}: greedy {c['greedy']} sampled {c['sampled']} (steps {c['steps']}), wall {c['wall_s']} s")
     write_results(args.name, {"tasks": {t: {"config": TASKS[t][0], "overrides": TASKS[t][1]} for t in results},
                               "variants": {v: VARIANTS[v] for v in variants}, "common": COMMON,
-                              "steps": args.steps, "eval_every": args.eval_every, "curves": results})
+                              "steps": args.steps, "eval_every": args.eval_every, "curves": results,
+                              **({"note": args.note} if args.note else {})})
     plot(results, RESULTS_DIR / f"{args.name}.png")
 
 
