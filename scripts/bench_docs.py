@@ -859,6 +859,11 @@ RESULTS: list[Result] = [
            "(configs/smollm2_calculator.toml, 30 steps), on-policy (k0) vs train.max_staleness = 1 (k1), same seeds, "
            "TIS cap 2", "python bench/learning.py --tasks calculator --variants k0,k1 --name async_learning",
            section="Learning"),
+    Result("async_learning_gsm8k", "learning_curves", "Learning with asynchronous GRPO: SmolLM2-135M GSM8K zero-shot "
+           "(configs/smollm2_gsm8k.toml at 8 x 8, 256 tokens, lr 1e-5, 30 steps), on-policy (k0) vs "
+           "train.max_staleness = 1 (k1), same seeds, TIS cap 2",
+           "python bench/learning.py --tasks gsm8k --variants k0,k1 --name async_learning_gsm8k --note TEXT",
+           section="Learning"),
     Result("smollm2_guess_number_run", "learning_run", "SmolLM2-135M learns a higher/lower guessing game "
            "(configs/smollm2_guess_number.toml)",
            "python scripts/learning_record.py runs/smollm2_guess_number smollm2_guess_number_run", section="Learning"),
