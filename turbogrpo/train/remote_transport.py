@@ -12,7 +12,8 @@ over a ``PrefixStore``), so they never touch torch.distributed's global state: u
 group stays the trainer ranks' alone, and rank r pairs with the worker started with ``--rank r``. One group per
 direction, so that each is used by one thread on each side: the worker receives weights and requests on a thread
 while its main thread draws and its outbox sends rollouts; the trainer sends from its loop and receives in ``take``.
-Every wait polls (``wire.finish``), so Ctrl-C and SIGTERM stop a side whose peer hangs.
+Every wait goes through ``wire.finish`` (gloo's wait on a helper thread, the caller on an event), so Ctrl-C and
+SIGTERM stop a side whose peer hangs.
 
 Weights. Each side keeps a ``WeightRing`` of k + 1 versions in its own memory. After each update the trainer
 writes version v into its ring (the versions a checkpoint keeps) and sends it, the trainable parameters as one
