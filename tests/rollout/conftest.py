@@ -90,3 +90,14 @@ def vllm_llm():
     engine = VllmEngine(torch.float32, torch.device("cpu"), tokenizer)
     engine.build(model.eval())
     return engine.llm
+
+
+@pytest.fixture(scope="session")
+def vllm_kept():
+    """Where a module puts a vLLM engine it built for itself, to keep it alive until the session ends: vLLM
+    tears down the parallel groups every in-process engine shares when one of them is shut down, so an engine
+    freed at its module's end would break the session's shared one (``vllm_llm``) in a later module of the same
+    pytest worker (``VllmEngine``'s ``GROUPS_TORN_DOWN``)."""
+    kept = []
+    yield kept
+    kept.clear()

@@ -64,6 +64,19 @@ def test_building_leaves_child_processes_environment_alone(engine):
         assert os.environ.get(name) == (before.decode() if before is not None else None), name
 
 
+def test_an_engine_whose_process_groups_another_engine_tore_down_says_so(demo, engine, prompts, monkeypatch):
+    """vLLM tears down the parallel groups all in-process engines share when one engine shuts down; the next
+    rollout of another then failed deep in vLLM ("pipeline model parallel group is not initialized") and left its
+    requests stuck. Ours names the cause before vLLM runs (the groups' state is faked: tearing them down for real
+    would break the session's shared engine)."""
+    from vllm.distributed import parallel_state
+    monkeypatch.setattr(parallel_state, "model_parallel_is_initialized", lambda: False)
+    with pytest.raises(RuntimeError, match="another vLLM engine .* in this process was shut down"):
+        engine.sample(demo[0], prompts[:1], num_samples=1, sampling=greedy(2), seed=0)
+    monkeypatch.undo()
+    assert engine.sample(demo[0], prompts[:1], num_samples=1, sampling=greedy(2), seed=0).groups.num_completions == 1
+
+
 def test_greedy_rollouts_equal_the_native_engines(demo, engine, prompts):
     model = demo[0]
     ours = engine.sample(model, prompts, num_samples=2, sampling=greedy(), seed=0)

@@ -59,7 +59,7 @@ def speculation(demo):
 
 
 @pytest.fixture(scope="module")
-def engine(demo, speculation, prompt):
+def engine(demo, speculation, prompt, vllm_kept):
     model, tokenizer = demo
     # Eager (rollout.vllm_enforce_eager): built in seconds, not a minute; the shared compiled engine of the other
     # vLLM modules covers pushes into compiled graphs, and the drafter's kernels are the same either way.
@@ -67,6 +67,7 @@ def engine(demo, speculation, prompt):
     engine.sample(model, [prompt] * 2, num_samples=32, seed=0, draft=speculation,  # built for 64 live sequences
                   sampling=SamplingConfig(max_new_tokens=2, temperature=0.0))
     engine.llm.collective_rpc(_record_draft_logits)
+    vllm_kept.append(engine)  # freed at this module's end, it would tear down the shared engine's groups
     return engine
 
 

@@ -69,6 +69,15 @@ MEMORY = {
 FINISH_REASONS = {"stop": "stop", "length": "length"}
 """vLLM's finish reasons -> ours (``rollout.types.FinishReason``); any other ("abort") is an error."""
 
+GROUPS_TORN_DOWN = (
+    "vLLM's process-wide parallel groups are gone: another vLLM engine (an `LLM`) in this process was shut down or "
+    "garbage-collected, and vLLM tears down the groups every in-process engine shares when one of them ends. Keep "
+    "every vLLM engine of a process alive while any of them samples (or build one per process)")
+"""Why a built engine cannot sample: vLLM (0.32) keeps one set of tensor/pipeline-parallel groups per process;
+an in-process engine's shutdown (``EngineCore.shutdown`` -> ``cleanup_dist_env_and_memory``) destroys them for
+all, and the next ``generate`` of another engine fails deep inside vLLM ("pipeline model parallel group is not
+initialized") and leaves its requests unfinished."""
+
 # vLLM's layer-by-layer reload warns, per push, about every layer it was not sent (by design here).
 _RELOAD_LOGGERS = ("vllm.model_executor.model_loader.reload.layerwise", "vllm.model_executor.model_loader.reload.inplace")
 
@@ -203,7 +212,11 @@ class VllmEngine:
         """Build the engine from ``policy`` (first rollout), or push its weights if they changed since."""
         if self.llm is None:
             self.build(policy)
-        elif not self.synced:
+            return
+        from vllm.distributed.parallel_state import model_parallel_is_initialized
+        if not model_parallel_is_initialized():
+            raise RuntimeError(GROUPS_TORN_DOWN)
+        if not self.synced:
             self.push_weights(policy)
 
     def _sample(self, policy: nn.Module, prompts: list[torch.Tensor], num_samples: int, sampling: SamplingConfig,
