@@ -231,10 +231,6 @@ def test_the_output_folder_has_one_spelling():
      "config key 'algo.tis_cap': 0.0 is not allowed; expected \"auto\" or a number >= 1 with train.max_staleness > 0"),
     (["train.rollout_worker=\"remote\""], "config key 'train.rollout_worker': 'remote' is not allowed; expected \"local\" "
                                         "with train.max_staleness = 0"),
-    (["train.max_staleness=1", "train.rollout_worker=\"remote\"", 'env.factory="a.b:c"'],
-     "config key 'env.factory': 'a.b:c' is not allowed; expected \"\" with train.rollout_worker = \"remote\""),
-    (["train.max_staleness=1", "train.rollout_worker=\"remote\"", "train.partial_rollouts=1"],
-     "config key 'train.partial_rollouts': 1 is not allowed; expected 0 with train.rollout_worker = \"remote\""),
     (["train.max_staleness=1", "train.rollout_port=0"], "config key 'train.rollout_port': 0 is not allowed; expected a TCP "
                                                        "port (1..65535)"),
 ])

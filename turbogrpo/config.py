@@ -445,8 +445,8 @@ class TrainConfig:
     """With max_staleness > 0: where the rollout worker runs (``turbogrpo.train.rollout_worker.TRANSPORTS``).
     "local": a process this trainer starts on its machine (weights through shared memory). "remote": a worker
     started on another machine with `turbogrpo rollout-worker CONFIG --trainer HOST:PORT --rank R`, one per trainer
-    rank, talking over torch.distributed (gloo; single-turn rollouts, no partial rollouts;
-    docs/guide/distributed.md)."""
+    rank, talking over torch.distributed (gloo: tensors and JSON; an [env] run's environments stay on the worker's
+    machine, the trainer gets their rewards and conversations; docs/guide/distributed.md)."""
     rollout_port: int = 29600
     """With rollout_worker = "remote": trainer rank r listens for its worker on port rollout_port + r."""
     rollout_connect_timeout_s: float = 600.0
@@ -676,13 +676,6 @@ class Config:
                  self.rollout.speculation)
         _require(self.distributed.strategy != "fsdp2", "distributed.strategy", "\"ddp\" with train.max_staleness "
                  "> 0 (the rollout worker copies whole weights, which FSDP2 shards)", self.distributed.strategy)
-        if self.train.rollout_worker == "remote":  # what travels between machines: tensors and JSON
-            _require(not self.env.factory, "env.factory", "\"\" with train.rollout_worker = \"remote\" (a multi-turn "
-                     "rollout's episodes hold environment objects the rewards read, which do not travel as tensors and "
-                     "JSON; use the local worker)", self.env.factory)
-            _require(not self.train.partial_rollouts, "train.partial_rollouts", "0 with train.rollout_worker = "
-                     "\"remote\" (a remote worker does not carry generations between steps yet)",
-                     self.train.partial_rollouts)
         if self.train.partial_rollouts:  # what a carried generation cannot do yet
             _require(not self.env.factory, "env.factory", "\"\" with train.partial_rollouts > 0 (partial rollouts "
                      "carry single-turn completions only; multi-turn conversations are not carried yet)",

@@ -2,6 +2,8 @@
 pointed at 127.0.0.1 and a free port, standing in for another machine), over torch.distributed. Real runs of the
 tiny model (CPU, a few steps); no timing asserts."""
 
+import datetime
+import json
 import signal
 import socket
 import subprocess
@@ -15,15 +17,22 @@ from safetensors.torch import load_file
 
 from turbogrpo.batch import Groups
 from turbogrpo.config import TrainConfig, load_config
+from turbogrpo.data import PromptExample
+from turbogrpo.env import EnvRollout, Episode, environment_reward
 from turbogrpo.rollout import Rollout
+from turbogrpo.rollout.multiturn import MultiTurnRollout, MultiTurnStats
 from turbogrpo.rollout.types import RolloutStats
 from turbogrpo.train import wire
+from turbogrpo.train.partial_rollouts import PendingGroup
+from turbogrpo.train.worker_types import Drawn, Request
 from turbogrpo.train.loop import train
 from turbogrpo.train.metrics import read_metrics
 from turbogrpo.train.remote_transport import first_difference
 from turbogrpo.train.rollout_worker import TRANSPORTS, RolloutWorkerError
 
 from .test_async import ASYNC, restore_threads  # (restore_threads: a fixture)
+from .test_multiturn_run import final_weights, small
+from .test_partial_rollouts import demo as partial_demo
 from .test_resume import REPO, at_first_checkpoint, command, comparable, subprocess_run_setup
 from .tiny_run import overrides
 
@@ -80,6 +89,85 @@ def test_a_rollout_crosses_the_wire_bit_for_bit():
         wire.decode(torch.frombuffer(bytearray(forged), dtype=torch.uint8), frame.payload, torch.device("cpu"))
 
 
+def crossed(message: wire.Message) -> wire.Message:
+    frame = wire.encode(message)
+    return wire.decode(frame.header, frame.payload.clone(), torch.device("cpu"))
+
+
+def assert_same_examples(got: list[PromptExample], sent: list[PromptExample]) -> None:
+    assert len(got) == len(sent)
+    for a, b in zip(got, sent):
+        assert (a.text, a.index, a.columns, a.messages) == (b.text, b.index, b.columns, b.messages)
+        assert torch.equal(a.token_ids, b.token_ids)
+
+
+class Scored:
+    """An environment whose reward is given (None: its get_reward() raises)."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def get_reward(self):
+        if self.value is None:
+            raise RuntimeError("no answer to score")
+        return self.value
+
+
+def test_rows_episodes_and_carried_generations_cross_the_wire():
+    """What an [env] or partial-rollouts run sends its remote worker and gets back: the prompts' rows (columns,
+    chat messages), a checkpoint's carried pool (ids, log-probs, versions bit for bit), the episodes as records whose
+    rewards, failures, messages and counters are the episodes' own (each get_reward() read on the worker's side),
+    and multi-turn stats. A column JSON cannot hold is refused naming it; an environment's other attributes say
+    where the environment is."""
+    examples = [PromptExample("Q1", torch.tensor([5, 6, 7]), {"answer": "4", "tags": ["a", 1]}, 3,
+                              ({"role": "user", "content": "Q1"},)),
+                PromptExample("Q2", torch.tensor([8]), {"answer": "9"}, 7, None)]
+    gen = torch.Generator().manual_seed(0)
+    pool = [PendingGroup(examples[1], 2, [torch.tensor([1, 2]), torch.tensor([3])],
+                         [torch.randn(2, generator=gen), torch.randn(1, generator=gen)],
+                         [torch.tensor([4, 6]), torch.tensor([6])], ["stop", None])]
+    request = wire.request_of(crossed(wire.request_message(Request(4, 123, 3, [e.token_ids for e in examples],
+                                                                   examples, 2, pool), with_rows=True)))
+    assert (request.step, request.seed, request.version, request.num_groups) == (4, 123, 3, 2)
+    assert_same_examples(request.examples, examples)
+    assert_same_examples([g.example for g in request.carried], [examples[1]])
+    for name in ("tokens", "logps", "versions"):
+        assert all(torch.equal(a, b) for a, b in zip(getattr(request.carried[0], name), getattr(pool[0], name)))
+    assert request.carried[0].reasons == ["stop", None] and request.carried[0].started == 2
+
+    completions = [torch.tensor([9, 9, 1]), torch.tensor([2])]
+    groups = Groups([examples[0].token_ids], completions, (2,), finish_reasons=["stop", "length"],
+                    sampler_logps=[torch.randn(3, generator=gen), torch.randn(1, generator=gen)],
+                    model_mask=[torch.tensor([True, False, True]), torch.tensor([True])])
+    stats = MultiTurnStats(num_generated_tokens=3, num_env_tokens=1, num_turns=3, turn_prefill_tokens=[2])
+    episodes = [Episode(Scored(value), {}, None, None, None, 2, [{"role": "assistant", "content": text}],
+                        num_turns=turns, num_tool_calls=calls, error=error)
+                for value, text, turns, calls, error in [(1.0, "4", 2, 1, None), (None, "?", 1, 0, "reset() raised")]]
+    multiturn = MultiTurnRollout(groups, stats, [2, 1], [None, "reset() raised"], episodes)
+    drawn = Drawn(Rollout(groups, stats), EnvRollout(multiturn, episodes, ["<p>"], {"env/turns": 1.5}), examples, pool)
+    back = wire.drawn_of(crossed(wire.drawn_message(5, drawn)))
+    assert type(back.rollout.stats) is MultiTurnStats and back.rollout.stats == stats
+    assert back.rollout.groups.finish_reasons == groups.finish_reasons
+    assert all(torch.equal(a, b) for a, b in zip(back.rollout.groups.model_mask, groups.model_mask))
+    records = back.episodes.episodes
+    assert repr(environment_reward(None, None, environments=records)) == repr(
+        environment_reward(None, None, environments=episodes)) == "[1.0, ItemFailure('Scored: reset() raised')]"
+    assert [r.failure for r in records] == [e.failure for e in episodes] == [None, "reset() raised"]
+    assert [(r.messages, r.num_turns, r.num_tool_calls) for r in records] == [
+        (e.messages, e.num_turns, e.num_tool_calls) for e in episodes]
+    assert back.episodes.metrics == {"env/turns": 1.5} and back.episodes.prompt_texts == ["<p>"]
+    assert back.episodes.rollout.errors == [None, "reset() raised"] and back.episodes.rollout.num_turns == [2, 1]
+    assert records[0].env.get_reward() == 1.0
+    with pytest.raises(AttributeError, match="Scored.value: the environment lives on the remote rollout worker"):
+        records[0].env.value
+    assert_same_examples(back.examples, examples)
+    assert_same_examples([g.example for g in back.carried], [examples[1]])
+
+    dated = [PromptExample("Q", torch.tensor([1]), {"when": datetime.date(2026, 1, 1)}, 11)]
+    with pytest.raises(ValueError, match="column 'when' of row 11 cannot travel to a remote rollout worker"):
+        wire.request_message(Request(0, 0, 0, [torch.tensor([1])], dated), with_rows=True)
+
+
 def test_the_first_differing_sampling_setting_is_named_as_its_config_key():
     trainer = {"model": {"dtype": "float32"}, "rollout": {"temperature": 1.0, "top_p": 1.0}, "seed": 0}
     assert first_difference(trainer, trainer) == ""
@@ -117,6 +205,45 @@ def test_a_remote_worker_draws_the_run_of_the_local_one_bit_for_bit(tmp_path, re
     assert final_local.keys() == final_far.keys()
     for name in final_local:
         assert torch.equal(final_local[name], final_far[name]), name
+
+
+@pytest.mark.parametrize("config", ["demo_multiturn.toml", "demo.toml"], ids=["env_conversations",
+                                                                              "partial_rollouts"])
+def test_a_remote_worker_draws_the_local_ones_conversations_and_partial_rollouts_bit_for_bit(tmp_path, restore_threads,
+                                                                                             config):
+    """k = 1 on the shipped configs: the multi-turn one (each conversation's environment lives and is scored on the
+    worker's machine; the trainer gets records) and the single-turn one with partial rollouts (c = 1: the pool
+    travels with every batch). Metrics, logged completions (env errors included) and final weights equal the local
+    worker's run."""
+    _, _, _, env = subprocess_run_setup(tmp_path)
+    port = free_port()
+
+    def sets(name: str, where: dict) -> list[str]:
+        extra = {**where, "model.linear_kernel": '"module"', "train.save_final_model": "true",
+                 "train.eval_every": 0, "log.completions_every": 1}
+        if config == "demo.toml":
+            return partial_demo(tmp_path / name, **extra)
+        return small(tmp_path / name, **{**ASYNC, **extra})
+
+    train(load_config(REPO / "configs" / config, sets("local", {})))
+    far = sets("remote", remote(port))
+    worker = start_worker(REPO / "configs" / config, far, env, port)
+    try:
+        train(load_config(REPO / "configs" / config, far))
+        _, err = worker.communicate(timeout=120)
+    finally:
+        worker.kill()
+    assert worker.returncode == 0, err[-3000:]
+    local, remote_run = read_metrics(tmp_path / "local"), read_metrics(tmp_path / "remote")
+    assert len(local) > 1 and comparable(local) == comparable(remote_run)
+    if config == "demo.toml":
+        assert max(r.get("staleness/lag_mean", 0) for r in remote_run) > 0  # carried generations were trained
+    else:
+        assert all(r["env/env_tokens"] > 0 for r in remote_run if "reward" in r)  # environments replied
+    assert (tmp_path / "local" / "completions.jsonl").read_text() == (tmp_path / "remote" / "completions.jsonl").read_text()
+    weights_local, weights_remote = final_weights(tmp_path / "local"), final_weights(tmp_path / "remote")
+    assert weights_local.keys() == weights_remote.keys()
+    assert all(torch.equal(weights_local[k], weights_remote[k]) for k in weights_local)
 
 
 def test_a_trainer_whose_worker_never_comes_stops_with_one_line(tmp_path, restore_threads):
@@ -201,13 +328,16 @@ def test_sigterm_reaches_a_trainer_waiting_for_a_worker_that_hangs(tmp_path):
 
 
 @pytest.mark.slow
-def test_sigterm_then_resume_with_a_new_worker_repeats_the_uninterrupted_run(tmp_path, restore_threads):
+@pytest.mark.parametrize("partial", [0, 1], ids=["whole_rollouts", "partial_rollouts"])
+def test_sigterm_then_resume_with_a_new_worker_repeats_the_uninterrupted_run(tmp_path, restore_threads, partial):
     """k = 1, SIGTERM after the checkpoint at step 2: the trainer exits 143 and tells its worker to stop (0); the
-    resumed trainer sends a new worker the checkpoint's in-flight version before its own, and ends bit for bit
-    where an uninterrupted run (with the local worker) ends."""
+    resumed trainer sends a new worker the checkpoint's in-flight version before its own (with partial rollouts, the
+    generations carried into step 3, in its first request), and ends bit for bit where an uninterrupted run (with
+    the local worker) ends."""
     model_dir, rows, config, env = subprocess_run_setup(tmp_path)
     port = free_port()
-    extra = {"train.num_steps": 4, "train.checkpoint_every": 2, "model.linear_kernel": '"module"'}
+    extra = {"train.num_steps": 4, "train.checkpoint_every": 2, "model.linear_kernel": '"module"',
+             "train.partial_rollouts": partial}
     sets = overrides(model_dir, rows, tmp_path / "stopped", **remote(port, **extra))
     worker = start_worker(config, sets, env, port)
     try:
@@ -217,6 +347,9 @@ def test_sigterm_then_resume_with_a_new_worker_repeats_the_uninterrupted_run(tmp
         assert trainer.returncode == 143 and "step-000002" in said(err)[-1], err[-3000:]
         _, worker_err = worker.communicate(timeout=60)
         assert worker.returncode == 0, worker_err[-3000:]
+        if partial:  # the pool carried into step 3, which the new worker's first request brings it
+            saved = json.loads((tmp_path / "stopped" / "step-000002" / "rng-rank0.json").read_text())
+            assert saved["extra"]["carried"], saved["extra"]
         worker = start_worker(config, sets, env, port)
         resumed = subprocess.run(command(config, sets, "--resume"), cwd=REPO, env=env, capture_output=True, text=True,
                                  timeout=600)

@@ -11,10 +11,10 @@ built-in environments.
 
 from turbogrpo.env.chat import ChatRenderer
 from turbogrpo.env.environment import bind_positional, call_tool, environment_tools, load_factory, tool_schemas
-from turbogrpo.env.episode import EnvRollout, Episode, environment_reward, run_episodes
+from turbogrpo.env.episode import EnvRollout, Episode, EpisodeRecord, environment_reward, run_episodes
 from turbogrpo.env.tool_calls import TOOL_CALL_PARSERS, ToolCall, get_tool_call_parser
 from turbogrpo.rollout.multiturn import TurnLimits
 
-__all__ = ["ChatRenderer", "EnvRollout", "Episode", "TOOL_CALL_PARSERS", "ToolCall", "TurnLimits", "bind_positional",
+__all__ = ["ChatRenderer", "EnvRollout", "Episode", "EpisodeRecord", "TOOL_CALL_PARSERS", "ToolCall", "TurnLimits", "bind_positional",
            "call_tool", "environment_reward", "environment_tools", "get_tool_call_parser", "load_factory", "run_episodes",
            "tool_schemas"]

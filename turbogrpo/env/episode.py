@@ -21,7 +21,7 @@ import copy
 import json
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 import torch
@@ -82,6 +82,18 @@ class Episode:
             return None
         self.messages.extend(reply)
         return self.renderer.reply_ids(reply, [c.as_message_call() for c in calls])
+
+    @property
+    def env_name(self) -> str:
+        """The environment's class name, for messages."""
+        return type(self.env).__name__
+
+    def record(self) -> EpisodeRecord:
+        """What the trainer needs of this episode where the environment cannot travel (a remote rollout worker):
+        its ``get_reward()``, read here and now, the messages and the counters."""
+        value = self.reward()
+        return EpisodeRecord(self.env_name, copy.deepcopy(self.messages), self.num_turns, self.num_tool_calls,
+                             self.num_tool_failures, self.hit_max_turns, self.error, value, self.reward_error)
 
     def fork(self) -> Episode:
         """A branch of this episode (rollout branching): the environment forked (its ``fork()``, else a deep
@@ -146,6 +158,67 @@ class Episode:
         return value, None
 
 
+@dataclass
+class EpisodeRecord:
+    """An ``Episode`` drawn on another machine, as the trainer gets it (train.rollout_worker = "remote"): its
+    environment's ``get_reward()`` read there right after the rollout (a local run reads it when the rewards run:
+    the same value for an environment whose reward depends on its conversation only), the conversation's messages
+    and counters. The environment object stays on the worker's machine; ``env`` stands in for it.
+
+    One difference from a local run's episodes: ``failure`` names a failed ``get_reward()`` even in a run whose
+    rewards never read it (the worker has read it)."""
+
+    env_name: str
+    messages: list[dict]
+    num_turns: int
+    num_tool_calls: int
+    num_tool_failures: int
+    hit_max_turns: bool
+    error: str | None
+    reward_value: float | None
+    reward_failure: str | None
+
+    def reward(self) -> float | None:
+        return self.reward_value
+
+    @property
+    def reward_error(self) -> str | None:
+        return self.reward_failure
+
+    @property
+    def failure(self) -> str | None:
+        return self.error or self.reward_failure
+
+    @property
+    def env(self) -> FarEnvironment:
+        return FarEnvironment(self)
+
+    def to_json(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @classmethod
+    def from_json(cls, data: dict) -> EpisodeRecord:
+        return cls(**{f.name: data[f.name] for f in fields(cls)})
+
+
+class FarEnvironment:
+    """Stands in for an environment left on a remote rollout worker's machine: ``get_reward()`` gives the value read
+    there (raises its failure); any other attribute says where the environment is."""
+
+    def __init__(self, record: EpisodeRecord):
+        self._record = record
+
+    def get_reward(self) -> float | None:
+        if self._record.reward_failure is not None:
+            raise RuntimeError(self._record.reward_failure)
+        return self._record.reward_value
+
+    def __getattr__(self, name: str):
+        raise AttributeError(f"{self._record.env_name}.{name}: the environment lives on the remote rollout worker's "
+                             "machine (train.rollout_worker = \"remote\"); the trainer gets its get_reward() value, the "
+                             "conversation's messages and counters (turbogrpo.env.EpisodeRecord), or use the local worker")
+
+
 def _direct(fn: Callable, *args):
     return fn(*args)
 
@@ -155,7 +228,8 @@ class EnvRollout:
     """A multi-turn rollout and its episodes (``episodes[i]`` is conversation i, group-major)."""
 
     rollout: MultiTurnRollout
-    episodes: list[Episode]
+    episodes: list[Episode] | list[EpisodeRecord]
+    """The conversations' episodes (``EpisodeRecord``s where a remote rollout worker drew them)."""
     prompt_texts: list[str]
     """K rendered prompts."""
     metrics: dict[str, float]
@@ -295,7 +369,8 @@ def _failure(err: Exception) -> str:
     return str(err) if isinstance(err, EnvCallFailed) else f"raised {type(err).__name__}: {err}"
 
 
-def environment_reward(prompts, completions, environments: Sequence[Episode] | None = None, **columns) -> list:
+def environment_reward(prompts, completions, environments: Sequence[Episode | EpisodeRecord] | None = None,
+                       **columns) -> list:
     """A reward function (``turbogrpo.rewards`` form) reading each episode's ``get_reward()``; a failed
     conversation or reward is that item's ``ItemFailure`` (its reason: which method failed and how), never the
     batch's failure."""
@@ -304,5 +379,5 @@ def environment_reward(prompts, completions, environments: Sequence[Episode] | N
     values = []
     for episode in environments:
         value = episode.reward()
-        values.append(value if value is not None else ItemFailure(f"{type(episode.env).__name__}: {episode.reward_error}"))
+        values.append(value if value is not None else ItemFailure(f"{episode.env_name}: {episode.reward_error}"))
     return values

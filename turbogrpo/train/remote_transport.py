@@ -50,7 +50,7 @@ from turbogrpo.train.distributed import DistInfo
 from turbogrpo.train.weight_ring import WeightRing
 from turbogrpo.train.wire import Message
 from turbogrpo.train.worker_transport import Outbox
-from turbogrpo.train.worker_types import POLL_S, Drawn, Request, RolloutWorkerError, WorkerSpec
+from turbogrpo.train.worker_types import POLL_S, Request, RolloutWorkerError, WorkerSpec
 
 TRAINER, WORKER = 0, 1
 """Ranks in the pair's groups."""
@@ -173,6 +173,8 @@ class DistributedTransport:
         self.device = dist.device
         self.pair = listen(port, dist.rank, spec.sampling_settings(), connect_timeout_s)
         self.name = f"rank {dist.rank}'s, {self.pair.peer}"
+        self.with_rows = spec.reads_rows
+        """Whether requests carry the prompts' rows (``WorkerSpec.reads_rows``)."""
         self.sending = ""
         """What the trainer is sending ("" between sends; left set by a send that an interrupt cut short)."""
 
@@ -186,9 +188,7 @@ class DistributedTransport:
             self._send_version(version)
 
     def ask(self, request: Request) -> None:
-        self._send(Message({"kind": "request", "step": request.step, "seed": request.seed, "version": request.version,
-                            "num_prompts": len(request.prompts)}, wire.tensor_list("prompts", request.prompts)),
-                   f"step {request.step + 1}'s request")
+        self._send(wire.request_message(request, self.with_rows), f"step {request.step + 1}'s request")
 
     def receive(self, step: int) -> tuple:
         try:
@@ -196,7 +196,7 @@ class DistributedTransport:
         except RuntimeError as err:
             raise self._gone(f"before step {step + 1}'s rollout", err) from None
         if message.kind == "rollout":
-            return "rollout", message.header["step"], Drawn(wire.rollout_of(message))
+            return "rollout", message.header["step"], wire.drawn_of(message)
         return message.kind, message.header.get("step"), message.header.get("error")
 
     def close(self) -> None:
@@ -279,9 +279,7 @@ class DistributedLink:
                         self.ring = WeightRing(message.tensors, self.num_slots)
                     self.ring.publish(message.header["version"], message.tensors)
                 else:
-                    header = message.header
-                    self.requests.put(Request(header["step"], header["seed"], header["version"],
-                                              wire.listed("prompts", header["num_prompts"], message.tensors), []))
+                    self.requests.put(wire.request_of(message))
             self.ending = "stopped"
         except (RuntimeError, OSError, ValueError) as err:
             self.ending = f"the trainer is gone ({_first_line(err)})"
@@ -292,7 +290,5 @@ class DistributedLink:
     def _encode(message: tuple) -> wire.Frame:
         kind, step, payload = message
         if kind == "rollout":
-            if payload.episodes is not None or payload.examples is not None:  # (the config refuses both)
-                raise ValueError("a remote rollout worker sends single-turn rollouts only")
-            return wire.encode(wire.rollout_message(step, payload.rollout))
+            return wire.encode(wire.drawn_message(step, payload))
         return wire.encode(Message({"kind": kind, "step": step, "error": payload}))

@@ -214,6 +214,8 @@ class RolloutWorker:
         """With partial rollouts: the pool after the last step taken (a checkpoint's), or a resumed run's."""
         self.resumed_at: int | None = None
         """With partial rollouts: the step a resumed run starts at (its request carries the restored pool)."""
+        self.rows: dict[int, PromptExample] = {}
+        """This run's prompts by row index (``begin``), which replace the worker's copies in what it sends back."""
 
     # --- checkpoints -------------------------------------------------------------------------------
 
@@ -259,6 +261,7 @@ class RolloutWorker:
         if self.resumed_at is not None:
             self.carried = restore_pool(self.restored["tensors"], self.restored["carried"], batches.examples)
         self.transport.publish(step, self.parameters)
+        self.rows = {example.index: example for example in batches.examples}
         self.lookahead = PromptBatches(batches.examples, batches.batch_size, seed=batches.seed, shuffle=batches.shuffle)
         self.lookahead.load_state_dict(batches.state_dict())
         if step and self.spec.partial_rollouts:
@@ -278,6 +281,7 @@ class RolloutWorker:
         if kind == "ready":  # the first message: the worker has built its model
             kind, got, payload = self._receive(step)
         assert kind == "rollout" and got == step, f"rollout of step {got} arrived for step {step}"
+        payload = self._own_rows(payload)
         if self.spec.partial_rollouts:
             self.carried = payload.carried
         return payload
@@ -308,6 +312,16 @@ class RolloutWorker:
         num_groups = len(range(*self.local.indices(self.lookahead.batch_size)))
         carried = self.carried if step == self.resumed_at else None
         return starts, {"num_groups": num_groups, "carried": carried}
+
+    def _own_rows(self, drawn: Drawn) -> Drawn:
+        """``drawn`` with this run's own prompt rows in place of the worker's copies (pickled, or JSON from a remote
+        worker, where a tuple in a column comes back a list): the rewards read the rows the data gave."""
+        own = lambda example: self.rows[example.index]  # noqa: E731
+        if drawn.examples is not None:
+            drawn.examples = [own(example) for example in drawn.examples]
+        for group in drawn.carried or ():
+            group.example = own(group.example)
+        return drawn
 
     def _receive(self, step: int):
         kind, got, payload = self.transport.receive(step)

@@ -7,7 +7,10 @@ after the other, each at a 16-byte aligned offset so that it can be viewed back 
 header's ``layout`` says where each tensor lies: ``[name, dtype, shape, offset, num_bytes, on_device]``.
 
 What travels (``remote_transport.py``): weights (a version's trainable parameters), requests (a step's prompts,
-seed and version), rollouts (``Groups``' fields and the rollout's stats), errors (one line of text).
+seed and version; the prompts' rows where the worker needs them: an [env] run's columns and chat messages, a
+partial-rollouts run's starts and, once, a checkpoint's carried generations), rollouts (``Groups``' fields and the
+rollout's stats; an [env] run's episodes as ``EpisodeRecord``s; a partial-rollouts run's batch rows and the pool
+after it), errors (one line of text).
 """
 
 from __future__ import annotations
@@ -21,8 +24,13 @@ import torch
 from torch import Tensor
 
 from turbogrpo.batch import Groups
+from turbogrpo.data import PromptExample
+from turbogrpo.env import EnvRollout, EpisodeRecord
 from turbogrpo.rollout import Rollout
+from turbogrpo.rollout.multiturn import MultiTurnRollout, MultiTurnStats
 from turbogrpo.rollout.types import RolloutStats
+from turbogrpo.train.partial_rollouts import PendingGroup, pool_state, restore_pool
+from turbogrpo.train.worker_types import Drawn, Request
 
 ALIGN = 16
 """Bytes each tensor's offset in a payload is a multiple of (the widest dtype's size, with room)."""
@@ -140,11 +148,16 @@ def listed(prefix: str, count: int, tensors: dict[str, Tensor]) -> list[Tensor]:
     return [tensors[f"{prefix}/{i}"] for i in range(count)]
 
 
+STATS = {cls.__name__: cls for cls in (RolloutStats, MultiTurnStats)}
+"""The rollout stats a message may carry, by name (speculative ones stay in the trainer: the config refuses a draft
+with a rollout worker)."""
+
+
 def rollout_message(step: int, rollout: Rollout) -> Message:
-    """A single-turn rollout: every field of its ``Groups`` (tensor lists as tensors, the rest in the header) and
-    its stats."""
-    if type(rollout.stats) is not RolloutStats:  # (multi-turn and speculative stats are refused by the config)
-        raise ValueError(f"a remote rollout worker sends single-turn rollouts only, not {type(rollout.stats).__name__}")
+    """A rollout: every field of its ``Groups`` (tensor lists as tensors, the rest in the header) and its stats."""
+    kind = type(rollout.stats).__name__
+    if STATS.get(kind) is not type(rollout.stats):
+        raise ValueError(f"a remote rollout worker sends rollouts with stats {sorted(STATS)}, not {kind}")
     groups, fields, tensors = rollout.groups, {}, {}
     for field in dataclasses.fields(groups):
         value = getattr(groups, field.name)
@@ -156,8 +169,8 @@ def rollout_message(step: int, rollout: Rollout) -> Message:
             fields[field.name] = {"tensors": len(value)}
         elif value is not None:
             fields[field.name] = {"value": list(value) if isinstance(value, tuple) else value}
-    return Message({"kind": "rollout", "step": step, "groups": fields, "stats": dataclasses.asdict(rollout.stats)},
-                   tensors)
+    return Message({"kind": "rollout", "step": step, "groups": fields, "stats": dataclasses.asdict(rollout.stats),
+                    "stats_kind": kind}, tensors)
 
 
 def rollout_of(message: Message) -> Rollout:
@@ -170,4 +183,115 @@ def rollout_of(message: Message) -> Rollout:
             fields[name] = listed(name, how["tensors"], message.tensors)
         else:
             fields[name] = how["value"]
-    return Rollout(Groups(**fields), RolloutStats(**message.header["stats"]))
+    stats = STATS[message.header["stats_kind"]](**message.header["stats"])  # (a KeyError for a name not there)
+    return Rollout(Groups(**fields), stats)
+
+
+def example_rows(examples: list[PromptExample]) -> list[dict]:
+    """The prompts' rows as JSON (their token ids travel as tensors, ``examples_of``): a column JSON cannot hold is
+    a ValueError naming it, before anything is sent."""
+    rows = []
+    for example in examples:
+        for name, value in example.columns.items():
+            try:
+                json.dumps(value)
+            except (TypeError, ValueError) as err:
+                raise ValueError(f"column {name!r} of row {example.index} cannot travel to a remote rollout worker, "
+                                 f"which gets the rows as JSON ({err}); make it a JSON value (string, number, list, "
+                                 "dict) or use the local worker (train.rollout_worker = \"local\")") from None
+        rows.append({"text": example.text, "index": example.index, "columns": example.columns,
+                     "messages": None if example.messages is None else list(example.messages)})
+    return rows
+
+
+def examples_of(rows: list[dict], token_ids: list[Tensor]) -> list[PromptExample]:
+    """``example_rows``' examples back, with their ``[P]`` token ids."""
+    return [PromptExample(row["text"], ids, row["columns"], row["index"],
+                          None if row["messages"] is None else tuple(row["messages"]))
+            for row, ids in zip(row_list(rows), token_ids, strict=True)]
+
+
+def row_list(rows) -> list[dict]:
+    if not isinstance(rows, list) or not all(isinstance(row, dict) for row in rows):
+        raise ValueError("a message's rows are not a list of JSON objects")
+    return rows
+
+
+def pool_part(pool: list[PendingGroup]) -> tuple[dict, dict[str, Tensor]]:
+    """Partial rollouts' pool (``pool_state``: ids, log-probs and versions as tensors) with its groups' rows."""
+    tensors, groups = pool_state(pool)
+    examples = [group.example for group in pool]
+    return ({"groups": groups, "rows": example_rows(examples)},
+            {**tensors, **tensor_list("pool_prompts", [e.token_ids for e in examples])})
+
+
+def pool_of(header: dict, tensors: dict[str, Tensor]) -> list[PendingGroup]:
+    """``pool_part``'s pool back."""
+    examples = examples_of(header["rows"], listed("pool_prompts", len(header["rows"]), tensors))
+    return restore_pool(tensors, header["groups"], examples)
+
+
+def episodes_part(episodes: EnvRollout) -> dict:
+    """An [env] rollout's episodes as ``EpisodeRecord``s (each environment's reward read now, on this side), with
+    the rollout's per-conversation turns and errors, prompt texts and env/* metrics (JSON: the groups and stats
+    travel as the rollout)."""
+    return {"records": [e.record().to_json() for e in episodes.episodes], "num_turns": list(episodes.rollout.num_turns),
+            "errors": list(episodes.rollout.errors), "prompt_texts": list(episodes.prompt_texts),
+            "metrics": dict(episodes.metrics)}
+
+
+def episodes_of(part: dict, rollout: Rollout) -> EnvRollout:
+    """``episodes_part``'s episodes back, around ``rollout`` (the message's)."""
+    records = [EpisodeRecord.from_json(r) for r in row_list(part["records"])]
+    multiturn = MultiTurnRollout(rollout.groups, rollout.stats, list(part["num_turns"]), list(part["errors"]), records)
+    return EnvRollout(multiturn, records, list(part["prompt_texts"]), dict(part["metrics"]))
+
+
+def request_message(request: Request, with_rows: bool) -> Message:
+    """A step's request: its prompts, seed and version; ``with_rows``: the prompts' rows too (``example_rows``), the
+    groups the step trains and a resumed run's carried pool (partial rollouts)."""
+    header = {"kind": "request", "step": request.step, "seed": request.seed, "version": request.version,
+              "num_prompts": len(request.prompts)}
+    tensors = tensor_list("prompts", request.prompts)
+    if with_rows:
+        header.update(rows=example_rows(request.examples), num_groups=request.num_groups)
+    if request.carried is not None:
+        header["carried"], pool_tensors = pool_part(request.carried)
+        tensors.update(pool_tensors)
+    return Message(header, tensors)
+
+
+def request_of(message: Message) -> Request:
+    """``request_message``'s request back (no rows: ``examples`` is empty)."""
+    header = message.header
+    prompts = listed("prompts", header["num_prompts"], message.tensors)
+    examples = examples_of(header["rows"], prompts) if "rows" in header else []
+    carried = pool_of(header["carried"], message.tensors) if "carried" in header else None
+    return Request(header["step"], header["seed"], header["version"], prompts, examples,
+                   header.get("num_groups", 0), carried)
+
+
+def drawn_message(step: int, drawn: Drawn) -> Message:
+    """Step ``step``'s rollout (``rollout_message``) with what else the worker drew: an [env] run's episodes
+    (``episodes_part``), a partial-rollouts run's batch rows and the pool after it (``pool_part``)."""
+    message = rollout_message(step, drawn.rollout)
+    if drawn.episodes is not None:
+        message.header["episodes"] = episodes_part(drawn.episodes)
+    if drawn.examples is not None:
+        message.header["rows"] = example_rows(drawn.examples)
+        message.tensors.update(tensor_list("row_prompts", [e.token_ids for e in drawn.examples]))
+    if drawn.carried is not None:
+        message.header["carried"], pool_tensors = pool_part(drawn.carried)
+        message.tensors.update(pool_tensors)
+    return message
+
+
+def drawn_of(message: Message) -> Drawn:
+    """``drawn_message``'s ``Drawn`` back."""
+    header, tensors = message.header, message.tensors
+    rollout = rollout_of(message)
+    episodes = episodes_of(header["episodes"], rollout) if "episodes" in header else None
+    examples = (examples_of(header["rows"], listed("row_prompts", len(header["rows"]), tensors))
+                if "rows" in header else None)
+    carried = pool_of(header["carried"], tensors) if "carried" in header else None
+    return Drawn(rollout, episodes, examples, carried)

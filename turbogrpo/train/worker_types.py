@@ -51,6 +51,12 @@ class WorkerSpec:
         """How many steps ahead the worker draws: k, less the steps a generation may be carried."""
         return self.max_staleness - self.partial_rollouts
 
+    @property
+    def reads_rows(self) -> bool:
+        """Whether the worker reads the prompts' rows, not their ids alone: an [env] run's columns and chat messages
+        (each conversation's environment is reset from its row), a partial-rollouts run's (its pool keeps them)."""
+        return bool(self.env.factory) or self.partial_rollouts > 0
+
     def sampling_settings(self) -> dict:
         """The settings two sides must agree on to draw the same rollouts (JSON-able; not the machine's own:
         model.path and model.device may differ between machines, and so may the worker's threads)."""
