@@ -183,21 +183,33 @@ def test_a_multiturn_run_with_tree_sharing_trains_on_vllm(tmp_path, demo, engine
 
 
 @pytest.mark.slow
-def test_max_staleness_1_runs_conversations_on_vllm_in_the_rollout_worker(tmp_path):
+@pytest.mark.parametrize("worker", ["local", "remote"])
+def test_max_staleness_1_runs_conversations_on_vllm_in_the_rollout_worker(tmp_path, worker):
     """The worker process builds its own vLLM engine (eager, rollout.vllm_enforce_eager: seconds, not another
-    minute) and draws the conversations there."""
+    minute) and draws the conversations there: a local worker, or a remote one started by the CLI (its environments
+    scored on its side)."""
     from tests.train.test_async import ASYNC
     from tests.train.test_multiturn_run import CONFIG, small
+    from tests.train.test_remote_worker import free_port, remote, start_worker
+    from tests.train.test_resume import child_env
     from turbogrpo.config import load_config
     from turbogrpo.train.loop import train
     from turbogrpo.train.metrics import read_metrics
+    where = remote(free_port()) if worker == "remote" else ASYNC
+    sets = small(tmp_path / "run", **{**where, "rollout.engine": '"vllm"', "rollout.vllm_enforce_eager": "true",
+                                      "train.save_final_model": "false"})
+    process = start_worker(CONFIG, sets, child_env(), where["train.rollout_port"]) \
+        if worker == "remote" else None
     threads = torch.get_num_threads()
     try:
-        summary = train(load_config(CONFIG, small(tmp_path / "run", **{**ASYNC, "rollout.engine": '"vllm"',
-                                                                       "rollout.vllm_enforce_eager": "true",
-                                                                       "train.save_final_model": "false"})))
+        summary = train(load_config(CONFIG, sets))
+        if process is not None:
+            _, err = process.communicate(timeout=120)
+            assert process.returncode == 0, err[-3000:]
     finally:
         torch.set_num_threads(threads)
+        if process is not None:
+            process.kill()
     records = [r for r in read_metrics(tmp_path / "run") if "reward" in r]
     assert summary.steps == 2 and [r["staleness/lag_max"] for r in records] == [0.0, 1.0]
     assert all(r["env/env_tokens"] > 0 and r["env/failures"] == 0 and r["env/prefill_tokens_per_turn"] > 0
