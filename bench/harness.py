@@ -149,6 +149,8 @@ def write_results(name: str, payload: dict) -> Path:
     path = RESULTS_DIR / f"{name}.json"
     payload = {"benchmark": name, "machine": machine_info(),
                "date": time.strftime("%Y-%m-%d %H:%M:%S"), **payload}
+    if not any(key in payload for key in ("load_average", "load", "load_average_before", "load_average_after")):
+        payload["load_average_after"] = list(os.getloadavg())  # at least the load as the measurement ended
     path.write_text(json.dumps(payload, indent=2))
     print(f"wrote {path}")
     return path

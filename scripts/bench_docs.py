@@ -830,6 +830,11 @@ RESULTS: list[Result] = [
     Result("async_grpo_ceiling_calculator", "async_grpo", "The overlap's bound on 2 cores, calculator (as "
            "async_grpo_calculator): k = 0 at 2 threads, at 1 thread (the reference) and k = 1 at 1 + 1 threads",
            ASYNC_CEILING_COMMAND, section="Asynchronous GRPO"),
+    Result("async_grpo_frozen_calculator", "async_grpo", "The machinery alone, calculator (as async_grpo_calculator, "
+           "optim.lr = 1e-30: every version the same weights, so every variant draws the same rollouts and trains "
+           "the same groups): k = 0 at 2 threads, at 1 thread (the reference) and k = 1 at 1 + 1 threads",
+           "python bench/async_grpo.py --shapes calculator --staleness 0,1 --steps 4 --warmup 2 --frozen "
+           "--name async_grpo_frozen", section="Asynchronous GRPO"),
     Result("cpu_sharing", "cpu_sharing", "What two processes get from the 2 cores at once: one thread's products "
            "alone, beside an identical process, and one process on both cores (compute-bound GEMM; bandwidth-bound "
            "decode-like products)", "python bench/cpu_sharing.py", section="Asynchronous GRPO"),
