@@ -207,19 +207,21 @@ def test_a_remote_worker_draws_the_run_of_the_local_one_bit_for_bit(tmp_path, re
         assert torch.equal(final_local[name], final_far[name]), name
 
 
-@pytest.mark.parametrize("config", ["demo_multiturn.toml", "demo.toml"], ids=["env_conversations",
-                                                                              "partial_rollouts"])
+@pytest.mark.parametrize("config, tree", [("demo_multiturn.toml", {}),
+                                          ("demo_multiturn.toml", {"train.sharing": '"tree"', "rollout.branching": "[2, 2]"}),
+                                          ("demo.toml", {})], ids=["env_conversations", "env_forked_tree_sharing",
+                                                                   "partial_rollouts"])
 def test_a_remote_worker_draws_the_local_ones_conversations_and_partial_rollouts_bit_for_bit(tmp_path, restore_threads,
-                                                                                             config):
+                                                                                             config, tree):
     """k = 1 on the shipped configs: the multi-turn one (each conversation's environment lives and is scored on the
-    worker's machine; the trainer gets records) and the single-turn one with partial rollouts (c = 1: the pool
-    travels with every batch). Metrics, logged completions (env errors included) and final weights equal the local
-    worker's run."""
+    worker's machine; the trainer gets records), also forked and trained as a tree, and the single-turn one with
+    partial rollouts (c = 1: the pool travels with every batch). Metrics, logged completions (env errors included)
+    and final weights equal the local worker's run."""
     _, _, _, env = subprocess_run_setup(tmp_path)
     port = free_port()
 
     def sets(name: str, where: dict) -> list[str]:
-        extra = {**where, "model.linear_kernel": '"module"', "train.save_final_model": "true",
+        extra = {**where, **tree, "model.linear_kernel": '"module"', "train.save_final_model": "true",
                  "train.eval_every": 0, "log.completions_every": 1}
         if config == "demo.toml":
             return partial_demo(tmp_path / name, **extra)
