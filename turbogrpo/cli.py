@@ -278,8 +278,8 @@ def _rollout_worker(args: argparse.Namespace, overrides: list[str]) -> int:
         raise ValueError("config key 'train.max_staleness': 0 is not allowed in a rollout worker's config; expected "
                          "the run's k >= 1 (an on-policy run has no rollout worker)")
     train = config.train
-    spec = WorkerSpec.of(config.model, config.lora, config.rollout, config.env, train, config.algo,
-                         train.rollout_threads)
+    spec = WorkerSpec.of(config.model, config.lora, config.rollout, config.env, train, config.algo, config.draft,
+                         train.rollout_threads)  # (its draft_context comes from the trainer)
     try:
         return serve(spec, args.trainer, args.rank, train.rollout_connect_timeout_s)
     except RolloutWorkerError as err:

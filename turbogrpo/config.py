@@ -671,9 +671,12 @@ class Config:
         # grows with k (docs/design/async.md); the correction is exact at lag 0, so it costs nothing on-policy.
         _require(self.algo.tis_cap != 0, "algo.tis_cap", "\"auto\" or a number >= 1 with train.max_staleness > 0 "
                  "(the off-policy correction of stale rollouts; verl/slime use 2)", self.algo.tis_cap)
-        _require(self.rollout.speculation == "off", "rollout.speculation", "\"off\" with train.max_staleness > 0 "
-                 "(the draft head lives and learns in the trainer; the rollout worker samples without one)",
-                 self.rollout.speculation)
+        if self.rollout.speculation != "off":  # the worker drafts with each version's draft; the trainer teaches it
+            _require(self.rollout.engine != "vllm", "rollout.engine", "\"native\" or \"auto\" with rollout.speculation "
+                     "on and train.max_staleness > 0 (the rollout worker drafts in the native engine; vLLM's drafter "
+                     "fed from the trainer is not built)", self.rollout.engine)
+            _require(not self.train.partial_rollouts, "train.partial_rollouts", "0 with rollout.speculation on (a "
+                     "carried generation is continued without a draft)", self.train.partial_rollouts)
         _require(self.distributed.strategy != "fsdp2", "distributed.strategy", "\"ddp\" with train.max_staleness "
                  "> 0 (the rollout worker copies whole weights, which FSDP2 shards)", self.distributed.strategy)
         if self.train.partial_rollouts:  # what a carried generation cannot do yet

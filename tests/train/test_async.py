@@ -1,9 +1,11 @@
 """The asynchronous loop (train.max_staleness = k > 0): a rollout worker process draws step t+1 while step t
 updates. Real runs of the tiny and the demo model (CPU, 2-3 steps); no timing asserts (the machine is shared)."""
 
+import json
 import os
 import pickle
 import queue
+import shutil
 import signal
 import subprocess
 import time
@@ -95,7 +97,9 @@ def test_k1_first_step_is_the_on_policy_step_then_every_token_lags_by_the_update
     ("demo.toml", {"train.prompts_per_step": 4, "data.num_eval_problems": 4, "data.num_eval_samples": 1}),
     ("demo_multiturn.toml", {}),
     ("demo_multiturn.toml", {"train.sharing": '"tree"', "rollout.branching": "[2, 2]"}),
-], ids=["single_turn", "multi_turn", "multi_turn_tree_sharing"])
+    ("demo.toml", {"train.prompts_per_step": 4, "data.num_eval_problems": 4, "data.num_eval_samples": 1,
+                   "rollout.speculation": '"cost"'}),  # as configs/longform.toml (whose model is built by a script)
+], ids=["single_turn", "multi_turn", "multi_turn_tree_sharing", "speculative_cost_sizing"])
 def test_max_staleness_1_runs_the_shipped_demo_configs(tmp_path, restore_threads, config, extra):
     from .test_multiturn_run import small
     sets = small(tmp_path / "run", **{**ASYNC, "train.save_final_model": "false", **extra})
@@ -107,8 +111,61 @@ def test_max_staleness_1_runs_the_shipped_demo_configs(tmp_path, restore_threads
     assert [r["staleness/lag_max"] for r in records] == [0.0, 1.0]
     assert records[1]["staleness/weight_max"] != 1.0
     assert all("tis/weight_mean" in r for r in records)  # algo.tis_cap = "auto" corrects stale rollouts
-    if config != "demo.toml":
+    if "rollout.speculation" in extra:  # the worker drafts (its own cost-model profile), the trainer teaches it
+        assert all(r["draft/tokens"] > 0 and "spec/tree_size" in r for r in records)  # (trees where they pay)
+    elif config != "demo.toml":
         assert all(r["env/env_tokens"] > 0 for r in records)  # conversations with environment replies
+
+
+def test_the_worker_drafts_with_the_draft_the_trainer_taught_up_to_its_version(tmp_path, restore_threads):
+    """k = 1 with speculative rollouts (fixed sizing) and the draft learning online in the trainer: step 3's
+    rollout was drawn by the worker with version 1, the policy after one update and the draft after one lesson
+    (their weights travel together). Replayed here without a worker, from the run's checkpoint at step 1 (that
+    version's policy and draft), it gives the same completions and speculation figures; the draft the worker would
+    hold had its weights not travelled (the initial one) gives other completions."""
+    from turbogrpo.rewards import build_rewards
+    from turbogrpo.train import distributed
+    from turbogrpo.train.draft_learning import speculation_metrics
+    from turbogrpo.train.loop import begin_step, sample
+    from turbogrpo.train.run import build_run
+    from turbogrpo.train.state import start
+    sets = [f"{k}={v}" for k, v in {
+        **ASYNC, "rollout.speculation": '"fixed"', "train.num_steps": 3, "train.prompts_per_step": 4,
+        "train.checkpoint_every": 1, "train.keep_checkpoints": 3, "train.save_final_model": "false",
+        "model.linear_kernel": '"module"',
+        "log.completions_every": 1, "log.num_completions": 32, "log.progress_bar": "false", "log.tensorboard": "false",
+        "log.report": "false", "data.num_eval_problems": 4, "data.num_eval_samples": 1,
+        "train.output_dir": f'"{tmp_path / "run"}"'}.items()]
+    train(load_config(REPO / "configs" / "demo.toml", sets))
+    record = stepped(tmp_path / "run")[2]
+    assert record["draft/tokens"] > 0 and record["staleness/lag_max"] == 1.0
+    logged = [json.loads(line) for line in (tmp_path / "run" / "completions.jsonl").read_text().splitlines()]
+    drawn = [sample["completion"] for sample in logged if sample["step"] == 3]
+    for name in ("step-000002", "step-000003"):  # the replays resume the checkpoint at step 1
+        shutil.rmtree(tmp_path / "run" / name)
+    (tmp_path / "run" / "latest").write_text("step-000001")
+    shutil.copytree(tmp_path / "run", tmp_path / "again")
+
+    def replayed(initial_draft: bool) -> tuple[list[str], dict]:
+        folder = tmp_path / ("again" if initial_draft else "run")
+        config = load_config(REPO / "configs" / "demo.toml", [*sets, f'train.output_dir="{folder}"'])
+        torch.set_num_threads(1)  # the worker's (train.rollout_threads)
+        run = build_run(config, distributed.setup("cpu", "gloo"), build_rewards(config.rewards))
+        if initial_draft:
+            initial = {k: v.clone() for k, v in run.draft.draft.state_dict().items()}
+        start(run, resume=True)  # no worker: the step samples itself, from version 1
+        if initial_draft:
+            run.draft.draft.load_state_dict(initial)
+        next(run.batches)  # step 2's prompts
+        data = sample(run, begin_step(run, 2))
+        return run.tokenizer.batch_decode(data.batch.completions, skip_special_tokens=True), \
+            speculation_metrics(data.rollout.stats)
+
+    texts, figures = replayed(initial_draft=False)
+    assert texts == drawn and len(drawn) == 32
+    assert {k: v for k, v in figures.items() if k != "time/draft_forward"} == {
+        k: v for k, v in record.items() if k.startswith("spec/")}
+    assert replayed(initial_draft=True)[0] != drawn
 
 
 def test_a_worker_that_raises_sends_one_line_naming_its_error():

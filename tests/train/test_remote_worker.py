@@ -207,16 +207,19 @@ def test_a_remote_worker_draws_the_run_of_the_local_one_bit_for_bit(tmp_path, re
         assert torch.equal(final_local[name], final_far[name]), name
 
 
-@pytest.mark.parametrize("config, tree", [("demo_multiturn.toml", {}),
-                                          ("demo_multiturn.toml", {"train.sharing": '"tree"', "rollout.branching": "[2, 2]"}),
-                                          ("demo.toml", {})], ids=["env_conversations", "env_forked_tree_sharing",
-                                                                   "partial_rollouts"])
+@pytest.mark.parametrize("config, tree", [
+    ("demo_multiturn.toml", {}),
+    ("demo_multiturn.toml", {"train.sharing": '"tree"', "rollout.branching": "[2, 2]"}),
+    ("demo.toml", {}),
+    ("demo.toml", {"train.partial_rollouts": 0, "rollout.speculation": '"fixed"'}),
+], ids=["env_conversations", "env_forked_tree_sharing", "partial_rollouts", "speculative"])
 def test_a_remote_worker_draws_the_local_ones_conversations_and_partial_rollouts_bit_for_bit(tmp_path, restore_threads,
                                                                                              config, tree):
     """k = 1 on the shipped configs: the multi-turn one (each conversation's environment lives and is scored on the
-    worker's machine; the trainer gets records), also forked and trained as a tree, and the single-turn one with
-    partial rollouts (c = 1: the pool travels with every batch). Metrics, logged completions (env errors included)
-    and final weights equal the local worker's run."""
+    worker's machine; the trainer gets records), also forked and trained as a tree, the single-turn one with
+    partial rollouts (c = 1: the pool travels with every batch) and with speculative rollouts (the draft the trainer
+    teaches travels with each version). Metrics, logged completions (env errors included) and final weights equal
+    the local worker's run."""
     _, _, _, env = subprocess_run_setup(tmp_path)
     port = free_port()
 
@@ -238,7 +241,9 @@ def test_a_remote_worker_draws_the_local_ones_conversations_and_partial_rollouts
     assert worker.returncode == 0, err[-3000:]
     local, remote_run = read_metrics(tmp_path / "local"), read_metrics(tmp_path / "remote")
     assert len(local) > 1 and comparable(local) == comparable(remote_run)
-    if config == "demo.toml":
+    if "rollout.speculation" in tree:
+        assert all(r["draft/tokens"] > 0 and "spec/accepted_length" in r for r in remote_run if "reward" in r)
+    elif config == "demo.toml":
         assert max(r.get("staleness/lag_mean", 0) for r in remote_run) > 0  # carried generations were trained
     else:
         assert all(r["env/env_tokens"] > 0 for r in remote_run if "reward" in r)  # environments replied

@@ -1,12 +1,13 @@
 """The GRPO training loop.
 
-One step is six phases, each taking and returning the step's data (``StepData``), with the collectives
+One step is seven phases, each taking and returning the step's data (``StepData``), with the collectives
 of each inside it:
 
     sample   G completions per prompt with the policy's weights by the run's engine (rollout.engine; speculative
              with the run's draft on the native one), or
              G conversations per prompt with an environment each ([env]: ``episodes.py``; speculative
-             too, the draft frozen); the draft's training features of every group, before the policy moves
+             too, the draft frozen); the draft's training features of every group, before the policy moves;
+             asynchronous (train.max_staleness > 0): the rollout the worker drew ahead (``rollout_worker.py``)
     score    rewards (checked: failures, float32 overflow) -> group advantages      [gather, all-reduce]
     prepare  loss totals, the trained groups, the micro-batch plan, old-policy / reference log-probs
              (shared-prefix forward, forward only, when the loss needs them)          [all-reduce x 2]
@@ -14,6 +15,7 @@ of each inside it:
                                                                                       [all-reduce]
              then the new weights into the rollout engine when it holds its own (rollout.engines: vLLM)
     draft    the draft's update on the collected features (draft_learning.py; policy frozen)
+    hand over   asynchronous: the new version (policy and draft) to the rollout worker
     record   the step's metrics over the global batch (staleness/* too), sample completions
                                                                                       [gather x 2, all-reduce]
 
@@ -109,8 +111,9 @@ def train(config: Config, *, resume: bool = False, overwrite: bool = False) -> R
         total = config.train.num_steps
         if config.train.max_staleness:  # started first: the worker builds its model while the trainer resumes
             spec = WorkerSpec.of(config.model, config.lora, config.rollout, config.env, config.train, config.algo,
-                                 rollout_threads)
+                                 config.draft, rollout_threads, run.draft_context)
             run.rollouts = RolloutWorker(spec, dist, run.policy, num_steps=total,
+                                         draft=run.draft.draft if run.draft is not None else None,
                                          prompts_per_step_slice=distributed.local_slice(config.train.prompts_per_step,
                                                                                         dist),
                                          seed_of=partial(rollout_seed, config.train.seed, rank=dist.rank),
@@ -210,7 +213,7 @@ class StepData:
 def grpo_step(run: Run, step: int) -> dict[str, float]:
     """One GRPO step on this rank's share of the step's prompts; returns the step's metrics."""
     data = begin_step(run, step)
-    for phase in (sample, score, prepare, update, learn_draft, record):
+    for phase in (sample, score, prepare, update, learn_draft, hand_over, record):
         data = phase(run, data)
     return data.metrics
 
@@ -225,15 +228,19 @@ def begin_step(run: Run, step: int) -> StepData:
 def sample(run: Run, data: StepData) -> StepData:
     """G completions per prompt with the policy's weights (speculative with the run's draft), and the
     draft's training data from every group, before the policy moves."""
+    draft = run.draft  # None: speculation off
+    learns = draft is not None and draft.learns  # never with an environment (the config refuses it)
     if run.rollouts is not None:  # asynchronous: drawn ahead by the worker; the timer counts the wait
         with data.timer("rollout"):
             drawn = run.rollouts.take(data.index)
         data.rollout, data.episodes, data.batch = drawn.rollout, drawn.episodes, drawn.rollout.groups
         if drawn.examples is not None:  # partial rollouts: the groups that finished, carried ones among them
             data.examples = drawn.examples
+        if learns:  # the worker drafted with an older version; the draft learns the policy of now (a forward)
+            run.policy.eval()
+            with data.timer("draft"), training_linears(run):
+                data.draft_data = draft.collect(run.policy, data.rollout, data.seed)
         return data
-    draft = run.draft  # None: speculation off
-    learns = draft is not None and draft.learns  # never with an environment (the config refuses it)
     # The rollout samples under the training forward's precision: the same bf16 weights and kernels' dtypes.
     with data.timer("rollout"), distributed.full_parameters(run.trainer), run.precision.autocast():
         run.policy.eval()
@@ -301,12 +308,18 @@ def update(run: Run, data: StepData) -> StepData:
             data.updates.append(update_policy(run.trainer, data.micro_batches, run.loss, data.normalizer,
                                               run.optimizer, max_grad_norm=run.optim.max_grad_norm, dist=run.dist))
             guard_nonfinite(run, data.updates[-1], data.index)
-    if run.rollouts is not None:  # the new weights into shared memory; the worker's next rollout starts from them
-        with data.timer("weight_push"):
-            run.rollouts.publish(data.index + 1)
-    elif run.engine.holds_weights:  # an engine with its own copy of the weights (vLLM) gets the new ones
+    if run.rollouts is None and run.engine.holds_weights:  # an engine with its own copy (vLLM) gets the new ones
         with data.timer("weight_push"):
             run.engine.push_weights(run.policy)
+    return data
+
+
+def hand_over(run: Run, data: StepData) -> StepData:
+    """Asynchronous: the new version to the rollout worker, the policy after this step's update and the draft after
+    this step's lesson (version v is both after v steps); its next rollouts start from them."""
+    if run.rollouts is not None:
+        with data.timer("weight_push"):
+            run.rollouts.publish(data.index + 1)
     return data
 
 

@@ -50,7 +50,7 @@ from turbogrpo.train.distributed import DistInfo
 from turbogrpo.train.weight_ring import WeightRing
 from turbogrpo.train.wire import Message
 from turbogrpo.train.worker_transport import Outbox
-from turbogrpo.train.worker_types import POLL_S, Request, RolloutWorkerError, WorkerSpec
+from turbogrpo.train.worker_types import POLL_S, TRAINER_CHOSEN, Request, RolloutWorkerError, WorkerSpec
 
 TRAINER, WORKER = 0, 1
 """Ranks in the pair's groups."""
@@ -122,9 +122,10 @@ def listen(port: int, rank: int, settings: dict, timeout_s: float) -> Pair:
     return _groups(store, keys, TRAINER, peer)
 
 
-def connect(host: str, port: int, rank: int, settings: dict, timeout_s: float) -> Pair:
+def connect(host: str, port: int, rank: int, settings: dict, timeout_s: float) -> tuple[Pair, dict]:
     """The worker's side: connect to trainer rank ``rank`` at ``host:port + rank`` (waiting ``timeout_s`` for it),
-    check that both sample alike, build the groups. A refusal is a ValueError (and the trainer is told)."""
+    check that both sample alike, build the groups; returns them and the trainer's settings (``TRAINER_CHOSEN``
+    are the worker's to take). A refusal is a ValueError (and the trainer is told)."""
     try:
         store = TCPStore(host, port + rank, is_master=False, timeout=timedelta(seconds=timeout_s))
     except RuntimeError as err:
@@ -132,12 +133,14 @@ def connect(host: str, port: int, rank: int, settings: dict, timeout_s: float) -
                                  f"(train.rollout_connect_timeout_s): {_first_line(err)}") from None
     keys = _keys(store, rank)
     hello = {"host": socket.gethostname(), "pid": os.getpid()}
-    difference = first_difference(json.loads(keys.get("spec")), json.loads(json.dumps(settings)))
+    theirs = json.loads(keys.get("spec"))
+    difference = first_difference({k: v for k, v in theirs.items() if k not in TRAINER_CHOSEN},
+                                  {k: v for k, v in json.loads(json.dumps(settings)).items() if k not in TRAINER_CHOSEN})
     if difference:
         keys.set("hello", json.dumps({**hello, "error": difference}))
         raise ValueError(f"{difference}; start the rollout worker with the run's config")
     keys.set("hello", json.dumps(hello))
-    return _groups(store, keys, WORKER, f"the trainer at {host}:{port + rank}")
+    return _groups(store, keys, WORKER, f"the trainer at {host}:{port + rank}"), theirs
 
 
 def first_difference(theirs: dict, ours: dict, path: str = "") -> str:

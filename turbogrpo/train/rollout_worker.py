@@ -3,10 +3,13 @@ on another, that draws the rollouts of steps t+1..t+k while the trainer updates 
 
     trainer (loop.py)                                     worker (``_worker_main``)
     begin: publish version t, ask for steps t..t+k  ──►   builds its own policy copy from model.path, the
-                                                          [env] factory and the native engine; per request:
-    step t: take(t) ◄── rollout of step t ───────────     wait for version max(0, t-k), copy it in, draw with
-            score, prepare, update                        the request's seed, mark every token with that
-            publish(t+1), ask for step t+k+1  ──►         version (Groups.at_version)
+                                                          [env] factory, its draft head and the engine; per
+    step t: take(t) ◄── rollout of step t ───────────     request: wait for version max(0, t-k), copy it in,
+            score, prepare, update, draft lesson          draw with the request's seed, mark every token with
+            publish(t+1), ask for step t+k+1  ──►         that version (Groups.at_version)
+
+A version is the trainable parameters after that many steps: the policy's and, with speculation, the draft's
+(``versioned_parameters``).
 
 How the two talk is a transport (train.rollout_worker, ``TRANSPORTS``): "local" spawns the worker on this machine
 and hands weights over through shared memory (``worker_transport.py``, ``weight_ring.py``); "remote" waits for a
@@ -41,11 +44,12 @@ from turbogrpo.data import PromptBatches, PromptExample
 from turbogrpo.env import EnvRollout
 from turbogrpo.rollout import Rollout
 from turbogrpo.train.distributed import DistInfo, resolve_device
+from turbogrpo.train.draft_learning import FORGET, build_online_draft
 from turbogrpo.train.partial_rollouts import PartialRollouts, pool_state, restore_pool
 from turbogrpo.train.remote_transport import DistributedLink, DistributedTransport, connect
 from turbogrpo.train.weight_ring import sampling_version, trainable_parameters
 from turbogrpo.train.worker_transport import SharedMemoryTransport, TransportOptions
-from turbogrpo.train.worker_types import Drawn, Request, RolloutWorkerError, WorkerSpec
+from turbogrpo.train.worker_types import TRAINER_CHOSEN, Drawn, Request, RolloutWorkerError, WorkerSpec
 
 __all__ = ["TRANSPORTS", "RolloutWorker", "RolloutWorkerError", "WorkerSpec", "draw", "serve", "thread_split"]
 
@@ -105,7 +109,8 @@ def serve(spec: WorkerSpec, trainer: str, rank: int, connect_timeout_s: float) -
     dist = DistInfo(rank, 1, 0, resolve_device(spec.model.device))
     print(f"turbogrpo: rollout worker of rank {rank}: connecting to the trainer at {host}:{int(port) + rank} "
           f"(up to {connect_timeout_s:g} s, train.rollout_connect_timeout_s)", file=sys.stderr, flush=True)
-    pair = connect(host, int(port), rank, spec.sampling_settings(), connect_timeout_s)
+    pair, theirs = connect(host, int(port), rank, spec.sampling_settings(), connect_timeout_s)
+    spec = dataclasses.replace(spec, **{name: theirs[name] for name in TRAINER_CHOSEN})
     print(f"turbogrpo: rollout worker of rank {rank}: connected; drawing on {dist.device}", file=sys.stderr,
           flush=True)
     link = DistributedLink(pair, spec.max_staleness + 1)
@@ -116,9 +121,9 @@ def serve(spec: WorkerSpec, trainer: str, rank: int, connect_timeout_s: float) -
 
 
 class _WorkerSampler:
-    """The worker's own policy copy, environment sampler and engine (rollout.engine: a vLLM one is built here, at
-    the first rollout; no draft: speculation needs the trainer's draft head, so config validation refuses it
-    with k > 0)."""
+    """The worker's own policy copy, draft head (rollout.speculation: its weights come with each version; the
+    trainer teaches it), environment sampler and engine (rollout.engine: a vLLM one is built here, at the first
+    rollout)."""
 
     def __init__(self, spec: WorkerSpec, dist: DistInfo):
         from turbogrpo.rollout.engine import default_schedule
@@ -128,15 +133,19 @@ class _WorkerSampler:
         self.spec, self.device = spec, dist.device
         parts = build_policy(spec.model, spec.lora, spec.rollout, dist, seed=spec.seed)
         self.precision, self.policy, self.tokenizer, self.sampling = parts
-        # Built like the trainer's policy, so the same parameters are trainable, under the same names.
-        self.parameters = trainable_parameters(self.policy)
+        # A draft that does not learn here: the trainer teaches it, and each version brings its weights.
+        self.draft = build_online_draft(spec.rollout.speculation, dataclasses.replace(spec.draft, learn=False),
+                                        self.policy, spec.draft_context)
+        # Built like the trainer's policy (and draft), so the same parameters are versioned, under the same names.
+        self.parameters = versioned_parameters(self.policy, self.draft.draft if self.draft is not None else None)
         self.version: int | None = None
         self.episodes = build_episode_sampler(spec.env, self.tokenizer, spec.rollout.branching)
         schedule = dataclasses.replace(default_schedule(dist.device), linears=spec.model.linear_kernel)
         self.engine = build_engine(spec.rollout.engine, dist.device, schedule=schedule,
                                    dtype=self.precision.compute_dtype, tokenizer=self.tokenizer,
                                    conversations=self.episodes is not None,
-                                   native_only="train.partial_rollouts" if spec.partial_rollouts else "",
+                                   native_only=("train.partial_rollouts" if spec.partial_rollouts else
+                                                "rollout.speculation" if spec.drafts else ""),
                                    enforce_eager=spec.rollout.vllm_enforce_eager)
         self.partial = (PartialRollouts(spec.rollout.num_generations, spec.rollout.max_new_tokens,
                                         spec.partial_rollouts) if spec.partial_rollouts else None)
@@ -148,6 +157,8 @@ class _WorkerSampler:
         link.load(version, self.parameters)
         if self.engine.holds_weights:
             self.engine.push_weights(self.policy)
+        if self.draft is not None and self.spec.draft.learn and self.version is not None:
+            self.draft.sizing.forget(FORGET)  # a new version's draft learned since: as the on-policy loop forgets
         self.version = version
 
     def draw(self, request: Request) -> Drawn:
@@ -158,7 +169,8 @@ class _WorkerSampler:
             self.policy.eval()
             rollout, episodes = draw(self.engine, self.policy, self.tokenizer, self.episodes, request.examples,
                                      [p.to(self.device) for p in request.prompts], num_samples=self.spec.rollout.num_generations,
-                                     sampling=self.sampling, seed=request.seed)
+                                     sampling=self.sampling, seed=request.seed,
+                                     draft=self.draft.speculation() if self.draft is not None else None)
         groups = rollout.groups.at_version(request.version * self.spec.num_iterations)
         if episodes is not None:  # the episodes' groups are the rollout's
             # Rewards read each episode's environment and what happened; the turn machinery (tools, renderer,
@@ -182,6 +194,15 @@ class _WorkerSampler:
         return Drawn(rollout, None, examples, list(self.partial.pool))
 
 
+def versioned_parameters(policy: nn.Module, draft: nn.Module | None = None) -> dict[str, torch.Tensor]:
+    """What each version hands the worker: the policy's trainable parameters and, with speculation, the draft
+    head's own (``draft/<name>``: the draft shares the policy's embeddings and LM head, which are the policy's)."""
+    parameters = trainable_parameters(policy)
+    if draft is not None:
+        parameters.update({f"draft/{name}": p for name, p in draft.named_parameters()})
+    return parameters
+
+
 def thread_split(num_threads: int, rollout_threads: int, cores: int | None = None) -> tuple[int, int]:
     """(trainer threads, worker threads) of the asynchronous loop on ``cores`` CPU cores (this machine's): the
     settings where given (train.num_threads, train.rollout_threads), else half the cores each (the worker at
@@ -197,13 +218,14 @@ class RolloutWorker:
 
     def __init__(self, spec: WorkerSpec, dist: DistInfo, policy: nn.Module, *, num_steps: int,
                  prompts_per_step_slice: slice, seed_of, transport: str = "local", port: int = 0,
-                 connect_timeout_s: float = 0.0):
+                 connect_timeout_s: float = 0.0, draft: nn.Module | None = None):
         """Start the worker (a local one builds its model while the trainer starts; a remote one is waited for
         on ``port`` + this rank, ``connect_timeout_s`` at most). ``prompts_per_step_slice``: this rank's share of
-        a step's prompts; ``seed_of(step)``: the step's sampling seed on this rank."""
+        a step's prompts; ``seed_of(step)``: the step's sampling seed on this rank; ``draft``: the draft head the
+        trainer teaches (its weights travel with each version)."""
         self.spec, self.dist, self.num_steps = spec, dist, num_steps
         self.local, self.seed_of = prompts_per_step_slice, seed_of
-        self.parameters = trainable_parameters(policy)
+        self.parameters = versioned_parameters(policy, draft)
         self.transport = TRANSPORTS[transport](spec, dist, self.parameters,
                                                TransportOptions(_worker_main, port, connect_timeout_s))
         self.lookahead: PromptBatches | None = None

@@ -138,6 +138,9 @@ class Run:
     """The output folder's record of the run's inputs (config.json, inputs.json)."""
     draft: OnlineDraft | None = None
     """The speculative rollouts' draft head and its online learning; None when rollout.speculation is "off"."""
+    draft_context: int = 0
+    """The tokens a typical decoding step attends to (longest prompt + half the completion limit): the draft's
+    hardware profile is measured there (a rollout worker's too)."""
     episodes: EpisodeSampler | None = None
     """The [env] section: each step samples conversations with an environment each; None: single completions."""
     rollouts: object | None = None
@@ -189,8 +192,8 @@ def build_run(config: Config, dist: DistInfo, rewards: list[Reward]) -> Run:
         raise ValueError("config key 'rollout.speculation': the draft head shares the policy's embeddings and LM "
                          "head, which FSDP2 shards; use rollout.speculation = \"off\" or strategy \"ddp\"")
     longest_prompt = max(e.token_ids.numel() for e in prompt_set.examples)
-    draft = build_online_draft(config.rollout.speculation, config.draft, policy,
-                               longest_prompt + config.rollout.max_new_tokens // 2)
+    draft_context = longest_prompt + config.rollout.max_new_tokens // 2
+    draft = build_online_draft(config.rollout.speculation, config.draft, policy, draft_context)
     schedule = replace(default_schedule(dist.device), linears=config.model.linear_kernel)
     # A conversation's prompt is rendered at rollout time, with its environment's tools listed: longer than the
     # data's ids, so an [env] run's engine serves up to the model's own limit.
@@ -212,7 +215,7 @@ def build_run(config: Config, dist: DistInfo, rewards: list[Reward]) -> Run:
                loss=build_loss(algo), algo=algo, optim=config.optim, train=config.train,
                log=config.log, export_dtype=str(parts.precision.compute_dtype).removeprefix("torch.")
                if config.train.final_dtype == "auto" else config.train.final_dtype, record=run_record(config), draft=draft,
-               episodes=episodes)
+               draft_context=draft_context, episodes=episodes)
 
 
 def check_prompt_count(data: DataConfig, prompts_per_step: int, prompt_set) -> None:

@@ -29,6 +29,7 @@ from turbogrpo.env import EnvRollout, EpisodeRecord
 from turbogrpo.rollout import Rollout
 from turbogrpo.rollout.multiturn import MultiTurnRollout, MultiTurnStats
 from turbogrpo.rollout.types import RolloutStats
+from turbogrpo.speculative.decode import SpeculativeStats
 from turbogrpo.train.partial_rollouts import PendingGroup, pool_state, restore_pool
 from turbogrpo.train.worker_types import Drawn, Request
 
@@ -148,9 +149,8 @@ def listed(prefix: str, count: int, tensors: dict[str, Tensor]) -> list[Tensor]:
     return [tensors[f"{prefix}/{i}"] for i in range(count)]
 
 
-STATS = {cls.__name__: cls for cls in (RolloutStats, MultiTurnStats)}
-"""The rollout stats a message may carry, by name (speculative ones stay in the trainer: the config refuses a draft
-with a rollout worker)."""
+STATS = {cls.__name__: cls for cls in (RolloutStats, MultiTurnStats, SpeculativeStats)}
+"""The rollout stats a message may carry, by name."""
 
 
 def rollout_message(step: int, rollout: Rollout) -> Message:

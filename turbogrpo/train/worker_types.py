@@ -8,10 +8,13 @@ from dataclasses import dataclass
 
 import torch
 
-from turbogrpo.config import AlgoConfig, EnvConfig, LoraConfig, ModelConfig, RolloutConfig, TrainConfig
+from turbogrpo.config import AlgoConfig, DraftLearningConfig, EnvConfig, LoraConfig, ModelConfig, RolloutConfig, TrainConfig
 from turbogrpo.data import PromptExample
 from turbogrpo.env import EnvRollout
 from turbogrpo.rollout import Rollout
+
+TRAINER_CHOSEN = ("draft_context",)
+"""``WorkerSpec`` fields the trainer derives from what only it has (the data): a remote worker takes the trainer's."""
 
 POLL_S = 5.0
 """How often a waiting side checks that the other is still there (seconds)."""
@@ -38,13 +41,24 @@ class WorkerSpec:
     """algo.num_iterations: a version of GRPO steps is version x num_iterations in optimizer steps."""
     partial_rollouts: int = 0
     """train.partial_rollouts: c > 0 carries unfinished generations into the next step (``partial_rollouts.py``)."""
+    draft: DraftLearningConfig = dataclasses.field(default_factory=DraftLearningConfig)
+    """The [draft] section: with rollout.speculation on, the worker drafts with each version's draft head (the
+    trainer teaches it; the weights travel with the policy's)."""
+    draft_context: int = 0
+    """The tokens a typical decoding step attends to, for the sizing's hardware profile: the trainer's (it has the
+    data; a remote worker takes the trainer's, ``TRAINER_CHOSEN``)."""
 
     @classmethod
     def of(cls, model: ModelConfig, lora: LoraConfig, rollout: RolloutConfig, env: EnvConfig, train: TrainConfig,
-           algo: AlgoConfig, num_threads: int) -> WorkerSpec:
+           algo: AlgoConfig, draft: DraftLearningConfig, num_threads: int, draft_context: int = 0) -> WorkerSpec:
         """The spec of a run's sections, the worker taking ``num_threads`` torch threads."""
         return cls(model, lora, rollout, env, train.seed, num_threads, train.max_staleness, algo.num_iterations,
-                   train.partial_rollouts)
+                   train.partial_rollouts, draft, draft_context)
+
+    @property
+    def drafts(self) -> bool:
+        """Whether the worker samples speculatively (rollout.speculation on)."""
+        return self.rollout.speculation != "off"
 
     @property
     def steps_ahead(self) -> int:
@@ -61,7 +75,7 @@ class WorkerSpec:
         """The settings two sides must agree on to draw the same rollouts (JSON-able; not the machine's own:
         model.path and model.device may differ between machines, and so may the worker's threads)."""
         settings = dataclasses.asdict(self)
-        del settings["model"]["path"], settings["model"]["device"], settings["num_threads"]
+        del settings["model"]["path"], settings["model"]["device"], settings["num_threads"], settings["draft"]["path"]
         return settings
 
 
