@@ -117,20 +117,26 @@ def test_max_staleness_1_runs_the_shipped_demo_configs(tmp_path, restore_threads
         assert all(r["env/env_tokens"] > 0 for r in records)  # conversations with environment replies
 
 
-def test_the_worker_drafts_with_the_draft_the_trainer_taught_up_to_its_version(tmp_path, restore_threads):
-    """k = 1 with speculative rollouts (fixed sizing) and the draft learning online in the trainer: step 3's
-    rollout was drawn by the worker with version 1, the policy after one update and the draft after one lesson
-    (their weights travel together). Replayed here without a worker, from the run's checkpoint at step 1 (that
-    version's policy and draft), it gives the same completions and speculation figures; the draft the worker would
-    hold had its weights not travelled (the initial one) gives other completions."""
+@pytest.mark.parametrize("variant", ["speculative", "lora"])
+def test_the_worker_samples_with_exactly_the_version_the_trainer_published(tmp_path, restore_threads, variant):
+    """k = 1: step 3's rollout was drawn by the worker with version 1. Replayed here without a worker, from the
+    run's checkpoint at step 1 (that version), it gives the same completions, and a wrong version other ones:
+
+    * speculative (fixed sizing, the draft learning in the trainer): version 1 is the policy after one update and
+      the draft after one lesson (their weights travel together); the speculation figures are equal too, and the
+      initial draft (what the worker would hold had the draft's weights not travelled) gives other completions;
+    * LoRA (the adapters are the trainable parameters that travel; a learning rate that moves samples in one
+      step): version 0's adapters give other completions."""
     from turbogrpo.rewards import build_rewards
     from turbogrpo.train import distributed
     from turbogrpo.train.draft_learning import speculation_metrics
     from turbogrpo.train.loop import begin_step, sample
     from turbogrpo.train.run import build_run
     from turbogrpo.train.state import start
+    extra = ({"rollout.speculation": '"fixed"'} if variant == "speculative" else
+             {"lora.enabled": "true", "lora.r": 4, "optim.lr": 3e-3, "optim.warmup_steps": 0})
     sets = [f"{k}={v}" for k, v in {
-        **ASYNC, "rollout.speculation": '"fixed"', "train.num_steps": 3, "train.prompts_per_step": 4,
+        **ASYNC, **extra, "train.num_steps": 3, "train.prompts_per_step": 4,
         "train.checkpoint_every": 1, "train.keep_checkpoints": 3, "train.save_final_model": "false",
         "model.linear_kernel": '"module"',
         "log.completions_every": 1, "log.num_completions": 32, "log.progress_bar": "false", "log.tensorboard": "false",
@@ -138,7 +144,7 @@ def test_the_worker_drafts_with_the_draft_the_trainer_taught_up_to_its_version(t
         "train.output_dir": f'"{tmp_path / "run"}"'}.items()]
     train(load_config(REPO / "configs" / "demo.toml", sets))
     record = stepped(tmp_path / "run")[2]
-    assert record["draft/tokens"] > 0 and record["staleness/lag_max"] == 1.0
+    assert record["staleness/lag_max"] == 1.0 and (variant == "lora" or record["draft/tokens"] > 0)
     logged = [json.loads(line) for line in (tmp_path / "run" / "completions.jsonl").read_text().splitlines()]
     drawn = [sample["completion"] for sample in logged if sample["step"] == 3]
     for name in ("step-000002", "step-000003"):  # the replays resume the checkpoint at step 1
@@ -146,26 +152,27 @@ def test_the_worker_drafts_with_the_draft_the_trainer_taught_up_to_its_version(t
     (tmp_path / "run" / "latest").write_text("step-000001")
     shutil.copytree(tmp_path / "run", tmp_path / "again")
 
-    def replayed(initial_draft: bool) -> tuple[list[str], dict]:
-        folder = tmp_path / ("again" if initial_draft else "run")
+    def replayed(wrong: bool) -> tuple[list[str], dict]:
+        """Step 3's rollout drawn in this process from version 1 (``wrong``: the initial draft, or version 0)."""
+        folder = tmp_path / ("again" if wrong else "run")
         config = load_config(REPO / "configs" / "demo.toml", [*sets, f'train.output_dir="{folder}"'])
         torch.set_num_threads(1)  # the worker's (train.rollout_threads)
         run = build_run(config, distributed.setup("cpu", "gloo"), build_rewards(config.rewards))
-        if initial_draft:
-            initial = {k: v.clone() for k, v in run.draft.draft.state_dict().items()}
-        start(run, resume=True)  # no worker: the step samples itself, from version 1
-        if initial_draft:
+        initial = {k: v.clone() for k, v in run.draft.draft.state_dict().items()} if run.draft is not None else None
+        state = start(run, resume=not (wrong and variant == "lora"))  # no worker: the step samples itself
+        if wrong and initial is not None:
             run.draft.draft.load_state_dict(initial)
-        next(run.batches)  # step 2's prompts
+        for _ in range(2 - state.step):  # up to step 3's prompts
+            next(run.batches)
         data = sample(run, begin_step(run, 2))
         return run.tokenizer.batch_decode(data.batch.completions, skip_special_tokens=True), \
             speculation_metrics(data.rollout.stats)
 
-    texts, figures = replayed(initial_draft=False)
+    texts, figures = replayed(wrong=False)
     assert texts == drawn and len(drawn) == 32
     assert {k: v for k, v in figures.items() if k != "time/draft_forward"} == {
         k: v for k, v in record.items() if k.startswith("spec/")}
-    assert replayed(initial_draft=True)[0] != drawn
+    assert replayed(wrong=True)[0] != drawn
 
 
 def test_a_worker_that_raises_sends_one_line_naming_its_error():
