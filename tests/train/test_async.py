@@ -216,12 +216,15 @@ def gone(pid: int, timeout_s: float = 60.0) -> bool:
 
 
 @pytest.mark.slow
-def test_sigterm_ends_the_worker_too_and_a_resumed_run_repeats_the_uninterrupted_one(tmp_path, restore_threads):
+@pytest.mark.parametrize("speculation", ["off", "fixed"])
+def test_sigterm_ends_the_worker_too_and_a_resumed_run_repeats_the_uninterrupted_one(tmp_path, restore_threads,
+                                                                                     speculation):
     """k = 1, SIGTERM after the checkpoint at step 2: exit status 143, the checkpoint named, no worker left; the
-    checkpoint holds the weights step 3's in-flight rollout was drawn from, and the resumed run (which draws it
-    again from them) ends bit for bit where an uninterrupted run ends."""
+    checkpoint holds the weights step 3's in-flight rollout was drawn from (with speculation, its draft's too), and
+    the resumed run (which draws it again from them) ends bit for bit where an uninterrupted run ends."""
     model_dir, rows, config, env = subprocess_run_setup(tmp_path)
-    extra = {**ASYNC, "train.num_steps": 4, "train.checkpoint_every": 2}
+    extra = {**ASYNC, "train.num_steps": 4, "train.checkpoint_every": 2, "rollout.speculation": f'"{speculation}"',
+             "model.linear_kernel": '"module"'}
     stopped_dir = tmp_path / "stopped"
     sets = overrides(model_dir, rows, stopped_dir, **extra)
     child = at_first_checkpoint(command(config, sets), env)
@@ -232,7 +235,9 @@ def test_sigterm_ends_the_worker_too_and_a_resumed_run_repeats_the_uninterrupted
     assert "Traceback" not in err and "step-000002" in err.strip().splitlines()[-1], err[-3000:]
     assert workers and all(gone(pid) for pid in workers)
     saved = load_file(stopped_dir / "step-000002" / "extra-rank0.safetensors")
-    assert saved and all(name.startswith("v1/") for name in saved)  # step 3 samples with version 1
+    in_flight = [name for name in saved if name.startswith("v1/")]  # step 3 samples with version 1
+    assert in_flight and all(name.startswith(("v1/", "draft/", "optimizer/", "sizing/")) for name in saved)
+    assert any(name.startswith("v1/draft/") for name in in_flight) == (speculation != "off")
 
     resumed = subprocess.run(command(config, sets, "--resume"), cwd=REPO, env=env, capture_output=True, text=True,
                              timeout=600)

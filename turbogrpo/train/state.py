@@ -171,11 +171,19 @@ def save(run: Run) -> Path:
 
 
 def rank_state(run: Run):
-    """This rank's own part of a checkpoint: the online draft's state, or (asynchronous loop, which refuses a
-    draft) the weights its in-flight rollouts sample with; None: neither."""
-    if run.draft is not None:
-        return run.draft.state_dict()
-    return run.rollouts.state_dict(run.state.step) if run.rollouts is not None else None
+    """This rank's own part of a checkpoint, (tensors, JSON scalars): the online draft's state (``draft/``,
+    ``optimizer/``, ``sizing/``) and, in the asynchronous loop, the weights its in-flight rollouts sample with
+    (``v<version>/``, the draft's among them) and carried generations; None: neither."""
+    parts = [part for part in (run.draft.state_dict() if run.draft is not None else None,
+                               run.rollouts.state_dict(run.state.step) if run.rollouts is not None else None)
+             if part is not None]
+    if not parts:
+        return None
+    tensors, scalars = {}, {}
+    for part_tensors, part_scalars in parts:  # (their names do not overlap: the prefixes above)
+        tensors.update(part_tensors)
+        scalars.update(part_scalars)
+    return tensors, scalars
 
 
 def evaluate_and_save_final(run: Run) -> None:
