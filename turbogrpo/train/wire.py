@@ -30,6 +30,7 @@ from turbogrpo.rollout import Rollout
 from turbogrpo.rollout.multiturn import MultiTurnRollout, MultiTurnStats
 from turbogrpo.rollout.types import RolloutStats
 from turbogrpo.speculative.decode import SpeculativeStats
+from turbogrpo.speculative.multiturn import MultiTurnSpeculativeStats
 from turbogrpo.train.partial_rollouts import PendingGroup, pool_state, restore_pool
 from turbogrpo.train.worker_types import Drawn, Request
 
@@ -149,7 +150,7 @@ def listed(prefix: str, count: int, tensors: dict[str, Tensor]) -> list[Tensor]:
     return [tensors[f"{prefix}/{i}"] for i in range(count)]
 
 
-STATS = {cls.__name__: cls for cls in (RolloutStats, MultiTurnStats, SpeculativeStats)}
+STATS = {cls.__name__: cls for cls in (RolloutStats, MultiTurnStats, SpeculativeStats, MultiTurnSpeculativeStats)}
 """The rollout stats a message may carry, by name."""
 
 
