@@ -675,8 +675,6 @@ class Config:
             _require(self.rollout.engine != "vllm", "rollout.engine", "\"native\" or \"auto\" with rollout.speculation "
                      "on and train.max_staleness > 0 (the rollout worker drafts in the native engine; vLLM's drafter "
                      "fed from the trainer is not built)", self.rollout.engine)
-            _require(not self.train.partial_rollouts, "train.partial_rollouts", "0 with rollout.speculation on (a "
-                     "carried generation is continued without a draft)", self.train.partial_rollouts)
         _require(self.distributed.strategy != "fsdp2", "distributed.strategy", "\"ddp\" with train.max_staleness "
                  "> 0 (the rollout worker copies whole weights, which FSDP2 shards)", self.distributed.strategy)
         if self.train.partial_rollouts:  # what a carried generation cannot do yet

@@ -146,11 +146,17 @@ def demo(output_dir: Path, **extra) -> list[str]:
     return [f"{k}={v}" for k, v in sets.items()]
 
 
-def test_the_demo_config_trains_with_partial_rollouts_and_no_token_lags_past_the_limit(tmp_path, restore_threads):
+@pytest.mark.parametrize("speculation", ["off", "fixed"])
+def test_the_demo_config_trains_with_partial_rollouts_and_no_token_lags_past_the_limit(tmp_path, restore_threads,
+                                                                                       speculation):
     """k = 1, c = 1: the worker draws no step ahead, and every batch after the first holds groups started one step
-    earlier, some continued with newer weights: tokens of lag 1 and of lag 0 in one batch, none of lag 2."""
-    summary = loop.train(load_config(REPO / "configs" / "demo.toml", demo(tmp_path / "run")))
+    earlier, some continued with newer weights: tokens of lag 1 and of lag 0 in one batch, none of lag 2. With
+    speculation, each segment drafts with its version's draft (which the trainer teaches)."""
+    sets = demo(tmp_path / "run", **{"rollout.speculation": f'"{speculation}"'})
+    summary = loop.train(load_config(REPO / "configs" / "demo.toml", sets))
     records = stepped(tmp_path / "run")
+    if speculation != "off":
+        assert all("spec/accepted_length" in r and r["draft/tokens"] > 0 for r in records)
     assert summary.steps == 3 and [r["step"] for r in records] == [1, 2, 3]
     assert [r["staleness/lag_max"] for r in records] == [0.0, 1.0, 1.0]
     # Some batch mixes both (a group's member still running when the step before stopped; the staleness metrics
@@ -159,14 +165,17 @@ def test_the_demo_config_trains_with_partial_rollouts_and_no_token_lags_past_the
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("max_staleness, in_flight", [(1, set()), (2, {"v1"})], ids=["k1_c1", "k2_c1"])
+@pytest.mark.parametrize("max_staleness, in_flight, speculation", [
+    (1, set(), "off"), (2, {"v1"}, "off"), (2, {"v1", "draft", "optimizer"}, "fixed")],
+    ids=["k1_c1", "k2_c1", "k2_c1_speculative"])
 def test_a_resumed_run_with_partial_rollouts_repeats_the_uninterrupted_one(tmp_path, restore_threads, monkeypatch,
-                                                                           max_staleness, in_flight):
+                                                                           max_staleness, in_flight, speculation):
     """The checkpoint at step 2 holds the generations carried into step 3 (ids, log-probs, versions) and, at k = 2
-    (drawing k - c = 1 step ahead), the weights step 3's rollout samples with; the resumed worker continues from
-    them, so metrics and final weights equal an uninterrupted run's bit for bit."""
+    (drawing k - c = 1 step ahead), the weights step 3's rollout samples with (with speculation, its draft's too,
+    and the trainer's draft state); the resumed worker continues from them, so metrics and final weights equal an
+    uninterrupted run's bit for bit."""
     extra = {"train.num_steps": 4, "train.checkpoint_every": 2, "train.prompts_per_step": 2,
-             "train.max_staleness": max_staleness}
+             "train.max_staleness": max_staleness, "rollout.speculation": f'"{speculation}"'}
     loop.train(load_config(REPO / "configs" / "demo.toml", demo(tmp_path / "straight", **extra)))
     interrupted_at(3, load_config(REPO / "configs" / "demo.toml", demo(tmp_path / "resumed", **extra)), monkeypatch)
     carried = load_file(tmp_path / "resumed" / "step-000002" / "extra-rank0.safetensors")

@@ -86,11 +86,12 @@ class PartialRollouts:
     """Oldest first."""
 
     def segment(self, engine, policy: nn.Module, sampling: SamplingConfig, *, index: int,
-                examples: Sequence[PromptExample], num_groups: int, seed: int, version: int
+                examples: Sequence[PromptExample], num_groups: int, seed: int, version: int, draft: object | None = None
                 ) -> tuple[Rollout, list[PromptExample]]:
         """Step ``index``'s rollout: start ``examples``' groups, decode the pool with weights ``version``
-        (optimizer steps) until the module docstring's stop, and take the batch out of the pool. Returns the batch
-        (``num_groups`` whole groups; stats of this segment's decoding) and its groups' examples."""
+        (optimizer steps; speculatively with ``draft``, that version's) until the module docstring's stop, and
+        take the batch out of the pool. Returns the batch (``num_groups`` whole groups; stats of this segment's
+        decoding) and its groups' examples."""
         self.pool += [PendingGroup.start(e, index, self.num_members) for e in examples]
         must_go = [index - group.started >= self.max_carries for group in self.pool]
         rows = [(g, m) for g, group in enumerate(self.pool) for m, reason in enumerate(group.reasons) if reason is None]
@@ -99,7 +100,8 @@ class PartialRollouts:
             prefixes = [torch.cat([self.pool[g].example.token_ids, self.pool[g].tokens[m]]).to(device) for g, m in rows]
             limits = [self.max_new_tokens - len(self.pool[g].tokens[m]) for g, m in rows]
             until = _BatchComplete(self.pool, rows, must_go, num_groups)
-            rollout = engine.sample_partial(policy, prefixes, limits=limits, sampling=sampling, seed=seed, until=until)
+            rollout = engine.sample_partial(policy, prefixes, limits=limits, sampling=sampling, seed=seed, until=until,
+                                            draft=draft)
             self._extend(rows, rollout.groups, limits, version)
             stats = rollout.stats
         else:  # every group of the pool already whole: nothing to decode

@@ -190,7 +190,8 @@ class _WorkerSampler:
             rollout, examples = self.partial.segment(self.engine, self.policy, self.sampling, index=request.step,
                                                      examples=request.examples, num_groups=request.num_groups,
                                                      seed=request.seed,
-                                                     version=request.version * self.spec.num_iterations)
+                                                     version=request.version * self.spec.num_iterations,
+                                                     draft=self.draft.speculation() if self.draft is not None else None)
         return Drawn(rollout, None, examples, list(self.partial.pool))
 
 

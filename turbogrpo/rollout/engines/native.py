@@ -34,12 +34,13 @@ class NativeEngine:
                                schedule=self.schedule, branched=True, draft=draft)
 
     def sample_partial(self, policy: nn.Module, prefixes: list[torch.Tensor], *, limits: list[int],
-                       sampling: SamplingConfig, seed: int | None, until: Callable[[list[bool]], bool]) -> Rollout:
+                       sampling: SamplingConfig, seed: int | None, until: Callable[[list[bool]], bool],
+                       draft: object | None = None) -> Rollout:
         """One completion of each prefix (``[P_i]`` ids: a prompt, or a prompt and a carried generation's tokens,
         prefilled afresh) of at most ``limits[i]`` new tokens, stopped early where ``until`` says (a partial
-        rollout: ``train/partial_rollouts.py``)."""
+        rollout: ``train/partial_rollouts.py``); speculative with ``draft`` (a ``Speculation``)."""
         return generate(policy, prefixes, num_samples=1, sampling=sampling, seed=seed, schedule=self.schedule,
-                        max_new_tokens_per_completion=limits, until=until)
+                        max_new_tokens_per_completion=limits, until=until, draft=draft)
 
     def push_weights(self, policy: nn.Module) -> None:
         pass  # samples with the policy module itself
