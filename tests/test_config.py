@@ -222,8 +222,6 @@ def test_the_output_folder_has_one_spelling():
                                    "train.max_staleness = 0]"),
     (["train.max_staleness=1", "algo.tis_cap=2", "train.partial_rollouts=2"],
      "config key 'train.partial_rollouts': 2 is not allowed; expected an integer in [0, train.max_staleness = 1]"),
-    (["train.max_staleness=1", "algo.tis_cap=2", "train.partial_rollouts=1", 'rollout.engine="vllm"'],
-     "config key 'rollout.engine': 'vllm' is not allowed; expected \"native\" with train.partial_rollouts > 0"),
     (["train.max_staleness=1", "algo.tis_cap=2", "train.partial_rollouts=1", 'rollout.stop_strings=["x"]'],
      "config key 'rollout.stop_strings': ['x'] is not allowed; expected [] with train.partial_rollouts > 0"),
     (["train.max_staleness=1", "algo.tis_cap=2", "train.partial_rollouts=1", 'env.factory="a.b:c"'],

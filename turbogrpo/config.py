@@ -437,7 +437,7 @@ class TrainConfig:
     Unused on-policy."""
     partial_rollouts: int = 0
     """c: most steps a generation may continue into after the step it started for (APRIL-style partial rollouts,
-    single-turn, native engine; 0: off). A step's rollout stops once it has prompts_per_step whole groups, and the
+    single-turn, native or vLLM engine; 0: off). A step's rollout stops once it has prompts_per_step whole groups, and the
     generations still running continue in the next step's rollout with newer weights, their tokens keeping the
     versions that drew them. 1 <= c <= max_staleness: the worker then draws max_staleness - c steps ahead, so no
     token lags more than max_staleness updates (docs/design/async.md, "Partial rollouts")."""
@@ -634,7 +634,6 @@ class Config:
         rollout.engine = "auto" samples on the native engine whatever ``AUTO_ENGINES`` says. Speculation counts
         whatever the device (vLLM needs a draft of layout "eagle", which "auto" does not assume)."""
         only_native = {"rollout.speculation": self.rollout.speculation != "off",
-                       "train.partial_rollouts": self.train.partial_rollouts > 0,
                        "distributed.strategy = \"fsdp2\"": self.distributed.strategy == "fsdp2"}
         return next((setting for setting, used in only_native.items() if used), "")
 
@@ -681,8 +680,6 @@ class Config:
             _require(not self.env.factory, "env.factory", "\"\" with train.partial_rollouts > 0 (partial rollouts "
                      "carry single-turn completions only; multi-turn conversations are not carried yet)",
                      self.env.factory)
-            _require(self.rollout.engine != "vllm", "rollout.engine", "\"native\" with train.partial_rollouts > 0 "
-                     "(a carried generation is stopped and continued by the native engine)", self.rollout.engine)
             _require(not self.rollout.stop_strings, "rollout.stop_strings", "[] with train.partial_rollouts > 0 (a "
                      "stop string spanning a carried generation's two parts would be missed; stop_token_ids work)",
                      self.rollout.stop_strings)

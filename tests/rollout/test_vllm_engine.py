@@ -172,6 +172,36 @@ def changed_greedy(model, prompts, before, scale=0.3, seed=0):
     raise AssertionError("the perturbation did not change the greedy answers")
 
 
+def test_a_partial_rollout_stops_where_told_and_a_continued_completion_equals_one_drawn_whole(demo, engine, prompts):
+    """``sample_partial`` (partial rollouts on vLLM): stopped once one completion has finished, the others keep
+    what they drew (reason "length", shorter than their limit) and nothing is left running in vLLM (the prefix
+    cache resets, as after every weight push); greedy, a stopped completion continued from its prompt and tokens
+    (the rest of its limit) ends exactly as the one drawn in one go, and the sampler's log-probs line up."""
+    sampling = greedy(24)
+    whole = engine.sample(demo[0], prompts, num_samples=1, sampling=sampling, seed=0).groups
+    calls = []
+
+    def first_finished(finished: list[bool]) -> bool:
+        calls.append(list(finished))
+        return any(finished)
+
+    part = engine.sample_partial(demo[0], prompts, limits=[24] * len(prompts), sampling=sampling, seed=0,
+                                 until=first_finished).groups
+    assert calls and any(calls[-1]) and not any(any(c) for c in calls[:-1])
+    assert not engine.llm.llm_engine.has_unfinished_requests() and engine.llm.reset_prefix_cache()
+    cut = [i for i, reason in enumerate(part.finish_reasons) if reason == "length" and len(part.completions[i]) < 24]
+    assert cut, part.finish_reasons  # some were still running
+    for i in range(len(prompts)):
+        assert torch.equal(part.completions[i], whole.completions[i][:len(part.completions[i])])
+        assert torch.allclose(part.sampler_logps[i], whole.sampler_logps[i][:len(part.completions[i])], atol=1e-5)
+    prefixes = [torch.cat([prompts[i], part.completions[i]]) for i in cut]
+    rest = engine.sample_partial(demo[0], prefixes, limits=[24 - len(part.completions[i]) for i in cut],
+                                 sampling=sampling, seed=1, until=lambda finished: False).groups
+    for j, i in enumerate(cut):
+        assert torch.equal(torch.cat([part.completions[i], rest.completions[j]]), whole.completions[i])
+        assert rest.finish_reasons[j] == whole.finish_reasons[i]
+
+
 def test_weight_push_changes_vllms_greedy_answer(demo, engine, prompts):
     """After a push vLLM answers as the changed policy does (a full fine-tune's weights, then LoRA adapters
     merged); pushing the original weights back restores its answers."""
@@ -241,3 +271,21 @@ def test_two_grpo_steps_on_the_vllm_engine(tmp_path, engine, monkeypatch):
         assert [t.tolist() for t in ours.tokens] == [t.tolist() for t in native.tokens]
     finally:
         run.state.log.close()
+
+
+@pytest.mark.slow
+def test_partial_rollouts_run_on_vllm_in_the_rollout_worker(tmp_path):
+    """k = 1, c = 1 on the demo config with the worker's own vLLM engine (eager): every batch after the first holds
+    groups carried from the step before, continued with newer weights (tokens of lag 0 and 1), none of lag 2."""
+    from tests.train.test_partial_rollouts import demo as partial_demo
+    from turbogrpo.train.loop import train
+    from turbogrpo.train.metrics import read_metrics
+    threads = torch.get_num_threads()
+    try:
+        summary = train(load_config(Path(__file__).resolve().parents[2] / "configs" / "demo.toml", partial_demo(
+            tmp_path / "run", **{"rollout.engine": '"vllm"', "rollout.vllm_enforce_eager": "true"})))
+    finally:
+        torch.set_num_threads(threads)
+    records = [r for r in read_metrics(tmp_path / "run") if "reward" in r]
+    assert summary.steps == 3 and [r["staleness/lag_max"] for r in records] == [0.0, 1.0, 1.0]
+    assert any(0.0 < r["staleness/lag_mean"] < 1.0 for r in records[1:]), [r["staleness/lag_mean"] for r in records]

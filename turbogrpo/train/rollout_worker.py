@@ -144,8 +144,7 @@ class _WorkerSampler:
         self.engine = build_engine(spec.rollout.engine, dist.device, schedule=schedule,
                                    dtype=self.precision.compute_dtype, tokenizer=self.tokenizer,
                                    conversations=self.episodes is not None,
-                                   native_only=("train.partial_rollouts" if spec.partial_rollouts else
-                                                "rollout.speculation" if spec.drafts else ""),
+                                   native_only="rollout.speculation" if spec.drafts else "",
                                    enforce_eager=spec.rollout.vllm_enforce_eager)
         self.partial = (PartialRollouts(spec.rollout.num_generations, spec.rollout.max_new_tokens,
                                         spec.partial_rollouts) if spec.partial_rollouts else None)

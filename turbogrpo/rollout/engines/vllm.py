@@ -41,7 +41,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from functools import partial
 
 import numpy as np
@@ -262,6 +262,40 @@ class VllmEngine:
                              wall_time_s=time.perf_counter() - start)
         return Rollout(groups, stats)
 
+    def sample_partial(self, policy: nn.Module, prefixes: list[torch.Tensor], *, limits: list[int],
+                       sampling: SamplingConfig, seed: int | None, until, draft: object | None = None) -> Rollout:
+        """One completion of each prefix (``[P_i]`` ids: a prompt, or a prompt and a carried generation's tokens)
+        of at most ``limits[i]`` new tokens, stopped where ``until`` says (a partial rollout,
+        ``train/partial_rollouts.py``): the requests run step by step through vLLM's engine, ``until`` reads which
+        have finished after every step, and once it says stop the rest are aborted, keeping what they drew (finish
+        reason "length", shorter than their limit). Request i is seeded ``request_seed(seed, i)``; a carried
+        prefix's K/V comes from the prefix cache where the weights did not change since."""
+        if draft is not None:
+            raise ValueError("rollout.engine = \"vllm\" continues partial rollouts without turbogrpo's draft")
+        from vllm.sampling_params import RequestOutputKind
+        with torch.autocast(self.device.type, enabled=False):
+            self._ready(policy)
+            if seed is None:
+                seed = int(torch.randint(2**62, ()))
+            start = time.perf_counter()
+            engine, tag = self.llm.llm_engine, f"turbogrpo-partial-{time.monotonic_ns()}-"
+            for i, (prefix, limit) in enumerate(zip(prefixes, limits)):
+                params = sampling_params(replace(sampling, max_new_tokens=limit), 1, request_seed(seed, i))
+                params.output_kind = RequestOutputKind.CUMULATIVE  # what each has drawn so far, at every step
+                engine.add_request(f"{tag}{i}", {"prompt_token_ids": prefix.tolist()}, params)  # host sync
+            latest: list = [None] * len(prefixes)
+            finished = [False] * len(prefixes)
+            while engine.has_unfinished_requests():
+                for output in engine.step():
+                    index = int(output.request_id.removeprefix(tag))
+                    latest[index], finished[index] = output.outputs[0], output.finished
+                if until(list(finished)):
+                    engine.abort_request([f"{tag}{i}" for i, done in enumerate(finished) if not done])
+                    break
+            completions = [_PartialCompletion.of(c) if done or c is None else _PartialCompletion.cut(c)
+                           for c, done in zip(latest, finished)]
+        return self._rollout(prefixes, 1, completions, start)
+
     def sample_conversations(self, policy: nn.Module, tokenizer, examples: Sequence, episodes, *,
                              num_samples: int, sampling: SamplingConfig, seed: int | None,
                              draft: object | None = None):
@@ -323,6 +357,26 @@ class VllmEngine:
             raise RuntimeError("vLLM did not reset its prefix cache after a weight push (a request still running?)")
         self.push_seconds = time.perf_counter() - start
         self.synced = True
+
+
+@dataclass(frozen=True)
+class _PartialCompletion:
+    """A completion of a partial rollout as ``_rollout`` reads it: one vLLM stopped keeps its tokens so far."""
+
+    token_ids: tuple[int, ...]
+    logprobs: tuple
+    finish_reason: str
+
+    @classmethod
+    def of(cls, completion) -> _PartialCompletion:
+        if completion is None:  # aborted before its first token
+            return cls((), (), "length")
+        return cls(tuple(completion.token_ids), tuple(completion.logprobs or ()), completion.finish_reason)
+
+    @classmethod
+    def cut(cls, completion) -> _PartialCompletion:
+        """A completion aborted mid-way: its tokens so far, "length" (shorter than its limit: still running)."""
+        return cls(tuple(completion.token_ids), tuple(completion.logprobs or ()), "length")
 
 
 def sampled_logprobs(completion) -> list[float]:
