@@ -233,23 +233,19 @@ def sample(run: Run, data: StepData) -> StepData:
     if run.rollouts is not None:  # asynchronous: drawn ahead by the worker; the timer counts the wait
         with data.timer("rollout"):
             drawn = run.rollouts.take(data.index)
-        data.rollout, data.episodes, data.batch = drawn.rollout, drawn.episodes, drawn.rollout.groups
+        data.rollout, data.episodes = drawn.rollout, drawn.episodes
         if drawn.examples is not None:  # partial rollouts: the groups that finished, carried ones among them
             data.examples = drawn.examples
-        if learns:  # the worker drafted with an older version; the draft learns the policy of now (a forward)
+    else:  # the rollout samples under the training forward's precision: the same bf16 weights and kernels' dtypes
+        with data.timer("rollout"), distributed.full_parameters(run.trainer), run.precision.autocast():
             run.policy.eval()
-            with data.timer("draft"), training_linears(run):
-                data.draft_data = draft.collect(run.policy, data.rollout, data.seed)
-        return data
-    # The rollout samples under the training forward's precision: the same bf16 weights and kernels' dtypes.
-    with data.timer("rollout"), distributed.full_parameters(run.trainer), run.precision.autocast():
-        run.policy.eval()
-        data.rollout, data.episodes = draw(run.engine, run.policy, run.tokenizer, run.episodes, data.examples,
-                                           data.prompts, num_samples=run.num_generations, sampling=run.sampling,
-                                           seed=data.seed, draft=draft.speculation() if draft is not None else None,
-                                           return_hidden=learns)
+            data.rollout, data.episodes = draw(run.engine, run.policy, run.tokenizer, run.episodes, data.examples,
+                                               data.prompts, num_samples=run.num_generations, sampling=run.sampling,
+                                               seed=data.seed, draft=draft.speculation() if draft is not None else None,
+                                               return_hidden=learns)
     data.batch = data.rollout.groups
-    if learns:
+    if learns:  # (a worker's rollout keeps no features: collect computes them with the policy of now, a forward)
+        run.policy.eval()
         with data.timer("draft"), training_linears(run):
             data.draft_data = draft.collect(run.policy, data.rollout, data.seed)
     return data

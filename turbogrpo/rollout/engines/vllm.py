@@ -292,8 +292,7 @@ class VllmEngine:
                 if until(list(finished)):
                     engine.abort_request([f"{tag}{i}" for i, done in enumerate(finished) if not done])
                     break
-            completions = [_PartialCompletion.of(c) if done or c is None else _PartialCompletion.cut(c)
-                           for c, done in zip(latest, finished)]
+            completions = [_PartialCompletion.of(c, done) for c, done in zip(latest, finished)]
         return self._rollout(prefixes, 1, completions, start)
 
     def sample_conversations(self, policy: nn.Module, tokenizer, examples: Sequence, episodes, *,
@@ -368,15 +367,13 @@ class _PartialCompletion:
     finish_reason: str
 
     @classmethod
-    def of(cls, completion) -> _PartialCompletion:
-        if completion is None:  # aborted before its first token
+    def of(cls, completion, finished: bool) -> _PartialCompletion:
+        """vLLM's latest output of a request (None: none yet); one not ``finished`` was aborted mid-way and keeps
+        its tokens so far with reason "length" (shorter than its limit: still running)."""
+        if completion is None:
             return cls((), (), "length")
-        return cls(tuple(completion.token_ids), tuple(completion.logprobs or ()), completion.finish_reason)
-
-    @classmethod
-    def cut(cls, completion) -> _PartialCompletion:
-        """A completion aborted mid-way: its tokens so far, "length" (shorter than its limit: still running)."""
-        return cls(tuple(completion.token_ids), tuple(completion.logprobs or ()), "length")
+        return cls(tuple(completion.token_ids), tuple(completion.logprobs or ()),
+                   completion.finish_reason if finished else "length")
 
 
 def sampled_logprobs(completion) -> list[float]:
