@@ -186,3 +186,44 @@ class _locked:
     def __exit__(self, *exc) -> None:
         fcntl.flock(self.fd, fcntl.LOCK_UN)
         os.close(self.fd)
+
+
+def measured_once(name: str, key: dict, measure: Callable[[], object]) -> object:
+    """A choice this machine measured (JSON: a kernel's row threshold, say), kept under
+    ``cache_root()/measured/<name>/`` for ``key`` (what it depends on: CPU kind, dtype, threads), so that every
+    process on this machine makes the same one. Timing is noisy: two processes that each timed for themselves
+    could pick differently, and a rollout worker (another process) or a resumed run whose kernel rounds
+    differently from the first run's breaks bit-exact resumes. The first value written wins (``os.link`` of a
+    complete file fails where another process was first; that one's is read). A cache that cannot be written
+    still answers, measured in this process (and remembered for it)."""
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    if (name, digest) not in _MEASURED:
+        _MEASURED[name, digest] = _measured_on_this_machine(name, digest, key, measure)
+    return _MEASURED[name, digest]
+
+
+_MEASURED: dict[tuple[str, str], object] = {}
+"""``measured_once``'s answers in this process."""
+
+
+def _measured_on_this_machine(name: str, digest: str, key: dict, measure: Callable[[], object]) -> object:
+    folder = cache_root() / "measured" / name
+    path = folder / f"{digest}.json"
+    try:
+        return json.loads(path.read_text())["value"]
+    except (OSError, ValueError, KeyError):
+        pass  # not measured yet (or damaged: measured again, and not replaced)
+    value = measure()
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=folder, prefix=f".tmp-{digest}-", delete=False) as file:
+            file.write(json.dumps({"key": key, "value": value}))
+        try:
+            os.link(file.name, path)
+        except FileExistsError:
+            value = json.loads(path.read_text())["value"]  # another process measured first: its choice holds
+        finally:
+            os.unlink(file.name)
+    except (OSError, ValueError, KeyError):
+        pass  # an unwritable cache: this process's own measurement
+    return value

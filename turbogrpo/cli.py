@@ -281,7 +281,7 @@ def _rollout_worker(args: argparse.Namespace, overrides: list[str]) -> int:
     spec = WorkerSpec.of(config.model, config.lora, config.rollout, config.env, train, config.algo, config.draft,
                          train.rollout_threads)  # (its draft_context comes from the trainer)
     try:
-        return serve(spec, args.trainer, args.rank, train.rollout_connect_timeout_s)
+        return serve(spec, args.trainer, args.rank, train.rollout_connect_timeout_s, train.rollout_secret_file)
     except RolloutWorkerError as err:
         print(f"turbogrpo: error: {err}", file=sys.stderr)
         return 1

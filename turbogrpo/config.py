@@ -445,13 +445,22 @@ class TrainConfig:
     """With max_staleness > 0: where the rollout worker runs (``turbogrpo.train.rollout_worker.TRANSPORTS``).
     "local": a process this trainer starts on its machine (weights through shared memory). "remote": a worker
     started on another machine with `turbogrpo rollout-worker CONFIG --trainer HOST:PORT --rank R`, one per trainer
-    rank, talking over torch.distributed (gloo: tensors and JSON; an [env] run's environments stay on the worker's
-    machine, the trainer gets their rewards and conversations; docs/guide/distributed.md)."""
+    rank, over one TCP connection each that admits only a peer proving the run's secret, encrypted (tensors and
+    JSON, no pickles; an [env] run's environments stay on the worker's machine, the trainer gets their rewards and
+    conversations; docs/guide/distributed.md says the trust model)."""
+    rollout_host: str = "127.0.0.1"
+    """With rollout_worker = "remote": the address the trainer listens on. Loopback by default (a worker on this
+    machine); a worker on another machine needs this machine's address on their network ("0.0.0.0": every
+    interface) and a secret set on both ($TURBOGRPO_ROLLOUT_SECRET or rollout_secret_file)."""
     rollout_port: int = 29600
     """With rollout_worker = "remote": trainer rank r listens for its worker on port rollout_port + r."""
     rollout_connect_timeout_s: float = 600.0
     """With rollout_worker = "remote": how long the trainer waits for its worker to connect (and a worker for its
     trainer) before it stops with one error line."""
+    rollout_secret_file: str = ""
+    """With rollout_worker = "remote": a file holding the secret both sides prove they hold (at least 16
+    characters; $TURBOGRPO_ROLLOUT_SECRET takes precedence). "" on loopback: this user's own, made once in
+    turbogrpo's cache folder. Only the path is kept in the config: the secret is never logged or checkpointed."""
 
     def __post_init__(self):
         # One spelling of the folder for every module that writes there: "~" expanded, "a/.." and "./" gone
@@ -480,8 +489,10 @@ class TrainConfig:
         _require(self.rollout_threads >= 0, f"{key}.rollout_threads", "an integer >= 0 (0: half the cores)",
                  self.rollout_threads)
         _require(1 <= self.rollout_port <= 65535, f"{key}.rollout_port", "a TCP port (1..65535)", self.rollout_port)
-        _require(self.rollout_connect_timeout_s > 0, f"{key}.rollout_connect_timeout_s", "a number of seconds > 0",
-                 self.rollout_connect_timeout_s)
+        _require(0 < self.rollout_connect_timeout_s <= MAX_WAIT_S, f"{key}.rollout_connect_timeout_s",
+                 f"a number of seconds in (0, {MAX_WAIT_S:g}] (a week)", self.rollout_connect_timeout_s)
+        _require(self.rollout_host.strip() != "", f"{key}.rollout_host", "an address to listen on (e.g. 127.0.0.1)",
+                 self.rollout_host)
         _require(0 <= self.partial_rollouts <= self.max_staleness, f"{key}.partial_rollouts",
                  f"an integer in [0, train.max_staleness = {self.max_staleness}] (a carried generation's first "
                  "tokens lag one update more per step it is carried)", self.partial_rollouts)
@@ -839,6 +850,9 @@ def _build(cls: type, raw: Any, key: str) -> Any:
         values[name] = _coerce(value, hints[name], sub)
     return cls(**values)
 
+
+MAX_WAIT_S = 7 * 24 * 3600.0
+"""The longest wait a setting may ask for (seconds): more is a typo, and overflows the clocks' arithmetic."""
 
 _EXPECTED = {float: "a number", int: "an integer", bool: "true or false", str: "a string"}
 """What a value of each plain type is called in an error (a Literal names its values)."""

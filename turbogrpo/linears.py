@@ -48,6 +48,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
+import platform
 import statistics
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -55,6 +57,7 @@ from collections.abc import Callable, Iterable, Iterator
 import torch
 from torch import nn
 
+from turbogrpo.cache import measured_once
 from turbogrpo.cpu_capability import cpu_capability
 
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
@@ -329,16 +332,31 @@ MKL at few rows by up to 2x, which a real step does not see)."""
 def onednn_min_rows(dtype: torch.dtype, num_threads: int, margin: float = 1.1) -> int | None:
     """The fewest rows from which oneDNN's packed product beats ``F.linear`` here, or None where it
     does not beat it by ``margin`` at 32 rows, or cannot run in ``dtype`` on this CPU (then ``F.linear``
-    runs everywhere). Timed once per process, dtype and thread count, at SmolLM2's MLP shape (576 x 1536
+    runs everywhere). Timed once per machine, dtype and thread count (``cache.measured_once``), at SmolLM2's MLP shape (576 x 1536
     and back) for every row count of ``ROW_GRID`` (about half a second): the smallest count at which
     oneDNN is faster there and at every larger one. On the 2-core Xeon (AMX) MKL wins below a handful of
     rows; on the AMD EPYC oneDNN wins at every count."""
     if not cpu_capability().packs(dtype):
         return None
-    return _timed_min_rows(dtype, num_threads, margin)
+    return measured_once("onednn_min_rows", _machine_key(dtype=str(dtype), num_threads=num_threads, margin=margin),
+                         functools.partial(_timed_min_rows, dtype, num_threads, margin))
 
 
-@functools.cache
+def _machine_key(**shape) -> dict:
+    """What a timed choice depends on besides ``shape``: the CPU and the torch build (``cache.measured_once``)."""
+    return {"cpu": cpu_capability().describe(), "cpu_model": _cpu_model(), "cores": os.cpu_count(),
+            "torch": torch.__version__, **shape}
+
+
+def _cpu_model() -> str:
+    """This CPU's model name (a home folder, and the cache in it, may be shared by machines of several kinds)."""
+    try:
+        with open("/proc/cpuinfo") as info:
+            return next((line.split(":", 1)[1].strip() for line in info if line.startswith("model name")), "")
+    except OSError:
+        return platform.processor()
+
+
 def _timed_min_rows(dtype: torch.dtype, num_threads: int, margin: float) -> int | None:
     generator = torch.Generator().manual_seed(0)
     weights = [torch.randn(out, inner, generator=generator).to(dtype)
@@ -384,14 +402,14 @@ def _auto(kernel: Callable[..., contextlib.AbstractContextManager[int]],
 def onednn_trains_faster(dtype: torch.dtype, num_threads: int, margin: float = 1.1) -> int | None:
     """1 where ``OneDnnLinear``'s forward and backward beat ``F.linear``'s by ``margin`` here, else None
     (the ``min_rows`` of "auto" training; None too where oneDNN cannot train in ``dtype`` on this CPU).
-    Timed once per process and thread count at a training shape, 512 rows through SmolLM2's 576 x 1536
+    Timed once per machine and thread count (``cache.measured_once``) at a training shape, 512 rows through SmolLM2's 576 x 1536
     MLP weight (about half a second): a decoding step's few rows say nothing about it."""
     if not cpu_capability().trains(dtype):
         return None
-    return _timed_trains_faster(num_threads, margin)
+    return measured_once("onednn_trains_faster", _machine_key(num_threads=num_threads, margin=margin),
+                         functools.partial(_timed_trains_faster, num_threads, margin))
 
 
-@functools.cache
 def _timed_trains_faster(num_threads: int, margin: float) -> int | None:
     generator = torch.Generator().manual_seed(0)
     weight = torch.randn(1536, 576, generator=generator, requires_grad=True)

@@ -58,6 +58,7 @@ from turbogrpo.train.report import speculation_summary, write_report
 from turbogrpo.train.output_dir import claim_output_dir, mark_complete, run_record
 from turbogrpo.train.rank_agreement import check_ranks_agree
 from turbogrpo.train.rollout_worker import RolloutWorker, WorkerSpec, draw, thread_split
+from turbogrpo.train.worker_transport import transport_options
 from turbogrpo.train.run import Run, build_run
 from turbogrpo.train.sharing import micro_batches as sharing_micro_batches
 from turbogrpo.train.state import (RewardFailure, RunComplete, evaluate, evaluate_and_save_final, export, interrupted,
@@ -117,8 +118,8 @@ def train(config: Config, *, resume: bool = False, overwrite: bool = False) -> R
                                          prompts_per_step_slice=distributed.local_slice(config.train.prompts_per_step,
                                                                                         dist),
                                          seed_of=partial(rollout_seed, config.train.seed, rank=dist.rank),
-                                         transport=config.train.rollout_worker, port=config.train.rollout_port,
-                                         connect_timeout_s=config.train.rollout_connect_timeout_s)
+                                         transport=config.train.rollout_worker,
+                                         options=transport_options(config.train))
         state = start(run, resume)
         if run.rollouts is not None:
             run.rollouts.begin(state.step, run.batches)

@@ -46,19 +46,16 @@ from turbogrpo.rollout import Rollout
 from turbogrpo.train.distributed import DistInfo, resolve_device
 from turbogrpo.train.draft_learning import FORGET, build_online_draft
 from turbogrpo.train.partial_rollouts import PartialRollouts, pool_state, restore_pool
-from turbogrpo.train.remote_transport import DistributedLink, DistributedTransport, connect
-from turbogrpo.train.weight_ring import sampling_version, trainable_parameters
+from turbogrpo.train.remote_transport import RemoteLink, RemoteTransport, connect, rank_port
+from turbogrpo.train.rollout_checks import RolloutMismatch, check_rollout
+from turbogrpo.train.weight_ring import frozen_digest, sampling_version, trainable_parameters
 from turbogrpo.train.worker_transport import SharedMemoryTransport, TransportOptions
 from turbogrpo.train.worker_types import TRAINER_CHOSEN, Drawn, Request, RolloutWorkerError, WorkerSpec
 
 __all__ = ["TRANSPORTS", "RolloutWorker", "RolloutWorkerError", "WorkerSpec", "draw", "serve", "thread_split"]
 
 
-def _start_remote(spec: WorkerSpec, dist: DistInfo, parameters: dict[str, torch.Tensor], options: TransportOptions):
-    return DistributedTransport(spec, dist, parameters, options.port, options.connect_timeout_s)
-
-
-TRANSPORTS: dict[str, Callable] = {"local": SharedMemoryTransport, "remote": _start_remote}
+TRANSPORTS: dict[str, Callable] = {"local": SharedMemoryTransport, "remote": RemoteTransport}
 """train.rollout_worker's values: each starts the trainer's side of its transport from ``(spec, dist, trainable
 parameters, TransportOptions)`` (``worker_transport.py`` says what a transport does)."""
 
@@ -85,6 +82,7 @@ def _worker_main(spec: WorkerSpec, dist: DistInfo, link) -> None:
         if spec.num_threads:
             torch.set_num_threads(spec.num_threads)
         sampler = _WorkerSampler(spec, dist)
+        link.check_base(frozen_digest(sampler.policy), spec.model.path)
         link.put(("ready", None, None))
         while (request := link.next_request()) is not None:
             sampler.load(link, request.version)
@@ -93,31 +91,45 @@ def _worker_main(spec: WorkerSpec, dist: DistInfo, link) -> None:
         pass
     except KeyboardInterrupt:  # (a remote worker's Ctrl-C or SIGTERM; a local one ignores Ctrl-C)
         link.put(("error", None, "interrupted (Ctrl-C or SIGTERM on its machine)"))
+    except (ValueError, RolloutWorkerError) as err:  # what the run's settings or its trainer got wrong: one line
+        link.failure = str(err).splitlines()[0]
+        link.put(("error", None, link.failure))
     except BaseException as err:  # noqa: BLE001: every failure goes back to the trainer, named
         traceback.print_exc()  # the whole story on the worker's stderr; the trainer raises its one line
-        link.put(("error", None, f"{type(err).__name__}: {err}".splitlines()[0]))
+        link.failure = f"{type(err).__name__}: {err}".splitlines()[0]
+        link.put(("error", None, link.failure))
     finally:
         link.close()
 
 
-def serve(spec: WorkerSpec, trainer: str, rank: int, connect_timeout_s: float) -> int:
+def serve(spec: WorkerSpec, trainer: str, rank: int, connect_timeout_s: float, secret_file: str = "") -> int:
     """``turbogrpo rollout-worker``: connect to trainer rank ``rank`` at ``trainer`` ("HOST:PORT", PORT its
     train.rollout_port), draw its rollouts until it stops (0) or is gone (1)."""
-    host, _, port = trainer.rpartition(":")
-    if not host or not port.isdigit():
-        raise ValueError(f"--trainer {trainer!r}: expected HOST:PORT, PORT the trainer's train.rollout_port")
+    host, port = trainer_address(trainer, rank)
     dist = DistInfo(rank, 1, 0, resolve_device(spec.model.device))
-    print(f"turbogrpo: rollout worker of rank {rank}: connecting to the trainer at {host}:{int(port) + rank} "
+    print(f"turbogrpo: rollout worker of rank {rank}: connecting to the trainer at {host}:{port + rank} "
           f"(up to {connect_timeout_s:g} s, train.rollout_connect_timeout_s)", file=sys.stderr, flush=True)
-    pair, theirs = connect(host, int(port), rank, spec.sampling_settings(), connect_timeout_s)
+    pair, theirs = connect(host, port, rank, spec.sampling_settings(), connect_timeout_s, secret_file)
     spec = dataclasses.replace(spec, **{name: theirs[name] for name in TRAINER_CHOSEN})
     print(f"turbogrpo: rollout worker of rank {rank}: connected; drawing on {dist.device}", file=sys.stderr,
           flush=True)
-    link = DistributedLink(pair, spec.max_staleness + 1)
+    link = RemoteLink(pair, spec.max_staleness + 1, theirs.get("base"))
     _worker_main(spec, dist, link)
-    print(f"turbogrpo: rollout worker of rank {rank}: {link.ending or 'failed'}; it stops", file=sys.stderr,
-          flush=True)
+    why = link.ending if link.ending else f"failed: {link.failure}" if link.failure else "failed"
+    print(f"turbogrpo: rollout worker of rank {rank}: {why}; it stops", file=sys.stderr, flush=True)
     return 0 if link.ending == "stopped" else 1
+
+
+def trainer_address(trainer: str, rank: int) -> tuple[str, int]:
+    """``--trainer HOST:PORT`` as (host, port), or a ValueError saying what is wrong (``[::1]:PORT`` for IPv6)."""
+    host, _, port = trainer.rpartition(":")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if not host or not port.isdigit():
+        raise ValueError(f"--trainer {trainer!r}: expected HOST:PORT, PORT the trainer's train.rollout_port")
+    if rank < 0:
+        raise ValueError(f"--rank {rank}: expected the trainer rank this worker serves (0, 1, ...)")
+    rank_port(int(port), rank, "--trainer PORT")
+    return host, int(port)
 
 
 class _WorkerSampler:
@@ -203,6 +215,13 @@ def versioned_parameters(policy: nn.Module, draft: nn.Module | None = None) -> d
     return parameters
 
 
+def output_vocab_size(policy: nn.Module) -> int:
+    """The ids ``policy`` can sample: its LM head's rows (under a LoRA wrapper, the base layer's)."""
+    head = policy.get_output_embeddings()
+    weight = getattr(getattr(head, "base_layer", head), "weight", None)
+    return weight.shape[0] if weight is not None else policy.config.vocab_size
+
+
 def thread_split(num_threads: int, rollout_threads: int, cores: int | None = None) -> tuple[int, int]:
     """(trainer threads, worker threads) of the asynchronous loop on ``cores`` CPU cores (this machine's): the
     settings where given (train.num_threads, train.rollout_threads), else half the cores each (the worker at
@@ -217,17 +236,22 @@ class RolloutWorker:
     """The trainer's side: the worker's transport (``TRANSPORTS``) and the prompts asked for ahead."""
 
     def __init__(self, spec: WorkerSpec, dist: DistInfo, policy: nn.Module, *, num_steps: int,
-                 prompts_per_step_slice: slice, seed_of, transport: str = "local", port: int = 0,
-                 connect_timeout_s: float = 0.0, draft: nn.Module | None = None):
+                 prompts_per_step_slice: slice, seed_of, transport: str = "local",
+                 options: TransportOptions | None = None, draft: nn.Module | None = None):
         """Start the worker (a local one builds its model while the trainer starts; a remote one is waited for
-        on ``port`` + this rank, ``connect_timeout_s`` at most). ``prompts_per_step_slice``: this rank's share of
+        as ``options`` say: where, how long, the secret). ``prompts_per_step_slice``: this rank's share of
         a step's prompts; ``seed_of(step)``: the step's sampling seed on this rank; ``draft``: the draft head the
         trainer teaches (its weights travel with each version)."""
         self.spec, self.dist, self.num_steps = spec, dist, num_steps
         self.local, self.seed_of = prompts_per_step_slice, seed_of
         self.parameters = versioned_parameters(policy, draft)
-        self.transport = TRANSPORTS[transport](spec, dist, self.parameters,
-                                               TransportOptions(_worker_main, port, connect_timeout_s))
+        options = dataclasses.replace(options or TransportOptions(None), worker_main=_worker_main)
+        if transport == "remote":  # the weights a remote worker loads itself must be the trainer's
+            options = dataclasses.replace(options, base={"digest": frozen_digest(policy), "path": spec.model.path})
+        self.vocab_size = output_vocab_size(policy)
+        self.asked_for: dict[int, Request] = {}
+        """The requests whose rollouts have not arrived, by step (each rollout is checked against its own)."""
+        self.transport = TRANSPORTS[transport](spec, dist, self.parameters, options)
         self.lookahead: PromptBatches | None = None
         self.asked = 0
         """Steps asked for so far (requests 0..asked-1 sent)."""
@@ -302,7 +326,15 @@ class RolloutWorker:
         kind, got, payload = self._receive(step)
         if kind == "ready":  # the first message: the worker has built its model
             kind, got, payload = self._receive(step)
-        assert kind == "rollout" and got == step, f"rollout of step {got} arrived for step {step}"
+        request = self.asked_for.pop(step, None)
+        try:
+            if kind != "rollout" or got != step or request is None:
+                raise RolloutMismatch(f"it sent a {kind} message for step {got} where step {step}'s rollout was due")
+            check_rollout(request, payload, num_generations=self.spec.rollout.num_generations,
+                          vocab_size=self.vocab_size, rows=self.rows)
+        except RolloutMismatch as err:
+            raise RolloutWorkerError(f"the rollout worker ({self.transport.name}) sent a rollout that is not step "
+                                     f"{step + 1}'s: {err}; the run stops") from None
         payload = self._own_rows(payload)
         if self.spec.partial_rollouts:
             self.carried = payload.carried
@@ -320,7 +352,9 @@ class RolloutWorker:
             examples, extra = self._starts(step)
             prompts = [e.token_ids for e in examples]
             version = sampling_version(step, self.spec.steps_ahead)
-            self.transport.ask(Request(step, self.seed_of(step), version, prompts, examples, **extra))
+            request = Request(step, self.seed_of(step), version, prompts, examples, **extra)
+            self.asked_for[step] = request
+            self.transport.ask(request)
             self.asked += 1
 
     def _starts(self, step: int) -> tuple[list[PromptExample], dict]:

@@ -16,6 +16,7 @@ model source, so its model equals the trainer's at every version.
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import Callable
 
@@ -32,6 +33,19 @@ def sampling_version(step: int, max_staleness: int) -> int:
 def trainable_parameters(policy: nn.Module) -> dict[str, torch.Tensor]:
     """The parameters an optimizer step changes, by name (the same names in the worker's copy)."""
     return {name: p for name, p in policy.named_parameters() if p.requires_grad}
+
+
+def frozen_digest(policy: nn.Module) -> str:
+    """SHA-256 of the parameters no optimizer step changes (a LoRA run's base model), names, dtypes and shapes
+    included: the weights a remote worker loads itself instead of receiving them, which must equal the trainer's.
+    About 0.4 s per 540 MB (SmolLM2-135M in float32) at SHA-NI speed, once per run."""
+    digest = hashlib.sha256()
+    for name, p in policy.named_parameters():
+        if not p.requires_grad:
+            data = p.detach().contiguous().reshape(-1).view(torch.uint8).cpu()  # host sync on a GPU, once
+            digest.update(f"{name}|{p.dtype}|{list(p.shape)}|".encode())
+            digest.update(memoryview(data.numpy()))
+    return digest.hexdigest()
 
 
 class WeightRing:
@@ -68,6 +82,18 @@ class WeightRing:
         with torch.no_grad():
             for name, p in parameters.items():
                 p.copy_(slot[name])
+
+    def check_fits(self, parameters: dict[str, torch.Tensor]) -> None:
+        """A ValueError naming the first parameter whose name, shape or dtype differs between the ring (the
+        trainer's weights, as they arrived) and ``parameters`` (this side's model)."""
+        slot = self.slots[0]
+        for name in sorted(slot.keys() | parameters.keys()):
+            there, here = slot.get(name), parameters.get(name)
+            if there is None or here is None or there.shape != here.shape or there.dtype != here.dtype:
+                def shown(t):
+                    return "absent" if t is None else f"{list(t.shape)} {t.dtype}"
+                raise ValueError(f"the trainer's weights do not fit this worker's model: parameter {name!r} is "
+                                 f"{shown(there)} there and {shown(here)} here; start the worker with the run's config")
 
     def state(self, versions: list[int]) -> dict[str, torch.Tensor]:
         """Those versions' tensors, ``"v<version>/<name>"`` (a checkpoint's rollout weights)."""

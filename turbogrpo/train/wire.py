@@ -1,9 +1,10 @@
 """Messages between the trainer and a rollout worker on another machine (train.rollout_worker = "remote"): a JSON
 header and tensors, never pickles (what arrives from the network is data, not code to run).
 
-A message travels over a two-process ``torch.distributed`` group as three sends: ``[2]`` int64 sizes (header bytes,
-payload bytes), the header (UTF-8 JSON, uint8), and the payload: every tensor of the message flat, as bytes, one
-after the other, each at a 16-byte aligned offset so that it can be viewed back as its dtype without a copy. The
+A message is a header (UTF-8 JSON) and a payload: every tensor of the message flat, as bytes, one after the other,
+each at a 16-byte aligned offset so that it can be viewed back as its dtype without a copy. Both travel over an
+authenticated, encrypted ``secure_channel.Channel``; what arrives is still checked here (a header that is not a JSON
+object with ``kind`` and ``layout``, a tensor outside the payload: ``BadMessage``). The
 header's ``layout`` says where each tensor lies: ``[name, dtype, shape, offset, num_bytes, on_device]``.
 
 What travels (``remote_transport.py``): weights (a version's trainable parameters), requests (a step's prompts,
@@ -17,9 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import threading
-import time
-
 import torch
 from torch import Tensor
 
@@ -56,11 +54,14 @@ class Message:
 
 @dataclasses.dataclass
 class Frame:
-    """A message ready to send: ``[2]`` sizes, the header's bytes ``[H]`` and the payload ``[B]`` (uint8, CPU)."""
+    """A message ready to send: the header's bytes and the payload ``[B]`` (uint8, CPU)."""
 
-    sizes: Tensor
-    header: Tensor
+    header: bytes
     payload: Tensor
+
+
+class BadMessage(ValueError):
+    """What arrived is not a message of this protocol (one line saying why)."""
 
 
 def encode(message: Message) -> Frame:
@@ -72,72 +73,80 @@ def encode(message: Message) -> Frame:
         padding = -data.numel() % ALIGN
         parts += [data, torch.zeros(padding, dtype=torch.uint8)] if padding else [data]
         offset += data.numel() + padding
-    header = json.dumps({**message.header, "layout": layout}).encode()
     payload = torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
-    return Frame(torch.tensor([len(header), payload.numel()], dtype=torch.int64),
-                 torch.frombuffer(bytearray(header), dtype=torch.uint8), payload)
+    return Frame(json.dumps({**message.header, "layout": layout}).encode(), payload)
 
 
-def decode(header: Tensor, payload: Tensor, device: torch.device) -> Message:
+def decode(header: bytes, payload: Tensor, device: torch.device) -> Message:
     """The message of a received frame; tensors that were on an accelerator go to ``device``, the rest stay on
-    the host (views of ``payload``)."""
-    fields = json.loads(bytes(header.numpy()).decode())
+    the host (views of ``payload``). Anything else is a BadMessage naming what is wrong."""
+    try:
+        fields = json.loads(header.decode())
+    except (UnicodeDecodeError, ValueError) as err:
+        raise BadMessage(f"its header is not JSON ({err})") from None
+    if not isinstance(fields, dict):
+        raise BadMessage(f"its header is a JSON {type(fields).__name__}, not an object")
+    for key, kind in (("kind", str), ("layout", list)):
+        if not isinstance(fields.get(key), kind):
+            raise BadMessage(f"its header has no {key!r} (a {kind.__name__})")
     tensors = {}
-    for name, dtype, shape, offset, num_bytes, on_device in fields.pop("layout"):
-        if dtype not in DTYPES:
-            raise ValueError(f"a message carries tensor {name!r} of dtype {dtype!r}, not one of {sorted(DTYPES)}")
-        tensor = payload[offset:offset + num_bytes].view(DTYPES[dtype]).reshape(shape)
+    for entry in fields.pop("layout"):
+        name, tensor, on_device = _tensor_of(entry, payload)
         tensors[name] = tensor.to(device) if on_device else tensor
     return Message(fields, tensors)
 
 
-def send(group, peer: int, frame: Frame, timeout_s: float | None = None) -> None:
-    """``frame`` to rank ``peer`` of ``group`` (blocks until it is sent; past ``timeout_s``, TimeoutError: a peer
-    that takes nothing, e.g. a hung machine, leaves a large frame unsent)."""
-    deadline = None if timeout_s is None else time.monotonic() + timeout_s
-    for part in (frame.sizes, frame.header, frame.payload):
-        if part.numel():
-            finish(group.send([part], peer, 0), deadline)
+def _tensor_of(entry, payload: Tensor) -> tuple[str, Tensor, bool]:
+    """One layout entry's tensor: a view of ``payload`` where the entry's dtype, shape and bytes agree."""
+    try:
+        name, dtype, shape, offset, num_bytes, on_device = entry
+    except (TypeError, ValueError):
+        raise BadMessage(f"a tensor's layout entry {str(entry)[:80]} is not [name, dtype, shape, offset, bytes, "
+                         "on_device]") from None
+    if dtype not in DTYPES:
+        raise BadMessage(f"it carries tensor {name!r} of dtype {dtype!r}, not one of {sorted(DTYPES)}")
+    if not (isinstance(offset, int) and isinstance(num_bytes, int) and 0 <= offset
+            and offset + num_bytes <= payload.numel() and offset % ALIGN == 0):
+        raise BadMessage(f"tensor {name!r} lies outside the message's {payload.numel()} payload bytes")
+    try:
+        return name, payload[offset:offset + num_bytes].view(DTYPES[dtype]).reshape(shape), bool(on_device)
+    except (RuntimeError, TypeError) as err:
+        raise BadMessage(f"tensor {name!r}'s shape {shape} does not match its {num_bytes} bytes of {dtype} "
+                         f"({str(err).splitlines()[0]})") from None
 
 
-def receive(group, peer: int, device: torch.device) -> Message:
-    """The next message from rank ``peer`` of ``group`` (blocks; raises when the peer is gone)."""
-    sizes = torch.empty(2, dtype=torch.int64)
-    finish(group.recv([sizes], peer, 0))
-    header_bytes, payload_bytes = sizes.tolist()
-    header = torch.empty(header_bytes, dtype=torch.uint8)
-    finish(group.recv([header], peer, 0))
-    payload = torch.empty(payload_bytes, dtype=torch.uint8)
-    if payload_bytes:
-        finish(group.recv([payload], peer, 0))
+def send(channel, frame: Frame, timeout_s: float | None = None) -> None:
+    """``frame`` over ``channel`` (``secure_channel.Channel``; blocks until sent; past ``timeout_s``,
+    TimeoutError: a peer that takes nothing, e.g. a hung machine, leaves a large frame unsent)."""
+    if timeout_s is not None:
+        channel.sock.settimeout(timeout_s)
+    try:
+        channel.send(frame.header, frame.payload)
+    finally:
+        if timeout_s is not None:
+            channel.sock.settimeout(None)
+
+
+def receive(channel, device: torch.device) -> Message:
+    """The next message on ``channel`` (blocks; ConnectionError when the peer is gone, BadMessage or
+    ``ChannelError`` for what is not a message of ours)."""
+    header, payload = channel.receive()
     return decode(header, payload, device)
 
 
-def finish(work, deadline: float | None = None) -> None:
-    """Wait for a send or receive so that Ctrl-C and SIGTERM still reach this thread: ``Work.wait()`` blocks in C++,
-    where Python runs no signal handler until it returns, which a peer that hangs never lets happen (and gloo's
-    point-to-point work cannot be polled: it completes inside ``wait``). So ``wait`` runs on a helper thread while
-    this one waits on an event, which a signal interrupts. Raises the operation's error (the peer gone), or
-    TimeoutError past ``deadline`` (``time.monotonic()``; the helper is left to the operation)."""
-    done, failed = threading.Event(), []
-
-    def wait() -> None:
-        try:
-            work.wait()
-        except BaseException as err:  # noqa: BLE001 - handed to the waiting thread, which raises it
-            failed.append(err)
-        finally:
-            done.set()
-
-    threading.Thread(target=wait, name="turbogrpo-wire", daemon=True).start()
-    while not done.wait(None if deadline is None else max(0.0, deadline - time.monotonic())):
-        if deadline is not None and time.monotonic() >= deadline:
-            raise TimeoutError("the other side took nothing")
-    if failed:
-        raise failed[0]
-
-
 # --- what the messages hold ------------------------------------------------------------------------------
+
+
+def parsed(read, message: Message):
+    """``read(message)`` (``drawn_of``, ``request_of``, ...), where a field missing or of the wrong kind is a
+    BadMessage naming it, not a KeyError from deep inside."""
+    try:
+        return read(message)
+    except BadMessage:
+        raise
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError, RuntimeError) as err:
+        what = f"field {err.args[0]!r} is missing" if isinstance(err, KeyError) else str(err).splitlines()[0]
+        raise BadMessage(f"its {message.kind!r} message is malformed: {what}") from None
 
 
 def tensor_list(prefix: str, tensors: list[Tensor]) -> dict[str, Tensor]:

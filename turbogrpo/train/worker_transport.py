@@ -40,11 +40,26 @@ from turbogrpo.train.worker_types import POLL_S, Request, RolloutWorkerError, Wo
 @dataclass(frozen=True)
 class TransportOptions:
     """What starting a transport needs besides the spec: the worker's main function (a local transport spawns it)
-    and where a remote worker connects (train.rollout_port + this rank, within train.rollout_connect_timeout_s)."""
+    and where a remote worker connects (train.rollout_host, port train.rollout_port + this rank, within
+    train.rollout_connect_timeout_s), with the secret and the base weights it must prove."""
 
     worker_main: Callable
     port: int = 0
     connect_timeout_s: float = 0.0
+    host: str = "127.0.0.1"
+    """The address a remote transport listens on (train.rollout_host)."""
+    secret_file: str = ""
+    """train.rollout_secret_file (``secure_channel.rollout_secret``)."""
+    base: dict | None = None
+    """The policy's base weights as a remote worker must hold them: ``{"digest", "path"}``
+    (``weight_ring.frozen_digest``, model.path)."""
+
+
+def transport_options(train) -> TransportOptions:
+    """The [train] section's transport settings (``TrainConfig``: rollout_host, rollout_port,
+    rollout_connect_timeout_s, rollout_secret_file); the worker's main function is the caller's to set."""
+    return TransportOptions(None, train.rollout_port, train.rollout_connect_timeout_s, train.rollout_host,
+                            train.rollout_secret_file)
 
 
 class Outbox:
@@ -85,6 +100,8 @@ class SharedMemoryLink:
     def __init__(self, ring: WeightRing | None, requests, connection, parent_pid: int):
         self.ring, self.requests, self.connection, self.parent_pid = ring, requests, connection, parent_pid
         self.outbox: Outbox | None = None
+        self.failure = ""
+        """Why the worker failed, in one line ("" while it has not)."""
 
     def open(self) -> None:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the process group: the trainer ends the worker
@@ -93,6 +110,9 @@ class SharedMemoryLink:
         # made the resource tracker warn after every stopped run.
         signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))
         self.outbox = Outbox(pickle.dumps, self.connection.send_bytes)
+
+    def check_base(self, digest: str, path: str) -> None:
+        """(The worker loads the trainer's own model.path on the same machine.)"""
 
     def alive(self) -> None:
         if os.getppid() != self.parent_pid:
