@@ -115,9 +115,9 @@ def serve(spec: WorkerSpec, trainer: str, rank: int, connect_timeout_s: float, s
           flush=True)
     link = RemoteLink(pair, spec.max_staleness + 1, theirs.get("base"))
     _worker_main(spec, dist, link)
-    why = link.ending if link.ending else f"failed: {link.failure}" if link.failure else "failed"
+    why = f"failed: {link.failure}" if link.failure else link.ending or "failed"
     print(f"turbogrpo: rollout worker of rank {rank}: {why}; it stops", file=sys.stderr, flush=True)
-    return 0 if link.ending == "stopped" else 1
+    return 0 if link.ending == "stopped" and not link.failure else 1
 
 
 def trainer_address(trainer: str, rank: int) -> tuple[str, int]:
