@@ -144,6 +144,13 @@ def decoder_of(model: nn.Module) -> nn.Module:
     return base.get_decoder()
 
 
+def embedding_table(model: nn.Module) -> nn.Embedding:
+    """The input embedding's table (``num_embeddings``, ``weight``), under an adapter that wraps it (PEFT's LoRA
+    embedding has neither attribute)."""
+    embedding = model.get_input_embeddings()
+    return getattr(embedding, "base_layer", embedding)
+
+
 def lm_head_of(model: nn.Module) -> nn.Module:
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     return base.get_output_embeddings()

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from turbogrpo.hook import decoder_of, lm_head_of
+from turbogrpo.hook import decoder_of, embedding_table, lm_head_of
 
 
 @dataclass(frozen=True)
@@ -159,7 +159,7 @@ def probe_difference(model: nn.Module) -> tuple[float, float]:
     One forward of the model itself; the head's logits are computed from its decoder's output inside that
     forward (a hook), so that both see the same context: a forward wrapped in autocast (accelerate's mixed
     precision, TRL's bf16) rounds both alike."""
-    embeddings = model.get_input_embeddings()
+    embeddings = embedding_table(model)
     ids = (torch.arange(PROBE_TOKENS, device=embeddings.weight.device) * 7 + 3) % embeddings.num_embeddings
     head, ours = unchecked_logits_head(model), []
 

@@ -15,7 +15,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from turbogrpo.hook import check_materialized, check_supported, lm_head_of, run_decoder
+from turbogrpo.hook import check_materialized, check_supported, embedding_table, lm_head_of, run_decoder
 from turbogrpo.output_head import logits_head
 from turbogrpo.prefix.auto import STANDARD, choose_auto
 from turbogrpo.prefix.backends import AUTO, PaddedCausalAttention, select_backend
@@ -129,7 +129,7 @@ def validate_inputs(model: nn.Module, prompts, completions, temperature: float) 
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     check_materialized(model)
-    device = model.get_input_embeddings().weight.device
+    device = embedding_table(model).weight.device
     max_positions = getattr(model.config, "max_position_embeddings", None)
 
     def check_tokens(t, what):
@@ -168,7 +168,7 @@ def check_token_range(model: nn.Module, prompts, completions) -> None:
     asynchronous device assert carrying the same vocabulary bound (reading the ids back to raise a
     ValueError would stall every call to save only the failing one).
     """
-    vocab = model.get_input_embeddings().num_embeddings
+    vocab = embedding_table(model).num_embeddings
     every_token = torch.cat([*prompts, *(c for group in completions for c in group)])
     low_high = torch.aminmax(every_token)
     in_range = (low_high.min >= 0) & (low_high.max < vocab)

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from turbogrpo.hook import check_materialized
+from turbogrpo.hook import check_materialized, embedding_table
 from turbogrpo.host_memory import keep_freed_host_memory
 from turbogrpo.output_head import check_logits_head, logits_head
 from turbogrpo.rollout.compiled import PLAIN_RUNNERS
@@ -324,7 +324,7 @@ def _check_inputs(model: nn.Module, prompts: list[torch.Tensor], num_samples: in
         raise ValueError(f"num_samples must be an integer >= 1, got {num_samples!r}")
     if not isinstance(prompts, (list, tuple)) or not prompts:
         raise ValueError("prompts must be a non-empty list of 1-D token id tensors")
-    vocab_size = model.get_input_embeddings().num_embeddings
+    vocab_size = embedding_table(model).num_embeddings
     for index, prompt in enumerate(prompts):
         if not isinstance(prompt, torch.Tensor):
             raise ValueError(f"prompts[{index}] must be a 1-D tensor of token ids, got {type(prompt).__name__}")

@@ -556,7 +556,7 @@ def _call_handler(handler: TurnHandler, turn_ids: list[int]) -> list[int] | None
 def vocabulary_size(model: nn.Module) -> int | None:
     """How many token ids ``model``'s input embedding takes (None if it does not say)."""
     embedding = model.get_input_embeddings() if callable(getattr(model, "get_input_embeddings", None)) else None
-    return getattr(embedding, "num_embeddings", None)
+    return getattr(getattr(embedding, "base_layer", embedding), "num_embeddings", None)
 
 
 def _collect_replies(conversations: list[_Conversation], rows: list[int], limits: TurnLimits,

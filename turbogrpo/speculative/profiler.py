@@ -35,6 +35,7 @@ from torch import nn
 
 from turbogrpo.cache import CACHE_ENV, cache_root
 from turbogrpo.files import describe_os_error, write_text_atomically
+from turbogrpo.hook import embedding_table
 from turbogrpo.linears import LINEAR_KERNELS, onednn_min_rows
 from turbogrpo.rollout.engine import first_draw
 from turbogrpo.rollout.sampling import SamplingConfig
@@ -240,7 +241,7 @@ def profile_latency(model: nn.Module, *, context_length: int, draft: nn.Module |
     """
     check_profile_size(model, context_length=context_length, max_tokens=max_tokens, repeats=repeats)
     device = next(model.parameters()).device
-    vocab_size = model.get_input_embeddings().num_embeddings
+    vocab_size = embedding_table(model).num_embeddings
     generator = torch.Generator(device=device).manual_seed(seed)
     grid = _grid(max_tokens)
     prompt = torch.randint(vocab_size, (context_length,), device=device, generator=generator)

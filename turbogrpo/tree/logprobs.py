@@ -21,7 +21,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from turbogrpo.hook import check_materialized, check_supported, decoder_of, run_decoder
+from turbogrpo.hook import check_materialized, check_supported, decoder_of, embedding_table, run_decoder
 from turbogrpo.output_head import logits_head
 from turbogrpo.prefix.layout import upload
 from turbogrpo.prefix.lm_head import lm_head_logprobs
@@ -50,7 +50,7 @@ def tree_logprobs(model: nn.Module, trie: TokenTrie, *, backend: str = AUTO, tem
     """
     validate_model_inputs(model, trie, temperature)
     lm_head = logits_head(model)
-    device = model.get_input_embeddings().weight.device
+    device = embedding_table(model).weight.device
     if backend != PER_SEQUENCE:
         reason = tree_unsupported_reason(model)
         if reason is not None:
@@ -113,7 +113,7 @@ def validate_model_inputs(model: nn.Module, trie: TokenTrie, temperature: float)
         longest = max(range(trie.num_sequences), key=lambda s: trie.sequence_lengths[s])
         raise ValueError(f"sequence {longest} is {trie.max_depth} tokens, beyond the model's "
                          f"max_position_embeddings={max_positions}")
-    vocab = model.get_input_embeddings().num_embeddings
+    vocab = embedding_table(model).num_embeddings
     low, high = int(trie.input_ids.min()), int(trie.input_ids.max())   # host tensors: no device sync
     if low < 0 or high >= vocab:
         raise ValueError(f"the trie has token id {low if low < 0 else high}, outside the model's vocabulary "

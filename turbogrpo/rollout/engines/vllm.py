@@ -34,6 +34,7 @@ native engine's ``log_softmax(logits / T)``; with them it is the truncated distr
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import os
 import random
@@ -51,7 +52,7 @@ from tqdm import tqdm
 
 from turbogrpo.batch import Groups
 from turbogrpo.rollout.engines.vllm_speculation import EngineDraft, speculation_problem
-from turbogrpo.rollout.engines.weights import base_model, checkpoint_weights, trainable_modules
+from turbogrpo.rollout.engines.weights import base_model, checkpoint_weights, needs_untied, trainable_modules
 from turbogrpo.rollout.multiturn import MultiTurnRollout
 from turbogrpo.rollout.sampling import SamplingConfig
 from turbogrpo.rollout.turnwise import SampledTurn, TurnRequest, generate_multiturn_turnwise
@@ -387,7 +388,11 @@ def write_checkpoint(policy: nn.Module, folder: str) -> None:
     (each rank builds its own engine)."""
     from safetensors.torch import save_file
     model = base_model(policy)
-    model.config.save_pretrained(folder)
+    config = model.config
+    if needs_untied(policy):  # a LoRA on the tied head or embedding: served as two matrices (``weights.py``)
+        config = copy.deepcopy(config)
+        config.tie_word_embeddings = False
+    config.save_pretrained(folder)
     if getattr(model, "generation_config", None) is not None:
         model.generation_config.save_pretrained(folder)
     weights = {name: tensor.detach().cpu().contiguous() for name, tensor in checkpoint_weights(policy).items()}

@@ -1,6 +1,11 @@
 """The policy's weights as a separate engine loads them: checkpoint names, LoRA adapters merged, and only
 the layers an optimizer step can change.
 
+A tied LM head (the embedding's weight) that LoRA adapts, on the head or on the embedding, is no longer one
+matrix: the trained model's head and embedding differ. Such a policy is served untied (``needs_untied``): the
+engine's config says ``tie_word_embeddings = false`` and every checkpoint carries ``lm_head.weight`` beside the
+embedding, each with its own adapter merged.
+
 A fused engine layer (vLLM's ``qkv_proj`` of ``q_proj``/``k_proj``/``v_proj``, ``gate_up_proj``) is
 processed once all of its parts have arrived, so a part is never sent alone: ``trainable_weights``
 widens the set to whole fused groups (``fused_groups``, the engine model's ``packed_modules_mapping``).
@@ -25,10 +30,44 @@ def _lora_layers(model: nn.Module) -> dict[str, nn.Module]:
             if hasattr(m, "base_layer") and callable(getattr(m, "get_delta_weight", None))}
 
 
+def _merged(param: torch.Tensor, layer: nn.Module | None) -> torch.Tensor:
+    """``param`` (a weight) with ``layer``'s active LoRA adapters merged in (``W + B A * scale``)."""
+    if layer is None:
+        return param.detach()
+    own = set(layer.lora_A) | set(getattr(layer, "lora_embedding_A", {}))  # (an embedding's adapters are named so)
+    return (param + sum(layer.get_delta_weight(a) for a in layer.active_adapters if a in own)).detach()
+
+
+def _module_name(model: nn.Module, module: nn.Module | None) -> str | None:
+    """``module``'s name in ``model`` (a LoRA wrapper's, where one wraps it), or None."""
+    return next((name for name, m in model.named_modules() if m is module), None) if module is not None else None
+
+
+def tied_head(model: nn.Module) -> str | None:
+    """The name of ``model``'s LM head where it is tied to the embedding (one weight), else None."""
+    head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
+    weight_of = lambda m: getattr(getattr(m, "base_layer", m), "weight", None)  # noqa: E731
+    if head is None or embedding is None or weight_of(head) is None or weight_of(head) is not weight_of(embedding):
+        return None
+    return _module_name(model, head)
+
+
+def needs_untied(policy: nn.Module) -> bool:
+    """Whether an engine must serve ``policy`` untied: its LM head is tied and LoRA adapts the head or the
+    embedding (merged, the two differ)."""
+    model = base_model(policy)
+    head = tied_head(model)
+    if head is None:
+        return False
+    adapted = set(_lora_layers(model))
+    return head in adapted or _module_name(model, model.get_input_embeddings()) in adapted
+
+
 def checkpoint_weights(policy: nn.Module, modules: set[str] | None = None) -> dict[str, torch.Tensor]:
     """``{checkpoint name: tensor}`` of the policy's weights with LoRA adapters merged in (``W + B A * scale``
     of the active adapters; the policy itself is left as it is), of the modules named in ``modules``
-    (None: all). Tied weights appear once, under their first name."""
+    (None: all). Tied weights appear once, under their first name, except a tied head an adapter makes differ
+    (``needs_untied``): then the head appears too, with its own adapter merged."""
     model = base_model(policy)
     lora = _lora_layers(model)
     weights = {}
@@ -39,10 +78,11 @@ def checkpoint_weights(policy: nn.Module, modules: set[str] | None = None) -> di
             module, _, leaf = name.replace(".base_layer.", ".").rpartition(".")
             if modules is not None and module not in modules:
                 continue
-            layer = lora.get(module)
-            if layer is not None and leaf == "weight":
-                param = param + sum(layer.get_delta_weight(a) for a in layer.active_adapters if a in layer.lora_A)
-            weights[f"{module}.{leaf}"] = param.detach()
+            weights[f"{module}.{leaf}"] = _merged(param, lora.get(module) if leaf == "weight" else None)
+        head = tied_head(model)
+        if head is not None and needs_untied(policy) and (modules is None or head in modules):
+            weights[f"{head}.weight"] = _merged(getattr(model.get_output_embeddings(), "base_layer",
+                                                        model.get_output_embeddings()).weight, lora.get(head))
     return weights
 
 
