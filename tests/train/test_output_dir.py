@@ -91,6 +91,18 @@ def test_resume_refuses_a_config_that_changes_training_and_names_the_keys(tmp_pa
     claim(out, "train.num_steps=500", "log.tensorboard=false", "train.eval_every=5", resume=True).release()
 
 
+def test_the_machines_settings_are_free_to_change_on_resume():
+    """Ports, hosts, the secret's file, timeouts, thread counts and where the worker runs change nothing trained
+    (a remote run moved to another port was refused as a key that changes training)."""
+    before = load_config(None, ["train.max_staleness=1", "train.rollout_worker=\"remote\""]).to_dict()
+    after = load_config(None, ["train.max_staleness=1", "train.rollout_port=31000", "train.rollout_host=\"0.0.0.0\"",
+                               "train.rollout_connect_timeout_s=30", "train.rollout_secret_file=\"/s\"",
+                               "train.rollout_threads=3", "train.num_threads=5"]).to_dict()
+    assert changed_training_keys(before, after) == []
+    assert [key for key, _, _ in changed_training_keys(before, {**after, "train": {**after["train"], "seed": 9}})] \
+        == ["train.seed"]
+
+
 def test_changed_rewards_are_a_change_in_training():
     before = load_config(None).to_dict()
     after = load_config(None, ["rewards.0.kwargs={answer_column = \"gold\"}"]).to_dict()

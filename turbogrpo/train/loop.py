@@ -58,7 +58,7 @@ from turbogrpo.train.report import speculation_summary, write_report
 from turbogrpo.train.output_dir import claim_output_dir, mark_complete, run_record
 from turbogrpo.train.rank_agreement import check_ranks_agree
 from turbogrpo.train.rollout_worker import RolloutWorker, WorkerSpec, draw, thread_split
-from turbogrpo.train.worker_transport import transport_options
+from turbogrpo.train.worker_transport import leave_if_importing_main, transport_options
 from turbogrpo.train.run import Run, build_run
 from turbogrpo.train.sharing import micro_batches as sharing_micro_batches
 from turbogrpo.train.state import (RewardFailure, RunComplete, evaluate, evaluate_and_save_final, export, interrupted,
@@ -92,6 +92,7 @@ def train(config: Config, *, resume: bool = False, overwrite: bool = False) -> R
     A fresh run needs an empty output_dir (``overwrite`` moves what is there aside); Ctrl-C raises
     TrainingInterrupted naming the last complete checkpoint.
     """
+    leave_if_importing_main()  # a script without the __main__ guard, run again by its rollout worker's start
     cpu_capability()  # a TURBOGRPO_CPU_CAPABILITY above this CPU's is refused before anything loads
     rewards = build_rewards(config.rewards)  # import errors surface before any model loads
     keep_freed_host_memory()

@@ -50,6 +50,10 @@ RESUMABLE_KEYS = (
     "train.reward_failure_limit", "train.micro_batch_tokens", "train.sharing", "model.device",
     "model.gradient_checkpointing", "model.logprob_backend", "data.eval_path", "data.num_eval_problems",
     "data.num_eval_samples", "log", "distributed.backend",
+    # the machines' settings: where the rollout worker runs and how the two find and trust each other (a step's
+    # rollout depends on its prompts, seed and version alone, whichever worker draws it) and its threads
+    "train.rollout_worker", "train.rollout_host", "train.rollout_port", "train.rollout_connect_timeout_s",
+    "train.rollout_secret_file", "train.rollout_threads",
 )
 
 

@@ -62,6 +62,24 @@ def transport_options(train) -> TransportOptions:
                             train.rollout_secret_file)
 
 
+UNGUARDED_MAIN_EXIT = 3
+"""The exit code of a worker process that found itself running the user's script again (``leave_if_importing_main``)."""
+
+UNGUARDED_MAIN = ("the rollout worker process could not start: the script that called turbogrpo.train runs it when "
+                  "imported, and the worker is started with multiprocessing's spawn, which imports the main script, "
+                  "so it ran the training again; put the call under `if __name__ == \"__main__\":` (train.max_staleness "
+                  "> 0 starts a worker process)")
+
+
+def leave_if_importing_main() -> None:
+    """In a process that multiprocessing's spawn is starting (it imports the parent's main script first), exit
+    with ``UNGUARDED_MAIN_EXIT`` before anything is built: the script called ``train`` at import, without the
+    ``__main__`` guard. The trainer names the missing guard when it sees that exit code (otherwise the child's
+    second training tried to spawn a worker itself: two tracebacks, leaked semaphores, "out of memory?")."""
+    if getattr(mp.current_process(), "_inheriting", False):
+        raise SystemExit(UNGUARDED_MAIN_EXIT)
+
+
 class Outbox:
     """A side's messages to the other, encoded when put and sent in order by a thread, so that the sender goes on
     (the worker draws the next rollout while the trainer is still reading the last one). A failed send ends the
@@ -173,6 +191,8 @@ class SharedMemoryTransport:
                 return pickle.loads(self.results.recv_bytes())  # (from the worker this process spawned)
             except (EOFError, OSError):
                 self.process.join(timeout=POLL_S)
+                if self.process.exitcode == UNGUARDED_MAIN_EXIT:
+                    raise RolloutWorkerError(UNGUARDED_MAIN) from None
                 raise RolloutWorkerError(f"the rollout worker ({self.process.name}, pid {self.process.pid}) died "
                                          f"with exit code {self.process.exitcode} before step {step + 1}'s "
                                          "rollout (out of memory? see the system log); the run stops") from None
