@@ -524,6 +524,13 @@ RENDERERS: dict[str, Renderer] = {
                                col("engine build s", "build_s", "s"),
                                col("greedy equal to native after the pushes", "greedy_equal_after_push", "int")],
                               rows="variants")),
+    "remote_channel": tables(
+        Table([col("channel (one SmolLM2-135M version, loopback)", "$key"), col("median s", "median_s", "s")],
+              rows="timings"),
+        Table([col("security's extra s per version", "extra_s_per_version", "s"),
+               col("base weights' digest s (LoRA, once per run)", "digest_s", "s")]),
+        Table([col("recorded SmolLM2 step", "result", "text"), col("its CPU", "cpu", "text"),
+               col("step s", "step_s", "s"), col("extra per step", "share_of_step", "%")], rows="steps")),
     "trl_dropin": TRL_DROPIN,
     "trl_async": tables(
         Table([col("trainer", "name", "text"), col("trainer threads", "trainer_threads", "int"),
@@ -652,6 +659,9 @@ RESULTS: list[Result] = [
            "beside native: SmolLM2-135M, 8 x 8, a fixed 128 tokens, float32",
            "python bench/vllm_rollout.py --vllm-eager --engines native,vllm --dtypes float32 --workloads fixed "
            "--new-tokens 128", section="Rollouts"),
+    Result("remote_channel", "remote_channel", "The remote rollout worker's authenticated, encrypted connection: one "
+           "SmolLM2-135M weights version (538 MB, float32) against plain TCP, and the base weights' digest",
+           "python bench/remote_channel.py", section="Asynchronous GRPO", awaiting_run=True),
     Result("vllm_push", "vllm_push", "The vLLM engine's weight push after an optimizer step, SmolLM2-135M float32: full "
            "fine-tune vs LoRA (r = 16 on every linear, merged W + B A * scale)", "python bench/vllm_push.py",
            section="Rollouts"),
