@@ -19,8 +19,8 @@ NOT_RUN = {
     ("README.md", "turbogrpo train configs/smollm2_calculator.toml     # SmolLM2 learns to call a calculator tool"),
     ("docs/guide/demo.md", "turbogrpo demo --longform          # long-form task, speculative rollouts, draft learnt online"),
     ("docs/guide/distributed.md", "torchrun --nproc_per_node 4 -m turbogrpo train configs/gsm8k_lora_ddp.yaml"),
-    ("docs/guide/distributed.md", "turbogrpo train run.toml                                               # on the "
-                                   "trainer's machine"),
+    ("docs/guide/distributed.md", "export TURBOGRPO_ROLLOUT_SECRET=$(python -c 'import secrets; print(secrets.token_hex(32))')  "
+                                  "# the same on both"),
     ("docs/guide/gguf.md", "turbogrpo demo --model smollm2                                   # = turbogrpo train configs/smollm2_arithmetic.toml"),
     ("docs/guide/install.md", "make setup   # .venv with the CPU build of torch, turbogrpo (editable) and the dev tools"),
     ("docs/guide/install.md", 'pip install -e ".[dev]"'),
