@@ -5,7 +5,7 @@ bench/prefix.py (Qwen2-style, hidden 512, 8 layers, vocab 16384, float32). A sha
 is one prompt of P tokens, branching b1 ways into turns of T tokens, each of those b2 ways, and so
 on: ``prod(b)`` sequences of ``P + len(b) * T`` tokens, all of them leaves. This is part (c) of
 issue 34's benchmark; parts (a) real SmolLM2 conversations and (b) branching rollouts are
-``bench/tree_real.py``, which reuses ``Case`` and the contenders below.
+``bench/tree_real.py``; both take ``Case`` and the contenders from ``bench/tree_cases.py``.
 
 Contenders, alternated run by run in one process:
 * ``rows``: one row per sequence (the model's own forward of each sequence, LM head on loss tokens);
@@ -30,7 +30,6 @@ import argparse
 import math
 import os
 import sys
-from functools import cached_property
 from pathlib import Path
 
 import torch
@@ -38,11 +37,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import (interleaved_medians, peak_rss_delta_mb, peak_rss_mb, print_table, reset_peak_rss,  # noqa: E402
                      write_results)
-from prefix import BENCH_MODEL, bench_model, run_prefix_grouper  # noqa: E402
+from prefix import BENCH_MODEL, bench_model  # noqa: E402
+from tree_cases import CONTENDERS, REAL_CONTENDERS, Case, real_model, run_tree  # noqa: E402
 
-import turbogrpo  # noqa: E402
 from turbogrpo.prefix.cost import ModelDims  # noqa: E402
-from turbogrpo.tree import TokenTrie, build_trie, per_sequence_logprobs, tree_logprobs  # noqa: E402
+from turbogrpo.tree import per_sequence_logprobs, tree_logprobs  # noqa: E402
 from turbogrpo.tree.cost import tree_flops  # noqa: E402
 
 SHAPES = ["512/4x2x2/64", "256/2x2x2x2/32", "1024/8x2/128", "128/4x4/256"]
@@ -52,88 +51,7 @@ KERNEL_SHAPE = "256/4x2x2/32"   # small: the dense reference's [N, N] mask must 
 ATTENTION_SHAPES = [KERNEL_SHAPE, "512/4x4x2/64"]   # attention alone: 1152 and 3840 trie tokens
 
 
-def parse_shape(shape: str) -> tuple[int, list[int], int]:
-    prompt, branching, turn = shape.split("/")
-    return int(prompt), [int(b) for b in branching.split("x")], int(turn)
-
-
-class Case:
-    """One batch's inputs in every layout: K prompts with their groups' completions (prompt-only sharing), and
-    the trie of the whole sequences, scored where ``loss_masks`` (per group, per completion ``[S]`` bool: the
-    model's tokens of a conversation) is set; None scores every completion token."""
-
-    def __init__(self, prompts: list[torch.Tensor], completions: list[list[torch.Tensor]],
-                 loss_masks: list[list[torch.Tensor]] | None = None):
-        self.prompts, self.completions = prompts, completions
-        self.loss_masks = loss_masks or [[torch.ones(len(c), dtype=torch.bool) for c in group] for group in completions]
-        paths, masks = [], []
-        for prompt, group, group_masks in zip(prompts, completions, self.loss_masks):
-            for completion, mask in zip(group, group_masks):
-                paths.append(torch.cat([prompt, completion]))
-                masks.append(torch.cat([torch.zeros(len(prompt), dtype=torch.bool), mask]))
-        self.trie = build_trie(paths, masks)
-
-    @staticmethod
-    def synthetic(shape: str, seed: int = 0, vocab: int = BENCH_MODEL["vocab_size"]) -> Case:
-        """The deep trie of ``shape`` (module docstring), random ids below ``vocab``; every token after the
-        prompt is scored."""
-        prompt_len, branching, turn = parse_shape(shape)
-        g = torch.Generator().manual_seed(seed)
-        prompt = torch.randint(0, vocab, (prompt_len,), generator=g)
-        paths = [prompt]
-        for fanout in branching:
-            paths = [torch.cat([p, torch.randint(0, vocab, (turn,), generator=g)])
-                     for p in paths for _ in range(fanout)]
-        return Case([prompt], [[p[prompt_len:] for p in paths]])
-
-    @cached_property
-    def per_turn(self) -> TokenTrie:
-        """One sequence per scored run of tokens (a conversation's model turn): the prompt and everything
-        before the turn, then the turn, scored alone (step-wise samples, each with its whole history)."""
-        paths, masks = [], []
-        for prompt, group, group_masks in zip(self.prompts, self.completions, self.loss_masks):
-            for completion, mask in zip(group, group_masks):
-                flags = mask.tolist()
-                starts = [t for t, f in enumerate(flags) if f and (t == 0 or not flags[t - 1])]
-                ends = [t + 1 for t, f in enumerate(flags) if f and (t + 1 == len(flags) or not flags[t + 1])]
-                for start, end in zip(starts, ends):
-                    scored = torch.zeros(len(prompt) + end, dtype=torch.bool)
-                    scored[len(prompt) + start:] = True
-                    paths.append(torch.cat([prompt, completion[:end]]))
-                    masks.append(scored)
-        return build_trie(paths, masks)
-
-    def save(self, path: Path) -> None:
-        torch.save({"prompts": self.prompts, "completions": self.completions, "loss_masks": self.loss_masks}, path)
-
-    @staticmethod
-    def load(path: Path) -> Case:
-        return Case(**torch.load(path))
-
-
-def run_rows(model, case: Case) -> None:
-    per_sequence_logprobs(model, case.trie).logps.mean().backward()
-
-
-def run_prefix_grouper_case(model, case: Case) -> None:
-    run_prefix_grouper(model, case.prompts, case.completions)
-
-
-def run_one_level(model, case: Case) -> None:
-    per_group = turbogrpo.completion_logprobs(model, case.prompts, case.completions, backend="cascade")
-    torch.cat([t for group in per_group for t in group]).mean().backward()
-
-
-def run_tree(model, case: Case, backend: str = "cascade") -> None:
-    tree_logprobs(model, case.trie, backend=backend).logps.mean().backward()
-
-
-CONTENDERS = {"rows": run_rows, "prefix_grouper": run_prefix_grouper_case, "one_level": run_one_level,
-              "tree": run_tree}
-
-
 def smollm2_model():
-    from tree_real import real_model  # imported here: tree_real imports this module
     return real_model()[0]
 
 
@@ -144,7 +62,6 @@ MODELS = {"bench": bench_model, "smollm2": smollm2_model}
 def memory_probe(name: str, shape: str, model_name: str) -> None:
     """Child process entry: one forward+backward, print peak RSS growth over the set-up state."""
     if shape.endswith(".pt"):  # a saved case of real conversations (bench/tree_real.py)
-        from tree_real import REAL_CONTENDERS, real_model
         model, case, contenders = real_model()[0], Case.load(Path(shape)), REAL_CONTENDERS
     else:
         model = MODELS[model_name]()

@@ -33,14 +33,13 @@ import os
 import statistics
 import sys
 import tempfile
-from functools import cache
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import interleaved_medians, peak_rss_delta_mb, print_table, write_results  # noqa: E402
-from tree import CONTENDERS, Case  # noqa: E402
+from tree_cases import REAL_CONTENDERS, REAL_MODEL, Case, real_model  # noqa: E402
 
 from turbogrpo.env import TurnLimits, run_episodes  # noqa: E402
 from turbogrpo.env.tasks import GuessNumber  # noqa: E402
@@ -49,7 +48,6 @@ from turbogrpo.rollout import SamplingConfig  # noqa: E402
 from turbogrpo.tree import per_sequence_logprobs, tree_logprobs  # noqa: E402
 from turbogrpo.tree.cost import tree_flops  # noqa: E402
 
-MODEL = "smollm2-135m-instruct"
 END_OF_TURN = "<|im_end|>"
 
 
@@ -63,14 +61,6 @@ def guess_number_rows(num_prompts: int) -> tuple[list[dict], list[list[dict]]]:
 
 TASKS = {"guess_number": (GuessNumber, guess_number_rows)}
 """Built-in tasks by name: (environment factory, ``rows(num_prompts) -> (rows, prompt messages)``)."""
-
-
-@cache
-def real_model():
-    """SmolLM2-135M-Instruct in float32, and its tokenizer (loaded once per process)."""
-    from turbogrpo.models import load_model_and_tokenizer
-    model, tokenizer = load_model_and_tokenizer(MODEL)
-    return model.float().eval(), tokenizer
 
 
 def sample_conversations(task: str, num_prompts: int, num_samples: int, branching: list[int], max_turns: int,
@@ -97,11 +87,6 @@ def case_of(rollout) -> Case:
     return Case([p.cpu() for p in groups.prompts], completions, masks)
 
 
-def run_per_turn(model, case: Case) -> None:
-    per_sequence_logprobs(model, case.per_turn).logps.mean().backward()
-
-
-REAL_CONTENDERS = {**CONTENDERS, "per_turn": run_per_turn}
 
 
 def measure_layouts(name: str, case: Case, repeats: int, warmup: int, memory: bool) -> dict:
@@ -167,7 +152,7 @@ def main() -> None:
     if args.quick:
         num_prompts, turn_tokens, repeats, warmup = 1, 16, 1, 0
     num_samples = math.prod(branching)
-    settings = {"model": MODEL, "dtype": "float32", "task": args.task, "prompts": num_prompts, "G": num_samples,
+    settings = {"model": REAL_MODEL, "dtype": "float32", "task": args.task, "prompts": num_prompts, "G": num_samples,
                 "branching": branching, "max_turns": args.turns, "turn_tokens": turn_tokens, "repeats": repeats,
                 "warmup": warmup}
     records = []
@@ -180,7 +165,7 @@ def main() -> None:
     write_results("tree_real_quick" if args.quick else "tree_real",
                   {"load_average": os.getloadavg(), "settings": settings, "parts": records, "rollouts": rollouts})
     names = list(REAL_CONTENDERS)
-    print_table(f"fwd+bwd seconds (median of {repeats}), {MODEL} float32, {args.task}, {num_prompts} prompts x G="
+    print_table(f"fwd+bwd seconds (median of {repeats}), {REAL_MODEL} float32, {args.task}, {num_prompts} prompts x G="
                 f"{num_samples}; x = contender time / tree time; FLOP x = contender FLOPs / tree FLOPs",
                 ["part", "row tok", "tree tok", *names, *(f"x {n}" for n in names if n != "tree"),
                  "FLOP x rows", "FLOP x pg", "FLOP x per_turn", "peak MB " + "/".join(names)],
