@@ -64,7 +64,7 @@ def hf_generate(model, prompts: list[torch.Tensor], new_tokens: int, static: boo
 
 def ours_generate(model, prompts: list[torch.Tensor], new_tokens: int, runner: str) -> None:
     from turbogrpo.rollout import SamplingConfig, generate
-    from turbogrpo.rollout.engine import DecodeSchedule, default_schedule
+    from turbogrpo.rollout.decode import DecodeSchedule, default_schedule
 
     base = default_schedule(torch.device("cuda"))
     schedule = DecodeSchedule(base.host_check_every, base.buckets, runner)
@@ -77,7 +77,7 @@ def step_ms(model, prompts: list[torch.Tensor], runner: str, num_steps: int = 32
     """Milliseconds per plain decoding step with 64 live sequences (the engine's own step)."""
     from turbogrpo.rollout import SamplingConfig
     from turbogrpo.rollout.compiled import PLAIN_RUNNERS
-    from turbogrpo.rollout.engine import first_draw
+    from turbogrpo.rollout.decode import first_draw
     from turbogrpo.rollout.step import PlainStep, plain_step
 
     max_new = 2 * num_steps + 8

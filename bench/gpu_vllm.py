@@ -141,8 +141,8 @@ def run(results: dict, budget_s: float, quick: bool = False) -> None:
         results.update(status="skipped", reason="no CUDA device")
         return
     from turbogrpo.rollout import SamplingConfig, generate
-    from turbogrpo.rollout.engines.vllm import VllmEngine
-    from turbogrpo.rollout.engines.vllm_speculation import (acceptance_counts, draft_lengths, length_schedule,
+    from turbogrpo.engines.vllm import VllmEngine
+    from turbogrpo.engines.vllm_speculation import (acceptance_counts, draft_lengths, length_schedule,
                                                             speculative_settings)
     from turbogrpo.speculative.export_vllm import export_vllm_draft
     from turbogrpo.speculative.profiler import cached_profile

@@ -29,7 +29,7 @@ Also draws the live batch size per decoding step of a long-tail rollout (8 promp
 new tokens, stopping on any of 256 token ids, so lengths spread out as in real GRPO rollouts) next
 to the padded batch that ``generate`` keeps until its longest completion ends, and times that
 rollout under several ``DecodeSchedule``s (host check every k steps, exact or power-of-two
-retirement): the CPU default of ``turbogrpo.rollout.engine.DEFAULT_SCHEDULES`` is read off it.
+retirement): the CPU default of ``turbogrpo.rollout.decode.DEFAULT_SCHEDULES`` is read off it.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ from harness import RESULTS_DIR, interleaved_medians, print_table, write_results
 from prefix import BENCH_MODEL, bench_model  # noqa: E402
 
 from turbogrpo.rollout import SamplingConfig, generate  # noqa: E402
-from turbogrpo.rollout.engine import DecodeSchedule  # noqa: E402
+from turbogrpo.rollout.decode import DecodeSchedule  # noqa: E402
 
 # (prompts, samples per prompt G, prompt length, new tokens per completion)
 SHAPES = [(8, 8, 512, 128), (2, 16, 1024, 128), (1, 1, 128, 128)]

@@ -28,8 +28,8 @@ from real_model import chat_prompts, load_real_model  # noqa: E402
 
 from turbogrpo.config import LoraConfig  # noqa: E402
 from turbogrpo.rollout import SamplingConfig, generate  # noqa: E402
-from turbogrpo.rollout.engines.vllm import VllmEngine  # noqa: E402
-from turbogrpo.rollout.engines.weights import checkpoint_weights  # noqa: E402
+from turbogrpo.engines.vllm import VllmEngine  # noqa: E402
+from turbogrpo.engines.weights import checkpoint_weights  # noqa: E402
 
 
 def with_lora(model, lora: LoraConfig):

@@ -40,7 +40,7 @@ from real_model import chat_prompts, load_real_model  # noqa: E402
 
 from turbogrpo import completion_logprobs  # noqa: E402
 from turbogrpo.rollout import SamplingConfig, generate  # noqa: E402
-from turbogrpo.rollout.engines.vllm import VllmEngine  # noqa: E402
+from turbogrpo.engines.vllm import VllmEngine  # noqa: E402
 
 WORKLOADS = ("eos", "fixed")
 ENGINES = ("native", "vllm", "hf_generate", "native_1_thread")

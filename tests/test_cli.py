@@ -132,7 +132,7 @@ def test_python_dash_m_runs_the_cli():
 def test_ctrl_c_or_sigterm_outside_training_is_one_line(monkeypatch, capsys, stop, how, code):
     def stopped(args):
         raise stop
-    monkeypatch.setattr("turbogrpo.speculative.cli.run_profile", stopped)
+    monkeypatch.setattr("turbogrpo.commands.draft.run_profile", stopped)
     assert main(["profile"]) == code
     assert capsys.readouterr().err == (f"turbogrpo: profile {how}; its outputs are written whole or not at all, "
                                        "so nothing half-written is left\n")

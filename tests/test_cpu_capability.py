@@ -23,7 +23,7 @@ from turbogrpo.config import ConfigError, ModelConfig
 from turbogrpo.cpu_capability import CAPABILITY_ENV, cpu_capability
 from turbogrpo.linears import LINEAR_KERNELS, TRAINING_LINEAR_KERNELS
 from turbogrpo.rollout import SamplingConfig, generate
-from turbogrpo.rollout.engine import DecodeSchedule
+from turbogrpo.rollout.decode import DecodeSchedule
 from turbogrpo.train.precision import run_precision
 
 ROOT = Path(__file__).resolve().parents[1]

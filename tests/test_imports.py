@@ -89,6 +89,50 @@ def test_the_package_has_no_import_circles():
     assert circles(import_graph()) == []
 
 
+def folder_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """The import graph of the package's folders and top-level modules (``turbogrpo.rollout`` stands for every
+    module under it): an arrow between two of them is an import from any module of one to any of the other."""
+    def unit(module: str) -> str:
+        return ".".join(module.split(".")[:2])
+    folders: dict[str, set[str]] = {unit(m): set() for m in graph}
+    for module, targets in graph.items():
+        folders[unit(module)] |= {unit(t) for t in targets if unit(t) not in (unit(module), "turbogrpo")}
+    folders.pop("turbogrpo", None)  # the package's face (its __init__ hands the public names on)
+    return folders
+
+
+def test_no_folder_imports_one_that_imports_it():
+    """Folders are layers: a lower one never imports a higher one. Read as floors (a folder above all it imports),
+    an import that runs back up closes a circle between folders, which this finds (the rollout engines imported
+    the draft heads that import the rollout; the draft commands and config.py imported train/)."""
+    assert circles(folder_graph(import_graph())) == []
+
+
+def script_graph(folder: Path) -> dict[str, set[str]]:
+    """The import graph of the scripts of ``folder`` (bench/, scripts/): which script imports which, by the
+    names they are imported by (``sys.path`` holds the folder)."""
+    scripts = {path.stem: path for path in folder.glob("*.py")}
+    graph = {}
+    for name, path in scripts.items():
+        imported = set()
+        for node in _runs(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+            imported |= {n.split(".")[0] for n in names} & scripts.keys()
+        graph[name] = imported - {name}
+    return graph
+
+
+def test_the_benchmarks_and_scripts_have_no_import_circles():
+    for folder in ("bench", "scripts"):
+        assert circles(script_graph(PACKAGE.parent / folder)) == [], folder
+
+
+def test_the_folder_graph_finds_a_circle_between_folders():
+    graph = {"turbogrpo.rollout.engines": {"turbogrpo.speculative.profiler"}, "turbogrpo.rollout.step": set(),
+             "turbogrpo.speculative.profiler": {"turbogrpo.rollout.step"}, "turbogrpo.config": {"turbogrpo.rollout"}}
+    assert circles(folder_graph(graph)) == [["turbogrpo.rollout", "turbogrpo.speculative"]]
+
+
 def test_the_circle_finder_finds_a_deferred_circle():
     assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 

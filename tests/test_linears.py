@@ -9,7 +9,7 @@ from tests.rollout.conftest import build_model, random_prompts
 from turbogrpo import linears
 from turbogrpo.cpu_capability import cpu_capability
 from turbogrpo.rollout import SamplingConfig, generate
-from turbogrpo.rollout.engine import DecodeSchedule
+from turbogrpo.rollout.decode import DecodeSchedule
 from turbogrpo.linears import LINEAR_KERNELS, TRAINING_LINEAR_KERNELS, OneDnnLinear, onednn_available, onednn_is_faster, onednn_linears, \
     onednn_product, pack_weight
 

@@ -25,7 +25,7 @@ import time
 from turbogrpo.config import Config, ConfigError, load_config
 from turbogrpo.host_memory import keep_freed_host_memory
 from turbogrpo.launch import check_launch, launch
-from turbogrpo.speculative.cli import add_commands as add_speculative_commands
+from turbogrpo.commands.draft import add_commands as add_speculative_commands
 from turbogrpo.train.stops import Terminated  # SIGTERM as a KeyboardInterrupt (exit status 143)
 
 # The demo: GRPO on the built-in arithmetic task with the shipped demo model. configs/demo.toml holds

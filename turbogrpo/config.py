@@ -207,7 +207,7 @@ class RolloutConfig:
     engine: str = "native"
     """What samples: "native" (turbogrpo's engine: speculation, conversations, exact sampler log-probs), "vllm"
     (a vLLM engine in the trainer's process, the policy's weights pushed after every optimizer step; needs the
-    vllm package) or "auto" (per device type and workload, by measurement, rollout.engines.AUTO_ENGINES: on the
+    vllm package) or "auto" (per device type and workload, by measurement, engines.AUTO_ENGINES: on the
     CPU vLLM for single-turn runs, native for [env] conversations; native wherever the run uses what only native
     runs, i.e. speculation, train.partial_rollouts or FSDP2, or vllm is not installed or fails to import)."""
     vllm_enforce_eager: bool = False
@@ -221,7 +221,7 @@ class RolloutConfig:
     def check(self, key: str) -> None:
         from turbogrpo.rollout.sampling import sampling_problem
         from turbogrpo.speculative.sizing import SIZING_POLICIES  # the registry is the one source of names
-        from turbogrpo.rollout.engines import ENGINE_NAMES
+        from turbogrpo.engines import ENGINE_NAMES
         _require(self.speculation in SIZING_POLICIES, f"{key}.speculation", f"one of {', '.join(SIZING_POLICIES)}",
                  self.speculation)
         _require(self.engine in ENGINE_NAMES, f"{key}.engine", f"one of {', '.join(ENGINE_NAMES)}", self.engine)
@@ -399,7 +399,7 @@ class TrainConfig:
     micro_batch_tokens: int = 8192
     """Token budget of one forward/backward (prompt once + its completions); gradients accumulate over them."""
     sharing: str = "prompt"
-    """What the training forward runs once per micro-batch (``turbogrpo.train.sharing``): "prompt" (each
+    """What the training forward runs once per micro-batch (``turbogrpo.sharing``): "prompt" (each
     group's prompt), "tree" (one trie: completions that begin alike, e.g. multi-turn conversations sharing
     turns, share those tokens too; the budget counts trie tokens), "auto" (the tree where its trie saves
     enough tokens, else the prompt path). Exact either way; "prompt" is the measured default."""
@@ -473,7 +473,7 @@ class TrainConfig:
         _require(self.prompts_per_step >= 1, f"{key}.prompts_per_step", "an integer >= 1", self.prompts_per_step)
         _require(self.micro_batch_tokens >= 1, f"{key}.micro_batch_tokens", "an integer >= 1",
                  self.micro_batch_tokens)
-        from turbogrpo.train.sharing import SHARINGS  # the registry is the one source of names
+        from turbogrpo.sharing import SHARINGS  # the registry is the one source of names
         _require(self.sharing in SHARINGS, f"{key}.sharing", f"one of {', '.join(SHARINGS)}", self.sharing)
         _require(self.seed >= 0, f"{key}.seed", "an integer >= 0", self.seed)
         _require(self.output_dir != "", f"{key}.output_dir", "a folder path", self.output_dir)
@@ -623,9 +623,11 @@ class Config:
         _require(not self.env.factory or not self.rollout.stop_strings, "rollout.stop_strings",
                  "[] with an [env] factory (a model turn ends on env.end_of_turn's token, the chat template's end of "
                  "turn; stop strings would end turns the template cannot render)", self.rollout.stop_strings)
-        _require(self.rollout.engine != "vllm" or self.distributed.strategy != "fsdp2", "rollout.engine",
-                 "\"native\" or \"auto\" with distributed.strategy = \"fsdp2\" (the vLLM engine is given whole "
-                 "weights, which FSDP2 shards)", self.rollout.engine)
+        from turbogrpo.engines import capable_engines, missing_capability
+        _require(not missing_capability(self.rollout.engine, ["sharded_weights"]) or self.distributed.strategy != "fsdp2",
+                 "rollout.engine", f"{_either([*capable_engines('sharded_weights'), 'auto'])} with "
+                 "distributed.strategy = \"fsdp2\" (this engine is given whole weights, which FSDP2 shards)",
+                 self.rollout.engine)
         _require(not self.env.factory or self.data.chat_template != "never", "data.chat_template",
                  "\"auto\" or \"always\" with an [env] factory (multi-turn prompts are chat messages)",
                  self.data.chat_template)
@@ -640,20 +642,24 @@ class Config:
                  f"a draft of this run's model.path {self.model.path!r} (draft {self.draft.path!r} is "
                  f"built for {built.model if built else ''!r})", self.draft.path)
 
-    def native_only_setting(self) -> str:
-        """The first setting of this run that only the native engine runs ("" for none): where
-        rollout.engine = "auto" samples on the native engine whatever ``AUTO_ENGINES`` says. Speculation counts
-        whatever the device (vLLM needs a draft of layout "eagle", which "auto" does not assume)."""
-        only_native = {"rollout.speculation": self.rollout.speculation != "off",
-                       "distributed.strategy = \"fsdp2\"": self.distributed.strategy == "fsdp2"}
-        return next((setting for setting, used in only_native.items() if used), "")
+    def engine_needs(self) -> tuple[str, ...]:
+        """What this run needs of its rollout engine (``engines.EngineCapabilities`` fields): "auto" picks an
+        engine with all of them whatever ``AUTO_ENGINES`` says. Speculation counts whatever the device (an engine's
+        own drafter needs a draft of layout "eagle", which "auto" does not assume)."""
+        from turbogrpo.engines import run_needs
+        return run_needs(speculation=self.rollout.speculation != "off", conversations=bool(self.env.factory),
+                         partial_rollouts=self.train.partial_rollouts > 0, asynchronous=self.train.max_staleness > 0,
+                         sharded=self.distributed.strategy == "fsdp2")
 
     def _check_vllm_speculation(self) -> None:
-        """rollout.engine = "vllm" with rollout.speculation on: the draft runs as vLLM's EAGLE drafter
-        (docs/guide/vllm_speculation.md), so it must be one, in vLLM's layout."""
-        if self.rollout.engine != "vllm" or self.rollout.speculation == "off":
+        """An engine that speculates through its own drafter (vLLM's EAGLE: it lacks ``tree_speculation``) with
+        rollout.speculation on: the draft runs as that drafter (docs/guide/vllm_speculation.md), so it must be one,
+        in vLLM's layout."""
+        from turbogrpo.engines import CAPABILITIES
+        engine = CAPABILITIES.get(self.rollout.engine)  # (None: "auto", which drafts in the tree-verifying engine)
+        if engine is None or engine.tree_speculation or self.rollout.speculation == "off":
             return
-        from turbogrpo.rollout.engines.vllm_speculation import speculation_problem
+        from turbogrpo.engines.vllm_speculation import speculation_problem
         problem = speculation_problem("cpu" if self.model._runs_on_cpu() else "cuda", greedy=False)  # GRPO samples
         _require(problem is None, "rollout.speculation", f"\"off\" with rollout.engine = \"vllm\" here: {problem}",
                  self.rollout.speculation)
@@ -682,9 +688,11 @@ class Config:
         _require(self.algo.tis_cap != 0, "algo.tis_cap", "\"auto\" or a number >= 1 with train.max_staleness > 0 "
                  "(the off-policy correction of stale rollouts; verl/slime use 2)", self.algo.tis_cap)
         if self.rollout.speculation != "off":  # the worker drafts with each version's draft; the trainer teaches it
-            _require(self.rollout.engine != "vllm", "rollout.engine", "\"native\" or \"auto\" with rollout.speculation "
-                     "on and train.max_staleness > 0 (the rollout worker drafts in the native engine; vLLM's drafter "
-                     "fed from the trainer is not built)", self.rollout.engine)
+            from turbogrpo.engines import capable_engines, missing_capability
+            _require(not missing_capability(self.rollout.engine, ["trainer_taught_drafts"]), "rollout.engine",
+                     f"{_either([*capable_engines('trainer_taught_drafts'), 'auto'])} with "
+                     "rollout.speculation on and train.max_staleness > 0 (the rollout worker drafts with the draft the "
+                     "trainer teaches; an engine's own drafter fed from the trainer is not built)", self.rollout.engine)
         _require(self.distributed.strategy != "fsdp2", "distributed.strategy", "\"ddp\" with train.max_staleness "
                  "> 0 (the rollout worker copies whole weights, which FSDP2 shards)", self.distributed.strategy)
         if self.train.partial_rollouts:  # what a carried generation cannot do yet
@@ -927,6 +935,11 @@ def _check_all(node: Any, key: str) -> None:
     elif isinstance(node, list):
         for i, item in enumerate(node):
             _check_all(item, f"{key}.{i}")
+
+
+def _either(names: list[str]) -> str:
+    """``"a" or "b"``: the values a setting may take, for messages."""
+    return " or ".join(f'"{name}"' for name in names)
 
 
 def _require(ok: bool, key: str, allowed: str, value: Any) -> None:

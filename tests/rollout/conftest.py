@@ -85,7 +85,7 @@ def vllm_llm():
     takes 60-100 s on 2 CPU cores). Modules wrap it in their own ``VllmEngine(..., llm=vllm_llm)``, which pushes
     its policy's weights before its first rollout, and push their model back after a test that trained it."""
     from turbogrpo.models import load_demo_model
-    from turbogrpo.rollout.engines.vllm import VllmEngine  # only vLLM modules (skipped without vllm) ask for this
+    from turbogrpo.engines.vllm import VllmEngine  # only vLLM modules (skipped without vllm) ask for this
     model, tokenizer = load_demo_model(dtype="float32")
     engine = VllmEngine(torch.float32, torch.device("cpu"), tokenizer)
     engine.build(model.eval())

@@ -12,7 +12,7 @@ from transformers import DynamicCache
 from tests.rollout.conftest import build_model, random_prompts
 from turbogrpo.rollout import SamplingConfig, generate
 from turbogrpo.rollout.compiled import _compiled
-from turbogrpo.rollout.engine import DecodeSchedule, first_draw
+from turbogrpo.rollout.decode import DecodeSchedule, first_draw
 from turbogrpo.rollout.step import PlainStep
 
 # Operators that only make a view or change metadata launch no kernel and are not counted.

@@ -12,8 +12,8 @@ from tests.conftest import REPO
 from tests.rollout.conftest import build_model, random_prompts
 from turbogrpo.config import ConfigError, load_config
 from turbogrpo.rollout import SamplingConfig, generate
-from turbogrpo.rollout.engines import AUTO_ENGINES, ENGINE_NAMES, build_engine, resolve_engine
-from turbogrpo.rollout.engines.weights import checkpoint_weights, trainable_modules
+from turbogrpo.engines import AUTO_ENGINES, ENGINE_NAMES, build_engine, resolve_engine
+from turbogrpo.engines.weights import checkpoint_weights, trainable_modules
 
 FUSED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}  # vLLM's Qwen2
 
@@ -68,7 +68,7 @@ def test_auto_follows_the_measurements_but_takes_native_where_the_run_needs_it_o
     native engine runs (named by the config) or a machine without the vllm package still samples on native."""
     import importlib.util
 
-    from turbogrpo.rollout import engines
+    from turbogrpo import engines
     cpu = torch.device("cpu")
     real_find_spec = importlib.util.find_spec
     monkeypatch.setattr(engines, "_vllm_import_error", lambda: "")   # an installed vllm imports (tried below)
@@ -84,23 +84,52 @@ def test_auto_follows_the_measurements_but_takes_native_where_the_run_needs_it_o
     assert resolve_engine("auto", cpu, conversations=True) == AUTO_ENGINES["cpu", "conversations"]
     monkeypatch.setitem(AUTO_ENGINES, ("cpu", "completions"), "vllm")
     assert resolve_engine("auto", cpu) == "vllm"
-    assert resolve_engine("auto", cpu, native_only="rollout.speculation") == "native"
-    assert resolve_engine("native", cpu) == "native" and resolve_engine("vllm", cpu, native_only="x") == "vllm"
+    assert resolve_engine("auto", cpu, needs=("tree_speculation",)) == "native"
+    assert resolve_engine("auto", cpu, needs=("conversations", "partial_rollouts")) == "vllm"  # (both run these)
+    assert resolve_engine("native", cpu) == "native"
+    assert resolve_engine("vllm", cpu, needs=("sharded_weights",)) == "vllm"  # (a named engine: the config refuses)
     vllm_installed(False)
     assert resolve_engine("auto", cpu) == "native"
     assert build_engine("auto", cpu, schedule=None, dtype=torch.float32).holds_weights is False  # the native one
-    # What the config names as native-only, first one wins.
-    assert load_config(None, []).native_only_setting() == ""
-    assert load_config(None, ["rollout.speculation=fixed"]).native_only_setting() == "rollout.speculation"
-    assert load_config(None, ["train.max_staleness=1", "algo.tis_cap=2", "train.partial_rollouts=1"]
-                       ).native_only_setting() == ""  # (both engines continue partial rollouts)
-    assert load_config(None, ["distributed.strategy=fsdp2"]).native_only_setting() == 'distributed.strategy = "fsdp2"'
+    # What a config needs of its engine.
+    assert load_config(None, []).engine_needs() == ()
+    assert load_config(None, ["rollout.speculation=fixed"]).engine_needs() == ("tree_speculation",)
+    assert load_config(None, ["train.max_staleness=1", "algo.tis_cap=2", "train.partial_rollouts=1",
+                              "rollout.speculation=fixed"]).engine_needs() == (
+        "tree_speculation", "trainer_taught_drafts", "partial_rollouts")
+    assert load_config(None, ["distributed.strategy=fsdp2"]).engine_needs() == ("sharded_weights",)
+
+
+def test_every_engine_declares_its_capabilities_and_the_default_has_them_all():
+    """Capabilities are data (``CAPABILITIES``): "auto", the config's checks and the worker read them; nothing
+    outside the engine layer compares engine names (the check below reads the package's source)."""
+    import ast
+    import dataclasses
+    from pathlib import Path
+
+    import turbogrpo
+    from turbogrpo.engines import CAPABILITIES, DEFAULT_ENGINE, ENGINES, capable_engines, missing_capability
+    assert set(CAPABILITIES) == set(ENGINES)
+    assert all(dataclasses.asdict(CAPABILITIES[DEFAULT_ENGINE]).values())
+    assert missing_capability("vllm", ["conversations", "sharded_weights"]) == "sharded_weights"
+    assert missing_capability("auto", ["sharded_weights"]) == ""
+    assert capable_engines("trainer_taught_drafts") == ["native"]
+    package = Path(turbogrpo.__file__).parent
+    compared = []
+    for path in package.rglob("*.py"):
+        if path.relative_to(package).parts[0] == "engines":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Compare) and any(
+                    isinstance(side, ast.Constant) and side.value in ENGINES for side in (node.left, *node.comparators)):
+                compared.append(f"{path.relative_to(package)}:{node.lineno}")
+    assert compared == []
 
 
 def test_auto_takes_native_with_a_warning_where_an_installed_vllm_fails_to_import(tmp_path, monkeypatch, caplog):
     """An installed vllm whose import fails (here a package named vllm that raises like a build for another torch)
     does not stop an "auto" run: the import is tried in a child process and the run samples on native, saying why."""
-    from turbogrpo.rollout import engines
+    from turbogrpo import engines
     (tmp_path / "vllm").mkdir()
     (tmp_path / "vllm" / "__init__.py").write_text("raise ImportError('libcudart.so.12: cannot open shared object file')\n")
     monkeypatch.syspath_prepend(str(tmp_path))          # find_spec sees the broken package, as it would a real one
@@ -145,7 +174,7 @@ def test_full_fine_tune_sends_every_module():
 
 
 def test_request_seeds_are_distinct_over_steps_ranks_and_groups():
-    from turbogrpo.rollout.engines.vllm import request_seed  # the module imports without vllm
+    from turbogrpo.engines.vllm import request_seed  # the module imports without vllm
     from turbogrpo.train.loop import rollout_seed
     steps = [rollout_seed(0, step, rank) for step in range(5) for rank in range(2)]  # neighbours differ by 1
     seeds = {request_seed(seed, group) + i for seed in steps for group in range(16) for i in range(8)}

@@ -184,7 +184,7 @@ def test_the_rollout_runs_under_the_schedules_linear_kernel(qwen2, monkeypatch):
     import contextlib
 
     from turbogrpo.linears import LINEAR_KERNELS
-    from turbogrpo.rollout.engine import DecodeSchedule
+    from turbogrpo.rollout.decode import DecodeSchedule
 
     entered, calls_inside, inside = [], [], [False]
 

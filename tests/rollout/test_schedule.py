@@ -11,7 +11,7 @@ import torch
 
 from tests.rollout.conftest import build_model, forbid_host_syncs_inside, random_prompts
 from turbogrpo.rollout import SamplingConfig, generate
-from turbogrpo.rollout.engine import BUCKETS, DecodeSchedule, _rows_to_keep
+from turbogrpo.rollout.decode import BUCKETS, DecodeSchedule, _rows_to_keep
 from turbogrpo.rollout.step import DecodeState, PlainStep
 
 REFERENCE = DecodeSchedule(host_check_every=1, buckets="exact")

@@ -24,7 +24,7 @@ from turbogrpo.data.arithmetic import demo_chat_records
 from turbogrpo.env import TurnLimits, run_episodes
 from turbogrpo.env.tasks import DEMO_CHAT_TEMPLATE, RetryArithmetic
 from turbogrpo.rollout import SamplingConfig
-from turbogrpo.rollout.engines.vllm import VllmEngine
+from turbogrpo.engines.vllm import VllmEngine
 
 GREEDY = SamplingConfig(max_new_tokens=32, temperature=0.0)
 SAMPLED = SamplingConfig(max_new_tokens=32, temperature=1.0)
@@ -161,7 +161,7 @@ def test_a_multiturn_run_with_tree_sharing_trains_on_vllm(tmp_path, demo, engine
     run's weights first: the run's own would take another minute to build)."""
     from tests.train.test_multiturn_run import CONFIG, small
     from turbogrpo.config import load_config
-    from turbogrpo.rollout import engines
+    from turbogrpo import engines
     from turbogrpo.train.loop import train
     from turbogrpo.train.metrics import read_metrics
     monkeypatch.setitem(engines.ENGINES, "vllm", lambda **s: VllmEngine(s["dtype"], s["device"], s["tokenizer"],

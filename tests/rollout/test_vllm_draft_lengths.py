@@ -1,9 +1,9 @@
-"""The knee profile as vLLM's per-batch-size draft lengths (``rollout/engines/vllm_speculation.py``), with
+"""The knee profile as vLLM's per-batch-size draft lengths (``engines/vllm_speculation.py``), with
 hand-computed values; no vLLM needed (its own schedule parser is checked in test_vllm_speculation.py)."""
 
 import pytest
 
-from turbogrpo.rollout.engines.vllm_speculation import (draft_lengths, length_schedule, speculative_settings)
+from turbogrpo.engines.vllm_speculation import (draft_lengths, length_schedule, speculative_settings)
 from turbogrpo.speculative.profiler import LatencyCurve, LatencyProfile
 
 # Flat to 64 tokens, then 1 ms per 5.33 tokens: the knee (twice the 1-token time, 20 ms) is at 64 + 64 * 8/12.
@@ -42,7 +42,7 @@ def test_the_schedule_starts_at_one_and_the_settings_speculate_up_to_its_longest
 
 
 def test_a_runs_sizing_policy_gives_the_engines_chain_lengths():
-    from turbogrpo.rollout.engines.vllm_speculation import sizing_lengths
+    from turbogrpo.engines.vllm_speculation import sizing_lengths
     from turbogrpo.speculative.sizing import CostSizing, FastGRPOSizing, FixedSizing, MergedSizing
     from turbogrpo.speculative.tree import TreeShape
 

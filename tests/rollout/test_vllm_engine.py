@@ -1,4 +1,4 @@
-"""The vLLM engine (``rollout.engines.vllm``) against the native one and the trainer, on the demo model in
+"""The vLLM engine (``engines.vllm``) against the native one and the trainer, on the demo model in
 float32: greedy rollouts equal, first tokens drawn from the policy's distribution (two-sample chi-square),
 sampler log-probs equal the trainer's, seeded rollouts repeat, a weight push changes what vLLM samples
 (full and LoRA), and two GRPO steps through the step's engine seam.
@@ -24,7 +24,7 @@ from turbogrpo import completion_logprobs
 from turbogrpo.config import load_config
 from turbogrpo.data.arithmetic import demo_records
 from turbogrpo.rollout import SamplingConfig, generate
-from turbogrpo.rollout.engines.vllm import CHILD_ENVIRONMENT, VllmEngine
+from turbogrpo.engines.vllm import CHILD_ENVIRONMENT, VllmEngine
 
 EOS = 0  # the demo model's end of sequence
 
@@ -243,7 +243,7 @@ def test_two_grpo_steps_on_the_vllm_engine(tmp_path, engine, monkeypatch):
     push after the optimizer), after which vLLM's greedy answers are the trained policy's."""
     from tests.conftest import REPO
     from turbogrpo.rewards import build_rewards
-    from turbogrpo.rollout import engines
+    from turbogrpo import engines
     from turbogrpo.train import distributed, loop
     from turbogrpo.train.run import build_run
     from turbogrpo.train.state import start

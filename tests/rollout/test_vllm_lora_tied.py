@@ -1,5 +1,5 @@
 """LoRA on a tied LM head or on the embedding reaches vLLM: merged, the head and the embedding differ, so the engine
-serves such a policy untied (``rollout.engines.weights.needs_untied``) and a push that changed only the adapted head
+serves such a policy untied (``engines.weights.needs_untied``) and a push that changed only the adapted head
 changes vLLM's greedy answer as it changes the policy's (before, vLLM sampled without the adapter's change to the
 head: the log-prob gap climbed to 0.12 in three steps, silently). Skipped where vllm does not import."""
 
@@ -18,8 +18,8 @@ from peft import LoraConfig, get_peft_model
 
 from turbogrpo.data.arithmetic import demo_records
 from turbogrpo.rollout import SamplingConfig, generate
-from turbogrpo.rollout.engines.vllm import VllmEngine
-from turbogrpo.rollout.engines.weights import checkpoint_weights, needs_untied
+from turbogrpo.engines.vllm import VllmEngine
+from turbogrpo.engines.weights import checkpoint_weights, needs_untied
 
 EOS = 0  # the demo model's end of sequence
 

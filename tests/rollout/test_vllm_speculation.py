@@ -1,4 +1,4 @@
-"""turbogrpo's draft inside vLLM's EAGLE speculative decoding (``rollout/engines/vllm_speculation.py``), on the
+"""turbogrpo's draft inside vLLM's EAGLE speculative decoding (``engines/vllm_speculation.py``), on the
 demo model in float32, one engine for the module (building it takes 60-100 s on 2 CPU cores), built by the
 engine's first speculative rollout (``EngineDraft``: the draft exported, its lengths per batch size from a
 ``fastgrpo`` sizing whose knee gives 3 tokens to one sequence and 1 to four):
@@ -26,8 +26,8 @@ except Exception as err:  # ImportError, or OSError from a torch extension built
 
 from turbogrpo.data.arithmetic import demo_records
 from turbogrpo.rollout import SamplingConfig, generate
-from turbogrpo.rollout.engines.vllm import VllmEngine
-from turbogrpo.rollout.engines.vllm_speculation import length_schedule
+from turbogrpo.engines.vllm import VllmEngine
+from turbogrpo.engines.vllm_speculation import length_schedule
 from turbogrpo.speculative.draft import CausalPlan, DraftHead
 from turbogrpo.speculative.sizing import FastGRPOSizing
 from turbogrpo.speculative.speculation import Speculation

@@ -9,7 +9,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from tests.speculative.speculative_helpers import tiny_policy
-from turbogrpo.speculative.cli import main
+from turbogrpo.commands.draft import main
 from turbogrpo.speculative.draft import DraftHead
 
 
@@ -107,7 +107,7 @@ def test_a_cuda_device_without_cuda_is_one_line(model_dir, tmp_path, capsys, com
 def test_draft_train_with_a_config_renders_its_prompts_as_training_does(model_dir, tmp_path, monkeypatch):
     from turbogrpo.config import load_config
     from turbogrpo.models import load_model_and_tokenizer
-    from turbogrpo.speculative import build
+    from turbogrpo.commands import draft_build as build
     from turbogrpo.train.setup import load_train_prompts
 
     rows = tmp_path / "rows.jsonl"

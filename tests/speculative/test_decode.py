@@ -234,7 +234,7 @@ def test_a_bare_draft_head_and_the_engine_import_nothing_speculative():
     import subprocess
     import sys
 
-    code = ("import sys, turbogrpo.rollout, turbogrpo.rollout.engine; "
+    code = ("import sys, turbogrpo.rollout, turbogrpo.rollout.decode; "
             "print(any(m.startswith('turbogrpo.speculative') for m in sys.modules))")
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           check=True).stdout.strip() == "False"

@@ -40,7 +40,7 @@ def test_save_load_roundtrip(tmp_path):
 
 
 def test_a_draft_vocabulary_is_chosen_by_frequency_and_saved(tmp_path):
-    from turbogrpo.speculative.build import choose_draft_tokens
+    from turbogrpo.commands.draft_build import choose_draft_tokens
     policy = tiny_policy()
     draft = DraftHead(policy, num_draft_tokens=3)
     coverage = choose_draft_tokens(draft, torch.tensor([5, 5, 5, 3, 3, 7, 9, 1]))  # 7, 9, 1 tie: lowest id
@@ -206,7 +206,7 @@ def test_draft_vocabulary_loss_is_the_policys_distribution_renormalised_over_it(
 def test_build_keeps_its_samples_and_holds_prompts_out(tmp_path, monkeypatch):
     """train_on_own_completions samples once into its samples file and reads it back on a rebuild (same
     completions, no sampling); the held-out groups are measured every epoch and never trained on."""
-    from turbogrpo.speculative import build
+    from turbogrpo.commands import draft_build as build
     from turbogrpo.speculative.built_drafts import DraftRecipe
 
     policy = tiny_policy()

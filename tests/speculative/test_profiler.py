@@ -118,7 +118,7 @@ def test_profile_sizes_are_bounded_by_the_models_positions_and_the_memory(monkey
 def test_the_memory_estimate_covers_what_a_profile_allocates():
     """The estimate is an upper bound: the peak of the tensors a real profile holds stays below it."""
     model = tiny_policy()
-    from turbogrpo.rollout import engine
+    from turbogrpo.rollout import decode as engine
     sizes = []
     real = engine.GroupedKVCache
 

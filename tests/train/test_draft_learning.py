@@ -196,7 +196,7 @@ def test_speculative_training_rollouts_sample_the_plain_distribution(tmp_path, m
     the same distribution of tokens at the first two positions (the second is drawn through a tree)."""
     model_dir, rows = write_model(tmp_path / "model", seed=1), write_rows(tmp_path / "rows.jsonl")
     captured = []
-    from turbogrpo.rollout.engines import native  # the step samples through the native engine
+    from turbogrpo.engines import native  # the step samples through the native engine
     real_generate = native.generate
     monkeypatch.setattr(native, "generate", lambda *a, **k: captured.append(real_generate(*a, **k)) or captured[-1])
 

@@ -15,7 +15,7 @@ from turbogrpo import completion_logprobs
 from turbogrpo.config import load_config
 from turbogrpo.data import PromptExample
 from turbogrpo.rollout import SamplingConfig, generate
-from turbogrpo.rollout.engines.native import NativeEngine
+from turbogrpo.engines.native import NativeEngine
 from turbogrpo.train import loop
 from turbogrpo.train.partial_rollouts import PartialRollouts, pool_state, restore_pool
 

@@ -15,7 +15,7 @@ from turbogrpo.algo import LossNormalizer, build_loss
 from turbogrpo.batch import Groups
 from turbogrpo.config import AlgoConfig
 from turbogrpo.train.distributed import DistInfo, LogprobModule
-from turbogrpo.train.sharing import SHARINGS, micro_batches
+from turbogrpo.sharing import SHARINGS, micro_batches
 from turbogrpo.train.update import score, update_policy
 from turbogrpo.tree import trie_of_groups
 from turbogrpo.tree.completions import compute_auto_logprobs, saves_enough

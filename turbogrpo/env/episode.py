@@ -32,7 +32,7 @@ from turbogrpo.env.environment import (EnvironmentFault, bind_positional, call_t
                                        environment_reward_value, environment_tools, load_factory, reset_environment,
                                        tool_schemas)
 from turbogrpo.env.tool_calls import ToolCallParser, get_tool_call_parser
-from turbogrpo.rollout.engine import DecodeSchedule
+from turbogrpo.rollout.decode import DecodeSchedule
 from turbogrpo.rollout.env_calls import EnvCallFailed, EnvCalls
 from turbogrpo.rollout.multiturn import MultiTurnRollout, TurnLimits, check_branching, fork_copy, generate_multiturn
 from turbogrpo.reward_items import ItemFailure

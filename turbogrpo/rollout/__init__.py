@@ -9,7 +9,7 @@ log-probs match the trainer's (``turbogrpo.completion_logprobs``).
     rollout.tokens_per_group()  # per prompt, the 8 completions' token ids
 """
 
-from turbogrpo.rollout.engine import DecodeSchedule, generate
+from turbogrpo.rollout.decode import DecodeSchedule, generate
 from turbogrpo.rollout.metrics import logprob_gap
 from turbogrpo.rollout.sampling import (SamplingConfig, draw_from_probs, sample_tokens, sample_with_logprobs,
                                         token_logprobs, warp_logits)

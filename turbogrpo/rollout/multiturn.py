@@ -85,7 +85,7 @@ from torch import nn
 from turbogrpo.batch import Groups
 from turbogrpo.hook import check_materialized
 from turbogrpo.output_head import logits_head
-from turbogrpo.rollout.engine import DecodeSchedule, default_schedule, rollout_linear_kernel
+from turbogrpo.rollout.decode import DecodeSchedule, default_schedule, rollout_linear_kernel
 from turbogrpo.rollout.env_calls import EnvCalls
 from turbogrpo.rollout.kv_cache import GroupedKVCache
 from turbogrpo.rollout.plans import forward_new_tokens, prefill

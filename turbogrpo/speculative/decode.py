@@ -18,7 +18,7 @@ host ints it keeps up to date at the host checks, outside the step; ``draft_tree
 ``torch.Generator``, so ``torch.compile(fullgraph=True)`` captures each whole (``Speculation.runner``).
 They are two functions, not one, so that the draft's share of the time can be measured between them.
 
-The loop itself is the engine's (``turbogrpo.rollout.engine``); this module supplies the step through
+The loop itself is the engine's (``turbogrpo.rollout.decode``); this module supplies the step through
 ``Speculation.make_step`` and never is imported by the engine. Emission, stop tokens/strings and the
 output buffers are the plain engine's own (``emit``), so a stop token inside an accepted path and
 max_new_tokens reached mid-path end a completion exactly as in plain decoding. The sampler's log-prob

@@ -49,7 +49,7 @@ import torch
 from torch import nn
 
 from turbogrpo.batch import Groups
-from turbogrpo.rollout.engine import first_draw
+from turbogrpo.rollout.decode import first_draw
 from turbogrpo.rollout.env_calls import EnvCalls
 from turbogrpo.rollout.multiturn import (_DONE, _FEED, _WAIT, MultiTurnStats, ReplyTiming, TurnLimits, _call_handler,
                                          _collect_replies, _Conversation, vocabulary_size, wait_for_replies)

@@ -37,7 +37,7 @@ from turbogrpo.cache import CACHE_ENV, cache_root
 from turbogrpo.files import describe_os_error, write_text_atomically
 from turbogrpo.hook import embedding_table
 from turbogrpo.linears import LINEAR_KERNELS, onednn_min_rows
-from turbogrpo.rollout.engine import first_draw
+from turbogrpo.rollout.decode import first_draw
 from turbogrpo.rollout.sampling import SamplingConfig
 from turbogrpo.rollout.step import PlainStep
 from turbogrpo.speculative.draft_decoding import DraftKVCache, TreeDrafter, draft_prompt_lengths, prefill_draft

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from turbogrpo.rollout.compiled import RUNNERS
-from turbogrpo.rollout.engine import generate
+from turbogrpo.rollout.decode import generate
 from turbogrpo.rollout.sampling import SamplingConfig
 from turbogrpo.rollout.types import Rollout
 from turbogrpo.speculative.decode import TreeStep, check_draft

@@ -20,7 +20,7 @@ from turbogrpo.data import PromptExample
 from turbogrpo.env import EnvRollout, TurnLimits, load_factory, run_episodes
 from turbogrpo.env.tasks import CHAT_TEMPLATES
 from turbogrpo.rollout import SamplingConfig
-from turbogrpo.rollout.engine import DecodeSchedule
+from turbogrpo.rollout.decode import DecodeSchedule
 from turbogrpo.rollout.multiturn import MultiTurnRollout, generate_multiturn
 
 

@@ -60,7 +60,7 @@ from turbogrpo.train.rank_agreement import check_ranks_agree
 from turbogrpo.train.rollout_worker import RolloutWorker, WorkerSpec, draw, thread_split
 from turbogrpo.train.worker_transport import leave_if_importing_main, transport_options
 from turbogrpo.train.run import Run, build_run
-from turbogrpo.train.sharing import micro_batches as sharing_micro_batches
+from turbogrpo.sharing import micro_batches as sharing_micro_batches
 from turbogrpo.train.state import (RewardFailure, RunComplete, evaluate, evaluate_and_save_final, export, interrupted,
                                    save, start)
 from turbogrpo.train.stops import stops_at_step_ends
@@ -113,7 +113,7 @@ def train(config: Config, *, resume: bool = False, overwrite: bool = False) -> R
         total = config.train.num_steps
         if config.train.max_staleness:  # started first: the worker builds its model while the trainer resumes
             spec = WorkerSpec.of(config.model, config.lora, config.rollout, config.env, config.train, config.algo,
-                                 config.draft, rollout_threads, run.draft_context)
+                                 config.draft, rollout_threads, run.draft_context, run.engine_max_length)
             run.rollouts = RolloutWorker(spec, dist, run.policy, num_steps=total,
                                          draft=run.draft.draft if run.draft is not None else None,
                                          prompts_per_step_slice=distributed.local_slice(config.train.prompts_per_step,

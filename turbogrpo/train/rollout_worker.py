@@ -138,8 +138,8 @@ class _WorkerSampler:
     rollout)."""
 
     def __init__(self, spec: WorkerSpec, dist: DistInfo):
-        from turbogrpo.rollout.engine import default_schedule
-        from turbogrpo.rollout.engines import build_engine
+        from turbogrpo.rollout.decode import default_schedule
+        from turbogrpo.engines import build_engine
         from turbogrpo.train.episodes import build_episode_sampler
         from turbogrpo.train.run import build_policy
         self.spec, self.device = spec, dist.device
@@ -156,7 +156,7 @@ class _WorkerSampler:
         self.engine = build_engine(spec.rollout.engine, dist.device, schedule=schedule,
                                    dtype=self.precision.compute_dtype, tokenizer=self.tokenizer,
                                    conversations=self.episodes is not None,
-                                   native_only="rollout.speculation" if spec.drafts else "",
+                                   needs=spec.engine_needs, max_length=spec.engine_max_length or None,
                                    enforce_eager=spec.rollout.vllm_enforce_eager)
         self.partial = (PartialRollouts(spec.rollout.num_generations, spec.rollout.max_new_tokens,
                                         spec.partial_rollouts) if spec.partial_rollouts else None)

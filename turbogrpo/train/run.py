@@ -22,8 +22,8 @@ from turbogrpo.data import PromptBatches
 from turbogrpo.linears import TRAINING_LINEAR_KERNELS
 from turbogrpo.rewards import Reward
 from turbogrpo.rollout import SamplingConfig
-from turbogrpo.rollout.engine import DecodeSchedule, default_schedule
-from turbogrpo.rollout.engines import RolloutEngine, build_engine, resolve_engine
+from turbogrpo.rollout.decode import DecodeSchedule, default_schedule
+from turbogrpo.engines import CAPABILITIES, DEFAULT_ENGINE, RolloutEngine, build_engine, resolve_engine
 from turbogrpo.train import distributed, setup
 from turbogrpo.train.distributed import DistInfo
 from turbogrpo.train.draft_learning import OnlineDraft, build_online_draft
@@ -141,6 +141,8 @@ class Run:
     draft_context: int = 0
     """The tokens a typical decoding step attends to (longest prompt + half the completion limit): the draft's
     hardware profile is measured there (a rollout worker's too)."""
+    engine_max_length: int = 0
+    """The longest prompt + completion the engine serves (0: the model's limit; the rollout worker's is the same)."""
     episodes: EpisodeSampler | None = None
     """The [env] section: each step samples conversations with an environment each; None: single completions."""
     rollouts: object | None = None
@@ -198,16 +200,17 @@ def build_run(config: Config, dist: DistInfo, rewards: list[Reward]) -> Run:
     # A conversation's prompt is rendered at rollout time, with its environment's tools listed: longer than the
     # data's ids, so an [env] run's engine serves up to the model's own limit.
     engine_name = resolve_engine(config.rollout.engine, dist.device, conversations=episodes is not None,
-                                 native_only=config.native_only_setting())
-    # At k > 0 the rollout worker samples with its own engine; the trainer's would never run (a vLLM one would
-    # still import vllm into the trainer), so it keeps the native one.
-    engine = build_engine("native" if config.train.max_staleness else engine_name, dist.device, schedule=schedule,
-                          dtype=precision.compute_dtype, tokenizer=parts.tokenizer,
-                          max_length=longest_prompt + max_new_tokens if episodes is None else None,
+                                 needs=config.engine_needs())
+    # At k > 0 the rollout worker samples with its own engine; the trainer's samples only held-out answers (a vLLM
+    # one would still import vllm into the trainer), so it keeps the default one.
+    engine_max_length = longest_prompt + max_new_tokens if episodes is None else 0
+    engine = build_engine(DEFAULT_ENGINE if config.train.max_staleness else engine_name, dist.device, schedule=schedule,
+                          dtype=precision.compute_dtype, tokenizer=parts.tokenizer, max_length=engine_max_length or None,
                           enforce_eager=config.rollout.vllm_enforce_eager)
     # Another engine's kernels, or weights some versions old, sample a distribution the trainer's forward only
     # approximates: algo.tis_cap = "auto" corrects for it there and stays off where the sampler is that forward.
-    algo = config.algo.resolved(sampler_differs=engine_name != "native" or config.train.max_staleness > 0)
+    algo = config.algo.resolved(sampler_differs=not CAPABILITIES[engine_name].exact_sampler
+                                or config.train.max_staleness > 0)
     return Run(dist=dist, policy=policy, tokenizer=parts.tokenizer, precision=precision, trainer=trainer,
                reference=reference, optimizer=optimizer, batches=batches, rewards=rewards, sampling=parts.sampling,
                num_generations=config.rollout.num_generations, decode_schedule=schedule, engine=engine,
@@ -215,7 +218,7 @@ def build_run(config: Config, dist: DistInfo, rewards: list[Reward]) -> Run:
                loss=build_loss(algo), algo=algo, optim=config.optim, train=config.train,
                log=config.log, export_dtype=str(parts.precision.compute_dtype).removeprefix("torch.")
                if config.train.final_dtype == "auto" else config.train.final_dtype, record=run_record(config), draft=draft,
-               draft_context=draft_context, episodes=episodes)
+               draft_context=draft_context, engine_max_length=engine_max_length, episodes=episodes)
 
 
 def check_prompt_count(data: DataConfig, prompts_per_step: int, prompt_set) -> None:

@@ -21,7 +21,7 @@ from turbogrpo.output_head import check_logits_head
 from turbogrpo.rewards import BUILTIN_REWARDS, Reward, resolve_reward
 from turbogrpo.rollout import SamplingConfig
 from turbogrpo.train.precision import Precision, run_precision
-from turbogrpo.train.sharing import sharing_of
+from turbogrpo.sharing import sharing_of
 
 
 def precision(model: ModelConfig, device: torch.device) -> Precision:

@@ -10,10 +10,11 @@ import torch
 
 from turbogrpo.config import AlgoConfig, DraftLearningConfig, EnvConfig, LoraConfig, ModelConfig, RolloutConfig, TrainConfig
 from turbogrpo.data import PromptExample
+from turbogrpo.engines import run_needs
 from turbogrpo.env import EnvRollout
 from turbogrpo.rollout import Rollout
 
-TRAINER_CHOSEN = ("draft_context",)
+TRAINER_CHOSEN = ("draft_context", "engine_max_length")
 """``WorkerSpec`` fields the trainer derives from what only it has (the data): a remote worker takes the trainer's."""
 
 POLL_S = 5.0
@@ -47,18 +48,28 @@ class WorkerSpec:
     draft_context: int = 0
     """The tokens a typical decoding step attends to, for the sizing's hardware profile: the trainer's (it has the
     data; a remote worker takes the trainer's, ``TRAINER_CHOSEN``)."""
+    engine_max_length: int = 0
+    """The longest prompt + completion the engine serves (0: the model's limit), as the trainer's engine is built:
+    the trainer's (it has the data; ``TRAINER_CHOSEN``)."""
 
     @classmethod
     def of(cls, model: ModelConfig, lora: LoraConfig, rollout: RolloutConfig, env: EnvConfig, train: TrainConfig,
-           algo: AlgoConfig, draft: DraftLearningConfig, num_threads: int, draft_context: int = 0) -> WorkerSpec:
+           algo: AlgoConfig, draft: DraftLearningConfig, num_threads: int, draft_context: int = 0,
+           engine_max_length: int = 0) -> WorkerSpec:
         """The spec of a run's sections, the worker taking ``num_threads`` torch threads."""
         return cls(model, lora, rollout, env, train.seed, num_threads, train.max_staleness, algo.num_iterations,
-                   train.partial_rollouts, draft, draft_context)
+                   train.partial_rollouts, draft, draft_context, engine_max_length)
 
     @property
     def drafts(self) -> bool:
         """Whether the worker samples speculatively (rollout.speculation on)."""
         return self.rollout.speculation != "off"
+
+    @property
+    def engine_needs(self) -> tuple[str, ...]:
+        """What the worker's engine must be able to do (``engines.run_needs``; the trainer's config asks the same)."""
+        return run_needs(speculation=self.drafts, conversations=bool(self.env.factory),
+                         partial_rollouts=self.partial_rollouts > 0, asynchronous=True, sharded=False)
 
     @property
     def steps_ahead(self) -> int:

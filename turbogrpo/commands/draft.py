@@ -9,13 +9,13 @@
         write a draft (layout "eagle") as the folder vLLM's EAGLE speculative decoding loads
         (``speculative/export_vllm.py``); a draft vLLM would run differently is refused, naming why
     turbogrpo draft build --model smollm2 [--refresh]
-        train the model's draft once by its recipe (``speculative/build.py``) into the cache beside the
+        train the model's draft once by its recipe (``commands/draft_build.py``) into the cache beside the
         model; configs then name it (draft.path = "smollm2-gsm8k")
     turbogrpo profile [--model demo|PATH] [--draft DIR] [--context-length N] [--max-tokens N] [--refresh]
         measure (or read from the cache) forward latency vs. tokens and print the knee C_peak; both sizes
         are bounded by the model's positions and the device's free memory
 
-``python -m turbogrpo.speculative.cli ...`` runs the same commands on their own.
+``python -m turbogrpo.commands.draft ...`` runs the same commands on their own.
 """
 
 from __future__ import annotations
@@ -163,7 +163,7 @@ def _prompts(args: argparse.Namespace, tokenizer, model, config) -> list[torch.T
 
 
 def _train_draft(args: argparse.Namespace, out: Path, config) -> int:
-    from turbogrpo.speculative.build import train_on_own_completions
+    from turbogrpo.commands.draft_build import train_on_own_completions
     from turbogrpo.train.setup import stop_token_ids
 
     model, tokenizer = _load(args)
@@ -176,7 +176,7 @@ def _train_draft(args: argparse.Namespace, out: Path, config) -> int:
 
 
 def run_draft_build(args: argparse.Namespace) -> int:
-    from turbogrpo.speculative.build import build_draft
+    from turbogrpo.commands.draft_build import build_draft
     from turbogrpo.speculative.built_drafts import built_draft_for_model
 
     built = built_draft_for_model(args.model)

@@ -8,7 +8,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
-from turbogrpo.rollout.engine import DecodeSchedule, generate
+from turbogrpo.rollout.decode import DecodeSchedule, generate
 from turbogrpo.rollout.sampling import SamplingConfig
 from turbogrpo.rollout.types import Rollout
 

