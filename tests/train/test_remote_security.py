@@ -2,6 +2,7 @@
 run's secret before anything else, every later record is encrypted and authenticated, a second worker is refused
 while the first keeps the run, and every bad frame, bad peer or bad address is one line naming what was wrong."""
 
+import dataclasses
 import http.server
 import os
 import re
@@ -31,7 +32,7 @@ from turbogrpo.train.rollout_worker import RolloutWorkerError, WorkerSpec
 from turbogrpo.train.secure_channel import (MAGIC, NONCE_BYTES, Channel, ChannelError, prove_as_trainer,
                                             prove_as_worker, rollout_secret, user_secret)
 from turbogrpo.train.worker_transport import TransportOptions
-from turbogrpo.train.worker_types import Drawn, Request
+from turbogrpo.train.worker_types import Drawn, Request, RolloutDrawn
 
 from .test_async import restore_threads  # noqa: F401 (a fixture)
 from .test_remote_worker import free_port, remote, said, start_worker
@@ -416,14 +417,14 @@ def test_a_rollout_of_another_step_or_with_other_prompts_stops_the_run_in_one_li
     from turbogrpo.train import rollout_worker
 
     real = rollout_worker.TRANSPORTS["local"]
-    for forge, expected in [(lambda kind, step, drawn: (kind, 7, drawn), "it sent a rollout message for step 7 "
-                             "where step 0's rollout was due"),
-                            (lambda kind, step, drawn: (kind, step, _other_prompts(drawn)),
+    for forge, expected in [(lambda message: dataclasses.replace(message, step=7), "it sent a rollout message for "
+                             "step 7 where step 0's rollout was due"),
+                            (lambda message: RolloutDrawn(message.step, _other_prompts(message.drawn)),
                              "group 0's prompt is not the prompt asked")]:
         class Forged(real):
             def receive(self, step, forge=forge):
-                kind, got, payload = super().receive(step)
-                return forge(kind, got, payload) if kind == "rollout" else (kind, got, payload)
+                message = super().receive(step)
+                return forge(message) if isinstance(message, RolloutDrawn) else message
         monkeypatch.setitem(rollout_worker.TRANSPORTS, "local", Forged)
         model_dir, rows = write_model(tmp_path / "model"), write_rows(tmp_path / "rows.jsonl")
         sets = overrides(model_dir, rows, tmp_path / f"out{len(expected)}", **{

@@ -53,7 +53,8 @@ from turbogrpo.train.secure_channel import (HANDSHAKE_S, Channel, ChannelError, 
 from turbogrpo.train.weight_ring import WeightRing
 from turbogrpo.train.wire import BadMessage, Message
 from turbogrpo.train.worker_transport import Outbox, TransportOptions
-from turbogrpo.train.worker_types import POLL_S, TRAINER_CHOSEN, Request, RolloutWorkerError, WorkerSpec
+from turbogrpo.train.worker_types import (POLL_S, TRAINER_CHOSEN, Ready, Request, RolloutDrawn, RolloutWorkerError,
+                                         WorkerFailed, WorkerMessage, WorkerSpec)
 
 SPEC_KEYS = {"seed": "train.seed", "max_staleness": "train.max_staleness", "num_iterations": "algo.num_iterations",
              "partial_rollouts": "train.partial_rollouts"}
@@ -222,7 +223,7 @@ class RemoteTransport:
     def ask(self, request: Request) -> None:
         self._send(wire.request_message(request, self.with_rows), f"step {request.step + 1}'s request")
 
-    def receive(self, step: int) -> tuple:
+    def receive(self, step: int) -> WorkerMessage:
         try:
             message = wire.receive(self.channel, self.device)
             return _worker_message(message)
@@ -272,21 +273,21 @@ class RemoteTransport:
                                   "the run stops")
 
 
-def _worker_message(message: Message) -> tuple:
-    """A worker's message as ``(kind, step, payload)``: a rollout's ``Drawn``, an error's text, "ready"'s base
-    weights; a kind a worker does not send, or a field of the wrong kind, is a BadMessage."""
+def _worker_message(message: Message) -> WorkerMessage:
+    """A worker's message as its type; a kind a worker does not send, or a field of the wrong kind, is a
+    BadMessage."""
     header = message.header
     step = header.get("step")
     if step is not None and not isinstance(step, int):
         raise BadMessage(f"its {message.kind!r} message names step {step!r}, not a number")
-    if message.kind == "rollout":
-        return "rollout", step, wire.parsed(wire.drawn_of, message)
-    if message.kind == "error":
+    if message.kind == RolloutDrawn.kind:
+        return RolloutDrawn(step, wire.parsed(wire.drawn_of, message))
+    if message.kind == WorkerFailed.kind:
         if not isinstance(header.get("error"), str) or not header["error"].strip():
             raise BadMessage("it sent an error without its text")
-        return "error", step, header["error"]
-    if message.kind == "ready":
-        return "ready", None, None
+        return WorkerFailed(header["error"])
+    if message.kind == Ready.kind:
+        return Ready()
     raise BadMessage(f"it sent a message of kind {message.kind!r} (a worker sends ready, rollout or error)")
 
 
@@ -421,7 +422,7 @@ class RemoteLink:
         self.ring.check_fits(parameters)
         self.ring.load_into(version, parameters, alive=self.alive)
 
-    def put(self, message: tuple) -> None:
+    def put(self, message: WorkerMessage) -> None:
         self.outbox.put(message)
 
     def close(self) -> None:
@@ -452,8 +453,7 @@ class RemoteLink:
             self.requests.put(None)
 
     @staticmethod
-    def _encode(message: tuple) -> wire.Frame:
-        kind, step, payload = message
-        if kind == "rollout":
-            return wire.encode(wire.drawn_message(step, payload))
-        return wire.encode(Message({"kind": kind, "step": step, "error": payload}))
+    def _encode(message: WorkerMessage) -> wire.Frame:
+        if isinstance(message, RolloutDrawn):
+            return wire.encode(wire.drawn_message(message.step, message.drawn))
+        return wire.encode(Message({"kind": message.kind, "error": getattr(message, "error", None)}))

@@ -50,7 +50,8 @@ from turbogrpo.train.remote_transport import RemoteLink, RemoteTransport, connec
 from turbogrpo.train.rollout_checks import RolloutMismatch, check_rollout
 from turbogrpo.train.weight_ring import frozen_digest, sampling_version, trainable_parameters
 from turbogrpo.train.worker_transport import SharedMemoryTransport, TransportOptions
-from turbogrpo.train.worker_types import TRAINER_CHOSEN, Drawn, Request, RolloutWorkerError, WorkerSpec
+from turbogrpo.train.worker_types import (TRAINER_CHOSEN, Drawn, Ready, Request, RolloutDrawn, RolloutWorkerError,
+                                         WorkerFailed, WorkerSpec)
 
 __all__ = ["TRANSPORTS", "RolloutWorker", "RolloutWorkerError", "WorkerSpec", "draw", "serve", "thread_split"]
 
@@ -83,21 +84,21 @@ def _worker_main(spec: WorkerSpec, dist: DistInfo, link) -> None:
             torch.set_num_threads(spec.num_threads)
         sampler = _WorkerSampler(spec, dist)
         link.check_base(frozen_digest(sampler.policy), spec.model.path)
-        link.put(("ready", None, None))
+        link.put(Ready())
         while (request := link.next_request()) is not None:
             sampler.load(link, request.version)
-            link.put(("rollout", request.step, sampler.draw(request)))
+            link.put(RolloutDrawn(request.step, sampler.draw(request)))
     except SystemExit:
         pass
     except KeyboardInterrupt:  # (a remote worker's Ctrl-C or SIGTERM; a local one ignores Ctrl-C)
-        link.put(("error", None, "interrupted (Ctrl-C or SIGTERM on its machine)"))
+        link.put(WorkerFailed("interrupted (Ctrl-C or SIGTERM on its machine)"))
     except (ValueError, RolloutWorkerError) as err:  # what the run's settings or its trainer got wrong: one line
         link.failure = str(err).splitlines()[0]
-        link.put(("error", None, link.failure))
+        link.put(WorkerFailed(link.failure))
     except BaseException as err:  # noqa: BLE001: every failure goes back to the trainer, named
         traceback.print_exc()  # the whole story on the worker's stderr; the trainer raises its one line
         link.failure = f"{type(err).__name__}: {err}".splitlines()[0]
-        link.put(("error", None, link.failure))
+        link.put(WorkerFailed(link.failure))
     finally:
         link.close()
 
@@ -323,13 +324,15 @@ class RolloutWorker:
     def take(self, step: int) -> Drawn:
         """Step ``step``'s rollout and episodes (waits for it; the worker's failure raises). Its prompts are the
         step's own (``batches`` and its copy give the same ones), or with partial rollouts ``Drawn.examples``."""
-        kind, got, payload = self._receive(step)
-        if kind == "ready":  # the first message: the worker has built its model
-            kind, got, payload = self._receive(step)
+        message = self._receive(step)
+        if isinstance(message, Ready):  # the first message: the worker has built its model
+            message = self._receive(step)
         request = self.asked_for.pop(step, None)
         try:
-            if kind != "rollout" or got != step or request is None:
-                raise RolloutMismatch(f"it sent a {kind} message for step {got} where step {step}'s rollout was due")
+            if not isinstance(message, RolloutDrawn) or message.step != step or request is None:
+                raise RolloutMismatch(f"it sent a {message.kind} message for step {getattr(message, 'step', None)} "
+                                      f"where step {step}'s rollout was due")
+            payload = message.drawn
             check_rollout(request, payload, num_generations=self.spec.rollout.num_generations,
                           vocab_size=self.vocab_size, rows=self.rows)
         except RolloutMismatch as err:
@@ -379,9 +382,9 @@ class RolloutWorker:
             group.example = own(group.example)
         return drawn
 
-    def _receive(self, step: int):
-        kind, got, payload = self.transport.receive(step)
-        if kind == "error":
+    def _receive(self, step: int) -> Ready | RolloutDrawn:
+        message = self.transport.receive(step)
+        if isinstance(message, WorkerFailed):
             raise RolloutWorkerError(f"the rollout worker ({self.transport.name}) failed before step {step + 1}'s "
-                                     f"rollout: {payload.strip().splitlines()[0]}")
-        return kind, got, payload
+                                     f"rollout: {message.error.strip().splitlines()[0]}")
+        return message

@@ -11,8 +11,8 @@
 
 A transport has two sides. The trainer's (``RolloutWorker`` holds it): ``publish(version, parameters)`` (the new
 weights), ``restore(tensors, versions)`` (a checkpoint's in-flight versions), ``ask(request)``, ``receive(step)``
-(the worker's next message: ``(kind, step, payload)``, kind "ready", "rollout" or "error"; a worker that is gone
-raises ``RolloutWorkerError``), ``ring`` (the versions a checkpoint keeps: ``ring.state(versions)``) and ``close()``.
+(the worker's next message: ``worker_types.WorkerMessage``, a ``Ready``, ``RolloutDrawn`` or ``WorkerFailed``;
+a worker that is gone raises ``RolloutWorkerError``), ``ring`` (the versions a checkpoint keeps: ``ring.state(versions)``) and ``close()``.
 The worker's (``_worker_main`` runs on it): ``open()``, ``next_request()`` (None: stop), ``load(version,
 parameters)`` (waits for the version), ``put(message)`` and ``close()``; a trainer that is gone ends the worker
 (SystemExit).
@@ -148,7 +148,7 @@ class SharedMemoryLink:
     def load(self, version: int, parameters: dict[str, torch.Tensor]) -> None:
         self.ring.load_into(version, parameters, alive=self.alive)
 
-    def put(self, message: tuple) -> None:
+    def put(self, message) -> None:
         self.outbox.put(message)
 
     def close(self) -> None:
@@ -181,7 +181,7 @@ class SharedMemoryTransport:
     def ask(self, request: Request) -> None:
         self.requests.put(pickle.dumps(request))
 
-    def receive(self, step: int) -> tuple:
+    def receive(self, step: int):
         while True:
             try:
                 if not self.results.poll(POLL_S):

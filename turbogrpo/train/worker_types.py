@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -115,3 +116,34 @@ class Drawn:
     """With partial rollouts: the examples of the batch's groups (not the step's own prompts); else None."""
     carried: list | None = None
     """With partial rollouts: the pool after this step (``PendingGroup``s), what a checkpoint keeps."""
+
+
+# --- what the worker tells the trainer (each transport carries these: pickled locally, ``wire.py`` remotely) ---
+
+
+@dataclass(frozen=True)
+class Ready:
+    """The worker built its model (its first message)."""
+
+    kind: ClassVar[str] = "ready"
+
+
+@dataclass(frozen=True)
+class RolloutDrawn:
+    """Step ``step``'s rollout."""
+
+    step: int
+    drawn: Drawn
+    kind: ClassVar[str] = "rollout"
+
+
+@dataclass(frozen=True)
+class WorkerFailed:
+    """Why the worker stopped, in one line (it raised, was interrupted, or refused the run)."""
+
+    error: str
+    kind: ClassVar[str] = "error"
+
+
+WorkerMessage = Ready | RolloutDrawn | WorkerFailed
+"""Everything a worker sends its trainer."""
