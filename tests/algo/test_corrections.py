@@ -279,3 +279,16 @@ def test_icepop_equals_slimes():
     ours, _ = weights_of("icepop", prox - behav, mask, high=5.0, low=0.5)
     torch.testing.assert_close(ours * mask, theirs * mask, **EXACT)
     assert 0 < ((ours == 0) & mask.bool()).sum() < mask.sum()
+
+
+@pytest.mark.parametrize("mode", sorted(OFF_POLICY_CORRECTIONS))
+def test_junk_under_the_padding_changes_no_weight(mode):
+    """float32 junk of +-200 under the padding (exp overflows to inf there) gives every real token the weight it
+    gets with 0 there: no inf * 0 = NaN leaks into a sequence's statistic."""
+    prox, behav, mask = golden_tensors(seed=4)
+    log_w = ((prox - behav) * mask).float()
+    junk = torch.where(mask.bool(), log_w, 200.0 * torch.sign(torch.randn(mask.shape, generator=torch.Generator().manual_seed(5))))
+    bounds = dict(high=2.0, low=0.5)
+    clean, _ = weights_of(mode, log_w, mask.float(), **bounds)
+    dirty, _ = weights_of(mode, junk, mask.float(), **bounds)
+    assert torch.equal(clean * mask.float(), torch.where(mask.bool(), dirty, 0.0))

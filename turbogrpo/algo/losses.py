@@ -266,7 +266,8 @@ def geometric_mask(log_weight_BL: Tensor, mask_BL: Tensor, bounds: CorrectionBou
 def k3_reject(log_weight_BL: Tensor, mask_BL: Tensor, bounds: CorrectionBounds) -> tuple[Tensor, Tensor]:
     """[B, 1] 1 where the sequence's mean k3 estimate of KL(pi_behav || pi_prox) is at most k3_threshold, else 0
     (verl's K3 rejection, rollout_rs = "seq_mean_k3"): rejects sequences, weights nothing."""
-    k3_BL = log_weight_BL.exp() - 1 - log_weight_BL
+    delta_BL = log_weight_BL * mask_BL  # padding to 0 before the exp: junk there could overflow, and inf * 0 is NaN
+    k3_BL = delta_BL.exp() - 1 - delta_BL
     kept_B1 = SequenceLevel().log_weights(k3_BL, mask_BL) <= bounds.k3
     return kept_B1.to(log_weight_BL.dtype), ~kept_B1
 
