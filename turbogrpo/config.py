@@ -323,7 +323,8 @@ class AlgoConfig:
     log-prob at the update's start over the sampler's), capped here, correcting the sampler-vs-trainer mismatch
     (bf16 kernels, another engine) and stale rollouts (train.max_staleness); 0 turns it off (verl/slime use 2).
     "auto": 2 where the sampler is not the trainer's own forward (rollout.engine resolves to "vllm", or
-    train.max_staleness > 0), 0 where it is (the native engine on-policy, where the weight is 1 up to rounding)."""
+    train.max_staleness > 0), 0 where it is (the native engine on-policy, where the weight is 1 up to rounding).
+    geometric_mask and k3_reject read their own bounds: for them a cap > 0 only turns the correction on."""
     off_policy_correction: str = "tis"
     """What the weight becomes past its bounds (``turbogrpo.algo.OFF_POLICY_CORRECTIONS``, TRL's
     vllm_importance_sampling_mode names): per token "token_truncate" (alias "tis": clamped to [tis_cap_low,
