@@ -76,14 +76,16 @@ def test_tis_and_mis_are_their_first_formulas_bit_for_bit():
         weights, past = token_truncate(log_w.to(dtype), mask, CorrectionBounds(2.0))
         assert torch.equal(weights, raw.clamp(max=2.0)) and torch.equal(past, raw > 2.0)
         weights, past = token_mask(log_w.to(dtype), mask, CorrectionBounds(2.0))
-        assert torch.equal(weights, torch.where(raw <= 2.0, raw, torch.zeros_like(raw))) and torch.equal(past, raw > 2.0)
+        assert torch.equal(weights, torch.where(raw <= 2.0, raw, torch.zeros_like(raw)))
+        assert torch.equal(past, raw > 2.0)
 
 
 # The hand case of tests/algo/test_off_policy.py (bnpo over 4 tokens, A = [+1, -1], clip [0.8, 1.28]): token
 # surrogates [[-1, -1.28], [0.8, 1.2]] (sum -0.28) with gradient [[-1, 0], [0, 1.2]] before any weight, and
 # w = [[3, 0.5], [1.5, 1]]: both sequences' products are 1.5.
-THETA_PROX_BEHAV = (torch.tensor([[-1.0, -2.0], [-0.5, -1.5]], dtype=F64), torch.tensor([[1.0, 1.5], [0.5, 1.2]], dtype=F64),
-                    torch.tensor([[3.0, 0.5], [1.5, 1.0]], dtype=F64))
+THETA_PROX_BEHAV = (torch.tensor([[-1.0, -2.0], [-0.5, -1.5]], dtype=F64),  # prox
+                    torch.tensor([[1.0, 1.5], [0.5, 1.2]], dtype=F64),  # r = pi_theta / pi_prox
+                    torch.tensor([[3.0, 0.5], [1.5, 1.0]], dtype=F64))  # w = pi_prox / pi_behav
 
 
 @pytest.mark.parametrize("cap, expected_loss, expected_grad, capped", [
@@ -95,8 +97,9 @@ def test_a_sequence_mask_weights_the_whole_sequence_in_the_loss_by_hand(cap, exp
     theta = (prox + ratios.log()).requires_grad_()
     settings = AlgoConfig(loss="bnpo", tis_cap=cap, off_policy_correction="sequence_mask")
     norm = LossNormalizer.for_batch(torch.ones(2, 2, dtype=F64), 4)
-    loss, metrics = get_loss("bnpo")(theta, prox, None, torch.tensor([1.0, -1.0], dtype=F64), torch.ones(2, 2, dtype=F64),
-                                     norm, settings, rollout_logps=prox - weights.log())
+    advantages, mask = torch.tensor([1.0, -1.0], dtype=F64), torch.ones(2, 2, dtype=F64)
+    loss, metrics = get_loss("bnpo")(theta, prox, None, advantages, mask, norm, settings,
+                                     rollout_logps=prox - weights.log())
     (grad,) = torch.autograd.grad(loss, theta)
     torch.testing.assert_close(loss.detach(), torch.tensor(expected_loss, dtype=F64), **EXACT)
     torch.testing.assert_close(grad, torch.tensor(expected_grad, dtype=F64), **EXACT)
@@ -105,7 +108,8 @@ def test_a_sequence_mask_weights_the_whole_sequence_in_the_loss_by_hand(cap, exp
 
 @pytest.mark.parametrize("field, value, message", [
     ("tis_cap_low", 1.5, "config key 'algo.tis_cap_low': 1.5 is not allowed; expected a number in [0, 1]"),
-    ("geometric_mask_low", 0.0, "config key 'algo.geometric_mask_low': 0.0 is not allowed; expected a number in (0, 1]"),
+    ("geometric_mask_low", 0.0,
+     "config key 'algo.geometric_mask_low': 0.0 is not allowed; expected a number in (0, 1]"),
     ("geometric_mask_high", 0.9, "config key 'algo.geometric_mask_high': 0.9 is not allowed; expected a number >= 1"),
     ("k3_threshold", 0.0, "config key 'algo.k3_threshold': 0.0 is not allowed; expected a number > 0"),
 ])
@@ -234,14 +238,16 @@ VERL_PRESETS = {
     "seq_is": (lambda lr, m: verl_is_weights(lr, m, "sequence", 2.0), "sequence_truncate", dict(high=2.0)),
     # seq_is_rs(is_threshold=2.0, rs_threshold="0.5_2.0") (seq-MIS): -sum log r in [log 0.5, log 2] keeps the
     # product in [0.5, 2], where the truncation at 2 does nothing: TRL's sequence_mask on [0.5, 2].
-    "seq_is_rs": (lambda lr, m: verl_is_weights(lr, m, "sequence", 2.0) * verl_rejection_mask(lr, m, "seq_sum_k1", 0.5, 2.0),
+    "seq_is_rs": (lambda lr, m: (verl_is_weights(lr, m, "sequence", 2.0)
+                                 * verl_rejection_mask(lr, m, "seq_sum_k1", 0.5, 2.0)),
                   "sequence_mask", dict(low=0.5, high=2.0)),
     # geo_rs(rs_threshold="0.99_1.01"), no IS weight: its bounds are on the geometric mean of pi_behav / pi_prox
     # (k1 = -log r), ours on that of w = pi_prox / pi_behav, so verl's [a, b] is our [1 / b, 1 / a].
     "geo_rs": (lambda lr, m: verl_rejection_mask(lr, m, "seq_mean_k1", 0.99, 1.01), "geometric_mask",
                dict(high=2.0, geometric_low=1 / 1.01, geometric_high=1 / 0.99)),
     # k3_rs(rs_threshold=0.01), no IS weight.
-    "k3_rs": (lambda lr, m: verl_rejection_mask(lr, m, "seq_mean_k3", None, 0.01), "k3_reject", dict(high=2.0, k3=0.01)),
+    "k3_rs": (lambda lr, m: verl_rejection_mask(lr, m, "seq_mean_k3", None, 0.01), "k3_reject",
+              dict(high=2.0, k3=0.01)),
 }
 
 
@@ -287,7 +293,8 @@ def test_junk_under_the_padding_changes_no_weight(mode):
     gets with 0 there: no inf * 0 = NaN leaks into a sequence's statistic."""
     prox, behav, mask = golden_tensors(seed=4)
     log_w = ((prox - behav) * mask).float()
-    junk = torch.where(mask.bool(), log_w, 200.0 * torch.sign(torch.randn(mask.shape, generator=torch.Generator().manual_seed(5))))
+    signs = torch.sign(torch.randn(mask.shape, generator=torch.Generator().manual_seed(5)))
+    junk = torch.where(mask.bool(), log_w, 200.0 * signs)
     bounds = dict(high=2.0, low=0.5)
     clean, _ = weights_of(mode, log_w, mask.float(), **bounds)
     dirty, _ = weights_of(mode, junk, mask.float(), **bounds)

@@ -31,7 +31,8 @@ def padded(flat_T: Tensor, lengths: list[int]) -> tuple[Tensor, Tensor]:
     """[N, S] values (0 past each end) and their mask, from the N lengths' values laid end to end in ``flat_T``."""
     values_NS = torch.nn.utils.rnn.pad_sequence(list(flat_T.split(lengths)), batch_first=True)
     lengths_N = torch.tensor(lengths, device=flat_T.device)
-    return values_NS, (torch.arange(values_NS.shape[1], device=flat_T.device)[None] < lengths_N[:, None]).to(flat_T.dtype)
+    positions_1S = torch.arange(values_NS.shape[1], device=flat_T.device)[None]
+    return values_NS, (positions_1S < lengths_N[:, None]).to(flat_T.dtype)
 
 
 def quantiles_of(values_T: Tensor, qs: tuple[float, ...]) -> Tensor:
@@ -58,8 +59,8 @@ def mismatch_statistics(prox_logps: list[Tensor], behav_logps: list[Tensor], cor
     prox_logps / behav_logps: N ``[S_i]`` log-probs of the step's trained tokens under the trainer at the
     update's start and under the sampler; correction: ``algo.off_policy_correction`` when the correction is on,
     else None (nothing counts as masked); bounds: its bounds. No host sync: the lengths are the tensors' shapes.
-    Returns sums ``[6]`` float64 (tokens, sequences with a token, k3 sum, |delta| sum, tokens masked, sequences masked),
-    quantiles ``[2]`` (|delta| p50, p99) and maxima ``[1]`` (largest |delta|), all 0 without tokens, on
+    Returns sums ``[6]`` float64 (tokens, sequences with a token, k3 sum, |delta| sum, tokens masked, sequences
+    masked), quantiles ``[2]`` (|delta| p50, p99) and maxima ``[1]`` (largest |delta|), all 0 without tokens, on
     prox_logps' device.
     """
     device = prox_logps[0].device if prox_logps else torch.device("cpu")
