@@ -28,22 +28,20 @@ QUANTILES = (0.5, 0.99)
 
 
 def padded(flat_T: Tensor, lengths: list[int]) -> tuple[Tensor, Tensor]:
-    """[N, S] values (0 past each end) and their mask, from the N lengths' values laid end to end in ``flat_T``."""
+    """[N, S] values (0 past each end) and their mask, from the N lengths' values laid end to end in ``flat_T``.
+    Built on the device from the host lengths: no copy from the host (a blocking one would sync)."""
     values_NS = torch.nn.utils.rnn.pad_sequence(list(flat_T.split(lengths)), batch_first=True)
-    lengths_N = torch.tensor(lengths, device=flat_T.device)
-    positions_1S = torch.arange(values_NS.shape[1], device=flat_T.device)[None]
-    return values_NS, (positions_1S < lengths_N[:, None]).to(flat_T.dtype)
+    mask_NS = torch.nn.utils.rnn.pad_sequence(list(torch.ones_like(flat_T).split(lengths)), batch_first=True)
+    return values_NS, mask_NS
 
 
 def quantiles_of(values_T: Tensor, qs: tuple[float, ...]) -> Tensor:
     """[len(qs)] quantiles of ``values_T`` with torch.quantile's linear interpolation, by one sort (torch.quantile
-    refuses more than 2^24 values) and positions computed on the host (no sync)."""
-    sorted_T = values_T.sort().values
-    positions = [q * (values_T.numel() - 1) for q in qs]
-    low = sorted_T[[int(p) for p in positions]]
-    high = sorted_T[[min(int(p) + 1, values_T.numel() - 1) for p in positions]]
-    return low + (high - low) * torch.tensor([p - int(p) for p in positions], dtype=values_T.dtype,
-                                             device=values_T.device)
+    refuses more than 2^24 values); positions and fractions are host numbers, so nothing is copied or synced."""
+    sorted_T, last = values_T.sort().values, values_T.numel() - 1
+    positions = [q * last for q in qs]
+    return torch.stack([sorted_T[int(p)] + (sorted_T[min(int(p) + 1, last)] - sorted_T[int(p)]) * (p - int(p))
+                        for p in positions])
 
 
 def masked_counts(weights_NS: Tensor, mask_NS: Tensor) -> Tensor:
@@ -58,7 +56,8 @@ def mismatch_statistics(prox_logps: list[Tensor], behav_logps: list[Tensor], cor
 
     prox_logps / behav_logps: N ``[S_i]`` log-probs of the step's trained tokens under the trainer at the
     update's start and under the sampler; correction: ``algo.off_policy_correction`` when the correction is on,
-    else None (nothing counts as masked); bounds: its bounds. No host sync: the lengths are the tensors' shapes.
+    else None (nothing counts as masked); bounds: its bounds. No host sync of its own (the lengths are the
+    tensors' shapes; only sampler log-probs held on the CPU are copied over).
     Returns sums ``[6]`` float64 (tokens, sequences with a token, k3 sum, |delta| sum, tokens masked, sequences
     masked), quantiles ``[2]`` (|delta| p50, p99) and maxima ``[1]`` (largest |delta|), all 0 without tokens, on
     prox_logps' device.
@@ -74,8 +73,8 @@ def mismatch_statistics(prox_logps: list[Tensor], behav_logps: list[Tensor], cor
     if correction is not None:
         delta_NS, mask_NS = padded(delta_T, lengths)
         masked = masked_counts(OFF_POLICY_CORRECTIONS[correction](delta_NS, mask_NS, bounds)[0], mask_NS)
-    sums = torch.cat([delta_T.new_tensor([float(sum(lengths)), float(sum(n > 0 for n in lengths))]),
-                      torch.stack([(delta_T.exp() - delta_T - 1).sum(), abs_delta_T.sum()]), masked])
+    counts = [delta_T.new_full((), float(n)) for n in (sum(lengths), sum(n > 0 for n in lengths))]  # fills, no copy
+    sums = torch.cat([torch.stack([*counts, (delta_T.exp() - delta_T - 1).sum(), abs_delta_T.sum()]), masked])
     return sums, quantiles_of(abs_delta_T, QUANTILES), abs_delta_T.max()[None]
 
 
