@@ -323,11 +323,27 @@ class AlgoConfig:
     log-prob at the update's start over the sampler's), capped here, correcting the sampler-vs-trainer mismatch
     (bf16 kernels, another engine) and stale rollouts (train.max_staleness); 0 turns it off (verl/slime use 2).
     "auto": 2 where the sampler is not the trainer's own forward (rollout.engine resolves to "vllm", or
-    train.max_staleness > 0), 0 where it is (the native engine on-policy, where the weight is 1 up to rounding)."""
+    train.max_staleness > 0), 0 where it is (the native engine on-policy, where the weight is 1 up to rounding).
+    geometric_mask and k3_reject read their own bounds: for them a cap > 0 only turns the correction on."""
     off_policy_correction: str = "tis"
-    """What a weight past algo.tis_cap becomes (``turbogrpo.algo.OFF_POLICY_CORRECTIONS``): "tis" truncates it to
-    the cap (verl, slime), "mis" drops the token from the policy loss (AReaL's decoupled PPO); see
-    docs/design/async.md. Either is exactly the uncorrected loss where sampler and trainer agree."""
+    """What the weight becomes past its bounds (``turbogrpo.algo.OFF_POLICY_CORRECTIONS``, TRL's
+    vllm_importance_sampling_mode names): per token "token_truncate" (alias "tis": clamped to [tis_cap_low,
+    tis_cap], verl, slime), "token_mask" (alias "mis": 0 outside them, AReaL), "icepop" (the same mask, two-sided:
+    needs tis_cap_low > 0); per sequence, on the product of its token weights, "sequence_truncate" and
+    "sequence_mask" (TRL's default for vLLM); "geometric_mask" (keep a sequence whose geometric-mean weight is in
+    [geometric_mask_low, geometric_mask_high], SkyRL, verl) and "k3_reject" (keep one whose mean k3 is at most
+    k3_threshold, verl). Every mode is exactly the uncorrected loss where sampler and trainer agree; see
+    docs/design/async.md."""
+    tis_cap_low: float = 0.0
+    """The weight's lower bound in the truncate, mask and icepop modes, 0 for none (TRL's
+    vllm_importance_sampling_clip_min, slime's tis_clip_low; IcePop uses 0.5)."""
+    geometric_mask_low: float = 0.99
+    """geometric_mask keeps a sequence whose geometric-mean weight is at least this (SkyRL's recommended 0.99)."""
+    geometric_mask_high: float = 1.01
+    """... and at most this (SkyRL's 1.01; mixture-of-experts models may need a wider range)."""
+    k3_threshold: float = 0.01
+    """k3_reject keeps a sequence whose mean k3 estimate of KL(sampler || trainer) per token is at most this
+    (verl's default 0.01)."""
     kl_bias_correction: bool = False
     """Multiply each token's k3 by the (differentiable) importance ratio, which makes the KL gradient the
     unbiased reverse-KL gradient (DeepSeek-V3.2), even on-policy where the ratio is 1 in value. TRL's
@@ -350,9 +366,24 @@ class AlgoConfig:
         _require(self.num_iterations >= 1, f"{key}.num_iterations", "an integer >= 1", self.num_iterations)
         _require(self.tis_cap in ("auto", 0) or self.tis_cap >= 1, f"{key}.tis_cap",
                  "\"auto\", 0 (off) or a number >= 1, e.g. 2", self.tis_cap)
-        from turbogrpo.algo import OFF_POLICY_CORRECTIONS  # the registry is the one source of names
+        self._check_correction(key)
+
+    def _check_correction(self, key: str) -> None:
+        """The off-policy correction's mode and bounds: each bound keeps a weight of exactly 1 (sampler and
+        trainer agreeing) inside, so every mode is the uncorrected loss where they agree."""
+        from turbogrpo.algo.losses import OFF_POLICY_CORRECTIONS, TWO_SIDED_CORRECTIONS  # the one source of names
         _require(self.off_policy_correction in OFF_POLICY_CORRECTIONS, f"{key}.off_policy_correction",
                  f"one of {', '.join(OFF_POLICY_CORRECTIONS)}", self.off_policy_correction)
+        _require(0 <= self.tis_cap_low <= 1, f"{key}.tis_cap_low", "a number in [0, 1] (0: no lower bound)",
+                 self.tis_cap_low)
+        _require(self.off_policy_correction not in TWO_SIDED_CORRECTIONS or self.tis_cap_low > 0,
+                 f"{key}.tis_cap_low", f"a number in (0, 1] with off_policy_correction = "
+                 f"{self.off_policy_correction!r} (a two-sided mask; IcePop uses 0.5)", self.tis_cap_low)
+        _require(0 < self.geometric_mask_low <= 1, f"{key}.geometric_mask_low", "a number in (0, 1], e.g. 0.99",
+                 self.geometric_mask_low)
+        _require(self.geometric_mask_high >= 1, f"{key}.geometric_mask_high", "a number >= 1, e.g. 1.01",
+                 self.geometric_mask_high)
+        _require(self.k3_threshold > 0, f"{key}.k3_threshold", "a number > 0, e.g. 0.01", self.k3_threshold)
 
 
 @dataclass

@@ -18,6 +18,8 @@ from turbogrpo.batch import Groups
 from turbogrpo.config import AlgoConfig
 
 F64 = torch.float64
+# Bounds at which every correction mode acts on some of random_batch's units and not on others.
+BOUNDS = dict(tis_cap_low=0.35, geometric_mask_low=0.8, geometric_mask_high=1.25, k3_threshold=0.2)
 
 
 def random_batch(seed=0, B=6, L=5):
@@ -52,7 +54,8 @@ def test_behaviour_equal_to_proximal_is_the_plain_loss_bit_for_bit(name, correct
     common = dict(epsilon_low=0.2, epsilon_high=0.28, beta=0.05, kl_bias_correction=True)
     plain_loss, plain_grad, plain_metrics = loss_and_grad(name, logps, old, ref, advantages, mask, AlgoConfig(**common))
     loss, grad, metrics = loss_and_grad(name, logps, old, ref, advantages, mask,
-                                        AlgoConfig(**common, tis_cap=2.0, off_policy_correction=correction), behav)
+                                        AlgoConfig(**common, **BOUNDS, tis_cap=2.0, off_policy_correction=correction),
+                                        behav)
     assert torch.equal(loss, plain_loss) and torch.equal(grad, plain_grad)
     assert grad.abs().sum() > 0 and (first_iteration or plain_metrics["clip_ratio/region"] > 0)
     for key in plain_metrics:
@@ -112,12 +115,12 @@ def test_in_the_first_iteration_the_weight_carries_no_gradient():
 def test_corrected_micro_batches_sum_to_the_whole_batch(name, correction):
     logps, prox, ref, advantages, mask = random_batch(seed=3)
     behav = prox - 0.8 * torch.randn(prox.shape, generator=torch.Generator().manual_seed(4), dtype=F64)
-    settings = AlgoConfig(beta=0.05, tis_cap=1.5, off_policy_correction=correction)
+    settings = AlgoConfig(beta=0.05, **BOUNDS, tis_cap=2.5, off_policy_correction=correction)
     norm = LossNormalizer.for_batch(mask, max_completion_length=8)
     whole = logps.clone().requires_grad_()
     loss, metrics = LOSSES[name](whole, prox, ref, advantages, mask, norm, settings, rollout_logps=behav)
     loss.backward()
-    assert 0 < metrics[f"{correction}/frac_capped"] < 1  # some weights pass the cap, some do not
+    assert 0 < metrics[f"{correction}/frac_capped"] < 1  # some weights pass a bound, some do not
     split = logps.clone().requires_grad_()
     total = 0.0
     for rows in (slice(0, 2), slice(2, 3), slice(3, 6)):

@@ -81,6 +81,10 @@ def test_fsdp2_bf16_mixed_keeps_float32_shards_and_logs_the_gap_and_tis(two_rank
     for r in steps:
         assert 0 < r["logprob_gap"] < 0.05  # both sample and train in bf16; the kernels still differ
         assert 0.9 < r["tis/weight_mean"] < 1.1 and 0 <= r["tis/frac_capped"] <= 1
+        # The mismatch metrics over both ranks' tokens: the mean is the gap; truncation masks nothing.
+        assert r["mismatch/abs_delta_mean"] == pytest.approx(r["logprob_gap"], rel=1e-4)
+        assert 0 <= r["mismatch/abs_delta_p50"] <= r["mismatch/abs_delta_p99"] <= r["mismatch/abs_delta_max"]
+        assert r["mismatch/k3_kl"] > 0 and r["mismatch/frac_tokens_masked"] == 0.0
     assert {t.dtype for t in load_file(out / "step-000002" / "model.safetensors").values()} == {torch.float32}
     assert AutoModelForCausalLM.from_pretrained(out / "final", dtype="auto").dtype == torch.bfloat16
 

@@ -48,13 +48,22 @@ def test_short_training_writes_metrics_checkpoints_report_and_final_model(assets
         assert abs(record["staleness/weight_mean"] - 1) < 1e-4 and abs(record["staleness/weight_max"] - 1) < 1e-3
         assert record["kl"] >= 0 and record["skipped_steps"] == 0
         assert "tis/weight_mean" not in record  # algo.tis_cap "auto": off where the native engine samples on-policy
+        # The mismatch metrics: the same float32 forwards differ by rounding only; nothing masked with no correction.
+        assert record["mismatch/abs_delta_mean"] == pytest.approx(record["logprob_gap"], rel=1e-4, abs=1e-9)
+        quantiles = [record[f"mismatch/abs_delta_{q}"] for q in ("p50", "p99", "max")]
+        assert 0 <= quantiles[0] <= quantiles[1] <= quantiles[2] < 1e-3
+        assert 0 <= record["mismatch/k3_kl"] < 1e-8 and "mismatch/frac_tokens_masked" not in record
     assert steps[0]["kl"] < steps[-1]["kl"]  # the policy moves away from the reference
     assert [r["step"] for r in records if "eval/accuracy" in r] == [0, 4]
     assert [r["step"] for r in records if "eval/sampled_accuracy" in r] == [0, 4]
     assert sorted(p.name for p in tmp_path.glob("step-*")) == ["step-000002", "step-000004"]
     assert {p.name for p in (tmp_path / "report").iterdir()} >= {"rewards.png", "phases.png", "training.png",
-                                                                  "report.md"}
+                                                                  "mismatch.png", "report.md"}
+    assert "Sampler vs trainer: |Δ log p| mean" in (tmp_path / "report" / "report.md").read_text()
     assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    scalars = EventAccumulator(str(tmp_path / "tensorboard")).Reload().Tags()["scalars"]
+    assert {"logprob_gap", "mismatch/k3_kl", "mismatch/abs_delta_p99"} <= set(scalars)
     samples = [json.loads(line) for line in (tmp_path / "completions.jsonl").read_text().splitlines()]
     assert {s["step"] for s in samples} == {2, 4} and {"prompt", "completion", "reward", "rewards"} <= samples[0].keys()
     machines = read_machine_records(tmp_path)  # the CPU capability every kernel choice saw, per start

@@ -6,18 +6,20 @@ Every variant is the same clipped surrogate plus an optional k3 KL penalty to a 
     policy = -min(r * A, clip(r, 1 - eps_low, 1 + eps_high) * A)
     kl = exp(ref - logp) - (ref - logp) - 1         per token (k3: unbiased, always >= 0), optionally x r
     loss = reduce(w * policy + beta * kl)
-    w = at_cap(exp(logp_prox - logp_behav), tis_cap)   per token, detached; 1 when tis_cap is 0 (off)
+    w = correction(logp_prox - logp_behav)          per token or sequence, detached; 1 when tis_cap is 0 (off)
 
 This is decoupled PPO (Hilton et al. 2021, as AReaL trains on stale rollouts): the trust region is taken
 around the proximal policy pi_prox (the weights at the start of the update: ``old_logps`` recomputed by the
 trainer, or the update's own detached forward when it is the first), while the tokens were drawn by the
 behaviour policy pi_behav (the sampler's log-probs, ``rollout_logps``: another engine, bf16 kernels, or
-weights some versions old). The weight w moves the expectation from pi_behav to pi_prox; ``at_cap`` is
-the off-policy correction (``algo.off_policy_correction``, OFF_POLICY_CORRECTIONS): "tis" truncates the
-weight at the cap (verl, slime, TRL's token_truncate), "mis" drops tokens over the cap (AReaL's
-behav_imp_weight_cap, TRL's token_mask), so a rare token the sampler under-weighted cannot dominate the
-step. When the behaviour policy is the proximal one (the on-policy loop, the native engine) w is exp(0) = 1
-exactly and the loss is bit for bit the uncorrected one. Why and what each costs: docs/design/async.md.
+weights some versions old). The weight w moves the expectation from pi_behav to pi_prox; the off-policy
+correction (``algo.off_policy_correction``, OFF_POLICY_CORRECTIONS) bounds it, so a rare token the sampler
+under-weighted cannot dominate the step: per token ("tis" = token_truncate truncates at the cap, as verl and
+slime do; "mis" = token_mask drops tokens past it, AReaL's behav_imp_weight_cap; icepop masks both sides), or
+per sequence (sequence_truncate, sequence_mask on the product of its weights, TRL's default for vLLM;
+geometric_mask on their geometric mean, SkyRL's; k3_reject on their mean k3, verl's). When the behaviour
+policy is the proximal one (the on-policy loop, the native engine) every mode's w is exactly 1 and the loss
+is bit for bit the uncorrected one. Why and what each costs: docs/design/async.md.
 
 The variants differ only in two small units, paired by name in LOSSES: the importance ratio's level
 (token or sequence) and the reduction (what the summed token losses are divided by).
@@ -52,6 +54,10 @@ class ObjectiveSettings(Protocol):
     epsilon_low: float
     epsilon_high: float
     tis_cap: float | str  # a number, or "auto" (``correction_cap``)
+    tis_cap_low: float
+    geometric_mask_low: float
+    geometric_mask_high: float
+    k3_threshold: float
     off_policy_correction: str
     kl_bias_correction: bool
 
@@ -175,25 +181,107 @@ def k3_kl(ref_logps_BL: Tensor, logps_BL: Tensor) -> Tensor:
     return log_ratio_BL.exp() - log_ratio_BL - 1
 
 
-# ---- off-policy corrections: what the behaviour weight pi_prox / pi_behav becomes at the cap -------------
+# ---- off-policy corrections: what the behaviour weight pi_prox / pi_behav becomes past its bounds --------
+#
+# Each correction is one small function of the log behaviour weight ``log w = logp_prox - logp_behav`` [B, L]
+# (detached, padding finite) returning the weight the policy loss takes, per token [B, L] or per sequence
+# [B, 1], and where its bound acted (bool, same shape): truncated, or masked to 0. A masked token leaves the
+# policy loss but not its denominator (TRL's masking; verl also drops it from the denominator). The modes read
+# their bounds from CorrectionBounds; the names are TRL's (``vllm_importance_sampling_mode``) where TRL has the
+# mode, and the table in docs/design/async.md gives verl's, SkyRL's and slime's.
 
-AtCap = Callable[[Tensor, float], Tensor]
+
+@dataclasses.dataclass(frozen=True)
+class CorrectionBounds:
+    """The numbers the corrections compare against (``algo.*``; see turbogrpo.config.AlgoConfig)."""
+
+    high: float
+    """algo.tis_cap: the ratio's upper bound (TRL's vllm_importance_sampling_clip_max)."""
+    low: float = 0.0
+    """algo.tis_cap_low: the ratio's lower bound, 0 for none (TRL's vllm_importance_sampling_clip_min)."""
+    geometric_low: float = 0.99
+    """algo.geometric_mask_low: the geometric-mean ratio's lower bound (SkyRL's geo_mask_low)."""
+    geometric_high: float = 1.01
+    """algo.geometric_mask_high: its upper bound (SkyRL's geo_mask_high)."""
+    k3: float = 0.01
+    """algo.k3_threshold: the largest mean k3 per token a sequence may have (verl's rollout_rs_threshold)."""
+
+    @classmethod
+    def of(cls, settings: "ObjectiveSettings", cap: float) -> "CorrectionBounds":
+        """The bounds of the [algo] section ``settings`` with its cap resolved to ``cap``."""
+        return cls(cap, settings.tis_cap_low, settings.geometric_mask_low, settings.geometric_mask_high,
+                   settings.k3_threshold)
 
 
-def truncate_at_cap(raw_BL: Tensor, cap: float) -> Tensor:
-    """tis: ``min(w, cap)``. Every token keeps a say, a token over the cap a bounded one (bias toward the
-    behaviour policy on those tokens, variance bounded by cap^2)."""
-    return raw_BL.clamp(max=cap)
+Correction = Callable[[Tensor, Tensor, CorrectionBounds], tuple[Tensor, Tensor]]
 
 
-def mask_over_cap(raw_BL: Tensor, cap: float) -> Tensor:
-    """mis: ``w`` where ``w <= cap``, else 0 (the token leaves the policy loss, not its denominator). A token
-    the sampler drew from a distribution far from pi_prox teaches nothing rather than a truncated something."""
-    return torch.where(raw_BL <= cap, raw_BL, torch.zeros_like(raw_BL))
+def _in_bounds(raw: Tensor, low: float, high: float) -> Tensor:
+    """``low <= raw <= high``, False for NaN (a NaN weight is masked, never kept)."""
+    return (raw <= high) & (raw >= low)
+
+
+def _sequence_sum(log_weight_BL: Tensor, mask_BL: Tensor) -> Tensor:
+    """[B, 1] log of the product of a sequence's token weights (TRL's and verl's sequence ratio)."""
+    return (log_weight_BL * mask_BL).sum(-1, keepdim=True)
+
+
+def token_truncate(log_weight_BL: Tensor, mask_BL: Tensor, bounds: CorrectionBounds) -> tuple[Tensor, Tensor]:
+    """"tis": each token's ``w`` clamped to [low, cap] (TRL token_truncate, verl token-TIS, slime TIS)."""
+    raw_BL = log_weight_BL.exp()
+    # No lower clamp when low is 0: w > 0 already, and "tis" stays the one-sided min(w, cap) to the bit.
+    return raw_BL.clamp(min=bounds.low or None, max=bounds.high), (raw_BL > bounds.high) | (raw_BL < bounds.low)
+
+
+def token_mask(log_weight_BL: Tensor, mask_BL: Tensor, bounds: CorrectionBounds) -> tuple[Tensor, Tensor]:
+    """"mis": ``w`` where low <= w <= cap, else 0 (TRL token_mask, AReaL's behav_imp_weight_cap)."""
+    raw_BL = log_weight_BL.exp()
+    kept_BL = _in_bounds(raw_BL, bounds.low, bounds.high)
+    return torch.where(kept_BL, raw_BL, torch.zeros_like(raw_BL)), ~kept_BL
+
+
+def icepop(log_weight_BL: Tensor, mask_BL: Tensor, bounds: CorrectionBounds) -> tuple[Tensor, Tensor]:
+    """IcePop (AReaL, slime): the two-sided token mask, ``w`` in [low, cap] else 0; needs algo.tis_cap_low > 0."""
+    return token_mask(log_weight_BL, mask_BL, bounds)
+
+
+def sequence_truncate(log_weight_BL: Tensor, mask_BL: Tensor, bounds: CorrectionBounds) -> tuple[Tensor, Tensor]:
+    """[B, 1] the sequence's product of token weights clamped to [low, cap] (TRL sequence_truncate, verl seq-TIS)."""
+    return token_truncate(_sequence_sum(log_weight_BL, mask_BL), mask_BL, bounds)
+
+
+def sequence_mask(log_weight_BL: Tensor, mask_BL: Tensor, bounds: CorrectionBounds) -> tuple[Tensor, Tensor]:
+    """[B, 1] the sequence's product of token weights where in [low, cap], else 0 (TRL sequence_mask, verl seq-MIS)."""
+    return token_mask(_sequence_sum(log_weight_BL, mask_BL), mask_BL, bounds)
+
+
+def geometric_mask(log_weight_BL: Tensor, mask_BL: Tensor, bounds: CorrectionBounds) -> tuple[Tensor, Tensor]:
+    """[B, 1] 1 where the geometric mean of the sequence's token weights is in [geometric_low, geometric_high],
+    else 0 (SkyRL's geometric sequence mask, verl's geometric rejection): a length-free test, no weighting."""
+    geometric_B1 = SequenceLevel().log_weights(log_weight_BL, mask_BL).exp()
+    kept_B1 = _in_bounds(geometric_B1, bounds.geometric_low, bounds.geometric_high)
+    return kept_B1.to(log_weight_BL.dtype), ~kept_B1
+
+
+def k3_reject(log_weight_BL: Tensor, mask_BL: Tensor, bounds: CorrectionBounds) -> tuple[Tensor, Tensor]:
+    """[B, 1] 1 where the sequence's mean k3 estimate of KL(pi_behav || pi_prox) is at most k3_threshold, else 0
+    (verl's K3 rejection, rollout_rs = "seq_mean_k3"): rejects sequences, weights nothing."""
+    delta_BL = log_weight_BL * mask_BL  # padding to 0 before the exp: junk there could overflow, and inf * 0 is NaN
+    k3_BL = delta_BL.exp() - 1 - delta_BL
+    kept_B1 = SequenceLevel().log_weights(k3_BL, mask_BL) <= bounds.k3
+    return kept_B1.to(log_weight_BL.dtype), ~kept_B1
 
 
 # Every off-policy correction, by the name ``algo.off_policy_correction`` takes (on when algo.tis_cap > 0).
-OFF_POLICY_CORRECTIONS: dict[str, AtCap] = {"tis": truncate_at_cap, "mis": mask_over_cap}
+# "tis" and "mis" are the first names of token_truncate and token_mask, kept as aliases.
+OFF_POLICY_CORRECTIONS: dict[str, Correction] = {
+    "tis": token_truncate, "mis": token_mask,
+    "token_truncate": token_truncate, "token_mask": token_mask,
+    "sequence_truncate": sequence_truncate, "sequence_mask": sequence_mask,
+    "geometric_mask": geometric_mask, "icepop": icepop, "k3_reject": k3_reject,
+}
+# The modes that need a lower bound on the ratio (algo.tis_cap_low > 0): a two-sided mask by definition.
+TWO_SIDED_CORRECTIONS = ("icepop",)
 
 AUTO_TIS_CAP = 2.0
 """algo.tis_cap = "auto" where the sampler is not the trainer's own forward: verl's and slime's per-token cap
@@ -210,20 +298,22 @@ def correction_cap(tis_cap: float | str, rollout_logps: Tensor | None) -> float:
     return float(tis_cap)
 
 
-def behaviour_weights(prox_logps_BL: Tensor, behav_logps_BL: Tensor, correction: str, cap: float, mask_BL: Tensor,
-                      norm: LossNormalizer) -> tuple[Tensor, dict[str, Tensor]]:
-    """Per-token weights ``at_cap(exp(prox - behav), cap)`` [B, L], detached (the weight changes which
-    distribution the tokens count as drawn from; it is no part of what the update moves), and their
-    metrics: ``<correction>/weight_mean`` (mean weight per completion token of the step batch) and
-    ``<correction>/frac_capped`` (share of tokens whose raw weight passed the cap), both additive.
+def behaviour_weights(prox_logps_BL: Tensor, behav_logps_BL: Tensor, correction: str, bounds: CorrectionBounds,
+                      mask_BL: Tensor, norm: LossNormalizer) -> tuple[Tensor, dict[str, Tensor]]:
+    """The weights ``correction(prox - behav)`` [B, L] (a sequence's weight on each of its tokens), detached (the
+    weight changes which distribution the tokens count as drawn from; it is no part of what the update moves),
+    and their metrics: ``<correction>/weight_mean`` (mean weight per completion token of the step batch) and
+    ``<correction>/frac_capped`` (share of tokens where the correction's bound acted: truncated or masked), both
+    additive over micro-batches.
 
     The exp comes first and the cap after: the cap bounds the weight, not the log-ratio."""
-    raw_BL = (prox_logps_BL - behav_logps_BL).detach().exp()
-    weights_BL = OFF_POLICY_CORRECTIONS[correction](raw_BL, cap)
+    log_weight_BL = (prox_logps_BL - behav_logps_BL).detach()
+    weights, past = OFF_POLICY_CORRECTIONS[correction](log_weight_BL, mask_BL, bounds)  # [B, L] or [B, 1]
+    weights_BL, past_BL = weights.expand_as(mask_BL), past.expand_as(mask_BL)
     # Over the tokens the update scores: a skipped group's tokens have no weight (not a weight of 0).
     scored = norm if norm.trained_tokens is None else dataclasses.replace(norm, num_tokens=norm.trained_tokens)
     return weights_BL, {f"{correction}/weight_mean": step_token_mean(weights_BL, mask_BL, scored),
-                        f"{correction}/frac_capped": step_token_mean((raw_BL > cap).to(mask_BL.dtype), mask_BL, scored)}
+                        f"{correction}/frac_capped": step_token_mean(past_BL.to(mask_BL.dtype), mask_BL, scored)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -268,9 +358,9 @@ class PolicyLoss:
                          tokens), if ref_logps;
             clip_ratio/low, clip_ratio/high, clip_ratio/region  share of tokens (sequences for gspo) whose
                          ratio is clipped: below 1 - eps_low with A < 0, above 1 + eps_high with A > 0, either;
-            <c>/weight_mean, <c>/frac_capped  (c = settings.off_policy_correction, "tis" or "mis") mean
-                         behaviour weight per completion token and share of tokens whose weight passed the
-                         cap, if tis_cap > 0.
+            <c>/weight_mean, <c>/frac_capped  (c = settings.off_policy_correction) mean behaviour weight
+                         per completion token and share of tokens where the correction's bound acted
+                         (truncated or masked), if tis_cap > 0.
         """
         if logps.shape != mask.shape or advantages.shape != logps.shape[:1]:
             raise ValueError(
@@ -291,8 +381,9 @@ class PolicyLoss:
         correction_metrics = {}
         if cap:
             weights_BL, correction_metrics = behaviour_weights(old_logps_BL, rollout_logps,
-                                                               settings.off_policy_correction, cap,
-                                                               mask_BL, normalizer)
+                                                               settings.off_policy_correction,
+                                                               CorrectionBounds.of(settings, cap), mask_BL,
+                                                               normalizer)
             policy = policy * weights_BL
         loss = policy_loss = self.reduce(policy, mask_BL, normalizer)
 
@@ -354,6 +445,10 @@ class LossSettings:
     kl_bias_correction: bool = False
     tis_cap: float = 0.0
     off_policy_correction: str = "tis"
+    tis_cap_low: float = 0.0
+    geometric_mask_low: float = 0.99
+    geometric_mask_high: float = 1.01
+    k3_threshold: float = 0.01
 
     def __post_init__(self):
         warnings.warn("turbogrpo.algo.LossSettings is deprecated; pass turbogrpo.config.AlgoConfig (the [algo] "

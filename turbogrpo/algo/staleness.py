@@ -40,7 +40,7 @@ def staleness_statistics(versions: list[Tensor], prox_version: int, prox_logps: 
                     - torch.cat([b.reshape(-1) for b in behav_logps]).to(device, torch.float64))
     weight_T = log_weight_T.exp()
     over_cap = (weight_T > cap).sum() if cap else weight_T.new_zeros(())
-    sums = torch.stack([weight_T.new_tensor(float(weight_T.numel())), lag_T.sum(), weight_T.sum(),
+    sums = torch.stack([weight_T.new_full((), float(weight_T.numel())), lag_T.sum(), weight_T.sum(),
                         over_cap.to(torch.float64)])
     if weight_T.numel() == 0:
         return sums, weight_T.new_zeros(2)

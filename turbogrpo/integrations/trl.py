@@ -40,6 +40,10 @@ turn, the same tool reply) run their common tokens once. Every completion token 
 included, as TRL's forward does; ``tool_mask`` still does the masking in TRL's loss. ``sharing="prompt"``
 shares the prompt only. The choice is the constructor's ``sharing`` argument (or ``enable_shared_prefix``'s).
 
+Moving a run to turbogrpo's own trainer: ``off_policy_correction_of(args)`` gives the ``algo.*`` settings
+that correct rollouts as the ``GRPOConfig`` does (``vllm_importance_sampling_mode`` under the same name, its
+bounds as ``tis_cap`` and ``tis_cap_low``).
+
 Shape legend: B rows (one completion each), P prompt columns (left-padded), C completion columns
 (right-padded), L = P + C.
 """
@@ -399,3 +403,32 @@ def check_models(trainer: GRPOTrainer) -> None:
 def _shared_prefix_class(trainer_class: type) -> type:
     """One shared-prefix subclass per trainer class (so repeated calls do not pile up classes)."""
     return type(f"SharedPrefix{trainer_class.__name__}", (SharedPrefixMixin, trainer_class), {})
+
+
+# ---- a TRL user's off-policy correction, as turbogrpo's [algo] settings ---------------------------------
+
+# TRL's vllm_importance_sampling_mode values: turbogrpo's registry (turbogrpo.algo.OFF_POLICY_CORRECTIONS) has
+# each under the same name, with the same formula (tests/algo/test_corrections.py checks it against TRL's).
+TRL_IMPORTANCE_SAMPLING_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+
+
+def off_policy_correction_of(args) -> dict[str, object]:
+    """The ``algo.*`` settings that correct rollouts as the ``GRPOConfig`` ``args`` does in TRL:
+    ``off_policy_correction`` (``vllm_importance_sampling_mode``, same name), ``tis_cap``
+    (``vllm_importance_sampling_clip_max``, which the deprecated ``vllm_importance_sampling_cap`` sets; None,
+    no upper bound, is infinity) and ``tis_cap_low`` (``vllm_importance_sampling_clip_min``; None is 0). TRL
+    corrects only vLLM rollouts: without ``use_vllm`` or with ``vllm_importance_sampling_correction`` off the
+    correction is off (``tis_cap`` 0). ValueError for what has no equal here: another mode, and
+    ``off_policy_mask_threshold`` (DeepSeek-V3.2's advantage-dependent sequence mask)."""
+    if getattr(args, "off_policy_mask_threshold", None) is not None:
+        raise ValueError(f"off_policy_mask_threshold={args.off_policy_mask_threshold} (DeepSeek-V3.2's "
+                         "off-policy sequence mask) has no turbogrpo setting yet; unset it, or keep TRL's trainer")
+    if not (args.use_vllm and args.vllm_importance_sampling_correction):
+        return {"off_policy_correction": "tis", "tis_cap": 0.0, "tis_cap_low": 0.0}
+    mode = args.vllm_importance_sampling_mode
+    if mode not in TRL_IMPORTANCE_SAMPLING_MODES:
+        raise ValueError(f"vllm_importance_sampling_mode={mode!r} is not one of TRL's "
+                         f"{', '.join(TRL_IMPORTANCE_SAMPLING_MODES)}")
+    high, low = args.vllm_importance_sampling_clip_max, args.vllm_importance_sampling_clip_min
+    return {"off_policy_correction": mode, "tis_cap": float("inf") if high is None else float(high),
+            "tis_cap_low": 0.0 if low is None else float(low)}

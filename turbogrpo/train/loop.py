@@ -29,6 +29,7 @@ The step sees the run's parts and the few sections it reads (``run.algo``, ``run
 from __future__ import annotations
 
 import gc
+import itertools
 import time
 from functools import partial
 from dataclasses import dataclass, field, replace
@@ -38,6 +39,8 @@ import torch
 from tqdm import tqdm
 
 from turbogrpo.algo import LossNormalizer, group_advantages, statistics_are_finite
+from turbogrpo.algo.losses import CorrectionBounds
+from turbogrpo.algo.mismatch import mismatch_metrics, mismatch_statistics
 from turbogrpo.algo.staleness import policy_version, staleness_metrics, staleness_statistics
 from turbogrpo.batch import Groups, pad_to_count
 from turbogrpo.config import Config
@@ -386,13 +389,21 @@ def environment_metrics(metrics: dict[str, float], dist: DistInfo) -> dict[str, 
 
 def step_staleness(run: Run, step: int, versions: list[torch.Tensor], prox_logps: list[torch.Tensor],
                    behav_logps: list[torch.Tensor]) -> dict[str, float]:
-    """staleness/* over the global batch (``algo.staleness``): one gather, one host sync."""
-    cap = run.algo.tis_cap
-    sums, maxima = staleness_statistics(versions, policy_version(step, run.algo.num_iterations), prox_logps,
+    """staleness/* (``algo.staleness``) and mismatch/* (``algo.mismatch``) over the global batch: one gather of
+    one row per rank, one host sync."""
+    algo, cap = run.algo, run.algo.tis_cap
+    sums, maxima = staleness_statistics(versions, policy_version(step, algo.num_iterations), prox_logps,
                                         behav_logps, cap)
-    ranks_R6 = distributed.all_gather_cat(torch.cat([sums, maxima]).to(run.dist.device)[None], run.dist)
-    # Host sync: logged numbers.
-    return staleness_metrics(ranks_R6[:, :4].sum(0).tolist(), ranks_R6[:, 4:].amax(0).tolist(), cap)
+    mismatch_sums, quantiles, mismatch_maxima = mismatch_statistics(
+        prox_logps, behav_logps, algo.off_policy_correction if cap else None, CorrectionBounds.of(algo, cap))
+    parts = [sums, mismatch_sums, quantiles, maxima, mismatch_maxima]  # summed, summed, averaged, maxed, maxed
+    ranks_RC = distributed.all_gather_cat(torch.cat([p.to(run.dist.device) for p in parts])[None], run.dist)
+    ends = list(itertools.accumulate(p.numel() for p in parts))
+    reduced = torch.cat([ranks_RC[:, :ends[1]].sum(0), ranks_RC[:, ends[1]:ends[2]].mean(0),
+                         ranks_RC[:, ends[2]:].amax(0)]).tolist()  # host sync: logged numbers
+    staleness = staleness_metrics(reduced[:ends[0]], reduced[ends[2]:ends[3]], cap)
+    return {**staleness, **mismatch_metrics(reduced[ends[0]:ends[1]], reduced[ends[1]:ends[2]], reduced[ends[3]:],
+                                            corrected=bool(cap))}
 
 
 def rollout_seed(seed: int, step: int, rank: int) -> int:

@@ -11,7 +11,8 @@ PHASES = ("rollout", "rewards", "logprobs", "update", "draft")
 
 def write_report(output_dir: str | Path) -> Path:
     """Draw ``report/rewards.png`` (reward and accuracy curves), ``report/phases.png`` (time per phase)
-    and ``report/training.png`` (length, entropy, KL, clip fraction, grad norm); write ``report/report.md``."""
+    ``report/training.png`` (length, entropy, KL, clip fraction, grad norm) and ``report/mismatch.png`` (sampler
+    vs trainer); write ``report/report.md``."""
     import matplotlib
     matplotlib.use("Agg")  # files only; never needs a display
     import matplotlib.pyplot as plt
@@ -75,6 +76,9 @@ def write_report(output_dir: str | Path) -> Path:
     speculative = [r for r in steps if "spec/accepted_length" in r]
     if speculative:
         _plot_speculation(plt, speculative, out / "speculation.png")
+    mismatched = [r for r in steps if "mismatch/k3_kl" in r]
+    if mismatched:
+        _plot_mismatch(plt, mismatched, out / "mismatch.png")
 
     (out / "report.md").write_text(_summary(steps, evals, sampled))
     return out
@@ -102,6 +106,29 @@ def _plot_speculation(plt, steps: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
+def _plot_mismatch(plt, steps: list[dict], path: Path) -> None:
+    """How far the sampler is from the trainer per step (``algo.mismatch``): |delta log p| (mean, p50, p99, max)
+    and the k3 KL on a log scale, and the shares of tokens and sequences the off-policy correction masked."""
+    xs = [r["step"] for r in steps]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.5))
+    for key, style in (("mean", "-"), ("p50", ":"), ("p99", "--"), ("max", "-.")):
+        left.plot(xs, [r[f"mismatch/abs_delta_{key}"] for r in steps], style, label=f"|Δ log p| {key}")
+    left.plot(xs, [r["mismatch/k3_kl"] for r in steps], "o-", markersize=3, label="KL(sampler || trainer), k3")
+    if any(v > 0 for r in steps for k, v in r.items() if k.startswith("mismatch/abs_delta")):
+        left.set_yscale("log")  # gaps span decades: float32 1e-7, bf16 1e-3, another engine 1e-2
+    left.set_title("Sampler vs trainer, per token", fontsize=9)
+    right.plot(xs, [r.get("mismatch/frac_tokens_masked", 0.0) for r in steps], label="tokens masked")
+    right.plot(xs, [r.get("mismatch/frac_sequences_masked", 0.0) for r in steps], label="sequences masked")
+    right.set_title("Masked by the off-policy correction", fontsize=9)
+    for ax in (left, right):
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def speculation_summary(steps: list[dict]) -> list[str]:
     """Lines on speculative rollouts and online draft learning ([] for a run without speculation)."""
     steps = [r for r in steps if "spec/accepted_length" in r]
@@ -120,6 +147,20 @@ def speculation_summary(steps: list[dict]) -> list[str]:
     return lines
 
 
+def mismatch_summary(steps: list[dict]) -> list[str]:
+    """A line on how far the sampler was from the trainer, means over the steps ([] without the metrics)."""
+    steps = [r for r in steps if "mismatch/k3_kl" in r]
+    if not steps:
+        return []
+    line = (f"Sampler vs trainer: |Δ log p| mean {_mean(steps, 'mismatch/abs_delta_mean'):.2e}, p99 "
+            f"{_mean(steps, 'mismatch/abs_delta_p99'):.2e}, max {max(r['mismatch/abs_delta_max'] for r in steps):.2e}; "
+            f"KL(sampler || trainer) {_mean(steps, 'mismatch/k3_kl'):.2e} per token (k3).")
+    if any("mismatch/frac_tokens_masked" in r for r in steps):
+        line += (f" The off-policy correction masked {_mean(steps, 'mismatch/frac_tokens_masked'):.2%} of tokens and "
+                 f"{_mean(steps, 'mismatch/frac_sequences_masked'):.2%} of sequences.")
+    return [line]
+
+
 def _summary(steps: list[dict], evals: list[tuple[int, float]], sampled: list[tuple[int, float]]) -> str:
     lines = ["# Run report", ""]
     for name, points in (("greedy", evals), ("sampled", sampled)):
@@ -133,12 +174,14 @@ def _summary(steps: list[dict], evals: list[tuple[int, float]], sampled: list[tu
         totals = {p: sum(r.get(f"time/{p}", 0.0) for r in steps) for p in PHASES}
         whole = sum(totals.values()) or 1.0
         lines.append("Time by phase: " + ", ".join(f"{p} {t:.1f} s ({t / whole:.0%})" for p, t in totals.items()))
-        lines += speculation_summary(steps)
+        lines += speculation_summary(steps) + mismatch_summary(steps)
         lines.append(f"Steps: {len(steps)}; mean step time {_mean(steps, 'time/step'):.2f} s; "
                      f"skipped optimizer steps (NaN/inf): {int(steps[-1].get('skipped_steps_total', 0))}.")
     lines += ["", "![rewards](rewards.png)", "", "![phases](phases.png)", "", "![training](training.png)", ""]
     if any("spec/accepted_length" in r for r in steps):
         lines += ["![speculation](speculation.png)", ""]
+    if any("mismatch/k3_kl" in r for r in steps):
+        lines += ["![mismatch](mismatch.png)", ""]
     return "\n".join(lines)
 
 
