@@ -230,3 +230,27 @@ def test_the_cache_variable_is_honoured_by_every_cache(tmp_path, monkeypatch):
         assert built_drafts.built_draft_folder(built).parent == tmp_path / "mine" / "drafts"
     monkeypatch.setenv(profiler.LEGACY_CACHE_ENV, str(tmp_path / "old"))  # the profiler's old variable still works
     assert profiler.cache_path() == tmp_path / "old" / "latency_profiles.json"
+
+
+def test_a_measured_choice_is_made_once_per_machine_and_the_first_one_holds(tmp_path, monkeypatch):
+    """``measured_once``: the first process to measure writes its choice; every later process (a rollout worker, a
+    resumed run) reads it instead of timing again, so all make the same choice; another key measures anew, and a
+    cache that cannot be written still answers."""
+    monkeypatch.setenv(cache_module.CACHE_ENV, str(tmp_path / "cache"))
+    monkeypatch.setattr(cache_module, "_MEASURED", {})
+    calls = []
+
+    def measure(value):
+        return lambda: calls.append(value) or value
+
+    key = {"cpu": "x", "threads": 2}
+    assert cache_module.measured_once("kernel", key, measure(7)) == 7
+    monkeypatch.setattr(cache_module, "_MEASURED", {})  # another process: the file answers
+    assert cache_module.measured_once("kernel", dict(reversed(key.items())), measure(9)) == 7 and calls == [7]
+    assert cache_module.measured_once("kernel", {**key, "threads": 1}, measure(3)) == 3 and calls == [7, 3]
+    stored = list((tmp_path / "cache" / "measured" / "kernel").glob("*.json"))
+    assert len(stored) == 2 and not list((tmp_path / "cache" / "measured" / "kernel").glob(".tmp-*"))
+    monkeypatch.setattr(cache_module, "_MEASURED", {})
+    (tmp_path / "ro").mkdir(mode=0o500)
+    monkeypatch.setenv(cache_module.CACHE_ENV, str(tmp_path / "ro" / "cache"))
+    assert cache_module.measured_once("kernel", key, measure(5)) == 5
