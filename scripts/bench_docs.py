@@ -661,7 +661,7 @@ RESULTS: list[Result] = [
            "--new-tokens 128", section="Rollouts"),
     Result("remote_channel", "remote_channel", "The remote rollout worker's authenticated, encrypted connection: one "
            "SmolLM2-135M weights version (538 MB, float32) against plain TCP, and the base weights' digest",
-           "python bench/remote_channel.py", section="Asynchronous GRPO", awaiting_run=True),
+           "python bench/remote_channel.py", section="Asynchronous GRPO"),
     Result("vllm_push", "vllm_push", "The vLLM engine's weight push after an optimizer step, SmolLM2-135M float32: full "
            "fine-tune vs LoRA (r = 16 on every linear, merged W + B A * scale)", "python bench/vllm_push.py",
            section="Rollouts"),
