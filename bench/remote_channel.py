@@ -1,6 +1,6 @@
 """What the remote rollout worker's security costs per step (issue 51): one weights version of SmolLM2-135M-Instruct
 (every parameter, float32: a full fine-tune's version, the largest that travels) through the authenticated, encrypted
-channel (``turbogrpo.train.secure_channel``: AES-256-GCM records) against the same bytes over a plain TCP socket, both
+channel (``turbogrpo.train.worker.secure_channel``: AES-256-GCM records) against the same bytes over a plain TCP socket, both
 over loopback in one process (a sender thread, the receiver here), alternated; plus the base weights' digest a LoRA
 run's two sides compare once (``weight_ring.frozen_digest``). The per-step cost is set against SmolLM2 GRPO steps
 measured before (``bench/results``: the shortest recorded, and the one of this CPU kind where there is one).
@@ -26,9 +26,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import RESULTS_DIR, interleaved_medians, print_table, write_results  # noqa: E402
 from real_model import load_real_model  # noqa: E402
 
-from turbogrpo.train import wire  # noqa: E402
-from turbogrpo.train.secure_channel import Channel, read_exactly  # noqa: E402
-from turbogrpo.train.weight_ring import frozen_digest, trainable_parameters  # noqa: E402
+from turbogrpo.train.worker import wire  # noqa: E402
+from turbogrpo.train.worker.secure_channel import Channel, read_exactly  # noqa: E402
+from turbogrpo.train.worker.weight_ring import frozen_digest, trainable_parameters  # noqa: E402
 
 STEPS = {"e2e_smollm2-zero-shot": "turbogrpo step, 8 x 8 x 128, float32",
          "async_grpo_gsm8k": "on-policy step (k = 0), 8 x 8 x 128, float32"}

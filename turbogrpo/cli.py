@@ -224,7 +224,7 @@ def _add_overrides(cmd: argparse.ArgumentParser) -> None:
 
 def _train(config: Config, args: argparse.Namespace, command: str, demo: bool = False) -> int:
     from turbogrpo.train.loop import TrainingDiverged, train
-    from turbogrpo.train.rollout_worker import RolloutWorkerError
+    from turbogrpo.train.worker.rollout_worker import RolloutWorkerError
     from turbogrpo.train.state import TrainingInterrupted
 
     _quiet_transformers()
@@ -270,7 +270,7 @@ def _train(config: Config, args: argparse.Namespace, command: str, demo: bool = 
 def _rollout_worker(args: argparse.Namespace, overrides: list[str]) -> int:
     """``turbogrpo rollout-worker``: serve trainer rank ``--rank`` at ``--trainer`` until it stops (exit 0) or is
     gone (1)."""
-    from turbogrpo.train.rollout_worker import RolloutWorkerError, WorkerSpec, serve
+    from turbogrpo.train.worker.rollout_worker import RolloutWorkerError, WorkerSpec, serve
 
     _quiet_transformers()
     config = load_config(args.config, overrides)

@@ -473,7 +473,7 @@ class TrainConfig:
     versions that drew them. 1 <= c <= max_staleness: the worker then draws max_staleness - c steps ahead, so no
     token lags more than max_staleness updates (docs/design/async.md, "Partial rollouts")."""
     rollout_worker: Literal["local", "remote"] = "local"
-    """With max_staleness > 0: where the rollout worker runs (``turbogrpo.train.rollout_worker.TRANSPORTS``).
+    """With max_staleness > 0: where the rollout worker runs (``turbogrpo.train.worker.rollout_worker.TRANSPORTS``).
     "local": a process this trainer starts on its machine (weights through shared memory). "remote": a worker
     started on another machine with `turbogrpo rollout-worker CONFIG --trainer HOST:PORT --rank R`, one per trainer
     rank, over one TCP connection each that admits only a peer proving the run's secret, encrypted (tensors and

@@ -19,9 +19,9 @@ from turbogrpo.config import EnvConfig, LoraConfig, ModelConfig, RolloutConfig, 
 from turbogrpo.train.distributed import DistInfo
 from turbogrpo.train.loop import train
 from turbogrpo.train.metrics import read_metrics
-from turbogrpo.train.rollout_worker import WorkerSpec, _worker_main, thread_split
-from turbogrpo.train.weight_ring import WeightRing, sampling_version
-from turbogrpo.train.worker_transport import SharedMemoryLink
+from turbogrpo.train.worker.rollout_worker import WorkerSpec, _worker_main, thread_split
+from turbogrpo.train.worker.weight_ring import WeightRing, sampling_version
+from turbogrpo.train.worker.local import SharedMemoryLink
 
 from .test_resume import at_first_checkpoint, command, comparable, subprocess_run_setup
 from .tiny_run import overrides, write_model, write_rows

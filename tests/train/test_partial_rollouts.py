@@ -17,7 +17,7 @@ from turbogrpo.data import PromptExample
 from turbogrpo.rollout import SamplingConfig, generate
 from turbogrpo.engines.native import NativeEngine
 from turbogrpo.train import loop
-from turbogrpo.train.partial_rollouts import PartialRollouts, pool_state, restore_pool
+from turbogrpo.train.worker.partial_rollouts import PartialRollouts, pool_state, restore_pool
 
 from .test_async import ASYNC, restore_threads, stepped  # noqa: F401 (a fixture)
 from .test_multiturn_run import comparable, final_weights, interrupted_at

@@ -23,16 +23,16 @@ from turbogrpo.config import ConfigError, load_config
 from turbogrpo.data import PromptExample
 from turbogrpo.rollout import Rollout
 from turbogrpo.rollout.types import RolloutStats
-from turbogrpo.train import secure_channel, wire
+from turbogrpo.train.worker import secure_channel, wire
 from turbogrpo.train.distributed import DistInfo
 from turbogrpo.train.loop import train
-from turbogrpo.train.remote_transport import RemoteLink, RemoteTransport, connect
-from turbogrpo.train.rollout_checks import RolloutMismatch, check_rollout
-from turbogrpo.train.rollout_worker import RolloutWorkerError, WorkerSpec
-from turbogrpo.train.secure_channel import (MAGIC, NONCE_BYTES, Channel, ChannelError, prove_as_trainer,
+from turbogrpo.train.worker.remote import RemoteLink, RemoteTransport, connect
+from turbogrpo.train.worker.rollout_checks import RolloutMismatch, check_rollout
+from turbogrpo.train.worker.rollout_worker import RolloutWorkerError, WorkerSpec
+from turbogrpo.train.worker.secure_channel import (MAGIC, NONCE_BYTES, Channel, ChannelError, prove_as_trainer,
                                             prove_as_worker, rollout_secret, user_secret)
-from turbogrpo.train.worker_transport import TransportOptions
-from turbogrpo.train.worker_types import Drawn, Request, RolloutDrawn
+from turbogrpo.train.worker.local import TransportOptions
+from turbogrpo.train.worker.protocol import Drawn, Request, RolloutDrawn
 
 from .test_async import restore_threads  # noqa: F401 (a fixture)
 from .test_remote_worker import free_port, remote, said, start_worker
@@ -414,7 +414,7 @@ def test_a_rollout_of_another_step_or_with_other_prompts_stops_the_run_in_one_li
     """Through the loop (the local transport standing in for any worker): a worker that answers step 0's request with
     a rollout labelled step 7, or with other prompts, stops the run with one line naming the worker; no assert
     (``python -O`` would drop it)."""
-    from turbogrpo.train import rollout_worker
+    from turbogrpo.train.worker import rollout_worker
 
     real = rollout_worker.TRANSPORTS["local"]
     for forge, expected in [(lambda message: dataclasses.replace(message, step=7), "it sent a rollout message for "

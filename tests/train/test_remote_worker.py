@@ -22,13 +22,13 @@ from turbogrpo.env import EnvRollout, Episode, environment_reward
 from turbogrpo.rollout import Rollout
 from turbogrpo.rollout.multiturn import MultiTurnRollout, MultiTurnStats
 from turbogrpo.rollout.types import RolloutStats
-from turbogrpo.train import wire
-from turbogrpo.train.partial_rollouts import PendingGroup
-from turbogrpo.train.worker_types import Drawn, Request
+from turbogrpo.train.worker import wire
+from turbogrpo.train.worker.partial_rollouts import PendingGroup
+from turbogrpo.train.worker.protocol import Drawn, Request
 from turbogrpo.train.loop import train
 from turbogrpo.train.metrics import read_metrics
-from turbogrpo.train.remote_transport import first_difference
-from turbogrpo.train.rollout_worker import TRANSPORTS, RolloutWorkerError
+from turbogrpo.train.worker.remote import first_difference
+from turbogrpo.train.worker.rollout_worker import TRANSPORTS, RolloutWorkerError
 
 from .test_async import ASYNC, restore_threads  # (restore_threads: a fixture)
 from .test_multiturn_run import final_weights, small

@@ -27,5 +27,5 @@ def test_a_script_without_the_main_guard_is_told_to_add_it(tmp_path):
     assert done.returncode == 1, done.stderr[-3000:]
     assert done.stderr.count("Traceback") == 1 and "leaked" not in done.stderr, done.stderr[-3000:]
     last = done.stderr.strip().splitlines()[-1]
-    assert last.startswith("turbogrpo.train.worker_types.RolloutWorkerError: the rollout worker process could not "
+    assert last.startswith("turbogrpo.train.worker.protocol.RolloutWorkerError: the rollout worker process could not "
                            "start") and 'put the call under `if __name__ == "__main__":`' in last, done.stderr[-3000:]

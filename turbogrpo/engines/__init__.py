@@ -165,6 +165,20 @@ ENGINE_NAMES = ("auto", *ENGINES)
 logger = logging.getLogger(__name__)
 
 
+def draw(engine: RolloutEngine, policy: nn.Module, tokenizer, episodes, examples: Sequence,
+         prompts: list[torch.Tensor], *, num_samples: int, sampling, seed: int, draft=None,
+         return_hidden: bool = False) -> tuple[Rollout, object | None]:
+    """One step's rollout by ``engine`` with ``policy``: G conversations per example with the run's
+    ``episodes`` sampler, or G completions per prompt (``[P]`` ids); returns the rollout and the episodes
+    (None without an environment). The trainer's on-policy step and the rollout worker both draw with it."""
+    if episodes is not None:
+        out = engine.sample_conversations(policy, tokenizer, examples, episodes, num_samples=num_samples,
+                                          sampling=sampling, seed=seed, draft=draft)
+        return Rollout(out.rollout.groups, out.rollout.stats), out
+    return engine.sample(policy, prompts, num_samples=num_samples, sampling=sampling, seed=seed, draft=draft,
+                         return_hidden=return_hidden), None
+
+
 def resolve_engine(name: str, device: torch.device, *, conversations: bool = False, needs: Sequence[str] = ()) -> str:
     """rollout.engine's engine on ``device``. "auto" is ``AUTO_ENGINES``'s choice for the run's workload
     (``conversations``: an [env] run), except ``DEFAULT_ENGINE`` where that one lacks a capability the run needs
@@ -219,5 +233,5 @@ def build_engine(name: str, device: torch.device, *, schedule, dtype: torch.dtyp
 
 
 __all__ = ["AUTO_ENGINES", "CAPABILITIES", "DEFAULT_ENGINE", "ENGINES", "ENGINE_NAMES", "EngineCapabilities",
-           "RolloutEngine", "build_engine", "capable_engines", "missing_capability", "resolve_engine", "run_needs",
+           "RolloutEngine", "build_engine", "draw", "capable_engines", "missing_capability", "resolve_engine", "run_needs",
            "vllm_import_problem"]

@@ -38,7 +38,7 @@ class NativeEngine:
                        draft: object | None = None) -> Rollout:
         """One completion of each prefix (``[P_i]`` ids: a prompt, or a prompt and a carried generation's tokens,
         prefilled afresh) of at most ``limits[i]`` new tokens, stopped early where ``until`` says (a partial
-        rollout: ``train/partial_rollouts.py``); speculative with ``draft`` (a ``Speculation``)."""
+        rollout: ``train/worker/partial_rollouts.py``); speculative with ``draft`` (a ``Speculation``)."""
         return generate(policy, prefixes, num_samples=1, sampling=sampling, seed=seed, schedule=self.schedule,
                         max_new_tokens_per_completion=limits, until=until, draft=draft)
 

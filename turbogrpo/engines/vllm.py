@@ -267,7 +267,7 @@ class VllmEngine:
                        sampling: SamplingConfig, seed: int | None, until, draft: object | None = None) -> Rollout:
         """One completion of each prefix (``[P_i]`` ids: a prompt, or a prompt and a carried generation's tokens)
         of at most ``limits[i]`` new tokens, stopped where ``until`` says (a partial rollout,
-        ``train/partial_rollouts.py``): the requests run step by step through vLLM's engine, ``until`` reads which
+        ``train/worker/partial_rollouts.py``): the requests run step by step through vLLM's engine, ``until`` reads which
         have finished after every step, and once it says stop the rest are aborted, keeping what they drew (finish
         reason "length", shorter than their limit). Request i is seeded ``request_seed(seed, i)``; a carried
         prefix's K/V comes from the prefix cache where the weights did not change since."""

@@ -128,7 +128,7 @@ def generate(model: nn.Module, prompts: list[torch.Tensor], *, num_samples: int,
     ``schedule``: when the host checks the batch (None: the device's default, ``DEFAULT_SCHEDULES``);
     it changes speed only (its ``linears`` kernel rounds the weight matmuls' sums in another order,
     about 1e-6 relative in float32, as any two GEMM kernels do).
-    ``until``: stop early (a partial rollout, ``train/partial_rollouts.py``): called at every host check with
+    ``until``: stop early (a partial rollout, ``train/worker/partial_rollouts.py``): called at every host check with
     which completions have finished (``[N]`` host bools); True ends the rollout there, and a completion still
     running keeps what it has drawn (finish reason "length", shorter than its limit). None: run to the end.
     """

@@ -48,6 +48,7 @@ from turbogrpo.cpu_capability import cpu_capability
 from turbogrpo.data import PromptExample
 from turbogrpo.host_memory import keep_freed_host_memory
 from turbogrpo.rewards import RewardResult, build_rewards, score_completions
+from turbogrpo.engines import draw
 from turbogrpo.env import EnvRollout
 from turbogrpo.rollout import Rollout
 from turbogrpo.train import distributed
@@ -60,8 +61,8 @@ from turbogrpo.train.metrics import read_metrics
 from turbogrpo.train.report import speculation_summary, write_report
 from turbogrpo.train.output_dir import claim_output_dir, mark_complete, run_record
 from turbogrpo.train.rank_agreement import check_ranks_agree
-from turbogrpo.train.rollout_worker import RolloutWorker, WorkerSpec, draw, thread_split
-from turbogrpo.train.worker_transport import leave_if_importing_main, transport_options
+from turbogrpo.train.worker.rollout_worker import RolloutWorker, WorkerSpec, thread_split
+from turbogrpo.train.worker.local import leave_if_importing_main, transport_options
 from turbogrpo.train.run import Run, build_run
 from turbogrpo.sharing import micro_batches as sharing_micro_batches
 from turbogrpo.train.state import (RewardFailure, RunComplete, evaluate, evaluate_and_save_final, export, interrupted,

@@ -1,5 +1,5 @@
 """What the trainer and its rollout worker exchange (train.max_staleness = k > 0), whatever carries it
-(``worker_transport.py``): the worker's spec, the requests, the rollouts drawn, and the one error type."""
+(``local.py``): the worker's spec, the requests, the rollouts drawn, and the one error type."""
 
 from __future__ import annotations
 

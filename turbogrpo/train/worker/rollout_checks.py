@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from turbogrpo.data import PromptExample
-from turbogrpo.train.worker_types import Drawn, Request
+from turbogrpo.train.worker.protocol import Drawn, Request
 
 PER_TOKEN_FIELDS = ("sampler_logps", "model_mask", "versions")
 """``Groups`` fields with one ``[S_i]`` tensor per completion."""

@@ -46,14 +46,14 @@ from dataclasses import dataclass
 
 import torch
 
-from turbogrpo.train import wire
+from turbogrpo.train.worker import wire
 from turbogrpo.train.distributed import DistInfo
-from turbogrpo.train.secure_channel import (HANDSHAKE_S, Channel, ChannelError, prove_as_trainer, prove_as_worker,
+from turbogrpo.train.worker.secure_channel import (HANDSHAKE_S, Channel, ChannelError, prove_as_trainer, prove_as_worker,
                                             rollout_secret)
-from turbogrpo.train.weight_ring import WeightRing
-from turbogrpo.train.wire import BadMessage, Message
-from turbogrpo.train.worker_transport import Outbox, TransportOptions
-from turbogrpo.train.worker_types import (POLL_S, TRAINER_CHOSEN, Ready, Request, RolloutDrawn, RolloutWorkerError,
+from turbogrpo.train.worker.weight_ring import WeightRing
+from turbogrpo.train.worker.wire import BadMessage, Message
+from turbogrpo.train.worker.local import Outbox, TransportOptions
+from turbogrpo.train.worker.protocol import (POLL_S, TRAINER_CHOSEN, Ready, Request, RolloutDrawn, RolloutWorkerError,
                                          WorkerFailed, WorkerMessage, WorkerSpec)
 
 SPEC_KEYS = {"seed": "train.seed", "max_staleness": "train.max_staleness", "num_iterations": "algo.num_iterations",
@@ -181,7 +181,7 @@ def _hello_of(message: Message) -> dict:
 
 
 class RemoteTransport:
-    """The trainer's side of a remote worker (``worker_transport.py`` says what each method does)."""
+    """The trainer's side of a remote worker (``local.py`` says what each method does)."""
 
     def __init__(self, spec: WorkerSpec, dist: DistInfo, parameters: dict[str, torch.Tensor],
                  options: TransportOptions):

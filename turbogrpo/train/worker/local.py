@@ -6,12 +6,12 @@
                                                                                               between two processes
                                                                                               of one run)
     "remote"  ``turbogrpo rollout-worker`` started by the user,  torch.distributed sends      torch.distributed sends:
-              on another machine (``remote_transport.py``)       (flat tensors)               JSON and tensors, no
+              on another machine (``remote.py``)       (flat tensors)               JSON and tensors, no
                                                                                               pickles (``wire.py``)
 
 A transport has two sides. The trainer's (``RolloutWorker`` holds it): ``publish(version, parameters)`` (the new
 weights), ``restore(tensors, versions)`` (a checkpoint's in-flight versions), ``ask(request)``, ``receive(step)``
-(the worker's next message: ``worker_types.WorkerMessage``, a ``Ready``, ``RolloutDrawn`` or ``WorkerFailed``;
+(the worker's next message: ``protocol.WorkerMessage``, a ``Ready``, ``RolloutDrawn`` or ``WorkerFailed``;
 a worker that is gone raises ``RolloutWorkerError``), ``ring`` (the versions a checkpoint keeps: ``ring.state(versions)``) and ``close()``.
 The worker's (``_worker_main`` runs on it): ``open()``, ``next_request()`` (None: stop), ``load(version,
 parameters)`` (waits for the version), ``put(message)`` and ``close()``; a trainer that is gone ends the worker
@@ -33,8 +33,8 @@ import torch
 import torch.multiprocessing as mp
 
 from turbogrpo.train.distributed import DistInfo
-from turbogrpo.train.weight_ring import WeightRing
-from turbogrpo.train.worker_types import POLL_S, Request, RolloutWorkerError, WorkerSpec
+from turbogrpo.train.worker.weight_ring import WeightRing
+from turbogrpo.train.worker.protocol import POLL_S, Request, RolloutWorkerError, WorkerSpec
 
 
 @dataclass(frozen=True)

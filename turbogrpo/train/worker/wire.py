@@ -7,7 +7,7 @@ authenticated, encrypted ``secure_channel.Channel``; what arrives is still check
 object with ``kind`` and ``layout``, a tensor outside the payload: ``BadMessage``). The
 header's ``layout`` says where each tensor lies: ``[name, dtype, shape, offset, num_bytes, on_device]``.
 
-What travels (``remote_transport.py``): weights (a version's trainable parameters), requests (a step's prompts,
+What travels (``remote.py``): weights (a version's trainable parameters), requests (a step's prompts,
 seed and version; the prompts' rows where the worker needs them: an [env] run's columns and chat messages, a
 partial-rollouts run's starts and, once, a checkpoint's carried generations), rollouts (``Groups``' fields and the
 rollout's stats; an [env] run's episodes as ``EpisodeRecord``s; a partial-rollouts run's batch rows and the pool
@@ -29,8 +29,8 @@ from turbogrpo.rollout.multiturn import MultiTurnRollout, MultiTurnStats
 from turbogrpo.rollout.types import RolloutStats
 from turbogrpo.speculative.decode import SpeculativeStats
 from turbogrpo.speculative.multiturn import MultiTurnSpeculativeStats
-from turbogrpo.train.partial_rollouts import PendingGroup, pool_state, restore_pool
-from turbogrpo.train.worker_types import Drawn, Request
+from turbogrpo.train.worker.partial_rollouts import PendingGroup, pool_state, restore_pool
+from turbogrpo.train.worker.protocol import Drawn, Request
 
 ALIGN = 16
 """Bytes each tensor's offset in a payload is a multiple of (the widest dtype's size, with room)."""

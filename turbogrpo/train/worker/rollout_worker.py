@@ -12,9 +12,9 @@ A version is the trainable parameters after that many steps: the policy's and, w
 (``versioned_parameters``).
 
 How the two talk is a transport (train.rollout_worker, ``TRANSPORTS``): "local" spawns the worker on this machine
-and hands weights over through shared memory (``worker_transport.py``, ``weight_ring.py``); "remote" waits for a
+and hands weights over through shared memory (``local.py``, ``weight_ring.py``); "remote" waits for a
 worker the user starts on another machine (``turbogrpo rollout-worker``, ``serve`` here) and talks to it over
-torch.distributed (``remote_transport.py``, ``wire.py``). Either way only the trainable parameters travel, and
+torch.distributed (``remote.py``, ``wire.py``). Either way only the trainable parameters travel, and
 under torchrun each rank has its own worker, drawing its own share of prompts.
 
 Exactness. A step's rollout depends only on (its prompts, its seed, the version it samples with), never on
@@ -35,49 +35,35 @@ import dataclasses
 import os
 import sys
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
 from turbogrpo.data import PromptBatches, PromptExample
-from turbogrpo.env import EnvRollout
+from turbogrpo.engines import draw
 from turbogrpo.rollout import Rollout
 from turbogrpo.train.distributed import DistInfo, resolve_device
 from turbogrpo.train.draft_learning import FORGET, build_online_draft
-from turbogrpo.train.partial_rollouts import PartialRollouts, pool_state, restore_pool
-from turbogrpo.train.remote_transport import RemoteLink, RemoteTransport, connect, rank_port
-from turbogrpo.train.rollout_checks import RolloutMismatch, check_rollout
-from turbogrpo.train.weight_ring import frozen_digest, sampling_version, trainable_parameters
-from turbogrpo.train.worker_transport import SharedMemoryTransport, TransportOptions
-from turbogrpo.train.worker_types import (TRAINER_CHOSEN, Drawn, Ready, Request, RolloutDrawn, RolloutWorkerError,
+from turbogrpo.train.worker.partial_rollouts import PartialRollouts, pool_state, restore_pool
+from turbogrpo.train.worker.remote import RemoteLink, RemoteTransport, connect, rank_port
+from turbogrpo.train.worker.rollout_checks import RolloutMismatch, check_rollout
+from turbogrpo.train.worker.weight_ring import frozen_digest, sampling_version, trainable_parameters
+from turbogrpo.train.worker.local import SharedMemoryTransport, TransportOptions
+from turbogrpo.train.worker.protocol import (TRAINER_CHOSEN, Drawn, Ready, Request, RolloutDrawn, RolloutWorkerError,
                                          WorkerFailed, WorkerSpec)
 
-__all__ = ["TRANSPORTS", "RolloutWorker", "RolloutWorkerError", "WorkerSpec", "draw", "serve", "thread_split"]
+__all__ = ["TRANSPORTS", "RolloutWorker", "RolloutWorkerError", "WorkerSpec", "serve", "thread_split"]
 
 
 TRANSPORTS: dict[str, Callable] = {"local": SharedMemoryTransport, "remote": RemoteTransport}
 """train.rollout_worker's values: each starts the trainer's side of its transport from ``(spec, dist, trainable
-parameters, TransportOptions)`` (``worker_transport.py`` says what a transport does)."""
-
-
-def draw(engine, policy: nn.Module, tokenizer, episodes, examples: Sequence[PromptExample],
-         prompts: list[torch.Tensor], *, num_samples: int, sampling, seed: int, draft=None,
-         return_hidden: bool = False) -> tuple[Rollout, EnvRollout | None]:
-    """One step's rollout by ``engine`` with ``policy``: G conversations per example with the run's
-    ``episodes`` sampler, or G completions per prompt (``[P]`` ids); returns the rollout and the episodes
-    (None without an environment). The trainer's on-policy loop and the worker both draw with it."""
-    if episodes is not None:
-        out = engine.sample_conversations(policy, tokenizer, examples, episodes, num_samples=num_samples,
-                                          sampling=sampling, seed=seed, draft=draft)
-        return Rollout(out.rollout.groups, out.rollout.stats), out
-    return engine.sample(policy, prompts, num_samples=num_samples, sampling=sampling, seed=seed, draft=draft,
-                         return_hidden=return_hidden), None
+parameters, TransportOptions)`` (``local.py`` says what a transport does)."""
 
 
 def _worker_main(spec: WorkerSpec, dist: DistInfo, link) -> None:
     """The worker: build the sampler, then draw each request until told to stop (None); ``link`` is the worker's
-    side of the transport (``worker_transport.py``)."""
+    side of the transport (``local.py``)."""
     link.open()
     try:
         if spec.num_threads:

@@ -55,7 +55,7 @@ class WeightRing:
     def __init__(self, parameters: dict[str, torch.Tensor], num_slots: int, context=None):
         """``parameters``: the policy's trainable parameters (shapes and dtypes; values are published later);
         ``context``: the multiprocessing context the worker is spawned with (its shared counter); None: a ring of
-        one process (a remote transport's: each side keeps its own, ``remote_transport.py``)."""
+        one process (a remote transport's: each side keeps its own, ``remote.py``)."""
         self.slots = [{name: _host(torch.empty(p.shape, dtype=p.dtype), shared=context is not None)
                        for name, p in parameters.items()} for _ in range(num_slots)]
         # Lock-free: the trainer is its only writer and an aligned int64 is read and written whole. A locked
