@@ -22,6 +22,7 @@ from turbogrpo.train.metrics import read_metrics
 from turbogrpo.train.worker.rollout_worker import WorkerSpec, _worker_main, thread_split
 from turbogrpo.train.worker.weight_ring import WeightRing, sampling_version
 from turbogrpo.train.worker.local import SharedMemoryLink
+from turbogrpo.train.worker.protocol import WorkerFailed
 
 from .test_resume import at_first_checkpoint, command, comparable, subprocess_run_setup
 from .tiny_run import overrides, write_model, write_rows
@@ -186,8 +187,8 @@ def test_a_worker_that_raises_sends_one_line_naming_its_error():
     finally:  # the worker's own handlers (Ctrl-C ignored, SIGTERM as SystemExit) must not stay in the suite
         for signum, handler in previous.items():
             signal.signal(signum, handler)
-    kind, _, message = pickle.loads(reader.recv_bytes())
-    assert kind == "error" and "/nonexistent/model" in message and "\n" not in message
+    message = pickle.loads(reader.recv_bytes())
+    assert isinstance(message, WorkerFailed) and "/nonexistent/model" in message.error and "\n" not in message.error
 
 
 def workers_of(pid: int) -> list[int]:
