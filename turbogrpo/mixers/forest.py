@@ -1,0 +1,140 @@
+"""The layout a stateful token mixer (linear attention, Mamba-2, short convolution) runs shared.
+
+Attention layers see a shared prompt or trie node through their attention plan; a recurrent layer sees it
+through its *state*. A pack (or a trie) is a forest of *segments*, contiguous runs of the flat token axis:
+a root segment (a prompt, a trie root) starts from the zero state, and every other segment continues from
+its parent's final state (a completion from its prompt's, a trie child from its parent node's). That is
+exact: a segment's final state depends on its own path alone, and every child of a segment continues from
+the same state, so it is computed once and read by all of them (its gradient sums over the children).
+
+:class:`SegmentForest` holds what the mixers need, on the device, built once per pack or trie:
+
+* ``levels``: the segments level by level (roots first), each level as padded ``[R, W]`` rows of flat
+  indices, plus the row of each segment's parent in the level above. A recurrent mixer runs one batched call
+  per level (:func:`scan_levels`), from the final states of the level above;
+* ``taps(K)``: for every token, the flat indices of the ``K`` tokens ending at it along its path (-1 before a
+  root's first token). A causal convolution of width ``K`` reads them in one gather for the whole forest:
+  the taps of a child's first tokens reach into its parent's last ones, which is the convolution's state.
+
+Host syncs: none. Every index is built on the host from host ints (the segment lengths) and uploaded once.
+
+Shape legend: N flat tokens, S segments, R rows (segments) of one level, W its longest segment, K a
+convolution's width.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import torch
+
+from turbogrpo.device_index import upload
+
+
+class Level(NamedTuple):
+    """The segments of one depth of the forest as padded rows (right-padded: a pad slot follows every real
+    token of its row, so a causal recurrence never carries it into a real token)."""
+
+    rows: torch.Tensor                # [R, W] flat index of each slot (pad slots read token 0)
+    valid: torch.Tensor               # [R, W] bool: real slots
+    slots: torch.Tensor               # [n] the real slots of ``rows.flatten()``, row by row
+    parent_rows: torch.Tensor | None  # [R] row of each segment's parent in the level above (None: roots)
+
+
+@dataclass(frozen=True, eq=False)
+class SegmentForest:
+    """Segments of a flat token axis, each continuing its parent's state (see the module docstring)."""
+
+    num_tokens: int
+    predecessor: torch.Tensor         # [N] host long: the token before each token on its path, -1 at a root's first
+    levels: tuple[Level, ...]
+    order: torch.Tensor               # [N] device long: where each flat token sits in the levels' real slots, in turn
+    device: torch.device
+    _taps: dict = field(default_factory=dict, repr=False)
+
+    @staticmethod
+    def build(starts, lengths, parents, device: torch.device) -> SegmentForest:
+        """The forest of segments ``[starts[s], starts[s] + lengths[s])`` with parent segment ``parents[s]``
+        (-1: a root); a parent precedes its children. Host ints in, device indices out."""
+        depth: list[int] = []
+        predecessor = torch.empty(sum(lengths), dtype=torch.long)
+        for s, (start, length, parent) in enumerate(zip(starts, lengths, parents)):
+            assert parent < s, "a parent segment precedes its children"
+            depth.append(depth[parent] + 1 if parent >= 0 else 0)
+            before = starts[parent] + lengths[parent] - 1 if parent >= 0 else -1
+            predecessor[start:start + length] = torch.arange(start - 1, start + length - 1)
+            predecessor[start] = before
+        by_level: list[list[int]] = [[] for _ in range(max(depth) + 1)]
+        for s, d in enumerate(depth):
+            by_level[d].append(s)
+        row_of = {s: row for segments in by_level for row, s in enumerate(segments)}
+        levels = [_level(segments, starts, lengths, parents, row_of, device) for segments in by_level]
+        real = torch.cat([torch.cat([torch.arange(starts[s], starts[s] + lengths[s]) for s in segments])
+                          for segments in by_level])
+        order = torch.empty_like(real)
+        order[real] = torch.arange(real.numel())
+        return SegmentForest(int(real.numel()), predecessor, tuple(levels), upload(order, device), device)
+
+    def taps(self, width: int) -> torch.Tensor:
+        """``[N, width]`` flat indices of the ``width`` tokens ending at each token along its path, oldest
+        first (-1 where the path has fewer tokens); built on the host once per width."""
+        if width not in self._taps:
+            chain = torch.cat([self.predecessor, torch.tensor([-1])])   # chain[-1] = -1: before a root stays -1
+            columns = [torch.arange(self.num_tokens)]
+            for _ in range(width - 1):
+                columns.append(chain[columns[-1]])
+            self._taps[width] = upload(torch.stack(columns[::-1], 1), self.device)
+        return self._taps[width]
+
+
+def _level(segments, starts, lengths, parents, row_of, device) -> Level:
+    width = max(lengths[s] for s in segments)
+    rows = torch.zeros(len(segments), width, dtype=torch.long)
+    valid = torch.zeros(len(segments), width, dtype=torch.bool)
+    for row, s in enumerate(segments):
+        rows[row, :lengths[s]] = torch.arange(starts[s], starts[s] + lengths[s])
+        valid[row, :lengths[s]] = True
+    slots = torch.nonzero(valid.flatten()).squeeze(1)
+    parent_rows = None
+    if parents[segments[0]] >= 0:
+        parent_rows = upload(torch.tensor([row_of[parents[s]] for s in segments]), device)
+    return Level(upload(rows, device), upload(valid, device), upload(slots, device), parent_rows)
+
+
+States = tuple[torch.Tensor, ...]
+Step = Callable[..., tuple[torch.Tensor, States]]
+
+
+def scan_levels(forest: SegmentForest, inputs: tuple[torch.Tensor, ...], step: Step) -> torch.Tensor:
+    """Run a recurrent mixer over the forest, one batched call per level.
+
+    Args:
+        inputs: per-token tensors ``[N, ...]`` (the mixer's inputs after its projections).
+        step: ``step(*rows, valid=[R, W], initial_state=States | None) -> (out [R, W, ...], final_state)``
+            with ``rows`` the inputs as ``[R, W, ...]`` padded rows; ``initial_state`` is None for the roots
+            (the zero state) and each state tensor is ``[R, ...]``. Pad slots follow every real token of their
+            row: the step must leave the final state at each row's last real token (e.g. no decay, no write).
+
+    Returns:
+        ``[N, ...]`` the step's outputs in flat token order (differentiable through every shared state).
+    """
+    outputs, states = [], None
+    for level in forest.levels:
+        initial = None if level.parent_rows is None else tuple(s[level.parent_rows] for s in states)
+        out, states = step(*(x[level.rows] for x in inputs), valid=level.valid, initial_state=initial)
+        outputs.append(out.flatten(0, 1)[level.slots])
+    return torch.cat(outputs)[forest.order]
+
+
+def path_conv(x: torch.Tensor, taps: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """A causal depthwise convolution along each token's path: ``[N, C]`` -> ``[N, C]``.
+
+    ``taps`` ``[N, K]`` from :meth:`SegmentForest.taps`, ``weight`` ``[C, K]`` (an ``nn.Conv1d``'s ``weight[:, 0]``),
+    ``bias`` ``[C]``. Token t's output is ``sum_k weight[:, k] * x[taps[t, k]] + bias``, what ``F.conv1d`` with
+    ``K - 1`` zeros of left padding gives along one sequence: taps before a root read zeros.
+    """
+    padded = torch.cat([x, x.new_zeros(1, x.shape[1])])   # index -1 reads the zero row
+    out = (padded[taps] * weight.T.to(x.dtype)).sum(1)
+    return out if bias is None else out + bias

@@ -1,0 +1,78 @@
+"""Gated DeltaNet (Qwen3.5, Qwen3-Next): a short causal convolution, then the gated delta rule's matrix state.
+
+Both run over the forest: the convolution along each token's path (``forest.path_conv``: a child's first
+tokens read its parent's last inputs, the convolution's state), the delta rule level by level with transformers'
+chunked kernel (``torch_chunk_gated_delta_rule``, or flash-linear-attention's where installed), each level
+from its parents' final ``[Hv, Dk, Dv]`` states. A right-padded row's pad slots get ``g = 0`` (no decay) and
+``beta = 0`` (no write), so its final state is the state at its last real token, exactly.
+
+Shape legend: N flat tokens, C the convolution's channels (2 Hk Dk + Hv Dv), Hk / Hv key / value heads,
+Dk / Dv their sizes, R rows and W width of one level's padded call.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+from transformers.activations import ACT2FN
+
+from turbogrpo.mixers.forest import path_conv, scan_levels
+from turbogrpo.mixers.registry import MixerUnit, modeling_function, register_mixer
+
+CHUNK_KERNEL = "torch_chunk_gated_delta_rule"   # the name of the chunked kernel in the modeling files
+
+
+@register_mixer("Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet")
+class GatedDeltaNet(MixerUnit):
+    what = "gated DeltaNet (linear attention)"
+
+    def forward(self, module, hidden_1NH, forest):
+        x_NH = hidden_1NH[0]
+        mixed_qkv_NC, z, b, a = self.project(module, x_NH)
+        mixed_qkv_NC = path_conv(mixed_qkv_NC, forest.taps(module.conv_kernel_size), module.conv1d.weight[:, 0],
+                                 module.conv1d.bias)
+        mixed_qkv_NC = ACT2FN[module.activation](mixed_qkv_NC)
+        query, key, value = mixed_qkv_NC.split([module.key_dim, module.key_dim, module.value_dim], dim=-1)
+        query, key = (t.unflatten(-1, (-1, module.head_k_dim)) for t in (query, key))
+        value = value.unflatten(-1, (-1, module.head_v_dim))
+        beta = b.sigmoid()
+        # As the module: in float32 at least (a half-precision A would overflow to -inf).
+        g = -module.A_log.float().exp() * F.softplus(a.float() + module.dt_bias)
+        if module.num_v_heads // module.num_k_heads > 1:
+            query, key = (t.repeat_interleave(module.num_v_heads // module.num_k_heads, dim=1) for t in (query, key))
+        step = partial(delta_rule_rows, modeling_function(module, CHUNK_KERNEL))
+        core_NVD = scan_levels(forest, (query, key, value, g, beta), step)
+        core = module.norm(core_NVD.reshape(-1, module.head_v_dim), z.reshape(-1, module.head_v_dim))
+        return module.out_proj(core.reshape(x_NH.shape[0], -1))[None]
+
+    @staticmethod
+    def project(module, x_NH):
+        """``(mixed_qkv [N, C], z [N, Hv, Dv], b [N, Hv], a [N, Hv])`` from the module's input projections."""
+        z = module.in_proj_z(x_NH).unflatten(-1, (-1, module.head_v_dim))
+        return module.in_proj_qkv(x_NH), z, module.in_proj_b(x_NH), module.in_proj_a(x_NH)
+
+
+@register_mixer("Qwen3NextGatedDeltaNet")
+class FusedProjectionGatedDeltaNet(GatedDeltaNet):
+    """Qwen3-Next: q, k, v, z and b, a come out of two fused projections, grouped by key head."""
+
+    @staticmethod
+    def project(module, x_NH):
+        query, key, value, z, b, a = module.fix_query_key_value_ordering(module.in_proj_qkvz(x_NH)[None],
+                                                                         module.in_proj_ba(x_NH)[None])
+        mixed_qkv = torch.cat([t[0].flatten(1) for t in (query, key, value)], dim=-1)
+        return mixed_qkv, z[0], b[0], a[0]
+
+
+def delta_rule_rows(kernel, query, key, value, g, beta, *, valid, initial_state):
+    """One level's padded rows through the chunked kernel: ``query, key [R, W, Hv, Dk]``, ``value [R, W, Hv, Dv]``,
+    ``g, beta [R, W, Hv]``, ``valid [R, W]``; ``initial_state`` ``([R, Hv, Dk, Dv],)`` or None (zero).
+    Returns ``(out [R, W, Hv, Dv], (final state [R, Hv, Dk, Dv],))``."""
+    pad = ~valid[..., None]
+    # A pad slot neither decays nor writes the state, so each row ends in the state of its last real token.
+    g, beta = g.masked_fill(pad, 0.0), beta.masked_fill(pad, 0.0)
+    out, final = kernel(query, key, value, g=g, beta=beta, initial_state=None if initial_state is None
+                        else initial_state[0], output_final_state=True, use_qk_l2norm_in_kernel=True)
+    return out, (final,)

@@ -1,0 +1,58 @@
+"""Token mixers other than attention, one registered unit per layer family, in one table.
+
+transformers runs a hybrid model's attention layers through the attention interface (where turbogrpo's
+plans take over, ``turbogrpo.hook``) but calls its other token mixers (a gated DeltaNet, a Mamba-2 mixer, a
+short convolution) as plain modules. A :class:`MixerUnit` says how one such module class runs over a
+:class:`~turbogrpo.mixers.forest.SegmentForest`: every shared segment (a prompt, a trie node) once, its
+children from its final state. ``turbogrpo.hook`` routes a registered module's calls to its unit when the
+call carries a plan that shares tokens.
+
+A unit mirrors its module's own forward (transformers 5.19) with the token mixing run over the forest; the
+per-token parts (projections, gates, norms) use the module's own submodules and parameters, and the
+chunked kernels are looked up in the module's own modeling file at every call (so the optimized kernels
+transformers picked, flash-linear-attention or causal-conv1d, and any patch of them, apply to both).
+
+Shape legend: N flat tokens, Hd hidden size.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+from turbogrpo.mixers.forest import SegmentForest
+
+MIXERS: dict[str, MixerUnit] = {}   # module class name -> its unit
+
+
+def register_mixer(*class_names: str) -> Callable[[type], type]:
+    """Class decorator: one instance of the unit runs every module class named in ``class_names``."""
+    def register(cls: type) -> type:
+        unit = cls()
+        for name in class_names:
+            MIXERS[name] = unit
+        return cls
+    return register
+
+
+class MixerUnit:
+    """How one family of stateful token mixers runs over a segment forest."""
+
+    what: ClassVar[str]   # the layer in a few words, for messages and the docs
+
+    def forward(self, module: nn.Module, hidden_1NH: torch.Tensor, forest: SegmentForest) -> torch.Tensor:
+        """``[1, N, Hd]`` -> ``[1, N, Hd]``: the module's output for the forest's flat tokens."""
+        raise NotImplementedError
+
+
+def mixer_of(module: nn.Module) -> MixerUnit | None:
+    return MIXERS.get(type(module).__name__)
+
+
+def modeling_function(module: nn.Module, name: str) -> Callable:
+    """The function ``name`` of the modeling file that defines ``module``'s class, looked up at the call."""
+    return getattr(sys.modules[type(module).__module__], name)
