@@ -38,8 +38,9 @@ class GatedDeltaNet(MixerUnit):
         query, key = (t.unflatten(-1, (-1, module.head_k_dim)) for t in (query, key))
         value = value.unflatten(-1, (-1, module.head_v_dim))
         beta = b.sigmoid()
-        # As the module: in float32 at least (a half-precision A would overflow to -inf).
-        g = -module.A_log.float().exp() * F.softplus(a.float() + module.dt_bias)
+        # In float32 at least, as the module (a half-precision A would overflow to -inf); unlike its .float(), a
+        # float64 model keeps float64 (the module rounds A and a to float32 there).
+        g = -at_least_float32(module.A_log).exp() * F.softplus(at_least_float32(a) + module.dt_bias)
         if module.num_v_heads // module.num_k_heads > 1:
             query, key = (t.repeat_interleave(module.num_v_heads // module.num_k_heads, dim=1) for t in (query, key))
         step = partial(delta_rule_rows, modeling_function(module, CHUNK_KERNEL))
@@ -64,6 +65,10 @@ class FusedProjectionGatedDeltaNet(GatedDeltaNet):
                                                                          module.in_proj_ba(x_NH)[None])
         mixed_qkv = torch.cat([t[0].flatten(1) for t in (query, key, value)], dim=-1)
         return mixed_qkv, z[0], b[0], a[0]
+
+
+def at_least_float32(x: torch.Tensor) -> torch.Tensor:
+    return x.to(torch.promote_types(x.dtype, torch.float32))
 
 
 def delta_rule_rows(kernel, query, key, value, g, beta, *, valid, initial_state):
