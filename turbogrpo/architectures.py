@@ -86,8 +86,11 @@ def _attention_sinks(config) -> str | None:
 # units of turbogrpo.mixers, checked against the model's own forward in float64 (log-probs and every gradient,
 # tests/mixers): model type -> its layers. The rollout engine and vLLM refuse them (no state cache yet).
 SHARED_IN_TRAINING: dict[str, str] = {
-    "qwen3_5_text": "gated DeltaNet (linear attention) and full attention, 3:1",
+    "qwen3_5_text": "gated DeltaNet (linear attention) and full attention",
+    "qwen3_5_moe_text": "gated DeltaNet and full attention, sparse MoE",
+    "qwen3_next": "gated DeltaNet (fused projections) and full attention, sparse MoE",
     "lfm2": "gated short convolutions and full attention",
+    "lfm2_moe": "gated short convolutions and full attention, sparse MoE",
 }
 
 
