@@ -156,6 +156,27 @@ def test_a_tree_fallback_type_is_refused_shared_and_scored_one_row_per_sequence(
                                atol=1e-11 if model_type == "gemma2" else 1e-6)
 
 
+def test_the_table_of_hybrids_lists_what_tests_mixers_verifies():
+    from tests.mixers.conftest import FAMILIES
+    assert set(FAMILIES) == set(architectures.SHARED_IN_TRAINING)
+
+
+def test_a_hybrid_runs_shared_in_training_and_the_rollout_refuses_it_in_one_line():
+    """The shared-prefix and trie forwards run it (tests/mixers checks the numbers); the rollout engine, which keeps
+    no state for its linear-attention layers yet, refuses it before touching the model, naming what is missing."""
+    from tests.mixers.conftest import build_hybrid
+    model = build_hybrid("qwen3_5_text", torch.float32)
+    prompts, completions = groups()
+    completion_logprobs(model, prompts, completions, backend="cascade")
+    sequences, masks = sequences_and_masks()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")   # no fallback warning
+        assert tree_logprobs(model, build_trie(sequences, masks)).layout == "tree"
+    with pytest.raises(ValueError, match="^model type 'qwen3_5_text' has layer types \\['linear_attention'\\]; "
+                                         "turbogrpo's rollout engine cannot run it yet: it keeps no state cache"):
+        generate(model, prompts, num_samples=2, sampling=SamplingConfig(max_new_tokens=3))
+
+
 def test_every_token_mixing_rule_refuses_its_known_types():
     for rule in architectures.TOKEN_MIXING_RULES:
         for model_type in rule.known_model_types:
