@@ -91,7 +91,12 @@ SHARED_IN_TRAINING: dict[str, str] = {
     "qwen3_next": "gated DeltaNet (fused projections) and full attention, sparse MoE",
     "lfm2": "gated short convolutions and full attention",
     "lfm2_moe": "gated short convolutions and full attention, sparse MoE",
+    "nemotron_h": "Mamba-2, full attention and MLP-only layers",
+    "granitemoehybrid": "Mamba-2 and full attention, sparse MoE",
+    "falcon_h1": "Mamba-2 and full attention side by side in every layer, muP multipliers",
 }
+# Layer types of hybrid decoders that mix no tokens (a layer given to an MLP alone): no plan call to expect.
+CHANNEL_MIXING_LAYER_TYPES = frozenset({"mlp", "moe"})
 
 
 def unsupported_token_mixing(config, *, training: bool = False) -> str | None:

@@ -38,7 +38,7 @@ from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
-from turbogrpo.architectures import SHARED_IN_TRAINING, unsupported_token_mixing
+from turbogrpo.architectures import CHANNEL_MIXING_LAYER_TYPES, SHARED_IN_TRAINING, unsupported_token_mixing
 from turbogrpo.mixers import mixer_of
 
 ATTENTION_NAME = "turbogrpo"
@@ -241,6 +241,7 @@ def run_decoder(model: nn.Module, input_ids: torch.Tensor, position_ids: torch.T
             base.set_attn_implementation(implementation)
         raise
     num_layers = model.config.num_hidden_layers
+    num_layers -= sum(t in CHANNEL_MIXING_LAYER_TYPES for t in getattr(model.config, "layer_types", None) or ())
     if counting.num_calls < num_layers:
         raise ValueError(
             f"model type '{model.config.model_type}' ran attention through turbogrpo in only "

@@ -3,7 +3,6 @@ their own forward compute in float64 throughout (so that two exact layouts agree
 
 import inspect
 import textwrap
-import types
 
 import pytest
 import torch
@@ -63,77 +62,66 @@ def build_hybrid(model_type: str, dtype=torch.float64, seed: int = 0):
     torch.manual_seed(seed)
     model = FAMILIES[model_type](dtype).eval()
     assert model.config.model_type == model_type
-    if dtype == torch.float64:
-        norms_in_model_dtype(model)
     return model
-
-
-def norms_in_model_dtype(model):
-    """The families' RMSNorms (plain, zero-centred, gated) compute in float32 whatever the model's dtype; in a
-    float64 model run them in float64 (each is per token, so this touches nothing the tests check)."""
-    def rms(x, eps):
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-
-    def zero_centred(self, x):   # Qwen3.5 / Qwen3-Next: the weight starts at 0 and scales by 1 + weight
-        return rms(x, self.eps) * (1.0 + self.weight)
-
-    def gated(self, x, gate):
-        return self.weight * rms(x, self.variance_epsilon) * torch.nn.functional.silu(gate)
-
-    def plain(self, x):
-        return self.weight * rms(x, self.variance_epsilon)
-
-    for module in model.modules():
-        name = type(module).__name__
-        if name.endswith("RMSNormGated"):
-            module.forward = types.MethodType(gated, module)
-        elif name.endswith("RMSNorm"):
-            module.forward = types.MethodType(zero_centred if name.startswith("Qwen3") else plain, module)
 
 
 def rewritten(function, replacements: dict[str, str]):
     """transformers' ``function`` (under its hub wrapper and decorators) compiled again from its source with
-    ``replacements`` made (each must occur), in its own module's globals."""
+    ``replacements`` made, in its own module's globals; None where none occurs (nothing to rewrite)."""
     plain = inspect.unwrap(function)
     source = textwrap.dedent(inspect.getsource(plain))
     source = source[source.index("def "):]   # without its decorators
+    if not any(old in source for old in replacements):
+        return None
     for old, new in replacements.items():
-        assert old in source, (plain.__qualname__, old)
         source = source.replace(old, new)
     namespace = dict(plain.__globals__)
     exec(source, namespace)
     return namespace[plain.__name__]
 
 
-# The float32 casts of the gated DeltaNet's own forward and kernels (transformers 5.19), made casts to the input's
-# dtype: ``initial_dtype`` is the kernels' first line. The gate's .float() is what turbogrpo's unit does for
-# float64 models (turbogrpo.mixers.gated_delta).
-# A MoE router's softmax runs in float32 too: a shared prompt token's gradient, summed over its G completions
-# before that float32 backward, rounds differently from G copies rounded one by one.
-KERNEL_CASTS = {"torch.float32": "initial_dtype"}
-GATE_CASTS = {"self.A_log.float()": "self.A_log", "a.float()": "a"}
-ROUTER_CASTS = {"dtype=torch.float,": "dtype=router_logits.dtype,"}
-GATED_DELTA_FILES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
-
-
-def classes_of(modeling, suffix: str):
-    return [cls for cls in vars(modeling).values()
-            if isinstance(cls, type) and cls.__name__.endswith(suffix) and cls.__module__ == modeling.__name__]
+# What computes in float32 whatever the model's dtype (transformers 5.19), by function name or class-name suffix,
+# and the rewrite that makes it compute in its input's dtype (``initial_dtype`` / ``input_dtype`` are set on the
+# first lines). Two exact layouts sum a shared token's gradient in different orders; a float32 stage rounds the two
+# sums apart (a shared prompt token's gradient summed over its G completions before it, G copies rounded one by
+# one in the model's own forward), which would hide float64 agreement:
+# - the norms (per token);
+# - the kernels of the gated delta rule and the Mamba-2 scan;
+# - a gate's .float() (turbogrpo's units keep a float64 model in float64 there, see turbogrpo.mixers.registry);
+# - a MoE router's softmax;
+# - logits rounded to float32 by the model's own forward (turbogrpo's LM head keeps the model's dtype).
+NORM_CASTS = {".float()": "", "torch.float32": "input_dtype"}
+FLOAT32_PARTS = {
+    "torch_chunk_gated_delta_rule": {"torch.float32": "initial_dtype"},
+    "torch_recurrent_gated_delta_rule": {"torch.float32": "initial_dtype"},
+    "mamba2_chunk_scan": {".float()": ""},
+    "RMSNorm": NORM_CASTS,
+    "RMSNormGated": NORM_CASTS,
+    "GatedDeltaNet": {"self.A_log.float()": "self.A_log", "a.float()": "a"},
+    "Mamba2Mixer": {"self.A_log.float()": "self.A_log"},
+    "MambaLayer": {"self.A_log.float()": "self.A_log"},
+    "FalconH1Mixer": {"self.A_log.float()": "self.A_log"},
+    "TopKRouter": {"dtype=torch.float,": "dtype=router_logits.dtype,", ".float()": ""},
+    "ForCausalLM": {".float()": ""},   # Nemotron-H's own forward rounds its logits to float32
+}
+MODELING_FILES = ("qwen3_5", "qwen3_5_moe", "qwen3_next", "lfm2", "lfm2_moe", "zamba2", "nemotron_h",
+                  "granitemoehybrid", "falcon_h1")
 
 
 @pytest.fixture
-def float64_kernels(monkeypatch):
-    """The gated DeltaNet in the model's dtype, in every family's modeling file: its kernels (which the model's own
-    forward and turbogrpo's unit both look up there at the call), its gate and its MoE router."""
+def float64_throughout(monkeypatch):
+    """Every part of :data:`FLOAT32_PARTS` in its input's dtype, in every hybrid family's modeling file (the model's
+    own forward and turbogrpo's units both look the kernels up there at the call)."""
     import importlib
-    for family in GATED_DELTA_FILES:
+    for family in MODELING_FILES:
         modeling = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
-        for name in ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule"):
-            monkeypatch.setattr(modeling, name, rewritten(getattr(modeling, name), KERNEL_CASTS))
-        for cls in classes_of(modeling, "GatedDeltaNet"):
-            monkeypatch.setattr(cls, "forward", rewritten(cls.forward, GATE_CASTS))
-        for cls in classes_of(modeling, "TopKRouter"):
-            monkeypatch.setattr(cls, "forward", rewritten(cls.forward, ROUTER_CASTS))
+        for name, value in vars(modeling).items():
+            if isinstance(value, type) and value.__module__ == modeling.__name__:
+                casts = next((c for suffix, c in FLOAT32_PARTS.items() if name.endswith(suffix)), None)
+                if casts is not None and "forward" in vars(value) and rewritten(value.forward, casts) is not None:
+                    monkeypatch.setattr(value, "forward", rewritten(value.forward, casts))
+            elif name in FLOAT32_PARTS and callable(value):
+                monkeypatch.setattr(modeling, name, rewritten(value, FLOAT32_PARTS[name]))
 
 
 def random_groups(prompt_lengths, completion_lengths, seed=0):
@@ -150,3 +138,35 @@ def single_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+# Mamba-2: chunks of 16 tokens (prompts and trie nodes span several), 4 heads of 8 in 2 groups of 8 state channels.
+def nemotron_h(dtype):
+    """Mamba-2, attention and MLP-only blocks (a layer that mixes no tokens)."""
+    from transformers import NemotronHConfig, NemotronHForCausalLM
+    config = NemotronHConfig(**SIZES, head_dim=16, num_hidden_layers=4,
+                             layer_types=["linear_attention", "full_attention", "mlp", "linear_attention"],
+                             mamba_num_heads=4, mamba_head_dim=8, ssm_state_size=8, n_groups=2, chunk_size=16)
+    return NemotronHForCausalLM(config).to(dtype)
+
+
+def granitemoehybrid(dtype):
+    """Granite 4.0-H: Mamba-2 and attention, MoE MLPs with a shared expert."""
+    from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
+    config = GraniteMoeHybridConfig(**SIZES, num_hidden_layers=3, layer_types=["mamba", "attention", "mamba"],
+                                    mamba_n_heads=8, mamba_d_head=16, mamba_n_groups=2, mamba_d_state=8,
+                                    mamba_chunk_size=16, num_local_experts=4, num_experts_per_tok=2,
+                                    shared_intermediate_size=32, experts_implementation="eager")
+    return GraniteMoeHybridForCausalLM(config).to(dtype)
+
+
+def falcon_h1(dtype):
+    """Falcon-H1: Mamba-2 and attention side by side in every layer, muP multipliers."""
+    from transformers import FalconH1Config, FalconH1ForCausalLM
+    config = FalconH1Config(**SIZES, head_dim=16, num_hidden_layers=2, mamba_d_ssm=32, mamba_n_heads=4,
+                            mamba_d_head=8, mamba_n_groups=2, mamba_d_state=8, mamba_chunk_size=16,
+                            ssm_in_multiplier=0.5, ssm_multipliers=[1.0, 0.5, 2.0, 0.25, 1.5])
+    return FalconH1ForCausalLM(config).to(dtype)
+
+
+FAMILIES.update({"nemotron_h": nemotron_h, "granitemoehybrid": granitemoehybrid, "falcon_h1": falcon_h1})

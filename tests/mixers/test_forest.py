@@ -75,7 +75,7 @@ def wrong_steps():
 
 
 @pytest.mark.parametrize("wrong", ["from_zero", "pads_decay", "detached"])
-def test_known_wrong_state_passing_fails_the_parity_check(monkeypatch, float64_kernels, wrong):
+def test_known_wrong_state_passing_fails_the_parity_check(monkeypatch, float64_throughout, wrong):
     """Children from the zero state, pad slots that decay and write the state, a detached shared state: each must
     show in the log-probs or the gradients (prompts of 5, 11 and 3 tokens: the shorter rows have pads)."""
     monkeypatch.setattr(gated_delta, "delta_rule_rows", wrong_steps()[wrong])

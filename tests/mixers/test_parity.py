@@ -68,14 +68,14 @@ def tree_errors(model, shape, seed=0, **kwargs):
 @pytest.mark.parametrize("share_prefix, backend", [(True, "cascade"), (True, "reference"), (True, "varlen"),
                                                    (False, "auto")])
 @pytest.mark.parametrize("pack", sorted(PACKS))
-def test_shared_prefix_is_the_models_own_forward(float64_kernels, family, pack, share_prefix, backend):
+def test_shared_prefix_is_the_models_own_forward(float64_throughout, family, pack, share_prefix, backend):
     model = build_hybrid(family)
     logp_error, grad_error = prefix_errors(model, pack, share_prefix=share_prefix, backend=backend)
     assert logp_error <= EXACT and grad_error <= EXACT, (logp_error, grad_error)
 
 
 @pytest.mark.parametrize("shape", sorted(TRIE_SHAPES))
-def test_tree_is_the_models_own_forward(float64_kernels, family, shape):
+def test_tree_is_the_models_own_forward(float64_throughout, family, shape):
     """Deep tries, one-token nodes (a convolution's taps cross several nodes), a 200-token root (several chunks
     of the delta rule before the first branch)."""
     model = build_hybrid(family)
@@ -83,7 +83,7 @@ def test_tree_is_the_models_own_forward(float64_kernels, family, shape):
     assert logp_error <= EXACT and grad_error <= EXACT, (logp_error, grad_error)
 
 
-def test_activation_checkpointing_recomputes_the_same_numbers(float64_kernels, family):
+def test_activation_checkpointing_recomputes_the_same_numbers(float64_throughout, family):
     """The plan rides on the mask into every layer, also when checkpointing recomputes it in the backward."""
     model = build_hybrid(family)
     enable_activation_checkpointing(model)

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from transformers.activations import ACT2FN
 
 from turbogrpo.mixers.forest import path_conv, scan_levels
-from turbogrpo.mixers.registry import MixerUnit, modeling_function, register_mixer
+from turbogrpo.mixers.registry import MixerUnit, at_least_float32, modeling_function, register_mixer
 
 CHUNK_KERNEL = "torch_chunk_gated_delta_rule"   # the name of the chunked kernel in the modeling files
 
@@ -65,10 +65,6 @@ class FusedProjectionGatedDeltaNet(GatedDeltaNet):
                                                                          module.in_proj_ba(x_NH)[None])
         mixed_qkv = torch.cat([t[0].flatten(1) for t in (query, key, value)], dim=-1)
         return mixed_qkv, z[0], b[0], a[0]
-
-
-def at_least_float32(x: torch.Tensor) -> torch.Tensor:
-    return x.to(torch.promote_types(x.dtype, torch.float32))
 
 
 def delta_rule_rows(kernel, query, key, value, g, beta, *, valid, initial_state):

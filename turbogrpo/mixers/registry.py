@@ -56,3 +56,9 @@ def mixer_of(module: nn.Module) -> MixerUnit | None:
 def modeling_function(module: nn.Module, name: str) -> Callable:
     """The function ``name`` of the modeling file that defines ``module``'s class, looked up at the call."""
     return getattr(sys.modules[type(module).__module__], name)
+
+
+def at_least_float32(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in float32, or wider: what a module's ``.float()`` guards against (a half-precision ``exp`` overflowing)
+    without rounding a float64 model's parameters to float32."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
