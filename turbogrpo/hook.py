@@ -104,8 +104,8 @@ def check_supported(model: nn.Module, *, training: bool = False) -> None:
     what = unsupported_token_mixing(config, training=training)
     if what is not None and model_type in SHARED_IN_TRAINING:
         raise ValueError(
-            f"model type '{model_type}' {what}; turbogrpo's rollout engine cannot run it yet: it keeps no state "
-            "cache for those layers (the shared-prefix and trie training forwards run it exactly, "
+            f"model type '{model_type}' {what}; turbogrpo's rollout engines (native, vLLM) cannot sample it yet: they "
+            "keep no state cache for those layers (the shared-prefix and trie training forwards run it exactly, "
             "docs/guide/architectures.md). Sample it elsewhere and score with completion_logprobs / tree_logprobs.")
     if what is not None:
         raise ValueError(

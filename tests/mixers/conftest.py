@@ -17,7 +17,8 @@ SIZES = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_attenti
 
 LINEAR_ATTENTION = dict(head_dim=16, num_hidden_layers=3, layer_types=["linear_attention", "full_attention",
                                                                        "linear_attention"],
-                        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8)
+                        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+                        linear_value_head_dim=8)
 # Eager experts: the grouped matmul has no float64 kernel.
 SMALL_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, experts_implementation="eager")
 

@@ -40,8 +40,8 @@ class Mamba2(MixerUnit):
         dt = F.softplus(dt + module.dt_bias.to(dt.dtype)).clamp(*module.time_step_limit)
         a = -torch.exp(at_least_float32(module.A_log))   # as the module's .float(), but float64 stays float64
         step = partial(scan_rows, modeling_function(module, CHUNK_KERNEL), a, module)
-        y_NHP = scan_levels(forest, (x.unflatten(-1, (module.num_heads, module.head_dim)), dt,
-                                     b.unflatten(-1, (module.n_groups, -1)), c.unflatten(-1, (module.n_groups, -1))), step)
+        b, c = (t.unflatten(-1, (module.n_groups, -1)) for t in (b, c))
+        y_NHP = scan_levels(forest, (x.unflatten(-1, (module.num_heads, module.head_dim)), dt, b, c), step)
         return module.out_proj(self.gated(module, y_NHP.flatten(1), gate).to(x_NH.dtype))[None]
 
     @staticmethod

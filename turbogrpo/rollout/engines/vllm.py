@@ -50,6 +50,7 @@ from torch import nn
 from tqdm import tqdm
 
 from turbogrpo.batch import Groups
+from turbogrpo.hook import check_supported
 from turbogrpo.rollout.engines.vllm_speculation import EngineDraft, speculation_problem
 from turbogrpo.rollout.engines.weights import base_model, checkpoint_weights, trainable_modules
 from turbogrpo.rollout.multiturn import MultiTurnRollout
@@ -176,6 +177,7 @@ class VllmEngine:
 
     def build(self, policy: nn.Module) -> None:
         """The engine from ``policy``'s current weights (see the module docstring), with a progress line."""
+        check_supported(policy)   # a hybrid's linear-attention / Mamba states are not kept here yet: one line
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core runs in this process
         from vllm import LLM
         start = time.perf_counter()
