@@ -1,8 +1,10 @@
 """Tiny hybrid models of every family of ``architectures.SHARED_IN_TRAINING``, and the float64 patches that make
 their own forward compute in float64 throughout (so that two exact layouts agree to float64 rounding)."""
 
+import functools
 import inspect
 import textwrap
+import types
 
 import pytest
 import torch
@@ -69,16 +71,25 @@ def build_hybrid(model_type: str, dtype=torch.float64, seed: int = 0):
 def rewritten(function, replacements: dict[str, str]):
     """transformers' ``function`` (under its hub wrapper and decorators) compiled again from its source with
     ``replacements`` made, in its own module's globals; None where none occurs (nothing to rewrite)."""
-    plain = inspect.unwrap(function)
+    return _rewritten(inspect.unwrap(function), tuple(replacements.items()))
+
+
+@functools.cache   # once per session: every float64 test patches the same functions
+def _rewritten(plain, replacements: tuple[tuple[str, str], ...]):
     source = textwrap.dedent(inspect.getsource(plain))
     source = source[source.index("def "):]   # without its decorators
-    if not any(old in source for old in replacements):
+    if not any(old in source for old, _ in replacements):
         return None
-    for old, new in replacements.items():
+    for old, new in replacements:
         source = source.replace(old, new)
     namespace = dict(plain.__globals__)
     exec(source, namespace)
-    return namespace[plain.__name__]
+    compiled = namespace[plain.__name__]
+    # Bound to the live module globals, so that it calls the module's functions as patched at the call.
+    function = types.FunctionType(compiled.__code__, plain.__globals__, plain.__name__, compiled.__defaults__,
+                                  compiled.__closure__)
+    function.__kwdefaults__ = compiled.__kwdefaults__
+    return function
 
 
 # What computes in float32 whatever the model's dtype (transformers 5.19), by function name or class-name suffix,

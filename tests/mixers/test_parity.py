@@ -65,8 +65,8 @@ def tree_errors(model, shape, seed=0, **kwargs):
     return errors(model, truth, result.logps, torch.cat([w[m] for w, m in zip(weights, masks)]))
 
 
-@pytest.mark.parametrize("share_prefix, backend", [(True, "cascade"), (True, "reference"), (True, "varlen"),
-                                                   (False, "auto")])
+@pytest.mark.parametrize("share_prefix, backend", [(True, "auto"), (True, "cascade"), (True, "reference"),
+                                                   (True, "varlen"), (False, "auto")])
 @pytest.mark.parametrize("pack", sorted(PACKS))
 def test_shared_prefix_is_the_models_own_forward(float64_throughout, family, pack, share_prefix, backend):
     model = build_hybrid(family)

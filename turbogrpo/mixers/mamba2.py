@@ -42,14 +42,16 @@ class Mamba2(MixerUnit):
         step = partial(scan_rows, modeling_function(module, CHUNK_KERNEL), a, module)
         b, c = (t.unflatten(-1, (module.n_groups, -1)) for t in (b, c))
         y_NHP = scan_levels(forest, (x.unflatten(-1, (module.num_heads, module.head_dim)), dt, b, c), step)
-        return module.out_proj(self.gated(module, y_NHP.flatten(1), gate).to(x_NH.dtype))[None]
+        return module.out_proj(self.gate_output(module, y_NHP.flatten(1), gate).to(x_NH.dtype))[None]
 
     @staticmethod
     def project(module, x_NH):
+        """``[N, I + C + H]``: the gate, the convolution's input and dt, from the module's input projection."""
         return module.in_proj(x_NH)
 
     @staticmethod
-    def gated(module, y, gate):
+    def gate_output(module, y, gate):
+        """``[N, I]``: the scan's output gated (and normed) as the module does it."""
         return module.norm(y, gate)
 
 
@@ -59,10 +61,11 @@ class FalconH1Mamba2(Mamba2):
 
     @staticmethod
     def project(module, x_NH):
-        return (module.in_proj(x_NH[None] * module.ssm_in_multiplier) * module.mup_vector)[0]   # mup_vector: [1, 1, .]
+        projected = module.in_proj(x_NH * module.ssm_in_multiplier)
+        return projected * module.mup_vector.reshape(-1)   # the muP vector is stored [1, 1, I + C + H]
 
     @staticmethod
-    def gated(module, y, gate):
+    def gate_output(module, y, gate):
         return module.norm(y, gate) if module.mamba_rms_norm else y * F.silu(gate)
 
 
