@@ -142,6 +142,8 @@ def install(model: nn.Module, *, training: bool = False) -> int:
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     if base.config._attn_implementation != ATTENTION_NAME:
         base.set_attn_implementation(ATTENTION_NAME)
+    if unsupported_token_mixing(base.config) is None:
+        return 0   # attention only (the rollout's per-step call): no module to look through
     mixers = [module for module in base.modules() if mixer_of(module) is not None]
     for module in mixers:
         if getattr(module.forward, "__func__", None) is not _mixer_forward:
