@@ -110,14 +110,13 @@ FLOAT32_PARTS = {
     "RMSNorm": NORM_CASTS,
     "RMSNormGated": NORM_CASTS,
     "GatedDeltaNet": {"self.A_log.float()": "self.A_log", "a.float()": "a"},
-    "Mamba2Mixer": {"self.A_log.float()": "self.A_log"},
-    "MambaLayer": {"self.A_log.float()": "self.A_log"},
-    "FalconH1Mixer": {"self.A_log.float()": "self.A_log"},
+    "Mixer": {"self.A_log.float()": "self.A_log"},        # Mamba-2: NemotronHMamba2Mixer, BambaMixer, FalconH1Mixer
+    "MambaLayer": {"self.A_log.float()": "self.A_log"},   # Mamba-2: GraniteMoeHybridMambaLayer
     "TopKRouter": {"dtype=torch.float,": "dtype=router_logits.dtype,", ".float()": ""},
     "ForCausalLM": {".float()": ""},   # Nemotron-H's own forward rounds its logits to float32
 }
 MODELING_FILES = ("qwen3_5", "qwen3_5_moe", "qwen3_next", "lfm2", "lfm2_moe", "zamba2", "nemotron_h",
-                  "granitemoehybrid", "falcon_h1")
+                  "granitemoehybrid", "bamba", "falcon_h1")
 
 
 @pytest.fixture
@@ -181,4 +180,13 @@ def falcon_h1(dtype):
     return FalconH1ForCausalLM(config).to(dtype)
 
 
-FAMILIES.update({"nemotron_h": nemotron_h, "granitemoehybrid": granitemoehybrid, "falcon_h1": falcon_h1})
+def bamba(dtype):
+    """Bamba: Mamba-2 and attention (Granite 4.0-H's mixer, dense MLPs)."""
+    from transformers import BambaConfig, BambaForCausalLM
+    config = BambaConfig(**SIZES, num_hidden_layers=3, attn_layer_indices=[1], mamba_n_heads=8, mamba_d_head=16,
+                         mamba_n_groups=2, mamba_d_state=8, mamba_chunk_size=16)
+    return BambaForCausalLM(config).to(dtype)
+
+
+FAMILIES.update({"nemotron_h": nemotron_h, "granitemoehybrid": granitemoehybrid, "bamba": bamba,
+                 "falcon_h1": falcon_h1})
