@@ -134,8 +134,9 @@ FIRST_USE_CHECKS: dict[str, str] = {
     "logits": "its logits head (LM head and the registered transforms) applied to its last hidden state equals "
               "its own `forward(input_ids).logits` on a few probe tokens, to the dtype's rounding "
               "(`turbogrpo.output_head.check_logits_head`); an unknown transform is refused",
-    "attention": "every layer's attention reaches turbogrpo's attention plan (`turbogrpo.hook.run_decoder` counts "
-                 "the calls); a layer that mixes tokens some other way is refused",
+    "attention": "every layer's attention reaches turbogrpo's attention plan, or its linear-attention, Mamba-2 or "
+                 "convolution layer a registered unit (`turbogrpo.hook.run_decoder` counts the calls; MLP-only layers "
+                 "of a hybrid expect none); a layer that mixes tokens some other way is refused",
     "attention arguments": "no attention call passes `softcap`, `s_aux` or `sinks` to a plan; such a model is "
                            "refused and keeps its own attention implementation",
 }

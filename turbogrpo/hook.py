@@ -225,6 +225,9 @@ def run_decoder(model: nn.Module, input_ids: torch.Tensor, position_ids: torch.T
                 plan: Callable) -> torch.Tensor:
     """Final hidden states ``[B, T, hidden]`` of ``model`` for ``input_ids``/``position_ids`` ``[B, T]``,
     with every attention layer computed by ``plan``.
+
+    A plan with a ``recurrent_layout()`` method (the training forwards') also runs a hybrid's other token mixers
+    (see the module docstring); without one, a hybrid is refused in one line before any work.
     """
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     implementation = base.config._attn_implementation
