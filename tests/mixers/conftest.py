@@ -8,62 +8,64 @@ import types
 
 import pytest
 import torch
-from transformers import (Lfm2Config, Lfm2ForCausalLM, Lfm2MoeConfig, Lfm2MoeForCausalLM, Qwen3_5ForCausalLM,
-                          Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig, Qwen3_5TextConfig, Qwen3NextConfig,
-                          Qwen3NextForCausalLM)
+import transformers
 
 from tests.prefix.conftest import VOCAB
 
 SIZES = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
              max_position_embeddings=256, initializer_range=0.05)
-
-LINEAR_ATTENTION = dict(head_dim=16, num_hidden_layers=3, layer_types=["linear_attention", "full_attention",
-                                                                       "linear_attention"],
+# Gated DeltaNet then full attention; two value heads per key head (the kernel's repeat), a convolution of 4.
+LINEAR_ATTENTION = dict(head_dim=16, num_hidden_layers=3,
+                        layer_types=["linear_attention", "full_attention", "linear_attention"],
                         linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
                         linear_value_head_dim=8)
 # Eager experts: the grouped matmul has no float64 kernel.
 SMALL_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, experts_implementation="eager")
+# Mamba-2: chunks of 16 tokens (prompts and trie nodes span several), heads in 2 groups of 8 state channels.
+MAMBA2 = dict(mamba_n_groups=2, mamba_d_state=8, mamba_chunk_size=16)
+
+# model type -> (transformers config and model class names, the family's settings on top of SIZES);
+# tests/test_architectures.py keeps it equal to architectures.SHARED_IN_TRAINING.
+FAMILIES = {
+    "qwen3_5_text": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", LINEAR_ATTENTION),
+    # with a sparse MoE and a shared expert for the MLP
+    "qwen3_5_moe_text": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM",
+                         LINEAR_ATTENTION | SMALL_MOE | dict(shared_expert_intermediate_size=32)),
+    # q, k, v, z (and b, a) from fused projections grouped by key head; a sparse MoE
+    "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM",
+                   LINEAR_ATTENTION | SMALL_MOE | dict(shared_expert_intermediate_size=32)),
+    # gated short convolutions (width 3) around one attention layer, biased
+    "lfm2": ("Lfm2Config", "Lfm2ForCausalLM", dict(num_hidden_layers=3, full_attn_idxs=[1], conv_bias=True)),
+    # a dense first layer, then sparse MoE
+    "lfm2_moe": ("Lfm2MoeConfig", "Lfm2MoeForCausalLM",
+                 SMALL_MOE | dict(num_hidden_layers=3, layer_types=["conv", "full_attention", "conv"],
+                                  num_dense_layers=1, conv_bias=True)),
+    # Mamba-2, attention and an MLP-only block (a layer that mixes no tokens)
+    "nemotron_h": ("NemotronHConfig", "NemotronHForCausalLM",
+                   dict(head_dim=16, num_hidden_layers=4,
+                        layer_types=["linear_attention", "full_attention", "mlp", "linear_attention"],
+                        mamba_num_heads=4, mamba_head_dim=8, ssm_state_size=8, n_groups=2, chunk_size=16)),
+    # Granite 4.0-H: Mamba-2 and attention, MoE MLPs with a shared expert
+    "granitemoehybrid": ("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM",
+                         MAMBA2 | dict(num_hidden_layers=3, layer_types=["mamba", "attention", "mamba"],
+                                       mamba_n_heads=8, mamba_d_head=16, num_local_experts=4, num_experts_per_tok=2,
+                                       shared_intermediate_size=32, experts_implementation="eager")),
+    # Granite 4.0-H's mixer, dense MLPs
+    "bamba": ("BambaConfig", "BambaForCausalLM",
+              MAMBA2 | dict(num_hidden_layers=3, attn_layer_indices=[1], mamba_n_heads=8, mamba_d_head=16)),
+    # Mamba-2 and attention side by side in every layer, muP multipliers
+    "falcon_h1": ("FalconH1Config", "FalconH1ForCausalLM",
+                  MAMBA2 | dict(head_dim=16, num_hidden_layers=2, mamba_d_ssm=32, mamba_n_heads=4, mamba_d_head=8,
+                                ssm_in_multiplier=0.5, ssm_multipliers=[1.0, 0.5, 2.0, 0.25, 1.5])),
+}
 
 
-def qwen3_5(dtype):
-    """Gated DeltaNet then full attention; two value heads per key head (the kernel's repeat), short conv of 4."""
-    config = Qwen3_5TextConfig(**SIZES, **LINEAR_ATTENTION)
-    return Qwen3_5ForCausalLM(config).to(dtype)
-
-
-def lfm2(dtype):
-    """Gated short convolutions (width 3) around one attention layer, biased."""
-    config = Lfm2Config(**SIZES, num_hidden_layers=3, full_attn_idxs=[1], conv_bias=True)
-    return Lfm2ForCausalLM(config).to(dtype)
-
-
-def qwen3_5_moe(dtype):
-    """Qwen3.5's layers with a sparse MoE (and a shared expert) for the MLP."""
-    config = Qwen3_5MoeTextConfig(**SIZES, **LINEAR_ATTENTION, **SMALL_MOE, shared_expert_intermediate_size=32)
-    return Qwen3_5MoeForCausalLM(config).to(dtype)
-
-
-def qwen3_next(dtype):
-    """Qwen3-Next: q, k, v, z (and b, a) from fused projections grouped by key head; a sparse MoE."""
-    config = Qwen3NextConfig(**SIZES, **LINEAR_ATTENTION, **SMALL_MOE, shared_expert_intermediate_size=32)
-    return Qwen3NextForCausalLM(config).to(dtype)
-
-
-def lfm2_moe(dtype):
-    """LFM2's layers, a dense first layer then sparse MoE."""
-    config = Lfm2MoeConfig(**SIZES, **SMALL_MOE, num_hidden_layers=3, layer_types=["conv", "full_attention", "conv"],
-                           num_dense_layers=1, conv_bias=True)
-    return Lfm2MoeForCausalLM(config).to(dtype)
-
-
-# model type -> builder; tests/test_architectures.py keeps it equal to architectures.SHARED_IN_TRAINING.
-FAMILIES = {"qwen3_5_text": qwen3_5, "qwen3_5_moe_text": qwen3_5_moe, "qwen3_next": qwen3_next, "lfm2": lfm2,
-            "lfm2_moe": lfm2_moe}
-
-
-def build_hybrid(model_type: str, dtype=torch.float64, seed: int = 0):
+def build_hybrid(model_type: str, dtype=torch.float64, seed: int = 0, **overrides):
+    """A tiny model of ``model_type``; ``overrides`` go to its config (e.g. ``vocab_size``)."""
+    config_class, model_class, settings = FAMILIES[model_type]
+    config = getattr(transformers, config_class)(**SIZES | settings | overrides)
     torch.manual_seed(seed)
-    model = FAMILIES[model_type](dtype).eval()
+    model = getattr(transformers, model_class)(config).to(dtype).eval()
     assert model.config.model_type == model_type
     return model
 
@@ -149,44 +151,3 @@ def single_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
-
-
-# Mamba-2: chunks of 16 tokens (prompts and trie nodes span several), 4 heads of 8 in 2 groups of 8 state channels.
-def nemotron_h(dtype):
-    """Mamba-2, attention and MLP-only blocks (a layer that mixes no tokens)."""
-    from transformers import NemotronHConfig, NemotronHForCausalLM
-    config = NemotronHConfig(**SIZES, head_dim=16, num_hidden_layers=4,
-                             layer_types=["linear_attention", "full_attention", "mlp", "linear_attention"],
-                             mamba_num_heads=4, mamba_head_dim=8, ssm_state_size=8, n_groups=2, chunk_size=16)
-    return NemotronHForCausalLM(config).to(dtype)
-
-
-def granitemoehybrid(dtype):
-    """Granite 4.0-H: Mamba-2 and attention, MoE MLPs with a shared expert."""
-    from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
-    config = GraniteMoeHybridConfig(**SIZES, num_hidden_layers=3, layer_types=["mamba", "attention", "mamba"],
-                                    mamba_n_heads=8, mamba_d_head=16, mamba_n_groups=2, mamba_d_state=8,
-                                    mamba_chunk_size=16, num_local_experts=4, num_experts_per_tok=2,
-                                    shared_intermediate_size=32, experts_implementation="eager")
-    return GraniteMoeHybridForCausalLM(config).to(dtype)
-
-
-def falcon_h1(dtype):
-    """Falcon-H1: Mamba-2 and attention side by side in every layer, muP multipliers."""
-    from transformers import FalconH1Config, FalconH1ForCausalLM
-    config = FalconH1Config(**SIZES, head_dim=16, num_hidden_layers=2, mamba_d_ssm=32, mamba_n_heads=4,
-                            mamba_d_head=8, mamba_n_groups=2, mamba_d_state=8, mamba_chunk_size=16,
-                            ssm_in_multiplier=0.5, ssm_multipliers=[1.0, 0.5, 2.0, 0.25, 1.5])
-    return FalconH1ForCausalLM(config).to(dtype)
-
-
-def bamba(dtype):
-    """Bamba: Mamba-2 and attention (Granite 4.0-H's mixer, dense MLPs)."""
-    from transformers import BambaConfig, BambaForCausalLM
-    config = BambaConfig(**SIZES, num_hidden_layers=3, attn_layer_indices=[1], mamba_n_heads=8, mamba_d_head=16,
-                         mamba_n_groups=2, mamba_d_state=8, mamba_chunk_size=16)
-    return BambaForCausalLM(config).to(dtype)
-
-
-FAMILIES.update({"nemotron_h": nemotron_h, "granitemoehybrid": granitemoehybrid, "bamba": bamba,
-                 "falcon_h1": falcon_h1})

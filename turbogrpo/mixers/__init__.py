@@ -3,6 +3,7 @@ node once and its children from its final state, one registered unit per layer f
 
 from turbogrpo.mixers import gated_delta, mamba2, short_conv  # noqa: F401 (each module registers its units)
 from turbogrpo.mixers.forest import SegmentForest, path_conv, scan_levels
-from turbogrpo.mixers.registry import MIXERS, MixerUnit, mixer_of, register_mixer
+from turbogrpo.mixers.registry import MIXERS, MixerUnit, mixer_of, padding_reaches_state, register_mixer
 
-__all__ = ["MIXERS", "MixerUnit", "SegmentForest", "mixer_of", "path_conv", "register_mixer", "scan_levels"]
+__all__ = ["MIXERS", "MixerUnit", "SegmentForest", "mixer_of", "padding_reaches_state", "path_conv", "register_mixer",
+           "scan_levels"]

@@ -1,4 +1,4 @@
-"""Mamba-2 (Nemotron-H, Granite 4.0-H, Bamba, Falcon-H1): a short causal convolution, then the selective state space scan.
+"""Mamba-2 (Nemotron-H, Granite 4.0-H, Bamba, Falcon-H1): a short causal convolution, then the selective scan.
 
 The convolution runs along each token's path (``forest.path_conv``), the scan level by level with transformers'
 chunked kernel (``mamba2_chunk_scan``, or mamba-ssm's where installed), each level from its parents' final
@@ -43,6 +43,9 @@ class Mamba2(MixerUnit):
         b, c = (t.unflatten(-1, (module.n_groups, -1)) for t in (b, c))
         y_NHP = scan_levels(forest, (x.unflatten(-1, (module.num_heads, module.head_dim)), dt, b, c), step)
         return module.out_proj(self.gate_output(module, y_NHP.flatten(1), gate).to(x_NH.dtype))[None]
+
+    def padding_reaches_state(self, module):
+        return module.in_proj.bias is not None   # into the next tokens' convolution window
 
     @staticmethod
     def project(module, x_NH):

@@ -48,9 +48,22 @@ class MixerUnit:
         """``[1, N, Hd]`` -> ``[1, N, Hd]``: the module's output for the forest's flat tokens."""
         raise NotImplementedError
 
+    def padding_reaches_state(self, module: nn.Module) -> bool:
+        """Whether the module's own forward of a left-padded row carries the padding into its real tokens.
+        transformers zeroes a pad's hidden state before the module's input projection, so a bias on that
+        projection still writes the pad into the state (or a convolution's window); then a left-padded row's
+        numbers differ from the unpadded sequence's, which the shared forward computes."""
+        return False
+
 
 def mixer_of(module: nn.Module) -> MixerUnit | None:
     return MIXERS.get(type(module).__name__)
+
+
+def padding_reaches_state(model: nn.Module) -> bool:
+    """Whether any of ``model``'s registered mixers carries a row's left padding into its state (see
+    :meth:`MixerUnit.padding_reaches_state`)."""
+    return any(unit.padding_reaches_state(module) for module in model.modules() if (unit := mixer_of(module)))
 
 
 def modeling_function(module: nn.Module, name: str) -> Callable:

@@ -20,3 +20,6 @@ class ShortConv(MixerUnit):
         b, c, x = module.in_proj(hidden_1NH[0]).chunk(3, dim=-1)   # [N, Hd] each
         conv = path_conv(b * x, forest.taps(module.conv_kernel_size), module.conv.weight[:, 0], module.conv.bias)
         return module.out_proj(c * conv)[None]
+
+    def padding_reaches_state(self, module):
+        return module.in_proj.bias is not None   # a pad's B * x is bias * bias, in the next tokens' window
