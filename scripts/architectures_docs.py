@@ -60,8 +60,8 @@ def render() -> str:
     lines += ["## Shared in training", "",
               "Hybrid models whose stateful layers run through a registered unit (`turbogrpo.mixers.MIXERS`), verified "
               "by the test suite against each model's own forward in float64 (shared-prefix and tree log-probs and "
-              "every parameter gradient, with activation checkpointing; tests/mixers). Sampling them needs a state "
-              "cache the rollout engine does not have yet.", ""]
+              "every parameter gradient, with activation checkpointing; tests/mixers). The TRL drop-in shares them too. "
+              "Sampling them needs a state cache the rollout engines do not have yet.", ""]
     lines += table(["model type", "layers"], [[f"`{t}`", layers] for t, layers in SHARED_IN_TRAINING.items()])
     lines += table(["module class", "runs as"], [[f"`{name}`", unit.what] for name, unit in sorted(MIXERS.items())])
     lines += ["## Logits transformed after the LM head", "",
