@@ -34,6 +34,9 @@ FAMILIES = {
     # q, k, v, z (and b, a) from fused projections grouped by key head; a sparse MoE
     "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM",
                    LINEAR_ATTENTION | SMALL_MOE | dict(shared_expert_intermediate_size=32)),
+    # separate q, k, v, gate, a, b projections; beta in [0, 2]
+    "olmo_hybrid": ("OlmoHybridConfig", "OlmoHybridForCausalLM",
+                    LINEAR_ATTENTION | dict(linear_allow_neg_eigval=True, pad_token_id=None, eos_token_id=None)),
     # gated short convolutions (width 3) around one attention layer, biased
     "lfm2": ("Lfm2Config", "Lfm2ForCausalLM", dict(num_hidden_layers=3, full_attn_idxs=[1], conv_bias=True)),
     # a dense first layer, then sparse MoE
@@ -111,13 +114,13 @@ FLOAT32_PARTS = {
     "mamba2_chunk_scan": {".float()": ""},
     "RMSNorm": NORM_CASTS,
     "RMSNormGated": NORM_CASTS,
-    "GatedDeltaNet": {"self.A_log.float()": "self.A_log", "a.float()": "a"},
+    "GatedDeltaNet": {".float()": ""},
     "Mixer": {"self.A_log.float()": "self.A_log"},        # Mamba-2: NemotronHMamba2Mixer, BambaMixer, FalconH1Mixer
     "MambaLayer": {"self.A_log.float()": "self.A_log"},   # Mamba-2: GraniteMoeHybridMambaLayer
     "TopKRouter": {"dtype=torch.float,": "dtype=router_logits.dtype,", ".float()": ""},
     "ForCausalLM": {".float()": ""},   # Nemotron-H's own forward rounds its logits to float32
 }
-MODELING_FILES = ("qwen3_5", "qwen3_5_moe", "qwen3_next", "lfm2", "lfm2_moe", "zamba2", "nemotron_h",
+MODELING_FILES = ("qwen3_5", "qwen3_5_moe", "qwen3_next", "olmo_hybrid", "lfm2", "lfm2_moe", "zamba2", "nemotron_h",
                   "granitemoehybrid", "bamba", "falcon_h1")
 
 

@@ -1,4 +1,4 @@
-"""Gated DeltaNet (Qwen3.5, Qwen3-Next): a short causal convolution, then the gated delta rule's matrix state.
+"""Gated DeltaNet (Qwen3.5, Qwen3-Next, OLMo-hybrid): a short causal convolution, then the gated delta rule's matrix state.
 
 Both run over the forest: the convolution along each token's path (``forest.path_conv``: a child's first
 tokens read its parent's last inputs, the convolution's state), the delta rule level by level with transformers'
@@ -37,7 +37,7 @@ class GatedDeltaNet(MixerUnit):
         query, key, value = mixed_qkv_NC.split([module.key_dim, module.key_dim, module.value_dim], dim=-1)
         query, key = (t.unflatten(-1, (-1, module.head_k_dim)) for t in (query, key))
         value = value.unflatten(-1, (-1, module.head_v_dim))
-        beta = b.sigmoid()
+        beta = self.beta(module, b)
         # In float32 at least, as the module (a half-precision A would overflow to -inf); unlike its .float(), a
         # float64 model keeps float64 (the module rounds A and a to float32 there).
         g = -at_least_float32(module.A_log).exp() * F.softplus(at_least_float32(a) + module.dt_bias)
@@ -45,14 +45,24 @@ class GatedDeltaNet(MixerUnit):
             query, key = (t.repeat_interleave(module.num_v_heads // module.num_k_heads, dim=1) for t in (query, key))
         step = partial(delta_rule_rows, modeling_function(module, CHUNK_KERNEL))
         core_NVD = scan_levels(forest, (query, key, value, g, beta), step)
-        core = module.norm(core_NVD.reshape(-1, module.head_v_dim), z.reshape(-1, module.head_v_dim))
-        return module.out_proj(core.reshape(x_NH.shape[0], -1))[None]
+        return self.output(module, core_NVD, z)[None]
 
     @staticmethod
     def project(module, x_NH):
         """``(mixed_qkv [N, C], z [N, Hv, Dv], b [N, Hv], a [N, Hv])`` from the module's input projections."""
         z = module.in_proj_z(x_NH).unflatten(-1, (-1, module.head_v_dim))
         return module.in_proj_qkv(x_NH), z, module.in_proj_b(x_NH), module.in_proj_a(x_NH)
+
+    @staticmethod
+    def beta(module, b):
+        """``[N, Hv]``: the delta rule's write strength, from the projection ``b``."""
+        return b.sigmoid()
+
+    @staticmethod
+    def output(module, core_NVD, z):
+        """``[N, Hd]``: the rule's output ``[N, Hv, Dv]`` normed, gated by ``z`` and projected out."""
+        core = module.norm(core_NVD.flatten(0, 1), z.flatten(0, 1))
+        return module.out_proj(core.unflatten(0, core_NVD.shape[:2]).flatten(1))
 
 
 @register_mixer("Qwen3NextGatedDeltaNet")
@@ -65,6 +75,27 @@ class FusedProjectionGatedDeltaNet(GatedDeltaNet):
                                                                          module.in_proj_ba(x_NH)[None])
         mixed_qkv = torch.cat([t[0].flatten(1) for t in (query, key, value)], dim=-1)
         return mixed_qkv, z[0], b[0], a[0]
+
+
+@register_mixer("OlmoHybridGatedDeltaNet")
+class SeparateProjectionGatedDeltaNet(GatedDeltaNet):
+    """OLMo-hybrid: q, k, v, the gate, a and b from separate projections; beta in [0, 2] where the config allows
+    negative eigenvalues; its own output norm and projection."""
+
+    @staticmethod
+    def project(module, x_NH):
+        mixed_qkv = torch.cat([module.q_proj(x_NH), module.k_proj(x_NH), module.v_proj(x_NH)], dim=-1)
+        z = module.g_proj(x_NH).unflatten(-1, (-1, module.head_v_dim))
+        return mixed_qkv, z, module.b_proj(x_NH), module.a_proj(x_NH)
+
+    @staticmethod
+    def beta(module, b):
+        return b.sigmoid() * (2.0 if module.allow_neg_eigval else 1.0)
+
+    @staticmethod
+    def output(module, core_NVD, z):
+        core = module.o_norm(core_NVD.flatten(0, 1), z.flatten(0, 1))
+        return module.o_proj(core.unflatten(0, core_NVD.shape[:2]).flatten(1))
 
 
 def delta_rule_rows(kernel, query, key, value, g, beta, *, valid, initial_state):
