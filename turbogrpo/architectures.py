@@ -95,6 +95,7 @@ SHARED_IN_TRAINING: dict[str, str] = {
     "nemotron_h": "Mamba-2, full attention and MLP-only layers",
     "granitemoehybrid": "Mamba-2 and full attention, sparse MoE",
     "bamba": "Mamba-2 and full attention",
+    "zamba2": "Mamba-2 in every layer, a shared attention block in some",
     "falcon_h1": "Mamba-2 and full attention side by side in every layer, muP multipliers",
 }
 # Layer types of hybrid decoders that mix no tokens (a layer given to an MLP alone): no plan call to expect.

@@ -56,6 +56,11 @@ FAMILIES = {
     # Granite 4.0-H's mixer, dense MLPs
     "bamba": ("BambaConfig", "BambaForCausalLM",
               MAMBA2 | dict(num_hidden_layers=3, attn_layer_indices=[1], mamba_n_heads=8, mamba_d_head=16)),
+    # Mamba-2 in every layer, a shared attention block (on the hidden state and the embeddings) in "hybrid" ones
+    "zamba2": ("Zamba2Config", "Zamba2ForCausalLM",
+               dict(num_hidden_layers=3, layers_block_type=["mamba", "hybrid", "mamba"], mamba_d_state=8,
+                    mamba_ngroups=2, n_mamba_heads=8, chunk_size=16, pad_token_id=None, bos_token_id=None,
+                    eos_token_id=None)),
     # Mamba-2 and attention side by side in every layer, muP multipliers
     "falcon_h1": ("FalconH1Config", "FalconH1ForCausalLM",
                   MAMBA2 | dict(head_dim=16, num_hidden_layers=2, mamba_d_ssm=32, mamba_n_heads=4, mamba_d_head=8,

@@ -1,4 +1,4 @@
-"""Mamba-2 (Nemotron-H, Granite 4.0-H, Bamba, Falcon-H1): a short causal convolution, then the selective scan.
+"""Mamba-2 (Nemotron-H, Granite 4.0-H, Bamba, Zamba2, Falcon-H1): a causal convolution, then the selective scan.
 
 The convolution runs along each token's path (``forest.path_conv``), the scan level by level with transformers'
 chunked kernel (``mamba2_chunk_scan``, or mamba-ssm's where installed), each level from its parents' final
@@ -24,7 +24,7 @@ from turbogrpo.mixers.registry import MixerUnit, at_least_float32, modeling_func
 CHUNK_KERNEL = "mamba2_chunk_scan"   # the name of the chunked scan in the modeling files
 
 
-@register_mixer("NemotronHMamba2Mixer", "GraniteMoeHybridMambaLayer", "BambaMixer")
+@register_mixer("NemotronHMamba2Mixer", "GraniteMoeHybridMambaLayer", "BambaMixer", "Zamba2MambaMixer")
 class Mamba2(MixerUnit):
     what = "Mamba-2 selective state space"
 
