@@ -1,4 +1,4 @@
-"""Gated DeltaNet (Qwen3.5, Qwen3-Next, OLMo-hybrid): a short causal convolution, then the gated delta rule's matrix state.
+"""Gated DeltaNet (Qwen3.5, Qwen3-Next, OLMo-hybrid): a short causal convolution, then the gated delta rule.
 
 Both run over the forest: the convolution along each token's path (``forest.path_conv``: a child's first
 tokens read its parent's last inputs, the convolution's state), the delta rule level by level with transformers'
