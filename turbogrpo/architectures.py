@@ -90,6 +90,7 @@ SHARED_IN_TRAINING: dict[str, str] = {
     "qwen3_5_moe_text": "gated DeltaNet and full attention, sparse MoE",
     "qwen3_next": "gated DeltaNet (fused projections) and full attention, sparse MoE",
     "olmo_hybrid": "gated DeltaNet (separate projections, negative eigenvalues) and full attention",
+    "kimi_linear": "Kimi delta attention (a decay per key channel) and multi-head latent attention, sparse MoE",
     "lfm2": "gated short convolutions and full attention",
     "lfm2_moe": "gated short convolutions and full attention, sparse MoE",
     "nemotron_h": "Mamba-2, full attention and MLP-only layers",

@@ -37,6 +37,13 @@ FAMILIES = {
     # separate q, k, v, gate, a, b projections; beta in [0, 2]
     "olmo_hybrid": ("OlmoHybridConfig", "OlmoHybridForCausalLM",
                     LINEAR_ATTENTION | dict(linear_allow_neg_eigval=True, pad_token_id=None, eos_token_id=None)),
+    # Kimi delta attention (a decay per key channel) and multi-head latent attention; a dense layer, then MoE
+    "kimi_linear": ("KimiLinearConfig", "KimiLinearForCausalLM",
+                    dict(num_hidden_layers=3, layer_types=["linear_attention", "full_attention", "linear_attention"],
+                         linear_num_heads=4, linear_head_dim=8, kv_lora_rank=16, qk_rope_head_dim=8,
+                         qk_nope_head_dim=8, v_head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+                         moe_intermediate_size=32, experts_implementation="eager", pad_token_id=None,
+                         bos_token_id=None, eos_token_id=None)),
     # gated short convolutions (width 3) around one attention layer, biased
     "lfm2": ("Lfm2Config", "Lfm2ForCausalLM", dict(num_hidden_layers=3, full_attn_idxs=[1], conv_bias=True)),
     # a dense first layer, then sparse MoE
@@ -116,17 +123,21 @@ NORM_CASTS = {".float()": "", "torch.float32": "input_dtype"}
 FLOAT32_PARTS = {
     "torch_chunk_gated_delta_rule": {"torch.float32": "initial_dtype"},
     "torch_recurrent_gated_delta_rule": {"torch.float32": "initial_dtype"},
+    "chunk_kimi_delta_attention": {"torch.float32": "initial_dtype", ".float()": ""},
+    "recurrent_kimi_delta_attention": {"torch.float32": "initial_dtype"},
     "mamba2_chunk_scan": {".float()": ""},
     "RMSNorm": NORM_CASTS,
     "RMSNormGated": NORM_CASTS,
     "GatedDeltaNet": {".float()": ""},
+    "ForgetGate": {".float()": ""},   # Kimi Linear's decay
     "Mixer": {"self.A_log.float()": "self.A_log"},        # Mamba-2: NemotronHMamba2Mixer, BambaMixer, FalconH1Mixer
     "MambaLayer": {"self.A_log.float()": "self.A_log"},   # Mamba-2: GraniteMoeHybridMambaLayer
     "TopKRouter": {"dtype=torch.float,": "dtype=router_logits.dtype,", ".float()": ""},
+    "TopkRouter": {"torch.float32": "hidden_states.dtype"},   # Kimi Linear's
     "ForCausalLM": {".float()": ""},   # Nemotron-H's own forward rounds its logits to float32
 }
-MODELING_FILES = ("qwen3_5", "qwen3_5_moe", "qwen3_next", "olmo_hybrid", "lfm2", "lfm2_moe", "zamba2", "nemotron_h",
-                  "granitemoehybrid", "bamba", "falcon_h1")
+MODELING_FILES = ("qwen3_5", "qwen3_5_moe", "qwen3_next", "olmo_hybrid", "kimi_linear", "lfm2", "lfm2_moe",
+                  "zamba2", "nemotron_h", "granitemoehybrid", "bamba", "falcon_h1")
 
 
 @pytest.fixture
