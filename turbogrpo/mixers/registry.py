@@ -10,7 +10,9 @@ call carries a plan that shares tokens.
 A unit mirrors its module's own forward (transformers 5.19) with the token mixing run over the forest; the
 per-token parts (projections, gates, norms) use the module's own submodules and parameters, and the
 chunked kernels are looked up in the module's own modeling file at every call (so the optimized kernels
-transformers picked, flash-linear-attention or causal-conv1d, and any patch of them, apply to both).
+transformers picked, flash-linear-attention's or mamba-ssm's where installed, and any patch of them, apply to
+both). The short convolutions run as one gather over the whole forest (``forest.path_conv``), not through
+causal-conv1d: a child's first taps read its parent's last inputs, which a per-row kernel cannot.
 
 Shape legend: N flat tokens, Hd hidden size.
 """
