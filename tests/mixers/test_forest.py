@@ -59,6 +59,15 @@ def test_path_conv_is_a_causal_conv1d_along_every_path():
         torch.testing.assert_close(out[path], along.T, rtol=0, atol=1e-6)
 
 
+def test_path_conv_gradients_are_its_own_derivatives():
+    """Its backward (hand-written, recomputing each tap's gather) against finite differences, zero taps included."""
+    torch.manual_seed(0)
+    x, weight = torch.randn(7, 3, dtype=torch.float64, requires_grad=True), torch.randn(3, 4, dtype=torch.float64,
+                                                                                         requires_grad=True)
+    taps = forest().taps(4)
+    assert torch.autograd.gradcheck(lambda x, w: path_conv(x, taps, w, None), (x, weight))
+
+
 def wrong_steps():
     step = gated_delta.delta_rule_rows
 

@@ -135,6 +135,31 @@ def path_conv(x: torch.Tensor, taps: torch.Tensor, weight: torch.Tensor, bias: t
     ``bias`` ``[C]``. Token t's output is ``sum_k weight[:, k] * x[taps[t, k]] + bias``, what ``F.conv1d`` with
     ``K - 1`` zeros of left padding gives along one sequence: taps before a root read zeros.
     """
-    padded = torch.cat([x, x.new_zeros(1, x.shape[1])])   # index -1 reads the zero row
-    out = (padded[taps] * weight.T.to(x.dtype)).sum(1)
+    out = PathConv.apply(x, weight.to(x.dtype), taps)
     return out if bias is None else out + bias
+
+
+class PathConv(torch.autograd.Function):
+    """``sum_k weight[:, k] * x[taps[:, k]]``, one tap at a time, keeping only ``x`` for the backward: autograd
+    would keep each tap's ``[N, C]`` gather (K copies of the input), this recomputes them there."""
+
+    @staticmethod
+    def forward(ctx, x, weight, taps):
+        rows = taps.remainder(x.shape[0] + 1)   # -1 (before a root) -> row N, the zero row
+        padded = torch.cat([x, x.new_zeros(1, x.shape[1])])
+        out = padded[rows[:, 0]] * weight[:, 0]
+        for k in range(1, weight.shape[1]):
+            out += padded[rows[:, k]] * weight[:, k]
+        ctx.save_for_backward(x, weight, rows)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight, rows = ctx.saved_tensors
+        padded = torch.cat([x, x.new_zeros(1, x.shape[1])])
+        grad_padded = torch.zeros_like(padded)
+        grad_weight = torch.empty_like(weight)
+        for k in range(weight.shape[1]):
+            grad_weight[:, k] = (grad_out * padded[rows[:, k]]).sum(0)
+            grad_padded.index_add_(0, rows[:, k], grad_out * weight[:, k])
+        return grad_padded[:-1], grad_weight, None
