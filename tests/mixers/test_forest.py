@@ -25,12 +25,19 @@ def test_taps_follow_each_tokens_path_back_to_its_root():
     assert taps.tolist() == [[-1, -1, 0], [-1, 0, 1], [0, 1, 2], [1, 2, 3], [2, 3, 4], [1, 2, 5], [2, 5, 6]]
 
 
-def test_levels_hold_each_depths_segments_as_padded_rows():
+def test_levels_hold_each_depths_segments_as_blocks_of_padded_rows():
+    """Blocks by length (powers of two), shortest first; a level's rows are its blocks' in turn."""
     levels = forest().levels
-    assert [level.rows.shape for level in levels] == [(1, 3), (2, 2), (1, 1)]
-    assert levels[1].rows.tolist() == [[3, 4], [5, 0]] and levels[1].valid.tolist() == [[True, True], [True, False]]
-    assert levels[0].parent_rows is None and levels[1].parent_rows.tolist() == [0, 0]
-    assert levels[2].parent_rows.tolist() == [1]   # segment 3's parent is row 1 of level 1
+    assert [[block.rows.tolist() for block in level] for level in levels] == [[[[0, 1, 2]]], [[[5]], [[3, 4]]],
+                                                                              [[[6]]]]
+    assert levels[0][0].parent_rows is None
+    assert [block.parent_rows.tolist() for block in levels[1]] == [[0], [0]]
+    assert levels[2][0].parent_rows.tolist() == [0]   # segment 3's parent (segment 2) is row 0 of level 1
+    # Lengths 3 and 4 share a block (padding at most doubles a row), 1 has its own.
+    (roots,), (ones, threes_and_fours) = SegmentForest.build([0, 2, 5, 9], [2, 3, 4, 1], [-1, 0, 0, 0],
+                                                             torch.device("cpu")).levels
+    assert ones.rows.tolist() == [[9]] and threes_and_fours.rows.tolist() == [[2, 3, 4, 0], [5, 6, 7, 8]]
+    assert threes_and_fours.valid.tolist() == [[True, True, True, False], [True] * 4]
 
 
 def running_sum(x, *, valid, initial_state):

@@ -9,16 +9,18 @@ the same state, so it is computed once and read by all of them (its gradient sum
 
 :class:`SegmentForest` holds what the mixers need, on the device, built once per pack or trie:
 
-* ``levels``: the segments level by level (roots first), each level as padded ``[R, W]`` rows of flat
-  indices, plus the row of each segment's parent in the level above. A recurrent mixer runs one batched call
-  per level (:func:`scan_levels`), from the final states of the level above;
+* ``levels``: the segments level by level (roots first), each level as blocks of padded ``[R, W]`` rows of
+  flat indices, plus the row of each segment's parent in the level above. A recurrent mixer runs one batched
+  call per block (:func:`scan_levels`), from the final states of the level above. A level's segments are
+  bucketed by length (powers of two), so that padding at most doubles a row, as the tree attention's cascade
+  does;
 * ``taps(K)``: for every token, the flat indices of the ``K`` tokens ending at it along its path (-1 before a
   root's first token). A causal convolution of width ``K`` reads them in one gather for the whole forest:
   the taps of a child's first tokens reach into its parent's last ones, which is the convolution's state.
 
 Host syncs: none. Every index is built on the host from host ints (the segment lengths) and uploaded once.
 
-Shape legend: N flat tokens, S segments, R rows (segments) of one level, W its longest segment, K a
+Shape legend: N flat tokens, S segments, R rows (segments) of one block, W its longest segment, K a
 convolution's width.
 """
 
@@ -33,14 +35,17 @@ import torch
 from turbogrpo.device_index import upload
 
 
-class Level(NamedTuple):
-    """The segments of one depth of the forest as padded rows (right-padded: a pad slot follows every real
-    token of its row, so a causal recurrence never carries it into a real token)."""
+class Block(NamedTuple):
+    """Segments of one depth of the forest, of similar lengths, as padded rows (right-padded: a pad slot follows
+    every real token of its row, so a causal recurrence never carries it into a real token)."""
 
     rows: torch.Tensor                # [R, W] flat index of each slot (pad slots read token 0)
     valid: torch.Tensor               # [R, W] bool: real slots
     slots: torch.Tensor               # [n] the real slots of ``rows.flatten()``, row by row
-    parent_rows: torch.Tensor | None  # [R] row of each segment's parent in the level above (None: roots)
+    parent_rows: torch.Tensor | None  # [R] row of each segment's parent among the level above's (None: roots)
+
+
+Level = tuple[Block, ...]   # a depth's blocks; its rows are theirs in turn
 
 
 @dataclass(frozen=True, eq=False)
@@ -66,13 +71,16 @@ class SegmentForest:
             before = starts[parent] + lengths[parent] - 1 if parent >= 0 else -1
             predecessor[start:start + length] = torch.arange(start - 1, start + length - 1)
             predecessor[start] = before
-        by_level: list[list[int]] = [[] for _ in range(max(depth) + 1)]
+        # Per depth, the segments bucketed by length: (length - 1).bit_length() is the power of two it rounds to.
+        by_level: list[dict[int, list[int]]] = [{} for _ in range(max(depth) + 1)]
         for s, d in enumerate(depth):
-            by_level[d].append(s)
-        row_of = {s: row for segments in by_level for row, s in enumerate(segments)}
-        levels = [_level(segments, starts, lengths, parents, row_of, device) for segments in by_level]
-        real = torch.cat([torch.cat([torch.arange(starts[s], starts[s] + lengths[s]) for s in segments])
-                          for segments in by_level])
+            by_level[d].setdefault((lengths[s] - 1).bit_length(), []).append(s)
+        by_level_block = [[blocks[key] for key in sorted(blocks)] for blocks in by_level]
+        row_of = {s: row for blocks in by_level_block for row, s in enumerate(s for block in blocks for s in block)}
+        levels = [tuple(_block(segments, starts, lengths, parents, row_of, device) for segments in blocks)
+                  for blocks in by_level_block]
+        real = torch.cat([torch.arange(starts[s], starts[s] + lengths[s])
+                          for blocks in by_level_block for block in blocks for s in block])
         order = torch.empty_like(real)
         order[real] = torch.arange(real.numel())
         return SegmentForest(int(real.numel()), predecessor, tuple(levels), upload(order, device), device)
@@ -89,7 +97,7 @@ class SegmentForest:
         return self._taps[width]
 
 
-def _level(segments, starts, lengths, parents, row_of, device) -> Level:
+def _block(segments, starts, lengths, parents, row_of, device) -> Block:
     width = max(lengths[s] for s in segments)
     rows = torch.zeros(len(segments), width, dtype=torch.long)
     valid = torch.zeros(len(segments), width, dtype=torch.bool)
@@ -100,7 +108,7 @@ def _level(segments, starts, lengths, parents, row_of, device) -> Level:
     parent_rows = None
     if parents[segments[0]] >= 0:
         parent_rows = upload(torch.tensor([row_of[parents[s]] for s in segments]), device)
-    return Level(upload(rows, device), upload(valid, device), upload(slots, device), parent_rows)
+    return Block(upload(rows, device), upload(valid, device), upload(slots, device), parent_rows)
 
 
 States = tuple[torch.Tensor, ...]
@@ -108,7 +116,7 @@ Step = Callable[..., tuple[torch.Tensor, States]]
 
 
 def scan_levels(forest: SegmentForest, inputs: tuple[torch.Tensor, ...], step: Step) -> torch.Tensor:
-    """Run a recurrent mixer over the forest, one batched call per level.
+    """Run a recurrent mixer over the forest, one batched call per block of a level.
 
     Args:
         inputs: per-token tensors ``[N, ...]`` (the mixer's inputs after its projections).
@@ -122,9 +130,14 @@ def scan_levels(forest: SegmentForest, inputs: tuple[torch.Tensor, ...], step: S
     """
     outputs, states = [], None
     for level in forest.levels:
-        initial = None if level.parent_rows is None else tuple(s[level.parent_rows] for s in states)
-        out, states = step(*(x[level.rows] for x in inputs), valid=level.valid, initial_state=initial)
-        outputs.append(out.flatten(0, 1)[level.slots])
+        level_states = []
+        for block in level:
+            initial = None if block.parent_rows is None else tuple(s[block.parent_rows] for s in states)
+            out, final = step(*(x[block.rows] for x in inputs), valid=block.valid, initial_state=initial)
+            outputs.append(out.flatten(0, 1)[block.slots])
+            level_states.append(final)
+        # The level's final states, row by row: what its children's parent_rows index.
+        states = level_states[0] if len(level) == 1 else tuple(torch.cat(parts) for parts in zip(*level_states))
     return torch.cat(outputs)[forest.order]
 
 
