@@ -26,6 +26,10 @@ forward makes its logits:
 - **shared**: the shared-prefix training forward (`completion_logprobs`, the trainer), the trie forward
   (`tree_logprobs`, tree sharing) and turbogrpo's rollout engine (`generate`, speculative decoding) run it, with
   the numbers of its own forward.
+- **shared in training**: a hybrid of attention and layers that carry a state along the sequence (linear
+  attention, short convolutions). The shared-prefix and trie training forwards run it exactly: each such layer
+  runs a shared prompt or trie node once and its completions or children from its final state. turbogrpo's
+  rollout engine refuses it in one line (it keeps no state cache for those layers yet), and so does vLLM.
 - **tree falls back**: token mixing that turbogrpo's attention plans do not implement. `tree_logprobs` runs it
   one row per sequence through the model's own forward, with a warning (the same numbers, no sharing); the
   shared-prefix forward and the rollout engine refuse it in one line, before touching the model; the TRL drop-in
@@ -44,7 +48,8 @@ def types(model_types) -> str:
 
 
 def render() -> str:
-    from turbogrpo.architectures import FIRST_USE_CHECKS, TOKEN_MIXING_RULES, VERIFIED_SHARED
+    from turbogrpo.architectures import FIRST_USE_CHECKS, SHARED_IN_TRAINING, TOKEN_MIXING_RULES, VERIFIED_SHARED
+    from turbogrpo.mixers import MIXERS
     from turbogrpo.output_head import LOGIT_TRANSFORMS
 
     lines = [HEADER, "## Shared", "",
@@ -52,6 +57,13 @@ def render() -> str:
              "log-probs; gradients and the rollout's float32 sampler log-probs for several of them). Other softmax-attention models run too "
              "when the checks at first use pass.", ""]
     lines += table(["model type", "particular"], [[f"`{t}`", note or "-"] for t, note in VERIFIED_SHARED.items()])
+    lines += ["## Shared in training", "",
+              "Hybrid models whose stateful layers run through a registered unit (`turbogrpo.mixers.MIXERS`), verified "
+              "by the test suite against each model's own forward in float64 (shared-prefix and tree log-probs and "
+              "every parameter gradient, with activation checkpointing; tests/mixers). The TRL drop-in shares them too. "
+              "Sampling them needs a state cache the rollout engines do not have yet.", ""]
+    lines += table(["model type", "layers"], [[f"`{t}`", layers] for t, layers in SHARED_IN_TRAINING.items()])
+    lines += table(["module class", "runs as"], [[f"`{name}`", unit.what] for name, unit in sorted(MIXERS.items())])
     lines += ["## Logits transformed after the LM head", "",
               "Some families change the logits inside their own forward. turbogrpo applies the same transforms "
               "wherever it makes logits (trainer, tree, sampler, speculative verifier and draft, TRL drop-in), from "
@@ -60,7 +72,8 @@ def render() -> str:
     lines += table(["config field", "model types", "the logits are"],
                    [[f"`{t.field}`", types(t.model_types), t.description] for t in LOGIT_TRANSFORMS])
     lines += ["## Tree falls back", "",
-              "A model that meets one of these rules (`turbogrpo.architectures.TOKEN_MIXING_RULES`):", ""]
+              "A model that meets one of these rules (`turbogrpo.architectures.TOKEN_MIXING_RULES`), other than the "
+              "hybrids shared in training:", ""]
     lines += table(["rule", "model types known to meet it"],
                    [[rule.summary, types(rule.known_model_types) if rule.known_model_types else "-"]
                     for rule in TOKEN_MIXING_RULES])

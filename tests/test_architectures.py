@@ -146,6 +146,9 @@ def test_a_tree_fallback_type_is_refused_shared_and_scored_one_row_per_sequence(
         completion_logprobs(model, prompts, completions, share_prefix=False)
     with pytest.raises(ValueError, match=refusal):
         generate(model, prompts, num_samples=2, sampling=SamplingConfig(max_new_tokens=3))
+    from turbogrpo.engines.vllm import VllmEngine
+    with pytest.raises(ValueError, match=refusal):   # before vllm is imported: runs without it too
+        VllmEngine(torch.float32, torch.device("cpu")).build(model)
     assert model.config._attn_implementation == implementation   # the hook was not installed
     sequences, masks = sequences_and_masks()
     with pytest.warns(UserWarning, match=f"model type '{model_type}' {what}; falling back to one row per sequence"):
@@ -154,6 +157,28 @@ def test_a_tree_fallback_type_is_refused_shared_and_scored_one_row_per_sequence(
     # Mamba's own forward rounds its logits to float32.
     torch.testing.assert_close(result.logps, truth_of(model, sequences).double(), rtol=0,
                                atol=1e-11 if model_type == "gemma2" else 1e-6)
+
+
+def test_the_table_of_hybrids_lists_what_tests_mixers_verifies():
+    from tests.mixers.conftest import FAMILIES
+    assert set(FAMILIES) == set(architectures.SHARED_IN_TRAINING)
+
+
+def test_a_hybrid_runs_shared_in_training_and_the_rollout_refuses_it_in_one_line():
+    """The shared-prefix and trie forwards run it (tests/mixers checks the numbers); the rollout engines, which keep
+    no state for its linear-attention layers yet, refuse it before sampling, naming what is missing."""
+    from tests.mixers.conftest import build_hybrid
+    model = build_hybrid("qwen3_5_text", torch.float32)
+    prompts, completions = groups()
+    completion_logprobs(model, prompts, completions, backend="cascade")
+    sequences, masks = sequences_and_masks()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")   # no fallback warning
+        assert tree_logprobs(model, build_trie(sequences, masks)).layout == "tree"
+    refusal = ("^model type 'qwen3_5_text' has layer types \\['linear_attention'\\]; turbogrpo's rollout engines "
+               "\\(native, vLLM\\) cannot sample it yet: they keep no state cache")
+    with pytest.raises(ValueError, match=refusal):
+        generate(model, prompts, num_samples=2, sampling=SamplingConfig(max_new_tokens=3))
 
 
 def test_every_token_mixing_rule_refuses_its_known_types():

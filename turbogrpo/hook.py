@@ -16,10 +16,19 @@ transformers looks attention up by name in ``AttentionInterface``. We register o
 A plan is any callable ``plan(module, query, key, value, *, scaling, sliding_window) -> out``
 with query ``[B, H, T, D]``, key/value ``[B, Hkv, T, D]`` (RoPE already applied) and
 out ``[B, T, H, D]``. Models know nothing of plans; plans know nothing of GRPO.
+
+A hybrid model's other token mixers (a gated DeltaNet, a short convolution: ``turbogrpo.mixers``) are plain
+modules that transformers calls directly. :func:`install` routes each registered one through
+:func:`_mixer_forward`, which reads the plan off the same placeholder mask (handed to every layer type, see
+:func:`run_decoder`) and asks it for its ``recurrent_layout()``: the segment forest of a plan that shares
+tokens (the shared-prefix pack, the trie), which the mixer's unit runs; None for rows that are whole
+sequences, which the module's own forward runs. Only the training forwards' plans have the method: the
+rollout engine refuses a hybrid model before its first forward.
 """
 
 from __future__ import annotations
 
+import types
 from collections.abc import Callable
 from typing import Protocol
 
@@ -29,7 +38,8 @@ from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
-from turbogrpo.architectures import unsupported_token_mixing
+from turbogrpo.architectures import CHANNEL_MIXING_LAYER_TYPES, SHARED_IN_TRAINING, unsupported_token_mixing
+from turbogrpo.mixers import mixer_of
 
 ATTENTION_NAME = "turbogrpo"
 PLAN_KWARG = "turbogrpo_plan"   # the keyword carrying the plan, and the attribute carrying it on the mask
@@ -85,12 +95,18 @@ def causal_band(length: int, sliding_window: int | None, device: torch.device) -
     return (distance >= 0) & (distance < sliding_window)
 
 
-def check_supported(model: nn.Module) -> None:
+def check_supported(model: nn.Module, *, training: bool = False) -> None:
     """Raise ValueError if ``model``'s token mixing is not plain (full-context or windowed) softmax attention
-    (the rules of ``turbogrpo.architectures``)."""
+    (the rules of ``turbogrpo.architectures``); with ``training``, also not a hybrid whose other layers the
+    training forwards run (``architectures.SHARED_IN_TRAINING``)."""
     config = model.config
     model_type = getattr(config, "model_type", type(model).__name__)
-    what = unsupported_token_mixing(config)
+    what = unsupported_token_mixing(config, training=training)
+    if what is not None and model_type in SHARED_IN_TRAINING:
+        raise ValueError(
+            f"model type '{model_type}' {what}; turbogrpo's rollout engines (native, vLLM) cannot sample it yet: they "
+            "keep no state cache for those layers (the shared-prefix and trie training forwards run it exactly, "
+            "docs/guide/architectures.md). Sample it elsewhere and score with completion_logprobs / tree_logprobs.")
     if what is not None:
         raise ValueError(
             f"model type '{model_type}' {what}; turbogrpo's attention plans (shared prefix, rollout) cannot run it "
@@ -118,12 +134,43 @@ def has_absolute_positions(model: nn.Module) -> bool:
     return any(isinstance(getattr(decoder, name, None), nn.Embedding) for name in ABSOLUTE_POSITION_MODULES)
 
 
-def install(model: nn.Module) -> None:
-    """Make ``model`` dispatch attention through turbogrpo (idempotent, SDPA-equivalent otherwise)."""
-    check_supported(model)
+def install(model: nn.Module, *, training: bool = False) -> int:
+    """Make ``model`` dispatch attention, and its registered token mixers, through turbogrpo (idempotent; its
+    own computation for calls without a plan). ``training``: for the training forwards' plans (see
+    :func:`check_supported`). Returns the number of mixer modules routed."""
+    check_supported(model, training=training)
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     if base.config._attn_implementation != ATTENTION_NAME:
         base.set_attn_implementation(ATTENTION_NAME)
+    if unsupported_token_mixing(base.config) is None:
+        return 0   # attention only (the rollout's per-step call): no module to look through
+    mixers = [module for module in base.modules() if mixer_of(module) is not None]
+    for module in mixers:
+        if getattr(module.forward, "__func__", None) is not _mixer_forward:
+            module.forward = types.MethodType(_mixer_forward, module)
+    return len(mixers)
+
+
+def _mixer_forward(self: nn.Module, *args, **kwargs):
+    """A registered mixer module's forward (bound to the module by :func:`install`): its unit over the plan's
+    segment forest when the call carries a plan that shares tokens, its own forward otherwise."""
+    plan = kwargs.pop(PLAN_KWARG, None)
+    if plan is None:
+        plan = getattr(kwargs.get("attention_mask"), PLAN_KWARG, None)
+    if plan is None:
+        return type(self).forward(self, *args, **kwargs)
+    kwargs["attention_mask"] = None   # the placeholder that carried the plan masks nothing
+    forest = plan.recurrent_layout()
+    if forest is None:
+        return type(self).forward(self, *args, **kwargs)
+    hidden_states = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+    return _run_unit(self, hidden_states, forest)
+
+
+@torch.compiler.disable(recursive=True)
+def _run_unit(module: nn.Module, hidden_states: torch.Tensor, forest) -> torch.Tensor:
+    # Not traced by a compiled layer: the forest's host ints would specialise the graph on every pack's lengths.
+    return mixer_of(module).forward(module, hidden_states, forest)
 
 
 class _CountingPlan:
@@ -136,6 +183,23 @@ class _CountingPlan:
     def __call__(self, module, query, key, value, **kwargs):
         self.num_calls += 1
         return self.plan(module, query, key, value, **kwargs)
+
+    def recurrent_layout(self):
+        """A token mixer's call (``_mixer_forward``): it reached turbogrpo too."""
+        self.num_calls += 1
+        return self.plan.recurrent_layout()
+
+
+class _PlanMasks(dict):
+    """The attention masks of a hybrid model's forward, by layer type: the plan's placeholder for every type
+    (a hybrid decoder takes a dict as prebuilt, and hands its recurrent layers only their type's entry)."""
+
+    def __init__(self, mask: torch.Tensor):
+        super().__init__()
+        self.mask = mask
+
+    def __missing__(self, layer_type: str) -> torch.Tensor:
+        return self.mask
 
 
 def decoder_of(model: nn.Module) -> nn.Module:
@@ -168,15 +232,20 @@ def run_decoder(model: nn.Module, input_ids: torch.Tensor, position_ids: torch.T
                 plan: Callable) -> torch.Tensor:
     """Final hidden states ``[B, T, hidden]`` of ``model`` for ``input_ids``/``position_ids`` ``[B, T]``,
     with every attention layer computed by ``plan``.
+
+    A plan with a ``recurrent_layout()`` method (the training forwards') also runs a hybrid's other token mixers
+    (see the module docstring); without one, a hybrid is refused in one line before any work.
     """
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     implementation = base.config._attn_implementation
-    install(model)
+    num_mixers = install(model, training=hasattr(plan, "recurrent_layout"))
     decoder = decoder_of(model)
     counting = _CountingPlan(plan)
+    mask = plan_mask(counting, input_ids.device)
     try:
         out = decoder(input_ids=input_ids, position_ids=position_ids,
-                      attention_mask=plan_mask(counting, input_ids.device), use_cache=False, **{PLAN_KWARG: counting})
+                      attention_mask=_PlanMasks(mask) if num_mixers else mask, use_cache=False,
+                      **{PLAN_KWARG: counting})
     except UnsupportedAttention:
         # Leave the model as it was, so that its own forward (and tree_logprobs' per-sequence fallback)
         # still runs its own attention.
@@ -184,6 +253,7 @@ def run_decoder(model: nn.Module, input_ids: torch.Tensor, position_ids: torch.T
             base.set_attn_implementation(implementation)
         raise
     num_layers = model.config.num_hidden_layers
+    num_layers -= sum(t in CHANNEL_MIXING_LAYER_TYPES for t in getattr(model.config, "layer_types", None) or ())
     if counting.num_calls < num_layers:
         raise ValueError(
             f"model type '{model.config.model_type}' ran attention through turbogrpo in only "

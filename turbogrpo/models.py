@@ -168,13 +168,14 @@ def _check_model_folder(folder: Path, source: str) -> None:
     if not any((folder / name).is_file() for name in TOKENIZER_FILES):
         raise ValueError(f"model folder {source!r} has no tokenizer files ({', '.join(TOKENIZER_FILES)}); copy "
                          "them from the model it was trained from, or save them with tokenizer.save_pretrained")
-    from turbogrpo.architectures import NON_ATTENTION_MODEL_TYPES
+    from turbogrpo.architectures import NON_ATTENTION_MODEL_TYPES, SHARED_IN_TRAINING
     model_type = _model_type(str(folder))
     not_causal = _not_a_causal_lm(folder, model_type)
     if not_causal:
         raise ValueError(f"model folder {source!r} holds {not_causal}, not a causal language model; turbogrpo "
                          "trains and evaluates decoders that generate text (Qwen2, Qwen3, Llama, Mistral, GPT-2)")
-    if model_type in NON_ATTENTION_MODEL_TYPES:
+    # A hybrid of SHARED_IN_TRAINING loads (its training forwards run); the rollout engines refuse it in one line.
+    if model_type in NON_ATTENTION_MODEL_TYPES and model_type not in SHARED_IN_TRAINING:
         raise ValueError(f"model folder {source!r} holds a {model_type!r} model, whose layers mix tokens by "
                          "recurrence or convolution rather than softmax attention; turbogrpo trains pure-attention "
                          "decoders (Qwen2, Qwen3, Llama, Mistral, GPT-2)")

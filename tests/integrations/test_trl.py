@@ -263,3 +263,35 @@ def test_an_absolute_position_model_with_left_padding_runs_trl_with_a_notice(tin
     (reason,) = stats.fallback_reasons
     assert "absolute position embeddings and the batch left-pads its prompts" in reason
     assert len([r for r in caplog.records if "TRL's own forward" in r.getMessage()]) == 1
+
+
+def saved_hybrid(tmp_path_factory, tiny, model_type, **overrides):
+    from tests.mixers.conftest import build_hybrid
+    path = tmp_path_factory.mktemp(f"tiny_{model_type}_trl")
+    model = build_hybrid(model_type, torch.float32, vocab_size=32, **overrides)
+    model.config.pad_token_id, model.config.eos_token_id = PAD, EOS
+    model.save_pretrained(path)
+    return str(path), tiny[1]
+
+
+def test_a_hybrid_shares_every_call_with_trls_numbers(tiny, tmp_path_factory, tmp_path):
+    """Qwen3.5 (gated DeltaNet and attention): its linear-attention layers run each prompt once too. TRL's own
+    forward of a left-padded row equals the unpadded sequence's (the padding writes nothing into the state)."""
+    trl_trainer, ours = build_pair(saved_hybrid(tmp_path_factory, tiny, "qwen3_5_text"), tmp_path, loss_type="dapo",
+                                   beta=0.04)
+    assert_same_step(trl_trainer, ours)
+    stats = ours.shared_prefix_stats
+    assert stats.num_fallback_calls == 0 and stats.num_shared_calls == 3
+
+
+def test_a_hybrid_whose_padding_reaches_its_state_runs_trl_with_a_notice(tiny, tmp_path_factory, tmp_path, caplog):
+    """LFM2 with biased input projections: a left pad's B * x is bias * bias, in the next tokens' convolution window,
+    so TRL's forward of a left-padded row differs from the sequence's own; only TRL's forward gives TRL's numbers."""
+    trl_trainer, ours = build_pair(saved_hybrid(tmp_path_factory, tiny, "lfm2"), tmp_path, loss_type="dapo",
+                                   beta=0.0)
+    with caplog.at_level(logging.WARNING, logger="turbogrpo.integrations.trl"):
+        assert_same_step(trl_trainer, ours)
+    stats = ours.shared_prefix_stats
+    assert stats.num_shared_calls == 0 and stats.num_fallback_calls == 2
+    (reason,) = stats.fallback_reasons
+    assert "carry the left padding of the batch's prompts into their state" in reason

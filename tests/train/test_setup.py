@@ -35,3 +35,19 @@ def test_prompts_are_checked_against_the_models_positions_at_load(tmp_path):
     with pytest.raises(ConfigError, match=r"config key 'rollout.max_new_tokens': 6 leaves no room for a prompt within "
                                           r"the model's 6 positions"):
         train_prompts(config, tokenizer, max_positions=6)
+
+
+def test_a_run_refuses_a_hybrid_policy_at_load_naming_the_missing_state_cache(tmp_path):
+    """Its training forwards run shared (tests/mixers), but no rollout engine keeps its layers' states yet: the run
+    stops at the policy's load, in one line, not at its first rollout."""
+    import torch
+
+    from tests.mixers.conftest import build_hybrid
+    from turbogrpo.config import LoraConfig, ModelConfig
+    tokenizer = char_tokenizer()
+    build_hybrid("qwen3_5_text", torch.float32, vocab_size=len(tokenizer)).save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    device = torch.device("cpu")
+    with pytest.raises(ValueError, match=r"^model type 'qwen3_5_text' has layer types \['linear_attention'\]; "
+                                         r"turbogrpo's rollout engines \(native, vLLM\) cannot sample it yet"):
+        setup.load_policy(ModelConfig(path=str(tmp_path)), LoraConfig(), device, setup.precision(ModelConfig(), device))

@@ -53,6 +53,7 @@ from tqdm import tqdm
 from turbogrpo.batch import Groups
 from turbogrpo.engines.vllm_speculation import EngineDraft, speculation_problem
 from turbogrpo.engines.weights import base_model, checkpoint_weights, needs_untied, trainable_modules
+from turbogrpo.hook import check_supported
 from turbogrpo.rollout.multiturn import MultiTurnRollout
 from turbogrpo.rollout.sampling import SamplingConfig
 from turbogrpo.rollout.turnwise import SampledTurn, TurnRequest, generate_multiturn_turnwise
@@ -177,6 +178,7 @@ class VllmEngine:
 
     def build(self, policy: nn.Module) -> None:
         """The engine from ``policy``'s current weights (see the module docstring), with a progress line."""
+        check_supported(policy)   # a hybrid's linear-attention / Mamba states are not kept here yet: one line
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core runs in this process
         from vllm import LLM
         start = time.perf_counter()

@@ -21,7 +21,9 @@ of a generation batch before cutting it into micro-batches, so a micro-batch oft
 group; the members present still share. Calls that cannot share run TRL's own code, and the trainer
 logs each reason once (``trainer.shared_prefix_stats`` counts both kinds of call). One such reason is a
 model with absolute position embeddings (GPT-2) and left-padded prompts: TRL counts the padding in
-the positions, so only TRL's own forward reproduces TRL's log-probs.
+the positions, so only TRL's own forward reproduces TRL's log-probs. Hybrid models (``turbogrpo.mixers``) share
+too; one whose recurrent or convolution layers carry a left pad into their state (a bias on their input
+projection, ``MixerUnit.padding_reaches_state``) runs TRL's own forward on left-padded batches, for the same reason.
 
 Multi-turn rows (``tools=``, ``environment_factory=``, a ``rollout_func`` returning ``env_mask``) need
 nothing of their own. TRL puts a row's every turn in its completion: the model's tokens and the tool or
@@ -62,6 +64,7 @@ from torch import nn
 
 from turbogrpo.batch import Groups
 from turbogrpo.hook import check_supported, has_absolute_positions, lm_head_of
+from turbogrpo.mixers import padding_reaches_state
 from turbogrpo.output_head import check_logits_head
 from turbogrpo.prefix import compute_logprobs
 from turbogrpo.tree import tree_logprobs, trie_of_groups
@@ -188,7 +191,7 @@ def _wrapped(trainer, model, **_) -> str | None:
 
 def _not_attention(trainer, model, **_) -> str | None:
     try:
-        check_supported(model)
+        check_supported(model, training=True)   # a hybrid of architectures.SHARED_IN_TRAINING shares too
     except ValueError as err:
         return str(err)
     return None
@@ -237,6 +240,11 @@ def shareable_groups(trainer, model, input_ids_BL: torch.Tensor, attention_mask_
         raise NotShareable("the model has absolute position embeddings and the batch left-pads its prompts: "
                            "TRL's forward counts the padding in every token's position, the shared forward starts "
                            "at the first real token, so their log-probs would differ")
+    # Host sync (only for such hybrids): the same question.
+    if padding_reaches_state(model) and not bool(attention_mask_BL[:, :num_prompt_columns].all()):
+        raise NotShareable("the model's recurrent or convolution layers carry the left padding of the batch's "
+                           "prompts into their state (a bias on their input projection): TRL's forward counts it, "
+                           "the shared forward starts at the first real token, so their log-probs would differ")
     return group_rows(input_ids_BL[:, :num_prompt_columns], attention_mask_BL[:, :num_prompt_columns],
                       input_ids_BL[:, num_prompt_columns:], attention_mask_BL[:, num_prompt_columns:])
 

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from turbogrpo.hook import causal_band
+from turbogrpo.mixers.forest import SegmentForest
 from turbogrpo.prefix.compile import eager_plan
 from turbogrpo.prefix.kernels import (attention_backward, attention_forward, flash_varlen_available, merge_partials,
                                       varlen_backward, varlen_forward)
@@ -134,6 +135,11 @@ class PackPlan(PlanCache):
                 "(or backend='auto', which picks one).")
         return self.backend.attend(self, query, key, value, scaling, sliding_window)
 
+    def recurrent_layout(self) -> SegmentForest:
+        """What the pack's recurrent layers run over (``turbogrpo.mixers``): prompts once, completions from
+        their prompt's final state."""
+        return self.layout.segment_forest
+
 
 @register_backend("reference")
 class ReferenceAttention(PrefixAttention):
@@ -216,6 +222,11 @@ class PaddedCausalAttention:
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=band, is_causal=band is None,
                                              scale=scaling, enable_gqa=query.shape[1] != key.shape[1])
         return out.transpose(1, 2)
+
+    def recurrent_layout(self) -> None:
+        """None: every row is one whole sequence from position 0, which a recurrent layer's own forward runs
+        (right padding follows every real token, so it never reaches one)."""
+        return None
 
 
 def _split_prompt_completion(layout: PackedGroups, x_1HTD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

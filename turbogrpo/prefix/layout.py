@@ -31,6 +31,9 @@ from itertools import accumulate
 
 import torch
 
+from turbogrpo.device_index import upload   # also imported from here across the package
+from turbogrpo.mixers.forest import SegmentForest
+
 
 @dataclass(frozen=True, eq=False)
 class PackedGroups:
@@ -132,6 +135,18 @@ class PackedGroups:
             rows.append(row)
         return upload(torch.stack(rows), self.device)
 
+    @cached_property
+    def segment_forest(self) -> SegmentForest:
+        """The layout of the recurrent layers (``turbogrpo.mixers``): each prompt a root segment, each
+        completion a child of its group's prompt, continuing from the prompt's final state."""
+        prompt_starts = [0, *accumulate(self.prompt_lengths)][:-1]
+        completion_starts = [self.num_prompt_tokens + start
+                             for start in [0, *accumulate(self.flat_completion_lengths)][:-1]]
+        parents = [g for g, lengths in enumerate(self.completion_lengths) for _ in lengths]
+        return SegmentForest.build(prompt_starts + completion_starts,
+                                   list(self.prompt_lengths) + self.flat_completion_lengths,
+                                   [-1] * self.num_groups + parents, self.device)
+
     def dense_mask(self, sliding_window: int | None = None) -> torch.Tensor:
         """The attention rule as a dense boolean ``[T, T]`` mask (query, key): the reference. Under a
         sliding window a query also skips keys ``window`` or more positions behind it."""
@@ -206,20 +221,6 @@ class PaddedIndex:
         if self.is_dense:
             return padded.flatten(0, 1)
         return padded.flatten(0, 1)[self.slot_of_flat]
-
-
-def upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Copy an index tensor built on the host to ``device`` without making the host wait.
-
-    A plain ``.to("cuda")`` from pageable memory synchronises the stream; from pinned memory with
-    ``non_blocking=True`` it is queued like a kernel (the caching host allocator keeps the pinned
-    buffer alive until the copy has run).
-    """
-    if host.device == device:
-        return host
-    if device.type == "cuda":
-        host = host.pin_memory()
-    return host.to(device, non_blocking=True)
 
 
 def pack_groups(prompts: list[torch.Tensor], completions: list[list[torch.Tensor]]) -> PackedGroups:

@@ -74,7 +74,7 @@ def compute_logprobs(model: nn.Module, prompts: list[torch.Tensor],
     check_token_range(model, prompts, completions)
     head = logits_head(model)
     if share_prefix and backend == AUTO:
-        check_supported(model)   # before reading attention dimensions off its config
+        check_supported(model, training=True)   # before reading attention dimensions off its config
         backend = choose_auto(model, [p.numel() for p in prompts], [[c.numel() for c in cs] for cs in completions],
                               prompts[0].device, lm_head_of(model).weight.dtype, torch.is_grad_enabled())
         share_prefix = backend != STANDARD

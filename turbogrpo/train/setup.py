@@ -16,6 +16,7 @@ from torch import nn
 from turbogrpo.config import ConfigError, DataConfig, LoraConfig, ModelConfig, RolloutConfig
 from turbogrpo.data import PromptExample, build_prompts
 from turbogrpo.data.kinds import BUILTIN_TASKS, ROW_READERS, eval_rows, train_rows  # noqa: F401 (re-exported)
+from turbogrpo.hook import check_supported
 from turbogrpo.models import enable_activation_checkpointing, load_model_and_tokenizer, resolve_model_path
 from turbogrpo.output_head import check_logits_head
 from turbogrpo.rewards import BUILTIN_REWARDS, Reward, resolve_reward
@@ -41,6 +42,7 @@ def load_policy(model: ModelConfig, lora: LoraConfig, device: torch.device, prec
             r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
             target_modules=list(lora.target_modules), task_type="CAUSAL_LM"))
     check_logits_head(policy)   # a logits transform turbogrpo does not know stops the run here, not in step 1
+    check_supported(policy)     # so does a model the rollout engines cannot sample (a hybrid: no state cache yet)
     if model.gradient_checkpointing:
         enable_activation_checkpointing(policy)
         if lora.enabled:

@@ -45,6 +45,7 @@ import torch
 import torch.nn.functional as F
 
 from turbogrpo.hook import causal_band
+from turbogrpo.mixers.forest import SegmentForest
 from turbogrpo.prefix.backends import BACKENDS as PREFIX_BACKENDS
 from turbogrpo.prefix.backends import MergedPartsAttention, PlanCache, _additive, registered_backend, registrar
 from turbogrpo.prefix.compile import eager_plan
@@ -110,6 +111,13 @@ class TreePlan(PlanCache):
         if sliding_window is not None and self.trie.max_depth <= sliding_window:
             sliding_window = None   # the window hides nothing in this trie
         return self.backend.attend(self, query, key, value, scaling, sliding_window)
+
+    def recurrent_layout(self) -> SegmentForest:
+        """What the trie's recurrent layers run over (``turbogrpo.mixers``): every node once, from its
+        parent's final state."""
+        trie = self.trie
+        return self.cached("segment_forest", lambda: SegmentForest.build(trie.node_start, trie.node_length,
+                                                                          trie.node_parent, self.device))
 
 
 @register_tree_backend("reference")

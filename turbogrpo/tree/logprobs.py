@@ -6,9 +6,11 @@ token shared by k sequences is gathered k times, so its gradient is the sum of t
 contributions, exactly what the k copies of the one-row-per-sequence layout receive. The normal
 per-sequence loss applies unchanged.
 
-A model whose attention the tree backends cannot run (recurrent or hybrid token mixing, attention
-with logit soft-capping) runs one row per sequence instead, with a warning naming the fallback; the
-numbers are the same, only the sharing is lost.
+A hybrid model of ``architectures.SHARED_IN_TRAINING`` runs shared too: its linear-attention and
+convolution layers run every node once, its children from its final state (``turbogrpo.mixers``). A model
+whose token mixing the tree backends cannot run (other recurrent models, attention with logit soft-capping)
+runs one row per sequence instead, with a warning naming the fallback; the numbers are the same, only the
+sharing is lost.
 
 Shape legend: S sequences, N trie tokens, M scored trie tokens, sum M_s loss tokens of all sequences.
 """
@@ -77,7 +79,7 @@ def tree_logprobs(model: nn.Module, trie: TokenTrie, *, backend: str = AUTO, tem
 def tree_unsupported_reason(model: nn.Module) -> str | None:
     """Why the tree backends cannot run ``model`` (None: they can)."""
     try:
-        check_supported(model)
+        check_supported(model, training=True)
     except ValueError as error:
         return str(error).split(";")[0]
     return None

@@ -1,0 +1,116 @@
+"""Hybrid models in the shared-prefix and trie forwards against the model's own forward of each sequence alone:
+log-probs and every parameter gradient, in float64 to 1e-10 (the kernels and norms run in float64, see
+conftest.py), with activation checkpointing, and in float32 as shipped."""
+
+import warnings
+
+import pytest
+import torch
+
+from tests.mixers.conftest import FAMILIES, build_hybrid, random_groups
+from tests.prefix.conftest import PACKS
+from tests.tree.conftest import TRIE_SHAPES, per_sequence_truth, random_masks_and_weights, random_sequences
+from turbogrpo.models import enable_activation_checkpointing
+from turbogrpo.prefix import completion_logprobs
+from turbogrpo.tree import build_trie, tree_logprobs
+
+EXACT = 1e-10
+AS_SHIPPED = 2e-4   # float32 log-probs, the kernels computing in float32 as transformers ships them
+
+
+@pytest.fixture(params=sorted(FAMILIES))
+def family(request):
+    return request.param
+
+
+def gradients(model, logps, weights):
+    """Every trainable parameter's gradient of ``sum(weights * logps)`` (each must get one)."""
+    model.zero_grad(set_to_none=True)
+    (logps * weights.to(logps.dtype)).sum().backward()
+    trainable = {name: p for name, p in model.named_parameters() if p.requires_grad}
+    assert all(p.grad is not None for p in trainable.values()), [n for n, p in trainable.items() if p.grad is None]
+    return {name: p.grad.clone() for name, p in trainable.items()}
+
+
+def own_forward_logps(model, prompts, completions):
+    """``[Nq]`` from the model's own forward of each prompt + completion alone (flat, group by group)."""
+    sequences = [torch.cat([p, c]) for p, cs in zip(prompts, completions) for c in cs]
+    masks = [torch.arange(s.numel()) >= p.numel() for s, p in
+             zip(sequences, (p for p, cs in zip(prompts, completions) for _ in cs))]
+    return per_sequence_truth(model, sequences, masks)
+
+
+def errors(model, truth, got, weights):
+    """(max |log-prob error|, max over parameters of max |gradient error|); every parameter gets a gradient."""
+    truth_grads, got_grads = gradients(model, truth, weights), gradients(model, got, weights)
+    assert got.shape == truth.shape and got.isfinite().all()
+    return ((got - truth).abs().max().item(),
+            max((got_grads[n] - ref).abs().max().item() for n, ref in truth_grads.items()))
+
+
+def prefix_errors(model, pack, **kwargs):
+    prompts, completions = random_groups(*PACKS[pack])
+    truth = own_forward_logps(model, prompts, completions)
+    weights = torch.linspace(-1.0, 2.0, truth.numel(), dtype=torch.float64)   # uneven: a misrouted gradient shows
+    got = torch.cat([t for group in completion_logprobs(model, prompts, completions, **kwargs) for t in group])
+    return errors(model, truth, got, weights)
+
+
+def tree_errors(model, shape, seed=0, **kwargs):
+    sequences = random_sequences(**TRIE_SHAPES[shape], seed=seed)
+    masks, weights = random_masks_and_weights(sequences, seed)
+    truth = per_sequence_truth(model, sequences, masks)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")   # no fallback to one row per sequence
+        result = tree_logprobs(model, build_trie(sequences, masks), **kwargs)
+    assert result.layout == "tree"
+    return errors(model, truth, result.logps, torch.cat([w[m] for w, m in zip(weights, masks)]))
+
+
+@pytest.mark.parametrize("share_prefix, backend", [(True, "auto"), (True, "cascade"), (True, "reference"),
+                                                   (True, "varlen"), (False, "auto")])
+@pytest.mark.parametrize("pack", sorted(PACKS))
+def test_shared_prefix_is_the_models_own_forward(float64_throughout, family, pack, share_prefix, backend):
+    model = build_hybrid(family)
+    logp_error, grad_error = prefix_errors(model, pack, share_prefix=share_prefix, backend=backend)
+    assert logp_error <= EXACT and grad_error <= EXACT, (logp_error, grad_error)
+
+
+@pytest.mark.parametrize("shape", sorted(TRIE_SHAPES))
+def test_tree_is_the_models_own_forward(float64_throughout, family, shape):
+    """Deep tries, one-token nodes (a convolution's taps cross several nodes), a 200-token root (several chunks
+    of the delta rule before the first branch)."""
+    model = build_hybrid(family)
+    logp_error, grad_error = tree_errors(model, shape, backend="cascade")
+    assert logp_error <= EXACT and grad_error <= EXACT, (logp_error, grad_error)
+
+
+def test_activation_checkpointing_recomputes_the_same_numbers(float64_throughout, family):
+    """The plan rides on the mask into every layer, also when checkpointing recomputes it in the backward."""
+    model = build_hybrid(family)
+    enable_activation_checkpointing(model)
+    model.train()
+    for logp_error, grad_error in (prefix_errors(model, "mixed", backend="cascade"),
+                                   tree_errors(model, "deep-narrow", backend="cascade")):
+        assert logp_error <= EXACT and grad_error <= EXACT, (logp_error, grad_error)
+
+
+def test_float32_as_shipped(family):
+    """The kernels and norms as transformers ships them (float32 inside): shared within the dtype's rounding."""
+    model = build_hybrid(family, torch.float32)
+    logp_error, _ = prefix_errors(model, "mixed", backend="cascade")
+    assert logp_error <= AS_SHIPPED
+    logp_error, _ = tree_errors(model, "long-shared", backend="cascade")
+    assert logp_error <= AS_SHIPPED
+
+
+@pytest.mark.parametrize("model_type, targets", [("qwen3_5_text", ["in_proj_qkv", "in_proj_a", "out_proj", "q_proj"]),
+                                                 ("nemotron_h", ["in_proj", "q_proj"])])
+def test_lora_adapters_on_the_mixers(float64_throughout, model_type, targets):
+    """PEFT wraps the mixers' projections: the units call them as modules, so the adapters apply (and train)."""
+    from peft import LoraConfig, get_peft_model
+    model = get_peft_model(build_hybrid(model_type), LoraConfig(r=4, lora_alpha=8, target_modules=targets,
+                                                                init_lora_weights=False))
+    for logp_error, grad_error in (prefix_errors(model, "mixed", backend="cascade"),
+                                   tree_errors(model, "deep-narrow", backend="cascade")):
+        assert logp_error <= EXACT and grad_error <= EXACT, (logp_error, grad_error)

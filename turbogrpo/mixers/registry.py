@@ -1,0 +1,79 @@
+"""Token mixers other than attention, one registered unit per layer family, in one table.
+
+transformers runs a hybrid model's attention layers through the attention interface (where turbogrpo's
+plans take over, ``turbogrpo.hook``) but calls its other token mixers (a gated DeltaNet, a Mamba-2 mixer, a
+short convolution) as plain modules. A :class:`MixerUnit` says how one such module class runs over a
+:class:`~turbogrpo.mixers.forest.SegmentForest`: every shared segment (a prompt, a trie node) once, its
+children from its final state. ``turbogrpo.hook`` routes a registered module's calls to its unit when the
+call carries a plan that shares tokens.
+
+A unit mirrors its module's own forward (transformers 5.19) with the token mixing run over the forest; the
+per-token parts (projections, gates, norms) use the module's own submodules and parameters, and the
+chunked kernels are looked up in the module's own modeling file at every call (so the optimized kernels
+transformers picked, flash-linear-attention's or mamba-ssm's where installed, and any patch of them, apply to
+both). The short convolutions run as one gather over the whole forest (``forest.path_conv``), not through
+causal-conv1d: a child's first taps read its parent's last inputs, which a per-row kernel cannot.
+
+Shape legend: N flat tokens, Hd hidden size.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+from turbogrpo.mixers.forest import SegmentForest
+
+MIXERS: dict[str, MixerUnit] = {}   # module class name -> its unit
+
+
+def register_mixer(*class_names: str) -> Callable[[type], type]:
+    """Class decorator: one instance of the unit runs every module class named in ``class_names``."""
+    def register(cls: type) -> type:
+        unit = cls()
+        for name in class_names:
+            MIXERS[name] = unit
+        return cls
+    return register
+
+
+class MixerUnit:
+    """How one family of stateful token mixers runs over a segment forest."""
+
+    what: ClassVar[str]   # the layer in a few words, for messages and the docs
+
+    def forward(self, module: nn.Module, hidden_1NH: torch.Tensor, forest: SegmentForest) -> torch.Tensor:
+        """``[1, N, Hd]`` -> ``[1, N, Hd]``: the module's output for the forest's flat tokens."""
+        raise NotImplementedError
+
+    def padding_reaches_state(self, module: nn.Module) -> bool:
+        """Whether the module's own forward of a left-padded row carries the padding into its real tokens.
+        transformers zeroes a pad's hidden state before the module's input projection, so a bias on that
+        projection still writes the pad into the state (or a convolution's window); then a left-padded row's
+        numbers differ from the unpadded sequence's, which the shared forward computes."""
+        return False
+
+
+def mixer_of(module: nn.Module) -> MixerUnit | None:
+    return MIXERS.get(type(module).__name__)
+
+
+def padding_reaches_state(model: nn.Module) -> bool:
+    """Whether any of ``model``'s registered mixers carries a row's left padding into its state (see
+    :meth:`MixerUnit.padding_reaches_state`)."""
+    return any(unit.padding_reaches_state(module) for module in model.modules() if (unit := mixer_of(module)))
+
+
+def modeling_function(module: nn.Module, name: str) -> Callable:
+    """The function ``name`` of the modeling file that defines ``module``'s class, looked up at the call."""
+    return getattr(sys.modules[type(module).__module__], name)
+
+
+def at_least_float32(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in float32, or wider: what a module's ``.float()`` guards against (a half-precision ``exp`` overflowing)
+    without rounding a float64 model's parameters to float32."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
