@@ -33,6 +33,7 @@ from turbogrpo.train.metrics import MetricsLog
 from turbogrpo.train.optim import build_optimizer
 from turbogrpo.train.output_dir import RunRecord, run_record
 from turbogrpo.train.precision import Precision, warn_if_pure
+from turbogrpo.train.worker.protocol import AheadRollouts
 
 
 @dataclass
@@ -145,8 +146,8 @@ class Run:
     """The longest prompt + completion the engine serves (0: the model's limit; the rollout worker's is the same)."""
     episodes: EpisodeSampler | None = None
     """The [env] section: each step samples conversations with an environment each; None: single completions."""
-    rollouts: object | None = None
-    """train.max_staleness > 0: the rollout worker process (``rollout_worker.RolloutWorker``, started by the loop
+    rollouts: AheadRollouts | None = None
+    """train.max_staleness > 0: the rollout worker (``worker.rollout_worker.RolloutWorker``, started by the loop
     after the build, closed with the run); None: the step samples itself (on-policy)."""
     state: RunState = field(default_factory=RunState)
     """Steps done, skipped-step counters, evaluations, the metrics log (``state.start`` resumes it)."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, Protocol
 
 import torch
 
@@ -147,3 +147,26 @@ class WorkerFailed:
 
 WorkerMessage = Ready | RolloutDrawn | WorkerFailed
 """Everything a worker sends its trainer."""
+
+
+class AheadRollouts(Protocol):
+    """What the loop and the checkpoints ask of the rollout worker (``rollout_worker.RolloutWorker`` is the one)."""
+
+    def begin(self, step: int, batches) -> None:
+        """Publish the weights of ``step`` and ask for the rollouts of the steps ahead (``batches``: the run's
+        ``PromptBatches``, at ``step``)."""
+
+    def take(self, step: int) -> Drawn:
+        """Step ``step``'s rollout (waits for it)."""
+
+    def publish(self, version: int) -> None:
+        """The weights after step ``version - 1``'s update, and the next step asked for."""
+
+    def state_dict(self, step: int) -> tuple[dict[str, torch.Tensor], dict]:
+        """What a checkpoint at ``step`` keeps of the rollouts in flight."""
+
+    def load_state_dict(self, tensors: dict[str, torch.Tensor], scalars: dict) -> None:
+        """A checkpoint's rollouts in flight, resent by ``begin``."""
+
+    def close(self) -> None:
+        """End the worker."""
