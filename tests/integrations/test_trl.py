@@ -253,15 +253,21 @@ def tiny_gpt2(tmp_path_factory, tiny):
     return str(path), tiny[1]
 
 
-def test_an_absolute_position_model_with_left_padding_runs_trl_with_a_notice(tiny_gpt2, tmp_path, caplog):
-    """TRL counts GPT-2's left padding in the positions, so only TRL's own forward gives TRL's log-probs."""
-    trl_trainer, ours = build_pair(tiny_gpt2, tmp_path, loss_type="dapo", beta=0.0)
+def assert_trls_own_forward_with_a_notice(trl_trainer, ours, caplog, why: str) -> None:
+    """One step of each equal, every forward of ours TRL's own (no call shared), for the one reason ``why``."""
     with caplog.at_level(logging.WARNING, logger="turbogrpo.integrations.trl"):
         assert_same_step(trl_trainer, ours)
     stats = ours.shared_prefix_stats
     assert stats.num_shared_calls == 0 and stats.num_fallback_calls == 2
     (reason,) = stats.fallback_reasons
-    assert "absolute position embeddings and the batch left-pads its prompts" in reason
+    assert why in reason
+
+
+def test_an_absolute_position_model_with_left_padding_runs_trl_with_a_notice(tiny_gpt2, tmp_path, caplog):
+    """TRL counts GPT-2's left padding in the positions, so only TRL's own forward gives TRL's log-probs."""
+    trl_trainer, ours = build_pair(tiny_gpt2, tmp_path, loss_type="dapo", beta=0.0)
+    assert_trls_own_forward_with_a_notice(trl_trainer, ours, caplog,
+                                          "absolute position embeddings and the batch left-pads its prompts")
     assert len([r for r in caplog.records if "TRL's own forward" in r.getMessage()]) == 1
 
 
@@ -289,9 +295,5 @@ def test_a_hybrid_whose_padding_reaches_its_state_runs_trl_with_a_notice(tiny, t
     so TRL's forward of a left-padded row differs from the sequence's own; only TRL's forward gives TRL's numbers."""
     trl_trainer, ours = build_pair(saved_hybrid(tmp_path_factory, tiny, "lfm2"), tmp_path, loss_type="dapo",
                                    beta=0.0)
-    with caplog.at_level(logging.WARNING, logger="turbogrpo.integrations.trl"):
-        assert_same_step(trl_trainer, ours)
-    stats = ours.shared_prefix_stats
-    assert stats.num_shared_calls == 0 and stats.num_fallback_calls == 2
-    (reason,) = stats.fallback_reasons
-    assert "carry the left padding of the batch's prompts into their state" in reason
+    assert_trls_own_forward_with_a_notice(trl_trainer, ours, caplog,
+                                          "carry the left padding of the batch's prompts into their state")

@@ -11,6 +11,7 @@ import torch
 import transformers
 
 from tests.prefix.conftest import VOCAB
+from tests.train.conftest import single_thread  # noqa: F401 (autouse: tiny models run fastest on one thread)
 
 SIZES = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
              max_position_embeddings=256, initializer_range=0.05)
@@ -163,10 +164,3 @@ def random_groups(prompt_lengths, completion_lengths, seed=0):
     return prompts, completions
 
 
-@pytest.fixture(autouse=True)
-def single_thread():
-    """Tiny models run fastest on one thread (see tests/train/conftest.py)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)

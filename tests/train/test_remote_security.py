@@ -35,7 +35,7 @@ from turbogrpo.train.worker.local import TransportOptions
 from turbogrpo.train.worker.protocol import Drawn, Request, RolloutDrawn
 
 from .test_async import restore_threads  # noqa: F401 (a fixture)
-from .test_remote_worker import free_port, remote, said, start_worker
+from .test_remote_worker import free_port, refused_on_both_sides, remote, said
 from .test_resume import REPO, subprocess_run_setup
 from .tiny_run import overrides, write_model, write_rows
 
@@ -452,15 +452,9 @@ def test_a_lora_worker_with_other_base_weights_is_refused_naming_both_paths(tmp_
     port = free_port()
     lora = {"lora.enabled": "true", "lora.r": 4}
     sets = overrides(model_dir, rows, tmp_path / "out", **remote(port, **lora))
-    worker = start_worker(config, [*sets, f'model.path="{other}"'], env, port)
-    try:
-        with pytest.raises(RolloutWorkerError) as err:
-            train(load_config(None, sets))
-        _, worker_err = worker.communicate(timeout=120)
-    finally:
-        worker.kill()
+    err, returncode, worker_err = refused_on_both_sides(config, sets, [*sets, f'model.path="{other}"'], env, port)
     expected = (f"this worker's base weights (model.path '{other}') differ from the trainer's (model.path "
                 f"'{model_dir}')")
-    assert expected in str(err.value) and "\n" not in str(err.value)
-    assert worker.returncode == 1 and "Traceback" not in worker_err, worker_err[-3000:]
+    assert expected in str(err) and "\n" not in str(err)
+    assert returncode == 1 and "Traceback" not in worker_err, worker_err[-3000:]
     assert expected in said(worker_err)[-1], worker_err[-3000:]

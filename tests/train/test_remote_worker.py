@@ -265,20 +265,27 @@ def test_a_trainer_whose_worker_never_comes_stops_with_one_line(tmp_path, restor
     assert message.startswith(f"no rollout worker connected to rank 0 (port {port}) within 1 s") and "\n" not in message
 
 
-def test_a_worker_with_other_sampling_settings_is_refused_on_both_sides(tmp_path, restore_threads):
-    model_dir, rows, config, env = subprocess_run_setup(tmp_path)
-    port = free_port()
-    sets = overrides(model_dir, rows, tmp_path / "out", **remote(port))
-    worker = start_worker(config, [*sets, "rollout.temperature=0.5"], env, port)
+def refused_on_both_sides(config, sets: list[str], worker_sets: list[str], env: dict, port: int):
+    """Train ``sets`` beside a worker started with ``worker_sets``, which the run refuses: the trainer's
+    RolloutWorkerError, and the worker's exit status and stderr."""
+    worker = start_worker(config, worker_sets, env, port)
     try:
         with pytest.raises(RolloutWorkerError) as err:
             train(load_config(None, sets))
         _, worker_err = worker.communicate(timeout=120)
     finally:
         worker.kill()
+    return err.value, worker.returncode, worker_err
+
+
+def test_a_worker_with_other_sampling_settings_is_refused_on_both_sides(tmp_path, restore_threads):
+    model_dir, rows, config, env = subprocess_run_setup(tmp_path)
+    port = free_port()
+    sets = overrides(model_dir, rows, tmp_path / "out", **remote(port))
+    err, returncode, worker_err = refused_on_both_sides(config, sets, [*sets, "rollout.temperature=0.5"], env, port)
     expected = "config key 'rollout.temperature' is 1.0 in the trainer's run and 0.5 here"
-    assert "refused this run: " + expected in str(err.value) and "\n" not in str(err.value)
-    assert worker.returncode == 2 and said(worker_err)[-1] == (f"turbogrpo: error: {expected}; start the rollout "
+    assert "refused this run: " + expected in str(err) and "\n" not in str(err)
+    assert returncode == 2 and said(worker_err)[-1] == (f"turbogrpo: error: {expected}; start the rollout "
                                                                "worker with the run's config"), worker_err[-3000:]
 
 

@@ -52,15 +52,19 @@ def tied_head(model: nn.Module) -> str | None:
     return _module_name(model, head)
 
 
+def _untied_head(model: nn.Module) -> str | None:
+    """The name of ``model``'s tied LM head where LoRA adapts it or the embedding (merged, the two differ), else
+    None."""
+    head = tied_head(model)
+    adapted = set(_lora_layers(model))
+    return head if head is not None and (head in adapted or _module_name(model, model.get_input_embeddings())
+                                         in adapted) else None
+
+
 def needs_untied(policy: nn.Module) -> bool:
     """Whether an engine must serve ``policy`` untied: its LM head is tied and LoRA adapts the head or the
     embedding (merged, the two differ)."""
-    model = base_model(policy)
-    head = tied_head(model)
-    if head is None:
-        return False
-    adapted = set(_lora_layers(model))
-    return head in adapted or _module_name(model, model.get_input_embeddings()) in adapted
+    return _untied_head(base_model(policy)) is not None
 
 
 def checkpoint_weights(policy: nn.Module, modules: set[str] | None = None) -> dict[str, torch.Tensor]:
@@ -79,8 +83,8 @@ def checkpoint_weights(policy: nn.Module, modules: set[str] | None = None) -> di
             if modules is not None and module not in modules:
                 continue
             weights[f"{module}.{leaf}"] = _merged(param, lora.get(module) if leaf == "weight" else None)
-        head = tied_head(model)
-        if head is not None and needs_untied(policy) and (modules is None or head in modules):
+        head = _untied_head(model)
+        if head is not None and (modules is None or head in modules):
             weights[f"{head}.weight"] = _merged(getattr(model.get_output_embeddings(), "base_layer",
                                                         model.get_output_embeddings()).weight, lora.get(head))
     return weights

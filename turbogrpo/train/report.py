@@ -40,9 +40,7 @@ def write_report(output_dir: str | Path) -> Path:
     ax.set_title("Reward and accuracy")
     ax.grid(alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(out / "rewards.png", dpi=120)
-    plt.close(fig)
+    _save(plt, fig, out / "rewards.png")
 
     fig, ax = plt.subplots(figsize=(7, 4))
     bottom = [0.0] * len(steps)
@@ -54,9 +52,7 @@ def write_report(output_dir: str | Path) -> Path:
     ax.set_ylabel("seconds")
     ax.set_title("Time per step, by phase")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(out / "phases.png", dpi=120)
-    plt.close(fig)
+    _save(plt, fig, out / "phases.png")
 
     panels = [("completion_length/mean", "completion length (tokens)"), ("entropy", "entropy (nats/token)"),
               ("kl", "KL to reference (k3)"), ("clip_ratio/region", "clipped fraction"), ("grad_norm", "grad norm"),
@@ -69,9 +65,7 @@ def write_report(output_dir: str | Path) -> Path:
             ax.set_title(title, fontsize=9)
             ax.set_xlabel("step")
             ax.grid(alpha=0.3)
-        fig.tight_layout()
-        fig.savefig(out / "training.png", dpi=120)
-        plt.close(fig)
+        _save(plt, fig, out / "training.png")
 
     speculative = [r for r in steps if "spec/accepted_length" in r]
     if speculative:
@@ -92,18 +86,10 @@ def _plot_speculation(plt, steps: list[dict], path: Path) -> None:
                    for r in steps], "o-", markersize=3, label="accepted length (tree steps)")
     left.plot(xs, [r["spec/tokens_per_forward"] for r in steps], ":", label="tokens per forward (all steps)")
     left.set_title("Speculation: tokens per policy forward", fontsize=9)
-    left.set_xlabel("step")
-    left.grid(alpha=0.3)
-    left.legend(fontsize=8)
     right.plot(xs, [r["spec/frac_tree_steps"] for r in steps], label="decoding steps with a tree")
     right.plot(xs, [r.get("time/draft", 0.0) / r["time/step"] for r in steps], label="draft training / step time")
     right.set_title("Tree use and draft-training share", fontsize=9)
-    right.set_xlabel("step")
-    right.grid(alpha=0.3)
-    right.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save(plt, fig, path, step_axes=(left, right))
 
 
 def _plot_mismatch(plt, steps: list[dict], path: Path) -> None:
@@ -120,7 +106,12 @@ def _plot_mismatch(plt, steps: list[dict], path: Path) -> None:
     right.plot(xs, [r.get("mismatch/frac_tokens_masked", 0.0) for r in steps], label="tokens masked")
     right.plot(xs, [r.get("mismatch/frac_sequences_masked", 0.0) for r in steps], label="sequences masked")
     right.set_title("Masked by the off-policy correction", fontsize=9)
-    for ax in (left, right):
+    _save(plt, fig, path, step_axes=(left, right))
+
+
+def _save(plt, fig, path: Path, step_axes=()) -> None:
+    """Write ``fig`` to ``path`` (PNG) and free it; ``step_axes``: panels over steps, labelled and gridded alike."""
+    for ax in step_axes:
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)

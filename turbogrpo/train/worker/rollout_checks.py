@@ -51,13 +51,17 @@ def check_rollout(request: Request, drawn: Drawn, *, num_generations: int, vocab
                               f"{num_generations} (rollout.num_generations)")
     if len(groups.completions) != sum(groups.sizes):
         raise RolloutMismatch(f"it has {len(groups.completions)} completions for groups of {sum(groups.sizes)}")
-    for i, completion in enumerate([*groups.completions, *groups.prompts]):
-        if completion.dim() != 1 or completion.dtype.is_floating_point or completion.dtype == torch.bool:
-            raise RolloutMismatch(f"{_sequence(i, groups)} is a {completion.dtype} tensor of shape {list(completion.shape)}, "
+    sequences = [*groups.completions, *groups.prompts]
+    for i, ids in enumerate(sequences):
+        if ids.dim() != 1 or ids.dtype.is_floating_point or ids.dtype == torch.bool:
+            raise RolloutMismatch(f"{_sequence(i, groups)} is a {ids.dtype} tensor of shape {list(ids.shape)}, "
                                   "not token ids")
-        if completion.numel() and (int(completion.min()) < 0 or int(completion.max()) >= vocab_size):
-            raise RolloutMismatch(f"{_sequence(i, groups)} has token ids outside the vocabulary [0, {vocab_size}) (from "
-                                  f"{int(completion.min())} to {int(completion.max())})")
+    outside = [(ids < 0) | (ids >= vocab_size) for ids in sequences]
+    if outside and torch.cat([o.any().reshape(1) for o in outside]).any():  # one host sync per rollout
+        i = next(i for i, o in enumerate(outside) if o.any())
+        ids = sequences[i]
+        raise RolloutMismatch(f"{_sequence(i, groups)} has token ids outside the vocabulary [0, {vocab_size}) (from "
+                              f"{int(ids.min())} to {int(ids.max())})")
     for name in PER_TOKEN_FIELDS:
         values = getattr(groups, name)
         if values is None:

@@ -42,6 +42,7 @@ from torch import nn
 
 from turbogrpo.data import PromptBatches, PromptExample
 from turbogrpo.engines import draw
+from turbogrpo.hook import lm_head_of
 from turbogrpo.rollout import Rollout
 from turbogrpo.train.distributed import DistInfo, resolve_device
 from turbogrpo.train.draft_learning import FORGET, build_online_draft
@@ -204,7 +205,7 @@ def versioned_parameters(policy: nn.Module, draft: nn.Module | None = None) -> d
 
 def output_vocab_size(policy: nn.Module) -> int:
     """The ids ``policy`` can sample: its LM head's rows (under a LoRA wrapper, the base layer's)."""
-    head = policy.get_output_embeddings()
+    head = lm_head_of(policy)
     weight = getattr(getattr(head, "base_layer", head), "weight", None)
     return weight.shape[0] if weight is not None else policy.config.vocab_size
 

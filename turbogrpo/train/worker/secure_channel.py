@@ -26,6 +26,7 @@ once, readable by this user alone), which every process of the user on this mach
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import ipaddress
@@ -179,7 +180,7 @@ class Channel:
         self._sent += 1
         return self._sealer.encrypt(nonce, data, associated)
 
-    def _open(self, data: bytes, associated: bytes) -> bytes:
+    def _open(self, data: bytes | bytearray, associated: bytes) -> bytes:
         nonce = struct.pack(">4xQ", self._received)
         self._received += 1
         try:
@@ -188,12 +189,13 @@ class Channel:
             raise ChannelError("a message failed authentication (altered, replayed or not from the peer that "
                                "proved the secret)") from None
 
-    def _read(self, count: int) -> bytes:
+    def _read(self, count: int) -> bytearray:
         return read_exactly(self.sock, count)
 
 
-def read_exactly(sock: socket.socket, count: int) -> bytes:
-    """``count`` bytes from ``sock``; ConnectionError where the peer closed the connection first."""
+def read_exactly(sock: socket.socket, count: int) -> bytearray:
+    """``count`` bytes from ``sock`` (as read: no copy); ConnectionError where the peer closed the connection
+    first."""
     buffer = bytearray(count)
     view, done = memoryview(buffer), 0
     while done < count:
@@ -201,57 +203,63 @@ def read_exactly(sock: socket.socket, count: int) -> bytes:
         if not got:
             raise ConnectionError("the connection closed")
         done += got
-    return bytes(buffer)
+    return buffer
+
+
+@contextlib.contextmanager
+def _handshake(sock: socket.socket, silent: str, left: str):
+    """The block of one side's handshake, ``HANDSHAKE_S`` at most: a peer that says nothing in time is
+    ChannelError ``silent``; one that closes the connection is ChannelError ``left`` with the reason."""
+    sock.settimeout(HANDSHAKE_S)
+    try:
+        yield
+    except ChannelError:
+        raise
+    except (TimeoutError, socket.timeout):
+        raise ChannelError(silent) from None
+    except ConnectionError as err:
+        raise ChannelError(f"{left} ({err})") from None
+    sock.settimeout(None)
+
+
+def _channel(sock: socket.socket, secret: bytes, nonce_t: bytes, nonce_w: bytes, *, side: str) -> Channel:
+    """The proven connection of ``side`` ("trainer" or "worker"): it seals with its own direction's key and opens
+    with the other's (both derived from the secret and this connection's nonces)."""
+    other = "worker" if side == "trainer" else "trainer"
+    return Channel(sock, _mac(secret, f"{side}->{other}".encode(), nonce_t, nonce_w),
+                   _mac(secret, f"{other}->{side}".encode(), nonce_t, nonce_w))
 
 
 def prove_as_trainer(sock: socket.socket, secret: bytes) -> Channel:
     """The trainer's handshake on an accepted connection (``HANDSHAKE_S`` at most): a peer that does not prove it
     holds ``secret`` is told no and raises ChannelError."""
     nonce_t = secrets.token_bytes(NONCE_BYTES)
-    sock.settimeout(HANDSHAKE_S)
-    try:
+    with _handshake(sock, f"it did not answer the handshake within {HANDSHAKE_S:g} s", "it left during the handshake"):
         sock.sendall(MAGIC + nonce_t)
         answer = read_exactly(sock, len(MAGIC) + NONCE_BYTES + PROOF_BYTES)
         if not answer.startswith(MAGIC):
-            raise ChannelError(f"it is not a turbogrpo rollout worker (it sent {answer[:24]!r})")
-        nonce_w, proof = answer[len(MAGIC):-PROOF_BYTES], answer[-PROOF_BYTES:]
+            raise ChannelError(f"it is not a turbogrpo rollout worker (it sent {bytes(answer[:24])!r})")
+        nonce_w, proof = bytes(answer[len(MAGIC):-PROOF_BYTES]), answer[-PROOF_BYTES:]
         if not hmac.compare_digest(proof, _mac(secret, b"worker", nonce_t, nonce_w)):
             sock.sendall(b"\0")
             raise ChannelError("it does not hold the run's secret")
         sock.sendall(b"\1" + _mac(secret, b"trainer", nonce_t, nonce_w))
-    except (TimeoutError, socket.timeout):
-        raise ChannelError(f"it did not answer the handshake within {HANDSHAKE_S:g} s") from None
-    except ConnectionError as err:
-        if isinstance(err, ChannelError):
-            raise
-        raise ChannelError(f"it left during the handshake ({err})") from None
-    sock.settimeout(None)
-    return Channel(sock, _mac(secret, b"trainer->worker", nonce_t, nonce_w),
-                   _mac(secret, b"worker->trainer", nonce_t, nonce_w))
+    return _channel(sock, secret, nonce_t, nonce_w, side="trainer")
 
 
 def prove_as_worker(sock: socket.socket, secret: bytes) -> Channel:
     """The worker's handshake on a connection to its trainer (``HANDSHAKE_S`` at most): a peer that is not a
     turbogrpo trainer, or does not hold ``secret``, raises ChannelError."""
-    sock.settimeout(HANDSHAKE_S)
-    try:
+    with _handshake(sock, f"it is not a turbogrpo trainer (it did not begin the handshake within {HANDSHAKE_S:g} s)",
+                    "it is not a turbogrpo trainer, or it closed the connection"):
         opening = read_exactly(sock, len(MAGIC) + NONCE_BYTES)
         if not opening.startswith(MAGIC):
-            raise ChannelError(f"it is not a turbogrpo trainer (it sent {opening[:24]!r})")
-        nonce_t, nonce_w = opening[len(MAGIC):], secrets.token_bytes(NONCE_BYTES)
+            raise ChannelError(f"it is not a turbogrpo trainer (it sent {bytes(opening[:24])!r})")
+        nonce_t, nonce_w = bytes(opening[len(MAGIC):]), secrets.token_bytes(NONCE_BYTES)
         sock.sendall(MAGIC + nonce_w + _mac(secret, b"worker", nonce_t, nonce_w))
         if read_exactly(sock, 1) != b"\1":
             raise ChannelError(f"it refused this worker's secret: set the same {SECRET_ENV} (or "
                                "train.rollout_secret_file) on both machines")
         if not hmac.compare_digest(read_exactly(sock, PROOF_BYTES), _mac(secret, b"trainer", nonce_t, nonce_w)):
             raise ChannelError("it does not hold the run's secret: it is not this run's trainer")
-    except (TimeoutError, socket.timeout):
-        raise ChannelError(f"it is not a turbogrpo trainer (it did not begin the handshake within {HANDSHAKE_S:g} "
-                           "s)") from None
-    except ConnectionError as err:
-        if isinstance(err, ChannelError):
-            raise
-        raise ChannelError(f"it is not a turbogrpo trainer, or it closed the connection ({err})") from None
-    sock.settimeout(None)
-    return Channel(sock, _mac(secret, b"worker->trainer", nonce_t, nonce_w),
-                   _mac(secret, b"trainer->worker", nonce_t, nonce_w))
+    return _channel(sock, secret, nonce_t, nonce_w, side="worker")
