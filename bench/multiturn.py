@@ -49,6 +49,7 @@ from turbogrpo.rewards import build_rewards  # noqa: E402
 from turbogrpo.rollout.multiturn import MultiTurnRollout, MultiTurnStats  # noqa: E402
 from turbogrpo.train import distributed, loop  # noqa: E402
 from turbogrpo.train.run import build_run  # noqa: E402
+from turbogrpo.train.output_dir import run_record
 from turbogrpo.train.state import start  # noqa: E402
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "smollm2_calculator.toml"
@@ -62,7 +63,7 @@ def calculator_run(workdir: Path, num_prompts: int, num_generations: int, overri
         f"train.prompts_per_step={num_prompts}", f"rollout.num_generations={num_generations}",
         f'train.output_dir="{workdir / "turbogrpo"}"', "train.num_steps=1000", "log.tensorboard=false",
         "log.progress_bar=false", "log.completions_every=0", *overrides])
-    run = build_run(config, distributed.setup("cpu"), build_rewards(config.rewards))
+    run = build_run(config, distributed.setup("cpu"), build_rewards(config.rewards), run_record(config))
     start(run, resume=False)
     return run, config
 

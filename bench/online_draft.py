@@ -56,6 +56,7 @@ from turbogrpo.speculative.draft_training import draft_groups, train_draft  # no
 from turbogrpo.train import distributed, setup  # noqa: E402
 from turbogrpo.train.loop import grpo_step  # noqa: E402
 from turbogrpo.train.run import build_run  # noqa: E402
+from turbogrpo.train.output_dir import run_record
 from turbogrpo.train.state import evaluate, start  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -155,7 +156,7 @@ def run_seed(args, seed: int, out: Path) -> dict:
         config = base_config(args, seed, out / name, overrides)
         if config.train.num_threads:
             torch.set_num_threads(config.train.num_threads)
-        runs[name] = build_run(config, dist, rewards)
+        runs[name] = build_run(config, dist, rewards, run_record(config))
         start(runs[name], resume=False)
     evaluated = () if args.no_eval else ("off", "online")
     for name in evaluated:

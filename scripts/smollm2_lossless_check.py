@@ -24,6 +24,7 @@ from turbogrpo.speculative.draft import DraftHead  # noqa: E402
 from turbogrpo.speculative.sizing import FixedSizing  # noqa: E402
 from turbogrpo.train import distributed  # noqa: E402
 from turbogrpo.train.run import build_run  # noqa: E402
+from turbogrpo.train.output_dir import run_record
 
 
 def chi_square_equal(a: list[int], b: list[int]) -> dict:
@@ -42,7 +43,7 @@ def main(num_rollouts: int) -> None:
     keep_freed_host_memory()
     config = load_config("configs/smollm2_arithmetic.toml", ['train.output_dir="runs/lossless_check"',
                                                              "log.tensorboard=false", "log.progress_bar=false"])
-    run = build_run(config, distributed.setup("cpu", "auto"), build_rewards(config.rewards))
+    run = build_run(config, distributed.setup("cpu", "auto"), build_rewards(config.rewards), run_record(config))
     draft = DraftHead.load(resolve_draft_path("smollm2-gsm8k"), run.policy)
     prompts = [e.token_ids for e in run.held_out.examples[:32]]
     cap = run.sampling.max_new_tokens

@@ -216,6 +216,11 @@ def test_the_output_folder_has_one_spelling():
     (["train.max_staleness=1", "algo.tis_cap=2", 'rollout.speculation="fixed"', 'rollout.engine="vllm"',
       'model.device="cuda"', 'draft.layout="eagle"'],
      "config key 'rollout.engine': 'vllm' is not allowed; expected \"native\" or \"auto\" with rollout.speculation on"),
+    (['distributed.strategy="fsdp2"', "lora.enabled=true", "algo.beta=0.04"],
+     "config key 'algo.beta': 0.04 is not allowed; expected 0 with distributed.strategy = \"fsdp2\" and LoRA"),
+    (['distributed.strategy="fsdp2"', 'rollout.speculation="fixed"'],
+     "config key 'rollout.speculation': 'fixed' is not allowed; expected \"off\" with distributed.strategy = "
+     "\"fsdp2\""),
     (["train.max_staleness=1", "algo.tis_cap=2", 'distributed.strategy="fsdp2"'],
      "config key 'distributed.strategy': 'fsdp2' is not allowed; expected \"ddp\" with train.max_staleness > 0"),
     (["train.partial_rollouts=1"], "config key 'train.partial_rollouts': 1 is not allowed; expected an integer in [0, "

@@ -189,7 +189,6 @@ def test_an_unknown_transform_stops_a_training_run_at_its_build(monkeypatch):
     from turbogrpo.config import LoraConfig, ModelConfig
     from turbogrpo.train import setup
     monkeypatch.setattr(setup, "load_model_and_tokenizer", lambda path, **_: (tripled(), None))
-    monkeypatch.setattr(setup, "resolve_model_path", lambda path: path)
     precision = setup.precision(ModelConfig(path="tripled"), torch.device("cpu"))
     with pytest.raises(ValueError, match=UNKNOWN):
         setup.load_policy(ModelConfig(path="tripled"), LoraConfig(), torch.device("cpu"), precision)

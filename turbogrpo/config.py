@@ -665,6 +665,13 @@ class Config:
         _require(not self.draft.history or self.rollout.speculation != "off", "draft.history",
                  "false while rollout.speculation = \"off\" (history drafts are candidates of speculative "
                  "rollouts: set rollout.speculation, e.g. \"cost\")", self.draft.history)
+        fsdp2 = self.distributed.strategy == "fsdp2"
+        _require(not (fsdp2 and self.lora.enabled) or self.algo.beta == 0, "algo.beta", "0 with distributed.strategy "
+                 "= \"fsdp2\" and LoRA (the reference, the base model without adapters, cannot be scored; or use "
+                 "strategy \"ddp\")", self.algo.beta)
+        _require(not fsdp2 or self.rollout.speculation == "off", "rollout.speculation", "\"off\" with "
+                 "distributed.strategy = \"fsdp2\" (the draft head shares the policy's embeddings and LM head, which "
+                 "FSDP2 shards; or use strategy \"ddp\")", self.rollout.speculation)
         self._check_vllm_speculation()
         self._check_asynchronous()
         from turbogrpo.speculative.built_drafts import BUILT_DRAFTS, same_model

@@ -175,6 +175,13 @@ def _parsed_once():
         gguf.GGUFReader = parse
 
 
+def gguf_fingerprint(source: str | os.PathLike) -> dict:
+    """Name, size and SHA-256 of the GGUF file a model.path reads (``gguf_source_file``): what a cache key
+    built from that model hashes, so that another file builds anew."""
+    gguf_path = gguf_source_file(source)
+    return _fingerprint(gguf_path)
+
+
 def _fingerprint(gguf_path: Path) -> dict:
     """Name, size and SHA-256 of a GGUF file (hashing 100 MB takes a fraction of a second)."""
     return {"file": gguf_path.name, "size": gguf_path.stat().st_size, "sha256": sha256_of(gguf_path)}

@@ -159,9 +159,9 @@ def probe_difference(model: nn.Module) -> tuple[float, float]:
     One forward of the model itself; the head's logits are computed from its decoder's output inside that
     forward (a hook), so that both see the same context: a forward wrapped in autocast (accelerate's mixed
     precision, TRL's bf16) rounds both alike."""
+    head, ours = unchecked_logits_head(model), []
     embeddings = embedding_table(model)
     ids = (torch.arange(PROBE_TOKENS, device=embeddings.weight.device) * 7 + 3) % embeddings.num_embeddings
-    head, ours = unchecked_logits_head(model), []
 
     def score(module, args, output):
         ours.append(head(output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0]))

@@ -246,6 +246,7 @@ def test_two_grpo_steps_on_the_vllm_engine(tmp_path, engine, monkeypatch):
     from turbogrpo import engines
     from turbogrpo.train import distributed, loop
     from turbogrpo.train.run import build_run
+    from turbogrpo.train.output_dir import run_record
     from turbogrpo.train.state import start
     # The shared engine's LLM (the run's own would take another minute to build); the run's weights go in first.
     monkeypatch.setitem(engines.ENGINES, "vllm", lambda **s: VllmEngine(s["dtype"], s["device"], s["tokenizer"],
@@ -256,7 +257,7 @@ def test_two_grpo_steps_on_the_vllm_engine(tmp_path, engine, monkeypatch):
                                                "optim.lr=3e-3", "optim.warmup_steps=0", "data.num_eval_problems=4",
                                                "train.micro_batch_tokens=400",  # a micro-batch per group
                                                "log.tensorboard=false"])
-    run = build_run(config, distributed.setup("cpu", "auto"), build_rewards(config.rewards))
+    run = build_run(config, distributed.setup("cpu", "auto"), build_rewards(config.rewards), run_record(config))
     start(run, resume=False)
     try:
         metrics = [loop.grpo_step(run, step) for step in range(2)]

@@ -133,6 +133,7 @@ def test_the_worker_samples_with_exactly_the_version_the_trainer_published(tmp_p
     from turbogrpo.train.draft_learning import speculation_metrics
     from turbogrpo.train.loop import begin_step, sample
     from turbogrpo.train.run import build_run
+    from turbogrpo.train.output_dir import run_record
     from turbogrpo.train.state import start
     extra = ({"rollout.speculation": '"fixed"'} if variant == "speculative" else
              {"lora.enabled": "true", "lora.r": 4, "optim.lr": 3e-3, "optim.warmup_steps": 0})
@@ -158,7 +159,8 @@ def test_the_worker_samples_with_exactly_the_version_the_trainer_published(tmp_p
         folder = tmp_path / ("again" if wrong else "run")
         config = load_config(REPO / "configs" / "demo.toml", [*sets, f'train.output_dir="{folder}"'])
         torch.set_num_threads(1)  # the worker's (train.rollout_threads)
-        run = build_run(config, distributed.setup("cpu", "gloo"), build_rewards(config.rewards))
+        run = build_run(config, distributed.setup("cpu", "gloo"), build_rewards(config.rewards),
+                        run_record(config))
         initial = {k: v.clone() for k, v in run.draft.draft.state_dict().items()} if run.draft is not None else None
         state = start(run, resume=not (wrong and variant == "lora"))  # no worker: the step samples itself
         if wrong and initial is not None:

@@ -64,12 +64,13 @@ def test_history_drafts_join_the_runs_speculation_and_keep_its_completions(tmp_p
     from turbogrpo.speculative.history import HistoryDrafts
     from turbogrpo.train import distributed
     from turbogrpo.train.run import build_run
+    from turbogrpo.train.output_dir import run_record
     from turbogrpo.train.state import start
 
     model_dir, rows = write_model(tmp_path / "model"), write_rows(tmp_path / "rows.jsonl")
     config = load_config(None, overrides(model_dir, rows, tmp_path / "out",
                                          **{"rollout.speculation": "fixed", "draft.history": "true"}))
-    run = build_run(config, distributed.setup("cpu", "auto"), build_rewards(config.rewards))
+    run = build_run(config, distributed.setup("cpu", "auto"), build_rewards(config.rewards), run_record(config))
     start(run, resume=False)
     assert isinstance(run.draft.history, HistoryDrafts) and run.draft.speculation().history is run.draft.history
     loop.grpo_step(run, 0)
@@ -120,7 +121,7 @@ def test_policy_and_draft_are_frozen_in_each_others_training(tmp_path, monkeypat
     from turbogrpo.train.run import build_run
     from turbogrpo.train.state import start
     config = load_config(None, overrides(model_dir, rows, tmp_path / "out", **{"rollout.speculation": "fixed"}))
-    run = build_run(config, distributed.setup("cpu", "auto"), build_rewards(config.rewards))
+    run = build_run(config, distributed.setup("cpu", "auto"), build_rewards(config.rewards), run_record(config))
     start(run, resume=False)
     run_state = {"draft": run.draft.draft, "policy": run.policy}
     run.policy.zero_grad(set_to_none=True)
@@ -207,7 +208,8 @@ def test_speculative_training_rollouts_sample_the_plain_distribution(tmp_path, m
         extra = {"rollout.speculation": speculation, "train.seed": seed, "rollout.num_generations": 32,
                  "rollout.max_new_tokens": 3, "rollout.stop_strings": "[]", "train.prompts_per_step": 4}
         config = load_config(None, overrides(model_dir, rows, tmp_path / f"{speculation}{seed}", **extra))
-        run = build_run(config, distributed.setup("cpu", "auto"), build_rewards(config.rewards))
+        run = build_run(config, distributed.setup("cpu", "auto"), build_rewards(config.rewards),
+                        run_record(config))
         start(run, resume=False)
         loop.grpo_step(run, 0)
         return torch.stack([t[:2] for t in captured[-1].tokens if len(t) >= 2])

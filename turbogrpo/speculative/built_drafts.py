@@ -117,13 +117,13 @@ def checkout_path(path: str) -> Path:
 def built_draft_folder(built: BuiltDraft, *, cache: Path | None = None) -> Path:
     """Where ``built`` lives: ``<cache>/drafts/<name>-<key>``, the key hashing its recipe, its config
     file's text and its model's fingerprint (so changing any of them builds anew)."""
-    from turbogrpo.gguf_models import cache_root, gguf_source_file, _fingerprint
+    from turbogrpo.gguf_models import cache_root, gguf_fingerprint
 
     config_path = checkout_path(built.config)
     if not config_path.is_file():
         raise ValueError(f"draft {built.name!r} renders its prompts with {built.config}, which is not here; run "
                          "from the turbogrpo checkout")
-    digest = hashlib.sha256(json.dumps({"model": _fingerprint(gguf_source_file(built.model)),
+    digest = hashlib.sha256(json.dumps({"model": gguf_fingerprint(built.model),
                                         "recipe": asdict(built.recipe), "config": config_path.read_text()},
                                        sort_keys=True).encode())
     return (cache or cache_root()) / "drafts" / f"{built.name}-{digest.hexdigest()[:12]}"
@@ -133,9 +133,9 @@ def samples_file(built: BuiltDraft, *, cache: Path | None = None) -> Path:
     """Where ``built``'s sampled completions are kept (``<cache>/drafts/samples/<name>-<key>.safetensors``),
     keyed by what decides them: the sampling fields of its recipe, its config's text and its model. So a
     draft retrained with other epochs, learning rate or vocabulary reuses them instead of sampling anew."""
-    from turbogrpo.gguf_models import cache_root, gguf_source_file, _fingerprint
+    from turbogrpo.gguf_models import cache_root, gguf_fingerprint
 
-    digest = hashlib.sha256(json.dumps({"model": _fingerprint(gguf_source_file(built.model)),
+    digest = hashlib.sha256(json.dumps({"model": gguf_fingerprint(built.model),
                                         "sampling": built.recipe.sampling(),
                                         "config": checkout_path(built.config).read_text()},
                                        sort_keys=True).encode())

@@ -113,7 +113,7 @@ def train(config: Config, *, resume: bool = False, overwrite: bool = False) -> R
         record = run_record(config)
         check_ranks_agree(record, dist)  # under torchrun: one config and the same inputs on every rank
         output = claim_output_dir(record, dist, resume=resume, overwrite=overwrite)
-        run = build_run(config, dist, rewards)
+        run = build_run(config, dist, rewards, record)
         total = config.train.num_steps
         if config.train.max_staleness:  # started first: the worker builds its model while the trainer resumes
             spec = WorkerSpec.of(config.model, config.lora, config.rollout, config.env, config.train, config.algo,

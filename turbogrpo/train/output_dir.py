@@ -91,12 +91,11 @@ def run_record(config: Config) -> RunRecord:
     """The output folder's record of ``config``'s inputs: the one function here that reads the whole
     config; the rest of this module works on the record. data.path (its rows) and model.path (LoRA's
     frozen base and the reference are reloaded from it) are fingerprinted."""
-    from turbogrpo.models import model_source
     inputs = run_inputs(model_path=config.model.path, data_path=config.data.path, eval_path=config.data.eval_path,
                         draft_path=config.draft.path, reward_functions=[r.function for r in config.rewards])
     return RunRecord(config.train.output_dir, config.to_dict(), inputs,
                      {"data.path": (config.data.path, None),
-                      "model.path": (str(model_source(config.model.path)), SAMPLED_ABOVE_BYTES)})
+                      "model.path": (str(inputs["model.path"]), SAMPLED_ABOVE_BYTES)})
 
 
 def claim_output_dir(record: RunRecord, dist: DistInfo, *, resume: bool, overwrite: bool) -> OutputDir:
@@ -149,9 +148,10 @@ def run_inputs(*, model_path: str, data_path: str, eval_path: str, draft_path: s
     files of reward modules already imported (``train`` imports them before it claims the folder)."""
     from turbogrpo.models import model_source
     from turbogrpo.speculative.built_drafts import resolve_draft_path
+    draft = Path(resolve_draft_path(draft_path)) if draft_path != "scratch" else None
     inputs = {"model.path": model_source(model_path), "data.path": Path(data_path), "data.eval_path": Path(eval_path)}
-    if draft_path != "scratch":
-        inputs["draft.path"] = Path(resolve_draft_path(draft_path))
+    if draft is not None:
+        inputs["draft.path"] = draft
     for number, function in enumerate(reward_functions):
         module_file = getattr(sys.modules.get(function.partition(":")[0]), "__file__", None)
         if ":" in function and module_file:

@@ -117,7 +117,8 @@ def emulated_precision_warning(compute: torch.dtype, device_type: str) -> str | 
 def run_precision(dtype: str, pure_bf16: bool = False, device: torch.device | str = "cpu") -> Precision:
     """The precision of ``model.dtype`` (+ ``model.pure_bf16``) on ``device``; warns once where the CPU
     emulates the compute dtype (``emulated_precision_warning``)."""
-    compute = resolve_dtype(resolved_dtype_name(dtype, device))
+    name = resolved_dtype_name(dtype, device)
+    compute = resolve_dtype(name)
     device_type = torch.device(device).type
     warning = emulated_precision_warning(compute, device_type)
     if warning is not None:

@@ -31,7 +31,7 @@ from turbogrpo.train.episodes import EpisodeSampler, build_episode_sampler
 from turbogrpo.train.evaluate import HeldOut, build_held_out
 from turbogrpo.train.metrics import MetricsLog
 from turbogrpo.train.optim import build_optimizer
-from turbogrpo.train.output_dir import RunRecord, run_record
+from turbogrpo.train.output_dir import RunRecord
 from turbogrpo.train.precision import Precision, warn_if_pure
 from turbogrpo.train.worker.protocol import AheadRollouts
 
@@ -159,9 +159,10 @@ class Run:
         return self.sampling.max_new_tokens if self.episodes is None else self.episodes.max_completion_tokens
 
 
-def build_run(config: Config, dist: DistInfo, rewards: list[Reward]) -> Run:
+def build_run(config: Config, dist: DistInfo, rewards: list[Reward], record: RunRecord) -> Run:
     """The run's parts, each built once from its own section of ``config``, with a fresh state
-    (``state.start`` resumes it and opens its output folder)."""
+    (``state.start`` resumes it and opens its output folder); ``record``: the output folder's record of
+    ``config`` (``output_dir.run_record``)."""
     if dist.is_main:
         warn_if_pure(config.model.pure_bf16)
     parts = build_policy(config.model, config.lora, config.rollout, dist, seed=config.train.seed)
@@ -169,10 +170,6 @@ def build_run(config: Config, dist: DistInfo, rewards: list[Reward]) -> Run:
     # Before the prompts: it may set the chat template.
     episodes = build_episode_sampler(config.env, parts.tokenizer, config.rollout.branching)
     held_out = build_policy_held_out(config.data, config.train, parts, rewards, episodes)
-    fsdp2 = dist.enabled and config.distributed.strategy == "fsdp2"
-    if fsdp2 and config.lora.enabled and config.algo.beta > 0:
-        raise ValueError("config key 'algo.beta': with distributed.strategy = \"fsdp2\" and LoRA the reference "
-                         "(the base model without adapters) cannot be scored; use beta = 0 or strategy \"ddp\"")
     fn = setup.logprob_fn(config.model.logprob_backend, config.rollout.temperature, precision, config.train.sharing)
     trainer = distributed.wrap_for_training(policy, fn, dist, config.distributed.strategy, precision)
     reference = setup.build_reference(config.algo.beta, config.model.path, config.lora.enabled, policy, dist.device,
@@ -191,19 +188,14 @@ def build_run(config: Config, dist: DistInfo, rewards: list[Reward]) -> Run:
     check_prompt_count(config.data, config.train.prompts_per_step, prompt_set)
     batches = PromptBatches(prompt_set.examples, config.train.prompts_per_step, seed=config.train.seed,
                             shuffle=config.data.shuffle)
-    if fsdp2 and config.rollout.speculation != "off":
-        raise ValueError("config key 'rollout.speculation': the draft head shares the policy's embeddings and LM "
-                         "head, which FSDP2 shards; use rollout.speculation = \"off\" or strategy \"ddp\"")
     longest_prompt = max(e.token_ids.numel() for e in prompt_set.examples)
-    draft_context = longest_prompt + config.rollout.max_new_tokens // 2
-    draft = build_online_draft(config.rollout.speculation, config.draft, policy, draft_context)
     schedule = replace(default_schedule(dist.device), linears=config.model.linear_kernel)
+    needs = config.engine_needs()
+    engine_name = resolve_engine(config.rollout.engine, dist.device, conversations=episodes is not None, needs=needs)
     # A conversation's prompt is rendered at rollout time, with its environment's tools listed: longer than the
-    # data's ids, so an [env] run's engine serves up to the model's own limit.
-    engine_name = resolve_engine(config.rollout.engine, dist.device, conversations=episodes is not None,
-                                 needs=config.engine_needs())
-    # At k > 0 the rollout worker samples with its own engine; the trainer's samples only held-out answers (a vLLM
-    # one would still import vllm into the trainer), so it keeps the default one.
+    # data's ids, so an [env] run's engine serves up to the model's own limit. At k > 0 the rollout worker samples
+    # with its own engine; the trainer's samples only held-out answers (a vLLM one would still import vllm into the
+    # trainer), so it keeps the default one.
     engine_max_length = longest_prompt + max_new_tokens if episodes is None else 0
     engine = build_engine(DEFAULT_ENGINE if config.train.max_staleness else engine_name, dist.device, schedule=schedule,
                           dtype=precision.compute_dtype, tokenizer=parts.tokenizer, max_length=engine_max_length or None,
@@ -212,13 +204,15 @@ def build_run(config: Config, dist: DistInfo, rewards: list[Reward]) -> Run:
     # approximates: algo.tis_cap = "auto" corrects for it there and stays off where the sampler is that forward.
     algo = config.algo.resolved(sampler_differs=not CAPABILITIES[engine_name].exact_sampler
                                 or config.train.max_staleness > 0)
+    draft_context = longest_prompt + config.rollout.max_new_tokens // 2
+    draft = build_online_draft(config.rollout.speculation, config.draft, policy, draft_context)
     return Run(dist=dist, policy=policy, tokenizer=parts.tokenizer, precision=precision, trainer=trainer,
                reference=reference, optimizer=optimizer, batches=batches, rewards=rewards, sampling=parts.sampling,
                num_generations=config.rollout.num_generations, decode_schedule=schedule, engine=engine,
                training_kernels=TRAINING_LINEAR_KERNELS[config.model.linear_kernel], held_out=held_out,
                loss=build_loss(algo), algo=algo, optim=config.optim, train=config.train,
                log=config.log, export_dtype=str(parts.precision.compute_dtype).removeprefix("torch.")
-               if config.train.final_dtype == "auto" else config.train.final_dtype, record=run_record(config), draft=draft,
+               if config.train.final_dtype == "auto" else config.train.final_dtype, record=record, draft=draft,
                draft_context=draft_context, engine_max_length=engine_max_length, episodes=episodes)
 
 

@@ -17,7 +17,7 @@ from turbogrpo.config import ConfigError, DataConfig, LoraConfig, ModelConfig, R
 from turbogrpo.data import PromptExample, build_prompts
 from turbogrpo.data.kinds import BUILTIN_TASKS, ROW_READERS, eval_rows, train_rows  # noqa: F401 (re-exported)
 from turbogrpo.hook import check_supported
-from turbogrpo.models import enable_activation_checkpointing, load_model_and_tokenizer, resolve_model_path
+from turbogrpo.models import enable_activation_checkpointing, load_model_and_tokenizer
 from turbogrpo.output_head import check_logits_head
 from turbogrpo.rewards import BUILTIN_REWARDS, Reward, resolve_reward
 from turbogrpo.rollout import SamplingConfig
@@ -34,19 +34,18 @@ def precision(model: ModelConfig, device: torch.device) -> Precision:
 def load_policy(model: ModelConfig, lora: LoraConfig, device: torch.device, precision: Precision):
     """The trainable policy (full model, or base + LoRA adapters) and its tokenizer, on ``device``, its
     parameters in the run's storage dtype (float32 masters unless model.pure_bf16)."""
-    path = resolve_model_path(model.path)
-    policy, tokenizer = load_model_and_tokenizer(path, dtype=precision.param_dtype, device=device)
+    policy, tokenizer = load_model_and_tokenizer(model.path, dtype=precision.param_dtype, device=device)
     if lora.enabled:
         from peft import LoraConfig as PeftLoraConfig, get_peft_model
         policy = get_peft_model(policy, PeftLoraConfig(
             r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
             target_modules=list(lora.target_modules), task_type="CAUSAL_LM"))
-    check_logits_head(policy)   # a logits transform turbogrpo does not know stops the run here, not in step 1
-    check_supported(policy)     # so does a model the rollout engines cannot sample (a hybrid: no state cache yet)
-    if model.gradient_checkpointing:
+    if model.gradient_checkpointing:  # (it recomputes in training only: the probe below runs without grad)
         enable_activation_checkpointing(policy)
         if lora.enabled:
             policy.enable_input_require_grads()
+    check_logits_head(policy)   # a logits transform turbogrpo does not know stops the run here, not in step 1
+    check_supported(policy)     # so does a model the rollout engines cannot sample (a hybrid: no state cache yet)
     return policy, tokenizer
 
 
@@ -93,9 +92,8 @@ def build_reference(beta: float, model_path: str, lora: bool, policy: nn.Module,
         return None
     if lora:
         return AdapterlessScorer(policy, fn)
-    path = resolve_model_path(model_path)
     # Stored like the policy, so that at step 0 it computes exactly the policy's log-probs.
-    reference, _ = load_model_and_tokenizer(path, dtype=precision.param_dtype, device=device)
+    reference, _ = load_model_and_tokenizer(model_path, dtype=precision.param_dtype, device=device)
     return FrozenScorer(reference, fn)
 
 
