@@ -53,7 +53,7 @@ from turbogrpo.prefix.cost import ModelDims, layout_flops  # noqa: E402
 from turbogrpo.rewards import Reward, math_accuracy_reward  # noqa: E402
 from turbogrpo.train import distributed, loop, setup  # noqa: E402
 from turbogrpo.train.run import build_run  # noqa: E402
-from turbogrpo.train.output_dir import run_record
+from turbogrpo.train.output_dir import run_record  # noqa: E402
 from turbogrpo.train.state import start  # noqa: E402
 
 PHASES = ("rollout", "rewards", "logprobs", "update")

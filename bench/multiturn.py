@@ -49,7 +49,7 @@ from turbogrpo.rewards import build_rewards  # noqa: E402
 from turbogrpo.rollout.multiturn import MultiTurnRollout, MultiTurnStats  # noqa: E402
 from turbogrpo.train import distributed, loop  # noqa: E402
 from turbogrpo.train.run import build_run  # noqa: E402
-from turbogrpo.train.output_dir import run_record
+from turbogrpo.train.output_dir import run_record  # noqa: E402
 from turbogrpo.train.state import start  # noqa: E402
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "smollm2_calculator.toml"

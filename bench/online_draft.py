@@ -56,7 +56,8 @@ from turbogrpo.speculative.draft_training import draft_groups, train_draft  # no
 from turbogrpo.train import distributed, setup  # noqa: E402
 from turbogrpo.train.loop import grpo_step  # noqa: E402
 from turbogrpo.train.run import build_run  # noqa: E402
-from turbogrpo.train.output_dir import run_record
+from turbogrpo.train.output_dir import run_record  # noqa: E402
+from turbogrpo.train.precision import run_precision  # noqa: E402
 from turbogrpo.train.state import evaluate, start  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -115,7 +116,8 @@ def pretrain_draft(args, seed: int, out: Path) -> tuple[Path, dict]:
     """A draft trained offline on the step-0 policy's own completions (as `turbogrpo draft train`)."""
     config = base_config(args, seed, out / "pretrain", [])
     cpu = torch.device("cpu")
-    policy, tokenizer = setup.load_policy(config.model, config.lora, cpu, setup.precision(config.model, cpu))
+    precision = run_precision(config.model.dtype, config.model.pure_bf16, cpu)
+    policy, tokenizer = setup.load_policy(config.model, config.lora, cpu, precision)
     examples = setup.load_train_prompts(config.data, tokenizer, seed=config.train.seed,
                                         max_new_tokens=config.rollout.max_new_tokens).examples
     prompts = [e.token_ids for e in examples[-args.draft_prompts:]]  # the end of the shuffled-later list

@@ -24,7 +24,7 @@ from turbogrpo.speculative.draft import DraftHead  # noqa: E402
 from turbogrpo.speculative.sizing import FixedSizing  # noqa: E402
 from turbogrpo.train import distributed  # noqa: E402
 from turbogrpo.train.run import build_run  # noqa: E402
-from turbogrpo.train.output_dir import run_record
+from turbogrpo.train.output_dir import run_record  # noqa: E402
 
 
 def chi_square_equal(a: list[int], b: list[int]) -> dict:

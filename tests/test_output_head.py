@@ -189,7 +189,8 @@ def test_an_unknown_transform_stops_a_training_run_at_its_build(monkeypatch):
     from turbogrpo.config import LoraConfig, ModelConfig
     from turbogrpo.train import setup
     monkeypatch.setattr(setup, "load_model_and_tokenizer", lambda path, **_: (tripled(), None))
-    precision = setup.precision(ModelConfig(path="tripled"), torch.device("cpu"))
+    from turbogrpo.train.precision import run_precision
+    precision = run_precision("float32", False, torch.device("cpu"))
     with pytest.raises(ValueError, match=UNKNOWN):
         setup.load_policy(ModelConfig(path="tripled"), LoraConfig(), torch.device("cpu"), precision)
 

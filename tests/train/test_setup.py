@@ -7,6 +7,7 @@ import pytest
 from turbogrpo.config import ConfigError, load_config
 from turbogrpo.models import tiny_model
 from turbogrpo.train import setup
+from turbogrpo.train.precision import run_precision
 
 from .tiny_run import char_tokenizer
 
@@ -50,4 +51,4 @@ def test_a_run_refuses_a_hybrid_policy_at_load_naming_the_missing_state_cache(tm
     device = torch.device("cpu")
     with pytest.raises(ValueError, match=r"^model type 'qwen3_5_text' has layer types \['linear_attention'\]; "
                                          r"turbogrpo's rollout engines \(native, vLLM\) cannot sample it yet"):
-        setup.load_policy(ModelConfig(path=str(tmp_path)), LoraConfig(), device, setup.precision(ModelConfig(), device))
+        setup.load_policy(ModelConfig(path=str(tmp_path)), LoraConfig(), device, run_precision("float32", False, device))

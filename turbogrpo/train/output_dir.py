@@ -26,6 +26,7 @@ import socket
 import sys
 import time
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import IO, Any
 
@@ -84,7 +85,15 @@ class RunRecord:
     """The local files and folders the run reads, by config key (:func:`run_inputs`)."""
     fingerprinted: dict[str, tuple[str, int | None]]
     """By config key, the local input a resumed run reads again and trains on, and the size above which
-    its files are fingerprinted by samples (:func:`input_fingerprints`)."""
+    its files are fingerprinted by samples (:attr:`fingerprints`)."""
+
+    @cached_property
+    def fingerprints(self) -> dict[str, str | None]:
+        """By config key, a fingerprint of each local input a resumed run reads again and trains on
+        (``fingerprinted``); None for what is not a local file (a built-in task, a Hub id). Read from disk
+        once per run: the ranks' agreement, the resume check and inputs.json all use these."""
+        return {key: fingerprint(path, whole_up_to=whole_up_to)
+                for key, (path, whole_up_to) in self.fingerprinted.items()}
 
 
 def run_record(config: Config) -> RunRecord:
@@ -292,17 +301,10 @@ def check_same_training(trained: str, stored: dict, config: dict) -> None:
 
 def record_inputs(path: Path, record: RunRecord) -> None:
     """Write the run's ``config.json`` (the whole config, as ``config.dump_config`` writes it) and
-    ``inputs.json``: fingerprints of what the run reads from disk (:func:`input_fingerprints`), which
+    ``inputs.json``: fingerprints of what the run reads from disk (``RunRecord.fingerprints``), which
     ``--resume`` checks."""
     write_text_atomically(path / CONFIG_FILE, json.dumps(record.config, indent=2, sort_keys=True))
-    write_text_atomically(path / INPUTS_FILE, json.dumps(input_fingerprints(record)))
-
-
-def input_fingerprints(record: RunRecord) -> dict[str, str | None]:
-    """By config key, a fingerprint of each local input a resumed run reads again and trains on
-    (``record.fingerprinted``); None for what is not a local file (a built-in task, a Hub id)."""
-    return {key: fingerprint(path, whole_up_to=whole_up_to)
-            for key, (path, whole_up_to) in record.fingerprinted.items()}
+    write_text_atomically(path / INPUTS_FILE, json.dumps(record.fingerprints))
 
 
 # Files above this size are fingerprinted by their size and three 1 MiB samples (start, middle, end):
@@ -339,7 +341,7 @@ def _check_same_inputs(path: Path, record: RunRecord) -> None:
         stored = json.loads(stored_file.read_text())
     except (OSError, ValueError):
         return  # a run from before inputs.json, or one that never got past loading its model
-    current = input_fingerprints(record)
+    current = record.fingerprints
     changed = [key for key, value in current.items() if isinstance(stored, dict) and key in stored
                and stored[key] != value]
     if changed:

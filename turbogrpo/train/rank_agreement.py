@@ -19,7 +19,7 @@ import torch
 import torch.distributed as torch_dist
 
 from turbogrpo.train.distributed import DistInfo, all_gather_cat
-from turbogrpo.train.output_dir import RunRecord, input_fingerprints
+from turbogrpo.train.output_dir import RunRecord
 
 # Keys a rank may hold on its own: they change how it computes or what rank 0 logs, not what it trains.
 RANK_LOCAL_KEYS = ("train.num_threads", "log")
@@ -42,7 +42,7 @@ def training_keys(record: RunRecord) -> dict[str, Any]:
     trains on (``the content of data.path``, ``... model.path``; None for a built-in task or a Hub id)."""
     keys = {key: value for key, value in _flatten(record.config).items()
             if not any(key == local or key.startswith(local + ".") for local in RANK_LOCAL_KEYS)}
-    keys.update({CONTENT + key: value for key, value in input_fingerprints(record).items()})
+    keys.update({CONTENT + key: value for key, value in record.fingerprints.items()})
     return keys
 
 

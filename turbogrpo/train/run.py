@@ -32,7 +32,7 @@ from turbogrpo.train.evaluate import HeldOut, build_held_out
 from turbogrpo.train.metrics import MetricsLog
 from turbogrpo.train.optim import build_optimizer
 from turbogrpo.train.output_dir import RunRecord
-from turbogrpo.train.precision import Precision, warn_if_pure
+from turbogrpo.train.precision import Precision, run_precision, warn_if_pure
 from turbogrpo.train.worker.protocol import AheadRollouts
 
 
@@ -74,7 +74,7 @@ def build_policy(model: ModelConfig, lora: LoraConfig, rollout: RolloutConfig, d
     """The [model] section's policy (with [lora]'s adapters, initialised from ``seed``, train.seed) on
     this rank's device with its precision, built once, and the [rollout] section's sampling."""
     torch.manual_seed(seed)  # LoRA initialisation; resumed runs load their adapters
-    precision = setup.precision(model, dist.device)
+    precision = run_precision(model.dtype, model.pure_bf16, dist.device)
     policy, tokenizer = setup.load_policy(model, lora, dist.device, precision)
     return PolicyParts(precision, policy, tokenizer, setup.rollout_sampling(rollout, policy, tokenizer))
 

@@ -1,8 +1,8 @@
 """Building a run's components once, each from its own config section (or the few settings it reads):
-precision, policy, reference, prompts, the accuracy reward, sampling.
+policy, reference, prompts, the accuracy reward, sampling.
 
 Each builder does one thing and is called by ``run.build_policy`` (a run's and ``turbogrpo eval``'s
-precision, policy and sampling), ``evaluate.build_held_out`` or ``run.build_run`` (the rest of a run);
+policy and sampling, with the precision of ``precision.run_precision``), ``evaluate.build_held_out`` or ``run.build_run`` (the rest of a run);
 none knows about the others, and none sees the whole ``Config``.
 """
 
@@ -21,14 +21,8 @@ from turbogrpo.models import enable_activation_checkpointing, load_model_and_tok
 from turbogrpo.output_head import check_logits_head
 from turbogrpo.rewards import BUILTIN_REWARDS, Reward, resolve_reward
 from turbogrpo.rollout import SamplingConfig
-from turbogrpo.train.precision import Precision, run_precision
+from turbogrpo.train.precision import Precision
 from turbogrpo.sharing import sharing_of
-
-
-def precision(model: ModelConfig, device: torch.device) -> Precision:
-    """The run's storage and compute dtypes (model.dtype, model.pure_bf16) on ``device``; built once per
-    run (or ``turbogrpo eval``) and passed to the builders below."""
-    return run_precision(model.dtype, model.pure_bf16, device)
 
 
 def load_policy(model: ModelConfig, lora: LoraConfig, device: torch.device, precision: Precision):
