@@ -137,7 +137,7 @@ def test_the_layouts_agree_on_drifted_routes():
     for layout in ("unshared", "tree"):
         torch.testing.assert_close(results[layout][0], results["shared"][0], rtol=0, atol=1e-12)
         for a, b in zip(results[layout][1], results["shared"][1]):
-            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-8)
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
 
 
 def test_routes_are_stored_in_the_smallest_dtype():
