@@ -152,6 +152,38 @@ class RouteRecorder:
         return routes
 
 
+class RouteLog:
+    """A rollout's routes as the sampler runs its tokens: each prompt's at its prefill, and each completion token's
+    in the decoding forward that runs it (the step after the token was drawn), by (completion, column).
+
+    Made right after the prefill forward, whose routes (the prompts right-padded ``[G, P]``) become ``prompts``.
+    ``routes_NCLK`` has one spare column past ``num_columns`` where rows that run no token of their own (finished,
+    waiting to be retired) write, so a step writes every row without a host sync.
+    """
+
+    def __init__(self, recorder: RouteRecorder, model: nn.Module, prompt_lengths: Sequence[int],
+                 num_completions: int, num_columns: int, device: torch.device):
+        num_layers, top_k, dtype = route_shape(model)
+        self.recorder = recorder
+        routes_GPLK = recorder.take().view(len(prompt_lengths), max(prompt_lengths), num_layers, top_k)
+        self.prompts = [routes_GPLK[g, :length] for g, length in enumerate(prompt_lengths)]
+        """Per prompt ``[P_g, L, k]``."""
+        self.routes_NCLK = torch.zeros(num_completions, num_columns + 1, num_layers, top_k, dtype=dtype,
+                                       device=device)
+
+    def write(self, completion_B: Tensor, column_Bn: Tensor, runs_Bn: Tensor) -> None:
+        """The decoding forward just run: row b's n tokens are completion ``completion_B[b]``'s columns
+        ``column_Bn[b]``; only tokens with ``runs_Bn`` (a live row's own committed tokens) are kept."""
+        routes_BnLK = self.recorder.take().view(*column_Bn.shape, *self.routes_NCLK.shape[2:])
+        spare = self.routes_NCLK.shape[1] - 1
+        columns_Bn = torch.where(runs_Bn, column_Bn, spare)
+        self.routes_NCLK[completion_B[:, None].expand_as(columns_Bn), columns_Bn] = routes_BnLK
+
+    def completion_routes(self, lengths: Sequence[int]) -> list[Tensor]:
+        """Per completion ``[S_i - 1, L, k]``: every token but the last (which no forward ran)."""
+        return [self.routes_NCLK[i, :max(n - 1, 0)] for i, n in enumerate(lengths)]
+
+
 @contextlib.contextmanager
 def recording(model: nn.Module) -> Iterator[RouteRecorder]:
     """Within the block every router of ``model`` reports its chosen experts to the recorder yielded."""
@@ -218,6 +250,11 @@ def replaying(model: nn.Module, routes_TLK: Tensor) -> Iterator[ReplayCounts]:
             handle.remove()
     counts.num_tokens += recorded_TL.all(dim=-1).sum()
     counts.num_differing += differs_T.sum()
+
+
+def maybe_recording(model: nn.Module, on: bool):
+    """``recording`` when ``on`` (yields the recorder), else nothing (yields None)."""
+    return recording(model) if on else contextlib.nullcontext()
 
 
 def maybe_replaying(model: nn.Module, routes_TLK: Tensor | None):
