@@ -208,26 +208,32 @@ def recording(model: nn.Module) -> Iterator[RouteRecorder]:
 
 
 class ReplayCounts:
-    """Over the forwards of a ``replaying`` block: tokens replayed and those whose own routes (the router's
-    choice without replay) differ from the replayed ones in some layer (device counters, no host sync)."""
+    """Over the forwards that replayed into it: the tokens replayed and those whose own routes (the routers'
+    choice without replay) differ from the replayed ones in some layer (0-d device tensors once a forward has
+    added; no host sync)."""
 
-    def __init__(self, device: torch.device):
-        self.num_tokens = torch.zeros((), dtype=torch.long, device=device)
-        self.num_differing = torch.zeros((), dtype=torch.long, device=device)
+    def __init__(self):
+        self.num_tokens: Tensor | int = 0
+        self.num_differing: Tensor | int = 0
+
+    def add(self, num_tokens: Tensor, num_differing: Tensor) -> None:
+        self.num_tokens = self.num_tokens + num_tokens
+        self.num_differing = self.num_differing + num_differing
 
 
 @contextlib.contextmanager
-def replaying(model: nn.Module, routes_TLK: Tensor) -> Iterator[ReplayCounts]:
+def replaying(model: nn.Module, routes_TLK: Tensor, counts: ReplayCounts | None = None) -> Iterator[ReplayCounts]:
     """Within the block, each forward of ``model`` over T tokens uses the experts ``routes_TLK`` (int, -1: the
     router's own choice) at every MoE layer. The forward's tokens are in the order ``routes_TLK`` lists them
-    (its inputs flattened row-major). Counts disagreement between the router's own and the replayed routes."""
+    (its inputs flattened row-major). Adds to ``counts`` (yielded; a new one if None) how many tokens were replayed
+    and how many of them the routers would have routed otherwise."""
     found = routers(model)
     if routes_TLK.dim() != 3 or routes_TLK.shape[1] != len(found):
         raise ValueError(f"replaying: routes must be [T, {len(found)}, k] (one row per MoE layer), got "
                          f"{tuple(routes_TLK.shape)}")
     routes_TLK = routes_TLK.long()
     recorded_TL = (routes_TLK >= 0).all(dim=-1)
-    counts = ReplayCounts(routes_TLK.device)
+    counts = ReplayCounts() if counts is None else counts
     differs_T = torch.zeros(routes_TLK.shape[0], dtype=torch.bool, device=routes_TLK.device)
 
     def hook_of(layer: int, kind: RouterKind):
@@ -248,8 +254,7 @@ def replaying(model: nn.Module, routes_TLK: Tensor) -> Iterator[ReplayCounts]:
     finally:
         for handle in handles:
             handle.remove()
-    counts.num_tokens += recorded_TL.all(dim=-1).sum()
-    counts.num_differing += differs_T.sum()
+    counts.add(recorded_TL.all(dim=-1).sum(), differs_T.sum())
 
 
 def maybe_recording(model: nn.Module, on: bool):
@@ -257,9 +262,9 @@ def maybe_recording(model: nn.Module, on: bool):
     return recording(model) if on else contextlib.nullcontext()
 
 
-def maybe_replaying(model: nn.Module, routes_TLK: Tensor | None):
+def maybe_replaying(model: nn.Module, routes_TLK: Tensor | None, counts: ReplayCounts | None = None):
     """``replaying`` when there are routes, else nothing (the forward exactly as without replay)."""
-    return contextlib.nullcontext() if routes_TLK is None else replaying(model, routes_TLK)
+    return contextlib.nullcontext() if routes_TLK is None else replaying(model, routes_TLK, counts)
 
 
 # --- a batch's routes, laid out per training layout ------------------------------------------------------
@@ -272,6 +277,8 @@ class BatchRoutes(NamedTuple):
     """Per group ``[P_k, L, k]`` (the prompt's routes, recorded once at its prefill)."""
     completions: Sequence[Tensor]
     """Per completion (flat, group-major) ``[R_i, L, k]``, R_i <= S_i: its first R_i tokens' routes."""
+    counts: ReplayCounts | None = None
+    """Where the forwards that replay these routes add their counts (None: nowhere)."""
 
 
 def _padded(routes_RLK: Tensor, length: int) -> Tensor:

@@ -14,18 +14,20 @@ from turbogrpo.rollout.types import Rollout
 
 
 class NativeEngine:
-    """``rollout.generate`` with the run's ``DecodeSchedule`` (plain or speculative with ``draft``)."""
+    """``rollout.generate`` with the run's ``DecodeSchedule`` (plain or speculative with ``draft``); with
+    ``record_routes`` every rollout keeps its MoE routes (algo.routing_replay)."""
 
     holds_weights = False
 
-    def __init__(self, schedule: DecodeSchedule | None):
+    def __init__(self, schedule: DecodeSchedule | None, record_routes: bool = False):
         self.schedule = schedule
+        self.record_routes = record_routes
 
     def sample(self, policy: nn.Module, prompts: list[torch.Tensor], *, num_samples: int,
                sampling: SamplingConfig, seed: int | None, draft: object | None = None,
                return_hidden: bool = False) -> Rollout:
         return generate(policy, prompts, num_samples=num_samples, sampling=sampling, seed=seed,
-                        schedule=self.schedule, draft=draft, return_hidden=return_hidden)
+                        schedule=self.schedule, draft=draft, return_hidden=return_hidden, record_routes=self.record_routes)
 
     def sample_conversations(self, policy: nn.Module, tokenizer, examples: Sequence, episodes, *,
                              num_samples: int, sampling: SamplingConfig, seed: int | None,

@@ -96,7 +96,7 @@ def _shared_prefix_hidden(model, prompts, completions, backend_name, routes=None
     layout: PackedGroups = pack_groups(prompts, completions)
     backend = select_backend(backend_name, layout.device, torch.is_grad_enabled())
     routes_TLK = None if routes is None else packed_routes(routes, layout.flat_completion_lengths).to(layout.device)
-    with maybe_replaying(model, routes_TLK):
+    with maybe_replaying(model, routes_TLK, None if routes is None else routes.counts):
         hidden = run_decoder(model, layout.input_ids[None], layout.position_ids[None], backend.plan(layout))
     return hidden[0, layout.predictor_index]
 
@@ -121,7 +121,7 @@ def _standard_hidden(model, prompts, completions, routes=None) -> torch.Tensor:
     routes_TLK = None if routes is None else padded_routes(
         sequence_routes(routes, [len(cs) for cs in completions], [c.numel() for cs in completions for c in cs]),
         length).to(input_ids.device)
-    with maybe_replaying(model, routes_TLK):
+    with maybe_replaying(model, routes_TLK, None if routes is None else routes.counts):
         hidden = run_decoder(model, input_ids, position_ids.expand(len(sequences), -1), PaddedCausalAttention(length))
     return hidden[rows_t, cols_t]
 
