@@ -696,11 +696,11 @@ class Config:
         """What routing replay does not cover yet, refused in one line each (the engine's part is a capability)."""
         if self.algo.routing_replay == "off":
             return
-        from turbogrpo.engines import CAPABILITIES, capable_engines
-        engine = CAPABILITIES.get(self.rollout.engine)
-        _require(engine is None or engine.routing_replay, "rollout.engine",
+        from turbogrpo.engines import MISSING_BECAUSE, capable_engines, missing_capability
+        _require(not missing_capability(self.rollout.engine, ["routing_replay"]), "rollout.engine",
                  f"{_either([*capable_engines('routing_replay'), 'auto'])} with algo.routing_replay = \"replay\" "
-                 f"({engine.routing_replay_note if engine else ''})", self.rollout.engine)
+                 f"({MISSING_BECAUSE.get((self.rollout.engine, 'routing_replay'), 'it records no routes')})",
+                 self.rollout.engine)
         for key, off, value in (("rollout.speculation", self.rollout.speculation == "off", self.rollout.speculation),
                                 ("env.factory", not self.env.factory, self.env.factory),
                                 ("train.max_staleness", not self.train.max_staleness, self.train.max_staleness),

