@@ -12,9 +12,8 @@ forward twice, its routers choosing (no replay) and replaying the sampler's rout
 * the trainer's forward + backward time without and with replay, alternated in one process (medians).
 
 qwen3_moe samples with the native engine (``rollout.generate(record_routes=True)``); qwen3_5_moe, a hybrid the
-native engine does not decode yet, with its own bf16 forward token by token (recording the routes of a last
-forward over each whole sequence: causal, so each token's routes are those it had when it was sampled, up to the
-kernels' blocking).
+native engine does not decode yet, with its own bf16 forward and cache token by token (each token's routes recorded
+in the forward that ran it).
 
     python bench/routing_replay.py           # ~2 min on 2 cores; bench/results/routing_replay.json
     python bench/routing_replay.py --quick   # seconds; bench/results/routing_replay_quick.json
@@ -67,28 +66,26 @@ def sample_with_engine(sampler, prompts, num_samples, new_tokens, seed):
 
 
 def sample_with_own_forward(sampler, prompts, num_samples, new_tokens, seed):
-    """Token by token with the model's own bf16 forward over each whole sequence (no cache), then one recorded
-    forward over the finished sequences for the routes. Returns (completions, sampler log-probs, BatchRoutes)."""
+    """Token by token with the model's own bf16 forward and its own cache (each token run once, its routes recorded
+    in that forward). Returns the batch (``Groups``) with sampler log-probs and routes."""
     from turbogrpo.batch import Groups
     generator = torch.Generator().manual_seed(seed)
     completions, logps, prompt_routes, routes = [], [], [], []
-    with torch.no_grad():
+    with torch.no_grad(), recording(sampler) as recorder:
         for prompt in prompts:
-            ids = prompt.repeat(num_samples, 1)
-            drawn_logps = []
+            out = sampler(prompt.repeat(num_samples, 1), use_cache=True)
+            prompt_routes.append(recorder.take()[:prompt.numel()])   # the G rows are the same prompt
+            tokens, drawn_logps, token_routes = [], [], []
             for _ in range(new_tokens):
-                logprobs = torch.log_softmax(sampler(ids).logits[:, -1].float(), dim=-1)
+                logprobs = torch.log_softmax(out.logits[:, -1].float(), dim=-1)
                 token = torch.multinomial(logprobs.exp(), 1, generator=generator)
+                tokens.append(token)
                 drawn_logps.append(logprobs.gather(1, token))
-                ids = torch.cat([ids, token], dim=1)
-            with recording(sampler) as recorder:
-                sampler(ids)
-            routes_TLK = recorder.take()
-            routes_GTLK = routes_TLK.view(num_samples, ids.shape[1], *routes_TLK.shape[1:])
-            prompt_routes.append(routes_GTLK[0, :prompt.numel()])
-            routes += list(routes_GTLK[:, prompt.numel():-1])
-            completions += list(ids[:, prompt.numel():])
+                out = sampler(token, past_key_values=out.past_key_values, use_cache=True)
+                token_routes.append(recorder.take())                   # [G, L, k]: the token just drawn
+            completions += list(torch.cat(tokens, dim=1))
             logps += list(torch.cat(drawn_logps, dim=1))
+            routes += list(torch.stack(token_routes[:-1], dim=1))     # the last token's is never needed
     return Groups(prompts, completions, [num_samples] * len(prompts), sampler_logps=logps, routes=routes,
                   prompt_routes=prompt_routes)
 
@@ -105,7 +102,7 @@ def measure(family: str, shape: dict, seed: int) -> dict:
         engine = "native engine, bf16"
         batch = sample_with_engine(sampler, prompts, shape["num_samples"], shape["new_tokens"], seed)
     except ValueError:
-        engine = "the model's own bf16 forward (the native engine does not decode hybrids yet)"
+        engine = "the model's own bf16 forward and cache (the native engine does not decode hybrids yet)"
         batch = sample_with_own_forward(sampler, prompts, shape["num_samples"], shape["new_tokens"], seed)
     sampler_logps = torch.cat(batch.sampler_logps).double()
     nested = batch.nested()

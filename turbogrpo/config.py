@@ -303,7 +303,6 @@ class DraftLearningConfig:
 
 
 ROUTING_REPLAY_GAPS = {
-    "rollout.speculation": "speculative rollouts do not record the accepted path's routes yet",
     "env.factory": "multi-turn and branching rollouts do not record routes yet",
     "train.max_staleness": "the rollout worker's messages do not carry routes yet",
     "train.partial_rollouts": "a carried generation would be prefilled afresh, its routes taken at the new weights",
@@ -359,7 +358,8 @@ class AlgoConfig:
     the training forwards use them (R3, as verl, slime and vLLM's enable_return_routed_experts), the gates still
     computed from the trainer's router logits so the routers keep learning; "off": the trainer's routers choose,
     and a router that rounds to other experts than the sampler's scores another function (Megatron-LM #4168:
-    94% of tokens differ in some layer). Native engine, plain rollouts; see docs/guide/routing_replay.md."""
+    94% of tokens differ in some layer). Native engine, plain and speculative single-turn rollouts; see
+    docs/guide/routing_replay.md."""
     kl_bias_correction: bool = False
     """Multiply each token's k3 by the (differentiable) importance ratio, which makes the KL gradient the
     unbiased reverse-KL gradient (DeepSeek-V3.2), even on-policy where the ratio is 1 in value. TRL's
@@ -701,8 +701,7 @@ class Config:
                  f"{_either([*capable_engines('routing_replay'), 'auto'])} with algo.routing_replay = \"replay\" "
                  f"({MISSING_BECAUSE.get((self.rollout.engine, 'routing_replay'), 'it records no routes')})",
                  self.rollout.engine)
-        for key, off, value in (("rollout.speculation", self.rollout.speculation == "off", self.rollout.speculation),
-                                ("env.factory", not self.env.factory, self.env.factory),
+        for key, off, value in (("env.factory", not self.env.factory, self.env.factory),
                                 ("train.max_staleness", not self.train.max_staleness, self.train.max_staleness),
                                 ("train.partial_rollouts", not self.train.partial_rollouts,
                                  self.train.partial_rollouts),

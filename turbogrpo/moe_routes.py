@@ -171,10 +171,14 @@ class RouteLog:
         self.routes_NCLK = torch.zeros(num_completions, num_columns + 1, num_layers, top_k, dtype=dtype,
                                        device=device)
 
-    def write(self, completion_B: Tensor, column_Bn: Tensor, runs_Bn: Tensor) -> None:
+    def write(self, completion_B: Tensor, column_Bn: Tensor, runs_Bn: Tensor, nodes_Bn: Tensor | None = None) -> None:
         """The decoding forward just run: row b's n tokens are completion ``completion_B[b]``'s columns
-        ``column_Bn[b]``; only tokens with ``runs_Bn`` (a live row's own committed tokens) are kept."""
-        routes_BnLK = self.recorder.take().view(*column_Bn.shape, *self.routes_NCLK.shape[2:])
+        ``column_Bn[b]``; only tokens with ``runs_Bn`` (a live row's own committed tokens) are kept. ``nodes_Bn``:
+        where they were among the forward's tokens of their row (a speculative tree's accepted path), else the
+        forward ran exactly these."""
+        routes_BNLK = self.recorder.take().view(column_Bn.shape[0], -1, *self.routes_NCLK.shape[2:])
+        routes_BnLK = routes_BNLK if nodes_Bn is None else routes_BNLK[
+            torch.arange(nodes_Bn.shape[0], device=nodes_Bn.device)[:, None], nodes_Bn]
         spare = self.routes_NCLK.shape[1] - 1
         columns_Bn = torch.where(runs_Bn, column_Bn, spare)
         self.routes_NCLK[completion_B[:, None].expand_as(columns_Bn), columns_Bn] = routes_BnLK

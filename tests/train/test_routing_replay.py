@@ -52,7 +52,6 @@ def test_a_replaying_run_reports_how_many_tokens_its_routers_would_route_otherwi
 
 @pytest.mark.parametrize("sets, key", [
     (['rollout.engine="vllm"'], "rollout.engine"),
-    (['rollout.speculation="cost"'], "rollout.speculation"),
     (["train.max_staleness=1"], "train.max_staleness"),
     (["model.gradient_checkpointing=true"], "model.gradient_checkpointing"),
 ])
@@ -80,7 +79,6 @@ def test_a_model_without_experts_is_refused_at_the_build(tmp_path):
 def test_the_engine_records_the_routes_the_trainer_replays():
     """The native engine's routes of every prompt and completion token are the model's own forward's (float64:
     no rounding can flip a choice), with finished rows waiting in the batch (host check every 3 steps)."""
-    from turbogrpo.moe_routes import recording
     from turbogrpo.rollout.decode import DecodeSchedule, generate
     from turbogrpo.rollout.sampling import SamplingConfig
     model = tiny_moe("qwen3_moe")
@@ -93,10 +91,37 @@ def test_the_engine_records_the_routes_the_trainer_replays():
     plain = generate(model, prompts, num_samples=3, sampling=sampling, seed=1, schedule=schedule).groups
     assert plain.routes is None and all(torch.equal(a, b) for a, b in zip(plain.completions, batch.completions))
     assert len(set(batch.lengths)) > 1  # some stopped early
+    assert_routes_are_the_models_own(model, prompts, batch, 3)
+
+
+def assert_routes_are_the_models_own(model, prompts, batch, num_samples):
+    from turbogrpo.moe_routes import recording
     for i, completion in enumerate(batch.completions):
-        prompt = prompts[i // 3]
+        prompt = prompts[i // num_samples]
         with recording(model) as recorder:
             model(torch.cat([prompt, completion])[None])
         own = recorder.take()
-        assert torch.equal(batch.prompt_routes[i // 3], own[:prompt.numel()])
+        assert torch.equal(batch.prompt_routes[i // num_samples], own[:prompt.numel()])
         assert torch.equal(batch.routes[i], own[prompt.numel():-1])   # every token the sampler ran
+
+
+def test_a_speculative_rollout_records_the_accepted_paths_routes():
+    """Greedy, with the first rollout's text as history drafts: the second accepts whole chains, and each token's
+    routes are those of the tree node that carried it (the rejected nodes' dropped)."""
+    from turbogrpo.rollout.decode import generate
+    from turbogrpo.rollout.sampling import SamplingConfig
+    from turbogrpo.speculative.history import HistoryDrafts
+    from turbogrpo.speculative.sizing import FixedSizing
+    from turbogrpo.speculative.speculation import Speculation
+    from turbogrpo.speculative.tree import TreeShape
+    model = tiny_moe("qwen3_moe")
+    prompts = [torch.tensor([5, 9, 11, 3, 7]), torch.tensor([8, 1, 2])]
+    greedy = SamplingConfig(max_new_tokens=12, temperature=0.0)
+    history = HistoryDrafts(min_match=1)
+    plain = generate(model, prompts, num_samples=2, sampling=greedy, record_routes=True)
+    runs = [generate(model, prompts, num_samples=2, sampling=greedy, record_routes=True,
+                     draft=Speculation(None, FixedSizing(TreeShape(2, 4, 9)), history=history)) for _ in range(2)]
+    assert runs[1].stats.num_forwards < plain.stats.num_forwards   # chains were accepted
+    for run in runs:
+        assert all(torch.equal(a, b) for a, b in zip(run.groups.completions, plain.groups.completions))
+        assert_routes_are_the_models_own(model, prompts, run.groups, 2)

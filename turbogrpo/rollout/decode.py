@@ -133,8 +133,8 @@ def generate(model: nn.Module, prompts: list[torch.Tensor], *, num_samples: int,
     which completions have finished (``[N]`` host bools); True ends the rollout there, and a completion still
     running keeps what it has drawn (finish reason "length", shorter than its limit). None: run to the end.
     ``record_routes``: keep the experts a mixture-of-experts policy's routers chose for every prompt and completion
-    token (the rollout's ``routes`` / ``prompt_routes``, ``turbogrpo.moe_routes``; algo.routing_replay); plain
-    decoding with the eager runner only.
+    token (the rollout's ``routes`` / ``prompt_routes``, ``turbogrpo.moe_routes``; algo.routing_replay; a speculative
+    rollout keeps the accepted path's); eager runners only.
     """
     _check_inputs(model, prompts, num_samples, sampling, check_positions=max_new_tokens_per_completion is None)
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63):
@@ -175,10 +175,10 @@ def generate(model: nn.Module, prompts: list[torch.Tensor], *, num_samples: int,
 
 
 def check_route_recording(draft: object | None, schedule: DecodeSchedule | None) -> None:
-    """Routes are recorded by the plain step under the eager runner (its forward hooks run in Python)."""
-    if draft is not None:
-        raise ValueError("algo.routing_replay = \"replay\" records plain rollouts only: speculative rollouts do not "
-                         "record the accepted path's routes yet (set rollout.speculation = \"off\")")
+    """Routes are recorded by the plain and tree steps under the eager runner (its forward hooks run in Python)."""
+    if getattr(draft, "runner", "eager") != "eager":
+        raise ValueError(f"algo.routing_replay = \"replay\" records routes with the eager runner only, got the "
+                         f"speculative runner {draft.runner!r} (a compiled step does not run the recording hooks)")
     if schedule is not None and schedule.runner != "eager":
         raise ValueError(f"algo.routing_replay = \"replay\" records routes with the eager runner only, got runner "
                          f"{schedule.runner!r} (a compiled or captured step does not run the recording hooks)")
