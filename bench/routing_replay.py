@@ -41,9 +41,12 @@ from turbogrpo.rollout.sampling import SamplingConfig  # noqa: E402
 
 FAMILIES = ("qwen3_moe", "qwen3_5_moe")
 SHAPES = {
-    # Wider than the tests' models: 16 experts choose 2, so that bf16 rounding flips some choices.
+    # Wider than the tests' models: 16 experts choose 2, so that bf16 rounding flips some choices. Weights drawn
+    # with std 0.05: at 0.02 (trained models' init) a random tiny model's outputs are nearly uniform, so neither
+    # flips nor rounding move its log-probs much (K3 ~1e-6 either way); at 0.2 bf16 rounding in the gated
+    # DeltaNet layers alone moves qwen3_5_moe's by K3 ~0.02, routes replayed or not.
     "full": dict(model=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_experts=16,
-                            moe_intermediate_size=32, vocab_size=256, eos_token_id=255),
+                            moe_intermediate_size=32, vocab_size=256, eos_token_id=255, initializer_range=0.05),
                  layer_types=["linear_attention", "full_attention"] * 2,
                  num_prompts=8, num_samples=8, prompt_length=32, new_tokens=64, repeats=5),
     "quick": dict(model=dict(num_experts=8), layer_types=["linear_attention", "full_attention"],

@@ -246,6 +246,6 @@ def build_engine(name: str, device: torch.device, *, schedule, dtype: torch.dtyp
         enforce_eager=enforce_eager, record_routes=record_routes)
 
 
-__all__ = ["AUTO_ENGINES", "CAPABILITIES", "MISSING_BECAUSE", "DEFAULT_ENGINE", "ENGINES", "ENGINE_NAMES", "EngineCapabilities",
+__all__ = ["AUTO_ENGINES", "CAPABILITIES", "DEFAULT_ENGINE", "ENGINES", "ENGINE_NAMES", "EngineCapabilities", "MISSING_BECAUSE",
            "RolloutEngine", "build_engine", "draw", "capable_engines", "missing_capability", "resolve_engine", "run_needs",
            "vllm_import_problem"]

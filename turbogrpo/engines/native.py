@@ -27,7 +27,8 @@ class NativeEngine:
                sampling: SamplingConfig, seed: int | None, draft: object | None = None,
                return_hidden: bool = False) -> Rollout:
         return generate(policy, prompts, num_samples=num_samples, sampling=sampling, seed=seed,
-                        schedule=self.schedule, draft=draft, return_hidden=return_hidden, record_routes=self.record_routes)
+                        schedule=self.schedule, draft=draft, return_hidden=return_hidden,
+                        record_routes=self.record_routes)
 
     def sample_conversations(self, policy: nn.Module, tokenizer, examples: Sequence, episodes, *,
                              num_samples: int, sampling: SamplingConfig, seed: int | None,
