@@ -9,6 +9,7 @@ routes out in their own token order; replaying drifted routes must give the thre
 import pytest
 import torch
 
+from tests.train.conftest import single_thread  # noqa: F401 (autouse: tiny models run fastest on one thread)
 from turbogrpo.models import MOE_FAMILIES, tiny_moe
 from turbogrpo.moe_routes import (BatchRoutes, bytes_per_token, recording, replaying, route_disagreement,
                                   route_dtype, routers)
@@ -16,14 +17,6 @@ from turbogrpo.prefix import compute_logprobs
 from turbogrpo.tree.completions import compute_tree_logprobs
 
 VOCAB = 64
-
-
-@pytest.fixture(autouse=True)
-def single_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def own_forward(model, ids_BT, routes=None):

@@ -200,9 +200,16 @@ def recording(model: nn.Module) -> Iterator[RouteRecorder]:
             recorder.latest[layer] = kind.indices(output).detach()
         return hook
 
+    with _hooked(found, hook_of):
+        yield recorder
+
+
+@contextlib.contextmanager
+def _hooked(found: list[tuple[nn.Module, RouterKind]], hook_of: Callable) -> Iterator[None]:
+    """Within the block, ``hook_of(layer, kind)`` is a forward hook of each router of ``found`` (``routers``)."""
     handles = [router.register_forward_hook(hook_of(layer, kind)) for layer, (router, kind) in enumerate(found)]
     try:
-        yield recorder
+        yield
     finally:
         for handle in handles:
             handle.remove()
@@ -252,12 +259,8 @@ def replaying(model: nn.Module, routes_TLK: Tensor, counts: ReplayCounts | None 
             return kind.replay(module, inputs, output, indices_Tk)
         return hook
 
-    handles = [router.register_forward_hook(hook_of(layer, kind)) for layer, (router, kind) in enumerate(found)]
-    try:
+    with _hooked(found, hook_of):
         yield counts
-    finally:
-        for handle in handles:
-            handle.remove()
     counts.add(recorded_TL.all(dim=-1).sum(), differs_T.sum())
 
 
