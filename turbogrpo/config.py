@@ -304,8 +304,8 @@ class DraftLearningConfig:
 
 ROUTING_REPLAY_GAPS = {
     "env.factory": "multi-turn and branching rollouts do not record routes yet",
-    "train.max_staleness": "the rollout worker's messages do not carry routes yet",
-    "train.partial_rollouts": "a carried generation would be prefilled afresh, its routes taken at the new weights",
+    "train.partial_rollouts": "a carried generation is prefilled afresh: its tokens' routes would be taken at the "
+                              "new weights, not kept from the ones that drew them",
     "model.gradient_checkpointing": "the forward recomputed in backward would route afresh, not replay",
 }
 """What algo.routing_replay = "replay" does not run with yet, and why (the config refuses each in one line)."""
@@ -702,7 +702,6 @@ class Config:
                  f"({MISSING_BECAUSE.get((self.rollout.engine, 'routing_replay'), 'it records no routes')})",
                  self.rollout.engine)
         for key, off, value in (("env.factory", not self.env.factory, self.env.factory),
-                                ("train.max_staleness", not self.train.max_staleness, self.train.max_staleness),
                                 ("train.partial_rollouts", not self.train.partial_rollouts,
                                  self.train.partial_rollouts),
                                 ("model.gradient_checkpointing", not self.model.gradient_checkpointing,

@@ -50,9 +50,16 @@ def test_a_replaying_run_reports_how_many_tokens_its_routers_would_route_otherwi
     assert first(replayed)["loss"] == pytest.approx(first(plain)["loss"], rel=1e-4, abs=1e-6)
 
 
+def test_an_asynchronous_run_replays_the_routes_its_rollout_worker_recorded(moe_assets, tmp_path):
+    """At train.max_staleness = 1 the rollout worker's engine records the routes and its messages carry them."""
+    steps = [s for s in run(moe_assets, tmp_path / "async", **{"algo.routing_replay": '"replay"',
+                                                                "train.max_staleness": 1}) if "loss" in s]
+    assert len(steps) == 2 and all(0 <= s["mismatch/frac_tokens_routes_differ"] <= 1 for s in steps)
+
+
 @pytest.mark.parametrize("sets, key", [
     (['rollout.engine="vllm"'], "rollout.engine"),
-    (["train.max_staleness=1"], "train.max_staleness"),
+    (["train.max_staleness=1", "train.partial_rollouts=1"], "train.partial_rollouts"),
     (["model.gradient_checkpointing=true"], "model.gradient_checkpointing"),
 ])
 def test_what_routing_replay_does_not_cover_yet_is_refused_in_one_line(sets, key):

@@ -211,7 +211,7 @@ def build_run(config: Config, dist: DistInfo, rewards: list[Reward]) -> Run:
     engine = build_engine(DEFAULT_ENGINE if config.train.max_staleness else engine_name, dist.device, schedule=schedule,
                           dtype=precision.compute_dtype, tokenizer=parts.tokenizer, max_length=engine_max_length or None,
                           enforce_eager=config.rollout.vllm_enforce_eager,
-                          record_routes=config.algo.routing_replay == "replay")
+                          record_routes=config.algo.routing_replay == "replay" and not config.train.max_staleness)
     # Another engine's kernels, or weights some versions old, sample a distribution the trainer's forward only
     # approximates: algo.tis_cap = "auto" corrects for it there and stays off where the sampler is that forward.
     algo = config.algo.resolved(sampler_differs=not CAPABILITIES[engine_name].exact_sampler
