@@ -358,8 +358,8 @@ class AlgoConfig:
     the training forwards use them (R3, as verl, slime and vLLM's enable_return_routed_experts), the gates still
     computed from the trainer's router logits so the routers keep learning; "off": the trainer's routers choose,
     and a router that rounds to other experts than the sampler's scores another function (Megatron-LM #4168:
-    94% of tokens differ in some layer). Native engine, plain and speculative single-turn rollouts; see
-    docs/guide/routing_replay.md."""
+    94% of tokens differ in some layer). Native engine, plain and speculative single-turn rollouts, on-policy or
+    asynchronous; see docs/guide/routing_replay.md."""
     kl_bias_correction: bool = False
     """Multiply each token's k3 by the (differentiable) importance ratio, which makes the KL gradient the
     unbiased reverse-KL gradient (DeepSeek-V3.2), even on-policy where the ratio is 1 in value. TRL's
