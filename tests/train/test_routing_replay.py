@@ -1,6 +1,8 @@
 """algo.routing_replay end to end: a MoE run records its routes at sampling and replays them in training; what it does
 not cover yet is refused in one line; without it nothing changes."""
 
+import functools
+
 import pytest
 import torch
 
@@ -10,22 +12,14 @@ from turbogrpo.models import tiny_moe
 from turbogrpo.train.loop import train
 from turbogrpo.train.metrics import read_metrics
 
-from .tiny_run import char_tokenizer, overrides, write_rows
-
-
-def write_moe_model(folder):
-    tokenizer = char_tokenizer()
-    model = tiny_moe("qwen3_moe", dtype="float32", vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id,
-                     pad_token_id=tokenizer.pad_token_id)
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
+from .tiny_run import overrides, write_model, write_rows
 
 
 @pytest.fixture(scope="module")
 def moe_assets(tmp_path_factory):
     root = tmp_path_factory.mktemp("moe")
-    return write_moe_model(root / "model"), write_rows(root / "rows.jsonl")
+    model = write_model(root / "model", build=functools.partial(tiny_moe, "qwen3_moe", dtype="float32"))
+    return model, write_rows(root / "rows.jsonl")
 
 
 def run(moe_assets, out, **extra):
