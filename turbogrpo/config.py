@@ -303,7 +303,7 @@ class DraftLearningConfig:
 
 
 ROUTING_REPLAY_GAPS = {
-    "env.factory": "multi-turn and branching rollouts do not record routes yet",
+    "rollout.speculation": "with an [env] factory: speculative conversations do not record routes yet",
     "train.partial_rollouts": "a carried generation is prefilled afresh: its tokens' routes would be taken at the "
                               "new weights, not kept from the ones that drew them",
     "model.gradient_checkpointing": "the forward recomputed in backward would route afresh, not replay",
@@ -358,8 +358,8 @@ class AlgoConfig:
     the training forwards use them (R3, as verl, slime and vLLM's enable_return_routed_experts), the gates still
     computed from the trainer's router logits so the routers keep learning; "off": the trainer's routers choose,
     and a router that rounds to other experts than the sampler's scores another function (Megatron-LM #4168:
-    94% of tokens differ in some layer). Native engine, plain and speculative single-turn rollouts, on-policy or
-    asynchronous; see docs/guide/routing_replay.md."""
+    94% of tokens differ in some layer). Native engine: plain and speculative rollouts, multi-turn and branching
+    conversations, on-policy or asynchronous; see docs/guide/routing_replay.md."""
     kl_bias_correction: bool = False
     """Multiply each token's k3 by the (differentiable) importance ratio, which makes the KL gradient the
     unbiased reverse-KL gradient (DeepSeek-V3.2), even on-policy where the ratio is 1 in value. TRL's
@@ -701,7 +701,8 @@ class Config:
                  f"{_either([*capable_engines('routing_replay'), 'auto'])} with algo.routing_replay = \"replay\" "
                  f"({MISSING_BECAUSE.get((self.rollout.engine, 'routing_replay'), 'it records no routes')})",
                  self.rollout.engine)
-        for key, off, value in (("env.factory", not self.env.factory, self.env.factory),
+        for key, off, value in (("rollout.speculation", not self.env.factory or self.rollout.speculation == "off",
+                                 self.rollout.speculation),
                                 ("train.partial_rollouts", not self.train.partial_rollouts,
                                  self.train.partial_rollouts),
                                 ("model.gradient_checkpointing", not self.model.gradient_checkpointing,

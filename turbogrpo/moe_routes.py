@@ -165,8 +165,7 @@ class RouteLog:
                  num_completions: int, num_columns: int, device: torch.device):
         num_layers, top_k, dtype = route_shape(model)
         self.recorder = recorder
-        routes_GPLK = recorder.take().view(len(prompt_lengths), max(prompt_lengths), num_layers, top_k)
-        self.prompts = [routes_GPLK[g, :length] for g, length in enumerate(prompt_lengths)]
+        self.prompts = prefill_routes(recorder, prompt_lengths)
         """Per prompt ``[P_g, L, k]``."""
         self.routes_NCLK = torch.zeros(num_completions, num_columns + 1, num_layers, top_k, dtype=dtype,
                                        device=device)
@@ -186,6 +185,13 @@ class RouteLog:
     def completion_routes(self, lengths: Sequence[int]) -> list[Tensor]:
         """Per completion ``[S_i - 1, L, k]``: every token but the last (which no forward ran)."""
         return [self.routes_NCLK[i, :max(n - 1, 0)] for i, n in enumerate(lengths)]
+
+
+def prefill_routes(recorder: RouteRecorder, prompt_lengths: Sequence[int]) -> list[Tensor]:
+    """Per prompt ``[P_g, L, k]``, from the prefill forward just run (the prompts right-padded ``[G, P]``)."""
+    routes_TLK = recorder.take()
+    routes_GPLK = routes_TLK.view(len(prompt_lengths), max(prompt_lengths), *routes_TLK.shape[1:])
+    return [routes_GPLK[g, :length] for g, length in enumerate(prompt_lengths)]
 
 
 @contextlib.contextmanager

@@ -54,6 +54,7 @@ def test_an_asynchronous_run_replays_the_routes_its_rollout_worker_recorded(moe_
 @pytest.mark.parametrize("sets, key", [
     (['rollout.engine="vllm"'], "rollout.engine"),
     (["train.max_staleness=1", "train.partial_rollouts=1"], "train.partial_rollouts"),
+    (['env.factory="a.b:c"', 'rollout.speculation="cost"', "draft.learn=false"], "rollout.speculation"),
     (["model.gradient_checkpointing=true"], "model.gradient_checkpointing"),
 ])
 def test_what_routing_replay_does_not_cover_yet_is_refused_in_one_line(sets, key):
@@ -126,3 +127,34 @@ def test_a_speculative_rollout_records_the_accepted_paths_routes():
     for run in runs:
         assert all(torch.equal(a, b) for a, b in zip(run.groups.completions, plain.groups.completions))
         assert_routes_are_the_models_own(model, prompts, run.groups, 2)
+
+
+class Scripted:
+    """Answers every turn with ``reply`` (ids) up to ``turns`` turns, then ends the conversation; forks by copy."""
+
+    def __init__(self, reply, turns=2):
+        self.reply, self.turns, self.seen = reply, turns, 0
+
+    def __call__(self, turn_ids):
+        self.seen += 1
+        return self.reply if self.seen <= self.turns else None
+
+    def fork(self):
+        return Scripted(self.reply, self.turns)
+
+
+@pytest.mark.parametrize("branching", [(), (2, 2)])
+def test_a_conversation_records_the_routes_of_its_sampled_and_environment_ids(branching):
+    """Model turns and prefilled replies (in chunks of 3, batched with decoding rows), forked by branching: each
+    conversation's routes are those of the model's own forward over the whole conversation."""
+    from turbogrpo.rollout.multiturn import TurnLimits, generate_multiturn
+    from turbogrpo.rollout.sampling import SamplingConfig
+    model = tiny_moe("qwen3_moe")
+    prompts = [torch.tensor([5, 9, 11, 3, 7]), torch.tensor([8, 1, 2])]
+    first = 2 if branching else 4
+    out = generate_multiturn(model, prompts, [Scripted([30 + i, 31, 32, 33]) for i in range(2 * first)],
+                             num_samples=4, sampling=SamplingConfig(max_new_tokens=6, stop_token_ids=(1, 2, 3)),
+                             limits=TurnLimits(6, 30, prefill_chunk=3), seed=0, branching=branching,
+                             reply_timing="next_step", record_routes=True)
+    assert any(not bool(m.all()) for m in out.groups.model_mask)   # replies were prefilled
+    assert_routes_are_the_models_own(model, prompts, out.groups, 4)

@@ -4,11 +4,13 @@ sampling with the policy module itself, so there are no weights to push."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from functools import partial
 
 import torch
 from torch import nn
 
 from turbogrpo.rollout.decode import DecodeSchedule, generate
+from turbogrpo.rollout.multiturn import generate_multiturn
 from turbogrpo.rollout.sampling import SamplingConfig
 from turbogrpo.rollout.types import Rollout
 
@@ -34,7 +36,8 @@ class NativeEngine:
                              num_samples: int, sampling: SamplingConfig, seed: int | None,
                              draft: object | None = None):
         return episodes.sample(policy, tokenizer, examples, num_samples=num_samples, sampling=sampling, seed=seed,
-                               schedule=self.schedule, branched=True, draft=draft)
+                               schedule=self.schedule, branched=True, draft=draft,
+                               generate=partial(generate_multiturn, record_routes=self.record_routes))
 
     def sample_partial(self, policy: nn.Module, prefixes: list[torch.Tensor], *, limits: list[int],
                        sampling: SamplingConfig, seed: int | None, until: Callable[[list[bool]], bool],
