@@ -585,6 +585,13 @@ RENDERERS: dict[str, Renderer] = {
     "multiturn": MULTITURN,
     "greedy_split": greedy_split,
     "record": scalar_fields,
+    "routing_replay": tables(Table([
+        col("family", "$key"), col("sampler", "sampler", "text"), col("tokens", "num_tokens", "int"),
+        col("route disagreement without replay", "route_disagreement_without_replay", "%"),
+        col("K3 KL without replay", "k3_kl_without_replay", "g"), col("K3 KL with replay", "k3_kl_with_replay", "g"),
+        col("K3 falls by", "k3_kl_ratio", "x"), col("mean abs delta without", "abs_delta_mean_without_replay", "g"),
+        col("mean abs delta with", "abs_delta_mean_with_replay", "g"), col("route bytes per token", "bytes_per_token", "int"),
+        col("fwd+bwd time with / without replay", "replay_time_ratio", "f2")], rows="families")),
 }
 
 
@@ -824,6 +831,9 @@ RESULTS: list[Result] = [
            "AVX2-only one (ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2)",
            "ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 python bench/gpu_precision.py "
            "--device cpu --budget 60 --out precision_cpu_avx2_emulated", section="Precision"),
+    Result("routing_replay", "routing_replay", "MoE routing replay (algo.routing_replay): tiny qwen3_moe and "
+           "qwen3_5_moe sampled in bf16, trained in float32, route disagreement and K3 KL without and with replay",
+           "python bench/routing_replay.py", section="Precision", awaiting_run=True),
     # Asynchronous GRPO
     Result("async_grpo_gsm8k", "async_grpo", "Asynchronous GRPO (train.max_staleness = k, train.partial_rollouts = c): "
            "SmolLM2-135M GSM8K zero-shot, 8 prompts x 8, 128 new tokens; k > 0 samples in a rollout worker process",

@@ -37,13 +37,17 @@ import torch
 from torch import Tensor
 from torch.nn.utils.rnn import pad_sequence
 
+from turbogrpo.moe_routes import BatchRoutes
+
 T = TypeVar("T")
 
 PER_COMPLETION = ("advantages", "rewards", "finish_reasons", "sampler_logps", "old_logps", "ref_logps", "hidden",
-                  "model_mask", "versions")
+                  "model_mask", "versions", "routes")
 """The optional fields with one entry per completion (flat, group-major)."""
 PER_TOKEN = ("sampler_logps", "old_logps", "ref_logps", "hidden", "model_mask", "versions")
 """Those whose entry is one ``[S_i, ...]`` tensor per completion (what :meth:`Groups.padded` pads)."""
+PER_GROUP = ("prompt_hidden", "prompt_routes")
+"""The optional fields with one entry per group."""
 
 
 @dataclass(eq=False)
@@ -86,6 +90,12 @@ class Groups:
     None: not recorded (the trainer then takes the batch as drawn by its current weights)."""
     prompt_hidden: list[Tensor] | None = None
     """K ``[P_k, Hd]``: the policy's final hidden state at every prompt position (draft training)."""
+    routes: list[Tensor] | None = None
+    """N ``[R_i, L, k]`` (uint8 up to 256 experts, ``moe_routes.route_dtype``): the MoE experts the sampler's
+    routers chose for the completion's first R_i <= S_i tokens at each of the L MoE layers (the last token is
+    never run by the sampler); the training forward replays them (algo.routing_replay). None: not recorded."""
+    prompt_routes: list[Tensor] | None = None
+    """K ``[P_k, L, k]``: the same for each prompt (recorded once, at its prefill)."""
     weight: float = 1.0
     """This batch's share of a step's gradient sum: 1.0, or 0.0 for a filler micro-batch that only keeps
     collective calls matched across ranks (:func:`pad_to_count`)."""
@@ -103,6 +113,10 @@ class Groups:
         for name in PER_COMPLETION:
             _check_length(getattr(self, name), name, self.num_completions, "one per completion, flat and group-major")
         _check_length(self.prompt_hidden, "prompt_hidden", self.num_groups, "one [P_k, Hd] per group")
+        _check_length(self.prompt_routes, "prompt_routes", self.num_groups, "one [P_k, L, k] per group")
+        if (self.routes is None) != (self.prompt_routes is None):
+            raise ValueError("Groups fields routes and prompt_routes go together (the sampler's MoE routes of the "
+                             "completions and of their prompts); got only one of them")
 
     @classmethod
     def from_nested(cls, prompts: Sequence[Tensor], completions: Sequence[Sequence[Tensor]],
@@ -193,7 +207,7 @@ class Groups:
             raise ValueError(f"concat: batches must be a non-empty sequence of Groups, got "
                              f"{[type(b).__name__ for b in batches] or 'none'}; an empty batch is Groups([], [], [])")
         fields = {}
-        for name in (*PER_COMPLETION, "prompt_hidden"):
+        for name in (*PER_COMPLETION, *PER_GROUP):
             values = [getattr(b, name) for b in batches]
             if any(v is None for v in values):
                 fields[name] = None
@@ -263,12 +277,19 @@ class Groups:
             elif value is not None:
                 value = [value[i] for i in index]
             fields[name] = value
-        prompt_hidden = None if self.prompt_hidden is None else [self.prompt_hidden[g] for g in groups]
+        for name in PER_GROUP:
+            value = getattr(self, name)
+            fields[name] = None if value is None else [value[g] for g in groups]
         return Groups([self.prompts[g] for g in groups], [self.completions[i] for i in index], sizes, **fields,
-                      prompt_hidden=prompt_hidden, weight=self.weight)
+                      weight=self.weight)
+
+    @property
+    def batch_routes(self) -> BatchRoutes | None:
+        """The sampler's MoE routes as the training forward takes them (None: not recorded)."""
+        return None if self.routes is None else BatchRoutes(self.prompt_routes, self.routes)
 
     def __repr__(self) -> str:
-        present = [name for name in (*PER_COMPLETION, "prompt_hidden") if getattr(self, name) is not None]
+        present = [name for name in (*PER_COMPLETION, *PER_GROUP) if getattr(self, name) is not None]
         return f"Groups(sizes={list(self.sizes)}, fields={present})"
 
 

@@ -302,6 +302,15 @@ class DraftLearningConfig:
         _require(self.max_grad_norm > 0, f"{key}.max_grad_norm", "a number > 0", self.max_grad_norm)
 
 
+ROUTING_REPLAY_GAPS = {
+    "rollout.speculation": "with an [env] factory: speculative conversations do not record routes yet",
+    "train.partial_rollouts": "a carried generation is prefilled afresh: its tokens' routes would be taken at the "
+                              "new weights, not kept from the ones that drew them",
+    "model.gradient_checkpointing": "the forward recomputed in backward would route afresh, not replay",
+}
+"""What algo.routing_replay = "replay" does not run with yet, and why (the config refuses each in one line)."""
+
+
 @dataclass
 class AlgoConfig:
     """The GRPO objective; the losses take this section itself (``turbogrpo.algo.build_loss``)."""
@@ -344,6 +353,13 @@ class AlgoConfig:
     k3_threshold: float = 0.01
     """k3_reject keeps a sequence whose mean k3 estimate of KL(sampler || trainer) per token is at most this
     (verl's default 0.01)."""
+    routing_replay: Literal["off", "replay"] = "off"
+    """Mixture-of-experts models: "replay" records the experts the sampler's routers chose for every token and makes
+    the training forwards use them (R3, as verl, slime and vLLM's enable_return_routed_experts), the gates still
+    computed from the trainer's router logits so the routers keep learning; "off": the trainer's routers choose,
+    and a router that rounds to other experts than the sampler's scores another function (Megatron-LM #4168:
+    94% of tokens differ in some layer). Native engine: plain and speculative rollouts, multi-turn and branching
+    conversations, on-policy or asynchronous; see docs/guide/routing_replay.md."""
     kl_bias_correction: bool = False
     """Multiply each token's k3 by the (differentiable) importance ratio, which makes the KL gradient the
     unbiased reverse-KL gradient (DeepSeek-V3.2), even on-policy where the ratio is 1 in value. TRL's
@@ -366,6 +382,8 @@ class AlgoConfig:
         _require(self.num_iterations >= 1, f"{key}.num_iterations", "an integer >= 1", self.num_iterations)
         _require(self.tis_cap in ("auto", 0) or self.tis_cap >= 1, f"{key}.tis_cap",
                  "\"auto\", 0 (off) or a number >= 1, e.g. 2", self.tis_cap)
+        _require(self.routing_replay in ("off", "replay"), f"{key}.routing_replay", "\"off\" or \"replay\"",
+                 self.routing_replay)
         self._check_correction(key)
 
     def _check_correction(self, key: str) -> None:
@@ -674,11 +692,29 @@ class Config:
                  "FSDP2 shards; or use strategy \"ddp\")", self.rollout.speculation)
         self._check_vllm_speculation()
         self._check_asynchronous()
+        self._check_routing_replay()
         from turbogrpo.speculative.built_drafts import BUILT_DRAFTS, same_model
         built = BUILT_DRAFTS.get(self.draft.path)
         _require(built is None or same_model(built.model, self.model.path), "draft.path",
                  f"a draft of this run's model.path {self.model.path!r} (draft {self.draft.path!r} is "
                  f"built for {built.model if built else ''!r})", self.draft.path)
+
+    def _check_routing_replay(self) -> None:
+        """What routing replay does not cover yet, refused in one line each (the engine's part is a capability)."""
+        if self.algo.routing_replay == "off":
+            return
+        from turbogrpo.engines import MISSING_BECAUSE, capable_engines, missing_capability
+        _require(not missing_capability(self.rollout.engine, ["routing_replay"]), "rollout.engine",
+                 f"{_either([*capable_engines('routing_replay'), 'auto'])} with algo.routing_replay = \"replay\" "
+                 f"({MISSING_BECAUSE.get((self.rollout.engine, 'routing_replay'), 'it records no routes')})",
+                 self.rollout.engine)
+        for key, off, value in (("rollout.speculation", not self.env.factory or self.rollout.speculation == "off",
+                                 self.rollout.speculation),
+                                ("train.partial_rollouts", not self.train.partial_rollouts,
+                                 self.train.partial_rollouts),
+                                ("model.gradient_checkpointing", not self.model.gradient_checkpointing,
+                                 self.model.gradient_checkpointing)):
+            _require(off, key, f"off with algo.routing_replay = \"replay\" ({ROUTING_REPLAY_GAPS[key]})", value)
 
     def engine_needs(self) -> tuple[str, ...]:
         """What this run needs of its rollout engine (``engines.EngineCapabilities`` fields): "auto" picks an
@@ -687,7 +723,7 @@ class Config:
         from turbogrpo.engines import run_needs
         return run_needs(speculation=self.rollout.speculation != "off", conversations=bool(self.env.factory),
                          partial_rollouts=self.train.partial_rollouts > 0, asynchronous=self.train.max_staleness > 0,
-                         sharded=self.distributed.strategy == "fsdp2")
+                         sharded=self.distributed.strategy == "fsdp2", routing_replay=self.algo.routing_replay != "off")
 
     def _check_vllm_speculation(self) -> None:
         """An engine that speculates through its own drafter (vLLM's EAGLE: it lacks ``tree_speculation``) with

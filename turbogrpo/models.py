@@ -15,6 +15,7 @@ from typing import NamedTuple
 from urllib.parse import urlparse
 
 import torch
+import transformers
 from safetensors import SafetensorError, safe_open
 from transformers import (AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, MistralConfig,
                           MistralForCausalLM, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase,
@@ -360,6 +361,52 @@ def tiny_model(arch: str = "qwen2", *, vocab_size: int = 128, hidden: int = 64, 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = model_class(config)
+    return model.to(resolve_dtype(dtype)).eval()
+
+
+_MOE_VOCAB = 64
+_MOE_COMMON = dict(vocab_size=_MOE_VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=256,
+                   initializer_range=0.2, experts_implementation="eager", pad_token_id=None, bos_token_id=None,
+                   eos_token_id=_MOE_VOCAB - 1)
+_SOFTMAX_MOE = dict(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=16)
+
+MOE_FAMILIES = {
+    # model type -> (config class, model class, the family's settings on top of _MOE_COMMON)
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", _SOFTMAX_MOE | dict(norm_topk_prob=True)),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", _SOFTMAX_MOE | dict(shared_expert_intermediate_size=16)),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=6, num_experts_per_tok=2)),
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", _SOFTMAX_MOE),
+    "granitemoe": ("GraniteMoeConfig", "GraniteMoeForCausalLM", dict(num_local_experts=6, num_experts_per_tok=2)),
+    # DeepSeek-V3 style: grouped sigmoid routing with a score-correction bias, one shared expert beside
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM",
+                    dict(n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1, n_shared_experts=1,
+                         moe_intermediate_size=16, first_k_dense_replace=0, kv_lora_rank=16, q_lora_rank=None,
+                         qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, routed_scaling_factor=2.5,
+                         rope_interleave=False, num_key_value_heads=4)),
+    # gated DeltaNet then full attention, a sparse MoE with a gated shared expert
+    "qwen3_5_moe": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM",
+                    _SOFTMAX_MOE | dict(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"],
+                                       shared_expert_intermediate_size=16, linear_num_key_heads=2,
+                                       linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8)),
+}
+
+
+def tiny_moe(family: str, dtype: str | torch.dtype = torch.float64, seed: int = 0, **overrides) -> PreTrainedModel:
+    """A randomly initialised tiny mixture-of-experts model of ``family`` (a key of ``MOE_FAMILIES``: the families
+    ``turbogrpo.moe_routes`` records and replays), for tests and bench/routing_replay.py. Experts run eagerly (the
+    grouped matmul has no float64 kernel); the global torch RNG is left untouched."""
+    if family not in MOE_FAMILIES:
+        raise ValueError(f"family must be one of {sorted(MOE_FAMILIES)}, got {family!r}")
+    config_name, model_name, settings = MOE_FAMILIES[family]
+    config = getattr(transformers, config_name)(**(_MOE_COMMON | settings | overrides))
+    config._attn_implementation = "eager"
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = getattr(transformers, model_name)(config)
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):   # a bias that moves the choice, as trained models have
+                buffer.copy_(torch.randn_like(buffer) * 0.1)
     return model.to(resolve_dtype(dtype)).eval()
 
 

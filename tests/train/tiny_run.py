@@ -25,10 +25,12 @@ def char_tokenizer() -> PreTrainedTokenizerFast:
                                    unk_token="<unk>")
 
 
-def write_model(folder: Path, seed: int = 0, **config_overrides) -> Path:
+def write_model(folder: Path, seed: int = 0, build=None, **config_overrides) -> Path:
+    """A tiny model and the character tokenizer in ``folder``: a qwen2, or ``build(vocab_size=...)``'s model."""
     tokenizer = char_tokenizer()
-    model = tiny_model("qwen2", vocab_size=len(tokenizer), hidden=32, layers=2, heads=4, kv_heads=2, seed=seed,
-                       **config_overrides)
+    model = (build(vocab_size=len(tokenizer)) if build is not None else
+             tiny_model("qwen2", vocab_size=len(tokenizer), hidden=32, layers=2, heads=4, kv_heads=2, seed=seed,
+                        **config_overrides))
     model.config.eos_token_id = tokenizer.eos_token_id
     model.config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.eos_token_id = tokenizer.eos_token_id

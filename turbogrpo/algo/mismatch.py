@@ -8,6 +8,9 @@ sampler's (the behaviour policy), ``delta = logp_prox - logp_behav`` per token:
     mismatch/abs_delta_{mean,p50,p99,max}   |delta| per token (the mean is ``logprob_gap``, in float64)
     mismatch/frac_tokens_masked     share of tokens the off-policy correction gives weight 0, and
     mismatch/frac_sequences_masked  share of sequences with such a token (with the correction on)
+    mismatch/frac_tokens_routes_differ  MoE with algo.routing_replay: share of the replayed tokens whose experts the
+                                    trainer's routers would choose otherwise in some layer (counted by the update's
+                                    replaying forwards, ``train.update``; ``turbogrpo.moe_routes``)
 
 A few reductions over tensors the step has anyway, one row per rank gathered with the staleness metrics
 (``train.loop.step_staleness``): sums add, maxima take the largest; the quantiles are each rank's, averaged over

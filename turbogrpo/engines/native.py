@@ -4,34 +4,40 @@ sampling with the policy module itself, so there are no weights to push."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from functools import partial
 
 import torch
 from torch import nn
 
 from turbogrpo.rollout.decode import DecodeSchedule, generate
+from turbogrpo.rollout.multiturn import generate_multiturn
 from turbogrpo.rollout.sampling import SamplingConfig
 from turbogrpo.rollout.types import Rollout
 
 
 class NativeEngine:
-    """``rollout.generate`` with the run's ``DecodeSchedule`` (plain or speculative with ``draft``)."""
+    """``rollout.generate`` with the run's ``DecodeSchedule`` (plain or speculative with ``draft``); with
+    ``record_routes`` every rollout keeps its MoE routes (algo.routing_replay)."""
 
     holds_weights = False
 
-    def __init__(self, schedule: DecodeSchedule | None):
+    def __init__(self, schedule: DecodeSchedule | None, record_routes: bool = False):
         self.schedule = schedule
+        self.record_routes = record_routes
 
     def sample(self, policy: nn.Module, prompts: list[torch.Tensor], *, num_samples: int,
                sampling: SamplingConfig, seed: int | None, draft: object | None = None,
                return_hidden: bool = False) -> Rollout:
         return generate(policy, prompts, num_samples=num_samples, sampling=sampling, seed=seed,
-                        schedule=self.schedule, draft=draft, return_hidden=return_hidden)
+                        schedule=self.schedule, draft=draft, return_hidden=return_hidden,
+                        record_routes=self.record_routes)
 
     def sample_conversations(self, policy: nn.Module, tokenizer, examples: Sequence, episodes, *,
                              num_samples: int, sampling: SamplingConfig, seed: int | None,
                              draft: object | None = None):
         return episodes.sample(policy, tokenizer, examples, num_samples=num_samples, sampling=sampling, seed=seed,
-                               schedule=self.schedule, branched=True, draft=draft)
+                               schedule=self.schedule, branched=True, draft=draft,
+                               generate=partial(generate_multiturn, record_routes=self.record_routes))
 
     def sample_partial(self, policy: nn.Module, prefixes: list[torch.Tensor], *, limits: list[int],
                        sampling: SamplingConfig, seed: int | None, until: Callable[[list[bool]], bool],

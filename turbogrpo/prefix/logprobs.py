@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from turbogrpo.hook import check_materialized, check_supported, embedding_table, lm_head_of, run_decoder
+from turbogrpo.moe_routes import BatchRoutes, maybe_replaying, packed_routes, padded_routes, sequence_routes
 from turbogrpo.output_head import logits_head
 from turbogrpo.prefix.auto import STANDARD, choose_auto
 from turbogrpo.prefix.backends import AUTO, PaddedCausalAttention, select_backend
@@ -68,8 +69,10 @@ def completion_logprobs(model: nn.Module, prompts: list[torch.Tensor],
 def compute_logprobs(model: nn.Module, prompts: list[torch.Tensor],
                      completions: list[list[torch.Tensor]], *, share_prefix: bool = True,
                      backend: str = "auto", temperature: float = 1.0, return_hidden: bool = False,
-                     with_entropy: bool = True) -> CompletionLogprobs:
-    """Like :func:`completion_logprobs` but returns flat tensors plus entropy (for the trainer)."""
+                     with_entropy: bool = True, routes: BatchRoutes | None = None) -> CompletionLogprobs:
+    """Like :func:`completion_logprobs` but returns flat tensors plus entropy (for the trainer). ``routes``: the
+    sampler's MoE routes, replayed in the forward (``turbogrpo.moe_routes``; algo.routing_replay); None: the
+    routers choose."""
     validate_inputs(model, prompts, completions, temperature)
     check_token_range(model, prompts, completions)
     head = logits_head(model)
@@ -79,23 +82,26 @@ def compute_logprobs(model: nn.Module, prompts: list[torch.Tensor],
                               prompts[0].device, lm_head_of(model).weight.dtype, torch.is_grad_enabled())
         share_prefix = backend != STANDARD
     if share_prefix:
-        hidden = _shared_prefix_hidden(model, prompts, completions, backend)
+        hidden = _shared_prefix_hidden(model, prompts, completions, backend, routes)
     else:
-        hidden = _standard_hidden(model, prompts, completions)
+        hidden = _standard_hidden(model, prompts, completions, routes)
     targets = torch.cat([c for cs in completions for c in cs])
     logps, entropy = lm_head_logprobs(hidden, head, targets, temperature, with_entropy=with_entropy)
     return CompletionLogprobs(logps, entropy, hidden if return_hidden else None)
 
 
-def _shared_prefix_hidden(model, prompts, completions, backend_name) -> torch.Tensor:
-    """``[Nq, Hd]`` predictor hidden states from one packed forward with each prompt stored once."""
+def _shared_prefix_hidden(model, prompts, completions, backend_name, routes=None) -> torch.Tensor:
+    """``[Nq, Hd]`` predictor hidden states from one packed forward with each prompt stored once (the prompt's
+    routes replayed once too)."""
     layout: PackedGroups = pack_groups(prompts, completions)
     backend = select_backend(backend_name, layout.device, torch.is_grad_enabled())
-    hidden = run_decoder(model, layout.input_ids[None], layout.position_ids[None], backend.plan(layout))
+    routes_TLK = None if routes is None else packed_routes(routes, layout.flat_completion_lengths).to(layout.device)
+    with maybe_replaying(model, routes_TLK, None if routes is None else routes.counts):
+        hidden = run_decoder(model, layout.input_ids[None], layout.position_ids[None], backend.plan(layout))
     return hidden[0, layout.predictor_index]
 
 
-def _standard_hidden(model, prompts, completions) -> torch.Tensor:
+def _standard_hidden(model, prompts, completions, routes=None) -> torch.Tensor:
     """The baseline: every completion with its own copy of the prompt, right-padded into a batch
     ``[B, T]`` and run with plain causal attention (:class:`PaddedCausalAttention`)."""
     sequences = [torch.cat([p, c]) for p, cs in zip(prompts, completions) for c in cs]
@@ -112,7 +118,11 @@ def _standard_hidden(model, prompts, completions) -> torch.Tensor:
     indices = upload(torch.cat([torch.arange(length), torch.cat(rows), torch.cat(cols)]), input_ids.device)
     num_tokens = (len(indices) - length) // 2
     position_ids, rows_t, cols_t = indices.split([length, num_tokens, num_tokens])
-    hidden = run_decoder(model, input_ids, position_ids.expand(len(sequences), -1), PaddedCausalAttention(length))
+    routes_TLK = None if routes is None else padded_routes(
+        sequence_routes(routes, [len(cs) for cs in completions], [c.numel() for cs in completions for c in cs]),
+        length).to(input_ids.device)
+    with maybe_replaying(model, routes_TLK, None if routes is None else routes.counts):
+        hidden = run_decoder(model, input_ids, position_ids.expand(len(sequences), -1), PaddedCausalAttention(length))
     return hidden[rows_t, cols_t]
 
 

@@ -34,6 +34,7 @@ from turbogrpo.output_head import check_logits_head, logits_head
 from turbogrpo.rollout.compiled import PLAIN_RUNNERS
 from turbogrpo.rollout.kv_cache import GroupedKVCache
 from turbogrpo.linears import LINEAR_KERNELS
+from turbogrpo.moe_routes import RouteLog, RouteRecorder, maybe_recording
 from turbogrpo.rollout.outputs import LiveRows, OutputBuffers, collect_rollout, emit
 from turbogrpo.rollout.plans import prefill_all_positions
 from turbogrpo.rollout.sampling import SamplingConfig, at_least_float32
@@ -115,7 +116,7 @@ def generate(model: nn.Module, prompts: list[torch.Tensor], *, num_samples: int,
              seed: int | None = None, draft: object | None = None, return_hidden: bool = False,
              max_new_tokens_per_completion: Sequence[int] | None = None,
              schedule: DecodeSchedule | None = None,
-             until: Callable[[list[bool]], bool] | None = None) -> Rollout:
+             until: Callable[[list[bool]], bool] | None = None, record_routes: bool = False) -> Rollout:
     """Sample ``num_samples`` completions for each prompt with ``model``'s current weights.
 
     ``prompts``: 1-D int64 token id tensors, one per group. ``seed`` makes the draws reproducible
@@ -131,6 +132,9 @@ def generate(model: nn.Module, prompts: list[torch.Tensor], *, num_samples: int,
     ``until``: stop early (a partial rollout, ``train/worker/partial_rollouts.py``): called at every host check with
     which completions have finished (``[N]`` host bools); True ends the rollout there, and a completion still
     running keeps what it has drawn (finish reason "length", shorter than its limit). None: run to the end.
+    ``record_routes``: keep the experts a mixture-of-experts policy's routers chose for every prompt and completion
+    token (the rollout's ``routes`` / ``prompt_routes``, ``turbogrpo.moe_routes``; algo.routing_replay; a speculative
+    rollout keeps the accepted path's); eager runners only.
     """
     _check_inputs(model, prompts, num_samples, sampling, check_positions=max_new_tokens_per_completion is None)
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63):
@@ -144,6 +148,8 @@ def generate(model: nn.Module, prompts: list[torch.Tensor], *, num_samples: int,
     # As in the trainer: called directly (the Python API), a rollout's large short-lived host tensors must
     # not page-fault in afresh at every step (host_memory.py; on by default, TURBOGRPO_HOST_MALLOC=system).
     keep_freed_host_memory()
+    if record_routes:
+        check_route_recording(draft, schedule)
     device = next(model.parameters()).device
     limits = _length_limits(max_new_tokens_per_completion, len(prompts) * num_samples, sampling)
     if max_new_tokens_per_completion is not None:  # each prompt needs room for its own completions' limit only
@@ -160,11 +166,22 @@ def generate(model: nn.Module, prompts: list[torch.Tensor], *, num_samples: int,
     with torch.inference_mode(False), torch.no_grad():
         schedule = schedule or default_schedule(device)
         # The step is made inside: a speculative step may time the model (its latency profile) as it runs.
-        with rollout_linear_kernel(schedule, draft)([model, *getattr(draft, "rollout_modules", list)()]):
+        with rollout_linear_kernel(schedule, draft)([model, *getattr(draft, "rollout_modules", list)()]), \
+                maybe_recording(model, record_routes) as recorder:
             step: DecodeStep = (PlainStep(PLAIN_RUNNERS[schedule.runner](plain_step)) if draft is None
                                 else draft.make_step(model, prompts, sampling))
             return _rollout(model, prompts, num_samples, sampling, generator, return_hidden, limits, step,
-                            schedule, until)
+                            schedule, until, recorder)
+
+
+def check_route_recording(draft: object | None, schedule: DecodeSchedule | None) -> None:
+    """Routes are recorded by the plain and tree steps under the eager runner (its forward hooks run in Python)."""
+    if getattr(draft, "runner", "eager") != "eager":
+        raise ValueError(f"algo.routing_replay = \"replay\" records routes with the eager runner only, got the "
+                         f"speculative runner {draft.runner!r} (a compiled step does not run the recording hooks)")
+    if schedule is not None and schedule.runner != "eager":
+        raise ValueError(f"algo.routing_replay = \"replay\" records routes with the eager runner only, got runner "
+                         f"{schedule.runner!r} (a compiled or captured step does not run the recording hooks)")
 
 
 def rollout_linear_kernel(schedule: DecodeSchedule, draft: object | None = None):
@@ -194,11 +211,14 @@ def _length_limits(limits: Sequence[int] | None, num_completions: int, sampling:
 
 def _rollout(model: nn.Module, prompts: list[torch.Tensor], num_samples: int, sampling: SamplingConfig,
              generator: torch.Generator | None, return_hidden: bool, limits: list[int], step: DecodeStep,
-             schedule: DecodeSchedule, until: Callable[[list[bool]], bool] | None = None) -> Rollout:
-    """The loop of the module docstring (inputs already checked and on the model's device)."""
+             schedule: DecodeSchedule, until: Callable[[list[bool]], bool] | None = None,
+             recorder: RouteRecorder | None = None) -> Rollout:
+    """The loop of the module docstring (inputs already checked and on the model's device); ``recorder``: the
+    routers' recording hooks, when the rollout keeps the routes."""
     start = time.perf_counter()
     state = first_draw(model, prompts, num_samples, sampling, generator, return_hidden or step.keeps_hidden,
-                       limits, step.extra_slots, static_slots=schedule.static_slots and not step.extra_slots)
+                       limits, step.extra_slots, static_slots=schedule.static_slots and not step.extra_slots,
+                       recorder=recorder)
     stats = step.make_stats()
     stats.num_forwards += 1
     step.start(state)
@@ -234,15 +254,16 @@ def _rollout(model: nn.Module, prompts: list[torch.Tensor], num_samples: int, sa
         steps_left -= window
         steps_run += window
     outputs = state.outputs if return_hidden else dataclasses.replace(state.outputs, hidden_NTH=None)
-    rollout = collect_rollout(prompts, num_samples, outputs, stats, start)
+    rollout = collect_rollout(prompts, num_samples, outputs, stats, start, state.route_log)
     step.finish(rollout)
     return rollout
 
 
 def first_draw(model: nn.Module, prompts: list[torch.Tensor], num_samples: int, sampling: SamplingConfig,
                generator: torch.Generator | None, keep_hidden: bool, limits: list[int],
-               extra_slots: int, static_slots: bool = False) -> DecodeState:
-    """Allocate the rollout's buffers once, prefill every prompt once, draw and emit each sample's first token."""
+               extra_slots: int, static_slots: bool = False, recorder: RouteRecorder | None = None) -> DecodeState:
+    """Allocate the rollout's buffers once, prefill every prompt once, draw and emit each sample's first token
+    (with ``recorder``, the prompts' routes kept and a ``RouteLog`` started for the completions')."""
     device = prompts[0].device
     num_completions, max_new = len(prompts) * num_samples, sampling.max_new_tokens
     # Every emitted token but the last is fed back, so max_new - 1 slots would do; max_new keeps
@@ -250,6 +271,8 @@ def first_draw(model: nn.Module, prompts: list[torch.Tensor], num_samples: int, 
     cache = GroupedKVCache([len(p) for p in prompts], num_samples, capacity=max_new + extra_slots, device=device,
                            static_slots=static_slots)
     prompt_hidden_GPH = prefill_all_positions(model, cache, prompts)
+    route_log = None if recorder is None else RouteLog(recorder, model, [len(p) for p in prompts], num_completions,
+                                                       max_new + extra_slots + 1, device)
     last_GH = prompt_hidden_GPH[torch.arange(len(prompts), device=device),
                                 torch.tensor([len(p) for p in prompts], device=device) - 1]
     lm_head = logits_head(model)
@@ -262,7 +285,8 @@ def first_draw(model: nn.Module, prompts: list[torch.Tensor], num_samples: int, 
                         num_samples=num_samples, prompt_hidden_GPH=prompt_hidden_GPH,
                         live_counts_S=torch.zeros(max_new, dtype=torch.long, device=device),
                         step_index=torch.zeros(1, dtype=torch.long, device=device),
-                        uniform_N=torch.zeros(num_completions, dtype=torch.float32, device=device))
+                        uniform_N=torch.zeros(num_completions, dtype=torch.float32, device=device),
+                        route_log=route_log)
     # One row per sample, so that every sample draws its own first token from its prompt's logits.
     hidden_BH = last_GH.repeat_interleave(num_samples, dim=0)
     state.refill_uniforms()

@@ -84,6 +84,7 @@ from torch import nn
 
 from turbogrpo.batch import Groups
 from turbogrpo.hook import check_materialized
+from turbogrpo.moe_routes import RouteRecorder, maybe_recording, prefill_routes
 from turbogrpo.output_head import logits_head
 from turbogrpo.rollout.decode import DecodeSchedule, default_schedule, rollout_linear_kernel
 from turbogrpo.rollout.env_calls import EnvCalls
@@ -204,6 +205,8 @@ class _Conversation:
     """Forks this conversation has been through (branching): it forks next after turn ``depth + 1``."""
     inherited_model_tokens: int = 0
     """Model tokens copied from the conversation it forked from (sampled once, counted there)."""
+    routes: list[torch.Tensor] = field(default_factory=list)
+    """With routes recorded: the MoE routes ``[n, L, k]`` of each chunk of its ids fed, in order."""
 
 
 class ForkError(ValueError):
@@ -267,7 +270,7 @@ def generate_multiturn(model: nn.Module, prompts: list[torch.Tensor], handlers: 
                        num_samples: int, sampling: SamplingConfig, limits: TurnLimits, seed: int | None = None,
                        draft: object | None = None, max_env_workers: int = 16, schedule: DecodeSchedule | None = None,
                        reply_timing: str = "arrival", branching: Sequence[int] = (), call_timeout_s: float | None = None,
-                       env_calls: EnvCalls | None = None) -> MultiTurnRollout:
+                       env_calls: EnvCalls | None = None, record_routes: bool = False) -> MultiTurnRollout:
     """Run ``len(prompts) x num_samples`` conversations (``handlers[i]`` answers conversation i, group-major)
     with ``model``'s current weights; see the module docstring.
 
@@ -282,7 +285,8 @@ def generate_multiturn(model: nn.Module, prompts: list[torch.Tensor], handlers: 
     ``draft``: a ``turbogrpo.speculative.Speculation`` for lossless speculative decoding of the model's turns.
     ``max_env_workers``: most handler calls at once (1: one at a time); ``call_timeout_s``: each call's time
     limit in seconds (None: none), past which its conversation fails; ``env_calls``: an ``EnvCalls`` to run the
-    handlers on instead (its own workers and limit).
+    handlers on instead (its own workers and limit). ``record_routes``: keep the MoE routes of every id the model
+    ran (``Groups.routes`` / ``prompt_routes``, ``turbogrpo.moe_routes``; plain sampling only).
     """
     if draft is not None and not callable(getattr(draft, "run_multiturn", None)):
         raise ValueError(f"draft must be a turbogrpo.speculative.Speculation (or None for plain sampling), got "
@@ -291,6 +295,9 @@ def generate_multiturn(model: nn.Module, prompts: list[torch.Tensor], handlers: 
         raise ValueError(f"schedule must be a DecodeSchedule or None, got {type(schedule).__name__}")
     factors = check_conversations(model, prompts, handlers, num_samples=num_samples, sampling=sampling, limits=limits,
                                   reply_timing=reply_timing, branching=branching)
+    if draft is not None and record_routes:
+        raise ValueError("algo.routing_replay = \"replay\" with an [env] factory records plain multi-turn rollouts only "
+                         "(speculative conversations do not record routes yet): set rollout.speculation = \"off\"")
     if draft is not None and len(factors) > 1:
         raise ValueError(f"branching {list(branching)} with a draft: speculative multi-turn rollouts do not fork "
                          "conversations yet (branch with plain sampling, or speculate without branching)")
@@ -305,14 +312,16 @@ def generate_multiturn(model: nn.Module, prompts: list[torch.Tensor], handlers: 
     pool = env_calls if env_calls is not None else EnvCalls(max_env_workers, call_timeout_s)
     # Outside inference mode even when the caller is in it, as generate() runs (engine.py says why).
     # The pool is never joined: a stuck environment call must not keep the run from ending.
-    with torch.inference_mode(False), torch.no_grad(), linears([model, *getattr(draft, "rollout_modules", list)()]):
+    with torch.inference_mode(False), torch.no_grad(), linears([model, *getattr(draft, "rollout_modules", list)()]), \
+            maybe_recording(model, record_routes) as recorder:
+        prompt_routes = None
         if draft is None:
-            stats = _run(model, prompts, num_samples, conversations, sampling, limits, generator, pool,
-                         REPLY_TIMINGS[reply_timing], factors)
+            stats, prompt_routes = _run(model, prompts, num_samples, conversations, sampling, limits, generator, pool,
+                                        REPLY_TIMINGS[reply_timing], factors, recorder)
         else:  # the speculative loop (turbogrpo.speculative.multiturn) comes with the draft: never imported here
             stats = draft.run_multiturn(model, prompts, num_samples, conversations, sampling, limits, generator,
                                         pool, REPLY_TIMINGS[reply_timing])
-    return conversations_rollout(prompts, num_samples, conversations, stats)
+    return conversations_rollout(prompts, num_samples, conversations, stats, prompt_routes)
 
 
 def check_conversations(model: nn.Module, prompts: list[torch.Tensor], handlers: Sequence[TurnHandler], *,
@@ -357,21 +366,30 @@ def start_conversations(handlers: Sequence[TurnHandler], num_prompts: int, num_s
 
 
 def conversations_rollout(prompts: list[torch.Tensor], num_samples: int, conversations: list[_Conversation],
-                          stats: MultiTurnStats) -> MultiTurnRollout:
-    """The finished ``conversations`` (``[K * num_samples]``, group-major) as a ``MultiTurnRollout``."""
+                          stats: MultiTurnStats, prompt_routes: list[torch.Tensor] | None = None) -> MultiTurnRollout:
+    """The finished ``conversations`` (``[K * num_samples]``, group-major) as a ``MultiTurnRollout``; with
+    ``prompt_routes`` (per prompt ``[P, L, k]``), the conversations' recorded routes too (every id but the last ran
+    in order, so each conversation's chunks laid end to end are its first ids' routes)."""
+    routes = None
+    if prompt_routes is not None:
+        routes = [torch.cat([prompt_routes[0][:0], *c.routes]) for c in conversations]
     groups = Groups(prompts, [torch.tensor(c.ids, dtype=torch.long) for c in conversations],
                     [num_samples] * len(prompts), finish_reasons=[c.finish for c in conversations],
                     sampler_logps=[torch.tensor(c.logps, dtype=torch.float32) for c in conversations],
-                    model_mask=[torch.tensor(c.model_mask, dtype=torch.bool) for c in conversations])
+                    model_mask=[torch.tensor(c.model_mask, dtype=torch.bool) for c in conversations],
+                    routes=routes, prompt_routes=prompt_routes)
     return MultiTurnRollout(groups, stats, [c.num_turns for c in conversations], [c.error for c in conversations],
                             [c.handler for c in conversations])
 
 
 def _run(model: nn.Module, prompts: list[torch.Tensor], num_samples: int, conversations: list[_Conversation],
          sampling: SamplingConfig, limits: TurnLimits, generator: torch.Generator | None,
-         pool: EnvCalls, timing: ReplyTiming, branching: tuple[int, ...] = ()) -> MultiTurnStats:
+         pool: EnvCalls, timing: ReplyTiming, branching: tuple[int, ...] = (), recorder: RouteRecorder | None = None
+         ) -> tuple[MultiTurnStats, list[torch.Tensor] | None]:
     """The loop of the module docstring; fills ``conversations`` in place (``[K * num_samples]``; under
-    ``branching``, the slots of the first conversations are set and the forks fill the others)."""
+    ``branching``, the slots of the first conversations are set and the forks fill the others). With ``recorder``
+    (the routers' recording hooks) each conversation keeps the routes of the ids it fed, and the prompts' routes
+    are returned beside the stats (per prompt ``[P, L, k]``; else None)."""
     start = time.perf_counter()
     branching = branching or (num_samples,)
     device = prompts[0].device
@@ -383,6 +401,7 @@ def _run(model: nn.Module, prompts: list[torch.Tensor], num_samples: int, conver
                            row_capacity=len(conversations))
     lm_head = logits_head(model)
     last_GH = prefill(model, cache, prompts)
+    prompt_routes = None if recorder is None else prefill_routes(recorder, [len(p) for p in prompts])
     stats.num_forwards += 1
     # One row per conversation, so that each draws its own first token from its prompt's logits.
     rows = [i for i, c in enumerate(conversations) if c is not None]  # cache row -> conversation
@@ -400,7 +419,7 @@ def _run(model: nn.Module, prompts: list[torch.Tensor], num_samples: int, conver
         if not feeding:  # every live conversation waits for its environment
             wait_for_replies(conversations, rows, timing, stats, pool)
             continue
-        drawn_rows, hidden_BH = _feed(model, cache, rows, feeding, conversations, limits)
+        drawn_rows, hidden_BH = _feed(model, cache, rows, feeding, conversations, limits, recorder)
         stats.num_forwards += 1
         stats.live_batch_sizes.append(len(feeding))
         if len(branching) > 1:
@@ -410,7 +429,7 @@ def _run(model: nn.Module, prompts: list[torch.Tensor], num_samples: int, conver
     _fill_unforked(conversations)
     stats.num_generated_tokens = sum(sum(c.model_mask) - c.inherited_model_tokens for c in conversations)
     stats.wall_time_s = time.perf_counter() - start
-    return stats
+    return stats, prompt_routes
 
 
 def wait_for_replies(conversations: list[_Conversation], rows: list[int], timing: ReplyTiming,
@@ -425,10 +444,11 @@ def wait_for_replies(conversations: list[_Conversation], rows: list[int], timing
 
 
 def _feed(model: nn.Module, cache: GroupedKVCache, rows: list[int], feeding: list[int],
-          conversations: list[_Conversation], limits: TurnLimits) -> tuple[list[int], torch.Tensor]:
+          conversations: list[_Conversation], limits: TurnLimits, recorder: RouteRecorder | None = None
+          ) -> tuple[list[int], torch.Tensor]:
     """One forward of every feeding row's next ids (at most ``limits.prefill_chunk``, and the step's width),
-    committed in the cache. Returns the rows whose feed is complete (they draw next) and the hidden state
-    ``[B, Hd]`` at each row's last fed id."""
+    committed in the cache (and, with ``recorder``, their MoE routes kept by their conversations). Returns the rows
+    whose feed is complete (they draw next) and the hidden state ``[B, Hd]`` at each row's last fed id."""
     counts = [0] * len(rows)
     for b in feeding:
         counts[b] = min(len(conversations[rows[b]].pending), limits.prefill_chunk)
@@ -440,6 +460,11 @@ def _feed(model: nn.Module, cache: GroupedKVCache, rows: list[int], feeding: lis
         ids_Bn[b, :counts[b]] = torch.tensor(conversation.pending[:counts[b]])
         del conversation.pending[:counts[b]]
     hidden_BnH = forward_new_tokens(model, cache, ids_Bn.to(cache.device))
+    if recorder is not None:
+        routes_TLK = recorder.take()
+        routes_BnLK = routes_TLK.view(len(rows), width, *routes_TLK.shape[1:])
+        for b in feeding:
+            conversations[rows[b]].routes.append(routes_BnLK[b, :counts[b]])
     counts_B = torch.tensor(counts, device=cache.device)
     cache.commit_first(counts_B, width)
     last_BH = hidden_BnH[torch.arange(len(rows), device=cache.device), (counts_B - 1).clamp(min=0)]
@@ -497,7 +522,7 @@ def _branch(parent: _Conversation) -> _Conversation:
     """A copy of ``parent`` that shares its history and goes on independently (its handler forked)."""
     return replace(parent, handler=fork_copy(parent.handler, "handler"), ids=list(parent.ids),
                    model_mask=list(parent.model_mask), logps=list(parent.logps), pending=list(parent.pending),
-                   future=None, inherited_model_tokens=sum(parent.model_mask))
+                   future=None, inherited_model_tokens=sum(parent.model_mask), routes=list(parent.routes))
 
 
 def _fill_unforked(conversations: list[_Conversation | None]) -> None:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from turbogrpo.batch import Groups
+from turbogrpo.moe_routes import RouteLog
 from turbogrpo.rollout.stopping import NO_TOKEN, StopCriteria
 from turbogrpo.rollout.types import Rollout, RolloutStats
 
@@ -116,7 +117,7 @@ def emit(outputs: OutputBuffers, live: LiveRows, tokens_Bk: torch.Tensor, logpro
 
 
 def collect_rollout(prompts: list[torch.Tensor], num_samples: int, outputs: OutputBuffers, stats: RolloutStats,
-                    start: float) -> Rollout:
+                    start: float, route_log: RouteLog | None = None) -> Rollout:
     lengths = outputs.lengths_N.tolist()  # host sync: end of the rollout
     stopped = outputs.stopped_N.tolist()
     stats.num_generated_tokens = sum(lengths)
@@ -126,5 +127,7 @@ def collect_rollout(prompts: list[torch.Tensor], num_samples: int, outputs: Outp
         hidden = [outputs.hidden_NTH[i, :n] for i, n in enumerate(lengths)]
     batch = Groups(prompts, [outputs.tokens_NT[i, :n] for i, n in enumerate(lengths)], [num_samples] * len(prompts),
                    finish_reasons=["stop" if s else "length" for s in stopped],
-                   sampler_logps=[outputs.logprobs_NT[i, :n] for i, n in enumerate(lengths)], hidden=hidden)
+                   sampler_logps=[outputs.logprobs_NT[i, :n] for i, n in enumerate(lengths)], hidden=hidden,
+                   routes=None if route_log is None else route_log.completion_routes(lengths),
+                   prompt_routes=None if route_log is None else route_log.prompts)
     return Rollout(batch, stats)

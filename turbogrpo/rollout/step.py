@@ -24,6 +24,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from turbogrpo.moe_routes import RouteLog
 from turbogrpo.rollout.kv_cache import GroupedKVCache
 from turbogrpo.rollout.outputs import LiveRows, OutputBuffers, emit
 from turbogrpo.rollout.plans import forward_new_tokens
@@ -57,6 +58,8 @@ class DecodeState:
     """[1] int64: the next decoding step's index into ``live_counts_S`` (a device counter)."""
     uniform_N: torch.Tensor
     """[N] float32: the uniform numbers of the next draw, one per completion."""
+    route_log: RouteLog | None = None
+    """The MoE routes of the tokens run so far, when the rollout records them (``turbogrpo.moe_routes``)."""
 
     @property
     def num_completions(self) -> int:
@@ -130,6 +133,8 @@ def plain_step(state: DecodeState) -> None:
     active_B = ~state.live.done_B
     hidden_BH = forward_new_tokens(state.model, state.cache, state.next_B[:, None])[:, 0]
     state.cache.commit_live(active_B)
+    if state.route_log is not None:  # the forward ran each row's newest token: column emitted - 1
+        state.route_log.write(state.live.completion_B, state.live.emitted_B[:, None] - 1, active_B[:, None])
     tokens_B, logprobs_B = state.draw(at_least_float32(state.lm_head(hidden_BH)))
     emit(state.outputs, state.live, tokens_B[:, None], logprobs_B[:, None], hidden_BH[:, None],
          torch.ones_like(tokens_B), state.criteria)

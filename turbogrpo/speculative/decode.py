@@ -263,6 +263,11 @@ def verify_step(state: DecodeState, tree: DraftTree, uniform_BN: torch.Tensor | 
     hidden_BNH = forward_new_tokens(state.model, state.cache, tree.tokens.clamp(min=0), tree.depths, tree.ancestors)
     logits_BNV = at_least_float32(state.lm_head(hidden_BNH))
     verdict = verify_tree(tree, logits_BNV, state.sampling, uniform_BN=uniform_BN)
+    if state.route_log is not None:  # MoE routes of the accepted path: the root (column emitted - 1), then its nodes
+        path_BD = verdict.path_nodes
+        offsets_D = torch.arange(path_BD.shape[1], device=path_BD.device)
+        state.route_log.write(state.live.completion_B, state.live.emitted_B[:, None] - 1 + offsets_D,
+                              ~state.live.done_B[:, None] & (offsets_D <= verdict.num_accepted[:, None]), path_BD)
     emitted_BD, logprobs_BD, hidden_BDH = path_outputs(tree, verdict, logits_BNV, hidden_BNH, state.sampling)
     emit(state.outputs, state.live, emitted_BD, logprobs_BD, hidden_BDH, verdict.num_accepted + 1,
          state.criteria)

@@ -94,7 +94,8 @@ def _plot_speculation(plt, steps: list[dict], path: Path) -> None:
 
 def _plot_mismatch(plt, steps: list[dict], path: Path) -> None:
     """How far the sampler is from the trainer per step (``algo.mismatch``): |delta log p| (mean, p50, p99, max)
-    and the k3 KL on a log scale, and the shares of tokens and sequences the off-policy correction masked."""
+    and the k3 KL on a log scale, and the shares of tokens and sequences the off-policy correction masked (and, with
+    MoE routing replay, of tokens the trainer's routers would route otherwise)."""
     xs = [r["step"] for r in steps]
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.5))
     for key, style in (("mean", "-"), ("p50", ":"), ("p99", "--"), ("max", "-.")):
@@ -105,6 +106,9 @@ def _plot_mismatch(plt, steps: list[dict], path: Path) -> None:
     left.set_title("Sampler vs trainer, per token", fontsize=9)
     right.plot(xs, [r.get("mismatch/frac_tokens_masked", 0.0) for r in steps], label="tokens masked")
     right.plot(xs, [r.get("mismatch/frac_sequences_masked", 0.0) for r in steps], label="sequences masked")
+    if any("mismatch/frac_tokens_routes_differ" in r for r in steps):  # MoE with algo.routing_replay
+        right.plot(xs, [r.get("mismatch/frac_tokens_routes_differ", 0.0) for r in steps],
+                   label="tokens routed otherwise (replayed)")
     right.set_title("Masked by the off-policy correction", fontsize=9)
     _save(plt, fig, path, step_axes=(left, right))
 

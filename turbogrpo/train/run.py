@@ -20,6 +20,7 @@ from turbogrpo.config import (AlgoConfig, Config, DataConfig, LogConfig, LoraCon
                               RolloutConfig, TrainConfig)
 from turbogrpo.data import PromptBatches
 from turbogrpo.linears import TRAINING_LINEAR_KERNELS
+from turbogrpo.moe_routes import route_shape
 from turbogrpo.rewards import Reward
 from turbogrpo.rollout import SamplingConfig
 from turbogrpo.rollout.decode import DecodeSchedule, default_schedule
@@ -197,9 +198,12 @@ def build_run(config: Config, dist: DistInfo, rewards: list[Reward], record: Run
     # with its own engine; the trainer's samples only held-out answers (a vLLM one would still import vllm into the
     # trainer), so it keeps the default one.
     engine_max_length = longest_prompt + max_new_tokens if episodes is None else 0
+    if config.algo.routing_replay == "replay":
+        route_shape(policy)  # a model without MoE routers (or with routers moe_routes does not know) stops here
     engine = build_engine(DEFAULT_ENGINE if config.train.max_staleness else engine_name, dist.device, schedule=schedule,
                           dtype=precision.compute_dtype, tokenizer=parts.tokenizer, max_length=engine_max_length or None,
-                          enforce_eager=config.rollout.vllm_enforce_eager)
+                          enforce_eager=config.rollout.vllm_enforce_eager,
+                          record_routes=config.algo.routing_replay == "replay" and not config.train.max_staleness)
     # Another engine's kernels, or weights some versions old, sample a distribution the trainer's forward only
     # approximates: algo.tis_cap = "auto" corrects for it there and stays off where the sampler is that forward.
     algo = config.algo.resolved(sampler_differs=not CAPABILITIES[engine_name].exact_sampler

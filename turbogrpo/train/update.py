@@ -16,6 +16,7 @@ from torch import Tensor, nn
 
 from turbogrpo.algo import LossNormalizer
 from turbogrpo.batch import Groups, pad_ragged
+from turbogrpo.moe_routes import ReplayCounts
 from turbogrpo.train.distributed import DistInfo, all_reduce_sum, gradient_sync
 
 
@@ -50,8 +51,9 @@ def update_policy(module: nn.Module, micro_batches: Sequence[Groups], loss_fn: C
     totals: dict[str, Tensor] = {}
     logps_out: list[Tensor] = []
     for i, mb in enumerate(micro_batches):
+        route_counts = ReplayCounts()
         with gradient_sync(module, enabled=i == len(micro_batches) - 1):
-            result = module(mb.prompts, mb.nested())
+            result = module(mb.prompts, mb.nested(), **replayed_routes(mb, route_counts))
             mask_BL = mb.mask(result.logps.device)
             logps = mb.per_completion(result.logps)
             loss, metrics = loss_fn(pad_ragged(logps), mb.padded("old_logps"), mb.padded("ref_logps"), mb.advantages,
@@ -60,6 +62,9 @@ def update_policy(module: nn.Module, micro_batches: Sequence[Groups], loss_fn: C
         # Over the sampled tokens only: environment ids (model_mask 0) were never drawn from the policy.
         metrics["entropy_sum"] = (pad_ragged(mb.per_completion(result.entropy)) * mask_BL).sum()
         metrics["num_tokens"] = mask_BL.sum()
+        if mb.routes is not None:  # summed over micro-batches as counts; their ratio is the share
+            metrics["route_tokens"] = torch.as_tensor(route_counts.num_tokens).to(mask_BL)
+            metrics["route_tokens_differing"] = torch.as_tensor(route_counts.num_differing).to(mask_BL)
         for name, value in {"loss": loss.detach(), **metrics}.items():
             totals[name] = totals.get(name, 0.0) + value * mb.weight
         if mb.weight:  # the micro-batches hold the batch's completions in its flat order
@@ -82,6 +87,9 @@ def update_policy(module: nn.Module, micro_batches: Sequence[Groups], loss_fn: C
     metrics = dict(zip(names, values[2:]))
     # Mean entropy of the sampling distribution over the completion tokens this update ran.
     metrics["entropy"] = metrics.pop("entropy_sum") / max(metrics.pop("num_tokens"), 1.0)
+    if "route_tokens" in metrics:  # the share of replayed tokens the trainer's routers would have routed otherwise
+        metrics["mismatch/frac_tokens_routes_differ"] = (metrics.pop("route_tokens_differing")
+                                                         / max(metrics.pop("route_tokens"), 1.0))
     return UpdateResult(applied=applied, grad_norm=values[1], metrics=metrics, logps=logps_out)
 
 
@@ -93,11 +101,19 @@ def score(module: nn.Module, micro_batches: Sequence[Groups], name: str) -> list
     flat: list[Tensor] = []
     for mb in micro_batches:
         # Scoring needs only the log-probs: no entropy pass over the [tokens, vocab] logits.
-        logps = mb.per_completion(module(mb.prompts, mb.nested(), with_entropy=False).logps.detach())
+        result = module(mb.prompts, mb.nested(), with_entropy=False, **replayed_routes(mb))
+        logps = mb.per_completion(result.logps.detach())
         setattr(mb, name, logps)
         if mb.weight:
             flat.extend(logps)
     return flat
+
+
+def replayed_routes(mb: Groups, counts: ReplayCounts | None = None) -> dict:
+    """The forward's options that replay ``mb``'s MoE routes (algo.routing_replay), counting into ``counts``; none
+    when it carries no routes, so that a run without replay calls the forward exactly as before."""
+    routes = mb.batch_routes
+    return {} if routes is None else {"routes": routes._replace(counts=counts)}
 
 
 def _full(t: Tensor) -> Tensor:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from turbogrpo.moe_routes import BatchRoutes, ReplayCounts, sequence_routes
 from turbogrpo.prefix.logprobs import CompletionLogprobs, compute_logprobs, validate_inputs
 from turbogrpo.tree.attention import AUTO, TREE_BACKENDS
 from turbogrpo.tree.logprobs import tree_logprobs
@@ -38,7 +39,7 @@ AUTO_MIN_SAVED = 0.1
 
 def compute_tree_logprobs(model: nn.Module, prompts: list[torch.Tensor], completions: list[list[torch.Tensor]], *,
                           backend: str = AUTO, temperature: float = 1.0, return_hidden: bool = False,
-                          with_entropy: bool = True) -> CompletionLogprobs:
+                          with_entropy: bool = True, routes: BatchRoutes | None = None) -> CompletionLogprobs:
     """Log-prob ``[Nq]`` (and entropy, with ``with_entropy``) of every completion token under ``model``,
     from one trie of all the groups; arguments as ``turbogrpo.prefix.compute_logprobs``.
 
@@ -48,20 +49,31 @@ def compute_tree_logprobs(model: nn.Module, prompts: list[torch.Tensor], complet
     validate_inputs(model, prompts, completions, temperature)
     if return_hidden:
         raise ValueError("the tree forward does not return hidden states; use train.sharing = \"prompt\"")
-    return trie_logprobs(model, trie_of_groups(prompts, completions), backend, temperature, with_entropy)
+    return trie_logprobs(model, trie_of_groups(prompts, completions), backend, temperature, with_entropy,
+                         *_per_sequence(routes, completions))
 
 
 def compute_auto_logprobs(model: nn.Module, prompts: list[torch.Tensor], completions: list[list[torch.Tensor]], *,
                           backend: str = AUTO, temperature: float = 1.0, return_hidden: bool = False,
-                          with_entropy: bool = True) -> CompletionLogprobs:
+                          with_entropy: bool = True, routes: BatchRoutes | None = None) -> CompletionLogprobs:
     """:func:`compute_tree_logprobs` when the groups' trie saves at least ``AUTO_MIN_SAVED`` of the
     prompt-sharing layout's tokens, else ``compute_logprobs``; exact either way."""
     validate_inputs(model, prompts, completions, temperature)
     trie = trie_of_groups(prompts, completions)
     if return_hidden or not saves_enough(trie, prompts, completions):
         return compute_logprobs(model, prompts, completions, share_prefix=True, backend=backend,
-                                temperature=temperature, return_hidden=return_hidden, with_entropy=with_entropy)
-    return trie_logprobs(model, trie, backend, temperature, with_entropy)
+                                temperature=temperature, return_hidden=return_hidden, with_entropy=with_entropy,
+                                routes=routes)
+    return trie_logprobs(model, trie, backend, temperature, with_entropy, *_per_sequence(routes, completions))
+
+
+def _per_sequence(routes: BatchRoutes | None, completions: list[list[torch.Tensor]]
+                  ) -> tuple[list[torch.Tensor] | None, ReplayCounts | None]:
+    """The routes of each sequence of ``trie_of_groups`` (prompt + completion) and where to count the replay."""
+    if routes is None:
+        return None, None
+    lengths = [c.numel() for cs in completions for c in cs]
+    return sequence_routes(routes, [len(cs) for cs in completions], lengths), routes.counts
 
 
 def saves_enough(trie: TokenTrie, prompts: list[torch.Tensor], completions: list[list[torch.Tensor]]) -> bool:
@@ -72,11 +84,12 @@ def saves_enough(trie: TokenTrie, prompts: list[torch.Tensor], completions: list
 
 
 def trie_logprobs(model: nn.Module, trie: TokenTrie, backend: str, temperature: float,
-                  with_entropy: bool) -> CompletionLogprobs:
+                  with_entropy: bool, routes: list[torch.Tensor] | None = None,
+                  route_counts: ReplayCounts | None = None) -> CompletionLogprobs:
     """``tree_logprobs`` of a ``trie_of_groups`` trie as ``CompletionLogprobs`` (its loss tokens are the
-    completion tokens, sequence by sequence: ``Groups`` order)."""
+    completion tokens, sequence by sequence: ``Groups`` order), replaying ``routes`` (per sequence, MoE)."""
     result = tree_logprobs(model, trie, backend=tree_backend(backend), temperature=temperature,
-                           with_entropy=with_entropy)
+                           with_entropy=with_entropy, routes=routes, route_counts=route_counts)
     return CompletionLogprobs(result.logps, result.entropy, None)
 
 

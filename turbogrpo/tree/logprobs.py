@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from turbogrpo.hook import check_materialized, check_supported, decoder_of, embedding_table, run_decoder
+from turbogrpo.moe_routes import ReplayCounts, maybe_replaying, padded_routes, trie_routes
 from turbogrpo.output_head import logits_head
 from turbogrpo.prefix.layout import upload
 from turbogrpo.prefix.lm_head import lm_head_logprobs
@@ -42,13 +43,16 @@ class TreeLogprobs(NamedTuple):
 
 
 def tree_logprobs(model: nn.Module, trie: TokenTrie, *, backend: str = AUTO, temperature: float = 1.0,
-                  with_entropy: bool = False) -> TreeLogprobs:
+                  with_entropy: bool = False, routes: list[torch.Tensor] | None = None,
+                  route_counts: ReplayCounts | None = None) -> TreeLogprobs:
     """Log-prob of every loss token of every sequence of ``trie`` under ``model``.
 
     Args:
         backend: tree attention backend (``turbogrpo.tree.attention.tree_backend_names()``), or
             ``"per_sequence"`` for the one-row-per-sequence layout; "auto" picks the fastest that
             runs here, and the per-sequence layout (with a warning) for a model the tree cannot run.
+        routes: per sequence ``[L_s, L, k]`` int64 MoE routes to replay (``turbogrpo.moe_routes``; -1: the
+            router's own choice), or None; ``route_counts`` takes the replay's counts.
     """
     validate_model_inputs(model, trie, temperature)
     lm_head = logits_head(model)
@@ -60,7 +64,7 @@ def tree_logprobs(model: nn.Module, trie: TokenTrie, *, backend: str = AUTO, tem
                           "(the same numbers, no shared tokens)", stacklevel=2)
             backend = PER_SEQUENCE
     if backend == PER_SEQUENCE:
-        hidden, targets = _per_sequence_hidden(model, trie, device)
+        hidden, targets = _per_sequence_hidden(model, trie, device, routes, route_counts)
         logps, entropy = lm_head_logprobs(hidden, lm_head, targets, temperature, with_entropy=with_entropy)
         return TreeLogprobs(logps, entropy, PER_SEQUENCE)
     plan = select_tree_backend(backend, device, torch.is_grad_enabled()).plan(trie, device)
@@ -70,7 +74,9 @@ def tree_logprobs(model: nn.Module, trie: TokenTrie, *, backend: str = AUTO, tem
                       trie.loss_token_index])
     ids, positions, predictors, targets, gather = upload(host, device).split(
         [trie.num_tokens, trie.num_tokens, scored.numel(), scored.numel(), trie.loss_token_index.numel()])
-    hidden = run_decoder(model, ids[None], positions[None], plan)[0]
+    routes_NLK = None if routes is None else trie_routes(routes, trie.sequence_tokens, trie.num_tokens).to(device)
+    with maybe_replaying(model, routes_NLK, route_counts):
+        hidden = run_decoder(model, ids[None], positions[None], plan)[0]
     scored_logps, scored_entropy = lm_head_logprobs(hidden[predictors], lm_head, targets, temperature,
                                                     with_entropy=with_entropy)
     return TreeLogprobs(scored_logps[gather], None if scored_entropy is None else scored_entropy[gather], "tree")
@@ -85,7 +91,8 @@ def tree_unsupported_reason(model: nn.Module) -> str | None:
     return None
 
 
-def _per_sequence_hidden(model, trie: TokenTrie, device) -> tuple[torch.Tensor, torch.Tensor]:
+def _per_sequence_hidden(model, trie: TokenTrie, device, routes=None, route_counts=None
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
     """The fallback and the baseline: every sequence its own right-padded row of the model's own forward
     (any architecture; padding after the real tokens cannot reach them through causal token mixing).
     Returns the predicting hidden states ``[sum M_s, Hd]`` and the targets ``[sum M_s]``."""
@@ -94,7 +101,9 @@ def _per_sequence_hidden(model, trie: TokenTrie, device) -> tuple[torch.Tensor, 
     rows = torch.cat([torch.full((int(m.sum()),), s) for s, m in enumerate(trie.loss_masks)])
     cols = torch.cat([torch.nonzero(m).squeeze(1) for m in trie.loss_masks])
     batch, rows, cols = (upload(t, device) for t in (batch, rows, cols))
-    hidden = decoder_of(model)(input_ids=batch, use_cache=False).last_hidden_state
+    routes_TLK = None if routes is None else padded_routes(routes, batch.shape[1]).to(device)
+    with maybe_replaying(model, routes_TLK, route_counts):
+        hidden = decoder_of(model)(input_ids=batch, use_cache=False).last_hidden_state
     return hidden[rows, cols - 1], batch[rows, cols]
 
 

@@ -52,6 +52,8 @@ class WorkerSpec:
     engine_max_length: int = 0
     """The longest prompt + completion the engine serves (0: the model's limit), as the trainer's engine is built:
     the trainer's (it has the data; ``TRAINER_CHOSEN``)."""
+    routing_replay: str = "off"
+    """algo.routing_replay: "replay" records each rollout's MoE routes (the trainer replays them)."""
 
     @classmethod
     def of(cls, model: ModelConfig, lora: LoraConfig, rollout: RolloutConfig, env: EnvConfig, train: TrainConfig,
@@ -59,7 +61,7 @@ class WorkerSpec:
            engine_max_length: int = 0) -> WorkerSpec:
         """The spec of a run's sections, the worker taking ``num_threads`` torch threads."""
         return cls(model, lora, rollout, env, train.seed, num_threads, train.max_staleness, algo.num_iterations,
-                   train.partial_rollouts, draft, draft_context, engine_max_length)
+                   train.partial_rollouts, draft, draft_context, engine_max_length, algo.routing_replay)
 
     @property
     def drafts(self) -> bool:
@@ -70,7 +72,8 @@ class WorkerSpec:
     def engine_needs(self) -> tuple[str, ...]:
         """What the worker's engine must be able to do (``engines.run_needs``; the trainer's config asks the same)."""
         return run_needs(speculation=self.drafts, conversations=bool(self.env.factory),
-                         partial_rollouts=self.partial_rollouts > 0, asynchronous=True, sharded=False)
+                         partial_rollouts=self.partial_rollouts > 0, asynchronous=True, sharded=False,
+                         routing_replay=self.routing_replay != "off")
 
     @property
     def steps_ahead(self) -> int:

@@ -57,7 +57,7 @@ from turbogrpo.train.worker.protocol import (POLL_S, TRAINER_CHOSEN, Ready, Requ
                                          WorkerFailed, WorkerMessage, WorkerSpec)
 
 SPEC_KEYS = {"seed": "train.seed", "max_staleness": "train.max_staleness", "num_iterations": "algo.num_iterations",
-             "partial_rollouts": "train.partial_rollouts"}
+             "partial_rollouts": "train.partial_rollouts", "routing_replay": "algo.routing_replay"}
 """The config keys of ``WorkerSpec``'s fields that are not a section."""
 
 MAX_PORT = 65535
