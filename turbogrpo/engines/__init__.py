@@ -82,12 +82,16 @@ class EngineCapabilities:
     exact_sampler: bool
     """Its sampler log-probs are the trainer's own forward's up to rounding (no off-policy correction needed
     on-policy)."""
+    hybrid_layers: bool
+    """Samples hybrid models, whose linear-attention, Mamba-2 or short-convolution layers carry a state
+    (``architectures.SHARED_IN_TRAINING``; ``policy_needs``)."""
 
 
 CAPABILITY_SETTINGS = {"tree_speculation": "rollout.speculation", "trainer_taught_drafts":
                        "rollout.speculation with train.max_staleness > 0", "sharded_weights":
                        "distributed.strategy = \"fsdp2\"", "conversations": "an [env] factory",
-                       "partial_rollouts": "train.partial_rollouts", "exact_sampler": "an exact sampler"}
+                       "partial_rollouts": "train.partial_rollouts", "exact_sampler": "an exact sampler",
+                       "hybrid_layers": "a hybrid model (linear-attention, Mamba-2 or short-convolution layers)"}
 """Each capability as the settings that need it say it (for messages)."""
 assert set(CAPABILITY_SETTINGS) == {f.name for f in fields(EngineCapabilities)}
 
@@ -109,10 +113,11 @@ enforce_eager) as keywords."""
 
 CAPABILITIES: dict[str, EngineCapabilities] = {
     "native": EngineCapabilities(tree_speculation=True, trainer_taught_drafts=True, sharded_weights=True,
-                                 conversations=True, partial_rollouts=True, exact_sampler=True),
-    # Given whole weights (FSDP2 shards them); its own kernels sample (bf16 gaps of 0.037 on SmolLM2).
+                                 conversations=True, partial_rollouts=True, exact_sampler=True, hybrid_layers=True),
+    # Given whole weights (FSDP2 shards them); its own kernels sample (bf16 gaps of 0.037 on SmolLM2). A hybrid's
+    # states are not kept there yet (its build refuses one: hook.check_supported).
     "vllm": EngineCapabilities(tree_speculation=False, trainer_taught_drafts=False, sharded_weights=False,
-                               conversations=True, partial_rollouts=True, exact_sampler=False),
+                               conversations=True, partial_rollouts=True, exact_sampler=False, hybrid_layers=False),
 }
 """What each engine of ``ENGINES`` can run."""
 
@@ -131,6 +136,13 @@ def run_needs(*, speculation: bool, conversations: bool, partial_rollouts: bool,
     wanted = {"tree_speculation": speculation, "trainer_taught_drafts": speculation and asynchronous,
               "conversations": conversations, "partial_rollouts": partial_rollouts, "sharded_weights": sharded}
     return tuple(need for need, used in wanted.items() if used)
+
+
+def policy_needs(policy: nn.Module) -> tuple[str, ...]:
+    """The capabilities sampling ``policy`` itself needs (``EngineCapabilities`` fields): "hybrid_layers" for a hybrid
+    model. A run adds them to ``run_needs``' once its policy is loaded (its rollout worker too)."""
+    from turbogrpo.architectures import SHARED_IN_TRAINING
+    return ("hybrid_layers",) if getattr(policy.config, "model_type", None) in SHARED_IN_TRAINING else ()
 
 
 def capable_engines(need: str) -> list[str]:
@@ -233,5 +245,5 @@ def build_engine(name: str, device: torch.device, *, schedule, dtype: torch.dtyp
 
 
 __all__ = ["AUTO_ENGINES", "CAPABILITIES", "DEFAULT_ENGINE", "ENGINES", "ENGINE_NAMES", "EngineCapabilities",
-           "RolloutEngine", "build_engine", "draw", "capable_engines", "missing_capability", "resolve_engine", "run_needs",
-           "vllm_import_problem"]
+           "RolloutEngine", "build_engine", "draw", "capable_engines", "missing_capability", "policy_needs",
+           "resolve_engine", "run_needs", "vllm_import_problem"]

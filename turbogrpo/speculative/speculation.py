@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from turbogrpo.architectures import SHARED_IN_TRAINING
 from turbogrpo.rollout.compiled import RUNNERS
 from turbogrpo.rollout.decode import generate
 from turbogrpo.rollout.sampling import SamplingConfig
@@ -55,6 +56,7 @@ class Speculation:
 
     def make_step(self, model: nn.Module, prompts: list[torch.Tensor], sampling: SamplingConfig) -> TreeStep:
         """The engine's ``DecodeStep`` for one rollout (see ``turbogrpo.rollout.step``)."""
+        check_not_hybrid(model)
         if self.draft is not None or self.history is None:
             check_draft(self.draft, model)
         if self.history is not None and not isinstance(self.history, HistoryDrafts):
@@ -69,6 +71,17 @@ class Speculation:
         ``turbogrpo.speculative.multiturn``)."""
         return run_multiturn(model, prompts, num_samples, conversations, sampling, limits, generator, pool, timing,
                              self.make_step)
+
+
+def check_not_hybrid(model: nn.Module) -> None:
+    """ValueError in one line for a hybrid model (``architectures.SHARED_IN_TRAINING``): verifying a draft needs its
+    recurrent states after every accepted length (a tree's, after every node), which the state cache does not keep
+    yet; the native engine samples it without speculation."""
+    model_type = getattr(model.config, "model_type", None)
+    if model_type in SHARED_IN_TRAINING:
+        raise ValueError(f"model type '{model_type}' has {SHARED_IN_TRAINING[model_type]}; speculative rollouts do not "
+                         "keep its recurrent states per draft length yet: set rollout.speculation = \"off\" (or "
+                         "generate without draft=); the native engine samples it plainly")
 
 
 def generate_speculative(model: nn.Module, prompts: list[torch.Tensor], *, num_samples: int,

@@ -42,7 +42,7 @@ def load_policy(model: ModelConfig, lora: LoraConfig, device: torch.device, prec
             r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
             target_modules=list(lora.target_modules), task_type="CAUSAL_LM"))
     check_logits_head(policy)   # a logits transform turbogrpo does not know stops the run here, not in step 1
-    check_supported(policy)     # so does a model the rollout engines cannot sample (a hybrid: no state cache yet)
+    check_supported(policy, training=True)   # so does a model neither the trainer nor the native engine runs
     if model.gradient_checkpointing:
         enable_activation_checkpointing(policy)
         if lora.enabled:

@@ -1,0 +1,153 @@
+"""The rollout's state cache: a hybrid model's recurrent states, one row per sequence, beside the KV cache.
+
+A hybrid's linear-attention, Mamba-2 and short-convolution layers (``turbogrpo.mixers``) carry a fixed-size state
+along the sequence instead of K/V: a gated DeltaNet's ``[Hv, Dk, Dv]`` matrix, a Mamba-2 scan's ``[H, P, Ns]``,
+and each layer's convolution window (its last ``K - 1`` inputs, ``[K - 1, C]``). The prefill runs every distinct
+prompt once (the chunked algorithm, over right-padded rows whose pad slots leave the state alone) and copies each
+prompt's final states to its samples' rows; decoding advances each row's states by its new tokens (token by token,
+the recurrent form) and overwrites them in place.
+
+The rows are the KV cache's generated rows (``GroupedKVCache`` owns a ``RecurrentStates`` and keeps both in step):
+``keep`` drops retired rows and ``fork`` copies rows, moving rows within storage allocated once for the cache's
+``row_capacity`` rows, so decoding never reallocates. Unlike K/V, a state is not written per slot and committed
+later: a forward advances it by each row's first ``num_valid`` new tokens (all of them by default; a multi-turn
+feed's ragged rows fewer), and the commit that follows has nothing left to do for it.
+
+The two layouts below are what a registered unit runs over (``mixers.registry.TokenLayout``); the attention plans
+hand them out (``plans.PrefillPlan`` / ``plans.DecodePlan``). Host syncs: none.
+
+Shapes: ``G`` prompts (groups), ``P`` longest prompt, ``B`` live rows, ``n`` new tokens per row, ``C`` a
+convolution's channels, ``K`` its width.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from turbogrpo.mixers.forest import Step
+
+RECURRENT_MAX_TOKENS = 4
+"""Forwards of at most this many new tokens per row run the token-by-token form; longer ones (a prompt, a
+multi-turn reply) the chunked one, which pads a row to its chunk size (64 tokens for the gated delta rule)."""
+
+
+class RecurrentStates:
+    """Every stateful layer's states, ``[row_capacity, ...]`` each, rows as the KV cache's generated rows: per
+    module, its convolution window and its scan's states (a tuple, as the unit's step returns them)."""
+
+    def __init__(self, row_capacity: int):
+        self.row_capacity = row_capacity
+        self._conv: dict[nn.Module, torch.Tensor] = {}
+        self._scan: dict[nn.Module, tuple[torch.Tensor, ...]] = {}
+
+    def __len__(self) -> int:
+        return len(self._conv) + len(self._scan)
+
+    def _allocate(self, state_G: torch.Tensor, group_B: torch.Tensor) -> torch.Tensor:
+        """Storage for ``row_capacity`` rows, each live row ``b`` holding its group's ``state_G[group_B[b]]``."""
+        storage = state_G.new_zeros(self.row_capacity, *state_G.shape[1:])
+        torch.index_select(state_G, 0, group_B, out=storage[:group_B.shape[0]])
+        return storage
+
+    def store_prompt_conv(self, module: nn.Module, window_G: torch.Tensor, group_B: torch.Tensor) -> None:
+        """Each prompt's last ``K - 1`` convolution inputs ``[G, K - 1, C]``, given to its rows (``group_B [B]``)."""
+        self._conv[module] = self._allocate(window_G, group_B)
+
+    def store_prompt_scan(self, module: nn.Module, states_G: tuple[torch.Tensor, ...], group_B: torch.Tensor) -> None:
+        """Each prompt's final scan states (``[G, ...]`` each), given to its rows."""
+        self._scan[module] = tuple(self._allocate(state, group_B) for state in states_G)
+
+    def conv_rows(self, module: nn.Module, num_rows: int) -> torch.Tensor:
+        """``module``'s convolution windows of the first ``num_rows`` rows ``[B, K - 1, C]`` (a view: writing it
+        writes the cache)."""
+        return self._conv[module][:num_rows]
+
+    def scan_rows(self, module: nn.Module, num_rows: int) -> tuple[torch.Tensor, ...]:
+        """``module``'s scan states of the first ``num_rows`` rows (views, as :meth:`conv_rows`)."""
+        return tuple(state[:num_rows] for state in self._scan[module])
+
+    def _storages(self):
+        yield from self._conv.values()
+        for states in self._scan.values():
+            yield from states
+
+    def keep(self, rows_B: torch.Tensor) -> None:
+        """Rows ``rows_B`` (device, increasing) become the first rows, as ``GroupedKVCache.keep`` moves K/V."""
+        for storage in self._storages():
+            storage[:rows_B.shape[0]] = storage[rows_B]   # the gather copies before the write
+
+    def fork(self, source_B: torch.Tensor) -> None:
+        """Row ``b`` becomes a copy of row ``source_B[b]`` (non-decreasing: ``GroupedKVCache.fork``)."""
+        for storage in self._storages():
+            storage[:source_B.shape[0]] = storage[source_B]
+
+
+def conv_window_rows(window_BLC: torch.Tensor, weight_CK: torch.Tensor, bias_C: torch.Tensor | None,
+                     num_new: int) -> torch.Tensor:
+    """A causal depthwise convolution over rows ``[B, K - 1 + n, C]`` (the window before the new tokens, then
+    them) -> ``[B, n, C]``, summed tap by tap in the order ``forest.path_conv`` sums (the trainer's numbers)."""
+    weight_CK = weight_CK.to(window_BLC.dtype)
+    out = window_BLC[:, :num_new] * weight_CK[:, 0]
+    for k in range(1, weight_CK.shape[1]):
+        out += window_BLC[:, k:k + num_new] * weight_CK[:, k]
+    return out if bias_C is None else out + bias_C
+
+
+class PrefillStates:
+    """``TokenLayout`` of the prefill: right-padded prompt rows ``[G, P]`` from the zero state; each prompt's final
+    states go to its samples' rows (``group_B``)."""
+
+    def __init__(self, states: RecurrentStates, prompt_lengths_G: torch.Tensor, group_B: torch.Tensor):
+        self.states, self.lengths_G, self.group_B = states, prompt_lengths_G, group_B
+
+    def _rows(self, x_N: torch.Tensor) -> torch.Tensor:
+        return x_N.unflatten(0, (self.lengths_G.shape[0], -1))   # [G, P, ...]
+
+    def conv(self, module, x_NC, weight_CK, bias_C):
+        x_GPC = self._rows(x_NC)
+        width, prompt_width = weight_CK.shape[1], x_GPC.shape[1]
+        window = torch.cat([x_GPC.new_zeros(x_GPC.shape[0], width - 1, x_GPC.shape[2]), x_GPC], dim=1)
+        # A prompt's last K - 1 inputs: window slots length .. length + K - 2 (its pad slots come after them).
+        last = self.lengths_G[:, None] + torch.arange(width - 1, device=x_NC.device)
+        rows_G1 = torch.arange(x_GPC.shape[0], device=x_NC.device)[:, None]
+        self.states.store_prompt_conv(module, window[rows_G1, last], self.group_B)
+        return conv_window_rows(window, weight_CK, bias_C, prompt_width).flatten(0, 1)
+
+    def scan(self, module, inputs, *, chunked: Step, recurrent: Step):
+        rows = tuple(self._rows(x) for x in inputs)
+        valid_GP = torch.arange(rows[0].shape[1], device=self.lengths_G.device) < self.lengths_G[:, None]
+        out, final = chunked(*rows, valid=valid_GP, initial_state=None)   # pad slots leave the state alone
+        self.states.store_prompt_scan(module, final, self.group_B)
+        return out.flatten(0, 1)
+
+
+class DecodeStates:
+    """``TokenLayout`` of ``n`` new tokens per live row ``[B, n]``, from each row's stored states, which it
+    advances in place by the row's first ``num_valid_B`` tokens (None: all ``n``)."""
+
+    def __init__(self, states: RecurrentStates, num_rows: int, num_new: int, num_valid_B: torch.Tensor | None):
+        self.states, self.num_rows, self.num_new, self.num_valid_B = states, num_rows, num_new, num_valid_B
+
+    def conv(self, module, x_NC, weight_CK, bias_C):
+        stored = self.states.conv_rows(module, self.num_rows)   # [B, K - 1, C]
+        window = torch.cat([stored.to(x_NC.dtype), x_NC.unflatten(0, (self.num_rows, self.num_new))], dim=1)
+        out = conv_window_rows(window, weight_CK, bias_C, self.num_new)
+        if self.num_valid_B is None:
+            stored.copy_(window[:, self.num_new:])
+        else:   # the K - 1 inputs ending at each row's last valid token: window slots num_valid .. + K - 2
+            last = self.num_valid_B[:, None] + torch.arange(stored.shape[1], device=x_NC.device)
+            stored.copy_(window[torch.arange(self.num_rows, device=x_NC.device)[:, None], last])
+        return out.flatten(0, 1)
+
+    def scan(self, module, inputs, *, chunked: Step, recurrent: Step):
+        rows = tuple(x.unflatten(0, (self.num_rows, self.num_new)) for x in inputs)
+        stored = self.states.scan_rows(module, self.num_rows)
+        valid_Bn = torch.ones(self.num_rows, self.num_new, dtype=torch.bool, device=rows[0].device)
+        if self.num_valid_B is not None:
+            valid_Bn = torch.arange(self.num_new, device=rows[0].device) < self.num_valid_B[:, None]
+        step = recurrent if self.num_new <= RECURRENT_MAX_TOKENS else chunked
+        out, final = step(*rows, valid=valid_Bn, initial_state=tuple(stored))
+        for state, new in zip(stored, final):
+            state.copy_(new)
+        return out.flatten(0, 1)
