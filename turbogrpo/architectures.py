@@ -101,6 +101,14 @@ SHARED_IN_TRAINING: dict[str, str] = {
     "zamba2": "Mamba-2 in every layer, a shared attention block in some",
     "falcon_h1": "Mamba-2 and full attention side by side in every layer, muP multipliers",
 }
+
+
+def hybrid_layers(config) -> str | None:
+    """The stateful layers of ``config``'s model, as :data:`SHARED_IN_TRAINING` names them, or None for a model that
+    is not such a hybrid (what the native engine's state cache serves, and the vLLM engine and speculation refuse)."""
+    return SHARED_IN_TRAINING.get(getattr(config, "model_type", None))
+
+
 # Layer types of hybrid decoders that mix no tokens (a layer given to an MLP alone): no plan call to expect.
 CHANNEL_MIXING_LAYER_TYPES = frozenset({"mlp", "moe"})
 

@@ -5,7 +5,7 @@ single-turn, multi-turn and branching rollouts."""
 import pytest
 import torch
 
-from tests.mixers.conftest import build_hybrid, float64_throughout  # noqa: F401 (a fixture)
+from tests.mixers.conftest import FAMILIES as ALL_FAMILIES, build_hybrid, float64_throughout  # noqa: F401 (a fixture)
 from tests.rollout.conftest import forbid_host_syncs_inside, random_prompts
 from tests.rollout.test_branching import Counter
 from tests.rollout.test_distribution import CONFIGS as DISTRIBUTION_CONFIGS, P_VALUE_FLOOR, VOCAB as SMALL_VOCAB, \
@@ -39,7 +39,7 @@ def assert_sampler_matches_the_trainer(model, rollout, atol):
         torch.testing.assert_close(torch.cat(ours).double(), torch.cat(theirs).double(), rtol=0, atol=atol)
 
 
-@pytest.mark.parametrize("model_type", FAMILIES)
+@pytest.mark.parametrize("model_type", sorted(ALL_FAMILIES))
 def test_sampler_logprobs_equal_the_trainers_in_float64(model_type, float64_throughout):
     """Every kernel in float64 (as tests/mixers patches them): the prefill's chunked states, copied to each sample,
     then the recurrent decoding, equal the training forward's shared prefix to float64 rounding."""
@@ -162,3 +162,11 @@ def test_speculation_is_refused_in_one_line():
                                          r"not keep its recurrent states per draft length yet"):
         generate(model, random_prompts([4]), num_samples=2, sampling=SAMPLING,
                  draft=Speculation(None, sizing="fixed", history=HistoryDrafts()))
+
+
+def test_a_runner_that_traces_the_step_whole_is_refused_in_one_line():
+    model = hybrid("lfm2", torch.float32)
+    with pytest.raises(ValueError, match=r"^DecodeSchedule.runner='dynamo' traces the decoding step whole, but model "
+                                         r"type 'lfm2' has gated short convolutions and full attention, whose units "
+                                         r"run eagerly: use runner='eager'$"):
+        generate(model, random_prompts([4]), num_samples=2, sampling=SAMPLING, schedule=DecodeSchedule(runner="dynamo"))

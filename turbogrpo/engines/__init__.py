@@ -141,8 +141,8 @@ def run_needs(*, speculation: bool, conversations: bool, partial_rollouts: bool,
 def policy_needs(policy: nn.Module) -> tuple[str, ...]:
     """The capabilities sampling ``policy`` itself needs (``EngineCapabilities`` fields): "hybrid_layers" for a hybrid
     model. A run adds them to ``run_needs``' once its policy is loaded (its rollout worker too)."""
-    from turbogrpo.architectures import SHARED_IN_TRAINING
-    return ("hybrid_layers",) if getattr(policy.config, "model_type", None) in SHARED_IN_TRAINING else ()
+    from turbogrpo.architectures import hybrid_layers
+    return ("hybrid_layers",) if hybrid_layers(policy.config) else ()
 
 
 def capable_engines(need: str) -> list[str]:

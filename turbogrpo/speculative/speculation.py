@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from turbogrpo.architectures import SHARED_IN_TRAINING
+from turbogrpo.architectures import hybrid_layers
 from turbogrpo.rollout.compiled import RUNNERS
 from turbogrpo.rollout.decode import generate
 from turbogrpo.rollout.sampling import SamplingConfig
@@ -77,9 +77,8 @@ def check_not_hybrid(model: nn.Module) -> None:
     """ValueError in one line for a hybrid model (``architectures.SHARED_IN_TRAINING``): verifying a draft needs its
     recurrent states after every accepted length (a tree's, after every node), which the state cache does not keep
     yet; the native engine samples it without speculation."""
-    model_type = getattr(model.config, "model_type", None)
-    if model_type in SHARED_IN_TRAINING:
-        raise ValueError(f"model type '{model_type}' has {SHARED_IN_TRAINING[model_type]}; speculative rollouts do not "
+    if layers := hybrid_layers(model.config):
+        raise ValueError(f"model type '{model.config.model_type}' has {layers}; speculative rollouts do not "
                          "keep its recurrent states per draft length yet: set rollout.speculation = \"off\" (or "
                          "generate without draft=); the native engine samples it plainly")
 
