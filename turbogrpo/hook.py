@@ -105,8 +105,8 @@ def check_supported(model: nn.Module, *, training: bool = False) -> None:
     if what is not None and model_type in SHARED_IN_TRAINING:
         raise ValueError(
             f"model type '{model_type}' {what}; only turbogrpo's training forwards and native rollout engine run it "
-            "(their state caches), not the vLLM engine or speculative rollouts (docs/guide/architectures.md): use "
-            "rollout.engine = \"native\" and rollout.speculation = \"off\".")
+            "(their state caches), not the vLLM engine or a neural draft head (docs/guide/architectures.md): use "
+            "rollout.engine = \"native\", and history drafts alone to speculate.")
     if what is not None:
         raise ValueError(
             f"model type '{model_type}' {what}; turbogrpo's attention plans (shared prefix, rollout) cannot run it "

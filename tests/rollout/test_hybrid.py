@@ -154,16 +154,6 @@ def test_branches_fork_the_states_exactly(model_type, float64_throughout):
         torch.testing.assert_close(logps[mask].double(), reference[mask].double(), rtol=0, atol=1e-6)
 
 
-def test_speculation_is_refused_in_one_line():
-    from turbogrpo.speculative import Speculation
-    from turbogrpo.speculative.history import HistoryDrafts
-    model = hybrid("qwen3_5_text", torch.float32)
-    with pytest.raises(ValueError, match=r"^model type 'qwen3_5_text' has gated DeltaNet .*; speculative rollouts do "
-                                         r"not keep its recurrent states per draft length yet"):
-        generate(model, random_prompts([4]), num_samples=2, sampling=SAMPLING,
-                 draft=Speculation(None, sizing="fixed", history=HistoryDrafts()))
-
-
 def test_a_runner_that_traces_the_step_whole_is_refused_in_one_line():
     model = hybrid("lfm2", torch.float32)
     with pytest.raises(ValueError, match=r"^DecodeSchedule.runner='dynamo' traces the decoding step whole, but model "

@@ -185,6 +185,7 @@ class GroupedKVCache:
                 live = slots[:num_rows]
                 # Targets past num_chosen get leftovers; they are beyond the new length, so unread.
                 write_slots(live, target_Bk, read_slots(live, source_Bk))
+        self.states.commit_lengths(num_chosen_B)   # a chain's: chosen_Bk[b, :num_chosen_B[b]] is 0, 1, ...
         self.lengths_B += num_chosen_B
         self.max_length += k if max_chosen is None else max_chosen
 

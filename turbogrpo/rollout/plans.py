@@ -10,7 +10,7 @@ sequences; the two are merged by log-sum-exp.
 A hybrid model's recurrent layers (``turbogrpo.mixers``) run through the plans' ``recurrent_layout()``: the
 prefill computes each prompt's states once and gives them to its samples' rows, a forward of new tokens
 advances each row's states (``states.py``; the cache keeps them). A token tree (``ancestors`` other than a
-chain) has no single state per row: speculative rollouts refuse a hybrid before their first forward.
+chain) has no single state per row: a hybrid speculates with chains alone (``turbogrpo.speculative``).
 
 Legend: ``G`` live groups, ``B`` live sequences, ``n`` new tokens per sequence, ``H``/``Hkv`` query
 and key/value heads, ``r = H / Hkv``, ``D`` head dim, ``P`` longest prompt, ``L`` generated slots
@@ -94,10 +94,10 @@ class DecodePlan:
     """
 
     def __init__(self, cache: GroupedKVCache, positions_Bn: torch.Tensor, ancestors_Bnn: torch.Tensor,
-                 num_valid_B: torch.Tensor | None = None):
+                 num_valid_B: torch.Tensor | None = None, states_per_length: bool = False):
         self.cache = cache
         self.positions_Bn = positions_Bn
-        self.num_valid_B = num_valid_B
+        self.num_valid_B, self.states_per_length = num_valid_B, states_per_length
         num_new = positions_Bn.shape[1]
         device = positions_Bn.device
         self.slots_Bn = cache.lengths_B.unsqueeze(-1) + torch.arange(num_new, device=device)
@@ -132,9 +132,9 @@ class DecodePlan:
 
     def recurrent_layout(self) -> DecodeStates:
         """What a hybrid's recurrent layers run over: each row's new tokens (a chain) from its stored states,
-        advanced by its first ``num_valid_B`` of them."""
+        advanced by its first ``num_valid_B`` of them, or kept after every length until the commit."""
         num_rows, num_new = self.positions_Bn.shape
-        return DecodeStates(self.cache.states, num_rows, num_new, self.num_valid_B)
+        return DecodeStates(self.cache.states, num_rows, num_new, self.num_valid_B, self.states_per_length)
 
     def _prompt_attention(self, layer: int, query_BKMD: torch.Tensor, bias: torch.Tensor | None, partial,
                           scale: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -206,7 +206,7 @@ def _additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def forward_new_tokens(model: nn.Module, cache: GroupedKVCache, input_ids_Bn: torch.Tensor,
                        depths_Bn: torch.Tensor | None = None,
                        ancestors_Bnn: torch.Tensor | None = None,
-                       num_valid_B: torch.Tensor | None = None) -> torch.Tensor:
+                       num_valid_B: torch.Tensor | None = None, states_per_length: bool = False) -> torch.Tensor:
     """Final hidden states ``[B, n, Hd]`` of n new tokens per live sequence.
 
     ``depths_Bn`` (default ``0..n-1``): each token's offset past the sequence's committed tokens, so
@@ -214,7 +214,8 @@ def forward_new_tokens(model: nn.Module, cache: GroupedKVCache, input_ids_Bn: to
     causal chain): token i attends to new token j where True; it must include i itself. The new
     tokens' K/V are written to the cache but not committed: follow with ``cache.commit_all(n)`` or
     ``cache.commit(...)``. A hybrid's recurrent states advance at once, by each row's first ``num_valid_B [B]``
-    new tokens (None: all n; the rest are padding its commit drops).
+    new tokens (None: all n; the rest are padding its commit drops); with ``states_per_length`` (a chain's
+    speculative verification), they keep their states after every length until ``cache.commit`` picks each row's.
     """
     num_rows, num_new = input_ids_Bn.shape
     device = input_ids_Bn.device
@@ -224,4 +225,5 @@ def forward_new_tokens(model: nn.Module, cache: GroupedKVCache, input_ids_Bn: to
         ancestors_Bnn = torch.ones(num_new, num_new, dtype=torch.bool, device=device).tril().expand(
             num_rows, -1, -1)
     positions_Bn = cache.next_positions(depths_Bn)
-    return run_decoder(model, input_ids_Bn, positions_Bn, DecodePlan(cache, positions_Bn, ancestors_Bnn, num_valid_B))
+    plan = DecodePlan(cache, positions_Bn, ancestors_Bnn, num_valid_B, states_per_length)
+    return run_decoder(model, input_ids_Bn, positions_Bn, plan)

@@ -40,6 +40,11 @@ class RecurrentStates:
         self.row_capacity = row_capacity
         self._conv: dict[nn.Module, torch.Tensor] = {}
         self._scan: dict[nn.Module, tuple[torch.Tensor, ...]] = {}
+        # A speculative forward's candidates, until its commit picks one per row (DecodeStates.per_length):
+        # per module, the convolution's window [B, K - 1 + n, C] and each scan state after 0 .. n tokens
+        # [B, n + 1, ...].
+        self._pending_conv: dict[nn.Module, torch.Tensor] = {}
+        self._pending_scan: dict[nn.Module, tuple[torch.Tensor, ...]] = {}
 
     def __len__(self) -> int:
         return len(self._conv) + len(self._scan)
@@ -66,6 +71,19 @@ class RecurrentStates:
     def scan_rows(self, module: nn.Module, num_rows: int) -> tuple[torch.Tensor, ...]:
         """``module``'s scan states of the first ``num_rows`` rows (views, as :meth:`conv_rows`)."""
         return tuple(state[:num_rows] for state in self._scan[module])
+
+    def commit_lengths(self, num_kept_B: torch.Tensor) -> None:
+        """Each row's states after its first ``num_kept_B [B]`` tokens (0: as before) of the last speculative
+        forward (``DecodeStates.per_length``), into the stored rows; a no-op after any other forward."""
+        rows_B1 = torch.arange(num_kept_B.shape[0], device=num_kept_B.device)[:, None]
+        for module, window in self._pending_conv.items():
+            stored = self.conv_rows(module, num_kept_B.shape[0])
+            stored.copy_(window[rows_B1, num_kept_B[:, None] + torch.arange(stored.shape[1], device=window.device)])
+        for module, candidates in self._pending_scan.items():
+            for stored, after in zip(self.scan_rows(module, num_kept_B.shape[0]), candidates):
+                stored.copy_(after[rows_B1[:, 0], num_kept_B])
+        self._pending_conv.clear()
+        self._pending_scan.clear()
 
     def _storages(self):
         yield from self._conv.values()
@@ -123,17 +141,23 @@ class PrefillStates:
 
 
 class DecodeStates:
-    """``TokenLayout`` of ``n`` new tokens per live row ``[B, n]``, from each row's stored states, which it
-    advances in place by the row's first ``num_valid_B`` tokens (None: all ``n``)."""
+    """``TokenLayout`` of ``n`` new tokens per live row ``[B, n]`` (a chain), from each row's stored states, which it
+    advances in place by the row's first ``num_valid_B`` tokens (None: all ``n``). ``per_length`` (a speculative
+    verification, whose accepted length the commit learns): the states after every length are kept as candidates
+    instead, and ``RecurrentStates.commit_lengths`` stores each row's."""
 
-    def __init__(self, states: RecurrentStates, num_rows: int, num_new: int, num_valid_B: torch.Tensor | None):
+    def __init__(self, states: RecurrentStates, num_rows: int, num_new: int, num_valid_B: torch.Tensor | None,
+                 per_length: bool = False):
         self.states, self.num_rows, self.num_new, self.num_valid_B = states, num_rows, num_new, num_valid_B
+        self.per_length = per_length
 
     def conv(self, module, x_NC, weight_CK, bias_C):
         stored = self.states.conv_rows(module, self.num_rows)   # [B, K - 1, C]
         window = torch.cat([stored.to(x_NC.dtype), x_NC.unflatten(0, (self.num_rows, self.num_new))], dim=1)
         out = conv_window_rows(window, weight_CK, bias_C, self.num_new)
-        if self.num_valid_B is None:
+        if self.per_length:
+            self.states._pending_conv[module] = window
+        elif self.num_valid_B is None:
             stored.copy_(window[:, self.num_new:])
         else:   # the K - 1 inputs ending at each row's last valid token: window slots num_valid .. + K - 2
             last = self.num_valid_B[:, None] + torch.arange(stored.shape[1], device=x_NC.device)
@@ -146,8 +170,21 @@ class DecodeStates:
         valid_Bn = torch.ones(self.num_rows, self.num_new, dtype=torch.bool, device=rows[0].device)
         if self.num_valid_B is not None:
             valid_Bn = torch.arange(self.num_new, device=rows[0].device) < self.num_valid_B[:, None]
+        if self.per_length:
+            return self._scan_every_length(module, rows, stored, recurrent)
         step = recurrent if self.num_new <= RECURRENT_MAX_TOKENS else chunked
         out, final = step(*rows, valid=valid_Bn, initial_state=tuple(stored))
         for state, new in zip(stored, final):
             state.copy_(new)
         return out.flatten(0, 1)
+
+    def _scan_every_length(self, module, rows, stored, recurrent: Step) -> torch.Tensor:
+        """The recurrence token by token, keeping the states after every length as ``module``'s candidates."""
+        valid_B1 = torch.ones(self.num_rows, 1, dtype=torch.bool, device=rows[0].device)
+        outputs, states, after = [], tuple(stored), [tuple(stored)]
+        for t in range(self.num_new):
+            out, states = recurrent(*(x[:, t:t + 1] for x in rows), valid=valid_B1, initial_state=states)
+            outputs.append(out)
+            after.append(states)
+        self.states._pending_scan[module] = tuple(torch.stack(lengths, 1) for lengths in zip(*after))
+        return torch.cat(outputs, 1).flatten(0, 1)

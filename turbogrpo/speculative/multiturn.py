@@ -156,7 +156,7 @@ def _step(state: DecodeState, step: TreeStep, decoding: list[int], chunks: dict[
     else:
         tree, uniform_BN, catch_up_tokens = step.propose(state, shape)
     ids_Bn, depths_Bn, ancestors_Bnn = _step_inputs(tree, chunks)
-    hidden_BnH = forward_new_tokens(state.model, cache, ids_Bn, depths_Bn, ancestors_Bnn)
+    hidden_BnH = forward_new_tokens(state.model, cache, ids_Bn, depths_Bn, ancestors_Bnn, states_per_length=True)
     stats.num_forwards += 1
     verified = None
     if decoding:

@@ -56,14 +56,17 @@ class Speculation:
 
     def make_step(self, model: nn.Module, prompts: list[torch.Tensor], sampling: SamplingConfig) -> TreeStep:
         """The engine's ``DecodeStep`` for one rollout (see ``turbogrpo.rollout.step``)."""
-        check_not_hybrid(model)
+        # A hybrid's recurrent states follow a chain (kept per length until the commit, rollout.states), not a tree's
+        # branches: it speculates with one history chain per row (a neural draft head refuses it when built).
+        chains_only = hybrid_layers(model.config) is not None
         if self.draft is not None or self.history is None:
             check_draft(self.draft, model)
         if self.history is not None and not isinstance(self.history, HistoryDrafts):
             raise ValueError(f"Speculation.history must be a HistoryDrafts or None, got {type(self.history).__name__}")
         if self.runner not in RUNNERS:
             raise ValueError(f"Speculation.runner must be one of {sorted(RUNNERS)}, got {self.runner!r}")
-        return TreeStep(self.draft, resolve_sizing(self, model, prompts, sampling), self.runner, self.history)
+        return TreeStep(self.draft, resolve_sizing(self, model, prompts, sampling), self.runner, self.history,
+                        chains_only)
 
     def run_multiturn(self, model: nn.Module, prompts: list[torch.Tensor], num_samples: int, conversations: list,
                       sampling: SamplingConfig, limits, generator: torch.Generator | None, pool, timing):
@@ -71,16 +74,6 @@ class Speculation:
         ``turbogrpo.speculative.multiturn``)."""
         return run_multiturn(model, prompts, num_samples, conversations, sampling, limits, generator, pool, timing,
                              self.make_step)
-
-
-def check_not_hybrid(model: nn.Module) -> None:
-    """ValueError in one line for a hybrid model (``architectures.SHARED_IN_TRAINING``): verifying a draft needs its
-    recurrent states after every accepted length (a tree's, after every node), which the state cache does not keep
-    yet; the native engine samples it without speculation."""
-    if layers := hybrid_layers(model.config):
-        raise ValueError(f"model type '{model.config.model_type}' has {layers}; speculative rollouts do not "
-                         "keep its recurrent states per draft length yet: set rollout.speculation = \"off\" (or "
-                         "generate without draft=); the native engine samples it plainly")
 
 
 def generate_speculative(model: nn.Module, prompts: list[torch.Tensor], *, num_samples: int,
