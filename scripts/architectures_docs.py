@@ -30,8 +30,8 @@ forward makes its logits:
   attention, Mamba-2, short convolutions). The shared-prefix and trie training forwards run it exactly: each such
   layer runs a shared prompt or trie node once and its completions or children from its final state. turbogrpo's
   native rollout engine samples it with a state cache beside its KV cache (each prompt's states computed once
-  and copied to its samples, decoding token by token, conversations and their forks keeping their states);
-  speculative rollouts and the vLLM engine refuse it in one line.
+  and copied to its samples, decoding token by token, conversations and their forks keeping their states) and
+  speculates on it with history chains; a neural draft head and the vLLM engine refuse it in one line.
 - **tree falls back**: token mixing that turbogrpo's attention plans do not implement. `tree_logprobs` runs it
   one row per sequence through the model's own forward, with a warning (the same numbers, no sharing); the
   shared-prefix forward and the rollout engine refuse it in one line, before touching the model; the TRL drop-in
@@ -65,8 +65,10 @@ def render() -> str:
               "every parameter gradient, with activation checkpointing; tests/mixers). The TRL drop-in shares them too. "
               "The native rollout engine samples them (`generate`, conversations, branching), its sampler log-probs "
               "the trainer's (tests/rollout/test_hybrid.py); `rollout.engine = \"auto\"` keeps to it for them. "
-              "Speculative rollouts (which would need a state per draft length) and the vLLM engine refuse them in "
-              "one line.", ""]
+              "It speculates on them with history drafts alone, one chain per row, keeping the states after every "
+              "length of the chain until the verification commits one (tests/speculative/test_hybrid_chains.py); a "
+              "neural draft head (which copies the policy's first layers) and the vLLM engine refuse them in one "
+              "line, and so does a training run with `rollout.speculation` on (its draft head).", ""]
     lines += table(["model type", "layers"], [[f"`{t}`", layers] for t, layers in SHARED_IN_TRAINING.items()])
     lines += table(["module class", "runs as"], [[f"`{name}`", unit.what] for name, unit in sorted(MIXERS.items())])
     lines += ["## Logits transformed after the LM head", "",

@@ -106,7 +106,8 @@ def check_supported(model: nn.Module, *, training: bool = False) -> None:
         raise ValueError(
             f"model type '{model_type}' {what}; only turbogrpo's training forwards and native rollout engine run it "
             "(their state caches), not the vLLM engine or a neural draft head (docs/guide/architectures.md): use "
-            "rollout.engine = \"native\", and history drafts alone to speculate.")
+            "rollout.engine = \"native\" and rollout.speculation = \"off\" (the Python API speculates on it with "
+            "history drafts alone).")
     if what is not None:
         raise ValueError(
             f"model type '{model_type}' {what}; turbogrpo's attention plans (shared prefix, rollout) cannot run it "
