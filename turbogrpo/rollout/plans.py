@@ -56,6 +56,7 @@ class PrefillPlan:
 
     def __init__(self, cache: PromptStore):
         self.cache = cache
+        self._states_layout: PrefillStates | None = None
 
     def __call__(self, module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
                  scaling: float, sliding_window: int | None) -> torch.Tensor:
@@ -65,8 +66,11 @@ class PrefillPlan:
     def recurrent_layout(self) -> PrefillStates:
         """What a hybrid's recurrent layers run over: each prompt row from the zero state, its final states
         stored for its samples (the policy's ``GroupedKVCache`` only: a draft has no recurrent layers)."""
-        cache = self.cache
-        return PrefillStates(cache.states, cache.prompt_lengths_G, cache.layout.group_B)
+        if self._states_layout is None:   # once per forward, for every recurrent layer
+            cache = self.cache
+            self._states_layout = PrefillStates(cache.states, cache.prompt_lengths_G, cache.layout.group_B,
+                                                cache.prompt_width)
+        return self._states_layout
 
 
 def padded_prompts(prompts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -98,6 +102,7 @@ class DecodePlan:
         self.cache = cache
         self.positions_Bn = positions_Bn
         self.num_valid_B, self.states_per_length = num_valid_B, states_per_length
+        self._states_layout: DecodeStates | None = None
         num_new = positions_Bn.shape[1]
         device = positions_Bn.device
         self.slots_Bn = cache.lengths_B.unsqueeze(-1) + torch.arange(num_new, device=device)
@@ -133,8 +138,11 @@ class DecodePlan:
     def recurrent_layout(self) -> DecodeStates:
         """What a hybrid's recurrent layers run over: each row's new tokens (a chain) from its stored states,
         advanced by its first ``num_valid_B`` of them, or kept after every length until the commit."""
-        num_rows, num_new = self.positions_Bn.shape
-        return DecodeStates(self.cache.states, num_rows, num_new, self.num_valid_B, self.states_per_length)
+        if self._states_layout is None:   # once per forward, for every recurrent layer
+            num_rows, num_new = self.positions_Bn.shape
+            self._states_layout = DecodeStates(self.cache.states, num_rows, num_new, self.num_valid_B,
+                                               self.positions_Bn.device, self.states_per_length)
+        return self._states_layout
 
     def _prompt_attention(self, layer: int, query_BKMD: torch.Tensor, bias: torch.Tensor | None, partial,
                           scale: float) -> tuple[torch.Tensor, torch.Tensor]:

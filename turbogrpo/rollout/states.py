@@ -116,8 +116,12 @@ class PrefillStates:
     """``TokenLayout`` of the prefill: right-padded prompt rows ``[G, P]`` from the zero state; each prompt's final
     states go to its samples' rows (``group_B``)."""
 
-    def __init__(self, states: RecurrentStates, prompt_lengths_G: torch.Tensor, group_B: torch.Tensor):
+    def __init__(self, states: RecurrentStates, prompt_lengths_G: torch.Tensor, group_B: torch.Tensor,
+                 prompt_width: int):
         self.states, self.lengths_G, self.group_B = states, prompt_lengths_G, group_B
+        device = prompt_lengths_G.device
+        self.valid_GP = torch.arange(prompt_width, device=device) < prompt_lengths_G[:, None]   # real prompt slots
+        self.rows_G1 = torch.arange(prompt_lengths_G.shape[0], device=device)[:, None]
 
     def _rows(self, x_N: torch.Tensor) -> torch.Tensor:
         return x_N.unflatten(0, (self.lengths_G.shape[0], -1))   # [G, P, ...]
@@ -128,14 +132,12 @@ class PrefillStates:
         window = torch.cat([x_GPC.new_zeros(x_GPC.shape[0], width - 1, x_GPC.shape[2]), x_GPC], dim=1)
         # A prompt's last K - 1 inputs: window slots length .. length + K - 2 (its pad slots come after them).
         last = self.lengths_G[:, None] + torch.arange(width - 1, device=x_NC.device)
-        rows_G1 = torch.arange(x_GPC.shape[0], device=x_NC.device)[:, None]
-        self.states.store_prompt_conv(module, window[rows_G1, last], self.group_B)
+        self.states.store_prompt_conv(module, window[self.rows_G1, last], self.group_B)
         return conv_window_rows(window, weight_CK, bias_C, prompt_width).flatten(0, 1)
 
     def scan(self, module, inputs, *, chunked: Step, recurrent: Step):
         rows = tuple(self._rows(x) for x in inputs)
-        valid_GP = torch.arange(rows[0].shape[1], device=self.lengths_G.device) < self.lengths_G[:, None]
-        out, final = chunked(*rows, valid=valid_GP, initial_state=None)   # pad slots leave the state alone
+        out, final = chunked(*rows, valid=self.valid_GP, initial_state=None)   # pad slots leave the state alone
         self.states.store_prompt_scan(module, final, self.group_B)
         return out.flatten(0, 1)
 
@@ -147,9 +149,13 @@ class DecodeStates:
     instead, and ``RecurrentStates.commit_lengths`` stores each row's."""
 
     def __init__(self, states: RecurrentStates, num_rows: int, num_new: int, num_valid_B: torch.Tensor | None,
-                 per_length: bool = False):
+                 device: torch.device, per_length: bool = False):
         self.states, self.num_rows, self.num_new, self.num_valid_B = states, num_rows, num_new, num_valid_B
         self.per_length = per_length
+        # Built once per forward, read by every layer: which new tokens advance each row's state, and the rows.
+        self.valid_Bn = (torch.ones(num_rows, num_new, dtype=torch.bool, device=device) if num_valid_B is None
+                         else torch.arange(num_new, device=device) < num_valid_B[:, None])
+        self.rows_B1 = torch.arange(num_rows, device=device)[:, None]
 
     def conv(self, module, x_NC, weight_CK, bias_C):
         stored = self.states.conv_rows(module, self.num_rows)   # [B, K - 1, C]
@@ -161,29 +167,26 @@ class DecodeStates:
             stored.copy_(window[:, self.num_new:])
         else:   # the K - 1 inputs ending at each row's last valid token: window slots num_valid .. + K - 2
             last = self.num_valid_B[:, None] + torch.arange(stored.shape[1], device=x_NC.device)
-            stored.copy_(window[torch.arange(self.num_rows, device=x_NC.device)[:, None], last])
+            stored.copy_(window[self.rows_B1, last])
         return out.flatten(0, 1)
 
     def scan(self, module, inputs, *, chunked: Step, recurrent: Step):
         rows = tuple(x.unflatten(0, (self.num_rows, self.num_new)) for x in inputs)
         stored = self.states.scan_rows(module, self.num_rows)
-        valid_Bn = torch.ones(self.num_rows, self.num_new, dtype=torch.bool, device=rows[0].device)
-        if self.num_valid_B is not None:
-            valid_Bn = torch.arange(self.num_new, device=rows[0].device) < self.num_valid_B[:, None]
         if self.per_length:
             return self._scan_every_length(module, rows, stored, recurrent)
         step = recurrent if self.num_new <= RECURRENT_MAX_TOKENS else chunked
-        out, final = step(*rows, valid=valid_Bn, initial_state=tuple(stored))
+        out, final = step(*rows, valid=self.valid_Bn, initial_state=tuple(stored))
         for state, new in zip(stored, final):
             state.copy_(new)
         return out.flatten(0, 1)
 
     def _scan_every_length(self, module, rows, stored, recurrent: Step) -> torch.Tensor:
         """The recurrence token by token, keeping the states after every length as ``module``'s candidates."""
-        valid_B1 = torch.ones(self.num_rows, 1, dtype=torch.bool, device=rows[0].device)
         outputs, states, after = [], tuple(stored), [tuple(stored)]
         for t in range(self.num_new):
-            out, states = recurrent(*(x[:, t:t + 1] for x in rows), valid=valid_B1, initial_state=states)
+            out, states = recurrent(*(x[:, t:t + 1] for x in rows), valid=self.valid_Bn[:, t:t + 1],
+                                    initial_state=states)
             outputs.append(out)
             after.append(states)
         self.states._pending_scan[module] = tuple(torch.stack(lengths, 1) for lengths in zip(*after))
