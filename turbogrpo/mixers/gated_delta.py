@@ -123,8 +123,9 @@ class KimiDeltaAttention(SeparateProjectionGatedDeltaNet):
 
 
 def delta_rule_rows(kernel, query, key, value, g, beta, *, valid, initial_state):
-    """Padded rows (one level's, or the rollout's new tokens) through ``kernel`` (chunked or recurrent): ``query, key [R, W, Hv, Dk]``, ``value [R, W, Hv, Dv]``,
-    ``g [R, W, Hv]`` (or ``[R, W, Hv, Dk]``: a decay per key channel), ``beta [R, W, Hv]``, ``valid [R, W]``;
+    """Padded rows (one level's, or the rollout's new tokens) through ``kernel`` (chunked or recurrent):
+    ``query, key [R, W, Hv, Dk]``, ``value [R, W, Hv, Dv]``, ``g [R, W, Hv]`` (or ``[R, W, Hv, Dk]``: a decay per
+    key channel), ``beta [R, W, Hv]``, ``valid [R, W]``;
     ``initial_state`` ``([R, Hv, Dk, Dv],)`` or None (zero). Returns ``(out [R, W, Hv, Dv], (final state,))``."""
     pad = ~valid[..., None]
     # A pad slot neither decays nor writes the state, so each row ends in the state of its last real token.

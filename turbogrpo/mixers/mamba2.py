@@ -3,9 +3,10 @@
 Over the training forwards' forest, the convolution runs along each token's path (``forest.path_conv``), the scan
 level by level with transformers' chunked kernel (``mamba2_chunk_scan``, or mamba-ssm's where installed), each level
 from its parents' final ``[H, P, Ns]`` states; the rollout engine decodes with the recurrence itself
-(:func:`recurrent_scan_rows`), from each row's stored state. The unit discretises ``dt`` itself (bias, softplus, clamp to the module's limits: the same
-operations the kernel applies) and hands the kernel the result with a limit of ``[0, inf)``, so that a right-padded
-row's pad slots can get ``dt = 0``: no decay, no write, and the row ends in the state of its last real token.
+(:func:`recurrent_scan_rows`), from each row's stored state. The unit discretises ``dt`` itself (bias, softplus,
+clamp to the module's limits: the same operations the kernel applies) and hands the kernel the result with a limit
+of ``[0, inf)``, so that a right-padded row's pad slots can get ``dt = 0``: no decay, no write, and the row ends in
+the state of its last real token.
 
 Shape legend: N flat tokens, I the inner size (H heads of P), G groups of Ns state channels, C = I + 2 G Ns the
 convolution's channels.

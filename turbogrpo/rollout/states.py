@@ -72,6 +72,15 @@ class RecurrentStates:
         """``module``'s scan states of the first ``num_rows`` rows (views, as :meth:`conv_rows`)."""
         return tuple(state[:num_rows] for state in self._scan[module])
 
+    def hold_candidates(self, module: nn.Module, *, conv_window: torch.Tensor | None = None,
+                        scan_states: tuple[torch.Tensor, ...] | None = None) -> None:
+        """Keep ``module``'s candidates of a speculative forward until :meth:`commit_lengths`: its convolution's
+        window ``[B, K - 1 + n, C]``, or its scan states after 0 .. n tokens (``[B, n + 1, ...]`` each)."""
+        if conv_window is not None:
+            self._pending_conv[module] = conv_window
+        if scan_states is not None:
+            self._pending_scan[module] = scan_states
+
     def commit_lengths(self, num_kept_B: torch.Tensor) -> None:
         """Each row's states after its first ``num_kept_B [B]`` tokens (0: as before) of the last speculative
         forward (``DecodeStates.per_length``), into the stored rows; a no-op after any other forward."""
@@ -162,7 +171,7 @@ class DecodeStates:
         window = torch.cat([stored.to(x_NC.dtype), x_NC.unflatten(0, (self.num_rows, self.num_new))], dim=1)
         out = conv_window_rows(window, weight_CK, bias_C, self.num_new)
         if self.per_length:
-            self.states._pending_conv[module] = window
+            self.states.hold_candidates(module, conv_window=window)
         elif self.num_valid_B is None:
             stored.copy_(window[:, self.num_new:])
         else:   # the K - 1 inputs ending at each row's last valid token: window slots num_valid .. + K - 2
@@ -189,5 +198,5 @@ class DecodeStates:
                                     initial_state=states)
             outputs.append(out)
             after.append(states)
-        self.states._pending_scan[module] = tuple(torch.stack(lengths, 1) for lengths in zip(*after))
+        self.states.hold_candidates(module, scan_states=tuple(torch.stack(lengths, 1) for lengths in zip(*after)))
         return torch.cat(outputs, 1).flatten(0, 1)

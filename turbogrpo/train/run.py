@@ -23,7 +23,8 @@ from turbogrpo.linears import TRAINING_LINEAR_KERNELS
 from turbogrpo.rewards import Reward
 from turbogrpo.rollout import SamplingConfig
 from turbogrpo.rollout.decode import DecodeSchedule, default_schedule
-from turbogrpo.engines import CAPABILITIES, DEFAULT_ENGINE, RolloutEngine, build_engine, policy_needs, resolve_engine
+from turbogrpo.engines import (CAPABILITIES, DEFAULT_ENGINE, RolloutEngine, build_engine, check_serves, policy_needs,
+                               resolve_engine)
 from turbogrpo.train import distributed, setup
 from turbogrpo.train.distributed import DistInfo
 from turbogrpo.train.draft_learning import OnlineDraft, build_online_draft
@@ -202,6 +203,7 @@ def build_run(config: Config, dist: DistInfo, rewards: list[Reward]) -> Run:
     # data's ids, so an [env] run's engine serves up to the model's own limit.
     engine_name = resolve_engine(config.rollout.engine, dist.device, conversations=episodes is not None,
                                  needs=config.engine_needs() + policy_needs(policy))
+    check_serves(engine_name, policy_needs(policy))   # a hybrid policy on vLLM: one line, before any build
     # At k > 0 the rollout worker samples with its own engine; the trainer's samples only held-out answers (a vLLM
     # one would still import vllm into the trainer), so it keeps the default one.
     engine_max_length = longest_prompt + max_new_tokens if episodes is None else 0
