@@ -6,13 +6,14 @@ import pytest
 import torch
 
 from tests.mixers.conftest import build_hybrid, float64_throughout  # noqa: F401 (a fixture)
-from tests.rollout.conftest import random_prompts
+from tests.rollout.conftest import forbid_host_syncs_inside, random_prompts
 from tests.rollout.test_multiturn import Scripted, plain_logprobs
 from tests.speculative.speculative_helpers import chi_square_pvalue, joint_counts
 from tests.speculative.test_decode import CASES, V, assert_same_completions, exact_first_three
 from turbogrpo import completion_logprobs
 from turbogrpo.rollout import SamplingConfig, generate
 from turbogrpo.rollout.multiturn import TurnLimits, generate_multiturn
+from turbogrpo.speculative import decode
 from turbogrpo.speculative.history import HistoryDrafts
 from turbogrpo.speculative.sizing import FixedSizing
 from turbogrpo.speculative.speculation import Speculation
@@ -84,6 +85,15 @@ def test_speculative_conversations_feed_replies_through_the_recurrence(float64_t
     for i, (ids, mask, logps) in enumerate(zip(groups.completions, groups.model_mask, groups.sampler_logps)):
         reference = plain_logprobs(model, prompts[i // 3], ids)
         torch.testing.assert_close(logps[mask].double(), reference[mask].double(), rtol=0, atol=1e-6)
+
+
+def test_the_chain_step_never_syncs_with_the_host(monkeypatch):
+    model = build_hybrid("nemotron_h", torch.float32, vocab_size=VOCAB)
+    forbid_host_syncs_inside(monkeypatch, (decode, "verify_step"), (decode, "propose_history"))
+    rollout = generate(model, random_prompts([4, 9], vocab_size=VOCAB), num_samples=4, seed=0,
+                       sampling=SamplingConfig(max_new_tokens=10, stop_token_ids=[3]),
+                       draft=speculation(HistoryDrafts(min_match=1)))
+    assert max(rollout.stats.tree_sizes) > 1
 
 
 def test_a_neural_draft_head_is_refused_for_a_hybrid_in_one_line():
