@@ -193,10 +193,13 @@ class GroupedKVCache:
         """Drop every live sequence except ``rows`` (host list of current row indices, increasing)."""
         rows_device = torch.tensor(rows, dtype=torch.long, device=self.device)
         used = min(self.max_length, self.capacity)
+        # Rows before the first dropped one stay where they are: only the rows after it move up.
+        first = next((i for i, row in enumerate(rows) if row != i), len(rows))
+        moved = rows_device[first:]
         for store in (self._keys, self._values):
             for slots in store.values():
-                slots[:len(rows), :, :used] = slots[rows_device, :, :used]
-        self.states.keep(rows_device)
+                slots[first:len(rows), :, :used] = slots[moved, :, :used]
+        self.states.keep(first, moved)
         self.lengths_B = self.lengths_B[rows_device]
         self._sequence_groups = [self._sequence_groups[r] for r in rows]
         still_live = sorted(set(self._sequence_groups))

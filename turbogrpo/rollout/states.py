@@ -99,10 +99,11 @@ class RecurrentStates:
         for states in self._scan.values():
             yield from states
 
-    def keep(self, rows_B: torch.Tensor) -> None:
-        """Rows ``rows_B`` (device, increasing) become the first rows, as ``GroupedKVCache.keep`` moves K/V."""
+    def keep(self, first: int, moved_rows: torch.Tensor) -> None:
+        """Rows ``moved_rows`` (device, increasing) move up to rows ``first, first + 1, ...``, the rows before
+        ``first`` staying: ``GroupedKVCache.keep`` moving its K/V rows."""
         for storage in self._storages():
-            storage[:rows_B.shape[0]] = storage[rows_B]   # the gather copies before the write
+            storage[first:first + moved_rows.shape[0]] = storage[moved_rows]   # the gather copies before the write
 
     def fork(self, source_B: torch.Tensor) -> None:
         """Row ``b`` becomes a copy of row ``source_B[b]`` (non-decreasing: ``GroupedKVCache.fork``)."""
