@@ -71,14 +71,15 @@ def test_first_three_tokens_with_history_chains_follow_the_policy(model_type):
 
 
 def test_speculative_conversations_feed_replies_through_the_recurrence(float64_throughout):
-    """Reply chunks and chains in one forward, rows waiting for their environment committing nothing: each model
-    token's sampler log-prob equals a plain forward of the whole conversation."""
+    """Reply chunks and chains in one forward, rows waiting for their environment committing nothing, replies longer
+    than a tree cut into chunks of its size: each model token's sampler log-prob equals a plain forward of the whole
+    conversation."""
     model = build_hybrid("qwen3_5_text", torch.float64, vocab_size=64)
     prompts = random_prompts([5, 9])
-    replies = [[[30 + i, 31, 32][:1 + i % 3], [40 + i] * (1 + i % 2)] for i in range(6)]
+    replies = [[list(range(30, 41))[:1 + 2 * i], [40 + i] * (1 + i % 2)] for i in range(6)]
     out = generate_multiturn(model, prompts, [Scripted(r) for r in replies], num_samples=3,
                              sampling=SamplingConfig(max_new_tokens=12, stop_token_ids=list(range(0, 64, 7))),
-                             limits=TurnLimits(12, 60, prefill_chunk=3), seed=0,
+                             limits=TurnLimits(12, 80, prefill_chunk=16), seed=0,
                              draft=speculation(HistoryDrafts(min_match=1)))
     groups = out.groups
     assert sum(bool((~mask).any()) for mask in groups.model_mask) >= 3
