@@ -10,12 +10,12 @@ Three classes:
   the trie forward and the rollout engine run it exactly. :data:`VERIFIED_SHARED` lists the model types the
   test suite checks against the model's own forward; other attention models run when the checks at first
   use pass (:data:`FIRST_USE_CHECKS`).
-* **shared in training**: a hybrid of attention and layers that carry a state along the sequence (linear
-  attention, Mamba-2, short convolutions), listed in :data:`SHARED_IN_TRAINING`. The shared-prefix forward and the
-  trie forward run it exactly, its attention layers through the plans and its other layers through their registered
-  units (``turbogrpo.mixers``); the native rollout engine samples it through the same units, with a state cache
-  beside its KV cache (``rollout.states``), and speculates on it with history chains. A neural draft head and the
-  vLLM engine refuse it in one line (engine capability ``hybrid_layers``).
+* **shared in training, sampled natively**: a hybrid of attention and layers that carry a state along the sequence
+  (linear attention, Mamba-2, short convolutions), listed in :data:`SHARED_IN_TRAINING`. The shared-prefix forward
+  and the trie forward run it exactly, its attention layers through the plans and its other layers through their
+  registered units (``turbogrpo.mixers``); the native rollout engine samples it through the same units, with a state
+  cache beside its KV cache (``rollout.states``), and speculates on it with history chains. A neural draft head and
+  the vLLM engine refuse it in one line (engine capability ``hybrid_layers``).
 * **tree falls back**: token mixing that turbogrpo's attention plans do not implement (a
   :data:`TOKEN_MIXING_RULES` rule applies). ``tree_logprobs`` runs such a model one row per sequence through
   its own forward (the same numbers, no sharing); the shared-prefix forward and the rollout engine refuse it.
