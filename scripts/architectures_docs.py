@@ -26,10 +26,13 @@ forward makes its logits:
 - **shared**: the shared-prefix training forward (`completion_logprobs`, the trainer), the trie forward
   (`tree_logprobs`, tree sharing) and turbogrpo's rollout engine (`generate`, speculative decoding) run it, with
   the numbers of its own forward.
-- **shared in training**: a hybrid of attention and layers that carry a state along the sequence (linear
-  attention, short convolutions). The shared-prefix and trie training forwards run it exactly: each such layer
-  runs a shared prompt or trie node once and its completions or children from its final state. turbogrpo's
-  rollout engine refuses it in one line (it keeps no state cache for those layers yet), and so does vLLM.
+- **shared in training, sampled natively**: a hybrid of attention and layers that carry a state along the
+  sequence (linear attention, Mamba-2, short convolutions). The shared-prefix and trie training forwards run it
+  exactly: each such layer runs a shared prompt or trie node once and its completions or children from its final
+  state. turbogrpo's native rollout engine samples it with a state cache beside its KV cache (each prompt's
+  states computed once and copied to its samples, decoding token by token, conversations and their forks keeping
+  their states) and speculates on it with history chains; a neural draft head and the vLLM engine refuse it in one
+  line.
 - **tree falls back**: token mixing that turbogrpo's attention plans do not implement. `tree_logprobs` runs it
   one row per sequence through the model's own forward, with a warning (the same numbers, no sharing); the
   shared-prefix forward and the rollout engine refuse it in one line, before touching the model; the TRL drop-in
@@ -57,11 +60,16 @@ def render() -> str:
              "log-probs; gradients and the rollout's float32 sampler log-probs for several of them). Other softmax-attention models run too "
              "when the checks at first use pass.", ""]
     lines += table(["model type", "particular"], [[f"`{t}`", note or "-"] for t, note in VERIFIED_SHARED.items()])
-    lines += ["## Shared in training", "",
+    lines += ["## Shared in training, sampled natively", "",
               "Hybrid models whose stateful layers run through a registered unit (`turbogrpo.mixers.MIXERS`), verified "
               "by the test suite against each model's own forward in float64 (shared-prefix and tree log-probs and "
               "every parameter gradient, with activation checkpointing; tests/mixers). The TRL drop-in shares them too. "
-              "Sampling them needs a state cache the rollout engines do not have yet.", ""]
+              "The native rollout engine samples them (`generate`, conversations, branching), its sampler log-probs "
+              "the trainer's (tests/rollout/test_hybrid.py); `rollout.engine = \"auto\"` keeps to it for them. "
+              "It speculates on them with history drafts alone, one chain per row, keeping the states after every "
+              "length of the chain until the verification commits one (tests/speculative/test_hybrid_chains.py); a "
+              "neural draft head (which copies the policy's first layers) and the vLLM engine refuse them in one "
+              "line, and so does a training run with `rollout.speculation` on (its draft head).", ""]
     lines += table(["model type", "layers"], [[f"`{t}`", layers] for t, layers in SHARED_IN_TRAINING.items()])
     lines += table(["module class", "runs as"], [[f"`{name}`", unit.what] for name, unit in sorted(MIXERS.items())])
     lines += ["## Logits transformed after the LM head", "",

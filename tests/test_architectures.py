@@ -11,6 +11,7 @@ from transformers import (Gemma2Config, Gemma2ForCausalLM, MambaConfig, MambaFor
 from tests.prefix.conftest import build_gpt2, build_model, full_precision_norms
 from tests.test_output_head import TRANSFORMED, build, own_logprobs
 from turbogrpo import architectures
+from turbogrpo.hook import check_supported
 from turbogrpo.models import enable_activation_checkpointing
 from turbogrpo.prefix import completion_logprobs
 from turbogrpo.rollout import SamplingConfig, generate
@@ -164,9 +165,10 @@ def test_the_table_of_hybrids_lists_what_tests_mixers_verifies():
     assert set(FAMILIES) == set(architectures.SHARED_IN_TRAINING)
 
 
-def test_a_hybrid_runs_shared_in_training_and_the_rollout_refuses_it_in_one_line():
-    """The shared-prefix and trie forwards run it (tests/mixers checks the numbers); the rollout engines, which keep
-    no state for its linear-attention layers yet, refuse it before sampling, naming what is missing."""
+def test_a_hybrid_runs_shared_in_training_and_in_the_native_rollout_and_vllm_refuses_it_in_one_line():
+    """The shared-prefix and trie forwards run it (tests/mixers checks the numbers), the native engine samples it with
+    its state cache (tests/rollout/test_hybrid.py); the vLLM engine's check (no state cache there yet) refuses it,
+    naming what runs it."""
     from tests.mixers.conftest import build_hybrid
     model = build_hybrid("qwen3_5_text", torch.float32)
     prompts, completions = groups()
@@ -175,10 +177,11 @@ def test_a_hybrid_runs_shared_in_training_and_the_rollout_refuses_it_in_one_line
     with warnings.catch_warnings():
         warnings.simplefilter("error")   # no fallback warning
         assert tree_logprobs(model, build_trie(sequences, masks)).layout == "tree"
-    refusal = ("^model type 'qwen3_5_text' has layer types \\['linear_attention'\\]; turbogrpo's rollout engines "
-               "\\(native, vLLM\\) cannot sample it yet: they keep no state cache")
+    generate(model, prompts, num_samples=2, sampling=SamplingConfig(max_new_tokens=3))
+    refusal = ("^model type 'qwen3_5_text' has layer types \\['linear_attention'\\]; only turbogrpo's training "
+               "forwards and native rollout engine run it")
     with pytest.raises(ValueError, match=refusal):
-        generate(model, prompts, num_samples=2, sampling=SamplingConfig(max_new_tokens=3))
+        check_supported(model)
 
 
 def test_every_token_mixing_rule_refuses_its_known_types():

@@ -10,11 +10,12 @@ Three classes:
   the trie forward and the rollout engine run it exactly. :data:`VERIFIED_SHARED` lists the model types the
   test suite checks against the model's own forward; other attention models run when the checks at first
   use pass (:data:`FIRST_USE_CHECKS`).
-* **shared in training**: a hybrid of attention and layers that carry a state along the sequence (linear
-  attention, short convolutions), listed in :data:`SHARED_IN_TRAINING`. The shared-prefix forward and the trie
-  forward run it exactly, its attention layers through the plans and its other layers through their registered
-  units (``turbogrpo.mixers``); the rollout engine refuses it in one line (it keeps no state cache for those
-  layers yet).
+* **shared in training, sampled natively**: a hybrid of attention and layers that carry a state along the sequence
+  (linear attention, Mamba-2, short convolutions), listed in :data:`SHARED_IN_TRAINING`. The shared-prefix forward
+  and the trie forward run it exactly, its attention layers through the plans and its other layers through their
+  registered units (``turbogrpo.mixers``); the native rollout engine samples it through the same units, with a state
+  cache beside its KV cache (``rollout.states``), and speculates on it with history chains. A neural draft head and
+  the vLLM engine refuse it in one line (engine capability ``hybrid_layers``).
 * **tree falls back**: token mixing that turbogrpo's attention plans do not implement (a
   :data:`TOKEN_MIXING_RULES` rule applies). ``tree_logprobs`` runs such a model one row per sequence through
   its own forward (the same numbers, no sharing); the shared-prefix forward and the rollout engine refuse it.
@@ -84,7 +85,8 @@ def _attention_sinks(config) -> str | None:
 
 # Hybrid model types whose stateful layers the training forwards (shared prefix, trie) run shared, through the
 # units of turbogrpo.mixers, checked against the model's own forward in float64 (log-probs and every gradient,
-# tests/mixers): model type -> its layers. The rollout engine and vLLM refuse them (no state cache yet).
+# tests/mixers), and sampled by the native rollout engine (tests/rollout/test_hybrid.py): model type -> its layers.
+# A neural draft head and the vLLM engine refuse them (the draft copies attention layers; vLLM keeps no state here).
 SHARED_IN_TRAINING: dict[str, str] = {
     "qwen3_5_text": "gated DeltaNet (linear attention) and full attention",
     "qwen3_5_moe_text": "gated DeltaNet and full attention, sparse MoE",
@@ -99,6 +101,14 @@ SHARED_IN_TRAINING: dict[str, str] = {
     "zamba2": "Mamba-2 in every layer, a shared attention block in some",
     "falcon_h1": "Mamba-2 and full attention side by side in every layer, muP multipliers",
 }
+
+
+def hybrid_layers(config) -> str | None:
+    """The stateful layers of ``config``'s model, as :data:`SHARED_IN_TRAINING` names them, or None for a model that
+    is not such a hybrid (what the native engine's state cache serves, and the vLLM engine refuses)."""
+    return SHARED_IN_TRAINING.get(getattr(config, "model_type", None))
+
+
 # Layer types of hybrid decoders that mix no tokens (a layer given to an MLP alone): no plan call to expect.
 CHANNEL_MIXING_LAYER_TYPES = frozenset({"mlp", "moe"})
 
@@ -106,8 +116,8 @@ CHANNEL_MIXING_LAYER_TYPES = frozenset({"mlp", "moe"})
 def unsupported_token_mixing(config, *, training: bool = False) -> str | None:
     """What ``config``'s model does that turbogrpo cannot run (the first rule met), or None.
 
-    ``training``: for the training forwards, which also run the stateful layers of :data:`SHARED_IN_TRAINING`'s
-    model types; else for every path (the rollout engine too).
+    ``training``: for the training forwards and the native rollout engine, which also run the stateful layers of
+    :data:`SHARED_IN_TRAINING`'s model types; else for every path (speculative rollouts and vLLM too).
     """
     shared_in_training = training and getattr(config, "model_type", None) in SHARED_IN_TRAINING
     for rule in TOKEN_MIXING_RULES:

@@ -21,9 +21,9 @@ A hybrid model's other token mixers (a gated DeltaNet, a short convolution: ``tu
 modules that transformers calls directly. :func:`install` routes each registered one through
 :func:`_mixer_forward`, which reads the plan off the same placeholder mask (handed to every layer type, see
 :func:`run_decoder`) and asks it for its ``recurrent_layout()``: the segment forest of a plan that shares
-tokens (the shared-prefix pack, the trie), which the mixer's unit runs; None for rows that are whole
-sequences, which the module's own forward runs. Only the training forwards' plans have the method: the
-rollout engine refuses a hybrid model before its first forward.
+tokens (the shared-prefix pack, the trie) or the rollout engine's state layout (``rollout.states``), which the
+mixer's unit runs; None for rows that are whole sequences, which the module's own forward runs. A plan without
+the method (a draft's) runs attention models only.
 """
 
 from __future__ import annotations
@@ -104,9 +104,10 @@ def check_supported(model: nn.Module, *, training: bool = False) -> None:
     what = unsupported_token_mixing(config, training=training)
     if what is not None and model_type in SHARED_IN_TRAINING:
         raise ValueError(
-            f"model type '{model_type}' {what}; turbogrpo's rollout engines (native, vLLM) cannot sample it yet: they "
-            "keep no state cache for those layers (the shared-prefix and trie training forwards run it exactly, "
-            "docs/guide/architectures.md). Sample it elsewhere and score with completion_logprobs / tree_logprobs.")
+            f"model type '{model_type}' {what}; only turbogrpo's training forwards and native rollout engine run it "
+            "(their state caches), not the vLLM engine or a neural draft head (docs/guide/architectures.md): use "
+            "rollout.engine = \"native\" and rollout.speculation = \"off\" (the Python API speculates on it with "
+            "history drafts alone).")
     if what is not None:
         raise ValueError(
             f"model type '{model_type}' {what}; turbogrpo's attention plans (shared prefix, rollout) cannot run it "

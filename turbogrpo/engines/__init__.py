@@ -84,13 +84,17 @@ class EngineCapabilities:
     on-policy)."""
     routing_replay: bool
     """Records the experts a mixture-of-experts policy's routers chose for every token (algo.routing_replay)."""
+    hybrid_layers: bool
+    """Samples hybrid models, whose linear-attention, Mamba-2 or short-convolution layers carry a state
+    (``architectures.SHARED_IN_TRAINING``; ``policy_needs``)."""
 
 
 CAPABILITY_SETTINGS = {"tree_speculation": "rollout.speculation", "trainer_taught_drafts":
                        "rollout.speculation with train.max_staleness > 0", "sharded_weights":
                        "distributed.strategy = \"fsdp2\"", "conversations": "an [env] factory",
                        "partial_rollouts": "train.partial_rollouts", "exact_sampler": "an exact sampler",
-                       "routing_replay": "algo.routing_replay = \"replay\""}
+                       "routing_replay": "algo.routing_replay = \"replay\"",
+                       "hybrid_layers": "a hybrid model (linear-attention, Mamba-2 or short-convolution layers)"}
 """Each capability as the settings that need it say it (for messages)."""
 assert set(CAPABILITY_SETTINGS) == {f.name for f in fields(EngineCapabilities)}
 
@@ -112,10 +116,13 @@ enforce_eager, record_routes) as keywords."""
 
 CAPABILITIES: dict[str, EngineCapabilities] = {
     "native": EngineCapabilities(tree_speculation=True, trainer_taught_drafts=True, sharded_weights=True,
-                                 conversations=True, partial_rollouts=True, exact_sampler=True, routing_replay=True),
-    # Given whole weights (FSDP2 shards them); its own kernels sample (bf16 gaps of 0.037 on SmolLM2).
+                                 conversations=True, partial_rollouts=True, exact_sampler=True, routing_replay=True,
+                                 hybrid_layers=True),
+    # Given whole weights (FSDP2 shards them); its own kernels sample (bf16 gaps of 0.037 on SmolLM2). A hybrid's
+    # states are not kept there yet (its build refuses one: hook.check_supported).
     "vllm": EngineCapabilities(tree_speculation=False, trainer_taught_drafts=False, sharded_weights=False,
-                               conversations=True, partial_rollouts=True, exact_sampler=False, routing_replay=False),
+                               conversations=True, partial_rollouts=True, exact_sampler=False, routing_replay=False,
+                               hybrid_layers=False),
 }
 """What each engine of ``ENGINES`` can run."""
 
@@ -145,6 +152,13 @@ def run_needs(*, speculation: bool, conversations: bool, partial_rollouts: bool,
     return tuple(need for need, used in wanted.items() if used)
 
 
+def policy_needs(policy: nn.Module) -> tuple[str, ...]:
+    """The capabilities sampling ``policy`` itself needs (``EngineCapabilities`` fields): "hybrid_layers" for a hybrid
+    model. A run adds them to ``run_needs``' once its policy is loaded (its rollout worker too)."""
+    from turbogrpo.architectures import hybrid_layers
+    return ("hybrid_layers",) if hybrid_layers(policy.config) else ()
+
+
 def capable_engines(need: str) -> list[str]:
     """The engines with capability ``need``, for messages."""
     return [name for name, capabilities in CAPABILITIES.items() if getattr(capabilities, need)]
@@ -155,6 +169,14 @@ def missing_capability(name: str, needs: Sequence[str]) -> str:
     if name not in CAPABILITIES:
         return ""
     return next((need for need in needs if not getattr(CAPABILITIES[name], need)), "")
+
+def check_serves(name: str, needs: Sequence[str]) -> None:
+    """ValueError in one line naming rollout.engine when engine ``name`` lacks a capability of ``needs`` (e.g. the
+    policy's, ``policy_needs``: known once it is loaded, after the config's own checks)."""
+    if missing := missing_capability(name, needs):
+        engines = " or ".join(f'"{engine}"' for engine in [*capable_engines(missing), "auto"])
+        raise ValueError(f"config key 'rollout.engine': \"{name}\" cannot sample {CAPABILITY_SETTINGS[missing]}; "
+                         f"use {engines}")
 
 AUTO_ENGINES: dict[tuple[str, str], str] = {
     # CPU, single-turn: bench/vllm_rollout.py (2-core Intel Xeon with AMX, SmolLM2-135M-Instruct, 8 GSM8K prompts
@@ -246,6 +268,6 @@ def build_engine(name: str, device: torch.device, *, schedule, dtype: torch.dtyp
         enforce_eager=enforce_eager, record_routes=record_routes)
 
 
-__all__ = ["AUTO_ENGINES", "CAPABILITIES", "DEFAULT_ENGINE", "ENGINES", "ENGINE_NAMES", "EngineCapabilities", "MISSING_BECAUSE",
-           "RolloutEngine", "build_engine", "draw", "capable_engines", "missing_capability", "resolve_engine", "run_needs",
-           "vllm_import_problem"]
+__all__ = ["AUTO_ENGINES", "CAPABILITIES", "DEFAULT_ENGINE", "ENGINES", "ENGINE_NAMES", "EngineCapabilities",
+           "MISSING_BECAUSE", "RolloutEngine", "build_engine", "capable_engines", "check_serves", "draw",
+           "missing_capability", "policy_needs", "resolve_engine", "run_needs", "vllm_import_problem"]

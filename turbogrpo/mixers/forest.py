@@ -85,6 +85,14 @@ class SegmentForest:
         order[real] = torch.arange(real.numel())
         return SegmentForest(int(real.numel()), predecessor, tuple(levels), upload(order, device), device)
 
+    def conv(self, module, x_NC: torch.Tensor, weight_CK: torch.Tensor, bias_C: torch.Tensor | None) -> torch.Tensor:
+        """``registry.TokenLayout.conv``: the convolution along each token's path (:func:`path_conv`)."""
+        return path_conv(x_NC, self.taps(weight_CK.shape[1]), weight_CK, bias_C)
+
+    def scan(self, module, inputs: tuple[torch.Tensor, ...], *, chunked: Step, recurrent: Step) -> torch.Tensor:
+        """``registry.TokenLayout.scan``: the chunked recurrence level by level (:func:`scan_levels`)."""
+        return scan_levels(self, inputs, chunked)
+
     def taps(self, width: int) -> torch.Tensor:
         """``[N, width]`` flat indices of the ``width`` tokens ending at each token along its path, oldest
         first (-1 where the path has fewer tokens); built on the host once per width."""

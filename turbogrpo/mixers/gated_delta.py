@@ -1,9 +1,11 @@
 """Gated DeltaNet (Qwen3.5, Qwen3-Next, OLMo-hybrid, Kimi Linear): a causal convolution, then the delta rule.
 
-Both run over the forest: the convolution along each token's path (``forest.path_conv``: a child's first
-tokens read its parent's last inputs, the convolution's state), the delta rule level by level with transformers'
-chunked kernel (``torch_chunk_gated_delta_rule``, or flash-linear-attention's where installed), each level
-from its parents' final ``[Hv, Dk, Dv]`` states. A right-padded row's pad slots get ``g = 0`` (no decay) and
+Both run over the layout (``registry.TokenLayout``). Over the training forwards' forest: the convolution along
+each token's path (``forest.path_conv``: a child's first tokens read its parent's last inputs, the convolution's
+state), the delta rule level by level with transformers' chunked kernel (``torch_chunk_gated_delta_rule``, or
+flash-linear-attention's where installed), each level from its parents' final ``[Hv, Dk, Dv]`` states. In the
+rollout engine, from each row's stored states, with the token-by-token kernel
+(``torch_recurrent_gated_delta_rule``) when it decodes. A right-padded row's pad slots get ``g = 0`` (no decay) and
 ``beta = 0`` (no write), so its final state is the state at its last real token, exactly.
 
 Shape legend: N flat tokens, C the convolution's channels (2 Hk Dk + Hv Dv), Hk / Hv key / value heads,
@@ -18,7 +20,6 @@ import torch
 import torch.nn.functional as F
 from transformers.activations import ACT2FN
 
-from turbogrpo.mixers.forest import path_conv, scan_levels
 from turbogrpo.mixers.registry import MixerUnit, at_least_float32, modeling_function, register_mixer
 
 @register_mixer("Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet")
@@ -26,17 +27,20 @@ class GatedDeltaNet(MixerUnit):
     """Qwen3.5's module; the families differ in the hooks below (their projections, gates and output)."""
 
     what = "gated DeltaNet (linear attention)"
-    kernel = "torch_chunk_gated_delta_rule"   # the chunked kernel's name in the modeling file
+    kernel = "torch_chunk_gated_delta_rule"                 # the chunked kernel's name in the modeling file
+    recurrent_kernel = "torch_recurrent_gated_delta_rule"   # its token-by-token form (same arguments)
 
-    def forward(self, module, hidden_1NH, forest):
-        x_NH = hidden_1NH[0]
+    def forward(self, module, hidden, layout):
+        x_NH = hidden.flatten(0, -2)
         mixed_qkv_NC, z, b, a = self.project(module, x_NH)
-        mixed_qkv_NC = ACT2FN[module.activation](path_conv(mixed_qkv_NC, forest.taps(module.conv_kernel_size),
-                                                           module.conv1d.weight[:, 0], module.conv1d.bias))
+        mixed_qkv_NC = ACT2FN[module.activation](layout.conv(module, mixed_qkv_NC, module.conv1d.weight[:, 0],
+                                                             module.conv1d.bias))
         query, key, value = self.heads(module, mixed_qkv_NC)
         g, beta = self.decay_and_beta(module, x_NH, b, a)
-        step = partial(delta_rule_rows, modeling_function(module, self.kernel))
-        return self.output(module, scan_levels(forest, (query, key, value, g, beta), step), z)[None]
+        core = layout.scan(module, (query, key, value, g, beta),
+                           chunked=partial(delta_rule_rows, modeling_function(module, self.kernel)),
+                           recurrent=partial(delta_rule_rows, modeling_function(module, self.recurrent_kernel)))
+        return self.output(module, core, z).view(*hidden.shape[:-1], -1)
 
     def project(self, module, x_NH):
         """``(mixed_qkv [N, C], z [N, Hv, Dv], b, a)`` from the module's input projections: the convolution's
@@ -104,6 +108,7 @@ class KimiDeltaAttention(SeparateProjectionGatedDeltaNet):
 
     what = "Kimi delta attention (linear attention)"
     kernel = "chunk_kimi_delta_attention"
+    recurrent_kernel = "recurrent_kimi_delta_attention"
 
     def project(self, module, x_NH):
         mixed_qkv = torch.cat([module.q_proj(x_NH), module.k_proj(x_NH), module.v_proj(x_NH)], dim=-1)
@@ -118,8 +123,9 @@ class KimiDeltaAttention(SeparateProjectionGatedDeltaNet):
 
 
 def delta_rule_rows(kernel, query, key, value, g, beta, *, valid, initial_state):
-    """One level's padded rows through the chunked kernel: ``query, key [R, W, Hv, Dk]``, ``value [R, W, Hv, Dv]``,
-    ``g [R, W, Hv]`` (or ``[R, W, Hv, Dk]``: a decay per key channel), ``beta [R, W, Hv]``, ``valid [R, W]``;
+    """Padded rows (one level's, or the rollout's new tokens) through ``kernel`` (chunked or recurrent):
+    ``query, key [R, W, Hv, Dk]``, ``value [R, W, Hv, Dv]``, ``g [R, W, Hv]`` (or ``[R, W, Hv, Dk]``: a decay per
+    key channel), ``beta [R, W, Hv]``, ``valid [R, W]``;
     ``initial_state`` ``([R, Hv, Dk, Dv],)`` or None (zero). Returns ``(out [R, W, Hv, Dv], (final state,))``."""
     pad = ~valid[..., None]
     # A pad slot neither decays nor writes the state, so each row ends in the state of its last real token.

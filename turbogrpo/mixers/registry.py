@@ -3,9 +3,11 @@
 transformers runs a hybrid model's attention layers through the attention interface (where turbogrpo's
 plans take over, ``turbogrpo.hook``) but calls its other token mixers (a gated DeltaNet, a Mamba-2 mixer, a
 short convolution) as plain modules. A :class:`MixerUnit` says how one such module class runs over a
-:class:`~turbogrpo.mixers.forest.SegmentForest`: every shared segment (a prompt, a trie node) once, its
-children from its final state. ``turbogrpo.hook`` routes a registered module's calls to its unit when the
-call carries a plan that shares tokens.
+:class:`TokenLayout`: the training forwards' :class:`~turbogrpo.mixers.forest.SegmentForest` (every shared
+segment, a prompt or a trie node, once, its children from its final state) or the rollout engine's state cache
+(``turbogrpo.rollout.states``: a prompt's states computed once per group, then each sample's new tokens from its
+own row of states). ``turbogrpo.hook`` routes a registered module's calls to its unit when the call carries a
+plan with a layout.
 
 A unit mirrors its module's own forward (transformers 5.19) with the token mixing run over the forest; the
 per-token parts (projections, gates, norms) use the module's own submodules and parameters, and the
@@ -14,21 +16,34 @@ transformers picked, flash-linear-attention's or mamba-ssm's where installed, an
 both). The short convolutions run as one gather over the whole forest (``forest.path_conv``), not through
 causal-conv1d: a child's first taps read its parent's last inputs, which a per-row kernel cannot.
 
-Shape legend: N flat tokens, Hd hidden size.
+Shape legend: N flat tokens, Hd hidden size, C a convolution's channels, K its width.
 """
 
 from __future__ import annotations
 
 import sys
 from collections.abc import Callable
-from typing import ClassVar
+from typing import ClassVar, Protocol
 
 import torch
 from torch import nn
 
-from turbogrpo.mixers.forest import SegmentForest
+from turbogrpo.mixers.forest import Step   # a recurrence over padded rows (forest.scan_levels)
 
 MIXERS: dict[str, MixerUnit] = {}   # module class name -> its unit
+
+class TokenLayout(Protocol):
+    """Where a unit's flat tokens sit and which state each continues from: the two operations that mix them."""
+
+    def conv(self, module: nn.Module, x_NC: torch.Tensor, weight_CK: torch.Tensor,
+             bias_C: torch.Tensor | None) -> torch.Tensor:
+        """``[N, C]``: ``module``'s causal depthwise convolution of ``x_NC`` along each token's sequence."""
+
+    def scan(self, module: nn.Module, inputs: tuple[torch.Tensor, ...], *, chunked: Step,
+             recurrent: Step) -> torch.Tensor:
+        """``[N, ...]``: ``module``'s recurrence over per-token ``inputs`` ``[N, ...]``, run by ``chunked`` (the
+        chunked algorithm, for many tokens a row) or ``recurrent`` (token by token, for decoding); both take and
+        return the same arguments and give the same numbers up to rounding."""
 
 
 def register_mixer(*class_names: str) -> Callable[[type], type]:
@@ -46,8 +61,9 @@ class MixerUnit:
 
     what: ClassVar[str]   # the layer in a few words, for messages and the docs
 
-    def forward(self, module: nn.Module, hidden_1NH: torch.Tensor, forest: SegmentForest) -> torch.Tensor:
-        """``[1, N, Hd]`` -> ``[1, N, Hd]``: the module's output for the forest's flat tokens."""
+    def forward(self, module: nn.Module, hidden: torch.Tensor, layout: TokenLayout) -> torch.Tensor:
+        """``[..., Hd]`` -> ``[..., Hd]``: the module's output for the layout's tokens (``hidden``'s leading
+        dimensions flattened, ``[1, N]`` for a forest, ``[B, n]`` rows of a rollout)."""
         raise NotImplementedError
 
     def padding_reaches_state(self, module: nn.Module) -> bool:

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from turbogrpo.architectures import hybrid_layers
 from turbogrpo.hook import check_materialized, embedding_table
 from turbogrpo.host_memory import keep_freed_host_memory
 from turbogrpo.output_head import check_logits_head, logits_head
@@ -165,6 +166,7 @@ def generate(model: nn.Module, prompts: list[torch.Tensor], *, num_samples: int,
     # caller that trains on the rollout's tensors would fail there). no_grad keeps the rollout free.
     with torch.inference_mode(False), torch.no_grad():
         schedule = schedule or default_schedule(device)
+        check_runner(model, schedule.runner)
         # The step is made inside: a speculative step may time the model (its latency profile) as it runs.
         with rollout_linear_kernel(schedule, draft)([model, *getattr(draft, "rollout_modules", list)()]), \
                 maybe_recording(model, record_routes) as recorder:
@@ -182,6 +184,15 @@ def check_route_recording(draft: object | None, schedule: DecodeSchedule | None)
     if schedule is not None and schedule.runner != "eager":
         raise ValueError(f"algo.routing_replay = \"replay\" records routes with the eager runner only, got runner "
                          f"{schedule.runner!r} (a compiled or captured step does not run the recording hooks)")
+
+
+def check_runner(model: nn.Module, runner: str) -> None:
+    """ValueError in one line for a hybrid model under a runner that traces the step whole: its recurrent layers'
+    units run outside any graph (``turbogrpo.hook``), which ``fullgraph`` compilation refuses and CUDA-graph capture
+    has not been checked with."""
+    if runner != "eager" and (layers := hybrid_layers(model.config)):
+        raise ValueError(f"DecodeSchedule.runner={runner!r} traces the decoding step whole, but model type "
+                         f"'{model.config.model_type}' has {layers}, whose units run eagerly: use runner='eager'")
 
 
 def rollout_linear_kernel(schedule: DecodeSchedule, draft: object | None = None):

@@ -14,6 +14,9 @@ Live sequences stay sorted by group, and finished ones are dropped by ``keep`` (
 place, so the storage is never reallocated and step cost follows the decoding batch). ``fork`` copies a
 row into consecutive rows (a branching multi-turn rollout's conversation splitting at a turn boundary);
 the storage is allocated up front for ``row_capacity`` rows so that forks never reallocate either.
+
+A hybrid model's recurrent layers keep their states beside the K/V, row for row (``states``, a
+``states.RecurrentStates``): ``keep`` and ``fork`` move them with the K/V rows.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from turbogrpo.rollout.states import RecurrentStates
 
 
 def write_slots(cache_BKCD: torch.Tensor, slots_Bn: torch.Tensor, new_BKnD: torch.Tensor) -> None:
@@ -98,6 +103,8 @@ class GroupedKVCache:
         self._values: dict[int, torch.Tensor] = {}
         self.lengths_B = torch.zeros(len(self._sequence_groups), dtype=torch.long, device=device)
         self.row_capacity = max(len(self._sequence_groups), row_capacity or 0)
+        self.states = RecurrentStates(self.row_capacity)
+        """A hybrid's recurrent states, one row per sequence (empty for an attention model)."""
         self.max_length = 0
         """Host-side upper bound on ``lengths_B``: attention reads slots ``< max_length + n`` only."""
         self._refresh_layout()
@@ -178,6 +185,7 @@ class GroupedKVCache:
                 live = slots[:num_rows]
                 # Targets past num_chosen get leftovers; they are beyond the new length, so unread.
                 write_slots(live, target_Bk, read_slots(live, source_Bk))
+        self.states.commit_lengths(num_chosen_B)   # a chain's: chosen_Bk[b, :num_chosen_B[b]] is 0, 1, ...
         self.lengths_B += num_chosen_B
         self.max_length += k if max_chosen is None else max_chosen
 
@@ -185,9 +193,13 @@ class GroupedKVCache:
         """Drop every live sequence except ``rows`` (host list of current row indices, increasing)."""
         rows_device = torch.tensor(rows, dtype=torch.long, device=self.device)
         used = min(self.max_length, self.capacity)
+        # Rows before the first dropped one stay where they are: only the rows after it move up.
+        first = next((i for i, row in enumerate(rows) if row != i), len(rows))
+        moved = rows_device[first:]
         for store in (self._keys, self._values):
             for slots in store.values():
-                slots[:len(rows), :, :used] = slots[rows_device, :, :used]
+                slots[first:len(rows), :, :used] = slots[moved, :, :used]
+        self.states.keep(first, moved)
         self.lengths_B = self.lengths_B[rows_device]
         self._sequence_groups = [self._sequence_groups[r] for r in rows]
         still_live = sorted(set(self._sequence_groups))
@@ -214,6 +226,7 @@ class GroupedKVCache:
         for store in (self._keys, self._values):
             for slots in store.values():
                 slots[:total, :, :used] = slots[source, :, :used]  # the gather copies before the write
+        self.states.fork(source)
         self.lengths_B = self.lengths_B[source]
         self._sequence_groups = [g for g, n in zip(self._sequence_groups, copies) for _ in range(n)]
         self._refresh_layout()

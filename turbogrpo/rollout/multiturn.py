@@ -459,13 +459,13 @@ def _feed(model: nn.Module, cache: GroupedKVCache, rows: list[int], feeding: lis
         conversation = conversations[rows[b]]
         ids_Bn[b, :counts[b]] = torch.tensor(conversation.pending[:counts[b]])
         del conversation.pending[:counts[b]]
-    hidden_BnH = forward_new_tokens(model, cache, ids_Bn.to(cache.device))
+    counts_B = torch.tensor(counts, device=cache.device)
+    hidden_BnH = forward_new_tokens(model, cache, ids_Bn.to(cache.device), num_valid_B=counts_B)
     if recorder is not None:
         routes_TLK = recorder.take()
         routes_BnLK = routes_TLK.view(len(rows), width, *routes_TLK.shape[1:])
         for b in feeding:
             conversations[rows[b]].routes.append(routes_BnLK[b, :counts[b]])
-    counts_B = torch.tensor(counts, device=cache.device)
     cache.commit_first(counts_B, width)
     last_BH = hidden_BnH[torch.arange(len(rows), device=cache.device), (counts_B - 1).clamp(min=0)]
     drawn = [b for b in feeding if not conversations[rows[b]].pending]

@@ -7,6 +7,11 @@ n = 1; speculative verification: a token tree). The prompt part is computed per 
 the group's live samples' queries stacked into one product; the per-sequence part is batched over
 sequences; the two are merged by log-sum-exp.
 
+A hybrid model's recurrent layers (``turbogrpo.mixers``) run through the plans' ``recurrent_layout()``: the
+prefill computes each prompt's states once and gives them to its samples' rows, a forward of new tokens
+advances each row's states (``states.py``; the cache keeps them). A token tree (``ancestors`` other than a
+chain) has no single state per row: a hybrid speculates with chains alone (``turbogrpo.speculative``).
+
 Legend: ``G`` live groups, ``B`` live sequences, ``n`` new tokens per sequence, ``H``/``Hkv`` query
 and key/value heads, ``r = H / Hkv``, ``D`` head dim, ``P`` longest prompt, ``L`` generated slots
 read, ``S`` max live samples per group, ``Hd`` hidden size.
@@ -23,6 +28,7 @@ from torch import nn
 from turbogrpo.hook import causal_band, run_decoder
 from turbogrpo.rollout.attention import merge_partials, partial_attention, partial_attention_for
 from turbogrpo.rollout.kv_cache import GroupedKVCache
+from turbogrpo.rollout.states import DecodeStates, PrefillStates
 
 
 def causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, scaling: float,
@@ -50,11 +56,21 @@ class PrefillPlan:
 
     def __init__(self, cache: PromptStore):
         self.cache = cache
+        self._states_layout: PrefillStates | None = None
 
     def __call__(self, module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
                  scaling: float, sliding_window: int | None) -> torch.Tensor:
         self.cache.store_prompt(module.layer_idx, key, value)
         return causal_attention(query, key, value, scaling=scaling, sliding_window=sliding_window)
+
+    def recurrent_layout(self) -> PrefillStates:
+        """What a hybrid's recurrent layers run over: each prompt row from the zero state, its final states
+        stored for its samples (the policy's ``GroupedKVCache`` only: a draft has no recurrent layers)."""
+        if self._states_layout is None:   # once per forward, for every recurrent layer
+            cache = self.cache
+            self._states_layout = PrefillStates(cache.states, cache.prompt_lengths_G, cache.layout.group_B,
+                                                cache.prompt_width)
+        return self._states_layout
 
 
 def padded_prompts(prompts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -81,9 +97,12 @@ class DecodePlan:
     Masks (as additive biases) and index tensors are built once per forward and shared by all layers.
     """
 
-    def __init__(self, cache: GroupedKVCache, positions_Bn: torch.Tensor, ancestors_Bnn: torch.Tensor):
+    def __init__(self, cache: GroupedKVCache, positions_Bn: torch.Tensor, ancestors_Bnn: torch.Tensor,
+                 num_valid_B: torch.Tensor | None = None, states_per_length: bool = False):
         self.cache = cache
         self.positions_Bn = positions_Bn
+        self.num_valid_B, self.states_per_length = num_valid_B, states_per_length
+        self._states_layout: DecodeStates | None = None
         num_new = positions_Bn.shape[1]
         device = positions_Bn.device
         self.slots_Bn = cache.lengths_B.unsqueeze(-1) + torch.arange(num_new, device=device)
@@ -115,6 +134,15 @@ class DecodePlan:
         out_own, lse_own = own_partial(query_BKMD, keys, values, own_bias, scaling)
         out_BKMD = merge_partials(out_prompt, lse_prompt, out_own, lse_own)
         return out_BKMD.reshape(num_rows, num_heads, num_new, head_dim).transpose(1, 2).to(query.dtype)
+
+    def recurrent_layout(self) -> DecodeStates:
+        """What a hybrid's recurrent layers run over: each row's new tokens (a chain) from its stored states,
+        advanced by its first ``num_valid_B`` of them, or kept after every length until the commit."""
+        if self._states_layout is None:   # once per forward, for every recurrent layer
+            num_rows, num_new = self.positions_Bn.shape
+            self._states_layout = DecodeStates(self.cache.states, num_rows, num_new, self.num_valid_B,
+                                               self.positions_Bn.device, self.states_per_length)
+        return self._states_layout
 
     def _prompt_attention(self, layer: int, query_BKMD: torch.Tensor, bias: torch.Tensor | None, partial,
                           scale: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -185,14 +213,17 @@ def _additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def forward_new_tokens(model: nn.Module, cache: GroupedKVCache, input_ids_Bn: torch.Tensor,
                        depths_Bn: torch.Tensor | None = None,
-                       ancestors_Bnn: torch.Tensor | None = None) -> torch.Tensor:
+                       ancestors_Bnn: torch.Tensor | None = None,
+                       num_valid_B: torch.Tensor | None = None, states_per_length: bool = False) -> torch.Tensor:
     """Final hidden states ``[B, n, Hd]`` of n new tokens per live sequence.
 
     ``depths_Bn`` (default ``0..n-1``): each token's offset past the sequence's committed tokens, so
     its position id is ``prompt_length + committed + depth``. ``ancestors_Bnn`` (bool, default a
     causal chain): token i attends to new token j where True; it must include i itself. The new
     tokens' K/V are written to the cache but not committed: follow with ``cache.commit_all(n)`` or
-    ``cache.commit(...)``.
+    ``cache.commit(...)``. A hybrid's recurrent states advance at once, by each row's first ``num_valid_B [B]``
+    new tokens (None: all n; the rest are padding its commit drops); with ``states_per_length`` (a chain's
+    speculative verification), they keep their states after every length until ``cache.commit`` picks each row's.
     """
     num_rows, num_new = input_ids_Bn.shape
     device = input_ids_Bn.device
@@ -202,4 +233,5 @@ def forward_new_tokens(model: nn.Module, cache: GroupedKVCache, input_ids_Bn: to
         ancestors_Bnn = torch.ones(num_new, num_new, dtype=torch.bool, device=device).tril().expand(
             num_rows, -1, -1)
     positions_Bn = cache.next_positions(depths_Bn)
-    return run_decoder(model, input_ids_Bn, positions_Bn, DecodePlan(cache, positions_Bn, ancestors_Bnn))
+    plan = DecodePlan(cache, positions_Bn, ancestors_Bnn, num_valid_B, states_per_length)
+    return run_decoder(model, input_ids_Bn, positions_Bn, plan)

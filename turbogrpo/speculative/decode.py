@@ -101,10 +101,13 @@ class TreeStep:
     keeps_hidden = True  # the draft reads its pending pairs from the policy's hidden states (not history)
 
     def __init__(self, draft: DraftHead | None, sizing: SizingPolicy, runner: str = "eager",
-                 history: HistoryDrafts | None = None):
+                 history: HistoryDrafts | None = None, chains_only: bool = False):
         self.draft = draft
         self.sizing = sizing
         self.history = history
+        self.chains_only = chains_only
+        """History drafts as one chain per row, whatever the shape's K (a hybrid: its recurrent states follow a
+        chain, ``rollout.states``); only without a neural draft."""
         self.keeps_hidden = draft is not None  # history drafts read tokens only
         # Looked up here, not bound at import, so that the functions can be watched in tests.
         self.draft_tree, self.verify_step = RUNNERS[runner](draft_tree), RUNNERS[runner](verify_step)
@@ -156,6 +159,8 @@ class TreeStep:
         cache, draft_cache = state.cache, self.draft_cache
         if self.draft is None or (isinstance(self.sizing, MergedSizing) and self.sizing.history_alone):
             num_chains, depth = chain_geometry(shape)
+            if self.chains_only:
+                num_chains, depth = 1, min(shape.depth, shape.num_nodes - 1)
             uniform_BN = self.draw_uniforms(state, 1 + num_chains * depth)
             with self.stopwatch:
                 tree = propose_history(state, self.corpus, self.history, num_chains, depth, max(self.emitted_host))
@@ -260,7 +265,9 @@ def verify_step(state: DecodeState, tree: DraftTree, uniform_BN: torch.Tensor | 
     path and the bonus token, and the commit of the path's K/V (finished rows' too: they are retired
     at the next host check, so nothing reads them)."""
     # Dead nodes (history.DEAD_TOKEN, never accepted) go through the forward as token 0.
-    hidden_BNH = forward_new_tokens(state.model, state.cache, tree.tokens.clamp(min=0), tree.depths, tree.ancestors)
+    # A hybrid's trees are chains (TreeStep.chains_only): its recurrent states are kept per length until the commit.
+    hidden_BNH = forward_new_tokens(state.model, state.cache, tree.tokens.clamp(min=0), tree.depths, tree.ancestors,
+                                    states_per_length=True)
     logits_BNV = at_least_float32(state.lm_head(hidden_BNH))
     verdict = verify_tree(tree, logits_BNV, state.sampling, uniform_BN=uniform_BN)
     if state.route_log is not None:  # MoE routes of the accepted path: the root (column emitted - 1), then its nodes

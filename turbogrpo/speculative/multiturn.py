@@ -106,13 +106,16 @@ def run_multiturn(model: nn.Module, prompts: list[torch.Tensor], num_samples: in
     stop_ids = frozenset(sampling.stop_token_ids)
     rows = list(range(len(conversations)))  # cache row -> conversation
     _read_host(state, step, rows, list(range(len(rows))), None, conversations, stop_ids, pool, stats, False)
+    # A hybrid's step keeps its recurrent states after every length of every row's chain (rollout.states), a
+    # reply's chunk included: its chunks are held to a tree's size, which bounds that memory.
+    chunk_limit = min(limits.prefill_chunk, step.extra_slots) if step.chains_only else limits.prefill_chunk
     while True:
         _collect_replies(conversations, rows, limits, stats, timing.due, pool, vocabulary_size(model))
         rows = _retire(state, step, rows, conversations)
         if not rows:
             break
         decoding = [b for b, i in enumerate(rows) if conversations[i].phase == _FEED and not conversations[i].pending]
-        chunks = {b: conversations[i].pending[:limits.prefill_chunk] for b, i in enumerate(rows)
+        chunks = {b: conversations[i].pending[:chunk_limit] for b, i in enumerate(rows)
                   if conversations[i].phase == _FEED and conversations[i].pending}
         if not decoding and not chunks:  # every live conversation waits for its environment
             wait_for_replies(conversations, rows, timing, stats, pool)
@@ -156,7 +159,7 @@ def _step(state: DecodeState, step: TreeStep, decoding: list[int], chunks: dict[
     else:
         tree, uniform_BN, catch_up_tokens = step.propose(state, shape)
     ids_Bn, depths_Bn, ancestors_Bnn = _step_inputs(tree, chunks)
-    hidden_BnH = forward_new_tokens(state.model, cache, ids_Bn, depths_Bn, ancestors_Bnn)
+    hidden_BnH = forward_new_tokens(state.model, cache, ids_Bn, depths_Bn, ancestors_Bnn, states_per_length=True)
     stats.num_forwards += 1
     verified = None
     if decoding:

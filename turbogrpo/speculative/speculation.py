@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from turbogrpo.architectures import hybrid_layers
 from turbogrpo.rollout.compiled import RUNNERS
 from turbogrpo.rollout.decode import generate
 from turbogrpo.rollout.sampling import SamplingConfig
@@ -55,13 +56,17 @@ class Speculation:
 
     def make_step(self, model: nn.Module, prompts: list[torch.Tensor], sampling: SamplingConfig) -> TreeStep:
         """The engine's ``DecodeStep`` for one rollout (see ``turbogrpo.rollout.step``)."""
+        # A hybrid's recurrent states follow a chain (kept per length until the commit, rollout.states), not a tree's
+        # branches: it speculates with one history chain per row (a neural draft head refuses it when built).
+        chains_only = hybrid_layers(model.config) is not None
         if self.draft is not None or self.history is None:
             check_draft(self.draft, model)
         if self.history is not None and not isinstance(self.history, HistoryDrafts):
             raise ValueError(f"Speculation.history must be a HistoryDrafts or None, got {type(self.history).__name__}")
         if self.runner not in RUNNERS:
             raise ValueError(f"Speculation.runner must be one of {sorted(RUNNERS)}, got {self.runner!r}")
-        return TreeStep(self.draft, resolve_sizing(self, model, prompts, sampling), self.runner, self.history)
+        return TreeStep(self.draft, resolve_sizing(self, model, prompts, sampling), self.runner, self.history,
+                        chains_only)
 
     def run_multiturn(self, model: nn.Module, prompts: list[torch.Tensor], num_samples: int, conversations: list,
                       sampling: SamplingConfig, limits, generator: torch.Generator | None, pool, timing):

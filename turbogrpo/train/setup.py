@@ -39,7 +39,7 @@ def load_policy(model: ModelConfig, lora: LoraConfig, device: torch.device, prec
         if lora.enabled:
             policy.enable_input_require_grads()
     check_logits_head(policy)   # a logits transform turbogrpo does not know stops the run here, not in step 1
-    check_supported(policy)     # so does a model the rollout engines cannot sample (a hybrid: no state cache yet)
+    check_supported(policy, training=True)   # so does a model neither the trainer nor the native engine runs
     return policy, tokenizer
 
 
