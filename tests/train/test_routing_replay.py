@@ -11,6 +11,7 @@ from turbogrpo.config import ConfigError, load_config
 from turbogrpo.models import tiny_moe
 from turbogrpo.train.loop import train
 from turbogrpo.train.metrics import read_metrics
+from turbogrpo.train.output_dir import run_record
 
 from .tiny_run import overrides, write_model, write_rows
 
@@ -75,15 +76,16 @@ def test_a_model_without_experts_is_refused_at_the_build(tmp_path):
     config = load_config(REPO / "configs" / "demo.toml", ['algo.routing_replay="replay"', "data.num_eval_problems=2",
                                                           f'train.output_dir="{tmp_path}"'])
     with pytest.raises(ValueError, match="needs a mixture-of-experts model"):
-        build_run(config, distributed.setup("cpu", "auto"), build_rewards(config.rewards))
+        build_run(config, distributed.setup("cpu", "auto"), build_rewards(config.rewards), run_record(config))
 
 
-def test_the_engine_records_the_routes_the_trainer_replays():
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_5_moe"])  # (qwen3_5_moe: a hybrid, with its state cache)
+def test_the_engine_records_the_routes_the_trainer_replays(family):
     """The native engine's routes of every prompt and completion token are the model's own forward's (float64:
     no rounding can flip a choice), with finished rows waiting in the batch (host check every 3 steps)."""
     from turbogrpo.rollout.decode import DecodeSchedule, generate
     from turbogrpo.rollout.sampling import SamplingConfig
-    model = tiny_moe("qwen3_moe")
+    model = tiny_moe(family)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 60, (p,), generator=g) for p in (5, 3, 4)]
     sampling = SamplingConfig(max_new_tokens=9, stop_token_ids=(1, 2, 3, 4, 5))
