@@ -134,10 +134,11 @@ class HybridFlops:
 def own_forward_logprobs(model, sequences: list[torch.Tensor], scored: list[torch.Tensor]) -> torch.Tensor:
     """Log-probs ``[N]`` of the scored tokens of ``sequences`` (``scored[i]``: ``[L_i]`` bool, never the first
     token), each sequence a row of one right-padded batch through the model's own forward (padding comes after a
-    row's tokens, which causal attention and the DeltaNet recurrence never let them see)."""
-    ids = nn.utils.rnn.pad_sequence(sequences, batch_first=True)
+    row's tokens, which causal attention and the DeltaNet recurrence never let them see), on the model's device."""
+    device = model.get_input_embeddings().weight.device
+    ids = nn.utils.rnn.pad_sequence(sequences, batch_first=True).to(device)
     hidden = decoder_of(model)(input_ids=ids).last_hidden_state
-    mask = nn.utils.rnn.pad_sequence(scored, batch_first=True)
+    mask = nn.utils.rnn.pad_sequence(scored, batch_first=True).to(device)
     rows, cols = mask[:, 1:].nonzero(as_tuple=True)   # a scored token at t is predicted from position t - 1
     logps, _ = lm_head_logprobs(hidden[rows, cols], logits_head(model), ids[rows, cols + 1], with_entropy=False)
     return logps

@@ -2,7 +2,7 @@
 
 K prompts x G samples, up to N new tokens at T = 1, stopping at EOS / end of turn, alternated run by run in one
 process (``harness.interleaved_medians``), with vLLM's engine beside them where vLLM serves the model type
-(``turbogrpo.engines.vllm.VLLM_HYBRID_MODEL_TYPES``). Two models (``--model``):
+(``turbogrpo.engines.VLLM_HYBRIDS``). Two models (``--model``):
 
     bench         bench/hybrid_prefix.py's hybrid at SmolLM2-135M's size, RANDOM weights, SmolLM2's GSM8K chat
                   prompts (zero-shot); random weights rarely draw a stop token, so most samples run N tokens:
@@ -34,7 +34,8 @@ from harness import interleaved_medians, print_table, write_results  # noqa: E40
 from hybrid_prefix import HYBRID_MODEL, QUICK_MODEL, hybrid_model  # noqa: E402
 from vllm_rollout import hf_generate, stop_ids  # noqa: E402
 
-from turbogrpo.engines.vllm import VllmEngine, vllm_serves  # noqa: E402
+from turbogrpo.engines import engine_refusal  # noqa: E402
+from turbogrpo.engines.vllm import VllmEngine  # noqa: E402
 from turbogrpo.rollout import SamplingConfig, generate  # noqa: E402
 
 
@@ -121,7 +122,7 @@ def main() -> None:
 
     contenders = {"native": native, "hf_generate": hf}
     engine = None
-    if vllm_serves(model_type):
+    if not engine_refusal("vllm", model_type):
         engine = VllmEngine(model.dtype, torch.device("cpu"), tokenizer)
 
         def vllm():

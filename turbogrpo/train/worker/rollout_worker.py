@@ -145,7 +145,8 @@ class _WorkerSampler:
                                    dtype=self.precision.compute_dtype, tokenizer=self.tokenizer,
                                    conversations=self.episodes is not None,
                                    needs=spec.engine_needs, max_length=spec.engine_max_length or None,
-                                   enforce_eager=spec.rollout.vllm_enforce_eager)
+                                   enforce_eager=spec.rollout.vllm_enforce_eager,
+                                   model_type=self.policy.config.model_type)
         self.partial = (PartialRollouts(spec.rollout.num_generations, spec.rollout.max_new_tokens,
                                         spec.partial_rollouts) if spec.partial_rollouts else None)
 
