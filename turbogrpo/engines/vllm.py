@@ -196,7 +196,10 @@ class VllmEngine:
             if tokenizer is not None:  # only stop strings need it (vLLM detokenizes to find them)
                 tokenizer.save_pretrained(folder)
             self.llm = LLM(model=folder, dtype=str(self.dtype).removeprefix("torch."), seed=0,
-                           enable_prefix_caching=True, logprobs_mode="processed_logprobs",
+                           # A hybrid's states: vLLM 0.32 caches them for prefixes only with chunked prefill (its
+                           # 'align' mode), which is off here; without the prefix cache each sample prefills its prompt.
+                           enable_prefix_caching=config.model_type not in SHARED_IN_TRAINING,
+                           logprobs_mode="processed_logprobs",
                            max_model_len=self.max_model_len or getattr(config, "max_position_embeddings", None),
                            skip_tokenizer_init=tokenizer is None, **MEMORY.get(self.device.type, MEMORY["cuda"]),
                            # Whole prefills: vLLM 0.32 rewinds a seeded request's generator after a partial
