@@ -27,7 +27,7 @@ attention layers, the LM head per scored token) and the largest log-prob gap bet
 
     python bench/hybrid_prefix.py                 # (a) and (b) (results/hybrid_prefix.json), ~25 min on 2 cores
     python bench/hybrid_prefix.py --parts prefix  # (a) only
-    python bench/hybrid_prefix.py --quick         # a tiny hybrid, tiny shapes, 1 repeat (results/hybrid_prefix_quick.json)
+    python bench/hybrid_prefix.py --quick         # a tiny hybrid, tiny shapes, 1 repeat (..._quick.json)
 """
 
 from __future__ import annotations
@@ -284,14 +284,16 @@ def main() -> None:
                          "parameters": sum(p.numel() for p in model.parameters()), **settings,
                          "full_attention_every": FULL_ATTENTION_EVERY},
                "repeats": repeats, "warmup": warmup, "load_average_before": load_before}
-    name = "hybrid_prefix_quick" if args.quick else "hybrid_prefix" if len(parts) == len(PARTS) else "hybrid_prefix_partial"
+    name = ("hybrid_prefix_quick" if args.quick else "hybrid_prefix" if len(parts) == len(PARTS)
+            else "hybrid_prefix_partial")
     for part in parts:
         results[part] = PARTS[part](model, args.quick, repeats, warmup)
         results["load_average_after"] = os.getloadavg()
         write_results(name, results)   # after every part, so an interrupted run keeps what it measured
     rows = [[f"{r['prompt']} {r['dtype']}", f"{r['prompt_len']}/{r['completion_len']}/{r['group_size']}",
              r["times"]["standard"]["median_s"], r["times"]["shared"]["median_s"], r["speedup"], r["flop_ratio"],
-             r["speedup_over_flop_ratio"], f"{r['max_abs_logprob_gap_float32']:.1e}"] for r in results.get("prefix", [])]
+             r["speedup_over_flop_ratio"], f"{r['max_abs_logprob_gap_float32']:.1e}"]
+            for r in results.get("prefix", [])]
     rows += [[f"tree: {r['case']}", f"{r['row_tokens']} -> {r['trie_tokens']} tokens", r["times"]["rows"]["median_s"],
               r["times"]["tree"]["median_s"], r["speedup"], r["flop_ratio"], r["speedup_over_flop_ratio"],
               f"{r['max_abs_logprob_gap_float32']:.1e}"] for r in results.get("tree", [])]

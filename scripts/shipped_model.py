@@ -202,7 +202,8 @@ def sft_loss_shared_prefix(model, prefix, ids, completion_mask, question_mask, q
     whose "completions" are the rows (question + solution + eos). A hybrid needs it: transformers' linear-attention
     cache updates its states in place, which breaks the backward through a repeated cache."""
     lengths = (completion_mask | question_mask).sum(1).tolist()
-    logps = completion_logprobs(model, [prefix], [[row[:n] for row, n in zip(ids, lengths)]])[0]
+    rows = [row[:n] for row, n in zip(ids, lengths)]
+    logps = completion_logprobs(model, [prefix], [rows], backend="cascade")[0]
     token_loss = -torch.nn.utils.rnn.pad_sequence(logps, batch_first=True)
     token_loss = F.pad(token_loss, (0, ids.shape[1] - token_loss.shape[1]))
     return _weighted(token_loss, completion_mask, question_mask, question_weight)
@@ -262,11 +263,12 @@ def warm_start(task: ShippedTask, model, tokenizer, config: BuildConfig, log_eve
 
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
     model.train()
+    sft_loss = ARCHITECTURES[config.architecture].sft_loss
     start = time.time()
     for step in range(config.steps):
         batch = problems[step * config.batch_size:(step + 1) * config.batch_size]
         completions = [noisy_completion(p, rng, config.flip_op) for p in batch]
-        loss, completion_loss = ARCHITECTURES[config.architecture].sft_loss(model, prefix, *encode_batch(tokenizer, batch, completions, len(prefix)),
+        loss, completion_loss = sft_loss(model, prefix, *encode_batch(tokenizer, batch, completions, len(prefix)),
                                          config.question_loss)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

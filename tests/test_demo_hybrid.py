@@ -70,3 +70,22 @@ def test_turbogrpo_demo_model_demo_hybrid_trains_and_reports(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "2 steps in" in out and "The demo trained its model with GRPO" in out
     assert (tmp_path / "run" / "final" / "config.json").is_file() and any((tmp_path / "run" / "report").iterdir())
+
+
+def test_the_warm_start_losses_agree_through_the_cache_and_the_shared_prefix_forward(monkeypatch):
+    """scripts/shipped_model.py's two warm-start losses (the demo's through a repeated KV cache, the hybrid's through
+    turbogrpo's shared-prefix forward) are one loss: equal on the demo model in float64."""
+    import random
+    from pathlib import Path
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "scripts"))
+    import shipped_model
+    from build_demo_model import TASK
+
+    model, tokenizer = load_demo_model("demo", dtype="float64")
+    problems = TASK.problems("train", 3, 0)
+    prefix = torch.tensor(shipped_model.shared_prefix_ids(tokenizer, TASK.problems("train", 16, 0)))
+    completions = [shipped_model.noisy_completion(p, random.Random(0), 0.3) for p in problems]
+    batch = shipped_model.encode_batch(tokenizer, problems, completions, len(prefix))
+    cached = shipped_model.sft_loss_cached(model, prefix, *batch, 1.0)
+    shared = shipped_model.sft_loss_shared_prefix(model, prefix, *batch, 1.0)
+    torch.testing.assert_close(torch.stack(shared), torch.stack(cached), rtol=0, atol=1e-10)

@@ -1,5 +1,6 @@
-"""Which engine samples a hybrid model (issue 53 part 3): data on the engines (``EngineCapabilities.hybrid_model_types``,
-``VLLM_HYBRIDS``), read by "auto" and by a named engine's one-line refusal."""
+"""Which engine samples a hybrid model (issue 53 part 3): data on the engines
+(``EngineCapabilities.hybrid_model_types``, ``VLLM_HYBRIDS``), read by "auto" and by a named engine's one-line
+refusal."""
 
 import dataclasses
 import importlib.util
