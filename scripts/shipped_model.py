@@ -17,16 +17,19 @@ import random
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields, replace
+from typing import NamedTuple
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers, trainers
-from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen2Tokenizer
+from transformers import (PreTrainedModel, Qwen2Config, Qwen2ForCausalLM, Qwen2Tokenizer, Qwen3_5ForCausalLM,
+                          Qwen3_5TextConfig)
 from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX as QWEN2_PRETOKENIZE_REGEX
 
 from turbogrpo.data.arithmetic import ArithmeticProblem, SolutionStep, question_block
 from turbogrpo.models import load_model_and_tokenizer, resolve_model_path
+from turbogrpo.prefix import completion_logprobs
 from turbogrpo.rewards import math_accuracy
 
 EOS, PAD = "<|endoftext|>", "<|pad|>"
@@ -38,6 +41,9 @@ class BuildConfig:
 
     seed: int = 0
     init_from: str = ""              # "" trains from scratch; a shipped model's name ("demo") or a folder: start there
+    architecture: str = "qwen2"      # a key of ARCHITECTURES: the model built from scratch and how it is warm-started
+    tokenizer_from: str = ""         # "" trains a tokenizer; a shipped model's name or a folder: reuse its tokenizer
+    full_attention_every: int = 4    # hybrids: every 4th layer is full attention, the others linear (Qwen3.5's 3:1)
     vocab_size: int = 512            # 256 byte tokens + merges for the task's words
     hidden_size: int = 128
     num_layers: int = 8              # deep enough that a one-layer draft head is cheap next to it
@@ -88,7 +94,8 @@ def build_tokenizer(task: ShippedTask, problems: list[ArithmeticProblem], vocab_
                           pad_token=PAD, padding_side="left", model_max_length=max_positions)
 
 
-def build_model(config: BuildConfig, tokenizer: Qwen2Tokenizer) -> Qwen2ForCausalLM:
+def build_qwen2(config: BuildConfig, tokenizer) -> Qwen2ForCausalLM:
+    """A Qwen2-style decoder: every layer softmax attention (the shipped demo model)."""
     model_config = Qwen2Config(
         vocab_size=len(tokenizer), hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
         num_hidden_layers=config.num_layers, num_attention_heads=config.num_heads,
@@ -96,6 +103,34 @@ def build_model(config: BuildConfig, tokenizer: Qwen2Tokenizer) -> Qwen2ForCausa
         tie_word_embeddings=True, bos_token_id=None, eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id)
     return Qwen2ForCausalLM(model_config)
+
+
+def build_qwen3_5(config: BuildConfig, tokenizer) -> Qwen3_5ForCausalLM:
+    """A Qwen3.5-shaped hybrid (model type qwen3_5_text): gated DeltaNet layers, and full attention (gated, with
+    q/k norms) in every ``full_attention_every``-th layer. As in Qwen3.5, the linear layers have twice as many
+    value heads as key heads and a convolution of width 4; all heads are ``hidden_size // num_heads`` wide."""
+    head_dim = config.hidden_size // config.num_heads
+    layer_types = ["full_attention" if (i + 1) % config.full_attention_every == 0 else "linear_attention"
+                   for i in range(config.num_layers)]
+    model_config = Qwen3_5TextConfig(
+        vocab_size=len(tokenizer), hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
+        num_hidden_layers=config.num_layers, layer_types=layer_types, num_attention_heads=config.num_heads,
+        num_key_value_heads=config.num_kv_heads, head_dim=head_dim, linear_num_key_heads=config.num_kv_heads,
+        linear_num_value_heads=2 * config.num_kv_heads, linear_key_head_dim=head_dim,
+        linear_value_head_dim=head_dim, linear_conv_kernel_dim=4, max_position_embeddings=config.max_positions,
+        tie_word_embeddings=True, bos_token_id=None, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id)
+    return Qwen3_5ForCausalLM(model_config)
+
+
+def initial_tokenizer(task: "ShippedTask", config: BuildConfig):
+    """``config.tokenizer_from``'s tokenizer (a shipped model's, so that two shipped models read the same ids), else
+    one trained on the task's text."""
+    if config.tokenizer_from:
+        _, tokenizer = load_model_and_tokenizer(resolve_model_path(config.tokenizer_from))
+        return tokenizer
+    return build_tokenizer(task, task.problems("train", 3000, config.seed + 1), config.vocab_size,
+                           config.max_positions)
 
 
 def initial_model(config: BuildConfig):
@@ -151,17 +186,48 @@ def encode_batch(tokenizer, problems, completions, prefix_len: int):
     return ids, completion_mask, question_mask
 
 
-def sft_loss(model, prefix, ids, completion_mask, question_mask, question_weight: float):
+def sft_loss_cached(model, prefix, ids, completion_mask, question_mask, question_weight: float):
     """(loss to minimise, completion-token loss); the preamble runs once, its KV repeated per row."""
     prefix_out = model(prefix[None], use_cache=True)
-    cache = prefix_out.cache
+    cache = prefix_out.past_key_values
     cache.batch_repeat_interleave(ids.shape[0])
-    suffix_logits = model(ids, cache=cache).logits
+    suffix_logits = model(ids, past_key_values=cache).logits
     logits = torch.cat([prefix_out.logits[:, -1:].expand(ids.shape[0], -1, -1), suffix_logits[:, :-1]], 1)
     token_loss = F.cross_entropy(logits.flatten(0, 1), ids.flatten(), reduction="none").view(ids.shape)
+    return _weighted(token_loss, completion_mask, question_mask, question_weight)
+
+
+def sft_loss_shared_prefix(model, prefix, ids, completion_mask, question_mask, question_weight: float):
+    """``sft_loss_cached``'s loss through turbogrpo's shared-prefix forward: the preamble is the prompt of one group
+    whose "completions" are the rows (question + solution + eos). A hybrid needs it: transformers' linear-attention
+    cache updates its states in place, which breaks the backward through a repeated cache."""
+    lengths = (completion_mask | question_mask).sum(1).tolist()
+    rows = [row[:n] for row, n in zip(ids, lengths)]
+    logps = completion_logprobs(model, [prefix], [rows], backend="cascade")[0]
+    token_loss = -torch.nn.utils.rnn.pad_sequence(logps, batch_first=True)
+    token_loss = F.pad(token_loss, (0, ids.shape[1] - token_loss.shape[1]))
+    return _weighted(token_loss, completion_mask, question_mask, question_weight)
+
+
+def _weighted(token_loss, completion_mask, question_mask, question_weight: float):
+    """(completion loss + question_weight * question loss, completion loss), each a mean over its tokens [B, T]."""
     completion_loss = (token_loss * completion_mask).sum() / completion_mask.sum()
     question_loss = (token_loss * question_mask).sum() / question_mask.sum()
     return completion_loss + question_weight * question_loss, completion_loss
+
+
+class ShippedArchitecture(NamedTuple):
+    """How a shipped model of one architecture is built from scratch and warm-started."""
+
+    build: Callable[[BuildConfig, object], PreTrainedModel]   # (config, tokenizer) -> a fresh model
+    sft_loss: Callable                                         # sft_loss_cached's signature and result
+
+
+# The demo keeps its cached loss (same values, other float rounding: its shipped weights are reproducible bit for bit).
+ARCHITECTURES: dict[str, ShippedArchitecture] = {
+    "qwen2": ShippedArchitecture(build_qwen2, sft_loss_cached),
+    "qwen3_5": ShippedArchitecture(build_qwen3_5, sft_loss_shared_prefix),
+}
 
 
 def bucket_by_length(problems: list[ArithmeticProblem], batch_size: int, window: int,
@@ -197,6 +263,7 @@ def warm_start(task: ShippedTask, model, tokenizer, config: BuildConfig, log_eve
 
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
     model.train()
+    sft_loss = ARCHITECTURES[config.architecture].sft_loss
     start = time.time()
     for step in range(config.steps):
         batch = problems[step * config.batch_size:(step + 1) * config.batch_size]
@@ -279,12 +346,13 @@ def main(task: ShippedTask, defaults: BuildConfig, description: str) -> None:
     torch.set_num_threads(args.threads)
     torch.manual_seed(config.seed)
 
+    if config.architecture not in ARCHITECTURES:
+        parser.error(f"--architecture {config.architecture!r} is not one of {sorted(ARCHITECTURES)}")
     if config.init_from:
         model, tokenizer = initial_model(config)
     else:
-        tokenizer = build_tokenizer(task, task.problems("train", 3000, config.seed + 1), config.vocab_size,
-                                    config.max_positions)
-        model = build_model(config, tokenizer)
+        tokenizer = initial_tokenizer(task, config)
+        model = ARCHITECTURES[config.architecture].build(config, tokenizer)
     print(f"vocab {len(tokenizer)}, parameters {sum(p.numel() for p in model.parameters()):,}", flush=True)
     start = time.time()
     warm_start(task, model, tokenizer, config, log_every=max(1, config.steps // 20))

@@ -14,8 +14,9 @@ Three classes:
   (linear attention, Mamba-2, short convolutions), listed in :data:`SHARED_IN_TRAINING`. The shared-prefix forward
   and the trie forward run it exactly, its attention layers through the plans and its other layers through their
   registered units (``turbogrpo.mixers``); the native rollout engine samples it through the same units, with a state
-  cache beside its KV cache (``rollout.states``), and speculates on it with history chains. A neural draft head and
-  the vLLM engine refuse it in one line (engine capability ``hybrid_layers``).
+  cache beside its KV cache (``rollout.states``), and speculates on it with history chains. A neural draft head
+  refuses it in one line; the vLLM engine serves the types it was found to run (``engines.VLLM_HYBRIDS``, engine
+  capability ``hybrid_model_types``).
 * **tree falls back**: token mixing that turbogrpo's attention plans do not implement (a
   :data:`TOKEN_MIXING_RULES` rule applies). ``tree_logprobs`` runs such a model one row per sequence through
   its own forward (the same numbers, no sharing); the shared-prefix forward and the rollout engine refuse it.
@@ -86,7 +87,7 @@ def _attention_sinks(config) -> str | None:
 # Hybrid model types whose stateful layers the training forwards (shared prefix, trie) run shared, through the
 # units of turbogrpo.mixers, checked against the model's own forward in float64 (log-probs and every gradient,
 # tests/mixers), and sampled by the native rollout engine (tests/rollout/test_hybrid.py): model type -> its layers.
-# A neural draft head and the vLLM engine refuse them (the draft copies attention layers; vLLM keeps no state here).
+# A neural draft head refuses them (the draft copies attention layers); vLLM serves the types of engines.VLLM_HYBRIDS.
 SHARED_IN_TRAINING: dict[str, str] = {
     "qwen3_5_text": "gated DeltaNet (linear attention) and full attention",
     "qwen3_5_moe_text": "gated DeltaNet and full attention, sparse MoE",
@@ -105,7 +106,7 @@ SHARED_IN_TRAINING: dict[str, str] = {
 
 def hybrid_layers(config) -> str | None:
     """The stateful layers of ``config``'s model, as :data:`SHARED_IN_TRAINING` names them, or None for a model that
-    is not such a hybrid (what the native engine's state cache serves, and the vLLM engine refuses)."""
+    is not such a hybrid (what the native engine's state cache serves)."""
     return SHARED_IN_TRAINING.get(getattr(config, "model_type", None))
 
 

@@ -5,6 +5,7 @@
                                                       ~5 min on 2 CPU cores
     turbogrpo demo --longform [...]                   the long-form task, speculative rollouts + online draft
     turbogrpo demo --model smollm2 [...]              a real instruct model (SmolLM2-135M) learns small sums
+    turbogrpo demo --model demo-hybrid [...]          the arithmetic task on a Qwen3.5-shaped hybrid (DeltaNet)
     turbogrpo eval [CONFIG] [--model PATH] [--set ...]  held-out greedy accuracy of a model
     turbogrpo rollout-worker CONFIG --trainer HOST:PORT [--rank R] [--set ...]
                                                       draw an asynchronous run's rollouts on this machine for
@@ -112,8 +113,14 @@ SMOLLM2_OVERRIDES = [
     "log.completions_every=5",
 ]
 
+# `turbogrpo demo --model demo-hybrid`: the demo on its Qwen3.5-shaped hybrid (gated DeltaNet and full attention,
+# 3:1; scripts/build_demo_model.py --model demo-hybrid), the same task, tokenizer and settings.
+DEMO_HYBRID_OVERRIDES = [*(o for o in DEMO_OVERRIDES if not o.startswith(("model.path=", "train.output_dir="))),
+                         "model.path=demo-hybrid", "train.output_dir=runs/demo_hybrid"]
+
 # The demos by model: `turbogrpo demo --model NAME`.
-DEMOS = {"demo": DEMO_OVERRIDES, "longform": LONGFORM_OVERRIDES, "smollm2": SMOLLM2_OVERRIDES}
+DEMOS = {"demo": DEMO_OVERRIDES, "demo-hybrid": DEMO_HYBRID_OVERRIDES, "longform": LONGFORM_OVERRIDES,
+         "smollm2": SMOLLM2_OVERRIDES}
 
 
 def demo_config(overrides: list[str] = (), *, longform: bool = False, model: str = "demo") -> Config:
@@ -138,8 +145,8 @@ def main(argv: list[str] | None = None) -> int:
                           help="the long-form task (3-12 step problems) with speculative rollouts and a draft head "
                                "learnt online (configs/longform.toml); the same as --model longform")
     demo_cmd.add_argument("--model", choices=sorted(DEMOS), default="demo",
-                          help="demo: the shipped 1.6M-parameter arithmetic model (default); longform: the long-form "
-                               "task; smollm2: SmolLM2-135M-Instruct learns small sums (configs/smollm2_arithmetic.toml)")
+                          help="demo: the shipped 1.6M-parameter arithmetic model (default); demo-hybrid: the same task "
+                               "on a 1.8M-parameter Qwen3.5-shaped hybrid; longform: the long-form task; smollm2: SmolLM2-135M-Instruct learns small sums (configs/smollm2_arithmetic.toml)")
 
     eval_cmd = commands.add_parser("eval", help="held-out greedy accuracy of a model")
     eval_cmd.add_argument("config", nargs="?", help="config file (default: the demo's)")

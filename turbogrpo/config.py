@@ -39,7 +39,7 @@ class ModelConfig:
 
     path: str = "demo"
     """Local folder or Hub name of a Hugging Face causal LM; "demo" and "longform" are the shipped models
-    of the two built-in tasks."""
+    of the two built-in tasks ("demo-hybrid": the demo's task on a Qwen3.5-shaped hybrid)."""
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"
     """Compute dtype. bfloat16/float16: float32 master weights and AdamW state, forwards (rollout and
     training) under torch.autocast; the fast choice on GPU (float16 has no loss scaling: prefer bfloat16).

@@ -49,6 +49,8 @@ DEMO_MODEL_DIR = ASSETS_DIR / "demo_model"
 # Models shipped with turbogrpo, by the name a config's model.path may give: (folder, build script).
 SHIPPED_MODELS: dict[str, tuple[Path, str]] = {
     "demo": (DEMO_MODEL_DIR, "scripts/build_demo_model.py"),  # the arithmetic task (turbogrpo.data.arithmetic)
+    # the same task and tokenizer on a Qwen3.5-shaped hybrid (gated DeltaNet and full attention, 3:1)
+    "demo-hybrid": (ASSETS_DIR / "demo_hybrid_model", "scripts/build_demo_model.py --model demo-hybrid"),
     "longform": (ASSETS_DIR / "longform_model", "scripts/build_longform_model.py"),  # turbogrpo.data.longform
 }
 # A Hub id is "name" or "owner/name"; anything else that does not exist locally is a missing folder.
@@ -411,7 +413,7 @@ def tiny_moe(family: str, dtype: str | torch.dtype = torch.float64, seed: int = 
 
 
 def shipped_model_path(name: str) -> Path:
-    """Folder of a model shipped with turbogrpo (``SHIPPED_MODELS``: "demo" or "longform")."""
+    """Folder of a model shipped with turbogrpo (``SHIPPED_MODELS``: "demo", "demo-hybrid" or "longform")."""
     folder, script = SHIPPED_MODELS[name]
     if not (folder / "config.json").is_file():
         raise ValueError(f"the {name} model is missing from {folder}; rebuild it with `python {script}`")
@@ -437,12 +439,18 @@ def model_source(path: str) -> Path:
     return gguf_source_file(path) if is_gguf_source(path) else Path(path)
 
 
-def demo_model_path() -> Path:
-    """Folder of the demo model shipped with turbogrpo (built by scripts/build_demo_model.py)."""
-    return shipped_model_path("demo")
+DEMO_MODELS = ("demo", "demo-hybrid")
+"""The shipped models of the demo's arithmetic task (one tokenizer): attention only, and a Qwen3.5-shaped hybrid."""
 
 
-def load_demo_model(*, dtype: str | torch.dtype = "float32", device: str | torch.device | None = None,
-                    ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """The shipped demo model and tokenizer (see turbogrpo.data.arithmetic for its task)."""
-    return load_model_and_tokenizer(demo_model_path(), dtype=dtype, device=device)
+def demo_model_path(name: str = "demo") -> Path:
+    """Folder of a demo model shipped with turbogrpo (``DEMO_MODELS``; built by scripts/build_demo_model.py)."""
+    if name not in DEMO_MODELS:
+        raise ValueError(f"demo model {name!r} is not one of {', '.join(DEMO_MODELS)}")
+    return shipped_model_path(name)
+
+
+def load_demo_model(name: str = "demo", *, dtype: str | torch.dtype = "float32",
+                    device: str | torch.device | None = None) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """A shipped demo model (``DEMO_MODELS``) and its tokenizer (see turbogrpo.data.arithmetic for its task)."""
+    return load_model_and_tokenizer(demo_model_path(name), dtype=dtype, device=device)

@@ -18,6 +18,7 @@ NOT_RUN = {
     ("README.md", "turbogrpo demo --model smollm2     # = turbogrpo train configs/smollm2_arithmetic.toml"),
     ("README.md", "turbogrpo train configs/smollm2_calculator.toml     # SmolLM2 learns to call a calculator tool"),
     ("docs/guide/demo.md", "turbogrpo demo --longform          # long-form task, speculative rollouts, draft learnt online"),
+    ("docs/guide/demo.md", "turbogrpo demo --model demo-hybrid --overwrite   # runs/demo_hybrid/"),
     ("docs/guide/distributed.md", "torchrun --nproc_per_node 4 -m turbogrpo train configs/gsm8k_lora_ddp.yaml"),
     ("docs/guide/distributed.md", "export TURBOGRPO_ROLLOUT_SECRET=$(python -c 'import secrets; print(secrets.token_hex(32))')  "
                                   "# the same on both"),

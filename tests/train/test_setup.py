@@ -40,22 +40,21 @@ def test_prompts_are_checked_against_the_models_positions_at_load(tmp_path):
 
 def test_a_hybrid_policy_loads_and_only_the_native_engine_is_picked_for_it(tmp_path):
     """Its training forwards run shared (tests/mixers) and the native engine samples it (tests/rollout/test_hybrid.py):
-    the policy loads; "auto" keeps to the engine with the "hybrid_layers" capability."""
+    the policy loads; "auto" keeps to the native engine, and vLLM (which cannot load Qwen3.5 here) is one line."""
     import torch
 
     from tests.mixers.conftest import build_hybrid
     from turbogrpo.config import LoraConfig, ModelConfig
-    from turbogrpo.engines import check_serves, policy_needs, resolve_engine
+    from turbogrpo.engines import resolve_engine
     tokenizer = char_tokenizer()
     build_hybrid("qwen3_5_text", torch.float32, vocab_size=len(tokenizer)).save_pretrained(tmp_path)
     tokenizer.save_pretrained(tmp_path)
     device = torch.device("cpu")
     policy, _ = setup.load_policy(ModelConfig(path=str(tmp_path)), LoraConfig(), device,
                                   run_precision("float32", False, device))
-    assert policy_needs(policy) == ("hybrid_layers",)
-    assert resolve_engine("auto", device, needs=policy_needs(policy)) == "native"
-    check_serves("native", policy_needs(policy))
-    with pytest.raises(ValueError, match=r"^config key 'rollout.engine': \"vllm\" cannot sample a hybrid model "
-                                         r"\(linear-attention, Mamba-2 or short-convolution layers\); use \"native\" "
-                                         r"or \"auto\"$"):
-        check_serves("vllm", policy_needs(policy))
+    model_type = policy.config.model_type
+    assert resolve_engine("auto", device, model_type=model_type) == resolve_engine("native", device,
+                                                                                     model_type=model_type) == "native"
+    with pytest.raises(ValueError, match=r"^rollout.engine = \"vllm\" cannot sample model type 'qwen3_5_text' \(a "
+                                         r"hybrid: .*; use rollout.engine = \"native\" or \"auto\"$"):
+        resolve_engine("vllm", device, model_type=model_type)

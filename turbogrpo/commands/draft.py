@@ -84,7 +84,8 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
 
 
 def _add_model_arguments(cmd: argparse.ArgumentParser, default: str | None = "demo") -> None:
-    cmd.add_argument("--model", default=default, help=f"model folder, Hub name, or 'demo' (the shipped model); "
+    cmd.add_argument("--model", default=default, help=f"model folder, Hub name, or 'demo' / 'demo-hybrid' (the shipped "
+                                                      f"models); "
                                                       f"default {default or 'demo, or the --config model'}")
     cmd.add_argument("--dtype", default="float32", help="float32, bfloat16, float16 or float64")
     cmd.add_argument("--device", default=None, help="e.g. cuda, cuda:1, cpu (default: cuda if available)")
@@ -96,11 +97,11 @@ def _device(args) -> torch.device:
 
 
 def _load(args):
-    from turbogrpo.models import load_demo_model, load_model_and_tokenizer, resolve_model_path
+    from turbogrpo.models import DEMO_MODELS, load_demo_model, load_model_and_tokenizer, resolve_model_path
 
     device = _device(args)
-    if args.model == "demo":
-        return load_demo_model(dtype=args.dtype, device=device)
+    if args.model in DEMO_MODELS:
+        return load_demo_model(args.model, dtype=args.dtype, device=device)
     return load_model_and_tokenizer(resolve_model_path(args.model), dtype=args.dtype, device=device)
 
 

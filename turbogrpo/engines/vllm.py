@@ -50,7 +50,9 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
+from turbogrpo.architectures import SHARED_IN_TRAINING
 from turbogrpo.batch import Groups
+from turbogrpo.engines import engine_refusal
 from turbogrpo.engines.vllm_speculation import EngineDraft, speculation_problem
 from turbogrpo.engines.weights import base_model, checkpoint_weights, needs_untied, trainable_modules
 from turbogrpo.hook import check_supported
@@ -178,7 +180,11 @@ class VllmEngine:
 
     def build(self, policy: nn.Module) -> None:
         """The engine from ``policy``'s current weights (see the module docstring), with a progress line."""
-        check_supported(policy)   # a hybrid's linear-attention / Mamba states are not kept here yet: one line
+        model_type = base_model(policy).config.model_type
+        if refusal := engine_refusal("vllm", model_type):   # a hybrid vLLM does not run here: one line
+            raise ValueError(refusal)
+        if model_type not in SHARED_IN_TRAINING:   # a hybrid it serves runs vLLM's own kernels, not turbogrpo's plans
+            check_supported(policy)
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core runs in this process
         from vllm import LLM
         start = time.perf_counter()
@@ -190,7 +196,10 @@ class VllmEngine:
             if tokenizer is not None:  # only stop strings need it (vLLM detokenizes to find them)
                 tokenizer.save_pretrained(folder)
             self.llm = LLM(model=folder, dtype=str(self.dtype).removeprefix("torch."), seed=0,
-                           enable_prefix_caching=True, logprobs_mode="processed_logprobs",
+                           # A hybrid's states: vLLM 0.32 caches them for prefixes only with chunked prefill (its
+                           # 'align' mode), which is off here; without the prefix cache each sample prefills its prompt.
+                           enable_prefix_caching=config.model_type not in SHARED_IN_TRAINING,
+                           logprobs_mode="processed_logprobs",
                            max_model_len=self.max_model_len or getattr(config, "max_position_embeddings", None),
                            skip_tokenizer_init=tokenizer is None, **MEMORY.get(self.device.type, MEMORY["cuda"]),
                            # Whole prefills: vLLM 0.32 rewinds a seeded request's generator after a partial

@@ -24,8 +24,7 @@ from turbogrpo.moe_routes import route_shape
 from turbogrpo.rewards import Reward
 from turbogrpo.rollout import SamplingConfig
 from turbogrpo.rollout.decode import DecodeSchedule, default_schedule
-from turbogrpo.engines import (CAPABILITIES, DEFAULT_ENGINE, RolloutEngine, build_engine, check_serves, policy_needs,
-                               resolve_engine)
+from turbogrpo.engines import CAPABILITIES, DEFAULT_ENGINE, RolloutEngine, build_engine, resolve_engine
 from turbogrpo.train import distributed, setup
 from turbogrpo.train.distributed import DistInfo
 from turbogrpo.train.draft_learning import OnlineDraft, build_online_draft
@@ -192,10 +191,9 @@ def build_run(config: Config, dist: DistInfo, rewards: list[Reward], record: Run
                             shuffle=config.data.shuffle)
     longest_prompt = max(e.token_ids.numel() for e in prompt_set.examples)
     schedule = replace(default_schedule(dist.device), linears=config.model.linear_kernel)
-    model_needs = policy_needs(policy)
-    needs = config.engine_needs() + model_needs
-    engine_name = resolve_engine(config.rollout.engine, dist.device, conversations=episodes is not None, needs=needs)
-    check_serves(engine_name, model_needs)   # a hybrid policy on vLLM: one line, before any build
+    needs = config.engine_needs()
+    engine_name = resolve_engine(config.rollout.engine, dist.device, conversations=episodes is not None, needs=needs,
+                                 model_type=policy.config.model_type)  # (a hybrid vLLM does not serve: one line)
     # A conversation's prompt is rendered at rollout time, with its environment's tools listed: longer than the
     # data's ids, so an [env] run's engine serves up to the model's own limit. At k > 0 the rollout worker samples
     # with its own engine; the trainer's samples only held-out answers (a vLLM one would still import vllm into the

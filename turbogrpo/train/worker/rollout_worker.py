@@ -127,7 +127,7 @@ class _WorkerSampler:
 
     def __init__(self, spec: WorkerSpec, dist: DistInfo):
         from turbogrpo.rollout.decode import default_schedule
-        from turbogrpo.engines import build_engine, policy_needs
+        from turbogrpo.engines import build_engine
         from turbogrpo.train.episodes import build_episode_sampler
         from turbogrpo.train.run import build_policy
         self.spec, self.device = spec, dist.device
@@ -144,10 +144,10 @@ class _WorkerSampler:
         self.engine = build_engine(spec.rollout.engine, dist.device, schedule=schedule,
                                    dtype=self.precision.compute_dtype, tokenizer=self.tokenizer,
                                    conversations=self.episodes is not None,
-                                   needs=(*spec.engine_needs, *policy_needs(self.policy)),
-                                   max_length=spec.engine_max_length or None,
+                                   needs=spec.engine_needs, max_length=spec.engine_max_length or None,
                                    enforce_eager=spec.rollout.vllm_enforce_eager,
-                                   record_routes=spec.routing_replay == "replay")
+                                   record_routes=spec.routing_replay == "replay",
+                                   model_type=self.policy.config.model_type)
         self.partial = (PartialRollouts(spec.rollout.num_generations, spec.rollout.max_new_tokens,
                                         spec.partial_rollouts) if spec.partial_rollouts else None)
 
