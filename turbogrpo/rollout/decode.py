@@ -31,7 +31,7 @@ from torch import nn
 from turbogrpo.hook import check_materialized, embedding_table
 from turbogrpo.host_memory import keep_freed_host_memory
 from turbogrpo.output_head import check_logits_head, logits_head
-from turbogrpo.rollout.compiled import PLAIN_RUNNERS
+from turbogrpo.rollout.compiled import PLAIN_RUNNERS, RUNNER_NAMES, resolve_runner
 from turbogrpo.rollout.kv_cache import GroupedKVCache
 from turbogrpo.linears import LINEAR_KERNELS
 from turbogrpo.rollout.outputs import LiveRows, OutputBuffers, collect_rollout, emit
@@ -67,7 +67,8 @@ class DecodeSchedule:
     """Key of ``BUCKETS``: when finished rows are retired."""
     runner: str = "eager"
     """Key of ``compiled.PLAIN_RUNNERS``: how the plain step runs (eager, compiled by ``torch.compile``, or
-    replayed from CUDA graphs: opt-in, CUDA only, not yet measured; see ``turbogrpo.rollout.compiled``)."""
+    replayed from CUDA graphs: opt-in, CUDA only, not yet measured; see ``turbogrpo.rollout.compiled``), or
+    "auto": the faster of eager and compiled here, by measurement (``compiled.resolve_runner``)."""
     linears: str = "auto"
     """Key of ``turbogrpo.linears.LINEAR_KERNELS``: how the weight matmuls run (the modules as they are, or on
     oneDNN-packed copies of the weights on the CPU; "auto" measures which is faster, and keeps the
@@ -80,8 +81,8 @@ class DecodeSchedule:
                              f"{self.host_check_every!r}")
         if self.buckets not in BUCKETS:
             raise ValueError(f"DecodeSchedule.buckets must be one of {sorted(BUCKETS)}, got {self.buckets!r}")
-        if self.runner not in PLAIN_RUNNERS:
-            raise ValueError(f"DecodeSchedule.runner must be one of {sorted(PLAIN_RUNNERS)}, got {self.runner!r}")
+        if self.runner not in RUNNER_NAMES:
+            raise ValueError(f"DecodeSchedule.runner must be one of {sorted(RUNNER_NAMES)}, got {self.runner!r}")
         if self.linears not in LINEAR_KERNELS:
             raise ValueError(f"DecodeSchedule.linears must be one of {sorted(LINEAR_KERNELS)}, got {self.linears!r}")
         if self.linears == "onednn" and self.runner != "eager":
@@ -158,13 +159,22 @@ def generate(model: nn.Module, prompts: list[torch.Tensor], *, num_samples: int,
     # which the packed kernel's sibling products check, and cannot be saved for a later backward (a
     # caller that trains on the rollout's tensors would fail there). no_grad keeps the rollout free.
     with torch.inference_mode(False), torch.no_grad():
-        schedule = schedule or default_schedule(device)
+        schedule = resolved_runner(schedule or default_schedule(device), model)
         # The step is made inside: a speculative step may time the model (its latency profile) as it runs.
         with rollout_linear_kernel(schedule, draft)([model, *getattr(draft, "rollout_modules", list)()]):
             step: DecodeStep = (PlainStep(PLAIN_RUNNERS[schedule.runner](plain_step)) if draft is None
                                 else draft.make_step(model, prompts, sampling))
             return _rollout(model, prompts, num_samples, sampling, generator, return_hidden, limits, step,
                             schedule, until)
+
+
+def resolved_runner(schedule: DecodeSchedule, model: nn.Module) -> DecodeSchedule:
+    """``schedule`` with runner "auto" resolved for ``model`` (``compiled.resolve_runner``); a compiled step
+    chosen so retires rows by power-of-two buckets, one static graph each."""
+    if schedule.runner != "auto":
+        return schedule
+    runner = resolve_runner(schedule.runner, model)
+    return dataclasses.replace(schedule, runner=runner, buckets="pow2" if runner != "eager" else schedule.buckets)
 
 
 def rollout_linear_kernel(schedule: DecodeSchedule, draft: object | None = None):

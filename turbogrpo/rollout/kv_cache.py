@@ -112,10 +112,11 @@ class GroupedKVCache:
         rows = self.layout.num_groups
         return self._prompt_keys[layer][:rows], self._prompt_values[layer][:rows]
 
-    @property
-    def prompts_fill_width(self) -> bool:
-        """Whether every live group's prompt is P tokens long (no padded prompt slots to hide)."""
-        return all(self._prompt_lengths_host[g] == self.prompt_width for g in self._live_groups)
+    def prompt_width_dims(self) -> list[tuple[torch.Tensor, int]]:
+        """Every tensor a decoding step reads whose size follows the prompt width P, with that dimension: a
+        compiled step treats it as a dynamic size, so that new prompts do not compile the step again."""
+        prompt_kv = [(t, 2) for store in (self._prompt_keys, self._prompt_values) for t in store.values()]
+        return [*prompt_kv, (self.prompt_visible_GP, 1)]
 
     def generated(self, layer: int, num_slots: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Generated K/V of the live sequences, first ``num_slots`` slots, ``[B, Hkv, num_slots, D]``."""
@@ -230,3 +231,7 @@ class GroupedKVCache:
         # shape (inductor fails to bind a size that enters a dynamic graph only as a host int).
         self.prompt_visible_GP = torch.arange(self.prompt_width, device=self.device) < self.prompt_lengths_G[:, None]
         """[G, P] bool: which prompt K/V slots of each live group hold a real token."""
+        # A bool kept here, not a property reading the host lengths: a compiled step guards on what it reads,
+        # and comparing the lengths themselves would compile the step again for every new set of prompts.
+        self.prompts_fill_width = all(self._prompt_lengths_host[g] == self.prompt_width for g in self._live_groups)
+        """Whether every live group's prompt is P tokens long (no padded prompt slots to hide)."""
