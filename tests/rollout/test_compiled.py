@@ -135,10 +135,11 @@ def test_the_static_step_compiles_one_graph_per_bucket_and_reuses_it_for_new_pro
     torch._dynamo.reset()
     _compiled.cache_clear()
     model = build_model("qwen2", num_hidden_layers=1)
-    # The batch of 8 retires to buckets of 4, 2 and 1 as its completions reach their limits.
+    # The batch of 8 retires to buckets of 4 and 2 as its completions reach their limits.
     kwargs = dict(num_samples=4, sampling=SamplingConfig(max_new_tokens=12), seed=3,
                   max_new_tokens_per_completion=[2, 3, 5, 6, 9, 12, 12, 3])
-    for rollout, lengths in enumerate(([5, 9], [7, 4], [11, 6])):
+    # Each time the second prompt is the longer: the same group layouts (and prompt fills) bucket by bucket.
+    for rollout, lengths in enumerate(([5, 9], [4, 11], [7, 8])):
         eager = generate(model, random_prompts(lengths), schedule=DecodeSchedule(1, "pow2"), **kwargs)
         counters.clear()
         compiled = generate(model, random_prompts(lengths), schedule=DecodeSchedule(1, "pow2", "dynamo"), **kwargs)
@@ -148,24 +149,21 @@ def test_the_static_step_compiles_one_graph_per_bucket_and_reuses_it_for_new_pro
         if rollout:  # new prompt widths, the same buckets: nothing compiles again
             assert not counters["stats"]["unique_graphs"] and not counters["recompiles"]
     buckets = _compiled(plain_step, "eager", static=True).compile_seconds
-    assert sorted({bucket[0] for bucket in buckets}) == [1, 2, 4, 8]
+    assert sorted({bucket[0] for bucket in buckets}) == [2, 4, 8]  # the last two rows run to 12 tokens
 
 
+@pytest.mark.slow  # ~50 s on 2 loaded cores: one inductor compile of a bf16 step
 def test_the_inductor_step_matches_eager_greedy_and_log_probs_in_bfloat16():
     """Greedy tokens equal eager's token for token; the sampler log-probs within bf16's rounding."""
     torch._dynamo.reset()
     _compiled.cache_clear()
     model = build_model("llama", num_hidden_layers=1).to(torch.bfloat16)
-    prompts = random_prompts([5, 7])
-    for sampling in (SamplingConfig(max_new_tokens=5, temperature=0.0), SamplingConfig(max_new_tokens=5)):
-        kwargs = dict(num_samples=2, sampling=sampling, seed=4)
-        eager = generate(model, prompts, schedule=DecodeSchedule(1, "pow2"), **kwargs)
-        compiled = generate(model, prompts, schedule=DecodeSchedule(1, "pow2", "compiled"), **kwargs)
-        if sampling.greedy:
-            assert [t.tolist() for t in compiled.tokens] == [t.tolist() for t in eager.tokens]
-        for ours, theirs, tokens, eager_tokens in zip(compiled.logprobs, eager.logprobs, compiled.tokens, eager.tokens):
-            same = min(len(tokens), len(eager_tokens))  # a sampled draw may round to another token
-            torch.testing.assert_close(ours[:same], theirs[:same], atol=0.05, rtol=0.02)
+    kwargs = dict(num_samples=2, sampling=SamplingConfig(max_new_tokens=5, temperature=0.0), seed=4)
+    eager = generate(model, random_prompts([5, 7]), schedule=DecodeSchedule(1, "pow2"), **kwargs)
+    compiled = generate(model, random_prompts([5, 7]), schedule=DecodeSchedule(1, "pow2", "compiled"), **kwargs)
+    assert [t.tolist() for t in compiled.tokens] == [t.tolist() for t in eager.tokens]
+    for ours, theirs in zip(compiled.logprobs, eager.logprobs):
+        torch.testing.assert_close(ours, theirs, atol=0.05, rtol=0.02)
 
 
 def test_compiled_kernels_are_cached_in_turbogrpos_cache_folder(tmp_path, monkeypatch):

@@ -21,9 +21,13 @@ for the plain step, ``Speculation.runner`` for the two device parts of the specu
 
 Compilation is paid once per model shape and machine: inductor's caches (its FX graphs, and
 AOTAutograd's) are kept in turbogrpo's cache folder (``use_compile_cache``), so a later process
-only traces the step again (dynamo, seconds) and loads the compiled kernels. Each new graph shows a
-progress line ("compiling the decoding step for bucket B ..."), and its time is kept
-(``CompiledStep.compile_seconds``) for benchmarks.
+only traces the step again (dynamo) and loads the compiled kernels. Each new graph shows a progress
+line ("compiling the decoding step for bucket B ..."), and its time is kept
+(``CompiledStep.compile_seconds``) for benchmarks. SmolLM2-135M in float32 on the 2-core AMD EPYC,
+loaded (load average 6-7, the benchmark at nice 5; ``bench/compiled_step.py --quick``): 208-230 s a
+bucket cold, 23-25 s warm (dynamo's trace of 30 layers: dynamo's own on-disk cache,
+``torch._dynamo.config.caching_precompile``, fails on this step in torch 2.13 with "check_fn.guards_state
+must not be None", so every process traces its buckets again).
 
 Before this (a one-off script: SmolLM2-135M, 4 GSM8K prompts x 8 samples x 128 tokens, 2-core Xeon,
 float32, kept heap): eager 16-22 s per rollout; compiled with static shapes 16.7-17.2 s after an 18 s
