@@ -4,6 +4,7 @@ per decoder layer than Hugging Face's own eager decoding step."""
 
 import os
 import sys
+import time
 
 import pytest
 import torch
@@ -18,7 +19,7 @@ import turbogrpo.cache
 import turbogrpo.rollout.compiled as compiled_module
 from turbogrpo.rollout.compiled import (COMPILE_CACHE_ENV, _compiled, compile_cache_folder, physical_cores,
                                         pinned_threads, resolve_runner, use_compile_cache)
-from turbogrpo.rollout.decode import DecodeSchedule, first_draw
+from turbogrpo.rollout.decode import DecodeSchedule, _probe_rollout, first_draw
 from turbogrpo.rollout.step import PlainStep, plain_step
 
 # Operators that only make a view or change metadata launch no kernel and are not counted.
@@ -194,14 +195,21 @@ def test_auto_runner_is_measured_once_per_machine_and_kept(tmp_path, monkeypatch
     monkeypatch.setenv("TURBOGRPO_CACHE", str(tmp_path))
     monkeypatch.setattr(turbogrpo.cache, "_MEASURED", {})
     calls = []
-    monkeypatch.setattr(compiled_module, "_timed_runner", lambda model: calls.append(model) or "eager")
+    monkeypatch.setattr(compiled_module, "_timed_runner", lambda rollout: calls.append(rollout) or "eager")
     model = build_model("qwen2", num_hidden_layers=1)
-    assert resolve_runner("auto", model) == "eager" and resolve_runner("compiled", model) == "compiled"
+    probe = lambda runner: None  # noqa: E731
+    assert resolve_runner("auto", model, probe) == "eager" and resolve_runner("compiled", model, probe) == "compiled"
     monkeypatch.setattr(turbogrpo.cache, "_MEASURED", {})  # another process: reads the stored choice
-    assert resolve_runner("auto", model) == "eager" and len(calls) == 1
+    assert resolve_runner("auto", model, probe) == "eager" and len(calls) == 1
     kwargs = dict(num_samples=2, sampling=SamplingConfig(max_new_tokens=4), seed=2)
     auto = generate(model, random_prompts([5]), schedule=DecodeSchedule(runner="auto"), **kwargs)
     eager = generate(model, random_prompts([5]), schedule=DecodeSchedule(), **kwargs)
     assert [t.tolist() for t in auto.tokens] == [t.tolist() for t in eager.tokens]
     with pytest.raises(ValueError, match="runner must be one of"):
         DecodeSchedule(runner="fast")
+
+
+def test_the_measurement_picks_the_faster_runner():
+    assert compiled_module._timed_runner(lambda runner: time.sleep(0.02 if runner == "eager" else 0.0)) == "compiled"
+    assert compiled_module._timed_runner(lambda runner: time.sleep(0.02 if runner == "compiled" else 0.0)) == "eager"
+    _probe_rollout(build_model("qwen2", num_hidden_layers=1), "eager")  # what "auto" times, here eager

@@ -303,45 +303,36 @@ MEASURED_MARGIN = 1.05
 """Compiled must beat eager by this factor to be chosen (timing noise, and the compile it costs once)."""
 
 
-def resolve_runner(name: str, model: nn.Module) -> str:
-    """``name``, or for "auto" the runner ``AUTO_RUNNERS`` gives ``model``'s device (measured where it says so)."""
+def resolve_runner(name: str, model: nn.Module, rollout: Callable[[str], object]) -> str:
+    """``name``, or for "auto" the runner ``AUTO_RUNNERS`` gives ``model``'s device (measured where it says so, by
+    timing ``rollout(runner)``: a short rollout of ``model`` with that runner, ``decode.resolved_runner``'s)."""
     if name != "auto":
         return name
     device = next(model.parameters()).device
     chosen = AUTO_RUNNERS.get(device.type, "eager")
-    return measured_runner(model) if chosen == MEASURE else chosen
+    return measured_runner(model, rollout) if chosen == MEASURE else chosen
 
 
-def measured_runner(model: nn.Module) -> str:
-    """"compiled" or "eager": whichever ran ``model``'s plain step faster here, timed once per CPU kind, torch
-    build, model shape, dtype and thread count (``cache.measured_once``; every process of the machine then makes
-    the same choice, so the rollouts of a resumed run round as the first run's did)."""
+def measured_runner(model: nn.Module, rollout: Callable[[str], object]) -> str:
+    """"compiled" or "eager": whichever ran ``rollout`` faster here, timed once per CPU kind, torch build, model
+    shape, dtype and thread count (``cache.measured_once``; every process of the machine then makes the same
+    choice, so the rollouts of a resumed run round as the first run's did)."""
     from turbogrpo.linears import _machine_key  # the key every timed choice of this machine uses
     config = getattr(model, "config", None)
     shape = config.to_diff_dict() if hasattr(config, "to_diff_dict") else {"class": type(model).__name__}
     key = _machine_key(choice="plain_step_runner", model={k: v for k, v in shape.items() if k != "_name_or_path"},
                        dtype=str(next(model.parameters()).dtype), num_threads=torch.get_num_threads())
-    return measured_once("plain_step_runner", key, functools.partial(_timed_runner, model))
+    return measured_once("plain_step_runner", key, functools.partial(_timed_runner, rollout))
 
 
-def _timed_runner(model: nn.Module, *, num_prompts: int = 2, num_samples: int = 4, new_tokens: int = 24,
-                  repeats: int = 3) -> str:
-    """Time greedy rollouts of ``num_prompts`` x ``num_samples`` (every completion ``new_tokens`` long, so the
-    bucket holds) eager and compiled, alternated after one untimed rollout each (the compile)."""
-    from turbogrpo.rollout.decode import DecodeSchedule, generate  # decode imports this module
-    from turbogrpo.rollout.sampling import SamplingConfig
-    vocab = model.get_input_embeddings().num_embeddings
-    generator = torch.Generator().manual_seed(0)
-    device = next(model.parameters()).device
-    prompts = [torch.randint(vocab, (16,), generator=generator).to(device) for _ in range(num_prompts)]
-    sampling = SamplingConfig(max_new_tokens=new_tokens, temperature=0.0)
-    schedules = {runner: DecodeSchedule(1, "pow2", runner) for runner in ("eager", "compiled")}
-    times = {runner: [] for runner in schedules}
+def _timed_runner(rollout: Callable[[str], object], repeats: int = 3) -> str:
+    """Time ``rollout`` eager and compiled, alternated, after one untimed call each (the compile)."""
+    times: dict[str, list[float]] = {"eager": [], "compiled": []}
     for repeat in range(repeats + 1):
-        for runner, schedule in schedules.items():
+        for runner, taken in times.items():
             start = time.perf_counter()
-            generate(model, prompts, num_samples=num_samples, sampling=sampling, schedule=schedule)
+            rollout(runner)
             if repeat:
-                times[runner].append(time.perf_counter() - start)
+                taken.append(time.perf_counter() - start)
     eager, compiled = statistics.median(times["eager"]), statistics.median(times["compiled"])
     return "compiled" if compiled * MEASURED_MARGIN < eager else "eager"

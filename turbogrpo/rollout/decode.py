@@ -21,6 +21,7 @@ Legend: ``N`` completions, ``B`` rows of the decoding batch, ``G`` prompts, ``P`
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -173,8 +174,20 @@ def resolved_runner(schedule: DecodeSchedule, model: nn.Module) -> DecodeSchedul
     chosen so retires rows by power-of-two buckets, one static graph each."""
     if schedule.runner != "auto":
         return schedule
-    runner = resolve_runner(schedule.runner, model)
+    runner = resolve_runner(schedule.runner, model, functools.partial(_probe_rollout, model))
     return dataclasses.replace(schedule, runner=runner, buckets="pow2" if runner != "eager" else schedule.buckets)
+
+
+def _probe_rollout(model: nn.Module, runner: str, *, num_prompts: int = 2, num_samples: int = 4,
+                   new_tokens: int = 24) -> None:
+    """A greedy rollout of ``model`` with ``runner`` that "auto" times (random 16-token prompts, every completion
+    ``new_tokens`` long, so one bucket holds throughout)."""
+    generator = torch.Generator().manual_seed(0)
+    vocab = model.get_input_embeddings().num_embeddings
+    device = next(model.parameters()).device
+    prompts = [torch.randint(vocab, (16,), generator=generator).to(device) for _ in range(num_prompts)]
+    generate(model, prompts, num_samples=num_samples, sampling=SamplingConfig(max_new_tokens=new_tokens, temperature=0.0),
+             schedule=DecodeSchedule(1, "pow2", runner))
 
 
 def rollout_linear_kernel(schedule: DecodeSchedule, draft: object | None = None):
