@@ -114,7 +114,8 @@ def run(results: dict, budget_s: float, quick: bool = False) -> None:
             results["skipped"].append(label)
             continue
         try:
-            measure()
+            with torch.no_grad():  # as a rollout runs (a step traced with grad mode on is another graph)
+                measure()
             print(f"[compiled] {label} done", flush=True)
         except Exception as error:  # a failing item is recorded; the others still run
             results["failed"][label] = f"{type(error).__name__}: {error}"[:300]

@@ -22,6 +22,7 @@ Each variant's time per generated token is the comparable figure (random draws s
 
     python bench/vllm_engine_overhead.py                    # float32, compiled vLLM, 3 repeats; ~6-10 min on 2 cores
     python bench/vllm_engine_overhead.py --trl-build        # also TRL's own build (a second engine, +2 min)
+    python bench/vllm_engine_overhead.py --trl-build --trl-build-first   # the same, TRL's engine built first
     python bench/vllm_engine_overhead.py --dtype bfloat16
     python bench/vllm_engine_overhead.py --quick            # smoke: 2 x 2, 8 tokens, vLLM eager, 1 repeat
 """
@@ -119,12 +120,17 @@ class Variants:
 VARIANTS = ("ours", "trl", "trl_n", "ours_unseeded", "ours_no_logprobs", "ours_g_requests", "trl_build")
 
 
-def trl_build(folder: str, dtype: torch.dtype, num_seqs: int, eager: bool):
-    """A vLLM ``LLM`` as TRL 1.16 builds it in colocate mode (``vllm_generation.py``), on the CPU."""
+def trl_build(model, tokenizer, dtype: torch.dtype, num_seqs: int, eager: bool):
+    """A vLLM ``LLM`` of ``model`` as TRL 1.16 builds it in colocate mode (``vllm_generation.py``), on the CPU."""
+    import tempfile
+
     from vllm import LLM
 
-    from turbogrpo.engines.vllm import MEMORY, process_state_kept
-    with process_state_kept():
+    from turbogrpo.engines.vllm import MEMORY, process_state_kept, write_checkpoint
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in this process, as TRL's colocated engine
+    with tempfile.TemporaryDirectory(prefix="turbogrpo-trl-build-") as folder, process_state_kept():
+        write_checkpoint(model, folder)
+        tokenizer.save_pretrained(folder)
         return LLM(model=folder, dtype=str(dtype).removeprefix("torch."), seed=0, max_num_seqs=num_seqs,
                    max_model_len=MAX_MODEL_LENGTH, max_num_batched_tokens=4096, logprobs_mode="processed_logprobs",
                    enforce_eager=eager, **MEMORY["cpu"])
@@ -152,6 +158,8 @@ def main() -> None:
     parser.add_argument("--variants", default="ours,trl,trl_n,ours_unseeded,ours_no_logprobs,ours_g_requests",
                         help=f"any of {', '.join(VARIANTS)}, ours first (the ratios' base)")
     parser.add_argument("--trl-build", action="store_true", help="also build an LLM as TRL does and time trl_build")
+    parser.add_argument("--trl-build-first", action="store_true", help="with --trl-build: build TRL's engine before "
+                        "ours (which engine is the process's second changes? run both orders)")
     parser.add_argument("--vllm-eager", action="store_true", help="build vLLM without its compilation")
     parser.add_argument("--profile", default="", help="comma-separated variants to profile once each (cProfile)")
     parser.add_argument("--quick", action="store_true", help="smoke: 2 x 2, 8 tokens, vLLM eager, 1 repeat")
@@ -169,16 +177,12 @@ def main() -> None:
     sampling = SamplingConfig(max_new_tokens=args.new_tokens, temperature=1.0, stop_token_ids=stop_ids(tokenizer))
     load_before = os.getloadavg()
     engine = VllmEngine(dtype, torch.device("cpu"), tokenizer, enforce_eager=args.vllm_eager)
-    engine.build(model)
     trl_llm = None
-    if args.trl_build:
-        import tempfile
-
-        from turbogrpo.engines.vllm import write_checkpoint
-        with tempfile.TemporaryDirectory(prefix="turbogrpo-trl-build-") as folder:
-            write_checkpoint(model, folder)
-            tokenizer.save_pretrained(folder)
-            trl_llm = trl_build(folder, dtype, args.prompts * args.samples, args.vllm_eager)
+    if args.trl_build and args.trl_build_first:
+        trl_llm = trl_build(model, tokenizer, dtype, args.prompts * args.samples, args.vllm_eager)
+    engine.build(model)
+    if args.trl_build and not args.trl_build_first:
+        trl_llm = trl_build(model, tokenizer, dtype, args.prompts * args.samples, args.vllm_eager)
     table = Variants(engine, model, prompts, args.samples, sampling, trl_llm)
     tokens: dict[str, list[int]] = {name: [] for name in variants}
 
@@ -195,7 +199,8 @@ def main() -> None:
         timing["median_s_per_token"] = per_token[len(per_token) // 2]
     shape = {"model": "smollm2-135m-instruct", "prompts": "GSM8K test, zero-shot chat template", "dtype": args.dtype,
              "num_prompts": args.prompts, "num_samples": args.samples, "max_new_tokens": args.new_tokens,
-             "temperature": 1.0, "repeats": args.repeats, "vllm_enforce_eager": args.vllm_eager}
+             "temperature": 1.0, "repeats": args.repeats, "vllm_enforce_eager": args.vllm_eager,
+             "trl_build": args.trl_build, "trl_build_first": args.trl_build_first}
     name = args.out or ("vllm_engine_overhead" + ("" if args.dtype == "float32" else "_bf16") +
                         ("_quick" if args.quick else ""))
     write_results(name, {"shape": shape, "variants": times, "profiles": profiles, "build_s": engine.build_seconds,
