@@ -174,6 +174,11 @@ def bench_dtype(dtype: torch.dtype, num_prompts: int, num_samples: int, new_toke
             timing["tokens"] = counted
             timing["median_s_per_token"] = sorted(t / n for t, n in zip(timing["times_s"], counted))[len(counted) // 2]
         record["workloads"][workload] = times
+    if "native_compiled" in engines:  # every graph the compiled step met (a new bucket or group layout compiles)
+        from turbogrpo.rollout.compiled import _compiled
+        from turbogrpo.rollout.step import plain_step
+        compiled = _compiled(plain_step, "inductor", static=True).compile_seconds
+        record["native_compiled_graphs"] = {"count": len(compiled), "first_call_s": sorted(compiled.values())}
     del engine
     return record
 
