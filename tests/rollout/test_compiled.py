@@ -131,26 +131,39 @@ def test_the_inductor_compiled_step_gives_the_eager_tokens_with_grouped_query_he
 
 
 def test_the_static_step_compiles_one_graph_per_bucket_and_reuses_it_for_new_prompts():
-    """dynamic=False: the batch size is never a dynamic size (one graph per bucket of the live batch), while the
-    prompt width is, so rollouts of other prompt lengths reuse every graph; tokens and log-probs are eager's."""
+    """dynamic=False: the batch size is never a dynamic size, and the query block is sized by the batch alone, so
+    there is one graph per bucket of the live batch, whichever groups are still live; the prompt width is a
+    dynamic size, so rollouts of other prompt lengths reuse every graph. Tokens and log-probs are eager's."""
     torch._dynamo.reset()
     _compiled.cache_clear()
     model = build_model("qwen2", num_hidden_layers=1)
-    # The batch of 8 retires to buckets of 4 and 2 as its completions reach their limits.
-    kwargs = dict(num_samples=4, sampling=SamplingConfig(max_new_tokens=12), seed=3,
-                  max_new_tokens_per_completion=[2, 3, 5, 6, 9, 12, 12, 3])
-    # Each time the second prompt is the longer: the same group layouts (and prompt fills) bucket by bucket.
-    for rollout, lengths in enumerate(([5, 9], [4, 11], [7, 8])):
+    # The batch of 8 retires to buckets of 4 and 2; the group that finishes first changes between rollouts.
+    limits = ([2, 3, 5, 6, 9, 12, 12, 3], [9, 12, 12, 3, 2, 3, 5, 6], [2, 12, 5, 6, 9, 3, 12, 3])
+    for rollout, (lengths, limit) in enumerate(zip(([5, 5], [9, 9], [7, 7]), limits)):
+        kwargs = dict(num_samples=4, sampling=SamplingConfig(max_new_tokens=12), seed=3,
+                      max_new_tokens_per_completion=limit)
         eager = generate(model, random_prompts(lengths), schedule=DecodeSchedule(1, "pow2"), **kwargs)
         counters.clear()
         compiled = generate(model, random_prompts(lengths), schedule=DecodeSchedule(1, "pow2", "dynamo"), **kwargs)
         assert [t.tolist() for t in compiled.tokens] == [t.tolist() for t in eager.tokens]
         for ours, theirs in zip(compiled.logprobs, eager.logprobs):
             torch.testing.assert_close(ours, theirs, atol=1e-6, rtol=1e-6)
-        if rollout:  # new prompt widths, the same buckets: nothing compiles again
+        if rollout:  # new prompt widths, other live groups, the same buckets: nothing compiles again
             assert not counters["stats"]["unique_graphs"] and not counters["recompiles"]
     buckets = _compiled(plain_step, "eager", static=True).compile_seconds
-    assert sorted({bucket[0] for bucket in buckets}) == [2, 4, 8]  # the last two rows run to 12 tokens
+    assert sorted(bucket[0] for bucket in buckets) == [2, 4, 8]  # one graph each
+
+
+def test_the_static_query_block_holds_uneven_groups_and_prompts():
+    """Groups of unequal prompts retiring unevenly (the padded query block, its spare prompt rows): eager's tokens."""
+    model = build_model("llama", num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    kwargs = dict(num_samples=3, sampling=SamplingConfig(max_new_tokens=10, top_p=0.9), seed=5,
+                  max_new_tokens_per_completion=[1, 2, 10, 4, 10, 3, 2, 8, 1])
+    eager = generate(model, random_prompts([3, 9, 6]), schedule=DecodeSchedule(1, "exact"), **kwargs)
+    static = generate(model, random_prompts([3, 9, 6]), schedule=DecodeSchedule(1, "exact", "dynamo"), **kwargs)
+    assert [t.tolist() for t in static.tokens] == [t.tolist() for t in eager.tokens]
+    for ours, theirs in zip(static.logprobs, eager.logprobs):
+        torch.testing.assert_close(ours, theirs, atol=1e-6, rtol=1e-6)
 
 
 @pytest.mark.slow  # ~50 s on 2 loaded cores: one inductor compile of a bf16 step

@@ -7,11 +7,12 @@ for the plain step, ``Speculation.runner`` for the two device parts of the specu
 * ``eager``: the default.
 * ``compiled``: inductor, fusing each layer's norms, rotary, activations, the sampler's processing and
   the KV writes around the weight products. The plain step is compiled with static shapes
-  (``dynamic=False``): one graph per bucket of the live batch (and per group layout inside it: groups
-  and samples per group are host ints of the attention plan), never a dynamic-batch graph, whose
-  kernels were slower (below). Only the prompt width P is a dynamic size (``prompt_width_dims``), so
-  that a rollout of new prompts reuses the graphs. Use it with ``buckets="pow2"``: at most log2(N) + 1
-  buckets per rollout.
+  (``dynamic=False``): one graph per bucket of the live batch, never a dynamic-batch graph, whose
+  kernels were slower (below). The cache sizes its stacked query block by the batch alone
+  (``GroupedKVCache``: min(G, B) groups x min(S, B) rows, whichever groups are still live), and the
+  prompt width P is the graph's one dynamic size (``prompt_width_dims``), so a rollout of new prompts
+  reuses the graphs (a second graph per bucket where prompts of unequal length meet one that fills
+  P). Use it with ``buckets="pow2"``: at most log2(N) + 1 buckets per rollout.
 * ``compiled-pinned``: ``compiled`` with torch's OpenMP threads pinned one per physical core during
   each step, as vLLM's CPU worker pins its threads (``pinned_threads``).
 * ``dynamo``: dynamo only, no code generation (``backend="eager"``): the same graph capture and
@@ -112,8 +113,9 @@ def use_compile_cache() -> Path:
 
 
 def bucket_of(state: DecodeState) -> tuple:
-    """What the plain step's static graph is specialised on besides dtypes: the rows of the batch, the
-    live groups, the most rows per group, whether the groups are dense, whether prompts fill P."""
+    """What the plain step's static graph is specialised on besides dtypes: the rows of the batch, the query
+    block's groups and rows per group (functions of the rows under static slots), whether it is dense,
+    whether the live prompts fill P."""
     layout = state.cache.layout
     return (state.next_B.shape[0], layout.num_groups, layout.max_per_group, layout.dense,
             state.cache.prompts_fill_width)
