@@ -1,9 +1,10 @@
 """Every GPU measurement of the project in one script: one call on one GPU, at most about 8 minutes.
 
     python bench/gpu.py                  # all parts, writes bench/results/gpu.json
-    python bench/gpu.py --only prefix    # one part (rollout, prefix, precision, trl, tree, hybrid, vllm)
+    python bench/gpu.py --only prefix    # one part (rollout, prefix, precision, trl, tree, hybrid, compiled, vllm)
     python bench/gpu.py --budget 480     # total seconds the parts share
     python bench/gpu_vllm.py --quick     # the vllm part's CPU smoke form (no GPU number)
+    python bench/gpu_compiled.py --quick # the compiled part's CPU smoke form (no GPU number)
 
 Each part is a module ``bench/gpu_<name>.py`` with ``run(results: dict, budget_s: float)``: it builds
 random-init models directly on the device (``with torch.device("cuda")``), measures baseline and ours
@@ -35,6 +36,7 @@ PARTS: dict[str, float] = {
     "trl": 0.15,
     "tree": 0.20,
     "hybrid": 0.25,   # the Qwen3.5-shaped hybrid: FLA kernels where installed, torch's fallbacks otherwise
+    "compiled": 0.40,  # issue 54: the compiled step per live batch, speculation eager and compiled
     "vllm": 0.60,   # last: its engines keep some GPU memory; 180 s of the default 480 (two vLLM builds)
 }
 

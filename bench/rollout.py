@@ -10,6 +10,7 @@ every completion runs the full number of new tokens and both generate the same t
     python bench/rollout.py --model smollm2   # the real model (bench/real_model.py), with a roofline
     python bench/rollout.py --model smollm2 --repeats 2 --out rollout_smollm2_amd_kv   # another name
     python bench/rollout.py --model smollm2 --profile-only --out rollout_smollm2_amd_anatomy   # step anatomy
+    python bench/rollout.py --model smollm2 --profile-only --runner compiled --out rollout_smollm2_compiled_anatomy
     python bench/rollout.py --model gemma3    # Gemma 3 270M (its 262k-row LM head is 63% of a token's FLOPs)
 
 The real-model run samples GSM8K test prompts under SmolLM2-135M-Instruct's chat template (EOS ignored on
@@ -62,8 +63,8 @@ def make_prompts(num_prompts: int, prompt_len: int, seed: int = 0) -> list[torch
             for _ in range(num_prompts)]
 
 
-def run_turbogrpo(model, prompts: list[torch.Tensor], num_samples: int, new_tokens: int) -> int:
-    rollout = generate(model, prompts, num_samples=num_samples, seed=0,
+def run_turbogrpo(model, prompts: list[torch.Tensor], num_samples: int, new_tokens: int, schedule=None) -> int:
+    rollout = generate(model, prompts, num_samples=num_samples, seed=0, schedule=schedule,
                        sampling=SamplingConfig(max_new_tokens=new_tokens, temperature=1.0))
     return rollout.stats.num_generated_tokens
 
@@ -201,7 +202,7 @@ VIEW_OPS = frozenset(f"aten::{name}" for name in (
 """Operators that only make tensor metadata (views, empty buffers): a dispatch with no data pass."""
 
 
-def profile_real_step(model, prompts, num_samples: int, new_tokens: int, top: int = 15) -> dict:
+def profile_real_step(model, prompts, num_samples: int, new_tokens: int, top: int = 15, schedule=None) -> dict:
     """torch.profiler over rollouts of the real model: the top operators by self CPU time (one rollout of
     ``new_tokens``), and the decoding step's anatomy: the weight products, attention, other operators and
     views, as top-level calls and time per step, beside this machine's eager floor per call
@@ -211,7 +212,7 @@ def profile_real_step(model, prompts, num_samples: int, new_tokens: int, top: in
     profiles = []
     for tokens in (new_tokens, 2 * new_tokens):
         with profile(activities=[ProfilerActivity.CPU]) as prof:
-            run_turbogrpo(model, prompts, num_samples, tokens)
+            run_turbogrpo(model, prompts, num_samples, tokens, schedule)
         profiles.append(prof)
     events = sorted(profiles[0].key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
     total = sum(e.self_cpu_time_total for e in events)
@@ -268,22 +269,28 @@ def eager_call_floors_us(rows: int, hidden: int, calls: int = 2000) -> dict[str,
     return {"add": fastest(lambda: torch.add(a, b)), "view": fastest(lambda: a.transpose(0, 1))}
 
 
-def real_model_profile_main(dtype: str = "float32", model_key: str = "smollm2", out: str | None = None) -> None:
-    """The profile and step anatomy of ``--profile`` alone, after a warm-up rollout of the same shape."""
+def real_model_profile_main(dtype: str = "float32", model_key: str = "smollm2", out: str | None = None,
+                            runner: str = "eager") -> None:
+    """The profile and step anatomy of ``--profile`` alone, after warm-up rollouts of the same shapes, with the
+    plain step run by ``runner`` (``DecodeSchedule.runner``; a compiled one with pow2 buckets, its graphs
+    compiled by the warm-up)."""
+    from turbogrpo.rollout.decode import DecodeSchedule
+    schedule = None if runner == "eager" else DecodeSchedule(1, "pow2", runner)
     from real_model import REAL_MODELS, chat_prompts, load_real_model
     model_name = REAL_MODELS[model_key]
     model, tokenizer = load_real_model(model_name)
     model = model.to(getattr(torch, dtype))
     prompts = chat_prompts(tokenizer, 4, few_shot=False)
-    run_turbogrpo(model, prompts, 8, 32)  # warm-up: packing, the linears' timing, allocator
-    profile = profile_real_step(model, prompts, 8, 32)
-    timed = unprofiled_step(model, prompts, 8, 32)
+    for tokens in (32, 64):  # warm-up: packing, the linears' timing, allocator; a compiled step's graphs
+        run_turbogrpo(model, prompts, 8, tokens, schedule)
+    profile = profile_real_step(model, prompts, 8, 32, schedule=schedule)
+    timed = unprofiled_step(model, prompts, 8, 32, schedule=schedule)
     write_results(out or f"rollout_{model_key}_profile" + ("" if dtype == "float32" else "_bf16"),
                   {"model": model_name, "dtype": dtype, "load_average": os.getloadavg(),
-                   "step_anatomy_4x8x32": profile, "unprofiled_step_4x8": timed})
+                   "runner": runner, "step_anatomy_4x8x32": profile, "unprofiled_step_4x8": timed})
 
 
-def unprofiled_step(model, prompts, num_samples: int, new_tokens: int, repeats: int = 3) -> dict:
+def unprofiled_step(model, prompts, num_samples: int, new_tokens: int, repeats: int = 3, schedule=None) -> dict:
     """The plain step without the profiler, which inflates small operators (the sampler's softmax read
     12.8 ms a step profiled; its whole draw takes 1.6 ms timed): seconds per decoding step at B = prompts
     x ``num_samples``, from the difference of rollouts of ``new_tokens`` and twice as many (median of
@@ -293,9 +300,9 @@ def unprofiled_step(model, prompts, num_samples: int, new_tokens: int, repeats: 
     differences = []
     for _ in range(repeats):
         start = time.perf_counter()
-        run_turbogrpo(model, prompts, num_samples, new_tokens)
+        run_turbogrpo(model, prompts, num_samples, new_tokens, schedule)
         middle = time.perf_counter()
-        run_turbogrpo(model, prompts, num_samples, 2 * new_tokens)
+        run_turbogrpo(model, prompts, num_samples, 2 * new_tokens, schedule)
         differences.append((time.perf_counter() - middle - (middle - start)) / new_tokens)
     step_s = sorted(differences)[len(differences) // 2]
     batch = len(prompts) * num_samples
@@ -394,6 +401,8 @@ def main() -> None:
                                                                   "and the step's anatomy (4 x G=8, 32 new tokens)")
     parser.add_argument("--profile-only", action="store_true",
                         help="with a real model: only the profile and anatomy (bench/results/<out>.json)")
+    parser.add_argument("--runner", default="eager", help="with --profile-only: the plain step's runner "
+                        "(DecodeSchedule.runner: eager, compiled, ...; issue 54's anatomy of the compiled step)")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                         help="with --model smollm2: the weights' dtype on both sides")
     parser.add_argument("--out", help="with a real model: results name under bench/results "
@@ -401,7 +410,7 @@ def main() -> None:
     args = parser.parse_args()
     repeats = 1 if args.quick else args.repeats
     if args.model != "bench" and args.profile_only:
-        return real_model_profile_main(args.dtype, model_key=args.model, out=args.out)
+        return real_model_profile_main(args.dtype, model_key=args.model, out=args.out, runner=args.runner)
     if args.model != "bench":
         return real_model_main(repeats, args.profile, args.dtype, model_key=args.model, out=args.out)
 

@@ -18,6 +18,8 @@ sampler-trainer log-prob gap).
     python bench/vllm_rollout.py --quick               # smoke run: 2 x 2, 8 tokens, float32, 1 repeat
     python bench/vllm_rollout.py --competing-job 1 --engines native,vllm,native_1_thread --workloads eos
                                                        # beside another job: a 1-thread GEMM loop runs throughout
+    python bench/vllm_rollout.py --engines native,native_compiled,vllm --out vllm_rollout_native_compiled
+                                                       # the native step compiled too (issue 54)
     python bench/vllm_rollout.py --vllm-eager --engines native,vllm --dtypes float32 --workloads fixed
                                                        # the vLLM engine built eager (rollout.vllm_enforce_eager)
 """
@@ -40,11 +42,14 @@ from real_model import chat_prompts, load_real_model  # noqa: E402
 
 from turbogrpo import completion_logprobs  # noqa: E402
 from turbogrpo.rollout import SamplingConfig, generate  # noqa: E402
+from turbogrpo.rollout.decode import DecodeSchedule  # noqa: E402
 from turbogrpo.engines.vllm import VllmEngine  # noqa: E402
 
 WORKLOADS = ("eos", "fixed")
-ENGINES = ("native", "vllm", "hf_generate", "native_1_thread")
-"""The contenders; "native_1_thread" is the native engine with torch at one thread (``train.num_threads = 1``:
+ENGINES = ("native", "vllm", "hf_generate", "native_1_thread", "native_compiled")
+"""The contenders; "native_compiled" is the native engine with its plain step compiled (``DecodeSchedule.runner =
+"compiled"``, pow2 buckets: one static graph per bucket, compiled in the warm-up run); "native_1_thread" is the
+native engine with torch at one thread (``train.num_threads = 1``:
 what a user on a shared machine sets), for the runs beside another job."""
 
 
@@ -152,10 +157,16 @@ def bench_dtype(dtype: torch.dtype, num_prompts: int, num_samples: int, new_toke
                 torch.set_num_threads(threads)
             tokens["native_1_thread"].append(rollout.stats.num_generated_tokens)
 
+        def native_compiled():
+            rollout = generate(model, prompts, num_samples=num_samples, sampling=sampling, seed=next(seeds),
+                               schedule=DecodeSchedule(1, "pow2", "compiled"))
+            tokens["native_compiled"].append(rollout.stats.num_generated_tokens)
+
         def hf():
             tokens["hf_generate"].append(hf_generate(model, prompts, num_samples, sampling, pad_id))
 
-        contenders = {"native": native, "vllm": vllm, "hf_generate": hf, "native_1_thread": native_1_thread}
+        contenders = {"native": native, "vllm": vllm, "hf_generate": hf, "native_1_thread": native_1_thread,
+                       "native_compiled": native_compiled}
         with torch.no_grad(), competing_job(competing_threads):
             times = interleaved_medians({name: contenders[name] for name in engines}, repeats=repeats, warmup=1)
         for name, timing in times.items():
@@ -163,6 +174,11 @@ def bench_dtype(dtype: torch.dtype, num_prompts: int, num_samples: int, new_toke
             timing["tokens"] = counted
             timing["median_s_per_token"] = sorted(t / n for t, n in zip(timing["times_s"], counted))[len(counted) // 2]
         record["workloads"][workload] = times
+    if "native_compiled" in engines:  # every graph the compiled step met (a new bucket or group layout compiles)
+        from turbogrpo.rollout.compiled import _compiled
+        from turbogrpo.rollout.step import plain_step
+        compiled = _compiled(plain_step, "inductor", static=True).compile_seconds
+        record["native_compiled_graphs"] = {"count": len(compiled), "first_call_s": sorted(compiled.values())}
     del engine
     return record
 

@@ -491,6 +491,49 @@ def vllm_rollout(data: dict, where: str) -> list[str]:
     return [*lines, ""]
 
 
+def compiled_step(data: dict, where: str) -> list[str]:
+    """Per dtype, live batch and runner: ms per step, eager's time over it, and the step against the weight-read
+    floor, the GEMM floor and the streamed weight products; each compiled bucket's compile, cold and warm."""
+    lines = ["| dtype | B | runner | ms per step | eager / this | x weight-read floor | x GEMM floor | "
+             "x streamed products | compile cold s | compile warm s |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    floors = []
+    for record in need(data, "results", where):
+        dtype, floor = need(record, "dtype", where), need(record, "floors", where)
+        for batch, entry in need(record, "batches", where).items():
+            here = f"{where} (results.{dtype}.batches.{batch})"
+            bounds = need(need(floor, "per_batch", here), batch, here)
+            runners = need(entry, "runners", here)
+            eager = need(need(runners, "eager", here), "step_s", here)
+            for runner, timing in runners.items():
+                step = need(timing, "step_s", here)
+                compiled = entry.get("compile", {}).get(runner, {})
+                cold, warm = compiled.get("cold_s"), compiled.get("warm_s")
+                lines.append(f"| {dtype} | {batch} | {runner} | {FORMATS['ms'](step)} | {FORMATS['f2'](eager / step)} | "
+                             f"{FORMATS['f2'](step / need(bounds, 'weight_read_s', here))} | "
+                             f"{FORMATS['f2'](step / need(bounds, 'gemm_s', here))} | "
+                             f"{FORMATS['f2'](step / need(bounds, 'streamed_products_s', here))} | "
+                             f"{'-' if cold is None else seconds(cold)} | {'-' if warm is None else seconds(warm)} |")
+        floors.append(f"{dtype}: memory read {need(floor, 'memory_read_gbps', where):.1f} GB/s, large GEMM "
+                      f"{need(floor, 'large_matmul_gflops', where):.0f} GFLOP/s, weights "
+                      f"{need(floor, 'weight_bytes', where) / 1e6:.0f} MB.")
+    return [*lines, "", " ".join(floors), ""]
+
+
+def vllm_engine_overhead(data: dict, where: str) -> list[str]:
+    """Each vLLM call's median time and time per token, and both against our engine's ``sample``."""
+    variants = need(data, "variants", where)
+    ours = need(variants, "ours", where)
+    lines = ["| variant | median s | ms per token | time / ours | per token / ours |", "| --- | --- | --- | --- | --- |"]
+    for name, timing in variants.items():
+        here = f"{where} (variants.{name})"
+        median, per_token = need(timing, "median_s", here), need(timing, "median_s_per_token", here)
+        lines.append(f"| {name} | {seconds(median)} | {FORMATS['ms'](per_token)} | "
+                     f"{FORMATS['f2'](median / ours['median_s'])} | "
+                     f"{FORMATS['f2'](per_token / ours['median_s_per_token'])} |")
+    return [*lines, ""]
+
+
 def learning_curves(data: dict, where: str) -> list[str]:
     """Per task, one row per variant: held-out greedy / sampled accuracy at each evaluated step, the median
     step time and the run's wall time."""
@@ -602,6 +645,8 @@ RENDERERS: dict[str, Renderer] = {
     "learning_run": learning_run,
     "learning_curves": learning_curves,
     "vllm_rollout": vllm_rollout,
+    "compiled_step": compiled_step,
+    "vllm_engine_overhead": vllm_engine_overhead,
     "tool_task_rates": tool_task_rates,
     "tree_synthetic": TREE_SYNTHETIC,
     "hybrid_prefix": HYBRID_PREFIX,
@@ -704,6 +749,13 @@ RESULTS: list[Result] = [
     Result("hybrid_rollout_demo_hybrid", "hybrid_rollout", "Rollout of the shipped hybrid demo model: native engine "
            "against HF generate, 8 arithmetic prompts x 8, stopping at EOS, T = 1",
            "python bench/hybrid_rollout.py --model demo-hybrid", section="Rollouts", awaiting_run=True),
+    Result("vllm_rollout_native_compiled", "vllm_rollout", "Rollout with the native engine's step compiled (issue 54): "
+           "native eager, native compiled and vLLM, SmolLM2-135M, 8 x 8, up to 256 tokens, T = 1, float32 and bf16",
+           "python bench/vllm_rollout.py --engines native,native_compiled,vllm --out vllm_rollout_native_compiled",
+           section="Rollouts", awaiting_run=True),
+    Result("vllm_engine_overhead", "vllm_engine_overhead", "turbogrpo's vLLM engine against TRL's call on the same "
+           "vLLM engine, one process: SmolLM2-135M, 8 GSM8K prompts x 8, up to 256 tokens, T = 1, float32",
+           "python bench/vllm_engine_overhead.py --trl-build", section="Rollouts", awaiting_run=True),
     Result("remote_channel", "remote_channel", "The remote rollout worker's authenticated, encrypted connection: one "
            "SmolLM2-135M weights version (538 MB, float32) against plain TCP, and the base weights' digest",
            "python bench/remote_channel.py", section="Asynchronous GRPO"),
@@ -818,6 +870,12 @@ RESULTS: list[Result] = [
            "--steps 3 --no-eval --probe-tokens 0 --set train.prompts_per_step=4",
            archived_by="online_draft_smollm2_gsm8k_xeon"),
     # Kernels and parts of a step
+    Result("compiled_step", "compiled_step", "The plain decoding step eager and compiled (one static graph per "
+           "bucket), SmolLM2-135M, float32 and bf16, live batches 1, 4, 16, 64, against the weight-read and GEMM floors",
+           "python bench/compiled_step.py", section="Kernels and parts of a step", awaiting_run=True),
+    Result("rollout_smollm2_compiled_anatomy", "rollout_anatomy", "Anatomy of the compiled plain step at B=32, "
+           "SmolLM2-135M", "python bench/rollout.py --model smollm2 --profile-only --runner compiled "
+           "--out rollout_smollm2_compiled_anatomy", section="Kernels and parts of a step", awaiting_run=True),
     Result("decode_ops", "decode_ops", "Decoding ops: KV-cache writes and sampler draws", "python bench/decode_ops.py --threads 1",
            section="Kernels and parts of a step"),
     Result("decode_ops_linears", "decode_ops", "Weight matmuls by kernel, SmolLM2-135M, AMD EPYC",

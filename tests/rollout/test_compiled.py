@@ -2,6 +2,10 @@
 while the live batch shrinks within a bucket or for the next rollout, and it runs no more operators
 per decoder layer than Hugging Face's own eager decoding step."""
 
+import os
+import sys
+import time
+
 import pytest
 import torch
 import torch._dynamo
@@ -11,9 +15,12 @@ from transformers import DynamicCache
 
 from tests.rollout.conftest import build_model, random_prompts
 from turbogrpo.rollout import SamplingConfig, generate
-from turbogrpo.rollout.compiled import _compiled
-from turbogrpo.rollout.decode import DecodeSchedule, first_draw
-from turbogrpo.rollout.step import PlainStep
+import turbogrpo.cache
+import turbogrpo.rollout.compiled as compiled_module
+from turbogrpo.rollout.compiled import (COMPILE_CACHE_ENV, _compiled, compile_cache_folder, physical_cores,
+                                        pinned_threads, resolve_runner, use_compile_cache)
+from turbogrpo.rollout.decode import DecodeSchedule, _probe_rollout, first_draw
+from turbogrpo.rollout.step import PlainStep, plain_step
 
 # Operators that only make a view or change metadata launch no kernel and are not counted.
 VIEW_OPS = {"aten::view", "aten::flatten", "aten::unsqueeze", "aten::slice", "aten::transpose", "aten::expand",
@@ -121,3 +128,101 @@ def test_the_inductor_compiled_step_gives_the_eager_tokens_with_grouped_query_he
         eager = generate(model, random_prompts(lengths), schedule=DecodeSchedule(1, "pow2"), **kwargs)
         compiled = generate(model, random_prompts(lengths), schedule=DecodeSchedule(1, "pow2", "compiled"), **kwargs)
         assert [t.tolist() for t in compiled.tokens] == [t.tolist() for t in eager.tokens]
+
+
+def test_the_static_step_compiles_one_graph_per_bucket_and_reuses_it_for_new_prompts():
+    """dynamic=False: the batch size is never a dynamic size, and the query block is sized by the batch alone, so
+    there is one graph per bucket of the live batch, whichever groups are still live; the prompt width is a
+    dynamic size, so rollouts of other prompt lengths reuse every graph. Tokens and log-probs are eager's."""
+    torch._dynamo.reset()
+    _compiled.cache_clear()
+    model = build_model("qwen2", num_hidden_layers=1)
+    # The batch of 8 retires to buckets of 4 and 2; the group that finishes first changes between rollouts.
+    limits = ([2, 3, 5, 6, 9, 12, 12, 3], [9, 12, 12, 3, 2, 3, 5, 6], [2, 12, 5, 6, 9, 3, 12, 3])
+    for rollout, (lengths, limit) in enumerate(zip(([5, 5], [9, 9], [7, 7]), limits)):
+        kwargs = dict(num_samples=4, sampling=SamplingConfig(max_new_tokens=12), seed=3,
+                      max_new_tokens_per_completion=limit)
+        eager = generate(model, random_prompts(lengths), schedule=DecodeSchedule(1, "pow2"), **kwargs)
+        counters.clear()
+        compiled = generate(model, random_prompts(lengths), schedule=DecodeSchedule(1, "pow2", "dynamo"), **kwargs)
+        assert [t.tolist() for t in compiled.tokens] == [t.tolist() for t in eager.tokens]
+        for ours, theirs in zip(compiled.logprobs, eager.logprobs):
+            torch.testing.assert_close(ours, theirs, atol=1e-6, rtol=1e-6)
+        if rollout:  # new prompt widths, other live groups, the same buckets: nothing compiles again
+            assert not counters["stats"]["unique_graphs"] and not counters["recompiles"]
+    buckets = _compiled(plain_step, "eager", static=True).compile_seconds
+    assert sorted(bucket[0] for bucket in buckets) == [2, 4, 8]  # one graph each
+
+
+def test_the_static_query_block_holds_uneven_groups_and_prompts():
+    """Groups of unequal prompts retiring unevenly (the padded query block, its spare prompt rows): eager's tokens."""
+    model = build_model("llama", num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    kwargs = dict(num_samples=3, sampling=SamplingConfig(max_new_tokens=10, top_p=0.9), seed=5,
+                  max_new_tokens_per_completion=[1, 2, 10, 4, 10, 3, 2, 8, 1])
+    eager = generate(model, random_prompts([3, 9, 6]), schedule=DecodeSchedule(1, "exact"), **kwargs)
+    static = generate(model, random_prompts([3, 9, 6]), schedule=DecodeSchedule(1, "exact", "dynamo"), **kwargs)
+    assert [t.tolist() for t in static.tokens] == [t.tolist() for t in eager.tokens]
+    for ours, theirs in zip(static.logprobs, eager.logprobs):
+        torch.testing.assert_close(ours, theirs, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.slow  # ~50 s on 2 loaded cores: one inductor compile of a bf16 step
+def test_the_inductor_step_matches_eager_greedy_and_log_probs_in_bfloat16():
+    """Greedy tokens equal eager's token for token; the sampler log-probs within bf16's rounding."""
+    torch._dynamo.reset()
+    _compiled.cache_clear()
+    model = build_model("llama", num_hidden_layers=1).to(torch.bfloat16)
+    kwargs = dict(num_samples=2, sampling=SamplingConfig(max_new_tokens=5, temperature=0.0), seed=4)
+    eager = generate(model, random_prompts([5, 7]), schedule=DecodeSchedule(1, "pow2"), **kwargs)
+    compiled = generate(model, random_prompts([5, 7]), schedule=DecodeSchedule(1, "pow2", "compiled"), **kwargs)
+    assert [t.tolist() for t in compiled.tokens] == [t.tolist() for t in eager.tokens]
+    for ours, theirs in zip(compiled.logprobs, eager.logprobs):
+        torch.testing.assert_close(ours, theirs, atol=0.05, rtol=0.02)
+
+
+def test_compiled_kernels_are_cached_in_turbogrpos_cache_folder(tmp_path, monkeypatch):
+    monkeypatch.setenv("TURBOGRPO_CACHE", str(tmp_path))
+    monkeypatch.delenv(COMPILE_CACHE_ENV, raising=False)
+    folder = use_compile_cache()
+    assert folder == compile_cache_folder() and folder.is_relative_to(tmp_path) and folder.is_dir()
+    assert os.environ[COMPILE_CACHE_ENV] == str(folder)
+    monkeypatch.setenv(COMPILE_CACHE_ENV, str(tmp_path / "mine"))  # the user's own choice is kept
+    assert use_compile_cache() == tmp_path / "mine"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="thread affinity is read from /proc")
+def test_pinned_threads_put_each_openmp_thread_on_its_own_core_for_the_block_only():
+    torch.ones(1 << 16).sum()  # torch's thread pool exists
+    allowed = os.sched_getaffinity(0)
+
+    def affinities() -> list[set[int]]:
+        return [os.sched_getaffinity(int(task)) for task in os.listdir("/proc/self/task")]
+    with pinned_threads():
+        pinned = [a for a in affinities() if len(a) == 1]
+        assert os.sched_getaffinity(0) == {min(physical_cores(sorted(allowed)))}  # the main thread is thread 0
+        assert len(pinned) >= min(torch.get_num_threads(), len(physical_cores(sorted(allowed))))
+    assert all(a == allowed for a in affinities())
+
+
+def test_auto_runner_is_measured_once_per_machine_and_kept(tmp_path, monkeypatch):
+    monkeypatch.setenv("TURBOGRPO_CACHE", str(tmp_path))
+    monkeypatch.setattr(turbogrpo.cache, "_MEASURED", {})
+    calls = []
+    monkeypatch.setattr(compiled_module, "_timed_runner", lambda rollout: calls.append(rollout) or "eager")
+    model = build_model("qwen2", num_hidden_layers=1)
+    probe = lambda runner: None  # noqa: E731
+    assert resolve_runner("auto", model, probe) == "eager" and resolve_runner("compiled", model, probe) == "compiled"
+    monkeypatch.setattr(turbogrpo.cache, "_MEASURED", {})  # another process: reads the stored choice
+    assert resolve_runner("auto", model, probe) == "eager" and len(calls) == 1
+    kwargs = dict(num_samples=2, sampling=SamplingConfig(max_new_tokens=4), seed=2)
+    auto = generate(model, random_prompts([5]), schedule=DecodeSchedule(runner="auto"), **kwargs)
+    eager = generate(model, random_prompts([5]), schedule=DecodeSchedule(), **kwargs)
+    assert [t.tolist() for t in auto.tokens] == [t.tolist() for t in eager.tokens]
+    with pytest.raises(ValueError, match="runner must be one of"):
+        DecodeSchedule(runner="fast")
+
+
+def test_the_measurement_picks_the_faster_runner():
+    assert compiled_module._timed_runner(lambda runner: time.sleep(0.02 if runner == "eager" else 0.0)) == "compiled"
+    assert compiled_module._timed_runner(lambda runner: time.sleep(0.02 if runner == "compiled" else 0.0)) == "eager"
+    _probe_rollout(build_model("qwen2", num_hidden_layers=1), "eager")  # what "auto" times, here eager

@@ -39,7 +39,6 @@ import logging
 import os
 import random
 import tempfile
-import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -48,7 +47,6 @@ from functools import partial
 import numpy as np
 import torch
 from torch import nn
-from tqdm import tqdm
 
 from turbogrpo.architectures import SHARED_IN_TRAINING
 from turbogrpo.batch import Groups
@@ -56,6 +54,7 @@ from turbogrpo.engines import engine_refusal
 from turbogrpo.engines.vllm_speculation import EngineDraft, speculation_problem
 from turbogrpo.engines.weights import base_model, checkpoint_weights, needs_untied, trainable_modules
 from turbogrpo.hook import check_supported
+from turbogrpo.progress import ticking
 from turbogrpo.rollout.multiturn import MultiTurnRollout
 from turbogrpo.rollout.sampling import SamplingConfig
 from turbogrpo.rollout.turnwise import SampledTurn, TurnRequest, generate_multiturn_turnwise
@@ -429,23 +428,6 @@ def _reprocess_tied_layers(worker) -> int:
 def _packed_modules_mapping(worker) -> dict[str, list[str]]:
     """Runs in vLLM's worker: its model's fused modules and their checkpoint parts."""
     return dict(getattr(worker.model_runner.model, "packed_modules_mapping", {}) or {})
-
-
-@contextlib.contextmanager
-def ticking(description: str, every_s: float = 1.0):
-    """A progress line showing the time spent in the block, refreshed every ``every_s`` by a thread (the
-    block is one long call that reports nothing)."""
-    done = threading.Event()
-    with tqdm(total=1, desc=description, bar_format="{desc}: {elapsed}", dynamic_ncols=True) as bar:
-        thread = threading.Thread(target=lambda: [bar.refresh() for _ in iter(lambda: done.wait(every_s), True)],
-                                  daemon=True)
-        thread.start()
-        try:
-            yield
-            bar.update()
-        finally:
-            done.set()
-            thread.join()
 
 
 @contextlib.contextmanager

@@ -2,25 +2,49 @@
 for the plain step, ``Speculation.runner`` for the two device parts of the speculative tree step).
 
 ``plain_step`` has no host sync and no untraceable object, so dynamo captures it as one graph
-(``fullgraph=True``); the attention then reads a static number of KV slots (``static_slots``), so the
-graph holds from step to step within a bucket of the live batch and is compiled again only when the
-batch is retired to a smaller bucket (and, after one such change, with dynamic sizes). Compiled
-functions are built once per process and reused by every rollout.
+(``fullgraph=True``); the attention then reads a static number of KV slots (``static_slots``).
 
-* ``eager``: the default. On the CPU compiling does not pay for itself: SmolLM2-135M, 4 GSM8K
-  prompts x 8 samples x 128 tokens, 2-core Xeon, float32, kept heap, a one-off script: eager
-  16-22 s per rollout; compiled with static shapes 16.7-17.2 s after a 18 s compile, with the dynamic
-  shapes that other prompt lengths and live batches bring 22.6 s after 60-190 s of compiling per
-  new shape family. The step's matrix products are 70% of its time either way.
-* ``compiled``: inductor, fusing each layer's elementwise work into few kernels (CUDA).
+* ``eager``: the default.
+* ``compiled``: inductor, fusing each layer's norms, rotary, activations, the sampler's processing and
+  the KV writes around the weight products. The plain step is compiled with static shapes
+  (``dynamic=False``): one graph per bucket of the live batch, never a dynamic-batch graph, whose
+  kernels were slower (below). The cache sizes its stacked query block by the batch alone
+  (``GroupedKVCache``: min(G, B) groups x min(S, B) rows, whichever groups are still live), and the
+  prompt width P is the graph's one dynamic size (``prompt_width_dims``), so a rollout of new prompts
+  reuses the graphs (a second graph per bucket where prompts of unequal length meet one that fills
+  P). Use it with ``buckets="pow2"``: at most log2(N) + 1 buckets per rollout.
+* ``compiled-pinned``: ``compiled`` with torch's OpenMP threads pinned one per physical core during
+  each step, as vLLM's CPU worker pins its threads (``pinned_threads``).
 * ``dynamo``: dynamo only, no code generation (``backend="eager"``): the same graph capture and
   recompilation behaviour at no compile cost, for tests and for finding graph breaks.
+* ``auto`` (``resolve_runner``): per device type, ``AUTO_RUNNERS``; on the CPU, eager or compiled by a
+  measurement on this machine's CPU kind and the model's shape, taken once (``cache.measured_once``).
+
+Compilation is paid once per model shape and machine: inductor's caches (its FX graphs, and
+AOTAutograd's) are kept in turbogrpo's cache folder (``use_compile_cache``), so a later process
+only traces the step again (dynamo) and loads the compiled kernels. Each new graph shows a progress
+line ("compiling the decoding step for bucket B ..."), and its time is kept
+(``CompiledStep.compile_seconds``) for benchmarks. SmolLM2-135M in float32 on the 2-core AMD EPYC,
+loaded (load average 6-7, the benchmark at nice 5; ``bench/compiled_step.py --quick``): 208-230 s a
+bucket cold, 23-25 s warm (dynamo's trace of 30 layers: dynamo's own on-disk cache,
+``torch._dynamo.config.caching_precompile``, fails on this step in torch 2.13 with "check_fn.guards_state
+must not be None", so every process traces its buckets again).
+
+Before this (a one-off script: SmolLM2-135M, 4 GSM8K prompts x 8 samples x 128 tokens, 2-core Xeon,
+float32, kept heap): eager 16-22 s per rollout; compiled with static shapes 16.7-17.2 s after an 18 s
+compile, with the dynamic shapes that other prompt lengths and live batches brought 22.6 s after
+60-190 s of compiling per new shape family. ``bench/compiled_step.py`` measures the static per-bucket
+step against eager (float32 and bf16, live batches 1, 4, 16, 64, against the weight-read floor and the
+GEMM rate).
+
+The tree step's parts (``RUNNERS``) compile with dynamo's automatic dynamic shapes: a speculative
+step reads the slots in use, which grow every step (no static slots there yet).
 
 On CUDA, two opt-in runners replay the plain step from CUDA graphs (``GraphReplay``): ``cudagraph``
 (the eager step, captured) and ``compiled-cudagraph`` (the inductor-compiled step, captured). Not
 measured yet: no GPU was at hand when they were written. ``bench/gpu_rollout.py`` times them against
 ``eager`` and ``compiled`` (a whole rollout and one step at B=64), so that the next GPU session sets
-``DEFAULT_SCHEDULES["cuda"].runner`` from that measurement. The CPU default stays ``eager``.
+``DEFAULT_SCHEDULES["cuda"].runner`` from that measurement.
 
 A graph is recorded per bucket of the live batch and per rollout (the step's buffers -- KV cache, rows,
 outputs -- are allocated per rollout, so their addresses change between rollouts); use them with
@@ -40,24 +64,160 @@ with guards on the module structure, which recompiles after a LoRA merge changes
 
 from __future__ import annotations
 
+import ctypes
 import functools
+import os
+import statistics
+import time
 import warnings
 import weakref
 from collections.abc import Callable
+from pathlib import Path
 from typing import TypeVar
 
 import torch
+import torch._dynamo
+from torch import nn
 
+from turbogrpo.cache import cache_root, measured_once
+from turbogrpo.progress import ticking
 from turbogrpo.rollout.step import DecodeState
-
-
 
 Step = TypeVar("Step", bound=Callable)
 
+COMPILE_CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
+RECOMPILE_LIMIT = 64
+"""Graphs dynamo keeps per step function: buckets x group layouts (the default 8 would fall back to
+running the step uncompiled once a long run has seen more)."""
+
+
+def compile_cache_folder() -> Path:
+    """Where inductor keeps its compiled graphs for turbogrpo: under ``cache_root()``, per torch version."""
+    return cache_root() / "torch-compile" / f"torch-{torch.__version__}"
+
+
+def use_compile_cache() -> Path:
+    """Point inductor's on-disk caches (FX graphs, AOTAutograd, dynamo's shape profiles) at
+    ``compile_cache_folder()`` unless the user chose a folder (``TORCHINDUCTOR_CACHE_DIR``), and keep them on.
+    Its cache keys hold the CPU's vector ISA and the torch build, so one folder serves several machines."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+    chosen = os.environ.get(COMPILE_CACHE_ENV)
+    if chosen is None or os.path.abspath(chosen) == os.path.abspath(default_cache_dir()):
+        folder = compile_cache_folder()
+        folder.mkdir(parents=True, exist_ok=True)
+        os.environ[COMPILE_CACHE_ENV] = str(folder)
+    torch._inductor.config.fx_graph_cache = True
+    torch._functorch.config.enable_autograd_cache = True
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+    return Path(os.environ[COMPILE_CACHE_ENV])
+
+
+def bucket_of(state: DecodeState) -> tuple:
+    """What the plain step's static graph is specialised on besides dtypes: the rows of the batch, the query
+    block's groups and rows per group (functions of the rows under static slots), whether it is dense,
+    whether the live prompts fill P."""
+    layout = state.cache.layout
+    return (state.next_B.shape[0], layout.num_groups, layout.max_per_group, layout.dense,
+            state.cache.prompts_fill_width)
+
+
+class CompiledStep:
+    """``function(state, *rest)`` compiled by ``torch.compile`` (``backend``), built once per process.
+
+    ``static``: one graph per ``bucket_of(state)`` (``dynamic=False``, the prompt width marked dynamic);
+    else dynamo's automatic dynamic shapes (the tree step's parts). A call that meets a new bucket shows
+    a progress line while it compiles and keeps the seconds it took in ``compile_seconds``."""
+
+    def __init__(self, function: Step, backend: str, static: bool):
+        use_compile_cache()
+        self.function, self.backend, self.static = function, backend, static
+        self.compiled = torch.compile(function, fullgraph=True, backend=backend, dynamic=False if static else None)
+        self.compile_seconds: dict[tuple, float] = {}
+        """Bucket (``bucket_of``; the function's name when not static) -> seconds of its first call."""
+
+    def __call__(self, state: DecodeState, *rest):
+        if self.static:
+            for tensor, dim in state.cache.prompt_width_dims():
+                torch._dynamo.mark_dynamic(tensor, dim)
+        bucket = bucket_of(state) if self.static else (self.function.__name__,)
+        if bucket in self.compile_seconds:
+            return self.compiled(state, *rest)
+        what = "the decoding step" if self.static else f"the tree step's {self.function.__name__}"
+        where = f" for bucket B={bucket[0]} ({bucket[1]} groups)" if self.static else ""
+        start = time.perf_counter()
+        with ticking(f"compiling {what}{where} with {self.backend} (once per machine; cached after)"):
+            out = self.compiled(state, *rest)
+        self.compile_seconds[bucket] = time.perf_counter() - start
+        return out
+
 
 @functools.cache
-def _compiled(function: Step, backend: str) -> Step:
-    return torch.compile(function, fullgraph=True, backend=backend)
+def _compiled(function: Step, backend: str, static: bool = False) -> CompiledStep:
+    return CompiledStep(function, backend, static)
+
+
+# --- threads pinned as vLLM's CPU worker pins them ----------------------------------------------------------
+
+def physical_cores(cpus: list[int]) -> list[int]:
+    """One logical CPU per physical core among ``cpus`` (the last of each core's SMT siblings, as vLLM's automatic
+    binding picks on x86); ``cpus`` as they are where the topology cannot be read."""
+    chosen = {}
+    for cpu in cpus:
+        try:
+            siblings = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list").read_text().strip()
+        except OSError:
+            return cpus
+        chosen[siblings] = cpu  # cpus are increasing: the last sibling wins
+    return sorted(chosen.values())
+
+
+@functools.cache
+def _openmp_runtime() -> ctypes.CDLL:
+    """The OpenMP runtime torch's threads run on (libgomp; Intel's libiomp5 exports the same entry points)."""
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = sorted({line.split()[-1] for line in maps if "libgomp" in line or "libiomp5" in line})
+    except OSError:
+        paths = []
+    if not paths:
+        raise ValueError("runner 'compiled-pinned' pins torch's OpenMP threads, and this torch build runs none "
+                         "(no libgomp / libiomp5 in the process); use runner 'compiled'")
+    return ctypes.CDLL(paths[0])
+
+
+_TEAM_CALL = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+
+
+def _on_every_thread(affinity: Callable[[int], set[int]]) -> None:
+    """Set the CPU affinity of each of torch's OpenMP threads (thread i gets ``affinity(i)``), from inside one
+    parallel region of ``torch.get_num_threads()`` threads: the team torch's own parallel loops run on, as vLLM's
+    ``init_cpu_threads_env`` does (``#pragma omp parallel`` + ``sched_setaffinity``)."""
+    runtime = _openmp_runtime()
+    callback = _TEAM_CALL(lambda _: os.sched_setaffinity(0, affinity(runtime.omp_get_thread_num())))
+    runtime.GOMP_parallel.argtypes = [_TEAM_CALL, ctypes.c_void_p, ctypes.c_uint, ctypes.c_uint]
+    runtime.GOMP_parallel(callback, None, torch.get_num_threads(), 0)
+
+
+class pinned_threads:
+    """For the ``with`` block, torch's OpenMP thread i runs on physical core i only (of the CPUs this process
+    may use); after it, every thread may run anywhere it could before (children started later, which inherit
+    the main thread's affinity, are not pinned)."""
+
+    def __enter__(self):
+        self.allowed = os.sched_getaffinity(0)
+        cores = physical_cores(sorted(self.allowed))
+        _on_every_thread(lambda i: {cores[i % len(cores)]})
+        return self
+
+    def __exit__(self, *exc) -> None:
+        _on_every_thread(lambda i: self.allowed)
+
+
+def _pinned(run: Callable[[DecodeState], None]) -> Callable[[DecodeState], None]:
+    def run_pinned(state: DecodeState) -> None:
+        with pinned_threads():
+            run(state)
+    return run_pinned
 
 
 RUNNERS: dict[str, Callable[[Step], Step]] = {
@@ -65,9 +225,8 @@ RUNNERS: dict[str, Callable[[Step], Step]] = {
     "compiled": lambda function: _compiled(function, "inductor"),
     "dynamo": lambda function: _compiled(function, "eager"),
 }
-"""Name -> how to run a step function (``plain_step``; the tree step's parts): the function itself, or
-its compiled version (built once per process and function, kept by ``_compiled``)."""
-
+"""Name -> how to run a part of the tree step: the function itself, or its compiled version (built once per
+process and function, kept by ``_compiled``; dynamo's automatic dynamic shapes)."""
 
 class GraphReplay:
     """Runs ``function(state)`` (a plain step) by CUDA-graph replay, one graph per bucket of the batch.
@@ -118,9 +277,64 @@ class GraphReplay:
 
 
 PLAIN_RUNNERS: dict[str, Callable[[Callable[[DecodeState], None]], Callable[[DecodeState], None]]] = {
-    **RUNNERS,
+    "eager": lambda function: function,
+    "compiled": lambda function: _compiled(function, "inductor", static=True),
+    "compiled-pinned": lambda function: _pinned(_compiled(function, "inductor", static=True)),
+    "dynamo": lambda function: _compiled(function, "eager", static=True),
     "cudagraph": GraphReplay,
-    "compiled-cudagraph": lambda function: GraphReplay(_compiled(function, "inductor")),
+    "compiled-cudagraph": lambda function: GraphReplay(_compiled(function, "inductor", static=True)),
 }
-"""``RUNNERS`` plus the CUDA-graph runners, for ``plain_step`` only (called once per rollout: a
-``GraphReplay`` keeps that rollout's graphs)."""
+"""Name -> how ``plain_step`` runs: as ``RUNNERS``, but compiled with one static graph per bucket, plus the
+pinned and CUDA-graph runners (called once per rollout: a ``GraphReplay`` keeps that rollout's graphs)."""
+
+# --- "auto": eager or compiled, by measurement ------------------------------------------------------------
+
+MEASURE = "measure"
+AUTO_RUNNERS: dict[str, str] = {
+    # CPU: chosen per CPU kind, model shape, dtype and thread count by timing both once on this machine
+    # (``measured_runner``): compiling paid on neither 2-core machine in the one-off script above, and what it
+    # gains depends on how much of a step is small-operator overhead (few live rows, small models).
+    "cpu": MEASURE,
+    # GPU: not yet measured (bench/gpu.py times eager against compiled on the next lent GPU).
+    "cuda": "eager",
+}
+"""``DecodeSchedule.runner = "auto"`` per device type: a runner of ``PLAIN_RUNNERS``, or ``MEASURE``."""
+
+RUNNER_NAMES = ("auto", *PLAIN_RUNNERS)
+MEASURED_MARGIN = 1.05
+"""Compiled must beat eager by this factor to be chosen (timing noise, and the compile it costs once)."""
+
+
+def resolve_runner(name: str, model: nn.Module, rollout: Callable[[str], object]) -> str:
+    """``name``, or for "auto" the runner ``AUTO_RUNNERS`` gives ``model``'s device (measured where it says so, by
+    timing ``rollout(runner)``: a short rollout of ``model`` with that runner, ``decode.resolved_runner``'s)."""
+    if name != "auto":
+        return name
+    device = next(model.parameters()).device
+    chosen = AUTO_RUNNERS.get(device.type, "eager")
+    return measured_runner(model, rollout) if chosen == MEASURE else chosen
+
+
+def measured_runner(model: nn.Module, rollout: Callable[[str], object]) -> str:
+    """"compiled" or "eager": whichever ran ``rollout`` faster here, timed once per CPU kind, torch build, model
+    shape, dtype and thread count (``cache.measured_once``; every process of the machine then makes the same
+    choice, so the rollouts of a resumed run round as the first run's did)."""
+    from turbogrpo.linears import _machine_key  # the key every timed choice of this machine uses
+    config = getattr(model, "config", None)
+    shape = config.to_diff_dict() if hasattr(config, "to_diff_dict") else {"class": type(model).__name__}
+    key = _machine_key(choice="plain_step_runner", model={k: v for k, v in shape.items() if k != "_name_or_path"},
+                       dtype=str(next(model.parameters()).dtype), num_threads=torch.get_num_threads())
+    return measured_once("plain_step_runner", key, functools.partial(_timed_runner, rollout))
+
+
+def _timed_runner(rollout: Callable[[str], object], repeats: int = 3) -> str:
+    """Time ``rollout`` eager and compiled, alternated, after one untimed call each (the compile)."""
+    times: dict[str, list[float]] = {"eager": [], "compiled": []}
+    for repeat in range(repeats + 1):
+        for runner, taken in times.items():
+            start = time.perf_counter()
+            rollout(runner)
+            if repeat:
+                taken.append(time.perf_counter() - start)
+    eager, compiled = statistics.median(times["eager"]), statistics.median(times["compiled"])
+    return "compiled" if compiled * MEASURED_MARGIN < eager else "eager"

@@ -21,6 +21,7 @@ Legend: ``N`` completions, ``B`` rows of the decoding batch, ``G`` prompts, ``P`
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -32,7 +33,7 @@ from turbogrpo.architectures import hybrid_layers
 from turbogrpo.hook import check_materialized, embedding_table
 from turbogrpo.host_memory import keep_freed_host_memory
 from turbogrpo.output_head import check_logits_head, logits_head
-from turbogrpo.rollout.compiled import PLAIN_RUNNERS
+from turbogrpo.rollout.compiled import PLAIN_RUNNERS, RUNNER_NAMES, resolve_runner
 from turbogrpo.rollout.kv_cache import GroupedKVCache
 from turbogrpo.linears import LINEAR_KERNELS
 from turbogrpo.moe_routes import RouteLog, RouteRecorder, maybe_recording
@@ -69,7 +70,8 @@ class DecodeSchedule:
     """Key of ``BUCKETS``: when finished rows are retired."""
     runner: str = "eager"
     """Key of ``compiled.PLAIN_RUNNERS``: how the plain step runs (eager, compiled by ``torch.compile``, or
-    replayed from CUDA graphs: opt-in, CUDA only, not yet measured; see ``turbogrpo.rollout.compiled``)."""
+    replayed from CUDA graphs: opt-in, CUDA only, not yet measured; see ``turbogrpo.rollout.compiled``), or
+    "auto": the faster of eager and compiled here, by measurement (``compiled.resolve_runner``)."""
     linears: str = "auto"
     """Key of ``turbogrpo.linears.LINEAR_KERNELS``: how the weight matmuls run (the modules as they are, or on
     oneDNN-packed copies of the weights on the CPU; "auto" measures which is faster, and keeps the
@@ -82,8 +84,8 @@ class DecodeSchedule:
                              f"{self.host_check_every!r}")
         if self.buckets not in BUCKETS:
             raise ValueError(f"DecodeSchedule.buckets must be one of {sorted(BUCKETS)}, got {self.buckets!r}")
-        if self.runner not in PLAIN_RUNNERS:
-            raise ValueError(f"DecodeSchedule.runner must be one of {sorted(PLAIN_RUNNERS)}, got {self.runner!r}")
+        if self.runner not in RUNNER_NAMES:
+            raise ValueError(f"DecodeSchedule.runner must be one of {sorted(RUNNER_NAMES)}, got {self.runner!r}")
         if self.linears not in LINEAR_KERNELS:
             raise ValueError(f"DecodeSchedule.linears must be one of {sorted(LINEAR_KERNELS)}, got {self.linears!r}")
         if self.linears == "onednn" and self.runner != "eager":
@@ -165,7 +167,7 @@ def generate(model: nn.Module, prompts: list[torch.Tensor], *, num_samples: int,
     # which the packed kernel's sibling products check, and cannot be saved for a later backward (a
     # caller that trains on the rollout's tensors would fail there). no_grad keeps the rollout free.
     with torch.inference_mode(False), torch.no_grad():
-        schedule = schedule or default_schedule(device)
+        schedule = resolved_runner(schedule or default_schedule(device), model)
         check_runner(model, schedule.runner)
         # The step is made inside: a speculative step may time the model (its latency profile) as it runs.
         with rollout_linear_kernel(schedule, draft)([model, *getattr(draft, "rollout_modules", list)()]), \
@@ -193,6 +195,29 @@ def check_runner(model: nn.Module, runner: str) -> None:
     if runner != "eager" and (layers := hybrid_layers(model.config)):
         raise ValueError(f"DecodeSchedule.runner={runner!r} traces the decoding step whole, but model type "
                          f"'{model.config.model_type}' has {layers}, whose units run eagerly: use runner='eager'")
+
+
+def resolved_runner(schedule: DecodeSchedule, model: nn.Module) -> DecodeSchedule:
+    """``schedule`` with runner "auto" resolved for ``model`` (``compiled.resolve_runner``); a compiled step
+    chosen so retires rows by power-of-two buckets, one static graph each."""
+    if schedule.runner != "auto":
+        return schedule
+    if hybrid_layers(model.config):  # its recurrent units run eagerly, outside any traced step (check_runner)
+        return dataclasses.replace(schedule, runner="eager")
+    runner = resolve_runner(schedule.runner, model, functools.partial(_probe_rollout, model))
+    return dataclasses.replace(schedule, runner=runner, buckets="pow2" if runner != "eager" else schedule.buckets)
+
+
+def _probe_rollout(model: nn.Module, runner: str, *, num_prompts: int = 2, num_samples: int = 4,
+                   new_tokens: int = 24) -> None:
+    """A greedy rollout of ``model`` with ``runner`` that "auto" times (random 16-token prompts, every completion
+    ``new_tokens`` long, so one bucket holds throughout)."""
+    generator = torch.Generator().manual_seed(0)
+    vocab = model.get_input_embeddings().num_embeddings
+    device = next(model.parameters()).device
+    prompts = [torch.randint(vocab, (16,), generator=generator).to(device) for _ in range(num_prompts)]
+    generate(model, prompts, num_samples=num_samples, sampling=SamplingConfig(max_new_tokens=new_tokens, temperature=0.0),
+             schedule=DecodeSchedule(1, "pow2", runner))
 
 
 def rollout_linear_kernel(schedule: DecodeSchedule, draft: object | None = None):

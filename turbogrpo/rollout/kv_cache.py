@@ -63,19 +63,21 @@ class LiveLayout:
     """Every group has ``max_per_group`` rows: stacking queries per group is a reshape."""
 
     @staticmethod
-    def from_group_rows(group_rows: list[int], device: torch.device) -> LiveLayout:
-        """``group_rows``: each live sequence's prompt row, non-decreasing (host list)."""
+    def from_group_rows(group_rows: list[int], device: torch.device,
+                        block: tuple[int, int] | None = None) -> LiveLayout:
+        """``group_rows``: each live sequence's prompt row, non-decreasing (host list). ``block``: (groups, rows
+        per group) of the stacked queries, at least the live ones (None: exactly the live ones)."""
         slots, previous, run = [], None, 0
         for row in group_rows:
             run = run + 1 if row == previous else 0
             slots.append(run)
             previous = row
+        num_groups, max_per_group = block or (group_rows[-1] + 1 if group_rows else 0, max(slots) + 1 if slots else 0)
         return LiveLayout(
             group_B=torch.tensor(group_rows, dtype=torch.long, device=device),
             slot_B=torch.tensor(slots, dtype=torch.long, device=device),
-            num_groups=group_rows[-1] + 1 if group_rows else 0,
-            max_per_group=max(slots) + 1 if slots else 0,
-            dense=bool(group_rows) and len(group_rows) == (group_rows[-1] + 1) * (max(slots) + 1))
+            num_groups=num_groups, max_per_group=max_per_group,
+            dense=bool(group_rows) and len(group_rows) == num_groups * max_per_group)
 
 
 class GroupedKVCache:
@@ -91,6 +93,7 @@ class GroupedKVCache:
         leaves room for ``fork``)."""
         self.capacity = capacity
         self.static_slots = static_slots
+        self._num_samples = num_samples
         self.prompt_width = max(prompt_lengths)
         """P: the prompt K/V's slot count (longest prompt)."""
         self.device = device
@@ -105,6 +108,8 @@ class GroupedKVCache:
         self.row_capacity = max(len(self._sequence_groups), row_capacity or 0)
         self.states = RecurrentStates(self.row_capacity)
         """A hybrid's recurrent states, one row per sequence (empty for an attention model)."""
+        # A static step's query block depends on the batch size alone (``_static_block``); forks would pass it.
+        self._static_block = static_slots and self.row_capacity == len(self._sequence_groups)
         self.max_length = 0
         """Host-side upper bound on ``lengths_B``: attention reads slots ``< max_length + n`` only."""
         self._refresh_layout()
@@ -119,10 +124,11 @@ class GroupedKVCache:
         rows = self.layout.num_groups
         return self._prompt_keys[layer][:rows], self._prompt_values[layer][:rows]
 
-    @property
-    def prompts_fill_width(self) -> bool:
-        """Whether every live group's prompt is P tokens long (no padded prompt slots to hide)."""
-        return all(self._prompt_lengths_host[g] == self.prompt_width for g in self._live_groups)
+    def prompt_width_dims(self) -> list[tuple[torch.Tensor, int]]:
+        """Every tensor a decoding step reads whose size follows the prompt width P, with that dimension: a
+        compiled step treats it as a dynamic size, so that new prompts do not compile the step again."""
+        prompt_kv = [(t, 2) for store in (self._prompt_keys, self._prompt_values) for t in store.values()]
+        return [*prompt_kv, (self.prompt_visible_GP, 1)]
 
     def generated(self, layer: int, num_slots: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Generated K/V of the live sequences, first ``num_slots`` slots, ``[B, Hkv, num_slots, D]``."""
@@ -234,12 +240,23 @@ class GroupedKVCache:
     def _refresh_layout(self) -> None:
         row_of_group = {g: row for row, g in enumerate(self._live_groups)}
         group_rows = [row_of_group[g] for g in self._sequence_groups]
-        self.layout = LiveLayout.from_group_rows(group_rows, self.device)
-        self.prompt_lengths_G = torch.tensor([self._prompt_lengths_host[g] for g in self._live_groups],
-                                             dtype=torch.long, device=self.device)
+        # Static slots (a compiled step): the stacked query block is (min(G, B), min(S, B)) groups x rows,
+        # which holds every layout of B live rows, so that the step's graph depends on B alone (one graph per
+        # bucket), not on which groups are still live. Its extra prompt rows hold earlier groups' K/V (finite),
+        # read as fully visible and by no query of a live row.
+        block = (min(len(self._prompt_lengths_host), len(group_rows)), min(self._num_samples, len(group_rows))) \
+            if self._static_block and group_rows else None
+        self.layout = LiveLayout.from_group_rows(group_rows, self.device, block)
+        lengths = [self._prompt_lengths_host[g] for g in self._live_groups]
+        lengths += [self.prompt_width] * (self.layout.num_groups - len(lengths))
+        self.prompt_lengths_G = torch.tensor(lengths, dtype=torch.long, device=self.device)
         self.prompt_lengths_B = self.prompt_lengths_G[self.layout.group_B] if group_rows else \
             torch.zeros(0, dtype=torch.long, device=self.device)
         # Built here, not by each forward: a compiled step then reads the prompt width off this tensor's
         # shape (inductor fails to bind a size that enters a dynamic graph only as a host int).
         self.prompt_visible_GP = torch.arange(self.prompt_width, device=self.device) < self.prompt_lengths_G[:, None]
         """[G, P] bool: which prompt K/V slots of each live group hold a real token."""
+        # A bool kept here, not a property reading the host lengths: a compiled step guards on what it reads,
+        # and comparing the lengths themselves would compile the step again for every new set of prompts.
+        self.prompts_fill_width = all(self._prompt_lengths_host[g] == self.prompt_width for g in self._live_groups)
+        """Whether every live group's prompt is P tokens long (no padded prompt slots to hide)."""
