@@ -574,6 +574,14 @@ RENDERERS: dict[str, Renderer] = {
                                  col("coverage", "draft_token_coverage", "%"), col("sampling s", "sampling_s", "s"),
                                  col("features s", "features_s", "s"), col("training s", "training_s", "s"),
                                  col("final top-1", "final_top1_agreement", "f2")])),
+    "draft_recipes": tables(Table([
+        col("variant", "$key"), col("layout", "layout", "text"), col("TTT steps", "ttt_steps", "int"),
+        col("held-out top-1", "top1_agreement", "f2"), col("E[accept] depth 1, sum min(p,q)", "expected_acceptance_depth1", "f2"),
+        col("est. tokens/verify (chain, sampled)", "acceptance.tokens_per_verification_sampled", "f2"),
+        col("measured tokens/verify (chain)", "measured_tokens_per_verification_chain", "f2"),
+        col("measured tokens/verify (4-wide tree)", "measured_tokens_per_verification_tree", "f2"),
+        opt("vocabulary coverage", "held_out_draft_token_coverage", "%"), col("training s", "training_s", "s")],
+        rows="variants")),
     "task_rates": task_rates,
     "learning_run": learning_run,
     "learning_curves": learning_curves,
@@ -888,6 +896,12 @@ RESULTS: list[Result] = [
            "python scripts/smollm2_task_rates.py", section="Learning"),
     Result("smollm2_lossless_check", "lossless", "Speculation is lossless on SmolLM2-135M: completion lengths",
            "python scripts/smollm2_lossless_check.py 4", section="Learning"),
+    Result("draft_recipes", "draft_recipes", "Draft recipes at T = 1, demo model: eagle3 and training-time test",
+           "python bench/draft_recipes.py", section="Learning", awaiting_run=True),
+    Result("draft_recipes_smollm2", "draft_recipes", "Draft recipes at T = 1, SmolLM2-135M GSM8K",
+           "python bench/draft_recipes.py --model smollm2 --config configs/smollm2_gsm8k.toml --num-prompts 128 "
+           "--num-samples 4 --max-new-tokens 256 --epochs 4 --draft-tokens 4096 --validation-prompts 8 "
+           "--out draft_recipes_smollm2", section="Learning", awaiting_run=True),
     Result("draft_build_smollm2", "draft_build", "SmolLM2's built draft (smollm2-gsm8k)", "turbogrpo draft build --model smollm2",
            section="Learning"),
     Result("demo_greedy_investigation", "greedy_split", "Why the demo's greedy accuracy does not rise",

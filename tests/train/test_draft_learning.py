@@ -18,6 +18,7 @@ from turbogrpo.speculative.profiler import LatencyCurve, LatencyProfile
 from turbogrpo.speculative.sizing import CostSizing, FixedSizing
 from turbogrpo.train import draft_learning, loop
 from turbogrpo.train.draft_learning import OnlineDraft, frozen, within_budget
+from turbogrpo.train.output_dir import run_record
 
 from .tiny_run import overrides, write_model, write_rows
 
@@ -64,7 +65,6 @@ def test_history_drafts_join_the_runs_speculation_and_keep_its_completions(tmp_p
     from turbogrpo.speculative.history import HistoryDrafts
     from turbogrpo.train import distributed
     from turbogrpo.train.run import build_run
-    from turbogrpo.train.output_dir import run_record
     from turbogrpo.train.state import start
 
     model_dir, rows = write_model(tmp_path / "model"), write_rows(tmp_path / "rows.jsonl")
