@@ -41,7 +41,7 @@ from turbogrpo.config import DraftLearningConfig  # noqa: E402
 from turbogrpo.rollout import SamplingConfig  # noqa: E402
 from turbogrpo.speculative.built_drafts import DraftRecipe  # noqa: E402
 from turbogrpo.speculative.draft_training import draft_groups, make_optimizer, train_draft  # noqa: E402
-from turbogrpo.speculative.draft_unroll import acceptance_by_depth  # noqa: E402
+from turbogrpo.speculative.draft_acceptance import acceptance_by_depth  # noqa: E402
 from turbogrpo.speculative.sizing import FixedSizing  # noqa: E402
 from turbogrpo.speculative.speculation import Speculation, generate_speculative  # noqa: E402
 from turbogrpo.speculative.tree import TreeShape  # noqa: E402
@@ -127,7 +127,8 @@ def run_variant(name: str, variant: Variant, model, prompts, completions, args, 
               "acceptance": acceptance, "measured_tokens_per_verification_chain": chain,
               "measured_tokens_per_verification_tree": tree}
     print(f"{name:>16}: top-1 {result['top1_agreement']:.3f}, E[accept] d1 {result['expected_acceptance_depth1']:.3f}, "
-          f"chain tokens/verify est {acceptance['tokens_per_verification_sampled']:.2f} measured {chain:.2f}, "
+          f"chain tokens/verify est {acceptance['tokens_per_verification_top1']:.2f} (top-1) "
+          f"{acceptance['tokens_per_verification_sampled']:.2f} (sampled), measured {chain:.2f}, "
           f"4x{args.depth} trees {tree:.2f}, trained in {training_s:.0f}s", flush=True)
     return result
 

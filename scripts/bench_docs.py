@@ -577,7 +577,8 @@ RENDERERS: dict[str, Renderer] = {
     "draft_recipes": tables(Table([
         col("variant", "$key"), col("layout", "layout", "text"), col("TTT steps", "ttt_steps", "int"),
         col("held-out top-1", "top1_agreement", "f2"), col("E[accept] depth 1, sum min(p,q)", "expected_acceptance_depth1", "f2"),
-        col("est. tokens/verify (chain, sampled)", "acceptance.tokens_per_verification_sampled", "f2"),
+        col("est. tokens/verify (top-1 chain)", "acceptance.tokens_per_verification_top1", "f2"),
+        col("est. tokens/verify (sampled chain)", "acceptance.tokens_per_verification_sampled", "f2"),
         col("measured tokens/verify (chain)", "measured_tokens_per_verification_chain", "f2"),
         col("measured tokens/verify (4-wide tree)", "measured_tokens_per_verification_tree", "f2"),
         opt("vocabulary coverage", "held_out_draft_token_coverage", "%"), col("training s", "training_s", "s")],

@@ -7,13 +7,13 @@ import torch
 import torch.nn.functional as F
 
 from tests.speculative.speculative_helpers import tiny_policy, trained_pair
-from turbogrpo.batch import Groups
 from turbogrpo.config import ConfigError, DraftLearningConfig
 from turbogrpo.rollout import SamplingConfig, generate
 from turbogrpo.speculative.decode import TreeStep
 from turbogrpo.speculative.draft import CausalPlan, DraftHead, eagle3_layers, shift_features
-from turbogrpo.speculative.draft_training import draft_groups, draft_loss
-from turbogrpo.speculative.draft_unroll import STEP_DECAY, acceptance_by_depth, unrolled_draft_loss
+from turbogrpo.speculative.draft_acceptance import acceptance_by_depth
+from turbogrpo.speculative.draft_training import draft_groups, draft_loss, pack_draft_batch
+from turbogrpo.speculative.draft_unroll import STEP_DECAY, unrolled_draft_loss
 from turbogrpo.speculative.sizing import FixedSizing
 from turbogrpo.speculative.speculation import Speculation, generate_speculative
 from turbogrpo.speculative.tree import TreeShape
@@ -105,7 +105,7 @@ def test_training_time_test_loss_is_the_hand_computed_chain_loss(layout):
     draft = DraftHead(policy, layout=layout).double()
     groups = toy_data(policy, draft)
     config = DraftLearningConfig(ttt_steps=3, feature_weight=1.0, logit_weight=0.1)
-    loss, metrics = unrolled_draft_loss(draft, groups, config)
+    loss, metrics = unrolled_draft_loss(draft, pack_draft_batch(groups, requires_grad=True, hidden_size=32), config)
     prompt = groups.prompts[0]
     total = 0.0
     for step in range(3):
@@ -131,7 +131,8 @@ def test_one_unrolled_step_is_teacher_forcing():
     draft = DraftHead(policy, layout="eagle3").double()
     groups = toy_data(policy, draft)
     config = DraftLearningConfig()
-    unrolled, _ = unrolled_draft_loss(draft, groups, DraftLearningConfig(ttt_steps=1))
+    unrolled, _ = unrolled_draft_loss(draft, pack_draft_batch(groups, requires_grad=True, hidden_size=32),
+                                      DraftLearningConfig(ttt_steps=1))
     teacher, _ = draft_loss(draft, groups, config)
     torch.testing.assert_close(unrolled, teacher, rtol=1e-9, atol=1e-12)
 

@@ -149,7 +149,7 @@ def _featurize_and_train(model: nn.Module, draft: DraftHead, prompts: Sequence[t
     trained = time.perf_counter()
     acceptance = None
     if held_out.num_groups:
-        from turbogrpo.speculative.draft_unroll import acceptance_by_depth
+        from turbogrpo.speculative.draft_acceptance import acceptance_by_depth
 
         acceptance = acceptance_by_depth(draft, held_out, recipe.report_depth)
         log(acceptance_table(acceptance))

@@ -166,6 +166,10 @@ class PackedDraftBatch(NamedTuple):
     targets_MH: torch.Tensor      # [M, Hd] f[s] at the trained positions (the packed completion tokens)
     plan: Callable                # the shared-prefix attention over the pack
     num_prompt_tokens: int
+    prompt_lengths: tuple[int, ...] = ()      # per packed prompt, its pairs (P')
+    completion_lengths: tuple[int, ...] = ()  # per packed completion, its trained tokens (S), in pack order
+    completion_prompts: tuple[int, ...] = ()  # per packed completion, its prompt's index in the pack
+    next_tokens_M: torch.Tensor | None = None  # [M] the token after each trained one (x[s+1]), -1 where unknown
 
 
 def pack_draft_batch(groups: Groups, *, requires_grad: bool, context_start: int = 0,
@@ -173,7 +177,7 @@ def pack_draft_batch(groups: Groups, *, requires_grad: bool, context_start: int 
     """Pack ``groups`` (completions cut to their trained tokens; completions with none are left out), each
     prompt from the pair at ``context_start`` on (the draft layout's first seen pair). ``hidden_size``: the
     width of the final feature, the last block of wider ("eagle3") features and the training target."""
-    prompts, completions, inputs, targets, prompt_inputs = [], [], [], [], []
+    prompts, completions, inputs, targets, prompt_inputs, next_tokens = [], [], [], [], [], []
     for prompt, features, group, group_features in zip(groups.prompts, groups.prompt_hidden, groups.nested(),
                                                         groups.split(groups.hidden)):
         cut = [(c[:len(f) - 1], f) for c, f in zip(group, group_features) if len(f) > 1]
@@ -184,16 +188,21 @@ def pack_draft_batch(groups: Groups, *, requires_grad: bool, context_start: int 
         prompts.append(prompt_tokens)
         completions.append([c for c, _ in cut])
         prompt_inputs.append(prompt_features)
-        for c, f in cut:
+        for (c, f), full in zip(cut, (c for c, f in zip(group, group_features) if len(f) > 1)):
             inputs.append(f[:len(c)])
             targets.append(f[1:len(c) + 1, -(hidden_size or f.shape[-1]):])
+            following = full[1:len(c) + 1]
+            next_tokens.append(torch.cat([following, following.new_full((len(c) - len(following),), -1)]))
     if not prompts:
         raise ValueError("no draft training data: every completion is shorter than two features")
     layout = pack_groups(prompts, completions)
     plan = _shared_plan(layout, groups.prompt_hidden[0].dtype, requires_grad=requires_grad)
     features_TH = torch.cat(prompt_inputs + inputs).to(layout.device)
     return PackedDraftBatch(layout.input_ids, layout.position_ids, features_TH, torch.cat(targets).to(layout.device),
-                            plan, layout.num_prompt_tokens)
+                            plan, layout.num_prompt_tokens, tuple(len(p) for p in prompts),
+                            tuple(len(c) for cs in completions for c in cs),
+                            tuple(g for g, cs in enumerate(completions) for _ in cs),
+                            torch.cat(next_tokens).to(layout.device))
 
 
 def draft_loss(draft: DraftHead, groups: Groups,
@@ -204,10 +213,10 @@ def draft_loss(draft: DraftHead, groups: Groups,
     Returns the loss and metrics (both terms and the draft's top-1 agreement with the policy, both
     argmaxes taken over the draft vocabulary), as device tensors.
     """
-    if getattr(config, "ttt_steps", 1) > 1:
-        return unrolled_draft_loss(draft, groups, config)
     batch = pack_draft_batch(groups, requires_grad=torch.is_grad_enabled(),
                              context_start=draft.layout.context_start, hidden_size=draft.config.hidden_size)
+    if getattr(config, "ttt_steps", 1) > 1:  # training-time test (draft_unroll.py); the deprecated config has none
+        return unrolled_draft_loss(draft, batch, config)
     dtype = next(draft.parameters()).dtype
     predicted_1TH = draft(draft.input_features(batch.features_TH[None].to(dtype)), batch.tokens_T[None],
                           batch.positions_T[None], batch.plan)

@@ -11,36 +11,31 @@ Teacher forcing trains only depth 1. Unrolling ``k`` steps trains depths 1..k as
 
 Every step predicts f[s] (its target is the same), and positions keep their ids (root + depth = s).
 The loss is EAGLE-3's: the per-step losses weighted 0.8^t, here normalised by the weights' sum so that one
-step is exactly teacher forcing's loss. Rows are one completion each, right-padded (the prompt repeated
-per completion; the shared-prefix pack of ``draft_training`` has no room for the steps' keys).
+step is exactly teacher forcing's loss.
 
-The same unrolled predictions measure acceptance by depth on held-out data (``acceptance_by_depth``).
+The teacher-forced step 0 is the shared-prefix pack's forward (each prompt once per group, as in teacher forcing);
+steps t >= 1 query a window per completion, its trained tokens and the last t - 1 prompt pairs before them, whose
+keys are gathered from the pack's. The same unrolled predictions measure acceptance by depth on held-out data
+(``draft_acceptance.py``).
 
-Legend: B rows (completions), T positions, S steps, Hd hidden size, X policy feature width, V vocabulary.
+Legend: T packed positions, B completions, L a completion's own sequence (prompt pairs + trained tokens),
+W its window, Hd hidden size.
 """
 
 from __future__ import annotations
 
+import functools
+import itertools
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
-from turbogrpo.batch import Groups
-from turbogrpo.speculative.draft import DraftHead, prompt_pairs, shift_features
+from turbogrpo.speculative.draft import DraftHead, shift_features
+
 
 STEP_DECAY = 0.8
 """Weight of unrolled step t relative to step t - 1 (EAGLE-3's 0.8 ** t)."""
-
-
-class UnrolledBatch(NamedTuple):
-    """One completion per row, right-padded, from the first prompt pair the draft sees."""
-
-    tokens_BT: torch.Tensor      # x[s] (0 on padding)
-    features_BTX: torch.Tensor   # the policy's f[s-1] (wide for "eagle3"; 0 on padding)
-    targets_BTH: torch.Tensor    # f[s], the final feature (0 where not trained)
-    trained_BT: torch.Tensor     # bool: a completion token whose next feature is known
-    next_tokens_BT: torch.Tensor  # x[s+1] where known, else -1
 
 
 def position_losses(draft: DraftHead, predicted_MH: torch.Tensor, target_MH: torch.Tensor,
@@ -58,96 +53,140 @@ def position_losses(draft: DraftHead, predicted_MH: torch.Tensor, target_MH: tor
                   "top1_agreement": top1}
 
 
-def pad_completions(groups: Groups, context_start: int, hidden_size: int) -> UnrolledBatch:
-    """``groups`` (with ``prompt_hidden`` and ``hidden``) as ``UnrolledBatch`` rows; completions with no trained
-    token are left out."""
-    rows = []
-    for prompt, prompt_features, group, group_features in zip(groups.prompts, groups.prompt_hidden,
-                                                              groups.nested(), groups.split(groups.hidden)):
-        prompt_tokens, prompt_inputs = prompt_pairs(prompt, prompt_features, context_start)
-        for completion, features in zip(group, group_features):
-            num = min(len(completion), len(features) - 1)
-            if num < 1:
-                continue
-            num_prompt = len(prompt_tokens)
-            tokens = torch.cat([prompt_tokens, completion[:num].to(prompt_tokens.device)])
-            inputs = torch.cat([prompt_inputs, features[:num]])
-            targets = torch.cat([features.new_zeros(num_prompt, hidden_size), features[1:num + 1, -hidden_size:]])
-            trained = torch.arange(len(tokens)) >= num_prompt
-            following = completion[1:num + 1].to(tokens.device)
-            next_tokens = torch.cat([tokens.new_full((num_prompt,), -1), following,
-                                     tokens.new_full((num - len(following),), -1)])
-            rows.append((tokens, inputs, targets, trained.to(tokens.device), next_tokens))
-    if not rows:
-        raise ValueError("no draft training data: every completion is shorter than two features")
-    padded = [torch.nn.utils.rnn.pad_sequence(list(column), batch_first=True, padding_value=value)
-              for column, value in zip(zip(*rows), (0, 0.0, 0.0, False, -1))]
-    return UnrolledBatch(*padded)
+class UnrolledBatch(NamedTuple):
+    """The positions the unrolled steps t >= 1 query, per completion: a window of its trained tokens and the
+    last ``num_steps - 1`` prompt pairs before them (whose later-step outputs feed the first completion
+    tokens' inputs), right-padded to W. The teacher-forced step 0 runs on the shared-prefix pack."""
+
+    packed: NamedTuple            # the teacher-forced pack (draft_training.PackedDraftBatch)
+    teacher_index_BL: torch.Tensor   # [B, L] pack index of each position of the completion's own sequence
+    teacher_length_B: torch.Tensor   # [B] its length (prompt pairs + trained tokens)
+    window_index_BW: torch.Tensor    # [B, W] pack index of each window position (0 on padding)
+    previous_index_BW: torch.Tensor  # [B, W] pack index of the position before (-1: none or padding)
+    positions_BW: torch.Tensor       # [B, W] position ids s of the window
+    trained_BW: torch.Tensor         # bool: a trained completion token
+    target_row_BW: torch.Tensor      # [B, W] its row in ``packed.targets_MH`` (0 where not trained)
+
+
+def unrolled_batch(packed: NamedTuple, num_steps: int) -> UnrolledBatch:
+    """The windows of ``num_steps`` unrolled steps over ``packed`` (``draft_training.pack_draft_batch``'s, which
+    the teacher-forced step runs on)."""
+    device = packed.tokens_T.device
+    prompt_starts = [0, *itertools.accumulate(packed.prompt_lengths)]
+    completion_starts = [packed.num_prompt_tokens + n for n in (0, *itertools.accumulate(packed.completion_lengths))]
+    target_starts = [0, *itertools.accumulate(packed.completion_lengths)]
+    teacher, window, previous, targets, trained = [], [], [], [], []
+    for b, (length, prompt) in enumerate(zip(packed.completion_lengths, packed.completion_prompts)):
+        num_prompt = packed.prompt_lengths[prompt]
+        index = torch.cat([torch.arange(prompt_starts[prompt], prompt_starts[prompt] + num_prompt),
+                           torch.arange(completion_starts[b], completion_starts[b] + length)])
+        start = max(num_prompt - (num_steps - 1), 0)
+        teacher.append(index)
+        window.append(index[start:])
+        previous.append(torch.cat([index[start - 1:start] if start else torch.tensor([-1]), index[start:-1]]))
+        is_trained = torch.arange(start, len(index)) >= num_prompt
+        trained.append(is_trained)
+        targets.append(torch.where(is_trained, torch.arange(start, len(index)) - num_prompt + target_starts[b], 0))
+    pad = functools.partial(torch.nn.utils.rnn.pad_sequence, batch_first=True)
+    window_BW = pad(window, padding_value=0).to(device)
+    return UnrolledBatch(packed, pad(teacher, padding_value=0).to(device),
+                         torch.tensor([len(t) for t in teacher], device=device), window_BW,
+                         pad(previous, padding_value=-1).to(device), packed.positions_T[window_BW],
+                         pad(trained, padding_value=False).to(device), pad(targets, padding_value=0).to(device))
+
+
+class KeptKeys:
+    """The teacher-forced pass's plan, keeping each layer's keys and values ``[1, Hkv, T, D]`` for later steps."""
+
+    def __init__(self, plan, store: dict[int, tuple[torch.Tensor, torch.Tensor]]):
+        self.plan = plan
+        self.store = store
+
+    def __call__(self, module, query, key, value, *, scaling, sliding_window):
+        self.store[module.layer_idx] = (key, value)
+        return self.plan(module, query, key, value, scaling=scaling, sliding_window=sliding_window)
 
 
 class UnrolledPlan:
-    """The attention of unrolled step ``step`` (module docstring): it adds its keys and values to ``store``
-    (per draft layer, one entry per step so far) and attends over all of them with the step's mask."""
+    """The attention of unrolled step ``step`` >= 1 (module docstring) over its window: the teacher pass's keys of
+    each completion's own sequence (gathered from the pack) and the window keys of steps 1..step, which it adds to
+    ``store`` (per draft layer, the steps so far)."""
 
-    def __init__(self, store: dict[int, list[tuple[torch.Tensor, torch.Tensor]]], step: int, num_positions: int,
-                 device: torch.device):
-        self.store = store
-        self.step = step
-        query_T = torch.arange(num_positions, device=device)[:, None]
-        key_T = torch.arange(num_positions, device=device)[None, :]
-        blocks = [key_T <= query_T - step] + [key_T == query_T - (step - i) for i in range(1, step + 1)]
-        self.visible_TK = torch.cat(blocks, dim=1)        # [T, (step + 1) * T]
-        self.distance_TK = (query_T - key_T).repeat(1, step + 1)
+    def __init__(self, batch: UnrolledBatch, teacher: dict[int, tuple[torch.Tensor, torch.Tensor]],
+                 store: dict[int, list[tuple[torch.Tensor, torch.Tensor]]], step: int):
+        self.batch, self.teacher, self.store, self.step = batch, teacher, store, step
+        device = batch.positions_BW.device
+        num_positions = batch.teacher_index_BL.shape[1]
+        query_BW1 = batch.positions_BW[:, :, None]
+        teacher_L = torch.arange(num_positions, device=device)
+        window_W = torch.arange(batch.positions_BW.shape[1], device=device)
+        # Teacher keys up to the root (s - step); then step i's key of the ancestor at s - (step - i).
+        blocks = [teacher_L <= query_BW1 - step] + [
+            (window_W[None, None, :] == window_W[None, :, None] - (step - i)).expand(len(query_BW1), -1, -1)
+            for i in range(1, step + 1)]
+        self.visible_BWK = torch.cat(blocks, dim=2)
+        self.distance_BWK = torch.cat([query_BW1 - teacher_L] + [query_BW1 - batch.positions_BW[:, None, :]] * step, 2)
+
+    def _teacher(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``layer``'s teacher keys and values ``[B, Hkv, L, D]`` per completion's own sequence."""
+        index_BL = self.batch.teacher_index_BL
+        return tuple(kept[0][:, index_BL].transpose(0, 1) for kept in self.teacher[layer])
 
     def __call__(self, module, query, key, value, *, scaling, sliding_window):
         steps = self.store.setdefault(module.layer_idx, [])
         steps.append((key, value))
-        assert len(steps) == self.step + 1, "unrolled steps must run in order"
-        mask = self.visible_TK
+        assert len(steps) == self.step, "unrolled steps must run in order"
+        teacher_key, teacher_value = self._teacher(module.layer_idx)
+        mask = self.visible_BWK
         if sliding_window is not None:
-            mask = mask & (self.distance_TK < sliding_window)
-        keys = torch.cat([k for k, _ in steps], dim=2)
-        values = torch.cat([v for _, v in steps], dim=2)
-        out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scaling, enable_gqa=True)
+            mask = mask & (self.distance_BWK < sliding_window)
+        keys = torch.cat([teacher_key, *(k for k, _ in steps)], dim=2)
+        values = torch.cat([teacher_value, *(v for _, v in steps)], dim=2)
+        out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask[:, None], scale=scaling,
+                                             enable_gqa=True)
         return out.transpose(1, 2)
 
 
 def unrolled_predictions(draft: DraftHead, batch: UnrolledBatch, num_steps: int) -> list[torch.Tensor]:
-    """The draft's predicted features ``[B, T, Hd]`` at each of ``num_steps`` unrolled steps (module docstring)."""
-    num_rows, num_positions = batch.tokens_BT.shape
-    device = batch.tokens_BT.device
-    positions_BT = torch.arange(num_positions, device=device).expand(num_rows, -1)
+    """The draft's predicted features ``[B, W, Hd]`` at the window positions, for each of ``num_steps`` steps:
+    step 0 teacher-forced on the pack (gathered), the later ones fed their previous step's predictions."""
+    packed = batch.packed
     dtype = next(draft.parameters()).dtype
-    features_BTH = draft.input_features(batch.features_BTX.to(dtype))
+    teacher: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    predicted_TH = draft(draft.input_features(packed.features_TH[None].to(dtype)), packed.tokens_T[None],
+                         packed.positions_T[None], KeptKeys(packed.plan, teacher))[0]
+    predictions = [predicted_TH[batch.window_index_BW]]
+    # Step 1 at s is fed step 0's prediction at s - 1, which may lie before the window (the pack has it).
+    previous_BW = batch.previous_index_BW
+    features_BWH = torch.where(previous_BW[..., None] >= 0, predicted_TH[previous_BW.clamp(min=0)], 0.0)
+    tokens_BW = packed.tokens_T[batch.window_index_BW]
     store: dict[int, list] = {}
-    predictions = []
-    for step in range(num_steps):
-        predicted_BTH = draft(features_BTH, batch.tokens_BT, positions_BT,
-                              UnrolledPlan(store, step, num_positions, device))
-        predictions.append(predicted_BTH)
-        features_BTH = shift_features(predicted_BTH)  # g_t[s-1] feeds step t + 1 at s
+    for step in range(1, num_steps):
+        predicted_BWH = draft(features_BWH, tokens_BW, batch.positions_BW, UnrolledPlan(batch, teacher, store, step))
+        predictions.append(predicted_BWH)
+        features_BWH = shift_features(predicted_BWH)  # g_t[s-1] feeds step t + 1 at s (window start: unused)
     return predictions
 
 
 def step_mask(batch: UnrolledBatch, step: int) -> torch.Tensor:
-    """``[B, T]`` bool: the positions step ``step`` trains (trained, with a root at s - step >= 0)."""
-    return batch.trained_BT & (torch.arange(batch.trained_BT.shape[1], device=batch.trained_BT.device) >= step)
+    """``[B, W]`` bool: the window positions step ``step`` trains (trained tokens with a root s - step >= 0)."""
+    return batch.trained_BW & (batch.positions_BW >= step)
 
 
-def unrolled_draft_loss(draft: DraftHead, groups: Groups, config) -> tuple[torch.Tensor, dict]:
-    """``draft_training.draft_loss`` over ``config.ttt_steps`` unrolled steps: step t's loss (the same terms) at
-    the positions it trains, weighted ``STEP_DECAY ** t`` and normalised. Metrics: the weighted terms, top-1
-    agreement at depth 1 (``top1_agreement``) and at each depth (``top1_agreement_depth<d>``)."""
-    batch = pad_completions(groups, draft.layout.context_start, draft.config.hidden_size)
+def unrolled_draft_loss(draft: DraftHead, packed: NamedTuple, config) -> tuple[torch.Tensor, dict]:
+    """``draft_training.draft_loss`` over ``config.ttt_steps`` unrolled steps of ``packed`` (its pack): step t's
+    loss (the same terms) at the positions it trains, weighted ``STEP_DECAY ** t`` and normalised. Metrics: the
+    weighted terms, top-1 agreement at depth 1 (``top1_agreement``) and at each depth (``top1_agreement_depth<d>``)."""
+    batch = unrolled_batch(packed, config.ttt_steps)
     predictions = unrolled_predictions(draft, batch, config.ttt_steps)
     weights = [STEP_DECAY ** t for t in range(config.ttt_steps)]
     total, metrics = 0.0, {}
-    for step, (predicted_BTH, weight) in enumerate(zip(predictions, weights)):
-        mask_BT = step_mask(batch, step)
-        if not bool(mask_BT.any()):  # host sync: a step past every completion's length trains nothing
+    for step, (predicted_BWH, weight) in enumerate(zip(predictions, weights)):
+        mask_BW = step_mask(batch, step)
+        if not bool(mask_BW.any()):  # host sync: a step past every completion's length trains nothing
             continue
-        loss, step_metrics = position_losses(draft, predicted_BTH[mask_BT], batch.targets_BTH[mask_BT]
-                                              .to(predicted_BTH.dtype), config)
+        target_MH = batch.packed.targets_MH[batch.target_row_BW[mask_BW]].to(predicted_BWH.dtype)
+        loss, step_metrics = position_losses(draft, predicted_BWH[mask_BW], target_MH, config)
         total = total + weight * loss
         for key in ("loss", "feature_loss", "logit_loss"):
             metrics[key] = metrics.get(key, 0.0) + weight * step_metrics[key]
@@ -156,59 +195,3 @@ def unrolled_draft_loss(draft: DraftHead, groups: Groups, config) -> tuple[torch
     metrics = {k: (v / norm if k in ("loss", "feature_loss", "logit_loss") else v) for k, v in metrics.items()}
     metrics["top1_agreement"] = metrics["top1_agreement_depth1"]
     return total / norm, metrics
-
-
-@torch.no_grad()
-def acceptance_by_depth(draft: DraftHead, groups: Groups, num_depths: int, *, rows_per_pass: int = 4) -> dict:
-    """How far the draft's chains are accepted on ``groups`` (the policy's own T = 1 samples, never trained on),
-    depth 1..``num_depths``, each chain rooted at a completion position and following the data's tokens:
-
-    - ``top1_accepted``: share of roots whose top-1 draft token matched the sampled token at every depth up to d
-      (a top-1 chain verified by "sample, then match" at T = 1 is accepted exactly that often);
-    - ``expected_acceptance``: the mean of sum_x min(p(x), q(x)) at depth d (p the policy's distribution, q the
-      draft's), the chance that lossless speculative sampling accepts a token the draft *sampled* there;
-    - ``sampled_accepted``: the mean over roots of the product of those up to d (a sampled chain's acceptance
-      through depth d, with the data's path standing for the accepted one);
-    - ``top1_agreement``: the draft's argmax equals the policy's at depth 1 (teacher-forced);
-    - ``tokens_per_verification``: 1 + the sum over depths of ``top1_accepted`` (resp. ``sampled_accepted``):
-      the tokens a single chain of ``num_depths`` emits per policy forward.
-    """
-    sums = {k: torch.zeros(num_depths, dtype=torch.float64) for k in ("top1", "expected", "sampled", "roots")}
-    agreement, agreement_count = 0.0, 0
-    for group in range(groups.num_groups):  # a group at a time, a few rows per pass: [B, T, V] stays small
-        group_batch = pad_completions(groups.select([group]), draft.layout.context_start, draft.config.hidden_size)
-        for start in range(0, group_batch.tokens_BT.shape[0], rows_per_pass):
-            batch = UnrolledBatch(*(t[start:start + rows_per_pass] for t in group_batch))
-            predictions = unrolled_predictions(draft, batch, num_depths)
-            policy_logp_BTV = draft.logits(batch.targets_BTH.to(predictions[0].dtype)).float().log_softmax(-1)
-            ok_top1 = torch.ones_like(batch.trained_BT)
-            product = torch.ones(batch.tokens_BT.shape, dtype=torch.float64, device=batch.tokens_BT.device)
-            alive = torch.ones_like(batch.trained_BT)
-            for depth, predicted_BTH in enumerate(predictions):
-                draft_logp_BTV = draft.draft_logprobs(predicted_BTH)
-                overlap_BT = torch.minimum(draft_logp_BTV, policy_logp_BTV).exp().sum(-1).double()
-                top1_BT = draft_logp_BTV.argmax(-1) == batch.next_tokens_BT
-                if depth == 0:
-                    agree = (draft_logp_BTV.argmax(-1) == policy_logp_BTV.argmax(-1)) & batch.trained_BT
-                    agreement += float(agree.sum())
-                    agreement_count += int(batch.trained_BT.sum())
-                def at_root(values_BT: torch.Tensor, fill) -> torch.Tensor:
-                    """Per root r, the value at this depth's node r + depth (``fill`` past the row)."""
-                    return F.pad(values_BT[:, depth:], (0, depth), value=fill)
-
-                alive = alive & at_root(batch.trained_BT & (batch.next_tokens_BT >= 0), False)
-                ok_top1 = ok_top1 & at_root(top1_BT, False)
-                product = product * at_root(overlap_BT, 0.0)
-                sums["roots"][depth] += float(alive.sum())
-                sums["top1"][depth] += float((ok_top1 & alive).sum())
-                sums["sampled"][depth] += float(product[alive].sum())
-                sums["expected"][depth] += float(at_root(overlap_BT, 0.0)[alive].sum())
-    roots = sums["roots"].clamp(min=1)
-    result = {"num_roots": sums["roots"].tolist(),
-              "top1_accepted": (sums["top1"] / roots).tolist(),
-              "expected_acceptance": (sums["expected"] / roots).tolist(),
-              "sampled_accepted": (sums["sampled"] / roots).tolist(),
-              "top1_agreement": agreement / max(1, agreement_count)}
-    result["tokens_per_verification_top1"] = 1.0 + sum(result["top1_accepted"])
-    result["tokens_per_verification_sampled"] = 1.0 + sum(result["sampled_accepted"])
-    return result
