@@ -24,6 +24,7 @@ Variants (``VARIANTS``): ``turbogrpo`` (today's, the baseline), ``turbogrpo+ttt`
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -39,6 +40,7 @@ from bench.harness import RESULTS_DIR, machine_info  # noqa: E402
 from turbogrpo.commands.draft_build import choose_draft_tokens, new_draft, sample_completions, vocabulary_coverage  # noqa: E402
 from turbogrpo.config import DraftLearningConfig  # noqa: E402
 from turbogrpo.rollout import SamplingConfig  # noqa: E402
+from turbogrpo.speculative.draft import DraftHead  # noqa: E402
 from turbogrpo.speculative.built_drafts import DraftRecipe  # noqa: E402
 from turbogrpo.speculative.draft_training import draft_groups, make_optimizer, train_draft  # noqa: E402
 from turbogrpo.speculative.draft_acceptance import acceptance_by_depth  # noqa: E402
@@ -94,14 +96,23 @@ def measured_accepted_length(model, draft, prompts, shape: TreeShape, max_new_to
     return rollout.stats.mean_accepted_length
 
 
-def run_variant(name: str, variant: Variant, model, prompts, completions, args, stop_ids) -> dict:
+def features_of(wide, draft, hidden_size: int):
+    """The policy features ``draft`` reads, from ``wide`` (the eagle3 layers' and the final ones, computed once):
+    all of them for an "eagle3" draft, the final block for the others."""
+    if draft.config.feature_layers:
+        return wide
+    final = [h[..., -hidden_size:] for h in wide.hidden]
+    return dataclasses.replace(wide, hidden=final, prompt_hidden=[h[..., -hidden_size:] for h in wide.prompt_hidden])
+
+
+def run_variant(name: str, variant: Variant, model, prompts, wide, args) -> dict:
     torch.manual_seed(args.seed)  # every variant's layer starts from the same random numbers
     recipe = DraftRecipe(num_prompts=len(prompts), num_samples=args.num_samples, max_new_tokens=args.max_new_tokens,
                          epochs=args.epochs, batch_size=args.batch_size, num_draft_tokens=args.draft_tokens,
                          lr=args.lr, layout=variant.layout, ttt_steps=variant.ttt_steps,
                          init_from_policy=variant.init_from_policy, validation_prompts=args.validation_prompts)
     draft = new_draft(model, recipe)
-    groups = draft_groups(model, prompts, completions, draft=draft)
+    groups = features_of(wide, draft, model.config.hidden_size)
     num_train = groups.num_groups - args.validation_prompts
     train, held_out = groups.select(range(num_train)), groups.select(range(num_train, groups.num_groups))
     coverage = None
@@ -171,8 +182,11 @@ def main() -> int:
     sampling_s = time.perf_counter() - start
     num_tokens = sum(len(c) for cs in completions for c in cs)
     print(f"{len(prompts)} prompts x {args.num_samples}: {num_tokens} tokens sampled at T = 1 in {sampling_s:.0f}s")
-    variants = {name: run_variant(name, VARIANTS[name], model, prompts, completions, args, stop_ids)
-                for name in args.variants}
+    # The policy's features once for all variants: the eagle3 layers and the final one, from one forward per pack.
+    start = time.perf_counter()
+    wide = draft_groups(model, prompts, completions, draft=DraftHead(model, layout="eagle3"))
+    features_s = time.perf_counter() - start
+    variants = {name: run_variant(name, VARIANTS[name], model, prompts, wide, args) for name in args.variants}
     baseline = variants.get("turbogrpo")
     if baseline is not None:
         for result in variants.values():
@@ -188,7 +202,7 @@ def main() -> int:
                          "validation_prompts": args.validation_prompts, "epochs": args.epochs,
                          "batch_size": args.batch_size, "lr": args.lr, "draft_tokens": args.draft_tokens,
                          "depth": args.depth, "num_sampled_tokens": num_tokens, "temperature": 1.0},
-              "sampling_s": round(sampling_s, 1), "variants": variants}
+              "sampling_s": round(sampling_s, 1), "features_s": round(features_s, 1), "variants": variants}
     out = RESULTS_DIR / f"{args.out}.json"
     out.write_text(json.dumps(record, indent=1))
     print(f"wrote {out}")
