@@ -14,7 +14,7 @@ The loss is EAGLE-3's: the per-step losses weighted 0.8^t, here normalised by th
 step is exactly teacher forcing's loss.
 
 The teacher-forced step 0 is the shared-prefix pack's forward (each prompt once per group, as in teacher forcing);
-steps t >= 1 query a window per completion, its trained tokens and the last t - 1 prompt pairs before them, whose
+steps t >= 1 query a window per completion, its trained tokens and the last k - 1 prompt pairs before them, whose
 keys are gathered from the pack's. The same unrolled predictions measure acceptance by depth on held-out data
 (``draft_acceptance.py``).
 
