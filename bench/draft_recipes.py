@@ -88,10 +88,11 @@ def load(args):
     return model, tokenizer, [ex.token_ids for ex in examples[:args.num_prompts]]
 
 
-def measured_accepted_length(model, draft, prompts, shape: TreeShape, max_new_tokens: int, seed: int) -> float:
-    """Tokens per verification of a speculative rollout of ``prompts`` at T = 1 with fixed trees of ``shape``."""
-    rollout = generate_speculative(model, prompts, num_samples=4, seed=seed,
-                                   sampling=SamplingConfig(max_new_tokens=max_new_tokens, temperature=1.0),
+def measured_accepted_length(model, draft, prompts, shape: TreeShape, max_new_tokens: int, stop_ids, seed: int) -> float:
+    """Tokens per verification of a speculative rollout of ``prompts`` at T = 1 with fixed trees of ``shape``,
+    stopping at the model's stop tokens as the completions the drafts learned from did."""
+    sampling = SamplingConfig(max_new_tokens=max_new_tokens, temperature=1.0, stop_token_ids=tuple(stop_ids))
+    rollout = generate_speculative(model, prompts, num_samples=4, seed=seed, sampling=sampling,
                                    draft=Speculation(draft, FixedSizing(shape)))
     return rollout.stats.mean_accepted_length
 
@@ -105,7 +106,7 @@ def features_of(wide, draft, hidden_size: int):
     return dataclasses.replace(wide, hidden=final, prompt_hidden=[h[..., -hidden_size:] for h in wide.prompt_hidden])
 
 
-def run_variant(name: str, variant: Variant, model, prompts, wide, args) -> dict:
+def run_variant(name: str, variant: Variant, model, prompts, wide, args, stop_ids) -> dict:
     torch.manual_seed(args.seed)  # every variant's layer starts from the same random numbers
     recipe = DraftRecipe(num_prompts=len(prompts), num_samples=args.num_samples, max_new_tokens=args.max_new_tokens,
                          epochs=args.epochs, batch_size=args.batch_size, num_draft_tokens=args.draft_tokens,
@@ -128,9 +129,9 @@ def run_variant(name: str, variant: Variant, model, prompts, wide, args) -> dict
     acceptance = acceptance_by_depth(draft, held_out, args.depth)
     held_out_prompts = list(prompts[num_train:])
     chain = measured_accepted_length(model, draft, held_out_prompts, TreeShape(1, args.depth, args.depth + 1),
-                                     args.max_new_tokens, args.seed)
+                                     args.max_new_tokens, stop_ids, args.seed)
     tree = measured_accepted_length(model, draft, held_out_prompts, TreeShape(4, args.depth, 4 * args.depth + 1),
-                                    args.max_new_tokens, args.seed)
+                                    args.max_new_tokens, stop_ids, args.seed)
     result = {"layout": variant.layout, "ttt_steps": variant.ttt_steps, "init_from_policy": variant.init_from_policy,
               "training_s": round(training_s, 2), "held_out_draft_token_coverage": coverage,
               "top1_agreement": acceptance["top1_agreement"],
@@ -186,7 +187,7 @@ def main() -> int:
     start = time.perf_counter()
     wide = draft_groups(model, prompts, completions, draft=DraftHead(model, layout="eagle3"))
     features_s = time.perf_counter() - start
-    variants = {name: run_variant(name, VARIANTS[name], model, prompts, wide, args) for name in args.variants}
+    variants = {name: run_variant(name, VARIANTS[name], model, prompts, wide, args, stop_ids) for name in args.variants}
     baseline = variants.get("turbogrpo")
     if baseline is not None:
         for result in variants.values():

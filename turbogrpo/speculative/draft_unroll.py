@@ -60,7 +60,6 @@ class UnrolledBatch(NamedTuple):
 
     packed: NamedTuple            # the teacher-forced pack (draft_training.PackedDraftBatch)
     teacher_index_BL: torch.Tensor   # [B, L] pack index of each position of the completion's own sequence
-    teacher_length_B: torch.Tensor   # [B] its length (prompt pairs + trained tokens)
     window_index_BW: torch.Tensor    # [B, W] pack index of each window position (0 on padding)
     previous_index_BW: torch.Tensor  # [B, W] pack index of the position before (-1: none or padding)
     positions_BW: torch.Tensor       # [B, W] position ids s of the window
@@ -89,8 +88,7 @@ def unrolled_batch(packed: NamedTuple, num_steps: int) -> UnrolledBatch:
         targets.append(torch.where(is_trained, torch.arange(start, len(index)) - num_prompt + target_starts[b], 0))
     pad = functools.partial(torch.nn.utils.rnn.pad_sequence, batch_first=True)
     window_BW = pad(window, padding_value=0).to(device)
-    return UnrolledBatch(packed, pad(teacher, padding_value=0).to(device),
-                         torch.tensor([len(t) for t in teacher], device=device), window_BW,
+    return UnrolledBatch(packed, pad(teacher, padding_value=0).to(device), window_BW,
                          pad(previous, padding_value=-1).to(device), packed.positions_T[window_BW],
                          pad(trained, padding_value=False).to(device), pad(targets, padding_value=0).to(device))
 
