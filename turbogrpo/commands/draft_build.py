@@ -149,9 +149,10 @@ def _featurize_and_train(model: nn.Module, draft: DraftHead, prompts: Sequence[t
     trained = time.perf_counter()
     acceptance = None
     if held_out.num_groups:
-        from turbogrpo.speculative.draft_acceptance import acceptance_by_depth
+        from turbogrpo.speculative.draft_acceptance import acceptance_by_depth, rows_by_depth
 
         acceptance = acceptance_by_depth(draft, held_out, recipe.report_depth)
+        acceptance["by_depth"] = rows_by_depth(acceptance)
         log(acceptance_table(acceptance))
     record = {"num_prompts": groups.num_groups, "num_completions": num_completions, "num_tokens": num_tokens,
               "num_held_out_prompts": held_out.num_groups,
@@ -172,10 +173,9 @@ def acceptance_table(acceptance: dict) -> str:
     """The held-out acceptance report as lines a person reads: per depth, the share of chains accepted so far."""
     lines = [f"held-out acceptance at T = 1 (top-1 agreement with the policy {acceptance['top1_agreement']:.3f})",
              f"{'depth':>6} {'roots':>8} {'top-1 accepted':>15} {'E[accept] sum min(p,q)':>23} {'sampled chain':>14}"]
-    for depth, values in enumerate(zip(acceptance["num_roots"], acceptance["top1_accepted"],
-                                       acceptance["expected_acceptance"], acceptance["sampled_accepted"]), 1):
-        roots, top1, expected, sampled = values
-        lines.append(f"{depth:>6} {int(roots):>8} {top1:>15.3f} {expected:>23.3f} {sampled:>14.3f}")
+    for row in acceptance["by_depth"]:
+        lines.append(f"{row['depth']:>6} {int(row['num_roots']):>8} {row['top1_accepted']:>15.3f} "
+                     f"{row['expected_acceptance']:>23.3f} {row['sampled_accepted']:>14.3f}")
     lines.append(f"tokens per verification of one chain: {acceptance['tokens_per_verification_top1']:.2f} (top-1), "
                  f"{acceptance['tokens_per_verification_sampled']:.2f} (sampled)")
     return "\n".join(lines)

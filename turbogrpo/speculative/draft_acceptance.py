@@ -84,3 +84,11 @@ def acceptance_by_depth(draft: DraftHead, groups: Groups, num_depths: int, *,
     result["tokens_per_verification_top1"] = 1.0 + sum(result["top1_accepted"])
     result["tokens_per_verification_sampled"] = 1.0 + sum(result["sampled_accepted"])
     return result
+
+
+def rows_by_depth(acceptance: dict) -> list[dict]:
+    """``acceptance_by_depth``'s figures as one row per depth (``depth``, ``num_roots``, ``top1_accepted``,
+    ``expected_acceptance``, ``sampled_accepted``), for reports and tables."""
+    keys = ("num_roots", "top1_accepted", "expected_acceptance", "sampled_accepted")
+    return [{"depth": depth, **dict(zip(keys, values))}
+            for depth, values in enumerate(zip(*(acceptance[k] for k in keys)), 1)]
