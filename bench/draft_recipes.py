@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import sys
 import time
@@ -36,7 +35,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.harness import RESULTS_DIR, machine_info  # noqa: E402
+from bench.harness import write_results  # noqa: E402
 from turbogrpo.commands.draft_build import choose_draft_tokens, new_draft, sample_completions, vocabulary_coverage  # noqa: E402
 from turbogrpo.config import DraftLearningConfig  # noqa: E402
 from turbogrpo.rollout import SamplingConfig  # noqa: E402
@@ -195,8 +194,7 @@ def main() -> int:
                                                          / max(baseline["expected_acceptance_depth1"], 1e-9))
             result["vs_baseline_measured_chain"] = (result["measured_tokens_per_verification_chain"]
                                                     / baseline["measured_tokens_per_verification_chain"])
-    record = {"benchmark": "draft_recipes", "machine": machine_info(),
-              "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+    record = {"cpu_capability": torch.backends.cpu.get_cpu_capability(),
               "load_average": {"before": load_before, "after": os.getloadavg()},
               "shapes": {"model": args.model, "config": args.config, "num_prompts": len(prompts),
                          "num_samples": args.num_samples, "max_new_tokens": args.max_new_tokens,
@@ -204,9 +202,7 @@ def main() -> int:
                          "batch_size": args.batch_size, "lr": args.lr, "draft_tokens": args.draft_tokens,
                          "depth": args.depth, "num_sampled_tokens": num_tokens, "temperature": 1.0},
               "sampling_s": round(sampling_s, 1), "features_s": round(features_s, 1), "variants": variants}
-    out = RESULTS_DIR / f"{args.out}.json"
-    out.write_text(json.dumps(record, indent=1))
-    print(f"wrote {out}")
+    write_results(args.out, record)
     return 0
 
 

@@ -904,7 +904,7 @@ RESULTS: list[Result] = [
     Result("smollm2_lossless_check", "lossless", "Speculation is lossless on SmolLM2-135M: completion lengths",
            "python scripts/smollm2_lossless_check.py 4", section="Learning"),
     Result("draft_recipes", "draft_recipes", "Draft recipes at T = 1, demo model: eagle3 and training-time test",
-           "python bench/draft_recipes.py", section="Learning", awaiting_run=True),
+           "python bench/draft_recipes.py", section="Learning"),
     Result("draft_recipes_smollm2", "draft_recipes", "Draft recipes at T = 1, SmolLM2-135M GSM8K",
            "python bench/draft_recipes.py --model smollm2 --config configs/smollm2_gsm8k.toml --num-prompts 128 "
            "--num-samples 4 --max-new-tokens 256 --epochs 4 --draft-tokens 4096 --validation-prompts 8 "
