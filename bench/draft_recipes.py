@@ -4,15 +4,16 @@ One process samples the policy's own T = 1 completions once, holds the last prom
 variant on the same completions for the same epochs (the same token budget), then measures each on the
 held-out ones:
 
-* held-out acceptance by depth (``draft_unroll.acceptance_by_depth``): top-1 agreement with the policy, the
+* held-out acceptance by depth (``draft_acceptance.acceptance_by_depth``): top-1 agreement with the policy, the
   T = 1 expected acceptance sum_x min(p(x), q(x)) at depth 1.., the share of top-1 chains accepted through each
   depth, and the tokens one chain of ``--depth`` emits per verification (top-1 and sampled drafts);
 * measured tokens per verification: a speculative rollout of the held-out prompts at T = 1 with fixed
-  1 x depth chains (``--depth``) and with fixed 4 x depth trees (``tree_shape``), mean accepted length;
+  1 x depth chains (``--depth``) and with fixed 4-wide trees of that depth, mean accepted length;
 * the draft vocabulary's coverage of the held-out completions' tokens (``--draft-tokens``, 0: all of it).
 
 Variants (``VARIANTS``): ``turbogrpo`` (today's, the baseline), ``turbogrpo+ttt``, ``eagle3``, ``eagle3+ttt``,
-``eagle3+ttt+init`` (the layer started as the policy's last).
+``eagle3+ttt+init`` (the layer started as the policy's last), ``eagle3+ttt+ce`` and ``turbogrpo+ttt+ce``
+(EAGLE-3's loss: the distribution alone, no feature regression; weights 0 / 1).
 
     PYTHONPATH=. python bench/draft_recipes.py --quick          # demo model, seconds; *_quick file
     PYTHONPATH=. python bench/draft_recipes.py                  # demo model, 128 prompts x 8, 6 epochs
@@ -50,11 +51,13 @@ from turbogrpo.speculative.tree import TreeShape  # noqa: E402
 
 @dataclass(frozen=True)
 class Variant:
-    """One draft recipe: its layout, its training-time-test steps, its initialisation."""
+    """One draft recipe: its layout, its training-time-test steps, its initialisation, its loss weights."""
 
     layout: str
     ttt_steps: int
     init_from_policy: bool = False
+    feature_weight: float = 1.0
+    logit_weight: float = 0.1
 
 
 VARIANTS: dict[str, Variant] = {
@@ -63,6 +66,8 @@ VARIANTS: dict[str, Variant] = {
     "eagle3": Variant("eagle3", 1),
     "eagle3+ttt": Variant("eagle3", 3),
     "eagle3+ttt+init": Variant("eagle3", 3, init_from_policy=True),
+    "eagle3+ttt+ce": Variant("eagle3", 3, feature_weight=0.0, logit_weight=1.0),
+    "turbogrpo+ttt+ce": Variant("turbogrpo", 3, feature_weight=0.0, logit_weight=1.0),
 }
 """Name -> recipe; "turbogrpo" is the baseline (today's draft)."""
 
@@ -119,7 +124,8 @@ def run_variant(name: str, variant: Variant, model, prompts, wide, args, stop_id
     if args.draft_tokens:
         choose_draft_tokens(draft, torch.cat(list(train.completions)).cpu())
         coverage = vocabulary_coverage(draft, held_out)
-    config = DraftLearningConfig(lr=args.lr, ttt_steps=variant.ttt_steps)
+    config = DraftLearningConfig(lr=args.lr, ttt_steps=variant.ttt_steps, feature_weight=variant.feature_weight,
+                                 logit_weight=variant.logit_weight)
     optimizer = make_optimizer(draft, config)
     start = time.perf_counter()
     for epoch in range(args.epochs):
@@ -132,6 +138,7 @@ def run_variant(name: str, variant: Variant, model, prompts, wide, args, stop_id
     tree = measured_accepted_length(model, draft, held_out_prompts, TreeShape(4, args.depth, 4 * args.depth + 1),
                                     args.max_new_tokens, stop_ids, args.seed)
     result = {"layout": variant.layout, "ttt_steps": variant.ttt_steps, "init_from_policy": variant.init_from_policy,
+              "feature_weight": variant.feature_weight, "logit_weight": variant.logit_weight,
               "training_s": round(training_s, 2), "held_out_draft_token_coverage": coverage,
               "top1_agreement": acceptance["top1_agreement"],
               "expected_acceptance_depth1": acceptance["expected_acceptance"][0],
