@@ -909,6 +909,11 @@ RESULTS: list[Result] = [
            "python bench/draft_recipes.py --model smollm2 --config configs/smollm2_gsm8k.toml --num-prompts 128 "
            "--num-samples 4 --max-new-tokens 256 --epochs 4 --draft-tokens 4096 --validation-prompts 8 "
            "--out draft_recipes_smollm2", section="Learning", awaiting_run=True),
+    Result("draft_recipes_smollm2_full_vocab", "draft_recipes", "Draft recipes at T = 1, SmolLM2-135M GSM8K, whole vocabulary",
+           "python bench/draft_recipes.py --model smollm2 --config configs/smollm2_gsm8k.toml --num-prompts 128 "
+           "--num-samples 4 --max-new-tokens 256 --epochs 4 --draft-tokens 0 --validation-prompts 8 "
+           "--variants turbogrpo+ttt turbogrpo+ttt+ce --out draft_recipes_smollm2_full_vocab", section="Learning",
+           awaiting_run=True),
     Result("draft_build_smollm2", "draft_build", "SmolLM2's built draft (smollm2-gsm8k)", "turbogrpo draft build --model smollm2",
            section="Learning"),
     Result("demo_greedy_investigation", "greedy_split", "Why the demo's greedy accuracy does not rise",
