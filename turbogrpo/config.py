@@ -256,8 +256,15 @@ class DraftLearningConfig:
     num_layers: int = 1
     """Decoder layers of a scratch draft (EAGLE's 1: deeper drafts cost more than they gain)."""
     layout: str = "turbogrpo"
-    """Layout of a scratch draft: "turbogrpo", or "eagle" (vLLM's EAGLE drafter exactly, so `turbogrpo draft
-    export-vllm` can hand it to vLLM); a saved draft keeps its own."""
+    """Layout of a scratch draft: "turbogrpo" (the policy's final features), "eagle3" (a low, a middle and a high
+    layer of the policy with the final features, EAGLE-3's; train it with ttt_steps > 1) or "eagle" (vLLM's EAGLE
+    drafter exactly, so `turbogrpo draft export-vllm` can hand it to vLLM); a saved draft keeps its own."""
+    init_from_policy: bool = False
+    """Start a scratch draft's decoder layer as a copy of the policy's last layer (where shapes agree)."""
+    ttt_steps: int = 1
+    """Training-time test: train the draft on its own predictions for this many steps, as it drafts that deep
+    (EAGLE-3, HASS); 1: teacher forcing on the policy's features alone. Each step costs about one more draft
+    forward in training."""
     learn: bool = True
     """Train the draft after every rollout on the policy's features of all completions (false: frozen)."""
     lr: float = 1e-3
@@ -290,6 +297,10 @@ class DraftLearningConfig:
                  f"{CONFIG_FILE} and {WEIGHTS_FILE} (written by `turbogrpo draft train`)", self.path)
         _require(self.num_layers >= 1, f"{key}.num_layers", "an integer >= 1", self.num_layers)
         _require(self.layout in DRAFT_LAYOUTS, f"{key}.layout", f"one of {', '.join(DRAFT_LAYOUTS)}", self.layout)
+        _require(not self.init_from_policy or self.path == "scratch", f"{key}.init_from_policy",
+                 "false for a saved or built draft (it keeps its trained weights)", self.init_from_policy)
+        _require(isinstance(self.ttt_steps, int) and not isinstance(self.ttt_steps, bool) and 1 <= self.ttt_steps <= 16,
+                 f"{key}.ttt_steps", "an integer in [1, 16] (1: teacher forcing alone)", self.ttt_steps)
         _require(self.lr > 0, f"{key}.lr", "a number > 0", self.lr)
         _require(self.feature_weight >= 0, f"{key}.feature_weight", "a number >= 0", self.feature_weight)
         _require(self.logit_weight >= 0, f"{key}.logit_weight", "a number >= 0", self.logit_weight)

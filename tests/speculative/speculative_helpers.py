@@ -138,9 +138,10 @@ def tiny_policy(arch: str = "qwen2", *, seed: int = 0, vocab_size: int = 64, hid
 
 
 @functools.lru_cache(maxsize=None)
-def trained_pair(vocab_size: int = 64, *, seed: int = 0, sharpness: float = 6.0):
-    """(policy, draft, prompts): a tiny policy and a draft trained on its own completions of
-    ``prompts`` (cached: a few seconds)."""
+def trained_pair(vocab_size: int = 64, *, seed: int = 0, sharpness: float = 6.0, layout: str = "turbogrpo",
+                 ttt_steps: int = 1):
+    """(policy, draft, prompts): a tiny policy and a draft of ``layout`` trained on its own completions of
+    ``prompts`` (``ttt_steps`` unrolled; cached: a few seconds)."""
     from turbogrpo.rollout import SamplingConfig, generate
     from turbogrpo.speculative.draft import DraftHead
     from turbogrpo.config import DraftLearningConfig
@@ -151,7 +152,7 @@ def trained_pair(vocab_size: int = 64, *, seed: int = 0, sharpness: float = 6.0)
     prompts = [torch.randint(vocab_size, (n,), generator=g) for n in (5, 9, 2, 7)]
     completions = [generate(policy, prompts, num_samples=n, sampling=SamplingConfig(max_new_tokens=20, temperature=t),
                             seed=seed).tokens_per_group() for n, t in ((1, 0.0), (4, 0.7))]
-    draft = DraftHead(policy)
-    train_draft(draft, draft_groups(policy, prompts, [a + b for a, b in zip(*completions)]),
-                DraftLearningConfig(lr=1e-2), num_epochs=25, batch_size=20)
+    draft = DraftHead(policy, layout=layout)
+    train_draft(draft, draft_groups(policy, prompts, [a + b for a, b in zip(*completions)], draft=draft),
+                DraftLearningConfig(lr=1e-2, ttt_steps=ttt_steps), num_epochs=25, batch_size=20)
     return policy, draft, prompts

@@ -166,3 +166,28 @@ def test_draft_train_eagle_layout_then_export_vllm(model_dir, tmp_path, capsys):
     assert main(["draft", "export-vllm", "--model", str(model_dir), "--draft", str(drafts["turbogrpo"]),
                  "--out", str(tmp_path / "refused")]) == 2
     assert "its layout 'turbogrpo' is not vLLM's EAGLE" in capsys.readouterr().err
+
+
+def test_draft_train_eagle3_with_training_time_test_reports_acceptance_by_depth(model_dir, tmp_path, monkeypatch,
+                                                                                capsys):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": text}) + "\n" for text in ("1234", "abc5", "zz9", "0x")))
+    out = tmp_path / "eagle3"
+    assert main(["draft", "train", "--model", str(model_dir), "--prompts", str(prompts), "--out", str(out),
+                 "--num-samples", "2", "--max-new-tokens", "6", "--epochs", "1", "--layout", "eagle3",
+                 "--ttt-steps", "2", "--init-from-policy", "--validation-prompts", "1"]) == 0
+    printed = capsys.readouterr().out
+    assert "held-out acceptance at T = 1" in printed and "tokens per verification of one chain" in printed
+    from turbogrpo.models import load_model_and_tokenizer
+    policy, _ = load_model_and_tokenizer(model_dir)
+    assert DraftHead.load(out, policy).config.feature_layers == (0, 1)
+    monkeypatch.setenv("TURBOGRPO_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("TURBOGRPO_CACHE_DIR", raising=False)
+    assert main(["profile", "--model", str(model_dir), "--draft", str(out), "--context-length", "8",
+                 "--max-tokens", "2"]) == 0
+    capsys.readouterr()
+    assert main(["draft", "export-vllm", "--model", str(model_dir), "--draft", str(out),
+                 "--out", str(tmp_path / "refused")]) == 2
+    error = capsys.readouterr().err
+    error_line = error.strip().splitlines()[-1]  # after the weight-loading bar
+    assert error_line.startswith("turbogrpo: error: cannot export") and "layout 'eagle3' reduces" in error_line

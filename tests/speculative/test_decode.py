@@ -167,17 +167,20 @@ def exact_first_three(policy, prompt, sampling):
 @pytest.mark.parametrize("case,draft_kind,shape", [
     ("T1", "trained", TreeShape(3, 2, 6)), ("T1", "random", TreeShape(4, 1, 5)),
     ("T0.7-top_p0.9", "random", TreeShape(2, 3, 7)), ("top_k5", "trained", TreeShape(1, 3, 4)),
+    ("T1", "trained-eagle3", TreeShape(3, 2, 6)), ("T0.7-top_p0.9", "random-eagle3", TreeShape(2, 3, 7)),
 ])
 def test_end_to_end_distribution_is_the_policys(case, draft_kind, shape):
-    policy, trained, _ = trained_pair(V, sharpness=1.5)
-    draft = trained if draft_kind == "trained" else DraftHead(policy)
+    layout = "eagle3" if draft_kind.endswith("eagle3") else "turbogrpo"
+    eagle3 = {"layout": "eagle3", "ttt_steps": 2} if layout == "eagle3" else {}  # the other cases share one pair
+    policy, trained, _ = trained_pair(V, sharpness=1.5, **eagle3)
+    draft = trained if draft_kind.startswith("trained") else DraftHead(policy, layout=layout)
     prompt = torch.tensor([1, 5, 2, 7])
     sampling = CASES[case]
     spec = speculate(policy, draft, [prompt], sampling, shape, num_samples=8_000, seed=1)
     samples = torch.stack([t[:3] for t in spec.tokens])
     pvalue = chi_square_pvalue(joint_counts(samples, V), exact_first_three(policy, prompt, sampling))
     assert pvalue > 1e-3, f"speculative rollouts differ from the policy (p={pvalue:.2e})"
-    if draft_kind == "trained":
+    if draft_kind.startswith("trained"):
         assert spec.stats.mean_accepted_length > 1.15
 
 

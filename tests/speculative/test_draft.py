@@ -231,6 +231,10 @@ def test_build_keeps_its_samples_and_holds_prompts_out(tmp_path, monkeypatch):
     assert record["num_held_out_prompts"] == 1 and len(record["per_epoch"]) == 2
     assert all(0 <= e["held_out_top1_agreement"] <= 1 and e["held_out_loss"] > 0 for e in record["per_epoch"])
     assert all(prompts[-1].tolist() not in seen for seen in trained_on) and len(trained_on) == 2
+    acceptance = record["held_out_acceptance"]  # on the held-out group, depth 1..report_depth
+    assert [row["depth"] for row in acceptance["by_depth"]] == [1, 2, 3, 4]
+    assert 0 <= record["held_out_draft_token_coverage"] <= 1
+    assert all(1 >= a >= b >= 0 for a, b in zip(acceptance["top1_accepted"], acceptance["top1_accepted"][1:]))
     first = build.read_samples(samples, prompts)
     assert [len(cs) for cs in first] == [2] * 4
     monkeypatch.setattr(build, "sample_completions", lambda *a, **k: pytest.fail("sampled again"))

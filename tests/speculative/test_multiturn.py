@@ -185,3 +185,11 @@ def test_the_draft_reads_the_policys_features_of_the_replies(monkeypatch):
         with torch.no_grad():
             features = policy.model(torch.cat([prompt, ids])[None]).last_hidden_state[0, len(prompt) - 1:-1]
         torch.testing.assert_close(outputs.hidden_NTH[i, :len(ids)], features, rtol=0, atol=1e-4)
+
+
+def test_an_eagle3_draft_is_refused_in_one_line():
+    """Multi-turn feeds keep the final features only, not the policy layers an "eagle3" draft reads."""
+    policy, _, prompts = trained_pair()
+    with pytest.raises(ValueError, match="eagle3") as err:
+        run(policy, prompts[:1], 1, draft=Speculation(DraftHead(policy, layout="eagle3"), sizing="fixed"))
+    assert "\n" not in str(err.value)

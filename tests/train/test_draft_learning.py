@@ -18,6 +18,7 @@ from turbogrpo.speculative.profiler import LatencyCurve, LatencyProfile
 from turbogrpo.speculative.sizing import CostSizing, FixedSizing
 from turbogrpo.train import draft_learning, loop
 from turbogrpo.train.draft_learning import OnlineDraft, frozen, within_budget
+from turbogrpo.train.output_dir import run_record
 
 from .tiny_run import overrides, write_model, write_rows
 
@@ -64,7 +65,6 @@ def test_history_drafts_join_the_runs_speculation_and_keep_its_completions(tmp_p
     from turbogrpo.speculative.history import HistoryDrafts
     from turbogrpo.train import distributed
     from turbogrpo.train.run import build_run
-    from turbogrpo.train.output_dir import run_record
     from turbogrpo.train.state import start
 
     model_dir, rows = write_model(tmp_path / "model"), write_rows(tmp_path / "rows.jsonl")
@@ -268,3 +268,24 @@ def test_a_rollout_without_hidden_states_is_collected_by_a_forward():
     for a, b in zip(by_forward.prompt_hidden, by_rollout.prompt_hidden):
         torch.testing.assert_close(a, b, atol=1e-10, rtol=0)
     assert num_trained(by_forward) == sum(len(t) for t in bare.tokens) == num_trained(by_rollout) + len(bare.tokens)
+
+
+def test_an_eagle3_draft_speculates_and_learns_inside_grpo(tmp_path):
+    """[draft] layout = "eagle3" with training-time test and the policy's last layer as a start: a GRPO step
+    drafts with it (its layers read from the rollout's forwards) and trains it on its own predictions."""
+    from turbogrpo.train import distributed
+    from turbogrpo.train.run import build_run
+    from turbogrpo.train.state import start
+
+    model_dir, rows = write_model(tmp_path / "model"), write_rows(tmp_path / "rows.jsonl")
+    config = load_config(None, overrides(model_dir, rows, tmp_path / "out", **{
+        "rollout.speculation": "fixed", "draft.layout": "\"eagle3\"", "draft.ttt_steps": "2",
+        "draft.init_from_policy": "true"}))
+    run = build_run(config, distributed.setup("cpu", "auto"), build_rewards(config.rewards), run_record(config))
+    start(run, resume=False)
+    draft = run.draft.draft
+    assert draft.config.layout == "eagle3" and draft.config.feature_layers
+    before = draft.reduce.weight.clone()
+    metrics = loop.grpo_step(run, 0)
+    assert not torch.equal(before, draft.reduce.weight)  # it learned
+    assert "draft/top1_agreement_depth2" in metrics and metrics["spec/tree_size"] > 1

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 ARITHMETIC = "arithmetic"
-DRAFT_LAYOUT_NAMES = ("turbogrpo", "eagle")  # speculative.draft.DRAFT_LAYOUTS (not imported: the CLI starts fast)
+DRAFT_LAYOUT_NAMES = ("turbogrpo", "eagle3", "eagle")  # speculative.draft.DRAFT_LAYOUTS (not imported: the CLI starts fast)
 
 
 def add_commands(commands: argparse._SubParsersAction) -> None:
@@ -51,7 +51,14 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     train.add_argument("--draft-tokens", type=int, default=0,
                        help="draft vocabulary: the N most frequent tokens of the completions (0: all)")
     train.add_argument("--layout", choices=sorted(DRAFT_LAYOUT_NAMES), default="turbogrpo",
-                       help="draft layout; \"eagle\" is vLLM's EAGLE drafter exactly (`draft export-vllm`)")
+                       help="draft layout; \"eagle3\" reads a low, a middle and a high layer of the policy (train it "
+                            "with --ttt-steps > 1); \"eagle\" is vLLM's EAGLE drafter exactly (`draft export-vllm`)")
+    train.add_argument("--ttt-steps", type=int, default=1,
+                       help="training-time test: unrolled steps on the draft's own predictions (1: teacher forcing)")
+    train.add_argument("--init-from-policy", action="store_true",
+                       help="start the draft's layer as a copy of the policy's last layer")
+    train.add_argument("--validation-prompts", type=int, default=0,
+                       help="prompts held out of training, for the acceptance-by-depth report")
     train.add_argument("--epochs", type=int, default=4, help="passes over the completions")
     train.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")
     train.add_argument("--batch-size", type=int, default=16, help="sequences per optimizer step")
@@ -119,7 +126,8 @@ def _recipe(args: argparse.Namespace):
     return DraftRecipe(num_prompts=args.num_prompts, num_samples=args.num_samples,
                        max_new_tokens=args.max_new_tokens, temperature=args.temperature, num_layers=args.layers,
                        num_draft_tokens=args.draft_tokens, epochs=args.epochs, lr=args.lr, batch_size=args.batch_size,
-                       seed=args.seed)
+                       seed=args.seed, layout=args.layout, ttt_steps=args.ttt_steps,
+                       init_from_policy=args.init_from_policy, validation_prompts=args.validation_prompts)
 
 
 def run_draft_train(args: argparse.Namespace) -> int:
@@ -196,7 +204,9 @@ def _draft_to_train(args: argparse.Namespace, model, out: Path):
         return draft
     if args.resume:
         print(f"--resume: no draft in {out} yet; training a new one")
-    return DraftHead(model, num_layers=args.layers, num_draft_tokens=args.draft_tokens, layout=args.layout)
+    from turbogrpo.commands.draft_build import new_draft
+
+    return new_draft(model, _recipe(args))
 
 
 def run_draft_export_vllm(args: argparse.Namespace) -> int:

@@ -53,7 +53,7 @@ def build_draft(built: BuiltDraft, *, refresh: bool = False, device: torch.devic
     prompts = [ex.token_ids for ex in examples[:built.recipe.num_prompts]]
 
     def write(tmp: Path) -> None:
-        draft = DraftHead(model, num_layers=built.recipe.num_layers, num_draft_tokens=built.recipe.num_draft_tokens)
+        draft = new_draft(model, built.recipe)
         record = train_on_own_completions(model, draft, prompts, stop_token_ids(model, tokenizer), built.recipe,
                                           samples=samples_file(built), log=log)
         draft.save(tmp)
@@ -64,6 +64,15 @@ def build_draft(built: BuiltDraft, *, refresh: bool = False, device: torch.devic
     return write_folder_atomically(folder, write, f"draft {built.name!r}")
 
 
+def new_draft(model: nn.Module, recipe: DraftRecipe) -> DraftHead:
+    """A new draft for ``model`` as ``recipe`` says (layers, vocabulary, layout, initialisation)."""
+    draft = DraftHead(model, num_layers=recipe.num_layers, num_draft_tokens=recipe.num_draft_tokens,
+                      layout=recipe.layout)
+    if recipe.init_from_policy:
+        draft.init_from_policy()
+    return draft
+
+
 def train_on_own_completions(model: nn.Module, draft: DraftHead, prompts: Sequence[torch.Tensor],
                              stop_token_ids: Sequence[int], recipe: DraftRecipe, *, samples: Path | None = None,
                              log: Callable[[str], None] = print) -> dict:
@@ -72,8 +81,10 @@ def train_on_own_completions(model: nn.Module, draft: DraftHead, prompts: Sequen
     instead of sampling when it holds these prompts' (``built_drafts.samples_file``), written otherwise.
 
     The last ``recipe.validation_prompts`` groups are held out: each epoch ends with the draft's loss and
-    top-1 agreement on them. Returns what was done: counts, seconds per phase, the last epoch's mean
-    training loss and top-1 agreement with the policy, and the held-out figures per epoch.
+    top-1 agreement on them, and the last with its acceptance by depth (``draft_unroll.acceptance_by_depth``:
+    top-1 and T = 1 expected acceptance, sum_x min(p, q)). Returns what was done: counts, seconds per phase,
+    the last epoch's mean training loss and top-1 agreement with the policy, the held-out figures per epoch
+    and the acceptance report.
     """
     recipe.check()
     if not prompts:
@@ -101,22 +112,24 @@ def _featurize_and_train(model: nn.Module, draft: DraftHead, prompts: Sequence[t
     from turbogrpo.config import DraftLearningConfig
     from turbogrpo.speculative.draft_training import draft_groups, make_optimizer, train_draft
 
-    groups = draft_groups(model, prompts, completions)
+    groups = draft_groups(model, prompts, completions, draft=draft)
     featured = time.perf_counter()
     num_completions = groups.num_completions
     num_tokens = sum(len(c) for c in groups.completions)
     log(f"{num_completions} completions ({num_tokens} tokens) sampled in {sampled - start:.0f}s, "
         f"features in {featured - sampled:.0f}s")
-    coverage = None
+    coverage = held_out_coverage = None
     num_train = groups.num_groups - recipe.validation_prompts
     train, held_out = groups.select(range(num_train)), groups.select(range(num_train, groups.num_groups))
     if draft.config.num_draft_tokens:
         # From the trained completions only, so the held-out figures include the vocabulary's misses.
         tokens = torch.cat(list(train.completions)).cpu()
         coverage = choose_draft_tokens(draft, tokens)
+        held_out_coverage = vocabulary_coverage(draft, held_out)
         log(f"draft vocabulary: the {draft.config.num_draft_tokens} most frequent tokens cover {coverage:.1%} of "
-            "the completions' tokens")
-    config = DraftLearningConfig(lr=recipe.lr)
+            "the completions' tokens" + ("" if held_out_coverage is None else
+                                         f" ({held_out_coverage:.1%} of the held-out ones)"))
+    config = DraftLearningConfig(lr=recipe.lr, ttt_steps=recipe.ttt_steps)
     optimizer = make_optimizer(draft, config)
     num_steps, per_epoch = 0, []
     steps_per_epoch = -(-train.num_completions // recipe.batch_size)  # about: batches hold whole groups
@@ -134,9 +147,19 @@ def _featurize_and_train(model: nn.Module, draft: DraftHead, prompts: Sequence[t
                                  if held_out.num_groups else {})})
             log(f"epoch {epoch + 1}: " + ", ".join(f"{k} {v:.3f}" for k, v in per_epoch[-1].items()))
     trained = time.perf_counter()
+    acceptance = None
+    if held_out.num_groups:
+        from turbogrpo.speculative.draft_acceptance import acceptance_by_depth, rows_by_depth
+
+        acceptance = acceptance_by_depth(draft, held_out, recipe.report_depth)
+        acceptance["by_depth"] = rows_by_depth(acceptance)
+        log(acceptance_table(acceptance))
     record = {"num_prompts": groups.num_groups, "num_completions": num_completions, "num_tokens": num_tokens,
               "num_held_out_prompts": held_out.num_groups,
               "num_draft_tokens": draft.config.num_draft_tokens, "draft_token_coverage": coverage,
+              "held_out_draft_token_coverage": held_out_coverage, "layout": draft.config.layout,
+              "ttt_steps": recipe.ttt_steps, "init_from_policy": recipe.init_from_policy,
+              "held_out_acceptance": acceptance,
               "sampling_s": round(sampled - start, 1), "features_s": round(featured - sampled, 1),
               "training_s": round(trained - featured, 1), "num_steps": num_steps,
               "final_loss": per_epoch[-1]["train_loss"], "final_top1_agreement": per_epoch[-1]["train_top1_agreement"],
@@ -144,6 +167,27 @@ def _featurize_and_train(model: nn.Module, draft: DraftHead, prompts: Sequence[t
     log(f"draft trained in {record['training_s']:.0f}s: loss {record['final_loss']:.3f}, top-1 agreement with the "
         f"policy {record['final_top1_agreement']:.2f} (last epoch)")
     return record
+
+
+def acceptance_table(acceptance: dict) -> str:
+    """The held-out acceptance report as lines a person reads: per depth, the share of chains accepted so far."""
+    lines = [f"held-out acceptance at T = 1 (top-1 agreement with the policy {acceptance['top1_agreement']:.3f})",
+             f"{'depth':>6} {'roots':>8} {'top-1 accepted':>15} {'E[accept] sum min(p,q)':>23} {'sampled chain':>14}"]
+    for row in acceptance["by_depth"]:
+        lines.append(f"{row['depth']:>6} {int(row['num_roots']):>8} {row['top1_accepted']:>15.3f} "
+                     f"{row['expected_acceptance']:>23.3f} {row['sampled_accepted']:>14.3f}")
+    lines.append(f"tokens per verification of one chain: {acceptance['tokens_per_verification_top1']:.2f} (top-1), "
+                 f"{acceptance['tokens_per_verification_sampled']:.2f} (sampled)")
+    return "\n".join(lines)
+
+
+def vocabulary_coverage(draft: DraftHead, groups) -> float | None:
+    """The share of ``groups``' completion tokens inside the draft's vocabulary (None without completions)."""
+    if not groups.num_completions:
+        return None
+    tokens = torch.cat(list(groups.completions)).cpu()
+    inside = torch.isin(tokens, draft.draft_token_ids.cpu())
+    return float(inside.double().mean()) if len(tokens) else None
 
 
 def _mean(history: list[dict], key: str) -> float:

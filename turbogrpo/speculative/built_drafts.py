@@ -16,7 +16,7 @@ import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from turbogrpo.speculative.draft import CONFIG_FILE, WEIGHTS_FILE
+from turbogrpo.speculative.draft import CONFIG_FILE, DRAFT_LAYOUTS, WEIGHTS_FILE
 
 BUILD_RECORD = "turbogrpo_draft_build.json"
 
@@ -47,7 +47,24 @@ class DraftRecipe:
     """Sampling and shuffling seed."""
     validation_prompts: int = 0
     """Groups held out of training (the last prompts'), on which each epoch's top-1 agreement and loss
-    are measured."""
+    are measured, and at the end the acceptance by depth (``draft_unroll.acceptance_by_depth``)."""
+    layout: str = "turbogrpo"
+    """Draft layout (``draft.DRAFT_LAYOUTS``): "turbogrpo", "eagle3" or "eagle"."""
+    ttt_steps: int = 1
+    """Training-time test: unrolled steps on the draft's own predictions (1: teacher forcing alone)."""
+    init_from_policy: bool = False
+    """Start the draft's layer as a copy of the policy's last layer."""
+    report_depth: int = 4
+    """Depths the held-out acceptance report covers."""
+
+    def key_fields(self) -> dict:
+        """The fields that key a built draft's folder: all of them, but the ones added with "eagle3" only when
+        they differ from their defaults, so that drafts built before them keep their folders."""
+        fields = asdict(self)
+        for name, default in LATER_FIELDS.items():
+            if fields[name] == default:
+                del fields[name]
+        return fields
 
     def sampling(self) -> dict:
         """The fields that decide the sampled completions (a kept sample is reused while they agree)."""
@@ -55,10 +72,13 @@ class DraftRecipe:
 
     def check(self) -> None:
         """ValueError naming the first bad field (as its ``--flag``)."""
-        for name in ("num_prompts", "num_samples", "max_new_tokens", "num_layers", "epochs", "batch_size"):
+        for name in ("num_prompts", "num_samples", "max_new_tokens", "num_layers", "epochs", "batch_size",
+                     "ttt_steps", "report_depth"):
             if getattr(self, name) < 1:
                 flag = "layers" if name == "num_layers" else name.replace("_", "-")  # draft train's flag
                 raise ValueError(f"--{flag} must be >= 1, got {getattr(self, name)}")
+        if self.layout not in DRAFT_LAYOUTS:
+            raise ValueError(f"--layout must be one of {', '.join(DRAFT_LAYOUTS)}, got {self.layout!r}")
         if not 0 <= self.validation_prompts < self.num_prompts:
             raise ValueError(f"--validation-prompts must be in [0, --num-prompts), got {self.validation_prompts}")
         if self.num_draft_tokens < 0:
@@ -67,6 +87,10 @@ class DraftRecipe:
             raise ValueError(f"--lr must be a finite number > 0, got {self.lr}")
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
             raise ValueError(f"--temperature must be a finite number >= 0, got {self.temperature}")
+
+
+LATER_FIELDS = {"layout": "turbogrpo", "ttt_steps": 1, "init_from_policy": False, "report_depth": 4}
+"""Recipe fields added after drafts were first built, with their defaults (``DraftRecipe.key_fields``)."""
 
 
 @dataclass(frozen=True)
@@ -124,7 +148,7 @@ def built_draft_folder(built: BuiltDraft, *, cache: Path | None = None) -> Path:
         raise ValueError(f"draft {built.name!r} renders its prompts with {built.config}, which is not here; run "
                          "from the turbogrpo checkout")
     digest = hashlib.sha256(json.dumps({"model": gguf_fingerprint(built.model),
-                                        "recipe": asdict(built.recipe), "config": config_path.read_text()},
+                                        "recipe": built.recipe.key_fields(), "config": config_path.read_text()},
                                        sort_keys=True).encode())
     return (cache or cache_root()) / "drafts" / f"{built.name}-{digest.hexdigest()[:12]}"
 

@@ -54,8 +54,8 @@ from turbogrpo.rollout.sampling import SamplingConfig, at_least_float32, token_l
 from turbogrpo.rollout.step import DecodeState, PlainStep
 from turbogrpo.rollout.types import Rollout, RolloutStats
 from turbogrpo.speculative.draft import DraftHead
-from turbogrpo.speculative.draft_decoding import (DraftKVCache, TreeDrafter, catch_up, draft_prompt_lengths,
-                                                   prefill_draft)
+from turbogrpo.speculative.draft_decoding import (DraftKVCache, TappedFeatures, TreeDrafter, catch_up,
+                                                   draft_prompt_lengths, prefill_draft)
 from turbogrpo.speculative.history import HistoryDrafts, chain_geometry, propose_history
 from turbogrpo.speculative.profiler import DeviceStopwatch
 from turbogrpo.speculative.sizing import MergedSizing, SizingPolicy
@@ -111,6 +111,12 @@ class TreeStep:
         self.keeps_hidden = draft is not None  # history drafts read tokens only
         # Looked up here, not bound at import, so that the functions can be watched in tests.
         self.draft_tree, self.verify_step = RUNNERS[runner](draft_tree), RUNNERS[runner](verify_step)
+        # An "eagle3" draft's tap goes on before the engine's prefill, whose forward gives the prompts' features.
+        self.tap = None if draft is None else draft.feature_tap()
+        if self.tap is not None and runner != "eager":
+            self.tap.close()
+            raise ValueError(f"an \"eagle3\" draft reads the policy's layers through forward hooks, which the "
+                             f"{runner!r} runner does not run; use runner \"eager\"")
         max_nodes, self.max_draft_slots = sizing.bounds()
         merged = history.extra_nodes(max_nodes - 1) if history is not None and draft is not None else 0
         self.extra_slots = max_nodes + merged
@@ -127,6 +133,9 @@ class TreeStep:
             draft_prompt_lengths(self.draft, state.prompts), state.num_samples,
             capacity=2 * self.max_new + self.max_draft_slots, device=state.next_B.device)
         self.corpus = None if self.history is None else self.history.start(state.prompts, state.num_samples)
+        self.tapped = None if self.tap is None else TappedFeatures(
+            self.tap, [len(p) for p in state.prompts], state.num_samples, state.outputs.tokens_NT.shape[1],
+            state.prompt_hidden_GPH)
         self.draft_prefilled = self.draft is None  # nothing to prefill without a neural draft
         self.pending: _VerifiedStep | None = None
         self.stopwatch = DeviceStopwatch(state.next_B.device)
@@ -144,7 +153,10 @@ class TreeStep:
             draft_cache.max_length = max(self.draft_seen_host)
         shape = self.sizing.choose(cache.num_live, draft_ready=self.draft_prefilled, position=max(self.emitted_host))
         if shape is None:
+            first_column_B = state.live.emitted_B.clone()  # the column the step's token goes to
             PlainStep()(state)
+            if self.tapped is not None:
+                self.tapped.write_latest(state.live.completion_B, first_column_B)
             self.pending = _VerifiedStep(None, None, None)
             return
         tree, uniform_BN, catch_up_tokens = self.propose(state, shape)
@@ -169,8 +181,10 @@ class TreeStep:
             # The draft's prompt pass waits for the first tree, so rollouts that never speculate
             # (high B throughout) cost the plain engine's time. It is timed on its own (two device
             # syncs, once per rollout) and left out of the step's time: the policy weighs it once.
+            prompt_features = state.prompt_hidden_GPH if self.tapped is None else \
+                self.tapped.prompt_features(state.prompt_hidden_GPH)
             seconds = self.stopwatch.timed(
-                lambda: prefill_draft(self.draft, draft_cache, state.prompts, state.prompt_hidden_GPH))
+                lambda: prefill_draft(self.draft, draft_cache, state.prompts, prompt_features))
             self.sizing.observe_startup(seconds)
             self.step_start += seconds
             self.draft_prefilled = True
@@ -180,7 +194,7 @@ class TreeStep:
         num_chains = 0 if self.history is None else self.history.num_chains
         uniform_BN = self.draw_uniforms(state, shape.num_nodes + num_chains * shape.depth)
         with self.stopwatch:
-            tree = self.draft_tree(state, self.draft, draft_cache, shape, pending_width)
+            tree = self.draft_tree(state, self.draft, draft_cache, shape, pending_width, self.tapped)
             if self.history is not None:  # merged: the neural tree plus the history's chains
                 tree = propose_history(state, self.corpus, self.history, num_chains, shape.depth,
                                        max(self.emitted_host), tree)
@@ -199,7 +213,7 @@ class TreeStep:
 
     def _verify(self, state: DecodeState, tree: DraftTree, uniform_BN: torch.Tensor | None, shape: TreeShape,
                 catch_up_tokens: int) -> None:
-        verdict = self.verify_step(state, tree, uniform_BN)
+        verdict = self.verify_step(state, tree, uniform_BN, self.tapped)
         self.pending = _VerifiedStep(verdict.num_accepted, shape, self.sizing.feedback(tree, verdict),
                                      catch_up_tokens, tree.tokens.shape[1])
 
@@ -239,6 +253,8 @@ class TreeStep:
         self.draft_seen_host = [self.draft_seen_host[r] for r in rows]
 
     def finish(self, rollout: Rollout) -> None:
+        if self.tap is not None:
+            self.tap.close()
         self.stats.draft_seconds = self.stopwatch.seconds
         self.sizing.observe_lengths([len(tokens) for tokens in rollout.tokens])
         if self.history is not None:
@@ -252,18 +268,22 @@ def check_draft(draft: object, model: nn.Module) -> None:
                          "head, so build or load it with this model (DraftHead(model) / DraftHead.load(path, model))")
 
 def draft_tree(state: DecodeState, draft: DraftHead, draft_cache: DraftKVCache, shape: TreeShape,
-               pending_width: int) -> DraftTree:
+               pending_width: int, tapped: TappedFeatures | None = None) -> DraftTree:
     """The draft's part of a tree step (device only): feed it the ``pending_width`` (host int, the
-    longest backlog) pairs each row committed since it last ran, then grow every row's tree of ``shape``."""
-    root_features_BH = _catch_up_draft(draft, draft_cache, state, pending_width, state.sampling.max_new_tokens)
+    longest backlog) pairs each row committed since it last ran, then grow every row's tree of ``shape``.
+    ``tapped``: the tapped layers' outputs an "eagle3" draft reads beside the final features."""
+    root_features_BH = _catch_up_draft(draft, draft_cache, state, pending_width, state.sampling.max_new_tokens,
+                                       tapped)
     return build_tree(state.next_B, draft.proposals(root_features_BH), TreeDrafter(draft, draft_cache, root_features_BH),
                       shape)
 
-def verify_step(state: DecodeState, tree: DraftTree, uniform_BN: torch.Tensor | None) -> TreeVerdict:
+def verify_step(state: DecodeState, tree: DraftTree, uniform_BN: torch.Tensor | None,
+                tapped: TappedFeatures | None = None) -> TreeVerdict:
     """The policy's part of a tree step (device only): one forward over every row's tree ``[B, N]``,
     acceptance with the uniform numbers ``uniform_BN`` (None when greedy), emission of the accepted
     path and the bonus token, and the commit of the path's K/V (finished rows' too: they are retired
-    at the next host check, so nothing reads them)."""
+    at the next host check, so nothing reads them). ``tapped``: where an "eagle3" draft's layers are kept
+    for the accepted path, from this same forward."""
     # Dead nodes (history.DEAD_TOKEN, never accepted) go through the forward as token 0.
     # A hybrid's trees are chains (TreeStep.chains_only): its recurrent states are kept per length until the commit.
     hidden_BNH = forward_new_tokens(state.model, state.cache, tree.tokens.clamp(min=0), tree.depths, tree.ancestors,
@@ -276,6 +296,8 @@ def verify_step(state: DecodeState, tree: DraftTree, uniform_BN: torch.Tensor | 
         state.route_log.write(state.live.completion_B, state.live.emitted_B[:, None] - 1 + offsets_D,
                               ~state.live.done_B[:, None] & (offsets_D <= verdict.num_accepted[:, None]), path_BD)
     emitted_BD, logprobs_BD, hidden_BDH = path_outputs(tree, verdict, logits_BNV, hidden_BNH, state.sampling)
+    if tapped is not None:  # before emit moves the columns on: node d predicted the token at emitted + d
+        tapped.write_latest(state.live.completion_B, state.live.emitted_B, verdict.path_nodes)
     emit(state.outputs, state.live, emitted_BD, logprobs_BD, hidden_BDH, verdict.num_accepted + 1,
          state.criteria)
     state.next_B.copy_(verdict.next_token)
@@ -295,7 +317,7 @@ def path_outputs(tree: DraftTree, verdict: TreeVerdict, logits_BNV: torch.Tensor
     return emitted_BD, token_logprobs(path_logits, emitted_BD, sampling), path_hidden
 
 def _catch_up_draft(draft: DraftHead, draft_cache: DraftKVCache, state: DecodeState, pending_width: int,
-                    max_new: int) -> torch.Tensor:
+                    max_new: int, tapped: TappedFeatures | None = None) -> torch.Tensor:
     """Feed the draft every pair (feature that predicted token j, token j) it has not seen; return the
     root's predicted feature ``[B, Hd]``."""
     seen_B = draft_cache.lengths_B
@@ -304,5 +326,7 @@ def _catch_up_draft(draft: DraftHead, draft_cache: DraftKVCache, state: DecodeSt
     outputs = state.outputs
     # Columns past a row's pending count are padding (possibly "no token" markers): any valid id does.
     tokens_Bm = outputs.tokens_NT[rows_Bm, columns_Bm].clamp(min=0)
-    return catch_up(draft, draft_cache, outputs.hidden_NTH[rows_Bm, columns_Bm], tokens_Bm,
-                    state.live.emitted_B - seen_B)
+    features_BmX = outputs.hidden_NTH[rows_Bm, columns_Bm]
+    if tapped is not None:
+        features_BmX = tapped.read(rows_Bm, columns_Bm, features_BmX)
+    return catch_up(draft, draft_cache, features_BmX, tokens_Bm, state.live.emitted_B - seen_B)

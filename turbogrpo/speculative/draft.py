@@ -11,12 +11,21 @@ drafting, the draft feeds its own predicted features back in place of the policy
 Features are the policy's final (post-norm) hidden states, the input of its LM head. Training
 (offline and online) lives in ``draft_training.py``.
 
-Layouts (``DraftConfig.layout``, the table ``DRAFT_LAYOUTS``): "turbogrpo" (the default, as above) and
-"eagle", vLLM's EAGLE drafter (``vllm/model_executor/models/llama_eagle.py``) exactly, so that
+Layouts (``DraftConfig.layout``, the table ``DRAFT_LAYOUTS``): "turbogrpo" (the default, as above),
+"eagle3" and "eagle", vLLM's EAGLE drafter (``vllm/model_executor/models/llama_eagle.py``) exactly, so that
 ``export_vllm`` can hand the draft to vLLM: its fuse has no bias, its first layer no input norm (EAGLE-1's
 choice; later layers keep theirs), and it never sees the first prompt token's pair (f[-1] = 0, x[0]), which
 vLLM's drafter has no slot for. Its pairs then sit one position earlier (pair (f[s-1], x[s]) at position
 s - 1, vLLM's), which RoPE does not see (attention depends on position differences only).
+
+"eagle3" (EAGLE-3's features): the policy feature is wider, the outputs of a low, a middle and a high decoder
+layer followed by the final feature, ``[f_low, f_mid, f_high, f]`` (``(k + 1) * Hd``, k =
+``len(DraftConfig.feature_layers)``; the final feature stays last, so it is still the training target). A linear
+layer without bias (``reduce``) maps it to ``Hd`` before the fuse; while drafting, the draft's own predicted
+features replace the reduced one, as EAGLE-3 does. The rollout reads the tapped layers from the same policy
+forwards that give the final features (``LayerTap``: forward hooks, no extra forward). Training the draft on its
+own earlier predictions (``DraftLearningConfig.ttt_steps``, ``draft_training.py``) is what makes that
+replacement work.
 
 The policy's embeddings and LM head are referenced, never copied: they are not parameters of the
 draft and not in its saved file. The draft is saved as ``draft.safetensors`` + ``draft_config.json``.
@@ -36,8 +45,10 @@ Legend: B sequences, n tokens per sequence, Hd hidden size, V vocabulary.
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import os
+import weakref
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -70,11 +81,22 @@ class DraftLayout:
     """Whether the first decoder layer normalizes its input (its ``input_layernorm``)."""
     context_start: int
     """The first prompt position whose pair the draft sees (1: it never sees (f[-1] = 0, x[0]))."""
+    feature_layers: Callable[[int], tuple[int, ...]] = lambda num_layers: ()
+    """The policy's decoder layers (by index, given its number of layers) whose outputs the draft reads
+    besides the final feature; none: the final feature alone."""
+
+
+def eagle3_layers(num_layers: int) -> tuple[int, ...]:
+    """EAGLE-3's low, middle and high layers: it reads the hidden states entering layers 2, L // 2 and L - 3,
+    the outputs of layers 1, L // 2 - 1 and L - 4 (SmolLM2's 30: 1, 14, 26); clamped and distinct on a policy
+    of few layers (a 2-layer test model: 0 and 1)."""
+    return tuple(sorted({min(max(i, 0), num_layers - 1) for i in (1, num_layers // 2 - 1, num_layers - 4)}))
 
 
 DRAFT_LAYOUTS: dict[str, DraftLayout] = {layout.name: layout for layout in (
     DraftLayout("turbogrpo", fuse_bias=True, first_layer_norm=True, context_start=0),
     DraftLayout("eagle", fuse_bias=False, first_layer_norm=False, context_start=1),
+    DraftLayout("eagle3", fuse_bias=True, first_layer_norm=True, context_start=0, feature_layers=eagle3_layers),
 )}
 """DraftConfig.layout -> its layout."""
 
@@ -94,11 +116,18 @@ class DraftConfig:
     num_draft_tokens: int = 0
     """Tokens drafting may propose (the LM head rows it reads; see the module docstring); 0: all."""
     layout: str = "turbogrpo"
-    """A name in ``DRAFT_LAYOUTS`` ("eagle": vLLM's EAGLE drafter exactly, exportable to vLLM)."""
+    """A name in ``DRAFT_LAYOUTS`` ("eagle": vLLM's EAGLE drafter exactly, exportable to vLLM; "eagle3": several
+    of the policy's layers)."""
+    feature_layers: tuple[int, ...] = ()
+    """The policy's decoder layers whose outputs the draft reads before the final feature (its layout's
+    choice for the policy it was built for; empty for "turbogrpo" and "eagle")."""
 
     def __post_init__(self):
         if self.layout not in DRAFT_LAYOUTS:
             raise ValueError(f"draft layout must be one of {sorted(DRAFT_LAYOUTS)}, got {self.layout!r}")
+        object.__setattr__(self, "feature_layers", tuple(self.feature_layers))  # JSON gives a list
+        if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in self.feature_layers):
+            raise ValueError(f"draft feature_layers must be layer indices >= 0, got {list(self.feature_layers)}")
         if isinstance(self.num_layers, bool) or not isinstance(self.num_layers, int) or self.num_layers < 1:
             raise ValueError(f"draft num_layers must be an integer >= 1, got {self.num_layers!r}")
         if (isinstance(self.num_draft_tokens, bool) or not isinstance(self.num_draft_tokens, int)
@@ -112,24 +141,81 @@ class PolicyParts(NamedTuple):
     embed_tokens: nn.Module
     lm_head: nn.Module
     head: LogitsHead    # lm_head and the transforms the policy's forward applies to its logits
+    layers: nn.ModuleList  # the policy's decoder layers, which a LayerTap reads ("eagle3")
+
+
+class LayerTap:
+    """The outputs ``[B, T, Hd]`` of some of the policy's decoder layers at its latest forward.
+
+    Forward hooks keep a reference to each tapped layer's output (no copy), so the rollout's own forwards
+    (prefill, plain steps, tree verification) give the "eagle3" features with no forward of their own. The
+    hooks hold the tap weakly, and ``close`` (or leaving the ``with`` block) removes them; a tap dropped
+    without closing removes its hooks as it is collected."""
+
+    def __init__(self, layers: nn.ModuleList, indices: tuple[int, ...]):
+        self.indices = indices
+        self.outputs: dict[int, torch.Tensor] = {}
+        this = weakref.ref(self)
+        self._handles = [layers[i].register_forward_hook(functools.partial(_keep_output, this, i)) for i in indices]
+
+    def features(self, final: torch.Tensor) -> torch.Tensor:
+        """The policy features ``[..., (k + 1) * Hd]`` of the latest forward: its tapped layers' outputs, then
+        ``final`` (its final features ``[..., Hd]``, of the same forward)."""
+        tapped = [self.outputs[i] for i in self.indices]
+        assert all(t.shape == final.shape for t in tapped), "the tap's latest forward is not final's"
+        return torch.cat([*(t.to(final.dtype) for t in tapped), final], dim=-1)
+
+    def close(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles, self.outputs = [], {}
+
+    def __enter__(self) -> "LayerTap":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):
+        self.close()
+
+
+def _keep_output(tap: "weakref.ref[LayerTap]", index: int, module: nn.Module, args, output) -> None:
+    live = tap()
+    if live is not None:
+        live.outputs[index] = output[0] if isinstance(output, tuple) else output
 
 
 class DraftHead(nn.Module):
     """See the module docstring. Build with ``DraftHead(policy)`` or ``DraftHead.load(path, policy)``."""
 
-    def __init__(self, policy: nn.Module, num_layers: int = 1, num_draft_tokens: int = 0, layout: str = "turbogrpo"):
+    def __init__(self, policy: nn.Module, num_layers: int = 1, num_draft_tokens: int = 0, layout: str = "turbogrpo",
+                 feature_layers: tuple[int, ...] | None = None):
+        """``feature_layers``: the policy layers an "eagle3" draft reads (None: its layout's choice; a saved draft
+        passes its own)."""
         super().__init__()
         check_draftable(policy)
         policy_config = policy.config
+        decoder = decoder_of(policy)
+        if layout in DRAFT_LAYOUTS and feature_layers is None:
+            feature_layers = DRAFT_LAYOUTS[layout].feature_layers(len(decoder.layers))
         self.config = DraftConfig(num_layers=num_layers, model_type=policy_config.model_type,
                                   hidden_size=policy_config.hidden_size, vocab_size=policy_config.vocab_size,
-                                  num_draft_tokens=num_draft_tokens, layout=layout)
+                                  num_draft_tokens=num_draft_tokens, layout=layout,
+                                  feature_layers=tuple(feature_layers or ()))
         self.layout = DRAFT_LAYOUTS[layout]
-        decoder = decoder_of(policy)
-        self.policy = PolicyParts(decoder.get_input_embeddings(), lm_head_of(policy), logits_head(policy))
+        if bool(self.config.feature_layers) != bool(self.layout.feature_layers(len(decoder.layers))) or \
+                any(i >= len(decoder.layers) for i in self.config.feature_layers):
+            raise ValueError(f"draft feature_layers {list(self.config.feature_layers)} do not fit layout {layout!r} "
+                             f"on a policy of {len(decoder.layers)} layers")
+        self.policy = PolicyParts(decoder.get_input_embeddings(), lm_head_of(policy), logits_head(policy),
+                                  decoder.layers)
         layer_config = _draft_layer_config(policy_config, num_layers)
         reference = next(decoder.parameters())
         hidden = policy_config.hidden_size
+        if self.config.feature_layers:  # "eagle3": the tapped layers and the final feature, reduced to one
+            self.reduce = nn.Linear(self.feature_width, hidden, bias=False).to(device=reference.device,
+                                                                               dtype=reference.dtype)
         self.fuse = nn.Linear(2 * hidden, hidden, bias=self.layout.fuse_bias)
         self.layers = nn.ModuleList(type(decoder.layers[0])(layer_config, layer_idx=i) for i in range(num_layers))
         if not self.layout.first_layer_norm:
@@ -141,6 +227,26 @@ class DraftHead(nn.Module):
         if num_draft_tokens:  # [Vd] token ids, saved with the weights; set_draft_tokens fills them
             self.register_buffer("draft_token_ids", torch.arange(num_draft_tokens, device=reference.device))
         self._head_rows_key, self._head_rows = None, None  # the head's draft-vocabulary rows, kept (_draft_head_rows)
+
+    @property
+    def feature_width(self) -> int:
+        """Width of the policy features the draft reads: ``Hd``, or ``(k + 1) * Hd`` with k tapped layers."""
+        return (len(self.config.feature_layers) + 1) * self.config.hidden_size
+
+    def input_features(self, policy_features: torch.Tensor) -> torch.Tensor:
+        """The draft's input features ``[..., Hd]`` from the policy's ``[..., feature_width]`` (f[s-1], already
+        shifted): themselves, or "eagle3"'s reduction of the tapped layers and the final feature."""
+        if policy_features.shape[-1] != self.feature_width:
+            raise ValueError(f"the draft reads policy features of width {self.feature_width} (layers "
+                             f"{list(self.config.feature_layers)} and the final one), got {policy_features.shape[-1]}")
+        if not self.config.feature_layers:
+            return policy_features
+        return self.reduce(policy_features.to(self.reduce.weight.dtype))
+
+    def feature_tap(self) -> LayerTap | None:
+        """A tap on the policy layers this draft reads (close it after use); None when it reads the final
+        features only."""
+        return LayerTap(self.policy.layers, self.config.feature_layers) if self.config.feature_layers else None
 
     def forward(self, features_BnH: torch.Tensor, tokens_Bn: torch.Tensor, positions_Bn: torch.Tensor,
                 plan: Callable) -> torch.Tensor:
@@ -206,6 +312,20 @@ class DraftHead(nn.Module):
             self._head_rows_key = key
         return self._head_rows
 
+    @torch.no_grad()
+    def init_from_policy(self) -> int:
+        """Copy the policy's last decoder layer into every draft layer where names and shapes agree (all of it
+        but the input norm an "eagle" draft's first layer drops); returns the tensors copied. The draft's
+        layer then starts as the policy's best guess of a late transformation, not a random one."""
+        source = self.policy.layers[-1].state_dict()
+        copied = 0
+        for layer in self.layers:
+            for name, tensor in layer.state_dict().items():
+                if name in source and source[name].shape == tensor.shape:
+                    tensor.copy_(source[name])
+                    copied += 1
+        return copied
+
     def set_draft_tokens(self, token_ids: torch.Tensor) -> None:
         """Make ``token_ids`` ``[Vd]`` (distinct ids, Vd = ``config.num_draft_tokens``) the draft vocabulary."""
         if not self.config.num_draft_tokens or token_ids.shape != self.draft_token_ids.shape:
@@ -248,7 +368,7 @@ class DraftHead(nn.Module):
                 f"draft at {str(directory)!r} was trained for (model_type, hidden_size, vocab_size) = "
                 f"{(config.model_type, config.hidden_size, config.vocab_size)}, but the policy has {expected}")
         draft = cls(policy, num_layers=config.num_layers, num_draft_tokens=config.num_draft_tokens,
-                    layout=config.layout)
+                    layout=config.layout, feature_layers=config.feature_layers)
         weights_file = directory / WEIGHTS_FILE
         try:
             weights = load_file(weights_file, device=str(next(draft.parameters()).device))

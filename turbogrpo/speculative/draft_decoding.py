@@ -12,6 +12,9 @@ Positions are the policy's (see ``draft.py`` for the pair alignment):
 * ``TreeDrafter``: one forward per tree level; the level's K nodes are written after the earlier
   levels' (uncommitted) nodes and see only their own ancestors there.
 
+An "eagle3" draft reads several of the policy's layers (``draft.py``); ``TappedFeatures`` keeps their
+outputs per emitted token beside the engine's final features, from the rollout's own forwards.
+
 Legend: G groups, B live sequences, P longest prompt, C generated slots, S = P + C, n new tokens,
 m pending + new tokens, Hkv key/value heads, D head dim, Hd hidden size.
 """
@@ -24,7 +27,7 @@ from torch import nn
 
 from turbogrpo.rollout.kv_cache import write_slots
 from turbogrpo.rollout.plans import PrefillPlan, padded_prompts
-from turbogrpo.speculative.draft import DraftHead, check_prompt_lengths, shift_features
+from turbogrpo.speculative.draft import DraftHead, LayerTap, check_prompt_lengths, shift_features
 from turbogrpo.speculative.tree import DraftLevel
 
 
@@ -143,12 +146,14 @@ def prefill_draft(draft: DraftHead, cache: DraftKVCache, prompts: list[torch.Ten
     """Run the draft over each prompt's pairs once (right-padded rows, as the policy's prefill), from the
     first pair its layout sees (``cache`` is sized by ``draft_prompt_lengths``)."""
     start = draft.layout.context_start
-    draft(shift_features(features_GPH)[:, start:], *padded_prompts([p[start:] for p in prompts]), PrefillPlan(cache))
+    draft(draft.input_features(shift_features(features_GPH)[:, start:]), *padded_prompts([p[start:] for p in prompts]),
+          PrefillPlan(cache))
 
 
 def catch_up(draft: DraftHead, cache: DraftKVCache, features_BmH: torch.Tensor, tokens_Bm: torch.Tensor,
              counts_B: torch.Tensor) -> torch.Tensor:
-    """Feed each sequence its first ``counts_B[b]`` pending pairs and commit them.
+    """Feed each sequence its first ``counts_B[b]`` pending pairs (policy features ``[B, m, draft.feature_width]``,
+    tokens ``[B, m]``) and commit them.
 
     Returns the draft's predicted feature at each sequence's last pair ``[B, Hd]`` (the tree root's). A
     row with no pending pair (a multi-turn conversation waiting for its environment) commits nothing and
@@ -159,7 +164,8 @@ def catch_up(draft: DraftHead, cache: DraftKVCache, features_BmH: torch.Tensor, 
     positions_Bm = cache.next_positions(torch.arange(width, device=device).expand(num_rows, -1))
     causal = torch.ones(width, width, dtype=torch.bool, device=device).tril().expand(num_rows, -1, -1)
     # Padding pairs sit after each row's real ones, so the causal mask keeps them out of sight.
-    predicted_BmH = draft(features_BmH, tokens_Bm, positions_Bm, DraftStepPlan(cache, positions_Bm, causal))
+    predicted_BmH = draft(draft.input_features(features_BmH), tokens_Bm, positions_Bm,
+                          DraftStepPlan(cache, positions_Bm, causal))
     cache.commit(counts_B, width)
     last_B = (counts_B - 1).clamp(min=0)
     return predicted_BmH.gather(1, last_B[:, None, None].expand(-1, 1, predicted_BmH.shape[-1])).squeeze(1)
@@ -183,3 +189,45 @@ class TreeDrafter:
         plan = DraftStepPlan(self.cache, positions_BK, level.attend)
         self.level_features_BKH = self.draft(parent_features, level.tokens, positions_BK, plan)
         return self.draft.proposals(self.level_features_BKH)
+
+
+class TappedFeatures:
+    """The outputs of the policy layers an "eagle3" draft reads, per completion and output column
+    ``[N, T, k * Hd]``, beside the engine's final features (``OutputBuffers.hidden_NTH``, same columns: column j
+    holds what the forward that predicted token j gave). Filled from the rollout's own forwards through a
+    ``LayerTap``: the prompts' prefill, each plain step and each tree verification (the accepted path)."""
+
+    def __init__(self, tap: LayerTap, prompt_lengths: list[int], num_samples: int, num_columns: int,
+                 prompt_final_GPH: torch.Tensor):
+        """Call right after the prompts' prefill (the tap's latest forward), whose final features are
+        ``prompt_final_GPH``; column 0 (the first token, drawn from the prompt's last position) is filled."""
+        self.tap = tap
+        self.prompt_GPX = tap.features(prompt_final_GPH)[..., :-prompt_final_GPH.shape[-1]]
+        groups = torch.arange(len(prompt_lengths), device=prompt_final_GPH.device)
+        last_G = torch.tensor(prompt_lengths, device=groups.device) - 1
+        first_NX = self.prompt_GPX[groups, last_G].repeat_interleave(num_samples, dim=0)
+        self.tapped_NTX = first_NX.new_zeros(first_NX.shape[0], num_columns, first_NX.shape[-1])
+        self.tapped_NTX[:, 0] = first_NX
+
+    def prompt_features(self, prompt_final_GPH: torch.Tensor) -> torch.Tensor:
+        """The prompts' policy features ``[G, P, (k + 1) * Hd]``."""
+        return torch.cat([self.prompt_GPX, prompt_final_GPH], dim=-1)
+
+    def write_latest(self, completion_B: torch.Tensor, first_column_B: torch.Tensor,
+                     path_BD: torch.Tensor | None = None) -> None:
+        """Keep the tap's latest forward (``[B, n, Hd]`` per tapped layer) at columns ``first_column_B + d``
+        of each row's completion: its n tokens in order (a plain step: n = 1), or the nodes ``path_BD`` of
+        each row's accepted path (a tree). Columns past a row's accepted count get leftovers, as in ``emit``."""
+        tapped_BnX = torch.cat([self.tap.outputs[i] for i in self.tap.indices], dim=-1)
+        if path_BD is not None:
+            tapped_BnX = tapped_BnX.gather(1, path_BD[:, :, None].expand(-1, -1, tapped_BnX.shape[-1]))
+        columns_Bn = first_column_B[:, None] + torch.arange(tapped_BnX.shape[1], device=first_column_B.device)
+        self.tapped_NTX[completion_B[:, None].expand_as(columns_Bn), columns_Bn] = tapped_BnX.to(self.tapped_NTX.dtype)
+
+    def read(self, rows_Bm: torch.Tensor, columns_Bm: torch.Tensor, final_BmH: torch.Tensor) -> torch.Tensor:
+        """The policy features ``[B, m, (k + 1) * Hd]`` at completions ``rows_Bm``, columns ``columns_Bm``,
+        whose final features are ``final_BmH``."""
+        return torch.cat([self.tapped_NTX[rows_Bm, columns_Bm], final_BmH], dim=-1)
+
+    def close(self) -> None:
+        self.tap.close()

@@ -40,6 +40,7 @@ from turbogrpo.prefix.backends import select_backend
 from turbogrpo.prefix.layout import pack_groups
 from turbogrpo.rollout.plans import padded_prompts
 from turbogrpo.speculative.draft import CausalPlan, DraftHead, prompt_pairs
+from turbogrpo.speculative.draft_unroll import position_losses, unrolled_draft_loss
 
 
 class DraftTrainingSettings(Protocol):
@@ -52,6 +53,8 @@ class DraftTrainingSettings(Protocol):
     feature_weight: float
     logit_weight: float
     max_grad_norm: float
+    ttt_steps: int
+    """Unrolled steps of training-time test (1: teacher forcing alone; ``draft_unroll.py``)."""
 
     def check(self, key: str) -> None: ...
 
@@ -108,9 +111,12 @@ def _common_prefix_length(prompts: list[torch.Tensor]) -> int:
 
 @torch.no_grad()
 def draft_groups(policy: nn.Module, prompts: Sequence[torch.Tensor],
-                 completions: Sequence[Sequence[torch.Tensor]], *, groups_per_forward: int = 8) -> Groups:
+                 completions: Sequence[Sequence[torch.Tensor]], *, groups_per_forward: int = 8,
+                 draft: DraftHead | None = None) -> Groups:
     """Offline data: the policy's features of its own completions (a list per prompt), from
-    shared-prefix forwards of ``groups_per_forward`` groups; every completion token is trained."""
+    shared-prefix forwards of ``groups_per_forward`` groups; every completion token is trained.
+    ``draft``: the draft they are for, when it reads more of the policy's layers than the final one
+    ("eagle3": the features are then its tapped layers' outputs and the final feature, from the same forwards)."""
     kept = [(p, [c.to(p.device) for c in cs if len(c) > 0]) for p, cs in zip(prompts, completions)]
     kept = [(p, cs) for p, cs in kept if cs]
     prompt_hidden, hidden = [], []
@@ -118,7 +124,7 @@ def draft_groups(policy: nn.Module, prompts: Sequence[torch.Tensor],
         chunk = kept[first:first + groups_per_forward]
         layout = pack_groups([p for p, _ in chunk], [cs for _, cs in chunk])
         plan = _shared_plan(layout, next(policy.parameters()).dtype, requires_grad=False)
-        hidden_TH = run_decoder(policy, layout.input_ids[None], layout.position_ids[None], plan)[0]
+        hidden_TH = _policy_features(policy, layout.input_ids[None], layout.position_ids[None], plan, draft)[0]
         # Per completion token, the flat position that predicted it (f[P-1+j]); then each completion's
         # last position (f[P+S-1]) completes its S + 1 features.
         predictors = hidden_TH[layout.predictor_index].split(layout.flat_completion_lengths)
@@ -128,6 +134,17 @@ def draft_groups(policy: nn.Module, prompts: Sequence[torch.Tensor],
         hidden.extend(torch.cat([predictor, last_H[i, None]]) for i, predictor in enumerate(predictors))
     return Groups([p for p, _ in kept], [c for _, cs in kept for c in cs], [len(cs) for _, cs in kept], hidden=hidden,
                   prompt_hidden=prompt_hidden)
+
+
+def _policy_features(policy: nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor, plan,
+                     draft: DraftHead | None) -> torch.Tensor:
+    """The policy features ``[B, T, draft.feature_width]`` a draft reads (the final hidden states, or with
+    its tapped layers' outputs first), from one forward."""
+    tap = None if draft is None else draft.feature_tap()
+    if tap is None:
+        return run_decoder(policy, input_ids, position_ids, plan)
+    with tap:
+        return tap.features(run_decoder(policy, input_ids, position_ids, plan))
 
 
 def _shared_plan(layout, dtype: torch.dtype, requires_grad: bool):
@@ -149,12 +166,18 @@ class PackedDraftBatch(NamedTuple):
     targets_MH: torch.Tensor      # [M, Hd] f[s] at the trained positions (the packed completion tokens)
     plan: Callable                # the shared-prefix attention over the pack
     num_prompt_tokens: int
+    prompt_lengths: tuple[int, ...] = ()      # per packed prompt, its pairs (P')
+    completion_lengths: tuple[int, ...] = ()  # per packed completion, its trained tokens (S), in pack order
+    completion_prompts: tuple[int, ...] = ()  # per packed completion, its prompt's index in the pack
+    next_tokens_M: torch.Tensor | None = None  # [M] the token after each trained one (x[s+1]), -1 where unknown
 
 
-def pack_draft_batch(groups: Groups, *, requires_grad: bool, context_start: int = 0) -> PackedDraftBatch:
+def pack_draft_batch(groups: Groups, *, requires_grad: bool, context_start: int = 0,
+                     hidden_size: int | None = None) -> PackedDraftBatch:
     """Pack ``groups`` (completions cut to their trained tokens; completions with none are left out), each
-    prompt from the pair at ``context_start`` on (the draft layout's first seen pair)."""
-    prompts, completions, inputs, targets, prompt_inputs = [], [], [], [], []
+    prompt from the pair at ``context_start`` on (the draft layout's first seen pair). ``hidden_size``: the
+    width of the final feature, the last block of wider ("eagle3") features and the training target."""
+    prompts, completions, inputs, targets, prompt_inputs, next_tokens = [], [], [], [], [], []
     for prompt, features, group, group_features in zip(groups.prompts, groups.prompt_hidden, groups.nested(),
                                                         groups.split(groups.hidden)):
         cut = [(c[:len(f) - 1], f) for c, f in zip(group, group_features) if len(f) > 1]
@@ -165,16 +188,21 @@ def pack_draft_batch(groups: Groups, *, requires_grad: bool, context_start: int 
         prompts.append(prompt_tokens)
         completions.append([c for c, _ in cut])
         prompt_inputs.append(prompt_features)
-        for c, f in cut:
+        for (c, f), full in zip(cut, (c for c, f in zip(group, group_features) if len(f) > 1)):
             inputs.append(f[:len(c)])
-            targets.append(f[1:len(c) + 1])
+            targets.append(f[1:len(c) + 1, -(hidden_size or f.shape[-1]):])
+            following = full[1:len(c) + 1]
+            next_tokens.append(torch.cat([following, following.new_full((len(c) - len(following),), -1)]))
     if not prompts:
         raise ValueError("no draft training data: every completion is shorter than two features")
     layout = pack_groups(prompts, completions)
     plan = _shared_plan(layout, groups.prompt_hidden[0].dtype, requires_grad=requires_grad)
     features_TH = torch.cat(prompt_inputs + inputs).to(layout.device)
     return PackedDraftBatch(layout.input_ids, layout.position_ids, features_TH, torch.cat(targets).to(layout.device),
-                            plan, layout.num_prompt_tokens)
+                            plan, layout.num_prompt_tokens, tuple(len(p) for p in prompts),
+                            tuple(len(c) for cs in completions for c in cs),
+                            tuple(g for g, cs in enumerate(completions) for _ in cs),
+                            torch.cat(next_tokens).to(layout.device))
 
 
 def draft_loss(draft: DraftHead, groups: Groups,
@@ -186,20 +214,14 @@ def draft_loss(draft: DraftHead, groups: Groups,
     argmaxes taken over the draft vocabulary), as device tensors.
     """
     batch = pack_draft_batch(groups, requires_grad=torch.is_grad_enabled(),
-                             context_start=draft.layout.context_start)
+                             context_start=draft.layout.context_start, hidden_size=draft.config.hidden_size)
+    if getattr(config, "ttt_steps", 1) > 1:  # training-time test (draft_unroll.py); the deprecated config has none
+        return unrolled_draft_loss(draft, batch, config)
     dtype = next(draft.parameters()).dtype
-    predicted_1TH = draft(batch.features_TH[None].to(dtype), batch.tokens_T[None], batch.positions_T[None], batch.plan)
+    predicted_1TH = draft(draft.input_features(batch.features_TH[None].to(dtype)), batch.tokens_T[None],
+                          batch.positions_T[None], batch.plan)
     predicted_MH = predicted_1TH[0, batch.num_prompt_tokens:]
-    target_MH = batch.targets_MH.to(predicted_MH.dtype)
-    feature_loss = F.smooth_l1_loss(predicted_MH.float(), target_MH.float())
-    with torch.no_grad():
-        target_probs_MV = draft.vocabulary_logits(target_MH).float().softmax(-1)
-    draft_logprobs_MV = draft.vocabulary_logits(predicted_MH).float().log_softmax(-1)
-    logit_loss = -(target_probs_MV * draft_logprobs_MV).sum(-1).mean()
-    loss = config.feature_weight * feature_loss + config.logit_weight * logit_loss
-    top1 = (draft_logprobs_MV.argmax(-1) == target_probs_MV.argmax(-1)).float().mean()
-    return loss, {"loss": loss.detach(), "feature_loss": feature_loss.detach(), "logit_loss": logit_loss.detach(),
-                  "top1_agreement": top1}
+    return position_losses(draft, predicted_MH, batch.targets_MH.to(predicted_MH.dtype), config)
 
 
 def make_optimizer(draft: DraftHead, config: DraftTrainingSettings) -> torch.optim.Optimizer:

@@ -14,7 +14,7 @@ hidden state, and its own predicted state fed back while drafting. turbogrpo's d
 s - 1. The other layout differs in three ways, none of which the folder can express, so it is refused (never
 exported approximately): a fuse bias, an input norm in the first layer, and the first prompt token's pair
 in its context. vLLM's EAGLE-3 (``llama_eagle3.py``) is further from ours (three fused target layers, a
-2Hd-wide first attention, a final norm) and is not targeted.
+2Hd-wide first attention, a final norm) and is not targeted; an "eagle3" draft is refused in one line.
 
 The draft's layers are the policy's own decoder class; vLLM builds the drafter's layers as Llama's from the
 folder's config, so a policy is exportable when its layer is a Llama layer with the right bias settings
@@ -55,6 +55,12 @@ config fields that say how; a string says why not."""
 
 def _layout_difference(draft: DraftHead) -> str | None:
     layout = draft.layout
+    if draft.config.feature_layers:
+        # vLLM's EAGLE-3 takes the three layers into a 2Hd-wide first attention and ends in a norm; ours reduces
+        # them with the final feature to Hd before the fuse and has no final norm: no weight mapping exists.
+        return (f"layout {layout.name!r} reduces the policy's layers {list(draft.config.feature_layers)} and its final "
+                "feature to one before the fuse, which neither vLLM's EAGLE nor its EAGLE-3 drafter computes; train "
+                "a draft with `turbogrpo draft train --layout eagle` for vLLM")
     problems = ([f"its fuse has a bias (vLLM's fc has none)"] if layout.fuse_bias else []) + \
                (["its first layer normalizes its input (vLLM's first layer has no input_layernorm)"]
                 if layout.first_layer_norm else []) + \

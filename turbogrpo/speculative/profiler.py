@@ -261,7 +261,8 @@ def profile_latency(model: nn.Module, *, context_length: int, draft: nn.Module |
     draft_cache = None
     if draft is not None:
         draft_cache = DraftKVCache(draft_prompt_lengths(draft, [prompt]), grid[-1], capacity=1, device=device)
-        prefill_draft(draft, draft_cache, [prompt], prompt_hidden)
+        # An "eagle3" draft reads wider policy features; timing only, so the final ones repeated do.
+        prefill_draft(draft, draft_cache, [prompt], prompt_hidden.repeat(1, 1, draft.feature_width // prompt_hidden.shape[-1]))
 
     def draft_level(n: int) -> Callable[[], object]:
         draft_cache.keep(list(range(n)))

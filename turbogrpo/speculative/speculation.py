@@ -72,6 +72,9 @@ class Speculation:
                       sampling: SamplingConfig, limits, generator: torch.Generator | None, pool, timing):
         """The multi-turn rollout's loop with this speculation (``generate_multiturn(draft=...)`` calls it;
         ``turbogrpo.speculative.multiturn``)."""
+        if self.draft is not None and self.draft.config.feature_layers:
+            raise ValueError("multi-turn rollouts do not keep the policy layers an \"eagle3\" draft reads; use a "
+                             "\"turbogrpo\" or \"eagle\" draft (draft.layout) for multi-turn speculation")
         return run_multiturn(model, prompts, num_samples, conversations, sampling, limits, generator, pool, timing,
                              self.make_step)
 

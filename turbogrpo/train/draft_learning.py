@@ -93,12 +93,13 @@ class OnlineDraft:
         generated the completions."""
         batch = rollout.groups
         generator = torch.Generator().manual_seed(seed)
-        if batch.hidden is None:
-            # An engine that keeps no features (vLLM): one shared-prefix forward of the picked groups gives
-            # them, every completion token trained.
+        if batch.hidden is None or self.draft.config.feature_layers:
+            # An engine that keeps no features (vLLM), or a draft that reads more of the policy's layers than
+            # the rollout keeps ("eagle3"): one shared-prefix forward of the picked groups gives them, every
+            # completion token trained.
             picked = batch.pick(within_budget(batch.prompt_lengths, batch.split(batch.lengths),
                                               self.settings.max_tokens, generator))
-            return draft_groups(policy, picked.prompts, picked.nested())
+            return draft_groups(policy, picked.prompts, picked.nested(), draft=self.draft)
         chosen = within_budget(batch.prompt_lengths, batch.split([n - 1 for n in batch.lengths]),
                                self.settings.max_tokens, generator)
         picked = batch.pick(chosen)
@@ -190,6 +191,8 @@ def build_online_draft(speculation: str, settings: DraftLearningConfig, policy: 
         return None
     draft = (DraftHead(policy, num_layers=settings.num_layers, layout=settings.layout) if settings.path == "scratch"
              else DraftHead.load(resolve_draft_path(settings.path), policy))
+    if settings.init_from_policy:  # the config allows it for a scratch draft only
+        draft.init_from_policy()
     profile = None
     if speculation in ("fastgrpo", "cost"):
         # Measured once per (model, device, context) and cached on disk: a few seconds the first time.
