@@ -11,8 +11,7 @@ say which (``kernels``). While the budget lasts, in order:
   turbogrpo's shared-prefix forward (cascade), P/S/G random ids, with the FLOP ratio (``HybridFlops``);
 * ``tree``: the same for bench/tree.py's synthetic deep trie, one row per sequence against the trie forward;
 * ``rollout``: native engine against HF ``generate``, 8 x 8 x 256 at T = 1 (random weights: no stop token is
-  drawn, every sample runs 256 tokens), once the native engine samples hybrids (issue 53 part 2); until then its
-  refusal is recorded.
+  drawn, every sample runs 256 tokens).
 """
 
 from __future__ import annotations
@@ -96,7 +95,6 @@ def tree_row(model, shape: str, device: str) -> dict:
 
 
 def rollout_row(model, shape: tuple[int, int, int], device: str) -> dict:
-    from hybrid_rollout import native_refusal
     from vllm_rollout import hf_generate
 
     from turbogrpo.rollout import SamplingConfig, generate
@@ -104,8 +102,6 @@ def rollout_row(model, shape: tuple[int, int, int], device: str) -> dict:
     g = torch.Generator(device=device).manual_seed(0)
     prompts = [torch.randint(0, model.config.vocab_size, (64 + 16 * k,), device=device, generator=g)
                for k in range(num_prompts)]
-    if refusal := native_refusal(model, prompts):
-        return {"shape": "x".join(map(str, shape)), "skipped": refusal}
     sampling = SamplingConfig(max_new_tokens=new_tokens, temperature=1.0, stop_token_ids=(model.config.vocab_size - 1,))
     with torch.no_grad():
         times = {"native": timed(lambda: generate(model, prompts, num_samples=num_samples, sampling=sampling, seed=0),

@@ -12,8 +12,7 @@ process (``harness.interleaved_medians``), with vLLM's engine beside them where 
 
 HF ``generate`` gets the prompts left-padded and repeated G times (TRL without vLLM; bench/vllm_rollout.py's
 ``hf_generate``). Before timing, the native engine's greedy completions are compared with HF's (equal, or where
-they first differ). The native engine samples a hybrid once its state cache is in (issue 53 part 2); until then
-this script stops with the engine's own refusal in one line.
+they first differ).
 
     python bench/hybrid_rollout.py                        # bench model, 8 x 8, up to 256 tokens, 3 repeats
     python bench/hybrid_rollout.py --model demo-hybrid    # the demo hybrid, 8 x 8, up to 256 tokens
@@ -68,15 +67,6 @@ def quick_setting(num_prompts: int):
 SETTINGS = {"bench": bench_setting, "demo-hybrid": demo_hybrid_setting, "quick": quick_setting}
 
 
-def native_refusal(model, prompts: list[torch.Tensor]) -> str:
-    """The native engine's one-line refusal of ``model`` ("" when it samples it)."""
-    try:
-        generate(model, prompts[:1], num_samples=1, sampling=SamplingConfig(max_new_tokens=1), seed=0)
-    except ValueError as refusal:
-        return str(refusal)
-    return ""
-
-
 def greedy_agreement(model, prompts, stops, pad_id: int, new_tokens: int) -> dict:
     """Native greedy completions against HF greedy ``generate`` (to the first stop id, kept)."""
     sampling = SamplingConfig(max_new_tokens=new_tokens, temperature=0.0, stop_token_ids=stops)
@@ -105,9 +95,6 @@ def main() -> None:
         args.prompts, args.samples, args.new_tokens, args.repeats = 2, 2, 8, 1
     model, tokenizer, prompts, stops, pad_id = SETTINGS[setting](args.prompts)
     model_type = model.config.model_type
-    if refusal := native_refusal(model, prompts):
-        raise SystemExit(f"bench/hybrid_rollout.py: the native engine does not sample {model_type} yet "
-                         f"(issue 53 part 2): {refusal}")
     torch.manual_seed(0)
     sampling = SamplingConfig(max_new_tokens=args.new_tokens, temperature=1.0, stop_token_ids=stops)
     tokens: dict[str, list[int]] = {}

@@ -2,28 +2,14 @@
 demo-hybrid`."""
 
 import json
-from functools import cache
 
 import pytest
 import torch
 
 from turbogrpo.cli import demo_config, main
 from turbogrpo.models import DEMO_MODELS, demo_model_path, load_demo_model, resolve_model_path
-from turbogrpo.rollout import SamplingConfig, generate
 
 from tests.train.conftest import single_thread  # noqa: F401 (autouse: the demo model runs fastest on one thread)
-
-
-@cache
-def native_refusal() -> str:
-    """The native engine's refusal of the hybrid demo model ("" once it samples hybrids: issue 53 part 2)."""
-    model, tokenizer = load_demo_model("demo-hybrid")
-    try:
-        generate(model, [torch.tensor(tokenizer("Leo has 3 coins.")["input_ids"])], num_samples=1,
-                 sampling=SamplingConfig(max_new_tokens=1), seed=0)
-    except ValueError as refusal:
-        return str(refusal)
-    return ""
 
 
 def test_the_hybrid_demo_model_is_a_small_qwen3_5_with_the_demo_tokenizer():
@@ -61,8 +47,6 @@ def test_the_hybrid_demo_runs_the_demo_with_its_model():
 
 
 def test_turbogrpo_demo_model_demo_hybrid_trains_and_reports(tmp_path, capsys):
-    if refusal := native_refusal():
-        pytest.skip(f"the native engine does not sample the hybrid demo model yet (issue 53 part 2): {refusal}")
     sets = ["train.num_steps=2", "train.prompts_per_step=2", "rollout.num_generations=2", "data.num_eval_problems=4",
             "data.num_eval_samples=1", "train.checkpoint_every=0", "log.progress_bar=false",
             f'train.output_dir="{tmp_path / "run"}"']
