@@ -14,8 +14,10 @@ deep for the parser is such an error, never an exception out of the parser.
 from __future__ import annotations
 
 import ast
+import io
 import json
 import re
+import tokenize
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -104,10 +106,35 @@ def parse_pythonic(text: str) -> tuple[str, list[ToolCall]]:
     return text if first < 0 else text[:first], calls
 
 
+# Tokens that end an operator chain: an argument's or a bracket's edge (a literal's operators sit between them).
+_CHAIN_EDGES = frozenset(",()[]{}:=")
+_WORD_OPERATORS = frozenset({"not", "and", "or", "is", "in", "if", "else"})
+
+
+def _longest_operator_chain(body: str) -> int:
+    """The most operators (``-``, ``+``, ``not``, ``*``, ...) between two argument or bracket edges of ``body``,
+    outside strings, read by ``tokenize`` (iterative). ``ast.parse`` recurses once per operator of a chain, so the
+    chains are bounded before it runs: whether it raises RecursionError depends on the process's recursion limit
+    (which compiling a model raises), and a call must read the same wherever it is parsed."""
+    longest = run = 0
+    try:
+        for token in tokenize.generate_tokens(io.StringIO(body).readline):
+            if token.type == tokenize.OP and token.string in _CHAIN_EDGES:
+                run = 0
+            elif token.type == tokenize.OP or (token.type == tokenize.NAME and token.string in _WORD_OPERATORS):
+                run += 1
+                longest = max(longest, run)
+    except (tokenize.TokenError, SyntaxError):  # unbalanced or unreadable text: the parser below says why
+        pass
+    return longest
+
+
 def _pythonic_call(body: str) -> ToolCall:
     problem = _unreadable(body)
     if problem is None and max(len(run) for run in re.split(r"[^-+~\s]", body)) > MAX_NESTING:
         problem = f"the tool call chains more than {MAX_NESTING} unary operators"
+    if problem is None and _longest_operator_chain(body) > MAX_NESTING:
+        problem = f"the tool call chains more than {MAX_NESTING} operators"
     if problem is not None:
         return ToolCall("unknown", error=problem)
     try:
