@@ -16,8 +16,8 @@ measures it there).
       each DeltaNet layer's state after it handed to every completion.
 (b) ``tree``: forward + backward of the mean log-prob of the model tokens of calculator conversations
     (configs/smollm2_calculator.toml's task and prompts, K prompts x G conversations with rollout.branching
-    [4, 2], sampled by SmolLM2-135M-Instruct with the native engine, since the native engine cannot sample a
-    hybrid yet), scored on the hybrid:
+    [4, 2], sampled by SmolLM2-135M-Instruct with the native engine: a random-weight hybrid would not hold a real
+    conversation), scored on the hybrid:
     * ``rows``: one row per conversation through the model's own forward;
     * ``tree``: turbogrpo's trie forward (``tree_logprobs``, cascade).
 
