@@ -888,6 +888,10 @@ RESULTS: list[Result] = [
     Result("compiled_step", "compiled_step", "The plain decoding step eager and compiled (one static graph per "
            "bucket), SmolLM2-135M, float32 and bf16, live batches 1, 4, 16, 64, against the weight-read and GEMM floors",
            "python bench/compiled_step.py", section="Kernels and parts of a step", awaiting_run=True),
+    Result("compiled_step_f32_b1_b64", "compiled_step", "The plain decoding step eager and compiled, SmolLM2-135M, "
+           "float32, live batches 1 and 64 (the first quiet run, a subset of compiled_step)",
+           "python bench/compiled_step.py --dtypes float32 --batches 1,64 --out compiled_step_f32_b1_b64",
+           section="Kernels and parts of a step", awaiting_run=True),
     Result("rollout_smollm2_compiled_anatomy", "rollout_anatomy", "Anatomy of the compiled plain step at B=32, "
            "SmolLM2-135M", "python bench/rollout.py --model smollm2 --profile-only --runner compiled "
            "--out rollout_smollm2_compiled_anatomy", section="Kernels and parts of a step", awaiting_run=True),
