@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -26,7 +25,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import print_table  # noqa: E402
+from harness import print_table, timed_with_peak  # noqa: E402
 from hybrid_prefix import (HYBRID_MODEL, QUICK_MODEL, HybridFlops, hybrid_model, run_rows, run_shared,  # noqa: E402
                            run_standard, run_tree)
 from tree_cases import Case  # noqa: E402
@@ -46,22 +45,7 @@ def kernels() -> dict:
 
 def timed(call, device: str) -> dict:
     """Median of ``REPEATS`` calls after ``WARMUPS`` (peak memory of the first on CUDA)."""
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    if device == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-    call()
-    sync()
-    peak_gb = torch.cuda.max_memory_allocated() / 1e9 if device == "cuda" else None
-    for _ in range(WARMUPS - 1):
-        call()
-    times = []
-    for _ in range(REPEATS):
-        sync()
-        start = time.perf_counter()
-        call()
-        sync()
-        times.append(time.perf_counter() - start)
-    return {"median_s": statistics.median(times), "times_s": times, "peak_gb": peak_gb}
+    return timed_with_peak(call, warmups=WARMUPS, repeats=REPEATS)
 
 
 def prefix_rows(model, shapes, device: str, deadline: float) -> list[dict]:

@@ -13,7 +13,6 @@ row's FLOP ratio (standard / shared forward work). Models are random-init bf16, 
 
 from __future__ import annotations
 
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -24,7 +23,7 @@ from torch.nn.attention.bias import causal_lower_right
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import print_table  # noqa: E402
+from harness import print_table, timed_with_peak  # noqa: E402
 from prefix import _PrefixGrouperAttention, run_prefix_grouper  # noqa: E402
 
 import turbogrpo  # noqa: E402
@@ -93,29 +92,12 @@ def contenders() -> dict:
 def measure(fn, model, prompts, completions) -> dict:
     """Peak memory of the first warm-up call, then the median of ``REPEATS`` timed calls. Off CUDA (a
     part's CPU smoke run) the peak is None."""
-    cuda = torch.cuda.is_available()
-    sync = torch.cuda.synchronize if cuda else lambda: None
-
     def call():
         model.zero_grad(set_to_none=True)
         fn(model, prompts, completions)
-    sync()
-    if cuda:
-        torch.cuda.reset_peak_memory_stats()
-    call()
-    sync()
-    peak_gb = torch.cuda.max_memory_allocated() / 1e9 if cuda else None
-    for _ in range(WARMUPS - 1):
-        call()
-    times = []
-    for _ in range(REPEATS):
-        sync()
-        start = time.perf_counter()
-        call()
-        sync()
-        times.append(time.perf_counter() - start)
+    result = timed_with_peak(call, warmups=WARMUPS, repeats=REPEATS)
     model.zero_grad(set_to_none=True)
-    return {"median_s": statistics.median(times), "times_s": times, "peak_gb": peak_gb}
+    return result
 
 
 def run(results: dict, budget_s: float) -> None:

@@ -65,6 +65,29 @@ def machine_info() -> dict:
     return info
 
 
+def timed_with_peak(call: Callable[[], object], *, warmups: int, repeats: int) -> dict:
+    """``call`` timed on this process's device (synchronized on CUDA): the peak memory of the first warm-up call
+    (None off CUDA: a GPU part's CPU smoke run), then the median of ``repeats`` calls after ``warmups`` in all."""
+    cuda = torch.cuda.is_available()
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    sync()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    call()
+    sync()
+    peak_gb = torch.cuda.max_memory_allocated() / 1e9 if cuda else None
+    for _ in range(warmups - 1):
+        call()
+    times = []
+    for _ in range(repeats):
+        sync()
+        start = time.perf_counter()
+        call()
+        sync()
+        times.append(time.perf_counter() - start)
+    return {"median_s": statistics.median(times), "times_s": times, "peak_gb": peak_gb}
+
+
 def interleaved_medians(fns: dict[str, Callable[[], object]], *, repeats: int = 5,
                         warmup: int = 1) -> dict[str, dict]:
     """Time each callable ``repeats`` times after ``warmup`` runs, alternating between them.
