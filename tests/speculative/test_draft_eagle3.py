@@ -143,7 +143,7 @@ def test_acceptance_at_depth_one_is_the_overlap_of_the_two_distributions():
     groups = toy_data(policy, draft)
     report = acceptance_by_depth(draft, groups, 2)
     # Depth 1 by hand: the teacher-forced prediction at each completion token with a known next token
-    overlaps, top1, agree = [], [], []
+    overlaps, top1 = [], []
     prompt = groups.prompts[0]
     for completion, features in zip(groups.completions, groups.hidden):
         tokens = torch.cat([prompt, completion])

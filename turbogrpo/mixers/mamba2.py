@@ -97,9 +97,10 @@ def recurrent_scan_rows(a, module, x, dt, b, c, *, valid, initial_state):
     state = (x.new_zeros(x.shape[0], num_heads, x.shape[3], b.shape[3]) if initial_state is None
              else initial_state[0].to(dtype))
     decay = torch.exp(dt * a.to(dtype))   # [R, W, H]
+    skip_H1 = module.D.to(dtype)[:, None]
     outputs = []
     for t in range(x.shape[1]):
         written = (dt[:, t, :, None] * x[:, t])[..., None] * b[:, t, :, None, :]   # [R, H, P, Ns]
         state = state * decay[:, t, :, None, None] + written
-        outputs.append((state @ c[:, t, :, :, None])[..., 0] + module.D.to(dtype)[:, None] * x[:, t])
+        outputs.append((state @ c[:, t, :, :, None])[..., 0] + skip_H1 * x[:, t])
     return torch.stack(outputs, 1), (state,)

@@ -151,8 +151,6 @@ def generate(model: nn.Module, prompts: list[torch.Tensor], *, num_samples: int,
     # As in the trainer: called directly (the Python API), a rollout's large short-lived host tensors must
     # not page-fault in afresh at every step (host_memory.py; on by default, TURBOGRPO_HOST_MALLOC=system).
     keep_freed_host_memory()
-    if record_routes:
-        check_route_recording(draft, schedule)
     device = next(model.parameters()).device
     limits = _length_limits(max_new_tokens_per_completion, len(prompts) * num_samples, sampling)
     if max_new_tokens_per_completion is not None:  # each prompt needs room for its own completions' limit only
@@ -167,8 +165,10 @@ def generate(model: nn.Module, prompts: list[torch.Tensor], *, num_samples: int,
     # which the packed kernel's sibling products check, and cannot be saved for a later backward (a
     # caller that trains on the rollout's tensors would fail there). no_grad keeps the rollout free.
     with torch.inference_mode(False), torch.no_grad():
-        schedule = resolved_runner(schedule or default_schedule(device), model)
+        schedule = resolved_runner(schedule or default_schedule(device), model, record_routes)
         check_runner(model, schedule.runner)
+        if record_routes:
+            check_route_recording(draft, schedule)
         # The step is made inside: a speculative step may time the model (its latency profile) as it runs.
         with rollout_linear_kernel(schedule, draft)([model, *getattr(draft, "rollout_modules", list)()]), \
                 maybe_recording(model, record_routes) as recorder:
@@ -197,12 +197,13 @@ def check_runner(model: nn.Module, runner: str) -> None:
                          f"'{model.config.model_type}' has {layers}, whose units run eagerly: use runner='eager'")
 
 
-def resolved_runner(schedule: DecodeSchedule, model: nn.Module) -> DecodeSchedule:
+def resolved_runner(schedule: DecodeSchedule, model: nn.Module, record_routes: bool = False) -> DecodeSchedule:
     """``schedule`` with runner "auto" resolved for ``model`` (``compiled.resolve_runner``); a compiled step
-    chosen so retires rows by power-of-two buckets, one static graph each."""
+    chosen so retires rows by power-of-two buckets, one static graph each. Eager for a hybrid, or when MoE routes
+    are recorded (``record_routes``: their hooks run in Python)."""
     if schedule.runner != "auto":
         return schedule
-    if hybrid_layers(model.config):  # its recurrent units run eagerly, outside any traced step (check_runner)
+    if hybrid_layers(model.config) or record_routes:  # recurrent units and the route hooks run eagerly
         return dataclasses.replace(schedule, runner="eager")
     runner = resolve_runner(schedule.runner, model, functools.partial(_probe_rollout, model))
     return dataclasses.replace(schedule, runner=runner, buckets="pow2" if runner != "eager" else schedule.buckets)

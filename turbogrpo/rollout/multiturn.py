@@ -465,7 +465,7 @@ def _feed(model: nn.Module, cache: GroupedKVCache, rows: list[int], feeding: lis
         routes_TLK = recorder.take()
         routes_BnLK = routes_TLK.view(len(rows), width, *routes_TLK.shape[1:])
         for b in feeding:
-            conversations[rows[b]].routes.append(routes_BnLK[b, :counts[b]])
+            conversations[rows[b]].routes.append(routes_BnLK[b, :counts[b]].clone())  # not a view of the batch
     cache.commit_first(counts_B, width)
     last_BH = hidden_BnH[torch.arange(len(rows), device=cache.device), (counts_B - 1).clamp(min=0)]
     drawn = [b for b in feeding if not conversations[rows[b]].pending]

@@ -84,6 +84,8 @@ class RecurrentStates:
     def commit_lengths(self, num_kept_B: torch.Tensor) -> None:
         """Each row's states after its first ``num_kept_B [B]`` tokens (0: as before) of the last speculative
         forward (``DecodeStates.per_length``), into the stored rows; a no-op after any other forward."""
+        if not self._pending_conv and not self._pending_scan:  # an attention model, or no chain forward
+            return
         rows_B1 = torch.arange(num_kept_B.shape[0], device=num_kept_B.device)[:, None]
         for module, window in self._pending_conv.items():
             stored = self.conv_rows(module, num_kept_B.shape[0])
