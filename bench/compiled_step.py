@@ -47,7 +47,7 @@ from real_model import (chat_prompts, large_matmul_gflops, load_real_model, memo
 from vllm_rollout import competing_job  # noqa: E402
 
 from turbogrpo.rollout import SamplingConfig  # noqa: E402
-from turbogrpo.rollout.compiled import PLAIN_RUNNERS, _compiled  # noqa: E402
+from turbogrpo.rollout.compiled import PLAIN_RUNNERS, _compiled, runner_scope  # noqa: E402
 from turbogrpo.rollout.decode import DecodeSchedule, first_draw, rollout_linear_kernel  # noqa: E402
 from turbogrpo.rollout.step import PlainStep, plain_step  # noqa: E402
 
@@ -90,8 +90,9 @@ class Contender:
     def __call__(self) -> None:
         if self.state is None or self.left < self.steps:
             self.fresh_state()
-        for _ in range(self.steps):
-            self.step(self.state)
+        with runner_scope(self.runner):  # as a rollout holds it: once around its steps
+            for _ in range(self.steps):
+                self.step(self.state)
         self.left -= self.steps
 
 

@@ -33,7 +33,7 @@ from turbogrpo.architectures import hybrid_layers
 from turbogrpo.hook import check_materialized, embedding_table
 from turbogrpo.host_memory import keep_freed_host_memory
 from turbogrpo.output_head import check_logits_head, logits_head
-from turbogrpo.rollout.compiled import PLAIN_RUNNERS, RUNNER_NAMES, resolve_runner
+from turbogrpo.rollout.compiled import PLAIN_RUNNERS, RUNNER_NAMES, resolve_runner, runner_scope
 from turbogrpo.rollout.kv_cache import GroupedKVCache
 from turbogrpo.linears import LINEAR_KERNELS
 from turbogrpo.moe_routes import RouteLog, RouteRecorder, maybe_recording
@@ -171,7 +171,7 @@ def generate(model: nn.Module, prompts: list[torch.Tensor], *, num_samples: int,
             check_route_recording(draft, schedule)
         # The step is made inside: a speculative step may time the model (its latency profile) as it runs.
         with rollout_linear_kernel(schedule, draft)([model, *getattr(draft, "rollout_modules", list)()]), \
-                maybe_recording(model, record_routes) as recorder:
+                maybe_recording(model, record_routes) as recorder, runner_scope(schedule.runner):
             step: DecodeStep = (PlainStep(PLAIN_RUNNERS[schedule.runner](plain_step)) if draft is None
                                 else draft.make_step(model, prompts, sampling))
             return _rollout(model, prompts, num_samples, sampling, generator, return_hidden, limits, step,
