@@ -14,6 +14,8 @@ solid, sampled dashed, a colour per variant).
 
     python bench/learning.py --variants k0,k1 --name async_learning      # issue 43 (hours on 2 CPU cores)
     python bench/learning.py --tasks gsm8k --variants k0,vllm --name vllm_learning    # issue 44
+    python bench/learning.py --tasks calculator --name correction_learning \
+        --variants vllm_bf16_none,vllm_bf16_token_tis,vllm_bf16_sequence_mask,vllm_bf16_icepop    # issue 55 4(c)
     python bench/learning.py --tasks demo --steps 2 --eval-every 1 --variants k0,k1 --name learning_smoke   # smoke
 """
 
@@ -50,12 +52,22 @@ VARIANTS = {
     "k1": ["train.max_staleness=1"],
     "k2": ["train.max_staleness=2"],
     "vllm": ['rollout.engine="vllm"'],
+    # Issue 55 4(c): vLLM sampling in bf16 (the run's dtype: the trainer's bf16 autocast beside vLLM's own bf16
+    # kernels) under each correction family a TRL / verl / AReaL user knows, caps as those trainers default them.
+    "vllm_bf16_none": ['rollout.engine="vllm"', 'model.dtype="bfloat16"', "algo.tis_cap=0"],
+    "vllm_bf16_token_tis": ['rollout.engine="vllm"', 'model.dtype="bfloat16"', 'algo.off_policy_correction="token_truncate"',
+                            "algo.tis_cap=2"],
+    "vllm_bf16_sequence_mask": ['rollout.engine="vllm"', 'model.dtype="bfloat16"',
+                                'algo.off_policy_correction="sequence_mask"', "algo.tis_cap=3"],
+    "vllm_bf16_icepop": ['rollout.engine="vllm"', 'model.dtype="bfloat16"', 'algo.off_policy_correction="icepop"',
+                         "algo.tis_cap_low=0.5", "algo.tis_cap=5"],
 }
 """variant -> overrides on top of the task's (the same seeds everywhere)."""
 
 COMMON = ["algo.tis_cap=2"]
-"""Every variant's loss: TIS at cap 2, a no-op where sampler and trainer agree (k0) and the correction where they
-do not (stale weights, another engine's kernels)."""
+"""Every variant's loss unless it names its own correction (a variant's settings come after): TIS at cap 2, a no-op
+where sampler and trainer agree (k0) and the correction where they do not (stale weights, another engine's
+kernels)."""
 
 
 def run(task: str, variant: str, steps: int, eval_every: int, workdir: Path) -> Path:
@@ -64,8 +76,8 @@ def run(task: str, variant: str, steps: int, eval_every: int, workdir: Path) -> 
     out = workdir / f"{task}-{variant}"
     if (out / "complete.json").exists():
         return out
-    sets = [*cuts, *VARIANTS[variant], f"train.num_steps={steps}", f"train.eval_every={eval_every}",
-            *COMMON, "train.checkpoint_every=10", "train.save_final_model=false", "log.progress_bar=false",
+    sets = [*cuts, *COMMON, *VARIANTS[variant], f"train.num_steps={steps}", f"train.eval_every={eval_every}",
+            "train.checkpoint_every=10", "train.save_final_model=false", "log.progress_bar=false",
             f'train.output_dir="{out}"']
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     # Resume a run cut off after a checkpoint; one cut off before its first starts again.
