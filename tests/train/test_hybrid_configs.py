@@ -33,8 +33,7 @@ CASES = {
     "gsm8k_lora_ddp.yaml": {"model.device": '"cpu"', "data.max_prompt_tokens": 256},  # LoRA, beta > 0, 1 rank
     "longform.toml": {"rollout.speculation": '"off"'},   # a neural draft head refuses hybrids (history chains only)
     "smollm2_arithmetic.toml": {},
-    "smollm2_calculator.toml": {**CONVERSATIONS, **DEMO_TEMPLATE, "rollout.branching": "[]",
-                                "env.tool_parser": '"hermes"'},                  # the demo template's tool calls
+    "smollm2_calculator.toml": {**CONVERSATIONS, **DEMO_TEMPLATE, "env.tool_parser": '"hermes"'},  # the template's calls
     "smollm2_gsm8k.toml": {"data.max_prompt_tokens": 256},                          # checkpointing kept
     "smollm2_guess_number.toml": {**CONVERSATIONS, **DEMO_TEMPLATE},
 }
@@ -79,4 +78,4 @@ def test_an_asynchronous_run_trains_the_hybrid_demo_model(tmp_path):
     summary = loop.train(config)
     steps = [record for record in read_metrics(tmp_path / "run") if "reward" in record]
     assert summary.steps == 2 and [record["step"] for record in steps] == [1, 2]
-    assert all(record["logprob_gap"] < 1e-4 for record in steps[:1])  # step 1 drew with the trainer's weights
+    assert steps[0]["logprob_gap"] < 1e-4   # step 1 drew with the trainer's weights (step 2 one update behind)
