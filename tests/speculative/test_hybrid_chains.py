@@ -120,5 +120,5 @@ def test_the_chain_step_never_syncs_with_the_host(monkeypatch):
 
 def test_a_neural_draft_head_is_refused_for_a_hybrid_in_one_line():
     from turbogrpo.speculative.draft import DraftHead
-    with pytest.raises(ValueError, match=r"^model type 'lfm2' .*not the vLLM engine or a neural draft head"):
+    with pytest.raises(ValueError, match=r"^model type 'lfm2' .*a neural draft head does not"):
         DraftHead(build_hybrid("lfm2", torch.float32, vocab_size=VOCAB))
