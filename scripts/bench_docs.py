@@ -411,11 +411,15 @@ HYBRID_PREFIX = tables(
           rows="prefix", part="prefix", title="(a) shared prompt, against G rows through the model's own forward"),
     Table([col("conversations", "case", "text"), col("sequences", "sequences", "int"),
            col("row tokens", "row_tokens", "int"), col("trie tokens", "trie_tokens", "int"),
+           opt("micro-batch tokens", "micro_batch_tokens", "int"),
            col("own forward s", "times.rows.median_s", "s"), col("tree s", "times.tree.median_s", "s"),
            col("speedup", "speedup", "x"), col("FLOP ratio", "flop_ratio", "f2"),
            col("speedup / FLOP ratio", "speedup_over_flop_ratio", "f2"),
-           col("max log-prob gap (float32)", "max_abs_logprob_gap_float32", "g")],
-          rows="tree", part="tree", title="(b) trie of calculator conversations, against one row per conversation"))
+           opt("peak MB own forward", "peak_memory_mb.rows", "mb"), opt("peak MB tree", "peak_memory_mb.tree", "mb"),
+           col("max log-prob gap (float32)", "max_abs_logprob_gap_float32", "g"),
+           opt("gradient gap (float32, relative)", "relative_grad_gap_float32", "g")],
+          rows="tree", part="tree", title="(b) trie of calculator conversations, against one row per conversation "
+                                          "(both in micro-batches)"))
 
 HYBRID_ROLLOUT = tables(
     Table([col("engine", "$key"), col("median s", "median_s", "s"), col("ms per token", "median_s_per_token", "ms")],
@@ -726,6 +730,10 @@ RESULTS: list[Result] = [
            section="Shared-prefix training forward", awaiting_run=True),
     Result("hybrid_prefix_partial", "hybrid_prefix", "One part of the hybrid benchmark (--parts prefix or tree)",
            "python bench/hybrid_prefix.py --parts prefix", section="Shared-prefix training forward", awaiting_run=True),
+    Result("hybrid_prefix_tree", "hybrid_prefix", "The hybrid benchmark's trie part: calculator conversations on a "
+           "Qwen3.5-shaped hybrid at SmolLM2-135M's size, both layouts in micro-batches of 1536 tokens, peak memory",
+           "python bench/hybrid_prefix.py --parts tree --out hybrid_prefix_tree", section="Tree-shared training forward",
+           awaiting_run=True),
     Result("prefix_gemma3_64row_chunks", "prefix", "Gemma 3 270M prefix, LM head in 64-row chunks (before the 256-row floor)",
            "python bench/prefix.py --model gemma3", archived_by="prefix_gemma3"),
     Result("prefix_gemma3_one_repeat", "prefix", "Gemma 3 270M prefix, one repeat", "python bench/prefix.py --model gemma3",

@@ -290,6 +290,26 @@ def test_a_hybrid_shares_every_call_with_trls_numbers(tiny, tmp_path_factory, tm
     assert stats.num_fallback_calls == 0 and stats.num_shared_calls == 3
 
 
+@pytest.mark.parametrize("sharing", ["prompt", "tree"])
+def test_trainer_train_updates_a_hybrid_as_trl_does(tiny, tmp_path_factory, tmp_path, sharing):
+    """`trainer.train()` for one optimizer step on a tiny Qwen3.5 with the drop-in, each prompt run once through its
+    gated DeltaNet layers (as a trie's root with "tree"): TRL's logged loss and the updated weights."""
+    config = dict(loss_type="dapo", beta=0.04, num_iterations=1, max_steps=1, optim="sgd", learning_rate=0.1)
+    trainers = build_pair(saved_hybrid(tmp_path_factory, tiny, "qwen3_5_text"), tmp_path, sharing=sharing, **config)
+    logs = []
+    for trainer in trainers:
+        trainer.train()
+        logs.append(trainer.state.log_history[0])
+    for key in ("loss", "kl", "reward"):
+        assert logs[1][key] == pytest.approx(logs[0][key], rel=1e-5, abs=1e-6), key
+    for (name, ours), (_, theirs) in zip(trainers[1].model.named_parameters(), trainers[0].model.named_parameters()):
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6, msg=name)
+    stats = trainers[1].shared_prefix_stats
+    assert stats.num_fallback_calls == 0 and stats.num_shared_calls == 2   # the reference and the policy
+    assert stats.num_prompt_forwards == len(PROMPTS) * stats.num_shared_calls
+    assert stats.num_tree_calls == (stats.num_shared_calls if sharing == "tree" else 0)
+
+
 def test_a_hybrid_whose_padding_reaches_its_state_runs_trl_with_a_notice(tiny, tmp_path_factory, tmp_path, caplog):
     """LFM2 with biased input projections: a left pad's B * x is bias * bias, in the next tokens' convolution window,
     so TRL's forward of a left-padded row differs from the sequence's own; only TRL's forward gives TRL's numbers."""

@@ -114,3 +114,19 @@ def test_lora_adapters_on_the_mixers(float64_throughout, model_type, targets):
     for logp_error, grad_error in (prefix_errors(model, "mixed", backend="cascade"),
                                    tree_errors(model, "deep-narrow", backend="cascade")):
         assert logp_error <= EXACT and grad_error <= EXACT, (logp_error, grad_error)
+
+
+# (PEFT itself refuses a Mamba-2's conv1d.) A pattern: LFM2's mixer module is named "conv" too.
+@pytest.mark.parametrize("model_type, convolutions", [("qwen3_5_text", r".*\.conv1d"), ("lfm2", r".*\.conv\.conv")])
+def test_an_adapter_on_a_mixers_convolution_is_refused_in_one_line(model_type, convolutions):
+    """PEFT takes a LoRA on a depthwise convolution whose channels divide the rank; the units read the convolution's
+    own weights, so they would skip it: refused, where our forward would otherwise differ from the model's own."""
+    from peft import LoraConfig, get_peft_model
+    model = build_hybrid(model_type, torch.float32)
+    channels = next(m for m in model.modules() if isinstance(m, torch.nn.Conv1d)).out_channels
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")   # PEFT: "Merging is not supported" for a grouped convolution
+        model = get_peft_model(model, LoraConfig(r=channels, lora_alpha=channels, target_modules=convolutions,
+                                                 init_lora_weights=False))
+    with pytest.raises(ValueError, match=r"^a hybrid's depthwise convolution is wrapped by peft\..*lora\.target_modules"):
+        prefix_errors(model, "mixed", backend="cascade")

@@ -56,18 +56,39 @@ def test_sampler_logprobs_with_history_chains_equal_the_trainers(model_type, flo
         torch.testing.assert_close(torch.cat(ours).double(), torch.cat(theirs).double(), rtol=0, atol=1e-10)
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_5_text", "nemotron_h"])
-def test_first_three_tokens_with_history_chains_follow_the_policy(model_type):
+def first_three_tokens_pvalue(model_type: str) -> float:
+    """Chi-square p-value of the first three tokens of 4,000 speculative samples (history chains, a second rollout
+    drafting from the first one's text) against the policy's exact joint law at temperature 1."""
     model = build_hybrid(model_type, torch.float32, vocab_size=V, seed=1, initializer_range=0.3)
     prompt = torch.tensor([1, 5, 2, 7])
     sampling = CASES["T1"]
     history = HistoryDrafts(min_match=1)
     generate(model, [prompt] * 500, num_samples=8, sampling=sampling, seed=2, draft=speculation(history))
     spec = generate(model, [prompt] * 500, num_samples=8, sampling=sampling, seed=1, draft=speculation(history))
-    samples = torch.stack([t[:3] for t in spec.tokens])
-    pvalue = chi_square_pvalue(joint_counts(samples, V), exact_first_three(model, prompt, sampling))
-    assert pvalue > 1e-3, f"speculative rollouts of a hybrid differ from the policy (p={pvalue:.2e})"
     assert spec.stats.mean_accepted_length > 1.1   # chains really were accepted
+    samples = torch.stack([t[:3] for t in spec.tokens])
+    return chi_square_pvalue(joint_counts(samples, V), exact_first_three(model, prompt, sampling))
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_5_text", "nemotron_h"])
+def test_first_three_tokens_with_history_chains_follow_the_policy(model_type):
+    pvalue = first_three_tokens_pvalue(model_type)
+    assert pvalue > 1e-3, f"speculative rollouts of a hybrid differ from the policy (p={pvalue:.2e})"
+
+
+def test_a_chain_committing_the_state_of_a_rejected_token_fails_the_chi_square(monkeypatch):
+    """The test has the power to see a wrong rollback: committing each row's states one token past what it kept
+    (the first rejected draft token run into the recurrence and the convolution window) fails it."""
+    from turbogrpo.rollout.states import RecurrentStates
+    commit = RecurrentStates.commit_lengths
+
+    def one_token_too_many(self, num_kept_B):
+        if self._pending_scan:   # a chain forward: its scan states after 0 .. n tokens, [B, n + 1, ...]
+            chain_length = next(iter(self._pending_scan.values()))[0].shape[1] - 1
+            num_kept_B = (num_kept_B + 1).clamp(max=chain_length)
+        commit(self, num_kept_B)
+    monkeypatch.setattr(RecurrentStates, "commit_lengths", one_token_too_many)
+    assert first_three_tokens_pvalue("qwen3_5_text") < 1e-9
 
 
 def test_speculative_conversations_feed_replies_through_the_recurrence(float64_throughout):
@@ -99,5 +120,5 @@ def test_the_chain_step_never_syncs_with_the_host(monkeypatch):
 
 def test_a_neural_draft_head_is_refused_for_a_hybrid_in_one_line():
     from turbogrpo.speculative.draft import DraftHead
-    with pytest.raises(ValueError, match=r"^model type 'lfm2' .*not the vLLM engine or a neural draft head"):
+    with pytest.raises(ValueError, match=r"^model type 'lfm2' .*a neural draft head does not"):
         DraftHead(build_hybrid("lfm2", torch.float32, vocab_size=VOCAB))

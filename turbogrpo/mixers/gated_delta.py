@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from transformers.activations import ACT2FN
 
-from turbogrpo.mixers.registry import MixerUnit, at_least_float32, modeling_function, register_mixer
+from turbogrpo.mixers.registry import MixerUnit, at_least_float32, depthwise_conv, modeling_function, register_mixer
 
 @register_mixer("Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet")
 class GatedDeltaNet(MixerUnit):
@@ -33,8 +33,7 @@ class GatedDeltaNet(MixerUnit):
     def forward(self, module, hidden, layout):
         x_NH = hidden.flatten(0, -2)
         mixed_qkv_NC, z, b, a = self.project(module, x_NH)
-        mixed_qkv_NC = ACT2FN[module.activation](layout.conv(module, mixed_qkv_NC, module.conv1d.weight[:, 0],
-                                                             module.conv1d.bias))
+        mixed_qkv_NC = ACT2FN[module.activation](layout.conv(module, mixed_qkv_NC, *depthwise_conv(module.conv1d)))
         query, key, value = self.heads(module, mixed_qkv_NC)
         g, beta = self.decay_and_beta(module, x_NH, b, a)
         core = layout.scan(module, (query, key, value, g, beta),

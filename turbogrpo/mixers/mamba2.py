@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from transformers.activations import ACT2FN
 
-from turbogrpo.mixers.registry import MixerUnit, at_least_float32, modeling_function, register_mixer
+from turbogrpo.mixers.registry import MixerUnit, at_least_float32, depthwise_conv, modeling_function, register_mixer
 
 CHUNK_KERNEL = "mamba2_chunk_scan"   # the name of the chunked scan in the modeling files
 
@@ -33,8 +33,7 @@ class Mamba2(MixerUnit):
         x_NH = hidden.flatten(0, -2)
         gate, xbc_NC, dt = self.project(module, x_NH).split(
             [module.intermediate_size, module.conv_dim, module.num_heads], dim=-1)
-        xbc_NC = ACT2FN[module.activation](layout.conv(module, xbc_NC, module.conv1d.weight[:, 0],
-                                                       module.conv1d.bias))
+        xbc_NC = ACT2FN[module.activation](layout.conv(module, xbc_NC, *depthwise_conv(module.conv1d)))
         group_size = module.n_groups * module.ssm_state_size
         x, b, c = xbc_NC.split([module.intermediate_size, group_size, group_size], dim=-1)
         # As the kernel discretises it, from the projection's dt and the module's bias and limits.

@@ -89,6 +89,17 @@ def modeling_function(module: nn.Module, name: str) -> Callable:
     return getattr(sys.modules[type(module).__module__], name)
 
 
+def depthwise_conv(conv: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(weight [C, K], bias [C] or None)`` of a mixer's causal depthwise convolution, which the units run
+    themselves (``TokenLayout.conv``). A convolution wrapped by another module (peft's LoRA, which accepts one whose
+    rank the channels divide) is refused in one line: reading its base weight would skip the adapter silently."""
+    if not isinstance(conv, nn.Conv1d):
+        raise ValueError(f"a hybrid's depthwise convolution is wrapped by {type(conv).__module__}.{type(conv).__name__} "
+                         "(an adapter?); turbogrpo runs it from its own weights and would leave the wrapper out: leave "
+                         "the convolutions (conv1d, conv) out of lora.target_modules")
+    return conv.weight[:, 0], conv.bias
+
+
 def at_least_float32(x: torch.Tensor) -> torch.Tensor:
     """``x`` in float32, or wider: what a module's ``.float()`` guards against (a half-precision ``exp`` overflowing)
     without rounding a float64 model's parameters to float32."""

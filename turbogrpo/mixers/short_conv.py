@@ -8,7 +8,7 @@ Shape legend: N flat tokens, Hd hidden size.
 
 from __future__ import annotations
 
-from turbogrpo.mixers.registry import MixerUnit, register_mixer
+from turbogrpo.mixers.registry import MixerUnit, depthwise_conv, register_mixer
 
 
 @register_mixer("Lfm2ShortConv", "Lfm2MoeShortConv")
@@ -17,7 +17,7 @@ class ShortConv(MixerUnit):
 
     def forward(self, module, hidden, layout):
         b, c, x = module.in_proj(hidden.flatten(0, -2)).chunk(3, dim=-1)   # [N, Hd] each
-        conv = layout.conv(module, b * x, module.conv.weight[:, 0], module.conv.bias)
+        conv = layout.conv(module, b * x, *depthwise_conv(module.conv))
         return module.out_proj(c * conv).view_as(hidden)
 
     def padding_reaches_state(self, module):
