@@ -176,9 +176,23 @@ def test_the_history_step_never_syncs_with_the_host(monkeypatch):
             assert rollout.stats.tree_sizes and min(rollout.stats.tree_sizes) > 1
 
 
-def test_history_alone_sizes_chains_with_the_cost_policy():
+class StepClock:
+    """``time`` for the speculative step's timing: every read is 1e-4 s after the last, so each step takes what
+    the test's latency profile says a plain step takes, whatever else the machine runs (a step slowed by a
+    competing process would otherwise teach the sizing that trees do not pay)."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        self.now += 1e-4
+        return self.now
+
+
+def test_history_alone_sizes_chains_with_the_cost_policy(monkeypatch):
     """Cost sizing without a draft prices no draft forward and proposes chains (K = 1); speculation
     is off at first (one plain step anchors the timing) and on once the curve says it pays."""
+    monkeypatch.setattr(decode, "time", StepClock())
     policy, _unused, prompts = trained_pair()
     profile = LatencyProfile("test", LatencyCurve((1, 64), (1e-4, 1.2e-4)), None)
     spec = generate(policy, prompts, num_samples=3, sampling=GREEDY, draft=Speculation(None, "cost", profile=profile,
@@ -241,10 +255,11 @@ def test_distribution_of_merged_steps_of_both_kinds_is_the_policys(case):
     assert spec.stats.mean_accepted_length > 1.15
 
 
-def test_merged_cost_sizing_runs_the_chains_alone_where_they_beat_the_neural_trees():
+def test_merged_cost_sizing_runs_the_chains_alone_where_they_beat_the_neural_trees(monkeypatch):
     """A random draft with history at greedy on recurring prompts (the store holds an earlier rollout's
     text): the history's policy learns its chains are accepted whole, predicts more from them than
     the neural policy from its trees, and the merged speculation runs chains alone."""
+    monkeypatch.setattr(decode, "time", StepClock())
     policy, _unused, prompts = trained_pair()
     history = HistoryDrafts()
     generate(policy, prompts, num_samples=3, sampling=GREEDY, draft=Speculation(None, FixedSizing(TreeShape(1, 1, 2)),
