@@ -6,7 +6,7 @@ import torch
 from turbogrpo.config import load_config
 from turbogrpo.data import PromptExample
 from turbogrpo.data.prompts import PromptSet
-from turbogrpo.train.run import check_prompt_count
+from turbogrpo.train.setup import check_prompt_count
 
 
 def prompt_set(num_usable, num_too_long=0, num_empty=0):

@@ -21,7 +21,7 @@ from turbogrpo.config import (AlgoConfig, Config, DataConfig, LogConfig, LoraCon
 from turbogrpo.data import PromptBatches
 from turbogrpo.linears import TRAINING_LINEAR_KERNELS
 from turbogrpo.moe_routes import route_shape
-from turbogrpo.rewards import Reward
+from turbogrpo.rewards import Reward, accuracy_reward
 from turbogrpo.rollout import SamplingConfig
 from turbogrpo.rollout.decode import DecodeSchedule, default_schedule
 from turbogrpo.engines import CAPABILITIES, DEFAULT_ENGINE, RolloutEngine, build_engine, resolve_engine
@@ -78,15 +78,6 @@ def build_policy(model: ModelConfig, lora: LoraConfig, rollout: RolloutConfig, d
     precision = run_precision(model.dtype, model.pure_bf16, dist.device)
     policy, tokenizer = setup.load_policy(model, lora, dist.device, precision)
     return PolicyParts(precision, policy, tokenizer, setup.rollout_sampling(rollout, policy, tokenizer))
-
-
-def build_policy_held_out(data: DataConfig, train: TrainConfig, parts: PolicyParts, rewards: list[Reward],
-                          episodes: EpisodeSampler | None = None) -> HeldOut:
-    """Held-out evaluation of the policy ``parts``: [data]'s held-out prompts, scored by train.accuracy_reward,
-    sampled with the run's sampling from train.seed (a run's and ``turbogrpo eval``'s alike), in conversations
-    with the [env] section's ``episodes`` when given."""
-    return build_held_out(data, train.accuracy_reward, train.seed, parts.policy, parts.tokenizer, rewards,
-                          parts.sampling, episodes)
 
 
 @dataclass
@@ -170,23 +161,23 @@ def build_run(config: Config, dist: DistInfo, rewards: list[Reward], record: Run
     precision, policy = parts.precision, parts.policy
     # Before the prompts: it may set the chat template.
     episodes = build_episode_sampler(config.env, parts.tokenizer, config.rollout.branching)
-    held_out = build_policy_held_out(config.data, config.train, parts, rewards, episodes)
+    # The [data] section's held-out and training prompts, bounded alike.
+    limits = setup.PromptLimits.of(parts.sampling, episodes, policy)
+    held_out_prompts = setup.load_eval_prompts(config.data, parts.tokenizer, **limits._asdict())
+    prompt_set = setup.load_train_prompts(config.data, parts.tokenizer, seed=config.train.seed, **limits._asdict())
+    if dist.is_main and (prompt_set.num_too_long or prompt_set.num_empty):
+        model_limit = (f" (or, with {limits.limit_key}={limits.max_new_tokens}, over the model's "
+                       f"{limits.max_positions} positions)" if limits.max_positions else "")
+        tqdm.write(f"skipped {prompt_set.num_too_long} prompts over data.max_prompt_tokens="
+                   f"{config.data.max_prompt_tokens}{model_limit} and {prompt_set.num_empty} empty prompts")
+    setup.check_prompt_count(config.data, config.train.prompts_per_step, prompt_set)
+    held_out = build_held_out(held_out_prompts, accuracy_reward(config.train.accuracy_reward, rewards), parts.sampling,
+                              config.data.num_eval_samples, config.train.seed, episodes)
     fn = setup.logprob_fn(config.model.logprob_backend, config.rollout.temperature, precision, config.train.sharing)
     trainer = distributed.wrap_for_training(policy, fn, dist, config.distributed.strategy, precision)
     reference = setup.build_reference(config.algo.beta, config.model.path, config.lora.enabled, policy, dist.device,
                                       precision, fn)
     optimizer = build_optimizer(policy, config.optim)
-    max_positions = setup.position_limit(policy)
-    max_new_tokens = config.rollout.max_new_tokens if episodes is None else episodes.max_completion_tokens
-    limit = "rollout.max_new_tokens" if episodes is None else "env.max_conversation_tokens"
-    prompt_set = setup.load_train_prompts(config.data, parts.tokenizer, seed=config.train.seed,
-                                          max_new_tokens=max_new_tokens, max_positions=max_positions, limit_key=limit)
-    if dist.is_main and (prompt_set.num_too_long or prompt_set.num_empty):
-        model_limit = (f" (or, with {limit}={max_new_tokens}, over the model's {max_positions} positions)"
-                       if max_positions else "")
-        tqdm.write(f"skipped {prompt_set.num_too_long} prompts over data.max_prompt_tokens="
-                   f"{config.data.max_prompt_tokens}{model_limit} and {prompt_set.num_empty} empty prompts")
-    check_prompt_count(config.data, config.train.prompts_per_step, prompt_set)
     batches = PromptBatches(prompt_set.examples, config.train.prompts_per_step, seed=config.train.seed,
                             shuffle=config.data.shuffle)
     longest_prompt = max(e.token_ids.numel() for e in prompt_set.examples)
@@ -198,7 +189,7 @@ def build_run(config: Config, dist: DistInfo, rewards: list[Reward], record: Run
     # data's ids, so an [env] run's engine serves up to the model's own limit. At k > 0 the rollout worker samples
     # with its own engine; the trainer's samples only held-out answers (a vLLM one would still import vllm into the
     # trainer), so it keeps the default one.
-    engine_max_length = longest_prompt + max_new_tokens if episodes is None else 0
+    engine_max_length = longest_prompt + limits.max_new_tokens if episodes is None else 0
     if config.algo.routing_replay == "replay":
         route_shape(policy)  # a model without MoE routers (or with routers moe_routes does not know) stops here
     engine = build_engine(DEFAULT_ENGINE if config.train.max_staleness else engine_name, dist.device, schedule=schedule,
@@ -219,19 +210,3 @@ def build_run(config: Config, dist: DistInfo, rewards: list[Reward], record: Run
                log=config.log, export_dtype=str(parts.precision.compute_dtype).removeprefix("torch.")
                if config.train.final_dtype == "auto" else config.train.final_dtype, record=record, draft=draft,
                draft_context=draft_context, engine_max_length=engine_max_length, episodes=episodes)
-
-
-def check_prompt_count(data: DataConfig, prompts_per_step: int, prompt_set) -> None:
-    """ValueError naming the [data] section's source and train.prompts_per_step when a step cannot be
-    filled with distinct usable prompts (``prompt_set``: a PromptSet, its skipped rows counted)."""
-    source = f"data.path {data.path!r}" if data.path else f"the built-in {data.kind} task"
-    usable = len(prompt_set.examples)
-    skipped = (f" ({prompt_set.num_too_long} skipped as too long for data.max_prompt_tokens="
-               f"{data.max_prompt_tokens} or the model, {prompt_set.num_empty} as empty)"
-               if prompt_set.num_too_long or prompt_set.num_empty else "")
-    if not usable:
-        raise ValueError(f"{source} has no usable prompts{skipped}; raise data.max_prompt_tokens, shorten the "
-                         "prompts, or check data.prompt_column")
-    if prompts_per_step > usable:
-        raise ValueError(f"config key 'train.prompts_per_step': {prompts_per_step} is more than the "
-                         f"{usable} usable prompts of {source}{skipped}; use at most {usable} or add rows")

@@ -9,6 +9,7 @@ none knows about the others, and none sees the whole ``Config``.
 from __future__ import annotations
 
 from functools import partial
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -19,7 +20,6 @@ from turbogrpo.data.kinds import BUILTIN_TASKS, ROW_READERS, eval_rows, train_ro
 from turbogrpo.hook import check_supported
 from turbogrpo.models import enable_activation_checkpointing, load_model_and_tokenizer
 from turbogrpo.output_head import check_logits_head
-from turbogrpo.rewards import BUILTIN_REWARDS, Reward, resolve_reward
 from turbogrpo.rollout import SamplingConfig
 from turbogrpo.train.precision import Precision
 from turbogrpo.sharing import sharing_of
@@ -102,6 +102,27 @@ def position_limit(model: nn.Module) -> int | None:
     return getattr(getattr(model, "config", None), "max_position_embeddings", None)
 
 
+class PromptLimits(NamedTuple):
+    """What bounds a prompt's length, the same for a run's training and held-out prompts (the keyword
+    arguments of ``load_train_prompts`` and ``load_eval_prompts``)."""
+
+    max_new_tokens: int
+    """The ids a completion may add: rollout.max_new_tokens, or a whole conversation's after its prompt."""
+    max_positions: int | None
+    """The model's positions (``position_limit``); None where it does not say."""
+    limit_key: str
+    """The setting that gave ``max_new_tokens``, named when it leaves no room for a prompt."""
+
+    @classmethod
+    def of(cls, sampling: SamplingConfig, episodes, model: nn.Module) -> PromptLimits:
+        """The limits of a run's prompts for ``model``: ``sampling``'s max_new_tokens, or with an environment
+        (``episodes``, the [env] section's ``EpisodeSampler``; None: single completions) a whole conversation's
+        ids after its prompt (env.max_conversation_tokens)."""
+        if episodes is None:
+            return cls(sampling.max_new_tokens, position_limit(model), "rollout.max_new_tokens")
+        return cls(episodes.max_completion_tokens, position_limit(model), "env.max_conversation_tokens")
+
+
 def _prompts(rows: list[dict], tokenizer, data: DataConfig, max_new_tokens: int, max_positions: int | None,
              source_key: str, limit_key: str = "rollout.max_new_tokens"):
     """``rows`` as a PromptSet; a row's ValueError ("row 3: ...") names the data file (``source_key``'s
@@ -147,18 +168,20 @@ def load_eval_prompts(data: DataConfig, tokenizer, *, max_new_tokens: int,
                     "data.eval_path", limit_key).examples
 
 
-# --- rewards ---------------------------------------------------------------------------------------
-
-
-def accuracy_function(name: str, rewards: list[Reward]) -> Reward | None:
-    """The reward that defines "accuracy" (train.accuracy_reward): a [[rewards]] entry of that ``name``,
-    else the built-in ("": none)."""
-    for reward in rewards:
-        if reward.name == name:
-            return reward
-    if name in BUILTIN_REWARDS:
-        return Reward(name, resolve_reward(name), 0.0, 0.0)
-    return None
+def check_prompt_count(data: DataConfig, prompts_per_step: int, prompt_set) -> None:
+    """ValueError naming the [data] section's source and train.prompts_per_step when a step cannot be
+    filled with distinct usable prompts (``prompt_set``: a PromptSet, its skipped rows counted)."""
+    source = f"data.path {data.path!r}" if data.path else f"the built-in {data.kind} task"
+    usable = len(prompt_set.examples)
+    skipped = (f" ({prompt_set.num_too_long} skipped as too long for data.max_prompt_tokens="
+               f"{data.max_prompt_tokens} or the model, {prompt_set.num_empty} as empty)"
+               if prompt_set.num_too_long or prompt_set.num_empty else "")
+    if not usable:
+        raise ValueError(f"{source} has no usable prompts{skipped}; raise data.max_prompt_tokens, shorten the "
+                         "prompts, or check data.prompt_column")
+    if prompts_per_step > usable:
+        raise ValueError(f"config key 'train.prompts_per_step': {prompts_per_step} is more than the "
+                         f"{usable} usable prompts of {source}{skipped}; use at most {usable} or add rows")
 
 
 # --- sampling ---------------------------------------------------------------------------------------
