@@ -16,7 +16,7 @@ from torch import nn
 from tqdm import tqdm
 
 from turbogrpo.algo import build_loss
-from turbogrpo.config import (AlgoConfig, Config, DataConfig, LogConfig, LoraConfig, ModelConfig, OptimConfig,
+from turbogrpo.config import (AlgoConfig, Config, LogConfig, LoraConfig, ModelConfig, OptimConfig,
                               RolloutConfig, TrainConfig)
 from turbogrpo.data import PromptBatches
 from turbogrpo.linears import TRAINING_LINEAR_KERNELS
