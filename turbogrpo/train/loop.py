@@ -154,12 +154,14 @@ def train(config: Config, *, resume: bool = False, overwrite: bool = False) -> R
         evaluate_and_save_final(run)
         final_model = export(run)
         state.log.close()
-        if dist.is_main and config.log.report:
-            write_report(config.train.output_dir)
+        speculation = []
         if dist.is_main:
+            records = read_metrics(config.train.output_dir)  # read once, for the report and the summary
+            if config.log.report:
+                write_report(config.train.output_dir, records)
+            if run.draft is not None:
+                speculation = speculation_summary(records)
             mark_complete(output.path, total)
-        speculation = (speculation_summary(read_metrics(config.train.output_dir))
-                       if run.draft is not None and dist.is_main else [])
         return RunSummary(total, state.evals, time.perf_counter() - started, Path(config.train.output_dir),
                           final_model, speculation=speculation)
     except RunComplete as done:
