@@ -64,7 +64,7 @@ from turbogrpo.train.rank_agreement import check_ranks_agree
 from turbogrpo.train.worker.rollout_worker import RolloutWorker, WorkerSpec, thread_split
 from turbogrpo.train.worker.local import leave_if_importing_main, transport_options
 from turbogrpo.train.run import Run, build_run
-from turbogrpo.sharing import micro_batches as sharing_micro_batches
+from turbogrpo.sharing import SHARINGS, Sharing
 from turbogrpo.train.state import (RewardFailure, RunComplete, evaluate, evaluate_and_save_final, export, interrupted,
                                    save, start)
 from turbogrpo.train.stops import stops_at_step_ends
@@ -291,7 +291,7 @@ def prepare(run: Run, data: StepData) -> StepData:
     # optimizer step comes between it and the start of the update, so no forward is needed for it here).
     trained = replace(batch, hidden=None, sampler_logps=batch.sampler_logps if algo.tis_cap else None)
     data.trained_batch = trained = trained.select(data.trained)
-    data.micro_batches = plan(trained, run.train.micro_batch_tokens, run.dist, run.train.sharing)
+    data.micro_batches = plan(trained, run.train.micro_batch_tokens, run.dist, run.sharing)
     with data.timer("logprobs"), training_linears(run):
         if algo.num_iterations > 1:
             trained.old_logps = logprobs_of(run.trainer, data.micro_batches, "old_logps")
@@ -431,10 +431,10 @@ def trainable_groups(advantages: torch.Tensor, num_samples: int, beta: float) ->
     return [g for g, m in enumerate(moving) if m] or [0]
 
 
-def plan(batch: Groups, micro_batch_tokens: int, dist: DistInfo, sharing: str = "prompt") -> list[Groups]:
-    """Micro-batches by token budget (train.micro_batch_tokens, tokens counted as the train.sharing forward
-    runs them); every rank runs as many (fillers of weight 0 where short)."""
-    micro_batches = sharing_micro_batches(batch, micro_batch_tokens, sharing)
+def plan(batch: Groups, micro_batch_tokens: int, dist: DistInfo, sharing: Sharing = SHARINGS["prompt"]) -> list[Groups]:
+    """Micro-batches by token budget (train.micro_batch_tokens, tokens counted as the ``sharing`` forward
+    runs them, train.sharing's); every rank runs as many (fillers of weight 0 where short)."""
+    micro_batches = sharing.micro_batches(batch, micro_batch_tokens)
     count = distributed.all_reduce_max_int(len(micro_batches), dist, dist.device)
     return pad_to_count(micro_batches, count)
 

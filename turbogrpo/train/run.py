@@ -24,6 +24,7 @@ from turbogrpo.moe_routes import route_shape
 from turbogrpo.rewards import Reward, accuracy_reward
 from turbogrpo.rollout import SamplingConfig
 from turbogrpo.rollout.decode import DecodeSchedule, default_schedule
+from turbogrpo.sharing import Sharing, sharing_of
 from turbogrpo.engines import CAPABILITIES, DEFAULT_ENGINE, RolloutEngine, build_engine, resolve_engine
 from turbogrpo.train import distributed, setup
 from turbogrpo.train.distributed import DistInfo
@@ -117,6 +118,9 @@ class Run:
     """What samples the step's completions and conversations (rollout.engine, ``rollout.engines``)."""
     loss: Callable
     """The policy loss with the [algo] settings bound (``algo.build_loss``)."""
+    sharing: Sharing
+    """What the training forward shares between sequences (train.sharing): the trainer's, the reference's and the
+    micro-batch plan's."""
     algo: AlgoConfig
     """The [algo] section: the step reads scale_rewards, beta, tis_cap and num_iterations from it."""
     optim: OptimConfig
@@ -171,9 +175,19 @@ def build_run(config: Config, dist: DistInfo, rewards: list[Reward], record: Run
         tqdm.write(f"skipped {prompt_set.num_too_long} prompts over data.max_prompt_tokens="
                    f"{config.data.max_prompt_tokens}{model_limit} and {prompt_set.num_empty} empty prompts")
     setup.check_prompt_count(config.data, config.train.prompts_per_step, prompt_set)
-    held_out = build_held_out(held_out_prompts, accuracy_reward(config.train.accuracy_reward, rewards), parts.sampling,
-                              config.data.num_eval_samples, config.train.seed, episodes)
-    fn = setup.logprob_fn(config.model.logprob_backend, config.rollout.temperature, precision, config.train.sharing)
+    # The run's choices by name, each resolved once: its engine (a hybrid vLLM does not serve: one line); the
+    # correction that engine calls for (another engine's kernels, or weights some versions old, sample a distribution
+    # the trainer's forward only approximates: algo.tis_cap = "auto" corrects for it there and stays off where the
+    # sampler is that forward); how the training forward shares tokens; the reward that defines accuracy.
+    engine_name = resolve_engine(config.rollout.engine, dist.device, conversations=episodes is not None,
+                                 needs=config.engine_needs(), model_type=policy.config.model_type)
+    algo = config.algo.resolved(sampler_differs=not CAPABILITIES[engine_name].exact_sampler
+                                or config.train.max_staleness > 0)
+    sharing = sharing_of(config.train.sharing)
+    accuracy = accuracy_reward(config.train.accuracy_reward, rewards)
+    held_out = build_held_out(held_out_prompts, accuracy, parts.sampling, config.data.num_eval_samples,
+                              config.train.seed, episodes)
+    fn = setup.logprob_fn(config.model.logprob_backend, config.rollout.temperature, precision, sharing)
     trainer = distributed.wrap_for_training(policy, fn, dist, config.distributed.strategy, precision)
     reference = setup.build_reference(config.algo.beta, config.model.path, config.lora.enabled, policy, dist.device,
                                       precision, fn)
@@ -182,9 +196,6 @@ def build_run(config: Config, dist: DistInfo, rewards: list[Reward], record: Run
                             shuffle=config.data.shuffle)
     longest_prompt = max(e.token_ids.numel() for e in prompt_set.examples)
     schedule = replace(default_schedule(dist.device), linears=config.model.linear_kernel)
-    needs = config.engine_needs()
-    engine_name = resolve_engine(config.rollout.engine, dist.device, conversations=episodes is not None, needs=needs,
-                                 model_type=policy.config.model_type)  # (a hybrid vLLM does not serve: one line)
     # A conversation's prompt is rendered at rollout time, with its environment's tools listed: longer than the
     # data's ids, so an [env] run's engine serves up to the model's own limit. At k > 0 the rollout worker samples
     # with its own engine; the trainer's samples only held-out answers (a vLLM one would still import vllm into the
@@ -196,17 +207,13 @@ def build_run(config: Config, dist: DistInfo, rewards: list[Reward], record: Run
                           dtype=precision.compute_dtype, tokenizer=parts.tokenizer, max_length=engine_max_length or None,
                           enforce_eager=config.rollout.vllm_enforce_eager,
                           record_routes=config.algo.routing_replay == "replay" and not config.train.max_staleness)
-    # Another engine's kernels, or weights some versions old, sample a distribution the trainer's forward only
-    # approximates: algo.tis_cap = "auto" corrects for it there and stays off where the sampler is that forward.
-    algo = config.algo.resolved(sampler_differs=not CAPABILITIES[engine_name].exact_sampler
-                                or config.train.max_staleness > 0)
     draft_context = longest_prompt + config.rollout.max_new_tokens // 2
     draft = build_online_draft(config.rollout.speculation, config.draft, policy, draft_context)
     return Run(dist=dist, policy=policy, tokenizer=parts.tokenizer, precision=precision, trainer=trainer,
                reference=reference, optimizer=optimizer, batches=batches, rewards=rewards, sampling=parts.sampling,
                num_generations=config.rollout.num_generations, decode_schedule=schedule, engine=engine,
                training_kernels=TRAINING_LINEAR_KERNELS[config.model.linear_kernel], held_out=held_out,
-               loss=build_loss(algo), algo=algo, optim=config.optim, train=config.train,
+               loss=build_loss(algo), sharing=sharing, algo=algo, optim=config.optim, train=config.train,
                log=config.log, export_dtype=str(parts.precision.compute_dtype).removeprefix("torch.")
                if config.train.final_dtype == "auto" else config.train.final_dtype, record=record, draft=draft,
                draft_context=draft_context, engine_max_length=engine_max_length, episodes=episodes)

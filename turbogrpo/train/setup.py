@@ -22,7 +22,7 @@ from turbogrpo.models import enable_activation_checkpointing, load_model_and_tok
 from turbogrpo.output_head import check_logits_head
 from turbogrpo.rollout import SamplingConfig
 from turbogrpo.train.precision import Precision
-from turbogrpo.sharing import sharing_of
+from turbogrpo.sharing import SHARINGS, Sharing
 
 
 def load_policy(model: ModelConfig, lora: LoraConfig, device: torch.device, precision: Precision):
@@ -43,12 +43,12 @@ def load_policy(model: ModelConfig, lora: LoraConfig, device: torch.device, prec
     return policy, tokenizer
 
 
-def logprob_fn(backend: str, temperature: float, precision: Precision, sharing: str = "prompt"):
+def logprob_fn(backend: str, temperature: float, precision: Precision, sharing: Sharing = SHARINGS["prompt"]):
     """``fn(model, prompts, completions) -> CompletionLogprobs``: the training forward sharing tokens as
-    ``sharing`` (train.sharing, ``train.sharing.SHARINGS``) says, with attention ``backend``
-    (model.logprob_backend) at the sampling ``temperature`` (the loss uses the distribution the
-    completions were sampled from), under the run's compute precision (the rollout's too)."""
-    return precision.computing(partial(sharing_of(sharing).forward, backend=backend, temperature=temperature))
+    ``sharing`` (train.sharing's, ``sharing.SHARINGS``) does, with attention ``backend`` (model.logprob_backend)
+    at the sampling ``temperature`` (the loss uses the distribution the completions were sampled from), under
+    the run's compute precision (the rollout's too)."""
+    return precision.computing(partial(sharing.forward, backend=backend, temperature=temperature))
 
 
 class AdapterlessScorer(nn.Module):
