@@ -337,7 +337,8 @@ def _eval(args: argparse.Namespace, overrides: list[str]) -> int:
         parts = build_policy(config.model, config.lora, config.rollout, dist, seed=config.train.seed)
         precision, model, tokenizer = parts.precision, parts.policy, parts.tokenizer
         episodes = build_episode_sampler(config.env, tokenizer)  # [env]: the answers are conversations
-        examples = load_eval_prompts(config.data, tokenizer, **PromptLimits.of(parts.sampling, episodes, model)._asdict())
+        limits = PromptLimits.of(parts.sampling, episodes, model)
+        examples = load_eval_prompts(config.data, tokenizer, **limits._asdict())
         held_out = build_held_out(examples, accuracy_reward(config.train.accuracy_reward, rewards), parts.sampling,
                                   config.data.num_eval_samples, config.train.seed, episodes)
         if not held_out.enabled:

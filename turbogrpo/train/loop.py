@@ -120,8 +120,7 @@ def train(config: Config, *, resume: bool = False, overwrite: bool = False) -> R
                                  config.draft, rollout_threads, run.draft_context, run.engine_max_length)
             run.rollouts = RolloutWorker(spec, dist, run.policy, num_steps=total,
                                          draft=run.draft.draft if run.draft is not None else None,
-                                         prompts_per_step_slice=distributed.local_slice(config.train.prompts_per_step,
-                                                                                        dist),
+                                         prompts_per_step_slice=run.prompts_slice,
                                          seed_of=partial(rollout_seed, config.train.seed, rank=dist.rank),
                                          transport=config.train.rollout_worker,
                                          options=transport_options(config.train))
@@ -228,7 +227,7 @@ def grpo_step(run: Run, step: int) -> dict[str, float]:
 
 def begin_step(run: Run, step: int) -> StepData:
     """The step's prompts (this rank's share of the next batch) and sampling seed."""
-    examples = next(run.batches)[distributed.local_slice(run.train.prompts_per_step, run.dist)]
+    examples = next(run.batches)[run.prompts_slice]
     return StepData(step, rollout_seed(run.train.seed, step, run.dist.rank), examples,
                     [e.token_ids.to(run.dist.device) for e in examples], PhaseTimer(run.dist.device))
 

@@ -101,6 +101,8 @@ class Run:
     optimizer: torch.optim.Optimizer
     batches: PromptBatches
     """The training prompts, train.prompts_per_step at a time, in a seeded order (in the checkpoint)."""
+    prompts_slice: slice
+    """This rank's share of each step's prompts (``distributed.local_slice``; the rollout worker's too)."""
     rewards: list[Reward]
     sampling: SamplingConfig
     """How rollouts sample (the [rollout] section with the model's stop ids)."""
@@ -194,6 +196,7 @@ def build_run(config: Config, dist: DistInfo, rewards: list[Reward], record: Run
     optimizer = build_optimizer(policy, config.optim)
     batches = PromptBatches(prompt_set.examples, config.train.prompts_per_step, seed=config.train.seed,
                             shuffle=config.data.shuffle)
+    prompts_slice = distributed.local_slice(config.train.prompts_per_step, dist)
     longest_prompt = max(e.token_ids.numel() for e in prompt_set.examples)
     schedule = replace(default_schedule(dist.device), linears=config.model.linear_kernel)
     # A conversation's prompt is rendered at rollout time, with its environment's tools listed: longer than the
@@ -210,8 +213,9 @@ def build_run(config: Config, dist: DistInfo, rewards: list[Reward], record: Run
     draft_context = longest_prompt + config.rollout.max_new_tokens // 2
     draft = build_online_draft(config.rollout.speculation, config.draft, policy, draft_context)
     return Run(dist=dist, policy=policy, tokenizer=parts.tokenizer, precision=precision, trainer=trainer,
-               reference=reference, optimizer=optimizer, batches=batches, rewards=rewards, sampling=parts.sampling,
-               num_generations=config.rollout.num_generations, decode_schedule=schedule, engine=engine,
+               reference=reference, optimizer=optimizer, batches=batches, prompts_slice=prompts_slice,
+               rewards=rewards, sampling=parts.sampling, num_generations=config.rollout.num_generations,
+               decode_schedule=schedule, engine=engine,
                training_kernels=TRAINING_LINEAR_KERNELS[config.model.linear_kernel], held_out=held_out,
                loss=build_loss(algo), sharing=sharing, algo=algo, optim=config.optim, train=config.train,
                log=config.log, export_dtype=str(parts.precision.compute_dtype).removeprefix("torch.")

@@ -1,9 +1,10 @@
 """Building a run's components once, each from its own config section (or the few settings it reads):
-policy, reference, prompts, the accuracy reward, sampling.
+policy, reference, training forward, prompts (training and held-out, with the limits they share), sampling.
 
 Each builder does one thing and is called by ``run.build_policy`` (a run's and ``turbogrpo eval``'s
-policy and sampling, with the precision of ``precision.run_precision``), ``evaluate.build_held_out`` or ``run.build_run`` (the rest of a run);
-none knows about the others, and none sees the whole ``Config``.
+policy and sampling, with the precision of ``precision.run_precision``), ``run.build_run`` (the rest of a
+run) or ``turbogrpo eval`` (its held-out prompts); none knows about the others, and none sees the whole
+``Config``.
 """
 
 from __future__ import annotations
