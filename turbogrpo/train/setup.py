@@ -22,6 +22,7 @@ from turbogrpo.hook import check_supported
 from turbogrpo.models import enable_activation_checkpointing, load_model_and_tokenizer
 from turbogrpo.output_head import check_logits_head
 from turbogrpo.rollout import SamplingConfig
+from turbogrpo.train.distributed import LogprobModule
 from turbogrpo.train.precision import Precision
 from turbogrpo.sharing import SHARINGS, Sharing
 
@@ -65,18 +66,6 @@ class AdapterlessScorer(nn.Module):
             return self.fn(self.peft_model, prompts, completions, **options)
 
 
-class FrozenScorer(nn.Module):
-    """The reference policy of a full fine-tune: a frozen copy of the initial weights."""
-
-    def __init__(self, model: nn.Module, fn):
-        super().__init__()
-        self.model = model.requires_grad_(False).eval()
-        self.fn = fn
-
-    def forward(self, prompts, completions, **options):
-        return self.fn(self.model, prompts, completions, **options)
-
-
 def build_reference(beta: float, model_path: str, lora: bool, policy: nn.Module, device: torch.device,
                     precision: Precision, fn) -> nn.Module | None:
     """``scorer(prompts, completions) -> CompletionLogprobs`` under the reference policy, with the
@@ -87,9 +76,10 @@ def build_reference(beta: float, model_path: str, lora: bool, policy: nn.Module,
         return None
     if lora:
         return AdapterlessScorer(policy, fn)
-    # Stored like the policy, so that at step 0 it computes exactly the policy's log-probs.
+    # Stored like the policy, so that at step 0 it computes exactly the policy's log-probs; frozen, scored by
+    # the same forward.
     reference, _ = load_model_and_tokenizer(model_path, dtype=precision.param_dtype, device=device)
-    return FrozenScorer(reference, fn)
+    return LogprobModule(reference.requires_grad_(False).eval(), fn)
 
 
 # --- prompts ----------------------------------------------------------------------------------------
