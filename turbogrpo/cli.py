@@ -317,15 +317,16 @@ def _sigterm_as_interrupt():
 
 def _eval(args: argparse.Namespace, overrides: list[str]) -> int:
     """Held-out accuracy of a model, measured with the parts a training run builds (``run.build_policy``,
-    ``setup.load_eval_prompts``, ``evaluate.build_held_out``)."""
+    ``prompt_sets.load_eval_prompts``, ``evaluate.build_held_out``)."""
     import torch
 
+    from turbogrpo.data.prompt_sets import load_eval_prompts
     from turbogrpo.rewards import accuracy_reward, build_rewards
     from turbogrpo.train import distributed
     from turbogrpo.train.episodes import build_episode_sampler
     from turbogrpo.train.evaluate import build_held_out, describe_accuracies, measure_held_out
     from turbogrpo.train.run import build_policy
-    from turbogrpo.train.setup import PromptLimits, load_eval_prompts
+    from turbogrpo.train.setup import PromptLimits
 
     _quiet_transformers()
     if args.model:

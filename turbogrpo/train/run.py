@@ -19,6 +19,7 @@ from turbogrpo.algo import build_loss
 from turbogrpo.config import (AlgoConfig, Config, LogConfig, LoraConfig, ModelConfig, OptimConfig,
                               RolloutConfig, TrainConfig)
 from turbogrpo.data import PromptBatches
+from turbogrpo.data.prompt_sets import check_prompt_count, load_eval_prompts, load_train_prompts
 from turbogrpo.linears import TRAINING_LINEAR_KERNELS
 from turbogrpo.moe_routes import route_shape
 from turbogrpo.rewards import Reward, accuracy_reward
@@ -167,16 +168,7 @@ def build_run(config: Config, dist: DistInfo, rewards: list[Reward], record: Run
     precision, policy = parts.precision, parts.policy
     # Before the prompts: it may set the chat template.
     episodes = build_episode_sampler(config.env, parts.tokenizer, config.rollout.branching)
-    # The [data] section's held-out and training prompts, bounded alike.
     limits = setup.PromptLimits.of(parts.sampling, episodes, policy)
-    held_out_prompts = setup.load_eval_prompts(config.data, parts.tokenizer, **limits._asdict())
-    prompt_set = setup.load_train_prompts(config.data, parts.tokenizer, seed=config.train.seed, **limits._asdict())
-    if dist.is_main and (prompt_set.num_too_long or prompt_set.num_empty):
-        model_limit = (f" (or, with {limits.limit_key}={limits.max_new_tokens}, over the model's "
-                       f"{limits.max_positions} positions)" if limits.max_positions else "")
-        tqdm.write(f"skipped {prompt_set.num_too_long} prompts over data.max_prompt_tokens="
-                   f"{config.data.max_prompt_tokens}{model_limit} and {prompt_set.num_empty} empty prompts")
-    setup.check_prompt_count(config.data, config.train.prompts_per_step, prompt_set)
     # The run's choices by name, each resolved once: its engine (a hybrid vLLM does not serve: one line); the
     # correction that engine calls for (another engine's kernels, or weights some versions old, sample a distribution
     # the trainer's forward only approximates: algo.tis_cap = "auto" corrects for it there and stays off where the
@@ -187,6 +179,15 @@ def build_run(config: Config, dist: DistInfo, rewards: list[Reward], record: Run
                                 or config.train.max_staleness > 0)
     sharing = sharing_of(config.train.sharing)
     accuracy = accuracy_reward(config.train.accuracy_reward, rewards)
+    # The [data] section's held-out and training prompts, bounded alike (``limits``).
+    held_out_prompts = load_eval_prompts(config.data, parts.tokenizer, **limits._asdict())
+    prompt_set = load_train_prompts(config.data, parts.tokenizer, seed=config.train.seed, **limits._asdict())
+    if dist.is_main and (prompt_set.num_too_long or prompt_set.num_empty):
+        model_limit = (f" (or, with {limits.limit_key}={limits.max_new_tokens}, over the model's "
+                       f"{limits.max_positions} positions)" if limits.max_positions else "")
+        tqdm.write(f"skipped {prompt_set.num_too_long} prompts over data.max_prompt_tokens="
+                   f"{config.data.max_prompt_tokens}{model_limit} and {prompt_set.num_empty} empty prompts")
+    check_prompt_count(config.data, config.train.prompts_per_step, prompt_set)
     held_out = build_held_out(held_out_prompts, accuracy, parts.sampling, config.data.num_eval_samples,
                               config.train.seed, episodes)
     fn = setup.logprob_fn(config.model.logprob_backend, config.rollout.temperature, precision, sharing)

@@ -1,9 +1,10 @@
 """Building a run's components once, each from its own config section (or the few settings it reads):
-policy, reference, training forward, prompts (training and held-out, with the limits they share), sampling.
+policy, reference, training forward, sampling, and the limits a run's prompts share (the prompts
+themselves are the data layer's, ``data.prompt_sets``).
 
 Each builder does one thing and is called by ``run.build_policy`` (a run's and ``turbogrpo eval``'s
 policy and sampling, with the precision of ``precision.run_precision``), ``run.build_run`` (the rest of a
-run) or ``turbogrpo eval`` (its held-out prompts); none knows about the others, and none sees the whole
+run) or ``turbogrpo eval`` (its prompts' limits); none knows about the others, and none sees the whole
 ``Config``.
 """
 
@@ -15,9 +16,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from turbogrpo.config import ConfigError, DataConfig, LoraConfig, ModelConfig, RolloutConfig
-from turbogrpo.data import PromptExample, build_prompts
-from turbogrpo.data.kinds import BUILTIN_TASKS, ROW_READERS, eval_rows, train_rows  # noqa: F401 (re-exported)
+from turbogrpo.config import LoraConfig, ModelConfig, RolloutConfig
 from turbogrpo.hook import check_supported
 from turbogrpo.models import enable_activation_checkpointing, load_model_and_tokenizer
 from turbogrpo.output_head import check_logits_head
@@ -85,9 +84,6 @@ def build_reference(beta: float, model_path: str, lora: bool, policy: nn.Module,
 # --- prompts ----------------------------------------------------------------------------------------
 
 
-_CHAT_TEMPLATE = {"auto": None, "always": True, "never": False}
-
-
 def position_limit(model: nn.Module) -> int | None:
     """How many positions (prompt + completion) the model can attend over; None if it does not say."""
     return getattr(getattr(model, "config", None), "max_position_embeddings", None)
@@ -95,7 +91,7 @@ def position_limit(model: nn.Module) -> int | None:
 
 class PromptLimits(NamedTuple):
     """What bounds a prompt's length, the same for a run's training and held-out prompts (the keyword
-    arguments of ``load_train_prompts`` and ``load_eval_prompts``)."""
+    arguments of ``data.prompt_sets.load_train_prompts`` and ``load_eval_prompts``)."""
 
     max_new_tokens: int
     """The ids a completion may add: rollout.max_new_tokens, or a whole conversation's after its prompt."""
@@ -112,67 +108,6 @@ class PromptLimits(NamedTuple):
         if episodes is None:
             return cls(sampling.max_new_tokens, position_limit(model), "rollout.max_new_tokens")
         return cls(episodes.max_completion_tokens, position_limit(model), "env.max_conversation_tokens")
-
-
-def _prompts(rows: list[dict], tokenizer, data: DataConfig, max_new_tokens: int, max_positions: int | None,
-             source_key: str, limit_key: str = "rollout.max_new_tokens"):
-    """``rows`` as a PromptSet; a row's ValueError ("row 3: ...") names the data file (``source_key``'s
-    value) it is in, so training and held-out rows are told apart. ``limit_key``: the setting that gave
-    ``max_new_tokens`` (env.max_conversation_tokens for conversations), named when it leaves no room."""
-    try:
-        return _build_prompts(rows, tokenizer, data, max_new_tokens, max_positions, limit_key)
-    except ValueError as err:
-        path = getattr(data, source_key.partition(".")[2])
-        if not path or not str(err).startswith("row "):
-            raise
-        raise ValueError(f"{source_key} {path!r} {err}") from None
-
-
-def _build_prompts(rows: list[dict], tokenizer, data: DataConfig, max_new_tokens: int, max_positions: int | None,
-                   limit_key: str):
-    if max_positions is not None and max_new_tokens >= max_positions:
-        raise ConfigError(f"config key '{limit_key}': {max_new_tokens} leaves no room for "
-                          f"a prompt within the model's {max_positions} positions (max_position_embeddings); "
-                          "lower it")
-    return build_prompts(rows, tokenizer, prompt_column=data.prompt_column, max_prompt_tokens=data.max_prompt_tokens,
-                         on_too_long=data.on_overlong, on_empty=data.on_empty,
-                         chat_template=_CHAT_TEMPLATE[data.chat_template], system_prompt=data.system_prompt or None,
-                         max_positions=max_positions, max_new_tokens=max_new_tokens)
-
-
-def load_train_prompts(data: DataConfig, tokenizer, *, seed: int, max_new_tokens: int,
-                       max_positions: int | None = None, limit_key: str = "rollout.max_new_tokens"):
-    """The training PromptSet of the [data] section (examples plus skipped counts; a built-in task's
-    problems drawn with ``seed``, train.seed); prompts too long for ``max_positions`` with
-    ``max_new_tokens`` (the setting ``limit_key``) are skipped or refused as data.on_overlong says."""
-    return _prompts(train_rows(data, seed), tokenizer, data, max_new_tokens, max_positions, "data.path", limit_key)
-
-
-def load_eval_prompts(data: DataConfig, tokenizer, *, max_new_tokens: int,
-                      max_positions: int | None = None, limit_key: str = "rollout.max_new_tokens"
-                      ) -> list[PromptExample]:
-    """Held-out prompts: a built-in task's eval split, or ``data.eval_path`` rows ([] if none)."""
-    rows = eval_rows(data)
-    if rows is None:
-        return []
-    return _prompts(rows[:data.num_eval_problems], tokenizer, data, max_new_tokens, max_positions,
-                    "data.eval_path", limit_key).examples
-
-
-def check_prompt_count(data: DataConfig, prompts_per_step: int, prompt_set) -> None:
-    """ValueError naming the [data] section's source and train.prompts_per_step when a step cannot be
-    filled with distinct usable prompts (``prompt_set``: a PromptSet, its skipped rows counted)."""
-    source = f"data.path {data.path!r}" if data.path else f"the built-in {data.kind} task"
-    usable = len(prompt_set.examples)
-    skipped = (f" ({prompt_set.num_too_long} skipped as too long for data.max_prompt_tokens="
-               f"{data.max_prompt_tokens} or the model, {prompt_set.num_empty} as empty)"
-               if prompt_set.num_too_long or prompt_set.num_empty else "")
-    if not usable:
-        raise ValueError(f"{source} has no usable prompts{skipped}; raise data.max_prompt_tokens, shorten the "
-                         "prompts, or check data.prompt_column")
-    if prompts_per_step > usable:
-        raise ValueError(f"config key 'train.prompts_per_step': {prompts_per_step} is more than the "
-                         f"{usable} usable prompts of {source}{skipped}; use at most {usable} or add rows")
 
 
 # --- sampling ---------------------------------------------------------------------------------------
