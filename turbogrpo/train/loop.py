@@ -430,7 +430,8 @@ def trainable_groups(advantages: torch.Tensor, num_samples: int, beta: float) ->
     return [g for g, m in enumerate(moving) if m] or [0]
 
 
-def plan(batch: Groups, micro_batch_tokens: int, dist: DistInfo, sharing: Sharing = SHARINGS["prompt"]) -> list[Groups]:
+def plan(batch: Groups, micro_batch_tokens: int, dist: DistInfo,
+         sharing: Sharing = SHARINGS["prompt"]) -> list[Groups]:
     """Micro-batches by token budget (train.micro_batch_tokens, tokens counted as the ``sharing`` forward
     runs them, train.sharing's); every rank runs as many (fillers of weight 0 where short)."""
     micro_batches = sharing.micro_batches(batch, micro_batch_tokens)
