@@ -82,7 +82,8 @@ def load(args):
         examples = build_prompts(demo_records("train", args.num_prompts, seed=args.seed), tokenizer).examples
     else:
         from turbogrpo.config import load_config
-        from turbogrpo.train.setup import load_train_prompts, position_limit
+        from turbogrpo.data.prompt_sets import load_train_prompts
+        from turbogrpo.train.setup import position_limit
 
         model, tokenizer = load_model_and_tokenizer(resolve_model_path(args.model))
         config = load_config(args.config)

@@ -46,6 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.harness import RESULTS_DIR, machine_info  # noqa: E402
 from turbogrpo.cli import demo_config  # noqa: E402
 from turbogrpo.config import load_config  # noqa: E402
+from turbogrpo.data.prompt_sets import load_train_prompts  # noqa: E402
 from turbogrpo.rewards import build_rewards  # noqa: E402
 from turbogrpo.rollout import generate  # noqa: E402
 from turbogrpo.speculative.speculation import Speculation  # noqa: E402
@@ -118,8 +119,8 @@ def pretrain_draft(args, seed: int, out: Path) -> tuple[Path, dict]:
     cpu = torch.device("cpu")
     precision = run_precision(config.model.dtype, config.model.pure_bf16, cpu)
     policy, tokenizer = setup.load_policy(config.model, config.lora, cpu, precision)
-    examples = setup.load_train_prompts(config.data, tokenizer, seed=config.train.seed,
-                                        max_new_tokens=config.rollout.max_new_tokens).examples
+    examples = load_train_prompts(config.data, tokenizer, seed=config.train.seed,
+                                  max_new_tokens=config.rollout.max_new_tokens).examples
     prompts = [e.token_ids for e in examples[-args.draft_prompts:]]  # the end of the shuffled-later list
     sampling = setup.rollout_sampling(config.rollout, policy, tokenizer)
     start = time.perf_counter()

@@ -317,14 +317,16 @@ def _sigterm_as_interrupt():
 
 def _eval(args: argparse.Namespace, overrides: list[str]) -> int:
     """Held-out accuracy of a model, measured with the parts a training run builds (``run.build_policy``,
-    ``run.build_policy_held_out``)."""
+    ``prompt_sets.load_eval_prompts``, ``evaluate.build_held_out``)."""
     import torch
 
-    from turbogrpo.rewards import build_rewards
+    from turbogrpo.data.prompt_sets import load_eval_prompts
+    from turbogrpo.rewards import accuracy_reward, build_rewards
     from turbogrpo.train import distributed
     from turbogrpo.train.episodes import build_episode_sampler
-    from turbogrpo.train.evaluate import describe_accuracies, measure_held_out
-    from turbogrpo.train.run import build_policy, build_policy_held_out
+    from turbogrpo.train.evaluate import build_held_out, describe_accuracies, measure_held_out
+    from turbogrpo.train.run import build_policy
+    from turbogrpo.train.setup import PromptLimits
 
     _quiet_transformers()
     if args.model:
@@ -336,7 +338,10 @@ def _eval(args: argparse.Namespace, overrides: list[str]) -> int:
         parts = build_policy(config.model, config.lora, config.rollout, dist, seed=config.train.seed)
         precision, model, tokenizer = parts.precision, parts.policy, parts.tokenizer
         episodes = build_episode_sampler(config.env, tokenizer)  # [env]: the answers are conversations
-        held_out = build_policy_held_out(config.data, config.train, parts, rewards, episodes)
+        limits = PromptLimits.of(parts.sampling, episodes, model)
+        examples = load_eval_prompts(config.data, tokenizer, **limits._asdict())
+        held_out = build_held_out(examples, accuracy_reward(config.train.accuracy_reward, rewards), parts.sampling,
+                                  config.data.num_eval_samples, config.train.seed, episodes)
         if not held_out.enabled:
             raise ValueError("nothing to evaluate: set data.eval_path (or use data.kind = \"arithmetic\") and "
                              "train.accuracy_reward")

@@ -23,9 +23,7 @@ from typing import Any, Literal
 
 import yaml
 
-
-class ConfigError(ValueError):
-    """A bad config value; the message names the key (``section.field``) and what is allowed."""
+from turbogrpo.config_error import ConfigError
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -293,6 +293,17 @@ def build_rewards(configs) -> list[Reward]:
     return rewards
 
 
+def accuracy_reward(name: str, rewards: Sequence[Reward]) -> Reward | None:
+    """The reward that defines held-out "accuracy" (train.accuracy_reward): the run's ``rewards`` entry of that
+    ``name``, else the built-in of that name, unweighted ("" or an unknown name: None, no evaluation)."""
+    for reward in rewards:
+        if reward.name == name:
+            return reward
+    if name in BUILTIN_REWARDS:
+        return Reward(name, resolve_reward(name), 0.0, 0.0)
+    return None
+
+
 def _call_problem(func: RewardFn, prompts, completions, columns) -> str | None:
     """Why ``func(prompts, completions, **columns)`` cannot be called, or None (checked before calling,
     so that a missing ``**columns`` is reported as such, not as whatever TypeError the call raises)."""

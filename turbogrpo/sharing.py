@@ -33,6 +33,12 @@ class Sharing(NamedTuple):
     counts_trie_tokens: bool
     """Micro-batches count the trie's tokens (completions' common starts once) instead of whole completions."""
 
+    def micro_batches(self, batch: Groups, token_budget: int) -> list[Groups]:
+        """``batch`` cut by ``token_budget`` tokens as this forward counts them (``Groups.micro_batches``)."""
+        if not self.counts_trie_tokens:
+            return batch.micro_batches(token_budget)
+        return batch.micro_batches(token_budget, [common_prefix_lengths(group) for group in batch.nested()])
+
 
 SHARINGS: dict[str, Sharing] = {
     "prompt": Sharing(partial(compute_logprobs, share_prefix=True), counts_trie_tokens=False),
@@ -45,11 +51,3 @@ def sharing_of(name: str) -> Sharing:
     if name not in SHARINGS:
         raise ValueError(f"unknown sharing {name!r}; one of {', '.join(SHARINGS)}")
     return SHARINGS[name]
-
-
-def micro_batches(batch: Groups, token_budget: int, sharing: str) -> list[Groups]:
-    """``batch`` cut by ``token_budget`` tokens as the ``sharing`` forward counts them
-    (``Groups.micro_batches``)."""
-    if not sharing_of(sharing).counts_trie_tokens:
-        return batch.micro_batches(token_budget)
-    return batch.micro_batches(token_budget, [common_prefix_lengths(group) for group in batch.nested()])

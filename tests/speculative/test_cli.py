@@ -108,7 +108,7 @@ def test_draft_train_with_a_config_renders_its_prompts_as_training_does(model_di
     from turbogrpo.config import load_config
     from turbogrpo.models import load_model_and_tokenizer
     from turbogrpo.commands import draft_build as build
-    from turbogrpo.train.setup import load_train_prompts
+    from turbogrpo.data.prompt_sets import load_train_prompts
 
     rows = tmp_path / "rows.jsonl"
     rows.write_text("".join(json.dumps({"question": q}) + "\n" for q in ("12", "345", "6")))

@@ -153,10 +153,10 @@ def test_env_with_online_draft_learning_is_refused_in_one_line(tmp_path):
 
 def test_held_out_accuracy_with_an_env_is_the_share_of_solved_conversations():
     from turbogrpo.config import DataConfig, EnvConfig
+    from turbogrpo.data.prompt_sets import load_eval_prompts
     from turbogrpo.models import load_demo_model
     from turbogrpo.rewards import Reward, resolve_reward
     from turbogrpo.rollout import SamplingConfig
-    from turbogrpo.train import setup
     from turbogrpo.train.distributed import DistInfo
     from turbogrpo.train.episodes import build_episode_sampler
     from turbogrpo.train.evaluate import evaluate_accuracy
@@ -165,8 +165,7 @@ def test_held_out_accuracy_with_an_env_is_the_share_of_solved_conversations():
     sampler = build_episode_sampler(EnvConfig(factory="turbogrpo.env.tasks:RetryArithmetic", chat_template="demo",
                                               tool_parser="none", max_turns=2, max_turn_tokens=32,
                                               max_conversation_tokens=80), tokenizer)
-    examples = setup.load_eval_prompts(DataConfig(kind="arithmetic_chat", num_eval_problems=6), tokenizer,
-                                       max_new_tokens=80)
+    examples = load_eval_prompts(DataConfig(kind="arithmetic_chat", num_eval_problems=6), tokenizer, max_new_tokens=80)
     assert examples[0].text.endswith("have now?\nAnswer:") and examples[0].messages[0]["role"] == "user"
     greedy = SamplingConfig(max_new_tokens=32, temperature=0.0, stop_token_ids=(tokenizer.eos_token_id,))
     measured = evaluate_accuracy(model, tokenizer, examples, Reward("environment", resolve_reward("environment"), 0.0),

@@ -6,7 +6,7 @@ import torch
 from turbogrpo.config import load_config
 from turbogrpo.data import PromptExample
 from turbogrpo.data.prompts import PromptSet
-from turbogrpo.train.run import check_prompt_count
+from turbogrpo.data.prompt_sets import check_prompt_count, load_eval_prompts, load_train_prompts
 
 
 def prompt_set(num_usable, num_too_long=0, num_empty=0):
@@ -34,19 +34,18 @@ def test_no_usable_prompt_names_the_data():
 
 def test_a_bad_row_is_named_with_the_data_file_it_is_in(tmp_path):
     from turbogrpo.models import load_demo_model
-    from turbogrpo.train import setup
     good, bad = tmp_path / "rows.jsonl", tmp_path / "held_out.jsonl"
     good.write_text('{"prompt": "1+1", "answer": "2"}\n')
     bad.write_text('{"prompt": "1+1", "answer": "2"}\n{"prompt": 5, "answer": "2"}\n')
     config = load_config(None, ["data.kind=rows", f'data.path="{good}"', f'data.eval_path="{bad}"'])
     tokenizer = load_demo_model()[1]
     max_new_tokens = config.rollout.max_new_tokens
-    assert len(setup.load_train_prompts(config.data, tokenizer, seed=0, max_new_tokens=max_new_tokens).examples) == 1
+    assert len(load_train_prompts(config.data, tokenizer, seed=0, max_new_tokens=max_new_tokens).examples) == 1
     with pytest.raises(ValueError, match=rf"^data.eval_path '{bad}' row 1: prompt column 'prompt' must be"):
-        setup.load_eval_prompts(config.data, tokenizer, max_new_tokens=max_new_tokens)
+        load_eval_prompts(config.data, tokenizer, max_new_tokens=max_new_tokens)
     config = load_config(None, ["data.kind=rows", f'data.path="{bad}"'])
     with pytest.raises(ValueError, match=rf"^data.path '{bad}' row 1:"):
-        setup.load_train_prompts(config.data, tokenizer, seed=0, max_new_tokens=max_new_tokens)
+        load_train_prompts(config.data, tokenizer, seed=0, max_new_tokens=max_new_tokens)
 
 @pytest.mark.parametrize("sets, engine, tis_cap", [
     ([], "NativeEngine", 0.0),                                           # on-policy, native: no correction

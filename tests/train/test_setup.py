@@ -5,6 +5,7 @@ import json
 import pytest
 
 from turbogrpo.config import ConfigError, load_config
+from turbogrpo.data.prompt_sets import load_train_prompts
 from turbogrpo.models import tiny_model
 from turbogrpo.train import setup
 from turbogrpo.train.precision import run_precision
@@ -14,8 +15,8 @@ from .tiny_run import char_tokenizer
 
 def train_prompts(config, tokenizer, max_positions=None):
     """The run's training prompts, as ``build_run`` loads them from the config's sections."""
-    return setup.load_train_prompts(config.data, tokenizer, seed=config.train.seed,
-                                    max_new_tokens=config.rollout.max_new_tokens, max_positions=max_positions)
+    return load_train_prompts(config.data, tokenizer, seed=config.train.seed,
+                              max_new_tokens=config.rollout.max_new_tokens, max_positions=max_positions)
 
 
 def test_prompts_are_checked_against_the_models_positions_at_load(tmp_path):

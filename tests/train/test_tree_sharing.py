@@ -15,7 +15,7 @@ from turbogrpo.algo import LossNormalizer, build_loss
 from turbogrpo.batch import Groups
 from turbogrpo.config import AlgoConfig
 from turbogrpo.train.distributed import DistInfo, LogprobModule
-from turbogrpo.sharing import SHARINGS, micro_batches
+from turbogrpo.sharing import SHARINGS
 from turbogrpo.train.update import score, update_policy
 from turbogrpo.tree import trie_of_groups
 from turbogrpo.tree.completions import compute_auto_logprobs, saves_enough
@@ -82,7 +82,7 @@ SETTINGS = AlgoConfig(loss="grpo", beta=0.04, tis_cap=2.0)
 def one_update(model, batch: Groups, sharing: str, budget: int, module_wrapper=None):
     """(loss and metrics, every parameter's gradient) of one update_policy step with ``sharing``."""
     module = LogprobModule(model, partial(SHARINGS[sharing].forward, backend="auto"))
-    plan = micro_batches(batch, budget, sharing)
+    plan = SHARINGS[sharing].micro_batches(batch, budget)
     if module_wrapper is not None:
         module = module_wrapper(module, plan)
     optimizer = GradRecorder(model.parameters())
@@ -114,7 +114,7 @@ def test_tree_update_equals_prompt_update(kind, dtype):
     model = build_model("llama", dtype=dtype)
     expected = one_update(model, batch, "prompt", budget=10_000)
     assert_same_update(expected, one_update(model, batch, "tree", budget=10_000), dtype)
-    assert len(micro_batches(batch, 24, "tree")) > 2   # groups cut into runs
+    assert len(SHARINGS["tree"].micro_batches(batch, 24)) > 2   # groups cut into runs
     assert_same_update(expected, one_update(model, batch, "tree", budget=24), dtype)
     assert_same_update(expected, one_update(model, batch, "auto", budget=10_000), dtype)
 
@@ -123,7 +123,7 @@ def test_scoring_with_the_tree_equals_the_prompt_path():
     batch = multi_turn_batch(seed=2)
     model = build_model("llama", dtype=torch.float64)
     plain, tree = ([score(LogprobModule(model, partial(SHARINGS[s].forward, backend="auto")),
-                          micro_batches(batch, 10_000, s), "old_logps")] for s in ("prompt", "tree"))
+                          SHARINGS[s].micro_batches(batch, 10_000), "old_logps")] for s in ("prompt", "tree"))
     for a, b in zip(plain[0], tree[0], strict=True):
         torch.testing.assert_close(b, a, rtol=0, atol=1e-9)
 
@@ -159,7 +159,7 @@ def test_tree_micro_batches_count_trie_tokens(budget):
     """Each micro-batch's trie fits the budget (a lone path over it runs alone), every completion is
     planned once in flat order, and a budget too small for the prompt path's count fits under the tree's."""
     batch = multi_turn_batch(seed=5)
-    plan = micro_batches(batch, budget, "tree")
+    plan = SHARINGS["tree"].micro_batches(batch, budget)
     assert [c.tolist() for mb in plan for c in mb.completions] == [c.tolist() for c in batch.completions]
     for mb in plan:
         trie = trie_of_groups(mb.prompts, mb.nested())

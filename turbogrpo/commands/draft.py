@@ -159,7 +159,8 @@ def _prompts(args: argparse.Namespace, tokenizer, model, config) -> list[torch.T
     """Token ids ``[P]`` of the first --num-prompts prompts: a training config's, rendered by the trainer's
     own ``load_train_prompts``; else a --prompts file's or the arithmetic task's, by ``build_prompts``."""
     from turbogrpo.data import build_prompts, demo_records, read_records
-    from turbogrpo.train.setup import load_train_prompts, position_limit
+    from turbogrpo.data.prompt_sets import load_train_prompts
+    from turbogrpo.train.setup import position_limit
 
     if config is not None:
         examples = load_train_prompts(config.data, tokenizer, seed=config.train.seed,

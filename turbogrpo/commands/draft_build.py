@@ -39,7 +39,8 @@ def build_draft(built: BuiltDraft, *, refresh: bool = False, device: torch.devic
     from turbogrpo.config import load_config
     from turbogrpo.files import write_folder_atomically
     from turbogrpo.models import load_model_and_tokenizer, resolve_model_path
-    from turbogrpo.train.setup import load_train_prompts, position_limit, stop_token_ids
+    from turbogrpo.data.prompt_sets import load_train_prompts
+    from turbogrpo.train.setup import position_limit, stop_token_ids
 
     folder = built_draft_folder(built)
     if is_built(folder) and not refresh:

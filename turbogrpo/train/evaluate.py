@@ -15,11 +15,9 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from turbogrpo.config import DataConfig
 from turbogrpo.data import PromptExample
 from turbogrpo.rewards import Reward, score_completions
 from turbogrpo.rollout import Rollout, SamplingConfig, generate
-from turbogrpo.train import setup
 from turbogrpo.train.episodes import EpisodeSampler
 from turbogrpo.train.distributed import DistInfo, all_reduce_sum
 
@@ -112,20 +110,13 @@ class HeldOut:
         return bool(self.examples) and self.accuracy is not None
 
 
-def build_held_out(data: DataConfig, accuracy_reward: str, seed: int, policy: nn.Module, tokenizer,
-                   rewards: Sequence[Reward], sampling: SamplingConfig,
-                   episodes: EpisodeSampler | None = None) -> HeldOut:
-    """The held-out evaluation of ``policy``: the [data] section's held-out prompts, scored by
-    ``accuracy_reward`` (train.accuracy_reward), sampled with ``sampling`` (the run's,
-    ``setup.rollout_sampling``) from ``seed`` (train.seed) + SAMPLED_SEED_OFFSET, in conversations with
-    ``episodes``' environment when given."""
-    max_new_tokens = sampling.max_new_tokens if episodes is None else episodes.max_completion_tokens
-    examples = setup.load_eval_prompts(data, tokenizer, max_new_tokens=max_new_tokens,
-                                       max_positions=setup.position_limit(policy),
-                                       limit_key="rollout.max_new_tokens" if episodes is None else
-                                       "env.max_conversation_tokens")
-    return HeldOut(examples, setup.accuracy_function(accuracy_reward, list(rewards)),
-                   dataclasses.replace(sampling, temperature=0.0), sampling, data.num_eval_samples,
+def build_held_out(examples: list[PromptExample], accuracy: Reward | None, sampling: SamplingConfig,
+                   num_samples: int, seed: int, episodes: EpisodeSampler | None = None) -> HeldOut:
+    """The held-out evaluation of ``examples`` (the held-out prompts), scored by ``accuracy``, greedy and, with
+    ``num_samples`` (data.num_eval_samples), sampled with ``sampling`` (the run's, ``setup.rollout_sampling``)
+    from ``seed`` (train.seed) + SAMPLED_SEED_OFFSET, in conversations with ``episodes``' environment when
+    given."""
+    return HeldOut(examples, accuracy, dataclasses.replace(sampling, temperature=0.0), sampling, num_samples,
                    seed + SAMPLED_SEED_OFFSET, episodes)
 
 

@@ -64,7 +64,7 @@ from turbogrpo.train.rank_agreement import check_ranks_agree
 from turbogrpo.train.worker.rollout_worker import RolloutWorker, WorkerSpec, thread_split
 from turbogrpo.train.worker.local import leave_if_importing_main, transport_options
 from turbogrpo.train.run import Run, build_run
-from turbogrpo.sharing import micro_batches as sharing_micro_batches
+from turbogrpo.sharing import SHARINGS, Sharing
 from turbogrpo.train.state import (RewardFailure, RunComplete, evaluate, evaluate_and_save_final, export, interrupted,
                                    save, start)
 from turbogrpo.train.stops import stops_at_step_ends
@@ -120,8 +120,7 @@ def train(config: Config, *, resume: bool = False, overwrite: bool = False) -> R
                                  config.draft, rollout_threads, run.draft_context, run.engine_max_length)
             run.rollouts = RolloutWorker(spec, dist, run.policy, num_steps=total,
                                          draft=run.draft.draft if run.draft is not None else None,
-                                         prompts_per_step_slice=distributed.local_slice(config.train.prompts_per_step,
-                                                                                        dist),
+                                         prompts_per_step_slice=run.prompts_slice,
                                          seed_of=partial(rollout_seed, config.train.seed, rank=dist.rank),
                                          transport=config.train.rollout_worker,
                                          options=transport_options(config.train))
@@ -154,12 +153,14 @@ def train(config: Config, *, resume: bool = False, overwrite: bool = False) -> R
         evaluate_and_save_final(run)
         final_model = export(run)
         state.log.close()
-        if dist.is_main and config.log.report:
-            write_report(config.train.output_dir)
+        speculation = []
         if dist.is_main:
+            records = read_metrics(config.train.output_dir)  # read once, for the report and the summary
+            if config.log.report:
+                write_report(config.train.output_dir, records)
+            if run.draft is not None:
+                speculation = speculation_summary(records)
             mark_complete(output.path, total)
-        speculation = (speculation_summary(read_metrics(config.train.output_dir))
-                       if run.draft is not None and dist.is_main else [])
         return RunSummary(total, state.evals, time.perf_counter() - started, Path(config.train.output_dir),
                           final_model, speculation=speculation)
     except RunComplete as done:
@@ -226,7 +227,7 @@ def grpo_step(run: Run, step: int) -> dict[str, float]:
 
 def begin_step(run: Run, step: int) -> StepData:
     """The step's prompts (this rank's share of the next batch) and sampling seed."""
-    examples = next(run.batches)[distributed.local_slice(run.train.prompts_per_step, run.dist)]
+    examples = next(run.batches)[run.prompts_slice]
     return StepData(step, rollout_seed(run.train.seed, step, run.dist.rank), examples,
                     [e.token_ids.to(run.dist.device) for e in examples], PhaseTimer(run.dist.device))
 
@@ -289,7 +290,7 @@ def prepare(run: Run, data: StepData) -> StepData:
     # optimizer step comes between it and the start of the update, so no forward is needed for it here).
     trained = replace(batch, hidden=None, sampler_logps=batch.sampler_logps if algo.tis_cap else None)
     data.trained_batch = trained = trained.select(data.trained)
-    data.micro_batches = plan(trained, run.train.micro_batch_tokens, run.dist, run.train.sharing)
+    data.micro_batches = plan(trained, run.train.micro_batch_tokens, run.dist, run.sharing)
     with data.timer("logprobs"), training_linears(run):
         if algo.num_iterations > 1:
             trained.old_logps = logprobs_of(run.trainer, data.micro_batches, "old_logps")
@@ -429,10 +430,11 @@ def trainable_groups(advantages: torch.Tensor, num_samples: int, beta: float) ->
     return [g for g, m in enumerate(moving) if m] or [0]
 
 
-def plan(batch: Groups, micro_batch_tokens: int, dist: DistInfo, sharing: str = "prompt") -> list[Groups]:
-    """Micro-batches by token budget (train.micro_batch_tokens, tokens counted as the train.sharing forward
-    runs them); every rank runs as many (fillers of weight 0 where short)."""
-    micro_batches = sharing_micro_batches(batch, micro_batch_tokens, sharing)
+def plan(batch: Groups, micro_batch_tokens: int, dist: DistInfo,
+         sharing: Sharing = SHARINGS["prompt"]) -> list[Groups]:
+    """Micro-batches by token budget (train.micro_batch_tokens, tokens counted as the ``sharing`` forward
+    runs them, train.sharing's); every rank runs as many (fillers of weight 0 where short)."""
+    micro_batches = sharing.micro_batches(batch, micro_batch_tokens)
     count = distributed.all_reduce_max_int(len(micro_batches), dist, dist.device)
     return pad_to_count(micro_batches, count)
 

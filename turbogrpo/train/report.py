@@ -4,20 +4,18 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from turbogrpo.train.metrics import read_metrics
 
 PHASES = ("rollout", "rewards", "logprobs", "update", "draft")
 
 
-def write_report(output_dir: str | Path) -> Path:
+def write_report(output_dir: str | Path, records: list[dict]) -> Path:
     """Draw ``report/rewards.png`` (reward and accuracy curves), ``report/phases.png`` (time per phase)
     ``report/training.png`` (length, entropy, KL, clip fraction, grad norm) and ``report/mismatch.png`` (sampler
-    vs trainer); write ``report/report.md``."""
+    vs trainer); write ``report/report.md``. ``records``: the run's metrics.jsonl (``metrics.read_metrics``)."""
     import matplotlib
     matplotlib.use("Agg")  # files only; never needs a display
     import matplotlib.pyplot as plt
 
-    records = read_metrics(output_dir)
     out = Path(output_dir) / "report"
     out.mkdir(parents=True, exist_ok=True)
     steps = [r for r in records if "reward" in r]

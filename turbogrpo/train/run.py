@@ -16,14 +16,16 @@ from torch import nn
 from tqdm import tqdm
 
 from turbogrpo.algo import build_loss
-from turbogrpo.config import (AlgoConfig, Config, DataConfig, LogConfig, LoraConfig, ModelConfig, OptimConfig,
+from turbogrpo.config import (AlgoConfig, Config, LogConfig, LoraConfig, ModelConfig, OptimConfig,
                               RolloutConfig, TrainConfig)
 from turbogrpo.data import PromptBatches
+from turbogrpo.data.prompt_sets import check_prompt_count, load_eval_prompts, load_train_prompts
 from turbogrpo.linears import TRAINING_LINEAR_KERNELS
 from turbogrpo.moe_routes import route_shape
-from turbogrpo.rewards import Reward
+from turbogrpo.rewards import Reward, accuracy_reward
 from turbogrpo.rollout import SamplingConfig
 from turbogrpo.rollout.decode import DecodeSchedule, default_schedule
+from turbogrpo.sharing import Sharing, sharing_of
 from turbogrpo.engines import CAPABILITIES, DEFAULT_ENGINE, RolloutEngine, build_engine, resolve_engine
 from turbogrpo.train import distributed, setup
 from turbogrpo.train.distributed import DistInfo
@@ -80,15 +82,6 @@ def build_policy(model: ModelConfig, lora: LoraConfig, rollout: RolloutConfig, d
     return PolicyParts(precision, policy, tokenizer, setup.rollout_sampling(rollout, policy, tokenizer))
 
 
-def build_policy_held_out(data: DataConfig, train: TrainConfig, parts: PolicyParts, rewards: list[Reward],
-                          episodes: EpisodeSampler | None = None) -> HeldOut:
-    """Held-out evaluation of the policy ``parts``: [data]'s held-out prompts, scored by train.accuracy_reward,
-    sampled with the run's sampling from train.seed (a run's and ``turbogrpo eval``'s alike), in conversations
-    with the [env] section's ``episodes`` when given."""
-    return build_held_out(data, train.accuracy_reward, train.seed, parts.policy, parts.tokenizer, rewards,
-                          parts.sampling, episodes)
-
-
 @dataclass
 class Run:
     """The parts one run's steps use, each built once from its own config section, the few sections the
@@ -109,6 +102,8 @@ class Run:
     optimizer: torch.optim.Optimizer
     batches: PromptBatches
     """The training prompts, train.prompts_per_step at a time, in a seeded order (in the checkpoint)."""
+    prompts_slice: slice
+    """This rank's share of each step's prompts (``distributed.local_slice``; the rollout worker's too)."""
     rewards: list[Reward]
     sampling: SamplingConfig
     """How rollouts sample (the [rollout] section with the model's stop ids)."""
@@ -126,6 +121,9 @@ class Run:
     """What samples the step's completions and conversations (rollout.engine, ``rollout.engines``)."""
     loss: Callable
     """The policy loss with the [algo] settings bound (``algo.build_loss``)."""
+    sharing: Sharing
+    """What the training forward shares between sequences (train.sharing): the trainer's, the reference's and the
+    micro-batch plan's."""
     algo: AlgoConfig
     """The [algo] section: the step reads scale_rewards, beta, tis_cap and num_iterations from it."""
     optim: OptimConfig
@@ -170,68 +168,57 @@ def build_run(config: Config, dist: DistInfo, rewards: list[Reward], record: Run
     precision, policy = parts.precision, parts.policy
     # Before the prompts: it may set the chat template.
     episodes = build_episode_sampler(config.env, parts.tokenizer, config.rollout.branching)
-    held_out = build_policy_held_out(config.data, config.train, parts, rewards, episodes)
-    fn = setup.logprob_fn(config.model.logprob_backend, config.rollout.temperature, precision, config.train.sharing)
+    limits = setup.PromptLimits.of(parts.sampling, episodes, policy)
+    # The run's choices by name, each resolved once: its engine (a hybrid vLLM does not serve: one line); the
+    # correction that engine calls for (another engine's kernels, or weights some versions old, sample a distribution
+    # the trainer's forward only approximates: algo.tis_cap = "auto" corrects for it there and stays off where the
+    # sampler is that forward); how the training forward shares tokens; the reward that defines accuracy.
+    engine_name = resolve_engine(config.rollout.engine, dist.device, conversations=episodes is not None,
+                                 needs=config.engine_needs(), model_type=policy.config.model_type)
+    algo = config.algo.resolved(sampler_differs=not CAPABILITIES[engine_name].exact_sampler
+                                or config.train.max_staleness > 0)
+    sharing = sharing_of(config.train.sharing)
+    accuracy = accuracy_reward(config.train.accuracy_reward, rewards)
+    # The [data] section's held-out and training prompts, bounded alike (``limits``).
+    held_out_prompts = load_eval_prompts(config.data, parts.tokenizer, **limits._asdict())
+    prompt_set = load_train_prompts(config.data, parts.tokenizer, seed=config.train.seed, **limits._asdict())
+    if dist.is_main and (prompt_set.num_too_long or prompt_set.num_empty):
+        model_limit = (f" (or, with {limits.limit_key}={limits.max_new_tokens}, over the model's "
+                       f"{limits.max_positions} positions)" if limits.max_positions else "")
+        tqdm.write(f"skipped {prompt_set.num_too_long} prompts over data.max_prompt_tokens="
+                   f"{config.data.max_prompt_tokens}{model_limit} and {prompt_set.num_empty} empty prompts")
+    check_prompt_count(config.data, config.train.prompts_per_step, prompt_set)
+    held_out = build_held_out(held_out_prompts, accuracy, parts.sampling, config.data.num_eval_samples,
+                              config.train.seed, episodes)
+    fn = setup.logprob_fn(config.model.logprob_backend, config.rollout.temperature, precision, sharing)
     trainer = distributed.wrap_for_training(policy, fn, dist, config.distributed.strategy, precision)
     reference = setup.build_reference(config.algo.beta, config.model.path, config.lora.enabled, policy, dist.device,
                                       precision, fn)
     optimizer = build_optimizer(policy, config.optim)
-    max_positions = setup.position_limit(policy)
-    max_new_tokens = config.rollout.max_new_tokens if episodes is None else episodes.max_completion_tokens
-    limit = "rollout.max_new_tokens" if episodes is None else "env.max_conversation_tokens"
-    prompt_set = setup.load_train_prompts(config.data, parts.tokenizer, seed=config.train.seed,
-                                          max_new_tokens=max_new_tokens, max_positions=max_positions, limit_key=limit)
-    if dist.is_main and (prompt_set.num_too_long or prompt_set.num_empty):
-        model_limit = (f" (or, with {limit}={max_new_tokens}, over the model's {max_positions} positions)"
-                       if max_positions else "")
-        tqdm.write(f"skipped {prompt_set.num_too_long} prompts over data.max_prompt_tokens="
-                   f"{config.data.max_prompt_tokens}{model_limit} and {prompt_set.num_empty} empty prompts")
-    check_prompt_count(config.data, config.train.prompts_per_step, prompt_set)
     batches = PromptBatches(prompt_set.examples, config.train.prompts_per_step, seed=config.train.seed,
                             shuffle=config.data.shuffle)
+    prompts_slice = distributed.local_slice(config.train.prompts_per_step, dist)
     longest_prompt = max(e.token_ids.numel() for e in prompt_set.examples)
     schedule = replace(default_schedule(dist.device), linears=config.model.linear_kernel)
-    needs = config.engine_needs()
-    engine_name = resolve_engine(config.rollout.engine, dist.device, conversations=episodes is not None, needs=needs,
-                                 model_type=policy.config.model_type)  # (a hybrid vLLM does not serve: one line)
     # A conversation's prompt is rendered at rollout time, with its environment's tools listed: longer than the
     # data's ids, so an [env] run's engine serves up to the model's own limit. At k > 0 the rollout worker samples
     # with its own engine; the trainer's samples only held-out answers (a vLLM one would still import vllm into the
     # trainer), so it keeps the default one.
-    engine_max_length = longest_prompt + max_new_tokens if episodes is None else 0
+    engine_max_length = longest_prompt + limits.max_new_tokens if episodes is None else 0
     if config.algo.routing_replay == "replay":
         route_shape(policy)  # a model without MoE routers (or with routers moe_routes does not know) stops here
     engine = build_engine(DEFAULT_ENGINE if config.train.max_staleness else engine_name, dist.device, schedule=schedule,
                           dtype=precision.compute_dtype, tokenizer=parts.tokenizer, max_length=engine_max_length or None,
                           enforce_eager=config.rollout.vllm_enforce_eager,
                           record_routes=config.algo.routing_replay == "replay" and not config.train.max_staleness)
-    # Another engine's kernels, or weights some versions old, sample a distribution the trainer's forward only
-    # approximates: algo.tis_cap = "auto" corrects for it there and stays off where the sampler is that forward.
-    algo = config.algo.resolved(sampler_differs=not CAPABILITIES[engine_name].exact_sampler
-                                or config.train.max_staleness > 0)
     draft_context = longest_prompt + config.rollout.max_new_tokens // 2
     draft = build_online_draft(config.rollout.speculation, config.draft, policy, draft_context)
     return Run(dist=dist, policy=policy, tokenizer=parts.tokenizer, precision=precision, trainer=trainer,
-               reference=reference, optimizer=optimizer, batches=batches, rewards=rewards, sampling=parts.sampling,
-               num_generations=config.rollout.num_generations, decode_schedule=schedule, engine=engine,
+               reference=reference, optimizer=optimizer, batches=batches, prompts_slice=prompts_slice,
+               rewards=rewards, sampling=parts.sampling, num_generations=config.rollout.num_generations,
+               decode_schedule=schedule, engine=engine,
                training_kernels=TRAINING_LINEAR_KERNELS[config.model.linear_kernel], held_out=held_out,
-               loss=build_loss(algo), algo=algo, optim=config.optim, train=config.train,
+               loss=build_loss(algo), sharing=sharing, algo=algo, optim=config.optim, train=config.train,
                log=config.log, export_dtype=str(parts.precision.compute_dtype).removeprefix("torch.")
                if config.train.final_dtype == "auto" else config.train.final_dtype, record=record, draft=draft,
                draft_context=draft_context, engine_max_length=engine_max_length, episodes=episodes)
-
-
-def check_prompt_count(data: DataConfig, prompts_per_step: int, prompt_set) -> None:
-    """ValueError naming the [data] section's source and train.prompts_per_step when a step cannot be
-    filled with distinct usable prompts (``prompt_set``: a PromptSet, its skipped rows counted)."""
-    source = f"data.path {data.path!r}" if data.path else f"the built-in {data.kind} task"
-    usable = len(prompt_set.examples)
-    skipped = (f" ({prompt_set.num_too_long} skipped as too long for data.max_prompt_tokens="
-               f"{data.max_prompt_tokens} or the model, {prompt_set.num_empty} as empty)"
-               if prompt_set.num_too_long or prompt_set.num_empty else "")
-    if not usable:
-        raise ValueError(f"{source} has no usable prompts{skipped}; raise data.max_prompt_tokens, shorten the "
-                         "prompts, or check data.prompt_column")
-    if prompts_per_step > usable:
-        raise ValueError(f"config key 'train.prompts_per_step': {prompts_per_step} is more than the "
-                         f"{usable} usable prompts of {source}{skipped}; use at most {usable} or add rows")

@@ -1,28 +1,29 @@
 """Building a run's components once, each from its own config section (or the few settings it reads):
-policy, reference, prompts, the accuracy reward, sampling.
+policy, reference, training forward, sampling, and the limits a run's prompts share (the prompts
+themselves are the data layer's, ``data.prompt_sets``).
 
 Each builder does one thing and is called by ``run.build_policy`` (a run's and ``turbogrpo eval``'s
-policy and sampling, with the precision of ``precision.run_precision``), ``evaluate.build_held_out`` or ``run.build_run`` (the rest of a run);
-none knows about the others, and none sees the whole ``Config``.
+policy and sampling, with the precision of ``precision.run_precision``), ``run.build_run`` (the rest of a
+run) or ``turbogrpo eval`` (its prompts' limits); none knows about the others, and none sees the whole
+``Config``.
 """
 
 from __future__ import annotations
 
 from functools import partial
+from typing import NamedTuple
 
 import torch
 from torch import nn
 
-from turbogrpo.config import ConfigError, DataConfig, LoraConfig, ModelConfig, RolloutConfig
-from turbogrpo.data import PromptExample, build_prompts
-from turbogrpo.data.kinds import BUILTIN_TASKS, ROW_READERS, eval_rows, train_rows  # noqa: F401 (re-exported)
+from turbogrpo.config import LoraConfig, ModelConfig, RolloutConfig
 from turbogrpo.hook import check_supported
 from turbogrpo.models import enable_activation_checkpointing, load_model_and_tokenizer
 from turbogrpo.output_head import check_logits_head
-from turbogrpo.rewards import BUILTIN_REWARDS, Reward, resolve_reward
 from turbogrpo.rollout import SamplingConfig
+from turbogrpo.train.distributed import LogprobModule
 from turbogrpo.train.precision import Precision
-from turbogrpo.sharing import sharing_of
+from turbogrpo.sharing import SHARINGS, Sharing
 
 
 def load_policy(model: ModelConfig, lora: LoraConfig, device: torch.device, precision: Precision):
@@ -43,12 +44,12 @@ def load_policy(model: ModelConfig, lora: LoraConfig, device: torch.device, prec
     return policy, tokenizer
 
 
-def logprob_fn(backend: str, temperature: float, precision: Precision, sharing: str = "prompt"):
+def logprob_fn(backend: str, temperature: float, precision: Precision, sharing: Sharing = SHARINGS["prompt"]):
     """``fn(model, prompts, completions) -> CompletionLogprobs``: the training forward sharing tokens as
-    ``sharing`` (train.sharing, ``train.sharing.SHARINGS``) says, with attention ``backend``
-    (model.logprob_backend) at the sampling ``temperature`` (the loss uses the distribution the
-    completions were sampled from), under the run's compute precision (the rollout's too)."""
-    return precision.computing(partial(sharing_of(sharing).forward, backend=backend, temperature=temperature))
+    ``sharing`` (train.sharing's, ``sharing.SHARINGS``) does, with attention ``backend`` (model.logprob_backend)
+    at the sampling ``temperature`` (the loss uses the distribution the completions were sampled from), under
+    the run's compute precision (the rollout's too)."""
+    return precision.computing(partial(sharing.forward, backend=backend, temperature=temperature))
 
 
 class AdapterlessScorer(nn.Module):
@@ -64,18 +65,6 @@ class AdapterlessScorer(nn.Module):
             return self.fn(self.peft_model, prompts, completions, **options)
 
 
-class FrozenScorer(nn.Module):
-    """The reference policy of a full fine-tune: a frozen copy of the initial weights."""
-
-    def __init__(self, model: nn.Module, fn):
-        super().__init__()
-        self.model = model.requires_grad_(False).eval()
-        self.fn = fn
-
-    def forward(self, prompts, completions, **options):
-        return self.fn(self.model, prompts, completions, **options)
-
-
 def build_reference(beta: float, model_path: str, lora: bool, policy: nn.Module, device: torch.device,
                     precision: Precision, fn) -> nn.Module | None:
     """``scorer(prompts, completions) -> CompletionLogprobs`` under the reference policy, with the
@@ -86,15 +75,13 @@ def build_reference(beta: float, model_path: str, lora: bool, policy: nn.Module,
         return None
     if lora:
         return AdapterlessScorer(policy, fn)
-    # Stored like the policy, so that at step 0 it computes exactly the policy's log-probs.
+    # Stored like the policy, so that at step 0 it computes exactly the policy's log-probs; frozen, scored by
+    # the same forward.
     reference, _ = load_model_and_tokenizer(model_path, dtype=precision.param_dtype, device=device)
-    return FrozenScorer(reference, fn)
+    return LogprobModule(reference.requires_grad_(False).eval(), fn)
 
 
 # --- prompts ----------------------------------------------------------------------------------------
-
-
-_CHAT_TEMPLATE = {"auto": None, "always": True, "never": False}
 
 
 def position_limit(model: nn.Module) -> int | None:
@@ -102,63 +89,25 @@ def position_limit(model: nn.Module) -> int | None:
     return getattr(getattr(model, "config", None), "max_position_embeddings", None)
 
 
-def _prompts(rows: list[dict], tokenizer, data: DataConfig, max_new_tokens: int, max_positions: int | None,
-             source_key: str, limit_key: str = "rollout.max_new_tokens"):
-    """``rows`` as a PromptSet; a row's ValueError ("row 3: ...") names the data file (``source_key``'s
-    value) it is in, so training and held-out rows are told apart. ``limit_key``: the setting that gave
-    ``max_new_tokens`` (env.max_conversation_tokens for conversations), named when it leaves no room."""
-    try:
-        return _build_prompts(rows, tokenizer, data, max_new_tokens, max_positions, limit_key)
-    except ValueError as err:
-        path = getattr(data, source_key.partition(".")[2])
-        if not path or not str(err).startswith("row "):
-            raise
-        raise ValueError(f"{source_key} {path!r} {err}") from None
+class PromptLimits(NamedTuple):
+    """What bounds a prompt's length, the same for a run's training and held-out prompts (the keyword
+    arguments of ``data.prompt_sets.load_train_prompts`` and ``load_eval_prompts``)."""
 
+    max_new_tokens: int
+    """The ids a completion may add: rollout.max_new_tokens, or a whole conversation's after its prompt."""
+    max_positions: int | None
+    """The model's positions (``position_limit``); None where it does not say."""
+    limit_key: str
+    """The setting that gave ``max_new_tokens``, named when it leaves no room for a prompt."""
 
-def _build_prompts(rows: list[dict], tokenizer, data: DataConfig, max_new_tokens: int, max_positions: int | None,
-                   limit_key: str):
-    if max_positions is not None and max_new_tokens >= max_positions:
-        raise ConfigError(f"config key '{limit_key}': {max_new_tokens} leaves no room for "
-                          f"a prompt within the model's {max_positions} positions (max_position_embeddings); "
-                          "lower it")
-    return build_prompts(rows, tokenizer, prompt_column=data.prompt_column, max_prompt_tokens=data.max_prompt_tokens,
-                         on_too_long=data.on_overlong, on_empty=data.on_empty,
-                         chat_template=_CHAT_TEMPLATE[data.chat_template], system_prompt=data.system_prompt or None,
-                         max_positions=max_positions, max_new_tokens=max_new_tokens)
-
-
-def load_train_prompts(data: DataConfig, tokenizer, *, seed: int, max_new_tokens: int,
-                       max_positions: int | None = None, limit_key: str = "rollout.max_new_tokens"):
-    """The training PromptSet of the [data] section (examples plus skipped counts; a built-in task's
-    problems drawn with ``seed``, train.seed); prompts too long for ``max_positions`` with
-    ``max_new_tokens`` (the setting ``limit_key``) are skipped or refused as data.on_overlong says."""
-    return _prompts(train_rows(data, seed), tokenizer, data, max_new_tokens, max_positions, "data.path", limit_key)
-
-
-def load_eval_prompts(data: DataConfig, tokenizer, *, max_new_tokens: int,
-                      max_positions: int | None = None, limit_key: str = "rollout.max_new_tokens"
-                      ) -> list[PromptExample]:
-    """Held-out prompts: a built-in task's eval split, or ``data.eval_path`` rows ([] if none)."""
-    rows = eval_rows(data)
-    if rows is None:
-        return []
-    return _prompts(rows[:data.num_eval_problems], tokenizer, data, max_new_tokens, max_positions,
-                    "data.eval_path", limit_key).examples
-
-
-# --- rewards ---------------------------------------------------------------------------------------
-
-
-def accuracy_function(name: str, rewards: list[Reward]) -> Reward | None:
-    """The reward that defines "accuracy" (train.accuracy_reward): a [[rewards]] entry of that ``name``,
-    else the built-in ("": none)."""
-    for reward in rewards:
-        if reward.name == name:
-            return reward
-    if name in BUILTIN_REWARDS:
-        return Reward(name, resolve_reward(name), 0.0, 0.0)
-    return None
+    @classmethod
+    def of(cls, sampling: SamplingConfig, episodes, model: nn.Module) -> PromptLimits:
+        """The limits of a run's prompts for ``model``: ``sampling``'s max_new_tokens, or with an environment
+        (``episodes``, the [env] section's ``EpisodeSampler``; None: single completions) a whole conversation's
+        ids after its prompt (env.max_conversation_tokens)."""
+        if episodes is None:
+            return cls(sampling.max_new_tokens, position_limit(model), "rollout.max_new_tokens")
+        return cls(episodes.max_completion_tokens, position_limit(model), "env.max_conversation_tokens")
 
 
 # --- sampling ---------------------------------------------------------------------------------------
