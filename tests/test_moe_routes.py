@@ -158,3 +158,13 @@ def test_a_checkpointed_layer_replays_the_same_routes_when_recomputed():
         checkpointed, checkpointed_grads = logps_and_grads(model, layout, prompts, completions, drifted)
         assert torch.equal(checkpointed, logps)
         assert all(torch.equal(a, b) for a, b in zip(checkpointed_grads, grads) if a is not None), layout
+
+
+def test_a_shared_trie_token_takes_the_first_recorded_routes():
+    """Sequence 0 ends on token 2 (never run by the sampler: -1); sequence 1 runs on through it: the trie runs
+    token 2 once, with sequence 1's recorded routes. Token 0 takes sequence 0's (the first that recorded it)."""
+    from turbogrpo.moe_routes import trie_routes
+    first = torch.tensor([[[1, 2]], [[3, 4]], [[-1, -1]]])
+    second = torch.tensor([[[5, 0]], [[3, 4]], [[2, 5]], [[0, 1]]])
+    out = trie_routes([first, second], [torch.tensor([0, 1, 2]), torch.tensor([0, 1, 2, 3])], 5)
+    assert out.tolist() == [[[1, 2]], [[3, 4]], [[2, 5]], [[0, 1]], [[-1, -1]]]
