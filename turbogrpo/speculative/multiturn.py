@@ -166,7 +166,8 @@ def _step(state: DecodeState, step: TreeStep, decoding: list[int], chunks: dict[
     else:
         tree, uniform_BN, catch_up_tokens = step.propose(state, shape)
     ids_Bn, depths_Bn, ancestors_Bnn = _step_inputs(tree, chunks)
-    emitted_before_B = state.live.emitted_B.clone()  # (emitting and writing replies move it on)
+    # Where each row's newest id lies, for the routes: emitting and writing replies move it on.
+    emitted_before_B = None if state.route_log is None else state.live.emitted_B.clone()
     hidden_BnH = forward_new_tokens(state.model, cache, ids_Bn, depths_Bn, ancestors_Bnn, states_per_length=True)
     stats.num_forwards += 1
     verified = None
