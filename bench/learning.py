@@ -69,8 +69,8 @@ VARIANTS.update({f"vllm_bf16_{name}": ['rollout.engine="vllm"', 'model.dtype="bf
                  for name, settings in CORRECTIONS.items()})
 
 COMMON = ["algo.tis_cap=2"]
-"""Every variant's loss unless it sets its own (a variant's settings come after): TIS at cap 2, a no-op where sampler and trainer agree (k0) and the correction where they
-do not (stale weights, another engine's kernels)."""
+"""Every variant's loss unless it sets its own (a variant's settings come after): TIS at cap 2, a no-op where
+sampler and trainer agree (k0) and the correction where they do not (stale weights, another engine's kernels)."""
 
 
 def run(task: str, variant: str, steps: int, eval_every: int, workdir: Path) -> Path:

@@ -78,8 +78,8 @@ def measure(model, sample, prompts, shape: dict, sampling: SamplingConfig, seed:
     by_correction = {c: statistics(trainer_logps, sampler_logps, c) for c in CORRECTIONS}
     record = {k.removeprefix("mismatch/"): v for k, v in by_correction["tis"].items() if "masked" not in k}
     record["num_tokens"], record["num_sequences"] = sum(batch.lengths), len(batch.lengths)
-    record["masked"] = {c: {"tokens": m["mismatch/frac_tokens_masked"], "sequences": m["mismatch/frac_sequences_masked"]}
-                        for c, m in by_correction.items()}
+    record["masked"] = {c: {"tokens": m["mismatch/frac_tokens_masked"],
+                            "sequences": m["mismatch/frac_sequences_masked"]} for c, m in by_correction.items()}
     return record, batch
 
 
