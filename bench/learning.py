@@ -3,7 +3,8 @@ variants of one run (the same config, the same seeds) on the SmolLM2 tasks, in o
 
 Variants (``VARIANTS``): ``k0`` the on-policy run on the native engine (the reference), ``k1`` / ``k2``
 asynchronous GRPO (train.max_staleness = 1, 2: issue 43), ``vllm`` the on-policy run sampling on the vLLM
-engine (rollout.engine = "vllm": issue 44). Every variant runs with TIS (algo.tis_cap = 2), so the loss is the
+engine (rollout.engine = "vllm": issue 44), ``vllm_bf16_<correction>`` the vLLM engine in bf16 under one off-policy
+correction (``--corrections``: issue 55). Every other variant runs with TIS (algo.tis_cap = 2), so the loss is the
 same function of (trainer, sampler) log-probs everywhere.
 
 Each (task, variant) is a ``turbogrpo train`` run of a shipped config (below, cut to a CPU's budget), held-out
@@ -14,8 +15,8 @@ solid, sampled dashed, a colour per variant).
 
     python bench/learning.py --variants k0,k1 --name async_learning      # issue 43 (hours on 2 CPU cores)
     python bench/learning.py --tasks gsm8k --variants k0,vllm --name vllm_learning    # issue 44
-    python bench/learning.py --tasks calculator --name correction_learning \
-        --variants vllm_bf16_none,vllm_bf16_token_tis,vllm_bf16_sequence_mask,vllm_bf16_icepop    # issue 55 4(c)
+    python bench/learning.py --tasks calculator --corrections none,token_tis,sequence_mask,icepop \
+        --name correction_learning       # issue 55 4(c): vLLM in bf16 under each correction, one curve each
     python bench/learning.py --tasks demo --steps 2 --eval-every 1 --variants k0,k1 --name learning_smoke   # smoke
 """
 
@@ -52,22 +53,24 @@ VARIANTS = {
     "k1": ["train.max_staleness=1"],
     "k2": ["train.max_staleness=2"],
     "vllm": ['rollout.engine="vllm"'],
-    # Issue 55 4(c): vLLM sampling in bf16 (the run's dtype: the trainer's bf16 autocast beside vLLM's own bf16
-    # kernels) under each correction family a TRL / verl / AReaL user knows, caps as those trainers default them.
-    "vllm_bf16_none": ['rollout.engine="vllm"', 'model.dtype="bfloat16"', "algo.tis_cap=0"],
-    "vllm_bf16_token_tis": ['rollout.engine="vllm"', 'model.dtype="bfloat16"', 'algo.off_policy_correction="token_truncate"',
-                            "algo.tis_cap=2"],
-    "vllm_bf16_sequence_mask": ['rollout.engine="vllm"', 'model.dtype="bfloat16"',
-                                'algo.off_policy_correction="sequence_mask"', "algo.tis_cap=3"],
-    "vllm_bf16_icepop": ['rollout.engine="vllm"', 'model.dtype="bfloat16"', 'algo.off_policy_correction="icepop"',
-                         "algo.tis_cap_low=0.5", "algo.tis_cap=5"],
 }
 """variant -> overrides on top of the task's (the same seeds everywhere)."""
 
+CORRECTIONS = {
+    # Issue 55 4(c): the correction families a TRL / verl / AReaL user knows, caps as those trainers default them.
+    "none": ["algo.tis_cap=0"],
+    "token_tis": ['algo.off_policy_correction="token_truncate"', "algo.tis_cap=2"],
+    "sequence_mask": ['algo.off_policy_correction="sequence_mask"', "algo.tis_cap=3"],
+    "icepop": ['algo.off_policy_correction="icepop"', "algo.tis_cap_low=0.5", "algo.tis_cap=5"],
+}
+"""``--corrections`` name -> its [algo] settings, run as variant ``vllm_bf16_<name>``: the vLLM engine sampling in
+bf16 (model.dtype = "bfloat16": vLLM's bf16 kernels, the trainer's bf16 autocast over float32 masters)."""
+VARIANTS.update({f"vllm_bf16_{name}": ['rollout.engine="vllm"', 'model.dtype="bfloat16"', *settings]
+                 for name, settings in CORRECTIONS.items()})
+
 COMMON = ["algo.tis_cap=2"]
-"""Every variant's loss unless it names its own correction (a variant's settings come after): TIS at cap 2, a no-op
-where sampler and trainer agree (k0) and the correction where they do not (stale weights, another engine's
-kernels)."""
+"""Every variant's loss unless it sets its own (a variant's settings come after): TIS at cap 2, a no-op where
+sampler and trainer agree (k0) and the correction where they do not (stale weights, another engine's kernels)."""
 
 
 def run(task: str, variant: str, steps: int, eval_every: int, workdir: Path) -> Path:
@@ -126,6 +129,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--eval-every", type=int, default=10)
     parser.add_argument("--variants", default="k0,k1", help=f"comma-separated: {', '.join(VARIANTS)}")
+    parser.add_argument("--corrections", default="", help=f"comma-separated, of {', '.join(CORRECTIONS)}: the "
+                        "variants vllm_bf16_<name> (vLLM sampling in bf16 under that correction) instead of --variants")
     parser.add_argument("--workdir", default="runs/learning", help="the runs' folders (kept for restarts; shared "
                         "by the variants, so k0 runs once for every comparison)")
     parser.add_argument("--name", default="learning", help="bench/results/<name>.json and .png")
@@ -133,7 +138,8 @@ def main() -> None:
                         "under the table), e.g. that they shared the cores")
     args = parser.parse_args()
     workdir = Path(args.workdir).resolve()
-    variants = args.variants.split(",")
+    variants = ([f"vllm_bf16_{name}" for name in args.corrections.split(",")] if args.corrections
+                else args.variants.split(","))
     unknown = sorted(set(variants) - set(VARIANTS))
     if unknown:
         parser.error(f"unknown variants {unknown}: choose from {', '.join(VARIANTS)}")

@@ -675,6 +675,18 @@ RENDERERS: dict[str, Renderer] = {
     "multiturn": MULTITURN,
     "greedy_split": greedy_split,
     "record": scalar_fields,
+    "mismatch": tables(Table([
+        col("sampler", "$key"), col("tokens", "num_tokens", "int"), col("K3 KL(sampler || trainer)", "k3_kl", "g"),
+        col("mean abs delta log p", "abs_delta_mean", "g"), col("p50", "abs_delta_p50", "g"),
+        col("p99", "abs_delta_p99", "g"), col("max", "abs_delta_max", "g"),
+        col("tokens masked, token_mask", "masked.token_mask.tokens", "%"),
+        col("sequences masked, sequence_mask", "masked.sequence_mask.sequences", "%"),
+        col("tokens masked, icepop", "masked.icepop.tokens", "%"),
+        col("sequences masked, geometric_mask", "masked.geometric_mask.sequences", "%"),
+        col("sequences masked, k3_reject", "masked.k3_reject.sequences", "%")], rows="samplers"),
+        Table([col("mismatch metrics, s", "cost.mismatch_metrics_s", "g"),
+               col("update forward + backward, s", "cost.forward_backward_s", "g"),
+               col("metrics / forward + backward", "cost.share", "%")], title="What the metrics cost")),
     "routing_replay": tables(Table([
         col("family", "$key"), col("sampler", "sampler", "text"), col("tokens", "num_tokens", "int"),
         col("route disagreement without replay", "route_disagreement_without_replay", "%"),
@@ -954,6 +966,10 @@ RESULTS: list[Result] = [
            "AVX2-only one (ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2)",
            "ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 python bench/gpu_precision.py "
            "--device cpu --budget 60 --out precision_cpu_avx2_emulated", section="Precision"),
+    Result("mismatch", "mismatch", "How far each sampler is from the float32 trainer (the run's mismatch/* metrics): "
+           "SmolLM2-135M GSM8K zero-shot, 16 prompts x 8, up to 256 tokens, the native engine in float32 and bf16 and "
+           "the vLLM engine in bf16; and the metrics' cost against the update's forward + backward",
+           "python bench/mismatch.py", section="Precision", awaiting_run=True),
     Result("routing_replay", "routing_replay", "MoE routing replay (algo.routing_replay): tiny qwen3_moe and "
            "qwen3_5_moe sampled in bf16, trained in float32, route disagreement and K3 KL without and with replay",
            "python bench/routing_replay.py", section="Precision", awaiting_run=True),
@@ -1003,6 +1019,11 @@ RESULTS: list[Result] = [
     Result("vllm_learning", "learning_curves", "Learning on the vLLM engine: SmolLM2-135M calculator tool "
            "(configs/smollm2_calculator.toml, 30 steps), native (k0) vs rollout.engine = \"vllm\", same seeds, TIS cap 2",
            "python bench/learning.py --tasks calculator --variants k0,vllm --name vllm_learning", section="Learning"),
+    Result("correction_learning", "learning_curves", "The off-policy corrections in learning: SmolLM2-135M calculator "
+           "tool, the vLLM engine sampling in bf16, 30 steps under no correction, token TIS (cap 2), TRL's sequence "
+           "mask (cap 3) and IcePop ([0.5, 5])",
+           "python bench/learning.py --tasks calculator --corrections none,token_tis,sequence_mask,icepop "
+           "--name correction_learning", section="Learning", awaiting_run=True),
     Result("async_learning", "learning_curves", "Learning with asynchronous GRPO: SmolLM2-135M calculator tool "
            "(configs/smollm2_calculator.toml, 30 steps), on-policy (k0) vs train.max_staleness = 1 (k1), same seeds, "
            "TIS cap 2", "python bench/learning.py --tasks calculator --variants k0,k1 --name async_learning",

@@ -141,3 +141,30 @@ def test_a_model_without_routers_is_refused_in_one_line():
     from turbogrpo.models import tiny_model
     with pytest.raises(ValueError, match="needs a mixture-of-experts model"):
         routers(tiny_model("qwen2", hidden=16, heads=2, kv_heads=1, layers=1))
+
+
+def test_a_checkpointed_layer_replays_the_same_routes_when_recomputed():
+    """model.gradient_checkpointing: the backward recomputes each decoder layer; under replay it must run the
+    replayed experts again, so the gradients equal those of the replaying forward without checkpointing (drifted
+    routes, which the routers would not choose: recomputed afresh, the layer would run other experts)."""
+    from turbogrpo.models import enable_activation_checkpointing
+    model = tiny_moe("qwen3_moe")
+    prompts, completions, routes = sampled_batch(model)
+    drifted = BatchRoutes([(r.long() + 1) % 6 for r in routes.prompts], [(r.long() + 1) % 6 for r in routes.completions])
+    model.train()  # (transformers checkpoints in training only)
+    expected = {layout: logps_and_grads(model, layout, prompts, completions, drifted) for layout in LAYOUTS}
+    enable_activation_checkpointing(model)
+    for layout, (logps, grads) in expected.items():
+        checkpointed, checkpointed_grads = logps_and_grads(model, layout, prompts, completions, drifted)
+        assert torch.equal(checkpointed, logps)
+        assert all(torch.equal(a, b) for a, b in zip(checkpointed_grads, grads) if a is not None), layout
+
+
+def test_a_shared_trie_token_takes_the_first_recorded_routes():
+    """Sequence 0 ends on token 2 (never run by the sampler: -1); sequence 1 runs on through it: the trie runs
+    token 2 once, with sequence 1's recorded routes. Token 0 takes sequence 0's (the first that recorded it)."""
+    from turbogrpo.moe_routes import trie_routes
+    first = torch.tensor([[[1, 2]], [[3, 4]], [[-1, -1]]])
+    second = torch.tensor([[[5, 0]], [[3, 4]], [[2, 5]], [[0, 1]]])
+    out = trie_routes([first, second], [torch.tensor([0, 1, 2]), torch.tensor([0, 1, 2, 3])], 5)
+    assert out.tolist() == [[[1, 2]], [[3, 4]], [[2, 5]], [[0, 1]], [[-1, -1]]]

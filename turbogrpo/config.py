@@ -311,15 +311,6 @@ class DraftLearningConfig:
         _require(self.max_grad_norm > 0, f"{key}.max_grad_norm", "a number > 0", self.max_grad_norm)
 
 
-ROUTING_REPLAY_GAPS = {
-    "rollout.speculation": "with an [env] factory: speculative conversations do not record routes yet",
-    "train.partial_rollouts": "a carried generation is prefilled afresh: its tokens' routes would be taken at the "
-                              "new weights, not kept from the ones that drew them",
-    "model.gradient_checkpointing": "the forward recomputed in backward would route afresh, not replay",
-}
-"""What algo.routing_replay = "replay" does not run with yet, and why (the config refuses each in one line)."""
-
-
 @dataclass
 class AlgoConfig:
     """The GRPO objective; the losses take this section itself (``turbogrpo.algo.build_loss``)."""
@@ -368,7 +359,8 @@ class AlgoConfig:
     computed from the trainer's router logits so the routers keep learning; "off": the trainer's routers choose,
     and a router that rounds to other experts than the sampler's scores another function (Megatron-LM #4168:
     94% of tokens differ in some layer). Native engine: plain and speculative rollouts, multi-turn and branching
-    conversations, on-policy or asynchronous; see docs/guide/routing_replay.md."""
+    conversations (speculative too), on-policy or asynchronous, partial rollouts (each token keeps the routes of
+    the weights that drew it), with or without gradient checkpointing; see docs/guide/routing_replay.md."""
     kl_bias_correction: bool = False
     """Multiply each token's k3 by the (differentiable) importance ratio, which makes the KL gradient the
     unbiased reverse-KL gradient (DeepSeek-V3.2), even on-policy where the ratio is 1 in value. TRL's
@@ -709,7 +701,7 @@ class Config:
                  f"built for {built.model if built else ''!r})", self.draft.path)
 
     def _check_routing_replay(self) -> None:
-        """What routing replay does not cover yet, refused in one line each (the engine's part is a capability)."""
+        """Routing replay needs an engine that records routes (a capability), refused in one line otherwise."""
         if self.algo.routing_replay == "off":
             return
         from turbogrpo.engines import MISSING_BECAUSE, capable_engines, missing_capability
@@ -717,13 +709,6 @@ class Config:
                  f"{_either([*capable_engines('routing_replay'), 'auto'])} with algo.routing_replay = \"replay\" "
                  f"({MISSING_BECAUSE.get((self.rollout.engine, 'routing_replay'), 'it records no routes')})",
                  self.rollout.engine)
-        for key, off, value in (("rollout.speculation", not self.env.factory or self.rollout.speculation == "off",
-                                 self.rollout.speculation),
-                                ("train.partial_rollouts", not self.train.partial_rollouts,
-                                 self.train.partial_rollouts),
-                                ("model.gradient_checkpointing", not self.model.gradient_checkpointing,
-                                 self.model.gradient_checkpointing)):
-            _require(off, key, f"off with algo.routing_replay = \"replay\" ({ROUTING_REPLAY_GAPS[key]})", value)
 
     def engine_needs(self) -> tuple[str, ...]:
         """What this run needs of its rollout engine (``engines.EngineCapabilities`` fields): "auto" picks an

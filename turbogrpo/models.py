@@ -22,6 +22,7 @@ from transformers import (AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Llam
                           PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
 from turbogrpo.gguf_models import gguf_model_folder, gguf_source_file, is_gguf_source
+from turbogrpo.moe_routes import recomputation_contexts
 
 DTYPES = {
     "float32": torch.float32,
@@ -329,9 +330,11 @@ def enable_activation_checkpointing(model: torch.nn.Module) -> None:
     """Recompute each decoder layer's activations in the backward (non-reentrant checkpointing).
 
     transformers 5.x renamed ``gradient_checkpointing_enable`` to ``activation_checkpointing_enable``;
-    the old name warns. Both go through the model object, so PEFT wrappers forward the call.
+    the old name warns. Both go through the model object, so PEFT wrappers forward the call. A layer whose
+    forward replayed MoE routes (algo.routing_replay) replays them again when recomputed
+    (``moe_routes.recomputation_contexts``; outside replay it adds nothing).
     """
-    kwargs = {"use_reentrant": False}
+    kwargs = {"use_reentrant": False, "context_fn": recomputation_contexts}
     enable = getattr(model, "activation_checkpointing_enable", None)
     if enable is not None:
         enable(activation_checkpointing_kwargs=kwargs)

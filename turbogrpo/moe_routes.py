@@ -30,11 +30,13 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 from torch import Tensor, nn
+from torch.nn.utils.rnn import pad_sequence
 
 
 # --- the families ------------------------------------------------------------------------------------------
@@ -211,9 +213,11 @@ def recording(model: nn.Module) -> Iterator[RouteRecorder]:
 
 
 @contextlib.contextmanager
-def _hooked(found: list[tuple[nn.Module, RouterKind]], hook_of: Callable) -> Iterator[None]:
-    """Within the block, ``hook_of(layer, kind)`` is a forward hook of each router of ``found`` (``routers``)."""
-    handles = [router.register_forward_hook(hook_of(layer, kind)) for layer, (router, kind) in enumerate(found)]
+def _hooked(found: list[tuple[nn.Module, RouterKind]], hook_of: Callable, first: bool = False) -> Iterator[None]:
+    """Within the block, ``hook_of(layer, kind)`` is a forward hook of each router of ``found`` (``routers``);
+    ``first``: it runs before the router's other hooks (a replaying hook, so that a recorder sees the replay)."""
+    handles = [router.register_forward_hook(hook_of(layer, kind), prepend=first)
+               for layer, (router, kind) in enumerate(found)]
     try:
         yield
     finally:
@@ -238,12 +242,20 @@ class ReplayCounts:
         self.num_differing = self.num_differing + num_differing
 
 
+_REPLAY_IN_FORCE: ContextVar[tuple[nn.Module, Tensor] | None] = ContextVar("replay_in_force", default=None)
+"""The ``(model, routes_TLK)`` of the ``replaying`` block the current forward runs in (None: none), read by
+``recomputation_contexts`` when an activation checkpoint is taken."""
+
+
 @contextlib.contextmanager
 def replaying(model: nn.Module, routes_TLK: Tensor, counts: ReplayCounts | None = None) -> Iterator[ReplayCounts]:
     """Within the block, each forward of ``model`` over T tokens uses the experts ``routes_TLK`` (int, -1: the
     router's own choice) at every MoE layer. The forward's tokens are in the order ``routes_TLK`` lists them
     (its inputs flattened row-major). Adds to ``counts`` (yielded; a new one if None) how many tokens were replayed
-    and how many of them the routers would have routed otherwise."""
+    and how many of them the routers would have routed otherwise. The replaying hooks run before any other hook of
+    the routers (a ``recording`` block sees the replayed routes), and a layer checkpointed in the block
+    (model.gradient_checkpointing) replays the same routes when the backward recomputes it
+    (``recomputation_contexts``)."""
     found = routers(model)
     if routes_TLK.dim() != 3 or routes_TLK.shape[1] != len(found):
         raise ValueError(f"replaying: routes must be [T, {len(found)}, k] (one row per MoE layer), got "
@@ -252,7 +264,18 @@ def replaying(model: nn.Module, routes_TLK: Tensor, counts: ReplayCounts | None 
     recorded_TL = (routes_TLK >= 0).all(dim=-1)
     counts = ReplayCounts() if counts is None else counts
     differs_T = torch.zeros(routes_TLK.shape[0], dtype=torch.bool, device=routes_TLK.device)
+    in_force = _REPLAY_IN_FORCE.set((model, routes_TLK))
+    try:
+        with _hooked(found, _replay_hook_maker(routes_TLK, recorded_TL, differs_T), first=True):
+            yield counts
+    finally:
+        _REPLAY_IN_FORCE.reset(in_force)
+    counts.add(recorded_TL.all(dim=-1).sum(), differs_T.sum())
 
+
+def _replay_hook_maker(routes_TLK: Tensor, recorded_TL: Tensor, differs_T: Tensor) -> Callable:
+    """``hook_of(layer, kind)`` for ``_hooked``: the router's output with the recorded experts where the token has
+    them (``recorded_TL``), each token whose own choice differs marked in ``differs_T`` (``[T]`` bool, in place)."""
     def hook_of(layer: int, kind: RouterKind):
         def hook(module, inputs, output):
             own_Tk = kind.indices(output)
@@ -264,10 +287,19 @@ def replaying(model: nn.Module, routes_TLK: Tensor, counts: ReplayCounts | None 
             differs_T.logical_or_(keep_T & (own_Tk.sort(-1).values != indices_Tk.sort(-1).values).any(-1))
             return kind.replay(module, inputs, output, indices_Tk)
         return hook
+    return hook_of
 
-    with _hooked(found, hook_of):
-        yield counts
-    counts.add(recorded_TL.all(dim=-1).sum(), differs_T.sum())
+
+def recomputation_contexts() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
+    """``torch.utils.checkpoint``'s ``context_fn`` (``models.enable_activation_checkpointing``): called as a layer's
+    checkpoint is taken, it returns the contexts of its forward (nothing) and of its recomputation in the backward:
+    the ``replaying`` block the forward ran in, again (its counts dropped: the forward counted), so the recomputed
+    layer runs the experts the forward ran. Outside a replaying block, nothing for either (the checkpoint as
+    without this function)."""
+    in_force = _REPLAY_IN_FORCE.get()
+    if in_force is None:
+        return contextlib.nullcontext(), contextlib.nullcontext()
+    return contextlib.nullcontext(), replaying(*in_force)
 
 
 def maybe_recording(model: nn.Module, on: bool):
@@ -294,39 +326,58 @@ class BatchRoutes(NamedTuple):
     """Where the forwards that replay these routes add their counts (None: nowhere)."""
 
 
-def _padded(routes_RLK: Tensor, length: int) -> Tensor:
-    """``[length, L, k]`` int64: the routes, then -1 (the router's own choice) up to ``length``."""
-    out = routes_RLK.new_full((length, *routes_RLK.shape[1:]), -1, dtype=torch.long)
-    out[:routes_RLK.shape[0]] = routes_RLK.long()
+def _ragged(routes: Sequence[Tensor], lengths: Sequence[int]) -> Tensor:
+    """``[sum lengths, L, k]`` int64: each ``[R_i, L, k]`` (R_i <= lengths[i]) at the start of its own span of
+    ``lengths[i]`` rows, -1 (the router's own choice) after it."""
+    first = routes[0]
+    out = first.new_full((sum(lengths), *first.shape[1:]), -1, dtype=torch.long)
+    starts = torch.tensor([0, *lengths[:-1]]).cumsum(0)
+    recorded = torch.tensor([r.shape[0] for r in routes])
+    rows = torch.repeat_interleave(starts - torch.cat([torch.zeros(1, dtype=torch.long), recorded.cumsum(0)[:-1]]),
+                                   recorded) + torch.arange(int(recorded.sum()))
+    out[rows.to(out.device)] = torch.cat(list(routes)).long()
     return out
 
 
 def sequence_routes(routes: BatchRoutes, group_sizes: Sequence[int], completion_lengths: Sequence[int]
                     ) -> list[Tensor]:
     """Per completion, the routes of its whole sequence ``[P_k + S_i, L, k]`` (int64; -1 where not recorded)."""
+    completions = _ragged(routes.completions, completion_lengths).split(list(completion_lengths))
     prompt_of = [g for g, size in enumerate(group_sizes) for _ in range(size)]
-    return [torch.cat([routes.prompts[g].long(), _padded(c, length)])
-            for g, c, length in zip(prompt_of, routes.completions, completion_lengths)]
+    return [torch.cat([routes.prompts[g].long(), c]) for g, c in zip(prompt_of, completions)]
 
 
 def packed_routes(routes: BatchRoutes, completion_lengths: Sequence[int]) -> Tensor:
     """``[T, L, k]`` in the shared-prefix pack's order (``prefix.layout.pack_groups``): every prompt once, then
     every completion."""
-    return torch.cat([*(p.long() for p in routes.prompts),
-                      *(_padded(c, length) for c, length in zip(routes.completions, completion_lengths))])
+    return torch.cat([*(p.long() for p in routes.prompts), _ragged(routes.completions, completion_lengths)])
 
 
 def padded_routes(per_sequence: Sequence[Tensor], width: int) -> Tensor:
-    """``[B * width, L, k]``: one right-padded row per sequence (``[P + S, L, k]`` each), flattened row-major."""
-    return torch.cat([_padded(s, width) for s in per_sequence])
+    """``[B * width, L, k]``: one right-padded row per sequence (``[<= width, L, k]`` each; -1 past its end),
+    flattened row-major."""
+    rows_BWLK = pad_sequence([s.long() for s in per_sequence], batch_first=True, padding_value=-1)
+    if rows_BWLK.shape[1] < width:
+        rows_BWLK = torch.cat([rows_BWLK, rows_BWLK.new_full((rows_BWLK.shape[0], width - rows_BWLK.shape[1],
+                                                              *rows_BWLK.shape[2:]), -1)], dim=1)
+    return rows_BWLK.flatten(0, 1)
 
 
 def trie_routes(per_sequence: Sequence[Tensor], sequence_tokens: Sequence[Tensor], num_tokens: int) -> Tensor:
     """``[N, L, k]`` over a trie's N flat tokens (``tree.trie.TokenTrie.sequence_tokens``: each sequence's flat
-    token index): a token several sequences share takes the routes of the first sequence that has them."""
-    out = per_sequence[0].new_full((num_tokens, *per_sequence[0].shape[1:]), -1)
-    for routes_SLK, tokens_S in reversed(list(zip(per_sequence, sequence_tokens))):
-        out[tokens_S.to(out.device)] = routes_SLK
+    token index): a token several sequences share takes the routes of the first sequence that recorded them (one
+    sequence's last token, never run by the sampler, may be another's recorded one: branches of a conversation)."""
+    routes_MLK = torch.cat([s.long() for s in per_sequence])
+    tokens_M = torch.cat([t.to(routes_MLK.device) for t in sequence_tokens])
+    num_entries = routes_MLK.shape[0]
+    order_M = torch.arange(num_entries, device=routes_MLK.device)
+    # An entry without routes ranks past every recorded one; the first recorded entry of each token wins.
+    rank_M = torch.where((routes_MLK >= 0).flatten(1).all(-1), order_M, num_entries)
+    first_N = torch.full((num_tokens,), num_entries, device=routes_MLK.device).scatter_reduce(
+        0, tokens_M, rank_M, "amin")
+    out = routes_MLK.new_full((num_tokens, *routes_MLK.shape[1:]), -1)
+    has_N = first_N < num_entries
+    out[has_N] = routes_MLK[first_N[has_N]]
     return out
 
 

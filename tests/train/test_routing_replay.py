@@ -1,5 +1,6 @@
-"""algo.routing_replay end to end: a MoE run records its routes at sampling and replays them in training; what it does
-not cover yet is refused in one line; without it nothing changes."""
+"""algo.routing_replay end to end: a MoE run records its routes at sampling and replays them in training, on-policy,
+asynchronous, with partial rollouts and with gradient checkpointing; an engine that records none is refused in one
+line; without it nothing changes."""
 
 import functools
 
@@ -46,22 +47,36 @@ def test_a_replaying_run_reports_how_many_tokens_its_routers_would_route_otherwi
 
 
 def test_an_asynchronous_run_replays_the_routes_its_rollout_worker_recorded(moe_assets, tmp_path):
-    """At train.max_staleness = 1 the rollout worker's engine records the routes and its messages carry them."""
+    """At train.max_staleness = 1 the rollout worker's engine records the routes and its messages carry them. Step 0
+    trains on a rollout of its own weights: the recorded routes are the trainer's routers' own choice. Step 1 trains
+    on a rollout of the weights before step 0's update (a large learning rate moved the routers): the trainer's
+    routers would route some tokens otherwise, and it runs the worker's experts there."""
     steps = [s for s in run(moe_assets, tmp_path / "async", **{"algo.routing_replay": '"replay"',
-                                                                "train.max_staleness": 1}) if "loss" in s]
+                                                                "train.max_staleness": 1, "optim.lr": 0.05}) if "loss" in s]
+    shares = [s["mismatch/frac_tokens_routes_differ"] for s in steps]
+    assert len(shares) == 2 and shares[0] <= 0.05 and shares[1] > shares[0]
+
+
+def test_partial_rollouts_and_gradient_checkpointing_run_with_replay(moe_assets, tmp_path):
+    """The settings replay once refused: a carried generation keeps its routes (tests/train/test_replayed_routes.py)
+    and a checkpointed layer replays them when recomputed (tests/test_moe_routes.py); here they run end to end."""
+    steps = [s for s in run(moe_assets, tmp_path / "partial", **{
+        "algo.routing_replay": '"replay"', "train.max_staleness": 1, "train.partial_rollouts": 1,
+        "model.gradient_checkpointing": "true"}) if "loss" in s]
     assert len(steps) == 2 and all(0 <= s["mismatch/frac_tokens_routes_differ"] <= 1 for s in steps)
 
 
-@pytest.mark.parametrize("sets, key", [
-    (['rollout.engine="vllm"'], "rollout.engine"),
-    (["train.max_staleness=1", "train.partial_rollouts=1"], "train.partial_rollouts"),
-    (['env.factory="a.b:c"', 'rollout.speculation="cost"', "draft.learn=false"], "rollout.speculation"),
-    (["model.gradient_checkpointing=true"], "model.gradient_checkpointing"),
-])
-def test_what_routing_replay_does_not_cover_yet_is_refused_in_one_line(sets, key):
-    with pytest.raises(ConfigError, match=key) as error:
-        load_config(REPO / "configs" / "demo.toml", [*sets, 'algo.routing_replay="replay"'])
+def test_an_engine_without_routes_is_refused_in_one_line():
+    with pytest.raises(ConfigError, match="rollout.engine") as error:
+        load_config(REPO / "configs" / "demo.toml", ['rollout.engine="vllm"', 'algo.routing_replay="replay"'])
     assert "\n" not in str(error.value) and "routing_replay" in str(error.value)
+
+
+def test_the_settings_replay_once_refused_load():
+    for sets in (["train.max_staleness=1", "train.partial_rollouts=1"],
+                 ['env.factory="a.b:c"', 'rollout.speculation="cost"', "draft.learn=false"],
+                 ["model.gradient_checkpointing=true"]):
+        assert load_config(REPO / "configs" / "demo.toml", [*sets, 'algo.routing_replay="replay"']).algo.routing_replay
 
 
 def test_the_vllm_refusal_says_why():

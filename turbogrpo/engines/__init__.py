@@ -56,9 +56,12 @@ class RolloutEngine(Protocol):
 
     def sample_partial(self, policy: nn.Module, prefixes: list[torch.Tensor], *, limits: list[int],
                        sampling: SamplingConfig, seed: int | None, until: Callable[[list[bool]], bool],
-                       draft: object | None = None) -> Rollout:
+                       draft: object | None = None, prefix_routes: list[torch.Tensor | None] | None = None) -> Rollout:
         """One completion of each prefix (``[P_i]`` ids: a prompt, or a prompt and a carried generation's tokens)
-        of at most ``limits[i]`` new tokens, stopped once ``until(finished)`` says so (partial rollouts)."""
+        of at most ``limits[i]`` new tokens, stopped once ``until(finished)`` says so (partial rollouts). An engine
+        that records MoE routes replays ``prefix_routes`` (per prefix ``[R_i, L, k]``, R_i <= P_i, or None: the
+        routes its first R_i ids ran with when drawn) at their prefill, and its ``Rollout`` holds each prefix's
+        routes as ``prompt_routes``."""
 
     def push_weights(self, policy: nn.Module) -> None:
         """Bring the engine's weights up to the policy's (after an optimizer step)."""

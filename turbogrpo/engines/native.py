@@ -41,12 +41,14 @@ class NativeEngine:
 
     def sample_partial(self, policy: nn.Module, prefixes: list[torch.Tensor], *, limits: list[int],
                        sampling: SamplingConfig, seed: int | None, until: Callable[[list[bool]], bool],
-                       draft: object | None = None) -> Rollout:
+                       draft: object | None = None, prefix_routes: list[torch.Tensor | None] | None = None) -> Rollout:
         """One completion of each prefix (``[P_i]`` ids: a prompt, or a prompt and a carried generation's tokens,
         prefilled afresh) of at most ``limits[i]`` new tokens, stopped early where ``until`` says (a partial
-        rollout: ``train/worker/partial_rollouts.py``); speculative with ``draft`` (a ``Speculation``)."""
+        rollout: ``train/worker/partial_rollouts.py``); speculative with ``draft`` (a ``Speculation``). Recording
+        routes, the prefill replays ``prefix_routes`` (a carried generation keeps the experts that ran its ids)."""
         return generate(policy, prefixes, num_samples=1, sampling=sampling, seed=seed, schedule=self.schedule,
-                        max_new_tokens_per_completion=limits, until=until, draft=draft)
+                        max_new_tokens_per_completion=limits, until=until, draft=draft,
+                        record_routes=self.record_routes, prefix_routes=prefix_routes if self.record_routes else None)
 
     def push_weights(self, policy: nn.Module) -> None:
         pass  # samples with the policy module itself

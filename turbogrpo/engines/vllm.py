@@ -274,7 +274,8 @@ class VllmEngine:
         return Rollout(groups, stats)
 
     def sample_partial(self, policy: nn.Module, prefixes: list[torch.Tensor], *, limits: list[int],
-                       sampling: SamplingConfig, seed: int | None, until, draft: object | None = None) -> Rollout:
+                       sampling: SamplingConfig, seed: int | None, until, draft: object | None = None,
+                       prefix_routes: list[torch.Tensor | None] | None = None) -> Rollout:
         """One completion of each prefix (``[P_i]`` ids: a prompt, or a prompt and a carried generation's tokens)
         of at most ``limits[i]`` new tokens, stopped where ``until`` says (a partial rollout,
         ``train/worker/partial_rollouts.py``): the requests run step by step through vLLM's engine, ``until`` reads which
@@ -283,6 +284,9 @@ class VllmEngine:
         prefix's K/V comes from the prefix cache where the weights did not change since."""
         if draft is not None:
             raise ValueError("rollout.engine = \"vllm\" continues partial rollouts without turbogrpo's draft")
+        if prefix_routes is not None:
+            raise ValueError("rollout.engine = \"vllm\" records no MoE routes, so it has none to replay "
+                             "(algo.routing_replay)")
         from vllm.sampling_params import RequestOutputKind
         with torch.autocast(self.device.type, enabled=False):
             self._ready(policy)

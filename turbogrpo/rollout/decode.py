@@ -36,7 +36,7 @@ from turbogrpo.output_head import check_logits_head, logits_head
 from turbogrpo.rollout.compiled import PLAIN_RUNNERS, RUNNER_NAMES, resolve_runner, runner_scope
 from turbogrpo.rollout.kv_cache import GroupedKVCache
 from turbogrpo.linears import LINEAR_KERNELS
-from turbogrpo.moe_routes import RouteLog, RouteRecorder, maybe_recording
+from turbogrpo.moe_routes import RouteLog, RouteRecorder, maybe_recording, maybe_replaying, padded_routes
 from turbogrpo.rollout.outputs import LiveRows, OutputBuffers, collect_rollout, emit
 from turbogrpo.rollout.plans import prefill_all_positions
 from turbogrpo.rollout.sampling import SamplingConfig, at_least_float32
@@ -119,7 +119,8 @@ def generate(model: nn.Module, prompts: list[torch.Tensor], *, num_samples: int,
              seed: int | None = None, draft: object | None = None, return_hidden: bool = False,
              max_new_tokens_per_completion: Sequence[int] | None = None,
              schedule: DecodeSchedule | None = None,
-             until: Callable[[list[bool]], bool] | None = None, record_routes: bool = False) -> Rollout:
+             until: Callable[[list[bool]], bool] | None = None, record_routes: bool = False,
+             prefix_routes: Sequence[torch.Tensor | None] | None = None) -> Rollout:
     """Sample ``num_samples`` completions for each prompt with ``model``'s current weights.
 
     ``prompts``: 1-D int64 token id tensors, one per group. ``seed`` makes the draws reproducible
@@ -137,7 +138,10 @@ def generate(model: nn.Module, prompts: list[torch.Tensor], *, num_samples: int,
     running keeps what it has drawn (finish reason "length", shorter than its limit). None: run to the end.
     ``record_routes``: keep the experts a mixture-of-experts policy's routers chose for every prompt and completion
     token (the rollout's ``routes`` / ``prompt_routes``, ``turbogrpo.moe_routes``; algo.routing_replay; a speculative
-    rollout keeps the accepted path's); eager runners only.
+    rollout keeps the accepted path's); eager runners only. ``prefix_routes``: per prompt, the routes ``[R_g, L, k]``
+    (R_g <= P_g; None: none) its first R_g tokens were run with before (a partial rollout's carried generation, drawn
+    by older weights): the prefill replays them, so every token keeps the experts that ran it when it was drawn
+    (``prompt_routes`` then holds them, and the routes the prefill chose for the rest).
     """
     _check_inputs(model, prompts, num_samples, sampling, check_positions=max_new_tokens_per_completion is None)
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63):
@@ -169,13 +173,16 @@ def generate(model: nn.Module, prompts: list[torch.Tensor], *, num_samples: int,
         check_runner(model, schedule.runner)
         if record_routes:
             check_route_recording(draft, schedule)
+        elif prefix_routes is not None:
+            raise ValueError("generate: prefix_routes are replayed into a rollout that records its routes "
+                             "(record_routes=True)")
         # The step is made inside: a speculative step may time the model (its latency profile) as it runs.
         with rollout_linear_kernel(schedule, draft)([model, *getattr(draft, "rollout_modules", list)()]), \
                 maybe_recording(model, record_routes) as recorder, runner_scope(schedule.runner):
             step: DecodeStep = (PlainStep(PLAIN_RUNNERS[schedule.runner](plain_step)) if draft is None
                                 else draft.make_step(model, prompts, sampling))
             return _rollout(model, prompts, num_samples, sampling, generator, return_hidden, limits, step,
-                            schedule, until, recorder)
+                            schedule, until, recorder, prefix_routes)
 
 
 def check_route_recording(draft: object | None, schedule: DecodeSchedule | None) -> None:
@@ -249,13 +256,14 @@ def _length_limits(limits: Sequence[int] | None, num_completions: int, sampling:
 def _rollout(model: nn.Module, prompts: list[torch.Tensor], num_samples: int, sampling: SamplingConfig,
              generator: torch.Generator | None, return_hidden: bool, limits: list[int], step: DecodeStep,
              schedule: DecodeSchedule, until: Callable[[list[bool]], bool] | None = None,
-             recorder: RouteRecorder | None = None) -> Rollout:
+             recorder: RouteRecorder | None = None, prefix_routes: Sequence[torch.Tensor | None] | None = None
+             ) -> Rollout:
     """The loop of the module docstring (inputs already checked and on the model's device); ``recorder``: the
-    routers' recording hooks, when the rollout keeps the routes."""
+    routers' recording hooks, when the rollout keeps the routes (``prefix_routes``: replayed at the prefill)."""
     start = time.perf_counter()
     state = first_draw(model, prompts, num_samples, sampling, generator, return_hidden or step.keeps_hidden,
                        limits, step.extra_slots, static_slots=schedule.static_slots and not step.extra_slots,
-                       recorder=recorder)
+                       recorder=recorder, prefix_routes=prefix_routes)
     stats = step.make_stats()
     stats.num_forwards += 1
     step.start(state)
@@ -298,16 +306,19 @@ def _rollout(model: nn.Module, prompts: list[torch.Tensor], num_samples: int, sa
 
 def first_draw(model: nn.Module, prompts: list[torch.Tensor], num_samples: int, sampling: SamplingConfig,
                generator: torch.Generator | None, keep_hidden: bool, limits: list[int],
-               extra_slots: int, static_slots: bool = False, recorder: RouteRecorder | None = None) -> DecodeState:
+               extra_slots: int, static_slots: bool = False, recorder: RouteRecorder | None = None,
+               prefix_routes: Sequence[torch.Tensor | None] | None = None) -> DecodeState:
     """Allocate the rollout's buffers once, prefill every prompt once, draw and emit each sample's first token
-    (with ``recorder``, the prompts' routes kept and a ``RouteLog`` started for the completions')."""
+    (with ``recorder``, the prompts' routes kept and a ``RouteLog`` started for the completions'; the prefill
+    replays ``prefix_routes``, ``generate``'s)."""
     device = prompts[0].device
     num_completions, max_new = len(prompts) * num_samples, sampling.max_new_tokens
     # Every emitted token but the last is fed back, so max_new - 1 slots would do; max_new keeps
     # the capacity >= 1 when max_new_tokens = 1. A tree step writes up to extra_slots more.
     cache = GroupedKVCache([len(p) for p in prompts], num_samples, capacity=max_new + extra_slots, device=device,
                            static_slots=static_slots)
-    prompt_hidden_GPH = prefill_all_positions(model, cache, prompts)
+    with maybe_replaying(model, prefill_replay(prefix_routes, [len(p) for p in prompts], device)):
+        prompt_hidden_GPH = prefill_all_positions(model, cache, prompts)
     route_log = None if recorder is None else RouteLog(recorder, model, [len(p) for p in prompts], num_completions,
                                                        max_new + extra_slots + 1, device)
     last_GH = prompt_hidden_GPH[torch.arange(len(prompts), device=device),
@@ -332,6 +343,22 @@ def first_draw(model: nn.Module, prompts: list[torch.Tensor], num_samples: int, 
          state.criteria)
     state.next_B.copy_(tokens_B)
     return state
+
+
+def prefill_replay(prefix_routes: Sequence[torch.Tensor | None] | None, prompt_lengths: Sequence[int],
+                   device: torch.device) -> torch.Tensor | None:
+    """The routes the prefill of the prompts right-padded ``[G, P]`` replays, ``[G * P, L, k]`` (-1 where none:
+    the router's choice), from ``generate``'s ``prefix_routes``; None without any."""
+    if prefix_routes is None or all(r is None for r in prefix_routes):
+        return None
+    if len(prefix_routes) != len(prompt_lengths):
+        raise ValueError(f"prefix_routes has {len(prefix_routes)} entries; it needs one per prompt "
+                         f"({len(prompt_lengths)})")
+    like = next(r for r in prefix_routes if r is not None)
+    routes = [like[:0] if r is None else r for r in prefix_routes]
+    if any(r.shape[0] > length for r, length in zip(routes, prompt_lengths)):
+        raise ValueError("prefix_routes: a prompt's routes are longer than the prompt")
+    return padded_routes(routes, max(prompt_lengths)).to(device)
 
 
 def _host_check(state: DecodeState, step: DecodeStep, stats: RolloutStats, first: int, window: int) -> list[bool]:

@@ -286,7 +286,8 @@ def generate_multiturn(model: nn.Module, prompts: list[torch.Tensor], handlers: 
     ``max_env_workers``: most handler calls at once (1: one at a time); ``call_timeout_s``: each call's time
     limit in seconds (None: none), past which its conversation fails; ``env_calls``: an ``EnvCalls`` to run the
     handlers on instead (its own workers and limit). ``record_routes``: keep the MoE routes of every id the model
-    ran (``Groups.routes`` / ``prompt_routes``, ``turbogrpo.moe_routes``; plain sampling only).
+    ran (``Groups.routes`` / ``prompt_routes``, ``turbogrpo.moe_routes``; a speculative rollout keeps the accepted
+    paths' and the replies' routes).
     """
     if draft is not None and not callable(getattr(draft, "run_multiturn", None)):
         raise ValueError(f"draft must be a turbogrpo.speculative.Speculation (or None for plain sampling), got "
@@ -295,9 +296,6 @@ def generate_multiturn(model: nn.Module, prompts: list[torch.Tensor], handlers: 
         raise ValueError(f"schedule must be a DecodeSchedule or None, got {type(schedule).__name__}")
     factors = check_conversations(model, prompts, handlers, num_samples=num_samples, sampling=sampling, limits=limits,
                                   reply_timing=reply_timing, branching=branching)
-    if draft is not None and record_routes:
-        raise ValueError("algo.routing_replay = \"replay\" with an [env] factory records plain multi-turn rollouts only "
-                         "(speculative conversations do not record routes yet): set rollout.speculation = \"off\"")
     if draft is not None and len(factors) > 1:
         raise ValueError(f"branching {list(branching)} with a draft: speculative multi-turn rollouts do not fork "
                          "conversations yet (branch with plain sampling, or speculate without branching)")
@@ -314,13 +312,12 @@ def generate_multiturn(model: nn.Module, prompts: list[torch.Tensor], handlers: 
     # The pool is never joined: a stuck environment call must not keep the run from ending.
     with torch.inference_mode(False), torch.no_grad(), linears([model, *getattr(draft, "rollout_modules", list)()]), \
             maybe_recording(model, record_routes) as recorder:
-        prompt_routes = None
         if draft is None:
             stats, prompt_routes = _run(model, prompts, num_samples, conversations, sampling, limits, generator, pool,
                                         REPLY_TIMINGS[reply_timing], factors, recorder)
         else:  # the speculative loop (turbogrpo.speculative.multiturn) comes with the draft: never imported here
-            stats = draft.run_multiturn(model, prompts, num_samples, conversations, sampling, limits, generator,
-                                        pool, REPLY_TIMINGS[reply_timing])
+            stats, prompt_routes = draft.run_multiturn(model, prompts, num_samples, conversations, sampling, limits,
+                                                       generator, pool, REPLY_TIMINGS[reply_timing], recorder)
     return conversations_rollout(prompts, num_samples, conversations, stats, prompt_routes)
 
 

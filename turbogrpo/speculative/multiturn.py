@@ -49,6 +49,7 @@ import torch
 from torch import nn
 
 from turbogrpo.batch import Groups
+from turbogrpo.moe_routes import RouteRecorder
 from turbogrpo.rollout.decode import first_draw
 from turbogrpo.rollout.env_calls import EnvCalls
 from turbogrpo.rollout.multiturn import (_DONE, _FEED, _WAIT, MultiTurnStats, ReplyTiming, TurnLimits, _call_handler,
@@ -88,10 +89,12 @@ class _Verified(NamedTuple):
 def run_multiturn(model: nn.Module, prompts: list[torch.Tensor], num_samples: int,
                   conversations: list[_Conversation], sampling: SamplingConfig, limits: TurnLimits,
                   generator: torch.Generator | None, pool: EnvCalls, timing: ReplyTiming,
-                  make_step: Callable[[nn.Module, list[torch.Tensor], SamplingConfig], TreeStep]
-                  ) -> MultiTurnSpeculativeStats:
+                  make_step: Callable[[nn.Module, list[torch.Tensor], SamplingConfig], TreeStep],
+                  recorder: RouteRecorder | None = None) -> tuple[MultiTurnSpeculativeStats, list[torch.Tensor] | None]:
     """The loop of the module docstring; fills ``conversations`` in place (``rollout.multiturn._run``'s
-    contract; ``make_step`` is ``Speculation.make_step``: its draft, history and sizing)."""
+    contract; ``make_step`` is ``Speculation.make_step``: its draft, history and sizing). With ``recorder`` (the
+    routers' recording hooks) each conversation keeps the MoE routes of its ids as the policy ran them (a tree's
+    accepted path, a reply's chunk), and the prompts' routes are returned beside the stats (else None)."""
     start = time.perf_counter()
     # A conversation's ids play a completion's part: the engine's buffers and the draft's cache hold all of
     # them, so the pieces borrowed from the single-turn engine see max_conversation_tokens as max_new_tokens.
@@ -99,7 +102,7 @@ def run_multiturn(model: nn.Module, prompts: list[torch.Tensor], num_samples: in
     step = make_step(model, prompts, sampling)
     turn_limit = min(limits.max_turn_tokens, limits.max_conversation_tokens)
     state = first_draw(model, prompts, num_samples, sampling, generator, step.keeps_hidden,
-                       [turn_limit] * len(conversations), max(step.extra_slots, limits.prefill_chunk))
+                       [turn_limit] * len(conversations), max(step.extra_slots, limits.prefill_chunk), recorder=recorder)
     stats = MultiTurnSpeculativeStats(num_forwards=1)
     step.stats = stats  # the tree step counts its draft forwards into the rollout's stats
     step.start(state)
@@ -127,10 +130,14 @@ def run_multiturn(model: nn.Module, prompts: list[torch.Tensor], num_samples: in
         _read_host(state, step, rows, decoding, verified, conversations, stop_ids, pool, stats, bool(chunks))
     stats.num_generated_tokens = sum(sum(c.model_mask) for c in conversations)
     stats.wall_time_s = time.perf_counter() - start
+    if state.route_log is not None:  # every id but each conversation's last ran (rollout.multiturn's contract)
+        for conversation, routes_RLK in zip(conversations, state.route_log.completion_routes(
+                [len(c.ids) for c in conversations])):
+            conversation.routes = [routes_RLK.clone()]
     # The draft's time, the sizing's lengths and the history store take whole conversations, replies included.
     step.finish(Rollout(Groups(prompts, [torch.tensor(c.ids, dtype=torch.long) for c in conversations],
                                [num_samples] * len(prompts)), stats))
-    return stats
+    return stats, None if state.route_log is None else state.route_log.prompts
 
 
 def _retire(state: DecodeState, step: TreeStep, rows: list[int], conversations: list[_Conversation]) -> list[int]:
@@ -159,6 +166,8 @@ def _step(state: DecodeState, step: TreeStep, decoding: list[int], chunks: dict[
     else:
         tree, uniform_BN, catch_up_tokens = step.propose(state, shape)
     ids_Bn, depths_Bn, ancestors_Bnn = _step_inputs(tree, chunks)
+    # Where each row's newest id lies, for the routes: emitting and writing replies move it on.
+    emitted_before_B = None if state.route_log is None else state.live.emitted_B.clone()
     hidden_BnH = forward_new_tokens(state.model, cache, ids_Bn, depths_Bn, ancestors_Bnn, states_per_length=True)
     stats.num_forwards += 1
     verified = None
@@ -175,6 +184,10 @@ def _step(state: DecodeState, step: TreeStep, decoding: list[int], chunks: dict[
     if chunks:
         counts_B[torch.tensor(list(chunks), device=cache.device)] = chunk_lengths_F
     cache.commit(chosen_Bk, counts_B, num_slots)
+    if state.route_log is not None:  # MoE routes of the committed nodes: the root (column emitted - 1), then on
+        slots_k = torch.arange(num_slots, device=cache.device)
+        state.route_log.write(state.live.completion_B, emitted_before_B[:, None] - 1 + slots_k,
+                              slots_k < counts_B[:, None], chosen_Bk)
     return verified
 
 

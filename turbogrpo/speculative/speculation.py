@@ -69,14 +69,16 @@ class Speculation:
                         chains_only)
 
     def run_multiturn(self, model: nn.Module, prompts: list[torch.Tensor], num_samples: int, conversations: list,
-                      sampling: SamplingConfig, limits, generator: torch.Generator | None, pool, timing):
+                      sampling: SamplingConfig, limits, generator: torch.Generator | None, pool, timing,
+                      recorder=None):
         """The multi-turn rollout's loop with this speculation (``generate_multiturn(draft=...)`` calls it;
-        ``turbogrpo.speculative.multiturn``)."""
+        ``turbogrpo.speculative.multiturn``): its stats, and with ``recorder`` (a ``moe_routes.RouteRecorder``) the
+        prompts' MoE routes (the conversations keep theirs)."""
         if self.draft is not None and self.draft.config.feature_layers:
             raise ValueError("multi-turn rollouts do not keep the policy layers an \"eagle3\" draft reads; use a "
                              "\"turbogrpo\" or \"eagle\" draft (draft.layout) for multi-turn speculation")
         return run_multiturn(model, prompts, num_samples, conversations, sampling, limits, generator, pool, timing,
-                             self.make_step)
+                             self.make_step, recorder)
 
 
 def generate_speculative(model: nn.Module, prompts: list[torch.Tensor], *, num_samples: int,

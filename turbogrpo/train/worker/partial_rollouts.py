@@ -10,6 +10,10 @@ the step's batch is then the oldest ``num_groups`` whole groups (those of (2) am
 finished or not, is carried into segment s + 1. A carried member is continued from its ids (prompt + its tokens,
 prefilled afresh: its KV is dropped, the new weights need a new one anyway) with the limit it has left; its tokens
 keep the policy versions and the sampler's log-probs that drew them, so the decoupled-PPO weight is per token.
+With MoE routing replay (algo.routing_replay) they keep their routes too: the group's prompt routes and each
+member's token routes travel with the pool, and the carried prefix's prefill replays them, so every token runs
+the experts the weights that drew it chose, in the segment that drew it and in every later one (and the trainer
+replays those).
 
 Why the pool holds two steps of groups. GRPO trains whole groups and a step trains ``num_groups`` of them; if a
 segment started only as many as it must deliver, it would have to wait for all of them, and nothing would ever be
@@ -60,6 +64,11 @@ class PendingGroup:
     """G ``[S_i]`` int64: the policy version (optimizer steps) that drew each."""
     reasons: list[str | None]
     """G finish reasons: "stop" / "length" once finished, None while still running."""
+    prompt_routes: torch.Tensor | None = None
+    """With routes recorded (algo.routing_replay): ``[P, L, k]``, the prompt's MoE routes at its first prefill."""
+    routes: list[torch.Tensor] | None = None
+    """With routes recorded: G ``[R_i, L, k]``, R_i = S_i - 1 (the newest id is run by the next segment): the MoE
+    routes each token ran with when drawn."""
 
     @staticmethod
     def start(example: PromptExample, segment: int, num_members: int) -> PendingGroup:
@@ -70,6 +79,22 @@ class PendingGroup:
     @property
     def whole(self) -> bool:
         return all(reason is not None for reason in self.reasons)
+
+    def prefix_routes(self, member: int) -> torch.Tensor | None:
+        """``[P + R_i, L, k]``: the routes member ``member``'s prefix (prompt + tokens) ran with, but its newest
+        token's (None before the group's first segment, or without routes)."""
+        if self.prompt_routes is None:
+            return None
+        return torch.cat([self.prompt_routes, self.routes[member]])
+
+    def add_routes(self, member: int, prefix_routes: torch.Tensor, new_routes: torch.Tensor) -> None:
+        """A segment's routes of member ``member``: its prefix's (``[P + S_i, L, k]``, the carried ones replayed,
+        the newest carried token's run now) and its new tokens' but the last (``[S_new - 1, L, k]``)."""
+        prompt_length = self.example.token_ids.numel()
+        if self.prompt_routes is None:  # the group's first segment: its prompt's routes, as its prefill ran them
+            self.prompt_routes = prefix_routes[:prompt_length].cpu()
+            self.routes = [prefix_routes[:0].cpu()] * len(self.reasons)
+        self.routes[member] = torch.cat([prefix_routes[prompt_length:], new_routes]).cpu()
 
 
 @dataclass
@@ -100,8 +125,10 @@ class PartialRollouts:
             prefixes = [torch.cat([self.pool[g].example.token_ids, self.pool[g].tokens[m]]).to(device) for g, m in rows]
             limits = [self.max_new_tokens - len(self.pool[g].tokens[m]) for g, m in rows]
             until = _BatchComplete(self.pool, rows, must_go, num_groups)
+            prefix_routes = [self.pool[g].prefix_routes(m) for g, m in rows]
             rollout = engine.sample_partial(policy, prefixes, limits=limits, sampling=sampling, seed=seed, until=until,
-                                            draft=draft)
+                                            draft=draft, prefix_routes=None if all(r is None for r in prefix_routes)
+                                            else prefix_routes)
             self._extend(rows, rollout.groups, limits, version)
             stats = rollout.stats
         else:  # every group of the pool already whole: nothing to decode
@@ -114,10 +141,12 @@ class PartialRollouts:
 
     def _extend(self, rows: list[tuple[int, int]], drawn: Groups, limits: list[int], version: int) -> None:
         """Append each row's new tokens (drawn by ``version``) to its member; finished where it stopped or reached
-        its limit, still running where the segment stopped it."""
-        for (g, m), tokens, logps, reason, limit in zip(rows, drawn.completions, drawn.sampler_logps,
-                                                        drawn.finish_reasons, limits):
+        its limit, still running where the segment stopped it (with its routes, where the engine recorded them)."""
+        for row, ((g, m), tokens, logps, reason, limit) in enumerate(zip(rows, drawn.completions, drawn.sampler_logps,
+                                                                         drawn.finish_reasons, limits)):
             group = self.pool[g]
+            if drawn.routes is not None:
+                group.add_routes(m, drawn.prompt_routes[row], drawn.routes[row])
             group.tokens[m] = torch.cat([group.tokens[m], tokens.cpu()])
             group.logps[m] = torch.cat([group.logps[m].to(logps.dtype), logps.cpu()])
             group.versions[m] = torch.cat([group.versions[m], torch.full((len(tokens),), version, dtype=torch.long)])
@@ -135,10 +164,13 @@ class PartialRollouts:
 
 
 def pool_state(pool: Sequence[PendingGroup]) -> tuple[dict[str, torch.Tensor], list[dict]]:
-    """``PartialRollouts.state_dict`` of ``pool``."""
+    """``PartialRollouts.state_dict`` of ``pool`` (with routes: ``carried/<group>/prompt_routes`` and
+    ``carried/<group>/<member>/routes`` too)."""
     tensors = {f"carried/{g}/{m}/{name}": getattr(group, name)[m].contiguous()
                for g, group in enumerate(pool) for m in range(len(group.reasons))
-               for name in ("tokens", "logps", "versions")}
+               for name in ("tokens", "logps", "versions", "routes") if getattr(group, name) is not None}
+    tensors.update({f"carried/{g}/prompt_routes": group.prompt_routes.contiguous()
+                    for g, group in enumerate(pool) if group.prompt_routes is not None})
     scalars = [{"index": group.example.index, "started": group.started, "reasons": list(group.reasons)}
                for group in pool]
     return tensors, scalars
@@ -154,9 +186,12 @@ def restore_pool(tensors: dict[str, torch.Tensor], scalars: list[dict],
             raise ValueError(f"the checkpoint's carried generations name prompt row {saved['index']}, which this "
                              "run's data does not have; resume with the data the run started with")
         members = range(len(saved["reasons"]))
+        routed = f"carried/{g}/prompt_routes" in tensors
         pool.append(PendingGroup(by_index[saved["index"]], saved["started"],
                                  *([tensors[f"carried/{g}/{m}/{name}"] for m in members]
-                                   for name in ("tokens", "logps", "versions")), list(saved["reasons"])))
+                                   for name in ("tokens", "logps", "versions")), list(saved["reasons"]),
+                                 tensors.get(f"carried/{g}/prompt_routes"),
+                                 [tensors[f"carried/{g}/{m}/routes"] for m in members] if routed else None))
     return pool
 
 
@@ -187,7 +222,10 @@ def _as_groups(batch: list[PendingGroup], device: torch.device) -> Groups:
     """The batch's groups as the loop takes them, on ``device`` as a rollout gives them (the pool stays on the host,
     what a checkpoint saves): every member's ids, sampler log-probs and per-token versions (host, as ever)."""
     on = lambda tensors: [t.to(device) for t in tensors]  # noqa: E731
+    routed = all(group.prompt_routes is not None for group in batch) and bool(batch)
     return Groups.from_nested([group.example.token_ids.to(device) for group in batch],
                               [on(group.tokens) for group in batch], finish_reasons=[group.reasons for group in batch],
                               sampler_logps=[on(group.logps) for group in batch],
-                              versions=[group.versions for group in batch])
+                              versions=[group.versions for group in batch],
+                              routes=[group.routes for group in batch] if routed else None,
+                              prompt_routes=[group.prompt_routes for group in batch] if routed else None)
