@@ -1,6 +1,7 @@
 """Speculative rollouts of hybrid models: history drafts as one chain per row, the recurrent states kept after every
 length of the chain and the accepted one committed (``turbogrpo.rollout.states``). Lossless: greedy equals plain
-greedy, sampler log-probs are the trainer's, the first tokens follow the policy's own law, conversations too."""
+greedy, sampler log-probs are the trainer's, the first tokens follow the policy's own law, conversations too. The
+neural draft's chains: test_hybrid_neural_chains.py."""
 
 import pytest
 import torch
@@ -117,8 +118,3 @@ def test_the_chain_step_never_syncs_with_the_host(monkeypatch):
                        draft=speculation(HistoryDrafts(min_match=1)))
     assert max(rollout.stats.tree_sizes) > 1
 
-
-def test_a_neural_draft_head_is_refused_for_a_hybrid_in_one_line():
-    from turbogrpo.speculative.draft import DraftHead
-    with pytest.raises(ValueError, match=r"^model type 'lfm2' .*a neural draft head does not"):
-        DraftHead(build_hybrid("lfm2", torch.float32, vocab_size=VOCAB))
