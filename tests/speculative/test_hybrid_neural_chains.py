@@ -10,11 +10,13 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
 from tests.mixers.conftest import build_hybrid, float64_throughout  # noqa: F401 (a fixture)
 from tests.rollout.conftest import random_prompts
+from tests.rollout.test_multiturn import Scripted, plain_logprobs
 from tests.speculative.speculative_helpers import chi_square_pvalue, joint_counts
 from tests.speculative.test_decode import CASES, V, assert_same_completions, exact_first_three
 from turbogrpo import completion_logprobs
 from turbogrpo.config import DraftLearningConfig
 from turbogrpo.rollout import SamplingConfig, generate
+from turbogrpo.rollout.multiturn import TurnLimits, generate_multiturn
 from turbogrpo.speculative.draft import DraftHead
 from turbogrpo.speculative.draft_training import draft_groups, train_draft
 from turbogrpo.speculative.history import HistoryDrafts
@@ -59,6 +61,23 @@ def test_sampler_logprobs_with_neural_chains_equal_the_trainers(float64_througho
         trainer = completion_logprobs(model, rollout.prompts, rollout.tokens_per_group())
     for ours, theirs in zip(rollout.logprobs_per_group(), trainer):
         torch.testing.assert_close(torch.cat(ours).double(), torch.cat(theirs).double(), rtol=0, atol=1e-10)
+
+
+def test_speculative_conversations_with_neural_chains_feed_replies_through_the_recurrence(float64_throughout):
+    """Replies and the draft's chains (history's where they run as deep) in one forward: each model token's sampler
+    log-prob equals a plain forward of the whole conversation."""
+    model = build_hybrid("qwen3_5_text", torch.float64, vocab_size=64)
+    prompts = random_prompts([5, 9])
+    replies = [[list(range(30, 41))[:1 + 2 * i], [40 + i] * (1 + i % 2)] for i in range(6)]
+    out = generate_multiturn(model, prompts, [Scripted(r) for r in replies], num_samples=3,
+                             sampling=SamplingConfig(max_new_tokens=12, stop_token_ids=list(range(0, 64, 7))),
+                             limits=TurnLimits(12, 80, prefill_chunk=16), seed=0,
+                             draft=speculation(DraftHead(model), HistoryDrafts(min_match=1)))
+    groups = out.groups
+    assert sum(bool((~mask).any()) for mask in groups.model_mask) >= 3
+    for i, (ids, mask, logps) in enumerate(zip(groups.completions, groups.model_mask, groups.sampler_logps)):
+        reference = plain_logprobs(model, prompts[i // 3], ids)
+        torch.testing.assert_close(logps[mask].double(), reference[mask].double(), rtol=0, atol=1e-6)
 
 
 def trained_draft(model, prompt: torch.Tensor) -> DraftHead:
