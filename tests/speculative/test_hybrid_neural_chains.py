@@ -10,13 +10,12 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
 from tests.mixers.conftest import build_hybrid, float64_throughout  # noqa: F401 (a fixture)
 from tests.rollout.conftest import random_prompts
-from tests.rollout.test_multiturn import Scripted, plain_logprobs
 from tests.speculative.speculative_helpers import chi_square_pvalue, joint_counts
+from tests.speculative.test_hybrid_chains import assert_conversation_logprobs_are_plain, commit_one_token_too_many
 from tests.speculative.test_decode import CASES, V, assert_same_completions, exact_first_three
 from turbogrpo import completion_logprobs
 from turbogrpo.config import DraftLearningConfig
 from turbogrpo.rollout import SamplingConfig, generate
-from turbogrpo.rollout.multiturn import TurnLimits, generate_multiturn
 from turbogrpo.speculative.draft import DraftHead
 from turbogrpo.speculative.draft_training import draft_groups, train_draft
 from turbogrpo.speculative.history import HistoryDrafts
@@ -64,20 +63,8 @@ def test_sampler_logprobs_with_neural_chains_equal_the_trainers(float64_througho
 
 
 def test_speculative_conversations_with_neural_chains_feed_replies_through_the_recurrence(float64_throughout):
-    """Replies and the draft's chains (history's where they run as deep) in one forward: each model token's sampler
-    log-prob equals a plain forward of the whole conversation."""
-    model = build_hybrid("qwen3_5_text", torch.float64, vocab_size=64)
-    prompts = random_prompts([5, 9])
-    replies = [[list(range(30, 41))[:1 + 2 * i], [40 + i] * (1 + i % 2)] for i in range(6)]
-    out = generate_multiturn(model, prompts, [Scripted(r) for r in replies], num_samples=3,
-                             sampling=SamplingConfig(max_new_tokens=12, stop_token_ids=list(range(0, 64, 7))),
-                             limits=TurnLimits(12, 80, prefill_chunk=16), seed=0,
-                             draft=speculation(DraftHead(model), HistoryDrafts(min_match=1)))
-    groups = out.groups
-    assert sum(bool((~mask).any()) for mask in groups.model_mask) >= 3
-    for i, (ids, mask, logps) in enumerate(zip(groups.completions, groups.model_mask, groups.sampler_logps)):
-        reference = plain_logprobs(model, prompts[i // 3], ids)
-        torch.testing.assert_close(logps[mask].double(), reference[mask].double(), rtol=0, atol=1e-6)
+    """Replies and the draft's chains (history's where they run as deep) in one forward."""
+    assert_conversation_logprobs_are_plain(lambda model: speculation(DraftHead(model), HistoryDrafts(min_match=1)))
 
 
 def trained_draft(model, prompt: torch.Tensor) -> DraftHead:
@@ -109,17 +96,8 @@ def test_first_three_tokens_with_neural_chains_follow_the_policy():
 
 
 def test_neural_chains_rolled_back_to_the_wrong_state_fail_the_chi_square(monkeypatch):
-    """The test has the power to see a wrong rollback: committing each row's states one token past what it kept
-    (the first rejected draft token run into the recurrence and the convolution window) fails it."""
-    from turbogrpo.rollout.states import RecurrentStates
-    commit = RecurrentStates.commit_lengths
-
-    def one_token_too_many(self, num_kept_B):
-        if self._pending_scan:   # a chain forward: its scan states after 0 .. n tokens, [B, n + 1, ...]
-            chain_length = next(iter(self._pending_scan.values()))[0].shape[1] - 1
-            num_kept_B = (num_kept_B + 1).clamp(max=chain_length)
-        commit(self, num_kept_B)
-    monkeypatch.setattr(RecurrentStates, "commit_lengths", one_token_too_many)
+    """The test has the power to see a wrong rollback (states committed one token past the accepted length)."""
+    commit_one_token_too_many(monkeypatch)
     assert first_three_tokens_pvalue() < 1e-9
 
 
