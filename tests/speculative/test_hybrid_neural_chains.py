@@ -18,10 +18,10 @@ from turbogrpo.config import DraftLearningConfig
 from turbogrpo.rollout import SamplingConfig, generate
 from turbogrpo.speculative.draft import DraftHead
 from turbogrpo.speculative.draft_training import draft_groups, train_draft
-from turbogrpo.speculative.history import HistoryDrafts
+from turbogrpo.speculative.history import HistoryDrafts, full_chain_or_neural
 from turbogrpo.speculative.sizing import FixedSizing
 from turbogrpo.speculative.speculation import Speculation
-from turbogrpo.speculative.tree import TreeShape
+from turbogrpo.speculative.tree import TreeShape, chain_shape, chain_tree
 
 VOCAB = 16
 SHAPE = TreeShape(2, 3, 7)   # a tree for an attention model; the draft's top path of 3 for a hybrid
@@ -112,3 +112,13 @@ def test_a_hybrids_draft_copies_what_fits_and_names_the_rest(tmp_path):
     assert copied == 6
     loaded = DraftHead.load(draft.save(tmp_path / "draft"), model)
     assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), draft.state_dict().values()))
+
+
+def test_a_step_shape_becomes_its_deepest_chain_and_history_replaces_the_drafts_chain_only_when_as_deep():
+    assert chain_shape(TreeShape(4, 4, 16)) == TreeShape(1, 4, 5)
+    assert chain_shape(TreeShape(2, 3, 3)) == TreeShape(1, 2, 3)   # within the shape's N - 1 nodes
+    neural = chain_tree(torch.tensor([[9, 1, 2, 3], [9, 1, 2, 3]]))
+    history_B1L = torch.tensor([[[5, 6, 7]], [[5, -1, -1]]])   # row 1's match runs one token deep only
+    merged = full_chain_or_neural(history_B1L, neural)
+    assert merged.tokens.tolist() == [[9, 5, 6, 7], [9, 1, 2, 3]]
+    assert torch.equal(merged.parents, neural.parents) and torch.equal(merged.ancestors, neural.ancestors)

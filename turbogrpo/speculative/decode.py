@@ -113,7 +113,7 @@ class TreeStep:
         self.chains_only = chains_only
         """One chain per row, whatever the shape's K (a hybrid: its recurrent states follow a chain,
         ``rollout.states``): the neural draft's top path (``tree.chain_shape``), or the history's chain where it
-        runs as deep (``history.full_chain_or_neural``), or the history's alone."""
+        runs as deep from a full-length match (``history.propose_history``), or the history's alone."""
         self.keeps_hidden = draft is not None  # history drafts read tokens only
         # Looked up here, not bound at import, so that the functions can be watched in tests.
         self.draft_tree, self.verify_step = RUNNERS[runner](draft_tree), RUNNERS[runner](verify_step)

@@ -37,7 +37,7 @@ class DraftBody(NamedTuple):
     layers: nn.ModuleList
     rotary: nn.Module
     kind: str
-    """Key of ``DRAFT_BODIES`` it was built by (for messages)."""
+    """Key of ``DRAFT_BODIES`` it was built by (``export_vllm`` refuses an "attention" body: a hybrid's draft)."""
 
 
 def policy_layers(policy: nn.Module, num_layers: int) -> DraftBody:
@@ -119,4 +119,3 @@ def source_layer(policy_layers_: nn.ModuleList, draft_layer: nn.Module) -> nn.Mo
     counts = [len(copyable(draft_layer, layer)[0]) for layer in policy_layers_]
     best = max(counts)
     return policy_layers_[max(i for i, c in enumerate(counts) if c == best)]
-
