@@ -31,8 +31,8 @@ forward makes its logits:
   exactly: each such layer runs a shared prompt or trie node once and its completions or children from its final
   state. turbogrpo's native rollout engine samples it with a state cache beside its KV cache (each prompt's
   states computed once and copied to its samples, decoding token by token, conversations and their forks keeping
-  their states) and speculates on it with history chains; a neural draft head refuses it in one line. vLLM serves
-  some (below).
+  their states) and speculates on it with chains: a neural draft head's top path (its layers are Llama layers of
+  the policy's width) or history drafts, never trees. vLLM serves some (below).
 - **tree falls back**: token mixing that turbogrpo's attention plans do not implement. `tree_logprobs` runs it
   one row per sequence through the model's own forward, with a warning (the same numbers, no sharing); the
   shared-prefix forward and the rollout engine refuse it in one line, before touching the model; the TRL drop-in
@@ -59,11 +59,16 @@ HYBRID_PATHS = [
      "worker too; sampler log-probs the trainer's (tests/rollout/test_hybrid.py; tests/train/test_hybrid_configs.py "
      "trains every shipped config's task on the hybrid demo model)"),
     ("speculative rollouts",
-     "history drafts alone (the Python API's `Speculation(None, history=HistoryDrafts())`), one chain per row (a "
-     "tree shape is cut to its deepest chain), the states after every length of the chain kept until the "
-     "verification commits one; greedy equal to plain greedy, chi-square tests of the samples "
-     "(tests/speculative/test_hybrid_chains.py). A neural draft head (which copies the policy's first layers) "
-     "refuses them in one line, and so does `turbogrpo train` with `rollout.speculation` on (it builds one)"),
+     "chains only, one per row (a tree shape is cut to its deepest chain), the states after every length of the "
+     "chain kept until the verification commits one: a neural draft head's top path (its body is Llama layers of "
+     "the policy's width, `speculative.draft_body`; `draft.init_from_policy` copies what fits of the last "
+     "attention layer and names the rest), a history chain instead where a full-length match runs as deep, or "
+     "history drafts alone "
+     "(`Speculation(None, history=HistoryDrafts())`). Greedy equal to plain greedy, chi-square tests of the "
+     "samples with a wrong rollback that fails them (tests/speculative/test_hybrid_chains.py, "
+     "test_hybrid_neural_chains.py); `turbogrpo train` with `rollout.speculation` on learns the draft online "
+     "(configs/longform.toml on the hybrid demo model: tests/train/test_hybrid_configs.py). Trees (siblings) are "
+     "not built: a recurrent state follows one path"),
     ("vLLM engine (`rollout.engine = \"vllm\"`)",
      "serves {served} (the table below); `rollout.engine = \"auto\"` samples the others natively"),
     ("LoRA (`[lora]`)",

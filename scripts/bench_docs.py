@@ -429,6 +429,13 @@ HYBRID_ROLLOUT = tables(
            col("native x HF generate", "speedup_vs_hf_generate", "x"),
            col("greedy equal to HF", "greedy_vs_hf.greedy_equal", "int"), col("vLLM", "shape.vllm", "text")]))
 
+HYBRID_SPECULATION = tables(
+    Table([col("variant", "$key", "text"), col("median s", "median_s", "s"),
+           col("accepted length", "accepted_length", "f2"), col("x plain", "speedup_vs_plain", "x")], rows="times"),
+    Table([col("model", "shape.model", "text"), col("prompts", "shape.num_prompts", "int"),
+           col("G", "shape.num_samples", "int"), col("up to tokens", "shape.max_new_tokens", "int"),
+           col("chain depth", "shape.depth", "int"), col("draft epochs", "shape.draft.epochs", "int")]))
+
 TREE_REAL = tables(
     Table([col("part", "part", "text"), col("conversations", "sequences", "int"), col("row tokens", "row_tokens", "int"),
            col("trie tokens", "trie_tokens", "int"), col("rows", "times.rows.median_s", "s"),
@@ -670,6 +677,7 @@ RENDERERS: dict[str, Renderer] = {
     "tree_synthetic": TREE_SYNTHETIC,
     "hybrid_prefix": HYBRID_PREFIX,
     "hybrid_rollout": HYBRID_ROLLOUT,
+    "hybrid_speculation": HYBRID_SPECULATION,
     "tree_real": TREE_REAL,
     "tree_siblings": TREE_SIBLINGS,
     "multiturn": MULTITURN,
@@ -848,6 +856,9 @@ RESULTS: list[Result] = [
     Result("speculative_smollm2_onednn_tail", "speculative_smollm2", "SmolLM2-135M, natural tail, oneDNN weight matmuls",
            f"{SPEC} --batches '' --kinds '' --tail-kinds neural+siblings --out speculative_smollm2_onednn_tail",
            section="Speculative rollouts"),
+    Result("hybrid_speculation", "hybrid_speculation", "Hybrid demo model (Qwen3.5-shaped), chains only: plain, history "
+           "chains, a trained neural draft's chains, both (T = 1)", "python bench/hybrid_speculation.py",
+           section="Speculative rollouts", awaiting_run=True),
     Result("speculative_smollm2_paired", "speculative_smollm2", "SmolLM2-135M, the loop's plain path against the plain engine",
            f"{SPEC} --batches 4,32 --new-tokens 64 --kinds off,neural --tail-kinds '' --repeats 5 "
            "--out speculative_smollm2_paired", section="Speculative rollouts"),

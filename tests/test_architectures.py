@@ -179,7 +179,7 @@ def test_a_hybrid_runs_shared_in_training_and_in_the_native_rollout_and_vllm_ref
         assert tree_logprobs(model, build_trie(sequences, masks)).layout == "tree"
     generate(model, prompts, num_samples=2, sampling=SamplingConfig(max_new_tokens=3))
     refusal = ("^model type 'qwen3_5_text' has layer types \\['linear_attention'\\]; turbogrpo's training "
-               "forwards and native rollout engine run it .*a neural draft head does not")
+               "forwards and native rollout engine run it .*the vLLM engine serves only some hybrids")
     with pytest.raises(ValueError, match=refusal):
         check_supported(model)
 

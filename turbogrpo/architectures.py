@@ -14,9 +14,10 @@ Three classes:
   (linear attention, Mamba-2, short convolutions), listed in :data:`SHARED_IN_TRAINING`. The shared-prefix forward
   and the trie forward run it exactly, its attention layers through the plans and its other layers through their
   registered units (``turbogrpo.mixers``); the native rollout engine samples it through the same units, with a state
-  cache beside its KV cache (``rollout.states``), and speculates on it with history chains. A neural draft head
-  refuses it in one line; the vLLM engine serves the types it was found to run (``engines.VLLM_HYBRIDS``, engine
-  capability ``hybrid_model_types``).
+  cache beside its KV cache (``rollout.states``), and speculates on it with chains, never trees: a neural draft
+  head's top path (its body is Llama layers of the policy's width, ``speculative.draft_body``) or history drafts.
+  The vLLM engine serves the types it was found to run (``engines.VLLM_HYBRIDS``, engine capability
+  ``hybrid_model_types``).
 * **tree falls back**: token mixing that turbogrpo's attention plans do not implement (a
   :data:`TOKEN_MIXING_RULES` rule applies). ``tree_logprobs`` runs such a model one row per sequence through
   its own forward (the same numbers, no sharing); the shared-prefix forward and the rollout engine refuse it.
@@ -87,7 +88,8 @@ def _attention_sinks(config) -> str | None:
 # Hybrid model types whose stateful layers the training forwards (shared prefix, trie) run shared, through the
 # units of turbogrpo.mixers, checked against the model's own forward in float64 (log-probs and every gradient,
 # tests/mixers), and sampled by the native rollout engine (tests/rollout/test_hybrid.py): model type -> its layers.
-# A neural draft head refuses them (the draft copies attention layers); vLLM serves the types of engines.VLLM_HYBRIDS.
+# Speculation verifies chains on them (a neural draft's top path, history chains: tests/speculative); vLLM serves
+# the types of engines.VLLM_HYBRIDS.
 SHARED_IN_TRAINING: dict[str, str] = {
     "qwen3_5_text": "gated DeltaNet (linear attention) and full attention",
     "qwen3_5_moe_text": "gated DeltaNet and full attention, sparse MoE",

@@ -105,9 +105,8 @@ def check_supported(model: nn.Module, *, training: bool = False) -> None:
     if what is not None and model_type in SHARED_IN_TRAINING:
         raise ValueError(
             f"model type '{model_type}' {what}; turbogrpo's training forwards and native rollout engine run it "
-            "(their state caches), a neural draft head does not, and the vLLM engine serves only some hybrids "
-            "(docs/guide/architectures.md): use rollout.speculation = \"off\" and rollout.engine = \"native\" or "
-            "\"auto\" (the Python API speculates on it with history drafts alone).")
+            "(their state caches, speculation with chains), and the vLLM engine serves only some hybrids "
+            "(docs/guide/architectures.md): use rollout.engine = \"native\" or \"auto\".")
     if what is not None:
         raise ValueError(
             f"model type '{model_type}' {what}; turbogrpo's attention plans (shared prefix, rollout) cannot run it "

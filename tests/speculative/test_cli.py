@@ -191,3 +191,24 @@ def test_draft_train_eagle3_with_training_time_test_reports_acceptance_by_depth(
     error = capsys.readouterr().err
     error_line = error.strip().splitlines()[-1]  # after the weight-loading bar
     assert error_line.startswith("turbogrpo: error: cannot export") and "layout 'eagle3' reduces" in error_line
+
+
+def test_draft_train_and_profile_on_the_shipped_hybrid(tmp_path, monkeypatch, capsys):
+    """`turbogrpo draft train --model demo-hybrid` (`draft build` knows recipes of packaged drafts only): the draft's
+    body is Llama layers of the hybrid's width, its init names what the hybrid's layers cannot give it, and the
+    rollout's held-out chains are reported; `profile` times the hybrid's steps and the draft's levels."""
+    out = tmp_path / "draft"
+    with pytest.warns(UserWarning, match=r"nothing of the same kind and shape for .*input_layernorm.weight"):
+        assert main(["draft", "train", "--model", "demo-hybrid", "--out", str(out), "--num-prompts", "4",
+                     "--num-samples", "2", "--max-new-tokens", "8", "--epochs", "1", "--batch-size", "4",
+                     "--init-from-policy", "--validation-prompts", "1"]) == 0
+    printed = capsys.readouterr().out
+    assert "draft saved to" in printed and "tokens per verification of one chain" in printed
+    from turbogrpo.models import load_model_and_tokenizer
+    policy, _ = load_model_and_tokenizer("demo-hybrid")
+    assert type(DraftHead.load(out, policy).layers[0]).__name__ == "LlamaDecoderLayer"
+    monkeypatch.setenv("TURBOGRPO_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("TURBOGRPO_CACHE_DIR", raising=False)
+    assert main(["profile", "--model", "demo-hybrid", "--draft", str(out), "--context-length", "8",
+                 "--max-tokens", "4"]) == 0
+    assert "draft ms" in capsys.readouterr().out

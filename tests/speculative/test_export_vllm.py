@@ -99,6 +99,9 @@ def test_the_turbogrpo_layout_and_a_draft_vocabulary_are_refused_with_the_differ
     windowed = tiny_policy("qwen2", seed=2, use_sliding_window=True, sliding_window=6)
     with pytest.raises(ValueError, match="sliding-window"):
         export_vllm_draft(DraftHead(windowed, layout="eagle"), tmp_path / "d")
+    from tests.mixers.conftest import build_hybrid
+    with pytest.raises(ValueError, match=r"the policy is a hybrid \('lfm2'\): its draft's chains run on turbogrpo's"):
+        export_vllm_draft(DraftHead(build_hybrid("lfm2", torch.float32), layout="eagle"), tmp_path / "e")
     assert not any(tmp_path.iterdir())  # nothing written for a refused draft
 
 

@@ -1,6 +1,9 @@
 """Speculative rollouts of hybrid models: history drafts as one chain per row, the recurrent states kept after every
 length of the chain and the accepted one committed (``turbogrpo.rollout.states``). Lossless: greedy equals plain
-greedy, sampler log-probs are the trainer's, the first tokens follow the policy's own law, conversations too."""
+greedy, sampler log-probs are the trainer's, the first tokens follow the policy's own law, conversations too. The
+neural draft's chains: test_hybrid_neural_chains.py."""
+
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -76,9 +79,9 @@ def test_first_three_tokens_with_history_chains_follow_the_policy(model_type):
     assert pvalue > 1e-3, f"speculative rollouts of a hybrid differ from the policy (p={pvalue:.2e})"
 
 
-def test_a_chain_committing_the_state_of_a_rejected_token_fails_the_chi_square(monkeypatch):
-    """The test has the power to see a wrong rollback: committing each row's states one token past what it kept
-    (the first rejected draft token run into the recurrence and the convolution window) fails it."""
+def commit_one_token_too_many(monkeypatch) -> None:
+    """A wrong rollback: each row's states committed one token past what it kept (the first rejected draft token run
+    into the recurrence and the convolution window)."""
     from turbogrpo.rollout.states import RecurrentStates
     commit = RecurrentStates.commit_lengths
 
@@ -88,25 +91,34 @@ def test_a_chain_committing_the_state_of_a_rejected_token_fails_the_chi_square(m
             num_kept_B = (num_kept_B + 1).clamp(max=chain_length)
         commit(self, num_kept_B)
     monkeypatch.setattr(RecurrentStates, "commit_lengths", one_token_too_many)
+
+
+def test_a_chain_committing_the_state_of_a_rejected_token_fails_the_chi_square(monkeypatch):
+    """The test has the power to see a wrong rollback."""
+    commit_one_token_too_many(monkeypatch)
     assert first_three_tokens_pvalue("qwen3_5_text") < 1e-9
 
 
-def test_speculative_conversations_feed_replies_through_the_recurrence(float64_throughout):
-    """Reply chunks and chains in one forward, rows waiting for their environment committing nothing, replies longer
-    than a tree cut into chunks of its size: each model token's sampler log-prob equals a plain forward of the whole
-    conversation."""
+def assert_conversation_logprobs_are_plain(speculation_for: Callable[[torch.nn.Module], Speculation]) -> None:
+    """Two turns of six conversations on a float64 Qwen3.5 speculating as ``speculation_for(model)`` says: each model
+    token's sampler log-prob equals a plain forward of the whole conversation."""
     model = build_hybrid("qwen3_5_text", torch.float64, vocab_size=64)
     prompts = random_prompts([5, 9])
     replies = [[list(range(30, 41))[:1 + 2 * i], [40 + i] * (1 + i % 2)] for i in range(6)]
     out = generate_multiturn(model, prompts, [Scripted(r) for r in replies], num_samples=3,
                              sampling=SamplingConfig(max_new_tokens=12, stop_token_ids=list(range(0, 64, 7))),
-                             limits=TurnLimits(12, 80, prefill_chunk=16), seed=0,
-                             draft=speculation(HistoryDrafts(min_match=1)))
+                             limits=TurnLimits(12, 80, prefill_chunk=16), seed=0, draft=speculation_for(model))
     groups = out.groups
     assert sum(bool((~mask).any()) for mask in groups.model_mask) >= 3
     for i, (ids, mask, logps) in enumerate(zip(groups.completions, groups.model_mask, groups.sampler_logps)):
         reference = plain_logprobs(model, prompts[i // 3], ids)
         torch.testing.assert_close(logps[mask].double(), reference[mask].double(), rtol=0, atol=1e-6)
+
+
+def test_speculative_conversations_feed_replies_through_the_recurrence(float64_throughout):
+    """Reply chunks and chains in one forward, rows waiting for their environment committing nothing, replies longer
+    than a tree cut into chunks of its size."""
+    assert_conversation_logprobs_are_plain(lambda model: speculation(HistoryDrafts(min_match=1)))
 
 
 def test_the_chain_step_never_syncs_with_the_host(monkeypatch):
@@ -117,8 +129,3 @@ def test_the_chain_step_never_syncs_with_the_host(monkeypatch):
                        draft=speculation(HistoryDrafts(min_match=1)))
     assert max(rollout.stats.tree_sizes) > 1
 
-
-def test_a_neural_draft_head_is_refused_for_a_hybrid_in_one_line():
-    from turbogrpo.speculative.draft import DraftHead
-    with pytest.raises(ValueError, match=r"^model type 'lfm2' .*a neural draft head does not"):
-        DraftHead(build_hybrid("lfm2", torch.float32, vocab_size=VOCAB))

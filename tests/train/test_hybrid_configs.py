@@ -1,7 +1,7 @@
 """Every shipped config's task (configs/) trained for one step on the shipped hybrid demo model (a Qwen3.5-shaped
 gated-DeltaNet hybrid): single-turn, multi-turn with branching through the trie forward, LoRA with a KL term,
 bf16 with activation checkpointing, and one asynchronous (k = 1) run. Sizes are cut to the bone; what each case
-changes beyond that says why (the demo tokenizer has no ChatML tokens; hybrids refuse a neural draft head)."""
+changes beyond that says why (the demo tokenizer has no ChatML tokens)."""
 
 import json
 from pathlib import Path
@@ -31,7 +31,7 @@ CASES = {
     "demo_multiturn.toml": {**CONVERSATIONS, "env.max_turn_tokens": 32, "env.max_conversation_tokens": 80},
     "gsm8k.toml": {"model.device": '"cpu"', "data.max_prompt_tokens": 256},          # bf16, checkpointing kept
     "gsm8k_lora_ddp.yaml": {"model.device": '"cpu"', "data.max_prompt_tokens": 256},  # LoRA, beta > 0, 1 rank
-    "longform.toml": {"rollout.speculation": '"off"'},   # a neural draft head refuses hybrids (history chains only)
+    "longform.toml": {},   # a neural draft head learning online, its chains verified on the hybrid
     "smollm2_arithmetic.toml": {},
     "smollm2_calculator.toml": {**CONVERSATIONS, **DEMO_TEMPLATE, "env.tool_parser": '"hermes"'},  # the template's calls
     "smollm2_gsm8k.toml": {"data.max_prompt_tokens": 256},                          # checkpointing kept
@@ -70,6 +70,20 @@ def test_a_shipped_config_trains_the_hybrid_demo_model(name, tmp_path):
     assert steps[0]["logprob_gap"] < tolerance, (name, steps[0]["logprob_gap"])
     if config.env.factory:
         assert steps[0]["env/failures"] == 0, name
+
+
+def test_the_longform_config_speculates_with_neural_chains_on_the_hybrid_and_the_draft_learns(tmp_path):
+    """Two steps of configs/longform.toml: the draft head (Llama layers of the hybrid's width) proposes chains and
+    learns online from the rollout's features; the second step's draft has learnt from the first rollout."""
+    sets = sets_for("longform.toml", tmp_path, {"train.num_steps": 2, "rollout.speculation": '"fixed"',
+                                                "rollout.max_new_tokens": 12})
+    summary = loop.train(load_config(CONFIGS / "longform.toml", sets))
+    steps = [record for record in read_metrics(tmp_path / "run") if "reward" in record]
+    assert summary.steps == 2 and len(steps) == 2
+    for record in steps:
+        assert record["spec/frac_tree_steps"] > 0 and record["draft/tokens"] > 0, record
+        assert record["spec/tree_size"] == 1 + 4   # "fixed" sizing's tree (4, 4, 16) as one chain of 4 per row
+        assert record["logprob_gap"] < 1e-4
 
 
 def test_an_asynchronous_run_trains_the_hybrid_demo_model(tmp_path):

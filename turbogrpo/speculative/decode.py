@@ -31,6 +31,11 @@ History drafts (``history.py``, ``Speculation.history``) add suffix-match chains
 siblings and earlier rollouts to the draft's tree, or make the tree alone when there is no draft
 (``Speculation(None, history=...)``: no prompt pass, no catch-up, no draft forward).
 
+A hybrid policy (``TreeStep.chains_only``) verifies one chain per row: its recurrent states are kept after every
+length of the chain and the accepted one committed (``rollout.states``), which a tree's branches would not give.
+The neural draft then proposes its top path (a tree of width 1), and history drafts replace it where their chain
+runs as deep.
+
 The draft lags behind lazily: pending pairs (policy feature, token) are read back from the output
 buffers when the draft next runs, so plain steps (speculation off at high B) pay nothing for it.
 
@@ -59,7 +64,7 @@ from turbogrpo.speculative.draft_decoding import (DraftKVCache, TappedFeatures, 
 from turbogrpo.speculative.history import HistoryDrafts, chain_geometry, propose_history
 from turbogrpo.speculative.profiler import DeviceStopwatch
 from turbogrpo.speculative.sizing import MergedSizing, SizingPolicy
-from turbogrpo.speculative.tree import DraftTree, TreeShape, build_tree
+from turbogrpo.speculative.tree import DraftTree, TreeShape, build_tree, chain_shape
 from turbogrpo.speculative.verify import TreeVerdict, verify_tree
 
 @dataclass
@@ -106,8 +111,9 @@ class TreeStep:
         self.sizing = sizing
         self.history = history
         self.chains_only = chains_only
-        """History drafts as one chain per row, whatever the shape's K (a hybrid: its recurrent states follow a
-        chain, ``rollout.states``); only without a neural draft."""
+        """One chain per row, whatever the shape's K (a hybrid: its recurrent states follow a chain,
+        ``rollout.states``): the neural draft's top path (``tree.chain_shape``), or the history's chain where it
+        runs as deep from a full-length match (``history.propose_history``), or the history's alone."""
         self.keeps_hidden = draft is not None  # history drafts read tokens only
         # Looked up here, not bound at import, so that the functions can be watched in tests.
         self.draft_tree, self.verify_step = RUNNERS[runner](draft_tree), RUNNERS[runner](verify_step)
@@ -172,7 +178,7 @@ class TreeStep:
         if self.draft is None or (isinstance(self.sizing, MergedSizing) and self.sizing.history_alone):
             num_chains, depth = chain_geometry(shape)
             if self.chains_only:
-                num_chains, depth = 1, min(shape.depth, shape.num_nodes - 1)
+                num_chains, depth = 1, chain_shape(shape).depth
             uniform_BN = self.draw_uniforms(state, 1 + num_chains * depth)
             with self.stopwatch:
                 tree = propose_history(state, self.corpus, self.history, num_chains, depth, max(self.emitted_host))
@@ -192,12 +198,15 @@ class TreeStep:
         pending_width = max(e - s for e, s in zip(self.emitted_host, self.draft_seen_host))
         catch_up_tokens = pending_width * cache.num_live
         num_chains = 0 if self.history is None else self.history.num_chains
-        uniform_BN = self.draw_uniforms(state, shape.num_nodes + num_chains * shape.depth)
+        if self.chains_only:   # the draft's top path; history's chain instead where it runs as deep
+            shape, num_chains = chain_shape(shape), 1
+        merged_nodes = 0 if self.chains_only else num_chains * shape.depth
+        uniform_BN = self.draw_uniforms(state, shape.num_nodes + merged_nodes)
         with self.stopwatch:
             tree = self.draft_tree(state, self.draft, draft_cache, shape, pending_width, self.tapped)
-            if self.history is not None:  # merged: the neural tree plus the history's chains
+            if self.history is not None:  # merged: the neural tree plus the history's chains (or one chain)
                 tree = propose_history(state, self.corpus, self.history, num_chains, shape.depth,
-                                       max(self.emitted_host), tree)
+                                       max(self.emitted_host), tree, self.chains_only)
         self.draft_seen_host = list(self.emitted_host)
         draft_cache.max_length = max(self.draft_seen_host)
         self.stats.num_draft_forwards += shape.depth

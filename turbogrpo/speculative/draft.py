@@ -4,7 +4,8 @@ Alignment (the same as the policy's KV cache, so both caches share one geometry)
 position ``s`` is the pair (policy feature ``f[s-1]``, token ``x[s]``), with ``f[-1] = 0`` for the
 first prompt token. The pair is fused by a linear layer over the concatenation
 ``[embed(x[s]), f[s-1]]``, run through ``num_layers`` decoder layers of the policy's own class (built
-from the policy's config, so any model the engine runs works), and the output ``g[s]`` is trained
+from the policy's config, so any model the engine runs works; Llama layers of the policy's width for a hybrid,
+``draft_body.py``), and the output ``g[s]`` is trained
 to equal ``f[s]``; the policy's frozen LM head turns it into draft logits for ``x[s+1]``. While
 drafting, the draft feeds its own predicted features back in place of the policy's.
 
@@ -44,10 +45,10 @@ Legend: B sequences, n tokens per sequence, Hd hidden size, V vocabulary.
 
 from __future__ import annotations
 
-import copy
 import functools
 import json
 import os
+import warnings
 import weakref
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -61,9 +62,10 @@ from safetensors.torch import load_file
 from torch import nn
 
 from turbogrpo.files import save_tensors, write_text_atomically
-from turbogrpo.hook import ATTENTION_NAME, PLAN_KWARG, check_supported, decoder_of, lm_head_of, plan_mask
+from turbogrpo.hook import PLAN_KWARG, check_supported, decoder_of, lm_head_of, plan_mask
 from turbogrpo.output_head import LogitsHead, logits_head
 from turbogrpo.rollout.plans import causal_attention
+from turbogrpo.speculative.draft_body import body_kind, build_draft_body, copyable, source_layer
 from turbogrpo.speculative.tree import Proposals
 
 CONFIG_FILE = "draft_config.json"
@@ -210,20 +212,18 @@ class DraftHead(nn.Module):
                              f"on a policy of {len(decoder.layers)} layers")
         self.policy = PolicyParts(decoder.get_input_embeddings(), lm_head_of(policy), logits_head(policy),
                                   decoder.layers)
-        layer_config = _draft_layer_config(policy_config, num_layers)
         reference = next(decoder.parameters())
         hidden = policy_config.hidden_size
         if self.config.feature_layers:  # "eagle3": the tapped layers and the final feature, reduced to one
             self.reduce = nn.Linear(self.feature_width, hidden, bias=False).to(device=reference.device,
                                                                                dtype=reference.dtype)
         self.fuse = nn.Linear(2 * hidden, hidden, bias=self.layout.fuse_bias)
-        self.layers = nn.ModuleList(type(decoder.layers[0])(layer_config, layer_idx=i) for i in range(num_layers))
+        # The policy's own layer class, or Llama layers of its width for a hybrid (draft_body.py); RoPE
+        # frequencies stay float32, as in the policy.
+        self.layers, self.rotary, self.body_kind = build_draft_body(policy, num_layers)
         if not self.layout.first_layer_norm:
             self.layers[0].input_layernorm = nn.Identity()
         self.fuse.to(device=reference.device, dtype=reference.dtype)
-        self.layers.to(device=reference.device, dtype=reference.dtype)
-        # RoPE frequencies stay float32, as in the policy.
-        self.rotary = type(decoder.rotary_emb)(config=layer_config).to(reference.device)
         if num_draft_tokens:  # [Vd] token ids, saved with the weights; set_draft_tokens fills them
             self.register_buffer("draft_token_ids", torch.arange(num_draft_tokens, device=reference.device))
         self._head_rows_key, self._head_rows = None, None  # the head's draft-vocabulary rows, kept (_draft_head_rows)
@@ -314,16 +314,25 @@ class DraftHead(nn.Module):
 
     @torch.no_grad()
     def init_from_policy(self) -> int:
-        """Copy the policy's last decoder layer into every draft layer where names and shapes agree (all of it
-        but the input norm an "eagle" draft's first layer drops); returns the tensors copied. The draft's
-        layer then starts as the policy's best guess of a late transformation, not a random one."""
-        source = self.policy.layers[-1].state_dict()
-        copied = 0
+        """Copy a late policy layer into every draft layer where names, shapes and module kinds agree
+        (``draft_body.copyable``): the policy's last layer for an attention model (all of it but the input norm an
+        "eagle" draft's first layer drops); a hybrid's last full-attention layer as far as it is a Llama layer (its
+        projections and MLP where their shapes agree), with a warning naming what keeps its random init. Returns the
+        tensors copied. The draft's layer then starts as the policy's best guess of a late transformation, not a
+        random one."""
+        copied, missed = 0, []
         for layer in self.layers:
-            for name, tensor in layer.state_dict().items():
-                if name in source and source[name].shape == tensor.shape:
-                    tensor.copy_(source[name])
-                    copied += 1
+            source = source_layer(self.policy.layers, layer)
+            same, other = copyable(layer, source)
+            source_tensors, tensors = source.state_dict(), layer.state_dict()
+            for name in same:
+                tensors[name].copy_(source_tensors[name])
+            copied += len(same)
+            missed += [name for name in other if name not in missed]
+        if missed:
+            warnings.warn(f"draft init_from_policy: the {self.config.model_type} policy's layers have nothing of the "
+                          f"same kind and shape for {', '.join(missed)} (kept random); copied {copied} tensors",
+                          UserWarning, stacklevel=3)   # past torch.no_grad's wrapper
         return copied
 
     def set_draft_tokens(self, token_ids: torch.Tensor) -> None:
@@ -414,28 +423,19 @@ def _mismatch(expected: dict[str, torch.Tensor], weights: dict[str, torch.Tensor
 
 
 def check_draftable(policy: nn.Module) -> None:
-    """ValueError unless ``policy`` is a decoder whose layers the draft can copy: pure attention with
-    rotary positions and a ``layers`` list (Qwen2/Qwen3/Llama/Mistral), not GPT-2's absolute positions."""
-    check_supported(policy)
+    """ValueError unless ``policy`` is a decoder the draft can follow: pure attention with rotary positions and a
+    ``layers`` list (Qwen2/Qwen3/Llama/Mistral), whose layer class the draft copies, not GPT-2's absolute
+    positions; or a hybrid the native engine samples (``architectures.SHARED_IN_TRAINING``), for which the draft
+    runs Llama layers of its width (``draft_body``) and proposes chains (its recurrent states follow one path)."""
+    check_supported(policy, training=True)
     decoder = decoder_of(policy)
-    if not isinstance(getattr(decoder, "layers", None), nn.ModuleList) or getattr(decoder, "rotary_emb", None) is None:
+    rotary_needed = body_kind(policy) == "policy"
+    if not isinstance(getattr(decoder, "layers", None), nn.ModuleList) or \
+            (rotary_needed and getattr(decoder, "rotary_emb", None) is None):
         model_type = getattr(policy.config, "model_type", type(policy).__name__)
         raise ValueError(f"model type {model_type!r} has no rotary-position decoder layers (model.layers and "
                          "rotary_emb) for a draft head to copy; speculative rollouts need a Qwen2/Qwen3/Llama/"
                          "Mistral-style model: set rollout.speculation = \"off\" (or generate without draft=)")
-
-
-def _draft_layer_config(policy_config, num_layers: int):
-    """The policy's config, cut to ``num_layers`` layers that dispatch attention to turbogrpo plans."""
-    import turbogrpo.hook  # noqa: F401  (registers the attention name the layers look up)
-
-    config = copy.deepcopy(policy_config)
-    layer_types = getattr(config, "layer_types", None)
-    config.num_hidden_layers = num_layers
-    if layer_types:
-        config.layer_types = list(layer_types[:num_layers])
-    config._attn_implementation = ATTENTION_NAME
-    return config
 
 
 class CausalPlan:
@@ -443,6 +443,11 @@ class CausalPlan:
 
     def __call__(self, module, query, key, value, *, scaling, sliding_window):
         return causal_attention(query, key, value, scaling=scaling, sliding_window=sliding_window)
+
+    def recurrent_layout(self) -> None:
+        """None: every row is one whole sequence from position 0, which a hybrid policy's recurrent layers run
+        through their own forward (right padding follows every real token, so it never reaches one)."""
+        return None
 
 
 def shift_features(features_BTH: torch.Tensor) -> torch.Tensor:

@@ -77,6 +77,9 @@ def _vocabulary_difference(draft: DraftHead) -> str | None:
 
 def _layer_difference(draft: DraftHead) -> str | None:
     model_type = draft.config.model_type
+    if draft.body_kind == "attention":   # a hybrid's draft: Llama layers, but vLLM's EAGLE on a hybrid was not tried
+        return (f"the policy is a hybrid ({model_type!r}): its draft's chains run on turbogrpo's native engine only "
+                "(vLLM's EAGLE drafter on a hybrid target is not tried)")
     mapped = LAYER_MAPS[model_type](_policy_config(draft)) if model_type in LAYER_MAPS else \
         f"vLLM's EAGLE drafter builds Llama layers, and a {model_type!r} layer is not one (exportable: {', '.join(LAYER_MAPS)})"
     return mapped if isinstance(mapped, str) else None

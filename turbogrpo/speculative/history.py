@@ -296,6 +296,17 @@ def history_tree(root_B: torch.Tensor, chains_BKL: torch.Tensor, neural: DraftTr
     return tree_from_paths(root_B, paths, scores)
 
 
+def full_chain_or_neural(chains_B1L: torch.Tensor, neural: DraftTree) -> DraftTree:
+    """One chain per row for a policy that verifies chains only (a hybrid): the history's chain ``[B, 1, L]``
+    where it runs all L tokens deep, else the neural draft's chain ``neural`` (depth L, always full). Both depend
+    only on tokens already sampled, so the choice keeps sampling exact (``verify.py``). A merged tree would give
+    siblings, which a recurrent state cannot follow; a history chain cut short loses to the draft's, which proposes
+    every level (``propose_history`` also asks the history for matches of its whole ``match_length``)."""
+    full_B = (chains_B1L[:, 0] >= 0).all(-1)
+    tokens_BL = torch.where(full_B[:, None], chains_B1L[:, 0], neural.tokens[:, 1:])
+    return neural._replace(tokens=torch.cat([neural.tokens[:, :1], tokens_BL], 1))
+
+
 def history_sizing_options(name: str) -> dict:
     """Options that make a registered sizing policy size history-only trees: chains (K = 1) up to 8 deep."""
     return {"k_max": 1, "l_max": 8} if name in ("fastgrpo", "cost") else {}
@@ -306,26 +317,37 @@ def history_profile(profile: LatencyProfile) -> LatencyProfile:
     return replace(profile, draft=LatencyCurve((1, 2), (0.0, 0.0)))  # two points: a curve needs a segment
 
 
-def speculation_sizing(name: str, profile: LatencyProfile | None, *, neural: bool, history: bool) -> SizingPolicy:
+def speculation_sizing(name: str, profile: LatencyProfile | None, *, neural: bool, history: bool,
+                       chains: bool = False) -> SizingPolicy:
     """The registered sizing policy ``name`` for speculation with a neural draft (``neural``) and/or
     history drafts (``history``): history alone sizes chains that cost no draft forward; a neural
     draft merged with history gets, for the adaptive policies, a ``MergedSizing`` that each step takes
-    the better of the neural tree (history chains merged in) and the history's chains alone."""
+    the better of the neural tree (history chains merged in) and the history's chains alone. ``chains``: the
+    policy verifies chains only (a hybrid), so the adaptive policies size the neural draft's chains too (K = 1)."""
     def history_alone() -> SizingPolicy:
         return make_sizing(name, profile=profile and history_profile(profile), **history_sizing_options(name))
 
     if not neural:
         return history_alone()
-    policy = make_sizing(name, profile=profile)
+    chain_options = {"k_max": 1} if chains and name in ("fastgrpo", "cost") else {}
+    policy = make_sizing(name, profile=profile, **chain_options)
     return MergedSizing(policy, history_alone()) if history and name in ("fastgrpo", "cost") else policy
 
 
 def propose_history(state: DecodeState, corpus: HistoryCorpus, drafts: HistoryDrafts, num_chains: int, depth: int,
-                    num_columns: int, neural: DraftTree | None = None) -> DraftTree:
+                    num_columns: int, neural: DraftTree | None = None, chains_only: bool = False) -> DraftTree:
     """The history's part of a tree step (device only): every live row's ``num_chains`` chains of
-    ``depth`` tokens, alone or merged into ``neural``. ``num_columns``: the host's bound on the
-    longest completion so far."""
+    ``depth`` tokens, alone or merged into ``neural``; with ``chains_only`` (a hybrid), one chain per row: the
+    history's where a match of its whole ``match_length`` continues ``depth`` tokens deep, else the neural draft's
+    chain ``neural`` (``full_chain_or_neural``). ``num_columns``: the host's bound
+    on the longest completion so far."""
     outputs, live = state.outputs, state.live
+    one_chain = chains_only and neural is not None
+    if one_chain:
+        # Only a match of the whole compared suffix replaces the draft's chain: at T = 1 siblings share short runs
+        # that a trained draft predicts better (bench/hybrid_speculation.py: 1.9 tokens per verification with
+        # min_match's short matches against the draft's own 2.35 on the hybrid demo model).
+        drafts, num_chains = replace(drafts, min_match=drafts.match_length), 1
     chains = history_chains(corpus, outputs.tokens_NT, outputs.lengths_N, live.completion_B, live.emitted_B,
                             num_columns, drafts, num_chains, depth)
-    return history_tree(state.next_B, chains, neural)
+    return full_chain_or_neural(chains, neural) if one_chain else history_tree(state.next_B, chains, neural)

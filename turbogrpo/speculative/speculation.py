@@ -57,7 +57,7 @@ class Speculation:
     def make_step(self, model: nn.Module, prompts: list[torch.Tensor], sampling: SamplingConfig) -> TreeStep:
         """The engine's ``DecodeStep`` for one rollout (see ``turbogrpo.rollout.step``)."""
         # A hybrid's recurrent states follow a chain (kept per length until the commit, rollout.states), not a tree's
-        # branches: it speculates with one history chain per row (a neural draft head refuses it when built).
+        # branches: it speculates with one chain per row (the neural draft's top path, or a history chain).
         chains_only = hybrid_layers(model.config) is not None
         if self.draft is not None or self.history is None:
             check_draft(self.draft, model)
@@ -103,4 +103,5 @@ def resolve_sizing(speculation: Speculation, model: nn.Module, prompts: list[tor
         context = max(len(p) for p in prompts) + sampling.max_new_tokens // 2
         profile = cached_profile(model, context_length=context, draft=speculation.draft)
     return speculation_sizing(speculation.sizing, profile, neural=speculation.draft is not None,
-                              history=speculation.history is not None)
+                              history=speculation.history is not None,
+                              chains=hybrid_layers(model.config) is not None)

@@ -49,6 +49,13 @@ class TreeShape(NamedTuple):
         return self
 
 
+def chain_shape(shape: TreeShape) -> TreeShape:
+    """The chain (K = 1) a step of ``shape`` runs where trees cannot (a hybrid policy: its recurrent states
+    follow one path, ``rollout.states``): as deep as the shape, within its N - 1 nodes."""
+    depth = max(1, min(shape.depth, shape.num_nodes - 1))
+    return TreeShape(1, depth, depth + 1)
+
+
 class DraftTree(NamedTuple):
     """B draft trees of N nodes. Node 0 is the root; parents precede their children.
 

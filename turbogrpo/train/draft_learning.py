@@ -35,6 +35,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
+from turbogrpo.architectures import hybrid_layers
 from turbogrpo.batch import Groups
 from turbogrpo.config import DraftLearningConfig
 from turbogrpo.rollout import Rollout
@@ -198,7 +199,8 @@ def build_online_draft(speculation: str, settings: DraftLearningConfig, policy: 
         # Measured once per (model, device, context) and cached on disk: a few seconds the first time.
         profile = cached_profile(policy, context_length=context_length, draft=draft)
     history = HistoryDrafts() if settings.history else None  # one store for the run: prompts recur
-    sizing = speculation_sizing(speculation, profile, neural=True, history=history is not None)
+    sizing = speculation_sizing(speculation, profile, neural=True, history=history is not None,
+                                chains=hybrid_layers(policy.config) is not None)   # a hybrid verifies chains
     optimizer = make_optimizer(draft, settings) if settings.learn else None
     return OnlineDraft(draft, sizing, optimizer, settings, history)
 
