@@ -38,12 +38,13 @@ The same task, tokenizer (the demo's, read from its folder) and noisy recipe on 
 (model type qwen3_5_text: 8 layers, gated DeltaNet in 6 and gated full attention in every 4th, hidden 128;
 DeltaNet with 2 key and 4 value heads of 32, a convolution of 4). It is warm-started through turbogrpo's
 shared-prefix forward (transformers' linear-attention cache cannot be repeated under autograd). Its
-demo_info.json has the shipped build's settings and numbers. MEASURED, shipped build: seed 0, --threads 2,
-800 steps x 32 problems (not the demo's 1500: a step took 1.4-3 s on the shared 2-core machine under load 4-7,
-and the whole warm start 1683 s), 1,784,048 parameters; held out, 200 problems x 8 samples, HF generate:
-    pass@1 at temperature 1  5.4%     greedy  10.5%     pass@8  32.0%
-It has learnt the format and the operations but still miscopies operands (" 25+5=30" for "25 ... 2 more"), so it
-is a weaker start for GRPO than the demo model; `--steps 1500` on a quiet machine is the demo's recipe (not run).
+demo_info.json has the shipped build's settings and numbers. MEASURED, shipped build: seed 0, --threads 1,
+1600 steps x 32 problems, 1,784,048 parameters; the warm start took 3468 s on the shared 2-core machine under load
+4-15 (2 threads under that load were slower still: OpenMP's threads wait for each other when the cores are
+oversubscribed). Held out, 200 problems x 8 samples, HF generate:
+    pass@1 at temperature 1  53.0%     greedy  100%     pass@8  100%
+An earlier build of 800 steps (2 threads) stopped at 5.4% / 10.5% / 32%: it still miscopied operands, and GRPO did
+not visibly lift it in 80 steps.
 
 Usage: .venv/bin/python scripts/build_demo_model.py [--model demo|demo-hybrid] [--out DIR] [--threads 2]
        [--steps N] ...
@@ -72,7 +73,7 @@ TASK = ShippedTask(
 DEFAULTS = BuildConfig()
 # The hybrid's: the demo's tokenizer and recipe; fewer steps, so that the warm start fits ~15 minutes of a shared
 # 2-core CPU (a DeltaNet step through transformers' torch kernels costs more than an attention step).
-HYBRID_DEFAULTS = replace(DEFAULTS, architecture="qwen3_5", tokenizer_from="demo", steps=800)
+HYBRID_DEFAULTS = replace(DEFAULTS, architecture="qwen3_5", tokenizer_from="demo", steps=1600)
 # The models this script builds, by the name `turbogrpo demo --model NAME` gives them.
 VARIANTS = {
     "demo": (TASK, DEFAULTS),
