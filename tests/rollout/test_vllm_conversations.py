@@ -182,8 +182,9 @@ def test_a_multiturn_run_with_tree_sharing_trains_on_vllm(tmp_path, demo, engine
     assert "Wrong. Try again." in (tmp_path / "run" / "completions.jsonl").read_text()
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("worker", ["local", "remote"])
+# local: slow (a vLLM engine in the local worker is test_vllm_engine.py's partial-rollouts run; the remote worker
+# here draws the same conversations on its side of the wire)
+@pytest.mark.parametrize("worker", [pytest.param("local", marks=pytest.mark.slow), "remote"])
 def test_max_staleness_1_runs_conversations_on_vllm_in_the_rollout_worker(tmp_path, worker):
     """The worker process builds its own vLLM engine (eager, rollout.vllm_enforce_eager: seconds, not another
     minute) and draws the conversations there: a local worker, or a remote one started by the CLI (its environments

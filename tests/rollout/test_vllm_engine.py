@@ -274,7 +274,6 @@ def test_two_grpo_steps_on_the_vllm_engine(tmp_path, engine, monkeypatch):
         run.state.log.close()
 
 
-@pytest.mark.slow
 def test_partial_rollouts_run_on_vllm_in_the_rollout_worker(tmp_path):
     """k = 1, c = 1 on the demo config with the worker's own vLLM engine (eager): every batch after the first holds
     groups carried from the step before, continued with newer weights (tokens of lag 0 and 1), none of lag 2."""
