@@ -41,6 +41,8 @@ test: $(STAMP)
 	# Idle OpenMP threads must not spin: on a busy 2-core machine spinning makes small ops 5-20x slower.
 	# Two workers, each taking whole files (module fixtures such as a loaded model are built once): alone, the
 	# suite keeps about one core busy (model loads, subprocesses, waits). TEST_WORKERS=0 runs it in one process.
+	# tests/scheduling.py hands out the longest files first and keeps files sharing a session vLLM engine together;
+	# tests marked slow are left out (make test-all runs them too).
 	OMP_WAIT_POLICY=PASSIVE $(PY) -m pytest -q $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 
 # The default suite plus the tests marked slow: longer variants (other parameters, a second transport) of code paths
