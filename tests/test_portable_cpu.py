@@ -63,7 +63,6 @@ def test_the_child_process_really_is_an_avx2_only_cpu():
     assert probe.stdout.split() == ["avx2", "False", "False"], probe.stdout
 
 
-@pytest.mark.slow
 def test_the_cpu_sensitive_tests_pass_on_an_avx2_only_cpu():
     result = run_avx2_only(["-m", "pytest", "-q", "-p", "no:cacheprovider", *CPU_SENSITIVE_TESTS], timeout=900)
     tail = (result.stdout + result.stderr)[-4000:]

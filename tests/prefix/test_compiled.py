@@ -31,7 +31,7 @@ def counting_flex(monkeypatch):
     torch._dynamo.reset()
 
 
-@pytest.mark.slow  # ~30 s: dynamo traces flex_attention and create_block_mask once
+# ~30 s: dynamo traces flex_attention and create_block_mask once
 def test_packs_of_other_lengths_reuse_the_compiled_graphs_and_one_mask_per_pack(counting_flex, monkeypatch):
     flex, compiler = counting_flex
     plans = []
@@ -55,7 +55,7 @@ def test_packs_of_other_lengths_reuse_the_compiled_graphs_and_one_mask_per_pack(
     assert len(plans) == len(packs)
 
 
-@pytest.mark.slow  # ~20 s: dynamo traces one decoder layer
+# ~20 s: dynamo traces one decoder layer
 def test_compiled_decoder_layers_give_the_same_logprobs_and_gradients_without_recompiling():
     from tests.prefix.test_parity import logps_and_grads
     from turbogrpo.prefix import compile_decoder_layers

@@ -166,7 +166,9 @@ def test_the_static_query_block_holds_uneven_groups_and_prompts():
         torch.testing.assert_close(ours, theirs, atol=1e-6, rtol=1e-6)
 
 
-@pytest.mark.slow  # ~50 s on 2 loaded cores: one inductor compile of a bf16 step
+# slow: ~50 s on 2 loaded cores for one inductor compile of a bf16 step; the inductor runner's path (float32, grouped
+# query heads, a recompile for new prompt widths) is test_the_inductor_compiled_step_gives_the_eager_tokens_...
+@pytest.mark.slow
 def test_the_inductor_step_matches_eager_greedy_and_log_probs_in_bfloat16():
     """Greedy tokens equal eager's token for token; the sampler log-probs within bf16's rounding."""
     torch._dynamo.reset()

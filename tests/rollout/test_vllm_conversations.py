@@ -182,8 +182,9 @@ def test_a_multiturn_run_with_tree_sharing_trains_on_vllm(tmp_path, demo, engine
     assert "Wrong. Try again." in (tmp_path / "run" / "completions.jsonl").read_text()
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("worker", ["local", "remote"])
+# local: slow (the [remote] case's worker builds the same eager vLLM engine in its own process and draws the same
+# conversations; the local worker's transport runs with the native engine in tests/train/test_async.py)
+@pytest.mark.parametrize("worker", [pytest.param("local", marks=pytest.mark.slow), "remote"])
 def test_max_staleness_1_runs_conversations_on_vllm_in_the_rollout_worker(tmp_path, worker):
     """The worker process builds its own vLLM engine (eager, rollout.vllm_enforce_eager: seconds, not another
     minute) and draws the conversations there: a local worker, or a remote one started by the CLI (its environments

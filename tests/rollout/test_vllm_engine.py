@@ -274,6 +274,10 @@ def test_two_grpo_steps_on_the_vllm_engine(tmp_path, engine, monkeypatch):
         run.state.log.close()
 
 
+# slow: its parts run in the default suite: vLLM's partial rollouts and their continuation in this module
+# (test_a_partial_rollout_stops_where_told_...), the demo config's partial rollouts through the worker on the native
+# engine (test_partial_rollouts.py), a worker process that builds its own eager vLLM engine
+# (test_vllm_conversations.py's [remote] case)
 @pytest.mark.slow
 def test_partial_rollouts_run_on_vllm_in_the_rollout_worker(tmp_path):
     """k = 1, c = 1 on the demo config with the worker's own vLLM engine (eager): every batch after the first holds

@@ -94,9 +94,12 @@ def test_k1_first_step_is_the_on_policy_step_then_every_token_lags_by_the_update
     assert "time/weight_push" in k1[1]
 
 
+# single_turn and multi_turn: slow (speculative_cost_sizing and multi_turn_tree_sharing run the same configs and
+# settings, each with one feature more)
 @pytest.mark.parametrize("config, extra", [
-    ("demo.toml", {"train.prompts_per_step": 4, "data.num_eval_problems": 4, "data.num_eval_samples": 1}),
-    ("demo_multiturn.toml", {}),
+    pytest.param("demo.toml", {"train.prompts_per_step": 4, "data.num_eval_problems": 4, "data.num_eval_samples": 1},
+                 marks=pytest.mark.slow),
+    pytest.param("demo_multiturn.toml", {}, marks=pytest.mark.slow),
     ("demo_multiturn.toml", {"train.sharing": '"tree"', "rollout.branching": "[2, 2]"}),
     ("demo.toml", {"train.prompts_per_step": 4, "data.num_eval_problems": 4, "data.num_eval_samples": 1,
                    "rollout.speculation": '"cost"'}),  # as configs/longform.toml (whose model is built by a script)
@@ -218,8 +221,8 @@ def gone(pid: int, timeout_s: float = 60.0) -> bool:
     return False
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("speculation", ["off", "fixed"])
+# off: slow (the fixed-speculation case runs the same SIGTERM, checkpoint and resume, with the draft in flight too)
+@pytest.mark.parametrize("speculation", [pytest.param("off", marks=pytest.mark.slow), "fixed"])
 def test_sigterm_ends_the_worker_too_and_a_resumed_run_repeats_the_uninterrupted_one(tmp_path, restore_threads,
                                                                                      speculation):
     """k = 1, SIGTERM after the checkpoint at step 2: exit status 143, the checkpoint named, no worker left; the

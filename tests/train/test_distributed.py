@@ -89,7 +89,7 @@ def test_fsdp2_bf16_mixed_keeps_float32_shards_and_logs_the_gap_and_tis(two_rank
     assert AutoModelForCausalLM.from_pretrained(out / "final", dtype="auto").dtype == torch.bfloat16
 
 
-@pytest.mark.slow  # ~25 s on a quiet 2-core machine: 2 spawned ranks import, roll out and train one step
+# ~25 s on a quiet 2-core machine: 2 spawned ranks import, roll out and train one step
 def test_multiturn_with_an_environment_on_two_processes(tmp_path):
     """DDP with an [env]: an update on a global batch of conversations equals one process's (environment ids
     masked on both), and the shipped multi-turn config trains a step on 2 ranks, each rolling out its own
@@ -121,10 +121,12 @@ def test_multiturn_with_an_environment_on_two_processes(tmp_path):
         assert record["env/failures"] == 0 and record["env/env_tokens"] > 0 and record["logprob_gap"] < 1e-4
 
 
-@pytest.mark.slow  # 2 ranks and their 2 rollout workers on 2 cores
-def test_each_rank_has_its_own_rollout_worker_at_max_staleness_1(tmp_path):
-    """DDP, k = 1: every rank's worker draws its own prompts one update behind, and every rank's checkpoint part
-    holds the version its in-flight rollout samples with (the same weights on both ranks: one DDP update)."""
+# 2 ranks and 2 rollout workers, twice, on 2 cores (the local run is also the per-rank worker check: one run, not two)
+def test_each_rank_pairs_with_the_remote_worker_of_its_rank_as_with_its_local_one(tmp_path):
+    """DDP, k = 1. With local workers, every rank's worker draws its own prompts one update behind, and every rank's
+    checkpoint part holds the version its in-flight rollout samples with (the same weights on both ranks: one DDP
+    update). With train.rollout_worker = "remote", rank r pairs with the worker started with `--rank r` (each pair a
+    group of its own beside the ranks' gloo group), and the run equals the one with local workers bit for bit."""
     model_dir, rows = write_model(tmp_path / "model"), write_rows(tmp_path / "rows.jsonl")
     spawn_bounded(dist_worker.asynchronous, (2, free_ports(1), str(tmp_path), str(model_dir), str(rows)), nprocs=2,
                   timeout_s=300)
@@ -134,14 +136,6 @@ def test_each_rank_has_its_own_rollout_worker_at_max_staleness_1(tmp_path):
     assert parts[0] and parts[0].keys() == parts[1].keys() and all(k.startswith("v1/") for k in parts[0])
     assert all(torch.equal(parts[0][k], parts[1][k]) for k in parts[0])
 
-
-@pytest.mark.slow  # 2 ranks and 2 rollout workers, twice, on 2 cores
-def test_each_rank_pairs_with_the_remote_worker_of_its_rank_as_with_its_local_one(tmp_path):
-    """DDP, k = 1, train.rollout_worker = "remote": rank r pairs with the worker started with `--rank r` (each pair
-    a group of its own beside the ranks' gloo group), and the run equals the one with local workers bit for bit."""
-    model_dir, rows = write_model(tmp_path / "model"), write_rows(tmp_path / "rows.jsonl")
-    spawn_bounded(dist_worker.asynchronous, (2, free_ports(1), str(tmp_path), str(model_dir), str(rows)), nprocs=2,
-                  timeout_s=300)
     master, rollout = free_ports(2)
     config = tmp_path / "run.toml"
     config.write_text("# everything is set on the command line\n")

@@ -164,9 +164,11 @@ def test_the_demo_config_trains_with_partial_rollouts_and_no_token_lags_past_the
     assert any(0.0 < r["staleness/lag_mean"] < 1.0 for r in records[1:]), [r["staleness/lag_mean"] for r in records]
 
 
-@pytest.mark.slow
+# k1_c1 and k2_c1: slow. k2_c1_speculative runs k2_c1's path with the draft in flight besides; a resume at k = 1 with
+# carried generations and nothing in flight is test_remote_worker.py's SIGTERM case [partial_rollouts].
 @pytest.mark.parametrize("max_staleness, in_flight, speculation", [
-    (1, set(), "off"), (2, {"v1"}, "off"), (2, {"v1", "draft", "optimizer"}, "fixed")],
+    pytest.param(1, set(), "off", marks=pytest.mark.slow), pytest.param(2, {"v1"}, "off", marks=pytest.mark.slow),
+    (2, {"v1", "draft", "optimizer"}, "fixed")],
     ids=["k1_c1", "k2_c1", "k2_c1_speculative"])
 def test_a_resumed_run_with_partial_rollouts_repeats_the_uninterrupted_one(tmp_path, restore_threads, monkeypatch,
                                                                            max_staleness, in_flight, speculation):

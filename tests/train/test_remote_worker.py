@@ -207,8 +207,9 @@ def test_a_remote_worker_draws_the_run_of_the_local_one_bit_for_bit(tmp_path, re
         assert torch.equal(final_local[name], final_far[name]), name
 
 
+# env_conversations: slow (env_forked_tree_sharing and env_speculative send the same conversations and records)
 @pytest.mark.parametrize("config, tree", [
-    ("demo_multiturn.toml", {}),
+    pytest.param("demo_multiturn.toml", {}, marks=pytest.mark.slow),
     ("demo_multiturn.toml", {"train.sharing": '"tree"', "rollout.branching": "[2, 2]"}),
     ("demo.toml", {}),
     ("demo.toml", {"train.partial_rollouts": 0, "rollout.speculation": '"fixed"'}),
@@ -343,8 +344,9 @@ def test_sigterm_reaches_a_trainer_waiting_for_a_worker_that_hangs(tmp_path):
     assert "terminated (SIGTERM)" in said(err)[-1] and "step-" in said(err)[-1], err[-3000:]
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("partial", [0, 1], ids=["whole_rollouts", "partial_rollouts"])
+# whole rollouts: slow (the partial-rollouts case runs the same stop, new worker and in-flight version, and sends
+# the carried generations besides)
+@pytest.mark.parametrize("partial", [pytest.param(0, marks=pytest.mark.slow), 1], ids=["whole_rollouts", "partial_rollouts"])
 def test_sigterm_then_resume_with_a_new_worker_repeats_the_uninterrupted_run(tmp_path, restore_threads, partial):
     """k = 1, SIGTERM after the checkpoint at step 2: the trainer exits 143 and tells its worker to stop (0); the
     resumed trainer sends a new worker the checkpoint's in-flight version before its own (with partial rollouts, the

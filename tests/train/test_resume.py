@@ -61,8 +61,9 @@ def at_first_checkpoint(argv: list[str], env: dict, stderr=subprocess.PIPE, **op
     return child
 
 
-@pytest.mark.parametrize("extra", [EXTRA, BF16_MIXED, SPECULATIVE], ids=["grpo", "grpo_bf16_mixed",
-                                                               "speculative_online_draft"])
+# grpo: slow (grpo_bf16_mixed runs the same settings and SIGKILL-resume path, with float32 masters under bf16)
+@pytest.mark.parametrize("extra", [pytest.param(EXTRA, marks=pytest.mark.slow), BF16_MIXED, SPECULATIVE],
+                         ids=["grpo", "grpo_bf16_mixed", "speculative_online_draft"])
 def test_sigkill_then_resume_equals_uninterrupted_run(tmp_path, extra):
     last = f"step-{extra['train.num_steps']:06d}"
     model_dir, rows, config, env = subprocess_run_setup(tmp_path)
@@ -183,7 +184,6 @@ def test_sigterm_to_the_launcher_of_two_ranks_ends_like_one_process(tmp_path):
     assert_stopped_by_sigterm_naming_one_checkpoint(child, config, out, "--nproc-per-node 2")
 
 
-@pytest.mark.slow
 def test_sigterm_to_one_rank_stops_both_at_the_same_step_end(tmp_path):
     child, config, _, out = long_run_after_its_first_checkpoint(tmp_path, "--nproc-per-node", "2")
     ranks = children(child.pid)

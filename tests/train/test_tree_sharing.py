@@ -188,7 +188,6 @@ def test_auto_takes_the_tree_only_where_its_trie_saves_enough(monkeypatch):
     assert taken == ["tree", "prompt"]
 
 
-@pytest.mark.slow
 def test_a_multiturn_run_with_tree_sharing_logs_the_prompt_runs_first_step(tmp_path, monkeypatch):
     """`turbogrpo train` on the multi-turn demo config (cut small): with train.sharing = "tree" the first
     step's rollout, loss and gradient norm are the prompt path's (float32), and the run finishes."""
