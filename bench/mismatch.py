@@ -53,8 +53,8 @@ def samplers(model, tokenizer, names: list[str]) -> dict:
         built["native_bf16"] = lambda *a: generate(half, a[0], num_samples=a[1], sampling=a[2], seed=a[3]).groups
     if "vllm_bf16" in names:
         from turbogrpo.engines.vllm import VllmEngine
+        # Built at its first draw (after the native samplers): vLLM's build pins this process to one torch thread.
         engine = VllmEngine(torch.bfloat16, torch.device("cpu"), tokenizer)
-        engine.build(model)
         built["vllm_bf16"] = lambda *a: engine.sample(model, a[0], num_samples=a[1], sampling=a[2], seed=a[3]).groups
     return built
 
@@ -116,11 +116,11 @@ def main() -> None:
     model, tokenizer = load_real_model()
     prompts = chat_prompts(tokenizer, shape["num_prompts"], few_shot=False)
     sampling = SamplingConfig(max_new_tokens=shape["new_tokens"], temperature=1.0, stop_token_ids=stop_ids(tokenizer))
-    results, batch = {}, None
+    results, cost = {}, None
     for name, sample in samplers(model, tokenizer, args.samplers.split(",")).items():
         results[name], drawn = measure(model, sample, prompts, shape, sampling, args.seed)
-        batch = batch or drawn  # the cost is timed on the first sampler's batch
-    cost = metric_cost(model, batch, shape["repeats"])
+        if cost is None:  # timed on the first sampler's batch, before vLLM's build leaves this process one thread
+            cost = metric_cost(model, drawn, shape["repeats"])
     print_table(f"Sampler vs float32 trainer, SmolLM2-135M, {shape['num_prompts']} x {shape['num_samples']}, "
                 f"up to {shape['new_tokens']} tokens", ["sampler", "tokens", "K3 KL", "|d| mean", "|d| p50", "|d| p99",
                                                         "|d| max", "seq-mask seqs", "icepop tokens"],
