@@ -63,8 +63,15 @@ def stops_at_step_ends(dist: DistInfo) -> Iterator[StepEndStop | _StopsWhereItIs
         return
     stop = StepEndStop(dist)
     previous = {signum: signal.signal(signum, stop.note) for signum in STOPS}
+    stopping = False
     try:
         yield stop
+    except KeyboardInterrupt:  # Terminated too: this rank stops
+        stopping = True
+        raise
     finally:
         for signum, handler in previous.items():
-            signal.signal(signum, handler)
+            # A stopping rank goes on noting signals while it unwinds: when one rank exits, torchrun's agent sends
+            # SIGTERM to the others, which are stopping at the same step end, and a stop raised again inside their
+            # cleanup (a __del__, a finally) prints a traceback or cuts the cleanup short.
+            signal.signal(signum, stop.note if stopping else handler)
