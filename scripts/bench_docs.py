@@ -923,6 +923,10 @@ RESULTS: list[Result] = [
            "float32, live batches 1 and 64 (the first quiet run, a subset of compiled_step)",
            "python bench/compiled_step.py --dtypes float32 --batches 1,64 --out compiled_step_f32_b1_b64",
            section="Kernels and parts of a step", awaiting_run=True),
+    Result("compiled_step_f32_b1_marked_once", "compiled_step", "The plain decoding step eager and compiled, "
+           "SmolLM2-135M, float32, live batch 1, after the prompt width is marked dynamic once per tensor (it was "
+           "marked at every step)", "python bench/compiled_step.py --dtypes float32 --batches 1 --out "
+           "compiled_step_f32_b1_marked_once", section="Kernels and parts of a step", awaiting_run=True),
     Result("rollout_smollm2_compiled_anatomy", "rollout_anatomy", "Anatomy of the compiled plain step at B=32, "
            "SmolLM2-135M", "python bench/rollout.py --model smollm2 --profile-only --runner compiled "
            "--out rollout_smollm2_compiled_anatomy", section="Kernels and parts of a step", awaiting_run=True),
