@@ -51,3 +51,11 @@ class SharedUnitsLongestFirst(LoadFileScheduling):
         first = min(self.workqueue, key=lambda unit: rank.get(unit, len(rank)))  # ties: xdist's order (min is stable)
         self.workqueue.move_to_end(first, last=False)
         super()._assign_work_unit(node)
+
+
+def refines_this_xdist() -> bool:
+    """Whether the installed pytest-xdist's loadfile scheduler has the internals ``SharedUnitsLongestFirst`` refines
+    (``_split_scope``, ``_assign_work_unit`` and the ``workqueue`` they share)."""
+    import inspect
+    return (all(hasattr(LoadFileScheduling, name) for name in ("_split_scope", "_assign_work_unit"))
+            and "workqueue" in inspect.getsource(LoadFileScheduling.__mro__[1]))
