@@ -152,9 +152,9 @@ class CompiledStep:
 
 
 def mark_prompt_width_dynamic(state: DecodeState) -> None:
-    """Mark the prompt width P dynamic on each tensor that has it, once per tensor: ``mark_dynamic`` costs ~0.1 ms a
-    call (9 ms a step over SmolLM2's 61 such tensors, measured), and the tensors live for a whole rollout; a tensor
-    made anew (rows retired, a new rollout) carries no mark and gets one."""
+    """Mark the prompt width P dynamic on each tensor that has it, once per tensor: ``mark_dynamic`` does Python work
+    at every call (SmolLM2 has 61 such tensors), and the tensors live for a whole rollout; a tensor made anew (rows
+    retired, a new rollout) carries no mark and gets one."""
     for tensor, dim in state.cache.prompt_width_dims():
         if dim not in getattr(tensor, "_dynamo_dynamic_indices", ()):  # where mark_dynamic records its marks
             torch._dynamo.mark_dynamic(tensor, dim)
