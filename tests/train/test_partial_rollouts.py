@@ -134,6 +134,12 @@ def test_the_pool_round_trips_through_a_checkpoints_tensors():
             assert all(torch.equal(x, y) for x, y in zip(getattr(a, name), getattr(b, name)))
     with pytest.raises(ValueError, match="prompt row"):
         restore_pool(tensors, scalars, new[:1])
+    # A pool cut short (one member's log-probs gone, or a group's fields) is refused in one line, not a KeyError.
+    cut = {k: v for k, v in tensors.items() if k != "carried/0/1/logps"}
+    with pytest.raises(ValueError, match="lack carried/0/1/logps"):
+        restore_pool(cut, scalars, new)
+    with pytest.raises(ValueError, match="group 0 lacks reasons"):
+        restore_pool(tensors, [{k: v for k, v in scalars[0].items() if k != "reasons"}, *scalars[1:]], new)
 
 
 def demo(output_dir: Path, **extra) -> list[str]:

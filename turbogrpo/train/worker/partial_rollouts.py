@@ -178,20 +178,34 @@ def pool_state(pool: Sequence[PendingGroup]) -> tuple[dict[str, torch.Tensor], l
 
 def restore_pool(tensors: dict[str, torch.Tensor], scalars: list[dict],
                  examples: Sequence[PromptExample]) -> list[PendingGroup]:
-    """``pool_state``'s pool again, each group's example looked up by its row index among ``examples``."""
+    """``pool_state``'s pool again, each group's example looked up by its row index among ``examples``.
+
+    A pool that lacks one of the tensors or fields ``pool_state`` writes (a checkpoint cut by hand, a worker of
+    another version) is refused with a ValueError naming what is missing, before any group is rebuilt."""
     by_index = {e.index: e for e in examples}
     pool = []
     for g, saved in enumerate(scalars):
+        missing = [k for k in ("index", "started", "reasons") if k not in saved]
+        if missing:
+            raise ValueError(f"the carried generations' group {g} lacks {', '.join(missing)}: the checkpoint or "
+                             "worker pool is not one this version of turbogrpo wrote")
         if saved["index"] not in by_index:
             raise ValueError(f"the checkpoint's carried generations name prompt row {saved['index']}, which this "
                              "run's data does not have; resume with the data the run started with")
         members = range(len(saved["reasons"]))
         routed = f"carried/{g}/prompt_routes" in tensors
+
+        def carried(name: str) -> list[torch.Tensor]:
+            keys = [f"carried/{g}/{m}/{name}" for m in members]
+            absent = [k for k in keys if k not in tensors]
+            if absent:
+                raise ValueError(f"the carried generations lack {', '.join(absent)}: the checkpoint or worker pool "
+                                 "is incomplete")
+            return [tensors[k] for k in keys]
+
         pool.append(PendingGroup(by_index[saved["index"]], saved["started"],
-                                 *([tensors[f"carried/{g}/{m}/{name}"] for m in members]
-                                   for name in ("tokens", "logps", "versions")), list(saved["reasons"]),
-                                 tensors.get(f"carried/{g}/prompt_routes"),
-                                 [tensors[f"carried/{g}/{m}/routes"] for m in members] if routed else None))
+                                 *(carried(name) for name in ("tokens", "logps", "versions")), list(saved["reasons"]),
+                                 tensors.get(f"carried/{g}/prompt_routes"), carried("routes") if routed else None))
     return pool
 
 
