@@ -10,7 +10,8 @@ correction of the family masks (the default "tis" truncates and masks none; TRL'
 
 Cost: the metrics' computation (``mismatch_statistics``, its host read and ``mismatch_metrics``) is timed against
 the update's forward + backward on the same batch, alternated in one process (``harness.interleaved_medians``).
-The forward + backward is less than a step's update (no optimizer, no reference), so the share is an upper bound.
+The forward + backward (in micro-batches, ``MICRO_BATCH_TOKENS``) is less than a step's update (no optimizer, no
+reference, no recomputation), so the share is an upper bound.
 
     python bench/mismatch.py            # 16 prompts x 8, up to 256 tokens; bench/results/mismatch.json
     python bench/mismatch.py --quick    # 2 x 2, 8 tokens, 1 repeat; bench/results/mismatch_quick.json
@@ -39,6 +40,10 @@ from turbogrpo.rollout import SamplingConfig, generate  # noqa: E402
 
 SHAPES = {"full": dict(num_prompts=16, num_samples=8, new_tokens=256, repeats=5),
           "quick": dict(num_prompts=2, num_samples=2, new_tokens=8, repeats=1)}
+MICRO_BATCH_TOKENS = 4096
+"""The cost's forward + backward runs in micro-batches of this many tokens without gradient checkpointing (about
+5 GB of activations for SmolLM2; the shipped config's 16,384 with checkpointing recomputes, so it is slower and the
+metrics' share of it smaller: the share measured here is an upper bound)."""
 CORRECTIONS = ("tis", "token_mask", "sequence_mask", "geometric_mask", "icepop", "k3_reject")
 """The corrections whose masked shares are reported ("tis", the default, truncates: it masks nothing)."""
 
@@ -69,11 +74,17 @@ def statistics(trainer_logps, sampler_logps, correction: str) -> dict:
     return mismatch_metrics(sums.tolist(), quantiles.tolist(), maxima.tolist(), corrected=True)  # host sync
 
 
+def trainer_forward(model, batch) -> torch.Tensor:
+    """The float32 trainer's log-probs ``[N]`` of ``batch``'s completion tokens in flat order, micro-batch by
+    micro-batch (their concatenation is the whole batch's, ``Groups.micro_batches``)."""
+    with torch.no_grad():
+        return torch.cat([compute_logprobs(model, micro.prompts, micro.nested(), with_entropy=False).logps
+                          for micro in batch.micro_batches(MICRO_BATCH_TOKENS)])
+
+
 def measure(model, sample, prompts, shape: dict, sampling: SamplingConfig, seed: int) -> dict:
     batch = sample(prompts, shape["num_samples"], sampling, seed)
-    with torch.no_grad():
-        logps = compute_logprobs(model, batch.prompts, batch.nested(), with_entropy=False).logps
-    trainer_logps = list(logps.split(batch.lengths))
+    trainer_logps = list(trainer_forward(model, batch).split(batch.lengths))
     sampler_logps = [s.float() for s in batch.sampler_logps]
     by_correction = {c: statistics(trainer_logps, sampler_logps, c) for c in CORRECTIONS}
     record = {k.removeprefix("mismatch/"): v for k, v in by_correction["tis"].items() if "masked" not in k}
@@ -85,19 +96,21 @@ def measure(model, sample, prompts, shape: dict, sampling: SamplingConfig, seed:
 
 def metric_cost(model, batch, repeats: int) -> dict:
     """The mismatch metrics' time against the update's forward + backward on ``batch`` (alternated medians)."""
-    with torch.no_grad():
-        logps = compute_logprobs(model, batch.prompts, batch.nested(), with_entropy=False).logps
-    trainer_logps, sampler_logps = list(logps.split(batch.lengths)), [s.float() for s in batch.sampler_logps]
+    trainer_logps = list(trainer_forward(model, batch).split(batch.lengths))
+    sampler_logps = [s.float() for s in batch.sampler_logps]
+    micro_batches = batch.micro_batches(MICRO_BATCH_TOKENS)
 
-    def update():
+    def update():  # per micro-batch, as the trainer's update runs: the whole batch's activations do not fit 24 GB
         model.zero_grad(set_to_none=True)
-        compute_logprobs(model, batch.prompts, batch.nested(), with_entropy=False).logps.sum().backward()
+        for micro in micro_batches:
+            compute_logprobs(model, micro.prompts, micro.nested(), with_entropy=False).logps.sum().backward()
 
     times = interleaved_medians({"forward_backward": update,
                                  "mismatch_metrics": lambda: statistics(trainer_logps, sampler_logps, "tis")},
                                 repeats=repeats, warmup=1)
     model.zero_grad(set_to_none=True)
-    return {"forward_backward_s": times["forward_backward"]["median_s"],
+    return {"forward_backward_s": times["forward_backward"]["median_s"], "micro_batches": len(micro_batches),
+            "micro_batch_tokens": MICRO_BATCH_TOKENS,
             "mismatch_metrics_s": times["mismatch_metrics"]["median_s"],
             "share": times["mismatch_metrics"]["median_s"] / times["forward_backward"]["median_s"],
             "num_tokens": sum(batch.lengths) + sum(batch.prompt_lengths)}
