@@ -694,7 +694,7 @@ RENDERERS: dict[str, Renderer] = {
         col("sequences masked, k3_reject", "masked.k3_reject.sequences", "%")], rows="samplers"),
         Table([col("mismatch metrics, s", "cost.mismatch_metrics_s", "g"),
                col("update forward + backward, s", "cost.forward_backward_s", "g"),
-               col("metrics / forward + backward", "cost.share", "%")], title="What the metrics cost")),
+               col("metrics / forward + backward (a fraction)", "cost.share", "g")], title="What the metrics cost")),
     "routing_replay": tables(Table([
         col("family", "$key"), col("sampler", "sampler", "text"), col("tokens", "num_tokens", "int"),
         col("route disagreement without replay", "route_disagreement_without_replay", "%"),
@@ -984,7 +984,7 @@ RESULTS: list[Result] = [
     Result("mismatch", "mismatch", "How far each sampler is from the float32 trainer (the run's mismatch/* metrics): "
            "SmolLM2-135M GSM8K zero-shot, 16 prompts x 8, up to 256 tokens, the native engine in float32 and bf16 and "
            "the vLLM engine in bf16; and the metrics' cost against the update's forward + backward",
-           "python bench/mismatch.py", section="Precision", awaiting_run=True),
+           "python bench/mismatch.py", section="Precision"),
     Result("routing_replay", "routing_replay", "MoE routing replay (algo.routing_replay): tiny qwen3_moe and "
            "qwen3_5_moe sampled in bf16, trained in float32, route disagreement and K3 KL without and with replay",
            "python bench/routing_replay.py", section="Precision", awaiting_run=True),
