@@ -7,6 +7,7 @@ checkpoints, export, interrupt) is state.py's; the step is loop.py's.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple
@@ -35,7 +36,7 @@ from turbogrpo.train.evaluate import HeldOut, build_held_out
 from turbogrpo.train.metrics import MetricsLog
 from turbogrpo.train.optim import build_optimizer
 from turbogrpo.train.output_dir import RunRecord
-from turbogrpo.train.precision import Precision, run_precision, warn_if_pure
+from turbogrpo.train.precision import PURE_BF16_WARNING, Precision, run_precision
 from turbogrpo.train.worker.protocol import AheadRollouts
 
 
@@ -162,8 +163,8 @@ def build_run(config: Config, dist: DistInfo, rewards: list[Reward], record: Run
     """The run's parts, each built once from its own section of ``config``, with a fresh state
     (``state.start`` resumes it and opens its output folder); ``record``: the output folder's record of
     ``config`` (``output_dir.run_record``)."""
-    if dist.is_main:
-        warn_if_pure(config.model.pure_bf16)
+    if dist.is_main and config.model.pure_bf16:  # the opt-in's warning, once per run
+        warnings.warn(PURE_BF16_WARNING, UserWarning, stacklevel=1)
     parts = build_policy(config.model, config.lora, config.rollout, dist, seed=config.train.seed)
     precision, policy = parts.precision, parts.policy
     # Before the prompts: it may set the chat template.
