@@ -1,8 +1,9 @@
 """The data kinds (``data.kind``): where each reads its training and held-out rows.
 
-Each registry is a dict, so a new kind is one entry in each: ``BUILTIN_TASKS`` for a generated task
-(``records(split, num, seed) -> rows``), ``ROW_READERS`` for every kind's training rows. ``data`` is the
-[data] config section (``config.DataConfig``).
+A kind is one entry in one of two registries: ``BUILTIN_TASKS`` for a generated task (``records(split, num,
+seed) -> rows``: its training and held-out splits), ``FILE_KINDS`` for rows read from a file (``reader(data,
+path) -> rows``: data.path's for training, data.eval_path's held out). A held-out file beside a built-in task
+is read as plain rows. ``data`` is the [data] config section (``config.DataConfig``).
 """
 
 from __future__ import annotations
@@ -26,11 +27,12 @@ def builtin_rows(data, split: str, seed: int) -> list[dict]:
 
 
 def file_rows(data, path: str) -> list[dict]:
+    """The rows of a jsonl or parquet file, or of a folder saved by ``datasets`` (its data.split)."""
     split = data.split if source_kind(path) == "datasets" else None
     return read_records(path, split=split)
 
 
-# Readers of a file's rows, by data.kind: reader(data, path) -> rows.
+# The kinds that read their rows from a file, by data.kind: reader(data, path) -> rows.
 FILE_KINDS = {
     "rows": file_rows,
     "gsm8k": lambda data, path: gsm8k_records(path),

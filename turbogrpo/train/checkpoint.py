@@ -41,7 +41,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from turbogrpo.files import describe_os_error, fsync_dir, replace_folder, save_json, save_tensors, write_text_atomically
-from turbogrpo.train.distributed import DistInfo, all_reduce_max_int
+from turbogrpo.placement import DistInfo
+from turbogrpo.train.distributed import all_reduce_max_int
 
 LATEST_FILE = "latest"
 STATE_FILE = "state.json"

@@ -23,13 +23,13 @@ from turbogrpo.data import PromptBatches
 from turbogrpo.data.prompt_sets import check_prompt_count, load_eval_prompts, load_train_prompts
 from turbogrpo.linears import TRAINING_LINEAR_KERNELS
 from turbogrpo.moe_routes import route_shape
+from turbogrpo.placement import DistInfo
 from turbogrpo.rewards import Reward, accuracy_reward
 from turbogrpo.rollout import SamplingConfig
 from turbogrpo.rollout.decode import DecodeSchedule, default_schedule
 from turbogrpo.sharing import Sharing, sharing_of
 from turbogrpo.engines import CAPABILITIES, DEFAULT_ENGINE, RolloutEngine, build_engine, resolve_engine
 from turbogrpo.train import distributed, setup
-from turbogrpo.train.distributed import DistInfo
 from turbogrpo.train.draft_learning import OnlineDraft, build_online_draft
 from turbogrpo.train.episodes import EpisodeSampler, build_episode_sampler
 from turbogrpo.train.evaluate import HeldOut, build_held_out
