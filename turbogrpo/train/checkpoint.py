@@ -108,7 +108,7 @@ def save_checkpoint(root: str | Path, step: int, model: torch.nn.Module, optimiz
             optim_tensors, optim_scalars = _flatten_optimizer_state(optim_state)
             save_tensors(optim_tensors, tmp / "optimizer.safetensors")
             save_json({"step": step, "world_size": dist.world_size, "optimizer": optim_scalars, "extra": extra},
-                        tmp / STATE_FILE)
+                      tmp / STATE_FILE)
             fsync_dir(tmp)
             replace_folder(tmp, final)  # an existing copy: re-running a step after a resume
             write_text_atomically(root / LATEST_FILE, final.name)

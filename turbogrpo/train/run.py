@@ -163,7 +163,7 @@ def build_run(config: Config, dist: DistInfo, rewards: list[Reward], record: Run
     """The run's parts, each built once from its own section of ``config``, with a fresh state
     (``state.start`` resumes it and opens its output folder); ``record``: the output folder's record of
     ``config`` (``output_dir.run_record``)."""
-    if dist.is_main and config.model.pure_bf16:  # the opt-in's warning, once per run
+    if dist.is_main and config.model.pure_bf16:  # the opt-in's warning, from rank 0 (precision.py says why)
         warnings.warn(PURE_BF16_WARNING, UserWarning, stacklevel=1)
     parts = build_policy(config.model, config.lora, config.rollout, dist, seed=config.train.seed)
     precision, policy = parts.precision, parts.policy
