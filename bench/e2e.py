@@ -49,9 +49,10 @@ from real_model import large_matmul_gflops  # noqa: E402
 from turbogrpo.config import load_config  # noqa: E402
 from turbogrpo.data import demo_records  # noqa: E402
 from turbogrpo.models import declared_tokenizer, demo_model_path  # noqa: E402
+from turbogrpo.placement import join_job  # noqa: E402
 from turbogrpo.prefix.cost import ModelDims, layout_flops  # noqa: E402
 from turbogrpo.rewards import Reward, math_accuracy_reward  # noqa: E402
-from turbogrpo.train import distributed, loop, setup  # noqa: E402
+from turbogrpo.train import loop, setup  # noqa: E402
 from turbogrpo.train.run import build_run  # noqa: E402
 from turbogrpo.train.output_dir import run_record  # noqa: E402
 from turbogrpo.train.state import start  # noqa: E402
@@ -155,7 +156,7 @@ class TurboStepper:
             "train.num_steps=1000", f'train.output_dir="{workdir / "turbogrpo"}"', "log.tensorboard=false",
             "log.completions_every=0", "log.progress_bar=false", *overrides])
         reward = Reward("reward", shape["reward"], 1.0, 0.0)
-        self.run = build_run(config, distributed.setup("cpu"), [reward], run_record(config))
+        self.run = build_run(config, join_job("cpu"), [reward], run_record(config))
         start(self.run, resume=False)
         self.step = 0
         self.records: list[dict] = []

@@ -45,9 +45,10 @@ from turbogrpo.data.tool_tasks import calculator_records  # noqa: E402
 from turbogrpo.env.environment import bind_positional  # noqa: E402
 from turbogrpo.env.tasks import CHAT_TEMPLATES, Calculator, last_integer  # noqa: E402
 from turbogrpo.env.tool_calls import parse_pythonic  # noqa: E402
+from turbogrpo.placement import join_job  # noqa: E402
 from turbogrpo.rewards import build_rewards  # noqa: E402
 from turbogrpo.rollout.multiturn import MultiTurnRollout, MultiTurnStats  # noqa: E402
-from turbogrpo.train import distributed, loop  # noqa: E402
+from turbogrpo.train import loop  # noqa: E402
 from turbogrpo.train.run import build_run  # noqa: E402
 from turbogrpo.train.output_dir import run_record  # noqa: E402
 from turbogrpo.train.state import start  # noqa: E402
@@ -63,7 +64,7 @@ def calculator_run(workdir: Path, num_prompts: int, num_generations: int, overri
         f"train.prompts_per_step={num_prompts}", f"rollout.num_generations={num_generations}",
         f'train.output_dir="{workdir / "turbogrpo"}"', "train.num_steps=1000", "log.tensorboard=false",
         "log.progress_bar=false", "log.completions_every=0", *overrides])
-    run = build_run(config, distributed.setup("cpu"), build_rewards(config.rewards), run_record(config))
+    run = build_run(config, join_job("cpu"), build_rewards(config.rewards), run_record(config))
     start(run, resume=False)
     return run, config
 

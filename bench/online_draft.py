@@ -47,6 +47,7 @@ from bench.harness import RESULTS_DIR, machine_info  # noqa: E402
 from turbogrpo.cli import demo_config  # noqa: E402
 from turbogrpo.config import load_config  # noqa: E402
 from turbogrpo.data.prompt_sets import load_train_prompts  # noqa: E402
+from turbogrpo.placement import join_job  # noqa: E402
 from turbogrpo.rewards import build_rewards  # noqa: E402
 from turbogrpo.rollout import generate  # noqa: E402
 from turbogrpo.speculative.speculation import Speculation  # noqa: E402
@@ -54,7 +55,7 @@ from turbogrpo.speculative.draft import DraftHead  # noqa: E402
 from turbogrpo.speculative.sizing import FixedSizing  # noqa: E402
 from turbogrpo.config import DraftLearningConfig  # noqa: E402
 from turbogrpo.speculative.draft_training import draft_groups, train_draft  # noqa: E402
-from turbogrpo.train import distributed, setup  # noqa: E402
+from turbogrpo.train import setup  # noqa: E402
 from turbogrpo.train.loop import grpo_step  # noqa: E402
 from turbogrpo.train.run import build_run  # noqa: E402
 from turbogrpo.train.output_dir import run_record  # noqa: E402
@@ -153,7 +154,7 @@ def run_seed(args, seed: int, out: Path) -> dict:
     }
     variants = {name: variants[name] for name in args.variants}
     rewards = build_rewards(base_config(args, seed, out, []).rewards)
-    dist = distributed.setup("cpu", "auto")
+    dist = join_job("cpu", "auto")
     runs = {}
     for name, overrides in variants.items():
         config = base_config(args, seed, out / name, overrides)

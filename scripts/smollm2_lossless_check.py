@@ -16,13 +16,13 @@ sys.path.insert(0, ".")
 from bench.harness import machine_info  # noqa: E402
 from turbogrpo.config import load_config  # noqa: E402
 from turbogrpo.host_memory import keep_freed_host_memory  # noqa: E402
+from turbogrpo.placement import join_job  # noqa: E402
 from turbogrpo.rewards import build_rewards  # noqa: E402
 from turbogrpo.rollout import generate  # noqa: E402
 from turbogrpo.speculative import Speculation  # noqa: E402
 from turbogrpo.speculative.built_drafts import resolve_draft_path  # noqa: E402
 from turbogrpo.speculative.draft import DraftHead  # noqa: E402
 from turbogrpo.speculative.sizing import FixedSizing  # noqa: E402
-from turbogrpo.train import distributed  # noqa: E402
 from turbogrpo.train.run import build_run  # noqa: E402
 from turbogrpo.train.output_dir import run_record  # noqa: E402
 
@@ -43,7 +43,7 @@ def main(num_rollouts: int) -> None:
     keep_freed_host_memory()
     config = load_config("configs/smollm2_arithmetic.toml", ['train.output_dir="runs/lossless_check"',
                                                              "log.tensorboard=false", "log.progress_bar=false"])
-    run = build_run(config, distributed.setup("cpu", "auto"), build_rewards(config.rewards), run_record(config))
+    run = build_run(config, join_job("cpu", "auto"), build_rewards(config.rewards), run_record(config))
     draft = DraftHead.load(resolve_draft_path("smollm2-gsm8k"), run.policy)
     prompts = [e.token_ids for e in run.held_out.examples[:32]]
     cap = run.sampling.max_new_tokens

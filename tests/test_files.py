@@ -9,7 +9,7 @@ from safetensors import SafetensorError
 
 from turbogrpo.files import WriteError, describe_os_error, save_tensors, write_folder_atomically
 from turbogrpo.models import tiny_model
-from turbogrpo.train.distributed import DistInfo
+from turbogrpo.placement import DistInfo
 from turbogrpo.train.state import export
 
 DISK_FULL = SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: '

@@ -321,8 +321,8 @@ def _eval(args: argparse.Namespace, overrides: list[str]) -> int:
     import torch
 
     from turbogrpo.data.prompt_sets import load_eval_prompts
+    from turbogrpo.placement import join_job, leave_job
     from turbogrpo.rewards import accuracy_reward, build_rewards
-    from turbogrpo.train import distributed
     from turbogrpo.train.episodes import build_episode_sampler
     from turbogrpo.train.evaluate import build_held_out, describe_accuracies, measure_held_out
     from turbogrpo.train.run import build_policy
@@ -333,7 +333,7 @@ def _eval(args: argparse.Namespace, overrides: list[str]) -> int:
         overrides = [*overrides, f"model.path={_toml_string(args.model)}"]
     config = load_config(args.config, overrides) if args.config else demo_config(overrides)
     rewards = build_rewards(config.rewards)
-    dist = distributed.setup(config.model.device, config.distributed.backend)
+    dist = join_job(config.model.device, config.distributed.backend)
     try:
         parts = build_policy(config.model, config.lora, config.rollout, dist, seed=config.train.seed)
         precision, model, tokenizer = parts.precision, parts.policy, parts.tokenizer
@@ -353,7 +353,7 @@ def _eval(args: argparse.Namespace, overrides: list[str]) -> int:
             print(f"{config.model.path}: {describe_accuracies(held_out, accuracies)} "
                   f"({time.perf_counter() - start:.0f} s)")
     finally:
-        distributed.teardown(dist)
+        leave_job(dist)
     return 0
 
 

@@ -4,10 +4,12 @@ I/O failures (a full disk) are ``OSError`` naming the file, like every other wri
     write_folder_atomically(final, write)   write(tmp) into a hidden folder beside final, then rename it
     write_text_atomically(path, text)       the same for one text file
     save_tensors(tensors, path)             safetensors save_file + fsync; OSError on failure
+    save_json(value, path)                  json.dumps + fsync, beside save_tensors in a folder being written
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -81,6 +83,13 @@ def save_tensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
         save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(path))
     except SafetensorError as err:  # a full disk surfaces as this, not as OSError
         raise safetensors_os_error(err, path) from err
+    fsync_file(path)
+
+
+def save_json(value, path: Path) -> None:
+    """``value`` as JSON in file ``path``, flushed to disk (a file of a folder that appears whole later:
+    ``write_folder_atomically``, a checkpoint's)."""
+    path.write_text(json.dumps(value))
     fsync_file(path)
 
 

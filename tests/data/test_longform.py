@@ -70,10 +70,10 @@ def test_prompts_share_the_preamble_and_solutions_have_a_long_tail_of_lengths():
 
 
 def test_config_kind_longform_reads_builtin_rows():
-    from turbogrpo.data.kinds import ROW_READERS
+    from turbogrpo.data.kinds import train_rows
 
     config = load_config(None, ["data.kind=longform", "data.num_train_problems=50"])
-    rows = ROW_READERS["longform"](config.data, 0)
+    rows = train_rows(config.data, 0)
     assert rows == longform_records("train", 50, seed=0)
 
 

@@ -244,7 +244,8 @@ def test_two_grpo_steps_on_the_vllm_engine(tmp_path, engine, monkeypatch):
     from tests.conftest import REPO
     from turbogrpo.rewards import build_rewards
     from turbogrpo import engines
-    from turbogrpo.train import distributed, loop
+    from turbogrpo.placement import join_job
+    from turbogrpo.train import loop
     from turbogrpo.train.run import build_run
     from turbogrpo.train.output_dir import run_record
     from turbogrpo.train.state import start
@@ -257,7 +258,7 @@ def test_two_grpo_steps_on_the_vllm_engine(tmp_path, engine, monkeypatch):
                                                "optim.lr=3e-3", "optim.warmup_steps=0", "data.num_eval_problems=4",
                                                "train.micro_batch_tokens=400",  # a micro-batch per group
                                                "log.tensorboard=false"])
-    run = build_run(config, distributed.setup("cpu", "auto"), build_rewards(config.rewards), run_record(config))
+    run = build_run(config, join_job("cpu", "auto"), build_rewards(config.rewards), run_record(config))
     start(run, resume=False)
     try:
         metrics = [loop.grpo_step(run, step) for step in range(2)]

@@ -13,8 +13,9 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from turbogrpo.algo import LOSSES, build_loss
 from turbogrpo.config import AlgoConfig, load_config
 from turbogrpo.prefix import compute_logprobs
+from turbogrpo.placement import join_job, leave_job
 from turbogrpo.train import distributed, loop
-from turbogrpo.train.distributed import DistInfo
+from turbogrpo.placement import DistInfo
 from turbogrpo.batch import Groups
 from turbogrpo.train.update import update_policy
 
@@ -61,7 +62,7 @@ def run(rank: int, world_size: int, ports: list[int], out_dir: str, model_dir: s
                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(ports[0])})
     torch.set_num_threads(1)
     out = Path(out_dir)
-    dist = distributed.setup("cpu", "gloo")
+    dist = join_job("cpu", "gloo")
     results = {}
     for strategy, losses in (("ddp", sorted(LOSSES)), ("fsdp2", ["dapo"])):
         for loss_name in losses:
@@ -71,7 +72,7 @@ def run(rank: int, world_size: int, ports: list[int], out_dir: str, model_dir: s
                 results[f"{strategy}-{loss_name}"] = metrics
     if dist.is_main:
         (out / "metrics.json").write_text(json.dumps(results))
-    distributed.teardown(dist)
+    leave_job(dist)
 
     # The whole loop, distributed: each rank rolls out half the prompts; checkpoints, eval, export;
     # then the FSDP2 run is resumed from its checkpoint for one more step. Last, FSDP2 in bf16-mixed
@@ -132,12 +133,12 @@ def multiturn(rank: int, world_size: int, ports: list[int], out_dir: str) -> Non
                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(ports[0])})
     torch.set_num_threads(1)
     out = Path(out_dir)
-    dist = distributed.setup("cpu", "gloo")
+    dist = join_job("cpu", "gloo")
     params, metrics = two_updates("dapo", "ddp", dist, multiturn_batch())
     if dist.is_main:
         save_file({k: v.contiguous() for k, v in params.items()}, out / "multiturn-update.safetensors")
         (out / "multiturn-update.json").write_text(json.dumps(metrics))
-    distributed.teardown(dist)
+    leave_job(dist)
 
     sample, grpo_step = loop.sample, loop.grpo_step
 

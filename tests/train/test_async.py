@@ -16,10 +16,10 @@ import torch
 from safetensors.torch import load_file
 
 from turbogrpo.config import EnvConfig, LoraConfig, ModelConfig, RolloutConfig, load_config
-from turbogrpo.train.distributed import DistInfo
+from turbogrpo.placement import DistInfo, thread_split
 from turbogrpo.train.loop import train
 from turbogrpo.train.metrics import read_metrics
-from turbogrpo.train.worker.rollout_worker import WorkerSpec, _worker_main, thread_split
+from turbogrpo.train.worker.rollout_worker import WorkerSpec, _worker_main
 from turbogrpo.train.worker.weight_ring import WeightRing, sampling_version
 from turbogrpo.train.worker.local import SharedMemoryLink
 from turbogrpo.train.worker.protocol import WorkerFailed
@@ -132,7 +132,7 @@ def test_the_worker_samples_with_exactly_the_version_the_trainer_published(tmp_p
     * LoRA (the adapters are the trainable parameters that travel; a learning rate that moves samples in one
       step): version 0's adapters give other completions."""
     from turbogrpo.rewards import build_rewards
-    from turbogrpo.train import distributed
+    from turbogrpo.placement import join_job
     from turbogrpo.train.draft_learning import speculation_metrics
     from turbogrpo.train.loop import begin_step, sample
     from turbogrpo.train.run import build_run
@@ -162,7 +162,7 @@ def test_the_worker_samples_with_exactly_the_version_the_trainer_published(tmp_p
         folder = tmp_path / ("again" if wrong else "run")
         config = load_config(REPO / "configs" / "demo.toml", [*sets, f'train.output_dir="{folder}"'])
         torch.set_num_threads(1)  # the worker's (train.rollout_threads)
-        run = build_run(config, distributed.setup("cpu", "gloo"), build_rewards(config.rewards),
+        run = build_run(config, join_job("cpu", "gloo"), build_rewards(config.rewards),
                         run_record(config))
         initial = {k: v.clone() for k, v in run.draft.draft.state_dict().items()} if run.draft is not None else None
         state = start(run, resume=not (wrong and variant == "lora"))  # no worker: the step samples itself

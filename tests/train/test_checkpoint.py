@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from turbogrpo.models import tiny_model
+from turbogrpo.placement import DistInfo
 from turbogrpo.train import checkpoint as ckpt
-from turbogrpo.train.distributed import DistInfo
 
 SINGLE = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
 

@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM
 
 from turbogrpo.algo import LOSSES
 from turbogrpo.config import load_config
-from turbogrpo.train.distributed import DistInfo
+from turbogrpo.placement import DistInfo
 from turbogrpo.train.metrics import read_metrics
 from turbogrpo.train.output_dir import run_record
 from turbogrpo.train.rank_agreement import describe_first_difference, training_keys

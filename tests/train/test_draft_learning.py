@@ -63,14 +63,14 @@ def test_an_unbuilt_draft_says_how_to_build_it(tmp_path, monkeypatch):
 
 def test_history_drafts_join_the_runs_speculation_and_keep_its_completions(tmp_path):
     from turbogrpo.speculative.history import HistoryDrafts
-    from turbogrpo.train import distributed
+    from turbogrpo.placement import join_job
     from turbogrpo.train.run import build_run
     from turbogrpo.train.state import start
 
     model_dir, rows = write_model(tmp_path / "model"), write_rows(tmp_path / "rows.jsonl")
     config = load_config(None, overrides(model_dir, rows, tmp_path / "out",
                                          **{"rollout.speculation": "fixed", "draft.history": "true"}))
-    run = build_run(config, distributed.setup("cpu", "auto"), build_rewards(config.rewards), run_record(config))
+    run = build_run(config, join_job("cpu", "auto"), build_rewards(config.rewards), run_record(config))
     start(run, resume=False)
     assert isinstance(run.draft.history, HistoryDrafts) and run.draft.speculation().history is run.draft.history
     loop.grpo_step(run, 0)
@@ -117,11 +117,11 @@ def test_policy_and_draft_are_frozen_in_each_others_training(tmp_path, monkeypat
 
     monkeypatch.setattr(loop, "update_policy", update_policy)
     monkeypatch.setattr(draft_learning, "train_draft", train_draft)
-    from turbogrpo.train import distributed
+    from turbogrpo.placement import join_job
     from turbogrpo.train.run import build_run
     from turbogrpo.train.state import start
     config = load_config(None, overrides(model_dir, rows, tmp_path / "out", **{"rollout.speculation": "fixed"}))
-    run = build_run(config, distributed.setup("cpu", "auto"), build_rewards(config.rewards), run_record(config))
+    run = build_run(config, join_job("cpu", "auto"), build_rewards(config.rewards), run_record(config))
     start(run, resume=False)
     run_state = {"draft": run.draft.draft, "policy": run.policy}
     run.policy.zero_grad(set_to_none=True)
@@ -202,13 +202,13 @@ def test_speculative_training_rollouts_sample_the_plain_distribution(tmp_path, m
     monkeypatch.setattr(native, "generate", lambda *a, **k: captured.append(real_generate(*a, **k)) or captured[-1])
 
     def first_step_tokens(speculation: str, seed: int) -> torch.Tensor:
-        from turbogrpo.train import distributed
+        from turbogrpo.placement import join_job
         from turbogrpo.train.run import build_run
         from turbogrpo.train.state import start
         extra = {"rollout.speculation": speculation, "train.seed": seed, "rollout.num_generations": 32,
                  "rollout.max_new_tokens": 3, "rollout.stop_strings": "[]", "train.prompts_per_step": 4}
         config = load_config(None, overrides(model_dir, rows, tmp_path / f"{speculation}{seed}", **extra))
-        run = build_run(config, distributed.setup("cpu", "auto"), build_rewards(config.rewards),
+        run = build_run(config, join_job("cpu", "auto"), build_rewards(config.rewards),
                         run_record(config))
         start(run, resume=False)
         loop.grpo_step(run, 0)
@@ -273,7 +273,7 @@ def test_a_rollout_without_hidden_states_is_collected_by_a_forward():
 def test_an_eagle3_draft_speculates_and_learns_inside_grpo(tmp_path):
     """[draft] layout = "eagle3" with training-time test and the policy's last layer as a start: a GRPO step
     drafts with it (its layers read from the rollout's forwards) and trains it on its own predictions."""
-    from turbogrpo.train import distributed
+    from turbogrpo.placement import join_job
     from turbogrpo.train.run import build_run
     from turbogrpo.train.state import start
 
@@ -281,7 +281,7 @@ def test_an_eagle3_draft_speculates_and_learns_inside_grpo(tmp_path):
     config = load_config(None, overrides(model_dir, rows, tmp_path / "out", **{
         "rollout.speculation": "fixed", "draft.layout": "\"eagle3\"", "draft.ttt_steps": "2",
         "draft.init_from_policy": "true"}))
-    run = build_run(config, distributed.setup("cpu", "auto"), build_rewards(config.rewards), run_record(config))
+    run = build_run(config, join_job("cpu", "auto"), build_rewards(config.rewards), run_record(config))
     start(run, resume=False)
     draft = run.draft.draft
     assert draft.config.layout == "eagle3" and draft.config.feature_layers

@@ -4,9 +4,9 @@ import torch
 
 from turbogrpo.data import PromptExample
 from turbogrpo.models import tiny_model
+from turbogrpo.placement import DistInfo
 from turbogrpo.rewards import Reward
 from turbogrpo.rollout import SamplingConfig
-from turbogrpo.train.distributed import DistInfo
 from turbogrpo.train.evaluate import evaluate_accuracy
 
 SINGLE = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))

@@ -7,8 +7,9 @@ import torch
 
 from turbogrpo.algo import LOSSES, LossNormalizer, build_loss
 from turbogrpo.config import AlgoConfig
+from turbogrpo.placement import DistInfo
 from turbogrpo.prefix import compute_logprobs
-from turbogrpo.train.distributed import DistInfo, LogprobModule
+from turbogrpo.train.distributed import LogprobModule
 from turbogrpo.batch import Groups, pad_to_count
 from turbogrpo.train.update import update_policy
 

@@ -157,7 +157,7 @@ def test_held_out_accuracy_with_an_env_is_the_share_of_solved_conversations():
     from turbogrpo.models import load_demo_model
     from turbogrpo.rewards import Reward, resolve_reward
     from turbogrpo.rollout import SamplingConfig
-    from turbogrpo.train.distributed import DistInfo
+    from turbogrpo.placement import DistInfo
     from turbogrpo.train.episodes import build_episode_sampler
     from turbogrpo.train.evaluate import evaluate_accuracy
 

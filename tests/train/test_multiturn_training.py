@@ -10,8 +10,9 @@ import torch
 from turbogrpo.algo import LOSSES, LossNormalizer, build_loss
 from turbogrpo.batch import Groups, pad_ragged
 from turbogrpo.config import AlgoConfig
+from turbogrpo.placement import DistInfo
 from turbogrpo.prefix import compute_logprobs
-from turbogrpo.train.distributed import DistInfo, LogprobModule
+from turbogrpo.train.distributed import LogprobModule
 from turbogrpo.train.update import update_policy
 
 from .conftest import exact_tiny_model

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from turbogrpo.config import dump_config, load_config
-from turbogrpo.train.distributed import DistInfo
+from turbogrpo.placement import DistInfo
 from turbogrpo.train.metrics import MetricsLog, read_metrics
 from turbogrpo.train.output_dir import changed_training_keys, claim_output_dir, run_record
 from turbogrpo.train.state import find_resume_checkpoint

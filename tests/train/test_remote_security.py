@@ -21,10 +21,10 @@ from torch.distributed import TCPStore
 from turbogrpo.batch import Groups
 from turbogrpo.config import ConfigError, load_config
 from turbogrpo.data import PromptExample
+from turbogrpo.placement import DistInfo
 from turbogrpo.rollout import Rollout
 from turbogrpo.rollout.types import RolloutStats
 from turbogrpo.train.worker import secure_channel, wire
-from turbogrpo.train.distributed import DistInfo
 from turbogrpo.train.loop import train
 from turbogrpo.train.worker.remote import RemoteLink, RemoteTransport, connect
 from turbogrpo.train.worker.rollout_checks import RolloutMismatch, check_rollout

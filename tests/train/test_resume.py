@@ -137,7 +137,7 @@ def long_run_after_its_first_checkpoint(tmp_path, *flags: str):
                          ids=["ctrl_c", "sigterm"])
 def test_ctrl_c_or_sigterm_prints_one_line_naming_the_checkpoint_and_the_lock_keeps_other_runs_out(
         tmp_path, stop, code, how):
-    from turbogrpo.train.distributed import DistInfo
+    from turbogrpo.placement import DistInfo
     from turbogrpo.train.output_dir import claim_output_dir, run_record
 
     child, config, sets, out = long_run_after_its_first_checkpoint(tmp_path)

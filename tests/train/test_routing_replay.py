@@ -86,12 +86,12 @@ def test_the_vllm_refusal_says_why():
 
 def test_a_model_without_experts_is_refused_at_the_build(tmp_path):
     from turbogrpo.rewards import build_rewards
-    from turbogrpo.train import distributed
+    from turbogrpo.placement import join_job
     from turbogrpo.train.run import build_run
     config = load_config(REPO / "configs" / "demo.toml", ['algo.routing_replay="replay"', "data.num_eval_problems=2",
                                                           f'train.output_dir="{tmp_path}"'])
     with pytest.raises(ValueError, match="needs a mixture-of-experts model"):
-        build_run(config, distributed.setup("cpu", "auto"), build_rewards(config.rewards), run_record(config))
+        build_run(config, join_job("cpu", "auto"), build_rewards(config.rewards), run_record(config))
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_5_moe"])  # (qwen3_5_moe: a hybrid, with its state cache)

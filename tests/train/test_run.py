@@ -57,10 +57,10 @@ def test_the_run_resolves_its_engine_and_correction(tmp_path, sets, engine, tis_
     (the rollout worker samples with the configured one), so a vLLM run's trainer never imports vllm for it."""
     from tests.conftest import REPO
     from turbogrpo.rewards import build_rewards
-    from turbogrpo.train import distributed
+    from turbogrpo.placement import join_job
     from turbogrpo.train.run import build_run
     from turbogrpo.train.output_dir import run_record
     config = load_config(REPO / "configs" / "demo.toml", [*sets, f'train.output_dir="{tmp_path}"',
                                                           "data.num_eval_problems=2"])
-    run = build_run(config, distributed.setup("cpu", "auto"), build_rewards(config.rewards), run_record(config))
+    run = build_run(config, join_job("cpu", "auto"), build_rewards(config.rewards), run_record(config))
     assert type(run.engine).__name__ == engine and run.algo.tis_cap == tis_cap

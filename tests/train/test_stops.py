@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import turbogrpo.train.stops as stops_module
-from turbogrpo.train.distributed import DistInfo
+from turbogrpo.placement import DistInfo
 from turbogrpo.train.stops import Terminated, stops_at_step_ends
 
 

@@ -14,7 +14,8 @@ from tests.train.test_multiturn_training import with_garbage_on_env_tokens
 from turbogrpo.algo import LossNormalizer, build_loss
 from turbogrpo.batch import Groups
 from turbogrpo.config import AlgoConfig
-from turbogrpo.train.distributed import DistInfo, LogprobModule
+from turbogrpo.placement import DistInfo
+from turbogrpo.train.distributed import LogprobModule
 from turbogrpo.sharing import SHARINGS
 from turbogrpo.train.update import score, update_policy
 from turbogrpo.tree import trie_of_groups

@@ -99,7 +99,7 @@ def _add_model_arguments(cmd: argparse.ArgumentParser, default: str | None = "de
 
 
 def _device(args) -> torch.device:
-    from turbogrpo.train.distributed import resolve_device
+    from turbogrpo.placement import resolve_device
     return resolve_device(args.device or "auto", key="--device")
 
 

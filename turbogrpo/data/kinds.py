@@ -1,8 +1,9 @@
 """The data kinds (``data.kind``): where each reads its training and held-out rows.
 
-Each registry is a dict, so a new kind is one entry in each: ``BUILTIN_TASKS`` for a generated task
-(``records(split, num, seed) -> rows``), ``ROW_READERS`` for every kind's training rows. ``data`` is the
-[data] config section (``config.DataConfig``).
+A kind is one entry in one of two registries: ``BUILTIN_TASKS`` for a generated task (``records(split, num,
+seed) -> rows``: its training and held-out splits), ``FILE_KINDS`` for rows read from a file (``reader(data,
+path) -> rows``: data.path's for training, data.eval_path's held out). A held-out file beside a built-in task
+is read as plain rows. ``data`` is the [data] config section (``config.DataConfig``).
 """
 
 from __future__ import annotations
@@ -26,33 +27,31 @@ def builtin_rows(data, split: str, seed: int) -> list[dict]:
 
 
 def file_rows(data, path: str) -> list[dict]:
+    """The rows of a jsonl or parquet file, or of a folder saved by ``datasets`` (its data.split)."""
     split = data.split if source_kind(path) == "datasets" else None
     return read_records(path, split=split)
 
 
-# Readers of training rows, by data.kind: reader(data, seed) -> rows.
-ROW_READERS = {
-    "arithmetic": lambda data, seed: builtin_rows(data, "train", seed),
-    "arithmetic_chat": lambda data, seed: builtin_rows(data, "train", seed),
-    "longform": lambda data, seed: builtin_rows(data, "train", seed),
-    "small_arithmetic": lambda data, seed: builtin_rows(data, "train", seed),
-    "calculator": lambda data, seed: builtin_rows(data, "train", seed),
-    "guess_number": lambda data, seed: builtin_rows(data, "train", seed),
-    "rows": lambda data, seed: file_rows(data, data.path),
-    "gsm8k": lambda data, seed: gsm8k_records(data.path),
+# The kinds that read their rows from a file, by data.kind: reader(data, path) -> rows.
+FILE_KINDS = {
+    "rows": file_rows,
+    "gsm8k": lambda data, path: gsm8k_records(path),
 }
 
 
 def train_rows(data, seed: int) -> list[dict]:
-    """The training rows of ``data.kind`` (a built-in task's are generated from ``seed``)."""
-    return ROW_READERS[data.kind](data, seed)
+    """The training rows of ``data.kind``: a built-in task's generated from ``seed``, else data.path's."""
+    if data.kind in BUILTIN_TASKS:
+        return builtin_rows(data, "train", seed)
+    return FILE_KINDS[data.kind](data, data.path)
 
 
 def eval_rows(data) -> list[dict] | None:
-    """Held-out rows: ``data.eval_path``'s, else a built-in task's eval split (fixed, so every run is
-    scored on the same problems); None where there is no held-out source."""
+    """Held-out rows: ``data.eval_path``'s (read as its kind reads a file; plain rows beside a built-in task),
+    else a built-in task's eval split (fixed, so every run is scored on the same problems); None where there
+    is no held-out source."""
     if data.eval_path:
-        return gsm8k_records(data.eval_path) if data.kind == "gsm8k" else file_rows(data, data.eval_path)
+        return FILE_KINDS.get(data.kind, file_rows)(data, data.eval_path)
     if data.kind in BUILTIN_TASKS:
         return builtin_rows(data, "eval", seed=0)
     return None

@@ -40,9 +40,9 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from turbogrpo.files import (describe_os_error, fsync_dir, fsync_file, replace_folder, save_tensors,
-                             write_text_atomically)
-from turbogrpo.train.distributed import DistInfo, all_reduce_max_int
+from turbogrpo.files import describe_os_error, fsync_dir, replace_folder, save_json, save_tensors, write_text_atomically
+from turbogrpo.placement import DistInfo
+from turbogrpo.train.distributed import all_reduce_max_int
 
 LATEST_FILE = "latest"
 STATE_FILE = "state.json"
@@ -101,14 +101,14 @@ def save_checkpoint(root: str | Path, step: int, model: torch.nn.Module, optimiz
         if rank_state is not None:
             save_tensors(rank_state[0], tmp / f"extra-rank{dist.rank}.safetensors")
             rank_json["extra"] = rank_state[1]
-        _write_json(rank_json, tmp / f"rng-rank{dist.rank}.json")
+        save_json(rank_json, tmp / f"rng-rank{dist.rank}.json")
         dist.barrier()
         if dist.is_main:
             save_tensors(model_state, tmp / "model.safetensors")
             optim_tensors, optim_scalars = _flatten_optimizer_state(optim_state)
             save_tensors(optim_tensors, tmp / "optimizer.safetensors")
-            _write_json({"step": step, "world_size": dist.world_size, "optimizer": optim_scalars, "extra": extra},
-                        tmp / STATE_FILE)
+            save_json({"step": step, "world_size": dist.world_size, "optimizer": optim_scalars, "extra": extra},
+                      tmp / STATE_FILE)
             fsync_dir(tmp)
             replace_folder(tmp, final)  # an existing copy: re-running a step after a resume
             write_text_atomically(root / LATEST_FILE, final.name)
@@ -304,11 +304,6 @@ def _unflatten_optimizer_state(tensors: dict[str, torch.Tensor], scalars: dict[s
     for name, per_param in scalars["state_scalars"].items():
         state.setdefault(name, {}).update(per_param)
     return {"state": state, "param_groups": scalars["param_groups"]}
-
-
-def _write_json(obj: Any, path: Path) -> None:
-    path.write_text(json.dumps(obj))
-    fsync_file(path)
 
 
 def _prune(root: Path, keep: int, step: int) -> None:

@@ -1,4 +1,6 @@
-"""Multi-process training under ``torchrun``: process group, device per rank, DDP / FSDP2 wrapping.
+"""Multi-process training under ``torchrun``: DDP / FSDP2 wrapping of the training forward, each rank's share
+of a step's prompts, and the collectives the run's parts use. Where each process sits in the job (its rank and
+device, ``DistInfo``) is ``turbogrpo.placement``'s.
 
 Applied from outside the loop so the loop reads the same with one process or many. Each rank rolls
 out its own share of the step's prompts; gradients are averaged by DDP (or reduce-scattered by FSDP2).
@@ -7,71 +9,13 @@ out its own share of the step's prompts; gradients are averaged by DDP (or reduc
 from __future__ import annotations
 
 import contextlib
-import os
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as torch_dist
 from torch import nn
 
-from turbogrpo.models import checked_device
+from turbogrpo.placement import DistInfo
 from turbogrpo.train.precision import Precision
-
-
-@dataclass(frozen=True)
-class DistInfo:
-    """Where this process sits in the job."""
-
-    rank: int
-    world_size: int
-    local_rank: int
-    device: torch.device
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-    @property
-    def enabled(self) -> bool:
-        return self.world_size > 1
-
-    def barrier(self) -> None:
-        if self.enabled:
-            torch_dist.barrier()
-
-
-def setup(device: str = "auto", backend: str = "auto") -> DistInfo:
-    """Join the torchrun job if there is one (``WORLD_SIZE`` > 1) and pick this rank's device."""
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    device_obj = resolve_device(device, local_rank)
-    if world_size > 1 and not torch_dist.is_initialized():
-        if backend == "auto":
-            backend = "nccl" if device_obj.type == "cuda" else "gloo"
-        if device_obj.type == "cuda":
-            torch.cuda.set_device(device_obj)
-        torch_dist.init_process_group(backend=backend)
-    return DistInfo(rank=rank, world_size=world_size, local_rank=local_rank, device=device_obj)
-
-
-def teardown(dist: DistInfo) -> None:
-    if dist.enabled and torch_dist.is_initialized():
-        torch_dist.destroy_process_group()
-
-
-def resolve_device(device: str, local_rank: int = 0, key: str = "config key 'model.device'") -> torch.device:
-    """The torch device of a device setting ("auto", "cpu", "cuda", "cuda:N"); ValueError naming ``key``
-    when this machine lacks it."""
-    given = device
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cuda":
-        device = f"cuda:{local_rank}"
-    resolved = checked_device(device, key, shown=given)
-    if resolved.type not in ("cpu", "cuda"):
-        raise ValueError(f"{key}: {given!r} is not supported; use \"auto\", \"cpu\", \"cuda\" or \"cuda:N\"")
-    return resolved
 
 
 def local_slice(num_items: int, dist: DistInfo) -> slice:

@@ -16,10 +16,11 @@ import torch
 from torch import nn
 
 from turbogrpo.data import PromptExample
+from turbogrpo.placement import DistInfo
 from turbogrpo.rewards import Reward, score_completions
 from turbogrpo.rollout import Rollout, SamplingConfig, generate
 from turbogrpo.train.episodes import EpisodeSampler
-from turbogrpo.train.distributed import DistInfo, all_reduce_sum
+from turbogrpo.train.distributed import all_reduce_sum
 
 
 class HeldOutAccuracy(NamedTuple):

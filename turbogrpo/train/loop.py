@@ -47,12 +47,12 @@ from turbogrpo.config import Config
 from turbogrpo.cpu_capability import cpu_capability
 from turbogrpo.data import PromptExample
 from turbogrpo.host_memory import keep_freed_host_memory
+from turbogrpo.placement import DistInfo, join_job, leave_job, thread_split
 from turbogrpo.rewards import RewardResult, build_rewards, score_completions
 from turbogrpo.engines import draw
 from turbogrpo.env import EnvRollout
 from turbogrpo.rollout import Rollout
 from turbogrpo.train import distributed
-from turbogrpo.train.distributed import DistInfo
 from turbogrpo.train.draft_learning import frozen, speculation_metrics
 from turbogrpo.train.metrics import PhaseTimer
 from turbogrpo.train.optim import learning_rate, set_learning_rate
@@ -61,7 +61,7 @@ from turbogrpo.train.metrics import read_metrics
 from turbogrpo.train.report import speculation_summary, write_report
 from turbogrpo.train.output_dir import claim_output_dir, mark_complete, run_record
 from turbogrpo.train.rank_agreement import check_ranks_agree
-from turbogrpo.train.worker.rollout_worker import RolloutWorker, WorkerSpec, thread_split
+from turbogrpo.train.worker.rollout_worker import RolloutWorker, WorkerSpec
 from turbogrpo.train.worker.local import leave_if_importing_main, transport_options
 from turbogrpo.train.run import Run, build_run
 from turbogrpo.sharing import SHARINGS, Sharing
@@ -106,7 +106,7 @@ def train(config: Config, *, resume: bool = False, overwrite: bool = False) -> R
                                         if local_worker else (config.train.num_threads, config.train.rollout_threads))
     if trainer_threads:
         torch.set_num_threads(trainer_threads)
-    dist = distributed.setup(config.model.device, config.distributed.backend)
+    dist = join_job(config.model.device, config.distributed.backend)
     started = time.perf_counter()
     output, run = None, None
     try:
@@ -177,7 +177,7 @@ def train(config: Config, *, resume: bool = False, overwrite: bool = False) -> R
         # thread, which needs the GIL to free a finished all-reduce's tensors (pytorch#56297).
         run = None
         gc.collect()
-        distributed.teardown(dist)
+        leave_job(dist)
 
 
 @dataclass

@@ -34,7 +34,8 @@ from tqdm import tqdm
 
 from turbogrpo.config import Config
 from turbogrpo.files import write_text_atomically
-from turbogrpo.train.distributed import DistInfo, all_reduce_max_int
+from turbogrpo.placement import DistInfo
+from turbogrpo.train.distributed import all_reduce_max_int
 
 OUTPUT_KEY = "train.output_dir"
 LOCK_FILE = ".lock"

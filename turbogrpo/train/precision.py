@@ -126,9 +126,3 @@ def run_precision(dtype: str, pure_bf16: bool = False, device: torch.device | st
     if pure_bf16:
         return Precision(compute, compute, device_type)
     return Precision(torch.float32 if compute.itemsize < 4 else compute, compute, device_type)
-
-
-def warn_if_pure(pure_bf16: bool) -> None:
-    """The start-of-run warning of the pure-bf16 opt-in."""
-    if pure_bf16:
-        warnings.warn(PURE_BF16_WARNING, UserWarning, stacklevel=2)

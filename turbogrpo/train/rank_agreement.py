@@ -18,7 +18,8 @@ from typing import Any
 import torch
 import torch.distributed as torch_dist
 
-from turbogrpo.train.distributed import DistInfo, all_gather_cat
+from turbogrpo.placement import DistInfo
+from turbogrpo.train.distributed import all_gather_cat
 from turbogrpo.train.output_dir import RunRecord
 
 # Keys a rank may hold on its own: they change how it computes or what rank 0 logs, not what it trains.

@@ -7,6 +7,7 @@ checkpoints, export, interrupt) is state.py's; the step is loop.py's.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple
@@ -22,20 +23,20 @@ from turbogrpo.data import PromptBatches
 from turbogrpo.data.prompt_sets import check_prompt_count, load_eval_prompts, load_train_prompts
 from turbogrpo.linears import TRAINING_LINEAR_KERNELS
 from turbogrpo.moe_routes import route_shape
+from turbogrpo.placement import DistInfo
 from turbogrpo.rewards import Reward, accuracy_reward
 from turbogrpo.rollout import SamplingConfig
 from turbogrpo.rollout.decode import DecodeSchedule, default_schedule
 from turbogrpo.sharing import Sharing, sharing_of
 from turbogrpo.engines import CAPABILITIES, DEFAULT_ENGINE, RolloutEngine, build_engine, resolve_engine
 from turbogrpo.train import distributed, setup
-from turbogrpo.train.distributed import DistInfo
 from turbogrpo.train.draft_learning import OnlineDraft, build_online_draft
 from turbogrpo.train.episodes import EpisodeSampler, build_episode_sampler
 from turbogrpo.train.evaluate import HeldOut, build_held_out
 from turbogrpo.train.metrics import MetricsLog
 from turbogrpo.train.optim import build_optimizer
 from turbogrpo.train.output_dir import RunRecord
-from turbogrpo.train.precision import Precision, run_precision, warn_if_pure
+from turbogrpo.train.precision import PURE_BF16_WARNING, Precision, run_precision
 from turbogrpo.train.worker.protocol import AheadRollouts
 
 
@@ -162,8 +163,8 @@ def build_run(config: Config, dist: DistInfo, rewards: list[Reward], record: Run
     """The run's parts, each built once from its own section of ``config``, with a fresh state
     (``state.start`` resumes it and opens its output folder); ``record``: the output folder's record of
     ``config`` (``output_dir.run_record``)."""
-    if dist.is_main:
-        warn_if_pure(config.model.pure_bf16)
+    if dist.is_main and config.model.pure_bf16:  # the opt-in's warning, from rank 0 (precision.py says why)
+        warnings.warn(PURE_BF16_WARNING, UserWarning, stacklevel=1)
     parts = build_policy(config.model, config.lora, config.rollout, dist, seed=config.train.seed)
     precision, policy = parts.precision, parts.policy
     # Before the prompts: it may set the chat template.

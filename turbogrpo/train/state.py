@@ -13,9 +13,9 @@ from tqdm import tqdm
 
 from turbogrpo.files import WriteError, write_folder_atomically
 from turbogrpo.models import resolve_dtype
+from turbogrpo.placement import DistInfo
 from turbogrpo.train import checkpoint, distributed
 from turbogrpo.train import output_dir as output_dir_state
-from turbogrpo.train.distributed import DistInfo
 from turbogrpo.train.evaluate import describe_accuracies, measure_held_out
 from turbogrpo.train.metrics import METRICS_FILE, MetricsLog
 from turbogrpo.train.run import Run, RunState

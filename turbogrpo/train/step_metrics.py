@@ -5,10 +5,10 @@ from __future__ import annotations
 import torch
 
 from turbogrpo.data import PromptExample
+from turbogrpo.placement import DistInfo
 from turbogrpo.rewards import RewardResult
 from turbogrpo.rollout import Rollout
 from turbogrpo.train import distributed
-from turbogrpo.train.distributed import DistInfo
 from turbogrpo.train.update import UpdateResult
 
 

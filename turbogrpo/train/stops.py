@@ -15,7 +15,8 @@ import signal
 import threading
 from collections.abc import Iterator
 
-from turbogrpo.train.distributed import DistInfo, all_reduce_max_int
+from turbogrpo.placement import DistInfo
+from turbogrpo.train.distributed import all_reduce_max_int
 
 
 class Terminated(KeyboardInterrupt):

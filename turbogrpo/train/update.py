@@ -17,7 +17,8 @@ from torch import Tensor, nn
 from turbogrpo.algo import LossNormalizer
 from turbogrpo.batch import Groups, pad_ragged
 from turbogrpo.moe_routes import ReplayCounts
-from turbogrpo.train.distributed import DistInfo, all_reduce_sum, gradient_sync
+from turbogrpo.placement import DistInfo
+from turbogrpo.train.distributed import all_reduce_sum, gradient_sync
 
 
 @dataclass

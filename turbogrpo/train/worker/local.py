@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 import torch.multiprocessing as mp
 
-from turbogrpo.train.distributed import DistInfo
+from turbogrpo.placement import DistInfo
 from turbogrpo.train.worker.weight_ring import WeightRing
 from turbogrpo.train.worker.protocol import POLL_S, Request, RolloutWorkerError, WorkerSpec
 

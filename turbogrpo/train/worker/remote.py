@@ -46,8 +46,8 @@ from dataclasses import dataclass
 
 import torch
 
+from turbogrpo.placement import DistInfo
 from turbogrpo.train.worker import wire
-from turbogrpo.train.distributed import DistInfo
 from turbogrpo.train.worker.secure_channel import (HANDSHAKE_S, Channel, ChannelError, prove_as_trainer, prove_as_worker,
                                             rollout_secret)
 from turbogrpo.train.worker.weight_ring import WeightRing

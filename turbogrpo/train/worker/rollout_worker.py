@@ -32,7 +32,6 @@ the pool after it; a checkpoint keeps that pool (it cannot be redrawn by seed wi
 from __future__ import annotations
 
 import dataclasses
-import os
 import sys
 import traceback
 from collections.abc import Callable
@@ -43,8 +42,8 @@ from torch import nn
 from turbogrpo.data import PromptBatches, PromptExample
 from turbogrpo.engines import draw
 from turbogrpo.hook import lm_head_of
+from turbogrpo.placement import DistInfo, resolve_device
 from turbogrpo.rollout import Rollout
-from turbogrpo.train.distributed import DistInfo, resolve_device
 from turbogrpo.train.draft_learning import FORGET, build_online_draft
 from turbogrpo.train.worker.partial_rollouts import PartialRollouts, pool_state, restore_pool
 from turbogrpo.train.worker.remote import RemoteLink, RemoteTransport, connect, rank_port
@@ -54,7 +53,7 @@ from turbogrpo.train.worker.local import SharedMemoryTransport, TransportOptions
 from turbogrpo.train.worker.protocol import (TRAINER_CHOSEN, Drawn, Ready, Request, RolloutDrawn, RolloutWorkerError,
                                          WorkerFailed, WorkerSpec)
 
-__all__ = ["TRANSPORTS", "RolloutWorker", "RolloutWorkerError", "WorkerSpec", "serve", "thread_split"]
+__all__ = ["TRANSPORTS", "RolloutWorker", "RolloutWorkerError", "WorkerSpec", "serve"]
 
 
 TRANSPORTS: dict[str, Callable] = {"local": SharedMemoryTransport, "remote": RemoteTransport}
@@ -210,16 +209,6 @@ def output_vocab_size(policy: nn.Module) -> int:
     head = lm_head_of(policy)
     weight = getattr(getattr(head, "base_layer", head), "weight", None)
     return weight.shape[0] if weight is not None else policy.config.vocab_size
-
-
-def thread_split(num_threads: int, rollout_threads: int, cores: int | None = None) -> tuple[int, int]:
-    """(trainer threads, worker threads) of the asynchronous loop on ``cores`` CPU cores (this machine's): the
-    settings where given (train.num_threads, train.rollout_threads), else half the cores each (the worker at
-    least one, the trainer the rest): both sides are compute-bound, so the split is the cores, not more
-    (oversubscribed threads spin against each other). The best split is measured by bench/async_grpo.py."""
-    cores = cores or os.cpu_count() or 1
-    worker = rollout_threads or max(1, cores // 2)
-    return num_threads or max(1, cores - worker), worker
 
 
 class RolloutWorker:
