@@ -16,7 +16,8 @@ solid, sampled dashed, a colour per variant).
     python bench/learning.py --variants k0,k1 --name async_learning      # issue 43 (hours on 2 CPU cores)
     python bench/learning.py --tasks gsm8k --variants k0,vllm --name vllm_learning    # issue 44
     python bench/learning.py --tasks calculator --corrections none,token_tis,sequence_mask,icepop \
-        --name correction_learning       # issue 55 4(c): vLLM in bf16 under each correction, one curve each
+        --name correction_learning --set data.num_eval_problems=50 data.num_eval_samples=2
+        # issue 55 4(c): vLLM in bf16 under each correction, one curve each (50 held-out problems: ~1 h a run)
     python bench/learning.py --tasks demo --steps 2 --eval-every 1 --variants k0,k1 --name learning_smoke   # smoke
 """
 
@@ -73,15 +74,16 @@ COMMON = ["algo.tis_cap=2"]
 sampler and trainer agree (k0) and the correction where they do not (stale weights, another engine's kernels)."""
 
 
-def run(task: str, variant: str, steps: int, eval_every: int, workdir: Path) -> Path:
-    """The (task, variant) run's output folder, trained unless a finished one is there."""
+def run(task: str, variant: str, steps: int, eval_every: int, workdir: Path, extra: list[str]) -> Path:
+    """The (task, variant) run's output folder, trained unless a finished one is there; ``extra``: KEY=VALUE
+    overrides on top of everything else (``--set``)."""
     config, cuts = TASKS[task]
     out = workdir / f"{task}-{variant}"
     if (out / "complete.json").exists():
         return out
     sets = [*cuts, *COMMON, *VARIANTS[variant], f"train.num_steps={steps}", f"train.eval_every={eval_every}",
             "train.checkpoint_every=10", "train.save_final_model=false", "log.progress_bar=false",
-            f'train.output_dir="{out}"']
+            f'train.output_dir="{out}"', *extra]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     # Resume a run cut off after a checkpoint; one cut off before its first starts again.
     flag = "--resume" if out.exists() and latest_checkpoint(out) is not None else "--overwrite"
@@ -136,6 +138,8 @@ def main() -> None:
     parser.add_argument("--name", default="learning", help="bench/results/<name>.json and .png")
     parser.add_argument("--note", default="", help="what the reader should know about how the runs ran (shown "
                         "under the table), e.g. that they shared the cores")
+    parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="overrides for every run, after "
+                        "the task's and the variant's (e.g. a smaller held-out set: data.num_eval_problems=50)")
     args = parser.parse_args()
     workdir = Path(args.workdir).resolve()
     variants = ([f"vllm_bf16_{name}" for name in args.corrections.split(",")] if args.corrections
@@ -143,14 +147,15 @@ def main() -> None:
     unknown = sorted(set(variants) - set(VARIANTS))
     if unknown:
         parser.error(f"unknown variants {unknown}: choose from {', '.join(VARIANTS)}")
-    results = {task: {v: curves(run(task, v, args.steps, args.eval_every, workdir)) for v in variants}
+    results = {task: {v: curves(run(task, v, args.steps, args.eval_every, workdir, args.set)) for v in variants}
                for task in args.tasks.split(",")}
     for task, by_variant in results.items():
         for variant, c in by_variant.items():
             print(f"{task} {variant}: greedy {c['greedy']} sampled {c['sampled']} (steps {c['steps']}), wall {c['wall_s']} s")
     write_results(args.name, {"tasks": {t: {"config": TASKS[t][0], "overrides": TASKS[t][1]} for t in results},
                               "variants": {v: VARIANTS[v] for v in variants}, "common": COMMON,
-                              "steps": args.steps, "eval_every": args.eval_every, "curves": results,
+                              "steps": args.steps, "eval_every": args.eval_every, "overrides": args.set,
+                              "curves": results,
                               **({"note": args.note} if args.note else {})})
     plot(results, RESULTS_DIR / f"{args.name}.png")
 
