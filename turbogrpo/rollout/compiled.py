@@ -81,6 +81,7 @@ import torch._dynamo
 from torch import nn
 
 from turbogrpo.cache import cache_root, measured_once
+from turbogrpo.graph_linears import STACKED_LINEAR_PASS
 from turbogrpo.progress import ticking
 from turbogrpo.rollout.step import DecodeState
 
@@ -129,10 +130,11 @@ class CompiledStep:
     else dynamo's automatic dynamic shapes (the tree step's parts). A call that meets a new bucket shows
     a progress line while it compiles and keeps the seconds it took in ``compile_seconds``."""
 
-    def __init__(self, function: Step, backend: str, static: bool):
+    def __init__(self, function: Step, backend: str, static: bool, products: str = "aten"):
         use_compile_cache()
         self.function, self.backend, self.static = function, backend, static
-        self.compiled = torch.compile(function, fullgraph=True, backend=backend, dynamic=False if static else None)
+        self.compiled = torch.compile(function, fullgraph=True, backend=backend, dynamic=False if static else None,
+                                      options=GRAPH_PRODUCTS[products])
         self.compile_seconds: dict[tuple, float] = {}
         """Bucket (``bucket_of``; the function's name when not static) -> seconds of its first call."""
 
@@ -160,9 +162,17 @@ def mark_prompt_width_dynamic(state: DecodeState) -> None:
             torch._dynamo.mark_dynamic(tensor, dim)
 
 
+GRAPH_PRODUCTS: dict[str, dict | None] = {
+    "aten": None,
+    "stacked": {"post_grad_custom_pre_pass": STACKED_LINEAR_PASS},
+}
+"""How an inductor graph multiplies by the weights -> its inductor options: aten's ``mm`` on the weights as they are,
+or ``graph_linears.stacked_linear`` (one opaque op per input, packed oneDNN products in the rollout's scope)."""
+
+
 @functools.cache
-def _compiled(function: Step, backend: str, static: bool = False) -> CompiledStep:
-    return CompiledStep(function, backend, static)
+def _compiled(function: Step, backend: str, static: bool = False, products: str = "aten") -> CompiledStep:
+    return CompiledStep(function, backend, static, products)
 
 
 # --- threads pinned as vLLM's CPU worker pins them ----------------------------------------------------------
@@ -292,12 +302,19 @@ PLAIN_RUNNERS: dict[str, Callable[[Callable[[DecodeState], None]], Callable[[Dec
     "eager": lambda function: function,
     "compiled": lambda function: _compiled(function, "inductor", static=True),
     "compiled-pinned": lambda function: _compiled(function, "inductor", static=True),  # + RUNNER_SCOPES
+    "compiled-onednn": lambda function: _compiled(function, "inductor", static=True, products="stacked"),
     "dynamo": lambda function: _compiled(function, "eager", static=True),
     "cudagraph": GraphReplay,
     "compiled-cudagraph": lambda function: GraphReplay(_compiled(function, "inductor", static=True)),
 }
 """Name -> how ``plain_step`` runs: as ``RUNNERS``, but compiled with one static graph per bucket, plus the
-pinned and CUDA-graph runners (called once per rollout: a ``GraphReplay`` keeps that rollout's graphs)."""
+pinned and CUDA-graph runners (called once per rollout: a ``GraphReplay`` keeps that rollout's graphs), and
+``compiled-onednn``, whose graphs multiply by the weights through ``graph_linears.stacked_linear`` (packed oneDNN
+products where ``DecodeSchedule.linears`` packs them: ``STACKED_PRODUCT_RUNNERS``)."""
+
+STACKED_PRODUCT_RUNNERS = frozenset({"compiled-onednn"})
+"""Plain runners whose graphs call ``graph_linears.stacked_linear``: a rollout with one runs in the scope
+``graph_linears.GRAPH_LINEAR_KERNELS`` gives its ``DecodeSchedule.linears``."""
 
 # --- "auto": eager or compiled, by measurement ------------------------------------------------------------
 
