@@ -10,6 +10,8 @@ alternated (``harness.interleaved_medians``):
     compiled   ``DecodeSchedule.runner = "compiled"``: inductor, one static graph for the bucket, over every
                KV slot of the rollout's capacity (``--new-tokens``)
     compiled-pinned   the same with torch's threads pinned one per physical core (vLLM's CPU binding)
+    compiled-onednn   the same graph with its weight products as ``graph_linears.stacked_linear``: one opaque
+               call per input (q/k/v and gate/up stacked) on oneDNN-packed weights where they pay here
 
 Floors: the weight-read floor (every weight matrix's bytes over this machine's measured read bandwidth,
 ``real_model.memory_read_gbps``: a step at B = 1 cannot beat it), the GEMM floor (the step's weight FLOPs at
@@ -24,6 +26,7 @@ the cached kernels' load).
     python bench/compiled_step.py                       # both dtypes, B = 1, 4, 16, 64; ~25-40 min on 2 cores
     python bench/compiled_step.py --dtypes bfloat16 --batches 1,64
     python bench/compiled_step.py --runners eager,compiled,compiled-pinned --competing-job 1
+    python bench/compiled_step.py --runners eager,compiled,compiled-onednn --batches 1,4
     python bench/compiled_step.py --quick               # smoke: float32, B = 1 and 4, 2 steps, 1 repeat
 """
 
@@ -51,7 +54,7 @@ from turbogrpo.rollout.compiled import PLAIN_RUNNERS, _compiled, runner_scope  #
 from turbogrpo.rollout.decode import DecodeSchedule, first_draw, rollout_linear_kernel  # noqa: E402
 from turbogrpo.rollout.step import PlainStep, plain_step  # noqa: E402
 
-RUNNERS = ("eager", "compiled", "compiled-pinned")
+RUNNERS = ("eager", "compiled", "compiled-pinned", "compiled-onednn")
 
 
 def weight_bytes(model) -> int:

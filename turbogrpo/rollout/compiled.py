@@ -15,6 +15,10 @@ for the plain step, ``Speculation.runner`` for the two device parts of the specu
   P). Use it with ``buckets="pow2"``: at most log2(N) + 1 buckets per rollout.
 * ``compiled-pinned``: ``compiled`` with torch's OpenMP threads pinned one per physical core for
   the whole rollout, as vLLM's CPU worker pins its threads (``pinned_threads``, entered once by ``runner_scope``).
+* ``compiled-onednn``: ``compiled`` with the graph's weight products as the rollout's packed oneDNN products
+  (``turbogrpo.graph_linears``: an opaque op per input, q/k/v and gate/up stacked, a post-grad pass puts them
+  in), where ``DecodeSchedule.linears`` packs them ("auto": where oneDNN is faster here, by measurement); inductor
+  otherwise runs aten's ``mm``, MKL's sgemm in float32, slower than the packed product on the AMD EPYC.
 * ``dynamo``: dynamo only, no code generation (``backend="eager"``): the same graph capture and
   recompilation behaviour at no compile cost, for tests and for finding graph breaks.
 * ``auto`` (``resolve_runner``): per device type, ``AUTO_RUNNERS``; on the CPU, eager or compiled by a
