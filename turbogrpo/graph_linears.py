@@ -169,7 +169,7 @@ class StackedLinearPass(CustomGraphPass):
 def _stack(graph: torch.fx.Graph, members: list[tuple[torch.fx.Node, tuple]]) -> None:
     """One ``stacked_linear`` call for ``members`` (products of one input, in graph order), placed before the first,
     each member replaced by its slice of the output; the transposes left unused are removed."""
-    input = members[0][1][0]
+    input = members[0][0].args[-2]  # as it is now: an earlier set's product it read is now a slice of that set's call
     weights = [parts[1] for _, parts in members]
     biases = [parts[2] for _, parts in members if parts[2] is not None]
     fake_mode = _val(input).fake_mode

@@ -31,7 +31,8 @@ Kernels (``LINEAR_KERNELS``, chosen by ``DecodeSchedule.linears``):
   (AMX) it is not (all 211 weights at 1 / 4 / 32 rows: oneDNN 0.77x / 1.23x / 1.05x MKL's speed, ``python
   bench/decode_ops.py --threads 2 --parts linears --calls 1 --out decode_ops_linears_xeon``), so "auto"
   runs ``module`` there; on the AMD EPYC oneDNN (2.87x at 32 rows). Only for the eager plain and tree
-  steps; compiled and graph runners trace the modules as they are.
+  steps; compiled and graph runners trace the modules as they are, except ``compiled-onednn``, whose graphs
+  call the same packed products through one opaque op (``turbogrpo.graph_linears``).
 
 Training (``TRAINING_LINEAR_KERNELS``, chosen by ``model.linear_kernel``) has the same three names
 ("auto" decides by timing a training-sized forward and backward, ``onednn_trains_faster``). Its
