@@ -22,7 +22,9 @@ for the plain step, ``Speculation.runner`` for the two device parts of the specu
 * ``dynamo``: dynamo only, no code generation (``backend="eager"``): the same graph capture and
   recompilation behaviour at no compile cost, for tests and for finding graph breaks.
 * ``auto`` (``resolve_runner``): per device type, ``AUTO_RUNNERS``; on the CPU, eager or compiled by a
-  measurement on this machine's CPU kind and the model's shape, taken once (``cache.measured_once``).
+  measurement on this machine's CPU kind and the model's shape, taken once (``cache.measured_once``); the
+  compiled runner timed is ``compiled-onednn`` where the eager step runs packed oneDNN products here
+  (``compiled_candidate``), else ``compiled``.
 
 Compilation is paid once per model shape and machine: inductor's caches (its FX graphs, and
 AOTAutograd's) are kept in turbogrpo's cache folder (``use_compile_cache``), so a later process
@@ -86,6 +88,7 @@ from torch import nn
 
 from turbogrpo.cache import cache_root, measured_once
 from turbogrpo.graph_linears import STACKED_LINEAR_PASS
+from turbogrpo.linears import onednn_is_faster
 from turbogrpo.progress import ticking
 from turbogrpo.rollout.step import DecodeState
 
@@ -355,19 +358,29 @@ def measured_runner(model: nn.Module, rollout: Callable[[str], object]) -> str:
     from turbogrpo.linears import _machine_key  # the key every timed choice of this machine uses
     config = getattr(model, "config", None)
     shape = config.to_diff_dict() if hasattr(config, "to_diff_dict") else {"class": type(model).__name__}
+    compiled = compiled_candidate(model)
     key = _machine_key(choice="plain_step_runner", model={k: v for k, v in shape.items() if k != "_name_or_path"},
-                       dtype=str(next(model.parameters()).dtype), num_threads=torch.get_num_threads())
-    return measured_once("plain_step_runner", key, functools.partial(_timed_runner, rollout))
+                       dtype=str(next(model.parameters()).dtype), num_threads=torch.get_num_threads(),
+                       candidates=["eager", compiled])
+    return measured_once("plain_step_runner", key, functools.partial(_timed_runner, rollout, compiled))
 
 
-def _timed_runner(rollout: Callable[[str], object], repeats: int = 3) -> str:
-    """Time ``rollout`` eager and compiled, alternated, after one untimed call each (the compile)."""
-    times: dict[str, list[float]] = {"eager": [], "compiled": []}
+def compiled_candidate(model: nn.Module) -> str:
+    """The compiled runner "auto" times against eager: ``compiled-onednn`` where this machine measured oneDNN's packed
+    product faster than ``F.linear`` in the dtype of ``model``'s weights (``linears.onednn_is_faster``: the eager step
+    then runs packed products, and a compiled step on aten's would start behind it), else ``compiled``."""
+    weight = next(model.parameters())
+    packs = weight.device.type == "cpu" and onednn_is_faster(weight.dtype, torch.get_num_threads())
+    return "compiled-onednn" if packs else "compiled"
+
+
+def _timed_runner(rollout: Callable[[str], object], compiled: str = "compiled", repeats: int = 3) -> str:
+    """Time ``rollout`` eager and with the runner ``compiled``, alternated, after one untimed call each (the compile)."""
+    times: dict[str, list[float]] = {"eager": [], compiled: []}
     for repeat in range(repeats + 1):
         for runner, taken in times.items():
             start = time.perf_counter()
             rollout(runner)
             if repeat:
                 taken.append(time.perf_counter() - start)
-    eager, compiled = statistics.median(times["eager"]), statistics.median(times["compiled"])
-    return "compiled" if compiled * MEASURED_MARGIN < eager else "eager"
+    return compiled if statistics.median(times[compiled]) * MEASURED_MARGIN < statistics.median(times["eager"]) else "eager"
