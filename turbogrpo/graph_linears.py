@@ -177,20 +177,22 @@ def _stack(graph: torch.fx.Graph, members: list[tuple[torch.fx.Node, tuple]]) ->
         stacked = graph.call_function(torch.ops.turbogrpo.stacked_linear.default, (input, weights, biases))
         with fake_mode:
             stacked.meta["val"] = stacked_linear(_val(input), [_val(w) for w in weights], [_val(b) for b in biases])
-        start = 0
-        for node, (_, weight, _) in members:
+        parts, start = [], 0
+        for _, (_, weight, _) in members:
             width = _val(weight).shape[0]
             part = stacked
             if len(members) > 1:
                 part = graph.call_function(aten.slice.Tensor, (stacked, -1, start, start + width))
                 with fake_mode:
                     part.meta["val"] = stacked.meta["val"][..., start:start + width]
-            transposed = node.args[-1]
-            node.replace_all_uses_with(part)
-            graph.erase_node(node)
-            if not transposed.users:
-                graph.erase_node(transposed)
+            parts.append(part)
             start += width
+    for (node, _), part in zip(members, parts):  # after the insertions: they are placed before the first member
+        transposed = node.args[-1]
+        node.replace_all_uses_with(part)
+        graph.erase_node(node)
+        if not transposed.users:
+            graph.erase_node(transposed)
 
 
 STACKED_LINEAR_PASS = StackedLinearPass()
