@@ -29,7 +29,7 @@ the kernels accumulate in float32). Each kernel's product of the first weight is
 
     python bench/gemv_kernels.py                 # float32 and bf16, rows 1-8, threads 1 and 2; ~4-6 min on 2 cores
     python bench/gemv_kernels.py --dtypes float32 --rows 1 --threads 2
-    python bench/gemv_kernels.py --quick         # smoke: 2 layers and the head, rows 1 and 4, 2 repeats
+    python bench/gemv_kernels.py --quick         # smoke: 2 layers and the head, 1 row, 2 repeats
 """
 
 from __future__ import annotations
@@ -273,14 +273,14 @@ def main() -> None:
     parser.add_argument("--threads", default="1,2")
     parser.add_argument("--candidates", default=",".join(CANDIDATES), help=f"any of {', '.join(CANDIDATES)}")
     parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--quick", action="store_true", help="smoke: 2 layers and the head, rows 1 and 4, 2 repeats")
+    parser.add_argument("--quick", action="store_true", help="smoke: 2 layers and the head, 1 row, 2 repeats")
     parser.add_argument("--out", default=None, help="results name (default gemv_kernels[_quick])")
     args = parser.parse_args()
     candidates = args.candidates.split(",")
     if not set(candidates) <= set(CANDIDATES) or "onednn_packed" not in candidates:
         parser.error(f"--candidates: onednn_packed (the baseline) and any of {', '.join(CANDIDATES)}")
     if args.quick:
-        args.rows, args.repeats = "1,4", 2
+        args.rows, args.repeats = "1", 2
     rows_list, threads = [int(r) for r in args.rows.split(",")], [int(t) for t in args.threads.split(",")]
     if min(rows_list) < 1 or min(threads) < 1:
         parser.error("--rows and --threads: positive integers")

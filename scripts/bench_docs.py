@@ -504,10 +504,11 @@ def vllm_rollout(data: dict, where: str) -> list[str]:
 
 def compiled_step(data: dict, where: str) -> list[str]:
     """Per dtype, live batch and runner: ms per step, eager's time over it, and the step against the weight-read
-    floor, the GEMM floor and the streamed weight products; each compiled bucket's compile, cold and warm."""
+    floor, the GEMM floor and the streamed weight products (aten's, and the packed oneDNN ones where the run timed
+    them); each compiled bucket's compile, cold and warm."""
     lines = ["| dtype | B | runner | ms per step | eager / this | x weight-read floor | x GEMM floor | "
-             "x streamed products | compile cold s | compile warm s |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "x streamed aten products | x streamed packed products | compile cold s | compile warm s |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     floors = []
     for record in need(data, "results", where):
         dtype, floor = need(record, "dtype", where), need(record, "floors", where)
@@ -520,10 +521,12 @@ def compiled_step(data: dict, where: str) -> list[str]:
                 step = need(timing, "step_s", here)
                 compiled = entry.get("compile", {}).get(runner, {})
                 cold, warm = compiled.get("cold_s"), compiled.get("warm_s")
+                packed = bounds.get("streamed_packed_products_s")  # runs before this field: "-"
                 lines.append(f"| {dtype} | {batch} | {runner} | {FORMATS['ms'](step)} | {FORMATS['f2'](eager / step)} | "
                              f"{FORMATS['f2'](step / need(bounds, 'weight_read_s', here))} | "
                              f"{FORMATS['f2'](step / need(bounds, 'gemm_s', here))} | "
                              f"{FORMATS['f2'](step / need(bounds, 'streamed_products_s', here))} | "
+                             f"{'-' if not packed else FORMATS['f2'](step / packed)} | "
                              f"{'-' if cold is None else seconds(cold)} | {'-' if warm is None else seconds(warm)} |")
         floors.append(f"{dtype}: memory read {need(floor, 'memory_read_gbps', where):.1f} GB/s, large GEMM "
                       f"{need(floor, 'large_matmul_gflops', where):.0f} GFLOP/s, weights "
