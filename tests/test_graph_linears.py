@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch._dynamo
 import torch.nn.functional as F
+from torch import nn
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from tests.capability import cpu_answer  # noqa: F401 (fixture)
@@ -14,6 +15,7 @@ from tests.rollout.conftest import build_model, random_prompts
 from turbogrpo import graph_linears, linears
 from turbogrpo.graph_linears import (GRAPH_LINEAR_KERNELS, STACKED_LINEAR_PASS, PackedProducts,
                                      packed_graph_linears, stacked_linear)
+from turbogrpo.linears import KernelUnavailable
 from turbogrpo.rollout import SamplingConfig, generate
 from turbogrpo.rollout.compiled import _compiled
 from turbogrpo.rollout.decode import DecodeSchedule
@@ -68,10 +70,18 @@ def test_a_scope_runs_f_linear_below_its_rows_and_where_onednn_cannot_pack(monke
 
 
 @pytest.mark.parametrize("cpu_answer", ["none", "avx2"], indirect=True)
-def test_where_onednn_cannot_pack_the_dtype_the_op_falls_back_to_f_linear(cpu_answer, monkeypatch):  # noqa: F811
+def test_where_onednn_cannot_pack_the_dtype_auto_and_the_op_fall_back_to_f_linear(cpu_answer, monkeypatch):  # noqa: F811
+    """"auto" opens no scope, "onednn" is refused in one line naming the setting, and the op itself, even in a
+    scope, computes F.linear."""
     monkeypatch.setattr(graph_linears, "onednn_product", lambda *a: pytest.fail("oneDNN ran where it cannot"))
     dtypes = [torch.float32, torch.bfloat16] if not cpu_answer.onednn else [torch.bfloat16]
     for dtype in dtypes:
+        layer = nn.Linear(24, 8).to(dtype)
+        with GRAPH_LINEAR_KERNELS["auto"]([layer]):
+            assert graph_linears._ACTIVE_SCOPE.get() is None
+        with pytest.raises(KernelUnavailable, match="linear_kernel"):
+            with GRAPH_LINEAR_KERNELS["onednn"]([layer]):
+                pass
         x, weights, _ = weights_and_input(2, dtype)
         with packed_graph_linears([]):
             ours = stacked_linear(x, weights, [])

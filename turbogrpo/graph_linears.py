@@ -34,7 +34,8 @@ from torch import nn
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
 from turbogrpo.cpu_capability import cpu_capability
-from turbogrpo.linears import PACKABLE_DTYPES, _auto, _rows, module_linears, onednn_min_rows, onednn_product, pack_weight
+from turbogrpo.linears import (PACKABLE_DTYPES, _auto, _rows, module_linears, onednn_min_rows, onednn_product,
+                               pack_weight, require_onednn_for)
 
 aten = torch.ops.aten
 
@@ -88,7 +89,10 @@ _ACTIVE_SCOPE: contextvars.ContextVar[PackedProducts | None] = contextvars.Conte
 def packed_graph_linears(roots: Iterable[nn.Module], min_rows: int = 1) -> Iterator[int]:
     """For the ``with`` block, ``stacked_linear`` in a compiled graph multiplies inputs of at least ``min_rows``
     rows by packed copies of its weights (made at first use, freed on exit; the block must not change the
-    weights). Changes no module (yields 0): the graphs already call the op (``StackedLinearPass``)."""
+    weights). Changes no module (yields 0): the graphs already call the op (``StackedLinearPass``). Refused
+    (``linears.require_onednn``) where a linear under ``roots`` computes in a dtype oneDNN cannot pack here;
+    "auto" asks first and runs unpacked there instead."""
+    require_onednn_for(list(roots))
     token = _ACTIVE_SCOPE.set(PackedProducts(min_rows))
     try:
         yield 0
@@ -207,5 +211,5 @@ GRAPH_LINEAR_KERNELS = {
 """``DecodeSchedule.linears`` -> the scope a rollout whose graphs call ``stacked_linear`` runs in: "auto" packs from
 the row count where oneDNN's packed product beats ``F.linear`` on this machine (``linears.onednn_min_rows``, measured
 once per machine) and leaves the products unpacked where it does not, or where oneDNN cannot run the dtype here;
-"module" leaves them unpacked (``F.linear``); "onednn" packs at every row count (refused nowhere: a dtype oneDNN
-cannot pack here runs unpacked)."""
+"module" leaves them unpacked (``F.linear``); "onednn" packs at every row count (refused where oneDNN cannot pack
+the model's dtype here, as ``linears.LINEAR_KERNELS["onednn"]`` is)."""

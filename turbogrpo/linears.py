@@ -221,6 +221,14 @@ def _packable(module: nn.Module) -> bool:
     return _compute_dtype(module.weight) in PACKABLE_DTYPES
 
 
+def require_onednn_for(roots: list[nn.Module]) -> None:
+    """Refuse (``require_onednn``) where the dtype a plain linear under ``roots`` computes in is packable but
+    oneDNN cannot pack it on this CPU."""
+    for dtype in {_compute_dtype(m.weight) for root in roots for m in root.modules() if _plain_linear(m)}:
+        if dtype in PACKABLE_DTYPES:
+            require_onednn(dtype)
+
+
 @contextlib.contextmanager
 def onednn_linears(roots: Iterable[nn.Module], min_rows: int = 1) -> Iterator[int]:
     """For the ``with`` block, every packable ``nn.Linear`` under ``roots`` runs ``onednn_product`` on a
@@ -230,9 +238,7 @@ def onednn_linears(roots: Iterable[nn.Module], min_rows: int = 1) -> Iterator[in
     rollout runs under ``no_grad`` and one autocast state). Refused (``require_onednn``) where a packable
     module's dtype cannot run on this CPU; "auto" asks the CPU first and keeps the modules instead."""
     roots = list(roots)
-    for dtype in {_compute_dtype(m.weight) for root in roots for m in root.modules() if _plain_linear(m)}:
-        if dtype in PACKABLE_DTYPES:
-            require_onednn(dtype)
+    require_onednn_for(roots)
     forwards: dict[nn.Module, Callable] = {}
     for members in _sibling_sets(roots, _packable):
         product = _PackedProduct(members, min_rows)
