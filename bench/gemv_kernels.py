@@ -158,12 +158,18 @@ def reduction_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return (weight[:, None, :].float() * x[None, :, :].float()).sum(-1).to(x.dtype).t()
 
 
-def _inductor_reduction(weight: torch.Tensor, rows: int) -> Product:
-    # Traced and compiled once per shape, without dynamo: a dynamo-compiled function keeps one cache entry per
-    # shape and checks their guards in turn at every call (dozens of shapes here), which would time the guards.
+@functools.cache
+def _compiled_reduction(out: int, inner: int, rows: int, dtype: torch.dtype) -> Callable:
+    """``reduction_product`` traced and compiled by inductor for one shape, without dynamo: a dynamo-compiled
+    function keeps one cache entry per shape and checks their guards in turn at every call (a dozen shapes
+    here), which would time the guards."""
     from torch.fx.experimental.proxy_tensor import make_fx
-    example = torch.zeros(rows, weight.shape[1], dtype=weight.dtype)
-    compiled = torch._inductor.compile(make_fx(reduction_product)(example, weight), [example, weight])
+    example = torch.zeros(rows, inner, dtype=dtype), torch.zeros(out, inner, dtype=dtype)
+    return torch._inductor.compile(make_fx(reduction_product)(*example), list(example))
+
+
+def _inductor_reduction(weight: torch.Tensor, rows: int) -> Product:
+    compiled = _compiled_reduction(*weight.shape, rows, weight.dtype)
     return lambda x: compiled(x, weight)
 
 
