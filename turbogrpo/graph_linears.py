@@ -34,8 +34,8 @@ from torch import nn
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
 from turbogrpo.cpu_capability import cpu_capability
-from turbogrpo.linears import (PACKABLE_DTYPES, _auto, _rows, module_linears, onednn_min_rows, onednn_product,
-                               pack_weight, require_onednn_for)
+from turbogrpo.linears import (PACKABLE_DTYPES, measured_kernel, module_linears, num_rows, onednn_min_rows,
+                               onednn_product, pack_weight, require_onednn_for)
 
 aten = torch.ops.aten
 
@@ -71,7 +71,7 @@ class PackedProducts:
 
     def product(self, input: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor]) -> torch.Tensor:
         dtype = weights[0].dtype
-        if _rows(input) < self.min_rows or input.dtype != dtype or not cpu_capability().packs(dtype):
+        if num_rows(input) < self.min_rows or input.dtype != dtype or not cpu_capability().packs(dtype):
             return unpacked_product(input, weights, biases)
         key = tuple((w.data_ptr(), w.shape, w.dtype) for w in weights)
         if key not in self.packed:
@@ -204,7 +204,7 @@ STACKED_LINEAR_PASS = StackedLinearPass()
 
 
 GRAPH_LINEAR_KERNELS = {
-    "auto": _auto(packed_graph_linears, onednn_min_rows),
+    "auto": measured_kernel(packed_graph_linears, onednn_min_rows),
     "module": module_linears,
     "onednn": packed_graph_linears,
 }

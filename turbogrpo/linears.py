@@ -122,7 +122,8 @@ def _version(input: torch.Tensor) -> int | None:
     return None if input.is_inference() else input._version
 
 
-def _rows(input: torch.Tensor) -> int:
+def num_rows(input: torch.Tensor) -> int:
+    """Rows of ``input [..., in]``: the products one weight product makes."""
     return input.numel() // max(input.shape[-1], 1)  # from the shape: no host sync
 
 
@@ -169,7 +170,7 @@ class _PackedProduct:
 
     def _call(self, index: int, input: torch.Tensor) -> torch.Tensor:
         module = self.modules[index]
-        if self.own_dtype and _rows(input) < self.min_rows:
+        if self.own_dtype and num_rows(input) < self.min_rows:
             return torch.nn.functional.linear(input, module.weight, module.bias)
         if index in self._untaken and input is self._input and _version(input) == self._version:
             self._untaken.discard(index)
@@ -283,7 +284,7 @@ class _TrainingForward:
     def __call__(self, input: torch.Tensor) -> torch.Tensor:
         weight, bias = self.module.weight, self.module.bias
         if (input.dtype != torch.float32 or weight.dtype != torch.float32 or torch.is_autocast_enabled("cpu")
-                or _rows(input) < self.min_rows):
+                or num_rows(input) < self.min_rows):
             return torch.nn.functional.linear(input, weight, bias)
         return OneDnnLinear.apply(input, weight, bias)
 
@@ -391,7 +392,7 @@ def onednn_is_faster(dtype: torch.dtype, num_threads: int) -> bool:
     return onednn_min_rows(dtype, num_threads) is not None
 
 
-def _auto(kernel: Callable[..., contextlib.AbstractContextManager[int]],
+def measured_kernel(kernel: Callable[..., contextlib.AbstractContextManager[int]],
           min_rows_for: Callable[[torch.dtype, int], int | None]):
     """``kernel`` from the row count ``min_rows_for(dtype, threads)`` gives for the dtype the roots'
     weights compute in on the CPU (autocast's, where it is on: a bf16 run's float32 masters multiply in
@@ -432,14 +433,14 @@ def _timed_trains_faster(num_threads: int, margin: float) -> int | None:
 
 
 LINEAR_KERNELS: dict[str, Callable[[Iterable[nn.Module]], contextlib.AbstractContextManager[int]]] = {
-    "auto": _auto(onednn_linears, onednn_min_rows),
+    "auto": measured_kernel(onednn_linears, onednn_min_rows),
     "module": module_linears,
     "onednn": onednn_linears,
 }
 """Name -> a context manager over the rollout's modules (see the module docstring)."""
 
 TRAINING_LINEAR_KERNELS: dict[str, Callable[[Iterable[nn.Module]], contextlib.AbstractContextManager[int]]] = {
-    "auto": _auto(onednn_training_linears, onednn_trains_faster),
+    "auto": measured_kernel(onednn_training_linears, onednn_trains_faster),
     "module": module_linears,
     "onednn": onednn_training_linears,
 }
