@@ -20,8 +20,9 @@ Candidates (``CANDIDATES``; each also with each layer's q/k/v and gate/up stacke
     mm_transposed      torch.mm with the weight pre-transposed, [in, out] contiguous
     mv / mv_transposed torch.mv on [out, in] / on the transposed copy's [in, out] read as [out, in] (1 row only)
     mkl_packed         MKL's packed sgemm (``torch.ops.mkl._mkl_linear``, packed for this row count; float32)
-    inductor_reduction the product written as a multiply and a sum over ``in``, compiled by inductor into one
-                       vectorised loop that reads each weight row once (float32 sums; compiled once per shape)
+    inductor_reduction the product written as a multiply and a sum over ``in`` (``graph_linears.reduction_product``),
+                       compiled by inductor into one vectorised loop that reads each weight row once (float32
+                       sums; compiled once per shape): what ``compiled-onednn`` runs at one row where it pays
 
 Activations are in the weights' dtype (bf16 weights multiply bf16 activations, as a bf16 model's step does;
 the kernels accumulate in float32). Each kernel's product of the first weight is checked against float64
@@ -50,6 +51,7 @@ from harness import interleaved_medians, print_table, write_results  # noqa: E40
 from real_model import memory_read_gbps, real_model_folder  # noqa: E402
 
 from turbogrpo.cpu_capability import cpu_capability  # noqa: E402
+from turbogrpo.graph_linears import reduction_product  # noqa: E402
 from turbogrpo.linears import onednn_product, pack_weight  # noqa: E402
 
 Product = Callable[[torch.Tensor], torch.Tensor]
@@ -150,12 +152,6 @@ def _mkl_packed(weight: torch.Tensor, rows: int) -> Product:
 
 def _mkl_runs(dtype: torch.dtype, rows: int) -> bool:
     return dtype == torch.float32 and torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")
-
-
-def reduction_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``x [rows, in] @ weight [out, in].T`` as a multiply and a float32 sum over ``in``, laid out ``[out, rows]``
-    so that inductor's loop reads each weight row once for all rows -> ``[rows, out]`` (a transposed view)."""
-    return (weight[:, None, :].float() * x[None, :, :].float()).sum(-1).to(x.dtype).t()
 
 
 @functools.cache

@@ -123,6 +123,50 @@ def test_the_pass_stacks_the_products_of_one_input_and_leaves_the_rest():
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("faster", [True, False])
+def test_a_one_row_product_runs_as_inductors_own_loop_only_where_that_measured_faster(faster, monkeypatch):
+    monkeypatch.setattr(graph_linears, "reduction_is_faster", lambda dtype, threads: faster)
+    x, weights, biases = weights_and_input(1, bias=True)
+    layer = lambda x, wq, wk, bq, bk: (F.linear(x, wq, bq), F.linear(x, wk, bk))  # noqa: E731
+    inputs = (x, *weights[:2], *biases[:2])
+    graph_module = make_fx(layer, tracing_mode="fake")(*inputs)
+    STACKED_LINEAR_PASS(graph_module.graph)
+    graph_module.recompile()
+    targets = [n.target for n in graph_module.graph.nodes]
+    assert targets.count(torch.ops.turbogrpo.stacked_linear.default) == (0 if faster else 1)
+    assert targets.count(torch.ops.aten.sum.dim_IntList) == (2 if faster else 0)
+    assert torch.ops.aten.mm.default not in targets and torch.ops.aten.addmm.default not in targets
+    for ours, theirs in zip(graph_module(*inputs), layer(*inputs)):
+        torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
+
+
+def test_reduction_is_faster_is_measured_once_here_and_false_where_onednn_cannot_pack(monkeypatch):
+    measured = []
+    monkeypatch.setattr(graph_linears, "measured_once", lambda name, key, measure: measured.append(key) or measure())
+    monkeypatch.setattr(graph_linears, "NUM_TIMED_LAYERS", 1)  # two weights: the timing runs, quickly
+    assert graph_linears.reduction_is_faster(torch.float32, 2, margin=0.0) is True  # any time beats 0 x it
+    assert measured[0]["dtype"] == "torch.float32" and measured[0]["num_threads"] == 2 and "cpu" in measured[0]
+    monkeypatch.setattr(graph_linears, "cpu_capability", lambda: linears.cpu_capability().__class__(
+        level="none", torch_capability="DEFAULT", onednn=False, native_bf16=False, native_fp16=False, amx=False))
+    assert graph_linears.reduction_is_faster(torch.float32, 2) is False and len(measured) == 1
+
+
+def test_the_compiled_step_at_one_row_on_inductors_loop_gives_the_eager_tokens(monkeypatch):
+    """One live row, every weight product as inductor's own loop (``reduction_product``): sampled at T = 1, the eager
+    step's tokens, and its log-probs within float32 rounding."""
+    torch._dynamo.reset()
+    _compiled.cache_clear()
+    monkeypatch.setattr(graph_linears, "reduction_is_faster", lambda dtype, threads: True)
+    monkeypatch.setattr(PackedProducts, "product", lambda *a: pytest.fail("a one-row product ran as stacked_linear"))
+    model = build_model("llama", num_hidden_layers=1, num_attention_heads=6, num_key_value_heads=2, hidden_size=48)
+    kwargs = dict(num_samples=1, sampling=SamplingConfig(max_new_tokens=5), seed=5)
+    eager = generate(model, random_prompts([6]), schedule=DecodeSchedule(1, "pow2", linears="onednn"), **kwargs)
+    compiled = generate(model, random_prompts([6]), schedule=DecodeSchedule(1, "pow2", "compiled-onednn"), **kwargs)
+    assert [t.tolist() for t in compiled.tokens] == [t.tolist() for t in eager.tokens]
+    for ours, theirs in zip(compiled.logprobs, eager.logprobs):
+        torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
+
+
 def test_the_compiled_onednn_step_gives_the_eager_tokens_and_log_probs(monkeypatch):
     """Inductor with the pass: sampled at T = 1, the same tokens as the eager step (on its own packed kernel) and the
     sampler's log-probs within float32 rounding; the graph's products ran packed, q/k/v and gate/up one call each."""

@@ -26,16 +26,21 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 from collections.abc import Iterable, Iterator
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+from torch._inductor.pattern_matcher import fwd_only
+from torch.fx.experimental.proxy_tensor import make_fx
 
+from turbogrpo.cache import measured_once
 from turbogrpo.cpu_capability import cpu_capability
-from turbogrpo.linears import (PACKABLE_DTYPES, measured_kernel, module_linears, num_rows, onednn_min_rows,
-                               onednn_product, pack_weight, require_onednn_for)
+from turbogrpo.linears import (NUM_TIMED_LAYERS, PACKABLE_DTYPES, _machine_key, _median_seconds, measured_kernel,
+                               module_linears, num_rows, onednn_min_rows, onednn_product, pack_weight,
+                               require_onednn_for)
 
 aten = torch.ops.aten
 
@@ -156,18 +161,76 @@ def _input_key(input: torch.fx.Node, biased: bool) -> tuple:
 
 class StackedLinearPass(CustomGraphPass):
     """Rewrites each weight product (``_weight_product``) into ``stacked_linear``: one call for the products that
-    read one input (``_input_key``), each product then a slice of its output."""
+    read one input (``_input_key``), each product then a slice of its output; a product of one row instead into
+    inductor's own loop (``reduction_product``) where that measured faster here (``reduction_is_faster``)."""
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         siblings: dict[tuple, list[tuple[torch.fx.Node, tuple]]] = {}
-        for node in graph.nodes:  # graph order: the first of each set comes first
-            if parts := _weight_product(node):
+        for node in list(graph.nodes):  # graph order: the first of each set comes first
+            if not (parts := _weight_product(node)):
+                continue
+            x = _val(parts[0])
+            if num_rows(x) == 1 and reduction_is_faster(x.dtype, torch.get_num_threads()):
+                _reduce(graph, node, parts)
+            else:
                 siblings.setdefault(_input_key(parts[0], parts[2] is not None), []).append((node, parts))
         for members in siblings.values():
             _stack(graph, members)
 
     def uuid(self) -> bytes:
-        return get_hash_for_files((__file__,))
+        # What the pass does depends on this file and on reduction_is_faster, measured per machine and threads.
+        return get_hash_for_files((__file__,)) + str(torch.get_num_threads()).encode()
+
+
+def reduction_product(input: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``input [rows, in] @ weight [out, in].T`` as a multiply and a float32 sum over ``in`` -> ``[rows, out]`` (a
+    transposed view of ``[out, rows]``): inductor writes it as one vectorised loop that reads each weight row once
+    for all rows, at the memory's speed for one row, where a GEMM library's kernel spends its setup per call."""
+    return (weight[:, None, :].float() * input[None, :, :].float()).sum(-1).to(input.dtype).t()
+
+
+def _reduce(graph: torch.fx.Graph, node: torch.fx.Node, parts: tuple) -> None:
+    """``node`` (a weight product) replaced by ``reduction_product`` of its input and weight (plus its bias)."""
+    input, weight, bias = node.args[-2], parts[1], parts[2]
+    example = [_val(input), _val(weight), *([_val(bias)] if bias is not None else [])]
+    function = (lambda x, w, b: reduction_product(x, w) + b) if bias is not None else reduction_product
+    with _val(input).fake_mode:  # traced on the graph's own fake values, with inductor's decompositions
+        traced = fwd_only(function, example)
+    with graph.inserting_before(node):
+        output = graph.graph_copy(traced.graph, dict(zip(traced.graph.find_nodes(op="placeholder"),
+                                                         [input, weight, *([bias] if bias is not None else [])])),
+                                  return_output_node=False)
+    transposed = node.args[-1]
+    node.replace_all_uses_with(output)
+    graph.erase_node(node)
+    if not transposed.users:
+        graph.erase_node(transposed)
+
+
+def reduction_is_faster(dtype: torch.dtype, num_threads: int, margin: float = 1.1) -> bool:
+    """Whether ``reduction_product`` compiled by inductor multiplies one row by SmolLM2's MLP weights (576 x 1536 and
+    back, streamed from memory: ``linears.NUM_TIMED_LAYERS`` pairs) ``margin`` times faster than oneDNN's packed
+    product here; timed once per machine, dtype and thread count (``cache.measured_once``; two small compiles and
+    about a second). False where oneDNN cannot pack ``dtype`` here (the graph then keeps its products unpacked)."""
+    if not cpu_capability().packs(dtype):
+        return False
+    return measured_once("graph_reduction_is_faster", _machine_key(dtype=str(dtype), num_threads=num_threads,
+                                                                   margin=margin),
+                         functools.partial(_timed_reduction, dtype, margin))
+
+
+def _timed_reduction(dtype: torch.dtype, margin: float) -> bool:
+    generator = torch.Generator().manual_seed(0)
+    weights = [torch.randn(out, inner, generator=generator).to(dtype)
+               for _ in range(NUM_TIMED_LAYERS) for out, inner in ((1536, 576), (576, 1536))]
+    inputs = {w.shape[1]: torch.randn(1, w.shape[1], generator=generator).to(dtype) for w in weights[:2]}
+    compiled = {tuple(w.shape): torch._inductor.compile(make_fx(reduction_product)(inputs[w.shape[1]], w),
+                                                        [inputs[w.shape[1]], w]) for w in weights[:2]}
+    packed = [pack_weight(w) for w in weights]
+    with torch.no_grad():
+        reduction_s = _median_seconds(lambda: [compiled[tuple(w.shape)](inputs[w.shape[1]], w) for w in weights], 5)
+        packed_s = _median_seconds(lambda: [onednn_product(inputs[w.shape[1]], p) for w, p in zip(weights, packed)], 5)
+    return packed_s > margin * reduction_s
 
 
 def _stack(graph: torch.fx.Graph, members: list[tuple[torch.fx.Node, tuple]]) -> None:
