@@ -17,8 +17,10 @@ for the plain step, ``Speculation.runner`` for the two device parts of the specu
   the whole rollout, as vLLM's CPU worker pins its threads (``pinned_threads``, entered once by ``runner_scope``).
 * ``compiled-onednn``: ``compiled`` with the graph's weight products as the rollout's packed oneDNN products
   (``turbogrpo.graph_linears``: an opaque op per input, q/k/v and gate/up stacked, a post-grad pass puts them
-  in), where ``DecodeSchedule.linears`` packs them ("auto": where oneDNN is faster here, by measurement); inductor
-  otherwise runs aten's ``mm``, MKL's sgemm in float32, slower than the packed product on the AMD EPYC.
+  in), where ``DecodeSchedule.linears`` packs them ("auto": where oneDNN is faster here, by measurement), and the
+  products of a one-row bucket as inductor's own vectorised loop where that measured faster than oneDNN here
+  (``graph_linears.reduction_is_faster``); ``compiled`` runs aten's ``mm``, MKL's sgemm in float32, which on the
+  AMD EPYC reads the weights at under half the packed product's speed (``bench/gemv_kernels.py``).
 * ``dynamo``: dynamo only, no code generation (``backend="eager"``): the same graph capture and
   recompilation behaviour at no compile cost, for tests and for finding graph breaks.
 * ``auto`` (``resolve_runner``): per device type, ``AUTO_RUNNERS``; on the CPU, eager or compiled by a
