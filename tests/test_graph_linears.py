@@ -3,6 +3,8 @@ stacked weights in and out of a rollout's scope, the pass stacks exactly the pro
 scope is chosen by this machine's measurement and falls back to F.linear where oneDNN cannot pack, and a rollout of
 the compiled step on it gives the eager step's tokens and log-probs."""
 
+import json
+
 import pytest
 import torch
 import torch._dynamo
@@ -10,7 +12,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from tests.capability import cpu_answer  # noqa: F401 (fixture)
+import turbogrpo.cache
+from tests.capability import ANSWERS, cpu_answer  # noqa: F401 (fixture)
 from tests.rollout.conftest import build_model, random_prompts
 from turbogrpo import graph_linears, linears
 from turbogrpo.graph_linears import (GRAPH_LINEAR_KERNELS, STACKED_LINEAR_PASS, PackedProducts,
@@ -125,7 +128,7 @@ def test_the_pass_stacks_the_products_of_one_input_and_leaves_the_rest():
 
 @pytest.mark.parametrize("faster", [True, False])
 def test_a_one_row_product_runs_as_inductors_own_loop_only_where_that_measured_faster(faster, monkeypatch):
-    monkeypatch.setattr(graph_linears, "reduction_is_faster", lambda dtype, threads: faster)
+    monkeypatch.setattr(graph_linears, "reduction_is_faster", lambda dtype, threads, **kwargs: faster)
     x, weights, biases = weights_and_input(1, bias=True)
     layer = lambda x, wq, wk, bq, bk: (F.linear(x, wq, bq), F.linear(x, wk, bk))  # noqa: E731
     inputs = (x, *weights[:2], *biases[:2])
@@ -140,15 +143,20 @@ def test_a_one_row_product_runs_as_inductors_own_loop_only_where_that_measured_f
         torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
 
 
-def test_reduction_is_faster_is_measured_once_here_and_false_where_onednn_cannot_pack(monkeypatch):
-    measured = []
-    monkeypatch.setattr(graph_linears, "measured_once", lambda name, key, measure: measured.append(key) or measure())
+def test_reduction_is_faster_is_measured_once_here_kept_and_false_where_onednn_cannot_pack(tmp_path, monkeypatch):
+    """Measured once per machine, dtype and threads and kept on disk; the pass (``measure=False``) only reads it."""
+    monkeypatch.setenv("TURBOGRPO_CACHE", str(tmp_path))
+    monkeypatch.setattr(turbogrpo.cache, "_MEASURED", {})
     monkeypatch.setattr(graph_linears, "NUM_TIMED_LAYERS", 1)  # two weights: the timing runs, quickly
+    assert graph_linears.reduction_is_faster(torch.float32, 2, margin=0.0, measure=False) is False  # not measured
     assert graph_linears.reduction_is_faster(torch.float32, 2, margin=0.0) is True  # any time beats 0 x it
-    assert measured[0]["dtype"] == "torch.float32" and measured[0]["num_threads"] == 2 and "cpu" in measured[0]
-    monkeypatch.setattr(graph_linears, "cpu_capability", lambda: linears.cpu_capability().__class__(
-        level="none", torch_capability="DEFAULT", onednn=False, native_bf16=False, native_fp16=False, amx=False))
-    assert graph_linears.reduction_is_faster(torch.float32, 2) is False and len(measured) == 1
+    monkeypatch.setattr(turbogrpo.cache, "_MEASURED", {})  # another process: reads the stored answer
+    assert graph_linears.reduction_is_faster(torch.float32, 2, margin=0.0, measure=False) is True
+    [stored] = (tmp_path / "measured" / graph_linears.REDUCTION_CHOICE).glob("*.json")
+    key = json.loads(stored.read_text())["key"]
+    assert key["dtype"] == "torch.float32" and key["num_threads"] == 2 and key["cpu"]
+    monkeypatch.setattr(graph_linears, "cpu_capability", lambda: ANSWERS["none"])
+    assert graph_linears.reduction_is_faster(torch.float32, 2, margin=0.0) is False
 
 
 def test_the_compiled_step_at_one_row_on_inductors_loop_gives_the_eager_tokens(monkeypatch):
@@ -156,7 +164,7 @@ def test_the_compiled_step_at_one_row_on_inductors_loop_gives_the_eager_tokens(m
     step's tokens, and its log-probs within float32 rounding."""
     torch._dynamo.reset()
     _compiled.cache_clear()
-    monkeypatch.setattr(graph_linears, "reduction_is_faster", lambda dtype, threads: True)
+    monkeypatch.setattr(graph_linears, "reduction_is_faster", lambda dtype, threads, **kwargs: True)
     monkeypatch.setattr(PackedProducts, "product", lambda *a: pytest.fail("a one-row product ran as stacked_linear"))
     model = build_model("llama", num_hidden_layers=1, num_attention_heads=6, num_key_value_heads=2, hidden_size=48)
     kwargs = dict(num_samples=1, sampling=SamplingConfig(max_new_tokens=5), seed=5)

@@ -42,7 +42,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_file
 from torch._inductor.pattern_matcher import fwd_only
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from turbogrpo.cache import measured_once
+from turbogrpo.cache import measured_before, measured_once
 from turbogrpo.cpu_capability import cpu_capability
 from turbogrpo.linears import (NUM_TIMED_LAYERS, PACKABLE_DTYPES, _machine_key, _median_seconds, measured_kernel,
                                module_linears, num_rows, onednn_min_rows, onednn_product, pack_weight,
@@ -100,10 +100,14 @@ _ACTIVE_SCOPE: contextvars.ContextVar[PackedProducts | None] = contextvars.Conte
 def packed_graph_linears(roots: Iterable[nn.Module], min_rows: int = 1) -> Iterator[int]:
     """For the ``with`` block, ``stacked_linear`` in a compiled graph multiplies inputs of at least ``min_rows``
     rows by packed copies of its weights (made at first use, freed on exit; the block must not change the
-    weights). Changes no module (yields 0): the graphs already call the op (``StackedLinearPass``). Refused
+    weights). Changes no module (yields 0): the graphs already call the op (``StackedLinearPass``); measures, once per
+    machine, whether the graphs' one-row products run faster as inductor's own loop (``reduction_is_faster``). Refused
     (``linears.require_onednn``) where a linear under ``roots`` computes in a dtype oneDNN cannot pack here;
     "auto" asks first and runs unpacked there instead."""
-    require_onednn_for(list(roots))
+    roots = list(roots)
+    require_onednn_for(roots)
+    for dtype in {p.dtype for root in roots for p in root.parameters()} & set(PACKABLE_DTYPES):
+        reduction_is_faster(dtype, torch.get_num_threads())  # measured now, before any graph compiles
     token = _ACTIVE_SCOPE.set(PackedProducts(min_rows))
     try:
         yield 0
@@ -176,7 +180,7 @@ class StackedLinearPass(CustomGraphPass):
             if not (parts := _weight_product(node)):
                 continue
             x = _val(parts[0])
-            if num_rows(x) == 1 and reduction_is_faster(x.dtype, torch.get_num_threads()):
+            if num_rows(x) == 1 and reduction_is_faster(x.dtype, torch.get_num_threads(), measure=False):
                 _reduce(graph, node, parts)
             else:
                 siblings.setdefault(_input_key(parts[0], parts[2] is not None), []).append((node, parts))
@@ -213,16 +217,23 @@ def _reduce(graph: torch.fx.Graph, node: torch.fx.Node, parts: tuple) -> None:
         graph.erase_node(transposed)
 
 
-def reduction_is_faster(dtype: torch.dtype, num_threads: int, margin: float = 1.1) -> bool:
+def reduction_is_faster(dtype: torch.dtype, num_threads: int, margin: float = 1.1, *, measure: bool = True) -> bool:
     """Whether ``reduction_product`` compiled by inductor multiplies one row by SmolLM2's MLP weights (576 x 1536 and
     back, streamed from memory: ``linears.NUM_TIMED_LAYERS`` pairs) ``margin`` times faster than oneDNN's packed
     product here; timed once per machine, dtype and thread count (``cache.measured_once``; two small compiles and
-    about a second). False where oneDNN cannot pack ``dtype`` here (the graph then keeps its products unpacked)."""
+    about a second). False where oneDNN cannot pack ``dtype`` here (the graph then keeps its products unpacked).
+    ``measure=False``: the answer measured before, False where none was (the pass, which runs inside inductor's
+    compile, where no other compile may start: the rollout's scope measures first, ``packed_graph_linears``)."""
     if not cpu_capability().packs(dtype):
         return False
-    return measured_once("graph_reduction_is_faster", _machine_key(dtype=str(dtype), num_threads=num_threads,
-                                                                   margin=margin),
-                         functools.partial(_timed_reduction, dtype, margin))
+    key = _machine_key(dtype=str(dtype), num_threads=num_threads, margin=margin)
+    if not measure:
+        return bool(measured_before(REDUCTION_CHOICE, key))
+    return measured_once(REDUCTION_CHOICE, key, functools.partial(_timed_reduction, dtype, margin))
+
+
+REDUCTION_CHOICE = "graph_reduction_is_faster"
+"""``cache.measured_once``'s name for ``reduction_is_faster``."""
 
 
 def _timed_reduction(dtype: torch.dtype, margin: float) -> bool:
