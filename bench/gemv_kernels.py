@@ -3,9 +3,10 @@
 
 At live batch 1 a step reads every weight once and does almost no arithmetic on it, so its weight products
 can run no faster than the weights' bytes over this machine's read bandwidth. On the 2-core AMD EPYC (AVX-512)
-the rollout's kernel (oneDNN on packed weights, ``turbogrpo.linears``) reached 11 GB/s there against 27.8 GB/s
-of measured read bandwidth (``bench/results/compiled_step_f32_b1_marked_once.json``): the kernel, not Python,
-is the limit. This benchmark times each candidate kernel over SmolLM2-135M's weight shapes (from its config:
+the compiled step's products (aten's ``F.linear``: MKL's sgemm) read the weights at 11 GB/s against 27.8 GB/s of
+measured read bandwidth (``streamed_products_s`` of ``bench/results/compiled_step_f32_b1_marked_once.json``, which
+times the modules as they are); the eager step's packed oneDNN products (``turbogrpo.linears``) read them near
+that bandwidth on a quiet machine (19.4 ms at one row, ``decode_ops_linears``). This benchmark times each candidate kernel over SmolLM2-135M's weight shapes (from its config:
 30 layers of q, k, v, o, gate, up, down and the tied 49,152-row LM head; random values, so that every weight
 streams from memory as in a real step) at 1, 2, 4 and 8 rows, float32 and bf16, 1 and 2 threads, all
 contenders alternated in one process (``harness.interleaved_medians``), against the memory-read floor measured
@@ -28,7 +29,7 @@ Activations are in the weights' dtype (bf16 weights multiply bf16 activations, a
 the kernels accumulate in float32). Each kernel's product of the first weight is checked against float64
 (``max_rel_error``). ``GB/s`` is the weights' bytes over the median time of one pass over all of them.
 
-    python bench/gemv_kernels.py                 # float32 and bf16, rows 1-8, threads 1 and 2; ~4-6 min on 2 cores
+    python bench/gemv_kernels.py                 # float32 and bf16, rows 1-8, threads 1 and 2; ~6-10 min on 2 cores, ~7 GB
     python bench/gemv_kernels.py --dtypes float32 --rows 1 --threads 2
     python bench/gemv_kernels.py --quick         # smoke: 2 layers and the head, 1 row, 2 repeats
 """
