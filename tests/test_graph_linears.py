@@ -210,3 +210,19 @@ def test_the_compiled_onednn_step_matches_eager_greedy_and_log_probs_in_bfloat16
     assert [t.tolist() for t in compiled.tokens] == [t.tolist() for t in eager.tokens]
     for ours, theirs in zip(compiled.logprobs, eager.logprobs):
         torch.testing.assert_close(ours, theirs, atol=0.05, rtol=0.02)
+
+
+# slow: one more inductor compile of a bf16 step; the float32 one-row test above covers the path.
+@pytest.mark.slow
+@pytest.mark.skipif(not linears.cpu_capability().packs(torch.bfloat16), reason="no oneDNN bf16 kernels here")
+def test_the_one_row_bf16_step_on_inductors_loop_matches_eager_greedy_and_log_probs(monkeypatch):
+    torch._dynamo.reset()
+    _compiled.cache_clear()
+    monkeypatch.setattr(graph_linears, "reduction_is_faster", lambda dtype, threads, **kwargs: True)
+    model = build_model("llama", num_hidden_layers=1).to(torch.bfloat16)
+    kwargs = dict(num_samples=1, sampling=SamplingConfig(max_new_tokens=5, temperature=0.0), seed=4)
+    eager = generate(model, random_prompts([7]), schedule=DecodeSchedule(1, "pow2", linears="onednn"), **kwargs)
+    compiled = generate(model, random_prompts([7]), schedule=DecodeSchedule(1, "pow2", "compiled-onednn"), **kwargs)
+    assert [t.tolist() for t in compiled.tokens] == [t.tolist() for t in eager.tokens]
+    for ours, theirs in zip(compiled.logprobs, eager.logprobs):
+        torch.testing.assert_close(ours, theirs, atol=0.05, rtol=0.02)
