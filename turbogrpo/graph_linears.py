@@ -188,8 +188,11 @@ class StackedLinearPass(CustomGraphPass):
             _stack(graph, members)
 
     def uuid(self) -> bytes:
-        # What the pass does depends on this file and on reduction_is_faster, measured per machine and threads.
-        return get_hash_for_files((__file__,)) + str(torch.get_num_threads()).encode()
+        # inductor's cache key for the graphs: what the pass does depends on this file and on the one-row choice
+        # (measured per machine, dtype and threads; read, not measured, here).
+        threads = torch.get_num_threads()
+        choices = [reduction_is_faster(dtype, threads, measure=False) for dtype in PACKABLE_DTYPES]
+        return get_hash_for_files((__file__,)) + f"{threads}{choices}".encode()
 
 
 def reduction_product(input: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
