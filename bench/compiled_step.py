@@ -10,11 +10,14 @@ alternated (``harness.interleaved_medians``):
     compiled   ``DecodeSchedule.runner = "compiled"``: inductor, one static graph for the bucket, over every
                KV slot of the rollout's capacity (``--new-tokens``)
     compiled-pinned   the same with torch's threads pinned one per physical core (vLLM's CPU binding)
+    compiled-onednn   the same graph with its weight products as ``graph_linears.stacked_linear``: one opaque
+               call per input (q/k/v and gate/up stacked) on oneDNN-packed weights where they pay here
 
 Floors: the weight-read floor (every weight matrix's bytes over this machine's measured read bandwidth,
 ``real_model.memory_read_gbps``: a step at B = 1 cannot beat it), the GEMM floor (the step's weight FLOPs at
 the large-product rate, ``real_model.large_matmul_gflops``) and the streamed weight products alone
-(``real_model.model_gemm_step_seconds``). Targets (issue 54): compiled within 1.5x of the weight-read floor at
+(``real_model.model_gemm_step_seconds``), by aten's ``F.linear`` (what ``compiled`` runs: ``streamed_products_s``)
+and by the packed oneDNN products (what ``eager`` and ``compiled-onednn`` run: ``streamed_packed_products_s``). Targets (issue 54): compiled within 1.5x of the weight-read floor at
 B = 1, of the GEMM floor at B = 64.
 
 Compile times: each bucket's first call with inductor's cache empty (a temporary folder: ``cold``), then again
@@ -24,6 +27,7 @@ the cached kernels' load).
     python bench/compiled_step.py                       # both dtypes, B = 1, 4, 16, 64; ~25-40 min on 2 cores
     python bench/compiled_step.py --dtypes bfloat16 --batches 1,64
     python bench/compiled_step.py --runners eager,compiled,compiled-pinned --competing-job 1
+    python bench/compiled_step.py --runners eager,compiled,compiled-onednn --batches 1,4
     python bench/compiled_step.py --quick               # smoke: float32, B = 1 and 4, 2 steps, 1 repeat
 """
 
@@ -46,12 +50,13 @@ from real_model import (chat_prompts, large_matmul_gflops, load_real_model, memo
                         model_gemm_step_seconds, weight_flops_per_token)
 from vllm_rollout import competing_job  # noqa: E402
 
+from turbogrpo.cpu_capability import cpu_capability  # noqa: E402
 from turbogrpo.rollout import SamplingConfig  # noqa: E402
 from turbogrpo.rollout.compiled import PLAIN_RUNNERS, _compiled, runner_scope  # noqa: E402
 from turbogrpo.rollout.decode import DecodeSchedule, first_draw, rollout_linear_kernel  # noqa: E402
 from turbogrpo.rollout.step import PlainStep, plain_step  # noqa: E402
 
-RUNNERS = ("eager", "compiled", "compiled-pinned")
+RUNNERS = ("eager", "compiled", "compiled-pinned", "compiled-onednn")
 
 
 def weight_bytes(model) -> int:
@@ -67,7 +72,9 @@ def floors(model, batches: list[int], dtype: torch.dtype) -> dict:
     flops = weight_flops_per_token(model.config)
     return {"memory_read_gbps": bandwidth, "large_matmul_gflops": rate, "weight_bytes": weight_bytes(model),
             "per_batch": {str(b): {"weight_read_s": read_s, "gemm_s": b * flops / rate / 1e9,
-                                   "streamed_products_s": model_gemm_step_seconds(model, b)} for b in batches}}
+                                   "streamed_products_s": model_gemm_step_seconds(model, b),
+                                   "streamed_packed_products_s": model_gemm_step_seconds(model, b, kernel="onednn")
+                                   if cpu_capability().packs(dtype) else None} for b in batches}}
 
 
 class Contender:
@@ -147,6 +154,7 @@ def rows_of(record: dict) -> list[list]:
             compile_s = entry["compile"].get(runner, {})
             rows.append([record["dtype"], int(batch), runner, step * 1e3, eager / step if eager else "",
                          step / floor["weight_read_s"], step / floor["gemm_s"], step / floor["streamed_products_s"],
+                         step / floor["streamed_packed_products_s"] if floor.get("streamed_packed_products_s") else "",
                          compile_s.get("cold_s", ""), compile_s.get("warm_s", "")])
     return rows
 
@@ -186,7 +194,8 @@ def main() -> None:
             write_results(name, {"shape": shape, "results": records,
                                  "load_average": {"before": load_before, "after": os.getloadavg()}})
     print_table(f"Plain decoding step, SmolLM2-135M, eager vs compiled (medians of {args.repeats} x {args.steps} steps)",
-                ["dtype", "B", "runner", "ms/step", "eager / this", "x weight read", "x GEMM", "x products",
+                ["dtype", "B", "runner", "ms/step", "eager / this", "x weight read", "x GEMM", "x aten products",
+                 "x packed products",
                  "compile cold s", "compile warm s"], [row for r in records for row in rows_of(r)])
     for r in records:
         f = r["floors"]

@@ -504,10 +504,11 @@ def vllm_rollout(data: dict, where: str) -> list[str]:
 
 def compiled_step(data: dict, where: str) -> list[str]:
     """Per dtype, live batch and runner: ms per step, eager's time over it, and the step against the weight-read
-    floor, the GEMM floor and the streamed weight products; each compiled bucket's compile, cold and warm."""
+    floor, the GEMM floor and the streamed weight products (aten's, and the packed oneDNN ones where the run timed
+    them); each compiled bucket's compile, cold and warm."""
     lines = ["| dtype | B | runner | ms per step | eager / this | x weight-read floor | x GEMM floor | "
-             "x streamed products | compile cold s | compile warm s |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "x streamed aten products | x streamed packed products | compile cold s | compile warm s |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     floors = []
     for record in need(data, "results", where):
         dtype, floor = need(record, "dtype", where), need(record, "floors", where)
@@ -520,14 +521,41 @@ def compiled_step(data: dict, where: str) -> list[str]:
                 step = need(timing, "step_s", here)
                 compiled = entry.get("compile", {}).get(runner, {})
                 cold, warm = compiled.get("cold_s"), compiled.get("warm_s")
+                packed = bounds.get("streamed_packed_products_s")  # runs before this field: "-"
                 lines.append(f"| {dtype} | {batch} | {runner} | {FORMATS['ms'](step)} | {FORMATS['f2'](eager / step)} | "
                              f"{FORMATS['f2'](step / need(bounds, 'weight_read_s', here))} | "
                              f"{FORMATS['f2'](step / need(bounds, 'gemm_s', here))} | "
                              f"{FORMATS['f2'](step / need(bounds, 'streamed_products_s', here))} | "
+                             f"{'-' if not packed else FORMATS['f2'](step / packed)} | "
                              f"{'-' if cold is None else seconds(cold)} | {'-' if warm is None else seconds(warm)} |")
         floors.append(f"{dtype}: memory read {need(floor, 'memory_read_gbps', where):.1f} GB/s, large GEMM "
                       f"{need(floor, 'large_matmul_gflops', where):.0f} GFLOP/s, weights "
                       f"{need(floor, 'weight_bytes', where) / 1e6:.0f} MB.")
+    return [*lines, "", " ".join(floors), ""]
+
+
+def gemv_kernels(data: dict, where: str) -> list[str]:
+    """Per dtype and row count, each weight-product kernel's pass over every weight of a step (fastest first):
+    time, GB/s, the time over the weight-read floor at its thread count and the rollout's kernel's time over it."""
+    lines = ["| dtype | rows | kernel | threads | ms per pass | GB/s | x weight-read floor | current / this | "
+             "max rel error |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    floors = []
+    for record in need(data, "results", where):
+        dtype = need(record, "dtype", where)
+        for rows, entry in need(record, "rows", where).items():
+            here = f"{where} (results.{dtype}.rows.{rows})"
+            best = need(entry, "best", here)
+            contenders = sorted(need(entry, "contenders", here).items(), key=lambda item: item[1]["median_s"])
+            for name, t in contenders:
+                kernel = f"**{need(t, 'kernel', here)}**" if name == best else need(t, "kernel", here)
+                current = t.get("vs_current")
+                lines.append(f"| {dtype} | {rows} | {kernel} | {need(t, 'threads', here)} | "
+                             f"{FORMATS['ms'](need(t, 'median_s', here))} | {need(t, 'gbps', here):.1f} | "
+                             f"{FORMATS['f2'](need(t, 'x_floor', here))} | "
+                             f"{'-' if current is None else FORMATS['f2'](current)} | "
+                             f"{need(t, 'max_rel_error', here):.1e} |")
+        reads = ", ".join(f"{g:.1f} GB/s on {t} thread(s)" for t, g in need(record, "memory_read_gbps", where).items())
+        floors.append(f"{dtype}: weights {need(record, 'weight_bytes', where) / 1e6:.0f} MB, memory read {reads}.")
     return [*lines, "", " ".join(floors), ""]
 
 
@@ -672,6 +700,7 @@ RENDERERS: dict[str, Renderer] = {
     "learning_curves": learning_curves,
     "vllm_rollout": vllm_rollout,
     "compiled_step": compiled_step,
+    "gemv_kernels": gemv_kernels,
     "vllm_engine_overhead": vllm_engine_overhead,
     "tool_task_rates": tool_task_rates,
     "tree_synthetic": TREE_SYNTHETIC,
@@ -923,6 +952,14 @@ RESULTS: list[Result] = [
            "float32, live batches 1 and 64 (the first quiet run, a subset of compiled_step)",
            "python bench/compiled_step.py --dtypes float32 --batches 1,64 --out compiled_step_f32_b1_b64",
            section="Kernels and parts of a step", awaiting_run=True),
+    Result("gemv_kernels", "gemv_kernels", "The weight products of one SmolLM2-135M step by each candidate kernel at "
+           "1-8 rows, float32 and bf16, 1 and 2 threads, against the weight-read floor (bold: the fastest)",
+           "python bench/gemv_kernels.py", section="Kernels and parts of a step", awaiting_run=True),
+    Result("compiled_step_onednn_graph", "compiled_step", "The plain decoding step eager, compiled on aten's products "
+           "and compiled on the packed oneDNN products (compiled-onednn), SmolLM2-135M, float32 and bf16, live "
+           "batches 1 and 4", "python bench/compiled_step.py --dtypes float32,bfloat16 --batches 1,4 --runners "
+           "eager,compiled,compiled-onednn --out compiled_step_onednn_graph", section="Kernels and parts of a step",
+           awaiting_run=True),
     Result("compiled_step_f32_b1_marked_once", "compiled_step", "The plain decoding step eager and compiled, "
            "SmolLM2-135M, float32, live batch 1, after the prompt width is marked dynamic once per tensor (it was "
            "marked at every step)", "python bench/compiled_step.py --dtypes float32 --batches 1 --out "

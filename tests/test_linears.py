@@ -124,8 +124,9 @@ def test_the_schedule_names_a_registered_kernel_and_packs_only_eager_steps():
     assert linears.onednn_trains_faster(torch.bfloat16, 1) is None  # bf16 training runs autocast's F.linear
     with pytest.raises(ValueError, match="linears must be one of"):
         DecodeSchedule(linears="mkl")
-    with pytest.raises(ValueError, match="runner='eager' only"):
+    with pytest.raises(ValueError, match="runner='eager' or 'compiled-onednn' only"):
         DecodeSchedule(linears="onednn", runner="dynamo")
+    DecodeSchedule(linears="onednn", runner="compiled-onednn")  # its graphs call the packed products themselves
 
 
 def test_the_onednn_training_linear_gives_f_linears_values_and_gradients():

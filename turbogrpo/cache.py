@@ -202,6 +202,18 @@ def measured_once(name: str, key: dict, measure: Callable[[], object]) -> object
     return _MEASURED[name, digest]
 
 
+def measured_before(name: str, key: dict) -> object | None:
+    """What ``measured_once(name, key, ...)`` answered on this machine, or None where it has not measured yet: for a
+    caller that cannot time anything where it stands (inside a compiler's pass)."""
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    if (name, digest) not in _MEASURED:
+        try:
+            _MEASURED[name, digest] = json.loads((cache_root() / "measured" / name / f"{digest}.json").read_text())["value"]
+        except (OSError, ValueError, KeyError):
+            return None
+    return _MEASURED[name, digest]
+
+
 _MEASURED: dict[tuple[str, str], object] = {}
 """``measured_once``'s answers in this process."""
 

@@ -31,7 +31,8 @@ Kernels (``LINEAR_KERNELS``, chosen by ``DecodeSchedule.linears``):
   (AMX) it is not (all 211 weights at 1 / 4 / 32 rows: oneDNN 0.77x / 1.23x / 1.05x MKL's speed, ``python
   bench/decode_ops.py --threads 2 --parts linears --calls 1 --out decode_ops_linears_xeon``), so "auto"
   runs ``module`` there; on the AMD EPYC oneDNN (2.87x at 32 rows). Only for the eager plain and tree
-  steps; compiled and graph runners trace the modules as they are.
+  steps; compiled and graph runners trace the modules as they are, except ``compiled-onednn``, whose graphs
+  call the same packed products through one opaque op (``turbogrpo.graph_linears``).
 
 Training (``TRAINING_LINEAR_KERNELS``, chosen by ``model.linear_kernel``) has the same three names
 ("auto" decides by timing a training-sized forward and backward, ``onednn_trains_faster``). Its
@@ -121,7 +122,8 @@ def _version(input: torch.Tensor) -> int | None:
     return None if input.is_inference() else input._version
 
 
-def _rows(input: torch.Tensor) -> int:
+def num_rows(input: torch.Tensor) -> int:
+    """Rows of ``input [..., in]``: the products one weight product makes."""
     return input.numel() // max(input.shape[-1], 1)  # from the shape: no host sync
 
 
@@ -168,7 +170,7 @@ class _PackedProduct:
 
     def _call(self, index: int, input: torch.Tensor) -> torch.Tensor:
         module = self.modules[index]
-        if self.own_dtype and _rows(input) < self.min_rows:
+        if self.own_dtype and num_rows(input) < self.min_rows:
             return torch.nn.functional.linear(input, module.weight, module.bias)
         if index in self._untaken and input is self._input and _version(input) == self._version:
             self._untaken.discard(index)
@@ -220,6 +222,14 @@ def _packable(module: nn.Module) -> bool:
     return _compute_dtype(module.weight) in PACKABLE_DTYPES
 
 
+def require_onednn_for(roots: list[nn.Module]) -> None:
+    """Refuse (``require_onednn``) where the dtype a plain linear under ``roots`` computes in is packable but
+    oneDNN cannot pack it on this CPU."""
+    for dtype in {_compute_dtype(m.weight) for root in roots for m in root.modules() if _plain_linear(m)}:
+        if dtype in PACKABLE_DTYPES:
+            require_onednn(dtype)
+
+
 @contextlib.contextmanager
 def onednn_linears(roots: Iterable[nn.Module], min_rows: int = 1) -> Iterator[int]:
     """For the ``with`` block, every packable ``nn.Linear`` under ``roots`` runs ``onednn_product`` on a
@@ -229,9 +239,7 @@ def onednn_linears(roots: Iterable[nn.Module], min_rows: int = 1) -> Iterator[in
     rollout runs under ``no_grad`` and one autocast state). Refused (``require_onednn``) where a packable
     module's dtype cannot run on this CPU; "auto" asks the CPU first and keeps the modules instead."""
     roots = list(roots)
-    for dtype in {_compute_dtype(m.weight) for root in roots for m in root.modules() if _plain_linear(m)}:
-        if dtype in PACKABLE_DTYPES:
-            require_onednn(dtype)
+    require_onednn_for(roots)
     forwards: dict[nn.Module, Callable] = {}
     for members in _sibling_sets(roots, _packable):
         product = _PackedProduct(members, min_rows)
@@ -276,7 +284,7 @@ class _TrainingForward:
     def __call__(self, input: torch.Tensor) -> torch.Tensor:
         weight, bias = self.module.weight, self.module.bias
         if (input.dtype != torch.float32 or weight.dtype != torch.float32 or torch.is_autocast_enabled("cpu")
-                or _rows(input) < self.min_rows):
+                or num_rows(input) < self.min_rows):
             return torch.nn.functional.linear(input, weight, bias)
         return OneDnnLinear.apply(input, weight, bias)
 
@@ -384,7 +392,7 @@ def onednn_is_faster(dtype: torch.dtype, num_threads: int) -> bool:
     return onednn_min_rows(dtype, num_threads) is not None
 
 
-def _auto(kernel: Callable[..., contextlib.AbstractContextManager[int]],
+def measured_kernel(kernel: Callable[..., contextlib.AbstractContextManager[int]],
           min_rows_for: Callable[[torch.dtype, int], int | None]):
     """``kernel`` from the row count ``min_rows_for(dtype, threads)`` gives for the dtype the roots'
     weights compute in on the CPU (autocast's, where it is on: a bf16 run's float32 masters multiply in
@@ -425,14 +433,14 @@ def _timed_trains_faster(num_threads: int, margin: float) -> int | None:
 
 
 LINEAR_KERNELS: dict[str, Callable[[Iterable[nn.Module]], contextlib.AbstractContextManager[int]]] = {
-    "auto": _auto(onednn_linears, onednn_min_rows),
+    "auto": measured_kernel(onednn_linears, onednn_min_rows),
     "module": module_linears,
     "onednn": onednn_linears,
 }
 """Name -> a context manager over the rollout's modules (see the module docstring)."""
 
 TRAINING_LINEAR_KERNELS: dict[str, Callable[[Iterable[nn.Module]], contextlib.AbstractContextManager[int]]] = {
-    "auto": _auto(onednn_training_linears, onednn_trains_faster),
+    "auto": measured_kernel(onednn_training_linears, onednn_trains_faster),
     "module": module_linears,
     "onednn": onednn_training_linears,
 }

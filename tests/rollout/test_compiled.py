@@ -210,7 +210,7 @@ def test_auto_runner_is_measured_once_per_machine_and_kept(tmp_path, monkeypatch
     monkeypatch.setenv("TURBOGRPO_CACHE", str(tmp_path))
     monkeypatch.setattr(turbogrpo.cache, "_MEASURED", {})
     calls = []
-    monkeypatch.setattr(compiled_module, "_timed_runner", lambda rollout: calls.append(rollout) or "eager")
+    monkeypatch.setattr(compiled_module, "_timed_runner", lambda rollout, compiled: calls.append(rollout) or "eager")
     model = build_model("qwen2", num_hidden_layers=1)
     probe = lambda runner: None  # noqa: E731
     assert resolve_runner("auto", model, probe) == "eager" and resolve_runner("compiled", model, probe) == "compiled"
@@ -227,4 +227,13 @@ def test_auto_runner_is_measured_once_per_machine_and_kept(tmp_path, monkeypatch
 def test_the_measurement_picks_the_faster_runner():
     assert compiled_module._timed_runner(lambda runner: time.sleep(0.02 if runner == "eager" else 0.0)) == "compiled"
     assert compiled_module._timed_runner(lambda runner: time.sleep(0.02 if runner == "compiled" else 0.0)) == "eager"
+    assert compiled_module._timed_runner(lambda runner: time.sleep(0.02 if runner == "eager" else 0.0),
+                                         "compiled-onednn") == "compiled-onednn"
+
+
+def test_auto_times_the_packed_compiled_runner_where_onednn_measured_faster_here(monkeypatch):
+    model = build_model("qwen2", num_hidden_layers=1)
+    for faster, expected in ((True, "compiled-onednn"), (False, "compiled")):
+        monkeypatch.setattr(compiled_module, "onednn_is_faster", lambda dtype, threads: faster)
+        assert compiled_module.compiled_candidate(model) == expected
     _probe_rollout(build_model("qwen2", num_hidden_layers=1), "eager")  # what "auto" times, here eager

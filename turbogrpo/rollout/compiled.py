@@ -15,10 +15,18 @@ for the plain step, ``Speculation.runner`` for the two device parts of the specu
   P). Use it with ``buckets="pow2"``: at most log2(N) + 1 buckets per rollout.
 * ``compiled-pinned``: ``compiled`` with torch's OpenMP threads pinned one per physical core for
   the whole rollout, as vLLM's CPU worker pins its threads (``pinned_threads``, entered once by ``runner_scope``).
+* ``compiled-onednn``: ``compiled`` with the graph's weight products as the rollout's packed oneDNN products
+  (``turbogrpo.graph_linears``: an opaque op per input, q/k/v and gate/up stacked, a post-grad pass puts them
+  in), where ``DecodeSchedule.linears`` packs them ("auto": where oneDNN is faster here, by measurement), and the
+  products of a one-row bucket as inductor's own vectorised loop where that measured faster than oneDNN here
+  (``graph_linears.reduction_is_faster``); ``compiled`` runs aten's ``mm``, MKL's sgemm in float32, which on the
+  AMD EPYC reads the weights at under half the packed product's speed (``bench/gemv_kernels.py``).
 * ``dynamo``: dynamo only, no code generation (``backend="eager"``): the same graph capture and
   recompilation behaviour at no compile cost, for tests and for finding graph breaks.
 * ``auto`` (``resolve_runner``): per device type, ``AUTO_RUNNERS``; on the CPU, eager or compiled by a
-  measurement on this machine's CPU kind and the model's shape, taken once (``cache.measured_once``).
+  measurement on this machine's CPU kind and the model's shape, taken once (``cache.measured_once``); the
+  compiled runner timed is ``compiled-onednn`` where the eager step runs packed oneDNN products here
+  (``compiled_candidate``), else ``compiled``.
 
 Compilation is paid once per model shape and machine: inductor's caches (its FX graphs, and
 AOTAutograd's) are kept in turbogrpo's cache folder (``use_compile_cache``), so a later process
@@ -81,6 +89,8 @@ import torch._dynamo
 from torch import nn
 
 from turbogrpo.cache import cache_root, measured_once
+from turbogrpo.graph_linears import STACKED_LINEAR_PASS
+from turbogrpo.linears import onednn_is_faster
 from turbogrpo.progress import ticking
 from turbogrpo.rollout.step import DecodeState
 
@@ -129,10 +139,11 @@ class CompiledStep:
     else dynamo's automatic dynamic shapes (the tree step's parts). A call that meets a new bucket shows
     a progress line while it compiles and keeps the seconds it took in ``compile_seconds``."""
 
-    def __init__(self, function: Step, backend: str, static: bool):
+    def __init__(self, function: Step, backend: str, static: bool, products: str = "aten"):
         use_compile_cache()
         self.function, self.backend, self.static = function, backend, static
-        self.compiled = torch.compile(function, fullgraph=True, backend=backend, dynamic=False if static else None)
+        self.compiled = torch.compile(function, fullgraph=True, backend=backend, dynamic=False if static else None,
+                                      options=GRAPH_PRODUCTS[products])
         self.compile_seconds: dict[tuple, float] = {}
         """Bucket (``bucket_of``; the function's name when not static) -> seconds of its first call."""
 
@@ -160,9 +171,17 @@ def mark_prompt_width_dynamic(state: DecodeState) -> None:
             torch._dynamo.mark_dynamic(tensor, dim)
 
 
+GRAPH_PRODUCTS: dict[str, dict | None] = {
+    "aten": None,
+    "stacked": {"post_grad_custom_pre_pass": STACKED_LINEAR_PASS},
+}
+"""How an inductor graph multiplies by the weights -> its inductor options: aten's ``mm`` on the weights as they are,
+or ``graph_linears.stacked_linear`` (one opaque op per input, packed oneDNN products in the rollout's scope)."""
+
+
 @functools.cache
-def _compiled(function: Step, backend: str, static: bool = False) -> CompiledStep:
-    return CompiledStep(function, backend, static)
+def _compiled(function: Step, backend: str, static: bool = False, products: str = "aten") -> CompiledStep:
+    return CompiledStep(function, backend, static, products)
 
 
 # --- threads pinned as vLLM's CPU worker pins them ----------------------------------------------------------
@@ -292,12 +311,19 @@ PLAIN_RUNNERS: dict[str, Callable[[Callable[[DecodeState], None]], Callable[[Dec
     "eager": lambda function: function,
     "compiled": lambda function: _compiled(function, "inductor", static=True),
     "compiled-pinned": lambda function: _compiled(function, "inductor", static=True),  # + RUNNER_SCOPES
+    "compiled-onednn": lambda function: _compiled(function, "inductor", static=True, products="stacked"),
     "dynamo": lambda function: _compiled(function, "eager", static=True),
     "cudagraph": GraphReplay,
     "compiled-cudagraph": lambda function: GraphReplay(_compiled(function, "inductor", static=True)),
 }
 """Name -> how ``plain_step`` runs: as ``RUNNERS``, but compiled with one static graph per bucket, plus the
-pinned and CUDA-graph runners (called once per rollout: a ``GraphReplay`` keeps that rollout's graphs)."""
+pinned and CUDA-graph runners (called once per rollout: a ``GraphReplay`` keeps that rollout's graphs), and
+``compiled-onednn``, whose graphs multiply by the weights through ``graph_linears.stacked_linear`` (packed oneDNN
+products where ``DecodeSchedule.linears`` packs them: ``STACKED_PRODUCT_RUNNERS``)."""
+
+STACKED_PRODUCT_RUNNERS = frozenset({"compiled-onednn"})
+"""Plain runners whose graphs call ``graph_linears.stacked_linear``: a rollout with one runs in the scope
+``graph_linears.GRAPH_LINEAR_KERNELS`` gives its ``DecodeSchedule.linears``."""
 
 # --- "auto": eager or compiled, by measurement ------------------------------------------------------------
 
@@ -334,19 +360,29 @@ def measured_runner(model: nn.Module, rollout: Callable[[str], object]) -> str:
     from turbogrpo.linears import _machine_key  # the key every timed choice of this machine uses
     config = getattr(model, "config", None)
     shape = config.to_diff_dict() if hasattr(config, "to_diff_dict") else {"class": type(model).__name__}
+    compiled = compiled_candidate(model)
     key = _machine_key(choice="plain_step_runner", model={k: v for k, v in shape.items() if k != "_name_or_path"},
-                       dtype=str(next(model.parameters()).dtype), num_threads=torch.get_num_threads())
-    return measured_once("plain_step_runner", key, functools.partial(_timed_runner, rollout))
+                       dtype=str(next(model.parameters()).dtype), num_threads=torch.get_num_threads(),
+                       candidates=["eager", compiled])
+    return measured_once("plain_step_runner", key, functools.partial(_timed_runner, rollout, compiled))
 
 
-def _timed_runner(rollout: Callable[[str], object], repeats: int = 3) -> str:
-    """Time ``rollout`` eager and compiled, alternated, after one untimed call each (the compile)."""
-    times: dict[str, list[float]] = {"eager": [], "compiled": []}
+def compiled_candidate(model: nn.Module) -> str:
+    """The compiled runner "auto" times against eager: ``compiled-onednn`` where this machine measured oneDNN's packed
+    product faster than ``F.linear`` in the dtype of ``model``'s weights (``linears.onednn_is_faster``: the eager step
+    then runs packed products, and a compiled step on aten's would start behind it), else ``compiled``."""
+    weight = next(model.parameters())
+    packs = weight.device.type == "cpu" and onednn_is_faster(weight.dtype, torch.get_num_threads())
+    return "compiled-onednn" if packs else "compiled"
+
+
+def _timed_runner(rollout: Callable[[str], object], compiled: str = "compiled", repeats: int = 3) -> str:
+    """Time ``rollout`` eager and with the runner ``compiled``, alternated, after one untimed call each (the compile)."""
+    times: dict[str, list[float]] = {"eager": [], compiled: []}
     for repeat in range(repeats + 1):
         for runner, taken in times.items():
             start = time.perf_counter()
             rollout(runner)
             if repeat:
                 taken.append(time.perf_counter() - start)
-    eager, compiled = statistics.median(times["eager"]), statistics.median(times["compiled"])
-    return "compiled" if compiled * MEASURED_MARGIN < eager else "eager"
+    return compiled if statistics.median(times[compiled]) * MEASURED_MARGIN < statistics.median(times["eager"]) else "eager"

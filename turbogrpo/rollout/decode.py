@@ -33,8 +33,10 @@ from turbogrpo.architectures import hybrid_layers
 from turbogrpo.hook import check_materialized, embedding_table
 from turbogrpo.host_memory import keep_freed_host_memory
 from turbogrpo.output_head import check_logits_head, logits_head
-from turbogrpo.rollout.compiled import PLAIN_RUNNERS, RUNNER_NAMES, resolve_runner, runner_scope
+from turbogrpo.rollout.compiled import (PLAIN_RUNNERS, RUNNER_NAMES, STACKED_PRODUCT_RUNNERS, resolve_runner,
+                                        runner_scope)
 from turbogrpo.rollout.kv_cache import GroupedKVCache
+from turbogrpo.graph_linears import GRAPH_LINEAR_KERNELS
 from turbogrpo.linears import LINEAR_KERNELS
 from turbogrpo.moe_routes import RouteLog, RouteRecorder, maybe_recording, maybe_replaying, padded_routes
 from turbogrpo.rollout.outputs import LiveRows, OutputBuffers, collect_rollout, emit
@@ -88,9 +90,10 @@ class DecodeSchedule:
             raise ValueError(f"DecodeSchedule.runner must be one of {sorted(RUNNER_NAMES)}, got {self.runner!r}")
         if self.linears not in LINEAR_KERNELS:
             raise ValueError(f"DecodeSchedule.linears must be one of {sorted(LINEAR_KERNELS)}, got {self.linears!r}")
-        if self.linears == "onednn" and self.runner != "eager":
-            raise ValueError(f"DecodeSchedule.linears='onednn' runs with runner='eager' only (got runner="
-                             f"{self.runner!r}: compiled and graph runners trace the modules as they are)")
+        if self.linears == "onednn" and self.runner not in ("eager", *STACKED_PRODUCT_RUNNERS):
+            raise ValueError(f"DecodeSchedule.linears='onednn' runs with runner='eager' or "
+                             f"{', '.join(repr(r) for r in sorted(STACKED_PRODUCT_RUNNERS))} only (got runner="
+                             f"{self.runner!r}: the other compiled and graph runners trace the modules as they are)")
 
     @property
     def static_slots(self) -> bool:
@@ -231,7 +234,10 @@ def _probe_rollout(model: nn.Module, runner: str, *, num_prompts: int = 2, num_s
 def rollout_linear_kernel(schedule: DecodeSchedule, draft: object | None = None):
     """The ``LINEAR_KERNELS`` entry to run the rollout's modules under (plain, speculative and multi-turn
     rollouts alike): "auto" keeps the modules as they are where a step is compiled or replayed (they trace
-    the modules themselves)."""
+    the modules themselves); a plain step whose graphs call ``graph_linears.stacked_linear``
+    (``STACKED_PRODUCT_RUNNERS``) runs in the scope ``GRAPH_LINEAR_KERNELS`` gives instead."""
+    if draft is None and schedule.runner in STACKED_PRODUCT_RUNNERS:
+        return GRAPH_LINEAR_KERNELS[schedule.linears]
     eager = schedule.runner == "eager" and getattr(draft, "runner", "eager") == "eager"
     if schedule.linears == "auto" and not eager:
         return LINEAR_KERNELS["module"]
