@@ -956,8 +956,8 @@ RESULTS: list[Result] = [
            "1-8 rows, float32 and bf16, 1 and 2 threads, against the weight-read floor (bold: the fastest)",
            "python bench/gemv_kernels.py", section="Kernels and parts of a step"),
     Result("compiled_step_onednn_graph", "compiled_step", "The plain decoding step eager, compiled on aten's products "
-           "and compiled on the packed oneDNN products (compiled-onednn), SmolLM2-135M, float32 and bf16, live "
-           "batches 1 and 4", "python bench/compiled_step.py --dtypes float32,bfloat16 --batches 1,4 --runners "
+           "and compiled on the packed oneDNN products (compiled-onednn), SmolLM2-135M, float32, live batches 1 and 4",
+           "python bench/compiled_step.py --dtypes float32 --batches 1,4 --runners "
            "eager,compiled,compiled-onednn --out compiled_step_onednn_graph", section="Kernels and parts of a step"),
     Result("compiled_step_f32_b1_marked_once", "compiled_step", "The plain decoding step eager and compiled, "
            "SmolLM2-135M, float32, live batch 1, after the prompt width is marked dynamic once per tensor (it was "
