@@ -959,6 +959,10 @@ RESULTS: list[Result] = [
            "and compiled on the packed oneDNN products (compiled-onednn), SmolLM2-135M, float32, live batches 1 and 4",
            "python bench/compiled_step.py --dtypes float32 --batches 1,4 --runners "
            "eager,compiled,compiled-onednn --out compiled_step_onednn_graph", section="Kernels and parts of a step"),
+    Result("compiled_step_onednn_graph_bf16", "compiled_step", "The plain decoding step eager, compiled and "
+           "compiled-onednn, SmolLM2-135M, bf16, live batches 1 and 4",
+           "python bench/compiled_step.py --dtypes bfloat16 --batches 1,4 --runners eager,compiled,compiled-onednn "
+           "--out compiled_step_onednn_graph_bf16", section="Kernels and parts of a step", awaiting_run=True),
     Result("compiled_step_f32_b1_marked_once", "compiled_step", "The plain decoding step eager and compiled, "
            "SmolLM2-135M, float32, live batch 1, after the prompt width is marked dynamic once per tensor (it was "
            "marked at every step)", "python bench/compiled_step.py --dtypes float32 --batches 1 --out "
