@@ -827,7 +827,7 @@ RESULTS: list[Result] = [
            section="Rollouts", awaiting_run=True),
     Result("vllm_engine_overhead", "vllm_engine_overhead", "turbogrpo's vLLM engine against TRL's call on the same "
            "vLLM engine, one process: SmolLM2-135M, 8 GSM8K prompts x 8, up to 256 tokens, T = 1, float32",
-           "python bench/vllm_engine_overhead.py --trl-build", section="Rollouts", awaiting_run=True),
+           "python bench/vllm_engine_overhead.py --trl-build", section="Rollouts"),
     Result("remote_channel", "remote_channel", "The remote rollout worker's authenticated, encrypted connection: one "
            "SmolLM2-135M weights version (538 MB, float32) against plain TCP, and the base weights' digest",
            "python bench/remote_channel.py", section="Asynchronous GRPO"),
@@ -962,7 +962,7 @@ RESULTS: list[Result] = [
     Result("compiled_step_onednn_graph_bf16", "compiled_step", "The plain decoding step eager, compiled and "
            "compiled-onednn, SmolLM2-135M, bf16, live batches 1 and 4",
            "python bench/compiled_step.py --dtypes bfloat16 --batches 1,4 --runners eager,compiled,compiled-onednn "
-           "--out compiled_step_onednn_graph_bf16", section="Kernels and parts of a step", awaiting_run=True),
+           "--out compiled_step_onednn_graph_bf16", section="Kernels and parts of a step"),
     Result("compiled_step_f32_b1_marked_once", "compiled_step", "The plain decoding step eager and compiled, "
            "SmolLM2-135M, float32, live batch 1, after the prompt width is marked dynamic once per tensor (it was "
            "marked at every step)", "python bench/compiled_step.py --dtypes float32 --batches 1 --out "
