@@ -44,7 +44,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from turbogrpo.cache import measured_before, measured_once
 from turbogrpo.cpu_capability import cpu_capability
-from turbogrpo.linears import (NUM_TIMED_LAYERS, PACKABLE_DTYPES, _machine_key, _median_seconds, measured_kernel,
+from turbogrpo.linears import (NUM_TIMED_LAYERS, PACKABLE_DTYPES, machine_key, median_seconds, measured_kernel,
                                module_linears, num_rows, onednn_min_rows, onednn_product, pack_weight,
                                require_onednn_for)
 
@@ -229,7 +229,7 @@ def reduction_is_faster(dtype: torch.dtype, num_threads: int, margin: float = 1.
     compile, where no other compile may start: the rollout's scope measures first, ``packed_graph_linears``)."""
     if not cpu_capability().packs(dtype):
         return False
-    key = _machine_key(dtype=str(dtype), num_threads=num_threads, margin=margin)
+    key = machine_key(dtype=str(dtype), num_threads=num_threads, margin=margin)
     if not measure:
         return bool(measured_before(REDUCTION_CHOICE, key))
     return measured_once(REDUCTION_CHOICE, key, functools.partial(_timed_reduction, dtype, margin))
@@ -248,8 +248,8 @@ def _timed_reduction(dtype: torch.dtype, margin: float) -> bool:
                                                         [inputs[w.shape[1]], w]) for w in weights[:2]}
     packed = [pack_weight(w) for w in weights]
     with torch.no_grad():
-        reduction_s = _median_seconds(lambda: [compiled[tuple(w.shape)](inputs[w.shape[1]], w) for w in weights], 5)
-        packed_s = _median_seconds(lambda: [onednn_product(inputs[w.shape[1]], p) for w, p in zip(weights, packed)], 5)
+        reduction_s = median_seconds(lambda: [compiled[tuple(w.shape)](inputs[w.shape[1]], w) for w in weights], 5)
+        packed_s = median_seconds(lambda: [onednn_product(inputs[w.shape[1]], p) for w, p in zip(weights, packed)], 5)
     return packed_s > margin * reduction_s
 
 

@@ -319,7 +319,8 @@ def onednn_training_linears(roots: Iterable[nn.Module], min_rows: int = 1) -> co
                               lambda module: module.weight.dtype == torch.float32)
 
 
-def _median_seconds(function: Callable[[], object], repeats: int) -> float:
+def median_seconds(function: Callable[[], object], repeats: int) -> float:
+    """Median wall time of ``repeats`` calls of ``function`` after one warm-up call (the per-machine choices)."""
     function()
     times = []
     for _ in range(repeats):
@@ -346,11 +347,11 @@ def onednn_min_rows(dtype: torch.dtype, num_threads: int, margin: float = 1.1) -
     rows; on the AMD EPYC oneDNN wins at every count."""
     if not cpu_capability().packs(dtype):
         return None
-    return measured_once("onednn_min_rows", _machine_key(dtype=str(dtype), num_threads=num_threads, margin=margin),
+    return measured_once("onednn_min_rows", machine_key(dtype=str(dtype), num_threads=num_threads, margin=margin),
                          functools.partial(_timed_min_rows, dtype, num_threads, margin))
 
 
-def _machine_key(**shape) -> dict:
+def machine_key(**shape) -> dict:
     """What a timed choice depends on besides ``shape``: the CPU and the torch build (``cache.measured_once``)."""
     return {"cpu": cpu_capability().describe(), "cpu_model": _cpu_model(), "cores": os.cpu_count(),
             "torch": torch.__version__, **shape}
@@ -374,8 +375,8 @@ def _timed_min_rows(dtype: torch.dtype, num_threads: int, margin: float) -> int 
     with torch.no_grad():
         for rows in ROW_GRID:
             inputs = [torch.randn(rows, w.shape[1], generator=generator).to(dtype) for w in weights]
-            dense_s = _median_seconds(lambda: [torch.nn.functional.linear(x, w) for x, w in zip(inputs, weights)], 5)
-            packed_s = _median_seconds(lambda: [onednn_product(x, p) for x, p in zip(inputs, packed)], 5)
+            dense_s = median_seconds(lambda: [torch.nn.functional.linear(x, w) for x, w in zip(inputs, weights)], 5)
+            packed_s = median_seconds(lambda: [onednn_product(x, p) for x, p in zip(inputs, packed)], 5)
             speedup[rows] = dense_s / packed_s
     if speedup[ROW_GRID[-1]] <= margin:
         return None
@@ -414,7 +415,7 @@ def onednn_trains_faster(dtype: torch.dtype, num_threads: int, margin: float = 1
     MLP weight (about half a second): a decoding step's few rows say nothing about it."""
     if not cpu_capability().trains(dtype):
         return None
-    return measured_once("onednn_trains_faster", _machine_key(num_threads=num_threads, margin=margin),
+    return measured_once("onednn_trains_faster", machine_key(num_threads=num_threads, margin=margin),
                          functools.partial(_timed_trains_faster, num_threads, margin))
 
 
@@ -427,8 +428,8 @@ def _timed_trains_faster(num_threads: int, margin: float) -> int | None:
     def step(product) -> None:
         torch.autograd.grad(product(input, weight, None), (input, weight), grad)
 
-    dense_s = _median_seconds(lambda: step(torch.nn.functional.linear), 5)
-    onednn_s = _median_seconds(lambda: step(OneDnnLinear.apply), 5)
+    dense_s = median_seconds(lambda: step(torch.nn.functional.linear), 5)
+    onednn_s = median_seconds(lambda: step(OneDnnLinear.apply), 5)
     return 1 if dense_s > margin * onednn_s else None
 
 

@@ -357,11 +357,11 @@ def measured_runner(model: nn.Module, rollout: Callable[[str], object]) -> str:
     """"compiled" or "eager": whichever ran ``rollout`` faster here, timed once per CPU kind, torch build, model
     shape, dtype and thread count (``cache.measured_once``; every process of the machine then makes the same
     choice, so the rollouts of a resumed run round as the first run's did)."""
-    from turbogrpo.linears import _machine_key  # the key every timed choice of this machine uses
+    from turbogrpo.linears import machine_key  # the key every timed choice of this machine uses
     config = getattr(model, "config", None)
     shape = config.to_diff_dict() if hasattr(config, "to_diff_dict") else {"class": type(model).__name__}
     compiled = compiled_candidate(model)
-    key = _machine_key(choice="plain_step_runner", model={k: v for k, v in shape.items() if k != "_name_or_path"},
+    key = machine_key(choice="plain_step_runner", model={k: v for k, v in shape.items() if k != "_name_or_path"},
                        dtype=str(next(model.parameters()).dtype), num_threads=torch.get_num_threads(),
                        candidates=["eager", compiled])
     return measured_once("plain_step_runner", key, functools.partial(_timed_runner, rollout, compiled))
