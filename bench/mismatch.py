@@ -91,13 +91,12 @@ def measure(model, sample, prompts, shape: dict, sampling: SamplingConfig, seed:
     record["num_tokens"], record["num_sequences"] = sum(batch.lengths), len(batch.lengths)
     record["masked"] = {c: {"tokens": m["mismatch/frac_tokens_masked"],
                             "sequences": m["mismatch/frac_sequences_masked"]} for c, m in by_correction.items()}
-    return record, batch
+    return record, batch, trainer_logps, sampler_logps
 
 
-def metric_cost(model, batch, repeats: int) -> dict:
-    """The mismatch metrics' time against the update's forward + backward on ``batch`` (alternated medians)."""
-    trainer_logps = list(trainer_forward(model, batch).split(batch.lengths))
-    sampler_logps = [s.float() for s in batch.sampler_logps]
+def metric_cost(model, batch, trainer_logps, sampler_logps, repeats: int) -> dict:
+    """The mismatch metrics' time on ``batch``'s log-probs (per sequence, as ``measure`` computed them) against
+    the update's forward + backward on ``batch`` (alternated medians)."""
     micro_batches = batch.micro_batches(MICRO_BATCH_TOKENS)
 
     def update():  # per micro-batch, as the trainer's update runs: the whole batch's activations do not fit 24 GB
@@ -131,9 +130,9 @@ def main() -> None:
     sampling = SamplingConfig(max_new_tokens=shape["new_tokens"], temperature=1.0, stop_token_ids=stop_ids(tokenizer))
     results, cost = {}, None
     for name, sample in samplers(model, tokenizer, args.samplers.split(",")).items():
-        results[name], drawn = measure(model, sample, prompts, shape, sampling, args.seed)
+        results[name], *drawn = measure(model, sample, prompts, shape, sampling, args.seed)
         if cost is None:  # timed on the first sampler's batch, before vLLM's build leaves this process one thread
-            cost = metric_cost(model, drawn, shape["repeats"])
+            cost = metric_cost(model, *drawn, shape["repeats"])
     print_table(f"Sampler vs float32 trainer, SmolLM2-135M, {shape['num_prompts']} x {shape['num_samples']}, "
                 f"up to {shape['new_tokens']} tokens", ["sampler", "tokens", "K3 KL", "|d| mean", "|d| p50", "|d| p99",
                                                         "|d| max", "seq-mask seqs", "icepop tokens"],
