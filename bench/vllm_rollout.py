@@ -42,15 +42,17 @@ from real_model import chat_prompts, load_real_model  # noqa: E402
 
 from turbogrpo import completion_logprobs  # noqa: E402
 from turbogrpo.rollout import SamplingConfig, generate  # noqa: E402
+from turbogrpo.rollout.compiled import compiled_candidate  # noqa: E402
 from turbogrpo.rollout.decode import DecodeSchedule  # noqa: E402
 from turbogrpo.engines.vllm import VllmEngine  # noqa: E402
 
 WORKLOADS = ("eos", "fixed")
 ENGINES = ("native", "vllm", "hf_generate", "native_1_thread", "native_compiled")
-"""The contenders; "native_compiled" is the native engine with its plain step compiled (``DecodeSchedule.runner =
-"compiled"``, pow2 buckets: one static graph per bucket, compiled in the warm-up run); "native_1_thread" is the
-native engine with torch at one thread (``train.num_threads = 1``:
-what a user on a shared machine sets), for the runs beside another job."""
+"""The contenders; "native_compiled" is the native engine with its plain step compiled (``DecodeSchedule.runner`` =
+the compiled runner "auto" would time here, ``compiled.compiled_candidate``: "compiled-onednn" where oneDNN's packed
+products are faster, else "compiled"; pow2 buckets: one static graph per bucket, compiled in the warm-up run);
+"native_1_thread" is the native engine with torch at one thread (``train.num_threads = 1``: what a user on a shared
+machine sets), for the runs beside another job."""
 
 
 @contextlib.contextmanager
@@ -131,6 +133,7 @@ def bench_dtype(dtype: torch.dtype, num_prompts: int, num_samples: int, new_toke
         start = time.perf_counter()
         engine.push_weights(model)
         pushes.append(time.perf_counter() - start)
+    compiled_runner = compiled_candidate(model)  # the compiled runner "auto" times here: compiled-onednn where it packs
     record = {"dtype": str(dtype).removeprefix("torch."), "build_s": engine.build_seconds,
               "full_push_s": sorted(pushes)[1], "workloads": {}}
     record["exactness"] = exactness(model, engine, prompts, num_samples, new_tokens, stop_ids(tokenizer))
@@ -138,6 +141,7 @@ def bench_dtype(dtype: torch.dtype, num_prompts: int, num_samples: int, new_toke
         sampling = SamplingConfig(max_new_tokens=new_tokens, temperature=1.0,
                                   stop_token_ids=stop_ids(tokenizer) if workload == "eos" else ())
         tokens: dict[str, list[int]] = {name: [] for name in ENGINES}
+        record["native_compiled_runner"] = compiled_runner
         seeds = iter(range(10_000))
 
         def native():
@@ -159,7 +163,7 @@ def bench_dtype(dtype: torch.dtype, num_prompts: int, num_samples: int, new_toke
 
         def native_compiled():
             rollout = generate(model, prompts, num_samples=num_samples, sampling=sampling, seed=next(seeds),
-                               schedule=DecodeSchedule(1, "pow2", "compiled"))
+                               schedule=DecodeSchedule(1, "pow2", compiled_runner))
             tokens["native_compiled"].append(rollout.stats.num_generated_tokens)
 
         def hf():
@@ -175,9 +179,10 @@ def bench_dtype(dtype: torch.dtype, num_prompts: int, num_samples: int, new_toke
             timing["median_s_per_token"] = sorted(t / n for t, n in zip(timing["times_s"], counted))[len(counted) // 2]
         record["workloads"][workload] = times
     if "native_compiled" in engines:  # every graph the compiled step met (a new bucket or group layout compiles)
-        from turbogrpo.rollout.compiled import _compiled
+        from turbogrpo.rollout.compiled import STACKED_PRODUCT_RUNNERS, _compiled
         from turbogrpo.rollout.step import plain_step
-        compiled = _compiled(plain_step, "inductor", static=True).compile_seconds
+        products = "stacked" if compiled_runner in STACKED_PRODUCT_RUNNERS else "aten"
+        compiled = _compiled(plain_step, "inductor", static=True, products=products).compile_seconds
         record["native_compiled_graphs"] = {"count": len(compiled), "first_call_s": sorted(compiled.values())}
     del engine
     return record

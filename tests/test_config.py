@@ -104,6 +104,8 @@ def test_overrides_apply_on_top_of_the_file(tmp_path):
     ("model.logprob_backend=flash", "config key 'model.logprob_backend': 'flash' is not allowed; expected one of "
                                     "auto, cascade,"),
     ("train.reward_failure_limit=1.5", "config key 'train.reward_failure_limit': 1.5 is not allowed"),
+    ("rollout.step_runner=fast", "config key 'rollout.step_runner': 'fast' is not allowed; expected one of auto, "
+                                 "eager, compiled"),
     ("data.on_empty=drop", "config key 'data.on_empty': 'drop' is not allowed; expected one of 'error', 'skip'"),
 ])
 def test_bad_values_name_the_key_and_what_is_allowed(override, message):

@@ -212,6 +212,13 @@ class RolloutConfig:
     """The vLLM engine without compilation (vLLM's ``enforce_eager``, as verl's and OpenRLHF's option): it builds
     in seconds instead of the 40-100 s its inductor compile takes on a CPU, and samples slower (docs/guide/
     engines.md has the measurement). For short runs and debugging; no effect on the native engine."""
+    step_runner: str = "eager"
+    """How the native engine runs its plain decoding step (``DecodeSchedule.runner``): "eager", "compiled-onednn"
+    (inductor, one static graph per power-of-two bucket of the live batch, on oneDNN-packed weight products),
+    "compiled" (the same on aten's products), or "auto": eager or the compiled runner, whichever a short rollout
+    measured faster on this CPU kind, model shape and dtype (timed once per machine and cached). Compiling costs
+    about a minute per bucket the first time on a 2-core CPU; the kernels are cached across runs. Hybrid models and
+    recorded MoE routes run eagerly."""
     branching: list[int] = field(default_factory=list)
     """Multi-turn branching ([env]): [4, 2] starts 4 conversations per prompt and forks each 2 ways after its
     first environment reply (product = num_generations); shared turns are sampled once. [] does not branch."""
@@ -223,6 +230,9 @@ class RolloutConfig:
         _require(self.speculation in SIZING_POLICIES, f"{key}.speculation", f"one of {', '.join(SIZING_POLICIES)}",
                  self.speculation)
         _require(self.engine in ENGINE_NAMES, f"{key}.engine", f"one of {', '.join(ENGINE_NAMES)}", self.engine)
+        from turbogrpo.rollout.compiled import RUNNER_NAMES
+        _require(self.step_runner in RUNNER_NAMES, f"{key}.step_runner", f"one of {', '.join(RUNNER_NAMES)}",
+                 self.step_runner)
         _require(self.num_generations >= 2, f"{key}.num_generations",
                  "an integer >= 2 (group-relative advantages need at least two completions per prompt)",
                  self.num_generations)

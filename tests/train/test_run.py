@@ -47,14 +47,16 @@ def test_a_bad_row_is_named_with_the_data_file_it_is_in(tmp_path):
     with pytest.raises(ValueError, match=rf"^data.path '{bad}' row 1:"):
         load_train_prompts(config.data, tokenizer, seed=0, max_new_tokens=max_new_tokens)
 
-@pytest.mark.parametrize("sets, engine, tis_cap", [
-    ([], "NativeEngine", 0.0),                                           # on-policy, native: no correction
-    (["train.max_staleness=1", 'rollout.engine="vllm"'], "NativeEngine", 2.0),  # the worker samples, stale
-    (["algo.tis_cap=3", "train.max_staleness=1"], "NativeEngine", 3.0),  # a number is kept
+@pytest.mark.parametrize("sets, engine, tis_cap, runner", [
+    ([], "NativeEngine", 0.0, "eager"),                                           # on-policy, native: no correction
+    (["train.max_staleness=1", 'rollout.engine="vllm"'], "NativeEngine", 2.0, "eager"),  # the worker samples, stale
+    (["algo.tis_cap=3", "train.max_staleness=1"], "NativeEngine", 3.0, "eager"),  # a number is kept
+    (['rollout.step_runner="compiled-onednn"'], "NativeEngine", 0.0, "compiled-onednn"),  # the engine's plain step
 ])
-def test_the_run_resolves_its_engine_and_correction(tmp_path, sets, engine, tis_cap):
+def test_the_run_resolves_its_engine_and_correction(tmp_path, sets, engine, tis_cap, runner):
     """algo.tis_cap "auto" becomes a number when the run is built; at k > 0 the trainer keeps the native engine
-    (the rollout worker samples with the configured one), so a vLLM run's trainer never imports vllm for it."""
+    (the rollout worker samples with the configured one), so a vLLM run's trainer never imports vllm for it.
+    rollout.step_runner reaches the native engine's schedule."""
     from tests.conftest import REPO
     from turbogrpo.rewards import build_rewards
     from turbogrpo.placement import join_job
@@ -64,3 +66,4 @@ def test_the_run_resolves_its_engine_and_correction(tmp_path, sets, engine, tis_
                                                           "data.num_eval_problems=2"])
     run = build_run(config, join_job("cpu", "auto"), build_rewards(config.rewards), run_record(config))
     assert type(run.engine).__name__ == engine and run.algo.tis_cap == tis_cap
+    assert run.engine.schedule.runner == run.decode_schedule.runner == runner

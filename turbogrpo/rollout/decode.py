@@ -118,6 +118,12 @@ def default_schedule(device: torch.device) -> DecodeSchedule:
     return DEFAULT_SCHEDULES.get(device.type, DEFAULT_SCHEDULES["cuda"])
 
 
+def run_schedule(device: torch.device, *, linears: str, runner: str) -> DecodeSchedule:
+    """A training run's schedule: ``device``'s default with the run's weight-product kernels (model.linear_kernel)
+    and plain-step runner (rollout.step_runner)."""
+    return dataclasses.replace(default_schedule(device), linears=linears, runner=runner)
+
+
 def generate(model: nn.Module, prompts: list[torch.Tensor], *, num_samples: int, sampling: SamplingConfig,
              seed: int | None = None, draft: object | None = None, return_hidden: bool = False,
              max_new_tokens_per_completion: Sequence[int] | None = None,

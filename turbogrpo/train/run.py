@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
@@ -26,7 +26,7 @@ from turbogrpo.moe_routes import route_shape
 from turbogrpo.placement import DistInfo
 from turbogrpo.rewards import Reward, accuracy_reward
 from turbogrpo.rollout import SamplingConfig
-from turbogrpo.rollout.decode import DecodeSchedule, default_schedule
+from turbogrpo.rollout.decode import DecodeSchedule, run_schedule
 from turbogrpo.sharing import Sharing, sharing_of
 from turbogrpo.engines import CAPABILITIES, DEFAULT_ENGINE, RolloutEngine, build_engine, resolve_engine
 from turbogrpo.train import distributed, setup
@@ -200,7 +200,7 @@ def build_run(config: Config, dist: DistInfo, rewards: list[Reward], record: Run
                             shuffle=config.data.shuffle)
     prompts_slice = distributed.local_slice(config.train.prompts_per_step, dist)
     longest_prompt = max(e.token_ids.numel() for e in prompt_set.examples)
-    schedule = replace(default_schedule(dist.device), linears=config.model.linear_kernel)
+    schedule = run_schedule(dist.device, linears=config.model.linear_kernel, runner=config.rollout.step_runner)
     # A conversation's prompt is rendered at rollout time, with its environment's tools listed: longer than the
     # data's ids, so an [env] run's engine serves up to the model's own limit. At k > 0 the rollout worker samples
     # with its own engine; the trainer's samples only held-out answers (a vLLM one would still import vllm into the

@@ -125,7 +125,7 @@ class _WorkerSampler:
     rollout)."""
 
     def __init__(self, spec: WorkerSpec, dist: DistInfo):
-        from turbogrpo.rollout.decode import default_schedule
+        from turbogrpo.rollout.decode import run_schedule
         from turbogrpo.engines import build_engine
         from turbogrpo.train.episodes import build_episode_sampler
         from turbogrpo.train.run import build_policy
@@ -139,7 +139,7 @@ class _WorkerSampler:
         self.parameters = versioned_parameters(self.policy, self.draft.draft if self.draft is not None else None)
         self.version: int | None = None
         self.episodes = build_episode_sampler(spec.env, self.tokenizer, spec.rollout.branching)
-        schedule = dataclasses.replace(default_schedule(dist.device), linears=spec.model.linear_kernel)
+        schedule = run_schedule(dist.device, linears=spec.model.linear_kernel, runner=spec.rollout.step_runner)
         self.engine = build_engine(spec.rollout.engine, dist.device, schedule=schedule,
                                    dtype=self.precision.compute_dtype, tokenizer=self.tokenizer,
                                    conversations=self.episodes is not None,
