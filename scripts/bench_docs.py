@@ -1078,8 +1078,7 @@ RESULTS: list[Result] = [
            "tool, the vLLM engine sampling in bf16, 30 steps under no correction, token TIS (cap 2), TRL's sequence "
            "mask (cap 3) and IcePop ([0.5, 5]); 50 held-out problems x 2 samples",
            "python bench/learning.py --tasks calculator --corrections none,token_tis,sequence_mask,icepop "
-           "--name correction_learning --set data.num_eval_problems=50 data.num_eval_samples=2", section="Learning",
-           awaiting_run=True),
+           "--name correction_learning --set data.num_eval_problems=50 data.num_eval_samples=2", section="Learning"),
     Result("async_learning", "learning_curves", "Learning with asynchronous GRPO: SmolLM2-135M calculator tool "
            "(configs/smollm2_calculator.toml, 30 steps), on-policy (k0) vs train.max_staleness = 1 (k1), same seeds, "
            "TIS cap 2", "python bench/learning.py --tasks calculator --variants k0,k1 --name async_learning",
