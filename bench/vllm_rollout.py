@@ -43,14 +43,14 @@ from real_model import chat_prompts, load_real_model  # noqa: E402
 from turbogrpo import completion_logprobs  # noqa: E402
 from turbogrpo.rollout import SamplingConfig, generate  # noqa: E402
 from turbogrpo.rollout.compiled import compiled_candidate  # noqa: E402
-from turbogrpo.rollout.decode import DecodeSchedule  # noqa: E402
+from turbogrpo.rollout.decode import COMPILED_BUCKETS, DecodeSchedule  # noqa: E402
 from turbogrpo.engines.vllm import VllmEngine  # noqa: E402
 
 WORKLOADS = ("eos", "fixed")
 ENGINES = ("native", "vllm", "hf_generate", "native_1_thread", "native_compiled")
 """The contenders; "native_compiled" is the native engine with its plain step compiled (``DecodeSchedule.runner`` =
 the compiled runner "auto" would time here, ``compiled.compiled_candidate``: "compiled-onednn" where oneDNN's packed
-products are faster, else "compiled"; pow2 buckets: one static graph per bucket, compiled in the warm-up run);
+products are faster, else "compiled"; step8 buckets: one static graph per bucket, compiled in the warm-up run);
 "native_1_thread" is the native engine with torch at one thread (``train.num_threads = 1``: what a user on a shared
 machine sets), for the runs beside another job."""
 
@@ -163,7 +163,7 @@ def bench_dtype(dtype: torch.dtype, num_prompts: int, num_samples: int, new_toke
 
         def native_compiled():
             rollout = generate(model, prompts, num_samples=num_samples, sampling=sampling, seed=next(seeds),
-                               schedule=DecodeSchedule(1, "pow2", compiled_runner))
+                               schedule=DecodeSchedule(1, COMPILED_BUCKETS, compiled_runner))
             tokens["native_compiled"].append(rollout.stats.num_generated_tokens)
 
         def hf():

@@ -19,7 +19,7 @@ import turbogrpo.cache
 import turbogrpo.rollout.compiled as compiled_module
 from turbogrpo.rollout.compiled import (COMPILE_CACHE_ENV, _compiled, compile_cache_folder, physical_cores,
                                         pinned_threads, resolve_runner, use_compile_cache)
-from turbogrpo.rollout.decode import DecodeSchedule, _probe_rollout, first_draw
+from turbogrpo.rollout.decode import COMPILED_BUCKETS, DecodeSchedule, _probe_rollout, first_draw
 from turbogrpo.rollout.step import PlainStep, plain_step
 
 # Operators that only make a view or change metadata launch no kernel and are not counted.
@@ -152,6 +152,24 @@ def test_the_static_step_compiles_one_graph_per_bucket_and_reuses_it_for_new_pro
             assert not counters["stats"]["unique_graphs"] and not counters["recompiles"]
     buckets = _compiled(plain_step, "eager", static=True).compile_seconds
     assert sorted(bucket[0] for bucket in buckets) == [2, 4, 8]  # one graph each
+
+
+def test_step8_buckets_retire_rows_in_eights_with_the_eager_tokens():
+    """A compiled step retiring rows by "step8" (``COMPILED_BUCKETS``): 32 rows of staggered lengths meet buckets pow2
+    never makes (24), and the tokens and log-probs are eager's."""
+    torch._dynamo.reset()
+    _compiled.cache_clear()
+    model = build_model("qwen2", num_hidden_layers=1)
+    kwargs = dict(num_samples=4, sampling=SamplingConfig(max_new_tokens=12), seed=4,
+                  max_new_tokens_per_completion=[1 + (5 * i) % 12 for i in range(32)])
+    prompts = random_prompts([5, 7, 6, 5, 8, 5, 6, 7])
+    eager = generate(model, prompts, schedule=DecodeSchedule(1, "exact"), **kwargs)
+    compiled = generate(model, prompts, schedule=DecodeSchedule(1, COMPILED_BUCKETS, "dynamo"), **kwargs)
+    assert [t.tolist() for t in compiled.tokens] == [t.tolist() for t in eager.tokens]
+    for ours, theirs in zip(compiled.logprobs, eager.logprobs):
+        torch.testing.assert_close(ours, theirs, atol=1e-6, rtol=1e-6)
+    met = sorted({bucket[0] for bucket in _compiled(plain_step, "eager", static=True).compile_seconds})
+    assert 24 in met and set(met) <= {32, 24, 16, 8, 4, 2, 1}, met
 
 
 def test_the_static_query_block_holds_uneven_groups_and_prompts():

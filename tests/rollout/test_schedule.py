@@ -11,12 +11,12 @@ import torch
 
 from tests.rollout.conftest import build_model, forbid_host_syncs_inside, random_prompts
 from turbogrpo.rollout import SamplingConfig, generate
-from turbogrpo.rollout.decode import BUCKETS, DecodeSchedule, _rows_to_keep
+from turbogrpo.rollout.decode import BUCKETS, COMPILED_BUCKETS, DecodeSchedule, _rows_to_keep, run_schedule
 from turbogrpo.rollout.step import DecodeState, PlainStep
 
 REFERENCE = DecodeSchedule(host_check_every=1, buckets="exact")
 SCHEDULES = [DecodeSchedule(3, "exact"), DecodeSchedule(1, "pow2"), DecodeSchedule(4, "pow2"),
-             DecodeSchedule(32, "pow2")]
+             DecodeSchedule(32, "pow2"), DecodeSchedule(1, "step8")]
 STOPS = tuple(range(8))  # an eighth of the 64-token vocabulary: lengths vary a lot
 CASES = {
     # name: (prompt lengths, samples per prompt, sampling, per-completion limits)
@@ -87,6 +87,10 @@ def test_power_of_two_buckets_retire_rows_only_when_the_bucket_shrinks(qwen2, mo
 def test_buckets_and_the_rows_kept_by_hand():
     assert [BUCKETS["pow2"](n, 12) for n in (12, 9, 8, 5, 4, 3, 1)] == [12, 12, 8, 8, 4, 4, 1]
     assert [BUCKETS["exact"](n, 12) for n in (12, 5, 1)] == [12, 5, 1]
+    # step8: multiples of 8 above 8 live rows, powers of two below, never more than the batch.
+    assert [BUCKETS["step8"](n, 64) for n in (64, 60, 57, 56, 33, 17, 9, 8, 5, 3, 1)] == \
+        [64, 64, 64, 56, 40, 24, 16, 8, 8, 4, 1]
+    assert BUCKETS["step8"](11, 12) == 12
     # Live rows 1 and 4, padded with the first finished rows (0, 2) to 4 rows, in batch order.
     assert _rows_to_keep([True, False, True, True, False, True], 4) == [0, 1, 2, 4]
     assert _rows_to_keep([True, False, True], 1) == [1]
@@ -112,6 +116,16 @@ def test_non_finite_logits_are_named_as_such(sampling, schedule):
         model.model.layers[1].mlp.down_proj.weight[0, 0] = float("nan")
     with pytest.raises(ValueError, match="logits are not finite"):
         generate(model, random_prompts([5, 9]), num_samples=2, sampling=sampling, seed=0, schedule=schedule)
+
+
+def test_a_runs_compiled_step_retires_rows_by_the_compiled_buckets():
+    """rollout.step_runner: a compiled runner gets ``COMPILED_BUCKETS`` (exact retirement would compile a graph per
+    live count); eager keeps the CPU's exact retirement, and "auto" gets the buckets where it picks a compiled step."""
+    cpu = torch.device("cpu")
+    assert run_schedule(cpu, linears="module", runner="compiled-onednn").buckets == COMPILED_BUCKETS == "step8"
+    assert run_schedule(cpu, linears="module", runner="compiled").runner == "compiled"
+    assert run_schedule(cpu, linears="onednn", runner="eager") == DecodeSchedule(1, "exact", "eager", "onednn")
+    assert run_schedule(cpu, linears="module", runner="auto").buckets == "exact"
 
 
 def test_bad_schedules_are_refused():

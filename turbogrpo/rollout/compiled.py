@@ -12,7 +12,8 @@ for the plain step, ``Speculation.runner`` for the two device parts of the specu
   (``GroupedKVCache``: min(G, B) groups x min(S, B) rows, whichever groups are still live), and the
   prompt width P is the graph's one dynamic size (``prompt_width_dims``), so a rollout of new prompts
   reuses the graphs (a second graph per bucket where prompts of unequal length meet one that fills
-  P). Use it with ``buckets="pow2"``: at most log2(N) + 1 buckets per rollout.
+  P). Use it with ``buckets="step8"`` (``decode.COMPILED_BUCKETS``): at most N / 8 + 3 buckets per rollout, at most
+  7 finished rows carried (``pow2`` carries up to half the batch).
 * ``compiled-pinned``: ``compiled`` with torch's OpenMP threads pinned one per physical core for
   the whole rollout, as vLLM's CPU worker pins its threads (``pinned_threads``, entered once by ``runner_scope``).
 * ``compiled-onednn``: ``compiled`` with the graph's weight products as the rollout's packed oneDNN products
