@@ -823,8 +823,8 @@ RESULTS: list[Result] = [
            "python bench/hybrid_rollout.py --model demo-hybrid", section="Rollouts", awaiting_run=True),
     Result("vllm_rollout_native_compiled", "vllm_rollout", "Rollout with the native engine's step compiled (issue 54): "
            "native eager, native compiled and vLLM, SmolLM2-135M, 8 x 8, up to 256 tokens, T = 1, float32 and bf16",
-           "python bench/vllm_rollout.py --engines native,native_compiled,vllm --out vllm_rollout_native_compiled",
-           section="Rollouts", awaiting_run=True),
+           "python bench/vllm_rollout.py --engines native,native_compiled,vllm --workloads eos "
+           "--out vllm_rollout_native_compiled", section="Rollouts"),
     Result("vllm_engine_overhead", "vllm_engine_overhead", "turbogrpo's vLLM engine against TRL's call on the same "
            "vLLM engine, one process: SmolLM2-135M, 8 GSM8K prompts x 8, up to 256 tokens, T = 1, float32",
            "python bench/vllm_engine_overhead.py --trl-build", section="Rollouts"),
@@ -945,9 +945,11 @@ RESULTS: list[Result] = [
            "--steps 3 --no-eval --probe-tokens 0 --set train.prompts_per_step=4",
            archived_by="online_draft_smollm2_gsm8k_xeon"),
     # Kernels and parts of a step
-    Result("compiled_step", "compiled_step", "The plain decoding step eager and compiled (one static graph per "
-           "bucket), SmolLM2-135M, float32 and bf16, live batches 1, 4, 16, 64, against the weight-read and GEMM floors",
-           "python bench/compiled_step.py", section="Kernels and parts of a step", awaiting_run=True),
+    Result("compiled_step", "compiled_step", "The plain decoding step eager, compiled on aten's products and "
+           "compiled-onednn (one static graph per bucket), SmolLM2-135M, float32 and bf16, live batches 1, 4, 16, 64, "
+           "against the weight-read and GEMM floors",
+           "python bench/compiled_step.py --runners eager,compiled,compiled-onednn",
+           section="Kernels and parts of a step"),
     Result("compiled_step_f32_b1_b64", "compiled_step", "The plain decoding step eager and compiled, SmolLM2-135M, "
            "float32, live batches 1 and 64 (the first quiet run, a subset of compiled_step)",
            "python bench/compiled_step.py --dtypes float32 --batches 1,64 --out compiled_step_f32_b1_b64",
