@@ -135,13 +135,12 @@ def bench_dtype(dtype: torch.dtype, num_prompts: int, num_samples: int, new_toke
         pushes.append(time.perf_counter() - start)
     compiled_runner = compiled_candidate(model)  # the compiled runner "auto" times here: compiled-onednn where it packs
     record = {"dtype": str(dtype).removeprefix("torch."), "build_s": engine.build_seconds,
-              "full_push_s": sorted(pushes)[1], "workloads": {}}
+              "full_push_s": sorted(pushes)[1], "native_compiled_runner": compiled_runner, "workloads": {}}
     record["exactness"] = exactness(model, engine, prompts, num_samples, new_tokens, stop_ids(tokenizer))
     for workload in workloads:
         sampling = SamplingConfig(max_new_tokens=new_tokens, temperature=1.0,
                                   stop_token_ids=stop_ids(tokenizer) if workload == "eos" else ())
         tokens: dict[str, list[int]] = {name: [] for name in ENGINES}
-        record["native_compiled_runner"] = compiled_runner
         seeds = iter(range(10_000))
 
         def native():

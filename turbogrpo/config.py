@@ -214,7 +214,8 @@ class RolloutConfig:
     engines.md has the measurement). For short runs and debugging; no effect on the native engine."""
     step_runner: str = "eager"
     """How the native engine runs its plain decoding step (``DecodeSchedule.runner``): "eager", "compiled-onednn"
-    (inductor, one static graph per power-of-two bucket of the live batch, on oneDNN-packed weight products),
+    (inductor, one static graph per bucket of the live batch: multiples of 8 rows, powers of two below 8; on
+    oneDNN-packed weight products),
     "compiled" (the same on aten's products), or "auto": eager or the compiled runner, whichever a short rollout
     measured faster on this CPU kind, model shape and dtype (timed once per machine and cached). Compiling costs
     about a minute per bucket the first time on a 2-core CPU; the kernels are cached across runs. Hybrid models and

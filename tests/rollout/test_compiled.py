@@ -172,6 +172,19 @@ def test_step8_buckets_retire_rows_in_eights_with_the_eager_tokens():
     assert 24 in met and set(met) <= {32, 24, 16, 8, 4, 2, 1}, met
 
 
+def test_a_model_in_another_dtype_has_its_own_graphs_on_record():
+    """The same bucket in float32 and then float64 is two graphs (dynamo guards on the dtype), and both are on record:
+    the second compile shows its progress line and its time, which benchmarks report."""
+    torch._dynamo.reset()
+    _compiled.cache_clear()
+    model = build_model("qwen2", num_hidden_layers=1)
+    _probe_rollout(model, "dynamo", new_tokens=3)
+    _probe_rollout(model.double(), "dynamo", new_tokens=3)
+    buckets = _compiled(plain_step, "eager", static=True).compile_seconds
+    assert sorted(str(bucket[-1]) for bucket in buckets) == ["torch.float32", "torch.float64"]
+    assert len({bucket[:-1] for bucket in buckets}) == 1
+
+
 def test_the_static_query_block_holds_uneven_groups_and_prompts():
     """Groups of unequal prompts retiring unevenly (the padded query block, its spare prompt rows): eager's tokens."""
     model = build_model("llama", num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)

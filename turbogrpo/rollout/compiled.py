@@ -125,12 +125,12 @@ def use_compile_cache() -> Path:
 
 
 def bucket_of(state: DecodeState) -> tuple:
-    """What the plain step's static graph is specialised on besides dtypes: the rows of the batch, the query
-    block's groups and rows per group (functions of the rows under static slots), whether it is dense,
-    whether the live prompts fill P."""
+    """What the plain step's static graph is specialised on: the rows of the batch, the query block's groups and
+    rows per group (functions of the rows under static slots), whether it is dense, whether the live prompts fill P,
+    and the model's dtype (a model cast to another dtype compiles its own graphs, which must show and be kept)."""
     layout = state.cache.layout
     return (state.next_B.shape[0], layout.num_groups, layout.max_per_group, layout.dense,
-            state.cache.prompts_fill_width)
+            state.cache.prompts_fill_width, next(state.model.parameters()).dtype)
 
 
 class CompiledStep:
