@@ -215,12 +215,33 @@ def test_the_inductor_step_matches_eager_greedy_and_log_probs_in_bfloat16():
 
 def test_compiled_kernels_are_cached_in_turbogrpos_cache_folder(tmp_path, monkeypatch):
     monkeypatch.setenv("TURBOGRPO_CACHE", str(tmp_path))
+    monkeypatch.setattr(compiled_module, "USER_COMPILE_CACHE", None)
     monkeypatch.delenv(COMPILE_CACHE_ENV, raising=False)
     folder = use_compile_cache()
     assert folder == compile_cache_folder() and folder.is_relative_to(tmp_path) and folder.is_dir()
-    assert os.environ[COMPILE_CACHE_ENV] == str(folder)
     monkeypatch.setenv(COMPILE_CACHE_ENV, str(tmp_path / "mine"))  # the user's own choice is kept
     assert use_compile_cache() == tmp_path / "mine"
+    monkeypatch.setattr(compiled_module, "USER_COMPILE_CACHE", str(tmp_path / "at start"))  # as the process began
+    assert use_compile_cache() == tmp_path / "at start"
+
+
+def test_a_compile_after_vllm_set_its_own_inductor_folder_goes_to_turbogrpos_and_leaves_vllms_set(
+        tmp_path, monkeypatch):
+    """Building vLLM points TORCHINDUCTOR_CACHE_DIR at a per-model folder of its own; the compiled step's graphs
+    went there, so a process without that vLLM build compiled them all again (65-71 s a bucket for SmolLM2)."""
+    monkeypatch.setenv("TURBOGRPO_CACHE", str(tmp_path))
+    monkeypatch.setattr(compiled_module, "USER_COMPILE_CACHE", None)
+    vllms = tmp_path / "vllm" / "torch_compile_cache" / "torch_aot_compile" / "0123abcd" / "inductor_cache"
+    monkeypatch.setenv(COMPILE_CACHE_ENV, str(vllms))
+    torch._dynamo.reset()
+    _compiled.cache_clear()
+    counters.clear()
+    model = build_model("llama", num_hidden_layers=1)
+    generate(model, random_prompts([5]), num_samples=2, sampling=SamplingConfig(max_new_tokens=3), seed=0,
+             schedule=DecodeSchedule(1, "pow2", "compiled"))
+    assert counters["inductor"]["fxgraph_cache_miss"] == 1
+    assert any((compile_cache_folder() / "fxgraph").rglob("*")) and not any(vllms.rglob("*"))
+    assert os.environ[COMPILE_CACHE_ENV] == str(vllms)  # vLLM's own compiles still read theirs
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="thread affinity is read from /proc")

@@ -30,7 +30,8 @@ for the plain step, ``Speculation.runner`` for the two device parts of the specu
   (``compiled_candidate``), else ``compiled``.
 
 Compilation is paid once per model shape and machine: inductor's caches (its FX graphs, and
-AOTAutograd's) are kept in turbogrpo's cache folder (``use_compile_cache``), so a later process
+AOTAutograd's) are kept in turbogrpo's cache folder (``use_compile_cache``; during each compile only, as vLLM points
+inductor at its own per-model folder when it is built), so a later process
 only traces the step again (dynamo) and loads the compiled kernels. Each new graph shows a progress
 line ("compiling the decoding step for bucket B ..."), and its time is kept
 (``CompiledStep.compile_seconds``) for benchmarks. SmolLM2-135M in float32 on the 2-core AMD EPYC,
@@ -108,20 +109,45 @@ def compile_cache_folder() -> Path:
     return cache_root() / "torch-compile" / f"torch-{torch.__version__}"
 
 
+USER_COMPILE_CACHE = os.environ.get(COMPILE_CACHE_ENV)
+"""``TORCHINDUCTOR_CACHE_DIR`` as this process was started with, read when turbogrpo's rollout is imported:
+building vLLM later points the variable at vLLM's own per-model folder (``vllm.compilation``), which is not a
+choice of the user's and must not receive turbogrpo's graphs."""
+
+
 def use_compile_cache() -> Path:
-    """Point inductor's on-disk caches (FX graphs, AOTAutograd, dynamo's shape profiles) at
-    ``compile_cache_folder()`` unless the user chose a folder (``TORCHINDUCTOR_CACHE_DIR``), and keep them on.
-    Its cache keys hold the CPU's vector ISA and the torch build, so one folder serves several machines."""
+    """The folder inductor's on-disk caches (FX graphs, AOTAutograd's) hold turbogrpo's compiled steps in:
+    ``compile_cache_folder()`` unless the user chose one (``USER_COMPILE_CACHE``, or the variable set now where
+    no vLLM build has changed it since); keeps both caches on. Their keys hold the CPU's vector ISA and the torch
+    build, so one folder serves several machines."""
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
-    chosen = os.environ.get(COMPILE_CACHE_ENV)
+    chosen = os.environ.get(COMPILE_CACHE_ENV) if USER_COMPILE_CACHE is None else USER_COMPILE_CACHE
+    if chosen is not None and chosen_by_vllm(chosen):
+        chosen = None
     if chosen is None or os.path.abspath(chosen) == os.path.abspath(default_cache_dir()):
-        folder = compile_cache_folder()
-        folder.mkdir(parents=True, exist_ok=True)
-        os.environ[COMPILE_CACHE_ENV] = str(folder)
+        chosen = compile_cache_folder()
+    folder = Path(chosen)
+    folder.mkdir(parents=True, exist_ok=True)
     torch._inductor.config.fx_graph_cache = True
     torch._functorch.config.enable_autograd_cache = True
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
-    return Path(os.environ[COMPILE_CACHE_ENV])
+    return folder
+
+
+def chosen_by_vllm(folder: str) -> bool:
+    """Whether ``folder`` is one vLLM's compiler set for its own graphs (``<VLLM_CACHE_ROOT>/torch_compile_cache/
+    <hash>/.../inductor_cache``, per model and config: a later vLLM config, or none, never reads it again)."""
+    return "torch_compile_cache" in Path(folder).parts
+
+
+@contextlib.contextmanager
+def compiling_into_cache():
+    """For the block (a compile), inductor reads and writes ``use_compile_cache()``'s folder; after it, the
+    variable holds what it held before (vLLM reads its own folder from it for its compiles). torch's own
+    ``temporary_cache_dir`` also clears inductor's in-memory caches of the folder on the way in and out."""
+    from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
+    with temporary_cache_dir(str(use_compile_cache())):
+        yield
 
 
 def bucket_of(state: DecodeState) -> tuple:
@@ -141,7 +167,6 @@ class CompiledStep:
     a progress line while it compiles and keeps the seconds it took in ``compile_seconds``."""
 
     def __init__(self, function: Step, backend: str, static: bool, products: str = "aten"):
-        use_compile_cache()
         self.function, self.backend, self.static = function, backend, static
         self.compiled = torch.compile(function, fullgraph=True, backend=backend, dynamic=False if static else None,
                                       options=GRAPH_PRODUCTS[products])
@@ -157,7 +182,8 @@ class CompiledStep:
         what = "the decoding step" if self.static else f"the tree step's {self.function.__name__}"
         where = f" for bucket B={bucket[0]} ({bucket[1]} groups)" if self.static else ""
         start = time.perf_counter()
-        with ticking(f"compiling {what}{where} with {self.backend} (once per machine; cached after)"):
+        with ticking(f"compiling {what}{where} with {self.backend} (once per machine; cached after)"), \
+                compiling_into_cache():
             out = self.compiled(state, *rest)
         self.compile_seconds[bucket] = time.perf_counter() - start
         return out
