@@ -196,6 +196,9 @@ class TrlStepper:
             def on_step_end(self, args, state, control, **kwargs):
                 phase = stepper._phase
                 phase["total"] = time.perf_counter() - phase.pop("start")
+                # This step's mean completion length (TRL logs and clears its metrics after this callback).
+                lengths = stepper.trainer._metrics["train"].get("completions/mean_length") or [float("nan")]
+                phase["completion_tokens_mean"] = lengths[-1]
                 stepper.records.append(phase)
                 stepper.done.release()
 
@@ -350,8 +353,25 @@ def bench(shape: dict, workdir: Path, repeats: int, warmup: int, *, trl_override
                              **training_state_mb(ours.run.policy if name == "turbogrpo" else trl.trainer.model)}
                       for name, m in memory.items()},
         "settings": SETTINGS,
+        "rollout_per_token": rollout_per_token(shape, ours.records[warmup:], trl.records[warmup:]),
     }
     return record
+
+
+def rollout_per_token(shape: dict, ours: list[dict], trl: list[dict]) -> dict:
+    """Each trainer's median rollout seconds per step over its mean completion tokens (the two sample different
+    completions, which stop at different lengths), and its weight push: TRL's rollout phase includes its push,
+    ours keeps it apart (``time/weight_push``)."""
+    completions = shape["num_prompts"] * shape["num_generations"]
+    ours_tokens = statistics.median(r["completion_length/mean"] for r in ours) * completions
+    trl_tokens = statistics.median(r.get("completion_tokens_mean", float("nan")) for r in trl) * completions
+    ours_push = statistics.median(r.get("time/weight_push", 0.0) for r in ours)
+    ours_rollout = statistics.median(r["time/rollout"] for r in ours)
+    trl_rollout = statistics.median(TrlStepper.phases(r)["rollout"] for r in trl)
+    return {"turbogrpo": {"tokens": ours_tokens, "rollout_s": ours_rollout, "weight_push_s": ours_push,
+                          "ms_per_token_with_push": 1e3 * (ours_rollout + ours_push) / ours_tokens},
+            "trl": {"tokens": trl_tokens, "rollout_with_push_s": trl_rollout,
+                    "ms_per_token_with_push": 1e3 * trl_rollout / trl_tokens}}
 
 
 def main() -> None:

