@@ -91,7 +91,8 @@ class Contender:
         generator = torch.Generator().manual_seed(0)
         rows = len(self.prompts) * self.num_samples
         self.state = first_draw(self.model, self.prompts, self.num_samples, self.sampling, generator, False,
-                                [self.sampling.max_new_tokens] * rows, 0, static_slots=self.runner != "eager")
+                                [self.sampling.max_new_tokens] * rows, 0, static_slots=self.runner != "eager",
+                                slot_block=DecodeSchedule(runner=self.runner).slot_block)
         self.left = self.sampling.max_new_tokens - 1
 
     def __call__(self) -> None:

@@ -5,6 +5,7 @@ per decoder layer than Hugging Face's own eager decoding step."""
 import os
 import sys
 import time
+from unittest import mock
 
 import pytest
 import torch
@@ -17,9 +18,10 @@ from tests.rollout.conftest import build_model, random_prompts
 from turbogrpo.rollout import SamplingConfig, generate
 import turbogrpo.cache
 import turbogrpo.rollout.compiled as compiled_module
-from turbogrpo.rollout.compiled import (COMPILE_CACHE_ENV, _compiled, compile_cache_folder, physical_cores,
+from turbogrpo.rollout.compiled import (COMPILE_CACHE_ENV, SLOT_BLOCK, _compiled, compile_cache_folder, physical_cores,
                                         pinned_threads, resolve_runner, use_compile_cache)
 from turbogrpo.rollout.decode import COMPILED_BUCKETS, DecodeSchedule, _probe_rollout, first_draw
+from turbogrpo.rollout.kv_cache import GroupedKVCache
 from turbogrpo.rollout.step import PlainStep, plain_step
 
 # Operators that only make a view or change metadata launch no kernel and are not counted.
@@ -170,6 +172,53 @@ def test_step8_buckets_retire_rows_in_eights_with_the_eager_tokens():
         torch.testing.assert_close(ours, theirs, atol=1e-6, rtol=1e-6)
     met = sorted({bucket[0] for bucket in _compiled(plain_step, "eager", static=True).compile_seconds})
     assert 24 in met and set(met) <= {32, 24, 16, 8, 4, 2, 1}, met
+
+
+def test_a_compiled_step_reads_the_slots_in_use_in_blocks_with_one_graph_per_bucket():
+    """The generated slots a compiled step reads grow in blocks of SLOT_BLOCK as the rollout goes on (16, 32, 48 of
+    a capacity of 40 here), a dynamic size of one graph: nothing compiles again, and the tokens and log-probs are
+    eager's; a captured runner's steps read the whole capacity."""
+    torch._dynamo.reset()
+    _compiled.cache_clear()
+    model = build_model("llama", num_hidden_layers=1)
+    kwargs = dict(num_samples=2, sampling=SamplingConfig(max_new_tokens=40), seed=3)
+    eager = generate(model, random_prompts([5, 6]), schedule=DecodeSchedule(1, "exact"), **kwargs)
+    read: list[int] = []  # the slots each step's graph reads
+    real_call = compiled_module.CompiledStep.__call__
+    with mock.patch.object(compiled_module.CompiledStep, "__call__",
+                           lambda step, state: (read.append(state.cache.slot_index_L.shape[0]), real_call(step, state))):
+        counters.clear()
+        compiled = generate(model, random_prompts([5, 6]), schedule=DecodeSchedule(1, "exact", "dynamo"), **kwargs)
+    assert [t.tolist() for t in compiled.tokens] == [t.tolist() for t in eager.tokens]
+    for ours, theirs in zip(compiled.logprobs, eager.logprobs):
+        torch.testing.assert_close(ours, theirs, atol=1e-6, rtol=1e-6)
+    assert SLOT_BLOCK == 16 and read == [16] * 16 + [32] * 16 + [40] * 7  # 39 steps after the first draw
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["recompiles"]
+    cache = GroupedKVCache([3, 4], 2, capacity=40, device=torch.device("cpu"), static_slots=True, slot_block=16)
+    grown = []
+    for length in range(40):
+        cache.max_length = length
+        grown.append(cache.slot_index(1).shape[0])
+    assert grown == [16] * 16 + [32] * 16 + [40] * 8 and cache.dynamic_dims()[-1][0] is cache.slot_index_L
+    assert DecodeSchedule(runner="compiled-cudagraph").slot_block is None
+    assert DecodeSchedule(runner="compiled-onednn").slot_block == SLOT_BLOCK
+    whole = GroupedKVCache([3, 4], 2, capacity=40, device=torch.device("cpu"), static_slots=True)
+    whole.max_length = 3
+    assert whole.slot_index(1).shape[0] == 40 and len(whole.dynamic_dims()) == 1
+
+
+def test_the_inductor_step_reading_slots_in_blocks_gives_the_eager_tokens():
+    """Inductor's graph over a dynamic number of generated slots, past two block boundaries: eager's tokens."""
+    torch._dynamo.reset()
+    _compiled.cache_clear()
+    model = build_model("llama", num_hidden_layers=1)
+    kwargs = dict(num_samples=2, sampling=SamplingConfig(max_new_tokens=36), seed=6)
+    eager = generate(model, random_prompts([4, 7]), schedule=DecodeSchedule(1, "exact"), **kwargs)
+    compiled = generate(model, random_prompts([4, 7]), schedule=DecodeSchedule(1, "exact", "compiled"), **kwargs)
+    assert [t.tolist() for t in compiled.tokens] == [t.tolist() for t in eager.tokens]
+    for ours, theirs in zip(compiled.logprobs, eager.logprobs):
+        torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
+    assert len(_compiled(plain_step, "inductor", static=True).compile_seconds) == 1
 
 
 def test_a_model_in_another_dtype_has_its_own_graphs_on_record():

@@ -10,7 +10,7 @@ import torch._dynamo
 import turbogrpo.rollout.compiled as compiled_module
 from tests.rollout.conftest import build_model, random_prompts
 from turbogrpo.rollout import SamplingConfig, generate
-from turbogrpo.rollout.compiled import mark_prompt_width_dynamic
+from turbogrpo.rollout.compiled import mark_dynamic_sizes
 from turbogrpo.rollout.decode import DecodeSchedule, first_draw
 from turbogrpo.rollout.step import plain_step
 
@@ -51,9 +51,9 @@ def test_the_prompt_width_is_marked_dynamic_once_per_tensor(monkeypatch):
     real_mark = torch._dynamo.mark_dynamic
     monkeypatch.setattr(torch._dynamo, "mark_dynamic", lambda tensor, dim: (marked.append(id(tensor)),
                                                                             real_mark(tensor, dim)))
-    dims = state.cache.prompt_width_dims()
-    mark_prompt_width_dynamic(state)
+    dims = state.cache.dynamic_dims()
+    mark_dynamic_sizes(state)
     assert sorted(marked) == sorted(id(tensor) for tensor, _ in dims)
     assert all(dim in tensor._dynamo_dynamic_indices for tensor, dim in dims)
-    mark_prompt_width_dynamic(state)
+    mark_dynamic_sizes(state)
     assert len(marked) == len(dims)  # the second step marks nothing

@@ -10,8 +10,9 @@ for the plain step, ``Speculation.runner`` for the two device parts of the specu
   (``dynamic=False``): one graph per bucket of the live batch, never a dynamic-batch graph, whose
   kernels were slower (below). The cache sizes its stacked query block by the batch alone
   (``GroupedKVCache``: min(G, B) groups x min(S, B) rows, whichever groups are still live), and the
-  prompt width P is the graph's one dynamic size (``prompt_width_dims``), so a rollout of new prompts
-  reuses the graphs (a second graph per bucket where prompts of unequal length meet one that fills
+  prompt width P and the generated slots read (the slots in use rounded up to ``SLOT_BLOCK``) are the
+  graph's dynamic sizes (``GroupedKVCache.dynamic_dims``), so a rollout of new prompts, and each step of a
+  rollout, reuses the graphs (a second graph per bucket where prompts of unequal length meet one that fills
   P). Use it with ``buckets="step8"`` (``decode.COMPILED_BUCKETS``): at most N / 8 + 3 buckets per rollout, at most
   7 finished rows carried (``pow2`` carries up to half the batch).
 * ``compiled-pinned``: ``compiled`` with torch's OpenMP threads pinned one per physical core for
@@ -175,7 +176,7 @@ class CompiledStep:
 
     def __call__(self, state: DecodeState, *rest):
         if self.static:
-            mark_prompt_width_dynamic(state)
+            mark_dynamic_sizes(state)
         bucket = bucket_of(state) if self.static else (self.function.__name__,)
         if bucket in self.compile_seconds:
             return self.compiled(state, *rest)
@@ -189,11 +190,12 @@ class CompiledStep:
         return out
 
 
-def mark_prompt_width_dynamic(state: DecodeState) -> None:
-    """Mark the prompt width P dynamic on each tensor that has it, once per tensor: ``mark_dynamic`` does Python work
+def mark_dynamic_sizes(state: DecodeState) -> None:
+    """Mark the prompt width P and the generated slots read dynamic on each tensor that has them
+    (``GroupedKVCache.dynamic_dims``), once per tensor: ``mark_dynamic`` does Python work
     at every call (SmolLM2 has 61 such tensors), and the tensors live for a whole rollout; a tensor made anew (rows
     retired, a new rollout) carries no mark and gets one."""
-    for tensor, dim in state.cache.prompt_width_dims():
+    for tensor, dim in state.cache.dynamic_dims():
         if dim not in getattr(tensor, "_dynamo_dynamic_indices", ()):  # where mark_dynamic records its marks
             torch._dynamo.mark_dynamic(tensor, dim)
 
@@ -347,6 +349,15 @@ PLAIN_RUNNERS: dict[str, Callable[[Callable[[DecodeState], None]], Callable[[Dec
 pinned and CUDA-graph runners (called once per rollout: a ``GraphReplay`` keeps that rollout's graphs), and
 ``compiled-onednn``, whose graphs multiply by the weights through ``graph_linears.stacked_linear`` (packed oneDNN
 products where ``DecodeSchedule.linears`` packs them: ``STACKED_PRODUCT_RUNNERS``)."""
+
+CAPTURED_RUNNERS = frozenset({"cudagraph", "compiled-cudagraph"})
+"""Plain runners that replay recorded buffers: their steps read every KV slot of the rollout's capacity, since
+a recorded graph's shapes hold for the whole rollout; the other compiled runners read the slots in use rounded
+up to ``SLOT_BLOCK`` (a dynamic size of one graph)."""
+
+SLOT_BLOCK = 16
+"""Generated KV slots a compiled plain step's read grows by (``GroupedKVCache.slot_block``): at most 15 slots
+read past the ones in use; 16 also keeps the dynamic size off 0 and 1, which dynamo would specialise."""
 
 STACKED_PRODUCT_RUNNERS = frozenset({"compiled-onednn"})
 """Plain runners whose graphs call ``graph_linears.stacked_linear``: a rollout with one runs in the scope

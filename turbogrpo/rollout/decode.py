@@ -33,8 +33,8 @@ from turbogrpo.architectures import hybrid_layers
 from turbogrpo.hook import check_materialized, embedding_table
 from turbogrpo.host_memory import keep_freed_host_memory
 from turbogrpo.output_head import check_logits_head, logits_head
-from turbogrpo.rollout.compiled import (PLAIN_RUNNERS, RUNNER_NAMES, STACKED_PRODUCT_RUNNERS, resolve_runner,
-                                        runner_scope)
+from turbogrpo.rollout.compiled import (CAPTURED_RUNNERS, PLAIN_RUNNERS, RUNNER_NAMES, SLOT_BLOCK,
+                                        STACKED_PRODUCT_RUNNERS, resolve_runner, runner_scope)
 from turbogrpo.rollout.kv_cache import GroupedKVCache
 from turbogrpo.graph_linears import GRAPH_LINEAR_KERNELS
 from turbogrpo.linears import LINEAR_KERNELS
@@ -114,8 +114,15 @@ class DecodeSchedule:
 
     @property
     def static_slots(self) -> bool:
-        """Compiled steps attend over the whole KV capacity, so shapes hold from step to step."""
+        """Compiled steps attend over a number of KV slots that holds from step to step (a static shape, or
+        a dynamic size of one graph: ``slot_block``)."""
         return self.runner != "eager"
+
+    @property
+    def slot_block(self) -> int | None:
+        """Slots a compiled step's read grows by (``GroupedKVCache.slot_block``); None: eager (reads the slots
+        in use) or a captured runner (reads the whole capacity)."""
+        return None if self.runner == "eager" or self.runner in CAPTURED_RUNNERS else SLOT_BLOCK
 
 
 DEFAULT_SCHEDULES = {
@@ -297,7 +304,7 @@ def _rollout(model: nn.Module, prompts: list[torch.Tensor], num_samples: int, sa
     start = time.perf_counter()
     state = first_draw(model, prompts, num_samples, sampling, generator, return_hidden or step.keeps_hidden,
                        limits, step.extra_slots, static_slots=schedule.static_slots and not step.extra_slots,
-                       recorder=recorder, prefix_routes=prefix_routes)
+                       slot_block=schedule.slot_block, recorder=recorder, prefix_routes=prefix_routes)
     stats = step.make_stats()
     stats.num_forwards += 1
     step.start(state)
@@ -340,7 +347,8 @@ def _rollout(model: nn.Module, prompts: list[torch.Tensor], num_samples: int, sa
 
 def first_draw(model: nn.Module, prompts: list[torch.Tensor], num_samples: int, sampling: SamplingConfig,
                generator: torch.Generator | None, keep_hidden: bool, limits: list[int],
-               extra_slots: int, static_slots: bool = False, recorder: RouteRecorder | None = None,
+               extra_slots: int, static_slots: bool = False, slot_block: int | None = None,
+               recorder: RouteRecorder | None = None,
                prefix_routes: Sequence[torch.Tensor | None] | None = None) -> DecodeState:
     """Allocate the rollout's buffers once, prefill every prompt once, draw and emit each sample's first token
     (with ``recorder``, the prompts' routes kept and a ``RouteLog`` started for the completions'; the prefill
@@ -350,7 +358,7 @@ def first_draw(model: nn.Module, prompts: list[torch.Tensor], num_samples: int, 
     # Every emitted token but the last is fed back, so max_new - 1 slots would do; max_new keeps
     # the capacity >= 1 when max_new_tokens = 1. A tree step writes up to extra_slots more.
     cache = GroupedKVCache([len(p) for p in prompts], num_samples, capacity=max_new + extra_slots, device=device,
-                           static_slots=static_slots)
+                           static_slots=static_slots, slot_block=slot_block)
     with maybe_replaying(model, prefill_replay(prefix_routes, [len(p) for p in prompts], device)):
         prompt_hidden_GPH = prefill_all_positions(model, cache, prompts)
     route_log = None if recorder is None else RouteLog(recorder, model, [len(p) for p in prompts], num_completions,

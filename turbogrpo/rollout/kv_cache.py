@@ -84,15 +84,23 @@ class GroupedKVCache:
     """K/V of one rollout for every attention layer; see the module docstring for the layout."""
 
     def __init__(self, prompt_lengths: list[int], num_samples: int, capacity: int, device: torch.device,
-                 static_slots: bool = False, row_capacity: int | None = None):
+                 static_slots: bool = False, row_capacity: int | None = None, slot_block: int | None = None):
         """Sequence ``i`` belongs to group ``i // num_samples``; ``capacity`` generated slots each.
-        ``static_slots``: decoding attends over all ``capacity`` slots (masked by ``lengths_B``) rather
-        than the ``max_length + n`` in use, so that a step's shapes stay the same from step to step
-        (compiled or captured steps); eager decoding reads only the slots in use. ``row_capacity``: rows
-        of generated slots to allocate (None: the initial ``len(prompt_lengths) * num_samples``; more
-        leaves room for ``fork``)."""
+        ``static_slots``: decoding attends over a number of slots that does not follow ``max_length`` step by
+        step (masked by ``lengths_B``), so that a step's graph holds from step to step (compiled or captured
+        steps): all ``capacity`` of them, or with ``slot_block`` the slots in use rounded up to a multiple of
+        ``slot_block`` (``slot_index_L``, a size a compiled step treats as dynamic: one graph reads 16 slots
+        early in a rollout and 256 late, where reading all 256 every step cost a SmolLM2 step at 64 rows
+        about 20% of its time); eager decoding reads only the slots in use. ``row_capacity``: rows of generated
+        slots to allocate (None: the initial ``len(prompt_lengths) * num_samples``; more leaves room for
+        ``fork``)."""
         self.capacity = capacity
         self.static_slots = static_slots
+        self.slot_block = slot_block if static_slots and slot_block is not None and slot_block < capacity else None
+        """Slots a static step's read grows by (None: the whole capacity from the start)."""
+        self.slot_index_L = torch.arange(self.slot_block or capacity, device=device)
+        """[L] the generated slots a static step reads (their indices): L = ``capacity``, or the slots in use
+        (``max_length + 1``) rounded up to ``slot_block``; grown on the host as ``max_length`` passes it."""
         self._num_samples = num_samples
         self.prompt_width = max(prompt_lengths)
         """P: the prompt K/V's slot count (longest prompt)."""
@@ -110,9 +118,21 @@ class GroupedKVCache:
         """A hybrid's recurrent states, one row per sequence (empty for an attention model)."""
         # A static step's query block depends on the batch size alone (``_static_block``); forks would pass it.
         self._static_block = static_slots and self.row_capacity == len(self._sequence_groups)
-        self.max_length = 0
-        """Host-side upper bound on ``lengths_B``: attention reads slots ``< max_length + n`` only."""
+        self._max_length = 0
         self._refresh_layout()
+
+    @property
+    def max_length(self) -> int:
+        """Host-side upper bound on ``lengths_B``: attention reads slots ``< max_length + n`` only (a static
+        step's ``slot_index_L`` holds at least ``max_length + 1``: a plain step's next read)."""
+        return self._max_length
+
+    @max_length.setter
+    def max_length(self, value: int) -> None:
+        self._max_length = value
+        if self.slot_block is not None and value + 1 > self.slot_index_L.shape[0]:
+            needed = -(-(value + 1) // self.slot_block) * self.slot_block
+            self.slot_index_L = torch.arange(min(needed, self.capacity), device=self.device)
 
     # -- reading ---------------------------------------------------------------------------------
     @property
@@ -124,20 +144,25 @@ class GroupedKVCache:
         rows = self.layout.num_groups
         return self._prompt_keys[layer][:rows], self._prompt_values[layer][:rows]
 
-    def prompt_width_dims(self) -> list[tuple[torch.Tensor, int]]:
-        """Every tensor a decoding step reads whose size follows the prompt width P, with that dimension: a
-        compiled step treats it as a dynamic size, so that new prompts do not compile the step again."""
+    def dynamic_dims(self) -> list[tuple[torch.Tensor, int]]:
+        """Every tensor a decoding step reads whose size follows the prompt width P, or the generated slots it
+        reads (``slot_index_L`` with a ``slot_block``), with that dimension: a compiled step treats these as
+        dynamic sizes, so that new prompts and a longer read do not compile the step again."""
         prompt_kv = [(t, 2) for store in (self._prompt_keys, self._prompt_values) for t in store.values()]
-        return [*prompt_kv, (self.prompt_visible_GP, 1)]
+        slots = [(self.slot_index_L, 0)] if self.slot_block is not None else []
+        return [*prompt_kv, (self.prompt_visible_GP, 1), *slots]
 
     def generated(self, layer: int, num_slots: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Generated K/V of the live sequences, first ``num_slots`` slots, ``[B, Hkv, num_slots, D]``."""
         rows = self.num_live
         return self._keys[layer][:rows, :, :num_slots], self._values[layer][:rows, :, :num_slots]
 
-    def slots_to_read(self, num_new: int) -> int:
-        """How many generated slots a forward of ``num_new`` new tokens per sequence attends over."""
-        return self.capacity if self.static_slots else min(self.max_length + num_new, self.capacity)
+    def slot_index(self, num_new: int) -> torch.Tensor:
+        """``[L]`` the generated slots a forward of ``num_new`` new tokens per sequence attends over (their
+        indices 0 .. L-1): ``slot_index_L`` for a static step (see ``__init__``), else the slots in use."""
+        if self.static_slots:
+            return self.slot_index_L
+        return torch.arange(min(self.max_length + num_new, self.capacity), device=self.device)
 
     def next_positions(self, depths_Bn: torch.Tensor) -> torch.Tensor:
         """Position ids ``[B, n]`` of new tokens at ``depths_Bn`` past each sequence's committed tokens."""
@@ -148,7 +173,11 @@ class GroupedKVCache:
         """Keep the prefill's K/V ``[G, Hkv, P, D]`` and allocate this layer's generated slots."""
         self._prompt_keys[layer] = key.contiguous()
         self._prompt_values[layer] = value.contiguous()
-        slots_shape = (self.row_capacity, key.shape[1], self.capacity, key.shape[3])
+        # With a slot_block, one spare slot (never written or read) keeps a static step's read strictly inside
+        # the buffer: inductor's slice guards on a read shorter than the buffer, and a read of all of it (the last
+        # block) compiled the step again with that size fixed.
+        spare = 1 if self.slot_block is not None else 0
+        slots_shape = (self.row_capacity, key.shape[1], self.capacity + spare, key.shape[3])
         # Zeros, not empty: unused slots are masked out, but a masked weight of 0 times a NaN from
         # uninitialised memory would still be NaN.
         self._keys[layer] = key.new_zeros(slots_shape)

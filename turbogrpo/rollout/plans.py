@@ -106,8 +106,9 @@ class DecodePlan:
         num_new = positions_Bn.shape[1]
         device = positions_Bn.device
         self.slots_Bn = cache.lengths_B.unsqueeze(-1) + torch.arange(num_new, device=device)
-        self.num_slots = cache.slots_to_read(num_new)
-        slot_index_L = torch.arange(self.num_slots, device=device)
+        slot_index_L = cache.slot_index(num_new)
+        self.num_slots = slot_index_L.shape[0]
+        self.slot_index_L = slot_index_L
         committed_BnL = (slot_index_L < cache.lengths_B[:, None]).unsqueeze(1).expand(-1, num_new, -1)
         new_BnL = torch.zeros_like(committed_BnL).scatter(
             2, self.slots_Bn.unsqueeze(1).expand(-1, num_new, -1), ancestors_Bnn)
@@ -190,7 +191,7 @@ class DecodePlan:
             in_window = query_positions.flatten(1, 3) - key_positions_P < sliding_window  # [G, S*r*n, P]
             prompt_visible = in_window.unsqueeze(1) if prompt_visible is None else \
                 prompt_visible & in_window.unsqueeze(1)
-            slot_positions_BL = cache.prompt_lengths_B[:, None] + torch.arange(self.num_slots, device=device)
+            slot_positions_BL = cache.prompt_lengths_B[:, None] + self.slot_index_L
             slot_positions_BL = slot_positions_BL.scatter(1, self.slots_Bn, self.positions_Bn)
             own_visible = own_visible & (self.positions_Bn[:, :, None] - slot_positions_BL[:, None, :]
                                          < sliding_window)
