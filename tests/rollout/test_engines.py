@@ -179,3 +179,11 @@ def test_request_seeds_are_distinct_over_steps_ranks_and_groups():
     steps = [rollout_seed(0, step, rank) for step in range(5) for rank in range(2)]  # neighbours differ by 1
     seeds = {request_seed(seed, group) + i for seed in steps for group in range(16) for i in range(8)}
     assert len(seeds) == 10 * 16 * 8 and all(0 <= s < 2**63 for s in seeds)
+
+
+def test_a_vllm_cpu_build_before_0_32_is_named_slow_for_seeded_requests():
+    from turbogrpo.engines.vllm import seeded_sampling_warning  # the module imports without vllm
+    assert "1.6x slower" in seeded_sampling_warning("0.31.0", "cpu")
+    assert "0.32.0" in seeded_sampling_warning("0.31.0+cpu", "cpu")
+    assert seeded_sampling_warning("0.32.0", "cpu") is None and seeded_sampling_warning("0.33.1", "cpu") is None
+    assert seeded_sampling_warning("0.31.0", "cuda") is None

