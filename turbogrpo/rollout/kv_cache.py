@@ -185,9 +185,10 @@ class GroupedKVCache:
 
     def write(self, layer: int, key_BKnD: torch.Tensor, value_BKnD: torch.Tensor, slots_Bn: torch.Tensor) -> None:
         """Put new tokens' K/V ``[B, Hkv, n, D]`` into generated slots ``slots_Bn [B, n]``."""
-        keys, values = self.generated(layer, self.capacity)
-        write_slots(keys, slots_Bn, key_BKnD)
-        write_slots(values, slots_Bn, value_BKnD)
+        # The whole slot dim, not a slice of it: a compiled step writes into a view of the buffer in place only
+        # where the view spans it (a slice short of the spare slot made inductor copy every layer's buffer).
+        write_slots(self._keys[layer], slots_Bn, key_BKnD)
+        write_slots(self._values[layer], slots_Bn, value_BKnD)
 
     def commit_all(self, num_new: int) -> None:
         """Keep every one of the last forward's ``num_new`` tokens per sequence."""
