@@ -827,6 +827,11 @@ RESULTS: list[Result] = [
            "native eager, native compiled and vLLM, SmolLM2-135M, 8 x 8, up to 256 tokens, T = 1, float32 and bf16",
            "python bench/vllm_rollout.py --engines native,native_compiled,vllm --workloads eos "
            "--out vllm_rollout_native_compiled", section="Rollouts"),
+    Result("vllm_rollout_native_compiled_slot_blocks", "vllm_rollout", "Rollout with the native engine's step "
+           "compiled, after compiled steps read the KV slots in use in blocks of 16: native eager and native "
+           "compiled-onednn, SmolLM2-135M, 8 x 8, up to 256 tokens, T = 1, float32 and bf16",
+           "python bench/vllm_rollout.py --engines native,native_compiled --workloads eos "
+           "--out vllm_rollout_native_compiled_slot_blocks", section="Rollouts"),
     Result("vllm_engine_overhead", "vllm_engine_overhead", "turbogrpo's vLLM engine against TRL's call on the same "
            "vLLM engine, one process: SmolLM2-135M, 8 GSM8K prompts x 8, up to 256 tokens, T = 1, float32",
            "python bench/vllm_engine_overhead.py --trl-build", section="Rollouts"),
@@ -969,7 +974,7 @@ RESULTS: list[Result] = [
            "compiled steps read the KV slots in use in blocks of 16 (not the whole capacity), SmolLM2-135M, float32 "
            "and bf16, live batches 16 and 64",
            "python bench/compiled_step.py --batches 16,64 --runners eager,compiled-onednn --out compiled_step_slot_blocks",
-           section="Kernels and parts of a step", awaiting_run=True),
+           section="Kernels and parts of a step"),
     Result("compiled_step_f32_b1_b64", "compiled_step", "The plain decoding step eager and compiled, SmolLM2-135M, "
            "float32, live batches 1 and 64 (the first quiet run, a subset of compiled_step)",
            "python bench/compiled_step.py --dtypes float32 --batches 1,64 --out compiled_step_f32_b1_b64",
