@@ -25,6 +25,7 @@ NOT_RUN = {
     ("docs/guide/gguf.md", "turbogrpo demo --model smollm2                                   # = turbogrpo train configs/smollm2_arithmetic.toml"),
     ("docs/guide/install.md", "make setup   # .venv with the CPU build of torch, turbogrpo (editable) and the dev tools"),
     ("docs/guide/install.md", 'pip install -e ".[dev]"'),
+    ("docs/guide/trl.md", "python bench/trl_vllm.py --shape smollm2-zero-shot --engine vllm"),
     ("docs/guide/trl.md", "python3 -m venv /work/venv-trlvllm"),
     ("docs/guide/trl.md", "PYTHONPATH=$PWD /work/venv-trlvllm/bin/python bench/trl_async.py            # 1 warm-up + 3 "
                           "timed steps each"),
