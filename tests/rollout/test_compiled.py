@@ -268,6 +268,7 @@ def test_compiled_kernels_are_cached_in_turbogrpos_cache_folder(tmp_path, monkey
     monkeypatch.delenv(COMPILE_CACHE_ENV, raising=False)
     folder = use_compile_cache()
     assert folder == compile_cache_folder() and folder.is_relative_to(tmp_path) and folder.is_dir()
+    assert os.environ[COMPILE_CACHE_ENV] == str(folder)
     monkeypatch.setenv(COMPILE_CACHE_ENV, str(tmp_path / "mine"))  # the user's own choice is kept
     assert use_compile_cache() == tmp_path / "mine"
     monkeypatch.setattr(compiled_module, "USER_COMPILE_CACHE", str(tmp_path / "at start"))  # as the process began

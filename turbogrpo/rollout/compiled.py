@@ -31,8 +31,8 @@ for the plain step, ``Speculation.runner`` for the two device parts of the specu
   (``compiled_candidate``), else ``compiled``.
 
 Compilation is paid once per model shape and machine: inductor's caches (its FX graphs, and
-AOTAutograd's) are kept in turbogrpo's cache folder (``use_compile_cache``; during each compile only, as vLLM points
-inductor at its own per-model folder when it is built), so a later process
+AOTAutograd's) are kept in turbogrpo's cache folder (``use_compile_cache``; where a vLLM build pointed inductor at its
+own per-model folder, only during the compiled step's calls), so a later process
 only traces the step again (dynamo) and loads the compiled kernels. Each new graph shows a progress
 line ("compiling the decoding step for bucket B ..."), and its time is kept
 (``CompiledStep.compile_seconds``) for benchmarks. SmolLM2-135M in float32 on the 2-core AMD EPYC,
@@ -119,16 +119,18 @@ choice of the user's and must not receive turbogrpo's graphs."""
 def use_compile_cache() -> Path:
     """The folder inductor's on-disk caches (FX graphs, AOTAutograd's) hold turbogrpo's compiled steps in:
     ``compile_cache_folder()`` unless the user chose one (``USER_COMPILE_CACHE``, or the variable set now where
-    no vLLM build has changed it since); keeps both caches on. Their keys hold the CPU's vector ISA and the torch
-    build, so one folder serves several machines."""
+    no vLLM build has changed it since); keeps both caches on, and points the variable at it where nothing else
+    set it (where vLLM did, ``CompiledStep`` switches for its own calls: ``compiling_into``). Their keys hold the
+    CPU's vector ISA and the torch build, so one folder serves several machines."""
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
     chosen = os.environ.get(COMPILE_CACHE_ENV) if USER_COMPILE_CACHE is None else USER_COMPILE_CACHE
     if chosen is not None and chosen_by_vllm(chosen):
         chosen = None
-    if chosen is None or os.path.abspath(chosen) == os.path.abspath(default_cache_dir()):
-        chosen = compile_cache_folder()
-    folder = Path(chosen)
+    unset = chosen is None or os.path.abspath(chosen) == os.path.abspath(default_cache_dir())
+    folder = compile_cache_folder() if unset else Path(chosen)
     folder.mkdir(parents=True, exist_ok=True)
+    if os.environ.get(COMPILE_CACHE_ENV) is None or unset and not chosen_by_vllm(os.environ[COMPILE_CACHE_ENV]):
+        os.environ[COMPILE_CACHE_ENV] = str(folder)  # nothing else reads it: every compile of the process lands here
     torch._inductor.config.fx_graph_cache = True
     torch._functorch.config.enable_autograd_cache = True
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
@@ -141,14 +143,15 @@ def chosen_by_vllm(folder: str) -> bool:
     return "torch_compile_cache" in Path(folder).parts
 
 
-@contextlib.contextmanager
-def compiling_into_cache():
-    """For the block (a compile), inductor reads and writes ``use_compile_cache()``'s folder; after it, the
-    variable holds what it held before (vLLM reads its own folder from it for its compiles). torch's own
-    ``temporary_cache_dir`` also clears inductor's in-memory caches of the folder on the way in and out."""
+def compiling_into(folder: str) -> contextlib.AbstractContextManager:
+    """For the block (a call that may compile), inductor reads and writes ``folder``; after it, the variable holds
+    what it held before (vLLM reads its own folder from it for its compiles). torch's own ``temporary_cache_dir``
+    also clears inductor's in-memory caches of the folder on the way in and out; nothing where the variable already
+    names ``folder`` (no vLLM built in this process)."""
+    if os.environ.get(COMPILE_CACHE_ENV) == folder:
+        return contextlib.nullcontext()
     from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
-    with temporary_cache_dir(str(use_compile_cache())):
-        yield
+    return temporary_cache_dir(folder)
 
 
 def bucket_of(state: DecodeState) -> tuple:
@@ -168,6 +171,7 @@ class CompiledStep:
     a progress line while it compiles and keeps the seconds it took in ``compile_seconds``."""
 
     def __init__(self, function: Step, backend: str, static: bool, products: str = "aten"):
+        self.cache_folder = str(use_compile_cache())
         self.function, self.backend, self.static = function, backend, static
         self.compiled = torch.compile(function, fullgraph=True, backend=backend, dynamic=False if static else None,
                                       options=GRAPH_PRODUCTS[products])
@@ -178,13 +182,14 @@ class CompiledStep:
         if self.static:
             mark_dynamic_sizes(state)
         bucket = bucket_of(state) if self.static else (self.function.__name__,)
-        if bucket in self.compile_seconds:
-            return self.compiled(state, *rest)
+        if bucket in self.compile_seconds:  # a call may still compile (a tree part's new shapes): into our folder
+            with compiling_into(self.cache_folder):
+                return self.compiled(state, *rest)
         what = "the decoding step" if self.static else f"the tree step's {self.function.__name__}"
         where = f" for bucket B={bucket[0]} ({bucket[1]} groups)" if self.static else ""
         start = time.perf_counter()
         with ticking(f"compiling {what}{where} with {self.backend} (once per machine; cached after)"), \
-                compiling_into_cache():
+                compiling_into(self.cache_folder):
             out = self.compiled(state, *rest)
         self.compile_seconds[bucket] = time.perf_counter() - start
         return out
