@@ -50,9 +50,12 @@ WORKLOADS = ("eos", "fixed")
 ENGINES = ("native", "vllm", "hf_generate", "native_1_thread", "native_compiled")
 """The contenders; "native_compiled" is the native engine with its plain step compiled (``DecodeSchedule.runner`` =
 the compiled runner "auto" would time here, ``compiled.compiled_candidate``: "compiled-onednn" where oneDNN's packed
-products are faster, else "compiled"; step8 buckets: one static graph per bucket, compiled in the warm-up run);
+products are faster, else "compiled"; step8 buckets: one static graph per bucket, compiled in the warm-up rollouts,
+``warm_compiled``);
 "native_1_thread" is the native engine with torch at one thread (``train.num_threads = 1``: what a user on a shared
 machine sets), for the runs beside another job."""
+WARM_ROLLOUTS = 4
+"""Most untimed compiled rollouts before the timed ones (``warm_compiled``)."""
 
 
 @contextlib.contextmanager
@@ -119,6 +122,27 @@ def exactness(model, engine: VllmEngine, prompts: list[torch.Tensor], num_sample
             "gap_max": float(gaps.max()), "gap_tokens": gaps.numel()}
 
 
+def compiled_step(runner: str):
+    """The process's ``CompiledStep`` of the plain step for a compiled ``runner`` (its graphs by bucket)."""
+    from turbogrpo.rollout.compiled import STACKED_PRODUCT_RUNNERS, _compiled
+    from turbogrpo.rollout.step import plain_step
+    products = "stacked" if runner in STACKED_PRODUCT_RUNNERS else "aten"
+    return _compiled(plain_step, "inductor", static=True, products=products)
+
+
+def warm_compiled(rollout, runner: str, max_rollouts: int = WARM_ROLLOUTS) -> int:
+    """Run the compiled contender's ``rollout`` until one compiles no new graph (at most ``max_rollouts``), so that
+    the timed runs meet warm buckets: where sequences end depends on the seed, and so do the live batches met.
+    Returns the number of graphs compiled so far."""
+    graphs = compiled_step(runner).compile_seconds
+    for _ in range(max_rollouts):
+        before = len(graphs)
+        rollout()
+        if len(graphs) == before:
+            break
+    return len(graphs)
+
+
 def bench_dtype(dtype: torch.dtype, num_prompts: int, num_samples: int, new_tokens: int, repeats: int,
                 engines: list[str], workloads: list[str], competing_threads: int, vllm_eager: bool = False) -> dict:
     model, tokenizer = load_real_model()
@@ -171,17 +195,18 @@ def bench_dtype(dtype: torch.dtype, num_prompts: int, num_samples: int, new_toke
         contenders = {"native": native, "vllm": vllm, "hf_generate": hf, "native_1_thread": native_1_thread,
                        "native_compiled": native_compiled}
         with torch.no_grad(), competing_job(competing_threads):
+            graphs_before = warm_compiled(native_compiled, compiled_runner) if "native_compiled" in engines else 0
             times = interleaved_medians({name: contenders[name] for name in engines}, repeats=repeats, warmup=1)
+        if "native_compiled" in engines:  # a timed run that met a new bucket held a cold compile: say so
+            times["native_compiled"]["graphs_compiled_in_timed_runs"] = \
+                len(compiled_step(compiled_runner).compile_seconds) - graphs_before
         for name, timing in times.items():
             counted = tokens[name][-repeats:]  # the timed runs (after the warm-up)
             timing["tokens"] = counted
             timing["median_s_per_token"] = sorted(t / n for t, n in zip(timing["times_s"], counted))[len(counted) // 2]
         record["workloads"][workload] = times
     if "native_compiled" in engines:  # every graph the compiled step met (a new bucket or group layout compiles)
-        from turbogrpo.rollout.compiled import STACKED_PRODUCT_RUNNERS, _compiled
-        from turbogrpo.rollout.step import plain_step
-        products = "stacked" if compiled_runner in STACKED_PRODUCT_RUNNERS else "aten"
-        compiled = _compiled(plain_step, "inductor", static=True, products=products).compile_seconds
+        compiled = compiled_step(compiled_runner).compile_seconds
         record["native_compiled_graphs"] = {"count": len(compiled), "first_call_s": sorted(compiled.values())}
     del engine
     return record

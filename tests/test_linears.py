@@ -299,3 +299,23 @@ def test_siblings_given_an_inference_tensor_each_compute_exactly():
     torch.testing.assert_close(q, truth_q, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(k, truth_k, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(v, truth_v, atol=1e-5, rtol=1e-5)
+
+
+def test_speedup_alternates_the_contenders_and_takes_the_median_ratio(monkeypatch):
+    """The per-machine choices time both sides in alternated pairs, so a burst of load slows a pair's two calls
+    alike: one slow baseline call (the burst) moves no answer, and a contender twice as fast reads 2."""
+    clock, calls = [0.0], []
+    monkeypatch.setattr(linears.time, "perf_counter", lambda: clock[0])
+    baseline_times = iter([9.0, 2.0, 2.0, 50.0, 2.0, 2.0])  # the warm-up, then a burst in the third pair
+
+    def baseline():
+        calls.append("baseline")
+        clock[0] += next(baseline_times)
+
+    def contender():
+        calls.append("contender")
+        clock[0] += 1.0
+
+    assert linears.speedup(baseline, contender, 5) == 2.0
+    assert calls == ["baseline", "contender"] * 6
+    assert linears.machine_key(dtype="x")["timing"] == linears.TIMING_METHOD  # choices timed another way re-time
