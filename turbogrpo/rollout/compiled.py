@@ -288,10 +288,13 @@ def runner_scope(runner: str) -> contextlib.AbstractContextManager:
 RUNNERS: dict[str, Callable[[Step], Step]] = {
     "eager": lambda function: function,
     "compiled": lambda function: _compiled(function, "inductor"),
+    "compiled-onednn": lambda function: _compiled(function, "inductor", products="stacked"),
     "dynamo": lambda function: _compiled(function, "eager"),
 }
-"""Name -> how to run a part of the tree step: the function itself, or its compiled version (built once per
-process and function, kept by ``_compiled``; dynamo's automatic dynamic shapes)."""
+"""Name -> how to run a part of the tree step, and a speculative rollout's plain steps: the function itself, or its
+compiled version (built once per process and function, kept by ``_compiled``; dynamo's automatic dynamic shapes);
+``compiled-onednn`` multiplies by the weights through ``graph_linears.stacked_linear``, as the plain runner of that
+name does (``STACKED_PRODUCT_RUNNERS``)."""
 
 class GraphReplay:
     """Runs ``function(state)`` (a plain step) by CUDA-graph replay, one graph per bucket of the batch.

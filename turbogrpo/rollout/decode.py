@@ -269,9 +269,11 @@ def _probe_rollout(model: nn.Module, runner: str, *, num_prompts: int = 2, num_s
 def rollout_linear_kernel(schedule: DecodeSchedule, draft: object | None = None):
     """The ``LINEAR_KERNELS`` entry to run the rollout's modules under (plain, speculative and multi-turn
     rollouts alike): "auto" keeps the modules as they are where a step is compiled or replayed (they trace
-    the modules themselves); a plain step whose graphs call ``graph_linears.stacked_linear``
-    (``STACKED_PRODUCT_RUNNERS``) runs in the scope ``GRAPH_LINEAR_KERNELS`` gives instead."""
-    if draft is None and schedule.runner in STACKED_PRODUCT_RUNNERS:
+    the modules themselves); a plain step, or a speculative rollout's steps (``draft.runner``), whose graphs call
+    ``graph_linears.stacked_linear`` (``STACKED_PRODUCT_RUNNERS``) run in the scope ``GRAPH_LINEAR_KERNELS`` gives
+    instead."""
+    graph_runner = schedule.runner if draft is None else getattr(draft, "runner", "eager")
+    if graph_runner in STACKED_PRODUCT_RUNNERS:
         return GRAPH_LINEAR_KERNELS[schedule.linears]
     eager = schedule.runner == "eager" and getattr(draft, "runner", "eager") == "eager"
     if schedule.linears == "auto" and not eager:

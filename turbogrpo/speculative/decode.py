@@ -56,7 +56,7 @@ from turbogrpo.rollout.compiled import RUNNERS
 from turbogrpo.rollout.outputs import emit
 from turbogrpo.rollout.plans import forward_new_tokens
 from turbogrpo.rollout.sampling import SamplingConfig, at_least_float32, token_logprobs
-from turbogrpo.rollout.step import DecodeState, PlainStep
+from turbogrpo.rollout.step import DecodeState, PlainStep, plain_step
 from turbogrpo.rollout.types import Rollout, RolloutStats
 from turbogrpo.speculative.draft import DraftHead
 from turbogrpo.speculative.draft_decoding import (DraftKVCache, TappedFeatures, TreeDrafter, catch_up,
@@ -117,6 +117,9 @@ class TreeStep:
         self.keeps_hidden = draft is not None  # history drafts read tokens only
         # Looked up here, not bound at import, so that the functions can be watched in tests.
         self.draft_tree, self.verify_step = RUNNERS[runner](draft_tree), RUNNERS[runner](verify_step)
+        # The steps the sizing leaves plain run the same way (under "compiled-onednn" the rollout's weight products are
+        # the graphs' packed ones, which an eager step would not use).
+        self.plain_step = PlainStep(RUNNERS[runner](plain_step))
         # An "eagle3" draft's tap goes on before the engine's prefill, whose forward gives the prompts' features.
         self.tap = None if draft is None else draft.feature_tap()
         if self.tap is not None and runner != "eager":
@@ -160,7 +163,7 @@ class TreeStep:
         shape = self.sizing.choose(cache.num_live, draft_ready=self.draft_prefilled, position=max(self.emitted_host))
         if shape is None:
             first_column_B = state.live.emitted_B.clone()  # the column the step's token goes to
-            PlainStep()(state)
+            self.plain_step(state)
             if self.tapped is not None:
                 self.tapped.write_latest(state.live.completion_B, first_column_B)
             self.pending = _VerifiedStep(None, None, None)
