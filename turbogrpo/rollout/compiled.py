@@ -48,8 +48,8 @@ compile, with the dynamic shapes that other prompt lengths and live batches brou
 step against eager (float32 and bf16, live batches 1, 4, 16, 64, against the weight-read floor and the
 GEMM rate).
 
-The tree step's parts (``RUNNERS``) compile with dynamo's automatic dynamic shapes: a speculative
-step reads the slots in use, which grow every step (no static slots there yet).
+The tree step's parts and a speculative rollout's plain steps (``RUNNERS``) compile with dynamo's automatic dynamic
+shapes: a speculative step reads the slots in use, which grow every step (no static slots there yet).
 
 On CUDA, two opt-in runners replay the plain step from CUDA graphs (``GraphReplay``): ``cudagraph``
 (the eager step, captured) and ``compiled-cudagraph`` (the inductor-compiled step, captured). Not

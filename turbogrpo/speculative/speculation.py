@@ -41,9 +41,10 @@ class Speculation:
     profile: LatencyProfile | None = None
     """Latency curves for ``fastgrpo``/``cost``; None reads the profile cache or measures on first use."""
     runner: str = "eager"
-    """Key of ``turbogrpo.rollout.compiled.RUNNERS``: how the tree step's device parts run (eager, or
-    compiled whole by ``torch.compile``). Each tree shape, catch-up width and cache bound is its own
-    graph (the host picks them), so compiling pays only where shapes repeat; the default stays eager."""
+    """Key of ``turbogrpo.rollout.compiled.RUNNERS``: how the tree step's device parts, and the plain steps between
+    trees, run (eager, or compiled whole by ``torch.compile``; "compiled-onednn" with the rollout's packed weight
+    products). The parts compile with dynamic sizes (tree shape, catch-up width, cache bound), so a rollout compiles
+    each a few times at its start; the default stays eager (not yet measured faster)."""
     history: HistoryDrafts | None = None
     """Suffix-match candidates from the group's siblings and earlier rollouts (``history.py``), merged
     into the neural draft's trees, or alone when ``draft`` is None. Keep one object across rollouts so
