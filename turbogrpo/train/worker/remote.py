@@ -134,8 +134,9 @@ class Listener:
         try:
             channel = prove_as_trainer(connection, self.secret)
         except (ChannelError, OSError) as err:
-            connection.close()
+            # Logged before the close, so the line is out before the peer sees the connection end.
             _log(f"rank {self.rank} refused a connection from {where}: {err}")
+            connection.close()
             return
         with self.claim:
             first, self.worker = self.worker is None, self.worker or where
