@@ -166,3 +166,43 @@ def test_the_own_part_gives_the_same_hidden_states_by_flash_or_by_matmuls(monkey
         truth = second_step_hidden(model.float(), 1)
         assert_within_bf16_rounding(by_matmuls, truth)
         assert_within_bf16_rounding(by_flash, truth)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_the_reduced_partial_gives_the_matmul_partials_output_and_lse_with_hidden_keys(dtype):
+    """``reduced_partial_attention`` (a compiled step's few-query parts) is ``partial_attention`` written as reduced
+    broadcast products: the same output and log-sum-exp, keys hidden by the bias dropped, and a row that sees no key
+    at output 0 with a hugely negative lse (it drops out of a merge), eagerly and compiled."""
+    from turbogrpo.rollout.attention import merge_dtype, partial_attention, reduced_partial_attention
+    generator = torch.Generator().manual_seed(3)
+    query, key, value = (torch.randn(5, 2, rows, 8, generator=generator, dtype=torch.float64).to(dtype)
+                         for rows in (3, 7, 7))
+    visible = torch.rand(5, 1, 3, 7, generator=generator) < 0.6
+    visible[1, :, 2] = False  # a row that sees no key
+    bias = torch.zeros(visible.shape).masked_fill_(~visible, float("-inf"))
+    out, lse = partial_attention(query, key, value, bias, 0.35)
+    tolerance = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 2e-2}[dtype]
+    for reduced in (reduced_partial_attention, torch.compile(reduced_partial_attention, dynamic=False)):
+        got_out, got_lse = reduced(query, key, value, bias, 0.35)
+        assert got_out.dtype == merge_dtype(dtype) and got_lse.shape == (5, 2, 3, 1)
+        torch.testing.assert_close(got_out, out, atol=tolerance, rtol=tolerance)
+        torch.testing.assert_close(got_lse, lse, atol=tolerance, rtol=tolerance)
+        assert torch.all(got_out[1, :, 2] == 0) and torch.all(got_lse[1, :, 2] < -1e30)
+
+
+def test_a_compiled_step_takes_the_reduced_partial_for_few_queries_only():
+    """Under inductor the few-query parts (a plain step's r * n = 3 queries per KV head, at any row count) take the
+    reduced partial; many queries (a tree's 48) and eager decoding keep the choice by the measured crossover."""
+    from turbogrpo.rollout import attention
+    cpu, picked = torch.device("cpu"), {}
+
+    def choose(tensor):
+        picked["few"] = attention.partial_attention_for(cpu, False, 192, 3)
+        picked["tree"] = attention.partial_attention_for(cpu, False, 3, 48)
+        picked["prompt"] = attention.partial_attention_for(cpu, False)
+        return tensor + 1
+    torch.compile(choose, backend="eager")(torch.zeros(1))
+    assert picked == {"few": attention.reduced_partial_attention, "tree": attention.fused_partial_attention,
+                      "prompt": attention.fused_partial_attention}
+    assert attention.partial_attention_for(cpu, False, 192, 3) is attention.partial_attention
+    assert attention.partial_attention_for(cpu, False, 3, 3) is attention.fused_partial_attention
