@@ -6,8 +6,9 @@ it to attend to a group's shared prompt K/V and a sequence's own generated K/V w
 them side by side. Written with as few kernels as possible: decoding runs these once per layer and
 step, and small steps (the long tail of a rollout) are bound by per-kernel overhead.
 
-Two implementations of a part: matrix products with the softmax by hand (any device, any mask), and
-a fused kernel that returns the log-sum-exp (``PARTIAL_ATTENTION``, per device; rows must see a key).
+Three implementations of a part: matrix products with the softmax by hand (any device, any mask), a
+fused kernel that returns the log-sum-exp (``PARTIAL_ATTENTION``, per device; rows must see a key), and, inside a
+compiled step, broadcast products reduced over the head dim and the keys (``reduced_partial_attention``: any mask).
 
 Shapes: ``...`` batch dimensions, ``X`` batch, ``K`` key/value heads, ``M`` queries, ``L`` keys,
 ``D`` head dim.
