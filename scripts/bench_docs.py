@@ -1159,6 +1159,13 @@ RESULTS: list[Result] = [
            "python bench/draft_recipes.py --model smollm2 --config configs/smollm2_gsm8k.toml --num-prompts 128 "
            "--num-samples 4 --max-new-tokens 256 --epochs 4 --draft-tokens 4096 --validation-prompts 8 "
            "--out draft_recipes_smollm2", section="Learning", awaiting_run=True),
+    Result("draft_recipes_smollm2_ce", "draft_recipes", "Draft recipes at T = 1, SmolLM2-135M GSM8K: EAGLE-3's "
+           "distribution-only loss (+ce) on today's layout and on eagle3 features, both with training-time test, "
+           "against today's recipe",
+           "python bench/draft_recipes.py --model smollm2 --config configs/smollm2_gsm8k.toml --num-prompts 128 "
+           "--num-samples 4 --max-new-tokens 256 --epochs 4 --draft-tokens 4096 --validation-prompts 8 "
+           "--variants turbogrpo turbogrpo+ttt+ce eagle3+ttt+ce --out draft_recipes_smollm2_ce", section="Learning",
+           awaiting_run=True),
     Result("draft_recipes_smollm2_full_vocab", "draft_recipes", "Draft recipes at T = 1, SmolLM2-135M GSM8K, whole vocabulary",
            "python bench/draft_recipes.py --model smollm2 --config configs/smollm2_gsm8k.toml --num-prompts 128 "
            "--num-samples 4 --max-new-tokens 256 --epochs 4 --draft-tokens 0 --validation-prompts 8 "
