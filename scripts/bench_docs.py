@@ -1164,8 +1164,7 @@ RESULTS: list[Result] = [
            "against today's recipe",
            "python bench/draft_recipes.py --model smollm2 --config configs/smollm2_gsm8k.toml --num-prompts 128 "
            "--num-samples 4 --max-new-tokens 256 --epochs 4 --draft-tokens 4096 --validation-prompts 8 "
-           "--variants turbogrpo turbogrpo+ttt+ce eagle3+ttt+ce --out draft_recipes_smollm2_ce", section="Learning",
-           awaiting_run=True),
+           "--variants turbogrpo turbogrpo+ttt+ce eagle3+ttt+ce --out draft_recipes_smollm2_ce", section="Learning"),
     Result("draft_recipes_smollm2_full_vocab", "draft_recipes", "Draft recipes at T = 1, SmolLM2-135M GSM8K, whole vocabulary",
            "python bench/draft_recipes.py --model smollm2 --config configs/smollm2_gsm8k.toml --num-prompts 128 "
            "--num-samples 4 --max-new-tokens 256 --epochs 4 --draft-tokens 0 --validation-prompts 8 "
