@@ -191,8 +191,8 @@ def test_the_reduced_partial_gives_the_matmul_partials_output_and_lse_with_hidde
 
 
 def test_a_compiled_step_takes_the_reduced_partial_for_few_queries_only():
-    """Under inductor the few-query parts (a plain step's r * n = 3 queries per KV head, at any row count) take the
-    reduced partial; many queries (a tree's 48) and eager decoding keep the choice by the measured crossover."""
+    """Under inductor on the CPU the few-query parts (a plain step's r * n = 3 queries per KV head, at any row count)
+    take the reduced partial; many queries (a tree's 48), eager decoding and other devices keep their choice."""
     from turbogrpo.rollout import attention
     cpu, picked = torch.device("cpu"), {}
 
@@ -200,9 +200,10 @@ def test_a_compiled_step_takes_the_reduced_partial_for_few_queries_only():
         picked["few"] = attention.partial_attention_for(cpu, False, 192, 3)
         picked["tree"] = attention.partial_attention_for(cpu, False, 3, 48)
         picked["prompt"] = attention.partial_attention_for(cpu, False)
+        picked["cuda"] = attention.partial_attention_for(torch.device("cuda"), False, 192, 3)
         return tensor + 1
     torch.compile(choose, backend="eager")(torch.zeros(1))
     assert picked == {"few": attention.reduced_partial_attention, "tree": attention.fused_partial_attention,
-                      "prompt": attention.fused_partial_attention}
+                      "prompt": attention.fused_partial_attention, "cuda": attention.partial_attention}
     assert attention.partial_attention_for(cpu, False, 192, 3) is attention.partial_attention
     assert attention.partial_attention_for(cpu, False, 3, 3) is attention.fused_partial_attention

@@ -100,9 +100,10 @@ def partial_attention_for(device: torch.device, may_hide_all: bool, num_batch_he
     own-completion part of a wide plain decoding step) the batched matmuls win. ``python bench/decode_ops.py
     --threads 2 --parts own_attention`` (2-core AMD EPYC): 32 rows x 3 KV heads x 3 queries over 16-128
     keys 205-392 us a call by flash against 90-298 us by matmuls (1.3-2.3x), 16 rows 1.21x, 8 rows 1.14x,
-    4 rows 0.70x, 1 row 0.56x; 48 queries (a tree) 0.61-1.09x. A compiled step's few-query parts take
-    ``reduced_partial_attention`` at any row count."""
-    if queries_per_head is not None and queries_per_head <= FEW_QUERIES and torch.compiler.is_compiling():
+    4 rows 0.70x, 1 row 0.56x; 48 queries (a tree) 0.61-1.09x. A compiled CPU step's few-query parts take
+    ``reduced_partial_attention`` at any row count (measured on the CPU only; other devices keep their choice)."""
+    if (device.type == "cpu" and queries_per_head is not None and queries_per_head <= FEW_QUERIES
+            and torch.compiler.is_compiling()):
         return reduced_partial_attention  # one streaming kernel under inductor (its docstring)
     if may_hide_all:
         return partial_attention
