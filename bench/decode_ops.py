@@ -22,8 +22,9 @@
   generated keys) and of a tree (48 queries), microseconds per call; ``partial_attention_for`` picks
   between them from these.
 * The same own-completion part inside a compiled step (``own_attention_compiled``): flash and the matmuls against
-  ``reduced_partial_attention`` (broadcast products that inductor fuses into one streaming kernel), over 30
-  layers' K/V out of cache, float32 and bf16, 1-64 rows x 64-256 slots; milliseconds per pass.
+  ``reduced_partial_attention`` (broadcast products that inductor fuses into one streaming kernel) and
+  ``kernel_partial_attention`` (``rollout.cpu_attention``'s hand-written kernel), over 30 layers' K/V out of
+  cache, float32 and bf16, 1-64 rows x 64-256 slots; milliseconds per pass.
 
 Each part's contenders run interleaved in one process, median of ``--repeats`` timings of ``--calls`` calls each.
 
@@ -32,7 +33,7 @@ Each part's contenders run interleaved in one process, median of ``--repeats`` t
     python bench/decode_ops.py --threads 2 --parts linears --calls 1 --out decode_ops_linears
     python bench/decode_ops.py --threads 2 --parts own_attention --out decode_ops_own_attention
     python bench/decode_ops.py --threads 2 --parts sibling_linears --calls 3 --out decode_ops_sibling_linears
-    python bench/decode_ops.py --threads 2 --parts own_attention_compiled --calls 3 --out decode_ops_own_attention_compiled
+    python bench/decode_ops.py --threads 2 --parts own_attention_compiled --calls 3 --out decode_ops_own_attention_kernel
 """
 
 from __future__ import annotations
@@ -50,8 +51,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from harness import print_table, write_results  # noqa: E402
-from turbogrpo.rollout.attention import (fused_partial_attention, partial_attention,  # noqa: E402
-                                         reduced_partial_attention)
+from turbogrpo.rollout.attention import (fused_partial_attention, kernel_partial_attention,  # noqa: E402
+                                         partial_attention, reduced_partial_attention)
 from turbogrpo.rollout.kv_cache import write_slots  # noqa: E402
 from turbogrpo.linears import onednn_product, pack_weight  # noqa: E402
 from turbogrpo.rollout.sampling import _invert_cdf, draw_from_probs  # noqa: E402
@@ -184,11 +185,11 @@ def own_attention(calls: int, repeats: int) -> list[dict]:
 def own_attention_compiled(calls: int, repeats: int) -> list[dict]:
     """The own-completion part of a compiled plain step over SmolLM2's 30 layers (each layer's K/V its own buffer,
     a slot short of the buffer's end as the cache reads it, so a pass streams them from memory as a step does):
-    CPU flash attention and the batched matmuls against ``reduced_partial_attention``, each compiled over the 30
-    layers as one graph."""
+    CPU flash attention and the batched matmuls against ``reduced_partial_attention`` and
+    ``kernel_partial_attention``, each compiled over the 30 layers as one graph."""
     rows = []
     for dtype in (torch.float32, torch.bfloat16):
-        for num_x, num_keys in [(1, 256), (4, 256), (16, 256), (64, 64), (64, 256)]:
+        for num_x, num_keys in [(1, 256), (4, 256), (8, 256), (16, 128), (16, 256), (64, 64), (64, 256)]:
             def layer_buffer():
                 return torch.randn(num_x, 3, num_keys + 1, 64, dtype=dtype)[:, :, :num_keys]
             keys, values = [layer_buffer() for _ in range(30)], [layer_buffer() for _ in range(30)]
@@ -203,11 +204,13 @@ def own_attention_compiled(calls: int, repeats: int) -> list[dict]:
             def flash(query, key, value, _, scale):
                 return fused_partial_attention(query, key, value, flash_bias, scale)
             us = per_call_us({"flash": layers(flash), "matmuls": layers(partial_attention),
-                              "reduced": layers(reduced_partial_attention)}, calls, repeats)
+                              "reduced": layers(reduced_partial_attention),
+                              "kernel": layers(kernel_partial_attention)}, calls, repeats)
             rows.append({"dtype": str(dtype).removeprefix("torch."), "rows_keys": f"{num_x}x{num_keys}",
                          "kv_mb": 2 * 30 * keys[0].numel() * keys[0].element_size() / 1e6,
-                         **{name: us[name] / 1e3 for name in ("flash", "matmuls", "reduced")},
-                         "speedup": min(us["flash"], us["matmuls"]) / us["reduced"]})
+                         **{name: us[name] / 1e3 for name in ("flash", "matmuls", "reduced", "kernel")},
+                         "speedup": min(us["flash"], us["matmuls"]) / us["reduced"],
+                         "kernel_speedup": us["reduced"] / us["kernel"]})
     return rows
 
 
@@ -227,8 +230,11 @@ TITLES = {"cache_writes": ("KV-cache write, one token per sequence (us per write
           "own_attention": ("Partial attention, flash vs matmuls (us per call; speedup = flash / matmuls)",
                             ["rows_heads_queries_keys", "flash", "matmuls"]),
           "own_attention_compiled": ("Own-completion attention in a compiled step, 30 layers x rows x 3 KV heads x 3 "
-                                     "queries over L slots: flash and matmuls vs reduced (ms per pass; speedup over the faster)",
-                                     ["dtype", "rows_keys", "kv_mb", "flash", "matmuls", "reduced"])}
+                                     "queries over L slots: flash and matmuls vs reduced, and the CPU kernel (ms per pass; "
+                                     "speedup: reduced over the faster of flash and matmuls; kernel_speedup: kernel "
+                                     "over reduced)",
+                                     ["dtype", "rows_keys", "kv_mb", "flash", "matmuls", "reduced", "kernel",
+                                      "kernel_speedup"])}
 
 
 def main() -> None:

@@ -15,7 +15,7 @@ from torch.profiler import ProfilerActivity, profile
 from transformers import DynamicCache
 
 from tests.rollout.conftest import build_model, random_prompts
-from turbogrpo.rollout import SamplingConfig, generate
+from turbogrpo.rollout import SamplingConfig, cpu_attention, generate
 import turbogrpo.cache
 import turbogrpo.rollout.compiled as compiled_module
 from turbogrpo.rollout.compiled import (COMPILE_CACHE_ENV, SLOT_BLOCK, _compiled, compile_cache_folder, physical_cores,
@@ -121,15 +121,22 @@ def test_the_inductor_compiled_step_gives_the_eager_tokens_with_grouped_query_he
     9 query / 3 KV heads failed on a ``view``): the compiled runner must still give the eager tokens.
     The second rollout's other prompt lengths recompile the step with a dynamic prompt width, where
     inductor once failed to bind that size (``NameError: s65``) when the prompt mask was built from a
-    host int inside the graph."""
+    host int inside the graph. 24 rows x 2 KV heads of head dim 64 run the own-completion part by the CPU kernel
+    (``attention.KERNEL_ITEMS``), whose outputs the graph reads with its own strides."""
     torch._dynamo.reset()
     _compiled.cache_clear()
-    model = build_model("llama", num_hidden_layers=1, num_attention_heads=6, num_key_value_heads=2, hidden_size=48)
-    kwargs = dict(num_samples=4, sampling=SamplingConfig(max_new_tokens=4), seed=3)
-    for lengths in ([5, 7], [9, 4]):
-        eager = generate(model, random_prompts(lengths), schedule=DecodeSchedule(1, "pow2"), **kwargs)
-        compiled = generate(model, random_prompts(lengths), schedule=DecodeSchedule(1, "pow2", "compiled"), **kwargs)
-        assert [t.tolist() for t in compiled.tokens] == [t.tolist() for t in eager.tokens]
+    model = build_model("llama", num_hidden_layers=1, num_attention_heads=6, num_key_value_heads=2, hidden_size=48,
+                        head_dim=64)
+    kwargs = dict(num_samples=12, sampling=SamplingConfig(max_new_tokens=4), seed=3)
+    kernel_calls = []
+    real_kernel = cpu_attention._kernel
+    with mock.patch.object(cpu_attention, "_kernel", lambda dtype: (kernel_calls.append(dtype), real_kernel(dtype))[1]):
+        for lengths in ([5, 7], [9, 4]):
+            eager = generate(model, random_prompts(lengths), schedule=DecodeSchedule(1, "pow2"), **kwargs)
+            compiled = generate(model, random_prompts(lengths), schedule=DecodeSchedule(1, "pow2", "compiled"),
+                                **kwargs)
+            assert [t.tolist() for t in compiled.tokens] == [t.tolist() for t in eager.tokens]
+    assert kernel_calls and set(kernel_calls) == {torch.float32}
 
 
 def test_the_static_step_compiles_one_graph_per_bucket_and_reuses_it_for_new_prompts():

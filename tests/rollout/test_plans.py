@@ -190,20 +190,68 @@ def test_the_reduced_partial_gives_the_matmul_partials_output_and_lse_with_hidde
         assert torch.all(got_out[1, :, 2] == 0) and torch.all(got_lse[1, :, 2] < -1e30)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_queries,head_dim", [(3, 64), (1, 128), (8, 64), (5, 256)])
+def test_the_cpu_kernel_gives_the_partials_output_and_lse_with_hidden_keys(dtype, num_queries, head_dim):
+    """``kernel_partial_attention`` (a compiled CPU step's few-query parts at many rows) reads keys and values out of
+    a longer buffer (as the KV cache holds them) and gives the float64 partial's output and log-sum-exp of the same
+    inputs to float32 rounding, bf16 inputs included (both accumulate in float32); hidden keys dropped, a row that
+    sees none at output 0 with a hugely negative lse, with or without a bias, called eagerly and from a compiled
+    graph."""
+    from turbogrpo.rollout.attention import kernel_partial_attention, partial_attention
+    generator = torch.Generator().manual_seed(4)
+    query = torch.randn(6, 2, num_queries, head_dim, generator=generator).to(dtype)
+    buffers = [torch.randn(6, 2, 40, head_dim, generator=generator).to(dtype) for _ in range(2)]
+    key, value = (buffer[:, :, :37] for buffer in buffers)  # 37 slots read of 40
+    visible = torch.rand(6, 1, num_queries, 37, generator=generator) < 0.6
+    visible[1, :, 0] = False  # a row that sees no key
+    bias = torch.zeros(visible.shape).masked_fill_(~visible, float("-inf"))
+    torch._dynamo.reset()  # two graphs of this test's shapes (with and without a bias), not the other cases'
+    compiled = torch.compile(kernel_partial_attention, dynamic=False, fullgraph=True)
+    for mask in (bias, None):
+        out, lse = partial_attention(query.double(), key.double(), value.double(),
+                                     None if mask is None else mask.double(), 0.125)
+        for partial in (kernel_partial_attention, compiled):
+            got_out, got_lse = partial(query, key, value, mask, 0.125)
+            assert got_out.dtype == got_lse.dtype == torch.float32 and got_lse.shape == (6, 2, num_queries, 1)
+            torch.testing.assert_close(got_out.double(), out, atol=2e-6, rtol=2e-6)
+            if mask is not None:
+                assert torch.all(got_out[1, :, 0] == 0) and torch.all(got_lse[1, :, 0] < -1e30)
+                seen = visible.expand(-1, 2, -1, -1).any(-1, keepdim=True)
+                torch.testing.assert_close(got_lse.double()[seen], lse[seen], atol=2e-6, rtol=2e-6)
+            else:
+                torch.testing.assert_close(got_lse.double(), lse, atol=2e-6, rtol=2e-6)
+
+
+def test_the_cpu_kernel_leaves_shapes_it_does_not_take_to_the_reduced_partial(monkeypatch):
+    """A head dim the kernel has no loop for (8), more queries than it holds (9), or float64: the reduced partial's
+    result, and the kernel's op is never called."""
+    from turbogrpo.rollout import attention
+    monkeypatch.setattr(torch.ops.turbogrpo, "own_attention", None, raising=False)  # any call would fail
+    for shape, dtype in (((4, 2, 3, 8), torch.float32), ((4, 2, 9, 64), torch.float32), ((4, 2, 3, 64), torch.float64)):
+        query, key, value = (torch.randn(shape[:2] + (rows, shape[3]), dtype=dtype) for rows in (shape[2], 11, 11))
+        got = attention.kernel_partial_attention(query, key, value, None, 0.3)
+        want = attention.reduced_partial_attention(query, key, value, None, 0.3)
+        torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
 def test_a_compiled_step_takes_the_reduced_partial_for_few_queries_only():
-    """Under inductor on the CPU the few-query parts (a plain step's r * n = 3 queries per KV head, at any row count)
-    take the reduced partial; many queries (a tree's 48), eager decoding and other devices keep their choice."""
+    """Under inductor on the CPU the few-query parts (a plain step's r * n = 3 queries per KV head) take the CPU kernel
+    from ``KERNEL_ITEMS`` (row, head) products, the reduced partial below; many queries (a tree's 48), eager decoding
+    and other devices keep their choice."""
     from turbogrpo.rollout import attention
     cpu, picked = torch.device("cpu"), {}
 
     def choose(tensor):
         picked["few"] = attention.partial_attention_for(cpu, False, 192, 3)
+        picked["few rows"] = attention.partial_attention_for(cpu, False, attention.KERNEL_ITEMS - 1, 3)
         picked["tree"] = attention.partial_attention_for(cpu, False, 3, 48)
         picked["prompt"] = attention.partial_attention_for(cpu, False)
         picked["cuda"] = attention.partial_attention_for(torch.device("cuda"), False, 192, 3)
         return tensor + 1
     torch.compile(choose, backend="eager")(torch.zeros(1))
-    assert picked == {"few": attention.reduced_partial_attention, "tree": attention.fused_partial_attention,
+    assert picked == {"few": attention.kernel_partial_attention, "few rows": attention.reduced_partial_attention,
+                      "tree": attention.fused_partial_attention,
                       "prompt": attention.fused_partial_attention, "cuda": attention.partial_attention}
     assert attention.partial_attention_for(cpu, False, 192, 3) is attention.partial_attention
     assert attention.partial_attention_for(cpu, False, 3, 3) is attention.fused_partial_attention

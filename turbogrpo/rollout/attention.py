@@ -6,9 +6,11 @@ it to attend to a group's shared prompt K/V and a sequence's own generated K/V w
 them side by side. Written with as few kernels as possible: decoding runs these once per layer and
 step, and small steps (the long tail of a rollout) are bound by per-kernel overhead.
 
-Three implementations of a part: matrix products with the softmax by hand (any device, any mask), a
+Four implementations of a part: matrix products with the softmax by hand (any device, any mask), a
 fused kernel that returns the log-sum-exp (``PARTIAL_ATTENTION``, per device; rows must see a key), and, inside a
-compiled step, broadcast products reduced over the head dim and the keys (``reduced_partial_attention``: any mask).
+compiled CPU step, broadcast products reduced over the head dim and the keys (``reduced_partial_attention``: any
+mask), or for many rows a hand-written kernel that streams each row's keys and values once for all its queries
+(``kernel_partial_attention``, ``cpu_attention``).
 
 Shapes: ``...`` batch dimensions, ``X`` batch, ``K`` key/value heads, ``M`` queries, ``L`` keys,
 ``D`` head dim.
@@ -17,6 +19,8 @@ Shapes: ``...`` batch dimensions, ``X`` batch, ``K`` key/value heads, ``M`` quer
 from __future__ import annotations
 
 import torch
+
+from turbogrpo.rollout import cpu_attention
 
 
 def merge_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -104,6 +108,8 @@ def partial_attention_for(device: torch.device, may_hide_all: bool, num_batch_he
     ``reduced_partial_attention`` at any row count (measured on the CPU only; other devices keep their choice)."""
     if (device.type == "cpu" and queries_per_head is not None and queries_per_head <= FEW_QUERIES
             and torch.compiler.is_compiling()):
+        if num_batch_heads is not None and num_batch_heads >= KERNEL_ITEMS:
+            return kernel_partial_attention
         return reduced_partial_attention  # one streaming kernel under inductor (its docstring)
     if may_hide_all:
         return partial_attention
@@ -113,7 +119,22 @@ def partial_attention_for(device: torch.device, may_hide_all: bool, num_batch_he
     return fused
 
 
+def kernel_partial_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bias: torch.Tensor | None,
+                             scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``reduced_partial_attention``'s result by ``cpu_attention``'s kernel, which reads each row's keys and values
+    once for all of its queries, where it takes the shapes and dtype (else ``reduced_partial_attention``). Both
+    accumulate in float32 from the same products, as inductor compiles the reduced form; ``bias`` float32.
+    SmolLM2's 30 layers out of cache, compiled (2-core AMD EPYC, ``bench/decode_ops.py --parts
+    own_attention_compiled``): see ``KERNEL_ITEMS``."""
+    if not cpu_attention.supported(query, key):
+        return reduced_partial_attention(query, key, value, bias, scale)
+    return torch.ops.turbogrpo.own_attention(query, key, value, bias, scale)
+
+
 MANY_ITEMS, FEW_QUERIES = 24, 8
+KERNEL_ITEMS = 48
+"""(row, KV head) products from which a compiled CPU step's few-query part runs ``kernel_partial_attention``: below,
+the op's call from the graph (~17 us) costs more than the kernel saves over the fused reduced form."""
 """Where ``partial_attention_for`` prefers the matmuls to a fused kernel: at least this many (batch, head)
 products of at most this many queries each."""
 

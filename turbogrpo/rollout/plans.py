@@ -26,8 +26,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from turbogrpo.hook import causal_band, run_decoder
-from turbogrpo.rollout.attention import (merge_partials, partial_attention, partial_attention_for,
-                                         reduced_partial_attention)
+from turbogrpo.rollout.attention import (kernel_partial_attention, merge_partials, partial_attention,
+                                         partial_attention_for, reduced_partial_attention)
 from turbogrpo.rollout.kv_cache import GroupedKVCache
 from turbogrpo.rollout.states import DecodeStates, PrefillStates
 
@@ -204,8 +204,10 @@ class DecodePlan:
 
 
 def _bias_dtype(partial, query: torch.Tensor) -> torch.dtype:
-    """The matmul and reduced partials add float32 biases to float32 scores; a fused kernel takes the query's dtype."""
-    return torch.float32 if partial in (partial_attention, reduced_partial_attention) else query.dtype
+    """The matmul, reduced and kernel partials add float32 biases to float32 scores; a fused kernel takes the query's
+    dtype."""
+    return torch.float32 if partial in (partial_attention, reduced_partial_attention, kernel_partial_attention) \
+        else query.dtype
 
 
 def _additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
