@@ -223,6 +223,28 @@ def test_the_cpu_kernel_gives_the_partials_output_and_lse_with_hidden_keys(dtype
                 torch.testing.assert_close(got_lse.double(), lse, atol=2e-6, rtol=2e-6)
 
 
+def test_the_cpu_kernel_built_for_avx2_gives_the_same_result(monkeypatch):
+    """The kernel as inductor builds it for an AVX2-only CPU (8 floats a vector, where AVX-512 has 16): the float64
+    partial's result to float32 rounding, in float32 and bf16 (skipped where this CPU cannot run AVX2)."""
+    from torch._inductor.cpu_vec_isa import VecAVX2, pick_vec_isa
+    from turbogrpo.rollout import cpu_attention
+    from turbogrpo.rollout.attention import kernel_partial_attention, partial_attention
+    with torch._inductor.config.patch({"cpp.simdlen": 256}):
+        if not isinstance(pick_vec_isa(), VecAVX2):
+            pytest.skip("this CPU runs no AVX2")
+        cpu_attention._kernel.cache_clear()
+        try:
+            generator = torch.Generator().manual_seed(5)
+            for dtype in (torch.float32, torch.bfloat16):
+                query, key, value = (torch.randn(4, 3, rows, 64, generator=generator).to(dtype) for rows in (3, 21, 21))
+                out, lse = kernel_partial_attention(query, key, value, None, 0.125)
+                want_out, want_lse = partial_attention(query.double(), key.double(), value.double(), None, 0.125)
+                torch.testing.assert_close(out.double(), want_out, atol=2e-6, rtol=2e-6)
+                torch.testing.assert_close(lse.double(), want_lse, atol=2e-6, rtol=2e-6)
+        finally:
+            cpu_attention._kernel.cache_clear()  # later calls build for this CPU's own ISA again
+
+
 def test_the_cpu_kernel_leaves_shapes_it_does_not_take_to_the_reduced_partial(monkeypatch):
     """A head dim the kernel has no loop for (8), more queries than it holds (9), or float64: the reduced partial's
     result, and the kernel's op is never called."""

@@ -33,6 +33,9 @@ DTYPES = {torch.float32: "float", torch.bfloat16: "at::BFloat16"}
 
 _SOURCE = r"""
 #include <torch/csrc/inductor/cpp_prefix.h>
+// cpp_prefix.h brings ATen's vectors only where inductor compiles for a vector ISA; the kernel uses them anyway.
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
 
 using Vec = at::vec::Vectorized<float>;
 constexpr int64_t W = Vec::size();
@@ -162,9 +165,14 @@ def _kernel(dtype: torch.dtype):
     return CppPythonBindingsCodeCache.load_pybinding(argtypes, _SOURCE.replace("DTYPE", ctype))
 
 
+X86_VECTORS = torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+"""Whether ATen runs AVX2 or AVX-512 kernels on this CPU, where this kernel was built and tested (ARM's vectors were
+never tried)."""
+
+
 def supported(query: torch.Tensor, key: torch.Tensor) -> bool:
-    """Whether the kernel takes these shapes and dtypes (``query [X, K, M, D]``, ``key [X, K, L, D]``)."""
-    return (query.device.type == "cpu" and query.dtype in DTYPES and key.dtype == query.dtype
+    """Whether the kernel takes these shapes and dtypes (``query [X, K, M, D]``, ``key [X, K, L, D]``) on this CPU."""
+    return (query.device.type == "cpu" and query.dtype in DTYPES and key.dtype == query.dtype and X86_VECTORS
             and query.shape[-2] <= MAX_QUERIES and query.shape[-1] in HEAD_DIMS
             and query.stride(-1) == 1 and key.stride(-1) == 1)
 
