@@ -273,7 +273,8 @@ DECODE_PARTS: dict[str, Table] = {
     "own_attention_compiled": Table([col("dtype", "dtype", "text"), col("rows x slots", "rows_keys", "text"),
                                      col("K/V MB", "kv_mb", "mb"), col("flash ms", "flash", "g"),
                                      col("matmuls ms", "matmuls", "g"), col("reduced ms", "reduced", "g"),
-                                     col("speedup over the faster", "speedup", "x")], rows="own_attention_compiled",
+                                     col("reduced over the faster", "speedup", "x"), opt("CPU kernel ms", "kernel", "g"),
+                                     opt("kernel over reduced", "kernel_speedup", "x")], rows="own_attention_compiled",
                                     title="Own-completion attention compiled, ms per pass over 30 layers"),
     "tree_levels": Table([col("rows", "rows", "int"), col("vocab", "vocab", "int"), col("draft vocab", "draft_vocab", "int"),
                           col("top-k", "top_k", "int"), col("padded us", "padded", "us"), col("proposals us", "proposals", "us"),
@@ -846,6 +847,11 @@ RESULTS: list[Result] = [
            "and vLLM-CPU, SmolLM2-135M, 8 x 8, up to 256 tokens, T = 1, float32 and bf16",
            "python bench/vllm_rollout.py --engines native,native_compiled,vllm --workloads eos "
            "--out vllm_rollout_reduced_attention", section="Rollouts"),
+    Result("vllm_rollout_cpu_kernel", "vllm_rollout", "Rollout with the compiled step's own-completion attention "
+           "as a hand-written CPU kernel and dynamo's guards checked once per rollout and size: native eager, native "
+           "compiled-onednn and vLLM-CPU, SmolLM2-135M, 8 x 8, up to 256 tokens, T = 1, float32 and bf16",
+           "python bench/vllm_rollout.py --engines native,native_compiled,vllm --workloads eos "
+           "--out vllm_rollout_cpu_kernel", section="Rollouts"),
     Result("vllm_engine_overhead", "vllm_engine_overhead", "turbogrpo's vLLM engine against TRL's call on the same "
            "vLLM engine, one process: SmolLM2-135M, 8 GSM8K prompts x 8, up to 256 tokens, T = 1, float32",
            "python bench/vllm_engine_overhead.py --trl-build", section="Rollouts"),
@@ -1036,6 +1042,11 @@ RESULTS: list[Result] = [
            "cache, float32 and bf16",
            "python bench/decode_ops.py --threads 2 --parts own_attention_compiled --calls 3 "
            "--out decode_ops_own_attention_compiled", section="Kernels and parts of a step"),
+    Result("decode_ops_own_attention_kernel", "decode_ops", "Own-completion attention inside a compiled step: flash, "
+           "batched matmuls, reduced broadcast products and the hand-written CPU kernel (rollout.cpu_attention), 30 "
+           "layers out of cache, float32 and bf16",
+           "python bench/decode_ops.py --threads 2 --parts own_attention_compiled --calls 3 "
+           "--out decode_ops_own_attention_kernel", section="Kernels and parts of a step", awaiting_run=True),
     Result("decode_ops_sibling_linears", "decode_ops", "Sibling linears in one product",
            "python bench/decode_ops.py --threads 2 --parts sibling_linears --calls 3 --repeats 7 --out decode_ops_sibling_linears",
            section="Kernels and parts of a step"),

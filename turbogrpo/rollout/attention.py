@@ -126,7 +126,7 @@ def kernel_partial_attention(query: torch.Tensor, key: torch.Tensor, value: torc
     accumulate in float32 from the same products, as inductor compiles the reduced form; ``bias`` float32.
     SmolLM2's 30 layers out of cache, compiled (2-core AMD EPYC, ``bench/decode_ops.py --parts
     own_attention_compiled``): see ``KERNEL_ITEMS``."""
-    if not cpu_attention.supported(query, key):
+    if not cpu_attention.supported(query, key, value):
         return reduced_partial_attention(query, key, value, bias, scale)
     return torch.ops.turbogrpo.own_attention(query, key, value, bias, scale)
 

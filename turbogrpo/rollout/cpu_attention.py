@@ -4,7 +4,7 @@ A plain decoding step's own-completion attention is, per row and KV head, M = r 
 that row's L generated keys and values. Inductor compiles ``attention.reduced_partial_attention`` into one fused
 kernel, but it reduces each (query, key) dot product over the head dim on its own (a horizontal vector sum per
 score), converts and scales the queries again for every key, and reads each key and value row once per query
-(``TORCH_LOGS=output_code``). ``own_attention`` reads each key and value row once for all M queries, with the
+(``TORCH_LOGS=output_code``). This kernel reads each key and value row once for all M queries, with the
 queries held in registers as float32: scores, then a vectorised softmax per query, then the weighted sum of the
 values, accumulated in float32 (the merge dtype of both float32 and bf16) -- the same arithmetic as
 ``reduced_partial_attention``, in one pass over memory.
@@ -13,8 +13,9 @@ The kernel is C++ over ATen's portable vector types (``at::vec``: AVX-512, AVX2 
 inductor picked for this CPU), built by inductor's own compiler driver with the flags of inductor's kernels, and
 cached on disk by inductor like them (the first call of a process loads it; the first on a machine compiles it, a
 few seconds). It runs where the compiled step runs (``partial_attention_for`` picks it inside a compiled CPU graph
-only, where that compiler is known to work), for float32 and bf16 queries, head dims of a multiple of 32 up to 256
-and at most ``MAX_QUERIES`` queries per KV head; other shapes keep ``reduced_partial_attention``.
+only, where that compiler is known to work), for float32 and bf16, head dims 64, 128 and 256 and at most
+``MAX_QUERIES`` queries per KV head, on x86 CPUs with AVX2 or AVX-512; anything else keeps
+``reduced_partial_attention``. Its speed is in ``attention.KERNEL_ITEMS``.
 
 The graph sees an opaque library op (``torch.ops.turbogrpo.own_attention(query, key, value, bias, scale)``, with a
 fake kernel for its shapes), which the compiled step's Python wrapper calls once per layer;
@@ -170,9 +171,11 @@ X86_VECTORS = torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
 never tried)."""
 
 
-def supported(query: torch.Tensor, key: torch.Tensor) -> bool:
-    """Whether the kernel takes these shapes and dtypes (``query [X, K, M, D]``, ``key [X, K, L, D]``) on this CPU."""
-    return (query.device.type == "cpu" and query.dtype in DTYPES and key.dtype == query.dtype and X86_VECTORS
+def supported(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
+    """Whether the kernel takes these shapes and dtypes (``query [X, K, M, D]``, ``key``/``value [X, K, L, D]``) on
+    this CPU."""
+    return (query.device.type == "cpu" and query.dtype in DTYPES and key.dtype == value.dtype == query.dtype
+            and X86_VECTORS
             and query.shape[-2] <= MAX_QUERIES and query.shape[-1] in HEAD_DIMS
             and query.stride(-1) == 1 and key.stride(-1) == 1)
 
