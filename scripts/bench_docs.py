@@ -1046,7 +1046,7 @@ RESULTS: list[Result] = [
            "batched matmuls, reduced broadcast products and the hand-written CPU kernel (rollout.cpu_attention), 30 "
            "layers out of cache, float32 and bf16",
            "python bench/decode_ops.py --threads 2 --parts own_attention_compiled --calls 3 "
-           "--out decode_ops_own_attention_kernel", section="Kernels and parts of a step", awaiting_run=True),
+           "--out decode_ops_own_attention_kernel", section="Kernels and parts of a step"),
     Result("decode_ops_sibling_linears", "decode_ops", "Sibling linears in one product",
            "python bench/decode_ops.py --threads 2 --parts sibling_linears --calls 3 --repeats 7 --out decode_ops_sibling_linears",
            section="Kernels and parts of a step"),

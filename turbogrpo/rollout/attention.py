@@ -132,11 +132,13 @@ def kernel_partial_attention(query: torch.Tensor, key: torch.Tensor, value: torc
 
 
 MANY_ITEMS, FEW_QUERIES = 24, 8
-KERNEL_ITEMS = 48
-"""(row, KV head) products from which a compiled CPU step's few-query part runs ``kernel_partial_attention``: below,
-the op's call from the graph (~17 us) costs more than the kernel saves over the fused reduced form."""
 """Where ``partial_attention_for`` prefers the matmuls to a fused kernel: at least this many (batch, head)
 products of at most this many queries each."""
+KERNEL_ITEMS = 48
+"""(row, KV head) products from which a compiled CPU step's few-query part runs ``kernel_partial_attention``: below,
+the op's call from the graph (~17 us) costs more than the kernel saves over the fused reduced form. One compiled
+SmolLM2 step late in a rollout (2-core AMD EPYC): bf16 102 against 123 ms at 64 rows, 57.6 against 61.6 at 16 (48
+products); float32 within noise at both."""
 
 
 def merge_partials(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
