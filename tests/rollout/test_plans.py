@@ -259,20 +259,28 @@ def test_the_cpu_kernel_leaves_shapes_it_does_not_take_to_the_reduced_partial(mo
 
 def test_a_compiled_step_takes_the_reduced_partial_for_few_queries_only():
     """Under inductor on the CPU the few-query parts (a plain step's r * n = 3 queries per KV head) take the CPU kernel
-    from ``KERNEL_ITEMS`` (row, head) products, the reduced partial below; many queries (a tree's 48), eager decoding
+    from ``KERNEL_ITEMS`` (row, head) products (fewer in bf16), the reduced partial below; many queries (a tree's 48), eager decoding
     and other devices keep their choice."""
     from turbogrpo.rollout import attention
     cpu, picked = torch.device("cpu"), {}
 
     def choose(tensor):
         picked["few"] = attention.partial_attention_for(cpu, False, 192, 3)
-        picked["few rows"] = attention.partial_attention_for(cpu, False, attention.KERNEL_ITEMS - 1, 3)
+        few = attention.KERNEL_ITEMS[torch.float32]
+        picked["few rows"] = attention.partial_attention_for(cpu, False, few - 1, 3)
+        picked["few rows, bf16"] = attention.partial_attention_for(cpu, False, few - 1, 3, torch.bfloat16)
+        picked["fewer rows, bf16"] = attention.partial_attention_for(
+            cpu, False, attention.KERNEL_ITEMS[torch.bfloat16] - 1, 3, torch.bfloat16)
+        picked["few rows, float64"] = attention.partial_attention_for(cpu, False, few - 1, 3, torch.float64)
         picked["tree"] = attention.partial_attention_for(cpu, False, 3, 48)
         picked["prompt"] = attention.partial_attention_for(cpu, False)
         picked["cuda"] = attention.partial_attention_for(torch.device("cuda"), False, 192, 3)
         return tensor + 1
     torch.compile(choose, backend="eager")(torch.zeros(1))
     assert picked == {"few": attention.kernel_partial_attention, "few rows": attention.reduced_partial_attention,
+                      "few rows, bf16": attention.kernel_partial_attention,
+                      "fewer rows, bf16": attention.reduced_partial_attention,
+                      "few rows, float64": attention.reduced_partial_attention,
                       "tree": attention.fused_partial_attention,
                       "prompt": attention.fused_partial_attention, "cuda": attention.partial_attention}
     assert attention.partial_attention_for(cpu, False, 192, 3) is attention.partial_attention

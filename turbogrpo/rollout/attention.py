@@ -96,19 +96,20 @@ a row (sliding windows), use ``partial_attention``."""
 
 
 def partial_attention_for(device: torch.device, may_hide_all: bool, num_batch_heads: int | None = None,
-                          queries_per_head: int | None = None):
+                          queries_per_head: int | None = None, dtype: torch.dtype | None = None):
     """The partial attention to use on ``device`` for ``num_batch_heads`` (X * K) products of
-    ``queries_per_head`` (M) queries each (None: unknown, as for the prompt part).
+    ``queries_per_head`` (M) queries each (None: unknown, as for the prompt part), in ``dtype`` (the queries').
 
     CPU flash attention has a fixed cost per (batch, head) item, so for many items of few queries (the
     own-completion part of a wide plain decoding step) the batched matmuls win. ``python bench/decode_ops.py
     --threads 2 --parts own_attention`` (2-core AMD EPYC): 32 rows x 3 KV heads x 3 queries over 16-128
     keys 205-392 us a call by flash against 90-298 us by matmuls (1.3-2.3x), 16 rows 1.21x, 8 rows 1.14x,
     4 rows 0.70x, 1 row 0.56x; 48 queries (a tree) 0.61-1.09x. A compiled CPU step's few-query parts take
-    ``reduced_partial_attention`` at any row count (measured on the CPU only; other devices keep their choice)."""
+    ``reduced_partial_attention``, or from ``KERNEL_ITEMS`` products ``kernel_partial_attention`` (measured on the
+    CPU only; other devices keep their choice)."""
     if (device.type == "cpu" and queries_per_head is not None and queries_per_head <= FEW_QUERIES
             and torch.compiler.is_compiling()):
-        if num_batch_heads is not None and num_batch_heads >= KERNEL_ITEMS:
+        if num_batch_heads is not None and num_batch_heads >= KERNEL_ITEMS.get(dtype, KERNEL_ITEMS[torch.float32]):
             return kernel_partial_attention
         return reduced_partial_attention  # one streaming kernel under inductor (its docstring)
     if may_hide_all:
@@ -134,11 +135,13 @@ def kernel_partial_attention(query: torch.Tensor, key: torch.Tensor, value: torc
 MANY_ITEMS, FEW_QUERIES = 24, 8
 """Where ``partial_attention_for`` prefers the matmuls to a fused kernel: at least this many (batch, head)
 products of at most this many queries each."""
-KERNEL_ITEMS = 48
-"""(row, KV head) products from which a compiled CPU step's few-query part runs ``kernel_partial_attention``: below,
-the op's call from the graph (~17 us) costs more than the kernel saves over the fused reduced form. One compiled
-SmolLM2 step late in a rollout (2-core AMD EPYC): bf16 102 against 123 ms at 64 rows, 57.6 against 61.6 at 16 (48
-products); float32 within noise at both."""
+KERNEL_ITEMS = {torch.bfloat16: 24, torch.float32: 48}
+"""Query dtype -> (row, KV head) products from which a compiled CPU step's few-query part runs
+``kernel_partial_attention`` (other dtypes: float32's); below, the op's call from the graph (~17 us) costs more than
+the kernel saves over the fused reduced form. SmolLM2's 30 layers out of cache (2-core AMD EPYC,
+``decode_ops_own_attention_kernel``): bf16 1.6x the reduced form at 8 rows (24 products) x 256 slots, 1.18x at 4,
+0.90x at 1; float32 0.92-0.99x at 8-16 rows, 1.19-1.36x from 16 rows x 256 slots. One compiled step late in a
+rollout: bf16 102 against 123 ms at 64 rows, 57.6 against 61.6 at 16; float32 within noise at both."""
 
 
 def merge_partials(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,

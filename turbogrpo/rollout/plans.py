@@ -126,7 +126,7 @@ class DecodePlan:
         # A sliding window can hide a query's whole prompt part: only the matmul partial handles that.
         partial = partial_attention_for(query.device, may_hide_all=sliding_window is not None)
         own_partial = partial_attention_for(query.device, sliding_window is not None, num_rows * num_kv_heads,
-                                            group_size * num_new)
+                                            group_size * num_new, query.dtype)
         # Query head h reads key/value head h // r (as in HF's repeat_kv): rows of one KV head are (r, n).
         query_BKMD = query.reshape(num_rows, num_kv_heads, group_size * num_new, head_dim)
         prompt_bias, _ = self._attention_biases(sliding_window, group_size, _bias_dtype(partial, query))
