@@ -201,7 +201,7 @@ class CompiledStep:
         (``skip_guard_eval_unsafe``: the ones that failed when a graph was compiled). A rollout's model, dtype and
         modules do not change inside it, and the first call of each signature checked them all (and compiled if
         needed); the full check cost ~2 ms a step for SmolLM2's 30 layers, ~10% of a one-row bf16 step on the
-        2-core AMD EPYC. A rollout is one KV cache; nothing changes where the user set another stance."""
+        2-core AMD EPYC (a one-off A/B). A rollout is one KV cache; nothing changes where the user set another stance."""
         if not self.static or torch._dynamo.eval_frame._stance.stance != "default":
             return contextlib.nullcontext()
         if self._guarded_rollout is None or self._guarded_rollout() is not state.cache:
