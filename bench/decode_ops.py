@@ -25,6 +25,9 @@
   ``reduced_partial_attention`` (broadcast products that inductor fuses into one streaming kernel) and
   ``kernel_partial_attention`` (``rollout.cpu_attention``'s hand-written kernel), over 30 layers' K/V out of
   cache, float32 and bf16, 1-64 rows x 64-256 slots; milliseconds per pass.
+* Parts with many queries per KV head inside a compiled step (``many_queries_compiled``): a group's prompt part
+  (its live samples' queries over the prompt's keys) and a tree's own part (48 queries over committed slots and
+  ancestors), CPU flash attention and the matmuls against ``kernel_partial_attention``; milliseconds per pass.
 
 Each part's contenders run interleaved in one process, median of ``--repeats`` timings of ``--calls`` calls each.
 
@@ -34,6 +37,7 @@ Each part's contenders run interleaved in one process, median of ``--repeats`` t
     python bench/decode_ops.py --threads 2 --parts own_attention --out decode_ops_own_attention
     python bench/decode_ops.py --threads 2 --parts sibling_linears --calls 3 --out decode_ops_sibling_linears
     python bench/decode_ops.py --threads 2 --parts own_attention_compiled --calls 3 --out decode_ops_own_attention_kernel
+    python bench/decode_ops.py --threads 2 --parts many_queries_compiled --calls 3 --out decode_ops_many_queries_kernel
 """
 
 from __future__ import annotations
@@ -214,9 +218,48 @@ def own_attention_compiled(calls: int, repeats: int) -> list[dict]:
     return rows
 
 
+def many_queries_compiled(calls: int, repeats: int) -> list[dict]:
+    """Parts with many queries per KV head inside a compiled step, over SmolLM2's 30 layers (each layer's K/V its own
+    buffer, read a slot short of its end): a group's prompt part (its S live samples' 3 S queries per KV head over P
+    prompt keys, every key visible) and a tree's own part (16 tree tokens' 48 queries over L slots, each seeing its
+    committed slots and its ancestors: a random half of the last 16). CPU flash attention and the batched matmuls
+    against ``kernel_partial_attention``, each compiled over the 30 layers as one graph."""
+    rows = []
+    cases = [("prompt", 8, 8, 143), ("prompt", 8, 4, 143), ("prompt", 8, 1, 143), ("prompt", 4, 1, 143),
+             ("prompt", 1, 1, 143), ("prompt", 1, 8, 143), ("tree", 1, 16, 160), ("tree", 4, 16, 160),
+             ("tree", 16, 16, 160)]
+    for dtype in (torch.float32, torch.bfloat16):
+        for part, num_x, count, num_keys in cases:
+            num_queries = 3 * count
+            def layer_buffer():
+                return torch.randn(num_x, 3, num_keys + 1, 64, dtype=dtype)[:, :, :num_keys]
+            keys, values = [layer_buffer() for _ in range(30)], [layer_buffer() for _ in range(30)]
+            query = torch.randn(num_x, 3, num_queries, 64, dtype=dtype)
+            bias = None
+            if part == "tree":
+                visible = torch.ones(num_x, 1, num_queries, num_keys, dtype=torch.bool)
+                visible[..., -16:] = torch.rand(num_x, 1, num_queries, 16) < 0.5
+                bias = torch.zeros(visible.shape).masked_fill_(~visible, float("-inf"))
+
+            def layers(partial, bias):
+                torch._dynamo.reset()  # each shape and contender its own graph (one code object: no recompile limit)
+                return torch.compile(lambda: [partial(query, k, v, bias, 0.125) for k, v in zip(keys, values)],
+                                     dynamic=False)
+            us = per_call_us({"flash": layers(fused_partial_attention, None if bias is None else bias.to(dtype)),
+                              "matmuls": layers(partial_attention, bias),
+                              "kernel": layers(kernel_partial_attention, bias)}, calls, repeats)
+            label = (f"{num_x} groups x {count} samples x {num_keys}" if part == "prompt"
+                     else f"{num_x} rows x {count} tree tokens x {num_keys}")
+            rows.append({"dtype": str(dtype).removeprefix("torch."), "part": part, "shape": label,
+                         "kv_mb": 2 * 30 * keys[0].numel() * keys[0].element_size() / 1e6,
+                         **{name: us[name] / 1e3 for name in ("flash", "matmuls", "kernel")},
+                         "speedup": min(us["flash"], us["matmuls"]) / us["kernel"]})
+    return rows
+
+
 PARTS = {"cache_writes": cache_writes, "draws": draws, "tree_levels": tree_levels, "linears": linears,
          "own_attention": own_attention, "sibling_linears": sibling_linears,
-         "own_attention_compiled": own_attention_compiled}
+         "own_attention_compiled": own_attention_compiled, "many_queries_compiled": many_queries_compiled}
 TITLES = {"cache_writes": ("KV-cache write, one token per sequence (us per write)", ["dtype", "scatter_", "write_slots"]),
           "draws": ("Draw from [rows, 49152] probabilities (us per draw)", ["rows", "one_cumsum", "two_level"]),
           "tree_levels": ("A tree level's top-4: padded to 49152 vs the 4096-token draft vocabulary (us)",
@@ -234,7 +277,11 @@ TITLES = {"cache_writes": ("KV-cache write, one token per sequence (us per write
                                      "speedup: reduced over the faster of flash and matmuls; kernel_speedup: kernel "
                                      "over reduced)",
                                      ["dtype", "rows_keys", "kv_mb", "flash", "matmuls", "reduced", "kernel",
-                                      "kernel_speedup"])}
+                                      "kernel_speedup"]),
+          "many_queries_compiled": ("Prompt parts and tree parts in a compiled step, 30 layers x 3 KV heads: flash and "
+                                    "matmuls vs the CPU kernel (ms per pass; speedup: kernel over the faster of "
+                                    "flash and matmuls)", ["dtype", "part", "shape", "kv_mb", "flash", "matmuls",
+                                                           "kernel"])}
 
 
 def main() -> None:

@@ -276,6 +276,12 @@ DECODE_PARTS: dict[str, Table] = {
                                      col("reduced over the faster", "speedup", "x"), opt("CPU kernel ms", "kernel", "g"),
                                      opt("kernel over reduced", "kernel_speedup", "x")], rows="own_attention_compiled",
                                     title="Own-completion attention compiled, ms per pass over 30 layers"),
+    "many_queries_compiled": Table([col("dtype", "dtype", "text"), col("part", "part", "text"),
+                                    col("shape", "shape", "text"), col("K/V MB", "kv_mb", "mb"),
+                                    col("flash ms", "flash", "g"), col("matmuls ms", "matmuls", "g"),
+                                    col("CPU kernel ms", "kernel", "g"), col("kernel over the faster", "speedup", "x")],
+                                   rows="many_queries_compiled",
+                                   title="Prompt and tree parts compiled, ms per pass over 30 layers"),
     "tree_levels": Table([col("rows", "rows", "int"), col("vocab", "vocab", "int"), col("draft vocab", "draft_vocab", "int"),
                           col("top-k", "top_k", "int"), col("padded us", "padded", "us"), col("proposals us", "proposals", "us"),
                           col("speedup", "speedup", "x")], rows="tree_levels", title="Tree levels"),
@@ -1047,6 +1053,11 @@ RESULTS: list[Result] = [
            "layers out of cache, float32 and bf16",
            "python bench/decode_ops.py --threads 2 --parts own_attention_compiled --calls 3 "
            "--out decode_ops_own_attention_kernel", section="Kernels and parts of a step"),
+    Result("decode_ops_many_queries_kernel", "decode_ops", "Parts with many queries per KV head inside a compiled "
+           "step (a group's prompt part, a tree's own part): flash, batched matmuls and the CPU kernel, 30 layers out "
+           "of cache, float32 and bf16",
+           "python bench/decode_ops.py --threads 2 --parts many_queries_compiled --calls 3 "
+           "--out decode_ops_many_queries_kernel", section="Kernels and parts of a step"),
     Result("decode_ops_sibling_linears", "decode_ops", "Sibling linears in one product",
            "python bench/decode_ops.py --threads 2 --parts sibling_linears --calls 3 --repeats 7 --out decode_ops_sibling_linears",
            section="Kernels and parts of a step"),

@@ -122,12 +122,14 @@ def test_the_inductor_compiled_step_gives_the_eager_tokens_with_grouped_query_he
     The second rollout's other prompt lengths recompile the step with a dynamic prompt width, where
     inductor once failed to bind that size (``NameError: s65``) when the prompt mask was built from a
     host int inside the graph. 24 rows x 2 KV heads of head dim 64 run the own-completion part by the CPU kernel
-    (``attention.KERNEL_ITEMS`` in float32), whose outputs the graph reads with its own strides."""
+    (``attention.KERNEL_ITEMS`` in float32), whose outputs the graph reads with its own strides, and the prompt part
+    too (``attention.prompt_attention_for``), through a sliding window of 4 that hides a whole prompt from the later
+    tokens (rows that see no prompt key)."""
     torch._dynamo.reset()
     _compiled.cache_clear()
-    model = build_model("llama", num_hidden_layers=1, num_attention_heads=6, num_key_value_heads=2, hidden_size=48,
-                        head_dim=64)
-    kwargs = dict(num_samples=12, sampling=SamplingConfig(max_new_tokens=4), seed=3)
+    model = build_model("mistral", num_hidden_layers=1, num_attention_heads=6, num_key_value_heads=2, hidden_size=48,
+                        head_dim=64, sliding_window=4)
+    kwargs = dict(num_samples=12, sampling=SamplingConfig(max_new_tokens=8), seed=3)
     kernel_calls = []
     real_kernel = cpu_attention._kernel
     with mock.patch.object(cpu_attention, "_kernel", lambda dtype: (kernel_calls.append(dtype), real_kernel(dtype))[1]):

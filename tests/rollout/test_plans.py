@@ -191,7 +191,7 @@ def test_the_reduced_partial_gives_the_matmul_partials_output_and_lse_with_hidde
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("num_queries,head_dim", [(3, 64), (1, 128), (8, 64), (5, 256)])
+@pytest.mark.parametrize("num_queries,head_dim", [(3, 64), (1, 128), (8, 64), (5, 256), (24, 64), (13, 128)])
 def test_the_cpu_kernel_gives_the_partials_output_and_lse_with_hidden_keys(dtype, num_queries, head_dim):
     """``kernel_partial_attention`` (a compiled CPU step's few-query parts at many rows) reads keys and values out of
     a longer buffer (as the KV cache holds them) and gives the float64 partial's output and log-sum-exp of the same
@@ -245,22 +245,24 @@ def test_the_cpu_kernel_built_for_avx2_gives_the_same_result(monkeypatch):
             cpu_attention._kernel.cache_clear()  # later calls build for this CPU's own ISA again
 
 
-def test_the_cpu_kernel_leaves_shapes_it_does_not_take_to_the_reduced_partial(monkeypatch):
-    """A head dim the kernel has no loop for (8), more queries than it holds (9), or float64: the reduced partial's
-    result, and the kernel's op is never called."""
+def test_the_cpu_kernel_leaves_shapes_it_does_not_take_to_the_reduced_or_matmul_partial(monkeypatch):
+    """A head dim the kernel has no loop for (8) or float64: the own part gets the reduced partial's result, the
+    prompt part the matmul partial's, and the kernel's op is never called."""
     from turbogrpo.rollout import attention
     monkeypatch.setattr(torch.ops.turbogrpo, "own_attention", None, raising=False)  # any call would fail
-    for shape, dtype in (((4, 2, 3, 8), torch.float32), ((4, 2, 9, 64), torch.float32), ((4, 2, 3, 64), torch.float64)):
+    for shape, dtype in (((4, 2, 3, 8), torch.float32), ((4, 2, 24, 64), torch.float64)):
         query, key, value = (torch.randn(shape[:2] + (rows, shape[3]), dtype=dtype) for rows in (shape[2], 11, 11))
-        got = attention.kernel_partial_attention(query, key, value, None, 0.3)
-        want = attention.reduced_partial_attention(query, key, value, None, 0.3)
-        torch.testing.assert_close(got, want, atol=0, rtol=0)
+        for partial, fallback in ((attention.kernel_partial_attention, attention.reduced_partial_attention),
+                                  (attention.kernel_prompt_attention, attention.partial_attention)):
+            torch.testing.assert_close(partial(query, key, value, None, 0.3), fallback(query, key, value, None, 0.3),
+                                       atol=0, rtol=0)
 
 
 def test_a_compiled_step_takes_the_reduced_partial_for_few_queries_only():
     """Under inductor on the CPU the few-query parts (a plain step's r * n = 3 queries per KV head) take the CPU kernel
-    from ``KERNEL_ITEMS`` (row, head) products (fewer in bf16), the reduced partial below; many queries (a tree's 48), eager decoding
-    and other devices keep their choice."""
+    from ``KERNEL_ITEMS`` (row, head) products (fewer in bf16), the reduced partial below, and the prompt part the
+    kernel (sliding windows included); many queries (a tree's 48), eager decoding and other devices keep their
+    choice."""
     from turbogrpo.rollout import attention
     cpu, picked = torch.device("cpu"), {}
 
@@ -273,8 +275,10 @@ def test_a_compiled_step_takes_the_reduced_partial_for_few_queries_only():
             cpu, False, attention.KERNEL_ITEMS[torch.bfloat16] - 1, 3, torch.bfloat16)
         picked["few rows, float64"] = attention.partial_attention_for(cpu, False, few - 1, 3, torch.float64)
         picked["tree"] = attention.partial_attention_for(cpu, False, 3, 48)
-        picked["prompt"] = attention.partial_attention_for(cpu, False)
+        picked["prompt"] = attention.prompt_attention_for(cpu, False)
+        picked["prompt, window"] = attention.prompt_attention_for(cpu, True)
         picked["cuda"] = attention.partial_attention_for(torch.device("cuda"), False, 192, 3)
+        picked["cuda prompt"] = attention.prompt_attention_for(torch.device("cuda"), False)
         return tensor + 1
     torch.compile(choose, backend="eager")(torch.zeros(1))
     assert picked == {"few": attention.kernel_partial_attention, "few rows": attention.reduced_partial_attention,
@@ -282,6 +286,9 @@ def test_a_compiled_step_takes_the_reduced_partial_for_few_queries_only():
                       "fewer rows, bf16": attention.reduced_partial_attention,
                       "few rows, float64": attention.reduced_partial_attention,
                       "tree": attention.fused_partial_attention,
-                      "prompt": attention.fused_partial_attention, "cuda": attention.partial_attention}
+                      "prompt": attention.kernel_prompt_attention, "prompt, window": attention.kernel_prompt_attention,
+                      "cuda": attention.partial_attention, "cuda prompt": attention.partial_attention}
     assert attention.partial_attention_for(cpu, False, 192, 3) is attention.partial_attention
     assert attention.partial_attention_for(cpu, False, 3, 3) is attention.fused_partial_attention
+    assert attention.prompt_attention_for(cpu, False) is attention.fused_partial_attention
+    assert attention.prompt_attention_for(cpu, True) is attention.partial_attention

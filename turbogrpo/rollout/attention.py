@@ -9,8 +9,8 @@ step, and small steps (the long tail of a rollout) are bound by per-kernel overh
 Four implementations of a part: matrix products with the softmax by hand (any device, any mask), a
 fused kernel that returns the log-sum-exp (``PARTIAL_ATTENTION``, per device; rows must see a key), and, inside a
 compiled CPU step, broadcast products reduced over the head dim and the keys (``reduced_partial_attention``: any
-mask), or for many rows a hand-written kernel that streams each row's keys and values once for all its queries
-(``kernel_partial_attention``, ``cpu_attention``).
+mask), or for many rows, and for the prompt part, a hand-written kernel that streams each row's keys and values
+once for all its queries (``kernel_partial_attention``, ``kernel_prompt_attention``, ``cpu_attention``).
 
 Shapes: ``...`` batch dimensions, ``X`` batch, ``K`` key/value heads, ``M`` queries, ``L`` keys,
 ``D`` head dim.
@@ -120,6 +120,20 @@ def partial_attention_for(device: torch.device, may_hide_all: bool, num_batch_he
     return fused
 
 
+def prompt_attention_for(device: torch.device, may_hide_all: bool):
+    """The partial attention of the prompt part (a group's live samples' queries, stacked, over its prompt's keys).
+    Inside a compiled CPU step ``kernel_prompt_attention``; elsewhere ``partial_attention_for``'s choice.
+
+    SmolLM2's 30 layers, 8 groups x 1-8 samples over 143 prompt keys, compiled (2-core AMD EPYC, ``python
+    bench/decode_ops.py --threads 2 --parts many_queries_compiled``, ``decode_ops_many_queries_kernel``): the kernel
+    over flash 1.17x (float32) and 1.70x (bf16) at 8 x 8, 1.99-3.0x at 8 x 1, 1.18-1.67x at one group; over the
+    matmuls 0.97x at 8 x 8 in float32, 1.3-3.0x elsewhere. A tree's own part (48 queries) keeps its choice: the
+    kernel ran it at 0.84-0.90x in float32."""
+    if device.type == "cpu" and torch.compiler.is_compiling():
+        return kernel_prompt_attention
+    return partial_attention_for(device, may_hide_all)
+
+
 def kernel_partial_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bias: torch.Tensor | None,
                              scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """``reduced_partial_attention``'s result by ``cpu_attention``'s kernel, which reads each row's keys and values
@@ -127,8 +141,21 @@ def kernel_partial_attention(query: torch.Tensor, key: torch.Tensor, value: torc
     accumulate in float32 from the same products, as inductor compiles the reduced form; ``bias`` float32.
     SmolLM2's 30 layers out of cache, compiled (2-core AMD EPYC, ``bench/decode_ops.py --parts
     own_attention_compiled``): see ``KERNEL_ITEMS``."""
+    return _kernel_or(reduced_partial_attention, query, key, value, bias, scale)
+
+
+def kernel_prompt_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bias: torch.Tensor | None,
+                            scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``partial_attention``'s result by ``cpu_attention``'s kernel where it takes the shapes and dtype (else by
+    ``partial_attention``: many queries per KV head, where the reduced form would multiply out every (query, key,
+    dim) product); ``bias`` float32. Any mask: a row that sees no key gets output 0."""
+    return _kernel_or(partial_attention, query, key, value, bias, scale)
+
+
+def _kernel_or(fallback, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bias: torch.Tensor | None,
+               scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     if not cpu_attention.supported(query, key, value):
-        return reduced_partial_attention(query, key, value, bias, scale)
+        return fallback(query, key, value, bias, scale)
     return torch.ops.turbogrpo.own_attention(query, key, value, bias, scale)
 
 

@@ -1,4 +1,4 @@
-"""The own-completion part of a compiled CPU decoding step as one hand-written kernel.
+"""The own-completion and prompt parts of a compiled CPU decoding step as one hand-written kernel.
 
 A plain decoding step's own-completion attention is, per row and KV head, M = r * n queries (3 for SmolLM2) against
 that row's L generated keys and values. Inductor compiles ``attention.reduced_partial_attention`` into one fused
@@ -12,10 +12,13 @@ values, accumulated in float32 (the merge dtype of both float32 and bf16) -- the
 The kernel is C++ over ATen's portable vector types (``at::vec``: AVX-512, AVX2 or plain loops, whichever
 inductor picked for this CPU), built by inductor's own compiler driver with the flags of inductor's kernels, and
 cached on disk by inductor like them (the first call of a process loads it; the first on a machine compiles it, a
-few seconds). It runs where the compiled step runs (``partial_attention_for`` picks it inside a compiled CPU graph
-only, where that compiler is known to work), for float32 and bf16, head dims 64, 128 and 256 and at most
-``MAX_QUERIES`` queries per KV head, on x86 CPUs with AVX2 or AVX-512; anything else keeps
-``reduced_partial_attention``. Its speed is in ``attention.KERNEL_ITEMS``.
+few seconds). It runs where the compiled step runs (``partial_attention_for`` and ``prompt_attention_for`` pick it
+inside a compiled CPU graph only, where that compiler is known to work), for float32 and bf16 and head dims 64, 128
+and 256, on x86 CPUs with AVX2 or AVX-512; anything else keeps the matmul or reduced form. Its speed is in
+``attention.KERNEL_ITEMS`` and ``attention.prompt_attention_for``.
+
+A group's prompt part has many queries per KV head (3 per live sample for SmolLM2): the kernel takes them in chunks
+of at most 8, each chunk's queries in registers, re-reading the chunk's keys from cache.
 
 The graph sees an opaque library op (``torch.ops.turbogrpo.own_attention(query, key, value, bias, scale)``, with a
 fake kernel for its shapes), which the compiled step's Python wrapper calls once per layer;
@@ -28,7 +31,6 @@ import functools
 
 import torch
 
-MAX_QUERIES = 8
 HEAD_DIMS = (64, 128, 256)
 DTYPES = {torch.float32: "float", torch.bfloat16: "at::BFloat16"}
 
@@ -50,7 +52,7 @@ template <> inline void load2<float>(const float* p, Vec& a, Vec& b) {
     b = Vec::loadu(p + W);
 }
 
-constexpr int64_t AHEAD = 16;
+constexpr int64_t AHEAD = 16, MAX_QUERIES = 8;
 template <typename T> static inline void prefetch_row(const T* p, int64_t D) {
     for (int64_t byte = 0; byte < D * (int64_t)sizeof(T); byte += 64)
         __builtin_prefetch(reinterpret_cast<const char*>(p) + byte);
@@ -125,19 +127,28 @@ static void attend(const T* q, int64_t qm, const T* k, int64_t kl, const T* v, i
     }
 }
 
-template <typename T, int M, int D>
+// Each (row, KV head)'s M queries in chunks of at most MAX_QUERIES, as even as they go (24 -> 8 + 8 + 8, 12 -> 6 + 6):
+// a chunk's queries stay in registers, and a chunk past the first reads its keys and values again from cache.
+template <typename T, int D>
 static void attend_all(const T* q, const T* k, const T* v, const float* bias, float* out, float* lse,
-                       int64_t X, int64_t H, int64_t L, const int64_t* s, float scale) {
+                       int64_t X, int64_t H, int64_t M, int64_t L, const int64_t* s, float scale) {
     // s: query (x, h, m), key (x, h, l), value (x, h, l), bias (x, h, m), out (x, h, m), lse (x, h, m) strides
+    using Attend = void (*)(const T*, int64_t, const T*, int64_t, const T*, int64_t, const float*, int64_t, int64_t,
+                            float, float*, float*, int64_t, float*, int64_t);
+    static constexpr Attend by_size[] = {attend<T, 1, D>, attend<T, 2, D>, attend<T, 3, D>, attend<T, 4, D>,
+                                         attend<T, 5, D>, attend<T, 6, D>, attend<T, 7, D>, attend<T, 8, D>};
+    const int64_t chunks = (M + MAX_QUERIES - 1) / MAX_QUERIES, base = M / chunks, extra = M % chunks;
     #pragma omp parallel
     {
-        std::vector<float> scores(M * L);
+        std::vector<float> scores((base + 1) * L);
         #pragma omp for
-        for (int64_t item = 0; item < X * H; ++item) {
-            const int64_t x = item / H, h = item % H;
-            attend<T, M, D>(q + x * s[0] + h * s[1], s[2], k + x * s[3] + h * s[4], s[5], v + x * s[6] + h * s[7],
-                            s[8], bias ? bias + x * s[9] + h * s[10] : nullptr, s[11], L, scale, scores.data(),
-                            out + x * s[12] + h * s[13], s[14], lse + x * s[15] + h * s[16], s[17]);
+        for (int64_t item = 0; item < X * H * chunks; ++item) {
+            const int64_t chunk = item % chunks, x = item / chunks / H, h = item / chunks % H;
+            const int64_t m0 = chunk * base + std::min(chunk, extra), m = base + (chunk < extra);
+            by_size[m - 1](q + x * s[0] + h * s[1] + m0 * s[2], s[2], k + x * s[3] + h * s[4], s[5],
+                           v + x * s[6] + h * s[7], s[8], bias ? bias + x * s[9] + h * s[10] + m0 * s[11] : nullptr,
+                           s[11], L, scale, scores.data(), out + x * s[12] + h * s[13] + m0 * s[14], s[14],
+                           lse + x * s[15] + h * s[16] + m0 * s[17], s[17]);
         }
     }
 }
@@ -149,9 +160,8 @@ extern "C" void kernel(const DTYPE* q, const DTYPE* k, const DTYPE* v, const flo
                        int64_t o0, int64_t o1, int64_t o2, int64_t l0, int64_t l1, int64_t l2) {
     const float* b = has_bias ? bias : nullptr;
     const int64_t strides[] = {q0, q1, q2, k0, k1, k2, v0, v1, v2, b0, b1, b2, o0, o1, o2, l0, l1, l2};
-    #define CASE(m, d) if (M == m && D == d) return attend_all<DTYPE, m, d>(q, k, v, b, out, lse, X, H, L, strides, scale);
-    #define CASES(d) CASE(1, d) CASE(2, d) CASE(3, d) CASE(4, d) CASE(5, d) CASE(6, d) CASE(7, d) CASE(8, d)
-    CASES(64) CASES(128) CASES(256)
+    #define CASE(d) if (D == d) return attend_all<DTYPE, d>(q, k, v, b, out, lse, X, H, M, L, strides, scale);
+    CASE(64) CASE(128) CASE(256)
 }
 """
 
@@ -176,7 +186,7 @@ def supported(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bo
     this CPU."""
     return (query.device.type == "cpu" and query.dtype in DTYPES and key.dtype == value.dtype == query.dtype
             and X86_VECTORS
-            and query.shape[-2] <= MAX_QUERIES and query.shape[-1] in HEAD_DIMS
+            and query.shape[-1] in HEAD_DIMS
             and query.stride(-1) == 1 and key.stride(-1) == 1)
 
 

@@ -26,8 +26,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from turbogrpo.hook import causal_band, run_decoder
-from turbogrpo.rollout.attention import (kernel_partial_attention, merge_partials, partial_attention,
-                                         partial_attention_for, reduced_partial_attention)
+from turbogrpo.rollout.attention import (kernel_partial_attention, kernel_prompt_attention, merge_partials,
+                                         partial_attention, partial_attention_for, prompt_attention_for,
+                                         reduced_partial_attention)
 from turbogrpo.rollout.kv_cache import GroupedKVCache
 from turbogrpo.rollout.states import DecodeStates, PrefillStates
 
@@ -124,7 +125,7 @@ class DecodePlan:
         layer = module.layer_idx
         self.cache.write(layer, key, value, self.slots_Bn)
         # A sliding window can hide a query's whole prompt part: only the matmul partial handles that.
-        partial = partial_attention_for(query.device, may_hide_all=sliding_window is not None)
+        partial = prompt_attention_for(query.device, may_hide_all=sliding_window is not None)
         own_partial = partial_attention_for(query.device, sliding_window is not None, num_rows * num_kv_heads,
                                             group_size * num_new, query.dtype)
         # Query head h reads key/value head h // r (as in HF's repeat_kv): rows of one KV head are (r, n).
@@ -206,8 +207,8 @@ class DecodePlan:
 def _bias_dtype(partial, query: torch.Tensor) -> torch.dtype:
     """The matmul, reduced and kernel partials add float32 biases to float32 scores; a fused kernel takes the query's
     dtype."""
-    return torch.float32 if partial in (partial_attention, reduced_partial_attention, kernel_partial_attention) \
-        else query.dtype
+    return torch.float32 if partial in (partial_attention, reduced_partial_attention, kernel_partial_attention,
+                                        kernel_prompt_attention) else query.dtype
 
 
 def _additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
