@@ -548,6 +548,25 @@ def compiled_step(data: dict, where: str) -> list[str]:
     return [*lines, "", " ".join(floors), ""]
 
 
+def step_variants(data: dict, where: str) -> list[str]:
+    """Per dtype, live batch and variant: ms per step (median over the alternated calls on one state) and the first
+    variant's time over it, with the KV slots in use while timed."""
+    variants = need(need(data, "shape", where), "variants", where)
+    lines = [f"| dtype | B | slots in use | variant | ms per step | {variants[0]} / this |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for record in need(data, "results", where):
+        dtype = need(record, "dtype", where)
+        for batch, entry in need(record, "batches", where).items():
+            here = f"{where} (results.{dtype}.batches.{batch})"
+            slots = "-".join(str(n) for n in need(entry, "slots_in_use", here))
+            for name, timing in need(entry, "variants", here).items():
+                step = need(timing, "step_s", here)
+                base = need(need(need(entry, "variants", here), variants[0], here), "step_s", here)
+                lines.append(f"| {dtype} | {batch} | {slots} | {name} | {FORMATS['ms'](step)} | "
+                             f"{FORMATS['f2'](base / step)} |")
+    return [*lines, ""]
+
+
 def gemv_kernels(data: dict, where: str) -> list[str]:
     """Per dtype and row count, each weight-product kernel's pass over every weight of a step (fastest first):
     time, GB/s, the time over the weight-read floor at its thread count and the rollout's kernel's time over it."""
@@ -714,6 +733,7 @@ RENDERERS: dict[str, Renderer] = {
     "learning_curves": learning_curves,
     "vllm_rollout": vllm_rollout,
     "compiled_step": compiled_step,
+    "step_variants": step_variants,
     "gemv_kernels": gemv_kernels,
     "vllm_engine_overhead": vllm_engine_overhead,
     "tool_task_rates": tool_task_rates,
@@ -858,6 +878,15 @@ RESULTS: list[Result] = [
            "compiled-onednn and vLLM-CPU, SmolLM2-135M, 8 x 8, up to 256 tokens, T = 1, float32 and bf16",
            "python bench/vllm_rollout.py --engines native,native_compiled,vllm --workloads eos "
            "--out vllm_rollout_cpu_kernel", section="Rollouts"),
+    Result("vllm_rollout_cpu_prompt_kernel", "vllm_rollout", "Rollout with the compiled step's prompt part by the "
+           "CPU kernel too: native eager, native compiled-onednn and vLLM-CPU, SmolLM2-135M, 8 x 8, up to 256 tokens, "
+           "T = 1, float32 (its bf16 record was dropped: a profiling script ran beside its first timed repeat; rerun "
+           "as vllm_rollout_cpu_prompt_kernel_bf16)",
+           "python bench/vllm_rollout.py --engines native,native_compiled,vllm --workloads eos "
+           "--out vllm_rollout_cpu_prompt_kernel", section="Rollouts"),
+    Result("vllm_rollout_cpu_prompt_kernel_bf16", "vllm_rollout", "The same rollout in bf16, alone on the machine",
+           "python bench/vllm_rollout.py --engines native,native_compiled,vllm --workloads eos --dtypes bfloat16 "
+           "--out vllm_rollout_cpu_prompt_kernel_bf16", section="Rollouts"),
     Result("vllm_engine_overhead", "vllm_engine_overhead", "turbogrpo's vLLM engine against TRL's call on the same "
            "vLLM engine, one process: SmolLM2-135M, 8 GSM8K prompts x 8, up to 256 tokens, T = 1, float32",
            "python bench/vllm_engine_overhead.py --trl-build", section="Rollouts"),
@@ -1011,6 +1040,11 @@ RESULTS: list[Result] = [
            "own-completion attention became one streaming kernel",
            "python bench/compiled_step.py --batches 64 --runners eager,compiled-onednn --after-steps 200 "
            "--out compiled_step_late", section="Kernels and parts of a step"),
+    Result("step_variants", "step_variants", "One compiled-onednn step with its attention parts chosen three ways, "
+           "timed on one shared state 120-228 steps into a rollout: the own part reduced and the prompt part by flash "
+           "(before the CPU kernel), the own part by the kernel, and both by the kernel; SmolLM2-135M, float32 and "
+           "bf16, 4, 16 and 64 live rows",
+           "python bench/step_variants.py --batches 4,16,64", section="Kernels and parts of a step"),
     Result("compiled_step_f32_b1_b64", "compiled_step", "The plain decoding step eager and compiled, SmolLM2-135M, "
            "float32, live batches 1 and 64 (the first quiet run, a subset of compiled_step)",
            "python bench/compiled_step.py --dtypes float32 --batches 1,64 --out compiled_step_f32_b1_b64",

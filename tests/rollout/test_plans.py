@@ -1,11 +1,13 @@
 """The rollout attention plans against the unmodified model on the full sequences (dense reference)."""
 
+import re
+
 import pytest
 import torch
 
 from tests.rollout.conftest import VOCAB, build_model, random_prompts
 from tests.tolerances import assert_within_bf16_rounding
-from turbogrpo.rollout.kv_cache import GroupedKVCache
+from turbogrpo.rollout.kv_cache import GroupedKVCache, write_slots
 from turbogrpo.rollout.plans import forward_new_tokens, prefill
 
 ATOL = 2e-5
@@ -123,6 +125,21 @@ def test_sliding_window_attention_matches_full_forward():
         cache.commit_all(stop - start)
         full = [torch.cat([prompts[s // 2], ids[s, :stop]]) for s in range(4)]
         torch.testing.assert_close(hidden, reference_last_hidden(model, full, stop - start), atol=ATOL, rtol=0)
+
+
+def test_a_compiled_write_into_fewer_rows_than_the_cache_holds_copies_no_slots():
+    """A bucket below the cache's row capacity (rows retired) writes in place: inductor's code allocates no buffer of
+    the cache's slot count (writing through a slice of the first rows had copied their every slot first)."""
+    from torch._inductor.utils import run_and_get_code
+    torch._dynamo.reset()
+    cache = torch.zeros(8, 2, 37, 4)
+    slots, new = torch.tensor([[3], [36], [0], [5], [9]]), torch.randn(5, 2, 1, 4)
+    _, code = run_and_get_code(torch.compile(write_slots, dynamic=False), cache, slots, new)
+    assert not re.search(r"empty_strided_cpu\(\([^)]*\b37\b", "\n".join(code))
+    want = torch.zeros(8, 2, 37, 4)
+    for row, slot in enumerate(slots[:, 0].tolist()):
+        want[row, :, slot] = new[row, :, 0]
+    assert torch.equal(cache, want)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -168,7 +168,8 @@ KERNEL_ITEMS = {torch.bfloat16: 24, torch.float32: 48}
 the kernel saves over the fused reduced form. SmolLM2's 30 layers out of cache (2-core AMD EPYC,
 ``decode_ops_own_attention_kernel``): bf16 1.6x the reduced form at 8 rows (24 products) x 256 slots, 1.18x at 4,
 0.90x at 1; float32 0.92-0.99x at 8-16 rows, 1.19-1.36x from 16 rows x 256 slots. One compiled step late in a
-rollout (a one-off A/B): bf16 102 against 123 ms at 64 rows, 57.6 against 61.6 at 16; float32 within noise at both."""
+rollout (``step_variants``, prompt part by flash in both): bf16 126 against 154 ms at 64 rows (1.22x), 1.05x at 16;
+float32 1.04x at 64, 1.0x at 16."""
 
 
 def merge_partials(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
