@@ -124,7 +124,8 @@ class DecodePlan:
         group_size = num_heads // num_kv_heads
         layer = module.layer_idx
         self.cache.write(layer, key, value, self.slots_Bn)
-        # A sliding window can hide a query's whole prompt part: only the matmul partial handles that.
+        # A sliding window can hide a query's whole prompt part: the matmul partial (or, in a compiled CPU step, the
+        # kernel) handles that, the fused one does not.
         partial = prompt_attention_for(query.device, may_hide_all=sliding_window is not None)
         own_partial = partial_attention_for(query.device, sliding_window is not None, num_rows * num_kv_heads,
                                             group_size * num_new, query.dtype)
