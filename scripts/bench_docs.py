@@ -891,7 +891,7 @@ RESULTS: list[Result] = [
            "the cache below full buckets: native eager, native compiled-onednn and vLLM-CPU, SmolLM2-135M, 8 x 8, up to "
            "256 tokens, T = 1",
            "python bench/vllm_rollout.py --engines native,native_compiled,vllm --workloads eos --dtypes bfloat16 "
-           "--out vllm_rollout_cpu_write_fix_bf16", section="Rollouts", awaiting_run=True),
+           "--out vllm_rollout_cpu_write_fix_bf16", section="Rollouts"),
     Result("vllm_engine_overhead", "vllm_engine_overhead", "turbogrpo's vLLM engine against TRL's call on the same "
            "vLLM engine, one process: SmolLM2-135M, 8 GSM8K prompts x 8, up to 256 tokens, T = 1, float32",
            "python bench/vllm_engine_overhead.py --trl-build", section="Rollouts"),
