@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -42,7 +43,7 @@ from real_model import chat_prompts, load_real_model  # noqa: E402
 
 from turbogrpo import completion_logprobs  # noqa: E402
 from turbogrpo.rollout import SamplingConfig, generate  # noqa: E402
-from turbogrpo.rollout.compiled import compiled_candidate  # noqa: E402
+from turbogrpo.rollout.compiled import compiled_candidate, timing_steps  # noqa: E402
 from turbogrpo.rollout.decode import COMPILED_BUCKETS, DecodeSchedule  # noqa: E402
 from turbogrpo.engines.vllm import VllmEngine  # noqa: E402
 
@@ -130,6 +131,16 @@ def compiled_step(runner: str):
     return _compiled(plain_step, "inductor", static=True, products=products)
 
 
+def step_profile(step_seconds: dict[tuple, list[float]], rollout_s: float) -> dict:
+    """One compiled rollout's warm steps by live-batch bucket (rows, groups): how many and their milliseconds (total,
+    median), and the rollout's time outside them (prefill, host checks, retiring rows, a cold compile)."""
+    buckets = [{"rows": bucket[0], "groups": bucket[1], "steps": len(times), "total_ms": sum(times) * 1e3,
+                "median_ms": statistics.median(times) * 1e3} for bucket, times in step_seconds.items()]
+    buckets.sort(key=lambda b: (-b["rows"], -b["groups"]))
+    in_steps = sum(b["total_ms"] for b in buckets) / 1e3
+    return {"buckets": buckets, "rollout_s": rollout_s, "steps_s": in_steps, "outside_steps_s": rollout_s - in_steps}
+
+
 def warm_compiled(rollout, runner: str, max_rollouts: int = WARM_ROLLOUTS) -> int:
     """Run the compiled contender's ``rollout`` until one compiles no new graph (at most ``max_rollouts``), so that
     the timed runs meet warm buckets: where sequences end depends on the seed, and so do the live batches met.
@@ -165,6 +176,7 @@ def bench_dtype(dtype: torch.dtype, num_prompts: int, num_samples: int, new_toke
         sampling = SamplingConfig(max_new_tokens=new_tokens, temperature=1.0,
                                   stop_token_ids=stop_ids(tokenizer) if workload == "eos" else ())
         tokens: dict[str, list[int]] = {name: [] for name in ENGINES}
+        profiles: list[dict] = []  # native_compiled's rollouts, step by bucket
         seeds = iter(range(10_000))
 
         def native():
@@ -185,9 +197,12 @@ def bench_dtype(dtype: torch.dtype, num_prompts: int, num_samples: int, new_toke
             tokens["native_1_thread"].append(rollout.stats.num_generated_tokens)
 
         def native_compiled():
-            rollout = generate(model, prompts, num_samples=num_samples, sampling=sampling, seed=next(seeds),
-                               schedule=DecodeSchedule(1, COMPILED_BUCKETS, compiled_runner))
+            start = time.perf_counter()
+            with timing_steps(compiled_step(compiled_runner)) as step_seconds:
+                rollout = generate(model, prompts, num_samples=num_samples, sampling=sampling, seed=next(seeds),
+                                   schedule=DecodeSchedule(1, COMPILED_BUCKETS, compiled_runner))
             tokens["native_compiled"].append(rollout.stats.num_generated_tokens)
+            profiles.append(step_profile(step_seconds, time.perf_counter() - start))
 
         def hf():
             tokens["hf_generate"].append(hf_generate(model, prompts, num_samples, sampling, pad_id))
@@ -200,6 +215,7 @@ def bench_dtype(dtype: torch.dtype, num_prompts: int, num_samples: int, new_toke
         if "native_compiled" in engines:  # a timed run that met a new bucket held a cold compile: say so
             times["native_compiled"]["graphs_compiled_in_timed_runs"] = \
                 len(compiled_step(compiled_runner).compile_seconds) - graphs_before
+            times["native_compiled"]["step_profiles"] = profiles[-repeats:]
         for name, timing in times.items():
             counted = tokens[name][-repeats:]  # the timed runs (after the warm-up)
             timing["tokens"] = counted

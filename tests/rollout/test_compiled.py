@@ -5,6 +5,7 @@ per decoder layer than Hugging Face's own eager decoding step."""
 import os
 import sys
 import time
+from collections import Counter
 from unittest import mock
 
 import pytest
@@ -20,7 +21,7 @@ import turbogrpo.cache
 import turbogrpo.rollout.compiled as compiled_module
 from turbogrpo.rollout.compiled import (COMPILE_CACHE_ENV, SLOT_BLOCK, _compiled, compile_cache_folder, physical_cores,
                                         pinned_threads, resolve_runner, use_compile_cache)
-from turbogrpo.rollout.decode import COMPILED_BUCKETS, DecodeSchedule, _probe_rollout, first_draw
+from turbogrpo.rollout.decode import COMPILED_BUCKETS, DecodeSchedule, _probe_rollout, _step8_bucket, first_draw
 from turbogrpo.rollout.kv_cache import GroupedKVCache
 from turbogrpo.rollout.step import PlainStep, plain_step
 
@@ -181,6 +182,31 @@ def test_step8_buckets_retire_rows_in_eights_with_the_eager_tokens():
         torch.testing.assert_close(ours, theirs, atol=1e-6, rtol=1e-6)
     met = sorted({bucket[0] for bucket in _compiled(plain_step, "eager", static=True).compile_seconds})
     assert 24 in met and set(met) <= {32, 24, 16, 8, 4, 2, 1}, met
+
+
+def test_timing_steps_keeps_each_warm_step_by_bucket():
+    """``timing_steps``: inside the block every warm call of the compiled step is kept under its bucket (as many
+    as the rollout ran in that bucket, each a positive time), a call that compiles is not, and outside the block
+    nothing is kept."""
+    torch._dynamo.reset()
+    _compiled.cache_clear()
+    model = build_model("qwen2", num_hidden_layers=1)
+    kwargs = dict(num_samples=4, sampling=SamplingConfig(max_new_tokens=12), seed=4,
+                  max_new_tokens_per_completion=[1 + (5 * i) % 12 for i in range(32)])
+    prompts = random_prompts([5, 7, 6, 5, 8, 5, 6, 7])
+    schedule = DecodeSchedule(1, COMPILED_BUCKETS, "dynamo")
+    step = _compiled(plain_step, "eager", static=True)
+    with compiled_module.timing_steps(step) as cold:
+        generate(model, prompts, schedule=schedule, **kwargs)  # compiles each bucket at its first step
+    with compiled_module.timing_steps(step) as warm:
+        rollout = generate(model, prompts, schedule=schedule, **kwargs)
+    assert step.step_seconds is None
+    generate(model, prompts, schedule=schedule, **kwargs)  # outside a block: kept nowhere
+    steps_by_rows = Counter(_step8_bucket(live, 32) for live in rollout.stats.live_batch_sizes)
+    assert {bucket[0]: len(times) for bucket, times in warm.items()} == steps_by_rows
+    compiles = Counter(bucket[0] for bucket in step.compile_seconds)  # each bucket's first call: not kept
+    assert Counter({bucket[0]: len(times) for bucket, times in cold.items()}) + compiles == steps_by_rows
+    assert all(t > 0 for times in warm.values() for t in times) and set(warm) == set(step.compile_seconds)
 
 
 def test_a_compiled_step_reads_the_slots_in_use_in_blocks_with_one_graph_per_bucket():

@@ -83,7 +83,7 @@ import statistics
 import time
 import warnings
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TypeVar
 
@@ -177,6 +177,9 @@ class CompiledStep:
                                       options=GRAPH_PRODUCTS[products])
         self.compile_seconds: dict[tuple, float] = {}
         """Bucket (``bucket_of``; the function's name when not static) -> seconds of its first call."""
+        self.step_seconds: dict[tuple, list[float]] | None = None
+        """Off (None), or bucket -> the seconds of each later call (``timing_steps``: where a rollout's time goes,
+        bucket by bucket). Host time: on the CPU a step's whole work, on a GPU only its launches."""
         self._guarded_rollout: weakref.ref | None = None
         self._guarded: set[tuple] = set()
 
@@ -185,7 +188,12 @@ class CompiledStep:
         bucket = bucket_of(state) if self.static else (self.function.__name__,)
         if bucket in self.compile_seconds:  # a call may still compile (a tree part's new shapes): into our folder
             with compiling_into(self.cache_folder), self.guards_for(state, (bucket, sizes)):
-                return self.compiled(state, *rest)
+                if self.step_seconds is None:
+                    return self.compiled(state, *rest)
+                start = time.perf_counter()
+                out = self.compiled(state, *rest)
+                self.step_seconds.setdefault(bucket, []).append(time.perf_counter() - start)
+                return out
         what = "the decoding step" if self.static else f"the tree step's {self.function.__name__}"
         where = f" for bucket B={bucket[0]} ({bucket[1]} groups)" if self.static else ""
         start = time.perf_counter()
@@ -210,6 +218,17 @@ class CompiledStep:
             return torch.compiler.set_stance("default", skip_guard_eval_unsafe=True)
         self._guarded.add(signature)
         return contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def timing_steps(step: CompiledStep) -> Iterator[dict[tuple, list[float]]]:
+    """Keep the seconds of each warm call of ``step`` by bucket for as long as the block runs (the dict yielded;
+    a call that compiles counts in ``compile_seconds`` only)."""
+    step.step_seconds = {}
+    try:
+        yield step.step_seconds
+    finally:
+        step.step_seconds = None
 
 
 def mark_dynamic_sizes(state: DecodeState) -> tuple[int, ...]:
