@@ -276,6 +276,12 @@ def main() -> None:
                 f"(medians of {args.repeats}{beside})", ["dtype", "workload", "engine", "time s", "ms/token",
                                                  "time / native", "per token / native"], rows)
     for r in records:
+        for workload, times in r["workloads"].items():
+            for profile in times.get("native_compiled", {}).get("step_profiles", []):
+                buckets = ", ".join(f"{b['rows']}: {b['steps']} x {b['median_ms']:.0f}" for b in profile["buckets"])
+                print(f"{r['dtype']} {workload} compiled rollout {profile['rollout_s']:.1f} s, outside the steps "
+                      f"{profile['outside_steps_s']:.1f} s; rows: steps x median ms {buckets}")
+    for r in records:
         e = r["exactness"]
         print(f"{r['dtype']}: vLLM engine built in {r['build_s']:.1f} s, full weight push {r['full_push_s']:.3f} s; "
               f"greedy equal to native {e['greedy_equal']}/{e['greedy_compared']} (first differences at "
