@@ -23,6 +23,7 @@ def auto_picks_vllm(monkeypatch):
                         lambda name, *a: object() if name == "vllm" else real_find_spec(name, *a))
     monkeypatch.setattr(engines, "_vllm_import_error", lambda: "")
     monkeypatch.setitem(AUTO_ENGINES, ("cpu", "completions"), "vllm")
+    monkeypatch.setattr(engines, "AUTO_CPU_KINDS", {})  # whatever this CPU kind measured
 
 
 def test_vllm_hybrids_name_hybrid_types_and_say_why_one_does_not_run():

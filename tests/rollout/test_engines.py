@@ -3,6 +3,7 @@
 request seeds."""
 
 import copy
+import importlib.util
 import logging
 
 import pytest
@@ -15,6 +16,7 @@ from turbogrpo.rollout import SamplingConfig, generate
 from turbogrpo.engines import AUTO_ENGINES, ENGINE_NAMES, build_engine, resolve_engine
 from turbogrpo.engines.weights import checkpoint_weights, trainable_modules
 
+REAL_FIND_SPEC = importlib.util.find_spec
 FUSED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}  # vLLM's Qwen2
 
 
@@ -63,6 +65,39 @@ def test_native_is_generate():
     assert all(torch.equal(a, b) for a, b in zip(ours.logprobs, theirs.logprobs))
 
 
+def test_auto_takes_a_cpu_kinds_measured_engine_and_its_runner_for_a_plain_run_only(monkeypatch):
+    """Where a CPU kind measured the native engine's compiled step faster (``AUTO_CPU_KINDS``), "auto" is that engine
+    with that runner for single-turn runs that need nothing more (what was measured); a run with needs, conversations,
+    other CPU kinds and other devices keep the rest of the rules, and a runner the run names wins over the choice's."""
+    import dataclasses
+
+    from turbogrpo import engines
+    from turbogrpo.cpu_capability import cpu_capability
+    from turbogrpo.engines import AUTO_CPU_KINDS, AutoChoice, resolve_choice
+    monkeypatch.setattr(engines, "_vllm_import_error", lambda: "")
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: object() if name == "vllm" else REAL_FIND_SPEC(name, *a))
+    real = cpu_capability()
+    cpu = torch.device("cpu")
+    assert all(choice.engine in ENGINE_NAMES and choice.engine != "auto" for choice in AUTO_CPU_KINDS.values())
+    monkeypatch.setitem(AUTO_CPU_KINDS, ("completions", "avx512"), AutoChoice("native", "compiled-onednn"))
+    monkeypatch.setitem(AUTO_ENGINES, ("cpu", "completions"), "vllm")
+    for level, expected in [("avx512", AutoChoice("native", "compiled-onednn")), ("amx", AutoChoice("vllm")),
+                            ("avx2", AutoChoice("vllm")), ("none", AutoChoice("vllm"))]:
+        monkeypatch.setattr(engines, "cpu_capability", lambda level=level: dataclasses.replace(real, level=level))
+        assert resolve_choice("auto", cpu) == expected, level
+        assert resolve_engine("auto", cpu) == expected.engine
+    # On the measured kind: a run that needs more than sampling gets the engine without the runner.
+    assert resolve_choice("auto", cpu, needs=("tree_speculation",)) == AutoChoice("native")
+    assert resolve_choice("auto", cpu, conversations=True) == AutoChoice(AUTO_ENGINES["cpu", "conversations"])
+    assert resolve_choice("auto", torch.device("cuda")) == AutoChoice(AUTO_ENGINES["cuda", "completions"])
+    assert resolve_choice("native", cpu) == AutoChoice("native") and resolve_choice("vllm", cpu) == AutoChoice("vllm")
+    # The runner a run gets: the choice's where rollout.step_runner is left at its default, else the setting.
+    measured = AutoChoice("native", "compiled-onednn")
+    assert measured.runner_for("eager") == "compiled-onednn" and measured.runner_for("compiled") == "compiled"
+    assert AutoChoice("native").runner_for("eager") == "eager" and AutoChoice("vllm").runner_for("auto") == "auto"
+
+
 def test_auto_follows_the_measurements_but_takes_native_where_the_run_needs_it_or_vllm_is_missing(monkeypatch):
     """"auto" is AUTO_ENGINES's engine per (device type, workload); where that is vLLM, a run using what only the
     native engine runs (named by the config) or a machine without the vllm package still samples on native."""
@@ -78,6 +113,7 @@ def test_auto_follows_the_measurements_but_takes_native_where_the_run_needs_it_o
                             lambda name, *a: (object() if installed else None) if name == "vllm" else real_find_spec(name, *a))
 
     vllm_installed(True)
+    monkeypatch.setattr(engines, "AUTO_CPU_KINDS", {})  # this CPU kind measured nothing else (tested below)
     assert {(d, w) for d in ("cpu", "cuda") for w in ("completions", "conversations")} <= set(AUTO_ENGINES)
     assert set(AUTO_ENGINES.values()) <= set(ENGINE_NAMES) - {"auto"}
     assert resolve_engine("auto", cpu) == AUTO_ENGINES["cpu", "completions"]

@@ -67,3 +67,31 @@ def test_the_run_resolves_its_engine_and_correction(tmp_path, sets, engine, tis_
     run = build_run(config, join_job("cpu", "auto"), build_rewards(config.rewards), run_record(config))
     assert type(run.engine).__name__ == engine and run.algo.tis_cap == tis_cap
     assert run.engine.schedule.runner == run.decode_schedule.runner == runner
+
+
+@pytest.mark.parametrize("sets, runner", [
+    (['rollout.engine="auto"'], "compiled-onednn"),                                  # the pair measured here
+    (['rollout.engine="auto"', 'rollout.step_runner="compiled"'], "compiled"),       # a runner the run names
+    (['rollout.engine="native"'], "eager"),                                          # a named engine: the setting's
+])
+def test_auto_on_a_cpu_kind_that_measured_native_faster_runs_the_runner_it_measured(tmp_path, monkeypatch, sets,
+                                                                                    runner):
+    """On a CPU kind where AUTO_CPU_KINDS chose the native engine with a compiled runner, a plain "auto" run builds
+    that engine with that runner (nothing compiles until its first rollout)."""
+    import dataclasses
+
+    from tests.conftest import REPO
+    from turbogrpo import engines
+    from turbogrpo.cpu_capability import cpu_capability
+    from turbogrpo.placement import join_job
+    from turbogrpo.rewards import build_rewards
+    from turbogrpo.train.output_dir import run_record
+    from turbogrpo.train.run import build_run
+    monkeypatch.setattr(engines, "cpu_capability", lambda: dataclasses.replace(cpu_capability(), level="avx512"))
+    monkeypatch.setitem(engines.AUTO_CPU_KINDS, ("completions", "avx512"),
+                        engines.AutoChoice("native", "compiled-onednn"))
+    config = load_config(REPO / "configs" / "demo.toml", [*sets, f'train.output_dir="{tmp_path}"',
+                                                          "data.num_eval_problems=2"])
+    run = build_run(config, join_job("cpu", "auto"), build_rewards(config.rewards), run_record(config))
+    assert type(run.engine).__name__ == "NativeEngine"
+    assert run.engine.schedule.runner == run.decode_schedule.runner == runner

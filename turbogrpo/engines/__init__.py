@@ -354,6 +354,6 @@ def build_engine(name: str, device: torch.device, *, schedule, dtype: torch.dtyp
 
 
 __all__ = ["AUTO_CPU_KINDS", "AUTO_ENGINES", "AutoChoice", "CAPABILITIES", "DEFAULT_ENGINE", "ENGINES",
-           "ENGINE_NAMES", "EngineCapabilities", "MISSING_BECAUSE", "RolloutEngine", "VLLM_HYBRIDS", "build_engine", "capable_engines", "draw",
-           "engine_refusal", "missing_capability", "resolve_choice", "resolve_engine", "run_needs",
-           "vllm_import_problem"]
+           "ENGINE_NAMES", "EngineCapabilities", "MISSING_BECAUSE", "RolloutEngine", "VLLM_HYBRIDS", "build_engine",
+           "capable_engines", "draw", "engine_refusal", "missing_capability", "resolve_choice", "resolve_engine",
+           "run_needs", "vllm_import_problem"]
