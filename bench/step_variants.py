@@ -12,9 +12,11 @@ of that same state a timed call: every variant reads the same K/V, as many slots
     own-kernel      the own part by the CPU kernel from ``attention.KERNEL_ITEMS`` (row, KV head) products, the
                     prompt part by flash
     kernel          the own part as own-kernel, the prompt part by the kernel (``attention.prompt_attention_for``)
+    kernel-cpp-wrapper  kernel, compiled with inductor's C++ wrapper (``cpp_wrapper``)
 
     python bench/step_variants.py                       # both dtypes, B = 16 and 64, after 120 steps; ~25 min
     python bench/step_variants.py --dtypes bfloat16 --batches 64 --variants own-kernel,kernel
+    python bench/step_variants.py --batches 1,4 --variants kernel,kernel-cpp-wrapper --out step_variants_cpp_wrapper
 """
 
 from __future__ import annotations
@@ -58,10 +60,20 @@ def choices(kernel_items: dict, prompt_choice):
         attention.KERNEL_ITEMS, plans.prompt_attention_for = saved
 
 
+@contextlib.contextmanager
+def cpp_wrapper():
+    """The kernel variant with inductor's C++ wrapper: the graph's kernels called from compiled C++ instead of a
+    Python function (what a step of few rows, where calls cost more than work, might save)."""
+    import torch._inductor.config as inductor_config
+    with choices(attention.KERNEL_ITEMS, attention.prompt_attention_for), inductor_config.patch(cpp_wrapper=True):
+        yield
+
+
 VARIANTS = {
     "before-kernel": lambda: choices(NEVER, flash_prompt),
     "own-kernel": lambda: choices(attention.KERNEL_ITEMS, flash_prompt),
     "kernel": lambda: choices(attention.KERNEL_ITEMS, attention.prompt_attention_for),
+    "kernel-cpp-wrapper": cpp_wrapper,
 }
 """Name -> the context its step is traced and run in."""
 
