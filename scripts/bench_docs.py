@@ -1071,6 +1071,11 @@ RESULTS: list[Result] = [
            "(before the CPU kernel), the own part by the kernel, and both by the kernel; SmolLM2-135M, float32 and "
            "bf16, 4, 16 and 64 live rows",
            "python bench/step_variants.py --batches 4,16,64", section="Kernels and parts of a step"),
+    Result("step_variants_cpp_wrapper", "step_variants", "The compiled-onednn step (both attention parts by the CPU "
+           "kernel) with inductor's Python wrapper and with its C++ wrapper, at 1 and 4 live rows, where calls cost "
+           "more than work; SmolLM2-135M, float32 and bf16",
+           "python bench/step_variants.py --batches 1,4 --variants kernel,kernel-cpp-wrapper "
+           "--out step_variants_cpp_wrapper", section="Kernels and parts of a step", awaiting_run=True),
     Result("compiled_step_f32_b1_b64", "compiled_step", "The plain decoding step eager and compiled, SmolLM2-135M, "
            "float32, live batches 1 and 64 (the first quiet run, a subset of compiled_step)",
            "python bench/compiled_step.py --dtypes float32 --batches 1,64 --out compiled_step_f32_b1_b64",
