@@ -221,7 +221,7 @@ class RolloutConfig:
     measured faster on this CPU kind, model shape and dtype (timed once per machine and cached). Compiling costs
     about a minute per bucket the first time on a 2-core CPU; the kernels are cached across runs. Hybrid models and
     recorded MoE routes run eagerly. Left at "eager" with rollout.engine = "auto", the runner "auto" chose the
-    native engine with where it did (engines.AUTO_CPU_KINDS)."""
+    native engine with where it did (engines.AUTO_CPU_KINDS; not for LoRA runs)."""
     branching: list[int] = field(default_factory=list)
     """Multi-turn branching ([env]): [4, 2] starts 4 conversations per prompt and forks each 2 ways after its
     first environment reply (product = num_generations); shared turns are sampled once. [] does not branch."""

@@ -95,6 +95,7 @@ def test_auto_takes_a_cpu_kinds_measured_engine_and_its_runner_for_a_plain_run_o
     # The runner a run gets: the choice's where rollout.step_runner is left at its default, else the setting.
     measured = AutoChoice("native", "compiled-onednn")
     assert measured.runner_for("eager") == "compiled-onednn" and measured.runner_for("compiled") == "compiled"
+    assert measured.runner_for("eager", lora=True) == "eager"  # LoRA adapters: not what was measured
     assert AutoChoice("native").runner_for("eager") == "eager" and AutoChoice("vllm").runner_for("auto") == "auto"
 
 

@@ -73,6 +73,7 @@ def test_the_run_resolves_its_engine_and_correction(tmp_path, sets, engine, tis_
     (['rollout.engine="auto"'], "compiled-onednn"),                                  # the pair measured here
     (['rollout.engine="auto"', 'rollout.step_runner="compiled"'], "compiled"),       # a runner the run names
     (['rollout.engine="native"'], "eager"),                                          # a named engine: the setting's
+    (['rollout.engine="auto"', "lora.enabled=true"], "eager"),                       # adapters: not what was measured
 ])
 def test_auto_on_a_cpu_kind_that_measured_native_faster_runs_the_runner_it_measured(tmp_path, monkeypatch, sets,
                                                                                     runner):

@@ -226,7 +226,6 @@ AUTO_ENGINES: dict[tuple[str, str], str] = {
 """rollout.engine = "auto": the engine per (device type, workload), by measurement (see the comments)."""
 
 
-
 @dataclass(frozen=True)
 class AutoChoice:
     """What rollout.engine = "auto" runs: an engine and, for the native engine, the plain-step runner it was measured
@@ -235,10 +234,12 @@ class AutoChoice:
     engine: str
     runner: str = ""
 
-    def runner_for(self, step_runner: str) -> str:
+    def runner_for(self, step_runner: str, *, lora: bool = False) -> str:
         """The native engine's plain-step runner in a run with rollout.step_runner = ``step_runner``: the one chosen
-        with the engine where the run left that setting at its default ("eager"), else the setting."""
-        return self.runner if self.runner and step_runner == "eager" else step_runner
+        with the engine where the run left that setting at its default ("eager") and trains the whole model (what
+        was measured; ``lora``: the run trains LoRA adapters, whose unmerged products the native engine runs), else
+        the setting."""
+        return self.runner if self.runner and step_runner == "eager" and not lora else step_runner
 
 
 AUTO_CPU_KINDS: dict[tuple[str, str], AutoChoice] = {

@@ -202,7 +202,7 @@ def build_run(config: Config, dist: DistInfo, rewards: list[Reward], record: Run
     prompts_slice = distributed.local_slice(config.train.prompts_per_step, dist)
     longest_prompt = max(e.token_ids.numel() for e in prompt_set.examples)
     schedule = run_schedule(dist.device, linears=config.model.linear_kernel,
-                            runner=choice.runner_for(config.rollout.step_runner))
+                            runner=choice.runner_for(config.rollout.step_runner, lora=config.lora.enabled))
     # A conversation's prompt is rendered at rollout time, with its environment's tools listed: longer than the
     # data's ids, so an [env] run's engine serves up to the model's own limit. At k > 0 the rollout worker samples
     # with its own engine; the trainer's samples only held-out answers (a vLLM one would still import vllm into the

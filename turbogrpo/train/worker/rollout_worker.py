@@ -142,7 +142,7 @@ class _WorkerSampler:
         choice = resolve_choice(spec.rollout.engine, dist.device, conversations=self.episodes is not None,
                                 needs=spec.engine_needs, model_type=self.policy.config.model_type)
         schedule = run_schedule(dist.device, linears=spec.model.linear_kernel,
-                                runner=choice.runner_for(spec.rollout.step_runner))
+                                runner=choice.runner_for(spec.rollout.step_runner, lora=spec.lora.enabled))
         self.engine = build_engine(choice.engine, dist.device, schedule=schedule,
                                    dtype=self.precision.compute_dtype, tokenizer=self.tokenizer,
                                    max_length=spec.engine_max_length or None,
