@@ -911,8 +911,7 @@ RESULTS: list[Result] = [
            "1-thread GEMM loop in another process throughout), torch at 1 thread (what a shared machine's run sets): "
            "native compiled-onednn, vLLM-CPU with its own threads, native eager, bf16 and float32",
            "python bench/vllm_rollout.py --threads 1 --competing-job 1 --engines native_compiled,vllm,native "
-           "--workloads eos --dtypes bfloat16,float32 --out vllm_rollout_cpu_write_fix_competing", section="Rollouts",
-           awaiting_run=True),
+           "--workloads eos --dtypes bfloat16,float32 --out vllm_rollout_cpu_write_fix_competing", section="Rollouts"),
     Result("vllm_engine_overhead", "vllm_engine_overhead", "turbogrpo's vLLM engine against TRL's call on the same "
            "vLLM engine, one process: SmolLM2-135M, 8 GSM8K prompts x 8, up to 256 tokens, T = 1, float32",
            "python bench/vllm_engine_overhead.py --trl-build", section="Rollouts"),

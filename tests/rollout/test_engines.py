@@ -172,6 +172,7 @@ def test_auto_takes_native_with_a_warning_where_an_installed_vllm_fails_to_impor
     monkeypatch.syspath_prepend(str(tmp_path))          # find_spec sees the broken package, as it would a real one
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))     # and the child process imports it
     monkeypatch.setitem(AUTO_ENGINES, ("cpu", "completions"), "vllm")
+    monkeypatch.setattr(engines, "AUTO_CPU_KINDS", {})  # whatever this CPU kind measured
     engines._vllm_import_error.cache_clear()
     try:
         with caplog.at_level(logging.WARNING, logger=engines.__name__):
