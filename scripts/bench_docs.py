@@ -1074,7 +1074,7 @@ RESULTS: list[Result] = [
            "kernel) with inductor's Python wrapper and with its C++ wrapper, at 1 and 4 live rows, where calls cost "
            "more than work; SmolLM2-135M, float32 and bf16",
            "python bench/step_variants.py --batches 1,4 --variants kernel,kernel-cpp-wrapper "
-           "--out step_variants_cpp_wrapper", section="Kernels and parts of a step", awaiting_run=True),
+           "--out step_variants_cpp_wrapper", section="Kernels and parts of a step"),
     Result("compiled_step_f32_b1_b64", "compiled_step", "The plain decoding step eager and compiled, SmolLM2-135M, "
            "float32, live batches 1 and 64 (the first quiet run, a subset of compiled_step)",
            "python bench/compiled_step.py --dtypes float32 --batches 1,64 --out compiled_step_f32_b1_b64",
