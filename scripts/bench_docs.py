@@ -1069,7 +1069,7 @@ RESULTS: list[Result] = [
            "floors, 120 steps into a rollout, at 1 and 64 live rows, after the CPU kernel took both attention parts "
            "and the KV write fix; SmolLM2-135M, float32 and bf16",
            "python bench/compiled_step.py --batches 1,64 --runners eager,compiled-onednn --after-steps 120 "
-           "--out compiled_step_floors", section="Kernels and parts of a step", awaiting_run=True),
+           "--out compiled_step_floors", section="Kernels and parts of a step"),
     Result("step_variants", "step_variants", "One compiled-onednn step with its attention parts chosen three ways, "
            "timed on one shared state 120-228 steps into a rollout: the own part reduced and the prompt part by flash "
            "(before the CPU kernel), the own part by the kernel, and both by the kernel; SmolLM2-135M, float32 and "
