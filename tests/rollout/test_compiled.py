@@ -166,15 +166,20 @@ def test_the_static_step_compiles_one_graph_per_bucket_and_reuses_it_for_new_pro
     assert sorted(bucket[0] for bucket in buckets) == [2, 4, 8]  # one graph each
 
 
+def staggered_rows() -> tuple:
+    """A fresh compile state and 8 prompts x 4 samples of staggered lengths (1-12 new tokens): the model, the prompts
+    and ``generate``'s other arguments."""
+    torch._dynamo.reset()
+    _compiled.cache_clear()
+    kwargs = dict(num_samples=4, sampling=SamplingConfig(max_new_tokens=12), seed=4,
+                  max_new_tokens_per_completion=[1 + (5 * i) % 12 for i in range(32)])
+    return build_model("qwen2", num_hidden_layers=1), random_prompts([5, 7, 6, 5, 8, 5, 6, 7]), kwargs
+
+
 def test_step8_buckets_retire_rows_in_eights_with_the_eager_tokens():
     """A compiled step retiring rows by "step8" (``COMPILED_BUCKETS``): 32 rows of staggered lengths meet buckets pow2
     never makes (24), and the tokens and log-probs are eager's."""
-    torch._dynamo.reset()
-    _compiled.cache_clear()
-    model = build_model("qwen2", num_hidden_layers=1)
-    kwargs = dict(num_samples=4, sampling=SamplingConfig(max_new_tokens=12), seed=4,
-                  max_new_tokens_per_completion=[1 + (5 * i) % 12 for i in range(32)])
-    prompts = random_prompts([5, 7, 6, 5, 8, 5, 6, 7])
+    model, prompts, kwargs = staggered_rows()
     eager = generate(model, prompts, schedule=DecodeSchedule(1, "exact"), **kwargs)
     compiled = generate(model, prompts, schedule=DecodeSchedule(1, COMPILED_BUCKETS, "dynamo"), **kwargs)
     assert [t.tolist() for t in compiled.tokens] == [t.tolist() for t in eager.tokens]
@@ -188,12 +193,7 @@ def test_timing_steps_keeps_each_warm_step_by_bucket():
     """``timing_steps``: inside the block every warm call of the compiled step is kept under its bucket (as many
     as the rollout ran in that bucket, each a positive time), a call that compiles is not, and outside the block
     nothing is kept."""
-    torch._dynamo.reset()
-    _compiled.cache_clear()
-    model = build_model("qwen2", num_hidden_layers=1)
-    kwargs = dict(num_samples=4, sampling=SamplingConfig(max_new_tokens=12), seed=4,
-                  max_new_tokens_per_completion=[1 + (5 * i) % 12 for i in range(32)])
-    prompts = random_prompts([5, 7, 6, 5, 8, 5, 6, 7])
+    model, prompts, kwargs = staggered_rows()
     schedule = DecodeSchedule(1, COMPILED_BUCKETS, "dynamo")
     step = _compiled(plain_step, "eager", static=True)
     with compiled_module.timing_steps(step) as cold:
